@@ -1,0 +1,1 @@
+//! Block codecs (placeholder; filled in by the codec work).

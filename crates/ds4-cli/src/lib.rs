@@ -1,0 +1,4 @@
+//! Shared code of the ds4 binaries: one module per subcommand.
+
+pub mod inspect;
+pub mod logging;

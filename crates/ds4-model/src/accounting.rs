@@ -1,0 +1,142 @@
+//! Byte accounting: file size and weight bytes read per decoded token (spec §7).
+//!
+//! Per-token traffic is what bounds batch-1 decode speed, so `ds4 inspect` and `ds4-bench`
+//! report it; it is computed from the bound tensors, never from hardcoded totals.
+
+use ds4_gguf::GgmlType;
+use serde::Serialize;
+
+use crate::catalogue::TensorClass;
+use crate::spec::ModelSpec;
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ByteAccounting {
+    /// Sum of all catalogue tensor payloads (unpadded).
+    pub tensor_bytes: u64,
+    /// (type, bytes, tensor count), for every type present.
+    pub by_type: Vec<(String, u64, usize)>,
+    /// Weight bytes read per decoded token while no CSA layer needs its indexer query
+    /// (ds4 skips indexer q_b/proj until a ratio-4 layer holds more than top_k rows).
+    pub per_token_short: u64,
+    /// Weight bytes per token once the indexer query runs (long context).
+    pub per_token_long: u64,
+    /// Components of `per_token_short`, plus the long-context extra, by name.
+    pub per_token_parts: Vec<(String, u64)>,
+}
+
+impl ByteAccounting {
+    pub fn of(spec: &ModelSpec) -> ByteAccounting {
+        let h = &spec.hparams;
+        let bytes = |name: &str| spec.tensor(name).map(|t| t.n_bytes).unwrap_or(0);
+        let mut by_type: Vec<(GgmlType, u64, usize)> = Vec::new();
+        for t in &spec.tensors {
+            match by_type.iter_mut().find(|(ty, _, _)| *ty == t.ty) {
+                Some(slot) => {
+                    slot.1 += t.n_bytes;
+                    slot.2 += 1;
+                }
+                None => by_type.push((t.ty, t.n_bytes, 1)),
+            }
+        }
+        by_type.sort();
+        let (
+            mut routed,
+            mut shared,
+            mut attn,
+            mut comp,
+            mut icomp,
+            mut router,
+            mut hc,
+            mut norms,
+            mut idx_q,
+        ) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+        let n_exp = h.n_expert.max(1) as u64;
+        for il in 0..h.n_layer {
+            let l = |s: &str| bytes(&format!("blk.{il}.{s}"));
+            for s in [
+                "ffn_gate_exps.weight",
+                "ffn_up_exps.weight",
+                "ffn_down_exps.weight",
+            ] {
+                routed += l(s) / n_exp * h.n_expert_used as u64;
+            }
+            shared +=
+                l("ffn_gate_shexp.weight") + l("ffn_up_shexp.weight") + l("ffn_down_shexp.weight");
+            for s in [
+                "attn_q_a",
+                "attn_q_b",
+                "attn_kv",
+                "attn_output_a",
+                "attn_output_b",
+            ] {
+                attn += l(&format!("{s}.weight"));
+            }
+            for s in ["ape", "kv", "gate", "norm"] {
+                comp += l(&format!("attn_compressor_{s}.weight"));
+                icomp += l(&format!("indexer_compressor_{s}.weight"));
+            }
+            router += l("ffn_gate_inp.weight") + l("exp_probs_b.bias");
+            if h.is_hash_layer(il) {
+                router += 4 * h.n_expert_used as u64; // one tid2eid row of i32
+            }
+            for s in ["hc_attn", "hc_ffn"] {
+                hc += l(&format!("{s}_fn.weight"))
+                    + l(&format!("{s}_base.weight"))
+                    + l(&format!("{s}_scale.weight"));
+            }
+            for s in [
+                "attn_norm",
+                "ffn_norm",
+                "attn_q_a_norm",
+                "attn_kv_a_norm",
+                "attn_sinks",
+            ] {
+                norms += l(&format!("{s}.weight"));
+            }
+            idx_q += l("indexer.attn_q_b.weight") + l("indexer.proj.weight");
+        }
+        let embd_row = spec
+            .tensor("token_embd.weight")
+            .and_then(|t| t.ty.row_bytes(h.n_embd as u64))
+            .unwrap_or(0);
+        let head = bytes("output_hc_fn.weight")
+            + bytes("output_hc_base.weight")
+            + bytes("output_hc_scale.weight")
+            + bytes("output_norm.weight")
+            + bytes("output.weight");
+        let parts = vec![
+            ("routed experts".to_string(), routed),
+            ("shared expert".to_string(), shared),
+            ("attention projections".to_string(), attn),
+            ("attention compressor".to_string(), comp),
+            ("indexer compressor".to_string(), icomp),
+            ("router".to_string(), router),
+            ("hc".to_string(), hc),
+            ("norms + sinks".to_string(), norms),
+            ("embedding row".to_string(), embd_row),
+            ("output head".to_string(), head),
+        ];
+        let short: u64 = parts.iter().map(|p| p.1).sum();
+        let mut per_token_parts = parts;
+        per_token_parts.push(("indexer query (long context only)".to_string(), idx_q));
+        ByteAccounting {
+            tensor_bytes: spec.tensors.iter().map(|t| t.n_bytes).sum(),
+            by_type: by_type
+                .into_iter()
+                .map(|(t, b, n)| (t.name(), b, n))
+                .collect(),
+            per_token_short: short,
+            per_token_long: short + idx_q,
+            per_token_parts,
+        }
+    }
+
+    /// Bytes of one class (for summaries).
+    pub fn class_bytes(spec: &ModelSpec, class: TensorClass) -> u64 {
+        spec.tensors
+            .iter()
+            .filter(|t| t.expected.class == class)
+            .map(|t| t.n_bytes)
+            .sum()
+    }
+}

@@ -1,0 +1,340 @@
+//! Builds the metadata and tensor table of a ds4-layout file from hyper-parameters and a
+//! type recipe. The converter and the synthetic generator both use it, so every file we
+//! write has exactly the keys, types and names that validation expects.
+
+use ds4_gguf::{Array, GgmlType, Header, TensorInfo, Value};
+
+use crate::catalogue::{expected_tensors, ExpectedTensor, TypeRule};
+use crate::hparams::{HParams, ARCH_PREFIX};
+
+/// Which ggml type each storage family gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TypeRecipe {
+    pub plain: GgmlType,
+    pub vector: GgmlType,
+    pub q8: GgmlType,
+    pub gate_up: GgmlType,
+    pub down: GgmlType,
+}
+
+impl TypeRecipe {
+    /// ds4's published q2: IQ2_XXS gate/up, Q2_K down.
+    pub const Q2: TypeRecipe = TypeRecipe {
+        plain: GgmlType::F16,
+        vector: GgmlType::F32,
+        q8: GgmlType::Q8_0,
+        gate_up: GgmlType::Iq2Xxs,
+        down: GgmlType::Q2K,
+    };
+    /// ds4's published q4: Q4_K experts.
+    pub const Q4: TypeRecipe = TypeRecipe {
+        gate_up: GgmlType::Q4K,
+        down: GgmlType::Q4K,
+        ..TypeRecipe::Q2
+    };
+    /// Full precision everywhere (oracle parity).
+    pub const F32: TypeRecipe = TypeRecipe {
+        plain: GgmlType::F32,
+        vector: GgmlType::F32,
+        q8: GgmlType::F32,
+        gate_up: GgmlType::F32,
+        down: GgmlType::F32,
+    };
+
+    pub fn from_name(s: &str) -> Option<TypeRecipe> {
+        match s {
+            "q2" => Some(TypeRecipe::Q2),
+            "q4" => Some(TypeRecipe::Q4),
+            "f32" => Some(TypeRecipe::F32),
+            _ => None,
+        }
+    }
+
+    pub fn type_for(&self, t: &ExpectedTensor) -> GgmlType {
+        match t.rule {
+            TypeRule::Plain => self.plain,
+            TypeRule::Vector => self.vector,
+            TypeRule::Q8 => self.q8,
+            TypeRule::Index => GgmlType::I32,
+            TypeRule::Routed if t.name.ends_with("ffn_down_exps.weight") => self.down,
+            TypeRule::Routed => self.gate_up,
+        }
+    }
+}
+
+/// Tokenizer metadata to embed.
+#[derive(Debug, Clone, Default)]
+pub struct TokenizerData {
+    pub tokens: Vec<String>,
+    pub merges: Vec<String>,
+    pub token_types: Vec<i32>,
+    pub bos: u32,
+    pub eos: u32,
+    pub pad: u32,
+}
+
+fn k(s: &str) -> String {
+    format!("{ARCH_PREFIX}{s}")
+}
+
+/// `deepseek4.*` keys in the order of the real file (spec §3.2), with the writer's types.
+pub fn arch_metadata(h: &HParams) -> Vec<(String, Value)> {
+    let u = |x: usize| Value::U32(x as u32);
+    let mut ratios: Vec<i32> = h.compress_ratios.iter().map(|&r| r as i32).collect();
+    ratios.push(0); // the MTP layer, as the published files carry it
+    vec![
+        (k("block_count"), u(h.n_layer)),
+        (
+            k("context_length"),
+            Value::U32(h.context_length.unwrap_or(1 << 20) as u32),
+        ),
+        (k("embedding_length"), u(h.n_embd)),
+        (k("attention.head_count"), u(h.n_head)),
+        (k("attention.head_count_kv"), u(h.n_head_kv)),
+        (k("rope.scaling.type"), Value::String("yarn".into())),
+        (k("rope.scaling.factor"), Value::F32(h.yarn.factor)),
+        (
+            k("rope.scaling.original_context_length"),
+            Value::U32(h.yarn.original_context as u32),
+        ),
+        (
+            k("rope.scaling.yarn_beta_fast"),
+            Value::F32(h.yarn.beta_fast),
+        ),
+        (
+            k("rope.scaling.yarn_beta_slow"),
+            Value::F32(h.yarn.beta_slow),
+        ),
+        (k("rope.freq_base"), Value::F32(h.rope_freq_base)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(h.rms_eps)),
+        (k("expert_used_count"), u(h.n_expert_used)),
+        (k("expert_gating_func"), Value::U32(4)),
+        (k("attention.key_length"), u(h.head_dim)),
+        (k("attention.value_length"), u(h.head_dim)),
+        (k("vocab_size"), u(h.n_vocab)),
+        (k("rope.dimension_count"), u(h.rope_dim)),
+        (k("attention.q_lora_rank"), u(h.q_lora_rank)),
+        (k("attention.output_lora_rank"), u(h.o_lora_rank)),
+        (k("attention.output_group_count"), u(h.o_groups)),
+        (
+            k("attention.compress_ratios"),
+            Value::Array(Array::i32s(ratios)),
+        ),
+        (
+            k("attention.compress_rope_freq_base"),
+            Value::F32(h.compress_rope_freq_base),
+        ),
+        (k("expert_feed_forward_length"), u(h.expert_ff)),
+        (k("expert_count"), u(h.n_expert)),
+        (k("expert_shared_count"), u(h.n_expert_shared)),
+        (
+            k("expert_weights_scale"),
+            Value::F32(h.expert_weights_scale),
+        ),
+        (k("hash_layer_count"), u(h.hash_layer_count)),
+        (k("expert_weights_norm"), Value::Bool(h.expert_weights_norm)),
+        (
+            k("swiglu_clamp_exp"),
+            Value::Array(Array::f32s(h.swiglu_clamp.iter().copied())),
+        ),
+        (k("attention.sliding_window"), u(h.sliding_window)),
+        (k("attention.indexer.head_count"), u(h.indexer_heads)),
+        (k("attention.indexer.key_length"), u(h.indexer_head_dim)),
+        (k("attention.indexer.top_k"), u(h.indexer_top_k)),
+        (k("nextn_predict_layers"), Value::U32(1)),
+        (k("hyper_connection.count"), u(h.hc_mult)),
+        (
+            k("hyper_connection.sinkhorn_iterations"),
+            u(h.hc_sinkhorn_iters),
+        ),
+        (k("hyper_connection.epsilon"), Value::F32(h.hc_eps)),
+    ]
+}
+
+/// `general.*` keys as the published q2 file has them.
+pub fn general_metadata(name: &str, file_type: u32) -> Vec<(String, Value)> {
+    vec![
+        (
+            "general.architecture".into(),
+            Value::String("deepseek4".into()),
+        ),
+        ("general.type".into(), Value::String("model".into())),
+        ("general.name".into(), Value::String(name.into())),
+        (
+            "general.size_label".into(),
+            Value::String("256x8.4B".into()),
+        ),
+        ("general.license".into(), Value::String("mit".into())),
+        ("general.sampling.temp".into(), Value::F32(1.0)),
+        ("general.sampling.top_p".into(), Value::F32(1.0)),
+        ("general.file_type".into(), Value::U32(file_type)),
+        ("general.quantization_version".into(), Value::U32(2)),
+    ]
+}
+
+pub fn tokenizer_metadata(t: &TokenizerData) -> Vec<(String, Value)> {
+    vec![
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        (
+            "tokenizer.ggml.pre".into(),
+            Value::String("joyai-llm".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(Array::strings(t.tokens.iter().cloned())),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(Array::strings(t.merges.iter().cloned())),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(Array::i32s(t.token_types.iter().copied())),
+        ),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(t.bos)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(t.eos)),
+        ("tokenizer.ggml.padding_token_id".into(), Value::U32(t.pad)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+        ("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)),
+    ]
+}
+
+/// Position of a per-layer suffix in the published file's order (spec §4.5, official
+/// checkpoint key order within a layer).
+fn layer_rank(suffix: &str) -> usize {
+    const ORDER: [&str; 34] = [
+        "attn_sinks.weight",
+        "attn_compressor_ape.weight",
+        "attn_compressor_norm.weight",
+        "attn_compressor_gate.weight",
+        "attn_compressor_kv.weight",
+        "indexer_compressor_ape.weight",
+        "indexer_compressor_norm.weight",
+        "indexer_compressor_gate.weight",
+        "indexer_compressor_kv.weight",
+        "indexer.proj.weight",
+        "indexer.attn_q_b.weight",
+        "attn_kv_a_norm.weight",
+        "attn_q_a_norm.weight",
+        "attn_kv.weight",
+        "attn_output_a.weight",
+        "attn_output_b.weight",
+        "attn_q_a.weight",
+        "attn_q_b.weight",
+        "attn_norm.weight",
+        "exp_probs_b.bias",
+        "ffn_gate_inp.weight",
+        "ffn_gate_shexp.weight",
+        "ffn_down_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_norm.weight",
+        "hc_attn_base.weight",
+        "hc_attn_fn.weight",
+        "hc_attn_scale.weight",
+        "hc_ffn_base.weight",
+        "hc_ffn_fn.weight",
+        "hc_ffn_scale.weight",
+        "ffn_gate_exps.weight",
+        "ffn_down_exps.weight",
+        "ffn_up_exps.weight",
+    ];
+    ORDER
+        .iter()
+        .position(|s| *s == suffix)
+        .unwrap_or(ORDER.len())
+}
+
+/// The tensor table in the published order: tid2eid tables, routed experts layer by layer
+/// (gate, down, up), the per-layer rest, then the globals.
+pub fn tensor_table(h: &HParams, recipe: &TypeRecipe) -> Vec<TensorInfo> {
+    let all = expected_tensors(h);
+    let info = |t: &ExpectedTensor| TensorInfo {
+        name: t.name.clone(),
+        dims: t.dims.clone(),
+        ty: recipe.type_for(t),
+        offset: 0,
+    };
+    let suffix = |t: &ExpectedTensor| t.name.splitn(3, '.').nth(2).unwrap_or("").to_string();
+    let mut out: Vec<TensorInfo> = all
+        .iter()
+        .filter(|t| t.name.ends_with("ffn_gate_tid2eid.weight"))
+        .map(info)
+        .collect();
+    for il in 0..h.n_layer {
+        let mut exps: Vec<&ExpectedTensor> = all
+            .iter()
+            .filter(|t| t.layer == Some(il) && t.rule == TypeRule::Routed)
+            .collect();
+        exps.sort_by_key(|t| layer_rank(&suffix(t)));
+        out.extend(exps.into_iter().map(info));
+    }
+    for il in 0..h.n_layer {
+        let mut rest: Vec<&ExpectedTensor> = all
+            .iter()
+            .filter(|t| {
+                t.layer == Some(il) && t.rule != TypeRule::Routed && t.rule != TypeRule::Index
+            })
+            .collect();
+        rest.sort_by_key(|t| layer_rank(&suffix(t)));
+        out.extend(rest.into_iter().map(info));
+    }
+    out.extend(all.iter().filter(|t| t.layer.is_none()).map(info));
+    out
+}
+
+/// A complete header for a ds4-layout model (offsets assigned by the writer).
+pub fn model_header(h: &HParams, recipe: &TypeRecipe, name: &str, tok: &TokenizerData) -> Header {
+    let file_type = match recipe.gate_up {
+        GgmlType::Iq2Xxs => 19,
+        GgmlType::Q4K => 15,
+        GgmlType::F32 => 0,
+        _ => 1,
+    };
+    let mut metadata = general_metadata(name, file_type);
+    metadata.extend(arch_metadata(h));
+    metadata.extend(tokenizer_metadata(tok));
+    Header {
+        metadata,
+        tensors: tensor_table(h, recipe),
+    }
+}
+
+/// A placeholder tokenizer with `n_vocab` entries that satisfies ds4's checks: the 7
+/// special strings at the V4 ids where they fit, byte-level-looking filler elsewhere.
+/// Used for tiny test models and the synthetic full-size model when no real vocabulary is
+/// supplied.
+pub fn placeholder_tokenizer(n_vocab: usize) -> TokenizerData {
+    const SPECIAL: [(&str, usize); 7] = [
+        ("<｜begin▁of▁sentence｜>", 0),
+        ("<｜end▁of▁sentence｜>", 1),
+        ("<｜User｜>", 128_803),
+        ("<｜Assistant｜>", 128_804),
+        ("<think>", 128_821),
+        ("</think>", 128_822),
+        ("｜DSML｜", 128_825),
+    ];
+    let mut tokens: Vec<String> = (0..n_vocab).map(|i| format!("tok{i}")).collect();
+    let mut types = vec![1i32; n_vocab];
+    let mut next_free = 2usize;
+    for (s, id) in SPECIAL {
+        let id = if id < n_vocab {
+            id
+        } else {
+            let i = next_free;
+            next_free += 1;
+            i
+        };
+        if let Some(slot) = tokens.get_mut(id) {
+            *slot = s.to_string();
+            types[id] = 3;
+        }
+    }
+    TokenizerData {
+        tokens,
+        merges: Vec::new(),
+        token_types: types,
+        bos: 0,
+        eos: 1,
+        pad: 1,
+    }
+}

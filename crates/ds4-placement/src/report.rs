@@ -1,0 +1,183 @@
+//! Human-readable load report. Printed before the first byte is copied, by `ds4 plan`
+//! and by every loader at start-up, so a user sees where each class goes and why.
+
+use std::fmt::Write;
+
+use crate::bytes::{fmt_bytes, fmt_gib};
+use crate::plan::{Plan, PoolLedger};
+
+fn pool_line(out: &mut String, p: &PoolLedger) {
+    let _ = writeln!(
+        out,
+        "  {:<15} {:>12} {:>12} {:>12}{}",
+        p.pool.label(),
+        fmt_gib(p.used()),
+        fmt_gib(p.budget),
+        fmt_gib(p.headroom()),
+        if p.fits() { "" } else { "  OVER" }
+    );
+}
+
+impl Plan {
+    /// The human table: facts, where each class goes, budgets, decisions and warnings.
+    pub fn render_text(&self) -> String {
+        let f = &self.facts;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "ds4 placement plan: {} ({}), weights: {}, ctx {}",
+            f.device_name,
+            f.device_kind.describe(),
+            self.mode.label(),
+            self.ctx
+        );
+        let mut host = format!(
+            "host:   MemTotal {}, MemAvailable {}, CmaFree {}",
+            fmt_gib(f.mem_total),
+            fmt_gib(f.mem_available),
+            fmt_bytes(f.cma_free)
+        );
+        if let Some(c) = f.cgroup_available {
+            let _ = write!(host, ", cgroup allows {}", fmt_gib(c));
+        }
+        let _ = writeln!(
+            s,
+            "{host} -> available {}; OS reserve {} ({}) -> usable {}",
+            fmt_gib(f.host_available),
+            fmt_gib(f.os_reserve),
+            f.os_reserve_source,
+            fmt_gib(f.host_budget)
+        );
+        if f.device_kind != crate::device::DeviceKind::CpuOnly {
+            let mut dev = format!(
+                "device: runtime {} free of {}",
+                fmt_gib(f.runtime_free),
+                fmt_gib(f.runtime_total)
+            );
+            if let Some(l) = f.device_limit {
+                let _ = write!(
+                    dev,
+                    ", limited to {} ({})",
+                    fmt_gib(l),
+                    f.device_limit_source
+                );
+            }
+            if let Some(c) = f.uma_clamp {
+                let _ = write!(
+                    dev,
+                    ", unified-memory clamp: carve-out {} + host available = {}",
+                    fmt_gib(f.carve_out_free),
+                    fmt_gib(c)
+                );
+            }
+            let _ = writeln!(
+                s,
+                "{dev} -> free {}; device reserve {} -> budget {}",
+                fmt_gib(f.pool_free),
+                fmt_bytes(f.device_reserve),
+                fmt_gib(f.device_budget)
+            );
+        }
+        if let Some(l) = f.memlock_limit {
+            let _ = writeln!(
+                s,
+                "memlock: RLIMIT_MEMLOCK {} ({})",
+                fmt_bytes(l),
+                if f.memlock_enforced {
+                    "bounds pinned memory on this runtime"
+                } else {
+                    "the GPU driver pins outside it"
+                }
+            );
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "  {:<18} {:<5} {:<16} {:>7} {:>12}",
+            "class", "set", "memory", "tensors", "bytes"
+        );
+        for r in &self.classes {
+            let set = match r.set {
+                crate::inventory::WeightSet::Main => "main",
+                crate::inventory::WeightSet::Mtp => "mtp",
+            };
+            let _ = writeln!(
+                s,
+                "  {:<18} {:<5} {:<16} {:>7} {:>12}",
+                r.class.label(),
+                set,
+                r.kind.label(),
+                r.tensors,
+                fmt_gib(r.bytes)
+            );
+        }
+        for b in &self.buffers {
+            let _ = writeln!(
+                s,
+                "  {:<18} {:<5} {:<16} {:>7} {:>12}",
+                b.name,
+                "",
+                b.kind.label(),
+                "-",
+                fmt_gib(b.bytes)
+            );
+        }
+        let total = self.weights_bytes() + self.buffers.iter().map(|b| b.bytes).sum::<u64>();
+        let _ = writeln!(
+            s,
+            "  {:<18} {:<5} {:<16} {:>7} {:>12}",
+            "total",
+            "",
+            "",
+            "",
+            fmt_gib(total)
+        );
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "  {:<15} {:>12} {:>12} {:>12}",
+            "budget", "planned", "limit", "headroom"
+        );
+        for p in self.ledger.pools() {
+            pool_line(&mut s, p);
+        }
+        let dedicated = self.arenas.iter().filter(|a| a.dedicated).count();
+        let _ = writeln!(
+            s,
+            "arenas: {} ({} dedicated exact-size, {} shared), stranded {} (alignment padding); load: {}",
+            self.arenas.len(),
+            dedicated,
+            self.arenas.len() - dedicated,
+            fmt_bytes(self.stranded_bytes()),
+            self.load.text()
+        );
+        let _ = writeln!(s, "decisions:");
+        for d in &self.decisions {
+            let kind = d
+                .kind
+                .map_or("dropped".to_string(), |k| k.label().to_string());
+            let _ = writeln!(
+                s,
+                "  {} -> {} ({}): {}",
+                d.subject,
+                kind,
+                fmt_gib(d.bytes),
+                d.rule.text()
+            );
+            if !d.detail.is_empty() {
+                let _ = writeln!(s, "      {}", d.detail);
+            }
+            for a in &d.rejected {
+                let _ = writeln!(s, "      rejected {}: {}", a.option, a.reason);
+            }
+            let _ = writeln!(s, "      setting: {}; change with {}", d.source, d.change);
+        }
+        if !self.warnings.is_empty() {
+            let _ = writeln!(s, "warnings:");
+            for w in &self.warnings {
+                let _ = writeln!(s, "  - {w}");
+            }
+        }
+        s
+    }
+}

@@ -44,6 +44,7 @@ impl DeviceKind {
 
 /// Allocation kinds the runtime supports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DeviceCaps {
     /// `cudaHostAlloc` / `hipHostMalloc` work.
     #[serde(default = "yes")]
@@ -90,6 +91,7 @@ impl Default for DeviceCaps {
 
 /// The device facts the planner consumes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DeviceFacts {
     pub name: String,
     pub kind: DeviceKind,

@@ -31,6 +31,7 @@ pub enum CgroupVersion {
 
 /// The tightest memory limit of the process's cgroup (and its usage at probe time).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CgroupFacts {
     pub version: CgroupVersion,
     /// `memory.max` (v2) or `memory.limit_in_bytes` (v1).
@@ -50,6 +51,7 @@ impl CgroupFacts {
 
 /// Everything the planner needs to know about host RAM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct HostFacts {
     #[serde(default)]
     pub os: HostOs,

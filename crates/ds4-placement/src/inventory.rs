@@ -99,6 +99,10 @@ pub struct TensorSpec {
     pub layer: Option<u32>,
     #[serde(default)]
     pub set: WeightSet,
+    /// Number of weights (elements), when known: lets a refusal tell a 4-bit expert
+    /// file from a 2-bit one before suggesting a smaller quantization.
+    #[serde(default)]
+    pub elements: Option<u64>,
 }
 
 impl TensorSpec {
@@ -114,7 +118,13 @@ impl TensorSpec {
             class,
             layer,
             set: WeightSet::Main,
+            elements: None,
         }
+    }
+
+    pub fn with_elements(mut self, elements: u64) -> Self {
+        self.elements = Some(elements);
+        self
     }
 
     pub fn in_set(mut self, set: WeightSet) -> Self {
@@ -184,6 +194,17 @@ impl TensorInventory {
             .fold(0u64, |a, t| a.saturating_add(t.bytes))
     }
 
+    /// Average bits per weight of a class, if every tensor of it knows its element count.
+    pub fn class_bits_per_weight(&self, class: TensorClass) -> Option<f64> {
+        let mut bytes = 0u128;
+        let mut elems = 0u128;
+        for t in self.tensors.iter().filter(|t| t.class == class) {
+            bytes += u128::from(t.bytes);
+            elems += u128::from(t.elements.filter(|&e| e > 0)?);
+        }
+        (elems > 0).then(|| (bytes * 8) as f64 / elems as f64)
+    }
+
     /// Rejects empty inventories, empty names, zero-byte tensors, duplicate names within
     /// a weight set and totals that overflow.
     pub fn validate(&self) -> Result<(), InventoryError> {
@@ -241,6 +262,21 @@ mod tests {
         assert_eq!(inv.class_bytes(TensorClass::RoutedExperts), 107);
         assert_eq!(inv.set_bytes(WeightSet::Mtp), 7);
         assert_eq!(inv.validate(), Ok(()));
+    }
+
+    #[test]
+    fn bits_per_weight() {
+        let inv = TensorInventory::new(vec![
+            t("g", 66, TensorClass::RoutedExperts).with_elements(256),
+            t("d", 84, TensorClass::RoutedExperts).with_elements(256),
+            t("a", 10, TensorClass::Attention),
+        ]);
+        let b = inv
+            .class_bits_per_weight(TensorClass::RoutedExperts)
+            .unwrap();
+        assert!((b - 150.0 * 8.0 / 512.0).abs() < 1e-9);
+        assert_eq!(inv.class_bits_per_weight(TensorClass::Attention), None);
+        assert_eq!(inv.class_bits_per_weight(TensorClass::Norms), None);
     }
 
     #[test]

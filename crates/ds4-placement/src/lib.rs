@@ -92,6 +92,7 @@ pub use request::{
 
 /// A described machine, as `ds4 plan --machine FILE.json` reads it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MachineFacts {
     /// Free-form description shown in reports and tests.
     #[serde(default)]

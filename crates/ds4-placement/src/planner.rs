@@ -1168,9 +1168,11 @@ fn find_remedies(
         }
     }
 
-    // Routed experts at half the size (q2 instead of q4).
+    // Routed experts at half the size (q2 instead of q4), unless they already are
+    // about 2-bit (then halving them is not a file anyone can download).
     let routed = inv.class_bytes(TensorClass::RoutedExperts);
-    if routed > 0 {
+    let bpw = inv.class_bits_per_weight(TensorClass::RoutedExperts);
+    if routed > 0 && bpw.is_none_or(|b| b > 3.0) {
         let mut i2 = inv.clone();
         for t in &mut i2.tensors {
             if t.class == TensorClass::RoutedExperts {
@@ -1180,6 +1182,7 @@ fn find_remedies(
         if fits(host, device, &i2, req, policy) {
             out.push(Remedy::SmallerExpertQuant {
                 routed_bytes: routed,
+                bits_per_weight_milli: bpw.map(|b| (b * 1000.0).round() as u64),
             });
         }
     }

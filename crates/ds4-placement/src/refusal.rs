@@ -168,7 +168,11 @@ pub enum Remedy {
     /// Raise RLIMIT_MEMLOCK.
     RaiseMemlock,
     /// Routed experts at half their size (a 2-bit instead of 4-bit file) would fit.
-    SmallerExpertQuant { routed_bytes: u64 },
+    /// `bits_per_weight_milli`: their current average, ×1000, when the inventory knows it.
+    SmallerExpertQuant {
+        routed_bytes: u64,
+        bits_per_weight_milli: Option<u64>,
+    },
     /// Free at least this much host memory.
     FreeHostMemory { bytes: u64 },
     /// Let the planner use the hybrid plan (policy `allow_hybrid`).
@@ -202,8 +206,19 @@ impl Remedy {
             Remedy::RaiseMemlock => {
                 "raise RLIMIT_MEMLOCK (ulimit -l unlimited, or LimitMEMLOCK=infinity in the service unit)".into()
             }
-            Remedy::SmallerExpertQuant { routed_bytes } => format!(
-                "a smaller quantization of the routed experts (e.g. q2 instead of q4): they are {} here, half that fits",
+            Remedy::SmallerExpertQuant {
+                routed_bytes,
+                bits_per_weight_milli: Some(m),
+            } => format!(
+                "a 2-bit quantization of the routed experts (q2 instead of q4): they are {} at {:.2} bits/weight here, half that fits",
+                fmt_gib(*routed_bytes),
+                *m as f64 / 1000.0
+            ),
+            Remedy::SmallerExpertQuant {
+                routed_bytes,
+                bits_per_weight_milli: None,
+            } => format!(
+                "if the routed experts ({}) are 4-bit, their 2-bit quantization (q2 instead of q4) fits",
                 fmt_gib(*routed_bytes)
             ),
             Remedy::FreeHostMemory { bytes } => format!(

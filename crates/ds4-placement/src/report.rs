@@ -108,7 +108,7 @@ impl Plan {
                 set,
                 r.kind.label(),
                 r.tensors,
-                fmt_gib(r.bytes)
+                fmt_bytes(r.bytes)
             );
         }
         for b in &self.buffers {
@@ -119,7 +119,7 @@ impl Plan {
                 "",
                 b.kind.label(),
                 "-",
-                fmt_gib(b.bytes)
+                fmt_bytes(b.bytes)
             );
         }
         let total = self.weights_bytes() + self.buffers.iter().map(|b| b.bytes).sum::<u64>();

@@ -61,10 +61,12 @@
 //! # Layout
 //! [`host`] and [`device`] facts (pure parsers; [`probe`] is the only I/O), the
 //! [`inventory`], the [`request`] and its overrides (one table: [`OVERRIDE_TABLE`]), the
-//! [`policy`], the output [`plan`](mod@plan) types and the [`refusal`].
+//! [`policy`], the output [`plan`](mod@plan) types, the [`refusal`], and the [`executor`]
+//! that runs a plan through a backend's [`Allocator`] (fallback chains, rollback).
 
 pub mod bytes;
 pub mod device;
+pub mod executor;
 pub mod host;
 pub mod inventory;
 pub mod plan;
@@ -76,6 +78,7 @@ mod report;
 pub mod request;
 
 pub use device::{DeviceCaps, DeviceFacts, DeviceKind, DeviceProbe, FixedDevice};
+pub use executor::{execute, Actual, AllocError, Allocated, Allocator, LoadFailure};
 pub use host::{parse_meminfo, CgroupFacts, CgroupVersion, HostFacts, HostOs, MemInfo};
 pub use inventory::{TensorClass, TensorInventory, TensorSpec, WeightSet};
 pub use plan::{

@@ -89,6 +89,7 @@ pub struct Arena {
     pub kind: MemKind,
     /// Kinds to try, in order, if allocating `kind` fails (empty: fail).
     pub fallback: Vec<MemKind>,
+    /// Applied if the arena is allocated as managed (planned or by fallback).
     pub advice: ManagedAdvice,
     /// A single large tensor with an exact-size allocation.
     pub dedicated: bool,

@@ -104,7 +104,7 @@ fn budget_facts(
         None => (policy.os_reserve, Source::Default),
     };
     // ds4 admission: admitted iff usable ≥ reserve and bytes ≤ usable − reserve.
-    let host_budget = host_available.checked_sub(os_reserve).unwrap_or(0);
+    let host_budget = host_available.saturating_sub(os_reserve);
     let device_limit = req.overrides.device_mem_limit.value;
     let (mut pool_total, mut pool_free) = match device.kind {
         DeviceKind::CpuOnly => (0, 0),
@@ -219,10 +219,14 @@ struct Group {
     advice: ManagedAdvice,
 }
 
-fn advice_for(device: &DeviceFacts, kind: MemKind) -> ManagedAdvice {
-    match (kind, device.kind) {
-        (MemKind::Managed, DeviceKind::CoherentUma) => ManagedAdvice::ReadMostlyPreferDevice,
-        (MemKind::Managed, _) if device.caps.coarse_grain_advice => ManagedAdvice::CoarseGrain,
+/// Advice an arena gets if it ends up managed, as planned or by fallback.
+fn advice_for(device: &DeviceFacts, kind: MemKind, fallback: &[MemKind]) -> ManagedAdvice {
+    if kind != MemKind::Managed && !fallback.contains(&MemKind::Managed) {
+        return ManagedAdvice::None;
+    }
+    match device.kind {
+        DeviceKind::CoherentUma => ManagedAdvice::ReadMostlyPreferDevice,
+        _ if device.caps.coarse_grain_advice => ManagedAdvice::CoarseGrain,
         _ => ManagedAdvice::None,
     }
 }
@@ -501,18 +505,25 @@ fn place_context(cx: &Cx, weights_ledger: &Ledger) -> (Vec<Buffer>, Vec<Decision
     (buffers, decisions)
 }
 
+/// A candidate that did not fit: the pools it overflowed and its full ledger.
+struct Rejected_ {
+    shortfalls: Vec<Shortfall>,
+    ledger: Ledger,
+}
+
+type Rejected = Box<Rejected_>;
+
 /// Lays out one candidate assignment and checks every budget.
-fn evaluate(
-    cx: &Cx,
-    groups: &[Group],
-    assign: &[usize],
-) -> Result<Built, (Vec<Shortfall>, Ledger)> {
+fn evaluate(cx: &Cx, groups: &[Group], assign: &[usize]) -> Result<Built, Rejected> {
     let arenas = build_arenas(cx, groups, assign);
     let wl = ledger_for(cx, &arenas, &[]);
     let (mut buffers, mut decisions) = place_context(cx, &wl);
     let mut ledger = ledger_for(cx, &arenas, &buffers);
     if !ledger.fits() {
-        return Err((shortfalls(&ledger), ledger));
+        return Err(Box::new(Rejected_ {
+            shortfalls: shortfalls(&ledger),
+            ledger,
+        }));
     }
     // Optional caches last, only if they leave the workspace reserve free.
     for c in &cx.req.optional_caches {
@@ -639,7 +650,7 @@ fn uma_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
         let group = Group {
             kind,
             fallback: fallback.clone(),
-            advice: advice_for(cx.device, kind),
+            advice: advice_for(cx.device, kind, &fallback),
         };
         match evaluate(cx, &[group], &vec![0; n]) {
             Ok(b) => {
@@ -667,7 +678,8 @@ fn uma_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
                 };
                 return Ok(finish(cx, b, mode, vec![d]));
             }
-            Err((sf, _)) => {
+            Err(r) => {
+                let sf = r.shortfalls;
                 rejected.push(Attempt {
                     option: format!("weights in {kind}"),
                     reason: describe_shortfalls(&sf),
@@ -699,7 +711,7 @@ fn discrete_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
         let g = Group {
             kind,
             fallback: Vec::new(),
-            advice: advice_for(cx.device, kind),
+            advice: advice_for(cx.device, kind, &[]),
         };
         let option = format!("weights in {kind} (forced by {})", setting.source);
         return match evaluate(cx, &[g], &vec![0; n]) {
@@ -721,9 +733,9 @@ fn discrete_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
                 };
                 Ok(finish(cx, b, mode, vec![d]))
             }
-            Err((sf, _)) => Err(vec![FailedOption {
+            Err(r) => Err(vec![FailedOption {
                 option,
-                shortfalls: sf,
+                shortfalls: r.shortfalls,
                 note: None,
             }]),
         };
@@ -752,7 +764,7 @@ fn discrete_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
             );
             return Ok(finish(cx, b, WeightsMode::Device, vec![d]));
         }
-        Err((sf, _)) => sf,
+        Err(r) => r.shortfalls,
     };
     let all_dev_reason = describe_shortfalls(&all_dev);
     tried.push(FailedOption {
@@ -802,11 +814,11 @@ fn discrete_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
     let first = evaluate(cx, &groups, &assign);
     let ledger = match &first {
         Ok(b) => b.ledger.clone(),
-        Err((_, l)) => l.clone(),
+        Err(r) => r.ledger.clone(),
     };
     if !ledger.device.fits() {
         let sf = match first {
-            Err((sf, _)) => sf,
+            Err(r) => r.shortfalls,
             Ok(_) => Vec::new(),
         };
         tried.push(FailedOption {
@@ -878,7 +890,8 @@ fn discrete_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
             );
             Ok(finish(cx, b, WeightsMode::Hybrid, vec![d1, d2]))
         }
-        Err((sf, _)) => {
+        Err(r) => {
+            let sf = r.shortfalls;
             tried.push(FailedOption {
                 option: format!(
                     "hybrid: per-token tensors + {} of experts on the device, the rest in pinned host",
@@ -913,9 +926,9 @@ fn cpu_plan(cx: &Cx) -> Result<Plan, Vec<FailedOption>> {
             );
             Ok(finish(cx, b, WeightsMode::Pageable, vec![d]))
         }
-        Err((sf, _)) => Err(vec![FailedOption {
+        Err(r) => Err(vec![FailedOption {
             option: "weights in host memory".into(),
-            shortfalls: sf,
+            shortfalls: r.shortfalls,
             note: None,
         }]),
     }
@@ -1049,7 +1062,8 @@ fn find_remedies(
     let o = &req.overrides;
 
     // Overrides that block an automatic plan.
-    let resets: [(&Source, fn(&mut Request)); 5] = [
+    type Reset = fn(&mut Request);
+    let resets: [(&Source, Reset); 5] = [
         (&o.weights.source, |r| {
             r.overrides.weights = Setting::default()
         }),

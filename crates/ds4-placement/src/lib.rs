@@ -8,7 +8,7 @@
 //! die with an opaque out-of-memory halfway through preparing tensors. The fix (ds4
 //! PR #1028) is to put weights in pinned host memory the GPU reads directly. This crate
 //! turns that, and the neighbouring rules ds4 learned, into one pure function,
-//! [`plan`], whose decisions are all visible in a report together with the override
+//! [`plan()`], whose decisions are all visible in a report together with the override
 //! that would change each of them. The planner decides; allocators obey.
 //!
 //! # Budgets

@@ -208,7 +208,7 @@ pub struct Attempt {
 /// One decision, with everything the report shows about it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Decision {
-    /// "weights", "kv", "scratch", or "optional:<name>".
+    /// "weights", "kv", "scratch", or `optional:<name>`.
     pub subject: String,
     /// `None` for a dropped optional cache.
     pub kind: Option<MemKind>,
@@ -412,7 +412,7 @@ impl Plan {
         self.arenas.iter().map(|a| a.stranded).sum()
     }
 
-    /// The decision about one subject ("weights", "kv", "scratch", "optional:<name>").
+    /// The decision about one subject ("weights", "kv", "scratch", `optional:<name>`).
     pub fn decision(&self, subject: &str) -> Option<&Decision> {
         self.decisions.iter().find(|d| d.subject == subject)
     }

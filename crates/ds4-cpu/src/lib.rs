@@ -1,0 +1,1039 @@
+//! The CPU [`Backend`]: the reference every other backend is checked against.
+//!
+//! * Weights stay in the GGUF mapping in their stored type (F32, F16, BF16, Q8_0, Q2_K,
+//!   Q4_K, IQ2_XXS); matmuls call `ds4_gguf::quant::dot` per row (f32 within a block, block
+//!   sums in f64).
+//! * Activations and KV state are f32.
+//! * Multi-threaded with rayon over output rows / heads / tokens, on a private pool whose
+//!   size is chosen at construction; results do not depend on it (fixed reduction orders).
+//! * Every op validates its handles, ranges and shapes and refuses aliasing outputs.
+
+mod kernels;
+mod mem;
+mod weights;
+
+use std::sync::Arc;
+
+use ds4_engine::backend::{
+    AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, HcArgs, IBuf,
+    IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightUse,
+};
+use ds4_gguf::GgufFile;
+use rayon::prelude::*;
+
+use mem::{need, range, Slab};
+use weights::CpuWeight;
+
+pub use kernels::{dot_f32, sinkhorn, top_k_lowest_tie};
+
+/// The CPU backend.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    bufs: Slab<f32>,
+    ibufs: Slab<i32>,
+    weights: Vec<CpuWeight>,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("threads", &self.pool.current_num_threads())
+            .field("weights", &self.weights.len())
+            .finish()
+    }
+}
+
+fn shape(op: &'static str, what: &str, expected: usize, found: usize) -> BResult<()> {
+    if expected != found {
+        return Err(BackendError::Shape {
+            op,
+            what: what.to_string(),
+            expected,
+            found,
+        });
+    }
+    Ok(())
+}
+
+impl CpuBackend {
+    /// A backend on `threads` worker threads (0 = one per core).
+    pub fn new(threads: usize) -> Result<CpuBackend, BackendError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ds4-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::Invalid {
+                op: "new",
+                problem: format!("cannot start the thread pool: {e}"),
+            })?;
+        Ok(CpuBackend {
+            pool,
+            bufs: Slab::new(),
+            ibufs: Slab::new(),
+            weights: Vec::new(),
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    fn view(&self, s: Slice, op: &'static str) -> BResult<&[f32]> {
+        let v = self.bufs.get(s.buf.id(), op)?;
+        Ok(&v[range(s, v.len(), op)?])
+    }
+
+    fn iview(&self, b: IBuf, op: &'static str) -> BResult<&[i32]> {
+        let v = self.ibufs.get(b.id(), op)?;
+        if v.len() != b.len() {
+            return Err(BackendError::BadHandle { op, id: b.id() });
+        }
+        Ok(v)
+    }
+
+    fn weight(&self, w: Weight, op: &'static str) -> BResult<&CpuWeight> {
+        let cw = self
+            .weights
+            .get(w.id() as usize)
+            .ok_or(BackendError::BadHandle { op, id: w.id() })?;
+        if cw.info != w.info {
+            return Err(BackendError::BadHandle { op, id: w.id() });
+        }
+        Ok(cw)
+    }
+
+    /// Runs `f` with the output range taken out of the slab (so inputs cannot alias it),
+    /// inside the thread pool, and always puts the buffer back.
+    fn with_out<R: Send>(
+        &mut self,
+        out: Slice,
+        op: &'static str,
+        f: impl FnOnce(&CpuBackend, &mut [f32]) -> BResult<R> + Send,
+    ) -> BResult<R> {
+        let mut v = self.bufs.take(out.buf.id(), op)?;
+        let r = match range(out, v.len(), op) {
+            Ok(rg) => {
+                let this = &*self;
+                this.pool.install(|| f(this, &mut v[rg]))
+            }
+            Err(e) => Err(e),
+        };
+        self.bufs.put(out.buf.id(), v);
+        r
+    }
+
+    /// Like [`Self::with_out`] for an i32 output buffer.
+    fn with_iout<R: Send>(
+        &mut self,
+        out: IBuf,
+        op: &'static str,
+        f: impl FnOnce(&CpuBackend, &mut [i32]) -> BResult<R> + Send,
+    ) -> BResult<R> {
+        let mut v = self.ibufs.take(out.id(), op)?;
+        let r = if v.len() != out.len() {
+            Err(BackendError::BadHandle { op, id: out.id() })
+        } else {
+            let this = &*self;
+            this.pool.install(|| f(this, &mut v))
+        };
+        self.ibufs.put(out.id(), v);
+        r
+    }
+
+    fn check_matmul_io(
+        w: &CpuWeight,
+        x: Slice,
+        in_w: usize,
+        n_tok: usize,
+        y: Slice,
+        out_w: usize,
+    ) -> BResult<()> {
+        let _ = w;
+        need(x, n_tok * in_w, "matmul", "input")?;
+        need(y, n_tok * out_w, "matmul", "output")
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", self.threads())
+    }
+
+    fn alloc(&mut self, len: usize) -> BResult<Buf> {
+        Ok(Buf::new(self.bufs.alloc(len)?, len))
+    }
+
+    fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
+        Ok(IBuf::new(self.ibufs.alloc(len)?, len))
+    }
+
+    fn free(&mut self, buf: Buf) {
+        self.bufs.free(buf.id());
+    }
+
+    fn free_i32(&mut self, buf: IBuf) {
+        self.ibufs.free(buf.id());
+    }
+
+    fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
+        shape("upload", "source length", dst.len, src.len())?;
+        let v = self.bufs.get_mut(dst.buf.id(), "upload")?;
+        let r = range(dst, v.len(), "upload")?;
+        v[r].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
+        shape("download", "destination length", src.len, dst.len())?;
+        dst.copy_from_slice(self.view(src, "download")?);
+        Ok(())
+    }
+
+    fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
+        let v = self.ibufs.get_mut(dst.id(), "upload_i32")?;
+        let end = off.checked_add(src.len()).unwrap_or(usize::MAX);
+        if end > v.len() {
+            return Err(BackendError::OutOfRange {
+                op: "upload_i32",
+                id: dst.id(),
+                off,
+                end,
+                len: v.len(),
+            });
+        }
+        v[off..end].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
+        let v = self.iview(src, "download_i32")?;
+        let end = off.checked_add(dst.len()).unwrap_or(usize::MAX);
+        if end > v.len() {
+            return Err(BackendError::OutOfRange {
+                op: "download_i32",
+                id: src.id(),
+                off,
+                end,
+                len: v.len(),
+            });
+        }
+        dst.copy_from_slice(&v[off..end]);
+        Ok(())
+    }
+
+    fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
+        shape("copy", "destination length", src.len, dst.len)?;
+        if src.overlaps(dst) {
+            return Err(BackendError::Aliasing {
+                op: "copy",
+                id: src.buf.id(),
+            });
+        }
+        if src.buf.id() == dst.buf.id() {
+            let v = self.bufs.get_mut(src.buf.id(), "copy")?;
+            let rs = range(src, v.len(), "copy")?;
+            range(dst, v.len(), "copy")?;
+            v.copy_within(rs, dst.off);
+            return Ok(());
+        }
+        self.with_out(dst, "copy", |this, out| {
+            out.copy_from_slice(this.view(src, "copy")?);
+            Ok(())
+        })
+    }
+
+    fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
+        let v = self.bufs.get_mut(dst.buf.id(), "fill")?;
+        let r = range(dst, v.len(), "fill")?;
+        v[r].fill(value);
+        Ok(())
+    }
+
+    fn load_weight(
+        &mut self,
+        file: &Arc<GgufFile>,
+        name: &str,
+        usage: WeightUse,
+    ) -> BResult<Weight> {
+        let w = CpuWeight::load(file, name, usage)?;
+        let id = u32::try_from(self.weights.len()).map_err(|_| BackendError::Weight {
+            name: name.into(),
+            problem: "too many weights".into(),
+        })?;
+        let info = w.info;
+        self.weights.push(w);
+        Ok(Weight::new(id, info))
+    }
+
+    fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
+        const OP: &str = "matmul";
+        let (cols, rows, mats) = (w.info.cols(), w.info.rows(), w.info.mats());
+        if mat >= mats {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("matrix {mat} of {mats}"),
+            });
+        }
+        self.with_out(y, OP, |this, yv| {
+            let cw = this.weight(w, OP)?;
+            CpuBackend::check_matmul_io(cw, x, cols, n_tok, y, rows)?;
+            let xv = this.view(x, OP)?;
+            kernels::matmul(cw, mat, 0, rows, xv, cols, n_tok, yv, rows)
+        })
+    }
+
+    fn matmul_grouped(
+        &mut self,
+        w: Weight,
+        groups: usize,
+        x: Slice,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "matmul_grouped";
+        let (cols, rows) = (w.info.cols(), w.info.rows());
+        if groups == 0 || rows % groups != 0 || w.info.mats() != 1 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{rows} rows do not split into {groups} groups"),
+            });
+        }
+        let r = rows / groups;
+        self.with_out(y, OP, |this, yv| {
+            let cw = this.weight(w, OP)?;
+            need(x, n_tok * groups * cols, OP, "input")?;
+            need(y, n_tok * rows, OP, "output")?;
+            let xv = this.view(x, OP)?;
+            for g in 0..groups {
+                kernels::matmul(
+                    cw,
+                    0,
+                    g * r,
+                    r,
+                    &xv[g * cols..],
+                    groups * cols,
+                    n_tok,
+                    &mut yv[g * r..],
+                    rows,
+                )?;
+            }
+            Ok(())
+        })
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        out: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "rms_norm";
+        need(out, rows * width, OP, "output")?;
+        need(x, rows * width, OP, "input")?;
+        if width == 0 {
+            return Ok(());
+        }
+        let in_place = x == out;
+        if !in_place && x.overlaps(out) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: x.buf.id(),
+            });
+        }
+        self.with_out(out, OP, |this, o| {
+            let g = match w {
+                Some(w) => {
+                    let v = this.weight(w, OP)?.values(OP)?;
+                    shape(OP, "weight length", width, v.len())?;
+                    Some(v)
+                }
+                None => None,
+            };
+            if !in_place {
+                o[..rows * width].copy_from_slice(&this.view(x, OP)?[..rows * width]);
+            }
+            o[..rows * width]
+                .par_chunks_mut(width)
+                .for_each(|row| kernels::rms_norm_row(row, g, eps));
+            Ok(())
+        })
+    }
+
+    fn rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
+        const OP: &str = "rope";
+        if a.freq.rope_dim % 2 != 0 || a.freq.rope_dim > a.head_dim {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("rope dim {} vs head dim {}", a.freq.rope_dim, a.head_dim),
+            });
+        }
+        need(x, a.n_rows * a.n_heads * a.head_dim, OP, "input")?;
+        if a.n_rows == 0 || a.n_heads == 0 {
+            return Ok(());
+        }
+        self.with_out(x, OP, |_, xv| {
+            kernels::rope(xv, &a);
+            Ok(())
+        })
+    }
+
+    fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
+        const OP: &str = "add";
+        shape(OP, "input length", acc.len, x.len)?;
+        self.with_out(acc, OP, |this, a| {
+            let xv = this.view(x, OP)?;
+            a.par_chunks_mut(4096)
+                .zip(xv.par_chunks(4096))
+                .for_each(|(a, x)| a.iter_mut().zip(x).for_each(|(a, x)| *a += x));
+            Ok(())
+        })
+    }
+
+    fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
+        const OP: &str = "swiglu";
+        shape(OP, "up length", gate.len, up.len)?;
+        shape(OP, "output length", gate.len, out.len)?;
+        self.with_out(out, OP, |this, o| {
+            let (g, u) = (this.view(gate, OP)?, this.view(up, OP)?);
+            o.par_chunks_mut(4096).enumerate().for_each(|(ci, oc)| {
+                for (i, ov) in oc.iter_mut().enumerate() {
+                    let k = ci * 4096 + i;
+                    *ov = kernels::swiglu(g[k], u[k], clamp);
+                }
+            });
+            Ok(())
+        })
+    }
+
+    fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
+        const OP: &str = "qat_fp8";
+        if n_dims > width {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{n_dims} dims of a {width}-wide row"),
+            });
+        }
+        need(x, rows * width, OP, "input")?;
+        if width == 0 {
+            return Ok(());
+        }
+        self.with_out(x, OP, |_, v| {
+            v[..rows * width]
+                .par_chunks_mut(width)
+                .for_each(|r| kernels::qat_fp8_row(r, n_dims));
+            Ok(())
+        })
+    }
+
+    fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
+        const OP: &str = "qat_hadamard_fp4";
+        if !width.is_power_of_two() {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("width {width} is not a power of two"),
+            });
+        }
+        need(x, rows * width, OP, "input")?;
+        self.with_out(x, OP, |_, v| {
+            v[..rows * width]
+                .par_chunks_mut(width)
+                .for_each(kernels::qat_h_fp4_row);
+            Ok(())
+        })
+    }
+
+    fn embed(
+        &mut self,
+        table: Weight,
+        tokens: IBuf,
+        n_tok: usize,
+        n_streams: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "embed";
+        let (d, n_vocab) = (table.info.cols(), table.info.rows());
+        need(out, n_tok * n_streams * d, OP, "output")?;
+        self.with_out(out, OP, |this, o| {
+            let tw = this.weight(table, OP)?;
+            let toks = this.iview(tokens, OP)?;
+            if toks.len() < n_tok {
+                return Err(BackendError::Shape {
+                    op: OP,
+                    what: "token count".into(),
+                    expected: n_tok,
+                    found: toks.len(),
+                });
+            }
+            o[..n_tok * n_streams * d]
+                .par_chunks_mut(n_streams * d)
+                .zip(toks[..n_tok].par_iter())
+                .try_for_each(|(row, &tok)| {
+                    let tok = usize::try_from(tok)
+                        .ok()
+                        .filter(|&t| t < n_vocab)
+                        .ok_or_else(|| BackendError::Invalid {
+                            op: OP,
+                            problem: format!("token {tok} outside the table of {n_vocab}"),
+                        })?;
+                    let (first, rest) = row.split_at_mut(d);
+                    tw.table_row(tok, first)?;
+                    for s in rest.chunks_mut(d) {
+                        s.copy_from_slice(first);
+                    }
+                    Ok(())
+                })
+        })
+    }
+
+    fn hc_pre(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "hc_pre";
+        let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
+        let nm = 2 * n + n * n;
+        need(mix, t * nm, OP, "mix")?;
+        need(x, t * n * d, OP, "streams")?;
+        need(y, t * d, OP, "y")?;
+        need(post, t * n, OP, "post")?;
+        need(comb, t * n * n, OP, "comb")?;
+        // Small outputs are computed into temporaries, then stored.
+        let mut post_v = vec![0f32; t * n];
+        let mut comb_v = vec![0f32; t * n * n];
+        let (pv, cv) = (&mut post_v, &mut comb_v);
+        self.with_out(y, OP, |this, yv| {
+            let mv = this.view(mix, OP)?;
+            let xv = this.view(x, OP)?;
+            let bv = this.weight(base, OP)?.values(OP)?;
+            let sv = this.weight(scale, OP)?.values(OP)?;
+            shape(OP, "base length", nm, bv.len())?;
+            shape(OP, "scale length", 3, sv.len())?;
+            yv[..t * d]
+                .par_chunks_mut(d)
+                .zip(pv.par_chunks_mut(n))
+                .zip(cv.par_chunks_mut(n * n))
+                .enumerate()
+                .for_each(|(i, ((yr, pr), cr))| {
+                    kernels::hc_pre_token(
+                        &mv[i * nm..(i + 1) * nm],
+                        &xv[i * n * d..(i + 1) * n * d],
+                        bv,
+                        sv,
+                        n,
+                        d,
+                        a.sinkhorn_iters,
+                        a.hc_eps,
+                        a.rms_eps,
+                        yr,
+                        pr,
+                        cr,
+                    )
+                });
+            Ok(())
+        })?;
+        self.upload(post.sub(0, t * n), &post_v)?;
+        self.upload(comb.sub(0, t * n * n), &comb_v)
+    }
+
+    fn hc_post(&mut self, x: Slice, f: Slice, post: Slice, comb: Slice, a: HcArgs) -> BResult<()> {
+        const OP: &str = "hc_post";
+        let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
+        need(x, t * n * d, OP, "streams")?;
+        need(f, t * d, OP, "f")?;
+        need(post, t * n, OP, "post")?;
+        need(comb, t * n * n, OP, "comb")?;
+        self.with_out(x, OP, |this, xv| {
+            let (fv, pv, cv) = (
+                this.view(f, OP)?,
+                this.view(post, OP)?,
+                this.view(comb, OP)?,
+            );
+            xv[..t * n * d]
+                .par_chunks_mut(n * d)
+                .enumerate()
+                .for_each(|(i, xr)| {
+                    kernels::hc_post_token(
+                        xr,
+                        &fv[i * d..(i + 1) * d],
+                        &pv[i * n..(i + 1) * n],
+                        &cv[i * n * n..(i + 1) * n * n],
+                        n,
+                        d,
+                    )
+                });
+            Ok(())
+        })
+    }
+
+    fn hc_head(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        y: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "hc_head";
+        let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
+        need(mix, t * n, OP, "mix")?;
+        need(x, t * n * d, OP, "streams")?;
+        need(y, t * d, OP, "y")?;
+        self.with_out(y, OP, |this, yv| {
+            let mv = this.view(mix, OP)?;
+            let xv = this.view(x, OP)?;
+            let bv = this.weight(base, OP)?.values(OP)?;
+            let sv = this.weight(scale, OP)?.values(OP)?;
+            shape(OP, "base length", n, bv.len())?;
+            shape(OP, "scale length", 1, sv.len())?;
+            yv[..t * d]
+                .par_chunks_mut(d)
+                .enumerate()
+                .for_each(|(i, yr)| {
+                    kernels::hc_head_token(
+                        &mv[i * n..(i + 1) * n],
+                        &xv[i * n * d..(i + 1) * n * d],
+                        bv,
+                        sv[0],
+                        n,
+                        d,
+                        a.hc_eps,
+                        a.rms_eps,
+                        yr,
+                    )
+                });
+            Ok(())
+        })
+    }
+
+    fn compressor(
+        &mut self,
+        acc: Slice,
+        u: Slice,
+        z: Slice,
+        ape: Weight,
+        a: CompressorArgs,
+        rows: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "compressor";
+        let pw = a.proj_width();
+        if a.ratio == 0 || a.width == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "ratio and width must be positive".into(),
+            });
+        }
+        shape(OP, "accumulator length", a.acc_len(), acc.len)?;
+        need(u, a.n_tok * pw, OP, "u")?;
+        need(z, a.n_tok * pw, OP, "z")?;
+        shape(OP, "ape row width", pw, ape.info.cols())?;
+        shape(OP, "ape rows", a.ratio, ape.info.rows())?;
+        let mut rows_v = self.bufs.take(rows.buf.id(), OP)?;
+        let r = (|| {
+            let rr = range(rows, rows_v.len(), OP)?;
+            let rows_s = &mut rows_v[rr];
+            let rows_s = &mut rows_s[..rows.len / a.width * a.width];
+            self.with_out(acc, OP, |this, accv| {
+                let uv = this.view(u, OP)?;
+                let zv = this.view(z, OP)?;
+                let apev = this.weight(ape, OP)?.values(OP)?;
+                kernels::compressor(
+                    accv, uv, zv, apev, a.pos0, a.n_tok, a.ratio, a.width, a.overlap, rows_s,
+                )
+            })
+        })();
+        self.bufs.put(rows.buf.id(), rows_v);
+        r
+    }
+
+    fn indexer_topk(
+        &mut self,
+        q: Slice,
+        w: Slice,
+        rows: Slice,
+        a: IndexerArgs,
+        out: IBuf,
+    ) -> BResult<()> {
+        const OP: &str = "indexer_topk";
+        let (t, k, hd, nh) = (a.n_tok, a.top_k, a.head_dim, a.n_heads);
+        if a.ratio == 0 || k == 0 || hd == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "ratio, top_k and head dim must be positive".into(),
+            });
+        }
+        if out.len() < t * k {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: "output length".into(),
+                expected: t * k,
+                found: out.len(),
+            });
+        }
+        let n_last = (a.pos0 + t) / a.ratio;
+        need(rows, n_last * hd, OP, "rows")?;
+        let scoring = n_last > k;
+        if scoring {
+            need(q, t * nh * hd, OP, "q")?;
+            need(w, t * nh, OP, "w")?;
+        }
+        self.with_iout(out, OP, |this, ov| {
+            let rv = this.view(rows, OP)?;
+            let (qv, wv) = if scoring {
+                (this.view(q, OP)?, this.view(w, OP)?)
+            } else {
+                (&[][..], &[][..])
+            };
+            for (ti, o) in ov[..t * k].chunks_mut(k).enumerate() {
+                let n_p = (a.pos0 + ti + 1) / a.ratio;
+                o.fill(-1);
+                let sel: Vec<usize> = if n_p <= k {
+                    (0..n_p).collect()
+                } else {
+                    let s = kernels::indexer_scores(
+                        &qv[ti * nh * hd..(ti + 1) * nh * hd],
+                        &wv[ti * nh..(ti + 1) * nh],
+                        rv,
+                        n_p,
+                        nh,
+                        hd,
+                        a.weight_scale,
+                    );
+                    kernels::top_k_lowest_tie(&s, k)
+                };
+                for (dst, s) in o.iter_mut().zip(sel) {
+                    *dst = s as i32;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn attention(&mut self, a: AttnArgs) -> BResult<()> {
+        const OP: &str = "attention";
+        let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
+        if win == 0 || hd == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "window and head dim must be positive".into(),
+            });
+        }
+        need(a.q, t * nh * hd, OP, "q")?;
+        need(a.kv, t * hd, OP, "kv")?;
+        need(a.ring, win * hd, OP, "ring")?;
+        need(a.out, t * nh * hd, OP, "out")?;
+        let last = a.pos0 + t; // exclusive end of positions
+        self.with_out(a.out, OP, |this, ov| {
+            let qv = this.view(a.q, OP)?;
+            let kvv = this.view(a.kv, OP)?;
+            let ring = this.view(a.ring, OP)?;
+            let sinks = this.weight(a.sinks, OP)?.values(OP)?;
+            shape(OP, "sinks length", nh, sinks.len())?;
+            // Compressed rows and per-query selections.
+            let (crows, ratio, sel): (&[f32], usize, Option<(&[i32], usize)>) = match a.comp {
+                CompSel::None => (&[], 0, None),
+                CompSel::All { rows, ratio } => {
+                    if ratio == 0 {
+                        return Err(BackendError::Invalid {
+                            op: OP,
+                            problem: "compression ratio 0".into(),
+                        });
+                    }
+                    need(rows, last / ratio * hd, OP, "compressed rows")?;
+                    (this.view(rows, OP)?, ratio, None)
+                }
+                CompSel::Top { rows, idx, k } => {
+                    let iv = this.iview(idx, OP)?;
+                    if iv.len() < t * k {
+                        return Err(BackendError::Shape {
+                            op: OP,
+                            what: "selection length".into(),
+                            expected: t * k,
+                            found: iv.len(),
+                        });
+                    }
+                    (this.view(rows, OP)?, 4, Some((iv, k)))
+                }
+            };
+            let n_rows_avail = crows.len() / hd;
+            // Keys per query, in a fixed order: raw window by position, then compressed rows.
+            let mut keys_per_tok: Vec<Vec<&[f32]>> = Vec::with_capacity(t);
+            for ti in 0..t {
+                let p = a.pos0 + ti;
+                let lo = (p + 1).saturating_sub(win);
+                let mut keys: Vec<&[f32]> = Vec::new();
+                for pos in lo..=p {
+                    if pos < a.pos0 {
+                        let s = pos % win;
+                        keys.push(&ring[s * hd..(s + 1) * hd]);
+                    } else {
+                        let r = pos - a.pos0;
+                        keys.push(&kvv[r * hd..(r + 1) * hd]);
+                    }
+                }
+                if ratio > 0 {
+                    let n_p = (p + 1) / ratio;
+                    match sel {
+                        None => {
+                            for w in 0..n_p {
+                                keys.push(&crows[w * hd..(w + 1) * hd]);
+                            }
+                        }
+                        Some((iv, k)) => {
+                            for &w in &iv[ti * k..(ti + 1) * k] {
+                                if w < 0 {
+                                    continue;
+                                }
+                                let w = w as usize;
+                                if w >= n_p || w >= n_rows_avail {
+                                    return Err(BackendError::Invalid {
+                                        op: OP,
+                                        problem: format!(
+                                            "query at {p} selects row {w}, only {n_p} visible"
+                                        ),
+                                    });
+                                }
+                                keys.push(&crows[w * hd..(w + 1) * hd]);
+                            }
+                        }
+                    }
+                }
+                keys_per_tok.push(keys);
+            }
+            ov[..t * nh * hd]
+                .par_chunks_mut(hd)
+                .enumerate()
+                .for_each(|(i, o)| {
+                    let (ti, h) = (i / nh, i % nh);
+                    kernels::attend_head(
+                        &qv[i * hd..(i + 1) * hd],
+                        &keys_per_tok[ti],
+                        sinks[h],
+                        a.scale,
+                        o,
+                    );
+                });
+            Ok(())
+        })
+    }
+
+    fn ring_store(
+        &mut self,
+        ring: Slice,
+        kv: Slice,
+        pos0: usize,
+        n_tok: usize,
+        window: usize,
+    ) -> BResult<()> {
+        const OP: &str = "ring_store";
+        if window == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "window 0".into(),
+            });
+        }
+        let d = ring.len / window;
+        shape(OP, "ring length", window * d, ring.len)?;
+        need(kv, n_tok * d, OP, "kv")?;
+        self.with_out(ring, OP, |this, rv| {
+            let kvv = this.view(kv, OP)?;
+            for ti in n_tok.saturating_sub(window)..n_tok {
+                let s = (pos0 + ti) % window;
+                rv[s * d..(s + 1) * d].copy_from_slice(&kvv[ti * d..(ti + 1) * d]);
+            }
+            Ok(())
+        })
+    }
+
+    fn router(
+        &mut self,
+        logits: Slice,
+        routing: Routing,
+        a: RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "router";
+        let (t, e, k) = (a.n_tok, a.n_expert, a.k);
+        if k == 0 || k > e {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{k} of {e} experts"),
+            });
+        }
+        need(logits, t * e, OP, "logits")?;
+        need(weights, t * k, OP, "weights")?;
+        if ids.len() < t * k {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: "ids length".into(),
+                expected: t * k,
+                found: ids.len(),
+            });
+        }
+        let mut idv = self.ibufs.take(ids.id(), OP)?;
+        let idr = &mut idv;
+        let r = self.with_out(weights, OP, |this, wv| {
+            let lv = this.view(logits, OP)?;
+            for ti in 0..t {
+                let l = &lv[ti * e..(ti + 1) * e];
+                let chosen: Vec<usize> = match routing {
+                    Routing::TopK { bias } => {
+                        let b = match bias {
+                            Some(b) => {
+                                let v = this.weight(b, OP)?.values(OP)?;
+                                shape(OP, "bias length", e, v.len())?;
+                                Some(v)
+                            }
+                            None => None,
+                        };
+                        kernels::route_topk(l, b, k)
+                    }
+                    Routing::Hash { table, tokens } => {
+                        let tw = this.weight(table, OP)?;
+                        shape(OP, "hash table width", k, tw.info.cols())?;
+                        let toks = this.iview(tokens, OP)?;
+                        let tok = toks.get(ti).copied().unwrap_or(-1);
+                        let tok = usize::try_from(tok)
+                            .ok()
+                            .filter(|&x| x < tw.info.rows())
+                            .ok_or_else(|| BackendError::Invalid {
+                                op: OP,
+                                problem: format!("token {tok} outside the hash table"),
+                            })?;
+                        let mut v = Vec::with_capacity(k);
+                        for id in tw.i32_row(tok) {
+                            let id =
+                                usize::try_from(id).ok().filter(|&x| x < e).ok_or_else(|| {
+                                    BackendError::Invalid {
+                                        op: OP,
+                                        problem: format!("hash table names expert {id} of {e}"),
+                                    }
+                                })?;
+                            v.push(id);
+                        }
+                        v
+                    }
+                };
+                kernels::route_weights(l, &chosen, a.scale, &mut wv[ti * k..(ti + 1) * k]);
+                for (dst, c) in idr[ti * k..(ti + 1) * k].iter_mut().zip(&chosen) {
+                    *dst = *c as i32;
+                }
+            }
+            Ok(())
+        });
+        self.ibufs.put(ids.id(), idv);
+        r
+    }
+
+    fn moe(
+        &mut self,
+        x: Slice,
+        ids: IBuf,
+        weights: Slice,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        a: MoeArgs,
+        out: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "moe";
+        let (t, k) = (a.n_tok, a.k);
+        let (d, f, ne) = (gate.info.cols(), gate.info.rows(), gate.info.mats());
+        if up.info.dims != gate.info.dims {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("gate {:?} vs up {:?}", gate.info.dims, up.info.dims),
+            });
+        }
+        if down.info.dims != [f, d, ne] {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("down {:?}, expected {:?}", down.info.dims, [f, d, ne]),
+            });
+        }
+        need(x, t * d, OP, "x")?;
+        need(weights, t * k, OP, "weights")?;
+        need(out, t * d, OP, "out")?;
+        self.with_out(out, OP, |this, ov| {
+            let (gw, uw, dw) = (
+                this.weight(gate, OP)?,
+                this.weight(up, OP)?,
+                this.weight(down, OP)?,
+            );
+            let xv = this.view(x, OP)?;
+            let wv = this.view(weights, OP)?;
+            let iv = this.iview(ids, OP)?;
+            if iv.len() < t * k {
+                return Err(BackendError::Shape {
+                    op: OP,
+                    what: "ids length".into(),
+                    expected: t * k,
+                    found: iv.len(),
+                });
+            }
+            // (token, slot) pairs per expert, in token order.
+            let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); ne];
+            for (i, &e) in iv[..t * k].iter().enumerate() {
+                let e = usize::try_from(e).ok().filter(|&e| e < ne).ok_or_else(|| {
+                    BackendError::Invalid {
+                        op: OP,
+                        problem: format!("expert id {e} of {ne}"),
+                    }
+                })?;
+                by_expert[e].push(i);
+            }
+            let mut per_slot = vec![0f32; t * k * d];
+            for (e, pairs) in by_expert.iter().enumerate() {
+                if pairs.is_empty() {
+                    continue;
+                }
+                let n = pairs.len();
+                let mut xs = vec![0f32; n * d];
+                for (j, &i) in pairs.iter().enumerate() {
+                    let ti = i / k;
+                    xs[j * d..(j + 1) * d].copy_from_slice(&xv[ti * d..(ti + 1) * d]);
+                }
+                let mut g = vec![0f32; n * f];
+                let mut u = vec![0f32; n * f];
+                kernels::matmul(gw, e, 0, f, &xs, d, n, &mut g, f)?;
+                kernels::matmul(uw, e, 0, f, &xs, d, n, &mut u, f)?;
+                for (j, &i) in pairs.iter().enumerate() {
+                    let wgt = wv[i];
+                    for r in 0..f {
+                        let h = kernels::swiglu(g[j * f + r], u[j * f + r], a.clamp);
+                        g[j * f + r] = wgt * h;
+                    }
+                }
+                let mut o = vec![0f32; n * d];
+                kernels::matmul(dw, e, 0, d, &g, f, n, &mut o, d)?;
+                for (j, &i) in pairs.iter().enumerate() {
+                    per_slot[i * d..(i + 1) * d].copy_from_slice(&o[j * d..(j + 1) * d]);
+                }
+            }
+            ov[..t * d]
+                .par_chunks_mut(d)
+                .enumerate()
+                .for_each(|(ti, orow)| {
+                    orow.fill(0.0);
+                    for s in 0..k {
+                        let src = &per_slot[(ti * k + s) * d..(ti * k + s + 1) * d];
+                        for (o, v) in orow.iter_mut().zip(src) {
+                            *o += v;
+                        }
+                    }
+                });
+            Ok(())
+        })
+    }
+}

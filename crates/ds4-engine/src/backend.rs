@@ -1,0 +1,538 @@
+//! The op-level `Backend` trait the forward pass is written against.
+//!
+//! Why op-level: the model is written once (`forward.rs`), and every device (the CPU
+//! reference here, CUDA/HIP later) implements the same list of coarse operations. An op is
+//! one "kernel's worth" of work over a whole chunk of tokens (a matmul over all tokens, the
+//! attention of all heads and tokens, the Sinkhorn mixing of all tokens), so a GPU needs one
+//! launch per op, never one per scalar, while each op stays small enough to be tested alone
+//! against a scalar reference.
+//!
+//! Memory model: the forward code never sees numbers. It holds opaque handles to
+//! backend-owned f32 buffers ([`Buf`], sub-ranges as [`Slice`]), i32 buffers ([`IBuf`]) and
+//! weights ([`Weight`]); only [`Backend::upload`]/[`Backend::download`] cross the boundary.
+//! Outputs of an op must not overlap its inputs unless the op says otherwise (the backend
+//! refuses with [`BackendError::Aliasing`]).
+//!
+//! Shapes are row-major with the token index slowest: `[T, width]` means token `t`'s values
+//! are `t*width .. (t+1)*width`. Weight matrices follow GGUF: a weight with dims
+//! `[ne0, ne1, ne2]` holds `ne2` matrices of `ne1` rows, each row `ne0` contiguous elements,
+//! so `y = W x` is one dot product per row (`in = ne0`, `out = ne1`).
+
+use std::sync::Arc;
+
+use ds4_gguf::{GgmlType, GgufFile};
+
+/// Why a backend refused or failed an op. Every variant names the op and the numbers.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    #[error("{op}: buffer #{id} is unknown or was freed")]
+    BadHandle { op: &'static str, id: u32 },
+    #[error("{op}: range {off}..{end} lies outside buffer #{id} of {len} elements")]
+    OutOfRange {
+        op: &'static str,
+        id: u32,
+        off: usize,
+        end: usize,
+        len: usize,
+    },
+    #[error("{op}: an output overlaps an input (buffer #{id})")]
+    Aliasing { op: &'static str, id: u32 },
+    #[error("{op}: {what} is {found}, expected {expected}")]
+    Shape {
+        op: &'static str,
+        what: String,
+        expected: usize,
+        found: usize,
+    },
+    #[error("{op}: weight type {ty} is not supported here")]
+    UnsupportedType { op: &'static str, ty: GgmlType },
+    #[error("weight {name:?}: {problem}")]
+    Weight { name: String, problem: String },
+    #[error("{op}: {problem}")]
+    Invalid { op: &'static str, problem: String },
+    #[error("out of memory allocating {elems} elements: {problem}")]
+    Alloc { elems: usize, problem: String },
+}
+
+pub type BResult<T> = Result<T, BackendError>;
+
+/// Handle to a backend-owned buffer of `len` f32 values (zero-initialised at allocation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Buf {
+    id: u32,
+    len: usize,
+}
+
+impl Buf {
+    /// For backends: wrap an id they issued.
+    pub fn new(id: u32, len: usize) -> Buf {
+        Buf { id, len }
+    }
+    pub fn id(self) -> u32 {
+        self.id
+    }
+    pub fn len(self) -> usize {
+        self.len
+    }
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+    /// The whole buffer.
+    pub fn all(self) -> Slice {
+        Slice {
+            buf: self,
+            off: 0,
+            len: self.len,
+        }
+    }
+    /// Elements `off .. off+len` (checked by the backend when used).
+    pub fn slice(self, off: usize, len: usize) -> Slice {
+        Slice {
+            buf: self,
+            off,
+            len,
+        }
+    }
+    /// Rows `row0 .. row0+n` of a `[rows, width]` view.
+    pub fn rows(self, row0: usize, n: usize, width: usize) -> Slice {
+        self.slice(row0 * width, n * width)
+    }
+}
+
+/// A contiguous range of a [`Buf`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Slice {
+    pub buf: Buf,
+    pub off: usize,
+    pub len: usize,
+}
+
+impl Slice {
+    pub fn end(self) -> usize {
+        self.off + self.len
+    }
+    /// A sub-range of this slice (relative offsets).
+    pub fn sub(self, off: usize, len: usize) -> Slice {
+        Slice {
+            buf: self.buf,
+            off: self.off + off,
+            len,
+        }
+    }
+    /// Whether two slices share any element.
+    pub fn overlaps(self, other: Slice) -> bool {
+        self.buf.id == other.buf.id && self.off < other.end() && other.off < self.end()
+    }
+}
+
+/// Handle to a backend-owned buffer of `len` i32 values (token ids, expert ids, row indices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IBuf {
+    id: u32,
+    len: usize,
+}
+
+impl IBuf {
+    pub fn new(id: u32, len: usize) -> IBuf {
+        IBuf { id, len }
+    }
+    pub fn id(self) -> u32 {
+        self.id
+    }
+    pub fn len(self) -> usize {
+        self.len
+    }
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Shape and type of a loaded weight, known to the engine so it can check shapes without
+/// asking the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightInfo {
+    pub ty: GgmlType,
+    /// GGUF dims, ne0 first; missing trailing dims are 1.
+    pub dims: [usize; 3],
+}
+
+impl WeightInfo {
+    /// Elements per row (`ne0`, the input width of a matmul).
+    pub fn cols(&self) -> usize {
+        self.dims[0]
+    }
+    /// Rows per matrix (`ne1`, the output width of a matmul).
+    pub fn rows(&self) -> usize {
+        self.dims[1]
+    }
+    /// Number of matrices (`ne2`; experts for routed tensors).
+    pub fn mats(&self) -> usize {
+        self.dims[2]
+    }
+    pub fn n_elements(&self) -> usize {
+        self.dims[0] * self.dims[1] * self.dims[2]
+    }
+}
+
+/// Handle to a backend-resident weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Weight {
+    id: u32,
+    pub info: WeightInfo,
+}
+
+impl Weight {
+    pub fn new(id: u32, info: WeightInfo) -> Weight {
+        Weight { id, info }
+    }
+    pub fn id(self) -> u32 {
+        self.id
+    }
+}
+
+/// How the forward pass reads a weight, so a backend can choose a storage form
+/// (e.g. keep matrices quantized in place but widen small vectors to f32 once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightUse {
+    /// Multiplied with activations (`matmul`, `moe`).
+    Matrix,
+    /// Read elementwise: norm weights, sinks, biases, mHC base/scale, compressor `ape`.
+    Vector,
+    /// Rows gathered by index: the embedding table, the hash-routing table (I32).
+    Table,
+}
+
+/// RoPE frequency schedule of a layer (spec §2.3). Backends derive the per-pair frequencies
+/// with [`crate::numerics::rope_freqs`] so every device uses the same formula.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeFreq {
+    pub base: f32,
+    /// `Some` on compressed layers only.
+    pub yarn: Option<ds4_model::Yarn>,
+    pub rope_dim: usize,
+}
+
+/// Arguments of [`Backend::rope`]: rotate the last `rope_dim` dims of every head.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeArgs {
+    /// Rows (tokens, or compressed rows).
+    pub n_rows: usize,
+    /// Heads per row; a row is `n_heads * head_dim` values.
+    pub n_heads: usize,
+    pub head_dim: usize,
+    /// Row `r` is rotated at position `pos0 + r * pos_step`.
+    pub pos0: usize,
+    pub pos_step: usize,
+    pub freq: RopeFreq,
+    /// Rotate by `-p·ω` (the output de-rotation, spec §5.7).
+    pub inverse: bool,
+}
+
+/// Constants of the mHC ops (spec §4).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HcArgs {
+    pub n_tok: usize,
+    /// Streams (`hc_mult`, 4).
+    pub n_hc: usize,
+    /// Hidden width per stream.
+    pub dim: usize,
+    pub sinkhorn_iters: usize,
+    pub hc_eps: f32,
+    pub rms_eps: f32,
+}
+
+/// Arguments of [`Backend::compressor`] (spec §5.3): feed `n_tok` tokens at positions
+/// `pos0..` into the accumulator and pool every window that completes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CompressorArgs {
+    pub pos0: usize,
+    pub n_tok: usize,
+    /// Window length `m`.
+    pub ratio: usize,
+    /// Output row width `c`.
+    pub width: usize,
+    /// Overlapping windows (ratio 4): projections are `2c` wide.
+    pub overlap: bool,
+}
+
+impl CompressorArgs {
+    /// Width of the per-token projections `u`, `z` (`κ·c`).
+    pub fn proj_width(&self) -> usize {
+        if self.overlap {
+            2 * self.width
+        } else {
+            self.width
+        }
+    }
+    /// Accumulator slots (tokens kept): previous + current window with overlap, else one window.
+    pub fn slots(&self) -> usize {
+        if self.overlap {
+            2 * self.ratio
+        } else {
+            self.ratio
+        }
+    }
+    /// f32 elements of the accumulator: `(u, z) × slots × proj_width`.
+    pub fn acc_len(&self) -> usize {
+        2 * self.slots() * self.proj_width()
+    }
+}
+
+/// Arguments of [`Backend::indexer_topk`] (spec §5.5).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IndexerArgs {
+    pub pos0: usize,
+    pub n_tok: usize,
+    pub ratio: usize,
+    pub n_heads: usize,
+    pub head_dim: usize,
+    pub top_k: usize,
+    /// Multiplies the head weights (`1/√(head_dim·n_heads)`).
+    pub weight_scale: f32,
+}
+
+/// Which compressed rows a query attends to (spec §5.4).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CompSel {
+    /// Sliding-only layer.
+    None,
+    /// All `⌊(p+1)/ratio⌋` visible rows of `rows` (HCA).
+    All { rows: Slice, ratio: usize },
+    /// The indexer's choice: `idx` is `[T, k]`, ascending row indices padded with −1 (CSA).
+    Top { rows: Slice, idx: IBuf, k: usize },
+}
+
+/// Arguments of [`Backend::attention`] (spec §5.2, §5.6).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnArgs {
+    /// `[T, n_head, head_dim]`, normed and roped queries.
+    pub q: Slice,
+    /// `[T, head_dim]`: this chunk's KV rows (key = value).
+    pub kv: Slice,
+    /// `[window, head_dim]`: KV rows of earlier positions, row of position `p` in slot `p % window`.
+    pub ring: Slice,
+    pub comp: CompSel,
+    /// `[n_head]` sink logits.
+    pub sinks: Weight,
+    pub pos0: usize,
+    pub n_tok: usize,
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub window: usize,
+    pub scale: f32,
+    /// `[T, n_head, head_dim]`.
+    pub out: Slice,
+}
+
+/// Arguments of [`Backend::router`] (spec §6 steps 1–3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterArgs {
+    pub n_tok: usize,
+    pub n_expert: usize,
+    /// Experts per token.
+    pub k: usize,
+    /// Routed scaling factor λ.
+    pub scale: f32,
+}
+
+/// How experts are chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Routing {
+    /// Top-k of `sqrtsoftplus(logits) + bias` (bias absent = 0).
+    TopK { bias: Option<Weight> },
+    /// `tid2eid[token]` (I32 table `[k, n_vocab]`), `tokens` is `[T]`.
+    Hash { table: Weight, tokens: IBuf },
+}
+
+/// Arguments of [`Backend::moe`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeArgs {
+    pub n_tok: usize,
+    pub k: usize,
+    pub clamp: f32,
+}
+
+/// An execution device. Object safe: the engine holds a `Box<dyn Backend>`.
+///
+/// Determinism contract: for fixed inputs an op's output must not depend on the number of
+/// threads (fixed reduction orders), and a token's results must not depend on which other
+/// tokens share its chunk where the math does not couple them (matmuls, norms, MoE), so that
+/// prefill, chunked prefill and decode agree.
+pub trait Backend: Send {
+    /// Short name for logs ("cpu").
+    fn name(&self) -> String;
+
+    // ---- memory -------------------------------------------------------------------------
+
+    /// A zero-filled f32 buffer.
+    fn alloc(&mut self, len: usize) -> BResult<Buf>;
+    /// A zero-filled i32 buffer.
+    fn alloc_i32(&mut self, len: usize) -> BResult<IBuf>;
+    fn free(&mut self, buf: Buf);
+    fn free_i32(&mut self, buf: IBuf);
+    fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()>;
+    fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()>;
+    fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()>;
+    fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()>;
+    /// `dst = src`; the ranges may be in one buffer but must not overlap.
+    fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()>;
+    fn fill(&mut self, dst: Slice, value: f32) -> BResult<()>;
+
+    // ---- weights ------------------------------------------------------------------------
+
+    /// Makes tensor `name` of `file` available to ops. CPU backends reference the mapping;
+    /// device backends copy it.
+    fn load_weight(
+        &mut self,
+        file: &Arc<GgufFile>,
+        name: &str,
+        usage: WeightUse,
+    ) -> BResult<Weight>;
+
+    // ---- dense algebra ------------------------------------------------------------------
+
+    /// `y[t] = W[mat] · x[t]` for `t < n_tok`; `x` is `[T, cols]`, `y` is `[T, rows]`.
+    fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()>;
+    /// Block-diagonal matmul: `W` has `groups·r` rows of `c` inputs; group `g` maps
+    /// `x[t, g·c .. (g+1)·c]` to `y[t, g·r .. (g+1)·r]` with rows `g·r .. (g+1)·r`.
+    fn matmul_grouped(
+        &mut self,
+        w: Weight,
+        groups: usize,
+        x: Slice,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()>;
+    /// RMSNorm of `rows` rows of `width`, times `w` if given (spec §2.1). `out` may be
+    /// exactly `x` (in place).
+    fn rms_norm(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        out: Slice,
+    ) -> BResult<()>;
+    /// In-place interleaved RoPE on the last `rope_dim` dims of every head (spec §2.3).
+    fn rope(&mut self, x: Slice, args: RopeArgs) -> BResult<()>;
+    /// `acc += x`.
+    fn add(&mut self, acc: Slice, x: Slice) -> BResult<()>;
+    /// `out = SiLU(min(g, c)) · clamp(u, −c, c)` elementwise (spec §6 step 4).
+    fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()>;
+
+    // ---- QAT simulations (spec §2.7), in place ------------------------------------------
+
+    /// FP8-E4M3 round trip of the first `n_dims` values of every row, in blocks of 64
+    /// (a shorter last block if `n_dims` is not a multiple of 64).
+    fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()>;
+    /// Per row of `width` (a power of two): normalised Walsh–Hadamard transform, then the
+    /// FP4-E2M1 round trip in blocks of 32.
+    fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()>;
+
+    // ---- model-specific ops -------------------------------------------------------------
+
+    /// `out[t, s] = table[tokens[t]]` for every stream `s < n_streams` (embedding + mHC expand).
+    fn embed(
+        &mut self,
+        table: Weight,
+        tokens: IBuf,
+        n_tok: usize,
+        n_streams: usize,
+        out: Slice,
+    ) -> BResult<()>;
+    /// HCPre after the mixing matmul (spec §4.1): `mix` is `[T, 2n+n²]` = φ·x̂ (not yet
+    /// scaled by ρ), `x` is `[T, n·D]`; writes `y [T, D]`, `post [T, n]`, `comb [T, n·n]`.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_pre(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        args: HcArgs,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+    ) -> BResult<()>;
+    /// HCPost in place on `x [T, n·D]` (spec §4.2): `X'_j = post_j·f + Σ_i comb[i][j]·X_i`.
+    fn hc_post(
+        &mut self,
+        x: Slice,
+        f: Slice,
+        post: Slice,
+        comb: Slice,
+        args: HcArgs,
+    ) -> BResult<()>;
+    /// HCHead (spec §4.3): `mix` is `[T, n]` = φ_h·x̂; writes `y [T, D]`.
+    fn hc_head(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        args: HcArgs,
+        y: Slice,
+    ) -> BResult<()>;
+    /// Compressor accumulate-and-pool (spec §5.3, state layout §8.1): `u`, `z` are
+    /// `[T, κc]` projections (z without the `ape` bias, which this op adds); `acc` is the
+    /// layer's accumulator (`args.acc_len()` values); each completed window `w` writes its
+    /// pooled (not yet normed) row to `rows[w]`.
+    #[allow(clippy::too_many_arguments)]
+    fn compressor(
+        &mut self,
+        acc: Slice,
+        u: Slice,
+        z: Slice,
+        ape: Weight,
+        args: CompressorArgs,
+        rows: Slice,
+    ) -> BResult<()>;
+    /// Lightning indexer (spec §5.5): for every query, the scores over its visible rows and
+    /// their top-k (lowest index wins ties), written to `out [T, k]` ascending, padded −1.
+    /// Queries with at most `k` visible rows select all of them without scoring.
+    /// `q` is `[T, heads·dim]`, `w` is `[T, heads]` (unscaled), `rows` the indexer rows.
+    fn indexer_topk(
+        &mut self,
+        q: Slice,
+        w: Slice,
+        rows: Slice,
+        args: IndexerArgs,
+        out: IBuf,
+    ) -> BResult<()>;
+    /// Sink attention over window rows and compressed rows (spec §5.2, §5.4, §5.6).
+    fn attention(&mut self, args: AttnArgs) -> BResult<()>;
+    /// Stores the chunk's KV rows `kv [T, dim]` of positions `pos0..` into the ring
+    /// (`[window, dim]`, slot `p % window`); only the last `window` rows matter.
+    fn ring_store(
+        &mut self,
+        ring: Slice,
+        kv: Slice,
+        pos0: usize,
+        n_tok: usize,
+        window: usize,
+    ) -> BResult<()>;
+    /// Router (spec §6 steps 1–3): `logits [T, E]` → expert ids `[T, k]` and weights `[T, k]`.
+    fn router(
+        &mut self,
+        logits: Slice,
+        routing: Routing,
+        args: RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()>;
+    /// Routed experts (spec §6 step 4): `out[t] = Σ_i W2_e (g_i · SwiGLU_c(W1_e x, W3_e x))`,
+    /// summed in slot order `i = 0..k`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &mut self,
+        x: Slice,
+        ids: IBuf,
+        weights: Slice,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        args: MoeArgs,
+        out: Slice,
+    ) -> BResult<()>;
+}

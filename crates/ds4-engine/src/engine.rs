@@ -1,0 +1,285 @@
+//! `Engine`: a loaded model on a backend, plus the chunking driver around the forward pass.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ds4_gguf::GgufFile;
+use ds4_model::{HParams, ModelSpec, Strictness};
+
+use crate::backend::Backend;
+use crate::config::{EngineConfig, NumericMode};
+use crate::error::{EngineError, Result};
+use crate::forward::{forward_chunk, Model, Scratch, Want};
+use crate::state::{fnv1a, KvState, Snapshot};
+use crate::weights::ModelWeights;
+
+/// Which logits [`Engine::eval`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// None (only advance the state).
+    None,
+    /// The last position's `n_vocab` logits.
+    Last,
+    /// Every position's, `[T, n_vocab]` row-major.
+    All,
+}
+
+/// A model loaded onto a backend.
+pub struct Engine {
+    backend: Box<dyn Backend>,
+    spec: ModelSpec,
+    weights: ModelWeights,
+    mode: NumericMode,
+    config: EngineConfig,
+    scratch: Option<Scratch>,
+    fingerprint: u64,
+    _file: Arc<GgufFile>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("backend", &self.backend.name())
+            .field("mode", &self.mode)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Opens and validates a GGUF file, then loads it (see [`Engine::load`]).
+    pub fn open(
+        path: impl AsRef<Path>,
+        backend: Box<dyn Backend>,
+        config: EngineConfig,
+    ) -> Result<Engine> {
+        let file = GgufFile::open(path)
+            .map_err(|e| EngineError::Config(format!("cannot open model: {e}")))?;
+        Engine::load(Arc::new(file), backend, config)
+    }
+
+    /// Validates `file` as a ds4-layout model, checks the numeric mode fits it, and loads
+    /// every weight onto `backend`.
+    pub fn load(
+        file: Arc<GgufFile>,
+        mut backend: Box<dyn Backend>,
+        config: EngineConfig,
+    ) -> Result<Engine> {
+        if config.prefill_chunk == 0 {
+            return Err(EngineError::Config("prefill chunk must be positive".into()));
+        }
+        if config.ctx == 0 {
+            return Err(EngineError::Config(
+                "context length must be positive".into(),
+            ));
+        }
+        let spec = ModelSpec::from_header(file.header(), Strictness::Auto)?;
+        let hp = &spec.hparams;
+        check_supported(hp)?;
+        let mode = config.mode.unwrap_or_else(|| NumericMode::default_for(hp));
+        if mode == NumericMode::Official {
+            if let Some(reason) = NumericMode::official_unsupported(hp) {
+                return Err(EngineError::ModeUnsupported {
+                    mode: mode.to_string(),
+                    reason,
+                });
+            }
+        }
+        let weights = ModelWeights::load(backend.as_mut(), &file, &spec)?;
+        let fingerprint = fnv1a(format!("{:?}|{}", spec.hparams, mode).as_bytes());
+        Ok(Engine {
+            backend,
+            spec,
+            weights,
+            mode,
+            config,
+            scratch: None,
+            fingerprint,
+            _file: file,
+        })
+    }
+
+    pub fn hparams(&self) -> &HParams {
+        &self.spec.hparams
+    }
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+    /// The active numeric mode (print it at load).
+    pub fn mode(&self) -> NumericMode {
+        self.mode
+    }
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+    pub fn backend_name(&self) -> String {
+        self.backend.name()
+    }
+    /// Identifies model dims + mode; snapshots only restore into a matching engine.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// A fresh state for `config.ctx` tokens.
+    pub fn new_state(&mut self) -> Result<KvState> {
+        self.new_state_with_ctx(self.config.ctx)
+    }
+
+    pub fn new_state_with_ctx(&mut self, ctx: usize) -> Result<KvState> {
+        KvState::new(
+            self.backend.as_mut(),
+            &self.spec.hparams,
+            ctx,
+            self.fingerprint,
+        )
+    }
+
+    /// Returns a state's buffers to the backend.
+    pub fn free_state(&mut self, state: KvState) {
+        state.free(self.backend.as_mut());
+    }
+
+    /// Empties a state (position 0) without reallocating.
+    pub fn reset_state(&mut self, state: &mut KvState) -> Result<()> {
+        self.check_state(state)?;
+        state.reset(self.backend.as_mut())
+    }
+
+    pub fn snapshot(&mut self, state: &KvState) -> Result<Snapshot> {
+        self.check_state(state)?;
+        state.snapshot(self.backend.as_mut())
+    }
+
+    pub fn restore(&mut self, state: &mut KvState, snap: &Snapshot) -> Result<()> {
+        self.check_state(state)?;
+        state.restore(self.backend.as_mut(), snap)
+    }
+
+    fn check_state(&self, state: &KvState) -> Result<()> {
+        if state.fingerprint != self.fingerprint {
+            return Err(EngineError::Config(
+                "this KV state belongs to another engine".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` (appended after the state's current position) in chunks of
+    /// `config.prefill_chunk`, and returns the requested logits. `progress(done, total)` is
+    /// called after every chunk.
+    pub fn eval(
+        &mut self,
+        state: &mut KvState,
+        tokens: &[u32],
+        want: Logits,
+        mut progress: Option<&mut dyn FnMut(usize, usize)>,
+    ) -> Result<Vec<f32>> {
+        self.check_state(state)?;
+        if tokens.is_empty() {
+            return Err(EngineError::Empty);
+        }
+        let hp = &self.spec.hparams;
+        let n_vocab = hp.n_vocab;
+        if let Some((index, &token)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= n_vocab)
+        {
+            return Err(EngineError::BadToken {
+                token,
+                index,
+                n_vocab,
+            });
+        }
+        let pos = state.pos();
+        if tokens.len() > state.ctx - pos {
+            return Err(EngineError::ContextFull {
+                pos,
+                adding: tokens.len(),
+                ctx: state.ctx,
+            });
+        }
+        let cap = self.config.prefill_chunk;
+        let logit_rows = if want == Logits::All { cap } else { 1 };
+        let need_new = match &self.scratch {
+            Some(s) => s.logit_rows < logit_rows,
+            None => true,
+        };
+        if need_new {
+            if let Some(old) = self.scratch.take() {
+                old.free(self.backend.as_mut());
+            }
+            let s = Scratch::new(self.backend.as_mut(), hp, cap, logit_rows)?;
+            self.scratch = Some(s);
+        }
+        let scratch = self.scratch.as_ref().expect("scratch allocated above");
+        let model = Model {
+            hp,
+            w: &self.weights,
+            mode: self.mode,
+        };
+        let mut out = Vec::new();
+        let n_chunks = tokens.len().div_ceil(cap);
+        for (ci, chunk) in tokens.chunks(cap).enumerate() {
+            let last = ci + 1 == n_chunks;
+            let w = match want {
+                Logits::All => Want::All,
+                Logits::Last if last => Want::Last,
+                _ => Want::None,
+            };
+            forward_chunk(self.backend.as_mut(), &model, scratch, state, chunk, w)?;
+            let rows = match w {
+                Want::None => 0,
+                Want::Last => 1,
+                Want::All => chunk.len(),
+            };
+            if rows > 0 {
+                let start = out.len();
+                out.resize(start + rows * n_vocab, 0.0);
+                self.backend
+                    .download(scratch.logits.rows(0, rows, n_vocab), &mut out[start..])?;
+            }
+            if let Some(p) = progress.as_mut() {
+                p((ci * cap + chunk.len()).min(tokens.len()), tokens.len());
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(s) = self.scratch.take() {
+            s.free(self.backend.as_mut());
+        }
+    }
+}
+
+/// Refuses dims the forward pass cannot run, naming them (beyond what `ds4-model` checks).
+fn check_supported(hp: &HParams) -> Result<()> {
+    let mut bad = Vec::new();
+    if hp.hc_mult == 0 || hp.n_embd == 0 || hp.head_dim == 0 {
+        bad.push("zero-sized hidden/head dims".to_string());
+    }
+    if hp.o_groups == 0 || hp.n_head % hp.o_groups != 0 {
+        bad.push(format!(
+            "{} heads do not split into {} output groups",
+            hp.n_head, hp.o_groups
+        ));
+    }
+    for (il, &r) in hp.compress_ratios.iter().enumerate() {
+        if r == 4 && (hp.indexer_heads == 0 || hp.indexer_head_dim < hp.rope_dim) {
+            bad.push(format!(
+                "layer {il}: CSA needs indexer heads of >= rope dims"
+            ));
+        }
+    }
+    if hp.sliding_window == 0 {
+        bad.push("sliding window is 0".into());
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(EngineError::Config(bad.join("; ")))
+    }
+}

@@ -1,0 +1,419 @@
+//! The DeepSeek V4 forward pass, written once over [`Backend`] ops (spec §3–§7).
+//!
+//! One call processes a chunk of `T` consecutive tokens at positions `pos0..pos0+T`
+//! against a [`KvState`] holding everything before `pos0`. Prefill, chunked prefill and
+//! decode (`T = 1`) are the same code; the math per token is identical in all three (spec §3
+//! "Causality"), and the CPU backend's ops make them agree bit for bit.
+
+use ds4_model::{AttnKind, HParams};
+
+use crate::backend::{
+    AttnArgs, Backend, Buf, CompSel, HcArgs, IBuf, IndexerArgs, MoeArgs, RopeArgs, RopeFreq,
+    RouterArgs, Routing,
+};
+use crate::config::NumericMode;
+use crate::error::Result;
+use crate::state::{CompState, KvState};
+use crate::weights::{CompressorWeights, ModelWeights};
+
+/// Which logits a chunk must produce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    None,
+    Last,
+    All,
+}
+
+/// Activation buffers for chunks of up to `cap` tokens, allocated once per engine.
+#[derive(Debug)]
+pub(crate) struct Scratch {
+    pub logit_rows: usize,
+    tokens: IBuf,
+    x: Buf,
+    mix: Buf,
+    y: Buf,
+    post: Buf,
+    comb: Buf,
+    a: Buf,
+    cq: Buf,
+    q: Buf,
+    kv: Buf,
+    cu: Buf,
+    cz: Buf,
+    iq: Buf,
+    iw: Buf,
+    sel: IBuf,
+    o: Buf,
+    low: Buf,
+    f: Buf,
+    rl: Buf,
+    eids: IBuf,
+    ew: Buf,
+    sg: Buf,
+    su: Buf,
+    sh: Buf,
+    sf: Buf,
+    hmix: Buf,
+    pub logits: Buf,
+}
+
+impl Scratch {
+    pub fn new(
+        be: &mut dyn Backend,
+        hp: &HParams,
+        cap: usize,
+        logit_rows: usize,
+    ) -> Result<Scratch> {
+        let d = hp.n_embd;
+        let n = hp.hc_mult;
+        let proj = (2 * hp.head_dim).max(2 * hp.indexer_head_dim);
+        let k_sel = hp.indexer_top_k.max(1);
+        Ok(Scratch {
+            logit_rows,
+            tokens: be.alloc_i32(cap)?,
+            x: be.alloc(cap * n * d)?,
+            mix: be.alloc(cap * hp.hc_mix())?,
+            y: be.alloc(cap * d)?,
+            post: be.alloc(cap * n)?,
+            comb: be.alloc(cap * n * n)?,
+            a: be.alloc(cap * d)?,
+            cq: be.alloc(cap * hp.q_lora_rank)?,
+            q: be.alloc(cap * hp.n_head * hp.head_dim)?,
+            kv: be.alloc(cap * hp.head_dim)?,
+            cu: be.alloc(cap * proj)?,
+            cz: be.alloc(cap * proj)?,
+            iq: be.alloc(cap * (hp.indexer_heads * hp.indexer_head_dim).max(1))?,
+            iw: be.alloc(cap * hp.indexer_heads.max(1))?,
+            sel: be.alloc_i32(cap * k_sel)?,
+            o: be.alloc(cap * hp.n_head * hp.head_dim)?,
+            low: be.alloc(cap * hp.o_groups * hp.o_lora_rank)?,
+            f: be.alloc(cap * d)?,
+            rl: be.alloc(cap * hp.n_expert)?,
+            eids: be.alloc_i32(cap * hp.n_expert_used)?,
+            ew: be.alloc(cap * hp.n_expert_used)?,
+            sg: be.alloc(cap * hp.expert_ff)?,
+            su: be.alloc(cap * hp.expert_ff)?,
+            sh: be.alloc(cap * hp.expert_ff)?,
+            sf: be.alloc(cap * d)?,
+            hmix: be.alloc(cap * n)?,
+            logits: be.alloc(logit_rows.max(1) * hp.n_vocab)?,
+        })
+    }
+
+    pub fn free(self, be: &mut dyn Backend) {
+        for b in [
+            self.x,
+            self.mix,
+            self.y,
+            self.post,
+            self.comb,
+            self.a,
+            self.cq,
+            self.q,
+            self.kv,
+            self.cu,
+            self.cz,
+            self.iq,
+            self.iw,
+            self.o,
+            self.low,
+            self.f,
+            self.rl,
+            self.ew,
+            self.sg,
+            self.su,
+            self.sh,
+            self.sf,
+            self.hmix,
+            self.logits,
+        ] {
+            be.free(b);
+        }
+        for b in [self.tokens, self.sel, self.eids] {
+            be.free_i32(b);
+        }
+    }
+}
+
+/// RoPE schedule of layer `il` (spec §2.3): plain base on sliding layers, the compressed
+/// base with YaRN on compressed layers.
+pub fn layer_rope(hp: &HParams, il: usize) -> RopeFreq {
+    match hp.attn_kind(il) {
+        AttnKind::Sliding => RopeFreq {
+            base: hp.rope_freq_base,
+            yarn: None,
+            rope_dim: hp.rope_dim,
+        },
+        _ => RopeFreq {
+            base: hp.compress_rope_freq_base,
+            yarn: Some(hp.yarn),
+            rope_dim: hp.rope_dim,
+        },
+    }
+}
+
+/// Everything a chunk needs besides the backend, the scratch and the state.
+pub(crate) struct Model<'a> {
+    pub hp: &'a HParams,
+    pub w: &'a ModelWeights,
+    pub mode: NumericMode,
+}
+
+/// Runs one chunk. `toks` must be non-empty, at most `s.cap` long, valid ids, and fit in
+/// the state's context (checked by the caller). Logits land in `s.logits`
+/// (`[rows, n_vocab]`, rows = 1 for `Last`, `T` for `All`).
+pub(crate) fn forward_chunk(
+    be: &mut dyn Backend,
+    m: &Model,
+    s: &Scratch,
+    st: &mut KvState,
+    toks: &[u32],
+    want: Want,
+) -> Result<()> {
+    let hp = m.hp;
+    let t = toks.len();
+    let pos0 = st.pos();
+    let (dm, nh, hd) = (hp.n_embd, hp.n_head, hp.head_dim);
+    let n_hc = hp.hc_mult;
+    let xw = n_hc * dm;
+    let eps = hp.rms_eps;
+    let official = m.mode == NumericMode::Official;
+    let nope = hd - hp.rope_dim;
+    let ids: Vec<i32> = toks.iter().map(|&x| x as i32).collect();
+    be.upload_i32(s.tokens, 0, &ids)?;
+
+    let x = s.x.rows(0, t, xw);
+    let hc = HcArgs {
+        n_tok: t,
+        n_hc,
+        dim: dm,
+        sinkhorn_iters: hp.hc_sinkhorn_iters,
+        hc_eps: hp.hc_eps,
+        rms_eps: eps,
+    };
+    let y = s.y.rows(0, t, dm);
+    let a = s.a.rows(0, t, dm);
+    let mix = s.mix.rows(0, t, hp.hc_mix());
+    let post = s.post.rows(0, t, n_hc);
+    let comb = s.comb.rows(0, t, n_hc * n_hc);
+    let f = s.f.rows(0, t, dm);
+
+    be.embed(m.w.tok_embd, s.tokens, t, n_hc, x)?;
+
+    for (il, lw) in m.w.layers.iter().enumerate() {
+        let ls = st.layers[il];
+        let freq = layer_rope(hp, il);
+        let rope =
+            |n_rows: usize, n_heads: usize, head_dim: usize, p0: usize, step: usize| RopeArgs {
+                n_rows,
+                n_heads,
+                head_dim,
+                pos0: p0,
+                pos_step: step,
+                freq,
+                inverse: false,
+            };
+
+        // ---- attention sublayer (spec §5) ----
+        be.matmul(lw.hc_attn.fn_, 0, x, t, mix)?;
+        be.hc_pre(mix, x, lw.hc_attn.base, lw.hc_attn.scale, hc, y, post, comb)?;
+        be.rms_norm(y, Some(lw.attn_norm), t, dm, eps, a)?;
+
+        let cq = s.cq.rows(0, t, hp.q_lora_rank);
+        be.matmul(lw.q_a, 0, a, t, cq)?;
+        be.rms_norm(cq, Some(lw.q_a_norm), t, hp.q_lora_rank, eps, cq)?;
+        let q = s.q.rows(0, t, nh * hd);
+        be.matmul(lw.q_b, 0, cq, t, q)?;
+        be.rms_norm(q, None, t * nh, hd, eps, q)?;
+        be.rope(q, rope(t, nh, hd, pos0, 1))?;
+
+        let kv = s.kv.rows(0, t, hd);
+        be.matmul(lw.kv, 0, a, t, kv)?;
+        be.rms_norm(kv, Some(lw.kv_norm), t, hd, eps, kv)?;
+        be.rope(kv, rope(t, 1, hd, pos0, 1))?;
+        if official {
+            be.qat_fp8(kv, t, hd, nope)?;
+        }
+
+        let mut comp = CompSel::None;
+        if let (Some(cs), Some(cw)) = (ls.comp, lw.comp.as_ref()) {
+            compress(be, s, a, cs, cw, pos0, t, eps, |be, rows, n, w0| {
+                be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
+                if official {
+                    be.qat_fp8(rows, n, hd, nope)?;
+                }
+                Ok(())
+            })?;
+            comp = CompSel::All {
+                rows: cs.rows.all(),
+                ratio: cs.ratio,
+            };
+            if let (Some(is), Some(iw)) = (ls.index, lw.indexer.as_ref()) {
+                let id = hp.indexer_head_dim;
+                compress(be, s, a, is, &iw.comp, pos0, t, eps, |be, rows, n, w0| {
+                    be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
+                    if official {
+                        be.qat_hadamard_fp4(rows, n, id)?;
+                    }
+                    Ok(())
+                })?;
+                let ih = hp.indexer_heads;
+                let iq = s.iq.rows(0, t, ih * id);
+                let iwt = s.iw.rows(0, t, ih);
+                // Scores are only needed once some query sees more rows than it may pick.
+                if (pos0 + t) / is.ratio > hp.indexer_top_k {
+                    be.matmul(iw.q_b, 0, cq, t, iq)?;
+                    be.rope(iq, rope(t, ih, id, pos0, 1))?;
+                    if official {
+                        be.qat_hadamard_fp4(iq, t * ih, id)?;
+                    }
+                    be.matmul(iw.proj, 0, a, t, iwt)?;
+                }
+                let args = IndexerArgs {
+                    pos0,
+                    n_tok: t,
+                    ratio: is.ratio,
+                    n_heads: ih,
+                    head_dim: id,
+                    top_k: hp.indexer_top_k,
+                    weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
+                };
+                be.indexer_topk(iq, iwt, is.rows.all(), args, s.sel)?;
+                comp = CompSel::Top {
+                    rows: cs.rows.all(),
+                    idx: s.sel,
+                    k: hp.indexer_top_k,
+                };
+            }
+        }
+
+        let o = s.o.rows(0, t, nh * hd);
+        be.attention(AttnArgs {
+            q,
+            kv,
+            ring: ls.ring.all(),
+            comp,
+            sinks: lw.sinks,
+            pos0,
+            n_tok: t,
+            n_head: nh,
+            head_dim: hd,
+            window: hp.sliding_window,
+            scale: (1.0 / (hd as f64).sqrt()) as f32,
+            out: o,
+        })?;
+        be.ring_store(ls.ring.all(), kv, pos0, t, hp.sliding_window)?;
+        be.rope(
+            o,
+            RopeArgs {
+                inverse: true,
+                ..rope(t, nh, hd, pos0, 1)
+            },
+        )?;
+        let low = s.low.rows(0, t, hp.o_groups * hp.o_lora_rank);
+        be.matmul_grouped(lw.out_a, hp.o_groups, o, t, low)?;
+        be.matmul(lw.out_b, 0, low, t, f)?;
+        be.hc_post(x, f, post, comb, hc)?;
+
+        // ---- MoE sublayer (spec §6) ----
+        be.matmul(lw.hc_ffn.fn_, 0, x, t, mix)?;
+        be.hc_pre(mix, x, lw.hc_ffn.base, lw.hc_ffn.scale, hc, y, post, comb)?;
+        be.rms_norm(y, Some(lw.ffn_norm), t, dm, eps, a)?;
+        let k = hp.n_expert_used;
+        let rl = s.rl.rows(0, t, hp.n_expert);
+        be.matmul(lw.router, 0, a, t, rl)?;
+        let routing = match lw.tid2eid {
+            Some(table) => Routing::Hash {
+                table,
+                tokens: s.tokens,
+            },
+            None => Routing::TopK {
+                bias: lw.router_bias,
+            },
+        };
+        let ew = s.ew.rows(0, t, k);
+        be.router(
+            rl,
+            routing,
+            RouterArgs {
+                n_tok: t,
+                n_expert: hp.n_expert,
+                k,
+                scale: hp.expert_weights_scale,
+            },
+            s.eids,
+            ew,
+        )?;
+        let clamp = hp.swiglu_clamp[il];
+        be.moe(
+            a,
+            s.eids,
+            ew,
+            lw.gate_exps,
+            lw.up_exps,
+            lw.down_exps,
+            MoeArgs { n_tok: t, k, clamp },
+            f,
+        )?;
+        let ff = hp.expert_ff;
+        let (sg, su, sh) = (
+            s.sg.rows(0, t, ff),
+            s.su.rows(0, t, ff),
+            s.sh.rows(0, t, ff),
+        );
+        be.matmul(lw.gate_sh, 0, a, t, sg)?;
+        be.matmul(lw.up_sh, 0, a, t, su)?;
+        be.swiglu(sg, su, clamp, sh)?;
+        let sf = s.sf.rows(0, t, dm);
+        be.matmul(lw.down_sh, 0, sh, t, sf)?;
+        be.add(f, sf)?;
+        be.hc_post(x, f, post, comb, hc)?;
+    }
+    st.tokens.extend_from_slice(toks);
+
+    // ---- head (spec §4.3, §7) ----
+    let (t0, nt) = match want {
+        Want::None => return Ok(()),
+        Want::Last => (t - 1, 1),
+        Want::All => (0, t),
+    };
+    let xs = s.x.rows(t0, nt, xw);
+    let hmix = s.hmix.rows(0, nt, n_hc);
+    let hy = s.y.rows(0, nt, dm);
+    let hc1 = HcArgs { n_tok: nt, ..hc };
+    be.matmul(m.w.head_hc.fn_, 0, xs, nt, hmix)?;
+    be.hc_head(hmix, xs, m.w.head_hc.base, m.w.head_hc.scale, hc1, hy)?;
+    be.rms_norm(hy, Some(m.w.output_norm), nt, dm, eps, hy)?;
+    be.matmul(m.w.output, 0, hy, nt, s.logits.rows(0, nt, hp.n_vocab))?;
+    Ok(())
+}
+
+/// Feeds a chunk to one compressor and finishes the rows it emits: RMSNorm with the
+/// compressor's weight, then `finish` (RoPE at the window's first position, QAT).
+#[allow(clippy::too_many_arguments)]
+fn compress(
+    be: &mut dyn Backend,
+    s: &Scratch,
+    a: crate::backend::Slice,
+    cs: CompState,
+    cw: &CompressorWeights,
+    pos0: usize,
+    t: usize,
+    eps: f32,
+    finish: impl Fn(&mut dyn Backend, crate::backend::Slice, usize, usize) -> Result<()>,
+) -> Result<()> {
+    let args = cs.chunk_args(pos0, t);
+    let pw = args.proj_width();
+    let (cu, cz) = (s.cu.rows(0, t, pw), s.cz.rows(0, t, pw));
+    be.matmul(cw.kv, 0, a, t, cu)?;
+    be.matmul(cw.gate, 0, a, t, cz)?;
+    be.compressor(cs.acc.all(), cu, cz, cw.ape, args, cs.rows.all())?;
+    let (w0, w1) = (cs.rows_at(pos0), cs.rows_at(pos0 + t));
+    if w1 > w0 {
+        let n = w1 - w0;
+        let rows = cs.rows.rows(w0, n, cs.width);
+        be.rms_norm(rows, Some(cw.norm), n, cs.width, eps, rows)?;
+        finish(be, rows, n, w0)?;
+    }
+    Ok(())
+}

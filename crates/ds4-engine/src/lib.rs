@@ -1,0 +1,33 @@
+//! The DeepSeek V4 Flash inference engine: the forward pass written once over an op-level
+//! [`Backend`] trait (spec `forward-pass.md`), the decode-time KV state with byte snapshots,
+//! a session/generation API and a sampler.
+//!
+//! ```text
+//! Engine::load(file, Box<dyn Backend>, EngineConfig)   weights bound, mode chosen
+//!   → Session::new(engine)                              KV state for `ctx` tokens
+//!   → prefill(tokens) / decode(token) → logits          chunked prefill, T = 1 decode
+//!   → Sampler::sample(logits, history) → token          or Session::generate(...)
+//! ```
+//!
+//! Numeric modes ([`NumericMode`]): `exact` computes HF transformers' graph (no QAT
+//! simulation); `official` adds the FP8/FP4 simulations the checkpoint was trained with
+//! (spec §2.7). `official` is the default wherever the model's dims allow it.
+
+pub mod backend;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod forward;
+pub mod numerics;
+pub mod sampler;
+pub mod session;
+pub mod state;
+pub mod weights;
+
+pub use backend::{Backend, BackendError, Buf, IBuf, Slice, Weight, WeightInfo, WeightUse};
+pub use config::{EngineConfig, NumericMode};
+pub use engine::{Engine, Logits};
+pub use error::{EngineError, Result};
+pub use sampler::{argmax, Rng, Sampler, SamplerConfig};
+pub use session::{Generation, Session, StopConditions, StopReason};
+pub use state::{KvState, Snapshot};

@@ -1,0 +1,208 @@
+//! `Session`: one sequence on one engine — prefill, decode, generation, snapshots.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::engine::{Engine, Logits};
+use crate::error::{EngineError, Result};
+use crate::sampler::Sampler;
+use crate::state::{KvState, Snapshot};
+
+/// When generation stops (besides the callback and the cancel flag).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StopConditions {
+    /// Stop after this many generated tokens.
+    pub max_tokens: usize,
+    /// Stop when one of these is sampled (it is reported and included in the output).
+    pub stop_tokens: Vec<u32>,
+    /// Stop when the generated tokens end with one of these sequences.
+    pub stop_sequences: Vec<Vec<u32>>,
+}
+
+/// Why [`Session::generate`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    MaxTokens,
+    StopToken,
+    StopSequence,
+    /// The callback returned `false`.
+    Callback,
+    Cancelled,
+    /// The context is full.
+    ContextFull,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Generated tokens, in order (a stop token or sequence is included).
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+}
+
+/// A sequence's KV state bound to its engine.
+///
+/// The state holds every token passed to `prefill`/`decode`. After [`Session::generate`],
+/// it holds the prompt and every generated token except the last one, which was sampled but
+/// not yet fed (feed it with `decode` to continue the conversation).
+#[derive(Debug)]
+pub struct Session {
+    engine: Engine,
+    state: Option<KvState>,
+}
+
+impl Session {
+    /// A session with an empty state of `engine.config().ctx` tokens.
+    pub fn new(mut engine: Engine) -> Result<Session> {
+        let state = engine.new_state()?;
+        Ok(Session {
+            engine,
+            state: Some(state),
+        })
+    }
+
+    fn st(&mut self) -> (&mut Engine, &mut KvState) {
+        (
+            &mut self.engine,
+            self.state
+                .as_mut()
+                .expect("state present while the session lives"),
+        )
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn engine_mut(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+
+    /// Tokens processed so far.
+    pub fn tokens(&self) -> &[u32] {
+        self.state.as_ref().map(|s| s.tokens()).unwrap_or(&[])
+    }
+
+    pub fn pos(&self) -> usize {
+        self.tokens().len()
+    }
+
+    pub fn ctx(&self) -> usize {
+        self.state.as_ref().map(|s| s.ctx()).unwrap_or(0)
+    }
+
+    /// Back to position 0.
+    pub fn reset(&mut self) -> Result<()> {
+        let (e, s) = self.st();
+        e.reset_state(s)
+    }
+
+    /// Appends `tokens` and returns the logits of the last one (`n_vocab` values).
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let (e, s) = self.st();
+        e.eval(s, tokens, Logits::Last, None)
+    }
+
+    /// Like [`Session::prefill`] with a progress callback `(done, total)` per chunk.
+    pub fn prefill_with_progress(
+        &mut self,
+        tokens: &[u32],
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<f32>> {
+        let (e, s) = self.st();
+        e.eval(s, tokens, Logits::Last, Some(progress))
+    }
+
+    /// Appends `tokens` and returns every position's logits, `[T, n_vocab]` row-major.
+    pub fn prefill_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let (e, s) = self.st();
+        e.eval(s, tokens, Logits::All, None)
+    }
+
+    /// Appends one token and returns its logits.
+    pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        let (e, s) = self.st();
+        e.eval(s, &[token], Logits::Last, None)
+    }
+
+    pub fn snapshot(&mut self) -> Result<Snapshot> {
+        let (e, s) = self.st();
+        e.snapshot(s)
+    }
+
+    /// Replaces the state with a snapshot taken from an engine with the same model and mode.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        let (e, s) = self.st();
+        e.restore(s, snap)
+    }
+
+    /// Prefills `prompt` (may be empty to continue from the current state, which then
+    /// needs the previous logits: pass them as `last_logits`), then samples up to
+    /// `stop.max_tokens` tokens. `on_token` sees each token as it is produced and may
+    /// return `false` to stop; `cancel` is polled before every step.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        last_logits: Option<Vec<f32>>,
+        sampler: &mut Sampler,
+        stop: &StopConditions,
+        on_token: &mut dyn FnMut(u32) -> bool,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<Generation> {
+        let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
+        let mut logits = if prompt.is_empty() {
+            last_logits.ok_or(EngineError::Empty)?
+        } else {
+            self.prefill(prompt)?
+        };
+        let mut out = Vec::new();
+        loop {
+            if out.len() >= stop.max_tokens {
+                return Ok(finish(out, StopReason::MaxTokens));
+            }
+            if cancelled() {
+                return Ok(finish(out, StopReason::Cancelled));
+            }
+            let mut history = self.tokens().to_vec();
+            history.extend_from_slice(&out);
+            let tok = sampler.sample(&logits, &history)?;
+            out.push(tok);
+            let keep_going = on_token(tok);
+            if stop.stop_tokens.contains(&tok) {
+                return Ok(finish(out, StopReason::StopToken));
+            }
+            if stop
+                .stop_sequences
+                .iter()
+                .any(|s| !s.is_empty() && out.ends_with(s))
+            {
+                return Ok(finish(out, StopReason::StopSequence));
+            }
+            if !keep_going {
+                return Ok(finish(out, StopReason::Callback));
+            }
+            if out.len() >= stop.max_tokens {
+                return Ok(finish(out, StopReason::MaxTokens));
+            }
+            if self.pos() >= self.ctx() {
+                return Ok(finish(out, StopReason::ContextFull));
+            }
+            if cancelled() {
+                return Ok(finish(out, StopReason::Cancelled));
+            }
+            logits = self.decode(tok)?;
+        }
+    }
+
+    /// Gives the engine back (the state's buffers are released). Dropping a session
+    /// drops its engine and backend, which releases everything too.
+    pub fn into_engine(self) -> Engine {
+        let Session { mut engine, state } = self;
+        if let Some(s) = state {
+            engine.free_state(s);
+        }
+        engine
+    }
+}
+
+fn finish(tokens: Vec<u32>, stop: StopReason) -> Generation {
+    Generation { tokens, stop }
+}

@@ -1,0 +1,604 @@
+//! HF checkpoint → ds4-layout GGUF.
+//!
+//! The header comes from `ds4_model::layout::model_header`, so a converted file has exactly
+//! the keys, key types, tensor names, dims and order that validation (and ds4) expect. The
+//! checkpoint is matched against that table *before* anything is written: every unknown,
+//! missing, mis-shaped or wrongly typed tensor is collected and reported together.
+//!
+//! Payloads are streamed in table order. A plain tensor is read, encoded and written a chunk
+//! of rows at a time; routed experts one batch of experts at a time (each expert quantized
+//! independently, with IQ2_XXS importance = that expert's column energy, spec §5.4). Encoding
+//! runs on rayon but results are written in a fixed order, so two conversions of the same
+//! checkpoint are byte-identical.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use ds4_gguf::quant;
+use ds4_gguf::{GgmlType, Header, TensorInfo};
+use ds4_model::layout::{model_header, TokenizerData, TypeRecipe};
+use ds4_model::{HParams, ModelSpec, Strictness};
+use rayon::prelude::*;
+
+use crate::checkpoint::{Checkpoint, SourceTensor};
+use crate::config::hparams_from_config;
+use crate::error::{io_err, CheckpointProblem, ConvertError, Result};
+use crate::mapping::{self, map_name, ExpertPart, Mapped, PackedPart, Scheme};
+use crate::progress::Progress;
+use crate::stream::StreamWriter;
+use crate::tokenizer;
+
+/// Options of `ds4-convert hf`.
+#[derive(Debug, Clone)]
+pub struct HfOptions {
+    pub recipe: TypeRecipe,
+    /// `f32`, `q2` or `q4`: only used in messages.
+    pub recipe_name: String,
+    /// A HF `tokenizer.json` to embed; without it a generated vocabulary is used.
+    pub tokenizer: Option<PathBuf>,
+    /// `general.name`; defaults to "DeepSeek V4 (converted from DIR)".
+    pub name: Option<String>,
+}
+
+impl HfOptions {
+    pub fn new(recipe_name: &str) -> Option<HfOptions> {
+        Some(HfOptions {
+            recipe: TypeRecipe::from_name(recipe_name)?,
+            recipe_name: recipe_name.to_string(),
+            tokenizer: None,
+            name: None,
+        })
+    }
+}
+
+/// Where one GGUF tensor's payload comes from.
+#[derive(Debug, Clone)]
+enum Source {
+    Direct(String),
+    /// Per-expert matrices, expert order.
+    Experts(Vec<String>),
+    /// A packed tensor; `part` selects the gate or up half of `gate_up_proj`.
+    Packed {
+        name: String,
+        part: ExpertPart,
+    },
+}
+
+/// A checked conversion: the header to write and, per tensor, its source.
+pub struct Plan {
+    pub hparams: HParams,
+    pub header: Header,
+    pub scheme: Scheme,
+    /// Checkpoint tensors deliberately left out (the MTP block).
+    pub skipped: Vec<String>,
+    sources: Vec<Source>,
+}
+
+/// What a finished conversion did.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub bytes: u64,
+    pub tensors: usize,
+    pub scheme: Scheme,
+    pub skipped: Vec<String>,
+}
+
+fn float_problem(t: &SourceTensor) -> Option<CheckpointProblem> {
+    (!t.is_float()).then(|| CheckpointProblem::Dtype {
+        name: t.name.clone(),
+        dtype: format!("{:?}", t.dtype),
+        accepted: "F32, BF16 and F16",
+    })
+}
+
+fn torch_shape(dims: &[u64]) -> Vec<u64> {
+    dims.iter().rev().copied().collect()
+}
+
+/// Reads `config.json` of `dir`.
+pub fn read_config(dir: &Path) -> Result<HParams> {
+    let path = dir.join("config.json");
+    let text = std::fs::read(&path).map_err(io_err(&path))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|source| ConvertError::Json {
+            path: path.clone(),
+            source,
+        })?;
+    hparams_from_config(&json)
+}
+
+/// Checks that every tensor's ne0 is a whole number of blocks of its target type.
+pub(crate) fn check_block_alignment(header: &Header, recipe_name: &str) -> Result<()> {
+    for t in &header.tensors {
+        let ne0 = t.dims.first().copied().unwrap_or(0);
+        if t.ty.row_bytes(ne0).is_none() {
+            return Err(ConvertError::NotBlockAligned {
+                name: t.name.clone(),
+                ty: t.ty.name(),
+                ne0,
+                block: t.ty.block_elems().unwrap_or(0),
+                recipe: recipe_name.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Matches a checkpoint against the layout its config implies.
+pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Plan> {
+    let h = hparams;
+    let tok: TokenizerData = match &opts.tokenizer {
+        Some(p) => {
+            let t = tokenizer::from_hf_json(p, h.n_vocab)?;
+            if t.tokens.len() != h.n_vocab {
+                return Err(ConvertError::Tokenizer {
+                    path: p.clone(),
+                    message: format!(
+                        "has {} tokens but config.json says vocab_size = {}",
+                        t.tokens.len(),
+                        h.n_vocab
+                    ),
+                });
+            }
+            t
+        }
+        None => tokenizer::generated_tokenizer(h.n_vocab),
+    };
+    let name = opts.name.clone().unwrap_or_else(|| {
+        let d = ckpt
+            .dir
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        format!("DeepSeek V4 (converted from {d})")
+    });
+    let mut header = model_header(&h, &opts.recipe, &name, &tok);
+    check_block_alignment(&header, &opts.recipe_name)?;
+
+    let scheme = Scheme::detect(ckpt.tensors.keys().map(String::as_str));
+    let mut problems = Vec::new();
+    let mut skipped = Vec::new();
+    let mut direct: HashMap<String, &SourceTensor> = HashMap::new();
+    let mut experts: BTreeMap<(usize, ExpertPart), BTreeMap<usize, &SourceTensor>> =
+        BTreeMap::new();
+    let mut packed: HashMap<(usize, PackedPart), &SourceTensor> = HashMap::new();
+    for (key, t) in &ckpt.tensors {
+        match map_name(key) {
+            Mapped::Tensor(g) => {
+                if let Some(prev) = direct.insert(g.clone(), t) {
+                    problems.push(CheckpointProblem::Duplicate {
+                        name: key.clone(),
+                        other: prev.name.clone(),
+                        gguf: g,
+                    });
+                }
+            }
+            Mapped::Expert {
+                layer,
+                expert,
+                part,
+            } => {
+                experts.entry((layer, part)).or_default().insert(expert, t);
+            }
+            Mapped::Packed { layer, part } => {
+                packed.insert((layer, part), t);
+            }
+            Mapped::Skipped => skipped.push(key.clone()),
+            Mapped::Unknown => problems.push(CheckpointProblem::Unexpected { name: key.clone() }),
+        }
+    }
+
+    let n_exp = h.n_expert;
+    let mut sources = Vec::with_capacity(header.tensors.len());
+    let mut keep = Vec::with_capacity(header.tensors.len());
+    let mut used_experts: Vec<(usize, ExpertPart)> = Vec::new();
+    let mut used_packed: Vec<(usize, PackedPart)> = Vec::new();
+    for info in &header.tensors {
+        let want = torch_shape(&info.dims);
+        let layer: Option<usize> = info
+            .name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(l, _)| l.parse().ok());
+        let part = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down]
+            .into_iter()
+            .find(|p| info.name.ends_with(p.gguf_suffix()));
+        if let (Some(il), Some(part)) = (layer, part) {
+            // Routed experts: per expert, or packed.
+            let pk = if part == ExpertPart::Down {
+                PackedPart::Down
+            } else {
+                PackedPart::GateUp
+            };
+            let per = experts.get(&(il, part));
+            let pack = packed.get(&(il, pk));
+            used_experts.push((il, part));
+            used_packed.push((il, pk));
+            match (per, pack) {
+                (Some(_), Some(_)) => {
+                    problems.push(CheckpointProblem::MixedExperts { layer: il });
+                    sources.push(Source::Experts(Vec::new()));
+                }
+                (None, Some(p)) => {
+                    // (N, 2F, E) for gate_up, (N, E, F) for down.
+                    let expect = if pk == PackedPart::GateUp {
+                        vec![want[0], 2 * want[1], want[2]]
+                    } else {
+                        want.clone()
+                    };
+                    if p.shape != expect {
+                        problems.push(CheckpointProblem::Shape {
+                            name: p.name.clone(),
+                            found: p.shape.clone(),
+                            expected: expect,
+                        });
+                    }
+                    problems.extend(float_problem(p));
+                    sources.push(Source::Packed {
+                        name: p.name.clone(),
+                        part,
+                    });
+                }
+                (per, None) => {
+                    let empty = BTreeMap::new();
+                    let per = per.unwrap_or(&empty);
+                    let one = want[1..].to_vec();
+                    let mut names = Vec::with_capacity(n_exp);
+                    for e in 0..n_exp {
+                        match per.get(&e) {
+                            Some(t) => {
+                                if t.shape != one {
+                                    problems.push(CheckpointProblem::Shape {
+                                        name: t.name.clone(),
+                                        found: t.shape.clone(),
+                                        expected: one.clone(),
+                                    });
+                                }
+                                problems.extend(float_problem(t));
+                                names.push(t.name.clone());
+                            }
+                            None => problems.push(CheckpointProblem::Missing {
+                                source: mapping::expert_source_name(il, e, part, scheme),
+                                gguf: format!("{} (expert {e})", info.name),
+                                shape: one.clone(),
+                            }),
+                        }
+                    }
+                    for (&e, t) in per.range(n_exp..) {
+                        let _ = e;
+                        problems.push(CheckpointProblem::Unexpected {
+                            name: t.name.clone(),
+                        });
+                    }
+                    sources.push(Source::Experts(names));
+                }
+            }
+            keep.push(true);
+            continue;
+        }
+        match direct.remove(&info.name) {
+            Some(t) => {
+                if t.shape != want {
+                    problems.push(CheckpointProblem::Shape {
+                        name: t.name.clone(),
+                        found: t.shape.clone(),
+                        expected: want.clone(),
+                    });
+                }
+                if info.ty == GgmlType::I32 {
+                    if !t.is_int() {
+                        problems.push(CheckpointProblem::Dtype {
+                            name: t.name.clone(),
+                            dtype: format!("{:?}", t.dtype),
+                            accepted: "I64 and I32",
+                        });
+                    }
+                } else {
+                    problems.extend(float_problem(t));
+                }
+                sources.push(Source::Direct(t.name.clone()));
+                keep.push(true);
+            }
+            None if info.name.ends_with("exp_probs_b.bias") => {
+                // ds4 treats the selection bias as optional: leave it out of the file.
+                sources.push(Source::Direct(String::new()));
+                keep.push(false);
+            }
+            None => {
+                problems.push(CheckpointProblem::Missing {
+                    source: mapping::source_name(&info.name, scheme),
+                    gguf: info.name.clone(),
+                    shape: want,
+                });
+                sources.push(Source::Direct(String::new()));
+                keep.push(true);
+            }
+        }
+    }
+    // Whatever was not consumed does not belong to this config.
+    for t in direct.values() {
+        problems.push(CheckpointProblem::Unexpected {
+            name: t.name.clone(),
+        });
+    }
+    for (k, per) in &experts {
+        if !used_experts.contains(k) {
+            problems.extend(per.values().map(|t| CheckpointProblem::Unexpected {
+                name: t.name.clone(),
+            }));
+        }
+    }
+    for (k, t) in &packed {
+        if !used_packed.contains(k) {
+            problems.push(CheckpointProblem::Unexpected {
+                name: t.name.clone(),
+            });
+        }
+    }
+    if !problems.is_empty() {
+        problems.sort_by_key(|p| p.to_string());
+        problems.dedup();
+        return Err(ConvertError::Checkpoint {
+            dir: ckpt.dir.clone(),
+            problems,
+        });
+    }
+    let mut it = keep.iter();
+    header.tensors.retain(|_| *it.next().unwrap_or(&true));
+    let mut it = keep.iter();
+    sources.retain(|_| *it.next().unwrap_or(&true));
+    ModelSpec::from_header(&header, Strictness::Layout)?;
+    Ok(Plan {
+        hparams: h,
+        header,
+        scheme,
+        skipped,
+        sources,
+    })
+}
+
+/// Elements decoded per chunk of a plain tensor (16 MiB of f32).
+const CHUNK_ELEMS: usize = 1 << 22;
+
+fn quant_err(name: &str) -> impl Fn(quant::QuantError) -> ConvertError + '_ {
+    move |source| ConvertError::Quant {
+        name: name.to_string(),
+        source,
+    }
+}
+
+/// Encodes whole rows of `ne0` values to `ty`, splitting rows over threads.
+/// `importance` (IQ2_XXS) is per column and shared by all rows.
+fn encode_rows(
+    name: &str,
+    ty: GgmlType,
+    src: &[f32],
+    ne0: usize,
+    importance: Option<&[f32]>,
+) -> Result<Vec<u8>> {
+    let rows = src.len() / ne0;
+    let threads = rayon::current_num_threads().max(1);
+    let per = rows.div_ceil(threads).max(1);
+    let parts: Vec<Result<Vec<u8>>> = src
+        .par_chunks(per * ne0)
+        .map(|part| {
+            if ty.is_quantized() {
+                quant::quantize_matrix(ty, part, ne0, importance)
+            } else {
+                quant::quantize(ty, part, None)
+            }
+            .map_err(quant_err(name))
+        })
+        .collect();
+    let mut out = Vec::with_capacity(ty.bytes_for(src.len() as u64).unwrap_or(0) as usize);
+    for p in parts {
+        out.extend_from_slice(&p?);
+    }
+    Ok(out)
+}
+
+/// `imp[c] = Σ_rows x[r][c]²`, accumulated in f32 in row order (ds4's synthetic importance).
+fn column_energy(src: &[f32], ne0: usize) -> Vec<f32> {
+    let mut acc = vec![0f32; ne0];
+    for row in src.chunks_exact(ne0) {
+        for (a, v) in acc.iter_mut().zip(row) {
+            *a += v * v;
+        }
+    }
+    acc
+}
+
+fn write_direct<W: Write>(
+    ckpt: &Checkpoint,
+    info: &TensorInfo,
+    src: &SourceTensor,
+    n_expert: usize,
+    w: &mut StreamWriter<W>,
+    progress: &mut dyn Progress,
+) -> Result<()> {
+    let ne0 = info.dims[0] as usize;
+    let total = src.n_elements() as usize;
+    if info.ty == GgmlType::I32 {
+        let mut vals = vec![0i64; total];
+        ckpt.read_ints(src, 0, &mut vals)?;
+        let mut out = Vec::with_capacity(total * 4);
+        for (i, v) in vals.iter().enumerate() {
+            if *v < 0 || *v >= n_expert as i64 {
+                return Err(ConvertError::BadValue {
+                    name: src.name.clone(),
+                    message: format!(
+                        "element {i} (token {}, slot {}) is expert id {v}, outside 0..{n_expert}",
+                        i / ne0.max(1),
+                        i % ne0.max(1)
+                    ),
+                });
+            }
+            out.extend_from_slice(&(*v as i32).to_le_bytes());
+        }
+        w.write(&out)?;
+        progress.advance(out.len() as u64);
+        return Ok(());
+    }
+    if info.ty == GgmlType::Iq2Xxs {
+        // Column importance needs every row first: whole tensor in memory (no recipe puts
+        // a non-routed tensor in IQ2_XXS; this keeps arbitrary recipes correct).
+        let mut all = vec![0f32; total];
+        ckpt.read_f32(src, 0, &mut all)?;
+        let imp = column_energy(&all, ne0);
+        let bytes = encode_rows(&info.name, info.ty, &all, ne0, Some(&imp))?;
+        w.write(&bytes)?;
+        progress.advance(bytes.len() as u64);
+        return Ok(());
+    }
+    let rows_per_chunk = (CHUNK_ELEMS / ne0).max(1);
+    let mut buf = vec![0f32; (rows_per_chunk * ne0).min(total)];
+    let mut first = 0usize;
+    while first < total {
+        let n = (total - first).min(buf.len());
+        ckpt.read_f32(src, first as u64, &mut buf[..n])?;
+        let bytes = encode_rows(&info.name, info.ty, &buf[..n], ne0, None)?;
+        w.write(&bytes)?;
+        progress.advance(bytes.len() as u64);
+        first += n;
+    }
+    Ok(())
+}
+
+fn write_experts<W: Write>(
+    info: &TensorInfo,
+    load: &(dyn Fn(usize, &mut [f32]) -> Result<()> + Sync),
+    n_expert: usize,
+    w: &mut StreamWriter<W>,
+    progress: &mut dyn Progress,
+) -> Result<()> {
+    let ne0 = info.dims[0] as usize;
+    let per_expert = (info.dims[0] * info.dims[1]) as usize;
+    let batch = rayon::current_num_threads().max(1);
+    for start in (0..n_expert).step_by(batch) {
+        let end = (start + batch).min(n_expert);
+        let parts: Vec<Result<Vec<u8>>> = (start..end)
+            .into_par_iter()
+            .map(|e| {
+                let mut m = vec![0f32; per_expert];
+                load(e, &mut m)?;
+                // One expert = one matrix: IQ2_XXS importance is its own column energy,
+                // Q2_K/Q4_K use the plain (no-imatrix) search, as ds4 does without --imatrix.
+                quant::quantize_matrix(info.ty, &m, ne0, None).map_err(|source| {
+                    ConvertError::Quant {
+                        name: format!("{} (expert {e})", info.name),
+                        source,
+                    }
+                })
+            })
+            .collect();
+        for p in parts {
+            let p = p?;
+            w.write(&p)?;
+            progress.advance(p.len() as u64);
+        }
+    }
+    Ok(())
+}
+
+/// Writes a planned conversion to `out`.
+pub fn write<W: Write>(
+    ckpt: &Checkpoint,
+    plan: &Plan,
+    out: W,
+    progress: &mut dyn Progress,
+) -> Result<(W, u64)> {
+    let total: u64 = plan
+        .header
+        .tensors
+        .iter()
+        .map(|t| t.n_bytes().unwrap_or(0))
+        .sum();
+    progress.start(total);
+    let mut w = StreamWriter::new(out, plan.header.clone())?;
+    let n_expert = plan.hparams.n_expert;
+    for (info, source) in plan.header.tensors.iter().zip(&plan.sources) {
+        progress.tensor(&info.name);
+        let get = |n: &str| -> Result<&SourceTensor> {
+            ckpt.tensors.get(n).ok_or_else(|| ConvertError::BadValue {
+                name: n.to_string(),
+                message: "vanished from the checkpoint index".into(),
+            })
+        };
+        match source {
+            Source::Direct(n) => write_direct(ckpt, info, get(n)?, n_expert, &mut w, progress)?,
+            Source::Experts(names) => {
+                let srcs: Vec<&SourceTensor> =
+                    names.iter().map(|n| get(n)).collect::<Result<_>>()?;
+                let load = |e: usize, m: &mut [f32]| ckpt.read_f32(srcs[e], 0, m);
+                write_experts(info, &load, n_expert, &mut w, progress)?;
+            }
+            Source::Packed { name, part } => {
+                let src = get(name)?;
+                let per = info.dims[0] * info.dims[1];
+                let load = |e: usize, m: &mut [f32]| {
+                    let first = match part {
+                        // gate_up_proj[e] = [gate (F rows); up (F rows)]
+                        ExpertPart::Gate => 2 * per * e as u64,
+                        ExpertPart::Up => 2 * per * e as u64 + per,
+                        ExpertPart::Down => per * e as u64,
+                    };
+                    ckpt.read_f32(src, first, m)
+                };
+                write_experts(info, &load, n_expert, &mut w, progress)?;
+            }
+        }
+    }
+    let (out, bytes) = w.finish()?;
+    progress.finish();
+    Ok((out, bytes))
+}
+
+/// `ds4-convert hf DIR OUT`: plans, then writes `OUT` via a temporary file renamed on success
+/// (a failed conversion never leaves a truncated GGUF behind).
+pub fn convert_hf(
+    dir: &Path,
+    out: &Path,
+    opts: &HfOptions,
+    progress: &mut dyn Progress,
+) -> Result<Report> {
+    let hparams = read_config(dir)?;
+    let ckpt = Checkpoint::open(dir)?;
+    let plan = plan(&ckpt, hparams, opts)?;
+    let tmp = tmp_path(out);
+    let file = File::create(&tmp).map_err(io_err(&tmp))?;
+    let result = write(
+        &ckpt,
+        &plan,
+        BufWriter::with_capacity(1 << 22, file),
+        progress,
+    );
+    let bytes = match result {
+        Ok((buf, bytes)) => {
+            let f = buf.into_inner().map_err(|e| ConvertError::Io {
+                path: tmp.clone(),
+                source: e.into_error(),
+            })?;
+            f.sync_all().map_err(io_err(&tmp))?;
+            bytes
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&tmp, out).map_err(io_err(out))?;
+    Ok(Report {
+        bytes,
+        tensors: plan.header.tensors.len(),
+        scheme: plan.scheme,
+        skipped: plan.skipped,
+    })
+}
+
+pub(crate) fn tmp_path(out: &Path) -> PathBuf {
+    let mut s = out.as_os_str().to_owned();
+    s.push(".partial");
+    PathBuf::from(s)
+}

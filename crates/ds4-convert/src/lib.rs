@@ -1,0 +1,25 @@
+//! `ds4-convert`: HF DeepSeek V4 checkpoints → ds4-layout GGUF, vocabulary-only GGUFs, and
+//! synthetic full-size models.
+//!
+//! * [`convert`]: `config.json` + `*.safetensors` (official or transformers naming, F32/BF16/
+//!   F16) → GGUF with exactly the keys, names, dims and order `ds4_model` validates, encoded
+//!   per a [`ds4_model::layout::TypeRecipe`] (`f32` for oracle parity, ds4's `q2`/`q4`).
+//! * [`vocab`]: a `tokenizer.json` → GGUF with metadata only.
+//! * [`synthetic`]: random weights at the real shapes, generated straight into a caller's
+//!   buffer ([`synthetic::SyntheticModel::fill_rows`]) or streamed to a file.
+
+pub mod checkpoint;
+pub mod config;
+pub mod convert;
+pub mod error;
+pub mod mapping;
+pub mod progress;
+pub mod stream;
+pub mod synthetic;
+pub mod tokenizer;
+pub mod vocab;
+
+pub use convert::{convert_hf, HfOptions, Report};
+pub use error::{CheckpointProblem, ConvertError, Result};
+pub use progress::{NoProgress, Progress};
+pub use synthetic::SyntheticModel;

@@ -1,0 +1,250 @@
+//! `ds4-convert`: HF checkpoint → ds4 GGUF, vocabulary-only GGUF, synthetic models.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use ds4_convert::synthetic::SyntheticModel;
+use ds4_convert::{tokenizer, vocab, HfOptions, Progress};
+use ds4_gguf::GgufFile;
+use ds4_model::layout::TypeRecipe;
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Parser)]
+#[command(
+    name = "ds4-convert",
+    version,
+    about = "Make ds4-layout DeepSeek V4 GGUF files"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+    /// No progress bar.
+    #[arg(long, global = true)]
+    quiet: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Types {
+    F32,
+    Q2,
+    Q4,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Layout {
+    Q2,
+    Q4,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Convert a HF checkpoint directory (config.json + *.safetensors) to a GGUF.
+    Hf {
+        dir: PathBuf,
+        out: PathBuf,
+        /// f32 keeps everything F32 (oracle parity); q2/q4 apply ds4's recipes.
+        #[arg(long, value_enum, default_value = "f32")]
+        types: Types,
+        /// Embed this HF tokenizer.json instead of a generated vocabulary.
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        /// general.name of the output.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Write a vocabulary-only GGUF (general.* + tokenizer.ggml.*, no tensors).
+    Vocab {
+        #[arg(long)]
+        tokenizer: PathBuf,
+        out: PathBuf,
+        #[arg(long, default_value = "DeepSeek V4 vocabulary")]
+        name: String,
+    },
+    /// Random weights in the exact real layout (benchmarks at real shapes).
+    Synthetic {
+        #[arg(long, value_enum)]
+        layout: Layout,
+        #[arg(long, default_value_t = 43)]
+        layers: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Print the exact file size and write nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Embed this HF tokenizer.json.
+        #[arg(long, conflicts_with = "vocab_gguf")]
+        tokenizer: Option<PathBuf>,
+        /// Take tokenizer.ggml.* from this GGUF (e.g. the vocabulary-only fixture).
+        #[arg(long)]
+        vocab_gguf: Option<PathBuf>,
+        out: Option<PathBuf>,
+    },
+}
+
+struct Bar(Option<ProgressBar>);
+
+impl Bar {
+    fn new(quiet: bool) -> Bar {
+        Bar((!quiet).then(ProgressBar::hidden))
+    }
+}
+
+impl Progress for Bar {
+    fn start(&mut self, total: u64) {
+        if let Some(b) = &mut self.0 {
+            *b = ProgressBar::new(total);
+            b.set_style(
+                ProgressStyle::with_template(
+                    "{elapsed_precise} [{wide_bar}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+        }
+    }
+    fn tensor(&mut self, name: &str) {
+        if let Some(b) = &self.0 {
+            b.set_message(name.to_string());
+        }
+    }
+    fn advance(&mut self, bytes: u64) {
+        if let Some(b) = &self.0 {
+            b.inc(bytes);
+        }
+    }
+    fn finish(&mut self) {
+        if let Some(b) = &self.0 {
+            b.finish_and_clear();
+        }
+    }
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let t0 = Instant::now();
+    match cli.cmd {
+        Cmd::Hf {
+            dir,
+            out,
+            types,
+            tokenizer,
+            name,
+        } => {
+            let recipe = match types {
+                Types::F32 => "f32",
+                Types::Q2 => "q2",
+                Types::Q4 => "q4",
+            };
+            let mut opts = HfOptions::new(recipe).context("unknown recipe")?;
+            opts.tokenizer = tokenizer;
+            opts.name = name;
+            let r = ds4_convert::convert_hf(&dir, &out, &opts, &mut Bar::new(cli.quiet))
+                .with_context(|| format!("converting {}", dir.display()))?;
+            println!(
+                "{}: {} tensors, {} bytes ({:.3} GiB), {:?} naming, {:.1} s",
+                out.display(),
+                r.tensors,
+                r.bytes,
+                gib(r.bytes),
+                r.scheme,
+                t0.elapsed().as_secs_f64()
+            );
+            if !r.skipped.is_empty() {
+                println!(
+                    "skipped {} MTP tensors (mtp.*): the MTP block belongs in a separate sidecar",
+                    r.skipped.len()
+                );
+            }
+        }
+        Cmd::Vocab {
+            tokenizer,
+            out,
+            name,
+        } => {
+            let bytes = vocab::write_vocab(&tokenizer, &out, &name)
+                .with_context(|| format!("writing {}", out.display()))?;
+            let f = GgufFile::open(&out)?;
+            let count = |k: &str| {
+                f.header()
+                    .get(k)
+                    .and_then(|v| v.as_array())
+                    .map_or(0, |a| a.values.len())
+            };
+            println!(
+                "{}: {bytes} bytes, {} tokens, {} merges",
+                out.display(),
+                count("tokenizer.ggml.tokens"),
+                count("tokenizer.ggml.merges")
+            );
+        }
+        Cmd::Synthetic {
+            layout,
+            layers,
+            seed,
+            dry_run,
+            tokenizer,
+            vocab_gguf,
+            out,
+        } => {
+            let recipe = match layout {
+                Layout::Q2 => TypeRecipe::Q2,
+                Layout::Q4 => TypeRecipe::Q4,
+            };
+            let n_vocab = ds4_model::HParams::flash().n_vocab;
+            let tok = match (tokenizer, vocab_gguf) {
+                (Some(p), _) => Some(tokenizer::from_hf_json(&p, n_vocab)?),
+                (None, Some(p)) => {
+                    let f =
+                        GgufFile::open(&p).with_context(|| format!("opening {}", p.display()))?;
+                    Some(tokenizer::from_gguf(&p, f.header())?)
+                }
+                (None, None) => None,
+            };
+            let model = match &tok {
+                Some(t) => SyntheticModel::with_tokenizer(recipe, layers, seed, t)?,
+                None => SyntheticModel::new(recipe, layers, seed)?,
+            };
+            let size = model.file_size();
+            println!(
+                "{} tensors, {} KVs, data at {}, file {} bytes ({:.2} GiB)",
+                model.header().tensors.len(),
+                model.header().metadata.len(),
+                model.data_offset(),
+                size,
+                gib(size)
+            );
+            if dry_run {
+                return Ok(());
+            }
+            let Some(out) = out else {
+                bail!("an output path is required unless --dry-run is given");
+            };
+            let tmp = PathBuf::from(format!("{}.partial", out.display()));
+            let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            let (w, bytes) = model.write_to(
+                BufWriter::with_capacity(8 << 20, f),
+                &mut Bar::new(cli.quiet),
+            )?;
+            let f = w.into_inner().map_err(|e| e.into_error())?;
+            f.sync_all()?;
+            drop(f);
+            std::fs::rename(&tmp, &out)?;
+            if bytes != size {
+                bail!("wrote {bytes} bytes but the dry-run size is {size}");
+            }
+            println!(
+                "{}: {bytes} bytes written in {:.1} s",
+                out.display(),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}

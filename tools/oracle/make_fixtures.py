@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import math
 import platform
@@ -34,8 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import gguf
-import safetensors
 import transformers
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -736,9 +735,9 @@ def build_fixture(spec: ModelSpec, out_root: Path, log) -> dict:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__,
+            "safetensors": importlib.metadata.version("safetensors"),
             "numpy": np.__version__,
-            "gguf": gguf.__version__ if hasattr(gguf, "__version__") else "0.19.0",
+            "gguf": importlib.metadata.version("gguf"),
         },
         "execution": "CPU, float32, torch.set_num_threads(1), attn_implementation=eager, experts_implementation=eager",
         "weight_seed": spec.seed,

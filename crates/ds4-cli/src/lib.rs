@@ -2,3 +2,4 @@
 
 pub mod inspect;
 pub mod logging;
+pub mod plan;

@@ -104,7 +104,7 @@ impl GgmlType {
     /// Bytes of one row of `ne0` elements; `None` if `ne0` is not a whole number of blocks.
     pub fn row_bytes(self, ne0: u64) -> Option<u64> {
         let be = self.block_elems()?;
-        if ne0 % be != 0 {
+        if !ne0.is_multiple_of(be) {
             return None;
         }
         (ne0 / be).checked_mul(self.block_bytes()?)

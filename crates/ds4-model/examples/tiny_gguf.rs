@@ -34,7 +34,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         context_length: Some(4096),
         ..HParams::flash()
     };
-    let header = model_header(&hp, &TypeRecipe::F32, "ds4-rs tiny layout demo", &placeholder_tokenizer(hp.n_vocab));
+    let header = model_header(
+        &hp,
+        &TypeRecipe::F32,
+        "ds4-rs tiny layout demo",
+        &placeholder_tokenizer(hp.n_vocab),
+    );
     let file = std::fs::File::create(&out)?;
     let mut w = GgufWriter::new(BufWriter::new(file), header)?;
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
@@ -47,7 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             state ^= state << 17;
             if is_index {
                 // Hash-routing table: any valid expert ids will do for a layout demo.
-                let e = (i as u64 + (state % 3)) % hp.n_expert as u64;
+                let e = (i + (state % 3)) % hp.n_expert as u64;
                 bytes.extend_from_slice(&(e as i32).to_le_bytes());
             } else {
                 let v = ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2;

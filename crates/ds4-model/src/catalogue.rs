@@ -442,19 +442,15 @@ pub fn expected_tensors(h: &HParams) -> Vec<ExpectedTensor> {
 
 /// Class of a tensor by name, for tensors outside the catalogue too (best effort).
 pub fn classify(name: &str) -> TensorClass {
-    let s = name
-        .split_once('.')
-        .map(|(a, rest)| {
-            if a == "blk" {
-                rest.split_once('.').map(|x| x.1).unwrap_or(rest)
-            } else {
-                name
-            }
-        })
-        .unwrap_or(name);
+    // Strip a `blk.N.` or `mtp.N.` prefix.
+    let s = match name.split_once('.') {
+        Some(("blk" | "mtp", rest)) => rest.split_once('.').map_or(rest, |x| x.1),
+        _ => name,
+    };
     match s {
         _ if s.starts_with("token_embd") => TensorClass::Embedding,
-        _ if s.starts_with("output") => TensorClass::Head,
+        _ if s.starts_with("output") || s.starts_with("hc_head") => TensorClass::Head,
+        _ if s.starts_with("e_proj") || s.starts_with("h_proj") => TensorClass::Attention,
         _ if s.contains("_exps") => TensorClass::Experts,
         _ if s.contains("shexp") => TensorClass::Shared,
         _ if s.starts_with("hc_") => TensorClass::Hc,

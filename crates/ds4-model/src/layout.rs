@@ -338,3 +338,80 @@ pub fn placeholder_tokenizer(n_vocab: usize) -> TokenizerData {
         pad: 1,
     }
 }
+
+/// The MTP sidecar's 32 tensors with the published types and data order (spec §4.7).
+/// Only their sizes matter to the planner; an engine that runs MTP validates the real file.
+pub fn mtp_tensor_table(h: &HParams) -> Vec<TensorInfo> {
+    let u = |x: usize| x as u64;
+    let (e, m, f, n) = (u(h.n_embd), u(h.hc_mult), u(h.expert_ff), u(h.n_expert));
+    let (q, hd, g, o) = (
+        u(h.q_lora_rank),
+        u(h.n_head * h.head_dim),
+        u(h.o_groups),
+        u(h.o_lora_rank),
+    );
+    let mix = u(h.hc_mix());
+    use GgmlType::{F32, Q4K, Q8_0};
+    let rows: Vec<(&str, Vec<u64>, GgmlType)> = vec![
+        ("hc_head_base.weight", vec![m], F32),
+        ("hc_head_fn.weight", vec![m * e, m], F32),
+        ("hc_head_scale.weight", vec![1], F32),
+        ("hc_attn_base.weight", vec![mix], F32),
+        ("hc_ffn_base.weight", vec![mix], F32),
+        ("hc_attn_fn.weight", vec![m * e, mix], F32),
+        ("hc_attn_scale.weight", vec![3], F32),
+        ("hc_ffn_fn.weight", vec![m * e, mix], F32),
+        ("hc_ffn_scale.weight", vec![3], F32),
+        ("attn_sinks.weight", vec![u(h.n_head)], F32),
+        ("attn_q_a.weight", vec![e, q], Q8_0),
+        ("attn_q_b.weight", vec![q, hd], Q8_0),
+        ("attn_q_a_norm.weight", vec![q], F32),
+        ("attn_output_a.weight", vec![hd / g.max(1), g * o], Q8_0),
+        ("attn_kv.weight", vec![e, u(h.head_dim)], Q8_0),
+        ("attn_kv_a_norm.weight", vec![u(h.head_dim)], F32),
+        ("attn_output_b.weight", vec![g * o, e], Q8_0),
+        ("attn_norm.weight", vec![e], F32),
+        ("ffn_norm.weight", vec![e], F32),
+        ("ffn_gate_shexp.weight", vec![e, f], Q8_0),
+        ("ffn_up_shexp.weight", vec![e, f], Q8_0),
+        ("ffn_down_shexp.weight", vec![f, e], Q8_0),
+        ("ffn_gate_exps.weight", vec![e, f, n], Q4K),
+        ("ffn_up_exps.weight", vec![e, f, n], Q4K),
+        ("ffn_down_exps.weight", vec![f, e, n], Q4K),
+        ("ffn_gate_inp.weight", vec![e, n], F32),
+        ("exp_probs_b.bias", vec![n], F32),
+        ("e_proj.weight", vec![e, e], Q8_0),
+        ("h_proj.weight", vec![e, e], Q8_0),
+        ("enorm.weight", vec![e], F32),
+        ("hnorm.weight", vec![e], F32),
+        ("norm.weight", vec![e], F32),
+    ];
+    rows.into_iter()
+        .map(|(s, dims, ty)| TensorInfo {
+            name: format!("mtp.0.{s}"),
+            dims,
+            ty,
+            offset: 0,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mtp_sidecar_matches_the_published_file() {
+        let mut h = Header {
+            metadata: vec![],
+            tensors: mtp_tensor_table(&HParams::flash()),
+        };
+        assert_eq!(h.tensors.len(), 32);
+        // Data section of the published sidecar: 3,807,602,400 B file − 2,208 B header.
+        assert_eq!(h.assign_offsets().unwrap(), 3_807_602_400 - 2_208);
+        // Spot-check published offsets (spec §4.7).
+        let off = |n: &str| h.tensors.iter().find(|t| t.name == n).unwrap().offset;
+        assert_eq!(off("mtp.0.ffn_gate_exps.weight"), 143_825_472);
+        assert_eq!(off("mtp.0.e_proj.weight"), 3_771_899_456);
+    }
+}

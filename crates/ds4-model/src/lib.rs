@@ -9,6 +9,7 @@ pub mod accounting;
 pub mod catalogue;
 pub mod error;
 pub mod hparams;
+pub mod kv;
 pub mod layout;
 pub mod spec;
 

@@ -374,14 +374,14 @@ fn check_consistency(h: &HParams, problems: &mut Vec<Problem>) {
         ),
     );
     need(
-        h.rope_dim % 2 == 0 && h.rope_dim <= h.head_dim,
+        h.rope_dim.is_multiple_of(2) && h.rope_dim <= h.head_dim,
         format!(
             "rope.dimension_count {} must be even and at most the head dim {}",
             h.rope_dim, h.head_dim
         ),
     );
     need(
-        h.o_groups > 0 && (h.n_head * h.head_dim) % h.o_groups == 0 && h.n_head % h.o_groups == 0,
+        h.o_groups > 0 && (h.n_head * h.head_dim).is_multiple_of(h.o_groups) && h.n_head.is_multiple_of(h.o_groups),
         format!(
             "head_count {} must be divisible by output_group_count {}",
             h.n_head, h.o_groups
@@ -429,7 +429,7 @@ fn check_consistency(h: &HParams, problems: &mut Vec<Problem>) {
             "CSA layers need indexer head_count and top_k".into(),
         );
         need(
-            h.indexer_head_dim >= h.rope_dim && h.indexer_head_dim % 2 == 0,
+            h.indexer_head_dim >= h.rope_dim && h.indexer_head_dim.is_multiple_of(2),
             format!(
                 "indexer key_length {} must be even and at least the rope dim {}",
                 h.indexer_head_dim, h.rope_dim

@@ -1,0 +1,152 @@
+//! `ds4 plan`: the placement plan (or refusal) for a model on this or a described machine,
+//! computed from the tensor table alone — no GPU is touched, no weight byte is read.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use ds4_gguf::{GgufFile, Header, TensorInfo};
+use ds4_model::catalogue::{classify, TensorClass as ModelClass};
+use ds4_model::layout::{model_header, mtp_tensor_table, placeholder_tokenizer, TypeRecipe};
+use ds4_model::{kv, HParams, ModelSpec, Strictness};
+use ds4_placement::{
+    plan, resolve_overrides, CliOverrides, DeviceFacts, HostFacts, MachineFacts, Plan, Policy,
+    Refusal, Request, TensorClass, TensorInventory, TensorSpec, WeightSet,
+};
+
+/// Where the tensor table comes from.
+pub enum Source {
+    File(PathBuf),
+    Synthetic(TypeRecipe),
+}
+
+pub struct PlanArgs {
+    pub source: Source,
+    /// `Some(None)`: the published MTP layout (synthetic); `Some(Some(f))`: an MTP file.
+    pub mtp: Option<Option<PathBuf>>,
+    pub ctx: u64,
+    pub prefill_chunk: u64,
+    pub machine: Option<PathBuf>,
+    pub overrides: CliOverrides,
+}
+
+/// Maps the model crate's tensor classes onto the planner's.
+pub fn placement_class(c: ModelClass) -> TensorClass {
+    match c {
+        ModelClass::Embedding => TensorClass::Embedding,
+        ModelClass::Attention => TensorClass::Attention,
+        ModelClass::Compressor => TensorClass::Compressor,
+        ModelClass::Indexer => TensorClass::Indexer,
+        ModelClass::Hc => TensorClass::HyperConnection,
+        ModelClass::Router => TensorClass::Router,
+        ModelClass::Experts => TensorClass::RoutedExperts,
+        ModelClass::Shared => TensorClass::SharedExpert,
+        ModelClass::Norm => TensorClass::Norms,
+        ModelClass::Head => TensorClass::OutputHead,
+    }
+}
+
+fn layer_of(name: &str) -> Option<u32> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// One inventory entry per tensor, in table order.
+pub fn inventory_of(tensors: &[TensorInfo], set: WeightSet) -> TensorInventory {
+    TensorInventory::new(
+        tensors
+            .iter()
+            .map(|t| {
+                let mut s = TensorSpec::new(
+                    t.name.clone(),
+                    t.n_bytes().unwrap_or(0),
+                    placement_class(classify(&t.name)),
+                    layer_of(&t.name),
+                )
+                .in_set(set);
+                if let Some(n) = t.n_elements() {
+                    s = s.with_elements(n);
+                }
+                s
+            })
+            .collect(),
+    )
+}
+
+fn load_header(path: &Path) -> anyhow::Result<Header> {
+    let f = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(f.header().clone())
+}
+
+pub struct Planned {
+    pub description: String,
+    pub result: Result<Plan, Refusal>,
+}
+
+pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Result<Planned> {
+    let (hparams, header, label): (HParams, Header, String) = match &args.source {
+        Source::File(p) => {
+            let h = load_header(p)?;
+            let spec = ModelSpec::from_header(&h, Strictness::Auto)
+                .with_context(|| format!("{} is not a model ds4-rs can run", p.display()))?;
+            (spec.hparams, h, p.display().to_string())
+        }
+        Source::Synthetic(recipe) => {
+            let hp = HParams::flash();
+            let h = model_header(&hp, recipe, "synthetic", &placeholder_tokenizer(hp.n_vocab));
+            let name = if recipe.gate_up == ds4_gguf::GgmlType::Q4K {
+                "q4"
+            } else {
+                "q2"
+            };
+            (hp, h, format!("synthetic full-size {name} layout"))
+        }
+    };
+    let mut inventory = inventory_of(&header.tensors, WeightSet::Main);
+    match &args.mtp {
+        None => {}
+        Some(None) => {
+            for t in inventory_of(&mtp_tensor_table(&hparams), WeightSet::Mtp).tensors {
+                inventory.push(t);
+            }
+        }
+        Some(Some(p)) => {
+            let h = load_header(p)?;
+            for t in inventory_of(&h.tensors, WeightSet::Mtp).tensors {
+                inventory.push(t);
+            }
+        }
+    }
+    if args.ctx == 0 {
+        bail!("--ctx must be at least 1");
+    }
+    let (host, device, machine_desc): (HostFacts, DeviceFacts, String) = match &args.machine {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read machine file {}", p.display()))?;
+            let m = MachineFacts::from_json(&text)
+                .with_context(|| format!("machine file {} is not valid", p.display()))?;
+            (m.host, m.device, m.description)
+        }
+        None => (
+            ds4_placement::probe::host_facts().context("reading this machine's memory facts")?,
+            // GPU probing arrives with the GPU backends; until then this machine is planned
+            // as CPU-only unless a --machine file describes it.
+            DeviceFacts::cpu(),
+            "this machine (CPU only)".into(),
+        ),
+    };
+    let overrides =
+        resolve_overrides(&args.overrides, env).context("invalid placement override")?;
+    let mut request = Request::new(
+        args.ctx,
+        kv::kv_growth_per_token(&hparams),
+        kv::scratch_estimate(&hparams, args.ctx, args.prefill_chunk),
+    );
+    request.kv_fixed_bytes = kv::kv_fixed_bytes(&hparams);
+    request.prefill_chunk = args.prefill_chunk;
+    request.overrides = overrides;
+    let result = plan(&host, &device, &inventory, &request, &Policy::default());
+    Ok(Planned {
+        description: format!("{label} on {machine_desc}, ctx {}", args.ctx),
+        result,
+    })
+}

@@ -1,0 +1,172 @@
+//! End-to-end tests of the `ds4` binary's inspect and plan commands.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn ds4(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ds4"))
+        .args(args)
+        .current_dir(root())
+        .env_remove("DS4_WEIGHTS_MEM")
+        .env_remove("DS4_ROCM_FORCE_DEVICE_MEM")
+        .env_remove("DS4_CUDA_MANAGED")
+        .output()
+        .unwrap()
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+const TINY: &str = "tests/fixtures/inspect/tiny-layout.gguf";
+
+#[test]
+fn inspect_tiny_fixture_text_and_json() {
+    let o = ds4(&["inspect", TINY]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let s = stdout(&o);
+    assert!(s.contains("verdict     VALID (layout rules"), "{s}");
+    assert!(s.contains("deepseek4.block_count"), "{s}");
+    let o = ds4(&["inspect", TINY, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["verdict"]["valid"], true);
+    assert_eq!(v["n_tensors"], 116);
+    let parts: u64 = v["verdict"]["per_token_parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(10)
+        .map(|p| p[1].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        parts,
+        v["verdict"]["bytes_per_token_short_ctx"].as_u64().unwrap()
+    );
+}
+
+#[test]
+fn inspect_refuses_with_reasons() {
+    let dir = tempfile::tempdir().unwrap();
+    // Not GGUF at all: exit 1 and the reason.
+    let bad = dir.path().join("bad.gguf");
+    std::fs::write(&bad, b"this is not a gguf file, just text").unwrap();
+    let o = ds4(&["inspect", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("bad magic"));
+    // Truncated model: exit 1, names the tensor past the end.
+    let img = std::fs::read(root().join(TINY)).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &img[..img.len() - 5000]).unwrap();
+    let o = ds4(&["inspect", cut.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("past the end"));
+    // Valid GGUF, invalid model under ds4's rules: exit 2, with the problems listed.
+    let o = ds4(&["inspect", TINY, "--rules", "ds4"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stdout(&o).contains("deepseek4.block_count = 4, expected 43"));
+}
+
+const MACHINES: &str = "crates/ds4-placement/machines";
+
+#[test]
+fn plan_stock_strix_halo_q2_puts_weights_in_pinned_host() {
+    let m = format!("{MACHINES}/strix-halo-stock.json");
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q2",
+        "--machine",
+        &m,
+        "--ctx",
+        "4096",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v.to_string().contains("pinned"), "{v}");
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q2",
+        "--machine",
+        &m,
+        "--ctx",
+        "4096",
+    ]);
+    assert!(
+        stdout(&o).contains("weights -> pinned host (80.76 GiB)"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn plan_small_discrete_gpu_is_hybrid_and_q4_on_strix_is_refused() {
+    let m = format!("{MACHINES}/discrete-24g-64g.json");
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q2",
+        "--machine",
+        &m,
+        "--ctx",
+        "4096",
+    ]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("weights: hybrid"), "{}", stdout(&o));
+    let m = format!("{MACHINES}/strix-halo-stock.json");
+    let o = ds4(&["plan", "--synthetic", "q4", "--machine", &m]);
+    assert_eq!(o.status.code(), Some(3));
+    let s = stdout(&o);
+    assert!(
+        s.contains("REFUSED") && s.contains("q2 instead of q4"),
+        "{s}"
+    );
+    // Overrides win and bad values are named.
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q2",
+        "--machine",
+        &m,
+        "--weights-mem",
+        "sideways",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("sideways"));
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q2",
+        "--machine",
+        &m,
+        "--weights-mem",
+        "device",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "forcing device weights on a 62 GiB pool must refuse"
+    );
+}
+
+#[test]
+fn plan_a_model_file_on_this_machine() {
+    let o = ds4(&["plan", "-m", TINY, "--ctx", "2048"]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(stdout(&o).contains("CPU only"));
+}

@@ -551,3 +551,37 @@ pub fn tables_from_tokenizer_json(text: &str) -> Result<(Vec<String>, Vec<String
         .collect();
     Ok((tokens, merges, types))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utf8_stream_holds_and_replaces() {
+        let mut u = Utf8Stream::default();
+        let bytes = "é😀".as_bytes();
+        assert_eq!(u.push(&bytes[..1]), "");
+        assert_eq!(u.pending(), &bytes[..1]);
+        assert_eq!(u.push(&bytes[1..3]), "é");
+        assert_eq!(u.push(&bytes[3..5]), "");
+        assert_eq!(u.push(&bytes[5..]), "😀");
+        // Invalid bytes: one U+FFFD per maximal invalid subpart, like from_utf8_lossy.
+        let bad = b"a\xff\xe2\x82b\xf0\x9f";
+        let mut u = Utf8Stream::default();
+        let mut s: String = bad.iter().map(|b| u.push(std::slice::from_ref(b))).collect();
+        s.push_str(&u.finish());
+        assert_eq!(s, String::from_utf8_lossy(bad));
+    }
+
+    #[test]
+    fn byte_table_is_gpt2() {
+        let t = byte_to_char_table();
+        assert_eq!(t[b'!' as usize], '!');
+        assert_eq!(t[b' ' as usize], 'Ġ');
+        assert_eq!(t[b'\n' as usize], 'Ċ');
+        assert_eq!(t[0], 'Ā');
+        assert_eq!(t[0xad], 'Ń');
+        let distinct: std::collections::HashSet<char> = t.iter().copied().collect();
+        assert_eq!(distinct.len(), 256);
+    }
+}

@@ -1,0 +1,800 @@
+//! ds4-gpu-check: kernel correctness and speed checks for the GPU layer.
+//!
+//! Subcommands:
+//! * `gen-tables` — print `kernels/ds4_iq2xxs_tables.h` from the Rust codec tables.
+//! * `compile [ARCH] [OUTDIR]` — compile every kernel file with NVRTC (needs libnvrtc only,
+//!   no GPU) and write the CUBINs to OUTDIR.
+//! * `run [--quick]` (default) — on a CUDA device: device facts, kernel compile + cache,
+//!   copy bandwidth, every GEMV type against `ds4_gguf::quant::dot` on fresh random data
+//!   with NaN-poisoned outputs, timings over rotated buffers larger than L2, the placement
+//!   kinds (device, pinned host, managed, registered host), and grouped expert GEMVs.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use ds4_gguf::quant;
+use ds4_gpu::cuda::{CudaBuffer, CudaDevice, GemvKernels, GroupedGemv};
+use ds4_gpu::{kernels, tables, GemvType, KernelCache};
+use ds4_placement::MemKind;
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("gen-tables") => {
+            print!("{}", tables::iq2xxs_header());
+            Ok(())
+        }
+        Some("compile") => compile(
+            args.get(1).map(String::as_str).unwrap_or("sm_90"),
+            args.get(2),
+            &args[args.len().min(3)..],
+        ),
+        Some("run") | None => run(args.iter().any(|a| a == "--quick")),
+        Some(other) => bail!("unknown subcommand {other:?}; use gen-tables, compile or run"),
+    }
+}
+
+fn compile(arch: &str, out: Option<&String>, extra: &[String]) -> Result<()> {
+    println!("NVRTC {}", ds4_gpu::cuda::nvrtc_version()?);
+    for src in kernels::ALL {
+        let t = Instant::now();
+        let (image, log) = ds4_gpu::cuda::nvrtc_compile_with(src, arch, extra)?;
+        println!(
+            "{}: {} bytes of CUBIN for {arch} in {:.0} ms{}",
+            src.name,
+            image.len(),
+            t.elapsed().as_secs_f64() * 1e3,
+            if log.is_empty() {
+                String::new()
+            } else {
+                format!("\n{log}")
+            }
+        );
+        if let Some(dir) = out {
+            std::fs::create_dir_all(dir)?;
+            let path = std::path::Path::new(dir).join(src.name.replace(".cu", ".cubin"));
+            std::fs::write(&path, &image).with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Random data (xorshift; fresh seed per run from the clock).
+// ---------------------------------------------------------------------------------------
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+    }
+    fn range(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * (self.unit() * 0.5 + 0.5)
+    }
+}
+
+fn f16_bits(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Random bytes of `rows` rows of `ty`, with every scale field set to a finite f16 so
+/// values stay O(1): all other bits (codes, grid indices, signs, sub-scales) are uniform.
+fn random_weights(ty: GemvType, n_in: usize, rows: usize, seed: u64) -> Vec<u8> {
+    let row_bytes = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let mut out = vec![0u8; row_bytes * rows];
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let per = rows.div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (t, chunk) in out.chunks_mut(per * row_bytes).enumerate() {
+            s.spawn(move || {
+                let mut r = Rng::new(seed ^ ((t as u64 + 1) << 32));
+                match ty {
+                    GemvType::F32 => {
+                        for v in chunk.chunks_exact_mut(4) {
+                            v.copy_from_slice(&r.unit().to_le_bytes());
+                        }
+                    }
+                    GemvType::F16 => {
+                        for v in chunk.chunks_exact_mut(2) {
+                            v.copy_from_slice(&f16_bits(r.unit()));
+                        }
+                    }
+                    _ => {
+                        for w in chunk.chunks_exact_mut(8) {
+                            w.copy_from_slice(&r.next().to_le_bytes());
+                        }
+                        let bb = ty.block_bytes() as usize;
+                        for b in chunk.chunks_exact_mut(bb) {
+                            match ty {
+                                GemvType::Q8_0 => {
+                                    b[0..2].copy_from_slice(&f16_bits(r.range(0.002, 0.008)))
+                                }
+                                GemvType::Q2K => {
+                                    b[80..82].copy_from_slice(&f16_bits(r.range(0.01, 0.05)));
+                                    b[82..84].copy_from_slice(&f16_bits(r.range(0.005, 0.03)));
+                                }
+                                GemvType::Q4K => {
+                                    b[0..2].copy_from_slice(&f16_bits(r.range(0.001, 0.005)));
+                                    b[2..4].copy_from_slice(&f16_bits(r.range(0.001, 0.01)));
+                                }
+                                GemvType::Iq2Xxs => {
+                                    b[0..2].copy_from_slice(&f16_bits(r.range(0.005, 0.02)))
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    out
+}
+
+/// CPU reference: y[r] = quant::dot(row r, x), rows spread over all cores.
+fn reference(ty: GemvType, w: &[u8], x: &[f32], rows: usize) -> Result<Vec<f32>> {
+    let row_bytes = ty.row_bytes(x.len() as u64)? as usize;
+    let mut y = vec![0f32; rows];
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let per = rows.div_ceil(threads).max(1);
+    let g = ty.ggml();
+    std::thread::scope(|s| -> Result<()> {
+        let mut hs = Vec::new();
+        for (t, ys) in y.chunks_mut(per).enumerate() {
+            hs.push(s.spawn(move || -> Result<()> {
+                for (i, yv) in ys.iter_mut().enumerate() {
+                    let r = t * per + i;
+                    *yv = quant::dot(g, &w[r * row_bytes..(r + 1) * row_bytes], x)?;
+                }
+                Ok(())
+            }));
+        }
+        for h in hs {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("reference thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    Ok(y)
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// (relative L2 error, max |err| / max |ref|, count of non-finite outputs).
+fn compare(y: &[f32], r: &[f32]) -> (f64, f64, usize) {
+    let (mut num, mut den, mut maxe, mut maxr, mut bad) = (0f64, 0f64, 0f64, 0f64, 0usize);
+    for (a, b) in y.iter().zip(r) {
+        if !a.is_finite() {
+            bad += 1;
+            continue;
+        }
+        let d = f64::from(*a) - f64::from(*b);
+        num += d * d;
+        den += f64::from(*b) * f64::from(*b);
+        maxe = maxe.max(d.abs());
+        maxr = maxr.max(f64::from(*b).abs());
+    }
+    (
+        num.sqrt() / den.sqrt().max(1e-30),
+        maxe / maxr.max(1e-30),
+        bad,
+    )
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+const POISON: u32 = 0x7fc0_0000; // quiet NaN
+const REL_TOL: f64 = 1e-4;
+
+struct Report {
+    lines: Vec<String>,
+    failures: Vec<String>,
+}
+
+impl Report {
+    fn line(&mut self, s: String) {
+        println!("{s}");
+        self.lines.push(s);
+    }
+    fn fail(&mut self, s: String) {
+        println!("FAIL: {s}");
+        self.failures.push(s);
+    }
+}
+
+/// Launch y = W x once with poisoned y, return y.
+fn run_once(
+    k: &GemvKernels,
+    ty: GemvType,
+    w: &CudaBuffer,
+    x: &CudaBuffer,
+    y: &mut CudaBuffer,
+    n_in: usize,
+    n_out: usize,
+) -> Result<Vec<f32>> {
+    y.fill_u32(POISON)?;
+    k.gemv(ty, w.as_view(), x.as_view(), y.as_view_mut(), n_in, n_out)?;
+    let mut out = vec![0u8; 4 * n_out];
+    y.read(0, &mut out)?;
+    Ok(bytes_f32(&out))
+}
+
+struct Timing {
+    us: f64,
+    gbs: f64,
+    copies: usize,
+}
+
+/// Median per-launch time over `samples` batches, each launching once per copy of W
+/// (copies rotate so the working set exceeds L2).
+fn time_gemv(
+    dev: &CudaDevice,
+    k: &GemvKernels,
+    ty: GemvType,
+    ws: &[CudaBuffer],
+    x: &CudaBuffer,
+    y: &mut CudaBuffer,
+    n_in: usize,
+    n_out: usize,
+    samples: usize,
+) -> Result<Timing> {
+    let wbytes = ws[0].len() as f64;
+    let per_batch = ws.len().max(32);
+    for w in ws.iter().take(3) {
+        k.gemv(ty, w.as_view(), x.as_view(), y.as_view_mut(), n_in, n_out)?;
+    }
+    let (e0, e1) = (dev.event()?, dev.event()?);
+    let mut t = Vec::new();
+    for _ in 0..samples {
+        e0.record()?;
+        for i in 0..per_batch {
+            k.gemv(
+                ty,
+                ws[i % ws.len()].as_view(),
+                x.as_view(),
+                y.as_view_mut(),
+                n_in,
+                n_out,
+            )?;
+        }
+        e1.record()?;
+        t.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3 / per_batch as f64);
+    }
+    let us = median(&mut t);
+    Ok(Timing {
+        us,
+        gbs: wbytes / (us * 1e-6) / 1e9,
+        copies: ws.len(),
+    })
+}
+
+fn run(quick: bool) -> Result<()> {
+    let mut rep = Report {
+        lines: Vec::new(),
+        failures: Vec::new(),
+    };
+    let libs = ds4_gpu::cuda::probe_libraries();
+    rep.line(format!(
+        "libraries: libcuda {} libnvrtc {}",
+        libs.driver, libs.nvrtc
+    ));
+    let dev = CudaDevice::open(0).context("opening CUDA device 0")?;
+    let info = dev.info().clone();
+    rep.line(format!("device: {info:?}"));
+    rep.line(format!(
+        "placement facts: {}",
+        serde_json::to_string(&dev.placement_facts()?)?
+    ));
+    rep.line(format!("NVRTC {}", ds4_gpu::cuda::nvrtc_version()?));
+
+    // Compile twice: cold (fresh cache dir) then from the cache.
+    let cache_dir =
+        std::env::temp_dir().join(format!("ds4-gpu-check-cache-{}", std::process::id()));
+    let cache = KernelCache::at(&cache_dir);
+    let k = GemvKernels::load(&dev, &cache)?;
+    rep.line(format!(
+        "gemv.cu compile: {:.1} ms (cached: {}) key {}",
+        k.module.origin.millis, k.module.origin.cached, k.module.origin.key
+    ));
+    if !k.module.origin.log.is_empty() {
+        rep.line(format!("NVRTC log:\n{}", k.module.origin.log));
+    }
+    let k2 = GemvKernels::load(&dev, &cache)?;
+    rep.line(format!(
+        "gemv.cu reload: {:.1} ms (cached: {})",
+        k2.module.origin.millis, k2.module.origin.cached
+    ));
+    if !k2.module.origin.cached {
+        rep.fail("second load did not come from the disk cache".into());
+    }
+    drop(k2);
+    for t in GemvType::ALL {
+        let a = k.function(t).attrs()?;
+        let g = k.grouped_function(t).attrs()?;
+        rep.line(format!(
+            "attrs {:8}: regs {} local {} B smem {} B | grouped regs {} local {} B",
+            t.suffix(),
+            a.registers,
+            a.local_bytes,
+            a.static_shared_bytes,
+            g.registers,
+            g.local_bytes
+        ));
+        if a.local_bytes > 0 || g.local_bytes > 0 {
+            rep.line(format!("note: {} spills to local memory", t.suffix()));
+        }
+    }
+
+    // Copy bandwidth: device-to-device, bytes read + written.
+    let copy_bytes: usize = 4 << 30;
+    let (mut a, b) = (
+        dev.alloc(MemKind::Device, copy_bytes)?,
+        dev.alloc(MemKind::Device, copy_bytes)?,
+    );
+    a.copy_from(0, &b, 0, copy_bytes)?;
+    let (e0, e1) = (dev.event()?, dev.event()?);
+    let mut ts = Vec::new();
+    for _ in 0..10 {
+        e0.record()?;
+        a.copy_from(0, &b, 0, copy_bytes)?;
+        e1.record()?;
+        ts.push(f64::from(e0.elapsed_ms(&e1)?));
+    }
+    let ms = median(&mut ts);
+    let copy_gbs = 2.0 * copy_bytes as f64 / (ms * 1e-3) / 1e9;
+    rep.line(format!(
+        "copy bandwidth: {:.0} GB/s (read+write, {} GiB dtod, median of 10: {:.3} ms)",
+        copy_gbs,
+        copy_bytes >> 30,
+        ms
+    ));
+    drop((a, b));
+
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64);
+    rep.line(format!("seed {seed}"));
+    let mut rng = Rng::new(seed);
+    // (type, n_in, n_out): ds4 shapes (ggml ne0 = n_in) plus edge cases.
+    let mut cases: Vec<(GemvType, usize, usize)> = Vec::new();
+    for t in [
+        GemvType::Q8_0,
+        GemvType::F16,
+        GemvType::F32,
+        GemvType::Q4K,
+        GemvType::Q2K,
+        GemvType::Iq2Xxs,
+    ] {
+        for (n_in, n_out) in [(4096, 1024), (1024, 32768), (4096, 2048), (2048, 4096)] {
+            if t.row_bytes(n_in as u64).is_ok() {
+                cases.push((t, n_in, n_out));
+            }
+        }
+    }
+    cases.extend([
+        (GemvType::Q8_0, 4096, 8192),
+        (GemvType::Q8_0, 8192, 4096),
+        (GemvType::F16, 16384, 24),
+        (GemvType::F16, 4096, 256),
+        (GemvType::F16, 1024, 8192),
+        (GemvType::Q8_0, 256, 3),
+        (GemvType::Q8_0, 32768, 7),
+        (GemvType::Q2K, 4096 + 256 * 4, 5),
+        (GemvType::Q4K, 256 * 3, 13),
+        (GemvType::Iq2Xxs, 2048 * 3, 9),
+        (GemvType::F32, 8, 1),
+    ]);
+    if !quick {
+        cases.push((GemvType::Q8_0, 4096, 129280));
+    }
+    let rotate_bytes: usize = 256 << 20;
+    let samples = if quick { 5 } else { 15 };
+    let mut table = Vec::new();
+    for &(t, n_in, n_out) in &cases {
+        let tag = format!("{:8} in {:6} out {:6}", t.suffix(), n_in, n_out);
+        let wh = random_weights(t, n_in, n_out, rng.next());
+        let x: Vec<f32> = (0..n_in).map(|_| rng.unit()).collect();
+        let yref = reference(t, &wh, &x, n_out)?;
+        let mut w = dev.alloc(MemKind::Device, wh.len())?;
+        w.write(0, &wh)?;
+        let mut xb = dev.alloc(MemKind::Device, 4 * n_in)?;
+        xb.write(0, &f32_bytes(&x))?;
+        let mut y = dev.alloc(MemKind::Device, 4 * n_out)?;
+        let y1 = run_once(&k, t, &w, &xb, &mut y, n_in, n_out)?;
+        let y2 = run_once(&k, t, &w, &xb, &mut y, n_in, n_out)?;
+        let (rel, maxrel, bad) = compare(&y1, &yref);
+        let same = y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits());
+        let l = k.launch_for(t, n_in, n_out)?;
+        if bad > 0 || !(rel < REL_TOL) {
+            rep.fail(format!(
+                "{tag}: rel err {rel:.3e}, {bad} non-finite outputs"
+            ));
+        }
+        if !same {
+            rep.fail(format!(
+                "{tag}: two launches on the same input differ (race?)"
+            ));
+        }
+        // Timing: rotate copies so the working set is > 256 MiB (well over the 60 MB L2).
+        let copies = rotate_bytes.div_ceil(wh.len()).clamp(1, 256);
+        let mut ws = vec![w];
+        for _ in 1..copies {
+            let mut c = dev.alloc(MemKind::Device, wh.len())?;
+            c.copy_from(0, &ws[0], 0, wh.len())?;
+            ws.push(c);
+        }
+        let tm = time_gemv(&dev, &k, t, &ws, &xb, &mut y, n_in, n_out, samples)?;
+        let line = format!(
+            "{tag}: rel {rel:.2e} max {maxrel:.2e} nonfinite {bad} deterministic {same} | wpr {} | {:8.2} us {:7.0} GB/s ({:4.1}% of copy) | {} B x{}",
+            l.wpr, tm.us, tm.gbs, 100.0 * tm.gbs / copy_gbs, wh.len(), tm.copies
+        );
+        rep.line(line.clone());
+        table.push(line);
+    }
+
+    // Placement kinds: allocate each kind and run a Q8_0 GEMV whose weights live there.
+    let (t, n_in, n_out) = (GemvType::Q8_0, 4096usize, 8192usize);
+    let wh = random_weights(t, n_in, n_out, rng.next());
+    let x: Vec<f32> = (0..n_in).map(|_| rng.unit()).collect();
+    let yref = reference(t, &wh, &x, n_out)?;
+    let mut xb = dev.alloc(MemKind::Device, 4 * n_in)?;
+    xb.write(0, &f32_bytes(&x))?;
+    let mut y = dev.alloc(MemKind::Device, 4 * n_out)?;
+    for kind in [
+        MemKind::Device,
+        MemKind::PinnedHost,
+        MemKind::Managed,
+        MemKind::HostRegistered,
+    ] {
+        let mut w = match dev.alloc(kind, wh.len()) {
+            Ok(w) => w,
+            Err(e) => {
+                rep.fail(format!(
+                    "placement {}: allocation failed: {e}",
+                    kind.label()
+                ));
+                continue;
+            }
+        };
+        match w.host_bytes_mut()? {
+            Some(h) => h[..wh.len()].copy_from_slice(&wh),
+            None => w.write(0, &wh)?,
+        }
+        let got = run_once(&k, t, &w, &xb, &mut y, n_in, n_out)?;
+        let (rel, _, bad) = compare(&got, &yref);
+        if bad > 0 || !(rel < REL_TOL) {
+            rep.fail(format!(
+                "placement {}: rel err {rel:.3e}, {bad} non-finite",
+                kind.label()
+            ));
+        }
+        let ws = vec![w];
+        let tm = time_gemv(&dev, &k, t, &ws, &xb, &mut y, n_in, n_out, samples)?;
+        let line = format!(
+            "placement {:16}: q8_0 4096x8192 rel {rel:.2e} | {:9.1} us {:7.1} GB/s",
+            kind.label(),
+            tm.us,
+            tm.gbs
+        );
+        rep.line(line.clone());
+        table.push(line);
+    }
+    // A registered Vec (caller-owned memory) also works.
+    let mut owned = dev.register_host(wh.clone().into_boxed_slice())?;
+    let got = run_once(&k, t, &owned, &xb, &mut y, n_in, n_out)?;
+    let (rel, _, bad) = compare(&got, &yref);
+    rep.line(format!(
+        "placement registered Box<[u8]>: rel {rel:.2e} nonfinite {bad}"
+    ));
+    if bad > 0 || !(rel < REL_TOL) {
+        rep.fail("registered caller-owned memory gave wrong results".into());
+    }
+    owned
+        .host_bytes_mut()?
+        .context("registered buffer has host bytes")?[0] ^= 1;
+    drop(owned);
+    // Managed memory larger than free memory must be refused before the driver call.
+    let (free, _) = dev.mem_info()?;
+    match dev.alloc(MemKind::Managed, free as usize + (1 << 30)) {
+        Err(ds4_gpu::GpuError::ManagedTooLarge { .. }) => {
+            rep.line("managed > free: refused as expected".into())
+        }
+        Err(e) => rep.fail(format!("managed > free: wrong error {e}")),
+        Ok(_) => rep.fail("managed > free was allocated".into()),
+    }
+
+    // Grouped routed experts: 6 of 256, gate+up in one launch, then down per expert.
+    for (t_gu, t_down) in [
+        (GemvType::Iq2Xxs, GemvType::Q2K),
+        (GemvType::Q4K, GemvType::Q4K),
+    ] {
+        let (n_exp, n_sel, e_in, e_ff) = (256usize, 6usize, 4096usize, 2048usize);
+        let gate = random_weights(t_gu, e_in, n_exp * e_ff, rng.next());
+        let up = random_weights(t_gu, e_in, n_exp * e_ff, rng.next());
+        let down = random_weights(t_down, e_ff, n_exp * e_in, rng.next());
+        let mut ids: Vec<i32> = Vec::new();
+        while ids.len() < n_sel {
+            let id = (rng.next() % n_exp as u64) as i32;
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        let x: Vec<f32> = (0..e_in).map(|_| rng.unit()).collect();
+        let xd: Vec<f32> = (0..n_sel * e_ff).map(|_| rng.unit()).collect();
+        let mut bufs = Vec::new();
+        for h in [&gate, &up, &down] {
+            let mut b = dev.alloc(MemKind::Device, h.len())?;
+            b.write(0, h)?;
+            bufs.push(b);
+        }
+        let mut idb = dev.alloc(MemKind::Device, 4 * n_sel)?;
+        idb.write(
+            0,
+            &ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<_>>(),
+        )?;
+        let mut xb = dev.alloc(MemKind::Device, 4 * e_in)?;
+        xb.write(0, &f32_bytes(&x))?;
+        let mut xdb = dev.alloc(MemKind::Device, 4 * n_sel * e_ff)?;
+        xdb.write(0, &f32_bytes(&xd))?;
+        let mut yg = dev.alloc(MemKind::Device, 4 * n_sel * e_ff)?;
+        let mut yu = dev.alloc(MemKind::Device, 4 * n_sel * e_ff)?;
+        let mut yd = dev.alloc(MemKind::Device, 4 * n_sel * e_in)?;
+        let rb_gu = t_gu.row_bytes(e_in as u64)? as usize;
+        let rb_d = t_down.row_bytes(e_ff as u64)? as usize;
+        let launch_gu = |idb: &CudaBuffer, yg: &mut CudaBuffer, yu: &mut CudaBuffer| {
+            k.gemv_grouped(
+                t_gu,
+                GroupedGemv {
+                    w0: bufs[0].as_view(),
+                    w1: Some(bufs[1].as_view()),
+                    n_experts: n_exp,
+                    ids: idb.as_view(),
+                    n_sel,
+                    x: xb.as_view(),
+                    x_per_selection: false,
+                    y0: yg.as_view_mut(),
+                    y1: Some(yu.as_view_mut()),
+                    n_in: e_in,
+                    n_out: e_ff,
+                },
+            )
+        };
+        let launch_d = |idb: &CudaBuffer, yd: &mut CudaBuffer| {
+            k.gemv_grouped(
+                t_down,
+                GroupedGemv {
+                    w0: bufs[2].as_view(),
+                    w1: None,
+                    n_experts: n_exp,
+                    ids: idb.as_view(),
+                    n_sel,
+                    x: xdb.as_view(),
+                    x_per_selection: true,
+                    y0: yd.as_view_mut(),
+                    y1: None,
+                    n_in: e_ff,
+                    n_out: e_in,
+                },
+            )
+        };
+        yg.fill_u32(POISON)?;
+        yu.fill_u32(POISON)?;
+        yd.fill_u32(POISON)?;
+        launch_gu(&idb, &mut yg, &mut yu)?;
+        launch_d(&idb, &mut yd)?;
+        let mut out = vec![0u8; 4 * n_sel * e_ff];
+        yg.read(0, &mut out)?;
+        let got_g = bytes_f32(&out);
+        yu.read(0, &mut out)?;
+        let got_u = bytes_f32(&out);
+        let mut outd = vec![0u8; 4 * n_sel * e_in];
+        yd.read(0, &mut outd)?;
+        let got_d = bytes_f32(&outd);
+        let (mut rg, mut ru, mut rd) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            rg.extend(reference(
+                t_gu,
+                &gate[id * e_ff * rb_gu..(id + 1) * e_ff * rb_gu],
+                &x,
+                e_ff,
+            )?);
+            ru.extend(reference(
+                t_gu,
+                &up[id * e_ff * rb_gu..(id + 1) * e_ff * rb_gu],
+                &x,
+                e_ff,
+            )?);
+            rd.extend(reference(
+                t_down,
+                &down[id * e_in * rb_d..(id + 1) * e_in * rb_d],
+                &xd[s * e_ff..(s + 1) * e_ff],
+                e_in,
+            )?);
+        }
+        let cg = compare(&got_g, &rg);
+        let cu = compare(&got_u, &ru);
+        let cd = compare(&got_d, &rd);
+        for (name, c) in [("gate", cg), ("up", cu), ("down", cd)] {
+            if c.2 > 0 || !(c.0 < REL_TOL) {
+                rep.fail(format!(
+                    "grouped {}/{} {name}: rel {:.3e}, {} non-finite",
+                    t_gu.suffix(),
+                    t_down.suffix(),
+                    c.0,
+                    c.2
+                ));
+            }
+        }
+        // A bad id yields NaN rows for that selection only.
+        let mut bad_ids = ids.clone();
+        bad_ids[2] = n_exp as i32 + 5;
+        idb.write(
+            0,
+            &bad_ids
+                .iter()
+                .flat_map(|i| i.to_le_bytes())
+                .collect::<Vec<_>>(),
+        )?;
+        yd.fill_u32(0)?;
+        launch_d(&idb, &mut yd)?;
+        yd.read(0, &mut outd)?;
+        let v = bytes_f32(&outd);
+        let nan_ok = v[2 * e_in..3 * e_in].iter().all(|f| f.is_nan())
+            && v[..2 * e_in]
+                .iter()
+                .chain(&v[3 * e_in..])
+                .all(|f| f.is_finite());
+        if !nan_ok {
+            rep.fail("grouped: an out-of-range expert id did not give exactly its rows NaN".into());
+        }
+        idb.write(
+            0,
+            &ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<_>>(),
+        )?;
+        // Timing: experts spread over 553+ MB tensors; rotate the selected ids.
+        let (e0, e1) = (dev.event()?, dev.event()?);
+        let mut tgu = Vec::new();
+        let mut td = Vec::new();
+        for _ in 0..samples {
+            let shift: Vec<i32> = (0..n_sel)
+                .map(|_| (rng.next() % n_exp as u64) as i32)
+                .collect();
+            idb.write(
+                0,
+                &shift
+                    .iter()
+                    .flat_map(|i| i.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            )?;
+            e0.record()?;
+            launch_gu(&idb, &mut yg, &mut yu)?;
+            e1.record()?;
+            tgu.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
+            e0.record()?;
+            launch_d(&idb, &mut yd)?;
+            e1.record()?;
+            td.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
+        }
+        let (ugu, ud) = (median(&mut tgu), median(&mut td));
+        let bgu = (2 * n_sel * e_ff * rb_gu) as f64;
+        let bd = (n_sel * e_in * rb_d) as f64;
+        let line = format!(
+            "grouped {}/{}: rel gate {:.2e} up {:.2e} down {:.2e} | gate+up {:7.2} us {:6.0} GB/s | down {:7.2} us {:6.0} GB/s (single launch each, event-timed)",
+            t_gu.suffix(), t_down.suffix(), cg.0, cu.0, cd.0, ugu, bgu / (ugu * 1e-6) / 1e9, ud, bd / (ud * 1e-6) / 1e9
+        );
+        rep.line(line.clone());
+        table.push(line);
+    }
+
+    // Tuning variants: same kernels compiled with other knobs, timed on the main shapes.
+    for extra in [
+        vec!["-DDS4_GEMV_MIN_BLOCKS=2".to_string()],
+        vec!["-DDS4_GEMV_UNROLL=2".to_string()],
+        vec![
+            "-DDS4_GEMV_MIN_BLOCKS=3".to_string(),
+            "-DDS4_GEMV_UNROLL=4".to_string(),
+        ],
+    ] {
+        let kv = match GemvKernels::load_with(&dev, &cache, &extra) {
+            Ok(kv) => kv,
+            Err(e) => {
+                rep.fail(format!("variant {extra:?}: {e}"));
+                continue;
+            }
+        };
+        for &(t, n_in, n_out) in &[
+            (GemvType::Q8_0, 4096usize, 1024usize),
+            (GemvType::Q8_0, 1024, 32768),
+            (GemvType::Q8_0, 4096, 8192),
+            (GemvType::Iq2Xxs, 4096, 2048),
+            (GemvType::Q2K, 2048, 4096),
+            (GemvType::Q4K, 4096, 2048),
+            (GemvType::F16, 4096, 1024),
+        ] {
+            let wh = random_weights(t, n_in, n_out, rng.next());
+            let x: Vec<f32> = (0..n_in).map(|_| rng.unit()).collect();
+            let yref = reference(t, &wh, &x, n_out)?;
+            let mut w = dev.alloc(MemKind::Device, wh.len())?;
+            w.write(0, &wh)?;
+            let mut xb = dev.alloc(MemKind::Device, 4 * n_in)?;
+            xb.write(0, &f32_bytes(&x))?;
+            let mut y = dev.alloc(MemKind::Device, 4 * n_out)?;
+            let got = run_once(&kv, t, &w, &xb, &mut y, n_in, n_out)?;
+            let (rel, _, bad) = compare(&got, &yref);
+            if bad > 0 || !(rel < REL_TOL) {
+                rep.fail(format!(
+                    "variant {extra:?} {}: rel {rel:.3e}, {bad} non-finite",
+                    t.suffix()
+                ));
+            }
+            let copies = rotate_bytes.div_ceil(wh.len()).clamp(1, 256);
+            let mut ws = vec![w];
+            for _ in 1..copies {
+                let mut c = dev.alloc(MemKind::Device, wh.len())?;
+                c.copy_from(0, &ws[0], 0, wh.len())?;
+                ws.push(c);
+            }
+            let tm = time_gemv(&dev, &kv, t, &ws, &xb, &mut y, n_in, n_out, samples)?;
+            let a = kv.function(t).attrs()?;
+            let line = format!(
+                "variant {:46} {:8} in {:5} out {:6}: regs {:3} local {:3} | {:8.2} us {:7.0} GB/s",
+                extra.join(" "),
+                t.suffix(),
+                n_in,
+                n_out,
+                a.registers,
+                a.local_bytes,
+                tm.us,
+                tm.gbs
+            );
+            rep.line(line.clone());
+            table.push(line);
+        }
+    }
+
+    let _ = std::fs::remove_dir_all(&cache_dir);
+    println!("\n==== summary ({} failures) ====", rep.failures.len());
+    println!("copy bandwidth {:.0} GB/s", copy_gbs);
+    for l in &table {
+        println!("{l}");
+    }
+    if let Ok(out) = std::env::var("OUT") {
+        let _ = std::fs::write(
+            std::path::Path::new(&out).join("ds4-gpu-check.log"),
+            rep.lines.join("\n"),
+        );
+    }
+    if !rep.failures.is_empty() {
+        for f in &rep.failures {
+            println!("FAIL: {f}");
+        }
+        bail!("{} check(s) failed", rep.failures.len());
+    }
+    println!("ALL CHECKS PASSED");
+    Ok(())
+}

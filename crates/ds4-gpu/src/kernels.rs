@@ -1,0 +1,356 @@
+//! The kernel source tree (`kernels/*.cu` at the repository root, embedded at build time)
+//! and the host-side contract of each kernel: which shapes it accepts and how it is
+//! launched. Everything here is pure so it is tested without a GPU.
+
+use ds4_gguf::GgmlType;
+use sha2::{Digest, Sha256};
+
+use crate::error::{GpuError, Result};
+
+/// One compilable kernel file plus the headers it includes, all held in memory so the
+/// run-time compiler (NVRTC, hiprtc) never needs the source tree or a toolkit on disk.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    /// File name, as it appears in compiler messages (`gemv.cu`).
+    pub name: &'static str,
+    pub source: &'static str,
+    /// `(include name, contents)` for every `#include "..."` of the file.
+    pub headers: &'static [(&'static str, &'static str)],
+}
+
+impl KernelSource {
+    /// SHA-256 over names and contents of the file and its headers: the source part of
+    /// the compile-cache key.
+    pub fn hash(&self) -> [u8; 32] {
+        let mut h = Sha256::new();
+        for (name, text) in
+            std::iter::once((self.name, self.source)).chain(self.headers.iter().copied())
+        {
+            h.update((name.len() as u64).to_le_bytes());
+            h.update(name.as_bytes());
+            h.update((text.len() as u64).to_le_bytes());
+            h.update(text.as_bytes());
+        }
+        h.finalize().into()
+    }
+}
+
+/// The portability header every kernel includes first.
+pub const PORT_H: (&str, &str) = ("ds4_port.h", include_str!("../../../kernels/ds4_port.h"));
+/// Generated IQ2_XXS tables (see [`crate::tables`]).
+pub const IQ2XXS_TABLES_H: (&str, &str) = (
+    "ds4_iq2xxs_tables.h",
+    include_str!("../../../kernels/ds4_iq2xxs_tables.h"),
+);
+
+/// Batch-1 GEMV for every ds4 weight type (plain and grouped-expert entry points).
+pub const GEMV: KernelSource = KernelSource {
+    name: "gemv.cu",
+    source: include_str!("../../../kernels/gemv.cu"),
+    headers: &[PORT_H, IQ2XXS_TABLES_H],
+};
+
+/// Every kernel file, for tools that compile them all (cache warm-up, hipcc checks).
+pub const ALL: &[KernelSource] = &[GEMV];
+
+/// Threads per block of the GEMV kernels (8 logical warps).
+pub const GEMV_THREADS: u32 = 256;
+/// Logical warps per block.
+pub const GEMV_WARPS: u32 = GEMV_THREADS / 32;
+
+/// The weight types the GEMV kernels implement, with their per-format constants. These
+/// mirror the `Ds4*` structs of `kernels/gemv.cu`; keep the two in step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GemvType {
+    F32,
+    F16,
+    Q8_0,
+    Q2K,
+    Q4K,
+    Iq2Xxs,
+}
+
+impl GemvType {
+    pub const ALL: [GemvType; 6] = [
+        GemvType::F32,
+        GemvType::F16,
+        GemvType::Q8_0,
+        GemvType::Q2K,
+        GemvType::Q4K,
+        GemvType::Iq2Xxs,
+    ];
+
+    /// The GEMV type for a GGUF tensor type, or an error naming the unsupported type.
+    pub fn from_ggml(ty: GgmlType) -> Result<Self> {
+        Ok(match ty {
+            GgmlType::F32 => GemvType::F32,
+            GgmlType::F16 => GemvType::F16,
+            GgmlType::Q8_0 => GemvType::Q8_0,
+            GgmlType::Q2K => GemvType::Q2K,
+            GgmlType::Q4K => GemvType::Q4K,
+            GgmlType::Iq2Xxs => GemvType::Iq2Xxs,
+            other => {
+                return Err(GpuError::BadArgument {
+                    op: "gemv",
+                    detail: format!("no GPU GEMV kernel for weight type {}", other.name()),
+                })
+            }
+        })
+    }
+
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            GemvType::F32 => GgmlType::F32,
+            GemvType::F16 => GgmlType::F16,
+            GemvType::Q8_0 => GgmlType::Q8_0,
+            GemvType::Q2K => GgmlType::Q2K,
+            GemvType::Q4K => GgmlType::Q4K,
+            GemvType::Iq2Xxs => GgmlType::Iq2Xxs,
+        }
+    }
+
+    /// Suffix of the kernel entry points (`ds4_gemv_<suffix>`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            GemvType::F32 => "f32",
+            GemvType::F16 => "f16",
+            GemvType::Q8_0 => "q8_0",
+            GemvType::Q2K => "q2_k",
+            GemvType::Q4K => "q4_k",
+            GemvType::Iq2Xxs => "iq2_xxs",
+        }
+    }
+
+    /// Elements per block (for F32/F16: per 16-byte vector, the kernels' unit).
+    pub fn block_elems(self) -> u64 {
+        match self {
+            GemvType::F32 => 4,
+            GemvType::F16 => 8,
+            GemvType::Q8_0 => 32,
+            GemvType::Q2K | GemvType::Q4K | GemvType::Iq2Xxs => 256,
+        }
+    }
+
+    /// Bytes per block (per vector for F32/F16).
+    pub fn block_bytes(self) -> u64 {
+        match self {
+            GemvType::F32 | GemvType::F16 => 16,
+            GemvType::Q8_0 => 34,
+            GemvType::Q2K => 84,
+            GemvType::Q4K => 144,
+            GemvType::Iq2Xxs => 66,
+        }
+    }
+
+    /// Blocks per staged chunk (`CB` in gemv.cu); for plain types one "chunk" is one
+    /// 16-byte vector per lane of a warp.
+    fn chunk_blocks(self) -> u64 {
+        match self {
+            GemvType::F32 | GemvType::F16 => 32,
+            GemvType::Q8_0 => 56,
+            GemvType::Q2K => 24,
+            GemvType::Q4K => 14,
+            GemvType::Iq2Xxs => 32,
+        }
+    }
+
+    /// Bytes of one row of `n_in` elements, or an error if `n_in` is not a whole number
+    /// of blocks or the row would not be 16-byte aligned (the kernels load 16 bytes).
+    pub fn row_bytes(self, n_in: u64) -> Result<u64> {
+        let be = self.block_elems();
+        if n_in == 0 || !n_in.is_multiple_of(be) {
+            return Err(GpuError::BadArgument {
+                op: "gemv",
+                detail: format!(
+                    "{}: n_in = {n_in} is not a positive multiple of {be}",
+                    self.ggml().name()
+                ),
+            });
+        }
+        let bytes =
+            (n_in / be)
+                .checked_mul(self.block_bytes())
+                .ok_or_else(|| GpuError::BadArgument {
+                    op: "gemv",
+                    detail: format!("n_in = {n_in} overflows"),
+                })?;
+        if !bytes.is_multiple_of(16) {
+            return Err(GpuError::BadArgument {
+                op: "gemv",
+                detail: format!(
+                    "{}: a row of {n_in} elements is {bytes} bytes, not a multiple of 16 \
+                     (the kernels need 16-byte aligned rows; n_in must be a multiple of {})",
+                    self.ggml().name(),
+                    self.aligned_multiple()
+                ),
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// The smallest n_in multiple that gives 16-byte aligned rows.
+    fn aligned_multiple(self) -> u64 {
+        let be = self.block_elems();
+        let mut k = 1;
+        while !(k * self.block_bytes()).is_multiple_of(16) {
+            k += 1;
+        }
+        k * be
+    }
+}
+
+/// How one GEMV launch is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvLaunch {
+    /// Warps that share one output row (1, 2, 4 or 8).
+    pub wpr: u32,
+    /// Blocks along x (row groups).
+    pub grid_x: u32,
+    /// Threads per block.
+    pub block: u32,
+    /// Bytes of one weight row.
+    pub row_bytes: u64,
+}
+
+/// Largest power of two in {1, 2, 4, 8} that is <= `parts` and, where possible, makes at
+/// least `target_warps` warps in flight.
+pub fn choose_wpr(n_out: u64, parts: u64, target_warps: u64) -> u32 {
+    let mut wpr = 1u64;
+    while wpr < 8 && n_out * wpr < target_warps && wpr * 2 <= parts {
+        wpr *= 2;
+    }
+    wpr as u32
+}
+
+/// Validate a GEMV shape and compute its launch. `target_warps` is how many warps the
+/// device needs in flight to hide memory latency (e.g. 48 per multiprocessor).
+pub fn gemv_launch(ty: GemvType, n_in: u64, n_out: u64, target_warps: u64) -> Result<GemvLaunch> {
+    let row_bytes = ty.row_bytes(n_in)?;
+    if n_out == 0 || n_out > i32::MAX as u64 || n_in > i32::MAX as u64 {
+        return Err(GpuError::BadArgument {
+            op: "gemv",
+            detail: format!("shape {n_out}x{n_in} is empty or exceeds the kernels' i32 indices"),
+        });
+    }
+    let blocks = n_in / ty.block_elems();
+    let parts = blocks.div_ceil(ty.chunk_blocks());
+    let wpr = choose_wpr(n_out, parts, target_warps);
+    let rows_per_block = u64::from(GEMV_WARPS / wpr);
+    let grid_x = n_out.div_ceil(rows_per_block);
+    let grid_x = u32::try_from(grid_x).map_err(|_| GpuError::BadArgument {
+        op: "gemv",
+        detail: format!("n_out = {n_out} needs {grid_x} blocks, more than a grid holds"),
+    })?;
+    Ok(GemvLaunch {
+        wpr,
+        grid_x,
+        block: GEMV_THREADS,
+        row_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn types_match_ggml_table() {
+        for t in GemvType::ALL {
+            assert_eq!(GemvType::from_ggml(t.ggml()).unwrap(), t);
+            let g = t.ggml();
+            // Block formats: the kernel's block equals ggml's; plain types use 16-byte vectors.
+            if g.is_quantized() {
+                assert_eq!(Some(t.block_elems()), g.block_elems());
+                assert_eq!(Some(t.block_bytes()), g.block_bytes());
+            } else {
+                assert_eq!(t.block_bytes(), t.block_elems() * g.block_bytes().unwrap());
+            }
+            // A full chunk must be whole 16-byte vectors (mirrors the static_assert).
+            assert!(
+                (t.chunk_blocks() * t.block_bytes()).is_multiple_of(16),
+                "{t:?}"
+            );
+        }
+        assert!(GemvType::from_ggml(GgmlType::I32).is_err());
+    }
+
+    #[test]
+    fn kernel_source_declares_each_entry_point_and_chunk() {
+        for t in GemvType::ALL {
+            let name = format!("DS4_GEMV_ENTRY({},", t.suffix());
+            assert!(GEMV.source.contains(&name), "missing {name}");
+        }
+        // Chunk sizes in Rust must equal those in gemv.cu.
+        for (t, decl) in [
+            (GemvType::Q8_0, "BE = 32, BB = 34, CB = 56"),
+            (GemvType::Q2K, "BE = 256, BB = 84, CB = 24"),
+            (GemvType::Q4K, "BE = 256, BB = 144, CB = 14"),
+            (GemvType::Iq2Xxs, "BE = 256, BB = 66, CB = 32"),
+        ] {
+            assert!(GEMV.source.contains(decl), "{t:?}: {decl}");
+            assert!(decl.ends_with(&format!("CB = {}", t.chunk_blocks())));
+        }
+    }
+
+    #[test]
+    fn row_bytes_and_alignment() {
+        assert_eq!(GemvType::Q8_0.row_bytes(4096).unwrap(), 4352);
+        assert_eq!(GemvType::Q2K.row_bytes(2048).unwrap(), 672);
+        assert_eq!(GemvType::Iq2Xxs.row_bytes(4096).unwrap(), 1056);
+        assert_eq!(GemvType::Q4K.row_bytes(256).unwrap(), 144);
+        assert_eq!(GemvType::F16.row_bytes(24).unwrap(), 48);
+        assert!(GemvType::Q8_0.row_bytes(0).is_err());
+        assert!(GemvType::Q8_0.row_bytes(33).is_err());
+        // 128 Q8_0 values = 136 bytes: not 16-aligned; the message names the fix (256).
+        let e = GemvType::Q8_0.row_bytes(128).unwrap_err().to_string();
+        assert!(e.contains("multiple of 256"), "{e}");
+        // One IQ2_XXS block is 66 bytes; eight make 528 = 33*16.
+        let e = GemvType::Iq2Xxs.row_bytes(256).unwrap_err().to_string();
+        assert!(e.contains("multiple of 2048"), "{e}");
+        assert!(GemvType::F16.row_bytes(12).is_err());
+    }
+
+    #[test]
+    fn wpr_fills_the_gpu_without_idle_warps() {
+        // Many rows: one warp each.
+        assert_eq!(choose_wpr(32768, 100, 6336), 1);
+        // Few rows, long: up to 8 warps per row.
+        assert_eq!(choose_wpr(24, 1000, 6336), 8);
+        // Never more warps than chunks.
+        assert_eq!(choose_wpr(24, 3, 6336), 2);
+        assert_eq!(choose_wpr(24, 1, 6336), 1);
+        assert_eq!(choose_wpr(2048, 8, 6336), 4);
+    }
+
+    #[test]
+    fn launch_covers_every_row() {
+        for (t, n_in, n_out) in [
+            (GemvType::Q8_0, 4096u64, 1024u64),
+            (GemvType::Q8_0, 1024, 32768),
+            (GemvType::F16, 16384, 24),
+            (GemvType::Iq2Xxs, 4096, 2048),
+            (GemvType::Q2K, 2048, 4096),
+            (GemvType::F32, 4096, 3),
+        ] {
+            let l = gemv_launch(t, n_in, n_out, 6336).unwrap();
+            let rows_per_block = u64::from(GEMV_WARPS / l.wpr);
+            assert!(u64::from(l.grid_x) * rows_per_block >= n_out);
+            assert!(u64::from(l.grid_x - 1) * rows_per_block < n_out);
+            assert!([1, 2, 4, 8].contains(&l.wpr));
+            assert_eq!(l.row_bytes, t.row_bytes(n_in).unwrap());
+        }
+        assert!(gemv_launch(GemvType::Q8_0, 4096, 0, 1).is_err());
+        assert!(gemv_launch(GemvType::Q8_0, 4096, 1 << 40, 1).is_err());
+    }
+
+    #[test]
+    fn source_hash_changes_with_any_header() {
+        let a = GEMV.hash();
+        let other = KernelSource {
+            headers: &[PORT_H],
+            ..GEMV
+        };
+        assert_ne!(a, other.hash());
+        assert_eq!(a, GEMV.hash());
+    }
+}

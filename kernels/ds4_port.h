@@ -1,0 +1,86 @@
+// ds4_port.h: the one place where CUDA and HIP differ for ds4-rs kernels.
+//
+// Every kernels/*.cu file is written in the CUDA dialect and includes this header first, so
+// that the same file compiles with NVRTC (CUDA 12/13), hiprtc (ROCm 6/7) and Debian's hipcc
+// (ROCm 5.2, clang 15). Kernels never call a warp intrinsic directly: they use the ds4_*
+// wrappers below.
+//
+// Warps: kernels are written for a *logical* warp of 32 lanes (DS4_WARP). On NVIDIA and on
+// RDNA (wave32) that is the hardware warp. On CDNA (wave64) a wavefront holds two logical
+// warps; shuffles take an explicit width of 32 so they stay inside one logical warp, and
+// ds4_syncwarp() is a wavefront barrier, which is a superset of what a logical warp needs.
+#pragma once
+
+#if defined(__HIP__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
+#define DS4_HIP 1
+#endif
+
+#if defined(DS4_HIP) && !defined(__HIPCC_RTC__)
+#include <hip/hip_runtime.h>
+#endif
+
+typedef unsigned char ds4_u8;
+typedef signed char ds4_i8;
+typedef unsigned short ds4_u16;
+typedef unsigned int ds4_u32;
+typedef int ds4_i32;
+typedef unsigned long long ds4_u64;
+typedef unsigned long long ds4_size;
+
+#define DS4_WARP 32
+#define DS4_FULL_MASK 0xffffffffu
+
+#if defined(DS4_HIP)
+
+// ROCm 5.2 has no __shfl_xor_sync; later ROCm has it only behind a macro and with 64-bit
+// masks. __shfl_xor with an explicit width exists in every version.
+__device__ __forceinline__ float ds4_shfl_xor(float v, int lane_mask) {
+    return __shfl_xor(v, lane_mask, DS4_WARP);
+}
+
+// Orders shared-memory writes of one lane before reads by another lane of the same
+// wavefront: a compiler/memory fence at wavefront scope plus a wave barrier.
+__device__ __forceinline__ void ds4_syncwarp() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+    __builtin_amdgcn_wave_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
+
+// IEEE binary16 bits to f32 through clang's _Float16 (exact, subnormals included).
+__device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
+    _Float16 v;
+    __builtin_memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+// Read-only global loads: plain loads on AMD (the compiler picks scalar/vector caches).
+template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return *p; }
+
+#else  // CUDA (NVRTC)
+
+__device__ __forceinline__ float ds4_shfl_xor(float v, int lane_mask) {
+    return __shfl_xor_sync(DS4_FULL_MASK, v, lane_mask, DS4_WARP);
+}
+
+__device__ __forceinline__ void ds4_syncwarp() { __syncwarp(); }
+
+// cvt.f32.f16 is exact; inline PTX avoids needing cuda_fp16.h (and so the toolkit's
+// include directory) at run time.
+__device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return __ldg(p); }
+
+#endif
+
+// Sum of v over the 32 lanes of a logical warp; every lane receives the total.
+__device__ __forceinline__ float ds4_warp_sum(float v) {
+#pragma unroll
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) {
+        v += ds4_shfl_xor(v, m);
+    }
+    return v;
+}

@@ -47,19 +47,74 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, SourceTensor>,
 }
 
-impl Checkpoint {
-    /// Maps every `*.safetensors` file of `dir` (sorted by file name). A tensor name present
-    /// in two shards is refused.
-    pub fn open(dir: &Path) -> Result<Checkpoint> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(io_err(dir))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors") && p.is_file())
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(ConvertError::NoSafetensors(dir.to_path_buf()));
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read(&index).map_err(io_err(&index))?;
+        let json: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|source| ConvertError::Json {
+                path: index.clone(),
+                source,
+            })?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ConvertError::Safetensors {
+                path: index.clone(),
+                message: "no \"weight_map\" object".into(),
+            })?;
+        let mut names: Vec<&str> = Vec::new();
+        for v in map.values() {
+            let f = v
+                .as_str()
+                .filter(|f| !f.contains('/') && !f.contains('\\') && f.ends_with(".safetensors"))
+                .ok_or_else(|| ConvertError::Safetensors {
+                    path: index.clone(),
+                    message: format!(
+                        "weight_map entry {v} is not a shard file name in {}",
+                        dir.display()
+                    ),
+                })?;
+            names.push(f);
         }
+        names.sort_unstable();
+        names.dedup();
+        return Ok(names.into_iter().map(|n| dir.join(n)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors") && p.is_file())
+        .collect();
+    all.sort();
+    let shards: Vec<PathBuf> = all
+        .iter()
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("model-"))
+        })
+        .cloned()
+        .collect();
+    let files = if shards.is_empty() { all } else { shards };
+    if files.is_empty() {
+        return Err(ConvertError::NoSafetensors(dir.to_path_buf()));
+    }
+    Ok(files)
+}
+
+impl Checkpoint {
+    /// Maps the checkpoint's shards, found the way transformers finds them: the files named in
+    /// `model.safetensors.index.json`, else `model.safetensors`, else `model-*.safetensors`,
+    /// else every `*.safetensors` (sorted by name). Other safetensors files next to a model
+    /// (e.g. recorded reference outputs) are therefore not mistaken for weights. A tensor
+    /// name present in two shards is refused.
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        let files = shard_files(dir)?;
         let mut maps = Vec::new();
         let mut tensors = BTreeMap::new();
         for (fi, path) in files.iter().enumerate() {

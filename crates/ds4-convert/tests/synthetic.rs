@@ -1,0 +1,243 @@
+//! Synthetic models: exact sizes against the spec, validation, and that the streamed file
+//! holds exactly what the in-memory generator produces.
+
+use std::io::Write;
+
+use ds4_convert::synthetic::{flash_hparams, SyntheticModel};
+use ds4_convert::NoProgress;
+use ds4_gguf::{quant, GgmlType, GgufFile};
+use ds4_model::layout::TypeRecipe;
+use ds4_model::{expected_tensors, ModelSpec, Strictness};
+
+const VOCAB_FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/fixtures/vocab/deepseek-v4-vocab.gguf"
+);
+
+#[test]
+fn full_size_dry_run_matches_the_spec() {
+    // gguf-layout.md §7.1: q2 tensor data 86,714,777,664 B, q4 164,628,168,768 B (padded,
+    // back to back), 1328 tensors.
+    let q2 = SyntheticModel::new(TypeRecipe::Q2, 43, 0).unwrap();
+    let q4 = SyntheticModel::new(TypeRecipe::Q4, 43, 0).unwrap();
+    assert_eq!(q2.header().tensors.len(), 1328);
+    assert_eq!(q2.file_size() - q2.data_offset(), 86_714_777_664);
+    assert_eq!(q4.file_size() - q4.data_offset(), 164_628_168_768);
+    // At the real size validation applies ds4's own rules (dims, exact types).
+    let spec = ModelSpec::from_header(q2.header(), Strictness::Ds4).unwrap();
+    assert_eq!(spec.routed_bits(), 2);
+    ModelSpec::from_header(q4.header(), Strictness::Ds4).unwrap();
+
+    // With the real vocabulary and the 57 KVs, §7.1: data at 5,328,480, file
+    // 86,720,106,144 B (= 80.76 GiB).
+    let f = GgufFile::open(VOCAB_FIXTURE).unwrap();
+    let tok = ds4_convert::tokenizer::from_gguf(VOCAB_FIXTURE.as_ref(), f.header()).unwrap();
+    let real = SyntheticModel::with_tokenizer(TypeRecipe::Q2, 43, 0, &tok).unwrap();
+    assert_eq!(real.header().metadata.len(), 57);
+    assert_eq!(real.data_offset(), 5_328_480);
+    assert_eq!(real.file_size(), 86_720_106_144);
+    assert_eq!(
+        format!("{:.2}", real.file_size() as f64 / (1u64 << 30) as f64),
+        "80.76"
+    );
+    assert_eq!(
+        real.file_size(),
+        ds4_gguf::file_size(real.header()).unwrap()
+    );
+}
+
+/// A sink that counts bytes and keeps only chosen windows of the stream.
+struct Probe {
+    pos: u64,
+    windows: Vec<(u64, Vec<u8>)>,
+    fill: Vec<usize>,
+}
+
+impl Write for Probe {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let (lo, hi) = (self.pos, self.pos + buf.len() as u64);
+        // Windows are sorted and disjoint: find the first that may overlap.
+        let start = self
+            .windows
+            .partition_point(|(off, data)| off + data.len() as u64 <= lo);
+        for i in start..self.windows.len() {
+            let (off, ref mut data) = self.windows[i];
+            if off >= hi {
+                break;
+            }
+            let a = off.max(lo);
+            let b = (off + data.len() as u64).min(hi);
+            data[(a - off) as usize..(b - off) as usize]
+                .copy_from_slice(&buf[(a - lo) as usize..(b - lo) as usize]);
+            self.fill[i] += (b - a) as usize;
+        }
+        self.pos = hi;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn layers4_q2_file_validates_and_matches_its_dry_run() {
+    let model = SyntheticModel::new(TypeRecipe::Q2, 4, 7).unwrap();
+    let dry = model.file_size();
+    let h = model.header();
+    // Keep the header, and per tensor its first row plus the padding after it.
+    let mut windows = vec![(0u64, vec![0u8; model.data_offset() as usize])];
+    let mut is_pad = vec![false];
+    for (i, t) in h.tensors.iter().enumerate() {
+        let (_, rb) = model.rows(i).unwrap();
+        windows.push((model.data_offset() + t.offset, vec![0; rb as usize]));
+        is_pad.push(false);
+        let end = t.offset + t.n_bytes().unwrap();
+        let padded = end.div_ceil(32) * 32;
+        if padded > end {
+            windows.push((
+                model.data_offset() + end,
+                vec![0xAA; (padded - end) as usize],
+            ));
+            is_pad.push(true);
+        }
+    }
+    let n = windows.len();
+    let probe = Probe {
+        pos: 0,
+        windows,
+        fill: vec![0; n],
+    };
+    let (probe, written) = model.write_to(probe, &mut NoProgress).unwrap();
+    assert_eq!(written, dry, "written size != dry-run size");
+    assert_eq!(probe.pos, dry);
+    assert!(probe
+        .fill
+        .iter()
+        .zip(&probe.windows)
+        .all(|(f, (_, d))| *f == d.len()));
+
+    // Rebuild the file sparsely (header + the captured windows) and open it with the full
+    // GGUF parser: every tensor span must lie inside a file of exactly the dry-run size.
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("syn4.gguf");
+    {
+        use std::io::{Seek, SeekFrom};
+        let mut f = std::fs::File::create(&path).unwrap();
+        f.set_len(dry).unwrap();
+        for (off, data) in &probe.windows {
+            f.seek(SeekFrom::Start(*off)).unwrap();
+            f.write_all(data).unwrap();
+        }
+    }
+    let file = GgufFile::open(&path).unwrap();
+    assert_eq!(file.header(), h);
+    assert_eq!(file.layout().data_offset, model.data_offset());
+    let spec = ModelSpec::from_header(file.header(), Strictness::Layout).unwrap();
+    // Layout validation takes dims from the metadata; additionally hold every tensor to
+    // ds4's exact per-family types and the real per-layer dims.
+    let want = expected_tensors(&flash_hparams(4).unwrap());
+    assert_eq!(spec.tensors.len(), want.len());
+    for (b, w) in spec.tensors.iter().zip(&want) {
+        assert_eq!(b.expected.dims, w.dims, "{}", w.name);
+        assert!(b.expected.rule.accepted(true).contains(&b.ty), "{}", w.name);
+    }
+    assert_eq!(
+        spec.tensor("blk.3.ffn_gate_exps.weight").unwrap().ty,
+        GgmlType::Iq2Xxs
+    );
+    assert_eq!(
+        spec.tensor("blk.3.ffn_down_exps.weight").unwrap().ty,
+        GgmlType::Q2K
+    );
+
+    // Streamed bytes = in-memory generator bytes; padding is zero; first rows decode to
+    // finite values of a sane scale.
+    for (i, t) in h.tensors.iter().enumerate() {
+        let (_, rb) = model.rows(i).unwrap();
+        let mut row = vec![0u8; rb as usize];
+        model.fill_rows(i, 0, &mut row).unwrap();
+        let (info, data) = file.tensor_bytes(&t.name).unwrap();
+        assert_eq!(&data[..rb as usize], &row[..], "{}", t.name);
+        if t.ty == GgmlType::I32 {
+            continue;
+        }
+        let mut vals = vec![0f32; info.dims[0] as usize];
+        quant::dequantize(t.ty, &row, &mut vals).unwrap();
+        assert!(
+            vals.iter().all(|v| v.is_finite() && v.abs() < 64.0),
+            "{}",
+            t.name
+        );
+    }
+    // The padding after every tensor was written, as zeros (12-B HC scales, the 4-B output
+    // HC scale, ... leave gaps of 1..31 bytes).
+    let pads: Vec<&Vec<u8>> = probe
+        .windows
+        .iter()
+        .zip(&is_pad)
+        .filter(|(_, p)| **p)
+        .map(|((_, d), _)| d)
+        .collect();
+    assert!(!pads.is_empty());
+    assert!(pads.iter().all(|d| d.iter().all(|&b| b == 0)));
+}
+
+#[test]
+fn tiny_synthetic_file_reads_back_exactly() {
+    let mut h = flash_hparams(4).unwrap();
+    h.n_embd = 256;
+    h.n_vocab = 300;
+    h.n_head = 4;
+    h.head_dim = 64;
+    h.rope_dim = 16;
+    h.q_lora_rank = 64;
+    h.o_groups = 2;
+    h.o_lora_rank = 32;
+    h.n_expert = 8;
+    h.n_expert_used = 2;
+    h.expert_ff = 256;
+    h.indexer_heads = 4;
+    h.indexer_head_dim = 32;
+    h.indexer_top_k = 4;
+    let tok = ds4_convert::tokenizer::generated_tokenizer(300);
+    for recipe in [TypeRecipe::Q2, TypeRecipe::Q4, TypeRecipe::F32] {
+        let m = SyntheticModel::from_hparams(h.clone(), recipe, 3, &tok).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("tiny.gguf");
+        let f = std::fs::File::create(&path).unwrap();
+        let (_, n) = m.write_to(f, &mut NoProgress).unwrap();
+        assert_eq!(n, m.file_size());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), n);
+        let file = GgufFile::open(&path).unwrap();
+        ModelSpec::from_header(file.header(), Strictness::Layout).unwrap();
+        for (i, t) in m.header().tensors.iter().enumerate() {
+            let mut want = vec![0u8; t.n_bytes().unwrap() as usize];
+            m.fill_tensor(i, &mut want).unwrap();
+            let (_, got) = file.tensor_bytes(&t.name).unwrap();
+            assert_eq!(got, &want[..], "{}", t.name);
+            if t.ty != GgmlType::I32 {
+                let mut v = vec![0f32; t.n_elements().unwrap() as usize];
+                quant::dequantize(t.ty, got, &mut v).unwrap();
+                assert!(v.iter().all(|x| x.is_finite()), "{}", t.name);
+            }
+        }
+        // Same seed → same file; the generator never depends on the write path.
+        let again = SyntheticModel::from_hparams(h.clone(), recipe, 3, &tok).unwrap();
+        let (bytes, _) = again.write_to(Vec::new(), &mut NoProgress).unwrap();
+        assert!(bytes == std::fs::read(&path).unwrap());
+    }
+    // A vocabulary of the wrong size is refused.
+    let e = SyntheticModel::from_hparams(
+        h,
+        TypeRecipe::Q2,
+        0,
+        &ds4_convert::tokenizer::generated_tokenizer(299),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("the vocabulary has 299 tokens, the model 300"),
+        "{e}"
+    );
+}

@@ -69,7 +69,12 @@ const ALL: [GgmlType; 8] = [
 fn dot_matches_dequantize_then_multiply() {
     let mut rng = Rng(2024);
     for ty in ALL {
-        for n in [256usize, 4096, 7 * 256] {
+        let ns: &[usize] = if ty.is_quantized() {
+            &[256, 4096, 7 * 256]
+        } else {
+            &[37, 256, 300, 4096, 7 * 256]
+        };
+        for &n in ns {
             for data in rows_for(ty, n, &mut rng) {
                 let x: Vec<f32> = (0..n).map(|_| rng.normalish()).collect();
                 let mut y = vec![0f32; n];

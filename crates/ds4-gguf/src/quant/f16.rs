@@ -5,23 +5,25 @@ use crate::types::GgmlType;
 
 /// Widen f16 bits to f32, exactly (subnormals included; NaN stays NaN).
 ///
-/// Written with integer and f32 operations only (no table, no branch the optimizer cannot
-/// turn into a select) so the loops that call it vectorize. Normal numbers: shift the
-/// exponent/mantissa into f32 position and fix the exponent bias with one multiply by 2^-112
-/// (which also maps f16 inf/NaN onto f32 inf/NaN). Subnormals: place the mantissa in the
-/// low bits of a float with exponent 2^-1 and subtract 0.5, which is exact.
+/// Written with integer operations and one f32 subtraction on normal numbers, with selects
+/// instead of branches, so loops that call it vectorize and never touch f32 subnormals
+/// (which cost a microcode assist on x86). Normal numbers and inf/NaN: move exponent and
+/// mantissa into f32 position and re-bias the exponent by an integer add (+112, or +224 for
+/// the all-ones exponent). Subnormals: put the 10-bit mantissa m in the low bits of a float
+/// whose exponent means 0.5, giving 0.5 + m·2^-24, and subtract 0.5, which is exact.
 #[inline(always)]
 pub fn f16_to_f32(h: u16) -> f32 {
     let w = u32::from(h) << 16;
     let sign = w & 0x8000_0000;
-    let two_w = w.wrapping_add(w); // drops the sign bit
-    let normal = f32::from_bits((two_w >> 4) + (0xE0 << 23)) * f32::from_bits(0x0780_0000);
-    let subnormal = f32::from_bits((two_w >> 17) | (126 << 23)) - 0.5;
-    let mag = if two_w < (1 << 27) {
-        subnormal.to_bits()
+    let two_w = w.wrapping_add(w); // drops the sign bit; exponent now in bits 27..31
+    let rebias = if two_w >= 0xF800_0000 {
+        224 << 23
     } else {
-        normal.to_bits()
+        112 << 23
     };
+    let normal = (two_w >> 4) + rebias;
+    let subnormal = (f32::from_bits((two_w >> 17) | (126 << 23)) - 0.5).to_bits();
+    let mag = if two_w < (1 << 27) { subnormal } else { normal };
     f32::from_bits(sign | mag)
 }
 
@@ -32,12 +34,51 @@ pub fn f32_to_f16(v: f32) -> u16 {
     half::f16::from_f32(v).to_bits()
 }
 
-pub(crate) fn dequantize_row(data: &[u8], out: &mut [f32]) {
-    plain::dequantize_with(data, out, |b| f16_to_f32(u16::from_le_bytes(b)));
+/// Copy a run of little-endian f16 values into a `u16` buffer (a plain copy on
+/// little-endian hosts, which LLVM vectorizes); returns how many were copied.
+#[inline(always)]
+fn load_run(run: &[[u8; 2]], h: &mut [u16; plain::RUN]) -> usize {
+    for (d, e) in h.iter_mut().zip(run) {
+        *d = u16::from_le_bytes(*e);
+    }
+    run.len().min(plain::RUN)
 }
 
+pub(crate) fn dequantize_row(data: &[u8], out: &mut [f32]) {
+    let (elems, _) = data.as_chunks::<2>();
+    let mut h = [0u16; plain::RUN];
+    for (run, o) in elems.chunks(plain::RUN).zip(out.chunks_mut(plain::RUN)) {
+        let n = load_run(run, &mut h);
+        for (o, &v) in o.iter_mut().zip(&h[..n]) {
+            *o = f16_to_f32(v);
+        }
+    }
+}
+
+/// Row dot product: per run of 256 values, 16 f32 lanes of `f16_to_f32(w)·x`, then the
+/// runs' sums added in f64.
 pub(crate) fn dot_row_unchecked(data: &[u8], x: &[f32]) -> f32 {
-    plain::dot_with(data, x, |b| f16_to_f32(u16::from_le_bytes(b)))
+    const LANES: usize = 16;
+    let (elems, _) = data.as_chunks::<2>();
+    let mut h = [0u16; plain::RUN];
+    let mut total = 0f64;
+    for (run, xs) in elems.chunks(plain::RUN).zip(x.chunks(plain::RUN)) {
+        let n = load_run(run, &mut h);
+        let mut acc = [0f32; LANES];
+        let (h_full, h_rest) = h[..n].as_chunks::<LANES>();
+        let (x_full, x_rest) = xs.as_chunks::<LANES>();
+        for (hv, xv) in h_full.iter().zip(x_full) {
+            for l in 0..LANES {
+                acc[l] += f16_to_f32(hv[l]) * xv[l];
+            }
+        }
+        let mut s = super::hsum(&acc);
+        for (&hv, xv) in h_rest.iter().zip(x_rest) {
+            s += f16_to_f32(hv) * xv;
+        }
+        total += f64::from(s);
+    }
+    total as f32
 }
 
 pub(crate) fn quantize_row(src: &[f32]) -> Result<Vec<u8>, QuantError> {

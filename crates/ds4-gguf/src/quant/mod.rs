@@ -8,11 +8,12 @@
 //!
 //! # Dot products
 //! [`dot`] and the per-format `dot_row` kernels compute each element's dequantized value
-//! exactly as the dequantizer does, multiply by `x` and accumulate **in f32 within a block**
-//! (in 8 or 16 independent lanes so the loop vectorizes; the lanes are added at the end of
-//! the block). Block partial sums are then **added in f64** and the total is rounded to f32
-//! once, so long rows do not lose precision to a single f32 accumulator. Plain types (F32,
-//! F16, BF16, I32) use runs of 256 elements as their "block". No call allocates.
+//! exactly as the dequantizer does, multiply by `x` and accumulate **in f32 over runs of 256
+//! elements** (one super-block for Q2_K/Q4_K/IQ2_XXS, 8 blocks for Q8_0, 256 elements for
+//! the plain types F32/F16/BF16/I32), in 8 or 16 independent lanes so the loop vectorizes;
+//! the lanes are added at the end of the run. Run partial sums are then **added in f64** and
+//! the total is rounded to f32 once, so long rows do not lose precision to a single f32
+//! accumulator. No call allocates.
 //!
 //! # Quantizers
 //! Q8_0 is bit-exact with `gguf.quants.quantize(.., Q8_0)`. Q2_K, Q4_K and IQ2_XXS follow
@@ -162,8 +163,8 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), Quan
 
 /// Dot product of one row of `ty` data (`x.len()` elements) with `x`.
 ///
-/// Accumulation: f32 within each block (lane-parallel), block sums added in f64, result
-/// rounded to f32 once (see the module docs). No allocation; this is the reference kernel
+/// Accumulation: f32 within each 256-element run (lane-parallel), run sums added in f64,
+/// result rounded to f32 once (see the module docs). No allocation; this is the reference kernel
 /// the CPU engine's matvec calls per row.
 pub fn dot(ty: GgmlType, data: &[u8], x: &[f32]) -> Result<f32, QuantError> {
     check_data(ty, data.len(), x.len()).map_err(|e| match e {

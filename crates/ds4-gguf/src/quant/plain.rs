@@ -34,15 +34,16 @@ pub(crate) fn dot_with<const W: usize>(
     let mut total = 0f64;
     for (run, xs) in elems.chunks(RUN).zip(x.chunks(RUN)) {
         let mut acc = [0f32; LANES];
-        let mut it_e = run.chunks_exact(LANES);
-        let mut it_x = xs.chunks_exact(LANES);
-        for (e, xv) in (&mut it_e).zip(&mut it_x) {
+        // Fixed-size chunks so the inner loop has no bounds checks and vectorizes.
+        let (e_full, e_rest) = run.as_chunks::<LANES>();
+        let (x_full, x_rest) = xs.as_chunks::<LANES>();
+        for (e, xv) in e_full.iter().zip(x_full) {
             for l in 0..LANES {
                 acc[l] += decode(e[l]) * xv[l];
             }
         }
         let mut s = hsum(&acc);
-        for (e, xv) in it_e.remainder().iter().zip(it_x.remainder()) {
+        for (e, xv) in e_rest.iter().zip(x_rest) {
             s += decode(*e) * xv;
         }
         total += f64::from(s);

@@ -15,18 +15,19 @@ pub fn dequantize_block(block: &[u8; BLOCK_BYTES], out: &mut [f32; BLOCK_ELEMS])
     }
 }
 
-/// Dot product of one block with 32 values of `x`: `d · Σ q·x`, the sum in f32 (8 lanes).
+/// Dot product of one block with 32 values of `x`: each dequantized value `q·d` times x,
+/// accumulated in f32 over 8 lanes (the same arithmetic as a one-block row).
 #[inline]
 pub fn dot_block(block: &[u8; BLOCK_BYTES], x: &[f32; BLOCK_ELEMS]) -> f32 {
     let d = f16_at(block, 0);
-    let q = &block[2..];
+    let [_, _, q @ ..] = block;
     let mut acc = [0f32; 8];
     for c in 0..4 {
         for l in 0..8 {
-            acc[l] += f32::from(q[8 * c + l] as i8) * x[8 * c + l];
+            acc[l] += f32::from(q[8 * c + l] as i8) * d * x[8 * c + l];
         }
     }
-    d * hsum(&acc)
+    hsum(&acc)
 }
 
 /// Quantize one block: d = max|x|/127 (f32), q = round-half-away(x / d) computed with the
@@ -73,14 +74,30 @@ pub(crate) fn dequantize_row(data: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Blocks per f32 partial sum in the row dot product (256 elements, like one K-quant
+/// super-block); partial sums are added in f64.
+const RUN_BLOCKS: usize = 8;
+
 /// Row dot product; `data.len()` must be `x.len() / 32 * 34` (checked by the caller; any
-/// excess on either side is ignored, never read out of bounds).
+/// excess on either side is ignored, never read out of bounds). Each element's dequantized
+/// value `q·d` times x goes into 8 f32 lanes that run over 8 blocks (256 elements) before
+/// one horizontal add, so the reduction does not dominate the 32-element blocks.
 pub(crate) fn dot_row_unchecked(data: &[u8], x: &[f32]) -> f32 {
     let (blocks, _) = data.as_chunks::<BLOCK_BYTES>();
     let (xs, _) = x.as_chunks::<BLOCK_ELEMS>();
     let mut total = 0f64;
-    for (b, xb) in blocks.iter().zip(xs) {
-        total += f64::from(dot_block(b, xb));
+    for (run, xrun) in blocks.chunks(RUN_BLOCKS).zip(xs.chunks(RUN_BLOCKS)) {
+        let mut acc = [0f32; 8];
+        for (b, xb) in run.iter().zip(xrun) {
+            let d = f16_at(b, 0);
+            let [_, _, q @ ..] = b;
+            for c in 0..4 {
+                for l in 0..8 {
+                    acc[l] += f32::from(q[8 * c + l] as i8) * d * xb[8 * c + l];
+                }
+            }
+        }
+        total += f64::from(hsum(&acc));
     }
     total as f32
 }

@@ -496,7 +496,7 @@ fn crosscheck_detects_a_corrupted_block() {
             let b: &[u8; 144] = inp[i * 144..(i + 1) * 144].try_into().unwrap();
             let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
             let dmin = f16_to_f32(u16::from_le_bytes([b[2], b[3]]));
-            let (sc, _) = q4_k::scale_min(0, &b[4..16]);
+            let (sc, _) = q4_k::scale_min(0, b[4..16].try_into().unwrap());
             d.is_normal() && dmin.is_finite() && sc != 0
         })
         .expect("an ordinary block");

@@ -9,9 +9,10 @@ use crate::types::GgmlType;
 pub const BLOCK_ELEMS: usize = 256;
 pub const BLOCK_BYTES: usize = 144;
 
-/// The 6-bit scale and min of sub-block `j` (0..8) from the 12 packed bytes.
+/// The 6-bit scale and min of sub-block `j` (0..8; taken mod 8) from the 12 packed bytes.
 #[inline(always)]
-pub fn scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+pub fn scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
+    let j = j % 8;
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -43,11 +44,11 @@ fn pack_scales(ls: &[u8; 8], lm: &[u8; 8]) -> [u8; 12] {
 fn sub_scales(block: &[u8; BLOCK_BYTES]) -> ([f32; 8], [f32; 8]) {
     let d = f16_at(block, 0);
     let dmin = f16_at(block, 2);
-    let s = &block[4..16];
+    let s: [u8; 12] = std::array::from_fn(|i| block[4 + i]);
     let mut dl = [0f32; 8];
     let mut ml = [0f32; 8];
     for j in 0..8 {
-        let (sc, m) = scale_min(j, s);
+        let (sc, m) = scale_min(j, &s);
         dl[j] = d * f32::from(sc);
         ml[j] = dmin * f32::from(m);
     }
@@ -297,7 +298,7 @@ mod tests {
         for i in 0..256 {
             let byte = b[16 + 32 * (i / 64) + i % 32];
             let q = if i % 64 < 32 { byte & 15 } else { byte >> 4 };
-            let (sc, m) = scale_min(i / 32, &b[4..16]);
+            let (sc, m) = scale_min(i / 32, b[4..16].try_into().unwrap());
             let want = f32::from(sc) * f32::from(q) - 0.5 * f32::from(m);
             assert_eq!(y[i], want, "i={i}");
         }

@@ -32,7 +32,7 @@ pub fn dot_block(block: &[u8; BLOCK_BYTES], x: &[f32; BLOCK_ELEMS]) -> f32 {
 
 /// Quantize one block: d = max|x|/127 (f32), q = round-half-away(x / d) computed with the
 /// f32 reciprocal, d stored as f16 (nearest even). Bit-exact with gguf-py and ggml's
-/// reference. The f16 `d` may be ±inf for |x| above ~8.3e6; [`quantize_row`] refuses that.
+/// reference. The f16 `d` may be ±inf for |x| above ~8.3e6; [`super::quantize`] refuses that.
 pub fn quantize_block(x: &[f32; BLOCK_ELEMS]) -> [u8; BLOCK_BYTES] {
     let mut amax = 0f32;
     for v in x {

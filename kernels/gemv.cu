@@ -3,13 +3,14 @@
 // W is a row-major [n_out][n_in] matrix in ggml layout: one row of n_in elements is n_in/BE
 // consecutive blocks of the row's type. x and y are f32. Accumulation is f32 throughout.
 //
-// Work split. A block of 256 threads holds 8 logical warps. `wpr` (warps per row: 1, 2, 4
-// or 8, chosen by the host so that small-n_out matrices still fill the GPU) warps share
-// one output row: the row is cut into chunks and warp `part` takes chunks part, part+wpr,
-// ... . Partial sums are reduced with warp shuffles, then across the row's warps through
-// shared memory, and exactly one thread writes y[row]. Every row < n_out is written on
-// every launch, also when its inputs are invalid (then with NaN), so a poisoned output
-// buffer shows any row that was missed.
+// Work split. A block of 256 threads holds 8 logical warps. One warp computes R
+// consecutive rows (R = DS4_GEMV_ROWS for block formats, DS4_GEMV_PLAIN_ROWS for F16/F32),
+// so each x value it loads serves R rows. `wpr` warps (1, 2, 4 or 8, chosen by the host so
+// that small-n_out matrices still fill the GPU) share one group of R rows: the rows are cut
+// into chunks and warp `part` takes chunks part, part+wpr, ... . Partial sums are reduced
+// with warp shuffles, then across the group's warps through shared memory, and exactly one
+// thread writes each y[row]. Every row < n_out is written on every launch, also when its
+// inputs are invalid (then with NaN), so a poisoned output buffer shows any row missed.
 //
 // Memory access. Rows of the block formats are streamed in chunks of CB blocks whose byte
 // size is a multiple of 16: each lane issues 16-byte loads (consecutive lanes, consecutive
@@ -59,71 +60,108 @@ struct Ds4Tables {
 };
 
 // ---------------------------------------------------------------------------------------
-// Block formats. Each describes: BE elements and BB bytes per block, CB blocks per staged
-// chunk (CB*BB a multiple of 16), UPB decode units per block, and unit(): the dot product
-// of one unit with x, reading the block from shared memory `s` (the chunk) and x from
-// `xc` (x at the chunk's first element).
+// Block formats. Each describes: BE elements and BB bytes per block, UPB decode units per
+// block, cb(R): blocks per staged chunk when a warp computes R rows at once (CB*BB a
+// multiple of 16, CB*UPB a multiple of 32), and unit<R, CB>(): for one unit position u
+// of the chunk, load x once and add each of the R rows' unit·x to acc[r]. Row r's chunk
+// sits in shared memory at s + r*CB*BB; xc is x at the chunk's first element.
 // ---------------------------------------------------------------------------------------
+
+// Byte b of w as a float: through the f32 magic 2^23 (exact, no int-to-float unit) or
+// through a conversion, selectable for measurements with -DDS4_Q8_MAGIC=0/1.
+#ifndef DS4_Q8_MAGIC
+#define DS4_Q8_MAGIC 1
+#endif
+
+// Signed bytes of w (low 16 bits: two values) to floats.
+__device__ __forceinline__ void ds4_i8x2(ds4_u32 w, float& lo, float& hi) {
+#if DS4_Q8_MAGIC
+    // (b ^ 0x80) is b + 128 as an unsigned byte; 0x4B000000 | v is the float 2^23 + v.
+    const ds4_u32 u = w ^ 0x8080u;
+    lo = __uint_as_float(0x4B000000u | (u & 0xffu)) - 8388736.0f;
+    hi = __uint_as_float(0x4B000000u | ((u >> 8) & 0xffu)) - 8388736.0f;
+#else
+    lo = (float)(ds4_i8)(w & 0xff);
+    hi = (float)(ds4_i8)((w >> 8) & 0xff);
+#endif
+}
 
 // Q8_0: 34-byte blocks of 32: d f16 @0, q i8[32] @2. Unit = 8 values.
 struct Ds4Q8_0 {
-    static constexpr int BE = 32, BB = 34, CB = 56, UPB = 4;
+    static constexpr int BE = 32, BB = 34, UPB = 4;
+    __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 56 : R == 2 ? 24 : 8; }
     __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
-    __device__ static float unit(const ds4_u8* s, int u, const float* xc, Ds4Tables) {
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const float* xc, Ds4Tables,
+                                float (&acc)[R]) {
         const int b = u >> 2, q = u & 3;
-        const ds4_u8* blk = s + b * BB;
-        const float d = ds4_h2f(ds4_ld_u16(blk));
-        const ds4_u8* qs = blk + 2 + 8 * q;
-        const ds4_u32 w0 = ds4_ld_u16(qs), w1 = ds4_ld_u16(qs + 2);
-        const ds4_u32 w2 = ds4_ld_u16(qs + 4), w3 = ds4_ld_u16(qs + 6);
         const float4 xa = ds4_ld_x4(xc + b * BE + 8 * q);
         const float4 xb = ds4_ld_x4(xc + b * BE + 8 * q + 4);
-        float sum = (float)(ds4_i8)(w0 & 0xff) * xa.x;
-        sum += (float)(ds4_i8)(w0 >> 8) * xa.y;
-        sum += (float)(ds4_i8)(w1 & 0xff) * xa.z;
-        sum += (float)(ds4_i8)(w1 >> 8) * xa.w;
-        sum += (float)(ds4_i8)(w2 & 0xff) * xb.x;
-        sum += (float)(ds4_i8)(w2 >> 8) * xb.y;
-        sum += (float)(ds4_i8)(w3 & 0xff) * xb.z;
-        sum += (float)(ds4_i8)(w3 >> 8) * xb.w;
-        return d * sum;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const float d = ds4_h2f(ds4_ld_u16(blk));
+            const ds4_u8* qs = blk + 2 + 8 * q;
+            float v0, v1, v2, v3, v4, v5, v6, v7;
+            ds4_i8x2(ds4_ld_u16(qs), v0, v1);
+            ds4_i8x2(ds4_ld_u16(qs + 2), v2, v3);
+            ds4_i8x2(ds4_ld_u16(qs + 4), v4, v5);
+            ds4_i8x2(ds4_ld_u16(qs + 6), v6, v7);
+            float sum = v0 * xa.x;
+            sum += v1 * xa.y;
+            sum += v2 * xa.z;
+            sum += v3 * xa.w;
+            sum += v4 * xb.x;
+            sum += v5 * xb.y;
+            sum += v6 * xb.z;
+            sum += v7 * xb.w;
+            acc[r] += d * sum;
+        }
     }
 };
 
-// Sum of code(k)·x[k] and of x[k] over four values whose 2- or 4-bit codes sit in the low
-// bits of the four bytes of q (already shifted), masked with `mask`.
-__device__ __forceinline__ void ds4_codes4(ds4_u32 q, ds4_u32 mask, float4 xv, float& sqx,
-                                           float& sx) {
-    sqx += (float)(q & mask) * xv.x;
-    sqx += (float)((q >> 8) & mask) * xv.y;
-    sqx += (float)((q >> 16) & mask) * xv.z;
-    sqx += (float)((q >> 24) & mask) * xv.w;
-    sx += (xv.x + xv.y) + (xv.z + xv.w);
+// Sum of code(k)·x[k] over four values whose 2- or 4-bit codes sit in the low bits of
+// the four bytes of q (already shifted), masked with `mask`.
+__device__ __forceinline__ float ds4_codes4(ds4_u32 q, ds4_u32 mask, float4 xv) {
+    float s = (float)(q & mask) * xv.x;
+    s += (float)((q >> 8) & mask) * xv.y;
+    s += (float)((q >> 16) & mask) * xv.z;
+    s += (float)((q >> 24) & mask) * xv.w;
+    return s;
 }
+
+__device__ __forceinline__ float ds4_sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
 
 // Q2_K: 84-byte blocks of 256: scales u8[16] @0 (low nibble scale, high nibble min),
 // qs u8[64] @16, d f16 @80, dmin f16 @82. Unit = sub-block sb of 16 values: value
 // 16·sb + m has its code in bits 2j..2j+1 of qs[32h + 16·half + m], sb = 8h + 2j + half.
 struct Ds4Q2K {
-    static constexpr int BE = 256, BB = 84, CB = 24, UPB = 16;
+    static constexpr int BE = 256, BB = 84, UPB = 16;
+    __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 24 : R == 2 ? 12 : 4; }
     __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
-    __device__ static float unit(const ds4_u8* s, int u, const float* xc, Ds4Tables) {
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const float* xc, Ds4Tables,
+                                float (&acc)[R]) {
         const int b = u >> 4, sb = u & 15;
-        const ds4_u8* blk = s + b * BB;
-        const ds4_u32 dd = ds4_ld_u32(blk + 80);
-        const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
-        const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
-        const ds4_u32 sc = blk[sb];
         const int h = sb >> 3, j = (sb >> 1) & 3, half = sb & 1;
-        const ds4_u8* qs = blk + 16 + 32 * h + 16 * half;
         const float* xs = xc + b * BE + 16 * sb;
-        float sqx = 0.f, sx = 0.f;
+        const float4 x0 = ds4_ld_x4(xs), x1 = ds4_ld_x4(xs + 4);
+        const float4 x2 = ds4_ld_x4(xs + 8), x3 = ds4_ld_x4(xs + 12);
+        const float sx = (ds4_sum4(x0) + ds4_sum4(x1)) + (ds4_sum4(x2) + ds4_sum4(x3));
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const ds4_u32 q = ds4_ld_u32(qs + 4 * w) >> (2 * j);
-            ds4_codes4(q, 3u, ds4_ld_x4(xs + 4 * w), sqx, sx);
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const ds4_u32 dd = ds4_ld_u32(blk + 80);
+            const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
+            const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
+            const ds4_u32 sc = blk[sb];
+            const ds4_u8* qs = blk + 16 + 32 * h + 16 * half;
+            float sqx = ds4_codes4(ds4_ld_u32(qs) >> (2 * j), 3u, x0);
+            sqx += ds4_codes4(ds4_ld_u32(qs + 4) >> (2 * j), 3u, x1);
+            sqx += ds4_codes4(ds4_ld_u32(qs + 8) >> (2 * j), 3u, x2);
+            sqx += ds4_codes4(ds4_ld_u32(qs + 12) >> (2 * j), 3u, x3);
+            acc[r] += d * (float)(sc & 15) * sqx - dmin * (float)(sc >> 4) * sx;
         }
-        return d * (float)(sc & 15) * sqx - dmin * (float)(sc >> 4) * sx;
     }
 };
 
@@ -131,32 +169,40 @@ struct Ds4Q2K {
 // mins @4, qs u8[128] @16. Sub-block j (32 values) uses qs[32·(j/2) ..] shifted by
 // 4·(j%2). Unit t = 2j + half = 16 values starting at element 16t.
 struct Ds4Q4K {
-    static constexpr int BE = 256, BB = 144, CB = 14, UPB = 16;
+    static constexpr int BE = 256, BB = 144, UPB = 16;
+    __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 14 : R == 2 ? 6 : 2; }
     __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
-    __device__ static float unit(const ds4_u8* s, int u, const float* xc, Ds4Tables) {
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const float* xc, Ds4Tables,
+                                float (&acc)[R]) {
         const int b = u >> 4, t = u & 15, j = t >> 1, half = t & 1;
-        const ds4_u8* blk = s + b * BB;
-        const ds4_u32 dd = ds4_ld_u32(blk);
-        const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
-        const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
-        const ds4_u8* sp = blk + 4;
-        ds4_u32 sc, mn;
-        if (j < 4) {
-            sc = sp[j] & 63;
-            mn = sp[j + 4] & 63;
-        } else {
-            sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
-            mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
-        }
-        const uint4 qv = *(const uint4*)(blk + 16 + 32 * (j >> 1) + 16 * half);
-        const int shift = 4 * (j & 1);
         const float* xs = xc + b * BE + 16 * t;
-        float sqx = 0.f, sx = 0.f;
-        ds4_codes4(qv.x >> shift, 15u, ds4_ld_x4(xs), sqx, sx);
-        ds4_codes4(qv.y >> shift, 15u, ds4_ld_x4(xs + 4), sqx, sx);
-        ds4_codes4(qv.z >> shift, 15u, ds4_ld_x4(xs + 8), sqx, sx);
-        ds4_codes4(qv.w >> shift, 15u, ds4_ld_x4(xs + 12), sqx, sx);
-        return d * (float)sc * sqx - dmin * (float)mn * sx;
+        const float4 x0 = ds4_ld_x4(xs), x1 = ds4_ld_x4(xs + 4);
+        const float4 x2 = ds4_ld_x4(xs + 8), x3 = ds4_ld_x4(xs + 12);
+        const float sx = (ds4_sum4(x0) + ds4_sum4(x1)) + (ds4_sum4(x2) + ds4_sum4(x3));
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const ds4_u32 dd = ds4_ld_u32(blk);
+            const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
+            const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
+            const ds4_u8* sp = blk + 4;
+            ds4_u32 sc, mn;
+            if (j < 4) {
+                sc = sp[j] & 63;
+                mn = sp[j + 4] & 63;
+            } else {
+                sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
+                mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
+            }
+            const uint4 qv = *(const uint4*)(blk + 16 + 32 * (j >> 1) + 16 * half);
+            float sqx = ds4_codes4(qv.x >> shift, 15u, x0);
+            sqx += ds4_codes4(qv.y >> shift, 15u, x1);
+            sqx += ds4_codes4(qv.z >> shift, 15u, x2);
+            sqx += ds4_codes4(qv.w >> shift, 15u, x3);
+            acc[r] += d * (float)sc * sqx - dmin * (float)mn * sx;
+        }
     }
 };
 
@@ -164,7 +210,8 @@ struct Ds4Q4K {
 // w0 = four 8-bit grid indices, w1 = four 7-bit sign indices (bits 7k..) and a 4-bit scale
 // (bits 28..31). Unit t = 4g + k = 8 values starting at element 8t.
 struct Ds4Iq2Xxs {
-    static constexpr int BE = 256, BB = 66, CB = 32, UPB = 32;
+    static constexpr int BE = 256, BB = 66, UPB = 32;
+    __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 32 : R == 2 ? 16 : 8; }
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u64 grid[256];
         __shared__ ds4_u8 signs[128];
@@ -173,39 +220,54 @@ struct Ds4Iq2Xxs {
         __syncthreads();
         return Ds4Tables{grid, signs};
     }
-    __device__ static float unit(const ds4_u8* s, int u, const float* xc, Ds4Tables tb) {
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const float* xc, Ds4Tables tb,
+                                float (&acc)[R]) {
         const int b = u >> 5, t = u & 31, g = t >> 2, k = t & 3;
-        const ds4_u8* blk = s + b * BB;
-        const float d = ds4_h2f(ds4_ld_u16(blk));
-        const ds4_u8* gp = blk + 2 + 8 * g;
-        const ds4_u32 idx = gp[k];
-        const ds4_u32 w1 = (ds4_u32)ds4_ld_u16(gp + 4) | ((ds4_u32)ds4_ld_u16(gp + 6) << 16);
-        const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
-        const ds4_u64 grid = tb.grid[idx];
-        const ds4_u32 sg = tb.signs[(w1 >> (7 * k)) & 127];
         const float* xs = xc + b * BE + 8 * t;
         const float4 xa = ds4_ld_x4(xs);
         const float4 xb = ds4_ld_x4(xs + 4);
         const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        float sum = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float gv = (float)((ds4_u32)(grid >> (8 * e)) & 0xff) * xv[e];
-            sum += ((sg >> e) & 1) ? -gv : gv;
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const float d = ds4_h2f(ds4_ld_u16(blk));
+            const ds4_u8* gp = blk + 2 + 8 * g;
+            const ds4_u32 idx = gp[k];
+            const ds4_u32 w1 =
+                (ds4_u32)ds4_ld_u16(gp + 4) | ((ds4_u32)ds4_ld_u16(gp + 6) << 16);
+            const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
+            const ds4_u64 grid = tb.grid[idx];
+            const ds4_u32 sg = tb.signs[(w1 >> (7 * k)) & 127];
+            float sum = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                // Grid bytes are 8, 25 or 43: below 2^8, so the magic-number conversion
+                // is exact; the sign goes straight into the float's sign bit.
+                const ds4_u32 gb = (ds4_u32)(grid >> (8 * e)) & 0xff;
+                const float gv = __uint_as_float(0x4B000000u | gb) - 8388608.0f;
+                const ds4_u32 neg = ((sg >> e) & 1u) << 31;
+                sum += __uint_as_float(__float_as_uint(gv) ^ neg) * xv[e];
+            }
+            acc[r] += db * sum;
         }
-        return db * sum;
     }
 };
 
 // ---------------------------------------------------------------------------------------
-// Row engine for block formats.
+// Row engine for block formats: one warp computes R consecutive rows (x is loaded once
+// for all R), chunk by chunk.
 // ---------------------------------------------------------------------------------------
 
-template <class T, int V>
+#ifndef DS4_GEMV_ROWS
+#define DS4_GEMV_ROWS 2
+#endif
+
+template <class T, int CB, int V>
 __device__ __forceinline__ void ds4_load_chunk(const ds4_u8* __restrict__ row, int c,
                                                int nblocks, int lane, uint4 (&r)[V]) {
-    const int b0 = c * T::CB;
-    const int nb = min(T::CB, nblocks - b0);
+    const int b0 = c * CB;
+    const int nb = min(CB, nblocks - b0);
     const int nvec = nb * T::BB / 16;
     const uint4* src = (const uint4*)(row + (ds4_size)b0 * T::BB);
 #pragma unroll
@@ -215,67 +277,95 @@ __device__ __forceinline__ void ds4_load_chunk(const ds4_u8* __restrict__ row, i
     }
 }
 
-// This lane's share of row·x over the chunks owned by warp `part` of `wpr`.
-template <class T>
-__device__ __forceinline__ float ds4_row_partial(const ds4_u8* __restrict__ row,
+// This lane's shares of rows[r]·x (r < R) over the chunks owned by warp `part` of `wpr`.
+// rows r >= nvalid repeat the last valid row (their sums are discarded by the caller).
+template <class T, int R>
+__device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0,
+                                                 ds4_size row_bytes, int nvalid,
                                                  const float* __restrict__ x, int n_in,
                                                  int part, int wpr, uint4* stage,
-                                                 Ds4Tables tb) {
-    constexpr int VEC = T::CB * T::BB / 16;
+                                                 Ds4Tables tb, float (&acc)[R]) {
+    constexpr int CB = T::cb(R);
+    constexpr int VEC = CB * T::BB / 16;
     constexpr int V = (VEC + DS4_WARP - 1) / DS4_WARP;
-    constexpr int UPL = T::CB * T::UPB / DS4_WARP;  // units per lane in a full chunk
-    static_assert((T::CB * T::BB) % 16 == 0, "chunk must be whole 16-byte vectors");
-    static_assert((T::CB * T::UPB) % DS4_WARP == 0, "full chunk must split evenly");
+    constexpr int UPL = CB * T::UPB / DS4_WARP;  // units per lane in a full chunk
+    static_assert((CB * T::BB) % 16 == 0, "chunk must be whole 16-byte vectors");
+    static_assert((CB * T::UPB) % DS4_WARP == 0, "full chunk must split evenly");
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int nblocks = n_in / T::BE;
-    const int nchunks = (nblocks + T::CB - 1) / T::CB;
+    const int nchunks = (nblocks + CB - 1) / CB;
     const ds4_u8* sbytes = (const ds4_u8*)stage;
-    float acc = 0.f;
-    uint4 r[V];
+    const ds4_u8* rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rows[r] = row0 + (ds4_size)min(r, nvalid - 1) * row_bytes;
+    uint4 regs[R][V];
     int c = part;
-    if (c < nchunks) ds4_load_chunk<T, V>(row, c, nblocks, lane, r);
+    if (c < nchunks) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(rows[r], c, nblocks, lane, regs[r]);
+    }
     for (; c < nchunks; c += wpr) {
-        const int b0 = c * T::CB;
-        const int nb = min(T::CB, nblocks - b0);
+        const int b0 = c * CB;
+        const int nb = min(CB, nblocks - b0);
         const int nvec = nb * T::BB / 16;
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-            const int i = lane + DS4_WARP * v;
-            if (i < nvec) stage[i] = r[v];
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                const int i = lane + DS4_WARP * v;
+                if (i < nvec) stage[r * VEC + i] = regs[r][v];
+            }
         }
         ds4_syncwarp();
-        if (c + wpr < nchunks) ds4_load_chunk<T, V>(row, c + wpr, nblocks, lane, r);
+        if (c + wpr < nchunks) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                ds4_load_chunk<T, CB, V>(rows[r], c + wpr, nblocks, lane, regs[r]);
+        }
         const float* xc = x + (ds4_size)b0 * T::BE;
-        if (nb == T::CB) {
+        if (nb == CB) {
             DS4_UNROLL(DS4_GEMV_UNROLL)
-            for (int k = 0; k < UPL; ++k) acc += T::unit(sbytes, lane + DS4_WARP * k, xc, tb);
+            for (int k = 0; k < UPL; ++k)
+                T::template unit<R, CB>(sbytes, lane + DS4_WARP * k, xc, tb, acc);
         } else {
             const int nu = nb * T::UPB;
-            for (int u = lane; u < nu; u += DS4_WARP) acc += T::unit(sbytes, u, xc, tb);
+            for (int u = lane; u < nu; u += DS4_WARP) T::template unit<R, CB>(sbytes, u, xc, tb, acc);
         }
         ds4_syncwarp();
     }
-    return acc;
 }
 
-// Reduce the lanes' partial sums and write y[row]: NaN when !ok (bad expert id).
-__device__ __forceinline__ void ds4_finish_row(float acc, float* __restrict__ y, int row,
-                                               int n_out, int wpr, bool ok) {
-    __shared__ float part_sums[DS4_GEMV_WARPS];
+// Reduce the lanes' partial sums of R rows and write y[row0 + r] for r < R and
+// row0 + r < n_out: NaN when !ok (bad expert id).
+template <int R>
+__device__ __forceinline__ void ds4_finish_rows(float (&acc)[R], float* __restrict__ y,
+                                                int row0, int n_out, int wpr, bool ok) {
+    __shared__ float part_sums[DS4_GEMV_WARPS][R];
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int part = warp % wpr;
-    acc = ds4_warp_sum(acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = ds4_warp_sum(acc[r]);
     if (wpr == 1) {
-        if (lane == 0 && row < n_out) y[row] = ok ? acc : __int_as_float(0x7fc00000);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (row0 + r < n_out) y[row0 + r] = ok ? acc[r] : __int_as_float(0x7fc00000);
+        }
         return;
     }
-    if (lane == 0) part_sums[warp] = acc;
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) part_sums[warp][r] = acc[r];
+    }
     __syncthreads();
-    if (part == 0 && lane == 0 && row < n_out) {
-        float total = 0.f;
-        for (int p = 0; p < wpr; ++p) total += part_sums[warp + p];
-        y[row] = ok ? total : __int_as_float(0x7fc00000);
+    if (part == 0 && lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float total = 0.f;
+            for (int p = 0; p < wpr; ++p) total += part_sums[warp + p][r];
+            if (row0 + r < n_out) y[row0 + r] = ok ? total : __int_as_float(0x7fc00000);
+        }
     }
 }
 
@@ -284,46 +374,59 @@ __device__ __forceinline__ void ds4_gemv_quant(const ds4_u8* __restrict__ W,
                                                const float* __restrict__ x,
                                                float* __restrict__ y, int n_in, int n_out,
                                                int wpr, bool ok) {
-    constexpr int VEC = T::CB * T::BB / 16;
-    __shared__ uint4 stage[DS4_GEMV_WARPS][VEC];
+    constexpr int R = DS4_GEMV_ROWS;
+    constexpr int VEC = T::cb(R) * T::BB / 16;
+    __shared__ uint4 stage[DS4_GEMV_WARPS][R * VEC];
     const Ds4Tables tb = T::prologue();
     const int warp = threadIdx.x / DS4_WARP;
-    const int row = blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr;
+    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
     const ds4_size row_bytes = (ds4_size)(n_in / T::BE) * T::BB;
-    float acc = 0.f;
-    if (ok && row < n_out) {
-        acc = ds4_row_partial<T>(W + (ds4_size)row * row_bytes, x, n_in, warp % wpr, wpr,
-                                 stage[warp], tb);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    if (ok && row0 < n_out) {
+        ds4_rows_partial<T, R>(W + (ds4_size)row0 * row_bytes, row_bytes, min(R, n_out - row0),
+                               x, n_in, warp % wpr, wpr, stage[warp], tb, acc);
     }
-    ds4_finish_row(acc, y, row, n_out, wpr, ok);
+    ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }
 
 // ---------------------------------------------------------------------------------------
-// Plain formats (F32, F16): a 16-byte vector is 4 or 8 whole elements.
+// Plain formats (F32, F16): a 16-byte vector is 4 or 8 whole elements. A warp computes
+// DS4_GEMV_PLAIN_ROWS rows, loading each x vector once for all of them.
 // ---------------------------------------------------------------------------------------
+
+#ifndef DS4_GEMV_PLAIN_ROWS
+#define DS4_GEMV_PLAIN_ROWS 1
+#endif
 
 struct Ds4F32 {
     static constexpr int EPV = 4;
-    __device__ static float vdot(uint4 a, const float* x) {
-        const float4 xv = ds4_ld_x4(x);
-        return __uint_as_float(a.x) * xv.x + __uint_as_float(a.y) * xv.y +
-               __uint_as_float(a.z) * xv.z + __uint_as_float(a.w) * xv.w;
+    struct X {
+        float4 a;
+    };
+    __device__ static X ldx(const float* x) { return X{ds4_ld_x4(x)}; }
+    __device__ static float vdot(uint4 a, const X& x) {
+        return __uint_as_float(a.x) * x.a.x + __uint_as_float(a.y) * x.a.y +
+               __uint_as_float(a.z) * x.a.z + __uint_as_float(a.w) * x.a.w;
     }
 };
 
 struct Ds4F16 {
     static constexpr int EPV = 8;
-    __device__ static float vdot(uint4 a, const float* x) {
-        const float4 xa = ds4_ld_x4(x);
-        const float4 xb = ds4_ld_x4(x + 4);
-        float s = ds4_h2f((ds4_u16)(a.x & 0xffff)) * xa.x;
-        s += ds4_h2f((ds4_u16)(a.x >> 16)) * xa.y;
-        s += ds4_h2f((ds4_u16)(a.y & 0xffff)) * xa.z;
-        s += ds4_h2f((ds4_u16)(a.y >> 16)) * xa.w;
-        s += ds4_h2f((ds4_u16)(a.z & 0xffff)) * xb.x;
-        s += ds4_h2f((ds4_u16)(a.z >> 16)) * xb.y;
-        s += ds4_h2f((ds4_u16)(a.w & 0xffff)) * xb.z;
-        s += ds4_h2f((ds4_u16)(a.w >> 16)) * xb.w;
+    struct X {
+        float4 a, b;
+    };
+    __device__ static X ldx(const float* x) { return X{ds4_ld_x4(x), ds4_ld_x4(x + 4)}; }
+    __device__ static float vdot(uint4 a, const X& x) {
+        float s = ds4_h2f((ds4_u16)(a.x & 0xffff)) * x.a.x;
+        s += ds4_h2f((ds4_u16)(a.x >> 16)) * x.a.y;
+        s += ds4_h2f((ds4_u16)(a.y & 0xffff)) * x.a.z;
+        s += ds4_h2f((ds4_u16)(a.y >> 16)) * x.a.w;
+        s += ds4_h2f((ds4_u16)(a.z & 0xffff)) * x.b.x;
+        s += ds4_h2f((ds4_u16)(a.z >> 16)) * x.b.y;
+        s += ds4_h2f((ds4_u16)(a.w & 0xffff)) * x.b.z;
+        s += ds4_h2f((ds4_u16)(a.w >> 16)) * x.b.w;
         return s;
     }
 };
@@ -333,32 +436,58 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
                                                const float* __restrict__ x,
                                                float* __restrict__ y, int n_in, int n_out,
                                                int wpr, bool ok) {
+    constexpr int R = DS4_GEMV_PLAIN_ROWS;
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
-    const int row = blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr;
+    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
     const int nvec = n_in / T::EPV;
-    float acc0 = 0.f, acc1 = 0.f;
-    if (ok && row < n_out) {
-        const uint4* w = (const uint4*)(W + (ds4_size)row * (ds4_size)nvec * 16);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    if (ok && row0 < n_out) {
+        const uint4* w[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            w[r] = (const uint4*)(W + (ds4_size)min(row0 + r, n_out - 1) * (ds4_size)nvec * 16);
         const int stride = DS4_WARP * wpr;
         int i = (warp % wpr) * DS4_WARP + lane;
+        // Four vectors per row in flight per lane before the first use.
         for (; i + 3 * stride < nvec; i += 4 * stride) {
-            const uint4 a = ds4_ldg(w + i);
-            const uint4 b = ds4_ldg(w + i + stride);
-            const uint4 c = ds4_ldg(w + i + 2 * stride);
-            const uint4 d = ds4_ldg(w + i + 3 * stride);
-            acc0 += T::vdot(a, x + (ds4_size)i * T::EPV);
-            acc1 += T::vdot(b, x + (ds4_size)(i + stride) * T::EPV);
-            acc0 += T::vdot(c, x + (ds4_size)(i + 2 * stride) * T::EPV);
-            acc1 += T::vdot(d, x + (ds4_size)(i + 3 * stride) * T::EPV);
+            uint4 a[R][4];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + i + k * stride);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const typename T::X xv = T::ldx(x + (ds4_size)(i + k * stride) * T::EPV);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] += T::vdot(a[r][k], xv);
+            }
         }
-        for (; i < nvec; i += stride) acc0 += T::vdot(ds4_ldg(w + i), x + (ds4_size)i * T::EPV);
+        for (; i < nvec; i += stride) {
+            const typename T::X xv = T::ldx(x + (ds4_size)i * T::EPV);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] += T::vdot(ds4_ldg(w[r] + i), xv);
+        }
     }
-    ds4_finish_row(acc0 + acc1, y, row, n_out, wpr, ok);
+    ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }
 
+// Launch configuration compiled into this module, read by the host after loading:
+// {rows per warp, blocks per chunk (plain types: vectors per lane pass = 32)}.
+#define DS4_GEMV_CONFIG(NAME, ROWS, CB) \
+    extern "C" __device__ const int ds4_gemv_config_##NAME[2] = {ROWS, CB};
+DS4_GEMV_CONFIG(f32, DS4_GEMV_PLAIN_ROWS, 32)
+DS4_GEMV_CONFIG(f16, DS4_GEMV_PLAIN_ROWS, 32)
+DS4_GEMV_CONFIG(q8_0, DS4_GEMV_ROWS, Ds4Q8_0::cb(DS4_GEMV_ROWS))
+DS4_GEMV_CONFIG(q2_k, DS4_GEMV_ROWS, Ds4Q2K::cb(DS4_GEMV_ROWS))
+DS4_GEMV_CONFIG(q4_k, DS4_GEMV_ROWS, Ds4Q4K::cb(DS4_GEMV_ROWS))
+DS4_GEMV_CONFIG(iq2_xxs, DS4_GEMV_ROWS, Ds4Iq2Xxs::cb(DS4_GEMV_ROWS))
+
 // ---------------------------------------------------------------------------------------
-// Entry points. Grid: x = ceil(n_out / (8 / wpr)) blocks of 256 threads.
+// Entry points. Grid: x = ceil(n_out / (R * 8 / wpr)) blocks of 256 threads, R the
+// rows per warp of ds4_gemv_config_<t>.
 //
 // ds4_gemv_<t>(W, x, y, n_in, n_out, wpr): y[n_out] = W[n_out][n_in] · x[n_in].
 //

@@ -142,16 +142,19 @@ impl GemvType {
         }
     }
 
-    /// Blocks per staged chunk (`CB` in gemv.cu); for plain types one "chunk" is one
-    /// 16-byte vector per lane of a warp.
-    fn chunk_blocks(self) -> u64 {
-        match self {
+    /// The configuration gemv.cu compiles by default (`DS4_GEMV_ROWS` = 2 for block
+    /// formats, `DS4_GEMV_PLAIN_ROWS` = 1); the CUDA loader reads the real one from the
+    /// module (`ds4_gemv_config_<t>`), so -D variants stay consistent.
+    pub fn default_config(self) -> GemvConfig {
+        let chunk_blocks = match self {
             GemvType::F32 | GemvType::F16 => 32,
-            GemvType::Q8_0 => 56,
-            GemvType::Q2K => 24,
-            GemvType::Q4K => 14,
-            GemvType::Iq2Xxs => 32,
-        }
+            GemvType::Q8_0 => 24,
+            GemvType::Q2K => 12,
+            GemvType::Q4K => 6,
+            GemvType::Iq2Xxs => 16,
+        };
+        let rows = if self.ggml().is_quantized() { 2 } else { 1 };
+        GemvConfig { rows, chunk_blocks }
     }
 
     /// Bytes of one row of `n_in` elements, or an error if `n_in` is not a whole number
@@ -199,6 +202,14 @@ impl GemvType {
     }
 }
 
+/// What a compiled GEMV kernel does per warp: `rows` output rows, streamed in chunks of
+/// `chunk_blocks` blocks (for F16/F32: 16-byte vectors per lane pass, 32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvConfig {
+    pub rows: u32,
+    pub chunk_blocks: u32,
+}
+
 /// How one GEMV launch is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GemvLaunch {
@@ -222,9 +233,22 @@ pub fn choose_wpr(n_out: u64, parts: u64, target_warps: u64) -> u32 {
     wpr as u32
 }
 
-/// Validate a GEMV shape and compute its launch. `target_warps` is how many warps the
-/// device needs in flight to hide memory latency (e.g. 48 per multiprocessor).
-pub fn gemv_launch(ty: GemvType, n_in: u64, n_out: u64, target_warps: u64) -> Result<GemvLaunch> {
+/// Validate a GEMV shape and compute its launch for kernels compiled with `cfg`.
+/// `target_warps` is how many warps the device needs in flight to hide memory latency
+/// (e.g. 48 per multiprocessor).
+pub fn gemv_launch(
+    ty: GemvType,
+    cfg: GemvConfig,
+    n_in: u64,
+    n_out: u64,
+    target_warps: u64,
+) -> Result<GemvLaunch> {
+    if !matches!(cfg.rows, 1 | 2 | 4) || cfg.chunk_blocks == 0 {
+        return Err(GpuError::BadArgument {
+            op: "gemv",
+            detail: format!("kernel configuration {cfg:?} is not one this crate launches"),
+        });
+    }
     let row_bytes = ty.row_bytes(n_in)?;
     if n_out == 0 || n_out > i32::MAX as u64 || n_in > i32::MAX as u64 {
         return Err(GpuError::BadArgument {
@@ -233,9 +257,10 @@ pub fn gemv_launch(ty: GemvType, n_in: u64, n_out: u64, target_warps: u64) -> Re
         });
     }
     let blocks = n_in / ty.block_elems();
-    let parts = blocks.div_ceil(ty.chunk_blocks());
-    let wpr = choose_wpr(n_out, parts, target_warps);
-    let rows_per_block = u64::from(GEMV_WARPS / wpr);
+    let parts = blocks.div_ceil(u64::from(cfg.chunk_blocks));
+    let groups = n_out.div_ceil(u64::from(cfg.rows));
+    let wpr = choose_wpr(groups, parts, target_warps);
+    let rows_per_block = u64::from(GEMV_WARPS / wpr * cfg.rows);
     let grid_x = n_out.div_ceil(rows_per_block);
     let grid_x = u32::try_from(grid_x).map_err(|_| GpuError::BadArgument {
         op: "gemv",
@@ -266,8 +291,9 @@ mod tests {
                 assert_eq!(t.block_bytes(), t.block_elems() * g.block_bytes().unwrap());
             }
             // A full chunk must be whole 16-byte vectors (mirrors the static_assert).
+            let c = t.default_config();
             assert!(
-                (t.chunk_blocks() * t.block_bytes()).is_multiple_of(16),
+                (u64::from(c.chunk_blocks) * t.block_bytes()).is_multiple_of(16),
                 "{t:?}"
             );
         }
@@ -280,16 +306,18 @@ mod tests {
             let name = format!("DS4_GEMV_ENTRY({},", t.suffix());
             assert!(GEMV.source.contains(&name), "missing {name}");
         }
-        // Chunk sizes in Rust must equal those in gemv.cu.
+        // The default configuration in Rust must equal gemv.cu's (R = 2: the cb(2) column).
         for (t, decl) in [
-            (GemvType::Q8_0, "BE = 32, BB = 34, CB = 56"),
-            (GemvType::Q2K, "BE = 256, BB = 84, CB = 24"),
-            (GemvType::Q4K, "BE = 256, BB = 144, CB = 14"),
-            (GemvType::Iq2Xxs, "BE = 256, BB = 66, CB = 32"),
+            (GemvType::Q8_0, "R == 1 ? 56 : R == 2 ? 24 : 8"),
+            (GemvType::Q2K, "R == 1 ? 24 : R == 2 ? 12 : 4"),
+            (GemvType::Q4K, "R == 1 ? 14 : R == 2 ? 6 : 2"),
+            (GemvType::Iq2Xxs, "R == 1 ? 32 : R == 2 ? 16 : 8"),
         ] {
             assert!(GEMV.source.contains(decl), "{t:?}: {decl}");
-            assert!(decl.ends_with(&format!("CB = {}", t.chunk_blocks())));
+            assert!(decl.contains(&format!("R == 2 ? {} ", t.default_config().chunk_blocks)));
         }
+        assert!(GEMV.source.contains("#define DS4_GEMV_ROWS 2"));
+        assert!(GEMV.source.contains("#define DS4_GEMV_PLAIN_ROWS 1"));
     }
 
     #[test]
@@ -327,20 +355,39 @@ mod tests {
         for (t, n_in, n_out) in [
             (GemvType::Q8_0, 4096u64, 1024u64),
             (GemvType::Q8_0, 1024, 32768),
+            (GemvType::Q8_0, 256, 3),
             (GemvType::F16, 16384, 24),
             (GemvType::Iq2Xxs, 4096, 2048),
             (GemvType::Q2K, 2048, 4096),
             (GemvType::F32, 4096, 3),
         ] {
-            let l = gemv_launch(t, n_in, n_out, 6336).unwrap();
-            let rows_per_block = u64::from(GEMV_WARPS / l.wpr);
-            assert!(u64::from(l.grid_x) * rows_per_block >= n_out);
-            assert!(u64::from(l.grid_x - 1) * rows_per_block < n_out);
-            assert!([1, 2, 4, 8].contains(&l.wpr));
-            assert_eq!(l.row_bytes, t.row_bytes(n_in).unwrap());
+            for rows in [1, 2, 4] {
+                let cfg = GemvConfig {
+                    rows,
+                    ..t.default_config()
+                };
+                let l = gemv_launch(t, cfg, n_in, n_out, 6336).unwrap();
+                let rows_per_block = u64::from(GEMV_WARPS / l.wpr * rows);
+                assert!(
+                    u64::from(l.grid_x) * rows_per_block >= n_out,
+                    "{t:?} {rows}"
+                );
+                assert!(
+                    u64::from(l.grid_x - 1) * rows_per_block < n_out,
+                    "{t:?} {rows}"
+                );
+                assert!([1, 2, 4, 8].contains(&l.wpr));
+                assert_eq!(l.row_bytes, t.row_bytes(n_in).unwrap());
+            }
         }
-        assert!(gemv_launch(GemvType::Q8_0, 4096, 0, 1).is_err());
-        assert!(gemv_launch(GemvType::Q8_0, 4096, 1 << 40, 1).is_err());
+        let c = GemvType::Q8_0.default_config();
+        assert!(gemv_launch(GemvType::Q8_0, c, 4096, 0, 1).is_err());
+        assert!(gemv_launch(GemvType::Q8_0, c, 4096, 1 << 40, 1).is_err());
+        let bad = GemvConfig {
+            rows: 3,
+            chunk_blocks: 8,
+        };
+        assert!(gemv_launch(GemvType::Q8_0, bad, 4096, 16, 1).is_err());
     }
 
     #[test]

@@ -21,4 +21,4 @@ pub mod tables;
 
 pub use cache::KernelCache;
 pub use error::{GpuError, Result};
-pub use kernels::{GemvLaunch, GemvType, KernelSource};
+pub use kernels::{GemvConfig, GemvLaunch, GemvType, KernelSource};

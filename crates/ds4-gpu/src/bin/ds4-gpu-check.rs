@@ -244,13 +244,19 @@ fn run_once(
 }
 
 struct Timing {
+    /// Median per-launch time, launches queued one by one on the stream.
     us: f64,
     gbs: f64,
+    /// Median per-launch time inside a CUDA graph of the same launches.
+    graph_us: f64,
+    graph_gbs: f64,
     copies: usize,
 }
 
 /// Median per-launch time over `samples` batches, each launching once per copy of W
-/// (copies rotate so the working set exceeds L2).
+/// (copies rotate so the working set exceeds L2): queued launch by launch, then the same
+/// batch captured once in a CUDA graph and replayed.
+#[allow(clippy::too_many_arguments)]
 fn time_gemv(
     dev: &CudaDevice,
     k: &GemvKernels,
@@ -285,11 +291,74 @@ fn time_gemv(
         t.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3 / per_batch as f64);
     }
     let us = median(&mut t);
+    let graph_us = dev.with_graph(
+        || {
+            for i in 0..per_batch {
+                k.gemv(
+                    ty,
+                    ws[i % ws.len()].as_view(),
+                    x.as_view(),
+                    y.as_view_mut(),
+                    n_in,
+                    n_out,
+                )?;
+            }
+            Ok(())
+        },
+        |g| {
+            g.launch()?;
+            let mut t = Vec::new();
+            for _ in 0..samples {
+                e0.record()?;
+                g.launch()?;
+                e1.record()?;
+                t.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3 / per_batch as f64);
+            }
+            Ok(median(&mut t))
+        },
+    )?;
     Ok(Timing {
         us,
         gbs: wbytes / (us * 1e-6) / 1e9,
+        graph_us,
+        graph_gbs: wbytes / (graph_us * 1e-6) / 1e9,
         copies: ws.len(),
     })
+}
+
+/// One checked + timed GEMV case on fresh random data: (rel error, non-finite, timing).
+#[allow(clippy::too_many_arguments)]
+fn bench_case(
+    dev: &CudaDevice,
+    k: &GemvKernels,
+    rng: &mut Rng,
+    t: GemvType,
+    n_in: usize,
+    n_out: usize,
+    samples: usize,
+    rotate_bytes: usize,
+) -> Result<(f64, f64, usize, bool, Timing)> {
+    let wh = random_weights(t, n_in, n_out, rng.next());
+    let x: Vec<f32> = (0..n_in).map(|_| rng.unit()).collect();
+    let yref = reference(t, &wh, &x, n_out)?;
+    let mut w = dev.alloc(MemKind::Device, wh.len())?;
+    w.write(0, &wh)?;
+    let mut xb = dev.alloc(MemKind::Device, 4 * n_in)?;
+    xb.write(0, &f32_bytes(&x))?;
+    let mut y = dev.alloc(MemKind::Device, 4 * n_out)?;
+    let y1 = run_once(k, t, &w, &xb, &mut y, n_in, n_out)?;
+    let y2 = run_once(k, t, &w, &xb, &mut y, n_in, n_out)?;
+    let (rel, maxrel, bad) = compare(&y1, &yref);
+    let same = y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits());
+    let copies = rotate_bytes.div_ceil(wh.len()).clamp(1, 256);
+    let mut ws = vec![w];
+    for _ in 1..copies {
+        let mut c = dev.alloc(MemKind::Device, wh.len())?;
+        c.copy_from(0, &ws[0], 0, wh.len())?;
+        ws.push(c);
+    }
+    let tm = time_gemv(dev, k, t, &ws, &xb, &mut y, n_in, n_out, samples)?;
+    Ok((rel, maxrel, bad, same, tm))
 }
 
 fn run(quick: bool) -> Result<()> {
@@ -416,18 +485,8 @@ fn run(quick: bool) -> Result<()> {
     let mut table = Vec::new();
     for &(t, n_in, n_out) in &cases {
         let tag = format!("{:8} in {:6} out {:6}", t.suffix(), n_in, n_out);
-        let wh = random_weights(t, n_in, n_out, rng.next());
-        let x: Vec<f32> = (0..n_in).map(|_| rng.unit()).collect();
-        let yref = reference(t, &wh, &x, n_out)?;
-        let mut w = dev.alloc(MemKind::Device, wh.len())?;
-        w.write(0, &wh)?;
-        let mut xb = dev.alloc(MemKind::Device, 4 * n_in)?;
-        xb.write(0, &f32_bytes(&x))?;
-        let mut y = dev.alloc(MemKind::Device, 4 * n_out)?;
-        let y1 = run_once(&k, t, &w, &xb, &mut y, n_in, n_out)?;
-        let y2 = run_once(&k, t, &w, &xb, &mut y, n_in, n_out)?;
-        let (rel, maxrel, bad) = compare(&y1, &yref);
-        let same = y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits());
+        let (rel, maxrel, bad, same, tm) =
+            bench_case(&dev, &k, &mut rng, t, n_in, n_out, samples, rotate_bytes)?;
         let l = k.launch_for(t, n_in, n_out)?;
         if bad > 0 || !(rel < REL_TOL) {
             rep.fail(format!(
@@ -439,18 +498,10 @@ fn run(quick: bool) -> Result<()> {
                 "{tag}: two launches on the same input differ (race?)"
             ));
         }
-        // Timing: rotate copies so the working set is > 256 MiB (well over the 60 MB L2).
-        let copies = rotate_bytes.div_ceil(wh.len()).clamp(1, 256);
-        let mut ws = vec![w];
-        for _ in 1..copies {
-            let mut c = dev.alloc(MemKind::Device, wh.len())?;
-            c.copy_from(0, &ws[0], 0, wh.len())?;
-            ws.push(c);
-        }
-        let tm = time_gemv(&dev, &k, t, &ws, &xb, &mut y, n_in, n_out, samples)?;
+        let wbytes = l.row_bytes as usize * n_out;
         let line = format!(
-            "{tag}: rel {rel:.2e} max {maxrel:.2e} nonfinite {bad} deterministic {same} | wpr {} | {:8.2} us {:7.0} GB/s ({:4.1}% of copy) | {} B x{}",
-            l.wpr, tm.us, tm.gbs, 100.0 * tm.gbs / copy_gbs, wh.len(), tm.copies
+            "{tag}: rel {rel:.2e} max {maxrel:.2e} nonfinite {bad} det {same} | wpr {} | stream {:7.2} us {:5.0} GB/s | graph {:7.2} us {:5.0} GB/s ({:4.1}% of copy) | {} B x{}",
+            l.wpr, tm.us, tm.gbs, tm.graph_us, tm.graph_gbs, 100.0 * tm.graph_gbs / copy_gbs, wbytes, tm.copies
         );
         rep.line(line.clone());
         table.push(line);
@@ -701,25 +752,91 @@ fn run(quick: bool) -> Result<()> {
             td.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
         }
         let (ugu, ud) = (median(&mut tgu), median(&mut td));
+        // Graph: 16 layers' worth of gate+up and down launches, each with its own random
+        // ids, in one graph (what a decode step does).
+        let mut id_sets = Vec::new();
+        for _ in 0..16 {
+            let mut b = dev.alloc(MemKind::Device, 4 * n_sel)?;
+            let ids: Vec<i32> = (0..n_sel)
+                .map(|_| (rng.next() % n_exp as u64) as i32)
+                .collect();
+            b.write(
+                0,
+                &ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<_>>(),
+            )?;
+            id_sets.push(b);
+        }
+        let (ggu, gd) = {
+            let time_graph =
+                |down: bool, yg: &mut CudaBuffer, yu: &mut CudaBuffer, yd: &mut CudaBuffer| {
+                    dev.with_graph(
+                        || {
+                            for ids in &id_sets {
+                                if down {
+                                    launch_d(ids, yd)?;
+                                } else {
+                                    launch_gu(ids, yg, yu)?;
+                                }
+                            }
+                            Ok(())
+                        },
+                        |g| {
+                            g.launch()?;
+                            let mut t = Vec::new();
+                            for _ in 0..samples {
+                                e0.record()?;
+                                g.launch()?;
+                                e1.record()?;
+                                t.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3 / id_sets.len() as f64);
+                            }
+                            Ok(median(&mut t))
+                        },
+                    )
+                };
+            (
+                time_graph(false, &mut yg, &mut yu, &mut yd)?,
+                time_graph(true, &mut yg, &mut yu, &mut yd)?,
+            )
+        };
         let bgu = (2 * n_sel * e_ff * rb_gu) as f64;
         let bd = (n_sel * e_in * rb_d) as f64;
+        let gbs = |b: f64, us: f64| b / (us * 1e-6) / 1e9;
         let line = format!(
-            "grouped {}/{}: rel gate {:.2e} up {:.2e} down {:.2e} | gate+up {:7.2} us {:6.0} GB/s | down {:7.2} us {:6.0} GB/s (single launch each, event-timed)",
-            t_gu.suffix(), t_down.suffix(), cg.0, cu.0, cd.0, ugu, bgu / (ugu * 1e-6) / 1e9, ud, bd / (ud * 1e-6) / 1e9
+            "grouped {}/{}: rel gate {:.2e} up {:.2e} down {:.2e} | single launch: gate+up {:6.2} us {:5.0} GB/s, down {:6.2} us {:5.0} GB/s | graph: gate+up {:6.2} us {:5.0} GB/s, down {:6.2} us {:5.0} GB/s",
+            t_gu.suffix(), t_down.suffix(), cg.0, cu.0, cd.0, ugu, gbs(bgu, ugu), ud, gbs(bd, ud), ggu, gbs(bgu, ggu), gd, gbs(bd, gd)
         );
         rep.line(line.clone());
         table.push(line);
     }
 
-    // Tuning variants: same kernels compiled with other knobs, timed on the main shapes.
-    for extra in [
-        vec!["-DDS4_GEMV_MIN_BLOCKS=2".to_string()],
-        vec!["-DDS4_GEMV_UNROLL=2".to_string()],
-        vec![
-            "-DDS4_GEMV_MIN_BLOCKS=3".to_string(),
-            "-DDS4_GEMV_UNROLL=4".to_string(),
-        ],
-    ] {
+    // Tuning variants: the same kernels compiled with other knobs, checked and timed
+    // (graph replays) on the main shapes.
+    let variants: &[&[&str]] = &[
+        &["-DDS4_GEMV_ROWS=1", "-DDS4_Q8_MAGIC=0"],
+        &["-DDS4_GEMV_ROWS=1"],
+        &["-DDS4_GEMV_ROWS=2"],
+        &["-DDS4_GEMV_ROWS=4"],
+        &["-DDS4_GEMV_ROWS=2", "-DDS4_GEMV_MIN_BLOCKS=2"],
+        &["-DDS4_GEMV_ROWS=4", "-DDS4_GEMV_MIN_BLOCKS=2"],
+        &["-DDS4_GEMV_ROWS=2", "-DDS4_GEMV_UNROLL=2"],
+        &["-DDS4_GEMV_PLAIN_ROWS=2"],
+        &["-DDS4_GEMV_PLAIN_ROWS=4"],
+    ];
+    let vshapes: &[(GemvType, usize, usize)] = &[
+        (GemvType::Q8_0, 4096, 1024),
+        (GemvType::Q8_0, 1024, 32768),
+        (GemvType::Q8_0, 4096, 8192),
+        (GemvType::Q8_0, 4096, 129280),
+        (GemvType::Iq2Xxs, 4096, 2048),
+        (GemvType::Q2K, 2048, 4096),
+        (GemvType::Q4K, 4096, 2048),
+        (GemvType::F16, 4096, 1024),
+        (GemvType::F16, 1024, 32768),
+        (GemvType::F32, 4096, 2048),
+    ];
+    for extra in variants {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let plain_only = extra.iter().all(|e| e.starts_with("-DDS4_GEMV_PLAIN_ROWS"));
         let kv = match GemvKernels::load_with(&dev, &cache, &extra) {
             Ok(kv) => kv,
             Err(e) => {
@@ -727,50 +844,23 @@ fn run(quick: bool) -> Result<()> {
                 continue;
             }
         };
-        for &(t, n_in, n_out) in &[
-            (GemvType::Q8_0, 4096usize, 1024usize),
-            (GemvType::Q8_0, 1024, 32768),
-            (GemvType::Q8_0, 4096, 8192),
-            (GemvType::Iq2Xxs, 4096, 2048),
-            (GemvType::Q2K, 2048, 4096),
-            (GemvType::Q4K, 4096, 2048),
-            (GemvType::F16, 4096, 1024),
-        ] {
-            let wh = random_weights(t, n_in, n_out, rng.next());
-            let x: Vec<f32> = (0..n_in).map(|_| rng.unit()).collect();
-            let yref = reference(t, &wh, &x, n_out)?;
-            let mut w = dev.alloc(MemKind::Device, wh.len())?;
-            w.write(0, &wh)?;
-            let mut xb = dev.alloc(MemKind::Device, 4 * n_in)?;
-            xb.write(0, &f32_bytes(&x))?;
-            let mut y = dev.alloc(MemKind::Device, 4 * n_out)?;
-            let got = run_once(&kv, t, &w, &xb, &mut y, n_in, n_out)?;
-            let (rel, _, bad) = compare(&got, &yref);
-            if bad > 0 || !(rel < REL_TOL) {
+        for &(t, n_in, n_out) in vshapes {
+            let quantized = t.ggml().is_quantized();
+            if plain_only == quantized || (quick && n_out > 65536) {
+                continue;
+            }
+            let (rel, _, bad, same, tm) =
+                bench_case(&dev, &kv, &mut rng, t, n_in, n_out, samples, rotate_bytes)?;
+            if bad > 0 || !(rel < REL_TOL) || !same {
                 rep.fail(format!(
-                    "variant {extra:?} {}: rel {rel:.3e}, {bad} non-finite",
+                    "variant {extra:?} {}: rel {rel:.3e}, {bad} non-finite, deterministic {same}",
                     t.suffix()
                 ));
             }
-            let copies = rotate_bytes.div_ceil(wh.len()).clamp(1, 256);
-            let mut ws = vec![w];
-            for _ in 1..copies {
-                let mut c = dev.alloc(MemKind::Device, wh.len())?;
-                c.copy_from(0, &ws[0], 0, wh.len())?;
-                ws.push(c);
-            }
-            let tm = time_gemv(&dev, &kv, t, &ws, &xb, &mut y, n_in, n_out, samples)?;
             let a = kv.function(t).attrs()?;
             let line = format!(
-                "variant {:46} {:8} in {:5} out {:6}: regs {:3} local {:3} | {:8.2} us {:7.0} GB/s",
-                extra.join(" "),
-                t.suffix(),
-                n_in,
-                n_out,
-                a.registers,
-                a.local_bytes,
-                tm.us,
-                tm.gbs
+                "variant {:40} {:8} in {:5} out {:6}: regs {:3} local {:3} | stream {:7.2} us | graph {:7.2} us {:5.0} GB/s",
+                extra.join(" "), t.suffix(), n_in, n_out, a.registers, a.local_bytes, tm.us, tm.graph_us, tm.graph_gbs
             );
             rep.line(line.clone());
             table.push(line);

@@ -8,7 +8,7 @@ use super::memory::{View, ViewMut};
 use super::module::{CudaFunction, CudaModule};
 use crate::cache::KernelCache;
 use crate::error::{GpuError, Result};
-use crate::kernels::{gemv_launch, GemvLaunch, GemvType, GEMV};
+use crate::kernels::{gemv_launch, GemvConfig, GemvLaunch, GemvType, GEMV};
 
 /// Warps per multiprocessor the launch heuristics aim to keep busy.
 const WARPS_PER_SM_TARGET: u64 = 48;
@@ -18,6 +18,7 @@ pub struct GemvKernels {
     pub module: CudaModule,
     plain: Vec<CudaFunction>,
     grouped: Vec<CudaFunction>,
+    configs: Vec<GemvConfig>,
     target_warps: u64,
 }
 
@@ -102,15 +103,23 @@ impl GemvKernels {
         let module = dev.load_module_with(&GEMV, cache, extra)?;
         let mut plain = Vec::new();
         let mut grouped = Vec::new();
+        let mut configs = Vec::new();
         for t in GemvType::ALL {
             plain.push(module.function(&format!("ds4_gemv_{}", t.suffix()))?);
             grouped.push(module.function(&format!("ds4_gemv_grouped_{}", t.suffix()))?);
+            let [rows, cb] =
+                module.read_i32_global::<2>(&format!("ds4_gemv_config_{}", t.suffix()))?;
+            configs.push(GemvConfig {
+                rows: u32::try_from(rows).unwrap_or(0),
+                chunk_blocks: u32::try_from(cb).unwrap_or(0),
+            });
         }
         let sms = u64::from(dev.info().multiprocessors.max(1));
         Ok(GemvKernels {
             module,
             plain,
             grouped,
+            configs,
             target_warps: sms * WARPS_PER_SM_TARGET,
         })
     }
@@ -125,9 +134,20 @@ impl GemvKernels {
         &self.grouped[index(ty)]
     }
 
+    /// The configuration compiled into the loaded kernels for `ty`.
+    pub fn config(&self, ty: GemvType) -> GemvConfig {
+        self.configs[index(ty)]
+    }
+
     /// Launch geometry this device uses for a shape.
     pub fn launch_for(&self, ty: GemvType, n_in: usize, n_out: usize) -> Result<GemvLaunch> {
-        gemv_launch(ty, n_in as u64, n_out as u64, self.target_warps)
+        gemv_launch(
+            ty,
+            self.config(ty),
+            n_in as u64,
+            n_out as u64,
+            self.target_warps,
+        )
     }
 
     /// Queue `y[n_out] = W[n_out][n_in] · x[n_in]` (f32 x and y, W of type `ty`).

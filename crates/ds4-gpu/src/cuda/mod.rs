@@ -9,6 +9,7 @@ mod device;
 mod driver;
 mod event;
 mod gemv;
+mod graph;
 mod memory;
 mod module;
 
@@ -16,6 +17,7 @@ pub use device::{CudaDevice, CudaDeviceInfo};
 pub use driver::{probe_libraries, CudaLibraries};
 pub use event::CudaEvent;
 pub use gemv::{GemvKernels, GroupedGemv};
+pub use graph::GraphExec;
 pub use memory::{CudaAllocator, CudaBuffer, View, ViewMut};
 pub use module::{
     nvrtc_compile, nvrtc_compile_with, nvrtc_version, CudaFunction, CudaModule, FunctionAttrs,

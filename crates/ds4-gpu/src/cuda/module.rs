@@ -361,6 +361,41 @@ impl CudaModule {
     }
 }
 
+impl CudaModule {
+    /// Read the `extern "C" __device__ const int NAME[N]` array of this module (launch
+    /// configuration compiled into the kernels).
+    pub fn read_i32_global<const N: usize>(&self, name: &str) -> Result<[i32; N]> {
+        let cname = CString::new(name).map_err(|_| GpuError::BadArgument {
+            op: "read_i32_global",
+            detail: format!("symbol name {name:?} contains NUL"),
+        })?;
+        self.inner.ctx.bind()?;
+        let (mut ptr, mut bytes): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: loaded module; NUL-terminated name; out-pointers are locals.
+        check(
+            unsafe {
+                sys::cuModuleGetGlobal_v2(&mut ptr, &mut bytes, self.inner.module, cname.as_ptr())
+            },
+            "cuModuleGetGlobal",
+            || format!("looking up the module global {name}"),
+        )?;
+        if bytes != 4 * N {
+            return Err(GpuError::BadArgument {
+                op: "read_i32_global",
+                detail: format!("{name} is {bytes} bytes, expected {}", 4 * N),
+            });
+        }
+        let mut out = [0i32; N];
+        // SAFETY: the global is exactly 4·N bytes (checked) and `out` holds 4·N bytes.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, bytes) },
+            "cuMemcpyDtoH",
+            || format!("reading the module global {name}"),
+        )?;
+        Ok(out)
+    }
+}
+
 impl CudaFunction {
     /// Registers, spills and shared memory of this kernel.
     pub fn attrs(&self) -> Result<FunctionAttrs> {

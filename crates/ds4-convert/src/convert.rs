@@ -86,10 +86,19 @@ pub struct Report {
 }
 
 fn float_problem(t: &SourceTensor) -> Option<CheckpointProblem> {
+    use safetensors::Dtype as D;
+    let low_precision = matches!(
+        t.dtype,
+        D::F8_E4M3 | D::F8_E5M2 | D::F8_E8M0 | D::F4 | D::F6_E2M3 | D::F6_E3M2 | D::I8
+    );
     (!t.is_float()).then(|| CheckpointProblem::Dtype {
         name: t.name.clone(),
         dtype: format!("{:?}", t.dtype),
-        accepted: "F32, BF16 and F16",
+        accepted: if low_precision {
+            "F32, BF16 and F16 (the official FP8/FP4 release must be dequantized to BF16 first)"
+        } else {
+            "F32, BF16 and F16"
+        },
     })
 }
 

@@ -212,8 +212,9 @@ fn main() -> Result<()> {
                 None => SyntheticModel::new(recipe, layers, seed)?,
             };
             let size = model.file_size();
+            let head = ds4_gguf::encode_header(model.header())?.len();
             println!(
-                "{} tensors, {} KVs, data at {}, file {} bytes ({:.2} GiB)",
+                "{} tensors, {} KVs, header {head} bytes, data at {}, file {} bytes ({:.2} GiB)",
                 model.header().tensors.len(),
                 model.header().metadata.len(),
                 model.data_offset(),

@@ -547,7 +547,8 @@ mod tests {
         let mut b = vec![0u8; 144];
         blocks_q4_k(&mut rng, 0.01, &mut b);
         for j in 0..8 {
-            let (sc, m) = quant::q4_k::scale_min(j, &b[4..16]);
+            let s12: &[u8; 12] = b[4..16].try_into().unwrap();
+            let (sc, m) = quant::q4_k::scale_min(j, s12);
             assert!((1..=63).contains(&sc), "{j}: {sc}");
             assert_eq!(sc, m, "sub-block {j}");
         }

@@ -15,6 +15,48 @@ use crate::weights::CpuWeight;
 /// Rows per parallel task in matmuls (amortises scheduling without starving threads).
 const ROWS_PER_TASK: usize = 16;
 
+/// Whether an op runs on the pool (`true`) or inline on the caller's thread. Small ops run
+/// inline: handing a few microseconds of work to another thread costs more than the work.
+/// The choice never changes results (each element is computed the same way either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Par(pub bool);
+
+/// `f(i, chunk_i)` over `chunk`-sized pieces of `data`, in parallel when `par` says so.
+pub fn rows_mut<T: Send>(
+    par: Par,
+    data: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    if par.0 {
+        data.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    } else {
+        data.chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// Fallible [`rows_mut`]; the first error (in an unspecified order) is returned.
+pub fn try_rows_mut<T: Send, E: Send>(
+    par: Par,
+    data: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) -> Result<(), E> + Sync + Send,
+) -> Result<(), E> {
+    if par.0 {
+        data.par_chunks_mut(chunk)
+            .enumerate()
+            .try_for_each(|(i, c)| f(i, c))
+    } else {
+        data.chunks_mut(chunk)
+            .enumerate()
+            .try_for_each(|(i, c)| f(i, c))
+    }
+}
+
 /// f32 dot product with 8 independent lanes, combined in lane order.
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -35,7 +77,9 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `y[t, r] = W[mat][r] · x[t]`.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(
+    par: Par,
     w: &CpuWeight,
     mat: usize,
     row0: usize,
@@ -52,33 +96,27 @@ pub fn matmul(
         problem: format!("{}: {e}", w.name),
     };
     if n_tok == 1 {
-        return y[..n_rows]
-            .par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .try_for_each(|(ci, yc)| {
-                for (i, yv) in yc.iter_mut().enumerate() {
-                    let r = row0 + ci * ROWS_PER_TASK + i;
-                    *yv =
-                        ds4_gguf::quant::dot(w.info.ty, w.row(mat, r), &x[..cols]).map_err(err)?;
-                }
-                Ok(())
-            });
+        return try_rows_mut(par, &mut y[..n_rows], ROWS_PER_TASK, |ci, yc| {
+            for (i, yv) in yc.iter_mut().enumerate() {
+                let r = row0 + ci * ROWS_PER_TASK + i;
+                *yv = ds4_gguf::quant::dot(w.info.ty, w.row(mat, r), &x[..cols]).map_err(err)?;
+            }
+            Ok(())
+        });
     }
     // Row-major results per weight row (each row read once for all tokens), then transposed.
     let mut tmp = vec![0f32; n_rows * n_tok];
-    tmp.par_chunks_mut(ROWS_PER_TASK * n_tok)
-        .enumerate()
-        .try_for_each(|(ci, c)| {
-            for (i, rowout) in c.chunks_mut(n_tok).enumerate() {
-                let r = row0 + ci * ROWS_PER_TASK + i;
-                let row = w.row(mat, r);
-                for (t, o) in rowout.iter_mut().enumerate() {
-                    let xt = &x[t * x_stride..t * x_stride + cols];
-                    *o = ds4_gguf::quant::dot(w.info.ty, row, xt).map_err(err)?;
-                }
+    try_rows_mut(par, &mut tmp, ROWS_PER_TASK * n_tok, |ci, c| {
+        for (i, rowout) in c.chunks_mut(n_tok).enumerate() {
+            let r = row0 + ci * ROWS_PER_TASK + i;
+            let row = w.row(mat, r);
+            for (t, o) in rowout.iter_mut().enumerate() {
+                let xt = &x[t * x_stride..t * x_stride + cols];
+                *o = ds4_gguf::quant::dot(w.info.ty, row, xt).map_err(err)?;
             }
-            Ok::<(), BackendError>(())
-        })?;
+        }
+        Ok::<(), BackendError>(())
+    })?;
     for r in 0..n_rows {
         for t in 0..n_tok {
             y[t * y_stride + r] = tmp[r * n_tok + t];
@@ -112,33 +150,30 @@ pub fn rms_norm_row(x: &mut [f32], w: Option<&[f32]>, eps: f32) {
 }
 
 /// In-place RoPE over `x` (`n_rows` rows of `n_heads · head_dim`).
-pub fn rope(x: &mut [f32], a: &RopeArgs) {
+pub fn rope(par: Par, x: &mut [f32], a: &RopeArgs) {
     let freqs = rope_freqs(&a.freq);
     let rd = a.freq.rope_dim;
     let off = a.head_dim - rd;
     let row_w = a.n_heads * a.head_dim;
-    x[..a.n_rows * row_w]
-        .par_chunks_mut(row_w)
-        .enumerate()
-        .for_each(|(r, row)| {
-            let p = a.pos0 + r * a.pos_step;
-            let cs: Vec<(f32, f32)> = freqs
-                .iter()
-                .map(|&w| {
-                    let ang = rope_angle(p, w);
-                    let s = ang.sin() as f32;
-                    (ang.cos() as f32, if a.inverse { -s } else { s })
-                })
-                .collect();
-            for head in row.chunks_mut(a.head_dim) {
-                let tail = &mut head[off..];
-                for (j, &(c, s)) in cs.iter().enumerate() {
-                    let (u, v) = (tail[2 * j], tail[2 * j + 1]);
-                    tail[2 * j] = u * c - v * s;
-                    tail[2 * j + 1] = u * s + v * c;
-                }
+    rows_mut(par, &mut x[..a.n_rows * row_w], row_w, |r, row| {
+        let p = a.pos0 + r * a.pos_step;
+        let cs: Vec<(f32, f32)> = freqs
+            .iter()
+            .map(|&w| {
+                let ang = rope_angle(p, w);
+                let s = ang.sin() as f32;
+                (ang.cos() as f32, if a.inverse { -s } else { s })
+            })
+            .collect();
+        for head in row.chunks_mut(a.head_dim) {
+            let tail = &mut head[off..];
+            for (j, &(c, s)) in cs.iter().enumerate() {
+                let (u, v) = (tail[2 * j], tail[2 * j + 1]);
+                tail[2 * j] = u * c - v * s;
+                tail[2 * j + 1] = u * s + v * c;
             }
-        });
+        }
+    });
 }
 
 /// Sinkhorn projection of an `n × n` matrix, in place (spec §2.5).
@@ -176,25 +211,24 @@ pub fn sinkhorn(z: &mut [f32], n: usize, iters: usize, eps: f32) {
     }
 }
 
-/// HCPre for one token: `mix` raw (φ·x̂), `x` its `n·dim` streams.
+/// HCPre coefficients of one token (spec §4.1): writes `[pre (n) | post (n) | P (n·n)]`
+/// into `coef` from the raw mix `φ·x̂` and the token's streams `x`.
 #[allow(clippy::too_many_arguments)]
-pub fn hc_pre_token(
+pub fn hc_pre_coeffs(
     mix: &[f32],
     x: &[f32],
     base: &[f32],
     scale: &[f32],
     n: usize,
-    dim: usize,
     iters: usize,
     hc_eps: f32,
     rms_eps: f32,
-    y: &mut [f32],
-    post: &mut [f32],
-    comb: &mut [f32],
+    coef: &mut [f32],
 ) {
     let rho = rms_scale(x, rms_eps);
     let mu = |i: usize| mix[i] * rho;
-    let mut pre = vec![0f32; n];
+    let (pre, rest) = coef.split_at_mut(n);
+    let (post, comb) = rest.split_at_mut(n);
     for i in 0..n {
         pre[i] = sigmoid(scale[0] * mu(i) + base[i]) + hc_eps;
         post[i] = 2.0 * sigmoid(scale[1] * mu(n + i) + base[n + i]);
@@ -203,10 +237,14 @@ pub fn hc_pre_token(
         comb[k] = scale[2] * mu(2 * n + k) + base[2 * n + k];
     }
     sinkhorn(comb, n, iters, hc_eps);
+}
+
+/// `y = Σ_i w_i · X_i` over the `n` streams of one token.
+pub fn mix_streams(w: &[f32], x: &[f32], dim: usize, y: &mut [f32]) {
     for (d, yv) in y.iter_mut().enumerate().take(dim) {
         let mut acc = 0f32;
-        for (i, p) in pre.iter().enumerate() {
-            acc += p * x[i * dim + d];
+        for (i, wi) in w.iter().enumerate() {
+            acc += wi * x[i * dim + d];
         }
         *yv = acc;
     }
@@ -227,30 +265,20 @@ pub fn hc_post_token(x: &mut [f32], f: &[f32], post: &[f32], comb: &[f32], n: us
     }
 }
 
-/// HCHead for one token.
-#[allow(clippy::too_many_arguments)]
-pub fn hc_head_token(
+/// HCHead stream weights of one token (spec §4.3).
+pub fn hc_head_weights(
     mix: &[f32],
     x: &[f32],
     base: &[f32],
     scale: f32,
     n: usize,
-    dim: usize,
     hc_eps: f32,
     rms_eps: f32,
-    y: &mut [f32],
-) {
+) -> Vec<f32> {
     let rho = rms_scale(x, rms_eps);
-    let w: Vec<f32> = (0..n)
+    (0..n)
         .map(|i| sigmoid(scale * (mix[i] * rho) + base[i]) + hc_eps)
-        .collect();
-    for (d, yv) in y.iter_mut().enumerate().take(dim) {
-        let mut acc = 0f32;
-        for (i, wi) in w.iter().enumerate() {
-            acc += wi * x[i * dim + d];
-        }
-        *yv = acc;
-    }
+        .collect()
 }
 
 /// Softmax-weighted pooling over candidates `(u, z)` for one output dim.
@@ -271,6 +299,7 @@ fn pool(cands: &[(f32, f32)]) -> f32 {
 /// Compressor accumulate-and-pool over a chunk (layout: `acc = [u slots | z slots]`).
 #[allow(clippy::too_many_arguments)]
 pub fn compressor(
+    par: Par,
     acc: &mut [f32],
     u: &[f32],
     z: &[f32],
@@ -306,7 +335,8 @@ pub fn compressor(
         }
         let out = &mut rows[w * c..(w + 1) * c];
         let (aur, azr) = (&*au, &*az);
-        out.par_iter_mut().enumerate().for_each(|(e, o)| {
+        rows_mut(par, out, 1, |e, o| {
+            let o = &mut o[0];
             let mut cands = Vec::with_capacity(2 * m);
             if overlap {
                 if w > 0 {
@@ -347,7 +377,9 @@ pub fn top_k_lowest_tie(scores: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// Lightning indexer scores for one query over `rows[0..n]` (spec §5.5).
+#[allow(clippy::too_many_arguments)]
 pub fn indexer_scores(
+    par: Par,
     q: &[f32],
     w: &[f32],
     rows: &[f32],
@@ -357,7 +389,7 @@ pub fn indexer_scores(
     wscale: f32,
 ) -> Vec<f32> {
     let mut out = vec![0f32; n];
-    out.par_chunks_mut(64).enumerate().for_each(|(ci, oc)| {
+    rows_mut(par, &mut out, 64, |ci, oc| {
         for (i, o) in oc.iter_mut().enumerate() {
             let s = ci * 64 + i;
             let k = &rows[s * dim..(s + 1) * dim];
@@ -372,7 +404,7 @@ pub fn indexer_scores(
     out
 }
 
-/// Per-head sink attention for one query over `keys` (closure gives key `j`).
+/// Per-head sink attention for one query over `keys` (spec §5.6).
 pub fn attend_head<'a>(q: &[f32], keys: &[&'a [f32]], sink: f32, scale: f32, out: &mut [f32]) {
     let logits: Vec<f32> = keys.iter().map(|k| dot_f32(q, k) * scale).collect();
     let m = logits.iter().fold(sink, |a, &b| a.max(b));

@@ -19,12 +19,16 @@ use ds4_engine::backend::{
     IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightUse,
 };
 use ds4_gguf::GgufFile;
-use rayon::prelude::*;
 
 use mem::{need, range, Slab};
 use weights::CpuWeight;
 
+use kernels::{rows_mut, try_rows_mut, Par};
+
 pub use kernels::{dot_f32, sinkhorn, top_k_lowest_tie};
+
+/// Ops below this many multiply-adds (or elements) run inline on the caller's thread.
+const PAR_WORK: usize = 1 << 16;
 
 /// The CPU backend.
 pub struct CpuBackend {
@@ -102,19 +106,34 @@ impl CpuBackend {
         Ok(cw)
     }
 
-    /// Runs `f` with the output range taken out of the slab (so inputs cannot alias it),
-    /// inside the thread pool, and always puts the buffer back.
+    /// Runs `f(self, work, par)` on the pool when `work` (≈ multiply-adds) is large enough
+    /// to be worth the hand-off, else inline on the caller's thread.
+    fn run<R: Send>(
+        &self,
+        work: usize,
+        f: impl FnOnce(&CpuBackend, Par) -> BResult<R> + Send,
+    ) -> BResult<R> {
+        if work >= PAR_WORK && self.pool.current_num_threads() > 1 {
+            self.pool.install(|| f(self, Par(true)))
+        } else {
+            f(self, Par(false))
+        }
+    }
+
+    /// Runs `f` with the output range taken out of the slab (so inputs cannot alias it)
+    /// and always puts the buffer back. `work` chooses pool or inline (see [`Self::run`]).
     fn with_out<R: Send>(
         &mut self,
         out: Slice,
         op: &'static str,
-        f: impl FnOnce(&CpuBackend, &mut [f32]) -> BResult<R> + Send,
+        work: usize,
+        f: impl FnOnce(&CpuBackend, &mut [f32], Par) -> BResult<R> + Send,
     ) -> BResult<R> {
         let mut v = self.bufs.take(out.buf.id(), op)?;
         let r = match range(out, v.len(), op) {
             Ok(rg) => {
-                let this = &*self;
-                this.pool.install(|| f(this, &mut v[rg]))
+                let slice = &mut v[rg];
+                self.run(work, move |this, par| f(this, slice, par))
             }
             Err(e) => Err(e),
         };
@@ -127,14 +146,15 @@ impl CpuBackend {
         &mut self,
         out: IBuf,
         op: &'static str,
-        f: impl FnOnce(&CpuBackend, &mut [i32]) -> BResult<R> + Send,
+        work: usize,
+        f: impl FnOnce(&CpuBackend, &mut [i32], Par) -> BResult<R> + Send,
     ) -> BResult<R> {
         let mut v = self.ibufs.take(out.id(), op)?;
         let r = if v.len() != out.len() {
             Err(BackendError::BadHandle { op, id: out.id() })
         } else {
-            let this = &*self;
-            this.pool.install(|| f(this, &mut v))
+            let slice = &mut v[..];
+            self.run(work, move |this, par| f(this, slice, par))
         };
         self.ibufs.put(out.id(), v);
         r
@@ -236,7 +256,7 @@ impl Backend for CpuBackend {
             v.copy_within(rs, dst.off);
             return Ok(());
         }
-        self.with_out(dst, "copy", |this, out| {
+        self.with_out(dst, "copy", 0, |this, out, _| {
             out.copy_from_slice(this.view(src, "copy")?);
             Ok(())
         })
@@ -274,11 +294,11 @@ impl Backend for CpuBackend {
                 problem: format!("matrix {mat} of {mats}"),
             });
         }
-        self.with_out(y, OP, |this, yv| {
+        self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
             CpuBackend::check_matmul_io(cw, x, cols, n_tok, y, rows)?;
             let xv = this.view(x, OP)?;
-            kernels::matmul(cw, mat, 0, rows, xv, cols, n_tok, yv, rows)
+            kernels::matmul(par, cw, mat, 0, rows, xv, cols, n_tok, yv, rows)
         })
     }
 
@@ -299,13 +319,14 @@ impl Backend for CpuBackend {
             });
         }
         let r = rows / groups;
-        self.with_out(y, OP, |this, yv| {
+        self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
             need(x, n_tok * groups * cols, OP, "input")?;
             need(y, n_tok * rows, OP, "output")?;
             let xv = this.view(x, OP)?;
             for g in 0..groups {
                 kernels::matmul(
+                    par,
                     cw,
                     0,
                     g * r,
@@ -343,7 +364,7 @@ impl Backend for CpuBackend {
                 id: x.buf.id(),
             });
         }
-        self.with_out(out, OP, |this, o| {
+        self.with_out(out, OP, rows * width, |this, o, par| {
             let g = match w {
                 Some(w) => {
                     let v = this.weight(w, OP)?.values(OP)?;
@@ -355,9 +376,9 @@ impl Backend for CpuBackend {
             if !in_place {
                 o[..rows * width].copy_from_slice(&this.view(x, OP)?[..rows * width]);
             }
-            o[..rows * width]
-                .par_chunks_mut(width)
-                .for_each(|row| kernels::rms_norm_row(row, g, eps));
+            rows_mut(par, &mut o[..rows * width], width, |_, row| {
+                kernels::rms_norm_row(row, g, eps)
+            });
             Ok(())
         })
     }
@@ -374,8 +395,9 @@ impl Backend for CpuBackend {
         if a.n_rows == 0 || a.n_heads == 0 {
             return Ok(());
         }
-        self.with_out(x, OP, |_, xv| {
-            kernels::rope(xv, &a);
+        let work = 8 * a.n_rows * a.n_heads * a.freq.rope_dim;
+        self.with_out(x, OP, work, |_, xv, par| {
+            kernels::rope(par, xv, &a);
             Ok(())
         })
     }
@@ -383,11 +405,12 @@ impl Backend for CpuBackend {
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
         const OP: &str = "add";
         shape(OP, "input length", acc.len, x.len)?;
-        self.with_out(acc, OP, |this, a| {
+        self.with_out(acc, OP, acc.len, |this, a, par| {
             let xv = this.view(x, OP)?;
-            a.par_chunks_mut(4096)
-                .zip(xv.par_chunks(4096))
-                .for_each(|(a, x)| a.iter_mut().zip(x).for_each(|(a, x)| *a += x));
+            rows_mut(par, a, 4096, |ci, a| {
+                let x = &xv[ci * 4096..];
+                a.iter_mut().zip(x).for_each(|(a, x)| *a += x)
+            });
             Ok(())
         })
     }
@@ -396,9 +419,9 @@ impl Backend for CpuBackend {
         const OP: &str = "swiglu";
         shape(OP, "up length", gate.len, up.len)?;
         shape(OP, "output length", gate.len, out.len)?;
-        self.with_out(out, OP, |this, o| {
+        self.with_out(out, OP, 16 * out.len, |this, o, par| {
             let (g, u) = (this.view(gate, OP)?, this.view(up, OP)?);
-            o.par_chunks_mut(4096).enumerate().for_each(|(ci, oc)| {
+            rows_mut(par, o, 4096, |ci, oc| {
                 for (i, ov) in oc.iter_mut().enumerate() {
                     let k = ci * 4096 + i;
                     *ov = kernels::swiglu(g[k], u[k], clamp);
@@ -420,10 +443,10 @@ impl Backend for CpuBackend {
         if width == 0 {
             return Ok(());
         }
-        self.with_out(x, OP, |_, v| {
-            v[..rows * width]
-                .par_chunks_mut(width)
-                .for_each(|r| kernels::qat_fp8_row(r, n_dims));
+        self.with_out(x, OP, 16 * rows * n_dims, |_, v, par| {
+            rows_mut(par, &mut v[..rows * width], width, |_, r| {
+                kernels::qat_fp8_row(r, n_dims)
+            });
             Ok(())
         })
     }
@@ -437,10 +460,11 @@ impl Backend for CpuBackend {
             });
         }
         need(x, rows * width, OP, "input")?;
-        self.with_out(x, OP, |_, v| {
-            v[..rows * width]
-                .par_chunks_mut(width)
-                .for_each(kernels::qat_h_fp4_row);
+        let work = rows * width * (16 + width.trailing_zeros() as usize);
+        self.with_out(x, OP, work, |_, v, par| {
+            rows_mut(par, &mut v[..rows * width], width, |_, r| {
+                kernels::qat_h_fp4_row(r)
+            });
             Ok(())
         })
     }
@@ -456,7 +480,7 @@ impl Backend for CpuBackend {
         const OP: &str = "embed";
         let (d, n_vocab) = (table.info.cols(), table.info.rows());
         need(out, n_tok * n_streams * d, OP, "output")?;
-        self.with_out(out, OP, |this, o| {
+        self.with_out(out, OP, n_tok * n_streams * d, |this, o, par| {
             let tw = this.weight(table, OP)?;
             let toks = this.iview(tokens, OP)?;
             if toks.len() < n_tok {
@@ -467,10 +491,12 @@ impl Backend for CpuBackend {
                     found: toks.len(),
                 });
             }
-            o[..n_tok * n_streams * d]
-                .par_chunks_mut(n_streams * d)
-                .zip(toks[..n_tok].par_iter())
-                .try_for_each(|(row, &tok)| {
+            try_rows_mut(
+                par,
+                &mut o[..n_tok * n_streams * d],
+                n_streams * d,
+                |ti, row| {
+                    let tok = toks[ti];
                     let tok = usize::try_from(tok)
                         .ok()
                         .filter(|&t| t < n_vocab)
@@ -484,7 +510,8 @@ impl Backend for CpuBackend {
                         s.copy_from_slice(first);
                     }
                     Ok(())
-                })
+                },
+            )
         })
     }
 
@@ -507,42 +534,48 @@ impl Backend for CpuBackend {
         need(y, t * d, OP, "y")?;
         need(post, t * n, OP, "post")?;
         need(comb, t * n * n, OP, "comb")?;
-        // Small outputs are computed into temporaries, then stored.
-        let mut post_v = vec![0f32; t * n];
-        let mut comb_v = vec![0f32; t * n * n];
-        let (pv, cv) = (&mut post_v, &mut comb_v);
-        self.with_out(y, OP, |this, yv| {
+        // Per token [pre | post | P], computed first (small), then the stream mix.
+        let mut coef = vec![0f32; t * nm];
+        let cref = &mut coef;
+        self.with_out(y, OP, 2 * t * n * d, |this, yv, par| {
             let mv = this.view(mix, OP)?;
             let xv = this.view(x, OP)?;
             let bv = this.weight(base, OP)?.values(OP)?;
             let sv = this.weight(scale, OP)?.values(OP)?;
             shape(OP, "base length", nm, bv.len())?;
             shape(OP, "scale length", 3, sv.len())?;
-            yv[..t * d]
-                .par_chunks_mut(d)
-                .zip(pv.par_chunks_mut(n))
-                .zip(cv.par_chunks_mut(n * n))
-                .enumerate()
-                .for_each(|(i, ((yr, pr), cr))| {
-                    kernels::hc_pre_token(
-                        &mv[i * nm..(i + 1) * nm],
-                        &xv[i * n * d..(i + 1) * n * d],
-                        bv,
-                        sv,
-                        n,
-                        d,
-                        a.sinkhorn_iters,
-                        a.hc_eps,
-                        a.rms_eps,
-                        yr,
-                        pr,
-                        cr,
-                    )
-                });
+            rows_mut(par, cref, nm, |i, c| {
+                kernels::hc_pre_coeffs(
+                    &mv[i * nm..(i + 1) * nm],
+                    &xv[i * n * d..(i + 1) * n * d],
+                    bv,
+                    sv,
+                    n,
+                    a.sinkhorn_iters,
+                    a.hc_eps,
+                    a.rms_eps,
+                    c,
+                )
+            });
+            let cv = &*cref;
+            rows_mut(par, &mut yv[..t * d], d, |i, yr| {
+                kernels::mix_streams(
+                    &cv[i * nm..i * nm + n],
+                    &xv[i * n * d..(i + 1) * n * d],
+                    d,
+                    yr,
+                )
+            });
             Ok(())
         })?;
-        self.upload(post.sub(0, t * n), &post_v)?;
-        self.upload(comb.sub(0, t * n * n), &comb_v)
+        let mut pv = Vec::with_capacity(t * n);
+        let mut cv = Vec::with_capacity(t * n * n);
+        for c in coef.chunks(nm) {
+            pv.extend_from_slice(&c[n..2 * n]);
+            cv.extend_from_slice(&c[2 * n..]);
+        }
+        self.upload(post.sub(0, t * n), &pv)?;
+        self.upload(comb.sub(0, t * n * n), &cv)
     }
 
     fn hc_post(&mut self, x: Slice, f: Slice, post: Slice, comb: Slice, a: HcArgs) -> BResult<()> {
@@ -552,25 +585,22 @@ impl Backend for CpuBackend {
         need(f, t * d, OP, "f")?;
         need(post, t * n, OP, "post")?;
         need(comb, t * n * n, OP, "comb")?;
-        self.with_out(x, OP, |this, xv| {
+        self.with_out(x, OP, t * n * n * d, |this, xv, par| {
             let (fv, pv, cv) = (
                 this.view(f, OP)?,
                 this.view(post, OP)?,
                 this.view(comb, OP)?,
             );
-            xv[..t * n * d]
-                .par_chunks_mut(n * d)
-                .enumerate()
-                .for_each(|(i, xr)| {
-                    kernels::hc_post_token(
-                        xr,
-                        &fv[i * d..(i + 1) * d],
-                        &pv[i * n..(i + 1) * n],
-                        &cv[i * n * n..(i + 1) * n * n],
-                        n,
-                        d,
-                    )
-                });
+            rows_mut(par, &mut xv[..t * n * d], n * d, |i, xr| {
+                kernels::hc_post_token(
+                    xr,
+                    &fv[i * d..(i + 1) * d],
+                    &pv[i * n..(i + 1) * n],
+                    &cv[i * n * n..(i + 1) * n * n],
+                    n,
+                    d,
+                )
+            });
             Ok(())
         })
     }
@@ -589,29 +619,26 @@ impl Backend for CpuBackend {
         need(mix, t * n, OP, "mix")?;
         need(x, t * n * d, OP, "streams")?;
         need(y, t * d, OP, "y")?;
-        self.with_out(y, OP, |this, yv| {
+        self.with_out(y, OP, 2 * t * n * d, |this, yv, par| {
             let mv = this.view(mix, OP)?;
             let xv = this.view(x, OP)?;
             let bv = this.weight(base, OP)?.values(OP)?;
             let sv = this.weight(scale, OP)?.values(OP)?;
             shape(OP, "base length", n, bv.len())?;
             shape(OP, "scale length", 1, sv.len())?;
-            yv[..t * d]
-                .par_chunks_mut(d)
-                .enumerate()
-                .for_each(|(i, yr)| {
-                    kernels::hc_head_token(
-                        &mv[i * n..(i + 1) * n],
-                        &xv[i * n * d..(i + 1) * n * d],
-                        bv,
-                        sv[0],
-                        n,
-                        d,
-                        a.hc_eps,
-                        a.rms_eps,
-                        yr,
-                    )
-                });
+            rows_mut(par, &mut yv[..t * d], d, |i, yr| {
+                let xs = &xv[i * n * d..(i + 1) * n * d];
+                let w = kernels::hc_head_weights(
+                    &mv[i * n..(i + 1) * n],
+                    xs,
+                    bv,
+                    sv[0],
+                    n,
+                    a.hc_eps,
+                    a.rms_eps,
+                );
+                kernels::mix_streams(&w, xs, d, yr)
+            });
             Ok(())
         })
     }
@@ -643,12 +670,13 @@ impl Backend for CpuBackend {
             let rr = range(rows, rows_v.len(), OP)?;
             let rows_s = &mut rows_v[rr];
             let rows_s = &mut rows_s[..rows.len / a.width * a.width];
-            self.with_out(acc, OP, |this, accv| {
+            let work = a.n_tok * a.width * 2 * a.ratio;
+            self.with_out(acc, OP, work, |this, accv, par| {
                 let uv = this.view(u, OP)?;
                 let zv = this.view(z, OP)?;
                 let apev = this.weight(ape, OP)?.values(OP)?;
                 kernels::compressor(
-                    accv, uv, zv, apev, a.pos0, a.n_tok, a.ratio, a.width, a.overlap, rows_s,
+                    par, accv, uv, zv, apev, a.pos0, a.n_tok, a.ratio, a.width, a.overlap, rows_s,
                 )
             })
         })();
@@ -687,7 +715,8 @@ impl Backend for CpuBackend {
             need(q, t * nh * hd, OP, "q")?;
             need(w, t * nh, OP, "w")?;
         }
-        self.with_iout(out, OP, |this, ov| {
+        let work = if scoring { t * n_last * nh * hd } else { 0 };
+        self.with_iout(out, OP, work, |this, ov, par| {
             let rv = this.view(rows, OP)?;
             let (qv, wv) = if scoring {
                 (this.view(q, OP)?, this.view(w, OP)?)
@@ -701,6 +730,7 @@ impl Backend for CpuBackend {
                     (0..n_p).collect()
                 } else {
                     let s = kernels::indexer_scores(
+                        par,
                         &qv[ti * nh * hd..(ti + 1) * nh * hd],
                         &wv[ti * nh..(ti + 1) * nh],
                         rv,
@@ -733,7 +763,13 @@ impl Backend for CpuBackend {
         need(a.ring, win * hd, OP, "ring")?;
         need(a.out, t * nh * hd, OP, "out")?;
         let last = a.pos0 + t; // exclusive end of positions
-        self.with_out(a.out, OP, |this, ov| {
+        let n_keys = win
+            + match a.comp {
+                CompSel::None => 0,
+                CompSel::All { ratio, .. } => last / ratio.max(1),
+                CompSel::Top { k, .. } => k,
+            };
+        self.with_out(a.out, OP, 2 * t * nh * hd * n_keys, |this, ov, par| {
             let qv = this.view(a.q, OP)?;
             let kvv = this.view(a.kv, OP)?;
             let ring = this.view(a.ring, OP)?;
@@ -810,19 +846,16 @@ impl Backend for CpuBackend {
                 }
                 keys_per_tok.push(keys);
             }
-            ov[..t * nh * hd]
-                .par_chunks_mut(hd)
-                .enumerate()
-                .for_each(|(i, o)| {
-                    let (ti, h) = (i / nh, i % nh);
-                    kernels::attend_head(
-                        &qv[i * hd..(i + 1) * hd],
-                        &keys_per_tok[ti],
-                        sinks[h],
-                        a.scale,
-                        o,
-                    );
-                });
+            rows_mut(par, &mut ov[..t * nh * hd], hd, |i, o| {
+                let (ti, h) = (i / nh, i % nh);
+                kernels::attend_head(
+                    &qv[i * hd..(i + 1) * hd],
+                    &keys_per_tok[ti],
+                    sinks[h],
+                    a.scale,
+                    o,
+                );
+            });
             Ok(())
         })
     }
@@ -845,7 +878,7 @@ impl Backend for CpuBackend {
         let d = ring.len / window;
         shape(OP, "ring length", window * d, ring.len)?;
         need(kv, n_tok * d, OP, "kv")?;
-        self.with_out(ring, OP, |this, rv| {
+        self.with_out(ring, OP, 0, |this, rv, _| {
             let kvv = this.view(kv, OP)?;
             for ti in n_tok.saturating_sub(window)..n_tok {
                 let s = (pos0 + ti) % window;
@@ -883,7 +916,7 @@ impl Backend for CpuBackend {
         }
         let mut idv = self.ibufs.take(ids.id(), OP)?;
         let idr = &mut idv;
-        let r = self.with_out(weights, OP, |this, wv| {
+        let r = self.with_out(weights, OP, 0, |this, wv, _| {
             let lv = this.view(logits, OP)?;
             for ti in 0..t {
                 let l = &lv[ti * e..(ti + 1) * e];
@@ -965,7 +998,7 @@ impl Backend for CpuBackend {
         need(x, t * d, OP, "x")?;
         need(weights, t * k, OP, "weights")?;
         need(out, t * d, OP, "out")?;
-        self.with_out(out, OP, |this, ov| {
+        self.with_out(out, OP, 3 * t * k * d * f, |this, ov, par| {
             let (gw, uw, dw) = (
                 this.weight(gate, OP)?,
                 this.weight(up, OP)?,
@@ -1006,8 +1039,8 @@ impl Backend for CpuBackend {
                 }
                 let mut g = vec![0f32; n * f];
                 let mut u = vec![0f32; n * f];
-                kernels::matmul(gw, e, 0, f, &xs, d, n, &mut g, f)?;
-                kernels::matmul(uw, e, 0, f, &xs, d, n, &mut u, f)?;
+                kernels::matmul(par, gw, e, 0, f, &xs, d, n, &mut g, f)?;
+                kernels::matmul(par, uw, e, 0, f, &xs, d, n, &mut u, f)?;
                 for (j, &i) in pairs.iter().enumerate() {
                     let wgt = wv[i];
                     for r in 0..f {
@@ -1016,23 +1049,20 @@ impl Backend for CpuBackend {
                     }
                 }
                 let mut o = vec![0f32; n * d];
-                kernels::matmul(dw, e, 0, d, &g, f, n, &mut o, d)?;
+                kernels::matmul(par, dw, e, 0, d, &g, f, n, &mut o, d)?;
                 for (j, &i) in pairs.iter().enumerate() {
                     per_slot[i * d..(i + 1) * d].copy_from_slice(&o[j * d..(j + 1) * d]);
                 }
             }
-            ov[..t * d]
-                .par_chunks_mut(d)
-                .enumerate()
-                .for_each(|(ti, orow)| {
-                    orow.fill(0.0);
-                    for s in 0..k {
-                        let src = &per_slot[(ti * k + s) * d..(ti * k + s + 1) * d];
-                        for (o, v) in orow.iter_mut().zip(src) {
-                            *o += v;
-                        }
+            rows_mut(par, &mut ov[..t * d], d, |ti, orow| {
+                orow.fill(0.0);
+                for s in 0..k {
+                    let src = &per_slot[(ti * k + s) * d..(ti * k + s + 1) * d];
+                    for (o, v) in orow.iter_mut().zip(src) {
+                        *o += v;
                     }
-                });
+                }
+            });
             Ok(())
         })
     }

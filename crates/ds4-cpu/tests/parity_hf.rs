@@ -1,0 +1,167 @@
+//! Parity with HF transformers on the committed tiny fixtures (`tests/fixtures/tiny-*`):
+//! each fixture is converted to GGUF with `ds4-convert` (f32 recipe) into a temp dir, run in
+//! `exact` mode on the CPU backend, and full-prefill, token-by-token decode and chunked
+//! prefill logits are compared with HF's (spec §9.5: |Δ| <= 1e-4 · max(1, |ref|)).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ds4_cpu::CpuBackend;
+use ds4_engine::{Engine, EngineConfig, NumericMode, Session};
+use ds4_gguf::GgufFile;
+
+fn fixtures_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_root())
+        .expect("tests/fixtures exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("tiny-"))
+                && p.join("reference.safetensors").exists()
+        })
+        .collect();
+    v.sort();
+    assert!(!v.is_empty(), "no tiny-* fixtures found");
+    v
+}
+
+struct Reference {
+    bytes: Vec<u8>,
+}
+
+impl Reference {
+    fn load(dir: &Path) -> Reference {
+        Reference {
+            bytes: std::fs::read(dir.join("reference.safetensors")).unwrap(),
+        }
+    }
+    fn tensor(&self, name: &str) -> (Vec<usize>, Vec<u8>, safetensors::Dtype) {
+        let st = safetensors::SafeTensors::deserialize(&self.bytes).unwrap();
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("no {name}"));
+        (t.shape().to_vec(), t.data().to_vec(), t.dtype())
+    }
+    fn f32s(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
+        let (s, d, ty) = self.tensor(name);
+        assert_eq!(ty, safetensors::Dtype::F32, "{name}");
+        let v = d
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        (s, v)
+    }
+    fn tokens(&self, seq: &str) -> Vec<u32> {
+        let (_, d, ty) = self.tensor(&format!("tokens.{seq}"));
+        assert_eq!(ty, safetensors::Dtype::I32);
+        d.chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    }
+    fn sequences(&self) -> Vec<(String, usize)> {
+        let st = safetensors::SafeTensors::deserialize(&self.bytes).unwrap();
+        let mut v: Vec<(String, usize)> = st
+            .names()
+            .iter()
+            .filter_map(|n| n.strip_prefix("tokens.").map(|s| s.to_string()))
+            .map(|s| {
+                let n = st.tensor(&format!("tokens.{s}")).unwrap().shape()[0];
+                (s, n)
+            })
+            .collect();
+        v.sort_by_key(|x| x.1);
+        v
+    }
+}
+
+/// Converts the checkpoint part of a fixture (config.json + model.safetensors, copied so the
+/// converter does not see reference.safetensors).
+fn convert(dir: &Path, recipe: &str, out_dir: &Path) -> Arc<GgufFile> {
+    let src = out_dir.join("hf");
+    std::fs::create_dir_all(&src).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(dir.join(f), src.join(f)).unwrap();
+    }
+    let dir = src.as_path();
+    let out = out_dir.join(format!("{recipe}.gguf"));
+    let opts = ds4_convert::HfOptions::new(recipe).unwrap();
+    ds4_convert::convert_hf(dir, &out, &opts, &mut ds4_convert::NoProgress)
+        .unwrap_or_else(|e| panic!("convert {}: {e}", dir.display()));
+    Arc::new(GgufFile::open(&out).unwrap())
+}
+
+fn session(file: &Arc<GgufFile>, mode: NumericMode, chunk: usize) -> Session {
+    let cfg = EngineConfig {
+        mode: Some(mode),
+        ctx: 1024,
+        prefill_chunk: chunk,
+    };
+    let be = Box::new(CpuBackend::new(0).unwrap());
+    Session::new(Engine::load(Arc::clone(file), be, cfg).unwrap()).unwrap()
+}
+
+/// (max |Δ|, max |Δ| / max(1, |ref|)); NaN anywhere yields NaN so it cannot pass.
+fn errors(got: &[f32], want: &[f32]) -> (f64, f64) {
+    assert_eq!(got.len(), want.len());
+    let mut abs = 0f64;
+    let mut rel = 0f64;
+    for (g, w) in got.iter().zip(want) {
+        let d = (*g as f64 - *w as f64).abs();
+        if d.is_nan() {
+            return (f64::NAN, f64::NAN);
+        }
+        abs = abs.max(d);
+        rel = rel.max(d / (w.abs() as f64).max(1.0));
+    }
+    (abs, rel)
+}
+
+pub fn run_paths(
+    file: &Arc<GgufFile>,
+    mode: NumericMode,
+    tokens: &[u32],
+    chunk: usize,
+) -> [Vec<f32>; 3] {
+    let mut s = session(file, mode, 4096);
+    let prefill = s.prefill_all(tokens).unwrap();
+    let mut s = session(file, mode, 1);
+    let mut decode = Vec::new();
+    for &t in tokens {
+        decode.extend(s.decode(t).unwrap());
+    }
+    let mut s = session(file, mode, chunk);
+    let chunked = s.prefill_all(tokens).unwrap();
+    [prefill, decode, chunked]
+}
+
+const TOL: f64 = 1e-4;
+
+#[test]
+fn exact_mode_matches_hf_on_every_fixture() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut worst = 0f64;
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let work = tmp.path().join(&name);
+        let file = convert(&dir, "f32", &work);
+        let reference = Reference::load(&dir);
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+        for (seq, _) in reference.sequences() {
+            let tokens = reference.tokens(&seq);
+            let chunk = meta["sequences"][&seq]["chunk_size"].as_u64().unwrap() as usize;
+            let got = run_paths(&file, NumericMode::Exact, &tokens, chunk);
+            for (path, g) in ["prefill", "decode", "chunked"].iter().zip(&got) {
+                let (_, want) = reference.f32s(&format!("{path}.{seq}.logits"));
+                let (abs, rel) = errors(g, &want);
+                println!("{name} {seq:6} {path:7}: max|d| {abs:.3e}  max rel {rel:.3e}");
+                assert!(rel <= TOL, "{name}/{seq}/{path}: {rel:e} > {TOL:e}");
+                worst = worst.max(rel);
+            }
+        }
+    }
+    println!("worst relative error {worst:.3e}");
+}

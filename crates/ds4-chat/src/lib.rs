@@ -9,6 +9,7 @@
 pub mod error;
 pub mod json;
 pub mod parse;
+mod pretok;
 pub mod render;
 pub mod request;
 pub mod stream;

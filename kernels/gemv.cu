@@ -4,7 +4,7 @@
 // consecutive blocks of the row's type. x and y are f32. Accumulation is f32 throughout.
 //
 // Work split. A block of 256 threads holds 8 logical warps. One warp computes R
-// consecutive rows (R = DS4_GEMV_ROWS for block formats, DS4_GEMV_PLAIN_ROWS for F16/F32),
+// consecutive rows (R = T::ROWS per block format, DS4_GEMV_PLAIN_ROWS for F16/F32),
 // so each x value it loads serves R rows. `wpr` warps (1, 2, 4 or 8, chosen by the host so
 // that small-n_out matrices still fill the GPU) share one group of R rows: the rows are cut
 // into chunks and warp `part` takes chunks part, part+wpr, ... . Partial sums are reduced
@@ -28,11 +28,34 @@
 #define DS4_GEMV_THREADS 256
 #define DS4_GEMV_WARPS (DS4_GEMV_THREADS / DS4_WARP)
 
-// Tuning knobs (the host may pass -D options; the defaults are what the engine uses):
-// minimum resident blocks per multiprocessor (caps registers: 4 -> 64 per thread) and
-// the unroll factor of the unit loop over a staged chunk.
-#ifndef DS4_GEMV_MIN_BLOCKS
-#define DS4_GEMV_MIN_BLOCKS 4
+// Tuning knobs. The defaults are per format, from the H200 sweep in
+// crates/ds4-gpu/NOTES.md: rows per warp R (x loaded once for R rows) and the minimum
+// resident blocks per multiprocessor (caps registers: 4 -> 64, 2 -> 128 per thread).
+// -DDS4_GEMV_ROWS=n / -DDS4_GEMV_MIN_BLOCKS=n override every block format at once (the
+// check tool's sweeps); -DDS4_GEMV_PLAIN_ROWS=n sets F16/F32.
+#ifdef DS4_GEMV_ROWS
+#define DS4_ROWS_Q8_0 DS4_GEMV_ROWS
+#define DS4_ROWS_Q2_K DS4_GEMV_ROWS
+#define DS4_ROWS_Q4_K DS4_GEMV_ROWS
+#define DS4_ROWS_IQ2_XXS DS4_GEMV_ROWS
+#else
+#define DS4_ROWS_Q8_0 4
+#define DS4_ROWS_Q2_K 2
+#define DS4_ROWS_Q4_K 2
+#define DS4_ROWS_IQ2_XXS 2
+#endif
+#ifdef DS4_GEMV_MIN_BLOCKS
+#define DS4_MINB_PLAIN DS4_GEMV_MIN_BLOCKS
+#define DS4_MINB_Q8_0 DS4_GEMV_MIN_BLOCKS
+#define DS4_MINB_Q2_K DS4_GEMV_MIN_BLOCKS
+#define DS4_MINB_Q4_K DS4_GEMV_MIN_BLOCKS
+#define DS4_MINB_IQ2_XXS DS4_GEMV_MIN_BLOCKS
+#else
+#define DS4_MINB_PLAIN 4
+#define DS4_MINB_Q8_0 4
+#define DS4_MINB_Q2_K 2
+#define DS4_MINB_Q4_K 2
+#define DS4_MINB_IQ2_XXS 2
 #endif
 #ifndef DS4_GEMV_UNROLL
 #define DS4_GEMV_UNROLL 8
@@ -89,6 +112,7 @@ __device__ __forceinline__ void ds4_i8x2(ds4_u32 w, float& lo, float& hi) {
 // Q8_0: 34-byte blocks of 32: d f16 @0, q i8[32] @2. Unit = 8 values.
 struct Ds4Q8_0 {
     static constexpr int BE = 32, BB = 34, UPB = 4;
+    static constexpr int ROWS = DS4_ROWS_Q8_0;
     __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 56 : R == 2 ? 24 : 8; }
     __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
     template <int R, int CB>
@@ -137,6 +161,7 @@ __device__ __forceinline__ float ds4_sum4(float4 v) { return (v.x + v.y) + (v.z 
 // 16·sb + m has its code in bits 2j..2j+1 of qs[32h + 16·half + m], sb = 8h + 2j + half.
 struct Ds4Q2K {
     static constexpr int BE = 256, BB = 84, UPB = 16;
+    static constexpr int ROWS = DS4_ROWS_Q2_K;
     __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 24 : R == 2 ? 12 : 4; }
     __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
     template <int R, int CB>
@@ -170,6 +195,7 @@ struct Ds4Q2K {
 // 4·(j%2). Unit t = 2j + half = 16 values starting at element 16t.
 struct Ds4Q4K {
     static constexpr int BE = 256, BB = 144, UPB = 16;
+    static constexpr int ROWS = DS4_ROWS_Q4_K;
     __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 14 : R == 2 ? 6 : 2; }
     __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
     template <int R, int CB>
@@ -211,6 +237,7 @@ struct Ds4Q4K {
 // (bits 28..31). Unit t = 4g + k = 8 values starting at element 8t.
 struct Ds4Iq2Xxs {
     static constexpr int BE = 256, BB = 66, UPB = 32;
+    static constexpr int ROWS = DS4_ROWS_IQ2_XXS;
     __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 32 : R == 2 ? 16 : 8; }
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u64 grid[256];
@@ -258,10 +285,6 @@ struct Ds4Iq2Xxs {
 // Row engine for block formats: one warp computes R consecutive rows (x is loaded once
 // for all R), chunk by chunk.
 // ---------------------------------------------------------------------------------------
-
-#ifndef DS4_GEMV_ROWS
-#define DS4_GEMV_ROWS 2
-#endif
 
 template <class T, int CB, int V>
 __device__ __forceinline__ void ds4_load_chunk(const ds4_u8* __restrict__ row, int c,
@@ -374,7 +397,7 @@ __device__ __forceinline__ void ds4_gemv_quant(const ds4_u8* __restrict__ W,
                                                const float* __restrict__ x,
                                                float* __restrict__ y, int n_in, int n_out,
                                                int wpr, bool ok) {
-    constexpr int R = DS4_GEMV_ROWS;
+    constexpr int R = T::ROWS;
     constexpr int VEC = T::cb(R) * T::BB / 16;
     __shared__ uint4 stage[DS4_GEMV_WARPS][R * VEC];
     const Ds4Tables tb = T::prologue();
@@ -397,7 +420,7 @@ __device__ __forceinline__ void ds4_gemv_quant(const ds4_u8* __restrict__ W,
 // ---------------------------------------------------------------------------------------
 
 #ifndef DS4_GEMV_PLAIN_ROWS
-#define DS4_GEMV_PLAIN_ROWS 1
+#define DS4_GEMV_PLAIN_ROWS 2
 #endif
 
 struct Ds4F32 {
@@ -480,10 +503,10 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
     extern "C" __device__ const int ds4_gemv_config_##NAME[2] = {ROWS, CB};
 DS4_GEMV_CONFIG(f32, DS4_GEMV_PLAIN_ROWS, 32)
 DS4_GEMV_CONFIG(f16, DS4_GEMV_PLAIN_ROWS, 32)
-DS4_GEMV_CONFIG(q8_0, DS4_GEMV_ROWS, Ds4Q8_0::cb(DS4_GEMV_ROWS))
-DS4_GEMV_CONFIG(q2_k, DS4_GEMV_ROWS, Ds4Q2K::cb(DS4_GEMV_ROWS))
-DS4_GEMV_CONFIG(q4_k, DS4_GEMV_ROWS, Ds4Q4K::cb(DS4_GEMV_ROWS))
-DS4_GEMV_CONFIG(iq2_xxs, DS4_GEMV_ROWS, Ds4Iq2Xxs::cb(DS4_GEMV_ROWS))
+DS4_GEMV_CONFIG(q8_0, Ds4Q8_0::ROWS, Ds4Q8_0::cb(Ds4Q8_0::ROWS))
+DS4_GEMV_CONFIG(q2_k, Ds4Q2K::ROWS, Ds4Q2K::cb(Ds4Q2K::ROWS))
+DS4_GEMV_CONFIG(q4_k, Ds4Q4K::ROWS, Ds4Q4K::cb(Ds4Q4K::ROWS))
+DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
 
 // ---------------------------------------------------------------------------------------
 // Entry points. Grid: x = ceil(n_out / (R * 8 / wpr)) blocks of 256 threads, R the
@@ -500,13 +523,13 @@ DS4_GEMV_CONFIG(iq2_xxs, DS4_GEMV_ROWS, Ds4Iq2Xxs::cb(DS4_GEMV_ROWS))
 // of bounds.
 // ---------------------------------------------------------------------------------------
 
-#define DS4_GEMV_ENTRY(NAME, ENGINE, FMT)                                                   \
-    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_GEMV_MIN_BLOCKS)                     \
+#define DS4_GEMV_ENTRY(NAME, ENGINE, FMT, MINB)                                                 \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                   \
         ds4_gemv_##NAME(const ds4_u8* __restrict__ W, const float* __restrict__ x,          \
                         float* __restrict__ y, int n_in, int n_out, int wpr) {              \
         ENGINE<FMT>(W, x, y, n_in, n_out, wpr, true);                                       \
     }                                                                                       \
-    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_GEMV_MIN_BLOCKS)                     \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                   \
         ds4_gemv_grouped_##NAME(const ds4_u8* __restrict__ W0, const ds4_u8* __restrict__ W1, \
                                 ds4_size expert_bytes, const ds4_i32* __restrict__ ids,     \
                                 int n_experts, const float* __restrict__ x,                 \
@@ -521,9 +544,9 @@ DS4_GEMV_CONFIG(iq2_xxs, DS4_GEMV_ROWS, Ds4Iq2Xxs::cb(DS4_GEMV_ROWS))
         ENGINE<FMT>(W, x + (ds4_size)sel * x_stride, y, n_in, n_out, wpr, ok);              \
     }
 
-DS4_GEMV_ENTRY(f32, ds4_gemv_plain, Ds4F32)
-DS4_GEMV_ENTRY(f16, ds4_gemv_plain, Ds4F16)
-DS4_GEMV_ENTRY(q8_0, ds4_gemv_quant, Ds4Q8_0)
-DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K)
-DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K)
-DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs)
+DS4_GEMV_ENTRY(f32, ds4_gemv_plain, Ds4F32, DS4_MINB_PLAIN)
+DS4_GEMV_ENTRY(f16, ds4_gemv_plain, Ds4F16, DS4_MINB_PLAIN)
+DS4_GEMV_ENTRY(q8_0, ds4_gemv_quant, Ds4Q8_0, DS4_MINB_Q8_0)
+DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K, DS4_MINB_Q2_K)
+DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K, DS4_MINB_Q4_K)
+DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)

@@ -142,18 +142,17 @@ impl GemvType {
         }
     }
 
-    /// The configuration gemv.cu compiles by default (`DS4_GEMV_ROWS` = 2 for block
-    /// formats, `DS4_GEMV_PLAIN_ROWS` = 1); the CUDA loader reads the real one from the
-    /// module (`ds4_gemv_config_<t>`), so -D variants stay consistent.
+    /// The configuration gemv.cu compiles by default (per-format `DS4_ROWS_*`,
+    /// `DS4_GEMV_PLAIN_ROWS` = 2); the CUDA loader reads the real one from the module
+    /// (`ds4_gemv_config_<t>`), so -D variants stay consistent.
     pub fn default_config(self) -> GemvConfig {
-        let chunk_blocks = match self {
-            GemvType::F32 | GemvType::F16 => 32,
-            GemvType::Q8_0 => 24,
-            GemvType::Q2K => 12,
-            GemvType::Q4K => 6,
-            GemvType::Iq2Xxs => 16,
+        let (rows, chunk_blocks) = match self {
+            GemvType::F32 | GemvType::F16 => (2, 32),
+            GemvType::Q8_0 => (4, 8),
+            GemvType::Q2K => (2, 12),
+            GemvType::Q4K => (2, 6),
+            GemvType::Iq2Xxs => (2, 16),
         };
-        let rows = if self.ggml().is_quantized() { 2 } else { 1 };
         GemvConfig { rows, chunk_blocks }
     }
 
@@ -306,18 +305,58 @@ mod tests {
             let name = format!("DS4_GEMV_ENTRY({},", t.suffix());
             assert!(GEMV.source.contains(&name), "missing {name}");
         }
-        // The default configuration in Rust must equal gemv.cu's (R = 2: the cb(2) column).
-        for (t, decl) in [
-            (GemvType::Q8_0, "R == 1 ? 56 : R == 2 ? 24 : 8"),
-            (GemvType::Q2K, "R == 1 ? 24 : R == 2 ? 12 : 4"),
-            (GemvType::Q4K, "R == 1 ? 14 : R == 2 ? 6 : 2"),
-            (GemvType::Iq2Xxs, "R == 1 ? 32 : R == 2 ? 16 : 8"),
+        // The default configuration in Rust must equal gemv.cu's: rows from the
+        // DS4_ROWS_* defaults, chunk blocks from cb(rows).
+        let define = |name: &str| -> u32 {
+            let key = format!("#define {name} ");
+            // The numeric definition (the other one, under #ifdef, forwards an override).
+            GEMV.source
+                .lines()
+                .filter_map(|l| l.strip_prefix(&key))
+                .find_map(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no numeric #define {name}"))
+        };
+        for (t, rows_macro, cb_decl) in [
+            (
+                GemvType::Q8_0,
+                "DS4_ROWS_Q8_0",
+                "R == 1 ? 56 : R == 2 ? 24 : 8",
+            ),
+            (
+                GemvType::Q2K,
+                "DS4_ROWS_Q2_K",
+                "R == 1 ? 24 : R == 2 ? 12 : 4",
+            ),
+            (
+                GemvType::Q4K,
+                "DS4_ROWS_Q4_K",
+                "R == 1 ? 14 : R == 2 ? 6 : 2",
+            ),
+            (
+                GemvType::Iq2Xxs,
+                "DS4_ROWS_IQ2_XXS",
+                "R == 1 ? 32 : R == 2 ? 16 : 8",
+            ),
         ] {
-            assert!(GEMV.source.contains(decl), "{t:?}: {decl}");
-            assert!(decl.contains(&format!("R == 2 ? {} ", t.default_config().chunk_blocks)));
+            assert!(GEMV.source.contains(cb_decl), "{t:?}: {cb_decl}");
+            let c = t.default_config();
+            assert_eq!(c.rows, define(rows_macro), "{t:?}");
+            let nums: Vec<u32> = cb_decl
+                .split(|ch: char| !ch.is_ascii_digit())
+                .filter_map(|n| n.parse().ok())
+                .collect();
+            // nums = [1, cb1, 2, cb2, cb4]
+            let cb = match c.rows {
+                1 => nums[1],
+                2 => nums[3],
+                _ => nums[4],
+            };
+            assert_eq!(c.chunk_blocks, cb, "{t:?}");
         }
-        assert!(GEMV.source.contains("#define DS4_GEMV_ROWS 2"));
-        assert!(GEMV.source.contains("#define DS4_GEMV_PLAIN_ROWS 1"));
+        assert_eq!(
+            GemvType::F16.default_config().rows,
+            define("DS4_GEMV_PLAIN_ROWS")
+        );
     }
 
     #[test]

@@ -67,12 +67,8 @@ mod tests {
             .collect();
         assert_eq!(words.len(), 256);
         for (k, w) in words.iter().enumerate() {
-            for j in 0..8 {
-                assert_eq!(
-                    ((w >> (8 * j)) & 0xff) as u8,
-                    GRID[k][j],
-                    "entry {k} byte {j}"
-                );
+            for (j, &g) in GRID[k].iter().enumerate() {
+                assert_eq!(((w >> (8 * j)) & 0xff) as u8, g, "entry {k} byte {j}");
             }
         }
         assert!(h.contains("ds4_iq2xxs_ksigns[128]"));

@@ -4,7 +4,9 @@
 //! * `gen-tables` — print `kernels/ds4_iq2xxs_tables.h` from the Rust codec tables.
 //! * `compile [ARCH] [OUTDIR]` — compile every kernel file with NVRTC (needs libnvrtc only,
 //!   no GPU) and write the CUBINs to OUTDIR.
-//! * `run [--quick]` (default) — on a CUDA device: device facts, kernel compile + cache,
+//! * `hip [ARCH] [OPTIONS]` — load the HIP runtime and hiprtc, list devices (or report
+//!   that there are none) and compile every kernel file with hiprtc (default gfx1030).
+//! * `run [--quick] [--no-variants]` (default) — on a CUDA device: device facts, kernel compile + cache,
 //!   copy bandwidth, every GEMV type against `ds4_gguf::quant::dot` on fresh random data
 //!   with NaN-poisoned outputs, timings over rotated buffers larger than L2, the placement
 //!   kinds (device, pinned host, managed, registered host), and grouped expert GEMVs.
@@ -29,9 +31,59 @@ fn main() -> Result<()> {
             args.get(2),
             &args[args.len().min(3)..],
         ),
-        Some("run") | None => run(args.iter().any(|a| a == "--quick")),
+        Some("run") | None => run(
+            args.iter().any(|a| a == "--quick"),
+            !args.iter().any(|a| a == "--no-variants"),
+        ),
+        Some("hip") => hip(
+            args.get(1).map(String::as_str).unwrap_or("gfx1030"),
+            &args[args.len().min(2)..],
+        ),
         Some(other) => bail!("unknown subcommand {other:?}; use gen-tables, compile or run"),
     }
+}
+
+/// ROCm checks that need no AMD GPU: load the HIP runtime, report devices (or the clear
+/// "no ROCm device" error), and compile every kernel file with hiprtc for `arch`.
+fn hip(arch: &str, extra: &[String]) -> Result<()> {
+    use ds4_gpu::hip::{HipRtc, HipRuntime};
+    let rt = HipRuntime::load()?;
+    println!(
+        "HIP runtime {} version {}",
+        rt.path.display(),
+        rt.runtime_version()?
+    );
+    match rt.device_count() {
+        Ok(n) => {
+            for i in 0..n {
+                let info = rt.device_info(i)?;
+                println!("device {i}: {info:?}");
+                println!(
+                    "placement facts: {}",
+                    serde_json::to_string(&info.device_facts())?
+                );
+            }
+        }
+        Err(e) => println!("{e}"),
+    }
+    let rtc = HipRtc::load()?;
+    println!("hiprtc {} version {}", rtc.path.display(), rtc.version()?);
+    for src in kernels::ALL {
+        let t = Instant::now();
+        let (code, log) = rtc.compile(src, arch, extra)?;
+        println!(
+            "{}: {} bytes of code object for {arch} in {:.0} ms{}",
+            src.name,
+            code.len(),
+            t.elapsed().as_secs_f64() * 1e3,
+            if log.is_empty() {
+                String::new()
+            } else {
+                format!("\n{log}")
+            }
+        );
+    }
+    Ok(())
 }
 
 fn compile(arch: &str, out: Option<&String>, extra: &[String]) -> Result<()> {
@@ -210,6 +262,11 @@ fn median(v: &mut [f64]) -> f64 {
 const POISON: u32 = 0x7fc0_0000; // quiet NaN
 const REL_TOL: f64 = 1e-4;
 
+/// True only for a finite error under the tolerance (NaN fails).
+fn within_tol(rel: f64) -> bool {
+    rel.is_finite() && rel < REL_TOL
+}
+
 struct Report {
     lines: Vec<String>,
     failures: Vec<String>,
@@ -361,7 +418,7 @@ fn bench_case(
     Ok((rel, maxrel, bad, same, tm))
 }
 
-fn run(quick: bool) -> Result<()> {
+fn run(quick: bool, with_variants: bool) -> Result<()> {
     let mut rep = Report {
         lines: Vec::new(),
         failures: Vec::new(),
@@ -488,7 +545,7 @@ fn run(quick: bool) -> Result<()> {
         let (rel, maxrel, bad, same, tm) =
             bench_case(&dev, &k, &mut rng, t, n_in, n_out, samples, rotate_bytes)?;
         let l = k.launch_for(t, n_in, n_out)?;
-        if bad > 0 || !(rel < REL_TOL) {
+        if bad > 0 || !within_tol(rel) {
             rep.fail(format!(
                 "{tag}: rel err {rel:.3e}, {bad} non-finite outputs"
             ));
@@ -537,7 +594,7 @@ fn run(quick: bool) -> Result<()> {
         }
         let got = run_once(&k, t, &w, &xb, &mut y, n_in, n_out)?;
         let (rel, _, bad) = compare(&got, &yref);
-        if bad > 0 || !(rel < REL_TOL) {
+        if bad > 0 || !within_tol(rel) {
             rep.fail(format!(
                 "placement {}: rel err {rel:.3e}, {bad} non-finite",
                 kind.label()
@@ -561,7 +618,7 @@ fn run(quick: bool) -> Result<()> {
     rep.line(format!(
         "placement registered Box<[u8]>: rel {rel:.2e} nonfinite {bad}"
     ));
-    if bad > 0 || !(rel < REL_TOL) {
+    if bad > 0 || !within_tol(rel) {
         rep.fail("registered caller-owned memory gave wrong results".into());
     }
     owned
@@ -691,7 +748,7 @@ fn run(quick: bool) -> Result<()> {
         let cu = compare(&got_u, &ru);
         let cd = compare(&got_d, &rd);
         for (name, c) in [("gate", cg), ("up", cu), ("down", cd)] {
-            if c.2 > 0 || !(c.0 < REL_TOL) {
+            if c.2 > 0 || !within_tol(c.0) {
                 rep.fail(format!(
                     "grouped {}/{} {name}: rel {:.3e}, {} non-finite",
                     t_gu.suffix(),
@@ -834,7 +891,7 @@ fn run(quick: bool) -> Result<()> {
         (GemvType::F16, 1024, 32768),
         (GemvType::F32, 4096, 2048),
     ];
-    for extra in variants {
+    for extra in variants.iter().filter(|_| with_variants) {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let plain_only = extra.iter().all(|e| e.starts_with("-DDS4_GEMV_PLAIN_ROWS"));
         let kv = match GemvKernels::load_with(&dev, &cache, &extra) {
@@ -851,7 +908,7 @@ fn run(quick: bool) -> Result<()> {
             }
             let (rel, _, bad, same, tm) =
                 bench_case(&dev, &kv, &mut rng, t, n_in, n_out, samples, rotate_bytes)?;
-            if bad > 0 || !(rel < REL_TOL) || !same {
+            if bad > 0 || !within_tol(rel) || !same {
                 rep.fail(format!(
                     "variant {extra:?} {}: rel {rel:.3e}, {bad} non-finite, deterministic {same}",
                     t.suffix()

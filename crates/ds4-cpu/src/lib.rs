@@ -788,7 +788,18 @@ impl Backend for CpuBackend {
                     need(rows, last / ratio * hd, OP, "compressed rows")?;
                     (this.view(rows, OP)?, ratio, None)
                 }
-                CompSel::Top { rows, idx, k } => {
+                CompSel::Top {
+                    rows,
+                    ratio,
+                    idx,
+                    k,
+                } => {
+                    if ratio == 0 {
+                        return Err(BackendError::Invalid {
+                            op: OP,
+                            problem: "compression ratio 0".into(),
+                        });
+                    }
                     let iv = this.iview(idx, OP)?;
                     if iv.len() < t * k {
                         return Err(BackendError::Shape {
@@ -798,7 +809,7 @@ impl Backend for CpuBackend {
                             found: iv.len(),
                         });
                     }
-                    (this.view(rows, OP)?, 4, Some((iv, k)))
+                    (this.view(rows, OP)?, ratio, Some((iv, k)))
                 }
             };
             let n_rows_avail = crows.len() / hd;

@@ -299,7 +299,13 @@ pub enum CompSel {
     /// All `⌊(p+1)/ratio⌋` visible rows of `rows` (HCA).
     All { rows: Slice, ratio: usize },
     /// The indexer's choice: `idx` is `[T, k]`, ascending row indices padded with −1 (CSA).
-    Top { rows: Slice, idx: IBuf, k: usize },
+    /// Each index must be a visible row (`< ⌊(p+1)/ratio⌋`).
+    Top {
+        rows: Slice,
+        ratio: usize,
+        idx: IBuf,
+        k: usize,
+    },
 }
 
 /// Arguments of [`Backend::attention`] (spec §5.2, §5.6).

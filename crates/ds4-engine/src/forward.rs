@@ -281,6 +281,7 @@ pub(crate) fn forward_chunk(
                 be.indexer_topk(iq, iwt, is.rows.all(), args, s.sel)?;
                 comp = CompSel::Top {
                     rows: cs.rows.all(),
+                    ratio: cs.ratio,
                     idx: s.sel,
                     k: hp.indexer_top_k,
                 };

@@ -27,8 +27,8 @@ use crate::config::hparams_from_config;
 use crate::error::{io_err, CheckpointProblem, ConvertError, Result};
 use crate::mapping::{self, map_name, ExpertPart, Mapped, PackedPart, Scheme};
 use crate::progress::Progress;
-use crate::stream::StreamWriter;
 use crate::tokenizer;
+use ds4_gguf::GgufWriter;
 
 /// Options of `ds4-convert hf`.
 #[derive(Debug, Clone)]
@@ -424,7 +424,7 @@ fn write_direct<W: Write>(
     info: &TensorInfo,
     src: &SourceTensor,
     n_expert: usize,
-    w: &mut StreamWriter<W>,
+    w: &mut GgufWriter<W>,
     progress: &mut dyn Progress,
 ) -> Result<()> {
     let ne0 = info.dims[0] as usize;
@@ -479,7 +479,7 @@ fn write_experts<W: Write>(
     info: &TensorInfo,
     load: &(dyn Fn(usize, &mut [f32]) -> Result<()> + Sync),
     n_expert: usize,
-    w: &mut StreamWriter<W>,
+    w: &mut GgufWriter<W>,
     progress: &mut dyn Progress,
 ) -> Result<()> {
     let ne0 = info.dims[0] as usize;
@@ -525,7 +525,7 @@ pub fn write<W: Write>(
         .map(|t| t.n_bytes().unwrap_or(0))
         .sum();
     progress.start(total);
-    let mut w = StreamWriter::new(out, plan.header.clone())?;
+    let mut w = GgufWriter::new(out, plan.header.clone())?;
     let n_expert = plan.hparams.n_expert;
     for (info, source) in plan.header.tensors.iter().zip(&plan.sources) {
         progress.tensor(&info.name);

@@ -14,7 +14,6 @@ pub mod convert;
 pub mod error;
 pub mod mapping;
 pub mod progress;
-pub mod stream;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod vocab;

@@ -46,7 +46,7 @@ use rayon::prelude::*;
 
 use crate::error::{ConvertError, Result};
 use crate::progress::Progress;
-use crate::stream::StreamWriter;
+use ds4_gguf::GgufWriter;
 
 /// `general.name` of synthetic files: the real model's name, so a synthetic file with the real
 /// vocabulary has the real file's metadata byte count.
@@ -379,7 +379,7 @@ impl SyntheticModel {
     pub fn write_to<W: Write>(&self, out: W, progress: &mut dyn Progress) -> Result<(W, u64)> {
         const CHUNK: u64 = 32 << 20;
         progress.start(self.file_size - self.data_offset);
-        let mut w = StreamWriter::new(out, self.header.clone())?;
+        let mut w = GgufWriter::new(out, self.header.clone())?;
         let mut buf: Vec<u8> = Vec::new();
         for (i, g) in self.gens.iter().enumerate() {
             progress.tensor(&self.header.tensors[i].name);

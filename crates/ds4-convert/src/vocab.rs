@@ -11,8 +11,8 @@ use ds4_model::layout::{tokenizer_metadata, TokenizerData};
 
 use crate::convert::tmp_path;
 use crate::error::{io_err, ConvertError, Result};
-use crate::stream::StreamWriter;
 use crate::tokenizer;
+use ds4_gguf::GgufWriter;
 
 /// The header of a vocabulary-only file.
 pub fn vocab_header(tok: &TokenizerData, name: &str) -> Header {
@@ -37,7 +37,7 @@ pub fn write_vocab(tokenizer_json: &Path, out: &Path, name: &str) -> Result<u64>
     let header = vocab_header(&tok, name);
     let tmp = tmp_path(out);
     let f = File::create(&tmp).map_err(io_err(&tmp))?;
-    let w = StreamWriter::new(BufWriter::new(f), header)?;
+    let w = GgufWriter::new(BufWriter::new(f), header)?;
     let (buf, bytes) = w.finish()?;
     buf.into_inner().map_err(|e| ConvertError::Io {
         path: tmp.clone(),

@@ -76,13 +76,17 @@ fn put_value(out: &mut Vec<u8>, key: &str, v: &Value) -> Result<()> {
     Ok(())
 }
 
-/// Writes a GGUF file: `new` lays out offsets and writes the header; `write_tensor` is then
-/// called once per tensor in table order; `finish` checks nothing is missing.
+/// Writes a GGUF file: `new` lays out offsets and writes the header; payload bytes then
+/// follow in table order, either a whole tensor at a time (`write_tensor`) or in pieces of
+/// any size (`write`, for streamed generation); `finish` checks nothing is missing.
+/// Zero-byte tensors need no payload and are passed over automatically.
 pub struct GgufWriter<W: Write> {
     out: W,
     header: Header,
     alignment: u64,
     next: usize,
+    /// Bytes of the current tensor written so far.
+    in_tensor: u64,
     written: u64,
 }
 
@@ -98,13 +102,16 @@ impl<W: Write> GgufWriter<W> {
         out.write_all(&bytes)
             .map_err(io_err("writing the GGUF header"))?;
         write_zeros(&mut out, data_offset - bytes.len() as u64)?;
-        Ok(GgufWriter {
+        let mut w = GgufWriter {
             out,
             header,
             alignment,
             next: 0,
+            in_tensor: 0,
             written: data_offset,
-        })
+        };
+        w.skip_empty();
+        Ok(w)
     }
 
     /// The header as laid out (with final offsets).
@@ -112,59 +119,84 @@ impl<W: Write> GgufWriter<W> {
         &self.header
     }
 
-    /// Name and expected byte size of the next tensor to write, if any.
+    /// Index of the tensor the next bytes belong to, if any remain.
+    pub fn current(&self) -> Option<usize> {
+        (self.next < self.header.tensors.len()).then_some(self.next)
+    }
+
+    /// Name and remaining byte count of the tensor being written, if any.
     pub fn next_tensor(&self) -> Option<(&str, u64)> {
         let t = self.header.tensors.get(self.next)?;
-        Some((&t.name, t.n_bytes().unwrap_or(0)))
+        Some((&t.name, self.size(self.next) - self.in_tensor))
     }
 
-    /// Writes the payload of the next tensor (exactly its byte size) plus padding.
-    pub fn write_tensor(&mut self, data: &[u8]) -> Result<()> {
-        self.write_tensor_chunks(std::iter::once(data))
+    fn size(&self, i: usize) -> u64 {
+        self.header.tensors[i].n_bytes().unwrap_or(0)
     }
 
-    /// Writes the next tensor's payload from several chunks (streamed generation).
-    pub fn write_tensor_chunks<'a>(
-        &mut self,
-        chunks: impl IntoIterator<Item = &'a [u8]>,
-    ) -> Result<()> {
-        let t =
-            self.header.tensors.get(self.next).ok_or_else(|| {
-                GgufError::Writer("write_tensor called after the last tensor".into())
-            })?;
-        let want = t.n_bytes().unwrap_or(0);
-        let mut got = 0u64;
-        for c in chunks {
-            got += c.len() as u64;
-            if got > want {
-                return Err(GgufError::Writer(format!(
-                    "tensor {:?}: more than its {want} bytes supplied",
-                    t.name
-                )));
-            }
-            self.out
-                .write_all(c)
-                .map_err(io_err(&format!("writing tensor {:?}", t.name)))?;
+    fn skip_empty(&mut self) {
+        while self.next < self.header.tensors.len() && self.size(self.next) == 0 {
+            self.next += 1;
         }
-        if got != want {
+    }
+
+    /// Appends payload bytes to the current tensor; when it is complete its padding is
+    /// written and the next tensor begins. A piece may not run past the current tensor.
+    pub fn write(&mut self, data: &[u8]) -> Result<()> {
+        let Some(i) = self.current() else {
             return Err(GgufError::Writer(format!(
-                "tensor {:?}: {got} bytes supplied, {want} expected",
-                t.name
+                "{} bytes written after the last tensor",
+                data.len()
+            )));
+        };
+        let want = self.size(i);
+        let got = self.in_tensor + data.len() as u64;
+        if got > want {
+            return Err(GgufError::Writer(format!(
+                "tensor {:?}: {got} bytes supplied, it has {want}",
+                self.header.tensors[i].name
             )));
         }
-        let padded = align_up(want, self.alignment).unwrap_or(want);
-        write_zeros(&mut self.out, padded - want)?;
-        self.written += padded;
-        self.next += 1;
+        self.out.write_all(data).map_err(io_err(&format!(
+            "writing tensor {:?}",
+            self.header.tensors[i].name
+        )))?;
+        self.in_tensor = got;
+        if got == want {
+            let padded = align_up(want, self.alignment).unwrap_or(want);
+            write_zeros(&mut self.out, padded - want)?;
+            self.written += padded;
+            self.in_tensor = 0;
+            self.next += 1;
+            self.skip_empty();
+        }
         Ok(())
+    }
+
+    /// Writes the whole payload of the next tensor (exactly its byte size) plus padding.
+    pub fn write_tensor(&mut self, data: &[u8]) -> Result<()> {
+        if let Some(i) = self.current() {
+            let want = self.size(i);
+            if self.in_tensor != 0 || data.len() as u64 != want {
+                return Err(GgufError::Writer(format!(
+                    "tensor {:?}: {} bytes supplied, {want} expected",
+                    self.header.tensors[i].name,
+                    data.len()
+                )));
+            }
+        }
+        self.write(data)
     }
 
     /// Checks every tensor was written, flushes, and returns the sink and total bytes.
     pub fn finish(mut self) -> Result<(W, u64)> {
-        if self.next != self.header.tensors.len() {
+        if let Some(i) = self.current() {
             return Err(GgufError::Writer(format!(
-                "only {} of {} tensors written",
-                self.next,
+                "tensor {:?} is incomplete ({} of {} bytes): only {} of {} tensors written",
+                self.header.tensors[i].name,
+                self.in_tensor,
+                self.size(i),
+                i,
                 self.header.tensors.len()
             )));
         }

@@ -346,3 +346,27 @@ fn dry_run_size_matches_written_size() {
     let img = write_image(&h, 9);
     assert_eq!(ds4_gguf::file_size(&h).unwrap(), img.len() as u64);
 }
+
+#[test]
+fn piecewise_writes_equal_whole_tensor_writes() {
+    let h = sample_header();
+    let whole = write_image(&h, 6);
+    let f = GgufFile::from_bytes(whole.clone()).unwrap();
+    let mut w = GgufWriter::new(Vec::new(), h).unwrap();
+    for t in &f.header().tensors {
+        for piece in f.tensor_data(t).unwrap().chunks(7) {
+            w.write(piece).unwrap();
+        }
+    }
+    assert_eq!(w.finish().unwrap().0, whole);
+    // A piece may not run past the current tensor, and finish names what is missing.
+    let mut w = GgufWriter::new(Vec::new(), sample_header()).unwrap();
+    w.write(&[0u8; 60]).unwrap();
+    assert!(w
+        .write(&[0u8; 100])
+        .unwrap_err()
+        .to_string()
+        .contains("it has 102"));
+    let e = w.finish().unwrap_err().to_string();
+    assert!(e.contains("\"a\" is incomplete (60 of 102 bytes)"), "{e}");
+}

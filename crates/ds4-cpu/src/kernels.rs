@@ -405,7 +405,7 @@ pub fn indexer_scores(
 }
 
 /// Per-head sink attention for one query over `keys` (spec §5.6).
-pub fn attend_head<'a>(q: &[f32], keys: &[&'a [f32]], sink: f32, scale: f32, out: &mut [f32]) {
+pub fn attend_head(q: &[f32], keys: &[&[f32]], sink: f32, scale: f32, out: &mut [f32]) {
     let logits: Vec<f32> = keys.iter().map(|k| dot_f32(q, k) * scale).collect();
     let m = logits.iter().fold(sink, |a, &b| a.max(b));
     let mut denom = (sink - m).exp();

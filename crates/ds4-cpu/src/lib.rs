@@ -30,6 +30,9 @@ pub use kernels::{dot_f32, sinkhorn, top_k_lowest_tie};
 /// Ops below this many multiply-adds (or elements) run inline on the caller's thread.
 const PAR_WORK: usize = 1 << 16;
 
+/// Per-query compressed-row choice inside `attention`: `(indices [T, k], k)` or all rows.
+type Selection<'a> = Option<(&'a [i32], usize)>;
+
 /// The CPU backend.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
@@ -211,7 +214,7 @@ impl Backend for CpuBackend {
 
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
         let v = self.ibufs.get_mut(dst.id(), "upload_i32")?;
-        let end = off.checked_add(src.len()).unwrap_or(usize::MAX);
+        let end = off.saturating_add(src.len());
         if end > v.len() {
             return Err(BackendError::OutOfRange {
                 op: "upload_i32",
@@ -227,7 +230,7 @@ impl Backend for CpuBackend {
 
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
         let v = self.iview(src, "download_i32")?;
-        let end = off.checked_add(dst.len()).unwrap_or(usize::MAX);
+        let end = off.saturating_add(dst.len());
         if end > v.len() {
             return Err(BackendError::OutOfRange {
                 op: "download_i32",
@@ -385,7 +388,7 @@ impl Backend for CpuBackend {
 
     fn rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
         const OP: &str = "rope";
-        if a.freq.rope_dim % 2 != 0 || a.freq.rope_dim > a.head_dim {
+        if !a.freq.rope_dim.is_multiple_of(2) || a.freq.rope_dim > a.head_dim {
             return Err(BackendError::Invalid {
                 op: OP,
                 problem: format!("rope dim {} vs head dim {}", a.freq.rope_dim, a.head_dim),
@@ -776,7 +779,7 @@ impl Backend for CpuBackend {
             let sinks = this.weight(a.sinks, OP)?.values(OP)?;
             shape(OP, "sinks length", nh, sinks.len())?;
             // Compressed rows and per-query selections.
-            let (crows, ratio, sel): (&[f32], usize, Option<(&[i32], usize)>) = match a.comp {
+            let (crows, ratio, sel): (&[f32], usize, Selection) = match a.comp {
                 CompSel::None => (&[], 0, None),
                 CompSel::All { rows, ratio } => {
                     if ratio == 0 {
@@ -828,8 +831,7 @@ impl Backend for CpuBackend {
                         keys.push(&kvv[r * hd..(r + 1) * hd]);
                     }
                 }
-                if ratio > 0 {
-                    let n_p = (p + 1) / ratio;
+                if let Some(n_p) = (p + 1).checked_div(ratio) {
                     match sel {
                         None => {
                             for w in 0..n_p {

@@ -85,7 +85,7 @@ impl<T: Clone + Default> Slab<T> {
 
 /// The element range of `s` inside a vector of `have` elements.
 pub(crate) fn range(s: Slice, have: usize, op: &'static str) -> BResult<std::ops::Range<usize>> {
-    let end = s.off.checked_add(s.len).unwrap_or(usize::MAX);
+    let end = s.off.saturating_add(s.len);
     if end > have || s.buf.len() != have {
         return Err(BackendError::OutOfRange {
             op,

@@ -765,7 +765,7 @@ fn attention_with_sinks_over_ring_chunk_and_compressed_rows() {
             match comp_sel {
                 CompSel::None => {}
                 CompSel::All { .. } => {
-                    for w in 0..(p + 1) / 2 {
+                    for w in 0..p.div_ceil(2) {
                         keys.push(&compv[w * hd..(w + 1) * hd]);
                     }
                 }

@@ -165,3 +165,118 @@ fn exact_mode_matches_hf_on_every_fixture() {
     }
     println!("worst relative error {worst:.3e}");
 }
+
+#[test]
+fn rope_tables_match_hf() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let file = convert(&dir, "f32", &tmp.path().join(&name));
+        let s = session(&file, NumericMode::Exact, 8);
+        let hp = s.engine().hparams().clone();
+        let reference = Reference::load(&dir);
+        for (key, layer) in [("rope.main_inv_freq", 0), ("rope.compress_inv_freq", 2)] {
+            let (_, want) = reference.f32s(key);
+            let got =
+                ds4_engine::numerics::rope_freqs(&ds4_engine::forward::layer_rope(&hp, layer));
+            let rel = errors(&got, &want).0 / want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            println!("{name} {key}: max |d| / max {rel:.3e}");
+            assert!(rel <= 1e-6, "{name} {key}: {rel:e}");
+        }
+    }
+}
+
+#[test]
+fn official_mode_runs_on_every_fixture_and_differs_from_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let file = convert(&dir, "f32", &tmp.path().join(&name));
+        let reference = Reference::load(&dir);
+        let (seq, _) = reference.sequences().into_iter().nth(1).unwrap();
+        let tokens = reference.tokens(&seq);
+        let [p, d, c] = run_paths(&file, NumericMode::Official, &tokens, 13);
+        assert!(
+            p == d && p == c,
+            "{name}: official prefill/decode/chunked differ"
+        );
+        let (_, hf) = reference.f32s(&format!("prefill.{seq}.logits"));
+        let (abs, rel) = errors(&p, &hf);
+        let v = hf.len() / tokens.len();
+        let agree = (0..tokens.len())
+            .filter(|&t| {
+                ds4_engine::argmax(&p[t * v..(t + 1) * v])
+                    == ds4_engine::argmax(&hf[t * v..(t + 1) * v])
+            })
+            .count();
+        println!(
+            "{name} {seq}: official vs HF (exact graph) max|d| {abs:.3e} rel {rel:.3e}, argmax agreement {agree}/{}",
+            tokens.len()
+        );
+        assert!(
+            rel.is_finite() && rel > 1e-4,
+            "{name}: official mode does not change logits"
+        );
+    }
+}
+
+#[test]
+fn quantized_conversions_of_the_quant_fixture_stay_close() {
+    let dir = fixtures_root().join("tiny-quant");
+    let reference = Reference::load(&dir);
+    let tmp = tempfile::tempdir().unwrap();
+    for recipe in ["q4", "q2"] {
+        let file = convert(&dir, recipe, &tmp.path().join(recipe));
+        for (seq, _) in reference.sequences() {
+            let tokens = reference.tokens(&seq);
+            let [p, d, c] = run_paths(&file, NumericMode::Exact, &tokens, 37);
+            assert!(
+                p == d && p == c,
+                "{recipe}/{seq}: prefill/decode/chunked differ"
+            );
+            let (_, hf) = reference.f32s(&format!("prefill.{seq}.logits"));
+            let (abs, rel) = errors(&p, &hf);
+            let v = hf.len() / tokens.len();
+            let agree = (0..tokens.len())
+                .filter(|&t| {
+                    ds4_engine::argmax(&p[t * v..(t + 1) * v])
+                        == ds4_engine::argmax(&hf[t * v..(t + 1) * v])
+                })
+                .count();
+            println!(
+                "tiny-quant {recipe} {seq:6}: vs HF f32 max|d| {abs:.3e} rel {rel:.3e}, argmax agreement {agree}/{}",
+                tokens.len()
+            );
+            assert!(rel.is_finite(), "{recipe}/{seq}: {rel:e}");
+            // The same weights dequantized to F32: any difference is the engine's, not
+            // the quantizer's.
+            let twin = dequantized_twin(&file);
+            let [t, _, _] = run_paths(&twin, NumericMode::Exact, &tokens, 37);
+            let (tabs, trel) = errors(&p, &t);
+            println!("tiny-quant {recipe} {seq:6}: vs its dequantized f32 twin max|d| {tabs:.3e} rel {trel:.3e}");
+            assert!(trel <= TOL, "{recipe}/{seq}: {trel:e}");
+        }
+    }
+}
+
+/// `file` with every tensor dequantized and stored as F32 (I32 tables kept).
+fn dequantized_twin(file: &GgufFile) -> Arc<GgufFile> {
+    let mut header = file.header().clone();
+    let mut payloads = Vec::new();
+    for t in &mut header.tensors {
+        let (info, bytes) = file.tensor_bytes(&t.name).unwrap();
+        if info.ty == ds4_gguf::GgmlType::I32 {
+            payloads.push(bytes.to_vec());
+            continue;
+        }
+        let mut v = vec![0f32; info.n_elements().unwrap() as usize];
+        ds4_gguf::quant::dequantize(info.ty, bytes, &mut v).unwrap();
+        payloads.push(v.iter().flat_map(|x| x.to_le_bytes()).collect());
+        t.ty = ds4_gguf::GgmlType::F32;
+    }
+    let mut w = ds4_gguf::GgufWriter::new(Vec::new(), header).unwrap();
+    for p in &payloads {
+        w.write_tensor(p).unwrap();
+    }
+    Arc::new(GgufFile::from_bytes(w.finish().unwrap().0).unwrap())
+}

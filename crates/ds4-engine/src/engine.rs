@@ -261,7 +261,7 @@ fn check_supported(hp: &HParams) -> Result<()> {
     if hp.hc_mult == 0 || hp.n_embd == 0 || hp.head_dim == 0 {
         bad.push("zero-sized hidden/head dims".to_string());
     }
-    if hp.o_groups == 0 || hp.n_head % hp.o_groups != 0 {
+    if hp.o_groups == 0 || !hp.n_head.is_multiple_of(hp.o_groups) {
         bad.push(format!(
             "{} heads do not split into {} output groups",
             hp.n_head, hp.o_groups

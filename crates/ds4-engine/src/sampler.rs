@@ -20,8 +20,8 @@ pub struct SamplerConfig {
     pub top_p: f32,
     /// Drop tokens with probability below `min_p · p_max`; 0 = off.
     pub min_p: f32,
-    /// > 1 penalises tokens seen in the last `repeat_window` tokens (CTRL-style: positive
-    /// logits divided, negative multiplied); 1 = off.
+    /// Values above 1 penalise tokens seen in the last `repeat_window` tokens (CTRL-style:
+    /// positive logits divided, negative multiplied); 1 = off.
     pub repeat_penalty: f32,
     pub repeat_window: usize,
     pub seed: u64,

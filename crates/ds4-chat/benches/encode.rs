@@ -1,28 +1,14 @@
 //! Encode throughput on 1 MB of mixed corpus text (issue 5: must be under 0.5 s on 2 cores).
 //! Run: `cargo bench -p ds4-chat --bench encode`; criterion prints time and MB/s.
 
-use std::io::Read;
-
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ds4_chat::{SpecialTokens, Tokenizer};
+use ds4_chat::SpecialTokens;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 fn corpus() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/corpus")
-}
-
-fn tokenizer() -> Tokenizer {
-    #[derive(serde::Deserialize)]
-    struct V {
-        tokens: Vec<String>,
-        merges: Vec<String>,
-        token_type: Vec<i32>,
-    }
-    let mut raw = Vec::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(corpus().join("v4-vocab.json.gz")).unwrap())
-        .read_to_end(&mut raw)
-        .unwrap();
-    let v: V = serde_json::from_slice(&raw).unwrap();
-    Tokenizer::from_vocab(&v.tokens, &v.merges, &v.token_type).unwrap()
+    common::corpus_dir()
 }
 
 /// About 1 MB: round-robin 8 KB slices of every corpus file (all scripts, code, emoji,
@@ -49,19 +35,38 @@ fn mixed_mb() -> String {
 }
 
 fn bench(c: &mut Criterion) {
-    let tok = tokenizer();
+    let tok = common::tokenizer();
     let text = mixed_mb();
     let mut g = c.benchmark_group("encode_1mb_mixed");
     g.throughput(Throughput::Bytes(text.len() as u64));
     g.sample_size(10);
-    for (name, mode) in [("plain", SpecialTokens::None), ("all_specials", SpecialTokens::All), ("chat_markers", SpecialTokens::ChatMarkers)] {
-        g.bench_function(name, |b| b.iter(|| tok.encode_with(std::hint::black_box(&text), mode).unwrap()));
+    for (name, mode) in [
+        ("plain", SpecialTokens::None),
+        ("all_specials", SpecialTokens::All),
+        ("chat_markers", SpecialTokens::ChatMarkers),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| tok.encode_with(std::hint::black_box(&text), mode).unwrap())
+        });
     }
+    // Cold word cache: the first MB a fresh process tokenizes.
+    g.bench_function("plain_cold_cache", |b| {
+        b.iter(|| {
+            tok.clear_cache();
+            tok.encode_with(std::hint::black_box(&text), SpecialTokens::None)
+                .unwrap()
+        })
+    });
     // HF's complete pipeline (regex pre-tokenizer), for comparison: same ids, much slower.
-    g.bench_function("hf_reference_plain", |b| b.iter(|| tok.encode_plain_hf_reference(std::hint::black_box(&text)).unwrap()));
+    common::hf_reference();
+    g.bench_function("hf_reference_plain", |b| {
+        b.iter(|| common::hf_plain_ids(std::hint::black_box(&text)))
+    });
     g.finish();
     let ids = tok.encode(&text, true).unwrap();
-    c.bench_function("decode_1mb_mixed", |b| b.iter(|| tok.decode(std::hint::black_box(&ids)).unwrap()));
+    c.bench_function("decode_1mb_mixed", |b| {
+        b.iter(|| tok.decode(std::hint::black_box(&ids)).unwrap())
+    });
 }
 
 criterion_group!(benches, bench);

@@ -309,7 +309,11 @@ pub fn parse_args(json: &str) -> Option<Vec<JsonArg>> {
         } else {
             (minify(sc.raw_value()?), false)
         };
-        args.push(JsonArg { key, value, is_string });
+        args.push(JsonArg {
+            key,
+            value,
+            is_string,
+        });
         sc.ws();
         if sc.peek() == Some(b',') {
             sc.pos += 1;
@@ -374,7 +378,10 @@ mod tests {
 
     #[test]
     fn minify_keeps_string_bytes() {
-        assert_eq!(minify(" { \"a\" : [1, 2], \"b\": \"x  y\\\" z\" } tail"), "{\"a\":[1,2],\"b\":\"x  y\\\" z\"}");
+        assert_eq!(
+            minify(" { \"a\" : [1, 2], \"b\": \"x  y\\\" z\" } tail"),
+            "{\"a\":[1,2],\"b\":\"x  y\\\" z\"}"
+        );
         assert_eq!(minify("ten seconds"), "ten seconds");
         assert_eq!(minify("  10 "), "10");
     }
@@ -385,9 +392,21 @@ mod tests {
         assert_eq!(
             a,
             vec![
-                JsonArg { key: "z".into(), value: "1".into(), is_string: false },
-                JsonArg { key: "a".into(), value: "s\n".into(), is_string: true },
-                JsonArg { key: "z".into(), value: "{\"k\":null}".into(), is_string: false },
+                JsonArg {
+                    key: "z".into(),
+                    value: "1".into(),
+                    is_string: false
+                },
+                JsonArg {
+                    key: "a".into(),
+                    value: "s\n".into(),
+                    is_string: true
+                },
+                JsonArg {
+                    key: "z".into(),
+                    value: "{\"k\":null}".into(),
+                    is_string: false
+                },
             ]
         );
         assert!(parse_args("not json").is_none());
@@ -417,7 +436,10 @@ mod tests {
     #[test]
     fn escape_and_compact() {
         assert_eq!(escape("a\"b\\c\n\u{1}/è"), "\"a\\\"b\\\\c\\n\\u0001/è\"");
-        assert_eq!(compact_object("{ \"command\": \"ls\", \"t\": { \"a\" : [1, 2] } }"), "{\"command\":\"ls\",\"t\":{\"a\":[1,2]}}");
+        assert_eq!(
+            compact_object("{ \"command\": \"ls\", \"t\": { \"a\" : [1, 2] } }"),
+            "{\"command\":\"ls\",\"t\":{\"a\":[1,2]}}"
+        );
         assert_eq!(compact_object("nope"), "{}");
     }
 }

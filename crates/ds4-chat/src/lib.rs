@@ -6,6 +6,7 @@
 //! * [`parse`] / [`stream`]: generated text → reasoning, content and DSML tool calls, both
 //!   final and as a streaming state machine (§3).
 
+mod bpe;
 pub mod error;
 pub mod json;
 pub mod parse;

@@ -91,7 +91,10 @@ pub struct ParsedOutput {
 pub fn split_reasoning(text: &str) -> (Option<String>, String) {
     let body = text.strip_prefix(THINK_OPEN).unwrap_or(text);
     match body.find(THINK_CLOSE) {
-        Some(i) => (Some(body[..i].to_owned()), body[i + THINK_CLOSE.len()..].to_owned()),
+        Some(i) => (
+            Some(body[..i].to_owned()),
+            body[i + THINK_CLOSE.len()..].to_owned(),
+        ),
         None => (None, text.to_owned()),
     }
 }
@@ -114,7 +117,13 @@ pub(crate) fn trim_ws_end(s: &str, start: usize, mut limit: usize) -> usize {
 
 /// Undoes the five DSML entities (`&amp; &lt; &gt; &quot; &apos;`); any other `&` stays.
 pub fn unescape_entities(s: &str) -> String {
-    const ENTS: [(&str, char); 5] = [("&amp;", '&'), ("&lt;", '<'), ("&gt;", '>'), ("&quot;", '"'), ("&apos;", '\'')];
+    const ENTS: [(&str, char); 5] = [
+        ("&amp;", '&'),
+        ("&lt;", '<'),
+        ("&gt;", '>'),
+        ("&quot;", '"'),
+        ("&apos;", '\''),
+    ];
     let mut out = String::with_capacity(s.len());
     let mut rest = s;
     while let Some(i) = rest.find('&') {
@@ -241,7 +250,10 @@ fn parse_block(text: &str, start: usize, syn: &Syntax) -> Option<(Vec<ParsedTool
             }
             p = ve + syn.param_end.len();
         }
-        calls.push(ParsedToolCall { name, arguments: format!("{{{args}}}") });
+        calls.push(ParsedToolCall {
+            name,
+            arguments: format!("{{{args}}}"),
+        });
     }
 }
 
@@ -249,7 +261,11 @@ fn parse_block(text: &str, start: usize, syn: &Syntax) -> Option<(Vec<ParsedTool
 fn parse_message(text: &str, require_thinking_closed: bool) -> Result<ParsedMessage, ()> {
     let plain = |t: &str| {
         let (reasoning, content) = split_reasoning(t);
-        ParsedMessage { reasoning, content, ..ParsedMessage::default() }
+        ParsedMessage {
+            reasoning,
+            content,
+            ..ParsedMessage::default()
+        }
     };
     let mut search_from = 0;
     if require_thinking_closed {
@@ -267,7 +283,9 @@ fn parse_message(text: &str, require_thinking_closed: bool) -> Result<ParsedMess
         (format!("\n\n{}", PLAIN.start), &PLAIN),
         (PLAIN.start.to_owned(), &PLAIN),
     ];
-    let Some((start, syn)) = candidates.iter().find_map(|(m, syn)| region.find(m.as_str()).map(|i| (search_from + i, *syn)))
+    let Some((start, syn)) = candidates
+        .iter()
+        .find_map(|(m, syn)| region.find(m.as_str()).map(|i| (search_from + i, *syn)))
     else {
         return Ok(plain(text));
     };
@@ -283,9 +301,15 @@ fn parse_message(text: &str, require_thinking_closed: bool) -> Result<ParsedMess
 /// are then only searched after the last `</think>` (DSML inside reasoning is just text).
 pub fn parse_output(text: &str, thinking: bool) -> ParsedOutput {
     match parse_message(text, thinking) {
-        Ok(message) => ParsedOutput { message, tool_parse_failed: false },
+        Ok(message) => ParsedOutput {
+            message,
+            tool_parse_failed: false,
+        },
         Err(()) => ParsedOutput {
-            message: ParsedMessage { content: text.to_owned(), ..ParsedMessage::default() },
+            message: ParsedMessage {
+                content: text.to_owned(),
+                ..ParsedMessage::default()
+            },
             tool_parse_failed: true,
         },
     }
@@ -297,9 +321,15 @@ mod tests {
 
     #[test]
     fn reasoning_split() {
-        assert_eq!(split_reasoning("<think>a</think>b</think>c"), (Some("a".into()), "b</think>c".into()));
+        assert_eq!(
+            split_reasoning("<think>a</think>b</think>c"),
+            (Some("a".into()), "b</think>c".into())
+        );
         assert_eq!(split_reasoning("r</think>"), (Some("r".into()), "".into()));
-        assert_eq!(split_reasoning("<think>never closed"), (None, "<think>never closed".into()));
+        assert_eq!(
+            split_reasoning("<think>never closed"),
+            (None, "<think>never closed".into())
+        );
     }
 
     #[test]
@@ -312,28 +342,45 @@ mod tests {
         assert_eq!(m.reasoning, None);
         assert_eq!(m.tool_calls.len(), 1);
         assert_eq!(m.tool_calls[0].name, "bash");
-        assert_eq!(m.tool_calls[0].arguments_compact(), r#"{"command":"ls && echo </｜DSML｜parameter> \"hi\"","timeout":{"a":[1,2]}}"#);
-        assert_eq!(m.raw_dsml.as_deref(), Some(&text[2..text.len() - "ignored".len()]));
+        assert_eq!(
+            m.tool_calls[0].arguments_compact(),
+            r#"{"command":"ls && echo </｜DSML｜parameter> \"hi\"","timeout":{"a":[1,2]}}"#
+        );
+        assert_eq!(
+            m.raw_dsml.as_deref(),
+            Some(&text[2..text.len() - "ignored".len()])
+        );
     }
 
     #[test]
     fn loose_nesting_and_bad_values() {
         let text = "<tool_calls><invoke name=\"f\"><parameter name=\"opts\"><parameter name=\"a\" string=\"false\">1</parameter><parameter name=\"b\" string=\"true\">x</parameter></parameter><parameter name=\"t\" string=\"false\">ten seconds</parameter></invoke></tool_calls>";
         let m = parse_output(text, false).message;
-        assert_eq!(m.tool_calls[0].arguments, r#"{"opts": {"a":1,"b":"x"}, "t": ten seconds}"#);
+        assert_eq!(
+            m.tool_calls[0].arguments,
+            r#"{"opts": {"a":1,"b":"x"}, "t": ten seconds}"#
+        );
         assert_eq!(m.tool_calls[0].arguments_compact(), "{}");
     }
 
     #[test]
     fn thinking_gates_tool_search() {
-        let dsml = "<｜DSML｜tool_calls><｜DSML｜invoke name=\"f\"></｜DSML｜invoke></｜DSML｜tool_calls>";
+        let dsml =
+            "<｜DSML｜tool_calls><｜DSML｜invoke name=\"f\"></｜DSML｜invoke></｜DSML｜tool_calls>";
         let inside = format!("reason {dsml}");
         let m = parse_output(&inside, true).message;
         assert!(m.tool_calls.is_empty());
         assert_eq!(m.content, inside);
         let after = format!("r</think>c {dsml}");
         let m = parse_output(&after, true).message;
-        assert_eq!((m.reasoning.as_deref(), m.content.as_str(), m.tool_calls.len()), (Some("r"), "c", 1));
+        assert_eq!(
+            (
+                m.reasoning.as_deref(),
+                m.content.as_str(),
+                m.tool_calls.len()
+            ),
+            (Some("r"), "c", 1)
+        );
         assert_eq!(m.tool_calls[0].arguments, "{}");
         // Non-thinking mode searches everywhere.
         assert_eq!(parse_output(&inside, false).message.tool_calls.len(), 1);
@@ -356,8 +403,14 @@ mod tests {
 
     #[test]
     fn entities() {
-        assert_eq!(unescape_entities("&amp;lt; &lt;&gt;&quot;&apos;&x &"), "&lt; <>\"'&x &");
-        assert_eq!(attr("<x name=\"a&amp;b\" string=\"true\">", "string").as_deref(), Some("true"));
+        assert_eq!(
+            unescape_entities("&amp;lt; &lt;&gt;&quot;&apos;&x &"),
+            "&lt; <>\"'&x &"
+        );
+        assert_eq!(
+            attr("<x name=\"a&amp;b\" string=\"true\">", "string").as_deref(),
+            Some("true")
+        );
         assert_eq!(attr("<x name=\"open>", "name"), None);
     }
 }

@@ -33,20 +33,27 @@ pub(crate) struct Classes {
 impl Classes {
     pub(crate) fn new() -> Self {
         let mut table = vec![0u8; 0x11_0000];
-        for (pattern, bit) in [(r"\p{L}", L), (r"\p{M}", M), (r"\p{P}", P), (r"\p{S}", S), (r"\p{N}", N), (r"\s", WS)] {
+        for (pattern, bit) in [
+            (r"\p{L}", L),
+            (r"\p{M}", M),
+            (r"\p{P}", P),
+            (r"\p{S}", S),
+            (r"\p{N}", N),
+            (r"\s", WS),
+        ] {
             // These fixed patterns always parse to a Unicode class.
             let hir = regex_syntax::Parser::new().parse(pattern).ok();
             if let Some(HirKind::Class(Class::Unicode(cls))) = hir.as_ref().map(|h| h.kind()) {
                 for r in cls.ranges() {
-                    for c in r.start() as usize..=r.end() as usize {
-                        table[c] |= bit;
+                    for t in &mut table[r.start() as usize..=r.end() as usize] {
+                        *t |= bit;
                     }
                 }
             }
         }
         for (lo, hi) in [(0x4E00, 0x9FA5), (0x3040, 0x309F), (0x30A0, 0x30FF)] {
-            for c in lo..=hi {
-                table[c] |= CJK;
+            for t in &mut table[lo..=hi] {
+                *t |= CJK;
             }
         }
         Self { table }
@@ -85,13 +92,28 @@ fn is_ascii_punct(c: char) -> bool {
 }
 
 /// Calls `f` with the byte range of every final piece of `text`, in order.
-pub(crate) fn pre_tokenize(cls: &Classes, text: &str, buf: &mut Vec<Ch>, mut f: impl FnMut(usize, usize)) {
+pub(crate) fn pre_tokenize(
+    cls: &Classes,
+    text: &str,
+    buf: &mut Vec<Ch>,
+    mut f: impl FnMut(usize, usize),
+) {
     // Steps 1 and 2 only cut at class boundaries, so they are done in one pass that yields
     // step-2 pieces; step 3 then scans each piece.
     buf.clear();
-    buf.extend(text.char_indices().map(|(at, c)| Ch { at, c, k: cls.of(c) }));
+    buf.extend(text.char_indices().map(|(at, c)| Ch {
+        at,
+        c,
+        k: cls.of(c),
+    }));
     let chars = &buf[..];
-    let end_of = |i: usize| if i < chars.len() { chars[i].at } else { text.len() };
+    let end_of = |i: usize| {
+        if i < chars.len() {
+            chars[i].at
+        } else {
+            text.len()
+        }
+    };
     let mut i = 0;
     while i < chars.len() {
         if chars[i].k & N != 0 {
@@ -123,7 +145,11 @@ pub(crate) fn pre_tokenize(cls: &Classes, text: &str, buf: &mut Vec<Ch>, mut f: 
             while b < gap.len() && (gap[b].k & CJK != 0) == cjk {
                 b += 1;
             }
-            let piece_end = if i + b < chars.len() { chars[i + b].at } else { text.len() };
+            let piece_end = if i + b < chars.len() {
+                chars[i + b].at
+            } else {
+                text.len()
+            };
             split_step3(&gap[a..b], piece_end, &mut f);
             a = b;
         }
@@ -183,7 +209,11 @@ fn match_at(p: &[Ch], i: usize) -> Option<usize> {
         return Some(run(i, L | M));
     }
     // C: optional space, punct/symbol run, CR/LF run.
-    let ps_from = if c == ' ' && i + 1 < n && k(i + 1) & (P | S) != 0 { i + 1 } else { i };
+    let ps_from = if c == ' ' && i + 1 < n && k(i + 1) & (P | S) != 0 {
+        i + 1
+    } else {
+        i
+    };
     if k(ps_from) & (P | S) != 0 {
         let mut j = run(ps_from, P | S);
         while j < n && (p[j].c == '\r' || p[j].c == '\n') {
@@ -229,7 +259,10 @@ mod tests {
         assert_eq!(pieces("….b"), ["….", "b"]);
         assert_eq!(pieces(" ٢"), [" ", "٢"]);
         assert_eq!(pieces(" 2048 divided"), [" ", "204", "8", " divided"]);
-        assert_eq!(pieces("Hello  world\n\n  x"), ["Hello", " ", " world", "\n\n", " ", " x"]);
+        assert_eq!(
+            pieces("Hello  world\n\n  x"),
+            ["Hello", " ", " world", "\n\n", " ", " x"]
+        );
         assert_eq!(pieces("end   "), ["end", "   "]);
         assert_eq!(pieces("日本・語です"), ["日本", "・", "語です"]);
         assert_eq!(pieces(":\nreturn"), [":\n", "return"]);

@@ -114,7 +114,11 @@ pub struct Message {
 
 impl Message {
     fn with(role: &str, content: &str) -> Self {
-        Self { role: role.to_owned(), content: content.to_owned(), ..Self::default() }
+        Self {
+            role: role.to_owned(),
+            content: content.to_owned(),
+            ..Self::default()
+        }
     }
     /// A system message.
     pub fn system(content: &str) -> Self {
@@ -126,11 +130,17 @@ impl Message {
     }
     /// An assistant message with optional reasoning.
     pub fn assistant(content: &str, reasoning: &str) -> Self {
-        Self { reasoning: reasoning.to_owned(), ..Self::with("assistant", content) }
+        Self {
+            reasoning: reasoning.to_owned(),
+            ..Self::with("assistant", content)
+        }
     }
     /// A tool result answering `call_id`.
     pub fn tool(call_id: &str, content: &str) -> Self {
-        Self { tool_call_ids: vec![call_id.to_owned()], ..Self::with("tool", content) }
+        Self {
+            tool_call_ids: vec![call_id.to_owned()],
+            ..Self::with("tool", content)
+        }
     }
 }
 
@@ -176,8 +186,17 @@ fn push_attr_escaped(out: &mut String, s: &str) {
 fn push_dsml_param(out: &mut String, key: &str, value: &str, is_string: bool) {
     out.push_str("<｜DSML｜parameter name=\"");
     push_attr_escaped(out, key);
-    out.push_str(if is_string { "\" string=\"true\">" } else { "\" string=\"false\">" });
-    escape_tag(out, value, PARAM_END, if is_string { "&lt;" } else { "\\u003c" });
+    out.push_str(if is_string {
+        "\" string=\"true\">"
+    } else {
+        "\" string=\"false\">"
+    });
+    escape_tag(
+        out,
+        value,
+        PARAM_END,
+        if is_string { "&lt;" } else { "\\u003c" },
+    );
     out.push_str(PARAM_END);
     out.push('\n');
 }
@@ -232,13 +251,17 @@ fn join_lines<S: AsRef<str>>(lines: &[S]) -> String {
 /// Renders a conversation exactly as ds4's server does (§2.3). `tool_schemas` are the schema
 /// lines (§2.4, already extracted byte-exact, e.g. by [`tool_schema_lines`]); pass none when
 /// tools are absent or `tool_choice` is "none". Apply [`ThinkingMode::for_context`] first.
-pub fn render_prompt<S: AsRef<str>>(messages: &[Message], tool_schemas: &[S], mode: ThinkingMode) -> String {
+pub fn render_prompt<S: AsRef<str>>(
+    messages: &[Message],
+    tool_schemas: &[S],
+    mode: ThinkingMode,
+) -> String {
     let think = mode.is_thinking();
     let tools_block = render_tools_block(tool_schemas);
     let tool_context = !tools_block.is_empty()
-        || messages
-            .iter()
-            .any(|m| (m.role == "assistant" && !m.tool_calls.is_empty()) || is_tool_result(&m.role));
+        || messages.iter().any(|m| {
+            (m.role == "assistant" && !m.tool_calls.is_empty()) || is_tool_result(&m.role)
+        });
 
     let mut system = tools_block;
     for m in messages.iter().filter(|m| is_system(&m.role)) {
@@ -247,9 +270,17 @@ pub fn render_prompt<S: AsRef<str>>(messages: &[Message], tool_schemas: &[S], mo
         }
         system.push_str(&m.content);
     }
-    let last_user = messages.iter().rposition(|m| m.role == "user" || is_tool_result(&m.role));
+    let last_user = messages
+        .iter()
+        .rposition(|m| m.role == "user" || is_tool_result(&m.role));
 
-    let mut out = String::with_capacity(system.len() + messages.iter().map(|m| m.content.len() + m.reasoning.len() + 64).sum::<usize>());
+    let mut out = String::with_capacity(
+        system.len()
+            + messages
+                .iter()
+                .map(|m| m.content.len() + m.reasoning.len() + 64)
+                .sum::<usize>(),
+    );
     out.push_str(BOS_TEXT);
     if mode == ThinkingMode::ThinkMax {
         out.push_str(MAX_PREFIX);
@@ -301,7 +332,11 @@ pub fn render_prompt<S: AsRef<str>>(messages: &[Message], tool_schemas: &[S], mo
     }
     if pending_assistant {
         out.push_str(ASSISTANT_TEXT);
-        out.push_str(if think { THINK_OPEN_TEXT } else { THINK_CLOSE_TEXT });
+        out.push_str(if think {
+            THINK_OPEN_TEXT
+        } else {
+            THINK_CLOSE_TEXT
+        });
     }
     out
 }
@@ -317,7 +352,11 @@ pub fn render_completion(prompt: &str, mode: ThinkingMode) -> String {
     out.push_str(USER_TEXT);
     out.push_str(prompt);
     out.push_str(ASSISTANT_TEXT);
-    out.push_str(if mode.is_thinking() { THINK_OPEN_TEXT } else { THINK_CLOSE_TEXT });
+    out.push_str(if mode.is_thinking() {
+        THINK_OPEN_TEXT
+    } else {
+        THINK_CLOSE_TEXT
+    });
     out
 }
 
@@ -344,7 +383,11 @@ pub fn tool_schema_lines(raw_tool: &str) -> Result<Vec<String>, ChatError> {
             if ty == "tool_search" {
                 if let Ok(desc) = str_member(&members, "description") {
                     let params = last_member(&members, &["parameters"]);
-                    return Ok(vec![synth_schema("tool_search", &desc.unwrap_or_else(|| "Search available tools.".into()), params)]);
+                    return Ok(vec![synth_schema(
+                        "tool_search",
+                        &desc.unwrap_or_else(|| "Search available tools.".into()),
+                        params,
+                    )]);
                 }
             }
         }
@@ -369,16 +412,22 @@ fn namespace_lines(members: &[(String, &str)]) -> Option<Vec<String>> {
         if !ok {
             continue;
         }
-        let (Ok(ty), Ok(Some(name)), Ok(desc)) =
-            (str_member(&m, "type"), str_member(&m, "name"), str_member(&m, "description"))
-        else {
+        let (Ok(ty), Ok(Some(name)), Ok(desc)) = (
+            str_member(&m, "type"),
+            str_member(&m, "name"),
+            str_member(&m, "description"),
+        ) else {
             continue;
         };
         if ty.as_deref().is_some_and(|t| t != "function") || name.is_empty() {
             continue;
         }
         let params = last_member(&m, &["parameters", "input_schema"]);
-        lines.push(synth_schema(&format!("{ns}{name}"), &desc.unwrap_or_default(), params));
+        lines.push(synth_schema(
+            &format!("{ns}{name}"),
+            &desc.unwrap_or_default(),
+            params,
+        ));
     }
     // ds4 keeps the lines appended before a malformed tail of the array.
     (!lines.is_empty()).then_some(lines)
@@ -386,7 +435,11 @@ fn namespace_lines(members: &[(String, &str)]) -> Option<Vec<String>> {
 
 /// The last member named one of `keys` (ds4 overwrites on repeated keys).
 fn last_member<'a>(members: &[(String, &'a str)], keys: &[&str]) -> Option<&'a str> {
-    members.iter().rev().find(|(k, _)| keys.contains(&k.as_str())).map(|(_, v)| *v)
+    members
+        .iter()
+        .rev()
+        .find(|(k, _)| keys.contains(&k.as_str()))
+        .map(|(_, v)| *v)
 }
 
 /// The last member `key` as a string: `Ok(None)` if absent, `Err` if present but not a string.
@@ -401,7 +454,12 @@ fn str_member(members: &[(String, &str)], key: &str) -> Result<Option<String>, (
 /// object schema).
 fn synth_schema(name: &str, description: &str, parameters: Option<&str>) -> String {
     let params = parameters.unwrap_or("{\"type\":\"object\",\"properties\":{}}");
-    format!("{{\"name\":{},\"description\":{},\"parameters\":{}}}", json::escape(name), json::escape(description), params)
+    format!(
+        "{{\"name\":{},\"description\":{},\"parameters\":{}}}",
+        json::escape(name),
+        json::escape(description),
+        params
+    )
 }
 
 /// (key, raw value) members of a JSON object read ds4-style (commas optional), and whether the
@@ -419,13 +477,17 @@ pub(crate) fn object_members(raw: &str) -> (Vec<(String, &str)>, bool) {
         if raw[sc.pos..].starts_with('}') {
             return (out, true);
         }
-        let Some(key) = sc.string() else { return (out, false) };
+        let Some(key) = sc.string() else {
+            return (out, false);
+        };
         sc.ws();
         if !raw[sc.pos..].starts_with(':') {
             return (out, false);
         }
         sc.pos += 1;
-        let Some(v) = sc.raw_value() else { return (out, false) };
+        let Some(v) = sc.raw_value() else {
+            return (out, false);
+        };
         out.push((key, v));
         sc.ws();
         if raw[sc.pos..].starts_with(',') {
@@ -450,7 +512,9 @@ pub(crate) fn array_items(raw: &str) -> (Vec<&str>, bool) {
         if raw[sc.pos..].starts_with(']') {
             return (out, true);
         }
-        let Some(v) = sc.raw_value() else { return (out, false) };
+        let Some(v) = sc.raw_value() else {
+            return (out, false);
+        };
         out.push(v);
         sc.ws();
         if raw[sc.pos..].starts_with(',') {
@@ -490,7 +554,11 @@ impl CliPrompt<'_> {
         ids.push(mk.user);
         ids.extend(tok.encode(self.prompt, false)?);
         ids.push(mk.assistant);
-        ids.push(if self.mode.is_thinking() { mk.think_open } else { mk.think_close });
+        ids.push(if self.mode.is_thinking() {
+            mk.think_open
+        } else {
+            mk.think_close
+        });
         Ok(ids)
     }
 }
@@ -498,18 +566,31 @@ impl CliPrompt<'_> {
 /// Official test-vector / `ds4_test` prompt (§2.7, §5): BOS + User + BPE(prompt) + Assistant +
 /// `</think>` (no system, non-thinking).
 pub fn official_vector_tokens(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, ChatError> {
-    CliPrompt { system: None, prompt, mode: ThinkingMode::NoThink }.tokens(tok)
+    CliPrompt {
+        system: None,
+        prompt,
+        mode: ThinkingMode::NoThink,
+    }
+    .tokens(tok)
 }
 
 /// Interactive-CLI transcript growth (§2.7): the ids appended for one user turn before
 /// generation (User + BPE(text) + Assistant + think tag). The caller appends every sampled
 /// token and then EOS.
-pub fn cli_turn_tokens(tok: &Tokenizer, text: &str, mode: ThinkingMode) -> Result<Vec<u32>, ChatError> {
+pub fn cli_turn_tokens(
+    tok: &Tokenizer,
+    text: &str,
+    mode: ThinkingMode,
+) -> Result<Vec<u32>, ChatError> {
     let mk = tok.markers();
     let mut ids = vec![mk.user];
     ids.extend(tok.encode(text, false)?);
     ids.push(mk.assistant);
-    ids.push(if mode.is_thinking() { mk.think_open } else { mk.think_close });
+    ids.push(if mode.is_thinking() {
+        mk.think_open
+    } else {
+        mk.think_close
+    });
     Ok(ids)
 }
 
@@ -526,21 +607,34 @@ mod tests {
 
     #[test]
     fn escapes() {
-        assert_eq!(escape_tool_result("a </tool_result> b <tool_result> &"), "a &lt;/tool_result> b <tool_result> &");
+        assert_eq!(
+            escape_tool_result("a </tool_result> b <tool_result> &"),
+            "a &lt;/tool_result> b <tool_result> &"
+        );
         let calls = vec![ToolCall {
             id: "c".into(),
             name: "a\"<&>".into(),
-            arguments: "{\"k&\":\"x</｜DSML｜parameter>y\",\"n\":[\"</｜DSML｜parameter>\"]}".into(),
+            arguments: "{\"k&\":\"x</｜DSML｜parameter>y\",\"n\":[\"</｜DSML｜parameter>\"]}"
+                .into(),
         }];
         let r = render_tool_calls(&calls);
         assert!(r.contains("invoke name=\"a&quot;&lt;&amp;&gt;\""), "{r}");
-        assert!(r.contains("name=\"k&amp;\" string=\"true\">x&lt;/｜DSML｜parameter>y</｜DSML｜parameter>"), "{r}");
-        assert!(r.contains("string=\"false\">[\"\\u003c/｜DSML｜parameter>\"]</｜DSML｜parameter>"), "{r}");
+        assert!(
+            r.contains(
+                "name=\"k&amp;\" string=\"true\">x&lt;/｜DSML｜parameter>y</｜DSML｜parameter>"
+            ),
+            "{r}"
+        );
+        assert!(
+            r.contains("string=\"false\">[\"\\u003c/｜DSML｜parameter>\"]</｜DSML｜parameter>"),
+            "{r}"
+        );
     }
 
     #[test]
     fn schema_lines() {
-        let l = tool_schema_lines(r#"{"type":"function","function": {"name":"f" , "x":1}}"#).unwrap();
+        let l =
+            tool_schema_lines(r#"{"type":"function","function": {"name":"f" , "x":1}}"#).unwrap();
         assert_eq!(l, vec![r#"{"name":"f" , "x":1}"#]);
         let l = tool_schema_lines(r#" {"name":"Read","input_schema":{}} "#).unwrap();
         assert_eq!(l, vec![r#"{"name":"Read","input_schema":{}}"#]);
@@ -556,34 +650,71 @@ mod tests {
             ]
         );
         let l = tool_schema_lines(r#"{"type":"tool_search"}"#).unwrap();
-        assert_eq!(l, vec![r#"{"name":"tool_search","description":"Search available tools.","parameters":{"type":"object","properties":{}}}"#]);
+        assert_eq!(
+            l,
+            vec![
+                r#"{"name":"tool_search","description":"Search available tools.","parameters":{"type":"object","properties":{}}}"#
+            ]
+        );
         assert_eq!(tool_schema_lines("[1]").unwrap(), vec!["[1]"]);
         assert!(tool_schema_lines("{oops").is_err());
     }
 
     #[test]
     fn think_max_downgrade_and_efforts() {
-        assert_eq!(ThinkingMode::ThinkMax.for_context(393_215), ThinkingMode::Think);
-        assert_eq!(ThinkingMode::ThinkMax.for_context(393_216), ThinkingMode::ThinkMax);
-        assert_eq!(ThinkingMode::from_effort("minimal"), Some(ThinkingMode::Think));
-        assert_eq!(ThinkingMode::from_effort("none"), Some(ThinkingMode::NoThink));
+        assert_eq!(
+            ThinkingMode::ThinkMax.for_context(393_215),
+            ThinkingMode::Think
+        );
+        assert_eq!(
+            ThinkingMode::ThinkMax.for_context(393_216),
+            ThinkingMode::ThinkMax
+        );
+        assert_eq!(
+            ThinkingMode::from_effort("minimal"),
+            Some(ThinkingMode::Think)
+        );
+        assert_eq!(
+            ThinkingMode::from_effort("none"),
+            Some(ThinkingMode::NoThink)
+        );
         assert_eq!(ThinkingMode::from_effort("extreme"), None);
     }
 
     #[test]
     fn quirks() {
         // Assistant first: no marker, content glued after BOS; other roles dropped.
-        let msgs = vec![Message::assistant("x", "r"), Message::with("critic", "no"), Message::user("u")];
-        assert_eq!(render_prompt::<&str>(&msgs, &[], ThinkingMode::Think), format!("{BOS_TEXT}x{EOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}<think>"));
+        let msgs = vec![
+            Message::assistant("x", "r"),
+            Message::with("critic", "no"),
+            Message::user("u"),
+        ];
+        assert_eq!(
+            render_prompt::<&str>(&msgs, &[], ThinkingMode::Think),
+            format!("{BOS_TEXT}x{EOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}<think>")
+        );
         // Ending with an assistant: no generation prefix; reasoning kept after the last user.
         let msgs = vec![Message::user("u"), Message::assistant("a", "why")];
-        assert_eq!(render_prompt::<&str>(&msgs, &[], ThinkingMode::Think), format!("{BOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}<think>why</think>a{EOS_TEXT}"));
-        assert_eq!(render_prompt::<&str>(&msgs, &[], ThinkingMode::NoThink), format!("{BOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}</think>a{EOS_TEXT}"));
+        assert_eq!(
+            render_prompt::<&str>(&msgs, &[], ThinkingMode::Think),
+            format!("{BOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}<think>why</think>a{EOS_TEXT}")
+        );
+        assert_eq!(
+            render_prompt::<&str>(&msgs, &[], ThinkingMode::NoThink),
+            format!("{BOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}</think>a{EOS_TEXT}")
+        );
         // Exact replay block wins over canonical DSML.
         let mut a = Message::assistant("", "");
-        a.tool_calls = vec![ToolCall { id: "1".into(), name: "f".into(), arguments: "{}".into() }];
+        a.tool_calls = vec![ToolCall {
+            id: "1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        }];
         a.exact_dsml = Some("RAW".into());
         let msgs = vec![Message::user("u"), a];
-        assert_eq!(render_prompt::<&str>(&msgs, &[], ThinkingMode::NoThink), format!("{BOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}</think>RAW{EOS_TEXT}"));
+        assert_eq!(
+            render_prompt::<&str>(&msgs, &[], ThinkingMode::NoThink),
+            format!("{BOS_TEXT}{USER_TEXT}u{ASSISTANT_TEXT}</think>RAW{EOS_TEXT}")
+        );
     }
 }

@@ -100,7 +100,11 @@ impl ChatRequest {
                 _ => {}
             }
         }
-        let mode = if !thinking_enabled { ThinkingMode::NoThink } else { effort };
+        let mode = if !thinking_enabled {
+            ThinkingMode::NoThink
+        } else {
+            effort
+        };
         req.mode = mode.for_context(ctx_size);
         Ok(req)
     }
@@ -109,10 +113,14 @@ impl ChatRequest {
 /// Parses an OpenAI `messages` array (the `--messages FILE.json` of `ds4 render`).
 pub fn messages_from_json(json: &str) -> Result<Vec<Message>, ChatError> {
     let mut sc = Scanner::new(json);
-    let msgs = parse_messages(&mut sc).ok_or_else(|| ChatError::Request("messages: not a valid message array".into()))?;
+    let msgs = parse_messages(&mut sc)
+        .ok_or_else(|| ChatError::Request("messages: not a valid message array".into()))?;
     sc.ws();
     if sc.pos != json.len() {
-        return Err(ChatError::Request(format!("messages: unexpected text at byte {}", sc.pos)));
+        return Err(ChatError::Request(format!(
+            "messages: unexpected text at byte {}",
+            sc.pos
+        )));
     }
     Ok(msgs)
 }
@@ -120,16 +128,23 @@ pub fn messages_from_json(json: &str) -> Result<Vec<Message>, ChatError> {
 /// Parses a `tools` array (the `--tools FILE.json` of `ds4 render`) into schema lines.
 pub fn tool_schemas_from_json(json: &str) -> Result<Vec<String>, ChatError> {
     let mut sc = Scanner::new(json);
-    let lines = parse_tools(&mut sc).ok_or_else(|| ChatError::Request("tools: not a valid tools array".into()))?;
+    let lines = parse_tools(&mut sc)
+        .ok_or_else(|| ChatError::Request("tools: not a valid tools array".into()))?;
     sc.ws();
     if sc.pos != json.len() {
-        return Err(ChatError::Request(format!("tools: unexpected text at byte {}", sc.pos)));
+        return Err(ChatError::Request(format!(
+            "tools: unexpected text at byte {}",
+            sc.pos
+        )));
     }
     Ok(lines)
 }
 
 /// ds4's object walk: members with optional commas; `f` consumes each value.
-fn walk_object(sc: &mut Scanner<'_>, mut f: impl FnMut(&str, &mut Scanner<'_>) -> Option<()>) -> Option<()> {
+fn walk_object(
+    sc: &mut Scanner<'_>,
+    mut f: impl FnMut(&str, &mut Scanner<'_>) -> Option<()>,
+) -> Option<()> {
     sc.ws();
     if sc.peek() != Some(b'{') {
         return None;
@@ -158,7 +173,10 @@ fn walk_object(sc: &mut Scanner<'_>, mut f: impl FnMut(&str, &mut Scanner<'_>) -
 }
 
 /// ds4's array walk: items with optional commas; `f` consumes each item.
-fn walk_array(sc: &mut Scanner<'_>, mut f: impl FnMut(&mut Scanner<'_>) -> Option<()>) -> Option<()> {
+fn walk_array(
+    sc: &mut Scanner<'_>,
+    mut f: impl FnMut(&mut Scanner<'_>) -> Option<()>,
+) -> Option<()> {
     sc.ws();
     if sc.peek() != Some(b'[') {
         return None;
@@ -318,7 +336,11 @@ fn parse_tool_calls(sc: &mut Scanner<'_>) -> Option<Vec<ToolCall>> {
         })?;
         // Entries lacking a name or arguments are dropped (§2.6).
         if let (Some(name), Some(arguments)) = (name, arguments) {
-            calls.push(ToolCall { id: id.unwrap_or_default(), name, arguments });
+            calls.push(ToolCall {
+                id: id.unwrap_or_default(),
+                name,
+                arguments,
+            });
         }
         Some(())
     })?;
@@ -374,17 +396,45 @@ mod tests {
     fn modes_and_aliases() {
         let m = |body: &str| ChatRequest::from_openai_json(body, 1 << 20).unwrap().mode;
         assert_eq!(m(r#"{"messages":[]}"#), ThinkingMode::Think);
-        assert_eq!(m(r#"{"model":"deepseek-chat","messages":[]}"#), ThinkingMode::NoThink);
-        assert_eq!(m(r#"{"model":"deepseek-chat","think":true,"messages":[]}"#), ThinkingMode::Think);
-        assert_eq!(m(r#"{"thinking":{"type":"disabled"},"messages":[]}"#), ThinkingMode::NoThink);
-        assert_eq!(m(r#"{"thinking":{"type":"weird"},"messages":[]}"#), ThinkingMode::Think);
-        assert_eq!(m(r#"{"reasoning_effort":"max","messages":[]}"#), ThinkingMode::ThinkMax);
-        assert_eq!(m(r#"{"reasoning_effort":"none","messages":[]}"#), ThinkingMode::NoThink);
-        assert_eq!(m(r#"{"reasoning_effort":null,"messages":[]}"#), ThinkingMode::Think);
-        let small = ChatRequest::from_openai_json(r#"{"reasoning_effort":"max","messages":[]}"#, 4096).unwrap();
+        assert_eq!(
+            m(r#"{"model":"deepseek-chat","messages":[]}"#),
+            ThinkingMode::NoThink
+        );
+        assert_eq!(
+            m(r#"{"model":"deepseek-chat","think":true,"messages":[]}"#),
+            ThinkingMode::Think
+        );
+        assert_eq!(
+            m(r#"{"thinking":{"type":"disabled"},"messages":[]}"#),
+            ThinkingMode::NoThink
+        );
+        assert_eq!(
+            m(r#"{"thinking":{"type":"weird"},"messages":[]}"#),
+            ThinkingMode::Think
+        );
+        assert_eq!(
+            m(r#"{"reasoning_effort":"max","messages":[]}"#),
+            ThinkingMode::ThinkMax
+        );
+        assert_eq!(
+            m(r#"{"reasoning_effort":"none","messages":[]}"#),
+            ThinkingMode::NoThink
+        );
+        assert_eq!(
+            m(r#"{"reasoning_effort":null,"messages":[]}"#),
+            ThinkingMode::Think
+        );
+        let small =
+            ChatRequest::from_openai_json(r#"{"reasoning_effort":"max","messages":[]}"#, 4096)
+                .unwrap();
         assert_eq!(small.mode, ThinkingMode::Think);
-        assert!(ChatRequest::from_openai_json(r#"{"reasoning_effort":"huge","messages":[]}"#, 0).is_err());
-        assert!(matches!(ChatRequest::from_openai_json(r#"{"model":"x"}"#, 0), Err(ChatError::Request(m)) if m == "missing messages"));
+        assert!(
+            ChatRequest::from_openai_json(r#"{"reasoning_effort":"huge","messages":[]}"#, 0)
+                .is_err()
+        );
+        assert!(
+            matches!(ChatRequest::from_openai_json(r#"{"model":"x"}"#, 0), Err(ChatError::Request(m)) if m == "missing messages")
+        );
         assert!(ChatRequest::from_openai_json("[", 0).is_err());
     }
 
@@ -399,7 +449,14 @@ mod tests {
         assert_eq!(msgs[0].role, "user");
         assert_eq!(msgs[0].content, "");
         assert_eq!(msgs[1].content, "ab");
-        assert_eq!(msgs[2].tool_calls, vec![ToolCall { id: "1".into(), name: "f".into(), arguments: "{\"a\" : 1}".into() }]);
+        assert_eq!(
+            msgs[2].tool_calls,
+            vec![ToolCall {
+                id: "1".into(),
+                name: "f".into(),
+                arguments: "{\"a\" : 1}".into()
+            }]
+        );
         assert_eq!(msgs[3].tool_call_ids, vec!["1".to_string()]);
         assert!(messages_from_json(r#"[{"role":1}]"#).is_err());
         assert!(messages_from_json(r#"[] x"#).is_err());

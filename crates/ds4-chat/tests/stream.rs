@@ -1,11 +1,18 @@
 //! Streaming output parser: ds4's emission rules, tool-call streaming, stop conditions, and
 //! chunking independence (every split point, random chunkings, garbage input).
 
-use ds4_chat::stream::{coalesce, DsmlState, EndCause, FinalOutput, FinishReason, Halt, OutputStream, StreamEvent, StreamOptions};
+use ds4_chat::stream::{
+    coalesce, DsmlState, EndCause, FinalOutput, FinishReason, Halt, OutputStream, StreamEvent,
+    StreamOptions,
+};
 use proptest::prelude::*;
 
 fn opts(thinking: bool, tools: bool, stop: &[&str]) -> StreamOptions {
-    StreamOptions { thinking, tools, stop: stop.iter().map(|s| s.to_string()).collect() }
+    StreamOptions {
+        thinking,
+        tools,
+        stop: stop.iter().map(|s| s.to_string()).collect(),
+    }
 }
 
 /// Feeds `chunks` and returns (all events incl. the final flush, final output).
@@ -21,15 +28,25 @@ fn run(o: &StreamOptions, chunks: &[&str], cause: EndCause) -> (Vec<StreamEvent>
 }
 
 fn chars(text: &str) -> Vec<&str> {
-    text.char_indices().map(|(i, c)| &text[i..i + c.len_utf8()]).collect()
+    text.char_indices()
+        .map(|(i, c)| &text[i..i + c.len_utf8()])
+        .collect()
 }
 
 /// Reference = one char at a time; every 2-way split must coalesce to the same events.
-fn assert_split_invariant(o: &StreamOptions, text: &str, cause: EndCause) -> (Vec<StreamEvent>, FinalOutput) {
+fn assert_split_invariant(
+    o: &StreamOptions,
+    text: &str,
+    cause: EndCause,
+) -> (Vec<StreamEvent>, FinalOutput) {
     let (ref_ev, ref_fin) = run(o, &chars(text), cause.clone());
     let ref_ev = coalesce(&ref_ev);
     let (whole_ev, whole_fin) = run(o, &[text], cause.clone());
-    assert_eq!(coalesce(&whole_ev), ref_ev, "one chunk vs char-by-char: {text:?}");
+    assert_eq!(
+        coalesce(&whole_ev),
+        ref_ev,
+        "one chunk vs char-by-char: {text:?}"
+    );
     assert_eq!(whole_fin, ref_fin);
     for (i, _) in text.char_indices().skip(1) {
         let (ev, fin) = run(o, &[&text[..i], &text[i..]], cause.clone());
@@ -51,16 +68,39 @@ fn spec_openai_stream_example() {
         vec![
             StreamEvent::Reasoning("Run ls.".into()),
             StreamEvent::Content("Sure.".into()),
-            StreamEvent::ToolCallStart { index: 0, name: "bash".into() },
-            StreamEvent::ToolCallArguments { index: 0, fragment: r#"{"command":"ls & \"x\"","timeout":{ "s": 10 }}"#.into() },
+            StreamEvent::ToolCallStart {
+                index: 0,
+                name: "bash".into()
+            },
+            StreamEvent::ToolCallArguments {
+                index: 0,
+                fragment: r#"{"command":"ls & \"x\"","timeout":{ "s": 10 }}"#.into()
+            },
             StreamEvent::ToolCallEnd { index: 0 },
         ]
     );
     // Token-like chunking reproduces the spec's fragment boundaries.
     let toks = [
-        "Run ls.", "</think>", "Sure", ".", "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"bash\">\n",
-        "<｜DSML｜parameter name=\"command\" string=\"true\">", "ls", " ", "&amp;", " \"", "x", "\"",
-        "</｜DSML｜parameter>\n<｜DSML｜parameter name=\"timeout\" string=\"false\">", "{", " \"", "s", "\":", " ", "10", " }",
+        "Run ls.",
+        "</think>",
+        "Sure",
+        ".",
+        "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"bash\">\n",
+        "<｜DSML｜parameter name=\"command\" string=\"true\">",
+        "ls",
+        " ",
+        "&amp;",
+        " \"",
+        "x",
+        "\"",
+        "</｜DSML｜parameter>\n<｜DSML｜parameter name=\"timeout\" string=\"false\">",
+        "{",
+        " \"",
+        "s",
+        "\":",
+        " ",
+        "10",
+        " }",
         "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
     ];
     assert_eq!(toks.concat(), TOOL_TEXT);
@@ -72,15 +112,54 @@ fn spec_openai_stream_example() {
             _ => None,
         })
         .collect();
-    assert_eq!(frags, ["{", "\"command\":\"", "ls", " ", "&", " \\\"", "x", "\\\"", "\"", ",\"timeout\":", "{", " \"", "s", "\":", " ", "10", " }", "}"]);
-    let contents: Vec<&StreamEvent> = ev.iter().filter(|e| matches!(e, StreamEvent::Content(_))).collect();
-    assert_eq!(contents, [&StreamEvent::Content("Sure".into()), &StreamEvent::Content(".".into())]);
+    assert_eq!(
+        frags,
+        [
+            "{",
+            "\"command\":\"",
+            "ls",
+            " ",
+            "&",
+            " \\\"",
+            "x",
+            "\\\"",
+            "\"",
+            ",\"timeout\":",
+            "{",
+            " \"",
+            "s",
+            "\":",
+            " ",
+            "10",
+            " }",
+            "}"
+        ]
+    );
+    let contents: Vec<&StreamEvent> = ev
+        .iter()
+        .filter(|e| matches!(e, StreamEvent::Content(_)))
+        .collect();
+    assert_eq!(
+        contents,
+        [
+            &StreamEvent::Content("Sure".into()),
+            &StreamEvent::Content(".".into())
+        ]
+    );
     // Final message: compact arguments, raw block for replay, tool_calls finish.
     assert_eq!(fin.finish, FinishReason::ToolCalls);
     assert_eq!(fin.message.reasoning.as_deref(), Some("Run ls."));
     assert_eq!(fin.message.content, "Sure.");
-    assert_eq!(fin.message.tool_calls[0].arguments_compact(), r#"{"command":"ls & \"x\"","timeout":{"s":10}}"#);
-    assert!(fin.message.raw_dsml.as_deref().unwrap().starts_with("\n\n<｜DSML｜tool_calls>"));
+    assert_eq!(
+        fin.message.tool_calls[0].arguments_compact(),
+        r#"{"command":"ls & \"x\"","timeout":{"s":10}}"#
+    );
+    assert!(fin
+        .message
+        .raw_dsml
+        .as_deref()
+        .unwrap()
+        .starts_with("\n\n<｜DSML｜tool_calls>"));
 }
 
 #[test]
@@ -104,7 +183,10 @@ fn dsml_inside_reasoning_is_reasoning() {
     let o = opts(true, true, &[]);
     let text = "think <｜DSML｜tool_calls><｜DSML｜invoke name=\"f\"></｜DSML｜invoke></｜DSML｜tool_calls> more</think>answer";
     let (ev, fin) = assert_split_invariant(&o, text, EndCause::Eos);
-    assert_eq!(ev[0], StreamEvent::Reasoning(text[..text.find("</think>").unwrap()].into()));
+    assert_eq!(
+        ev[0],
+        StreamEvent::Reasoning(text[..text.find("</think>").unwrap()].into())
+    );
     assert_eq!(ev[1], StreamEvent::Content("answer".into()));
     assert_eq!(fin.finish, FinishReason::Stop);
     assert!(fin.message.tool_calls.is_empty());
@@ -117,21 +199,31 @@ fn reasoning_holds_partial_close_and_open_prefix() {
     assert!(s.push("<thi").is_empty());
     // "<think>abc</th": the last 7 bytes are held, so nothing of "abc" is certain yet.
     assert!(s.push("nk>abc</th").is_empty());
-    assert_eq!(s.push("ink>x"), vec![StreamEvent::Reasoning("abc".into()), StreamEvent::Content("x".into())]);
+    assert_eq!(
+        s.push("ink>x"),
+        vec![
+            StreamEvent::Reasoning("abc".into()),
+            StreamEvent::Content("x".into())
+        ]
+    );
     let (tail, fin) = s.finish(EndCause::Eos);
     assert!(tail.is_empty());
     assert_eq!(fin.message.reasoning.as_deref(), Some("abc"));
     // Never a partial "</think>" in reasoning.
     let mut s = OutputStream::new(opts(true, false, &[]));
     for e in s.push("abc</thi") {
-        assert!(!matches!(&e, StreamEvent::Reasoning(r) if r.contains('<')), "{e:?}");
+        assert!(
+            !matches!(&e, StreamEvent::Reasoning(r) if r.contains('<')),
+            "{e:?}"
+        );
     }
 }
 
 #[test]
 fn length_truncated_reasoning_is_content_in_final_message() {
     // ds4 quirk (§3.1): no </think> => reasoning none, content = whole text.
-    let (ev, fin) = assert_split_invariant(&opts(true, false, &[]), "still thinking", EndCause::Length);
+    let (ev, fin) =
+        assert_split_invariant(&opts(true, false, &[]), "still thinking", EndCause::Length);
     assert_eq!(ev, vec![StreamEvent::Reasoning("still thinking".into())]);
     assert_eq!(fin.finish, FinishReason::Length);
     assert_eq!(fin.message.reasoning, None);
@@ -165,11 +257,22 @@ fn stop_sequences_cut_and_hold() {
 fn text_phase_holds_whitespace_and_partial_marker() {
     let o = opts(false, true, &[]);
     let mut s = OutputStream::new(o.clone());
-    assert_eq!(s.push("Hello  \n"), vec![StreamEvent::Content("Hello".into())]);
+    assert_eq!(
+        s.push("Hello  \n"),
+        vec![StreamEvent::Content("Hello".into())]
+    );
     assert!(s.push("\n<｜DS").is_empty());
     assert!(s.push("ML｜tool").is_empty());
     // Whitespace before the block is never streamed as content.
-    let (ev, fin) = run(&o, &["Hello  \n", "\n<｜DS", "ML｜tool_calls><｜DSML｜invoke name=\"a\"></｜DSML｜invoke></｜DSML｜tool_calls>"], EndCause::Eos);
+    let (ev, fin) = run(
+        &o,
+        &[
+            "Hello  \n",
+            "\n<｜DS",
+            "ML｜tool_calls><｜DSML｜invoke name=\"a\"></｜DSML｜invoke></｜DSML｜tool_calls>",
+        ],
+        EndCause::Eos,
+    );
     assert_eq!(coalesce(&ev)[0], StreamEvent::Content("Hello".into()));
     assert_eq!(fin.message.content, "Hello");
     // A '<' that is not a marker is released once it is 80 bytes back, or at the end.
@@ -186,7 +289,10 @@ fn unterminated_tool_call_is_an_error() {
     assert_eq!(fin.finish, FinishReason::Error);
     assert_eq!(fin.error.as_deref(), Some("unterminated tool call"));
     assert!(fin.message.tool_calls.is_empty());
-    assert!(ev.contains(&StreamEvent::ToolCallStart { index: 0, name: "f".into() }));
+    assert!(ev.contains(&StreamEvent::ToolCallStart {
+        index: 0,
+        name: "f".into()
+    }));
 }
 
 #[test]
@@ -211,8 +317,20 @@ fn without_tools_dsml_streams_as_content_but_parses_at_the_end() {
     assert_eq!(fin.finish, FinishReason::ToolCalls);
     assert_eq!(fin.message.tool_calls[0].arguments, r#"{"k": [1,2]}"#);
     // Calls not streamed live are announced at the end with their compact arguments.
-    assert_eq!(ev[1], StreamEvent::ToolCallStart { index: 0, name: "g".into() });
-    assert_eq!(ev[2], StreamEvent::ToolCallArguments { index: 0, fragment: r#"{"k":[1,2]}"#.into() });
+    assert_eq!(
+        ev[1],
+        StreamEvent::ToolCallStart {
+            index: 0,
+            name: "g".into()
+        }
+    );
+    assert_eq!(
+        ev[2],
+        StreamEvent::ToolCallArguments {
+            index: 0,
+            fragment: r#"{"k":[1,2]}"#.into()
+        }
+    );
 }
 
 #[test]
@@ -223,16 +341,31 @@ fn two_calls_and_short_family() {
     assert_eq!(
         ev,
         vec![
-            StreamEvent::ToolCallStart { index: 0, name: "a".into() },
-            StreamEvent::ToolCallArguments { index: 0, fragment: r#"{"x":"1<2 \"q\""}"#.into() },
+            StreamEvent::ToolCallStart {
+                index: 0,
+                name: "a".into()
+            },
+            StreamEvent::ToolCallArguments {
+                index: 0,
+                fragment: r#"{"x":"1<2 \"q\""}"#.into()
+            },
             StreamEvent::ToolCallEnd { index: 0 },
-            StreamEvent::ToolCallStart { index: 1, name: "b".into() },
-            StreamEvent::ToolCallArguments { index: 1, fragment: "{}".into() },
+            StreamEvent::ToolCallStart {
+                index: 1,
+                name: "b".into()
+            },
+            StreamEvent::ToolCallArguments {
+                index: 1,
+                fragment: "{}".into()
+            },
             StreamEvent::ToolCallEnd { index: 1 },
         ]
     );
     assert_eq!(fin.message.tool_calls.len(), 2);
-    assert_eq!(fin.message.tool_calls[0].arguments_compact(), r#"{"x":"1<2 \"q\""}"#);
+    assert_eq!(
+        fin.message.tool_calls[0].arguments_compact(),
+        r#"{"x":"1<2 \"q\""}"#
+    );
 }
 
 #[test]
@@ -260,18 +393,24 @@ fn dsml_state_for_sampler() {
 }
 
 fn random_chunks(text: &str, cuts: &[usize]) -> Vec<String> {
-    let mut bounds: Vec<usize> = cuts.iter().map(|&c| {
-        let mut i = c % (text.len() + 1);
-        while !text.is_char_boundary(i) {
-            i -= 1;
-        }
-        i
-    }).collect();
+    let mut bounds: Vec<usize> = cuts
+        .iter()
+        .map(|&c| {
+            let mut i = c % (text.len() + 1);
+            while !text.is_char_boundary(i) {
+                i -= 1;
+            }
+            i
+        })
+        .collect();
     bounds.push(0);
     bounds.push(text.len());
     bounds.sort_unstable();
     bounds.dedup();
-    bounds.windows(2).map(|w| text[w[0]..w[1]].to_string()).collect()
+    bounds
+        .windows(2)
+        .map(|w| text[w[0]..w[1]].to_string())
+        .collect()
 }
 
 fn check_chunking(o: &StreamOptions, text: &str, cuts: &[usize], cause: EndCause) {
@@ -284,20 +423,60 @@ fn check_chunking(o: &StreamOptions, text: &str, cuts: &[usize], cause: EndCause
 }
 
 const PIECES: &[&str] = &[
-    "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜invoke name=\"f\">", "</｜DSML｜invoke>",
-    "<｜DSML｜parameter name=\"p\" string=\"true\">", "<｜DSML｜parameter name=\"q\" string=\"false\">",
-    "<｜DSML｜parameter name=\"n\">", "</｜DSML｜parameter>", "<DSML｜tool_calls>", "<tool_calls>", "</tool_calls>",
-    "<invoke name=\"g\">", "</invoke>", "<parameter name=\"r\" string=\"true\">", "</parameter>", "<think>", "</think>",
-    "\n\n", " ", "\n", "&amp;", "&lt;", "&", "&q", "\"", "{", "}", "[1, 2]", "\\", "<", ">", "</", "｜", "DSML", "é", "日本",
-    "😀", "text", "STOP", "ST", "OP", "x", "=", "name=\"", "string=\"true\"",
+    "<｜DSML｜tool_calls>",
+    "</｜DSML｜tool_calls>",
+    "<｜DSML｜invoke name=\"f\">",
+    "</｜DSML｜invoke>",
+    "<｜DSML｜parameter name=\"p\" string=\"true\">",
+    "<｜DSML｜parameter name=\"q\" string=\"false\">",
+    "<｜DSML｜parameter name=\"n\">",
+    "</｜DSML｜parameter>",
+    "<DSML｜tool_calls>",
+    "<tool_calls>",
+    "</tool_calls>",
+    "<invoke name=\"g\">",
+    "</invoke>",
+    "<parameter name=\"r\" string=\"true\">",
+    "</parameter>",
+    "<think>",
+    "</think>",
+    "\n\n",
+    " ",
+    "\n",
+    "&amp;",
+    "&lt;",
+    "&",
+    "&q",
+    "\"",
+    "{",
+    "}",
+    "[1, 2]",
+    "\\",
+    "<",
+    ">",
+    "</",
+    "｜",
+    "DSML",
+    "é",
+    "日本",
+    "😀",
+    "text",
+    "STOP",
+    "ST",
+    "OP",
+    "x",
+    "=",
+    "name=\"",
+    "string=\"true\"",
 ];
 
 fn text_strategy() -> impl Strategy<Value = String> {
-    prop::collection::vec(0..PIECES.len(), 0..40).prop_map(|ix| ix.into_iter().map(|i| PIECES[i]).collect())
+    prop::collection::vec(0..PIECES.len(), 0..40)
+        .prop_map(|ix| ix.into_iter().map(|i| PIECES[i]).collect())
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 400, failure_persistence: None, .. ProptestConfig::default() })]
 
     #[test]
     fn any_chunking_same_events_and_message(

@@ -10,7 +10,18 @@ use proptest::prelude::*;
 #[test]
 fn markers_have_spec_ids() {
     let m = common::tokenizer().markers();
-    assert_eq!((m.bos, m.eos, m.user, m.assistant, m.think_open, m.think_close, m.dsml), (0, 1, 128803, 128804, 128821, 128822, 128825));
+    assert_eq!(
+        (
+            m.bos,
+            m.eos,
+            m.user,
+            m.assistant,
+            m.think_open,
+            m.think_close,
+            m.dsml
+        ),
+        (0, 1, 128803, 128804, 128821, 128822, 128825)
+    );
     assert_eq!(common::tokenizer().vocab_size(), 129_280);
 }
 
@@ -51,14 +62,21 @@ fn stream_decoder_holds_cut_utf8() {
     out.push_str(&dec.finish());
     assert_eq!(out, text);
     assert!(saw_hold, "test text should cut a UTF-8 sequence somewhere");
-    assert!(matches!(tok.stream_decoder().push(129_280), Err(ChatError::UnknownTokenId { id: 129_280, .. })));
+    assert!(matches!(
+        tok.stream_decoder().push(129_280),
+        Err(ChatError::UnknownTokenId { id: 129_280, .. })
+    ));
     assert!(tok.decode(&[5, 1_000_000]).is_err());
 }
 
 #[test]
 fn cli_prompt_tokens() {
     let tok = common::tokenizer();
-    let p = CliPrompt { system: Some("You are a helpful assistant"), prompt: "Hi </think>", mode: ThinkingMode::Think };
+    let p = CliPrompt {
+        system: Some("You are a helpful assistant"),
+        prompt: "Hi </think>",
+        mode: ThinkingMode::Think,
+    };
     let ids = p.tokens(tok).unwrap();
     let mut expected = vec![0];
     expected.extend(tok.encode("You are a helpful assistant", false).unwrap());
@@ -66,14 +84,33 @@ fn cli_prompt_tokens() {
     expected.extend(tok.encode("Hi </think>", false).unwrap());
     expected.extend([128804, 128821]);
     assert_eq!(ids, expected);
-    assert!(!ids[1..ids.len() - 1].contains(&128822), "prompt text must not turn into markers");
-    let max = CliPrompt { system: None, prompt: "x", mode: ThinkingMode::ThinkMax }.tokens(tok).unwrap();
-    assert_eq!(&max[1..max.len() - 4], &tok.encode(MAX_PREFIX, false).unwrap()[..]);
+    assert!(
+        !ids[1..ids.len() - 1].contains(&128822),
+        "prompt text must not turn into markers"
+    );
+    let max = CliPrompt {
+        system: None,
+        prompt: "x",
+        mode: ThinkingMode::ThinkMax,
+    }
+    .tokens(tok)
+    .unwrap();
+    assert_eq!(
+        &max[1..max.len() - 4],
+        &tok.encode(MAX_PREFIX, false).unwrap()[..]
+    );
     // A prompt starting with the BOS string is a rendered chat string.
-    let raw = CliPrompt { system: Some("ignored"), prompt: "<｜begin▁of▁sentence｜><｜User｜>x<｜Assistant｜></think>", mode: ThinkingMode::Think };
+    let raw = CliPrompt {
+        system: Some("ignored"),
+        prompt: "<｜begin▁of▁sentence｜><｜User｜>x<｜Assistant｜></think>",
+        mode: ThinkingMode::Think,
+    };
     let x = tok.encode("x", false).unwrap();
     assert_eq!(x.len(), 1);
-    assert_eq!(raw.tokens(tok).unwrap(), vec![0, 128803, x[0], 128804, 128822]);
+    assert_eq!(
+        raw.tokens(tok).unwrap(),
+        vec![0, 128803, x[0], 128804, 128822]
+    );
 }
 
 #[test]
@@ -83,10 +120,14 @@ fn bad_vocabularies_are_refused() {
     assert!(err(Tokenizer::from_vocab::<&str, &str>(&[], &[], &[])).contains("empty"));
     assert!(err(Tokenizer::from_vocab(&toks, &["a b"], &[1, 1])).contains("token_type has 2"));
     assert!(err(Tokenizer::from_vocab(&toks, &["ab"], &[])).contains("no space"));
-    assert!(err(Tokenizer::from_vocab(&toks, &["a c"], &[])).contains("BPE"));
-    assert!(err(Tokenizer::from_vocab(&toks, &["a b"], &[1, 1, 9])).contains("unknown token type 9"));
+    assert!(err(Tokenizer::from_vocab(&toks, &["a c"], &[])).contains("is not in the vocabulary"));
+    assert!(
+        err(Tokenizer::from_vocab(&toks, &["a b"], &[1, 1, 9])).contains("unknown token type 9")
+    );
     // A vocabulary without the chat markers is refused like ds4 does.
-    assert!(err(Tokenizer::from_vocab(&toks, &["a b"], &[1, 1, 1])).contains("<｜begin▁of▁sentence｜>"));
+    assert!(
+        err(Tokenizer::from_vocab(&toks, &["a b"], &[1, 1, 1])).contains("<｜begin▁of▁sentence｜>")
+    );
 }
 
 #[test]
@@ -95,7 +136,15 @@ fn tiny_vocabulary_with_markers_works() {
     let mut toks: Vec<String> = (33u8..=126).map(|b| (b as char).to_string()).collect();
     toks.push("Ġ".into());
     toks.push("ab".into());
-    for m in ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜"] {
+    for m in [
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        "<｜User｜>",
+        "<｜Assistant｜>",
+        "<think>",
+        "</think>",
+        "｜DSML｜",
+    ] {
         toks.push(m.into());
     }
     let n = toks.len();
@@ -108,12 +157,18 @@ fn tiny_vocabulary_with_markers_works() {
     let space = toks.iter().position(|t| t == "Ġ").unwrap() as u32;
     let a = toks.iter().position(|t| t == "a").unwrap() as u32;
     assert_eq!(tok.encode("ab a", false).unwrap(), vec![ab, space, a]);
-    assert_eq!(tok.encode_chat("<think>ab").unwrap(), vec![(n - 3) as u32, ab]);
-    assert_eq!(tok.decode(&[ab, space, (n - 1) as u32]).unwrap(), "ab ｜DSML｜".as_bytes());
+    assert_eq!(
+        tok.encode_chat("<think>ab").unwrap(),
+        vec![(n - 3) as u32, ab]
+    );
+    assert_eq!(
+        tok.decode(&[ab, space, (n - 1) as u32]).unwrap(),
+        "ab ｜DSML｜".as_bytes()
+    );
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, .. ProptestConfig::default() })]
 
     /// Random text: encode/decode round trip in every mode and chunk-free streaming decode.
     #[test]

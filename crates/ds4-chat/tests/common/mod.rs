@@ -54,5 +54,68 @@ pub fn tokenizer() -> &'static Tokenizer {
 pub fn read_ids(path: &std::path::Path) -> Vec<u32> {
     let raw = gunzip(path);
     assert_eq!(raw.len() % 4, 0, "{}: not a u32 array", path.display());
-    raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    raw.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// HF's complete pipeline built from the same tables — the reference our tokenizer is compared
+/// with: BPE model + the V4 pre-tokenizer sequence, exactly as in the V4 tokenizer.json.
+pub fn hf_reference() -> &'static tokenizers::Tokenizer {
+    use tokenizers::models::bpe::{Vocab, BPE};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::SplitDelimiterBehavior;
+    static T: OnceLock<tokenizers::Tokenizer> = OnceLock::new();
+    T.get_or_init(|| {
+        let v = vocab();
+        let vocab: Vocab = v.tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let merges = v
+            .merges
+            .iter()
+            .map(|m| {
+                let (a, b) = m.split_once(' ').unwrap();
+                (a.to_owned(), b.to_owned())
+            })
+            .collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().unwrap();
+        let splits = [
+            r"\p{N}{1,3}",
+            "[一-龥぀-ゟ゠-ヿ]+",
+            "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+        ];
+        let mut steps: Vec<tokenizers::PreTokenizerWrapper> = splits
+            .iter()
+            .map(|p| Split::new(SplitPattern::Regex((*p).to_owned()), SplitDelimiterBehavior::Isolated, false).unwrap().into())
+            .collect();
+        steps.push(ByteLevel::new(false, true, false).into());
+        let mut t = tokenizers::Tokenizer::new(bpe);
+        t.with_pre_tokenizer(Some(Sequence::new(steps)));
+        t
+    })
+}
+
+/// Plain-text ids from the HF reference pipeline.
+pub fn hf_plain_ids(text: &str) -> Vec<u32> {
+    hf_reference()
+        .encode_fast(text, false)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
+/// Pre-token strings from the HF reference pre-tokenizer.
+pub fn hf_pre_tokens(text: &str) -> Vec<String> {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let mut pts = PreTokenizedString::from(text);
+    hf_reference()
+        .get_pre_tokenizer()
+        .unwrap()
+        .pre_tokenize(&mut pts)
+        .unwrap();
+    pts.get_splits(OffsetReferential::Original, OffsetType::Byte)
+        .into_iter()
+        .map(|(_, (a, b), _)| text[a..b].to_owned())
+        .collect()
 }

@@ -1,0 +1,147 @@
+//! Server configuration: everything the `ds4-server` flags set, as one plain struct so tests
+//! build servers without going through the command line.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::script::Script;
+
+/// The id `/v1/models` lists (any model string is accepted on requests and echoed back,
+/// spec chat-format §2.1).
+pub const MODEL_ID: &str = "deepseek-v4-flash";
+
+/// Disk KV cache settings (spec §3, §11).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DiskCacheConfig {
+    pub dir: PathBuf,
+    pub budget_bytes: u64,
+    /// No save or load below this many tokens.
+    pub min_tokens: usize,
+    /// Cold saves only for prompts up to this length; 0 disables cold saves.
+    pub cold_max_tokens: usize,
+    /// A `continued` checkpoint every this many tokens (rounded up to `align`); 0 disables.
+    pub continued_interval_tokens: usize,
+    /// Tokens left out at the end of a cold save (so the next turn's suffix can differ).
+    pub boundary_trim_tokens: usize,
+    /// Cold boundaries are aligned down to a multiple of this; 0 disables.
+    pub boundary_align_tokens: usize,
+}
+
+impl DiskCacheConfig {
+    /// ds4's defaults for a directory.
+    pub fn new(dir: impl Into<PathBuf>) -> DiskCacheConfig {
+        DiskCacheConfig {
+            dir: dir.into(),
+            budget_bytes: 4096 << 20,
+            min_tokens: 512,
+            cold_max_tokens: 30_000,
+            continued_interval_tokens: 10_000,
+            boundary_trim_tokens: 32,
+            boundary_align_tokens: 2048,
+        }
+    }
+
+    /// The `continued` step: the interval rounded up to the alignment (10240 by default).
+    pub fn continued_step(&self) -> usize {
+        let i = self.continued_interval_tokens;
+        let a = self.boundary_align_tokens;
+        if i == 0 {
+            0
+        } else if a == 0 {
+            i
+        } else {
+            i.div_ceil(a) * a
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.budget_bytes == 0 {
+            return Err("--kv-disk-space-mb must be > 0".into());
+        }
+        if self.cold_max_tokens != 0 && self.cold_max_tokens < self.min_tokens {
+            return Err(format!(
+                "--kv-cache-cold-max-tokens ({}) must be 0 or >= --kv-cache-min-tokens ({})",
+                self.cold_max_tokens, self.min_tokens
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Default (and maximum) output tokens when the client sets no smaller limit (`-n`).
+    pub max_tokens: usize,
+    /// Requests that may wait for the worker; one more can be running. Full ⇒ 429.
+    pub queue_capacity: usize,
+    /// Seconds in the `Retry-After` of a 429.
+    pub retry_after_secs: u64,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// `Some`: clients must send `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    pub api_key: Option<String>,
+    /// Adds permissive CORS headers.
+    pub cors: bool,
+    /// In-memory KV snapshots kept at turn boundaries (0 disables).
+    pub snapshot_slots: usize,
+    /// Snapshots bigger than this are not kept.
+    pub snapshot_max_bytes: usize,
+    pub disk: Option<DiskCacheConfig>,
+    /// Exact-DSML tool replay (spec §10); off = canonical DSML only.
+    pub exact_dsml_replay: bool,
+    pub tool_memory_max_ids: usize,
+    pub tool_memory_max_bytes: usize,
+    /// Events buffered for a streaming client before it counts as stalled and is dropped.
+    pub stream_buffer_events: usize,
+    /// SSE keep-alive comment interval during long prefills.
+    pub keep_alive: Duration,
+    /// Test hook: forced model outputs (see [`Script`]). Not a user feature.
+    pub script: Option<Arc<Script>>,
+    /// Test hook: sleep this long after every generated token.
+    pub token_delay: Option<Duration>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_tokens: 393_216,
+            queue_capacity: 32,
+            retry_after_secs: 1,
+            max_body_bytes: 64 << 20,
+            api_key: None,
+            cors: false,
+            snapshot_slots: 1,
+            snapshot_max_bytes: 1 << 30,
+            disk: None,
+            exact_dsml_replay: true,
+            tool_memory_max_ids: 100_000,
+            tool_memory_max_bytes: 512 << 20,
+            stream_buffer_events: 4096,
+            keep_alive: Duration::from_secs(5),
+            script: None,
+            token_delay: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn continued_step_rounds_up() {
+        let mut d = DiskCacheConfig::new("/x");
+        assert_eq!(d.continued_step(), 10240);
+        d.boundary_align_tokens = 0;
+        assert_eq!(d.continued_step(), 10000);
+        d.continued_interval_tokens = 0;
+        assert_eq!(d.continued_step(), 0);
+        assert!(d.validate().is_ok());
+        d.cold_max_tokens = 10;
+        assert!(d.validate().is_err());
+        d.budget_bytes = 0;
+        assert!(d.validate().is_err());
+    }
+}

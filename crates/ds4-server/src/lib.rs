@@ -1,0 +1,189 @@
+//! `ds4-server`: an OpenAI- and Anthropic-compatible HTTP API over one ds4 engine session.
+//!
+//! ```text
+//! HTTP (axum)                    request::parse_* → prepare (render, exact DSML, tokenize)
+//!   → bounded queue (429 when full) → worker thread (one Session, one live KV)
+//!       reuse: live prefix | thinking-visible | turn snapshot | disk checkpoint | cold
+//!       prefill suffix (+ cold/continued disk saves) → decode + sample → OutputStream
+//!   → JobEvents → emit::{OpenAi,Anthropic,Responses}Stream → SSE / JSON body
+//! ```
+//!
+//! Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
+//! `/v1/completions`, `/v1/responses`, `/v1/messages`, `GET /health` (status + counters),
+//! `POST /tokenize`, `/detokenize`. Wire formats follow `shared/spec/server-and-cli.md` §4–8.
+
+pub mod config;
+pub mod diskcache;
+pub mod emit;
+pub mod error;
+pub mod http;
+pub mod json_out;
+pub mod model;
+pub mod request;
+pub mod script;
+pub mod stats;
+pub mod toolmem;
+pub mod worker;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use config::{DiskCacheConfig, ServerConfig, MODEL_ID};
+pub use error::{ApiError, ServerError};
+pub use model::{LoadedModel, ModelOptions};
+pub use script::Script;
+pub use stats::Stats;
+
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+/// A bound server: the worker is running and the socket is listening.
+pub struct Server {
+    listener: TcpListener,
+    router: axum::Router,
+    worker: std::thread::JoinHandle<()>,
+    stats: Arc<Stats>,
+    shutting_down: Arc<AtomicBool>,
+}
+
+impl Server {
+    /// Starts the worker (creating the session and opening the disk cache) and binds `addr`.
+    pub async fn bind(
+        addr: SocketAddr,
+        cfg: ServerConfig,
+        model: LoadedModel,
+    ) -> Result<Server, ServerError> {
+        if cfg.queue_capacity == 0 {
+            return Err(ServerError::Config(
+                "the queue capacity must be at least 1".into(),
+            ));
+        }
+        let cfg = Arc::new(cfg);
+        let stats = Arc::new(Stats::default());
+        let shutting_down = Arc::new(AtomicBool::new(false));
+        let toolmem = Arc::new(Mutex::new(toolmem::ToolMemory::new(
+            cfg.tool_memory_max_ids,
+            cfg.tool_memory_max_bytes,
+        )));
+        let ctx = model.engine.config().ctx;
+        let tok = model.tokenizer.clone();
+        let w = worker::Worker::new(
+            model.engine,
+            tok.clone(),
+            model.identity,
+            cfg.clone(),
+            toolmem.clone(),
+            stats.clone(),
+            shutting_down.clone(),
+        )?;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServerError::Io {
+                what: format!("cannot listen on {addr}"),
+                source,
+            })?;
+        let (tx, rx) = mpsc::channel(cfg.queue_capacity);
+        let worker = std::thread::Builder::new()
+            .name("ds4-worker".into())
+            .spawn(move || w.run(rx))
+            .map_err(|source| ServerError::Io {
+                what: "cannot start the worker thread".into(),
+                source,
+            })?;
+        let state = Arc::new(http::AppState::new(
+            cfg.clone(),
+            tok,
+            toolmem,
+            tx,
+            stats.clone(),
+            shutting_down.clone(),
+            ctx,
+            model.name,
+        ));
+        Ok(Server {
+            listener,
+            router: http::router(state),
+            worker,
+            stats,
+            shutting_down,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// Serves until `shutdown` resolves. Then: no new connections, the running generation
+    /// ends with finish `error` ("shutdown requested"), queued requests get 503, open
+    /// connections finish, and the worker saves a `shutdown` disk checkpoint and exits.
+    pub async fn serve<F>(self, shutdown: F) -> Result<(), ServerError>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let flag = self.shutting_down.clone();
+        let signal = async move {
+            shutdown.await;
+            flag.store(true, Ordering::Relaxed);
+            tracing::info!("shutdown requested; draining");
+        };
+        let served = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(signal)
+            .await;
+        // The router (and with it the queue's sender) is gone: the worker drains and exits.
+        let worker = self.worker;
+        let joined = tokio::task::spawn_blocking(move || worker.join()).await;
+        served.map_err(|source| ServerError::Io {
+            what: "server".into(),
+            source,
+        })?;
+        match joined {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(ServerError::Model("the worker thread panicked".into())),
+        }
+    }
+
+    /// Serves in the background (tests, embedding); stop with [`Running::shutdown`].
+    pub fn spawn(self) -> Running {
+        let addr = self.local_addr();
+        let stats = self.stats.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(self.serve(async move {
+            let _ = rx.await;
+        }));
+        Running {
+            addr,
+            stats,
+            stop: Some(tx),
+            task,
+        }
+    }
+}
+
+/// A server running on the current tokio runtime.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub stats: Arc<Stats>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), ServerError>>,
+}
+
+impl Running {
+    /// Requests a graceful shutdown and waits for it (worker joined, checkpoint saved).
+    pub async fn shutdown(mut self) -> Result<(), ServerError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(ServerError::Model(format!("server task failed: {e}"))),
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! Loading a model for serving: the engine on the CPU backend, the tokenizer from the
+//! GGUF's `tokenizer.ggml.*` tables, and the model identity that keys the disk KV cache.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ds4_chat::Tokenizer;
+use ds4_engine::{Engine, EngineConfig, NumericMode};
+use ds4_gguf::{GgufFile, Header, Value};
+
+use crate::error::ServerError;
+
+/// How to load the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelOptions {
+    /// Context size of the one session (allocated once).
+    pub ctx: usize,
+    /// CPU threads (0 = one per core).
+    pub threads: usize,
+    pub prefill_chunk: usize,
+    /// `None`: the engine's default for the model.
+    pub mode: Option<NumericMode>,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            ctx: 32768,
+            threads: 0,
+            prefill_chunk: 128,
+            mode: None,
+        }
+    }
+}
+
+/// A model ready to serve.
+pub struct LoadedModel {
+    pub engine: Engine,
+    pub tokenizer: Arc<Tokenizer>,
+    /// SHA-256 of the GGUF metadata + tensor table (disk cache entries of other files are
+    /// never restored).
+    pub identity: [u8; 32],
+    /// `general.name`, for logs.
+    pub name: String,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("name", &self.name)
+            .field("engine", &self.engine)
+            .finish()
+    }
+}
+
+impl LoadedModel {
+    /// Opens `path`, builds the tokenizer and loads the weights onto a CPU backend.
+    pub fn open(path: &Path, opts: &ModelOptions) -> Result<LoadedModel, ServerError> {
+        let file = GgufFile::open(path)
+            .map_err(|e| ServerError::Model(format!("{}: {e}", path.display())))?;
+        let header = file.header().clone();
+        let tokenizer = tokenizer_from_header(&header)?;
+        let backend = ds4_cpu::CpuBackend::new(opts.threads)
+            .map_err(|e| ServerError::Model(format!("CPU backend: {e}")))?;
+        let config = EngineConfig {
+            mode: opts.mode,
+            ctx: opts.ctx,
+            prefill_chunk: opts.prefill_chunk,
+        };
+        let engine = Engine::load(Arc::new(file), Box::new(backend), config)?;
+        if engine.hparams().n_vocab != tokenizer.vocab_size() {
+            return Err(ServerError::Model(format!(
+                "the tokenizer has {} tokens but the model's vocabulary is {}",
+                tokenizer.vocab_size(),
+                engine.hparams().n_vocab
+            )));
+        }
+        let name = header
+            .get("general.name")
+            .and_then(Value::as_str)
+            .unwrap_or("unnamed")
+            .to_string();
+        Ok(LoadedModel {
+            engine,
+            tokenizer: Arc::new(tokenizer),
+            identity: model_identity(&header),
+            name,
+        })
+    }
+}
+
+fn string_array<'a>(h: &'a Header, key: &str) -> Result<Vec<&'a str>, ServerError> {
+    let arr = h.get(key).and_then(Value::as_array).ok_or_else(|| {
+        ServerError::Model(format!("metadata key {key} is missing or not an array"))
+    })?;
+    arr.values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_str()
+                .ok_or_else(|| ServerError::Model(format!("{key}[{i}] is not a string")))
+        })
+        .collect()
+}
+
+/// The tokenizer from `tokenizer.ggml.tokens`, `.merges` and (optional) `.token_type`.
+pub fn tokenizer_from_header(h: &Header) -> Result<Tokenizer, ServerError> {
+    let tokens = string_array(h, "tokenizer.ggml.tokens")?;
+    let merges = string_array(h, "tokenizer.ggml.merges")?;
+    let types: Vec<i32> = match h.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+        Some(a) => a
+            .values
+            .iter()
+            .map(|v| v.as_int().and_then(|i| i32::try_from(i).ok()).unwrap_or(0))
+            .collect(),
+        None => Vec::new(),
+    };
+    Ok(Tokenizer::from_vocab(&tokens, &merges, &types)?)
+}
+
+/// SHA-256 over a canonical text of the metadata (key, type, value) and the tensor table
+/// (name, dims, type, offset): the same file always gives the same identity, and a file
+/// with other weights' layout or other metadata a different one.
+pub fn model_identity(h: &Header) -> [u8; 32] {
+    let mut canon = Vec::new();
+    for (k, v) in &h.metadata {
+        canon.extend_from_slice(format!("m {k} {v:?}\n").as_bytes());
+    }
+    for t in &h.tensors {
+        canon.extend_from_slice(
+            format!("t {} {:?} {:?} {}\n", t.name, t.dims, t.ty, t.offset).as_bytes(),
+        );
+    }
+    ds4_kvstore::model_identity(&canon)
+}

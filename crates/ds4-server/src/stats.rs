@@ -1,0 +1,69 @@
+//! Counters the server exposes on `GET /health`: they make queueing, prefix reuse and the
+//! disk cache observable (tests assert on them; operators read them).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::json_out::Obj;
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Generation requests accepted into the queue.
+    pub requests: AtomicU64,
+    /// Requests waiting for the worker right now.
+    pub queued: AtomicU64,
+    /// 1 while the worker runs a job.
+    pub running: AtomicU64,
+    /// 429 answers.
+    pub rejected_busy: AtomicU64,
+    /// Prompt tokens evaluated (not reused).
+    pub prefilled_tokens: AtomicU64,
+    /// Prompt tokens reused from the live state, a snapshot or the disk.
+    pub cached_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    /// Generations stopped because the client went away.
+    pub cancelled: AtomicU64,
+    pub snapshot_hits: AtomicU64,
+    pub disk_hits: AtomicU64,
+    pub disk_stores: AtomicU64,
+    /// Disk entries found unusable and removed.
+    pub disk_rejected: AtomicU64,
+    /// Assistant tool-call turns rendered with their exact sampled DSML.
+    pub exact_replays: AtomicU64,
+    pub worker_panics: AtomicU64,
+}
+
+impl Stats {
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn sub(c: &AtomicU64, n: u64) {
+        let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some(v.saturating_sub(n))
+        });
+    }
+
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+
+    pub fn to_json(&self) -> String {
+        let g = Stats::get;
+        Obj::new()
+            .num("requests", g(&self.requests))
+            .num("queued", g(&self.queued))
+            .num("running", g(&self.running))
+            .num("rejected_busy", g(&self.rejected_busy))
+            .num("prefilled_tokens", g(&self.prefilled_tokens))
+            .num("cached_tokens", g(&self.cached_tokens))
+            .num("generated_tokens", g(&self.generated_tokens))
+            .num("cancelled", g(&self.cancelled))
+            .num("snapshot_hits", g(&self.snapshot_hits))
+            .num("disk_hits", g(&self.disk_hits))
+            .num("disk_stores", g(&self.disk_stores))
+            .num("disk_rejected", g(&self.disk_rejected))
+            .num("exact_replays", g(&self.exact_replays))
+            .num("worker_panics", g(&self.worker_panics))
+            .end()
+    }
+}

@@ -1,0 +1,876 @@
+//! The one inference worker (spec §9): a thread that owns the engine session (one live KV
+//! state) and runs jobs strictly one at a time from a bounded queue. For each job it picks
+//! the cheapest way to reach the prompt (live state, an in-memory turn snapshot, a disk
+//! checkpoint, or a cold prefill), evaluates only what is missing, generates, and streams
+//! events back to the request's handler. Clients never back-pressure it: a client that
+//! stops reading (its buffer fills) or disconnects (its receiver drops) cancels its job.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use ds4_chat::stream::{EndCause, FinalOutput, Halt, OutputStream, StreamEvent, StreamOptions};
+use ds4_chat::tokenizer::{THINK_CLOSE_TEXT, THINK_OPEN_TEXT};
+use ds4_chat::Tokenizer;
+use ds4_engine::{argmax, Sampler, SamplerConfig, Session, Snapshot};
+use ds4_kvstore::{KvStore, Mode, StoreConfig, StoreOutcome};
+use tokio::sync::mpsc;
+
+use crate::config::{DiskCacheConfig, ServerConfig};
+use crate::diskcache::{self, continuation};
+use crate::error::{ApiError, ServerError};
+use crate::request::{Endpoint, Prepared};
+use crate::stats::Stats;
+use crate::toolmem::ToolMemory;
+
+/// One generation request, rendered and tokenized, waiting for the worker.
+#[derive(Debug)]
+pub struct Job {
+    pub endpoint: Endpoint,
+    pub prepared: Prepared,
+    pub stop: Vec<String>,
+    /// Client limit (`None`: the server default).
+    pub max_tokens: Option<u64>,
+    pub sampling: SamplerConfig,
+    /// Send per-token deltas (streaming); otherwise only start and end.
+    pub deltas: bool,
+    /// Forced output (test hook, see [`crate::script`]).
+    pub forced: Option<String>,
+    pub events: mpsc::Sender<JobEvent>,
+    /// Set by the handler when the client goes away.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// Token accounting of one request (spec §7.1: P, R, C).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Tokens of the effective prompt.
+    pub prompt_tokens: usize,
+    /// Reused (not evaluated) prompt tokens.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+impl Usage {
+    /// Prompt tokens evaluated for this request.
+    pub fn prefilled(&self) -> usize {
+        self.prompt_tokens - self.cached_tokens
+    }
+}
+
+/// A streamed piece of output, with tool-call ids assigned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delta {
+    Reasoning(String),
+    Content(String),
+    ToolStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    ToolArgs {
+        index: usize,
+        fragment: String,
+    },
+    ToolEnd {
+        index: usize,
+    },
+}
+
+/// The end of a job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub output: FinalOutput,
+    /// One id per tool call of `output.message`, the streamed ones reused.
+    pub tool_ids: Vec<String>,
+    pub usage: Usage,
+    /// The model closed its reasoning (`</think>` seen).
+    pub reasoning_closed: bool,
+}
+
+#[derive(Debug)]
+pub enum JobEvent {
+    /// The worker took the job; the prompt is about to be evaluated.
+    Started {
+        usage: Usage,
+        source: &'static str,
+    },
+    Delta(Delta),
+    Done(Box<Outcome>),
+    /// The job failed (before `Started`: answer with this error; after: in-stream error).
+    Failed(ApiError),
+}
+
+/// A random id: `prefix` + `hex_len` lowercase hex digits.
+pub fn random_id(prefix: &str, hex_len: usize) -> String {
+    let mut bytes = vec![0u8; hex_len.div_ceil(2)];
+    if getrandom::fill(&mut bytes).is_err() {
+        // No OS randomness: fall back to time and a counter (ids stay unique per process).
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+            ^ N.fetch_add(1, Ordering::Relaxed).rotate_left(32);
+        let mut r = ds4_engine::Rng::new(seed);
+        for b in bytes.iter_mut() {
+            *b = r.next_u64() as u8;
+        }
+    }
+    let mut s = String::with_capacity(prefix.len() + hex_len);
+    s.push_str(prefix);
+    for b in bytes {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s.truncate(prefix.len() + hex_len);
+    s
+}
+
+struct MemSnapshot {
+    tokens: Vec<u32>,
+    snap: Snapshot,
+    logits: Vec<f32>,
+}
+
+/// After a tool-less thinking answer the client replays it without the reasoning; this
+/// remembers the text it will send, so the live state (which has the reasoning) still counts
+/// as its prefix (spec §9 `thinking-visible`).
+struct Visible {
+    text: String,
+    live_len: usize,
+}
+
+struct Disk {
+    store: KvStore,
+    cfg: DiskCacheConfig,
+    /// Live length at the last save or load (the `continued` schedule counts from it).
+    frontier: usize,
+}
+
+/// Why a prefill ended early.
+enum Stop {
+    /// The client went away or the server is stopping.
+    Cancelled,
+    /// The engine failed (already reported to the client).
+    Failed,
+}
+
+/// The worker's state: the session and everything tied to its live KV.
+pub struct Worker {
+    session: Session,
+    tok: Arc<Tokenizer>,
+    eos: u32,
+    n_vocab: usize,
+    ctx: usize,
+    piece: usize,
+    /// Logits after the live state's last token.
+    logits: Option<Vec<f32>>,
+    visible: Option<Visible>,
+    snapshots: VecDeque<MemSnapshot>,
+    disk: Option<Disk>,
+    toolmem: Arc<Mutex<ToolMemory>>,
+    stats: Arc<Stats>,
+    cfg: Arc<ServerConfig>,
+    shutdown: Arc<AtomicBool>,
+}
+
+fn lock(m: &Mutex<ToolMemory>) -> std::sync::MutexGuard<'_, ToolMemory> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn engine_err(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+impl Worker {
+    /// Creates the session and opens the disk cache (evicting it to its budget). Tool maps
+    /// saved with disk entries are loaded into tool memory.
+    pub fn new(
+        engine: ds4_engine::Engine,
+        tok: Arc<Tokenizer>,
+        identity: [u8; 32],
+        cfg: Arc<ServerConfig>,
+        toolmem: Arc<Mutex<ToolMemory>>,
+        stats: Arc<Stats>,
+        shutdown: Arc<AtomicBool>,
+    ) -> Result<Worker, ServerError> {
+        let ctx = engine.config().ctx;
+        let piece = engine.config().prefill_chunk.max(1) * 4;
+        let n_vocab = engine.hparams().n_vocab;
+        let mode = match engine.mode() {
+            ds4_engine::NumericMode::Exact => Mode::Exact,
+            ds4_engine::NumericMode::Official => Mode::Official,
+        };
+        let disk = match &cfg.disk {
+            None => None,
+            Some(d) => {
+                d.validate().map_err(ServerError::Config)?;
+                let (store, rejected) = KvStore::open(StoreConfig {
+                    dir: d.dir.clone(),
+                    budget_bytes: d.budget_bytes,
+                    model_id: identity,
+                    mode,
+                    ctx: ctx as u64,
+                })?;
+                for r in &rejected {
+                    tracing::warn!(entry = %r.name, reason = %r.reason, "disk KV entry removed");
+                }
+                Stats::add(&stats.disk_rejected, rejected.len() as u64);
+                if cfg.exact_dsml_replay {
+                    let maps = diskcache::read_tool_maps(&d.dir);
+                    let mut tm = lock(&toolmem);
+                    for (id, block) in maps {
+                        tm.insert(&id, Arc::from(block.as_str()));
+                    }
+                }
+                tracing::info!(
+                    dir = %d.dir.display(),
+                    entries = store.entries().len(),
+                    bytes = store.total_bytes(),
+                    "disk KV cache open"
+                );
+                Some(Disk {
+                    store,
+                    cfg: d.clone(),
+                    frontier: 0,
+                })
+            }
+        };
+        let eos = tok.markers().eos;
+        Ok(Worker {
+            session: Session::new(engine)?,
+            tok,
+            eos,
+            n_vocab,
+            ctx,
+            piece,
+            logits: None,
+            visible: None,
+            snapshots: VecDeque::new(),
+            disk,
+            toolmem,
+            stats,
+            cfg,
+            shutdown,
+        })
+    }
+
+    /// Runs jobs until the queue closes, then saves a `shutdown` checkpoint.
+    pub fn run(mut self, mut rx: mpsc::Receiver<Job>) {
+        while let Some(job) = rx.blocking_recv() {
+            Stats::sub(&self.stats.queued, 1);
+            if job.events.is_closed() || job.cancel.load(Ordering::Relaxed) {
+                Stats::add(&self.stats.cancelled, 1);
+                continue;
+            }
+            if self.shutdown.load(Ordering::Relaxed) {
+                let _ = job
+                    .events
+                    .try_send(JobEvent::Failed(ApiError::shutting_down()));
+                continue;
+            }
+            let events = job.events.clone();
+            Stats::add(&self.stats.running, 1);
+            let r = catch_unwind(AssertUnwindSafe(|| self.run_job(job)));
+            Stats::sub(&self.stats.running, 1);
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    let _ = events.try_send(JobEvent::Failed(e));
+                }
+                Err(_) => {
+                    Stats::add(&self.stats.worker_panics, 1);
+                    tracing::error!("the worker panicked; the live state was discarded");
+                    self.discard_live();
+                    let _ = events.try_send(JobEvent::Failed(ApiError::internal("internal error")));
+                }
+            }
+        }
+        self.disk_save("shutdown");
+    }
+
+    fn discard_live(&mut self) {
+        let _ = self.session.reset();
+        self.logits = None;
+        self.visible = None;
+        self.snapshots.clear();
+    }
+
+    fn send(&self, job: &Job, ev: JobEvent) {
+        if matches!(ev, JobEvent::Delta(_)) && !job.deltas {
+            return;
+        }
+        if job.events.try_send(ev).is_err() {
+            // Receiver gone (disconnect) or buffer full (stalled client): stop the job.
+            job.cancel.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn stopping(&self, job: &Job) -> bool {
+        job.cancel.load(Ordering::Relaxed)
+            || job.events.is_closed()
+            || self.shutdown.load(Ordering::Relaxed)
+    }
+
+    fn run_job(&mut self, job: Job) -> Result<(), ApiError> {
+        let t0 = Instant::now();
+        let (cached, suffix, source) = self.reuse(&job.prepared)?;
+        let usage0 = Usage {
+            prompt_tokens: cached + suffix.len(),
+            cached_tokens: cached,
+            completion_tokens: 0,
+        };
+        if usage0.prompt_tokens >= self.ctx {
+            return Err(ApiError::context_overflow(
+                usage0.prompt_tokens,
+                self.ctx,
+                job.endpoint.prompt_param(),
+            ));
+        }
+        tracing::debug!(source, cached, prefill = suffix.len(), "prompt");
+        self.send(
+            &job,
+            JobEvent::Started {
+                usage: usage0,
+                source,
+            },
+        );
+        Stats::add(&self.stats.cached_tokens, cached as u64);
+        match self.prefill(&job, &suffix, cached == 0) {
+            Ok(()) => {}
+            Err(Stop::Cancelled) => {
+                Stats::add(&self.stats.cancelled, 1);
+                return Ok(());
+            }
+            Err(Stop::Failed) => return Ok(()),
+        }
+        let t_prefill = t0.elapsed();
+        self.turn_snapshot();
+        let limit = job
+            .max_tokens
+            .map_or(self.cfg.max_tokens, |m| m.min(usize::MAX as u64) as usize)
+            .min(self.cfg.max_tokens)
+            .min(self.ctx - usage0.prompt_tokens);
+        let mut outcome = self.generate(&job, limit)?;
+        outcome.usage = Usage {
+            completion_tokens: outcome.usage.completion_tokens,
+            ..usage0
+        };
+        tracing::info!(
+            endpoint = ?job.endpoint,
+            source,
+            prompt = usage0.prompt_tokens,
+            cached,
+            generated = outcome.usage.completion_tokens,
+            finish = outcome.output.finish.as_str(),
+            prefill_ms = t_prefill.as_millis() as u64,
+            total_ms = t0.elapsed().as_millis() as u64,
+            "request done"
+        );
+        self.send(&job, JobEvent::Done(Box::new(outcome)));
+        Ok(())
+    }
+
+    /// Picks how to reach the prompt and puts the session there. Returns (reused tokens,
+    /// tokens still to evaluate, where the reuse came from).
+    fn reuse(&mut self, p: &Prepared) -> Result<(usize, Vec<u32>, &'static str), ApiError> {
+        let live_len = self.session.pos();
+        if live_len > 0 {
+            if let Some(s) = continuation(&self.tok, self.session.tokens(), &p.text, &p.tokens) {
+                if !s.is_empty() || self.logits.is_some() {
+                    return Ok((live_len, s, "live"));
+                }
+            }
+            if let Some(v) = &self.visible {
+                if v.live_len == live_len
+                    && p.text.len() > v.text.len()
+                    && p.text.starts_with(&v.text)
+                {
+                    let s = self
+                        .tok
+                        .encode_chat(&p.text[v.text.len()..])
+                        .map_err(engine_err)?;
+                    return Ok((live_len, s, "thinking-visible"));
+                }
+            }
+        }
+        for i in (0..self.snapshots.len()).rev() {
+            let m = &self.snapshots[i];
+            if let Some(s) = continuation(&self.tok, &m.tokens, &p.text, &p.tokens) {
+                self.session.restore(&m.snap).map_err(engine_err)?;
+                self.logits = Some(m.logits.clone());
+                self.visible = None;
+                let n = m.tokens.len();
+                if let Some(d) = &mut self.disk {
+                    d.frontier = d.frontier.min(n);
+                }
+                Stats::add(&self.stats.snapshot_hits, 1);
+                return Ok((n, s, "snapshot"));
+            }
+        }
+        if let Some(hit) = self.disk_lookup(p) {
+            self.disk_save("evict");
+            if let Some(r) = self.disk_load(&hit.0, hit.1) {
+                return Ok(r);
+            }
+        }
+        if live_len > 0 {
+            self.disk_save("evict");
+        }
+        self.session.reset().map_err(engine_err)?;
+        self.logits = None;
+        self.visible = None;
+        if let Some(d) = &mut self.disk {
+            d.frontier = 0;
+        }
+        Ok((0, p.tokens.clone(), "cold"))
+    }
+
+    /// The longest usable disk entry that prefixes the prompt: (name, continuation).
+    fn disk_lookup(&self, p: &Prepared) -> Option<(String, Vec<u32>)> {
+        let d = self.disk.as_ref()?;
+        let sc = d.store.config();
+        let mut best: Option<(usize, String, Vec<u32>)> = None;
+        for e in d.store.entries() {
+            if e.tokens.len() < d.cfg.min_tokens.max(1) || e.mode != sc.mode || e.ctx > sc.ctx {
+                continue;
+            }
+            if best.as_ref().is_some_and(|b| b.0 >= e.tokens.len()) {
+                continue;
+            }
+            if let Some(s) = continuation(&self.tok, &e.tokens, &p.text, &p.tokens) {
+                best = Some((e.tokens.len(), e.name.clone(), s));
+            }
+        }
+        best.map(|(_, n, s)| (n, s))
+    }
+
+    fn disk_load(
+        &mut self,
+        name: &str,
+        suffix: Vec<u32>,
+    ) -> Option<(usize, Vec<u32>, &'static str)> {
+        let d = self.disk.as_mut()?;
+        let loaded = match d.store.load(name) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(entry = name, error = %e, "disk KV entry not loaded");
+                Stats::add(&self.stats.disk_rejected, 1);
+                return None;
+            }
+        };
+        let restored =
+            diskcache::decode_payload(&loaded.payload, self.n_vocab).and_then(|(logits, snap)| {
+                self.session
+                    .restore(&Snapshot::from_bytes(snap))
+                    .map_err(|e| e.to_string())
+                    .map(|_| logits)
+            });
+        match restored {
+            Ok(logits) if self.session.tokens() == loaded.tokens.as_slice() => {
+                self.logits = Some(logits);
+                self.visible = None;
+                d.frontier = loaded.tokens.len();
+                if self.cfg.exact_dsml_replay {
+                    let mut tm = lock(&self.toolmem);
+                    for (id, block) in &loaded.tool_map {
+                        tm.insert(id, Arc::from(block.as_str()));
+                    }
+                }
+                Stats::add(&self.stats.disk_hits, 1);
+                tracing::info!(entry = name, tokens = loaded.tokens.len(), "disk KV hit");
+                Some((loaded.tokens.len(), suffix, "disk"))
+            }
+            other => {
+                let why = match other {
+                    Err(e) => e,
+                    Ok(_) => "restored tokens differ from the entry".into(),
+                };
+                tracing::warn!(entry = name, reason = %why, "disk KV entry unusable; removed");
+                let _ = d.store.remove(name);
+                Stats::add(&self.stats.disk_rejected, 1);
+                let _ = self.session.reset();
+                self.logits = None;
+                None
+            }
+        }
+    }
+
+    /// Saves the live state as a disk checkpoint (if enabled and long enough).
+    fn disk_save(&mut self, reason: &str) {
+        let n = self.session.pos();
+        let Some(d) = &self.disk else { return };
+        if n == 0 || n < d.cfg.min_tokens {
+            return;
+        }
+        let Some(logits) = &self.logits else { return };
+        let snap = match self.session.snapshot() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot snapshot for the disk cache");
+                return;
+            }
+        };
+        let payload = diskcache::encode_payload(logits, snap.as_bytes());
+        let tool_map = if self.cfg.exact_dsml_replay {
+            let text = self
+                .tok
+                .decode_lossy(self.session.tokens())
+                .unwrap_or_default();
+            lock(&self.toolmem).blocks_in(&text)
+        } else {
+            Default::default()
+        };
+        let tokens = self.session.tokens().to_vec();
+        let Some(d) = &mut self.disk else { return };
+        match d.store.store(&tokens, &payload, &tool_map) {
+            Ok(StoreOutcome::Stored { name, evicted }) => {
+                d.frontier = n;
+                Stats::add(&self.stats.disk_stores, 1);
+                tracing::info!(reason, tokens = n, entry = %name, evicted = evicted.len(), "disk KV checkpoint saved");
+            }
+            Ok(StoreOutcome::SkippedTooLarge { needed, budget }) => {
+                tracing::warn!(
+                    reason,
+                    needed,
+                    budget,
+                    "disk KV checkpoint larger than the budget; skipped"
+                );
+            }
+            Err(e) => tracing::warn!(reason, error = %e, "disk KV checkpoint failed"),
+        }
+    }
+
+    /// Where a cold prompt is checkpointed (spec §11 `cold`): the shared system/tools prefix
+    /// (up to the last `⟨U⟩` before the first `⟨A⟩`), else the trimmed, aligned length.
+    fn cold_boundary(&self, tokens: &[u32]) -> Option<usize> {
+        let d = self.disk.as_ref()?;
+        let len = tokens.len();
+        if d.cfg.cold_max_tokens == 0
+            || len < d.cfg.min_tokens.max(1)
+            || len > d.cfg.cold_max_tokens
+        {
+            return None;
+        }
+        let m = self.tok.markers();
+        let first_a = tokens.iter().position(|&t| t == m.assistant).unwrap_or(len);
+        if let Some(u) = tokens[..first_a].iter().rposition(|&t| t == m.user) {
+            if u >= d.cfg.min_tokens.max(1) {
+                return Some(u);
+            }
+        }
+        let mut b = len.saturating_sub(d.cfg.boundary_trim_tokens);
+        if d.cfg.boundary_align_tokens > 0 {
+            b = b / d.cfg.boundary_align_tokens * d.cfg.boundary_align_tokens;
+        }
+        Some(if b >= d.cfg.min_tokens.max(1) { b } else { len })
+    }
+
+    /// The next `continued` checkpoint position, if any.
+    fn next_continued(&self) -> Option<usize> {
+        let d = self.disk.as_ref()?;
+        let step = d.cfg.continued_step();
+        (step > 0).then(|| d.frontier + step)
+    }
+
+    /// Evaluates `tokens` after the live state in pieces (so a cancel is noticed and disk
+    /// checkpoints land exactly at their boundaries). `Err` = cancelled.
+    fn prefill(&mut self, job: &Job, tokens: &[u32], cold: bool) -> Result<(), Stop> {
+        let cold_at = if cold {
+            self.cold_boundary(tokens)
+        } else {
+            None
+        };
+        let mut done = 0;
+        while done < tokens.len() {
+            if self.stopping(job) {
+                return Err(Stop::Cancelled);
+            }
+            let pos = self.session.pos();
+            let mut end = tokens.len().min(done + self.piece);
+            for b in [cold_at, self.next_continued()].into_iter().flatten() {
+                if b > pos && b < pos + (end - done) {
+                    end = done + (b - pos);
+                }
+            }
+            match self.session.prefill(&tokens[done..end]) {
+                Ok(l) => self.logits = Some(l),
+                Err(e) => {
+                    // The state is unchanged or partial; nothing after it can be trusted.
+                    self.discard_live();
+                    self.send(job, JobEvent::Failed(ApiError::internal(e.to_string())));
+                    return Err(Stop::Failed);
+                }
+            }
+            Stats::add(&self.stats.prefilled_tokens, (end - done) as u64);
+            done = end;
+            let pos = self.session.pos();
+            if cold_at == Some(pos) {
+                self.disk_save("cold");
+            } else if self.next_continued() == Some(pos) {
+                self.disk_save("continued");
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps an in-memory snapshot of the state at the end of this prompt.
+    fn turn_snapshot(&mut self) {
+        if self.cfg.snapshot_slots == 0 {
+            return;
+        }
+        let Some(logits) = self.logits.clone() else {
+            return;
+        };
+        let tokens = self.session.tokens().to_vec();
+        if self.snapshots.back().is_some_and(|s| s.tokens == tokens) {
+            return;
+        }
+        match self.session.snapshot() {
+            Ok(snap) if snap.as_bytes().len() <= self.cfg.snapshot_max_bytes => {
+                self.snapshots.retain(|s| s.tokens != tokens);
+                self.snapshots.push_back(MemSnapshot {
+                    tokens,
+                    snap,
+                    logits,
+                });
+                while self.snapshots.len() > self.cfg.snapshot_slots {
+                    self.snapshots.pop_front();
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "turn snapshot failed"),
+        }
+    }
+
+    fn generate(&mut self, job: &Job, limit: usize) -> Result<Outcome, ApiError> {
+        let p = &job.prepared;
+        let mut stream = OutputStream::new(StreamOptions {
+            thinking: p.thinking,
+            tools: p.tools,
+            stop: job.stop.clone(),
+        });
+        let tok = self.tok.clone();
+        let mut dec = tok.stream_decoder();
+        let mut sampler =
+            Sampler::new(job.sampling.clone()).map_err(|e| ApiError::bad(e.to_string()))?;
+        let forced = match &job.forced {
+            Some(t) => Some(tok.encode_chat(t).map_err(engine_err)?),
+            None => None,
+        };
+        let mut ids: Vec<String> = Vec::new();
+        let mut generated = 0usize;
+        let mut cancelled = false;
+        let cause = loop {
+            if generated >= limit {
+                break EndCause::Length;
+            }
+            if job.cancel.load(Ordering::Relaxed) || job.events.is_closed() {
+                cancelled = true;
+                break EndCause::Error("cancelled".into());
+            }
+            if self.shutdown.load(Ordering::Relaxed) {
+                break EndCause::Error("shutdown requested".into());
+            }
+            let Some(logits) = self.logits.as_ref() else {
+                break EndCause::Error("no logits to sample from".into());
+            };
+            let t = match &forced {
+                Some(f) => f.get(generated).copied().unwrap_or(self.eos),
+                None => {
+                    let st = stream.dsml_state();
+                    if st.in_tool_call() && !st.uses_payload_sampling() {
+                        argmax(logits)
+                    } else {
+                        match sampler.sample(logits, &[]) {
+                            Ok(t) => t,
+                            Err(e) => break EndCause::Error(e.to_string()),
+                        }
+                    }
+                }
+            };
+            if t == self.eos {
+                break EndCause::Eos;
+            }
+            generated += 1;
+            let text = dec.push(t).unwrap_or_default();
+            let evs = stream.push(&text);
+            self.emit(job, evs, &mut ids);
+            match self.session.decode(t) {
+                Ok(l) => self.logits = Some(l),
+                Err(e) => {
+                    self.discard_live();
+                    break EndCause::Error(e.to_string());
+                }
+            }
+            Stats::add(&self.stats.generated_tokens, 1);
+            if stream.halted().is_some() {
+                break EndCause::Eos;
+            }
+            if self.next_continued() == Some(self.session.pos())
+                && !stream.dsml_state().in_tool_call()
+            {
+                self.disk_save("continued");
+            }
+            if let Some(d) = self.cfg.token_delay {
+                std::thread::sleep(d);
+            }
+        };
+        if cancelled {
+            Stats::add(&self.stats.cancelled, 1);
+        }
+        let rest = dec.finish();
+        if !rest.is_empty() {
+            let evs = stream.push(&rest);
+            self.emit(job, evs, &mut ids);
+        }
+        let stop_hit = stream.halted() == Some(Halt::StopSequence);
+        let reasoning_closed = !p.thinking || stream.text().contains(THINK_CLOSE_TEXT);
+        let (evs, output) = stream.finish(cause);
+        self.emit(job, evs, &mut ids);
+        while ids.len() < output.message.tool_calls.len() {
+            ids.push(random_id(job.endpoint.tool_id_prefix(), 32));
+        }
+        ids.truncate(output.message.tool_calls.len());
+        self.remember(job, &output, &ids, stop_hit || cancelled);
+        Ok(Outcome {
+            output,
+            tool_ids: ids,
+            usage: Usage {
+                completion_tokens: generated,
+                ..Usage::default()
+            },
+            reasoning_closed,
+        })
+    }
+
+    /// Maps parser events to deltas, assigning a tool-call id when a call is announced.
+    fn emit(&self, job: &Job, evs: Vec<StreamEvent>, ids: &mut Vec<String>) {
+        for e in evs {
+            let d = match e {
+                StreamEvent::Reasoning(s) => Delta::Reasoning(s),
+                StreamEvent::Content(s) => Delta::Content(s),
+                StreamEvent::ToolCallStart { index, name } => {
+                    while ids.len() <= index {
+                        ids.push(random_id(job.endpoint.tool_id_prefix(), 32));
+                    }
+                    Delta::ToolStart {
+                        index,
+                        id: ids[index].clone(),
+                        name,
+                    }
+                }
+                StreamEvent::ToolCallArguments { index, fragment } => {
+                    Delta::ToolArgs { index, fragment }
+                }
+                StreamEvent::ToolCallEnd { index } => Delta::ToolEnd { index },
+            };
+            self.send(job, JobEvent::Delta(d));
+        }
+    }
+
+    /// Bookkeeping after a turn: exact DSML for the call ids, the thinking-visible binding.
+    fn remember(&mut self, job: &Job, out: &FinalOutput, ids: &[String], tainted: bool) {
+        if self.cfg.exact_dsml_replay && !ids.is_empty() {
+            if let Some(raw) = &out.message.raw_dsml {
+                let block: Arc<str> = Arc::from(raw.as_str());
+                let mut tm = lock(&self.toolmem);
+                for id in ids {
+                    tm.insert(id, block.clone());
+                }
+            }
+        }
+        self.visible = None;
+        let p = &job.prepared;
+        let clean = !tainted && out.finish == ds4_chat::stream::FinishReason::Stop;
+        if clean
+            && p.thinking
+            && !p.tool_context
+            && out.message.tool_calls.is_empty()
+            && out.message.reasoning.is_some()
+        {
+            if let Some(prefix) = p.text.strip_suffix(THINK_OPEN_TEXT) {
+                self.visible = Some(Visible {
+                    text: format!("{prefix}{THINK_CLOSE_TEXT}{}", out.message.content),
+                    live_len: self.session.pos(),
+                });
+            }
+        }
+    }
+}
+
+/// Resolves a request's sampling (spec §6): defaults temperature 1, top_p 1, min_p 0.05,
+/// top_k 0 (values above 1024 capped), seed 0 = time-derived; in thinking modes the client's
+/// knobs are ignored and the defaults forced (as DeepSeek's API does).
+pub fn sampler_config(
+    s: &crate::request::Sampling,
+    thinking: bool,
+    fallback_seed: u64,
+) -> SamplerConfig {
+    let d = crate::request::Sampling::default();
+    let s = if thinking { &d } else { s };
+    let mut top_p = s.top_p.unwrap_or(1.0);
+    let mut top_k = s.top_k.unwrap_or(0).min(1024) as usize;
+    if top_p <= 0.0 {
+        // top_p 0 keeps only the most likely token.
+        top_p = 1.0;
+        top_k = 1;
+    }
+    let seed = match s.seed {
+        Some(0) | None => fallback_seed,
+        Some(x) => x,
+    };
+    SamplerConfig {
+        temperature: s.temperature.unwrap_or(1.0),
+        top_k,
+        top_p,
+        min_p: s.min_p.unwrap_or(0.05),
+        repeat_penalty: 1.0,
+        repeat_window: 64,
+        seed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::Sampling;
+
+    #[test]
+    fn ids_have_the_right_shape() {
+        let a = random_id("call_", 32);
+        assert!(a.starts_with("call_") && a.len() == 37);
+        assert!(a[5..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(a, random_id("call_", 32));
+        assert_eq!(random_id("x", 3).len(), 4);
+    }
+
+    #[test]
+    fn sampling_defaults_and_thinking_override() {
+        let s = Sampling {
+            temperature: Some(0.0),
+            top_p: Some(0.0),
+            min_p: None,
+            top_k: Some(5000),
+            seed: Some(7),
+        };
+        let c = sampler_config(&s, false, 99);
+        assert_eq!(
+            (c.temperature, c.top_p, c.top_k, c.min_p, c.seed),
+            (0.0, 1.0, 1, 0.05, 7)
+        );
+        let c = sampler_config(&s, true, 99);
+        assert_eq!((c.temperature, c.top_p, c.top_k, c.seed), (1.0, 1.0, 0, 99));
+        let c = sampler_config(
+            &Sampling {
+                top_k: Some(5000),
+                ..Sampling::default()
+            },
+            false,
+            1,
+        );
+        assert_eq!(c.top_k, 1024);
+    }
+}

@@ -342,3 +342,43 @@ fn quantized_weights_match_their_dequantized_f32_twin() {
         assert!(d < 1e-4, "{name}: {d:e}");
     }
 }
+
+#[test]
+fn generate_stops_at_the_context_and_continues_from_given_logits() {
+    let file = model();
+    let prompt = tokens(250, 97, 10); // ctx is 256
+    let mut g = session(&file, NumericMode::Exact, 64, 2);
+    let mut sampler = Sampler::new(SamplerConfig::default()).unwrap();
+    let stop = StopConditions {
+        max_tokens: 20,
+        ..Default::default()
+    };
+    let out = g
+        .generate(&prompt, None, &mut sampler, &stop, &mut |_| true, None)
+        .unwrap();
+    assert_eq!((out.stop, out.tokens.len()), (StopReason::ContextFull, 7));
+    assert_eq!(g.pos(), 256);
+
+    // Continuing with an empty prompt needs the previous logits; it samples from them.
+    let mut h = session(&file, NumericMode::Exact, 64, 2);
+    let l = h.prefill(&prompt[..10]).unwrap();
+    let stop = StopConditions {
+        max_tokens: 1,
+        ..Default::default()
+    };
+    assert!(matches!(
+        h.generate(&[], None, &mut sampler, &stop, &mut |_| true, None),
+        Err(EngineError::Empty)
+    ));
+    let out = h
+        .generate(
+            &[],
+            Some(l.clone()),
+            &mut sampler,
+            &stop,
+            &mut |_| true,
+            None,
+        )
+        .unwrap();
+    assert_eq!(out.tokens, vec![argmax(&l)]);
+}

@@ -1,5 +1,12 @@
-//! Shared code of the ds4 binaries: one module per subcommand.
+//! Shared code of the ds4 binaries: one module per subcommand, plus the generation core.
 
+pub mod chat;
+pub mod generate;
 pub mod inspect;
+pub mod load;
 pub mod logging;
 pub mod plan;
+pub mod repl;
+pub mod sessions;
+pub mod signals;
+pub mod vectors;

@@ -1,24 +1,137 @@
-//! `ds4`: the user-facing command.
+//! `ds4`: the user-facing command. `ds4 -p PROMPT` answers once, `ds4` alone chats;
+//! subcommands inspect, plan and check models.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
+use ds4_chat::render::{ThinkingMode, DEFAULT_SYSTEM};
+use ds4_cli::generate::{GenSettings, OneShotEnd};
+use ds4_cli::load::{BackendChoice, LoadOptions, ModeChoice};
+use ds4_cli::signals::Interrupts;
+use ds4_engine::SamplerConfig;
 use ds4_model::Strictness;
 
 #[derive(Parser)]
 #[command(
     name = "ds4",
     version,
-    about = "DeepSeek V4 Flash inference engine (ds4-rs)"
+    about = "DeepSeek V4 Flash inference engine (ds4-rs)",
+    long_about = "DeepSeek V4 Flash inference engine (ds4-rs).\n\n\
+        `ds4 -p TEXT` answers one prompt and exits; `ds4` with no prompt starts an interactive \
+        chat (type /help there). The model's text goes to stdout, everything else to stderr.",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     /// More log output (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// How to load the model (shared by generation, chat and `ds4 vectors`).
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// The model GGUF.
+    #[arg(short, long, default_value = "ds4flash.gguf")]
+    model: PathBuf,
+    /// Backend: auto (the best available; today the CPU), cpu, cuda, rocm.
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendChoice,
+    /// Numeric mode: official (FP8/FP4 QAT simulation, the default where the model allows it)
+    /// or exact (HF transformers' graph).
+    #[arg(long, value_enum)]
+    mode: Option<ModeChoice>,
+    /// CPU threads (0 = one per core).
+    #[arg(short, long, default_value_t = 0)]
+    threads: usize,
+    /// Prefill chunk in tokens (bounds scratch memory; results do not depend on it).
+    #[arg(long, default_value_t = 2048)]
+    prefill_chunk: usize,
+    #[command(flatten)]
+    placement: PlacementFlags,
+}
+
+impl ModelArgs {
+    fn load_options(&self, ctx: usize, report: bool) -> LoadOptions {
+        LoadOptions {
+            model: self.model.clone(),
+            backend: self.backend,
+            mode: self.mode,
+            ctx,
+            prefill_chunk: self.prefill_chunk.max(1),
+            threads: self.threads,
+            placement: self.placement.to_overrides(),
+            report_placement: report,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+#[group(id = "thinking", multiple = false)]
+struct ThinkFlags {
+    /// Thinking on, normal effort (the default).
+    #[arg(long)]
+    think: bool,
+    /// Think Max (needs -c >= 393216, else normal thinking with a warning).
+    #[arg(long)]
+    think_max: bool,
+    /// No reasoning: the answer starts at once.
+    #[arg(long)]
+    nothink: bool,
+}
+
+/// Generation and chat flags (spec server-and-cli.md §2).
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Answer this prompt and exit (without -p or --prompt-file: interactive chat).
+    #[arg(short, long, conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// Answer the prompt in FILE and exit.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Context size in tokens.
+    #[arg(short, long, default_value_t = 32768)]
+    ctx: usize,
+    /// Most tokens per answer (clamped to the context room).
+    #[arg(short = 'n', long, default_value_t = 50000)]
+    tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temp: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Drop tokens below this fraction of the top probability.
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// RNG seed (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// System prompt (`-sys` works too); "" for none.
+    #[arg(long, default_value = DEFAULT_SYSTEM)]
+    system: String,
+    #[command(flatten)]
+    think: ThinkFlags,
+    /// Directory of the disk KV store for /save, /load and /list.
+    #[arg(long)]
+    kv_disk_dir: Option<PathBuf>,
+    /// Disk budget of the KV store in MiB.
+    #[arg(long, default_value_t = 4096)]
+    kv_disk_space_mb: u64,
+    /// Do not print the placement plan at load.
+    #[arg(short, long)]
+    quiet: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -100,6 +213,34 @@ enum Command {
         #[arg(long)]
         help_overrides: bool,
     },
+    /// Compare this engine with DeepSeek's official API vectors (top-20 logprobs).
+    #[command(after_long_help = ds4_cli::vectors::THRESHOLDS_HELP)]
+    Vectors {
+        /// The vectors directory (manifest.json, prompts/, official/).
+        #[arg(long)]
+        dir: PathBuf,
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Context (0 = just large enough for the longest case).
+        #[arg(short, long, default_value_t = 0)]
+        ctx: usize,
+        /// Only check the prompt token counts (needs only the vocabulary: any GGUF with
+        /// tokenizer tables, such as a vocabulary-only file).
+        #[arg(long)]
+        counts_only: bool,
+        /// Run only these cases (repeatable).
+        #[arg(long)]
+        only: Vec<String>,
+        /// Least top-20 overlap with the official list.
+        #[arg(long, default_value_t = 17)]
+        min_overlap: usize,
+        /// Largest |delta logprob| on the official top-5, in nats.
+        #[arg(long, default_value_t = 0.5)]
+        max_top5_delta: f64,
+        /// Machine-readable JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
     /// Show a GGUF's metadata, tensor summary, validation verdict and byte accounting.
     Inspect {
         file: PathBuf,
@@ -111,8 +252,27 @@ enum Command {
     },
 }
 
+/// ds4 spellings clap cannot express: `-sys` is `--system`; `--server` is refused.
+fn args() -> Result<Vec<std::ffi::OsString>, String> {
+    let mut out = Vec::new();
+    for a in std::env::args_os() {
+        if a == "--server" {
+            return Err("ds4: --server is not a ds4 flag; use ds4-server".into());
+        }
+        out.push(if a == "-sys" { "--system".into() } else { a });
+    }
+    Ok(out)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let argv = match args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     ds4_cli::logging::init(cli.verbose);
     match run(cli) {
         Ok(code) => code,
@@ -124,7 +284,57 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    match cli.command {
+    let Some(command) = cli.command else {
+        return run_model(cli.run);
+    };
+    match command {
+        Command::Vectors {
+            dir,
+            model,
+            ctx,
+            counts_only,
+            only,
+            min_overlap,
+            max_top5_delta,
+            json,
+        } => {
+            if min_overlap > ds4_cli::vectors::TOP {
+                anyhow::bail!(
+                    "--min-overlap {min_overlap} exceeds the list size {}",
+                    ds4_cli::vectors::TOP
+                );
+            }
+            if !(max_top5_delta >= 0.0 && max_top5_delta.is_finite()) {
+                anyhow::bail!("--max-top5-delta must be a finite value >= 0");
+            }
+            let args = ds4_cli::vectors::VectorsRun {
+                dir,
+                load: model.load_options(ctx, false),
+                counts_only,
+                thresholds: ds4_cli::vectors::Thresholds {
+                    min_overlap,
+                    max_top5_delta,
+                },
+                only,
+            };
+            let report = match ds4_cli::vectors::run(&args, &mut std::io::stderr()) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", ds4_cli::vectors::render(&report));
+            }
+            Ok(if report.pass {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
         Command::Plan {
             model,
             synthetic,
@@ -201,4 +411,103 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
     }
+}
+
+fn default_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    (t ^ (u64::from(std::process::id()) << 32)).max(1)
+}
+
+/// `~/.ds4_history` unless `DS4_HISTORY` names another file (empty: no history).
+fn history_file() -> Option<PathBuf> {
+    match std::env::var_os("DS4_HISTORY") {
+        Some(v) if v.is_empty() => None,
+        Some(v) => Some(PathBuf::from(v)),
+        None => std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".ds4_history")),
+    }
+}
+
+/// One-shot generation or the interactive chat.
+fn run_model(a: RunArgs) -> anyhow::Result<ExitCode> {
+    if a.tokens == 0 {
+        anyhow::bail!("-n/--tokens must be at least 1");
+    }
+    if a.ctx == 0 {
+        anyhow::bail!("-c/--ctx must be at least 1");
+    }
+    if !(0.0..=100.0).contains(&a.temp) {
+        anyhow::bail!("--temp must be in 0..100");
+    }
+    let prompt = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => Some(
+            std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read the prompt file {}", f.display()))?,
+        ),
+        (None, None) => None,
+    };
+    let thinking = if a.think.nothink {
+        ThinkingMode::NoThink
+    } else if a.think.think_max {
+        ThinkingMode::ThinkMax
+    } else {
+        ThinkingMode::Think
+    };
+    let sampler = SamplerConfig {
+        temperature: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        seed: a.seed.unwrap_or_else(default_seed),
+        ..SamplerConfig::default()
+    };
+    ds4_engine::Sampler::new(sampler.clone()).context("invalid sampling flags")?;
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let settings = GenSettings {
+        system: Some(a.system.clone()),
+        thinking,
+        sampler,
+        max_tokens: a.tokens,
+        color: std::io::stdout().is_terminal() && !no_color,
+        progress: std::io::stderr().is_terminal(),
+    };
+    let load_opts = a.model.load_options(a.ctx, !a.quiet);
+    let intr = Interrupts::install()?;
+    let loaded = ds4_cli::load::load(&load_opts, &mut std::io::stderr())?;
+    if let Some(p) = prompt {
+        let end = ds4_cli::generate::one_shot(
+            loaded,
+            &p,
+            &settings,
+            &intr,
+            &mut std::io::stdout(),
+            &mut std::io::stderr(),
+        )?;
+        return Ok(match end {
+            OneShotEnd::Done => ExitCode::SUCCESS,
+            OneShotEnd::Interrupted => ExitCode::from(130),
+        });
+    }
+    let opts = ds4_cli::repl::ReplOptions {
+        settings,
+        kv_dir: a.kv_disk_dir,
+        kv_budget_bytes: a.kv_disk_space_mb.saturating_mul(1 << 20),
+        history: history_file(),
+        load: load_opts,
+    };
+    if a.kv_disk_space_mb == 0 {
+        anyhow::bail!("--kv-disk-space-mb must be at least 1");
+    }
+    if std::io::stdin().is_terminal() {
+        let mut src = ds4_cli::repl::EditorSource::new(opts.history.clone())?;
+        ds4_cli::repl::run(loaded, opts, &mut src, &intr)?;
+    } else {
+        let stdin = std::io::stdin();
+        let mut src = ds4_cli::repl::PipeSource::new(stdin.lock());
+        ds4_cli::repl::run(loaded, opts, &mut src, &intr)?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,155 @@
+//! `ds4 -p PROMPT`: one-shot generation (spec server-and-cli.md §2, chat-format.md §2.7).
+//!
+//! The model's text goes to stdout as it is sampled; everything else (load report, progress,
+//! the final rate line) to stderr, so `ds4 -p … > answer.txt` captures only the answer.
+
+use std::io::Write;
+
+use ds4_chat::render::{CliPrompt, ThinkingMode};
+use ds4_engine::{Sampler, SamplerConfig, Session};
+
+use crate::chat::{prefill_bar, status_line, GenStop, Printer, Runner, TurnText};
+use crate::load::Loaded;
+use crate::signals::Interrupts;
+
+/// Generation settings shared by one-shot runs and the chat.
+#[derive(Debug, Clone)]
+pub struct GenSettings {
+    /// System text; `None` or empty: no system block.
+    pub system: Option<String>,
+    /// Requested thinking mode (Think Max is downgraded below ctx 393216).
+    pub thinking: ThinkingMode,
+    pub sampler: SamplerConfig,
+    /// `-n`: most tokens per answer (clamped to the context room).
+    pub max_tokens: usize,
+    /// Colour on stdout (a terminal and no `NO_COLOR`).
+    pub color: bool,
+    /// Progress bar for long prefills (stderr is a terminal).
+    pub progress: bool,
+}
+
+/// The effective thinking mode for a context, with the warning ds4 prints on a downgrade.
+pub fn effective_mode(requested: ThinkingMode, ctx: usize) -> (ThinkingMode, Option<String>) {
+    let eff = requested.for_context(ctx as u64);
+    let warn = (eff != requested).then(|| {
+        format!(
+            "Think Max needs a context of at least {} tokens (ctx is {ctx}); using normal thinking",
+            ThinkingMode::MAX_MIN_CTX
+        )
+    });
+    (eff, warn)
+}
+
+pub fn mode_name(m: ThinkingMode) -> &'static str {
+    match m {
+        ThinkingMode::NoThink => "nothink",
+        ThinkingMode::Think => "think",
+        ThinkingMode::ThinkMax => "think-max",
+    }
+}
+
+/// What a one-shot run ended with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OneShotEnd {
+    Done,
+    Interrupted,
+}
+
+/// Renders `prompt`, prefills it, and streams the answer to `out`.
+pub fn one_shot(
+    loaded: Loaded,
+    prompt: &str,
+    s: &GenSettings,
+    intr: &Interrupts,
+    out: &mut dyn Write,
+    log: &mut dyn Write,
+) -> anyhow::Result<OneShotEnd> {
+    let tok = loaded.tokenizer.clone();
+    let session = Session::new(loaded.engine)?;
+    let mut runner = Runner::new(session, tok.clone());
+    let ctx = runner.ctx();
+    let (mode, warn) = effective_mode(s.thinking, ctx);
+    if let Some(w) = warn {
+        writeln!(log, "ds4: {w}")?;
+    }
+    let tokens = CliPrompt {
+        system: s.system.as_deref(),
+        prompt,
+        mode,
+    }
+    .tokens(&tok)?;
+    if tokens.len() >= ctx {
+        anyhow::bail!(
+            "the prompt has {} tokens but the context is {ctx}: nothing left to generate (raise -c/--ctx)",
+            tokens.len()
+        );
+    }
+    let mut sampler = Sampler::new(s.sampler.clone())?;
+    intr.begin();
+    let bar = prefill_bar(tokens.len(), s.progress);
+    let (sync, logits) = runner.sync(&tokens, &intr.cancel, &mut |d, _| {
+        if let Some(b) = &bar {
+            b.set_position(d as u64);
+        }
+    })?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let Some(logits) = logits else {
+        intr.end();
+        writeln!(log, "ds4: interrupted during prefill")?;
+        return Ok(OneShotEnd::Interrupted);
+    };
+    let room = ctx - tokens.len();
+    let max = s.max_tokens.min(room.saturating_sub(1)).max(1);
+    let mut text = TurnText::new(mode.is_thinking());
+    let mut printer = Printer::new(&mut *out, s.color);
+    let mut io_err = None;
+    let eos = tok.markers().eos;
+    let gen = runner.generate(logits, &mut sampler, max, eos, &intr.cancel, &mut |id| {
+        for ev in text.push(&tok, id) {
+            if let Err(e) = printer.event(&ev) {
+                io_err.get_or_insert(e);
+            }
+        }
+    })?;
+    let interrupted = intr.end() || gen.stop == GenStop::Interrupted;
+    let (events, _) = text.finish(gen.stop);
+    for ev in &events {
+        printer.event(ev)?;
+    }
+    printer.finish()?;
+    if let Some(e) = io_err {
+        return Err(e.into());
+    }
+    let live = tokens.len() + gen.tokens.len();
+    if interrupted {
+        writeln!(log, "ds4: interrupted")?;
+    }
+    writeln!(log, "{}", status_line(&sync, &gen, live, ctx))?;
+    Ok(if interrupted {
+        OneShotEnd::Interrupted
+    } else {
+        OneShotEnd::Done
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn think_max_downgrades_below_its_context() {
+        let (m, w) = effective_mode(ThinkingMode::ThinkMax, 32768);
+        assert_eq!(m, ThinkingMode::Think);
+        assert!(w.unwrap().contains("393216"));
+        assert_eq!(
+            effective_mode(ThinkingMode::ThinkMax, 393216),
+            (ThinkingMode::ThinkMax, None)
+        );
+        assert_eq!(
+            effective_mode(ThinkingMode::NoThink, 16),
+            (ThinkingMode::NoThink, None)
+        );
+    }
+}

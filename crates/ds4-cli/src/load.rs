@@ -1,0 +1,234 @@
+//! Loading a model for the commands that run it: the tokenizer from the GGUF's own tables,
+//! the backend chosen by `--backend`, the numeric mode, the placement report, the engine.
+
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use ds4_chat::Tokenizer;
+use ds4_engine::{Backend, Engine, EngineConfig, NumericMode};
+use ds4_gguf::{GgufFile, Value, ValueType};
+
+/// `--backend`: which [`Backend`] runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// The best available backend (today: the CPU).
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+    Rocm,
+}
+
+impl fmt::Display for BackendChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendChoice::Auto => "auto",
+            BackendChoice::Cpu => "cpu",
+            BackendChoice::Cuda => "cuda",
+            BackendChoice::Rocm => "rocm",
+        })
+    }
+}
+
+/// `--mode`: the numeric mode; `None` = the engine's default for the model (official where
+/// the model's dims allow it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModeChoice {
+    /// HF transformers' graph, no QAT simulation (what the tiny oracle fixtures compute).
+    Exact,
+    /// The FP8/FP4 simulations the checkpoint was trained with (DeepSeek's own graph).
+    Official,
+}
+
+impl From<ModeChoice> for NumericMode {
+    fn from(m: ModeChoice) -> NumericMode {
+        match m {
+            ModeChoice::Exact => NumericMode::Exact,
+            ModeChoice::Official => NumericMode::Official,
+        }
+    }
+}
+
+/// Creates the backend. Only the CPU backend exists in this build; the GPU choices fail with
+/// a message that says so (rather than silently running on the CPU).
+pub fn make_backend(choice: BackendChoice, threads: usize) -> anyhow::Result<Box<dyn Backend>> {
+    match choice {
+        BackendChoice::Auto | BackendChoice::Cpu => {
+            let be = ds4_cpu::CpuBackend::new(threads).context("starting the CPU backend")?;
+            Ok(Box::new(be))
+        }
+        BackendChoice::Cuda | BackendChoice::Rocm => bail!(
+            "the {choice} backend is not available in this build yet (only the CPU backend \
+             exists); use --backend cpu or --backend auto"
+        ),
+    }
+}
+
+/// Hard cap on the vocabulary read from a file, so a corrupt header never sizes a huge
+/// allocation (V4 has 129280 tokens).
+const MAX_VOCAB: usize = 1 << 22;
+
+fn string_array<'a>(file: &'a GgufFile, key: &str) -> anyhow::Result<&'a [Value]> {
+    let a = file
+        .header()
+        .get(key)
+        .and_then(Value::as_array)
+        .with_context(|| format!("the model has no {key} (not a ds4 GGUF with a vocabulary)"))?;
+    if a.elem_type != ValueType::String {
+        bail!(
+            "{key} is an array of {}, expected strings",
+            a.elem_type.name()
+        );
+    }
+    if a.values.len() > MAX_VOCAB {
+        bail!(
+            "{key} has {} entries, more than {MAX_VOCAB}",
+            a.values.len()
+        );
+    }
+    Ok(&a.values)
+}
+
+/// The tokenizer from `tokenizer.ggml.tokens`, `.merges` and `.token_type` (spec
+/// chat-format.md §4.2: ds4 relies on tokens and merges only; the types, when present, tell
+/// which added tokens may be matched as specials).
+pub fn tokenizer_from_gguf(file: &GgufFile) -> anyhow::Result<Tokenizer> {
+    let tokens: Vec<&str> = string_array(file, "tokenizer.ggml.tokens")?
+        .iter()
+        .map(|v| v.as_str().unwrap_or_default())
+        .collect();
+    let merges: Vec<&str> = string_array(file, "tokenizer.ggml.merges")?
+        .iter()
+        .map(|v| v.as_str().unwrap_or_default())
+        .collect();
+    let types: Vec<i32> = match file
+        .header()
+        .get("tokenizer.ggml.token_type")
+        .and_then(Value::as_array)
+    {
+        Some(a) => a
+            .values
+            .iter()
+            .map(|v| v.as_int().and_then(|i| i32::try_from(i).ok()))
+            .collect::<Option<Vec<i32>>>()
+            .filter(|t| t.len() == tokens.len())
+            .context("tokenizer.ggml.token_type must hold one integer per token")?,
+        None => Vec::new(),
+    };
+    Tokenizer::from_vocab(&tokens, &merges, &types).context("building the tokenizer")
+}
+
+/// Opens a GGUF (memory-mapped), with the path in the error.
+pub fn open_gguf(path: &Path) -> anyhow::Result<Arc<GgufFile>> {
+    if !path.exists() {
+        bail!(
+            "model file {} not found (give -m MODEL; the default is ./ds4flash.gguf)",
+            path.display()
+        );
+    }
+    let f = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(Arc::new(f))
+}
+
+/// Everything needed to (re)build an engine: `/ctx N` reloads with another context.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub model: PathBuf,
+    pub backend: BackendChoice,
+    pub mode: Option<ModeChoice>,
+    pub ctx: usize,
+    pub prefill_chunk: usize,
+    pub threads: usize,
+    pub placement: ds4_placement::CliOverrides,
+    /// Print the placement report (to the given writer) at load.
+    pub report_placement: bool,
+}
+
+/// A model ready to run: the engine, its tokenizer, and what the store needs to know.
+pub struct Loaded {
+    pub engine: Engine,
+    pub tokenizer: Arc<Tokenizer>,
+    pub file: Arc<GgufFile>,
+    /// SHA-256 of the GGUF header bytes (metadata + tensor table): identity for disk sessions.
+    pub model_id: [u8; 32],
+}
+
+/// Canonical bytes of a model's identity: the encoded header (metadata and tensor table,
+/// offsets included), which is what tells two model files apart without hashing gigabytes.
+pub fn model_id(file: &GgufFile) -> anyhow::Result<[u8; 32]> {
+    let bytes = ds4_gguf::encode_header(file.header()).context("encoding the model header")?;
+    Ok(ds4_kvstore::model_identity(&bytes))
+}
+
+/// Runs the placement planner for this model and request, like `ds4 plan`: a refusal is an
+/// error (with the planner's reason and remedy), a plan is printed to `log`.
+fn placement_report(opts: &LoadOptions, log: &mut dyn Write) -> anyhow::Result<()> {
+    let args = crate::plan::PlanArgs {
+        source: crate::plan::Source::File(opts.model.clone()),
+        mtp: None,
+        ctx: opts.ctx as u64,
+        prefill_chunk: opts.prefill_chunk as u64,
+        machine: None,
+        overrides: opts.placement.clone(),
+    };
+    let planned = crate::plan::run(&args, |k| std::env::var(k).ok())?;
+    match planned.result {
+        Ok(plan) => {
+            if opts.report_placement {
+                writeln!(log, "placement plan for {}", planned.description)?;
+                write!(log, "{}", plan.render_text())?;
+            }
+            Ok(())
+        }
+        Err(refusal) => bail!("placement refused for {}: {refusal}", planned.description),
+    }
+}
+
+/// Opens the model, builds the tokenizer and the engine, and prints the load report (model,
+/// mode, backend, context) to `log`.
+pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> anyhow::Result<Loaded> {
+    let file = open_gguf(&opts.model)?;
+    let tokenizer = Arc::new(
+        tokenizer_from_gguf(&file)
+            .with_context(|| format!("{}: no usable vocabulary", opts.model.display()))?,
+    );
+    placement_report(opts, log)?;
+    let model_id = model_id(&file)?;
+    let engine = build_engine(&file, opts, opts.ctx)?;
+    writeln!(
+        log,
+        "ds4: model {} · mode {} · backend {} · ctx {}",
+        opts.model.display(),
+        engine.mode(),
+        engine.backend_name(),
+        engine.config().ctx
+    )?;
+    Ok(Loaded {
+        engine,
+        tokenizer,
+        file,
+        model_id,
+    })
+}
+
+/// An engine for `file` with context `ctx` (used at load and by `/ctx N`).
+pub fn build_engine(
+    file: &Arc<GgufFile>,
+    opts: &LoadOptions,
+    ctx: usize,
+) -> anyhow::Result<Engine> {
+    if ctx == 0 {
+        bail!("the context must be at least 1 token");
+    }
+    let backend = make_backend(opts.backend, opts.threads)?;
+    let cfg = EngineConfig {
+        mode: opts.mode.map(NumericMode::from),
+        ctx,
+        prefill_chunk: opts.prefill_chunk,
+    };
+    Engine::load(file.clone(), backend, cfg)
+        .with_context(|| format!("cannot load {}", opts.model.display()))
+}

@@ -562,8 +562,8 @@ impl Worker {
             }
         }
         let mut b = len.saturating_sub(d.cfg.boundary_trim_tokens);
-        if d.cfg.boundary_align_tokens > 0 {
-            b = b / d.cfg.boundary_align_tokens * d.cfg.boundary_align_tokens;
+        if let Some(q) = b.checked_div(d.cfg.boundary_align_tokens) {
+            b = q * d.cfg.boundary_align_tokens;
         }
         Some(if b >= d.cfg.min_tokens.max(1) { b } else { len })
     }

@@ -13,7 +13,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-pub const CTX: usize = 1024;
+pub const CTX: usize = 4096;
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-hca16")
@@ -341,4 +341,38 @@ impl Sse {
 /// Data payloads of OpenAI-style SSE (`[DONE]` kept as a string).
 pub fn datas(evs: &[SseEvent]) -> Vec<String> {
     evs.iter().map(|e| e.data.clone()).collect()
+}
+
+/// The scripted DSML block the tool tests force (entity-escaped `&`, so its canonical
+/// re-rendering differs from what was "sampled").
+pub const DSML: &str = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"bash\">\n<｜DSML｜parameter name=\"command\" string=\"true\">ls -la &amp; pwd</｜DSML｜parameter>\n<｜DSML｜parameter name=\"timeout\" string=\"false\">10</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+
+/// Forced outputs keyed by a marker in the last user turn.
+pub fn script() -> std::sync::Arc<ds4_server::Script> {
+    let long = "word ".repeat(400);
+    let rules = serde_json::json!([
+        {"when": "[think]", "output": "Let me think.</think>Hello there."},
+        {"when": "[onlythink]", "output": "Thinking only.</think>"},
+        {"when": "[thinktool]", "output": format!("I should run ls.</think>Sure.{DSML}")},
+        {"when": "[tool]", "output": format!("Sure.{DSML}")},
+        {"when": "[stop]", "output": "abc STOP def"},
+        {"when": "[plain]", "output": "The answer is 42."},
+        {"when": "[long]", "output": long},
+    ]);
+    std::sync::Arc::new(ds4_server::Script::from_json(&rules.to_string()).unwrap())
+}
+
+pub fn scripted() -> ServerConfig {
+    ServerConfig {
+        script: Some(script()),
+        ..ServerConfig::default()
+    }
+}
+
+pub fn bash_tool() -> Value {
+    serde_json::json!({"type":"function","function":{"name":"bash","description":"Run a shell command","parameters":{"type":"object","properties":{"command":{"type":"string"},"timeout":{"type":"integer"}},"required":["command"]}}})
+}
+
+pub fn expected_args() -> Value {
+    serde_json::json!({"command": "ls -la & pwd", "timeout": 10})
 }

@@ -272,24 +272,32 @@ impl TurnText {
 
 /// Writes stream events to a terminal or a pipe: reasoning dimmed (SGR 90, like ds4) when
 /// colour is on, a line break between reasoning and answer, nothing but plain text when
-/// colour is off.
+/// colour is off. On a terminal, control characters the model samples (ESC, BEL, …) are
+/// shown as U+FFFD instead of being executed by the terminal; a pipe gets the exact text.
 pub struct Printer<W: std::io::Write> {
     out: W,
     color: bool,
+    sanitize: bool,
     in_reasoning: bool,
     saw_reasoning: bool,
     last_newline: bool,
     wrote: bool,
 }
 
+/// Control characters a terminal would act on (all C0/C1 but newline and tab, and DEL).
+fn is_unsafe_control(c: char) -> bool {
+    c.is_control() && c != '\n' && c != '\t'
+}
+
 const DIM: &str = "\x1b[90m";
 const RESET: &str = "\x1b[0m";
 
 impl<W: std::io::Write> Printer<W> {
-    pub fn new(out: W, color: bool) -> Printer<W> {
+    pub fn new(out: W, color: bool, sanitize: bool) -> Printer<W> {
         Printer {
             out,
             color,
+            sanitize,
             in_reasoning: false,
             saw_reasoning: false,
             last_newline: true,
@@ -301,7 +309,21 @@ impl<W: std::io::Write> Printer<W> {
         if s.is_empty() {
             return Ok(());
         }
-        self.out.write_all(s.as_bytes())?;
+        if self.sanitize && s.chars().any(is_unsafe_control) {
+            let clean: String = s
+                .chars()
+                .map(|c| {
+                    if is_unsafe_control(c) {
+                        char::REPLACEMENT_CHARACTER
+                    } else {
+                        c
+                    }
+                })
+                .collect();
+            self.out.write_all(clean.as_bytes())?;
+        } else {
+            self.out.write_all(s.as_bytes())?;
+        }
         self.last_newline = s.ends_with('\n');
         self.wrote = true;
         Ok(())
@@ -400,7 +422,7 @@ mod tests {
 
     fn run(color: bool, events: &[StreamEvent]) -> String {
         let mut buf = Vec::new();
-        let mut p = Printer::new(&mut buf, color);
+        let mut p = Printer::new(&mut buf, color, false);
         for e in events {
             p.event(e).unwrap();
         }
@@ -424,5 +446,22 @@ mod tests {
         );
         assert_eq!(run(false, &[StreamEvent::Content("a\n".into())]), "a\n");
         assert_eq!(run(false, &[]), "");
+    }
+
+    #[test]
+    fn terminal_output_neutralises_model_control_characters() {
+        let mut buf = Vec::new();
+        let mut p = Printer::new(&mut buf, false, true);
+        p.event(&StreamEvent::Content("a\x1b[2Jb\x07\tc\n\u{9b}d".into()))
+            .unwrap();
+        p.finish().unwrap();
+        assert_eq!(
+            String::from_utf8(buf).unwrap(),
+            "a\u{fffd}[2Jb\u{fffd}\tc\n\u{fffd}d\n"
+        );
+        let mut buf = Vec::new();
+        let mut p = Printer::new(&mut buf, false, false);
+        p.event(&StreamEvent::Content("a\x1bb".into())).unwrap();
+        assert_eq!(buf, b"a\x1bb");
     }
 }

@@ -24,6 +24,8 @@ pub struct GenSettings {
     pub max_tokens: usize,
     /// Colour on stdout (a terminal and no `NO_COLOR`).
     pub color: bool,
+    /// stdout is a terminal: neutralise control characters in the model's text.
+    pub terminal: bool,
     /// Progress bar for long prefills (stderr is a terminal).
     pub progress: bool,
 }
@@ -103,7 +105,7 @@ pub fn one_shot(
     let room = ctx - tokens.len();
     let max = s.max_tokens.min(room.saturating_sub(1)).max(1);
     let mut text = TurnText::new(mode.is_thinking());
-    let mut printer = Printer::new(&mut *out, s.color);
+    let mut printer = Printer::new(&mut *out, s.color, s.terminal);
     let mut io_err = None;
     let eos = tok.markers().eos;
     let gen = runner.generate(logits, &mut sampler, max, eos, &intr.cancel, &mut |id| {

@@ -314,6 +314,9 @@ pub fn run(
         kv,
         intr: intr.clone(),
     };
+    if let (_, Some(w)) = repl.effective() {
+        eprintln!("ds4: {w}");
+    }
     eprintln!(
         "ds4 chat · thinking {} · type a message, /help for commands, /quit or Ctrl+D to leave",
         mode_name(repl.effective().0)
@@ -421,10 +424,8 @@ impl Repl {
             text.push_str("\n\n");
         }
         text.push_str(typed);
-        let (mode, warn) = self.effective();
-        if let Some(w) = warn {
-            eprintln!("ds4: {w}");
-        }
+        // A Think Max downgrade was announced at start-up or by /think-max.
+        let (mode, _) = self.effective();
         self.ensure_header(mode)?;
         let turn = cli_turn_tokens(&self.tok, &text, mode)?;
         let mut target = self.transcript();
@@ -470,7 +471,7 @@ impl Repl {
         let eos = tok.markers().eos;
         let mut text_stream = TurnText::new(mode.is_thinking());
         let stdout = std::io::stdout();
-        let mut printer = Printer::new(stdout.lock(), self.settings.color);
+        let mut printer = Printer::new(stdout.lock(), self.settings.color, self.settings.terminal);
         let mut io_err = None;
         let mut sampler = self.sampler.clone();
         let gen = self

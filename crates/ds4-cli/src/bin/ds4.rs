@@ -472,6 +472,7 @@ fn run_model(a: RunArgs) -> anyhow::Result<ExitCode> {
         sampler,
         max_tokens: a.tokens,
         color: std::io::stdout().is_terminal() && !no_color,
+        terminal: std::io::stdout().is_terminal(),
         progress: std::io::stderr().is_terminal(),
     };
     let load_opts = a.model.load_options(a.ctx, !a.quiet);

@@ -211,8 +211,9 @@ fn read_official(path: &Path, id: &str) -> anyhow::Result<(usize, Vec<OfficialSt
     Ok((prompt_tokens, steps))
 }
 
-/// Reads and checks a whole vectors directory; `only` keeps the named cases.
-pub fn read_dir(dir: &Path, only: &[String]) -> anyhow::Result<Vec<Case>> {
+/// Reads and checks a whole vectors directory; `only` keeps the named cases, `skip` drops
+/// the named cases (both must name cases that exist).
+pub fn read_dir(dir: &Path, only: &[String], skip: &[String]) -> anyhow::Result<Vec<Case>> {
     let mpath = dir.join("manifest.json");
     if !dir.is_dir() {
         bail!("vectors directory {} not found", dir.display());
@@ -249,7 +250,7 @@ pub fn read_dir(dir: &Path, only: &[String]) -> anyhow::Result<Vec<Case>> {
         if !seen.insert(id.clone()) {
             bail!("{}: case id {id:?} appears twice", at());
         }
-        if !only.is_empty() && !only.contains(&id) {
+        if (!only.is_empty() && !only.contains(&id)) || skip.contains(&id) {
             continue;
         }
         let prompt_path = inside(dir, &str_of("prompt_file")?, &at)?;
@@ -277,7 +278,7 @@ pub fn read_dir(dir: &Path, only: &[String]) -> anyhow::Result<Vec<Case>> {
             steps,
         });
     }
-    for want in only {
+    for want in only.iter().chain(skip) {
         if !seen.contains(want) {
             bail!("{mname}: no case named {want:?}");
         }
@@ -692,11 +693,15 @@ pub struct VectorsRun {
     pub counts_only: bool,
     pub thresholds: Thresholds,
     pub only: Vec<String>,
+    pub skip: Vec<String>,
 }
 
 /// Reads the vectors, loads the model (only its vocabulary with `counts_only`) and compares.
 pub fn run(args: &VectorsRun, log: &mut dyn std::io::Write) -> anyhow::Result<Report> {
-    let cases = read_dir(&args.dir, &args.only)?;
+    let cases = read_dir(&args.dir, &args.only, &args.skip)?;
+    if cases.is_empty() {
+        bail!("no case left to run after --only/--skip");
+    }
     let file = crate::load::open_gguf(&args.load.model)?;
     let tok = crate::load::tokenizer_from_gguf(&file)
         .with_context(|| format!("{}: no usable vocabulary", args.load.model.display()))?;
@@ -871,7 +876,7 @@ mod tests {
     fn malformed_directories_give_named_errors() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        let err = |d: &Path| format!("{:#}", read_dir(d, &[]).unwrap_err());
+        let err = |d: &Path| format!("{:#}", read_dir(d, &[], &[]).unwrap_err());
         assert!(err(&d.join("nope")).contains("not found"));
         assert!(err(d).contains("manifest.json not found"));
         std::fs::write(d.join("manifest.json"), "{").unwrap();
@@ -910,12 +915,15 @@ mod tests {
         std::fs::write(d.join("manifest.json"), manifest("p.txt", 2)).unwrap();
         assert!(err(d).contains("says 2 steps"), "{}", err(d));
         std::fs::write(d.join("manifest.json"), manifest("p.txt", 1)).unwrap();
-        let cases = read_dir(d, &[]).unwrap();
+        let cases = read_dir(d, &[], &[]).unwrap();
         assert_eq!(cases.len(), 1);
         assert_eq!(cases[0].prompt_tokens, 5);
         assert_eq!(cases[0].steps[0].top, vec![(b("h"), -0.5)]);
-        assert!(
-            format!("{:#}", read_dir(d, &["zzz".into()]).unwrap_err()).contains("no case named")
-        );
+        let named = |only: &[String], skip: &[String]| {
+            format!("{:#}", read_dir(d, only, skip).unwrap_err())
+        };
+        assert!(named(&["zzz".into()], &[]).contains("no case named"));
+        assert!(named(&[], &["zzz".into()]).contains("no case named"));
+        assert!(read_dir(d, &[], &["a".into()]).unwrap().is_empty());
     }
 }

@@ -231,6 +231,9 @@ enum Command {
         /// Run only these cases (repeatable).
         #[arg(long)]
         only: Vec<String>,
+        /// Leave out these cases (repeatable).
+        #[arg(long)]
+        skip: Vec<String>,
         /// Least top-20 overlap with the official list.
         #[arg(long, default_value_t = 17)]
         min_overlap: usize,
@@ -294,6 +297,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ctx,
             counts_only,
             only,
+            skip,
             min_overlap,
             max_top5_delta,
             json,
@@ -316,6 +320,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     max_top5_delta,
                 },
                 only,
+                skip,
             };
             let report = match ds4_cli::vectors::run(&args, &mut std::io::stderr()) {
                 Ok(r) => r,

@@ -8,11 +8,15 @@ use ds4_chat::render::{self, Message, ThinkingMode};
 use ds4_chat::request::ChatRequest;
 
 fn vectors_dir() -> std::path::PathBuf {
-    let dir =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/test-vectors");
+    let dir = std::env::var_os("DS4_TEST_VECTORS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../../shared/test-vectors")
+        });
     assert!(
         dir.join("manifest.json").is_file(),
-        "official test vectors not found at {} (expected the steering repo's shared/test-vectors next to the repository)",
+        "official test vectors not found at {} (expected <repo>/../shared/test-vectors, or set DS4_TEST_VECTORS)",
         dir.display()
     );
     dir

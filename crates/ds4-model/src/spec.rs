@@ -381,7 +381,9 @@ fn check_consistency(h: &HParams, problems: &mut Vec<Problem>) {
         ),
     );
     need(
-        h.o_groups > 0 && (h.n_head * h.head_dim).is_multiple_of(h.o_groups) && h.n_head.is_multiple_of(h.o_groups),
+        h.o_groups > 0
+            && (h.n_head * h.head_dim).is_multiple_of(h.o_groups)
+            && h.n_head.is_multiple_of(h.o_groups),
         format!(
             "head_count {} must be divisible by output_group_count {}",
             h.n_head, h.o_groups

@@ -188,13 +188,17 @@ impl Runner {
     /// Samples up to `max_tokens` tokens starting from `logits` (the logits after the live
     /// state). Stops at `eos` (included in the result), at `max_tokens`, or when `cancel` is
     /// raised. Every sampled token except the last is fed to the state, so the live state
-    /// afterwards holds the prompt and all but the last sampled token.
+    /// afterwards holds the prompt and all but the last sampled token. `ignore_eos` masks
+    /// EOS out of every distribution (`--ignore-eos`: fixed-length runs for benchmarks and
+    /// tests).
+    #[allow(clippy::too_many_arguments)]
     pub fn generate(
         &mut self,
         logits: Vec<f32>,
         sampler: &mut Sampler,
         max_tokens: usize,
         eos: u32,
+        ignore_eos: bool,
         cancel: &AtomicBool,
         on_token: &mut dyn FnMut(u32),
     ) -> anyhow::Result<GenOutcome> {
@@ -208,6 +212,11 @@ impl Runner {
             }
             if cancel.load(Ordering::Relaxed) {
                 break GenStop::Interrupted;
+            }
+            if ignore_eos {
+                if let Some(l) = logits.get_mut(eos as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
             }
             let tok = sampler.sample(&logits, &[])?;
             out.push(tok);

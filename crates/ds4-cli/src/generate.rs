@@ -22,6 +22,8 @@ pub struct GenSettings {
     pub sampler: SamplerConfig,
     /// `-n`: most tokens per answer (clamped to the context room).
     pub max_tokens: usize,
+    /// `--ignore-eos`: never stop at EOS.
+    pub ignore_eos: bool,
     /// Colour on stdout (a terminal and no `NO_COLOR`).
     pub color: bool,
     /// stdout is a terminal: neutralise control characters in the model's text.
@@ -108,13 +110,21 @@ pub fn one_shot(
     let mut printer = Printer::new(&mut *out, s.color, s.terminal);
     let mut io_err = None;
     let eos = tok.markers().eos;
-    let gen = runner.generate(logits, &mut sampler, max, eos, &intr.cancel, &mut |id| {
-        for ev in text.push(&tok, id) {
-            if let Err(e) = printer.event(&ev) {
-                io_err.get_or_insert(e);
+    let gen = runner.generate(
+        logits,
+        &mut sampler,
+        max,
+        eos,
+        s.ignore_eos,
+        &intr.cancel,
+        &mut |id| {
+            for ev in text.push(&tok, id) {
+                if let Err(e) = printer.event(&ev) {
+                    io_err.get_or_insert(e);
+                }
             }
-        }
-    })?;
+        },
+    )?;
     let interrupted = intr.end() || gen.stop == GenStop::Interrupted;
     let (events, _) = text.finish(gen.stop);
     for ev in &events {

@@ -474,15 +474,22 @@ impl Repl {
         let mut printer = Printer::new(stdout.lock(), self.settings.color, self.settings.terminal);
         let mut io_err = None;
         let mut sampler = self.sampler.clone();
-        let gen = self
-            .runner()
-            .generate(logits, &mut sampler, max, eos, &intr.cancel, &mut |id| {
+        let ignore_eos = self.settings.ignore_eos;
+        let gen = self.runner().generate(
+            logits,
+            &mut sampler,
+            max,
+            eos,
+            ignore_eos,
+            &intr.cancel,
+            &mut |id| {
                 for ev in text_stream.push(&tok, id) {
                     if let Err(e) = printer.event(&ev) {
                         io_err.get_or_insert(e);
                     }
                 }
-            });
+            },
+        );
         self.sampler = sampler;
         let interrupted = intr.end();
         let gen = gen?;

@@ -275,8 +275,9 @@ fn sigint(child: &Child) {
 
 #[test]
 fn sigint_interrupts_generation_and_keeps_the_session() {
-    // -n large and a roomy context: generation runs until interrupted.
-    let mut args = base_args("4096", "100000");
+    // No EOS, -n large and a roomy context: generation runs until interrupted.
+    let mut args = base_args("16384", "100000");
+    args.push("--ignore-eos".into());
     args.push("--quiet".into());
     args.retain(|a| a != "-q");
     let mut child = ds4_cmd()
@@ -354,9 +355,10 @@ fn pty_chat_dims_reasoning_and_handles_ctrl_c_keys() {
         "--backend",
         "cpu",
         "-c",
-        "4096",
+        "16384",
         "-n",
         "100000",
+        "--ignore-eos",
         "--temp",
         "0",
         "-q",
@@ -368,7 +370,7 @@ fn pty_chat_dims_reasoning_and_handles_ctrl_c_keys() {
     p.exp_string("ds4> ").unwrap();
     p.send_line("tell me a story").unwrap();
     p.exp_string("\x1b[90m").unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(100));
     // Ctrl+C during generation: a signal (the terminal is cooked while generating).
     p.send_control('c').unwrap();
     p.exp_string("interrupted; the partial answer stays")

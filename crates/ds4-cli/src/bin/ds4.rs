@@ -123,6 +123,9 @@ struct RunArgs {
     system: String,
     #[command(flatten)]
     think: ThinkFlags,
+    /// Never stop at EOS (its logit is masked): fixed-length answers for benchmarks and tests.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Directory of the disk KV store for /save, /load and /list.
     #[arg(long)]
     kv_disk_dir: Option<PathBuf>,
@@ -476,6 +479,7 @@ fn run_model(a: RunArgs) -> anyhow::Result<ExitCode> {
         thinking,
         sampler,
         max_tokens: a.tokens,
+        ignore_eos: a.ignore_eos,
         color: std::io::stdout().is_terminal() && !no_color,
         terminal: std::io::stdout().is_terminal(),
         progress: std::io::stderr().is_terminal(),

@@ -8,7 +8,8 @@
 #
 # Env: CARGO_TARGET_DIR (default <repo>/target), PROFILE (release|debug, default release),
 #      SDK_VENV (reuse a venv dir; default: a fresh one in the temp dir),
-#      DS4_SERVER_BIN / DS4_CONVERT_BIN (skip the cargo build), KEEP=1 (keep the temp dir).
+#      DS4_SERVER_BIN / DS4_CONVERT_BIN (skip the cargo build), KEEP=1 (keep the temp dir),
+#      LOAD_N / LOAD_C (load test: requests and concurrent clients, default 200 / 16).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -75,6 +76,11 @@ for s in openai_chat.py openai_completions.py openai_responses.py anthropic_mess
         fail=1
     fi
 done
+
+step "load test: ${LOAD_N:-200} requests from ${LOAD_C:-16} concurrent clients"
+if ! "$VENV/bin/python" "$HERE/loadtest.py" "$URL" "$SERVER_PID" "${LOAD_N:-200}" "${LOAD_C:-16}"; then
+    fail=1
+fi
 
 step "SIGTERM: graceful shutdown"
 kill -TERM "$SERVER_PID"

@@ -1,0 +1,78 @@
+"""Loopback load test (stdlib only): N requests from C concurrent clients against a running
+ds4-server; every answer must be a 200 with the expected forced text. Prints p50/p99
+latency and the server's RSS before and after (pass its pid).
+
+usage: loadtest.py URL SERVER_PID [N=200] [C=16]
+"""
+
+import http.client
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return -1
+
+
+def main():
+    url, pid = sys.argv[1], int(sys.argv[2])
+    n = int(sys.argv[3]) if len(sys.argv) > 3 else 200
+    c = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+    u = urllib.parse.urlparse(url)
+    lat, errors, lock = [], [], threading.Lock()
+    todo = list(range(n))
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop()
+            body = json.dumps({"model": "deepseek-v4-flash", "think": False,
+                               "messages": [{"role": "user", "content": f"[plain] request {i}"}]})
+            t0 = time.perf_counter()
+            try:
+                conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+                conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                ok = r.status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "The answer is 42."
+                if not ok:
+                    raise RuntimeError(f"{r.status} {data[:200]!r}")
+            except Exception as e:  # noqa: BLE001
+                with lock:
+                    errors.append(f"request {i}: {e}")
+                continue
+            with lock:
+                lat.append(time.perf_counter() - t0)
+
+    before = rss_kib(pid)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = rss_kib(pid)
+    lat.sort()
+    p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")  # noqa: E731
+    print(f"requests={n} clients={c} ok={len(lat)} errors={len(errors)} wall_s={wall:.2f} "
+          f"p50_ms={p(0.50):.1f} p99_ms={p(0.99):.1f} mean_ms={statistics.fmean(lat) * 1000 if lat else 0:.1f} "
+          f"rss_before_kib={before} rss_after_kib={after}")
+    for e in errors[:10]:
+        print("  ", e)
+    sys.exit(1 if errors or len(lat) != n else 0)
+
+
+if __name__ == "__main__":
+    main()

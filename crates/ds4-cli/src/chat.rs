@@ -458,6 +458,14 @@ mod tests {
     }
 
     #[test]
+    fn progress_bar_only_for_long_prefills_on_a_terminal() {
+        assert!(prefill_bar(255, true).is_none());
+        assert!(prefill_bar(5000, false).is_none());
+        let b = prefill_bar(5000, true).expect("a bar for 5000 tokens");
+        assert_eq!(b.length(), Some(5000));
+    }
+
+    #[test]
     fn terminal_output_neutralises_model_control_characters() {
         let mut buf = Vec::new();
         let mut p = Printer::new(&mut buf, false, true);

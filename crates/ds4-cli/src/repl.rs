@@ -88,6 +88,9 @@ impl EditorSource {
             .context("history setting")?
             .auto_add_history(false)
             .bracketed_paste(true)
+            // Prompt and editing on the terminal itself, so `ds4 > log` keeps only the model's
+            // text in the file.
+            .behavior(rustyline::Behavior::PreferTerm)
             .build();
         let mut ed =
             rustyline::DefaultEditor::with_config(cfg).context("starting the line editor")?;

@@ -307,6 +307,12 @@ fn sigint_interrupts_generation_and_keeps_the_session() {
     );
     // The next turn reuses everything that was live: the prompt and the partial answer.
     let first = status_lines(&text(&e))[0];
+    // The first answer's last bytes were written before its status line; collect them so
+    // the next wait only counts the second answer.
+    std::thread::sleep(Duration::from_millis(300));
+    while let Ok(b) = out.try_recv() {
+        o.extend(b);
+    }
     stdin.write_all(b"and now?\n").unwrap();
     let before = o.len();
     wait_for(&out, &mut o, "second answer", &|b| b.len() >= before + 16);

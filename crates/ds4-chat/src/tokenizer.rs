@@ -138,6 +138,53 @@ fn build_matcher(patterns: &[&str]) -> Result<AhoCorasick, ChatError> {
 }
 
 impl Tokenizer {
+    /// The tokenizer of a GGUF file, from `tokenizer.ggml.tokens`, `.merges` and the optional
+    /// `.token_type` (chat-format.md §4.2). Every binary builds its tokenizer through this.
+    pub fn from_gguf_header(h: &ds4_gguf::Header) -> Result<Tokenizer, ChatError> {
+        fn strings<'a>(h: &'a ds4_gguf::Header, key: &str) -> Result<Vec<&'a str>, ChatError> {
+            let a = h
+                .get(key)
+                .and_then(ds4_gguf::Value::as_array)
+                .ok_or_else(|| ChatError::Vocab(format!("{key} is missing or not an array")))?;
+            // A cap so a corrupt header never sizes huge tables (V4 has 129,280 tokens).
+            const MAX_VOCAB: usize = 1 << 22;
+            if a.values.len() > MAX_VOCAB {
+                return Err(ChatError::Vocab(format!(
+                    "{key} has {} entries, more than {MAX_VOCAB}",
+                    a.values.len()
+                )));
+            }
+            a.values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str()
+                        .ok_or_else(|| ChatError::Vocab(format!("{key}[{i}] is not a string")))
+                })
+                .collect()
+        }
+        let tokens = strings(h, "tokenizer.ggml.tokens")?;
+        let merges = strings(h, "tokenizer.ggml.merges")?;
+        let types: Vec<i32> = match h
+            .get("tokenizer.ggml.token_type")
+            .and_then(ds4_gguf::Value::as_array)
+        {
+            Some(a) => a
+                .values
+                .iter()
+                .map(|v| v.as_int().and_then(|i| i32::try_from(i).ok()))
+                .collect::<Option<Vec<i32>>>()
+                .filter(|t| t.len() == tokens.len())
+                .ok_or_else(|| {
+                    ChatError::Vocab(
+                        "tokenizer.ggml.token_type must hold one integer per token".into(),
+                    )
+                })?,
+            None => Vec::new(),
+        };
+        Tokenizer::from_vocab(&tokens, &merges, &types)
+    }
+
     /// Builds the tokenizer from the GGUF tables: `tokens` (`tokenizer.ggml.tokens`, id → text,
     /// HF `tokenizer.json` spelling: byte-level for BPE entries, raw for added tokens),
     /// `merges` (`tokenizer.ggml.merges`, `"left right"`, rank = index) and `token_types`

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use ds4_chat::Tokenizer;
 use ds4_engine::{Backend, Engine, EngineConfig, NumericMode};
-use ds4_gguf::{GgufFile, Value, ValueType};
+use ds4_gguf::GgufFile;
 
 /// `--backend`: which [`Backend`] runs the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -67,58 +67,9 @@ pub fn make_backend(choice: BackendChoice, threads: usize) -> anyhow::Result<Box
     }
 }
 
-/// Hard cap on the vocabulary read from a file, so a corrupt header never sizes a huge
-/// allocation (V4 has 129280 tokens).
-const MAX_VOCAB: usize = 1 << 22;
-
-fn string_array<'a>(file: &'a GgufFile, key: &str) -> anyhow::Result<&'a [Value]> {
-    let a = file
-        .header()
-        .get(key)
-        .and_then(Value::as_array)
-        .with_context(|| format!("the model has no {key} (not a ds4 GGUF with a vocabulary)"))?;
-    if a.elem_type != ValueType::String {
-        bail!(
-            "{key} is an array of {}, expected strings",
-            a.elem_type.name()
-        );
-    }
-    if a.values.len() > MAX_VOCAB {
-        bail!(
-            "{key} has {} entries, more than {MAX_VOCAB}",
-            a.values.len()
-        );
-    }
-    Ok(&a.values)
-}
-
-/// The tokenizer from `tokenizer.ggml.tokens`, `.merges` and `.token_type` (spec
-/// chat-format.md §4.2: ds4 relies on tokens and merges only; the types, when present, tell
-/// which added tokens may be matched as specials).
+/// The model's tokenizer (built by `ds4_chat::Tokenizer::from_gguf_header`).
 pub fn tokenizer_from_gguf(file: &GgufFile) -> anyhow::Result<Tokenizer> {
-    let tokens: Vec<&str> = string_array(file, "tokenizer.ggml.tokens")?
-        .iter()
-        .map(|v| v.as_str().unwrap_or_default())
-        .collect();
-    let merges: Vec<&str> = string_array(file, "tokenizer.ggml.merges")?
-        .iter()
-        .map(|v| v.as_str().unwrap_or_default())
-        .collect();
-    let types: Vec<i32> = match file
-        .header()
-        .get("tokenizer.ggml.token_type")
-        .and_then(Value::as_array)
-    {
-        Some(a) => a
-            .values
-            .iter()
-            .map(|v| v.as_int().and_then(|i| i32::try_from(i).ok()))
-            .collect::<Option<Vec<i32>>>()
-            .filter(|t| t.len() == tokens.len())
-            .context("tokenizer.ggml.token_type must hold one integer per token")?,
-        None => Vec::new(),
-    };
-    Tokenizer::from_vocab(&tokens, &merges, &types).context("building the tokenizer")
+    Tokenizer::from_gguf_header(file.header()).context("building the tokenizer")
 }
 
 /// Opens a GGUF (memory-mapped), with the path in the error.
@@ -159,8 +110,7 @@ pub struct Loaded {
 /// Canonical bytes of a model's identity: the encoded header (metadata and tensor table,
 /// offsets included), which is what tells two model files apart without hashing gigabytes.
 pub fn model_id(file: &GgufFile) -> anyhow::Result<[u8; 32]> {
-    let bytes = ds4_gguf::encode_header(file.header()).context("encoding the model header")?;
-    Ok(ds4_kvstore::model_identity(&bytes))
+    ds4_kvstore::header_identity(file.header()).context("encoding the model header")
 }
 
 /// Runs the placement planner for this model and request, like `ds4 plan`: a refusal is an

@@ -15,6 +15,13 @@ pub mod store;
 pub use format::{file_name, Mode};
 pub use store::{EntryMeta, KvError, KvStore, Loaded, Rejected, StoreConfig, StoreOutcome};
 
+/// The identity of a model file: SHA-256 of its encoded GGUF header (metadata and tensor
+/// table, offsets included). The CLI and the server both use this, so a session saved by one
+/// restores in the other.
+pub fn header_identity(h: &ds4_gguf::Header) -> Result<[u8; 32], ds4_gguf::GgufError> {
+    Ok(model_identity(&ds4_gguf::encode_header(h)?))
+}
+
 /// Model identity for the store: SHA-256 over a canonical rendering of the GGUF metadata
 /// and tensor table (names, dims, types, offsets) — the same file gives the same id.
 pub fn model_identity(canonical: &[u8]) -> [u8; 32] {

@@ -89,47 +89,14 @@ impl LoadedModel {
     }
 }
 
-fn string_array<'a>(h: &'a Header, key: &str) -> Result<Vec<&'a str>, ServerError> {
-    let arr = h.get(key).and_then(Value::as_array).ok_or_else(|| {
-        ServerError::Model(format!("metadata key {key} is missing or not an array"))
-    })?;
-    arr.values
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            v.as_str()
-                .ok_or_else(|| ServerError::Model(format!("{key}[{i}] is not a string")))
-        })
-        .collect()
-}
-
-/// The tokenizer from `tokenizer.ggml.tokens`, `.merges` and (optional) `.token_type`.
+/// The model's tokenizer (built by `ds4_chat::Tokenizer::from_gguf_header`).
 pub fn tokenizer_from_header(h: &Header) -> Result<Tokenizer, ServerError> {
-    let tokens = string_array(h, "tokenizer.ggml.tokens")?;
-    let merges = string_array(h, "tokenizer.ggml.merges")?;
-    let types: Vec<i32> = match h.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
-        Some(a) => a
-            .values
-            .iter()
-            .map(|v| v.as_int().and_then(|i| i32::try_from(i).ok()).unwrap_or(0))
-            .collect(),
-        None => Vec::new(),
-    };
-    Ok(Tokenizer::from_vocab(&tokens, &merges, &types)?)
+    Ok(Tokenizer::from_gguf_header(h)?)
 }
 
-/// SHA-256 over a canonical text of the metadata (key, type, value) and the tensor table
-/// (name, dims, type, offset): the same file always gives the same identity, and a file
-/// with other weights' layout or other metadata a different one.
+/// The model's identity for disk checkpoints: the same one the `ds4` CLI uses
+/// (`ds4_kvstore::header_identity`), so sessions move between them.
 pub fn model_identity(h: &Header) -> [u8; 32] {
-    let mut canon = Vec::new();
-    for (k, v) in &h.metadata {
-        canon.extend_from_slice(format!("m {k} {v:?}\n").as_bytes());
-    }
-    for t in &h.tensors {
-        canon.extend_from_slice(
-            format!("t {} {:?} {:?} {}\n", t.name, t.dims, t.ty, t.offset).as_bytes(),
-        );
-    }
-    ds4_kvstore::model_identity(&canon)
+    ds4_kvstore::header_identity(h)
+        .unwrap_or_else(|_| ds4_kvstore::model_identity(b"unencodable header"))
 }

@@ -1,5 +1,6 @@
-//! Shared test helpers: the real V4 vocabulary (GGUF-style tables dumped from the reference
-//! tokenizer.json by tools/tokenizer/dump_vocab.py) and the committed corpus.
+//! Shared test helpers: the real V4 vocabulary from the committed vocabulary-only GGUF
+//! (`tests/fixtures/vocab/deepseek-v4-vocab.gguf`, written by `ds4-convert vocab` from the
+//! reference tokenizer.json) and the committed corpus.
 #![allow(dead_code)]
 
 use std::io::Read;
@@ -26,28 +27,63 @@ pub fn gunzip(path: &std::path::Path) -> Vec<u8> {
     out
 }
 
-#[derive(serde::Deserialize)]
+/// The vocabulary-only GGUF fixture: the 129,280 tokens, merges and token types of the real
+/// tokenizer, no tensors. The engine reads exactly these `tokenizer.ggml.*` keys.
+pub fn vocab_gguf_path() -> PathBuf {
+    repo_root().join("tests/fixtures/vocab/deepseek-v4-vocab.gguf")
+}
+
+/// The parsed fixture (header only matters: it has zero tensors).
+pub fn vocab_gguf() -> &'static ds4_gguf::GgufFile {
+    static F: OnceLock<ds4_gguf::GgufFile> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = vocab_gguf_path();
+        ds4_gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    })
+}
+
+/// The three `tokenizer.ggml.*` arrays of the fixture, for the HF reference pipeline and the
+/// inferred-types test (which need the raw tables rather than our tokenizer).
 pub struct VocabTables {
     pub tokens: Vec<String>,
     pub merges: Vec<String>,
     pub token_type: Vec<i32>,
 }
 
-/// TODO(vocab fixture): switch to the vocabulary-only GGUF produced by `ds4-convert` once it
-/// exists; these are the same three arrays.
 pub fn vocab() -> &'static VocabTables {
     static V: OnceLock<VocabTables> = OnceLock::new();
     V.get_or_init(|| {
-        let raw = gunzip(&corpus_dir().join("v4-vocab.json.gz"));
-        serde_json::from_slice(&raw).expect("v4-vocab.json.gz is valid JSON")
+        let h = vocab_gguf().header();
+        let array = |key: &str| {
+            h.get(key)
+                .and_then(ds4_gguf::Value::as_array)
+                .unwrap_or_else(|| panic!("fixture lacks {key}"))
+        };
+        let strings = |key: &str| -> Vec<String> {
+            array(key)
+                .values
+                .iter()
+                .map(|v| v.as_str().expect("string entry").to_owned())
+                .collect()
+        };
+        VocabTables {
+            tokens: strings("tokenizer.ggml.tokens"),
+            merges: strings("tokenizer.ggml.merges"),
+            token_type: array("tokenizer.ggml.token_type")
+                .values
+                .iter()
+                .map(|v| i32::try_from(v.as_int().expect("int entry")).expect("i32 type"))
+                .collect(),
+        }
     })
 }
 
+/// The tokenizer exactly as every binary builds it: `Tokenizer::from_gguf_header` on the
+/// fixture's header.
 pub fn tokenizer() -> &'static Tokenizer {
     static T: OnceLock<Tokenizer> = OnceLock::new();
     T.get_or_init(|| {
-        let v = vocab();
-        Tokenizer::from_vocab(&v.tokens, &v.merges, &v.token_type).expect("V4 vocabulary builds")
+        Tokenizer::from_gguf_header(vocab_gguf().header()).expect("V4 vocabulary builds")
     })
 }
 

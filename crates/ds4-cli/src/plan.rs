@@ -134,6 +134,24 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Res
             "this machine (CPU only)".into(),
         ),
     };
+    let result = plan_inventory(&hparams, &inventory, &host, &device, args, env)?;
+    Ok(Planned {
+        description: format!("{label} on {machine_desc}, ctx {}", args.ctx),
+        result,
+    })
+}
+
+/// Plans `inventory` (a model with `hparams`) for `ctx`/`prefill_chunk` on the given
+/// machine, with the CLI/environment overrides: the one planning path of `ds4 plan`, the
+/// loader and `ds4-bench`.
+pub fn plan_inventory(
+    hparams: &HParams,
+    inventory: &ds4_placement::TensorInventory,
+    host: &HostFacts,
+    device: &DeviceFacts,
+    args: &PlanArgs,
+    env: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<Result<ds4_placement::Plan, ds4_placement::Refusal>> {
     let overrides =
         resolve_overrides(&args.overrides, env).context("invalid placement override")?;
     let mut request = Request::new(
@@ -144,9 +162,6 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Res
     request.kv_fixed_bytes = kv::kv_fixed_bytes(&hparams);
     request.prefill_chunk = args.prefill_chunk;
     request.overrides = overrides;
-    let result = plan(&host, &device, &inventory, &request, &Policy::default());
-    Ok(Planned {
-        description: format!("{label} on {machine_desc}, ctx {}", args.ctx),
-        result,
-    })
+    let result = plan(host, device, inventory, &request, &Policy::default());
+    Ok(result)
 }

@@ -359,6 +359,26 @@ impl GgufFile {
         })
     }
 
+    /// A file that exists only as its header: tensor payloads are supplied by someone else
+    /// (a synthetic model generating weights straight into device memory, where no file of
+    /// that size exists). Every payload access ([`GgufFile::tensor_data`]) fails cleanly
+    /// because the image holds no data section.
+    pub fn header_only(header: Header) -> Result<GgufFile> {
+        let bytes = crate::encode_header(&header)?;
+        let layout = Layout {
+            version: 3,
+            alignment: header.alignment()?,
+            data_offset: bytes.len() as u64,
+            file_len: bytes.len() as u64,
+        };
+        Ok(GgufFile {
+            path: None,
+            backing: Backing::Owned(bytes),
+            header,
+            layout,
+        })
+    }
+
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
     }

@@ -50,8 +50,16 @@ pub const GEMV: KernelSource = KernelSource {
     headers: &[PORT_H, IQ2XXS_TABLES_H],
 };
 
+/// Every engine op besides the batch-1 GEMV (norms, RoPE, attention, mHC, router, MoE
+/// helpers, dequantization and the prefill GEMM).
+pub const OPS: KernelSource = KernelSource {
+    name: "ops.cu",
+    source: include_str!("../../../kernels/ops.cu"),
+    headers: &[PORT_H, IQ2XXS_TABLES_H],
+};
+
 /// Every kernel file, for tools that compile them all (cache warm-up, hipcc checks).
-pub const ALL: &[KernelSource] = &[GEMV];
+pub const ALL: &[KernelSource] = &[GEMV, OPS];
 
 /// Threads per block of the GEMV kernels (8 logical warps).
 pub const GEMV_THREADS: u32 = 256;

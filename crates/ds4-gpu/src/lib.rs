@@ -12,6 +12,7 @@
 //! No function here panics because a GPU library is missing; all report
 //! [`GpuError`] instead.
 
+pub mod backend;
 pub mod cache;
 pub mod cuda;
 pub mod error;

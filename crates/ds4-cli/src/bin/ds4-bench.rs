@@ -1,0 +1,261 @@
+//! ds4-bench: prefill and decode speed at context frontiers, as CSV.
+//!
+//! `ds4-bench --synthetic q2` builds the full-size synthetic model (real shapes and types,
+//! random valid blocks) straight into the memory the placement plan chose — no file of
+//! 80 GiB is needed — and measures, for each frontier (default 2048, 8192, 32768): the
+//! prefill speed of the interval since the previous frontier, the decode speed of
+//! `--decode` tokens there, the KV bytes held, and decode as a fraction of the bandwidth
+//! limit (measured device copy bandwidth ÷ weight bytes read per token).
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use ds4_convert::SyntheticModel;
+use ds4_engine::{Engine, EngineConfig, Logits, NumericMode, Rng};
+use ds4_gguf::GgufFile;
+use ds4_gpu::backend::{CudaBackend, CudaOptions, WeightSource};
+use ds4_gpu::cuda::CudaDevice;
+use ds4_model::accounting::ByteAccounting;
+use ds4_model::layout::TypeRecipe;
+use ds4_model::{ModelSpec, Strictness};
+use ds4_placement::{CliOverrides, MemKind, WeightSet};
+
+#[derive(Parser)]
+#[command(
+    name = "ds4-bench",
+    version,
+    about = "ds4-rs prefill/decode benchmark (CSV)"
+)]
+struct Args {
+    /// A model GGUF (or use --synthetic).
+    #[arg(short, long, conflicts_with = "synthetic")]
+    model: Option<std::path::PathBuf>,
+    /// Full-size synthetic model generated in memory: q2 or q4.
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// Layers of the synthetic model (43 = the real model).
+    #[arg(long, default_value_t = 43)]
+    layers: usize,
+    /// Context frontiers, comma separated.
+    #[arg(long, default_value = "2048,8192,32768", value_delimiter = ',')]
+    frontiers: Vec<usize>,
+    /// Decode tokens measured at each frontier.
+    #[arg(long, default_value_t = 32)]
+    decode: usize,
+    /// Prefill chunk.
+    #[arg(long, default_value_t = 2048)]
+    prefill_chunk: usize,
+    /// Numeric mode (default: the model's default).
+    #[arg(long)]
+    mode: Option<String>,
+    /// Where weights go: auto (the planner's choice), device, pinned, managed, hybrid.
+    #[arg(long, default_value = "auto")]
+    weights_mem: String,
+    /// Pretend the device has at most this many GiB (placement tests of small-pool machines).
+    #[arg(long)]
+    device_mem_limit_gib: Option<String>,
+    /// Write the CSV here too.
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
+    /// Seed of the synthetic weights and the random prompt.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also print the last logits' checksum (to compare placements: equal weights and
+    /// tokens must give equal logits whatever memory holds the weights).
+    #[arg(long)]
+    checksum: bool,
+}
+
+struct Synth(SyntheticModel);
+
+impl WeightSource for Synth {
+    fn fill(&self, name: &str, out: &mut [u8]) -> Result<(), String> {
+        let i = self
+            .0
+            .tensor_index(name)
+            .ok_or_else(|| format!("no synthetic tensor {name}"))?;
+        self.0.fill_tensor(i, out).map_err(|e| e.to_string())
+    }
+}
+
+/// Device-to-device copy bandwidth (read + write bytes per second), timed with events.
+fn copy_bandwidth(dev: &CudaDevice) -> Result<f64> {
+    let bytes = 2usize << 30;
+    let src = dev.alloc(MemKind::Device, bytes)?;
+    let mut dst = dev.alloc(MemKind::Device, bytes)?;
+    dst.copy_from(0, &src, 0, bytes)?;
+    let (a, b) = (dev.event()?, dev.event()?);
+    let reps = 5;
+    a.record()?;
+    for _ in 0..reps {
+        dst.copy_from(0, &src, 0, bytes)?;
+    }
+    b.record()?;
+    let ms = a.elapsed_ms(&b)? as f64;
+    Ok(2.0 * (bytes * reps) as f64 / (ms / 1e3))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let mut frontiers = args.frontiers.clone();
+    frontiers.sort_unstable();
+    frontiers.dedup();
+    if frontiers.is_empty() || frontiers[0] == 0 {
+        bail!("--frontiers needs positive token counts");
+    }
+    let ctx = frontiers.last().copied().unwrap_or(2048) + args.decode * frontiers.len() + 16;
+
+    let t_gen = Instant::now();
+    let (file, source, label): (Arc<GgufFile>, Option<Arc<dyn WeightSource>>, String) =
+        match (&args.model, &args.synthetic) {
+            (Some(p), None) => (
+                Arc::new(GgufFile::open(p).with_context(|| format!("opening {}", p.display()))?),
+                None,
+                p.display().to_string(),
+            ),
+            (None, Some(r)) => {
+                let recipe = match r.as_str() {
+                    "q2" => TypeRecipe::Q2,
+                    "q4" => TypeRecipe::Q4,
+                    other => bail!("--synthetic {other:?}: use q2 or q4"),
+                };
+                let m = SyntheticModel::new(recipe, args.layers, args.seed)?;
+                let file = Arc::new(GgufFile::header_only(m.header().clone())?);
+                (
+                    file,
+                    Some(Arc::new(Synth(m)) as Arc<dyn WeightSource>),
+                    format!("synthetic {r} ({} layers)", args.layers),
+                )
+            }
+            _ => bail!("give -m MODEL or --synthetic q2|q4"),
+        };
+    let header = file.header().clone();
+    let spec = ModelSpec::from_header(&header, Strictness::Auto)?;
+    let acct = ByteAccounting::of(&spec);
+
+    // Plan for this device.
+    let dev = CudaDevice::open(0).context("opening CUDA device 0")?;
+    let facts = dev.placement_facts()?;
+    let bw = copy_bandwidth(&dev)?;
+    drop(dev);
+    let host = ds4_placement::probe::host_facts()?;
+    let inventory = ds4_cli::plan::inventory_of(&header.tensors, WeightSet::Main);
+    let plan_args = ds4_cli::plan::PlanArgs {
+        source: ds4_cli::plan::Source::File(std::path::PathBuf::from(&label)),
+        mtp: None,
+        ctx: ctx as u64,
+        prefill_chunk: args.prefill_chunk as u64,
+        machine: None,
+        overrides: CliOverrides {
+            weights_mem: (args.weights_mem != "auto").then(|| args.weights_mem.clone()),
+            device_mem_limit_gib: args.device_mem_limit_gib.clone(),
+            ..Default::default()
+        },
+    };
+    let plan = match ds4_cli::plan::plan_inventory(
+        &spec.hparams,
+        &inventory,
+        &host,
+        &facts,
+        &plan_args,
+        |k| std::env::var(k).ok(),
+    )? {
+        Ok(p) => p,
+        Err(refusal) => bail!("placement refused: {refusal}"),
+    };
+    eprintln!("{}", plan.render_text());
+
+    let be = CudaBackend::new(CudaOptions {
+        plan: Some(plan.clone()),
+        source,
+        ..CudaOptions::default()
+    })?;
+    if let Some(actual) = be.actual_placement() {
+        eprintln!("{}", actual.render_text(&plan));
+    }
+    let mode = match args.mode.as_deref() {
+        None => None,
+        Some("exact") => Some(NumericMode::Exact),
+        Some("official") => Some(NumericMode::Official),
+        Some(o) => bail!("--mode {o:?}: use exact or official"),
+    };
+    let cfg = EngineConfig {
+        mode,
+        ctx,
+        prefill_chunk: args.prefill_chunk,
+    };
+    let t_load = Instant::now();
+    let mut eng = Engine::load(file.clone(), Box::new(be), cfg)?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    eprintln!(
+        "loaded {label} in {load_s:.1} s ({:.1} s since start) · backend {} · mode {}",
+        t_gen.elapsed().as_secs_f64(),
+        eng.backend_name(),
+        eng.mode()
+    );
+    let per_token = acct.per_token_short as f64;
+    let limit = bw / per_token;
+    eprintln!(
+        "device copy bandwidth {:.0} GB/s · weights read per token {:.2} GB (short ctx) → \
+         bandwidth limit {:.0} tok/s",
+        bw / 1e9,
+        per_token / 1e9,
+        limit
+    );
+
+    let hp = eng.hparams().clone();
+    let mut rng = Rng::new(args.seed ^ 0x5eed);
+    let mut st = eng.new_state()?;
+    let mut csv = String::from(
+        "frontier,prefill_tokens,prefill_s,prefill_tok_s,decode_tokens,decode_s,decode_tok_s,\
+         kv_bytes,decode_limit_tok_s,decode_fraction_of_limit\n",
+    );
+    let mut last = Vec::new();
+    for &f in &frontiers {
+        let pos = st.pos();
+        if f <= pos {
+            continue;
+        }
+        let n = f - pos;
+        let toks: Vec<u32> = (0..n)
+            .map(|_| (rng.next_f64() * hp.n_vocab as f64) as u32 % hp.n_vocab as u32)
+            .collect();
+        let t0 = Instant::now();
+        let mut logits = eng.eval(&mut st, &toks, Logits::Last, None)?;
+        let pf = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        for _ in 0..args.decode {
+            let next = ds4_engine::argmax(&logits) as u32;
+            logits = eng.eval(&mut st, &[next], Logits::Last, None)?;
+        }
+        let dc = t1.elapsed().as_secs_f64();
+        let kv = ds4_model::kv::kv_fixed_bytes(&hp)
+            + ds4_model::kv::kv_growth_per_token(&hp) * st.pos() as u64;
+        let dtps = args.decode as f64 / dc;
+        let line = format!(
+            "{f},{n},{pf:.3},{:.1},{},{dc:.3},{dtps:.2},{kv},{limit:.1},{:.4}\n",
+            n as f64 / pf,
+            args.decode,
+            dtps / limit
+        );
+        eprint!("{line}");
+        csv += &line;
+        last = logits;
+    }
+    print!("{csv}");
+    if args.checksum {
+        let sum: f64 = last.iter().map(|&v| v as f64).sum();
+        let am = ds4_engine::argmax(&last);
+        println!(
+            "checksum: sum {sum:.6e} argmax {am} first {:?}",
+            &last[..4.min(last.len())]
+        );
+    }
+    if let Some(p) = &args.csv {
+        std::fs::File::create(p)?.write_all(csv.as_bytes())?;
+    }
+    Ok(())
+}

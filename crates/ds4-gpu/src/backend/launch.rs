@@ -1,0 +1,95 @@
+//! Kernel launches with typed arguments: the one place the backend passes raw parameter
+//! lists to the driver.
+
+use std::ffi::c_void;
+
+use ds4_engine::backend::{BResult, BackendError};
+
+use super::{gerr, CudaBackend};
+
+/// One kernel parameter. Device pointers and 64-bit sizes are 8 bytes, `int`/`float` 4.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    U64(u64),
+    I32(i32),
+    F32(f32),
+}
+
+/// Threads per block of the grid-stride kernels.
+const STRIDE_THREADS: u32 = 256;
+
+impl CudaBackend {
+    /// Queues `name` with `args` in the kernel's parameter order.
+    ///
+    /// Callers (the op methods) have checked every pointer argument against the buffer it
+    /// came from and every count against the shapes, as each kernel's contract in
+    /// `kernels/ops.cu` requires.
+    pub(crate) fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> BResult<()> {
+        let f = self.funcs.get(name).ok_or(BackendError::Invalid {
+            op: "launch",
+            problem: format!("kernel {name} is not loaded"),
+        })?;
+        self.launch_fn(f, name, grid, block, args)
+    }
+
+    pub(crate) fn launch_fn(
+        &self,
+        f: &crate::cuda::CudaFunction,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+    ) -> BResult<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // Each value lives in its own 8-byte slot; the driver copies as many bytes as the
+        // kernel's parameter has, and on little-endian x86-64/arm64 the low bytes of the
+        // slot are the 4-byte value.
+        let mut store: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                Arg::I32(v) => u64::from(v as u32),
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = store
+            .iter_mut()
+            .map(|v| (v as *mut u64).cast::<c_void>())
+            .collect();
+        // SAFETY: `args` follow the kernel's parameter list (types and order), and the op
+        // methods checked every pointer and count against live buffers of this device
+        // before calling (see the launch contract above); `store` outlives the call.
+        unsafe { f.launch(grid, block, &mut params) }.map_err(gerr(name))
+    }
+
+    /// A grid-stride kernel over `n` elements whose first parameters are `args` followed
+    /// by the element count (u64), except where the kernel takes the count elsewhere:
+    /// `args` then already holds it and `n` only sizes the grid.
+    pub(crate) fn elementwise(&self, name: &'static str, n: usize, args: &[Arg]) -> BResult<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut a = args.to_vec();
+        // ds4_fill(p, n, v) takes the count in the middle: the caller passes a placeholder.
+        if name == "ds4_fill" {
+            a[1] = Arg::U64(n as u64);
+        } else {
+            a.push(Arg::U64(n as u64));
+        }
+        self.launch(name, (grid_for(n), 1, 1), STRIDE_THREADS, &a)
+    }
+}
+
+/// Blocks for a grid-stride loop over `n` elements.
+pub(crate) fn grid_for(n: usize) -> u32 {
+    (n.div_ceil(STRIDE_THREADS as usize)).clamp(1, 1 << 16) as u32
+}

@@ -1,0 +1,652 @@
+//! `Mirror`: a backend that runs every op on the CPU reference and on the CUDA backend and
+//! compares the outputs op by op — the kernel test of `ds4-gpu-check ops`.
+//!
+//! Why a mirror instead of hand-made inputs per kernel: driven by the real forward pass on
+//! random models and random tokens, every op sees the shapes, strides, positions and value
+//! ranges it meets in a model (window roll-over, compressed rows appearing, hash and top-k
+//! routing, chunk boundaries), and a wrong kernel is named the moment it first diverges.
+//!
+//! Per op: GPU outputs that are not also inputs are first poisoned with NaN (so an element a
+//! kernel forgets to write fails), both backends run, the outputs are compared (relative
+//! error = max |gpu − cpu| / max |cpu|; NaN never passes), and the CPU result is copied into
+//! the GPU buffer so the next op starts from identical inputs.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use ds4_cpu::CpuBackend;
+use ds4_engine::backend::{
+    AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, HcArgs, IBuf,
+    IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightUse,
+};
+use ds4_gguf::GgufFile;
+
+use super::CudaBackend;
+
+/// What one op did over a run.
+#[derive(Debug, Clone, Default)]
+pub struct OpStat {
+    pub calls: usize,
+    pub max_rel: f64,
+    /// Integer outputs (expert ids, selections) that differed.
+    pub int_mismatches: usize,
+    pub nan: usize,
+}
+
+pub struct Mirror {
+    pub cpu: CpuBackend,
+    pub gpu: CudaBackend,
+    bufs: Vec<(Buf, Buf)>,
+    ibufs: Vec<(IBuf, IBuf)>,
+    weights: Vec<(Weight, Weight)>,
+    /// Shared so the caller keeps a handle after the engine takes the backend.
+    pub stats: Arc<Mutex<BTreeMap<&'static str, OpStat>>>,
+}
+
+#[derive(Clone, Copy)]
+enum Out {
+    /// Written only (poisoned first).
+    W(Slice),
+    /// Read and written (in place).
+    Rw(Slice),
+    I(IBuf, usize),
+}
+
+/// max |a − b| / max |b|, infinite if `a` has a NaN where `b` does not.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let mut md = 0f64;
+    let mut mb = 0f64;
+    for (&x, &y) in a.iter().zip(b) {
+        if x.is_nan() && !y.is_nan() {
+            return f64::INFINITY;
+        }
+        if !y.is_nan() {
+            md = md.max((x as f64 - y as f64).abs());
+            mb = mb.max((y as f64).abs());
+        }
+    }
+    if mb == 0.0 {
+        md
+    } else {
+        md / mb
+    }
+}
+
+impl Mirror {
+    pub fn new(cpu: CpuBackend, gpu: CudaBackend) -> Mirror {
+        Mirror {
+            cpu,
+            gpu,
+            bufs: Vec::new(),
+            ibufs: Vec::new(),
+            weights: Vec::new(),
+            stats: Arc::new(Mutex::new(BTreeMap::new())),
+        }
+    }
+
+    fn b(&self, s: Slice) -> BResult<(Slice, Slice)> {
+        let (c, g) =
+            self.bufs
+                .get(s.buf.id() as usize)
+                .copied()
+                .ok_or(BackendError::BadHandle {
+                    op: "mirror",
+                    id: s.buf.id(),
+                })?;
+        Ok((
+            Slice {
+                buf: c,
+                off: s.off,
+                len: s.len,
+            },
+            Slice {
+                buf: g,
+                off: s.off,
+                len: s.len,
+            },
+        ))
+    }
+
+    fn ib(&self, b: IBuf) -> BResult<(IBuf, IBuf)> {
+        self.ibufs
+            .get(b.id() as usize)
+            .copied()
+            .ok_or(BackendError::BadHandle {
+                op: "mirror",
+                id: b.id(),
+            })
+    }
+
+    fn w(&self, w: Weight) -> BResult<(Weight, Weight)> {
+        self.weights
+            .get(w.id() as usize)
+            .copied()
+            .ok_or(BackendError::BadHandle {
+                op: "mirror",
+                id: w.id(),
+            })
+    }
+
+    fn c(&self, s: Slice) -> Slice {
+        self.b(s).map(|p| p.0).unwrap_or(s)
+    }
+    fn g(&self, s: Slice) -> Slice {
+        self.b(s).map(|p| p.1).unwrap_or(s)
+    }
+    fn ci(&self, b: IBuf) -> IBuf {
+        self.ib(b).map(|p| p.0).unwrap_or(b)
+    }
+    fn gi(&self, b: IBuf) -> IBuf {
+        self.ib(b).map(|p| p.1).unwrap_or(b)
+    }
+    fn cw(&self, w: Weight) -> Weight {
+        self.w(w).map(|p| p.0).unwrap_or(w)
+    }
+    fn gw(&self, w: Weight) -> Weight {
+        self.w(w).map(|p| p.1).unwrap_or(w)
+    }
+
+    /// Runs `cpu_op` and `gpu_op`, compares `outs`, resyncs the GPU outputs.
+    fn run(
+        &mut self,
+        op: &'static str,
+        outs: &[Out],
+        cpu_op: impl FnOnce(&mut CpuBackend) -> BResult<()>,
+        gpu_op: impl FnOnce(&mut CudaBackend) -> BResult<()>,
+    ) -> BResult<()> {
+        for o in outs {
+            if let Out::W(s) = *o {
+                let g = self.g(s);
+                self.gpu.fill(g, f32::NAN)?;
+            }
+        }
+        cpu_op(&mut self.cpu)?;
+        gpu_op(&mut self.gpu)?;
+        let mut st = OpStat::default();
+        st.calls += 1;
+        for o in outs {
+            match *o {
+                Out::W(s) | Out::Rw(s) => {
+                    let (c, g) = self.b(s)?;
+                    let mut cv = vec![0f32; s.len];
+                    let mut gv = vec![0f32; s.len];
+                    self.cpu.download(c, &mut cv)?;
+                    self.gpu.download(g, &mut gv)?;
+                    let r = rel_err(&gv, &cv);
+                    if !r.is_finite() {
+                        st.nan += 1;
+                    }
+                    st.max_rel = st.max_rel.max(r);
+                    self.gpu.upload(g, &cv)?;
+                }
+                Out::I(b, n) => {
+                    let (c, g) = self.ib(b)?;
+                    let mut cv = vec![0i32; n];
+                    let mut gv = vec![0i32; n];
+                    self.cpu.download_i32(c, 0, &mut cv)?;
+                    self.gpu.download_i32(g, 0, &mut gv)?;
+                    st.int_mismatches += cv.iter().zip(&gv).filter(|(a, b)| a != b).count();
+                    self.gpu.upload_i32(g, 0, &cv)?;
+                }
+            }
+        }
+        let mut all = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let e = all.entry(op).or_default();
+        e.calls += st.calls;
+        e.max_rel = e.max_rel.max(st.max_rel);
+        e.int_mismatches += st.int_mismatches;
+        e.nan += st.nan;
+        Ok(())
+    }
+}
+
+impl Backend for Mirror {
+    fn name(&self) -> String {
+        format!("mirror({} | {})", self.cpu.name(), self.gpu.name())
+    }
+    fn alloc(&mut self, len: usize) -> BResult<Buf> {
+        let p = (self.cpu.alloc(len)?, self.gpu.alloc(len)?);
+        self.bufs.push(p);
+        Ok(Buf::new((self.bufs.len() - 1) as u32, len))
+    }
+    fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
+        let p = (self.cpu.alloc_i32(len)?, self.gpu.alloc_i32(len)?);
+        self.ibufs.push(p);
+        Ok(IBuf::new((self.ibufs.len() - 1) as u32, len))
+    }
+    fn free(&mut self, buf: Buf) {
+        if let Ok((c, g)) = self.b(buf.all()) {
+            self.cpu.free(c.buf);
+            self.gpu.free(g.buf);
+        }
+    }
+    fn free_i32(&mut self, buf: IBuf) {
+        if let Ok((c, g)) = self.ib(buf) {
+            self.cpu.free_i32(c);
+            self.gpu.free_i32(g);
+        }
+    }
+    fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
+        let (c, g) = self.b(dst)?;
+        self.cpu.upload(c, src)?;
+        self.gpu.upload(g, src)
+    }
+    fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
+        let (c, g) = self.b(src)?;
+        let mut gv = vec![0f32; dst.len()];
+        self.gpu.download(g, &mut gv)?;
+        self.cpu.download(c, dst)
+    }
+    fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
+        let (c, g) = self.ib(dst)?;
+        self.cpu.upload_i32(c, off, src)?;
+        self.gpu.upload_i32(g, off, src)
+    }
+    fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
+        let (c, _) = self.ib(src)?;
+        self.cpu.download_i32(c, off, dst)
+    }
+    fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
+        let (cs, gs, cd, gd) = (self.c(src), self.g(src), self.c(dst), self.g(dst));
+        self.run(
+            "copy",
+            &[Out::W(dst)],
+            |b| b.copy(cs, cd),
+            |b| b.copy(gs, gd),
+        )
+    }
+    fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
+        let (c, g) = self.b(dst)?;
+        self.cpu.fill(c, value)?;
+        self.gpu.fill(g, value)
+    }
+    fn load_weight(
+        &mut self,
+        file: &Arc<GgufFile>,
+        name: &str,
+        usage: WeightUse,
+    ) -> BResult<Weight> {
+        let c = self.cpu.load_weight(file, name, usage)?;
+        let g = self.gpu.load_weight(file, name, usage)?;
+        self.weights.push((c, g));
+        Ok(Weight::new((self.weights.len() - 1) as u32, c.info))
+    }
+    fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
+        let (cw, gw, cx, gx, cy, gy) = (
+            self.cw(w),
+            self.gw(w),
+            self.c(x),
+            self.g(x),
+            self.c(y),
+            self.g(y),
+        );
+        let yo = y.sub(0, n_tok * w.info.rows());
+        self.run(
+            "matmul",
+            &[Out::W(yo)],
+            |b| b.matmul(cw, mat, cx, n_tok, cy),
+            |b| b.matmul(gw, mat, gx, n_tok, gy),
+        )
+    }
+    fn matmul_grouped(
+        &mut self,
+        w: Weight,
+        groups: usize,
+        x: Slice,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        let (cw, gw, cx, gx, cy, gy) = (
+            self.cw(w),
+            self.gw(w),
+            self.c(x),
+            self.g(x),
+            self.c(y),
+            self.g(y),
+        );
+        let yo = y.sub(0, n_tok * w.info.rows());
+        self.run(
+            "matmul_grouped",
+            &[Out::W(yo)],
+            |b| b.matmul_grouped(cw, groups, cx, n_tok, cy),
+            |b| b.matmul_grouped(gw, groups, gx, n_tok, gy),
+        )
+    }
+    fn rms_norm(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        out: Slice,
+    ) -> BResult<()> {
+        let (cw, gw) = (w.map(|w| self.cw(w)), w.map(|w| self.gw(w)));
+        let (cx, gx, co, go) = (self.c(x), self.g(x), self.c(out), self.g(out));
+        let o = out.sub(0, rows * width);
+        let kind = if x == out { Out::Rw(o) } else { Out::W(o) };
+        self.run(
+            "rms_norm",
+            &[kind],
+            |b| b.rms_norm(cx, cw, rows, width, eps, co),
+            |b| b.rms_norm(gx, gw, rows, width, eps, go),
+        )
+    }
+    fn rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
+        let (cx, gx) = (self.c(x), self.g(x));
+        let o = x.sub(0, a.n_rows * a.n_heads * a.head_dim);
+        let name = if a.inverse { "rope_inverse" } else { "rope" };
+        self.run(name, &[Out::Rw(o)], |b| b.rope(cx, a), |b| b.rope(gx, a))
+    }
+    fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
+        let (ca, ga, cx, gx) = (self.c(acc), self.g(acc), self.c(x), self.g(x));
+        self.run("add", &[Out::Rw(acc)], |b| b.add(ca, cx), |b| b.add(ga, gx))
+    }
+    fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
+        let (cg, gg, cu, gu, co, go) = (
+            self.c(gate),
+            self.g(gate),
+            self.c(up),
+            self.g(up),
+            self.c(out),
+            self.g(out),
+        );
+        self.run(
+            "swiglu",
+            &[Out::W(out)],
+            |b| b.swiglu(cg, cu, clamp, co),
+            |b| b.swiglu(gg, gu, clamp, go),
+        )
+    }
+    fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
+        let (cx, gx) = (self.c(x), self.g(x));
+        self.run(
+            "qat_fp8",
+            &[Out::Rw(x.sub(0, rows * width))],
+            |b| b.qat_fp8(cx, rows, width, n_dims),
+            |b| b.qat_fp8(gx, rows, width, n_dims),
+        )
+    }
+    fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
+        let (cx, gx) = (self.c(x), self.g(x));
+        self.run(
+            "qat_hadamard_fp4",
+            &[Out::Rw(x.sub(0, rows * width))],
+            |b| b.qat_hadamard_fp4(cx, rows, width),
+            |b| b.qat_hadamard_fp4(gx, rows, width),
+        )
+    }
+    fn embed(
+        &mut self,
+        table: Weight,
+        tokens: IBuf,
+        n_tok: usize,
+        n_streams: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        let (ct, gt, ck, gk, co, go) = (
+            self.cw(table),
+            self.gw(table),
+            self.ci(tokens),
+            self.gi(tokens),
+            self.c(out),
+            self.g(out),
+        );
+        let o = out.sub(0, n_tok * n_streams * table.info.cols());
+        self.run(
+            "embed",
+            &[Out::W(o)],
+            |b| b.embed(ct, ck, n_tok, n_streams, co),
+            |b| b.embed(gt, gk, n_tok, n_streams, go),
+        )
+    }
+    fn hc_pre(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+    ) -> BResult<()> {
+        let c = (
+            self.c(mix),
+            self.c(x),
+            self.cw(base),
+            self.cw(scale),
+            self.c(y),
+            self.c(post),
+            self.c(comb),
+        );
+        let g = (
+            self.g(mix),
+            self.g(x),
+            self.gw(base),
+            self.gw(scale),
+            self.g(y),
+            self.g(post),
+            self.g(comb),
+        );
+        let (n, t) = (a.n_hc, a.n_tok);
+        self.run(
+            "hc_pre",
+            &[
+                Out::W(y.sub(0, t * a.dim)),
+                Out::W(post.sub(0, t * n)),
+                Out::W(comb.sub(0, t * n * n)),
+            ],
+            |b| b.hc_pre(c.0, c.1, c.2, c.3, a, c.4, c.5, c.6),
+            |b| b.hc_pre(g.0, g.1, g.2, g.3, a, g.4, g.5, g.6),
+        )
+    }
+    fn hc_post(&mut self, x: Slice, f: Slice, post: Slice, comb: Slice, a: HcArgs) -> BResult<()> {
+        let c = (self.c(x), self.c(f), self.c(post), self.c(comb));
+        let g = (self.g(x), self.g(f), self.g(post), self.g(comb));
+        self.run(
+            "hc_post",
+            &[Out::Rw(x.sub(0, a.n_tok * a.n_hc * a.dim))],
+            |b| b.hc_post(c.0, c.1, c.2, c.3, a),
+            |b| b.hc_post(g.0, g.1, g.2, g.3, a),
+        )
+    }
+    fn hc_head(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        y: Slice,
+    ) -> BResult<()> {
+        let c = (
+            self.c(mix),
+            self.c(x),
+            self.cw(base),
+            self.cw(scale),
+            self.c(y),
+        );
+        let g = (
+            self.g(mix),
+            self.g(x),
+            self.gw(base),
+            self.gw(scale),
+            self.g(y),
+        );
+        self.run(
+            "hc_head",
+            &[Out::W(y.sub(0, a.n_tok * a.dim))],
+            |b| b.hc_head(c.0, c.1, c.2, c.3, a, c.4),
+            |b| b.hc_head(g.0, g.1, g.2, g.3, a, g.4),
+        )
+    }
+    fn compressor(
+        &mut self,
+        acc: Slice,
+        u: Slice,
+        z: Slice,
+        ape: Weight,
+        a: CompressorArgs,
+        rows: Slice,
+    ) -> BResult<()> {
+        let c = (
+            self.c(acc),
+            self.c(u),
+            self.c(z),
+            self.cw(ape),
+            self.c(rows),
+        );
+        let g = (
+            self.g(acc),
+            self.g(u),
+            self.g(z),
+            self.gw(ape),
+            self.g(rows),
+        );
+        self.run(
+            "compressor",
+            &[Out::Rw(acc), Out::Rw(rows)],
+            |b| b.compressor(c.0, c.1, c.2, c.3, a, c.4),
+            |b| b.compressor(g.0, g.1, g.2, g.3, a, g.4),
+        )
+    }
+    fn indexer_topk(
+        &mut self,
+        q: Slice,
+        w: Slice,
+        rows: Slice,
+        a: IndexerArgs,
+        out: IBuf,
+    ) -> BResult<()> {
+        let c = (self.c(q), self.c(w), self.c(rows), self.ci(out));
+        let g = (self.g(q), self.g(w), self.g(rows), self.gi(out));
+        self.run(
+            "indexer_topk",
+            &[Out::I(out, a.n_tok * a.top_k)],
+            |b| b.indexer_topk(c.0, c.1, c.2, a, c.3),
+            |b| b.indexer_topk(g.0, g.1, g.2, a, g.3),
+        )
+    }
+    fn attention(&mut self, a: AttnArgs) -> BResult<()> {
+        let map = |m: &Mirror, cpu: bool| -> AttnArgs {
+            let s = |x: Slice| if cpu { m.c(x) } else { m.g(x) };
+            let comp = match a.comp {
+                CompSel::None => CompSel::None,
+                CompSel::All { rows, ratio } => CompSel::All {
+                    rows: s(rows),
+                    ratio,
+                },
+                CompSel::Top {
+                    rows,
+                    ratio,
+                    idx,
+                    k,
+                } => CompSel::Top {
+                    rows: s(rows),
+                    ratio,
+                    idx: if cpu { m.ci(idx) } else { m.gi(idx) },
+                    k,
+                },
+            };
+            AttnArgs {
+                q: s(a.q),
+                kv: s(a.kv),
+                ring: s(a.ring),
+                comp,
+                sinks: if cpu { m.cw(a.sinks) } else { m.gw(a.sinks) },
+                out: s(a.out),
+                ..a
+            }
+        };
+        let (ca, ga) = (map(self, true), map(self, false));
+        let o = a.out.sub(0, a.n_tok * a.n_head * a.head_dim);
+        self.run(
+            "attention",
+            &[Out::W(o)],
+            |b| b.attention(ca),
+            |b| b.attention(ga),
+        )
+    }
+    fn ring_store(
+        &mut self,
+        ring: Slice,
+        kv: Slice,
+        pos0: usize,
+        n_tok: usize,
+        window: usize,
+    ) -> BResult<()> {
+        let (cr, gr, ck, gk) = (self.c(ring), self.g(ring), self.c(kv), self.g(kv));
+        self.run(
+            "ring_store",
+            &[Out::Rw(ring)],
+            |b| b.ring_store(cr, ck, pos0, n_tok, window),
+            |b| b.ring_store(gr, gk, pos0, n_tok, window),
+        )
+    }
+    fn router(
+        &mut self,
+        logits: Slice,
+        routing: Routing,
+        a: RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        let rt = |m: &Mirror, cpu: bool| match routing {
+            Routing::TopK { bias } => Routing::TopK {
+                bias: bias.map(|b| if cpu { m.cw(b) } else { m.gw(b) }),
+            },
+            Routing::Hash { table, tokens } => Routing::Hash {
+                table: if cpu { m.cw(table) } else { m.gw(table) },
+                tokens: if cpu { m.ci(tokens) } else { m.gi(tokens) },
+            },
+        };
+        let (cr, gr) = (rt(self, true), rt(self, false));
+        let c = (self.c(logits), self.ci(ids), self.c(weights));
+        let g = (self.g(logits), self.gi(ids), self.g(weights));
+        let n = a.n_tok * a.k;
+        self.run(
+            "router",
+            &[Out::I(ids, n), Out::W(weights.sub(0, n))],
+            |b| b.router(c.0, cr, a, c.1, c.2),
+            |b| b.router(g.0, gr, a, g.1, g.2),
+        )
+    }
+    fn moe(
+        &mut self,
+        x: Slice,
+        ids: IBuf,
+        weights: Slice,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        a: MoeArgs,
+        out: Slice,
+    ) -> BResult<()> {
+        let c = (
+            self.c(x),
+            self.ci(ids),
+            self.c(weights),
+            self.cw(gate),
+            self.cw(up),
+            self.cw(down),
+            self.c(out),
+        );
+        let g = (
+            self.g(x),
+            self.gi(ids),
+            self.g(weights),
+            self.gw(gate),
+            self.gw(up),
+            self.gw(down),
+            self.g(out),
+        );
+        let o = out.sub(0, a.n_tok * gate.info.cols());
+        self.run(
+            "moe",
+            &[Out::W(o)],
+            |b| b.moe(c.0, c.1, c.2, c.3, c.4, c.5, a, c.6),
+            |b| b.moe(g.0, g.1, g.2, g.3, g.4, g.5, a, g.6),
+        )
+    }
+}

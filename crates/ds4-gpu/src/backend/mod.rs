@@ -1,0 +1,897 @@
+//! The CUDA engine backend: `ds4_engine::Backend` over the driver API, NVRTC-compiled
+//! kernels from `kernels/*.cu`, and weights placed where the placement plan says.
+//!
+//! * Activations, KV state and small weight vectors are f32 device buffers (one allocation
+//!   each; the engine allocates them once per engine/state).
+//! * Weight matrices stay in their GGUF type. Without a plan each gets an exact-size device
+//!   allocation; with a plan ([`CudaOptions::plan`]) the plan's arenas are allocated first
+//!   (device, pinned host, managed, registered: whatever the planner chose, with its
+//!   fallbacks) and each tensor is copied to its span — kernels read host-resident spans in
+//!   place through the mapped device pointer.
+//! * Matmuls: batch-1 rows go to the GEMV kernels (`gemv.cu`), small batches to a direct
+//!   quantized kernel, larger batches to a dequantized f32 panel times an f32 tiled GEMM
+//!   (`ops.cu`). Routed experts: grouped GEMV at decode, per-expert panels at prefill.
+//! * Device-only errors (a token id outside the table, an expert id out of range) set a
+//!   fault word that every download checks, so they surface as errors, never silently.
+
+mod launch;
+pub mod mirror;
+mod ops;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ds4_engine::backend::{BResult, BackendError, Buf, IBuf, Slice, Weight, WeightInfo, WeightUse};
+use ds4_gguf::{GgmlType, GgufFile};
+use ds4_placement::{Actual, MemKind, Plan};
+
+use crate::cache::KernelCache;
+use crate::cuda::{CudaAllocator, CudaBuffer, CudaDevice, CudaFunction, CudaModule, GemvKernels};
+use crate::error::GpuError;
+use crate::kernels::OPS;
+
+pub use launch::Arg;
+
+/// Supplies tensor bytes instead of the GGUF file's payload (synthetic full-size models
+/// generated straight into their final buffers, where no file of that size exists).
+pub trait WeightSource: Send + Sync {
+    /// Fill `out` (exactly the tensor's byte size) with tensor `name`'s bytes.
+    fn fill(&self, name: &str, out: &mut [u8]) -> Result<(), String>;
+}
+
+/// How to build a [`CudaBackend`].
+pub struct CudaOptions {
+    /// CUDA device ordinal.
+    pub ordinal: usize,
+    /// Where weights go. `None`: every tensor in its own device allocation.
+    pub plan: Option<Plan>,
+    /// Tensor bytes from somewhere other than the file (see [`WeightSource`]).
+    pub source: Option<Arc<dyn WeightSource>>,
+    /// Compiled-kernel cache.
+    pub cache: KernelCache,
+    /// Token count from which matmuls use the dequantized-panel GEMM instead of the direct
+    /// quantized kernel.
+    pub panel_from_tokens: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            ordinal: 0,
+            plan: None,
+            source: None,
+            cache: KernelCache::default_location(),
+            panel_from_tokens: 9,
+        }
+    }
+}
+
+/// Where a weight's raw bytes live.
+enum Storage {
+    /// Its own device allocation.
+    Own(CudaBuffer),
+    /// A span of plan arena `arena`.
+    Arena { arena: usize, offset: usize },
+}
+
+pub(crate) struct GpuWeight {
+    pub name: String,
+    pub info: WeightInfo,
+    pub row_bytes: usize,
+    storage: Option<Storage>,
+    /// f32 copy on the device for `WeightUse::Vector`.
+    vector: Option<CudaBuffer>,
+    pub kind: MemKind,
+}
+
+/// Bytes of weights by memory kind, as loaded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadedBytes {
+    pub device: u64,
+    pub pinned_host: u64,
+    pub managed: u64,
+    pub registered: u64,
+    /// f32 copies of small vectors (always device memory).
+    pub vectors: u64,
+}
+
+impl LoadedBytes {
+    fn add(&mut self, kind: MemKind, bytes: u64) {
+        match kind {
+            MemKind::Device => self.device += bytes,
+            MemKind::PinnedHost => self.pinned_host += bytes,
+            MemKind::Managed => self.managed += bytes,
+            MemKind::HostRegistered => self.registered += bytes,
+            MemKind::Pageable => {}
+        }
+    }
+}
+
+/// The CUDA backend.
+pub struct CudaBackend {
+    pub(crate) dev: CudaDevice,
+    pub(crate) gemv: GemvKernels,
+    _ops_module: CudaModule,
+    pub(crate) funcs: HashMap<&'static str, CudaFunction>,
+    bufs: Vec<Option<CudaBuffer>>,
+    ibufs: Vec<Option<CudaBuffer>>,
+    pub(crate) weights: Vec<GpuWeight>,
+    arenas: Vec<CudaBuffer>,
+    spans: HashMap<String, (usize, usize)>,
+    actual: Option<Actual>,
+    source: Option<Arc<dyn WeightSource>>,
+    staging: Vec<u8>,
+    pub(crate) scratch: HashMap<&'static str, CudaBuffer>,
+    pub(crate) freqs: HashMap<[u32; 7], CudaBuffer>,
+    fault: CudaBuffer,
+    pub(crate) panel_from_tokens: usize,
+    loaded: LoadedBytes,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.dev.info().name)
+            .field("weights", &self.weights.len())
+            .finish()
+    }
+}
+
+/// Every kernel of `ops.cu` the backend launches.
+const OP_KERNELS: &[&str] = &[
+    "ds4_dequant_rows",
+    "ds4_gemm_nt",
+    "ds4_matmul_generic",
+    "ds4_fill",
+    "ds4_copy",
+    "ds4_add",
+    "ds4_swiglu",
+    "ds4_rms_norm",
+    "ds4_rope",
+    "ds4_qat_fp8",
+    "ds4_qat_hfp4",
+    "ds4_embed",
+    "ds4_hc_pre",
+    "ds4_hc_post",
+    "ds4_hc_head",
+    "ds4_compressor",
+    "ds4_indexer_scores",
+    "ds4_topk_select",
+    "ds4_attention",
+    "ds4_ring_store",
+    "ds4_router",
+    "ds4_gather_rows",
+    "ds4_moe_act",
+    "ds4_scatter_rows",
+    "ds4_sum_slots",
+    "ds4_check_ids",
+];
+
+/// A GPU-layer error as a backend error of `op`.
+pub(crate) fn gerr(op: &'static str) -> impl Fn(GpuError) -> BackendError {
+    move |e| BackendError::Invalid {
+        op,
+        problem: e.to_string(),
+    }
+}
+
+impl CudaBackend {
+    /// Opens the device, compiles (or loads from the cache) every kernel, and allocates the
+    /// plan's weight arenas when a plan is given.
+    pub fn new(opts: CudaOptions) -> Result<CudaBackend, GpuError> {
+        let dev = CudaDevice::open(opts.ordinal)?;
+        let gemv = GemvKernels::load(&dev, &opts.cache)?;
+        let module = dev.load_module(&OPS, &opts.cache)?;
+        let mut funcs = HashMap::new();
+        for name in OP_KERNELS {
+            funcs.insert(*name, module.function(name)?);
+        }
+        let mut fault = dev.alloc(MemKind::Device, 4)?;
+        fault.fill_u32(0)?;
+        let mut be = CudaBackend {
+            dev,
+            gemv,
+            _ops_module: module,
+            funcs,
+            bufs: Vec::new(),
+            ibufs: Vec::new(),
+            weights: Vec::new(),
+            arenas: Vec::new(),
+            spans: HashMap::new(),
+            actual: None,
+            source: opts.source,
+            staging: Vec::new(),
+            scratch: HashMap::new(),
+            freqs: HashMap::new(),
+            fault,
+            panel_from_tokens: opts.panel_from_tokens.max(2),
+            loaded: LoadedBytes::default(),
+        };
+        if let Some(plan) = opts.plan {
+            be.allocate_plan(&plan)?;
+        }
+        Ok(be)
+    }
+
+    /// Allocates the plan's weight arenas (session buffers are the engine's, allocated
+    /// through [`ds4_engine::Backend::alloc`]).
+    fn allocate_plan(&mut self, plan: &Plan) -> Result<(), GpuError> {
+        let mut arenas_only = plan.clone();
+        arenas_only.buffers.clear();
+        let mut alloc = CudaAllocator { device: &self.dev };
+        let done = ds4_placement::execute(&arenas_only, &mut alloc).map_err(|f| {
+            GpuError::BadArgument {
+                op: "load",
+                detail: f.to_string(),
+            }
+        })?;
+        for (i, a) in plan.arenas.iter().enumerate() {
+            for s in &a.spans {
+                self.spans
+                    .insert(s.name.clone(), (i, usize::try_from(s.offset).unwrap_or(0)));
+            }
+        }
+        self.arenas = done.arenas;
+        self.actual = Some(done.actual);
+        Ok(())
+    }
+
+    /// What the plan's allocations actually got (fallbacks included), if a plan was used.
+    pub fn actual_placement(&self) -> Option<&Actual> {
+        self.actual.as_ref()
+    }
+
+    /// Weight bytes by memory kind.
+    pub fn loaded_bytes(&self) -> &LoadedBytes {
+        &self.loaded
+    }
+
+    /// The memory kind tensor `name` was loaded into.
+    pub fn weight_kind(&self, name: &str) -> Option<MemKind> {
+        self.weights.iter().find(|w| w.name == name).map(|w| w.kind)
+    }
+
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// Waits for all queued work (for timing) and reports any device fault.
+    pub fn sync(&mut self) -> BResult<()> {
+        self.dev.synchronize().map_err(gerr("sync"))?;
+        self.check_fault("sync")
+    }
+
+    fn check_fault(&mut self, op: &'static str) -> BResult<()> {
+        let mut b = [0u8; 4];
+        self.fault.read(0, &mut b).map_err(gerr(op))?;
+        let bits = u32::from_le_bytes(b);
+        if bits == 0 {
+            return Ok(());
+        }
+        self.fault.fill_u32(0).map_err(gerr(op))?;
+        let mut what = Vec::new();
+        if bits & 1 != 0 {
+            what.push("a token id outside the embedding or hash table");
+        }
+        if bits & 2 != 0 {
+            what.push("an expert id outside the expert tensors");
+        }
+        if bits & 4 != 0 {
+            what.push("an attention selection of a compressed row that is not visible");
+        }
+        Err(BackendError::Invalid {
+            op,
+            problem: format!(
+                "a kernel reported invalid device-side input: {}",
+                what.join(", ")
+            ),
+        })
+    }
+
+    pub(crate) fn fault_ptr(&self) -> u64 {
+        self.fault.device_address()
+    }
+
+    // ---- handles ----------------------------------------------------------------------
+
+    fn slot<'a>(
+        v: &'a [Option<CudaBuffer>],
+        id: u32,
+        len: usize,
+        op: &'static str,
+    ) -> BResult<&'a CudaBuffer> {
+        match v.get(id as usize) {
+            Some(Some(b)) if b.len() >= 4 * len.max(1) => Ok(b),
+            _ => Err(BackendError::BadHandle { op, id }),
+        }
+    }
+
+    /// Device address of `s`, after checking the handle and the range.
+    pub(crate) fn fptr(&self, s: Slice, op: &'static str) -> BResult<u64> {
+        let b = Self::slot(&self.bufs, s.buf.id(), s.buf.len(), op)?;
+        let end = s.off.checked_add(s.len);
+        if end.is_none_or(|e| e > s.buf.len()) {
+            return Err(BackendError::OutOfRange {
+                op,
+                id: s.buf.id(),
+                off: s.off,
+                end: end.unwrap_or(usize::MAX),
+                len: s.buf.len(),
+            });
+        }
+        Ok(b.device_address() + 4 * s.off as u64)
+    }
+
+    pub(crate) fn iptr(&self, b: IBuf, op: &'static str) -> BResult<u64> {
+        Ok(Self::slot(&self.ibufs, b.id(), b.len(), op)?.device_address())
+    }
+
+    pub(crate) fn weight(&self, w: Weight, op: &'static str) -> BResult<&GpuWeight> {
+        let gw = self
+            .weights
+            .get(w.id() as usize)
+            .ok_or(BackendError::BadHandle { op, id: w.id() })?;
+        if gw.info != w.info {
+            return Err(BackendError::BadHandle { op, id: w.id() });
+        }
+        Ok(gw)
+    }
+
+    /// Device address of a weight's raw bytes.
+    pub(crate) fn wraw(&self, w: Weight, op: &'static str) -> BResult<u64> {
+        let gw = self.weight(w, op)?;
+        match &gw.storage {
+            Some(Storage::Own(b)) => Ok(b.device_address()),
+            Some(Storage::Arena { arena, offset }) => {
+                Ok(self.arenas[*arena].device_address() + *offset as u64)
+            }
+            None => Err(BackendError::Invalid {
+                op,
+                problem: format!("weight {} was loaded as a vector only", gw.name),
+            }),
+        }
+    }
+
+    /// Device address of a vector weight's f32 values, checking their count.
+    pub(crate) fn wvec(&self, w: Weight, op: &'static str, len: usize) -> BResult<u64> {
+        let gw = self.weight(w, op)?;
+        let v = gw.vector.as_ref().ok_or_else(|| BackendError::Invalid {
+            op,
+            problem: format!("weight {} was not loaded as a vector", gw.name),
+        })?;
+        if gw.info.n_elements() != len {
+            return Err(BackendError::Shape {
+                op,
+                what: format!("{} length", gw.name),
+                expected: len,
+                found: gw.info.n_elements(),
+            });
+        }
+        Ok(v.device_address())
+    }
+
+    /// A device scratch buffer of at least `bytes`, kept for reuse.
+    pub(crate) fn scratch(&mut self, name: &'static str, bytes: usize) -> BResult<u64> {
+        let bytes = bytes.max(4);
+        let grow = self.scratch.get(name).is_none_or(|b| b.len() < bytes);
+        if grow {
+            self.scratch.remove(name);
+            let b = self
+                .dev
+                .alloc(MemKind::Device, bytes)
+                .map_err(|e| BackendError::Alloc {
+                    elems: bytes / 4,
+                    problem: format!("scratch {name}: {e}"),
+                })?;
+            self.scratch.insert(name, b);
+        }
+        Ok(self.scratch[name].device_address())
+    }
+
+    /// Copies `src` into scratch `name` (i32 values) and returns its address.
+    pub(crate) fn upload_scratch_i32(&mut self, name: &'static str, src: &[i32]) -> BResult<u64> {
+        let p = self.scratch(name, 4 * src.len())?;
+        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.scratch
+            .get_mut(name)
+            .expect("allocated above")
+            .write(0, &bytes)
+            .map_err(gerr("upload"))?;
+        Ok(p)
+    }
+
+    fn new_buf(&mut self, elems: usize, op: &'static str, int: bool) -> BResult<u32> {
+        let bytes = elems.checked_mul(4).ok_or(BackendError::Alloc {
+            elems,
+            problem: "size overflows".into(),
+        })?;
+        let mut b =
+            self.dev
+                .alloc(MemKind::Device, bytes.max(4))
+                .map_err(|e| BackendError::Alloc {
+                    elems,
+                    problem: e.to_string(),
+                })?;
+        b.fill_u32(0).map_err(gerr(op))?;
+        let v = if int { &mut self.ibufs } else { &mut self.bufs };
+        let id = match v.iter().position(|s| s.is_none()) {
+            Some(i) => {
+                v[i] = Some(b);
+                i
+            }
+            None => {
+                v.push(Some(b));
+                v.len() - 1
+            }
+        };
+        u32::try_from(id).map_err(|_| BackendError::Alloc {
+            elems,
+            problem: "too many buffers".into(),
+        })
+    }
+
+    // ---- weights ----------------------------------------------------------------------
+
+    /// The bytes of tensor `name` into `out` (from the source, else the file).
+    fn tensor_into(
+        source: &Option<Arc<dyn WeightSource>>,
+        file: &GgufFile,
+        name: &str,
+        out: &mut [u8],
+    ) -> BResult<()> {
+        let werr = |problem: String| BackendError::Weight {
+            name: name.to_string(),
+            problem,
+        };
+        match source {
+            Some(s) => s.fill(name, out).map_err(werr),
+            None => {
+                let (_, data) = file.tensor_bytes(name).map_err(|e| werr(e.to_string()))?;
+                if data.len() != out.len() {
+                    return Err(werr(format!(
+                        "{} bytes in the file, {} expected",
+                        data.len(),
+                        out.len()
+                    )));
+                }
+                out.copy_from_slice(data);
+                Ok(())
+            }
+        }
+    }
+
+    fn load(&mut self, file: &Arc<GgufFile>, name: &str, usage: WeightUse) -> BResult<Weight> {
+        let werr = |problem: String| BackendError::Weight {
+            name: name.to_string(),
+            problem,
+        };
+        let t = file
+            .header()
+            .tensor(name)
+            .ok_or_else(|| werr("not in the file's tensor table".into()))?;
+        if t.dims.is_empty() || t.dims.len() > 3 {
+            return Err(werr(format!("{} dims, at most 3 supported", t.dims.len())));
+        }
+        let mut dims = [1usize; 3];
+        for (d, &v) in dims.iter_mut().zip(&t.dims) {
+            *d = usize::try_from(v).map_err(|_| werr(format!("dim {v} too large")))?;
+        }
+        let ty = t.ty;
+        let row_bytes = ty
+            .row_bytes(dims[0] as u64)
+            .ok_or_else(|| werr(format!("type {ty} cannot hold rows of {}", dims[0])))?
+            as usize;
+        let bytes = row_bytes
+            .checked_mul(dims[1] * dims[2])
+            .ok_or_else(|| werr("size overflows".into()))?;
+        let supported = matches!(
+            ty,
+            GgmlType::F32
+                | GgmlType::F16
+                | GgmlType::Bf16
+                | GgmlType::Q8_0
+                | GgmlType::Q2K
+                | GgmlType::Q4K
+                | GgmlType::Iq2Xxs
+        ) || (usage == WeightUse::Table && ty == GgmlType::I32);
+        if !supported {
+            return Err(werr(format!(
+                "type {ty} is not supported for {usage:?} use"
+            )));
+        }
+        let info = WeightInfo { ty, dims };
+        let source = self.source.clone();
+        let (storage, vector, kind) = if usage == WeightUse::Vector {
+            if self.staging.len() < bytes {
+                self.staging.resize(bytes, 0);
+            }
+            Self::tensor_into(&source, file, name, &mut self.staging[..bytes])?;
+            let mut vals = vec![0f32; info.n_elements()];
+            ds4_gguf::quant::dequantize(ty, &self.staging[..bytes], &mut vals)
+                .map_err(|e| werr(e.to_string()))?;
+            let raw: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let mut b = self
+                .dev
+                .alloc(MemKind::Device, raw.len().max(4))
+                .map_err(|e| werr(e.to_string()))?;
+            b.write(0, &raw).map_err(|e| werr(e.to_string()))?;
+            self.loaded.vectors += raw.len() as u64;
+            (None, Some(b), MemKind::Device)
+        } else if let Some(&(arena, offset)) = self.spans.get(name) {
+            let kind = self
+                .actual
+                .as_ref()
+                .and_then(|a| a.entries.get(arena))
+                .map_or(MemKind::Device, |e| e.used);
+            let buf = &mut self.arenas[arena];
+            if offset.checked_add(bytes).is_none_or(|e| e > buf.len()) {
+                return Err(werr(format!(
+                    "the plan's span at {offset} does not hold {bytes} bytes"
+                )));
+            }
+            let host = buf.host_bytes_mut().map_err(|e| werr(e.to_string()))?;
+            match host {
+                Some(h) => Self::tensor_into(&source, file, name, &mut h[offset..offset + bytes])?,
+                None => {
+                    if self.staging.len() < bytes {
+                        self.staging.resize(bytes, 0);
+                    }
+                    Self::tensor_into(&source, file, name, &mut self.staging[..bytes])?;
+                    buf.write(offset, &self.staging[..bytes])
+                        .map_err(|e| werr(e.to_string()))?;
+                }
+            }
+            self.loaded.add(kind, bytes as u64);
+            (Some(Storage::Arena { arena, offset }), None, kind)
+        } else {
+            let mut b = self
+                .dev
+                .alloc(MemKind::Device, bytes.max(16))
+                .map_err(|e| werr(e.to_string()))?;
+            if self.staging.len() < bytes {
+                self.staging.resize(bytes, 0);
+            }
+            Self::tensor_into(&source, file, name, &mut self.staging[..bytes])?;
+            b.write(0, &self.staging[..bytes])
+                .map_err(|e| werr(e.to_string()))?;
+            self.loaded.add(MemKind::Device, bytes as u64);
+            (Some(Storage::Own(b)), None, MemKind::Device)
+        };
+        // Big staging buffers are not kept past the tensor that needed them.
+        if self.staging.len() > (64 << 20) {
+            self.staging = Vec::new();
+        }
+        let id = u32::try_from(self.weights.len()).map_err(|_| werr("too many weights".into()))?;
+        self.weights.push(GpuWeight {
+            name: name.to_string(),
+            info,
+            row_bytes,
+            storage,
+            vector,
+            kind,
+        });
+        Ok(Weight::new(id, info))
+    }
+}
+
+fn shape(op: &'static str, what: &str, expected: usize, found: usize) -> BResult<()> {
+    if expected != found {
+        return Err(BackendError::Shape {
+            op,
+            what: what.to_string(),
+            expected,
+            found,
+        });
+    }
+    Ok(())
+}
+
+/// `s` holds at least `n` elements.
+pub(crate) fn need(s: Slice, n: usize, op: &'static str, what: &str) -> BResult<()> {
+    if s.len < n {
+        return Err(BackendError::Shape {
+            op,
+            what: format!("{what} length"),
+            expected: n,
+            found: s.len,
+        });
+    }
+    Ok(())
+}
+
+impl ds4_engine::Backend for CudaBackend {
+    fn name(&self) -> String {
+        format!("cuda ({})", self.dev.info().name)
+    }
+
+    fn alloc(&mut self, len: usize) -> BResult<Buf> {
+        Ok(Buf::new(self.new_buf(len, "alloc", false)?, len))
+    }
+
+    fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
+        Ok(IBuf::new(self.new_buf(len, "alloc_i32", true)?, len))
+    }
+
+    fn free(&mut self, buf: Buf) {
+        if let Some(s) = self.bufs.get_mut(buf.id() as usize) {
+            *s = None;
+        }
+    }
+
+    fn free_i32(&mut self, buf: IBuf) {
+        if let Some(s) = self.ibufs.get_mut(buf.id() as usize) {
+            *s = None;
+        }
+    }
+
+    fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
+        shape("upload", "source length", dst.len, src.len())?;
+        self.fptr(dst, "upload")?;
+        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let b = self.bufs[dst.buf.id() as usize].as_mut().expect("checked");
+        b.write(4 * dst.off, &bytes).map_err(gerr("upload"))
+    }
+
+    fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
+        shape("download", "destination length", src.len, dst.len())?;
+        self.fptr(src, "download")?;
+        let mut bytes = vec![0u8; 4 * dst.len()];
+        let b = self.bufs[src.buf.id() as usize].as_ref().expect("checked");
+        b.read(4 * src.off, &mut bytes).map_err(gerr("download"))?;
+        for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        self.check_fault("download")
+    }
+
+    fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
+        self.iptr(dst, "upload_i32")?;
+        let end = off.saturating_add(src.len());
+        if end > dst.len() {
+            return Err(BackendError::OutOfRange {
+                op: "upload_i32",
+                id: dst.id(),
+                off,
+                end,
+                len: dst.len(),
+            });
+        }
+        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let b = self.ibufs[dst.id() as usize].as_mut().expect("checked");
+        b.write(4 * off, &bytes).map_err(gerr("upload_i32"))
+    }
+
+    fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
+        self.iptr(src, "download_i32")?;
+        let end = off.saturating_add(dst.len());
+        if end > src.len() {
+            return Err(BackendError::OutOfRange {
+                op: "download_i32",
+                id: src.id(),
+                off,
+                end,
+                len: src.len(),
+            });
+        }
+        let mut bytes = vec![0u8; 4 * dst.len()];
+        let b = self.ibufs[src.id() as usize].as_ref().expect("checked");
+        b.read(4 * off, &mut bytes).map_err(gerr("download_i32"))?;
+        for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+            *d = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        self.check_fault("download_i32")
+    }
+
+    fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
+        shape("copy", "destination length", src.len, dst.len)?;
+        if src.overlaps(dst) {
+            return Err(BackendError::Aliasing {
+                op: "copy",
+                id: src.buf.id(),
+            });
+        }
+        let (s, d) = (self.fptr(src, "copy")?, self.fptr(dst, "copy")?);
+        self.elementwise("ds4_copy", src.len, &[Arg::Ptr(d), Arg::Ptr(s)])
+    }
+
+    fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
+        let d = self.fptr(dst, "fill")?;
+        self.elementwise(
+            "ds4_fill",
+            dst.len,
+            &[Arg::Ptr(d), Arg::U64(0), Arg::F32(value)],
+        )
+    }
+
+    fn load_weight(
+        &mut self,
+        file: &Arc<GgufFile>,
+        name: &str,
+        usage: WeightUse,
+    ) -> BResult<Weight> {
+        self.load(file, name, usage)
+    }
+
+    fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
+        self.op_matmul(w, mat, x, n_tok, y)
+    }
+
+    fn matmul_grouped(
+        &mut self,
+        w: Weight,
+        groups: usize,
+        x: Slice,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        self.op_matmul_grouped(w, groups, x, n_tok, y)
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        out: Slice,
+    ) -> BResult<()> {
+        self.op_rms_norm(x, w, rows, width, eps, out)
+    }
+
+    fn rope(&mut self, x: Slice, args: ds4_engine::backend::RopeArgs) -> BResult<()> {
+        self.op_rope(x, args)
+    }
+
+    fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
+        shape("add", "input length", acc.len, x.len)?;
+        if acc.overlaps(x) {
+            return Err(BackendError::Aliasing {
+                op: "add",
+                id: x.buf.id(),
+            });
+        }
+        let (a, b) = (self.fptr(acc, "add")?, self.fptr(x, "add")?);
+        self.elementwise("ds4_add", acc.len, &[Arg::Ptr(a), Arg::Ptr(b)])
+    }
+
+    fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
+        shape("swiglu", "up length", gate.len, up.len)?;
+        shape("swiglu", "output length", gate.len, out.len)?;
+        if out.overlaps(gate) || out.overlaps(up) {
+            return Err(BackendError::Aliasing {
+                op: "swiglu",
+                id: out.buf.id(),
+            });
+        }
+        let (g, u, o) = (
+            self.fptr(gate, "swiglu")?,
+            self.fptr(up, "swiglu")?,
+            self.fptr(out, "swiglu")?,
+        );
+        self.elementwise(
+            "ds4_swiglu",
+            out.len,
+            &[Arg::Ptr(g), Arg::Ptr(u), Arg::F32(clamp), Arg::Ptr(o)],
+        )
+    }
+
+    fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
+        self.op_qat_fp8(x, rows, width, n_dims)
+    }
+
+    fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
+        self.op_qat_hfp4(x, rows, width)
+    }
+
+    fn embed(
+        &mut self,
+        table: Weight,
+        tokens: IBuf,
+        n_tok: usize,
+        n_streams: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        self.op_embed(table, tokens, n_tok, n_streams, out)
+    }
+
+    fn hc_pre(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        args: ds4_engine::backend::HcArgs,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+    ) -> BResult<()> {
+        self.op_hc_pre(mix, x, base, scale, args, y, post, comb)
+    }
+
+    fn hc_post(
+        &mut self,
+        x: Slice,
+        f: Slice,
+        post: Slice,
+        comb: Slice,
+        args: ds4_engine::backend::HcArgs,
+    ) -> BResult<()> {
+        self.op_hc_post(x, f, post, comb, args)
+    }
+
+    fn hc_head(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        args: ds4_engine::backend::HcArgs,
+        y: Slice,
+    ) -> BResult<()> {
+        self.op_hc_head(mix, x, base, scale, args, y)
+    }
+
+    fn compressor(
+        &mut self,
+        acc: Slice,
+        u: Slice,
+        z: Slice,
+        ape: Weight,
+        args: ds4_engine::backend::CompressorArgs,
+        rows: Slice,
+    ) -> BResult<()> {
+        self.op_compressor(acc, u, z, ape, args, rows)
+    }
+
+    fn indexer_topk(
+        &mut self,
+        q: Slice,
+        w: Slice,
+        rows: Slice,
+        args: ds4_engine::backend::IndexerArgs,
+        out: IBuf,
+    ) -> BResult<()> {
+        self.op_indexer_topk(q, w, rows, args, out)
+    }
+
+    fn attention(&mut self, args: ds4_engine::backend::AttnArgs) -> BResult<()> {
+        self.op_attention(args)
+    }
+
+    fn ring_store(
+        &mut self,
+        ring: Slice,
+        kv: Slice,
+        pos0: usize,
+        n_tok: usize,
+        window: usize,
+    ) -> BResult<()> {
+        self.op_ring_store(ring, kv, pos0, n_tok, window)
+    }
+
+    fn router(
+        &mut self,
+        logits: Slice,
+        routing: ds4_engine::backend::Routing,
+        args: ds4_engine::backend::RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        self.op_router(logits, routing, args, ids, weights)
+    }
+
+    fn moe(
+        &mut self,
+        x: Slice,
+        ids: IBuf,
+        weights: Slice,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        args: ds4_engine::backend::MoeArgs,
+        out: Slice,
+    ) -> BResult<()> {
+        self.op_moe(x, ids, weights, gate, up, down, args, out)
+    }
+}

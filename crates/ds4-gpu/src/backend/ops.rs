@@ -1,0 +1,1238 @@
+//! The engine ops: shape and range checks, then launches of `kernels/ops.cu` / `gemv.cu`.
+
+use ds4_engine::backend::{
+    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, HcArgs, IBuf, IndexerArgs, MoeArgs,
+    RopeArgs, RouterArgs, Routing, Slice, Weight,
+};
+use ds4_engine::numerics::rope_freqs;
+use ds4_gguf::GgmlType;
+use ds4_placement::MemKind;
+
+use super::launch::{grid_for, Arg};
+use super::{gerr, need, shape, CudaBackend};
+use crate::kernels::GemvType;
+
+/// f32 elements of one dequantized weight panel (256 MiB).
+const PANEL_ELEMS: usize = 64 << 20;
+/// Largest selection count routed experts run through the grouped GEMV.
+const GROUPED_MAX_SEL: usize = 64;
+/// Head dims the attention kernel holds in registers.
+const ATT_MAX_HD: usize = 512;
+
+/// A matmul over rows `row0..row0+n_rows` of a quantized matrix at `w` (device address).
+#[derive(Debug, Clone, Copy)]
+struct Mm {
+    w: u64,
+    ty: GgmlType,
+    row_bytes: usize,
+    row0: usize,
+    n_rows: usize,
+    cols: usize,
+    x: u64,
+    x_stride: usize,
+    n_tok: usize,
+    y: u64,
+    y_stride: usize,
+}
+
+fn i32a(op: &'static str, what: &str, v: usize) -> BResult<Arg> {
+    i32::try_from(v)
+        .map(Arg::I32)
+        .map_err(|_| BackendError::Invalid {
+            op,
+            problem: format!("{what} = {v} exceeds the kernels' 32-bit range"),
+        })
+}
+
+fn u(v: usize) -> Arg {
+    Arg::U64(v as u64)
+}
+
+fn g32(v: usize) -> u32 {
+    u32::try_from(v).unwrap_or(u32::MAX)
+}
+
+impl CudaBackend {
+    /// Queues one matmul by the best path for its shape.
+    fn mm(&mut self, m: Mm, op: &'static str) -> BResult<()> {
+        if m.n_rows == 0 || m.n_tok == 0 {
+            return Ok(());
+        }
+        let gty = GemvType::from_ggml(m.ty).ok();
+        if m.n_tok == 1 {
+            if let Some(gty) = gty {
+                let wbase = m.w + (m.row0 * m.row_bytes) as u64;
+                if let Ok(l) = self.gemv.launch_for(gty, m.cols, m.n_rows) {
+                    if l.row_bytes as usize == m.row_bytes
+                        && wbase.is_multiple_of(16)
+                        && m.x.is_multiple_of(16)
+                    {
+                        let f = self.gemv.function(gty);
+                        return self.launch_fn(
+                            f,
+                            "gemv",
+                            (l.grid_x, 1, 1),
+                            l.block,
+                            &[
+                                Arg::Ptr(wbase),
+                                Arg::Ptr(m.x),
+                                Arg::Ptr(m.y),
+                                i32a(op, "cols", m.cols)?,
+                                i32a(op, "rows", m.n_rows)?,
+                                Arg::I32(l.wpr as i32),
+                            ],
+                        );
+                    }
+                }
+            }
+        }
+        let ty = Arg::I32(m.ty.code() as i32);
+        if m.n_tok < self.panel_from_tokens {
+            return self.launch(
+                "ds4_matmul_generic",
+                (g32(m.n_rows.div_ceil(8)), g32(m.n_tok.div_ceil(4)), 1),
+                256,
+                &[
+                    Arg::Ptr(m.w),
+                    ty,
+                    u(m.row_bytes),
+                    u(m.row0),
+                    i32a(op, "rows", m.n_rows)?,
+                    i32a(op, "cols", m.cols)?,
+                    Arg::Ptr(m.x),
+                    u(m.x_stride),
+                    i32a(op, "tokens", m.n_tok)?,
+                    Arg::Ptr(m.y),
+                    u(m.y_stride),
+                ],
+            );
+        }
+        // Dequantized panels of rows, then the f32 GEMM.
+        let panel_rows = (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows);
+        let panel = self.scratch("panel", 4 * panel_rows * m.cols)?;
+        let mut r = 0;
+        while r < m.n_rows {
+            let n = panel_rows.min(m.n_rows - r);
+            self.launch(
+                "ds4_dequant_rows",
+                (grid_for(n * m.cols), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(m.w),
+                    ty,
+                    u(m.row_bytes),
+                    u(m.row0 + r),
+                    i32a(op, "rows", n)?,
+                    i32a(op, "cols", m.cols)?,
+                    Arg::Ptr(panel),
+                ],
+            )?;
+            self.launch(
+                "ds4_gemm_nt",
+                (g32(n.div_ceil(64)), g32(m.n_tok.div_ceil(64)), 1),
+                256,
+                &[
+                    Arg::Ptr(m.x),
+                    u(m.x_stride),
+                    Arg::Ptr(panel),
+                    u(m.cols),
+                    Arg::Ptr(m.y + 4 * r as u64),
+                    u(m.y_stride),
+                    i32a(op, "tokens", m.n_tok)?,
+                    i32a(op, "rows", n)?,
+                    i32a(op, "cols", m.cols)?,
+                ],
+            )?;
+            r += n;
+        }
+        Ok(())
+    }
+
+    pub(super) fn op_matmul(
+        &mut self,
+        w: Weight,
+        mat: usize,
+        x: Slice,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "matmul";
+        let (cols, rows, mats) = (w.info.cols(), w.info.rows(), w.info.mats());
+        if mat >= mats {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("matrix {mat} of {mats}"),
+            });
+        }
+        need(x, n_tok * cols, OP, "input")?;
+        need(y, n_tok * rows, OP, "output")?;
+        if x.overlaps(y) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: y.buf.id(),
+            });
+        }
+        let gw = self.weight(w, OP)?;
+        let (ty, row_bytes) = (gw.info.ty, gw.row_bytes);
+        let wp = self.wraw(w, OP)? + (mat * rows * row_bytes) as u64;
+        let (xp, yp) = (self.fptr(x, OP)?, self.fptr(y, OP)?);
+        self.mm(
+            Mm {
+                w: wp,
+                ty,
+                row_bytes,
+                row0: 0,
+                n_rows: rows,
+                cols,
+                x: xp,
+                x_stride: cols,
+                n_tok,
+                y: yp,
+                y_stride: rows,
+            },
+            OP,
+        )
+    }
+
+    pub(super) fn op_matmul_grouped(
+        &mut self,
+        w: Weight,
+        groups: usize,
+        x: Slice,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "matmul_grouped";
+        let (cols, rows) = (w.info.cols(), w.info.rows());
+        if groups == 0 || !rows.is_multiple_of(groups) || w.info.mats() != 1 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{rows} rows do not split into {groups} groups"),
+            });
+        }
+        need(x, n_tok * groups * cols, OP, "input")?;
+        need(y, n_tok * rows, OP, "output")?;
+        if x.overlaps(y) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: y.buf.id(),
+            });
+        }
+        let r = rows / groups;
+        let gw = self.weight(w, OP)?;
+        let (ty, row_bytes) = (gw.info.ty, gw.row_bytes);
+        let wp = self.wraw(w, OP)?;
+        let (xp, yp) = (self.fptr(x, OP)?, self.fptr(y, OP)?);
+        for g in 0..groups {
+            self.mm(
+                Mm {
+                    w: wp,
+                    ty,
+                    row_bytes,
+                    row0: g * r,
+                    n_rows: r,
+                    cols,
+                    x: xp + (4 * g * cols) as u64,
+                    x_stride: groups * cols,
+                    n_tok,
+                    y: yp + (4 * g * r) as u64,
+                    y_stride: rows,
+                },
+                OP,
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn op_rms_norm(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        rows: usize,
+        width: usize,
+        eps: f32,
+        out: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "rms_norm";
+        need(out, rows * width, OP, "output")?;
+        need(x, rows * width, OP, "input")?;
+        if width == 0 || rows == 0 {
+            return Ok(());
+        }
+        if x != out && x.overlaps(out) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: x.buf.id(),
+            });
+        }
+        let wp = match w {
+            Some(w) => self.wvec(w, OP, width)?,
+            None => 0,
+        };
+        let (xp, op_) = (self.fptr(x, OP)?, self.fptr(out, OP)?);
+        self.launch(
+            "ds4_rms_norm",
+            (g32(rows), 1, 1),
+            256,
+            &[
+                Arg::Ptr(xp),
+                Arg::Ptr(wp),
+                Arg::Ptr(op_),
+                i32a(OP, "width", width)?,
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    fn freqs_ptr(&mut self, a: &RopeArgs) -> BResult<u64> {
+        let f = &a.freq;
+        let y = f.yarn;
+        let key = [
+            f.base.to_bits(),
+            f.rope_dim as u32,
+            u32::from(y.is_some()),
+            y.map_or(0, |y| y.factor.to_bits()),
+            y.map_or(0, |y| y.original_context as u32),
+            y.map_or(0, |y| y.beta_fast.to_bits()),
+            y.map_or(0, |y| y.beta_slow.to_bits()),
+        ];
+        if !self.freqs.contains_key(&key) {
+            let v = rope_freqs(f);
+            let raw: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let mut b = self
+                .dev
+                .alloc(MemKind::Device, raw.len().max(4))
+                .map_err(gerr("rope"))?;
+            b.write(0, &raw).map_err(gerr("rope"))?;
+            self.freqs.insert(key, b);
+        }
+        Ok(self.freqs[&key].device_address())
+    }
+
+    pub(super) fn op_rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
+        const OP: &str = "rope";
+        let rd = a.freq.rope_dim;
+        if !rd.is_multiple_of(2) || rd > a.head_dim {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("rope dim {rd} vs head dim {}", a.head_dim),
+            });
+        }
+        need(x, a.n_rows * a.n_heads * a.head_dim, OP, "input")?;
+        let n = a.n_rows * a.n_heads * (rd / 2);
+        if n == 0 {
+            return Ok(());
+        }
+        let fp = self.freqs_ptr(&a)?;
+        let xp = self.fptr(x, OP)?;
+        self.launch(
+            "ds4_rope",
+            (grid_for(n), 1, 1),
+            256,
+            &[
+                Arg::Ptr(xp),
+                Arg::Ptr(fp),
+                i32a(OP, "rows", a.n_rows)?,
+                i32a(OP, "heads", a.n_heads)?,
+                i32a(OP, "head dim", a.head_dim)?,
+                i32a(OP, "rope dim", rd)?,
+                u(a.pos0),
+                u(a.pos_step),
+                Arg::I32(i32::from(a.inverse)),
+            ],
+        )
+    }
+
+    pub(super) fn op_qat_fp8(
+        &mut self,
+        x: Slice,
+        rows: usize,
+        width: usize,
+        n_dims: usize,
+    ) -> BResult<()> {
+        const OP: &str = "qat_fp8";
+        if n_dims > width {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{n_dims} dims of a {width}-wide row"),
+            });
+        }
+        need(x, rows * width, OP, "input")?;
+        let n = rows * n_dims.div_ceil(64);
+        if n == 0 {
+            return Ok(());
+        }
+        let xp = self.fptr(x, OP)?;
+        self.launch(
+            "ds4_qat_fp8",
+            (grid_for(n), 1, 1),
+            256,
+            &[
+                Arg::Ptr(xp),
+                i32a(OP, "rows", rows)?,
+                i32a(OP, "width", width)?,
+                i32a(OP, "dims", n_dims)?,
+            ],
+        )
+    }
+
+    pub(super) fn op_qat_hfp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
+        const OP: &str = "qat_hadamard_fp4";
+        if !width.is_power_of_two() || width > 4096 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("width {width} is not a power of two up to 4096"),
+            });
+        }
+        need(x, rows * width, OP, "input")?;
+        if rows == 0 {
+            return Ok(());
+        }
+        if width < 32 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("width {width} is less than one FP4 block of 32"),
+            });
+        }
+        let norm = (1.0 / (width as f64).sqrt()) as f32;
+        let xp = self.fptr(x, OP)?;
+        self.launch(
+            "ds4_qat_hfp4",
+            (g32(rows), 1, 1),
+            256,
+            &[Arg::Ptr(xp), i32a(OP, "width", width)?, Arg::F32(norm)],
+        )
+    }
+
+    pub(super) fn op_embed(
+        &mut self,
+        table: Weight,
+        tokens: IBuf,
+        n_tok: usize,
+        n_streams: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "embed";
+        let (d, n_vocab) = (table.info.cols(), table.info.rows());
+        need(out, n_tok * n_streams * d, OP, "output")?;
+        if tokens.len() < n_tok {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: "token count".into(),
+                expected: n_tok,
+                found: tokens.len(),
+            });
+        }
+        if n_tok == 0 {
+            return Ok(());
+        }
+        let gw = self.weight(table, OP)?;
+        let (ty, rb) = (gw.info.ty, gw.row_bytes);
+        if ty == GgmlType::I32 {
+            return Err(BackendError::UnsupportedType { op: OP, ty });
+        }
+        let tp = self.wraw(table, OP)?;
+        let (ip, op_) = (self.iptr(tokens, OP)?, self.fptr(out, OP)?);
+        self.launch(
+            "ds4_embed",
+            (g32(n_tok), 1, 1),
+            256,
+            &[
+                Arg::Ptr(tp),
+                Arg::I32(ty.code() as i32),
+                u(rb),
+                i32a(OP, "vocab", n_vocab)?,
+                Arg::Ptr(ip),
+                i32a(OP, "streams", n_streams)?,
+                i32a(OP, "width", d)?,
+                Arg::Ptr(op_),
+                Arg::Ptr(self.fault_ptr()),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn op_hc_pre(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "hc_pre";
+        let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
+        if n == 0 || n > 8 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{n} streams (1..=8 supported)"),
+            });
+        }
+        let nm = 2 * n + n * n;
+        need(mix, t * nm, OP, "mix")?;
+        need(x, t * n * d, OP, "streams")?;
+        need(y, t * d, OP, "y")?;
+        need(post, t * n, OP, "post")?;
+        need(comb, t * n * n, OP, "comb")?;
+        if t == 0 {
+            return Ok(());
+        }
+        let (bp, sp) = (self.wvec(base, OP, nm)?, self.wvec(scale, OP, 3)?);
+        let args = [
+            Arg::Ptr(self.fptr(mix, OP)?),
+            Arg::Ptr(self.fptr(x, OP)?),
+            Arg::Ptr(bp),
+            Arg::Ptr(sp),
+            i32a(OP, "streams", n)?,
+            i32a(OP, "dim", d)?,
+            i32a(OP, "iterations", a.sinkhorn_iters)?,
+            Arg::F32(a.hc_eps),
+            Arg::F32(a.rms_eps),
+            Arg::Ptr(self.fptr(y, OP)?),
+            Arg::Ptr(self.fptr(post, OP)?),
+            Arg::Ptr(self.fptr(comb, OP)?),
+        ];
+        self.launch("ds4_hc_pre", (g32(t), 1, 1), 256, &args)
+    }
+
+    pub(super) fn op_hc_post(
+        &mut self,
+        x: Slice,
+        f: Slice,
+        post: Slice,
+        comb: Slice,
+        a: HcArgs,
+    ) -> BResult<()> {
+        const OP: &str = "hc_post";
+        let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
+        if n == 0 || n > 8 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{n} streams (1..=8 supported)"),
+            });
+        }
+        need(x, t * n * d, OP, "streams")?;
+        need(f, t * d, OP, "f")?;
+        need(post, t * n, OP, "post")?;
+        need(comb, t * n * n, OP, "comb")?;
+        if t * d == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(self.fptr(x, OP)?),
+            Arg::Ptr(self.fptr(f, OP)?),
+            Arg::Ptr(self.fptr(post, OP)?),
+            Arg::Ptr(self.fptr(comb, OP)?),
+            i32a(OP, "tokens", t)?,
+            i32a(OP, "streams", n)?,
+            i32a(OP, "dim", d)?,
+        ];
+        self.launch("ds4_hc_post", (grid_for(t * d), 1, 1), 256, &args)
+    }
+
+    pub(super) fn op_hc_head(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        y: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "hc_head";
+        let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
+        if n == 0 || n > 8 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{n} streams (1..=8 supported)"),
+            });
+        }
+        need(mix, t * n, OP, "mix")?;
+        need(x, t * n * d, OP, "streams")?;
+        need(y, t * d, OP, "y")?;
+        if t == 0 {
+            return Ok(());
+        }
+        let (bp, sp) = (self.wvec(base, OP, n)?, self.wvec(scale, OP, 1)?);
+        let args = [
+            Arg::Ptr(self.fptr(mix, OP)?),
+            Arg::Ptr(self.fptr(x, OP)?),
+            Arg::Ptr(bp),
+            Arg::Ptr(sp),
+            i32a(OP, "streams", n)?,
+            i32a(OP, "dim", d)?,
+            Arg::F32(a.hc_eps),
+            Arg::F32(a.rms_eps),
+            Arg::Ptr(self.fptr(y, OP)?),
+        ];
+        self.launch("ds4_hc_head", (g32(t), 1, 1), 256, &args)
+    }
+
+    pub(super) fn op_compressor(
+        &mut self,
+        acc: Slice,
+        uu: Slice,
+        z: Slice,
+        ape: Weight,
+        a: CompressorArgs,
+        rows: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "compressor";
+        let pw = a.proj_width();
+        if a.ratio == 0 || a.width == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "ratio and width must be positive".into(),
+            });
+        }
+        shape(OP, "accumulator length", a.acc_len(), acc.len)?;
+        need(uu, a.n_tok * pw, OP, "u")?;
+        need(z, a.n_tok * pw, OP, "z")?;
+        shape(OP, "ape row width", pw, ape.info.cols())?;
+        shape(OP, "ape rows", a.ratio, ape.info.rows())?;
+        let cap = rows.len / a.width;
+        // The last window this chunk completes must have a row.
+        let end = a.pos0 + a.n_tok;
+        if end / a.ratio > a.pos0 / a.ratio {
+            let w_last = end / a.ratio - 1;
+            if w_last >= cap {
+                return Err(BackendError::Invalid {
+                    op: OP,
+                    problem: format!("row {w_last} is beyond the {cap} rows of the cache"),
+                });
+            }
+        }
+        if a.n_tok == 0 {
+            return Ok(());
+        }
+        let apep = self.wvec(ape, OP, a.ratio * pw)?;
+        let args = [
+            Arg::Ptr(self.fptr(acc, OP)?),
+            Arg::Ptr(self.fptr(uu, OP)?),
+            Arg::Ptr(self.fptr(z, OP)?),
+            Arg::Ptr(apep),
+            u(a.pos0),
+            i32a(OP, "tokens", a.n_tok)?,
+            i32a(OP, "ratio", a.ratio)?,
+            i32a(OP, "width", a.width)?,
+            Arg::I32(i32::from(a.overlap)),
+            Arg::Ptr(self.fptr(rows, OP)?),
+            u(cap),
+        ];
+        self.launch("ds4_compressor", (1, 1, 1), 256, &args)
+    }
+
+    pub(super) fn op_indexer_topk(
+        &mut self,
+        q: Slice,
+        w: Slice,
+        rows: Slice,
+        a: IndexerArgs,
+        out: IBuf,
+    ) -> BResult<()> {
+        const OP: &str = "indexer_topk";
+        let (t, k, hd, nh) = (a.n_tok, a.top_k, a.head_dim, a.n_heads);
+        if a.ratio == 0 || k == 0 || hd == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "ratio, top_k and head dim must be positive".into(),
+            });
+        }
+        if out.len() < t * k {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: "output length".into(),
+                expected: t * k,
+                found: out.len(),
+            });
+        }
+        let n_last = (a.pos0 + t) / a.ratio;
+        need(rows, n_last * hd, OP, "rows")?;
+        if t == 0 {
+            return Ok(());
+        }
+        let scoring = n_last > k;
+        let mut sp = 0u64;
+        if scoring {
+            need(q, t * nh * hd, OP, "q")?;
+            need(w, t * nh, OP, "w")?;
+            if nh * hd > 8192 || nh > 64 {
+                return Err(BackendError::Invalid {
+                    op: OP,
+                    problem: format!("{nh} heads of {hd} (at most 64 heads, 8192 values)"),
+                });
+            }
+            sp = self.scratch("scores", 4 * t * n_last)?;
+            let args = [
+                Arg::Ptr(self.fptr(q, OP)?),
+                Arg::Ptr(self.fptr(w, OP)?),
+                Arg::Ptr(self.fptr(rows, OP)?),
+                i32a(OP, "heads", nh)?,
+                i32a(OP, "head dim", hd)?,
+                Arg::F32(a.weight_scale),
+                u(a.pos0),
+                i32a(OP, "ratio", a.ratio)?,
+                i32a(OP, "rows", n_last)?,
+                Arg::Ptr(sp),
+            ];
+            self.launch(
+                "ds4_indexer_scores",
+                (g32(n_last.div_ceil(8)), g32(t), 1),
+                256,
+                &args,
+            )?;
+        }
+        let args = [
+            Arg::Ptr(sp),
+            i32a(OP, "rows", n_last)?,
+            u(a.pos0),
+            i32a(OP, "ratio", a.ratio)?,
+            i32a(OP, "top k", k)?,
+            Arg::Ptr(self.iptr(out, OP)?),
+        ];
+        self.launch("ds4_topk_select", (g32(t), 1, 1), 256, &args)
+    }
+
+    pub(super) fn op_attention(&mut self, a: AttnArgs) -> BResult<()> {
+        const OP: &str = "attention";
+        let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
+        if win == 0 || hd == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "window and head dim must be positive".into(),
+            });
+        }
+        if hd > ATT_MAX_HD {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("head dim {hd} (at most {ATT_MAX_HD})"),
+            });
+        }
+        need(a.q, t * nh * hd, OP, "q")?;
+        need(a.kv, t * hd, OP, "kv")?;
+        need(a.ring, win * hd, OP, "ring")?;
+        need(a.out, t * nh * hd, OP, "out")?;
+        if a.out.overlaps(a.q) || a.out.overlaps(a.kv) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: a.out.buf.id(),
+            });
+        }
+        if t * nh == 0 {
+            return Ok(());
+        }
+        let last = a.pos0 + t;
+        let (mode, crows, ratio, idx, k_sel, n_crows) = match a.comp {
+            CompSel::None => (0, 0u64, 1usize, 0u64, 0usize, 0usize),
+            CompSel::All { rows, ratio } => {
+                if ratio == 0 {
+                    return Err(BackendError::Invalid {
+                        op: OP,
+                        problem: "compression ratio 0".into(),
+                    });
+                }
+                need(rows, last / ratio * hd, OP, "compressed rows")?;
+                (1, self.fptr(rows, OP)?, ratio, 0, 0, rows.len / hd)
+            }
+            CompSel::Top {
+                rows,
+                ratio,
+                idx,
+                k,
+            } => {
+                if ratio == 0 {
+                    return Err(BackendError::Invalid {
+                        op: OP,
+                        problem: "compression ratio 0".into(),
+                    });
+                }
+                if idx.len() < t * k {
+                    return Err(BackendError::Shape {
+                        op: OP,
+                        what: "selection length".into(),
+                        expected: t * k,
+                        found: idx.len(),
+                    });
+                }
+                (
+                    2,
+                    self.fptr(rows, OP)?,
+                    ratio,
+                    self.iptr(idx, OP)?,
+                    k,
+                    rows.len / hd,
+                )
+            }
+        };
+        let sinks = self.wvec(a.sinks, OP, nh)?;
+        let args = [
+            Arg::Ptr(self.fptr(a.q, OP)?),
+            Arg::Ptr(self.fptr(a.kv, OP)?),
+            Arg::Ptr(self.fptr(a.ring, OP)?),
+            Arg::Ptr(crows),
+            Arg::Ptr(idx),
+            Arg::Ptr(sinks),
+            u(a.pos0),
+            i32a(OP, "heads", nh)?,
+            i32a(OP, "head dim", hd)?,
+            i32a(OP, "window", win)?,
+            Arg::I32(mode),
+            i32a(OP, "ratio", ratio)?,
+            i32a(OP, "k", k_sel)?,
+            u(n_crows),
+            Arg::F32(a.scale),
+            Arg::Ptr(self.fptr(a.out, OP)?),
+            Arg::Ptr(self.fault_ptr()),
+        ];
+        self.launch("ds4_attention", (g32(t * nh), 1, 1), 128, &args)
+    }
+
+    pub(super) fn op_ring_store(
+        &mut self,
+        ring: Slice,
+        kv: Slice,
+        pos0: usize,
+        n_tok: usize,
+        window: usize,
+    ) -> BResult<()> {
+        const OP: &str = "ring_store";
+        if window == 0 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "window 0".into(),
+            });
+        }
+        let d = ring.len / window;
+        shape(OP, "ring length", window * d, ring.len)?;
+        need(kv, n_tok * d, OP, "kv")?;
+        if ring.overlaps(kv) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: ring.buf.id(),
+            });
+        }
+        let n = n_tok.min(window) * d;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(self.fptr(ring, OP)?),
+            Arg::Ptr(self.fptr(kv, OP)?),
+            u(pos0),
+            i32a(OP, "tokens", n_tok)?,
+            i32a(OP, "window", window)?,
+            i32a(OP, "dim", d)?,
+        ];
+        self.launch("ds4_ring_store", (grid_for(n), 1, 1), 256, &args)
+    }
+
+    pub(super) fn op_router(
+        &mut self,
+        logits: Slice,
+        routing: Routing,
+        a: RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "router";
+        let (t, e, k) = (a.n_tok, a.n_expert, a.k);
+        if k == 0 || k > e || e > 1024 || k > 64 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{k} of {e} experts (at most 64 of 1024)"),
+            });
+        }
+        need(logits, t * e, OP, "logits")?;
+        need(weights, t * k, OP, "weights")?;
+        if ids.len() < t * k {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: "ids length".into(),
+                expected: t * k,
+                found: ids.len(),
+            });
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let (mode, bias, table, table_rows, toks) = match routing {
+            Routing::TopK { bias } => {
+                let b = match bias {
+                    Some(b) => self.wvec(b, OP, e)?,
+                    None => 0,
+                };
+                (0, b, 0u64, 0usize, 0u64)
+            }
+            Routing::Hash { table, tokens } => {
+                shape(OP, "hash table width", k, table.info.cols())?;
+                if tokens.len() < t {
+                    return Err(BackendError::Shape {
+                        op: OP,
+                        what: "token count".into(),
+                        expected: t,
+                        found: tokens.len(),
+                    });
+                }
+                let gw = self.weight(table, OP)?;
+                if gw.info.ty != GgmlType::I32 {
+                    return Err(BackendError::UnsupportedType {
+                        op: OP,
+                        ty: gw.info.ty,
+                    });
+                }
+                (
+                    1,
+                    0,
+                    self.wraw(table, OP)?,
+                    table.info.rows(),
+                    self.iptr(tokens, OP)?,
+                )
+            }
+        };
+        let args = [
+            Arg::Ptr(self.fptr(logits, OP)?),
+            i32a(OP, "experts", e)?,
+            i32a(OP, "k", k)?,
+            Arg::F32(a.scale),
+            Arg::I32(mode),
+            Arg::Ptr(bias),
+            Arg::Ptr(table),
+            i32a(OP, "table rows", table_rows)?,
+            Arg::Ptr(toks),
+            Arg::Ptr(self.iptr(ids, OP)?),
+            Arg::Ptr(self.fptr(weights, OP)?),
+            Arg::Ptr(self.fault_ptr()),
+        ];
+        self.launch("ds4_router", (g32(t), 1, 1), 256, &args)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn op_moe(
+        &mut self,
+        x: Slice,
+        ids: IBuf,
+        weights: Slice,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        a: MoeArgs,
+        out: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "moe";
+        let (t, k) = (a.n_tok, a.k);
+        let (d, f, ne) = (gate.info.cols(), gate.info.rows(), gate.info.mats());
+        if up.info.dims != gate.info.dims {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("gate {:?} vs up {:?}", gate.info.dims, up.info.dims),
+            });
+        }
+        if down.info.dims != [f, d, ne] {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("down {:?}, expected {:?}", down.info.dims, [f, d, ne]),
+            });
+        }
+        need(x, t * d, OP, "x")?;
+        need(weights, t * k, OP, "weights")?;
+        need(out, t * d, OP, "out")?;
+        if ids.len() < t * k {
+            return Err(BackendError::Shape {
+                op: OP,
+                what: "ids length".into(),
+                expected: t * k,
+                found: ids.len(),
+            });
+        }
+        if out.overlaps(x) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: out.buf.id(),
+            });
+        }
+        let n_sel = t * k;
+        if n_sel == 0 {
+            return Ok(());
+        }
+        let (gw, uw, dw) = (
+            self.weight(gate, OP)?,
+            self.weight(up, OP)?,
+            self.weight(down, OP)?,
+        );
+        let (gty, grb, drb) = (gw.info.ty, gw.row_bytes, dw.row_bytes);
+        if uw.info.ty != gty {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: "gate and up differ in type".into(),
+            });
+        }
+        let dty = dw.info.ty;
+        let (gp, upp, dp) = (
+            self.wraw(gate, OP)?,
+            self.wraw(up, OP)?,
+            self.wraw(down, OP)?,
+        );
+        let (xp, wp, ip, op_) = (
+            self.fptr(x, OP)?,
+            self.fptr(weights, OP)?,
+            self.iptr(ids, OP)?,
+            self.fptr(out, OP)?,
+        );
+        let sg = self.scratch("moe_g", 4 * n_sel * f)?;
+        let su = self.scratch("moe_u", 4 * n_sel * f)?;
+        let sh = self.scratch("moe_h", 4 * n_sel * f)?;
+        let so = self.scratch("moe_o", 4 * n_sel * d)?;
+        let grouped = n_sel <= GROUPED_MAX_SEL
+            && self.grouped_ok(gty, d, f, gp)
+            && self.grouped_ok(gty, d, f, upp)
+            && self.grouped_ok(dty, f, d, dp);
+        if grouped {
+            self.launch(
+                "ds4_check_ids",
+                (1, 1, 1),
+                256,
+                &[
+                    Arg::Ptr(ip),
+                    i32a(OP, "selections", n_sel)?,
+                    i32a(OP, "experts", ne)?,
+                    Arg::Ptr(self.fault_ptr()),
+                ],
+            )?;
+            // Inputs per selection: the token's x (shared when there is one token).
+            let (xsrc, per_sel) = if t == 1 {
+                (xp, false)
+            } else {
+                let src: Vec<i32> = (0..n_sel).map(|j| (j / k) as i32).collect();
+                let srcp = self.upload_scratch_i32("moe_src", &src)?;
+                let xs = self.scratch("moe_xs", 4 * n_sel * d)?;
+                self.launch(
+                    "ds4_gather_rows",
+                    (grid_for(n_sel * d), 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(xp),
+                        Arg::Ptr(srcp),
+                        i32a(OP, "selections", n_sel)?,
+                        i32a(OP, "dim", d)?,
+                        Arg::Ptr(xs),
+                    ],
+                )?;
+                (xs, true)
+            };
+            self.grouped(
+                gty,
+                (gp, Some(upp)),
+                grb * f,
+                ip,
+                ne,
+                xsrc,
+                per_sel,
+                (sg, Some(su)),
+                n_sel,
+                d,
+                f,
+            )?;
+            self.launch(
+                "ds4_moe_act",
+                (grid_for(n_sel * f), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(sg),
+                    Arg::Ptr(su),
+                    Arg::Ptr(wp),
+                    Arg::Ptr(0),
+                    i32a(OP, "selections", n_sel)?,
+                    i32a(OP, "ff", f)?,
+                    Arg::F32(a.clamp),
+                    Arg::Ptr(sh),
+                ],
+            )?;
+            self.grouped(
+                dty,
+                (dp, None),
+                drb * d,
+                ip,
+                ne,
+                sh,
+                true,
+                (so, None),
+                n_sel,
+                f,
+                d,
+            )?;
+        } else {
+            // Host-side grouping by expert: (token, slot) pairs in token order per expert.
+            let mut idv = vec![0i32; n_sel];
+            ds4_engine::Backend::download_i32(self, ids, 0, &mut idv)?;
+            let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); ne];
+            for (i, &e) in idv.iter().enumerate() {
+                let e = usize::try_from(e).ok().filter(|&e| e < ne).ok_or_else(|| {
+                    BackendError::Invalid {
+                        op: OP,
+                        problem: format!("expert id {e} of {ne}"),
+                    }
+                })?;
+                by_expert[e].push(i);
+            }
+            let mut src = Vec::with_capacity(n_sel);
+            let mut slot = Vec::with_capacity(n_sel);
+            let mut groups = Vec::new();
+            for (e, pairs) in by_expert.iter().enumerate() {
+                if pairs.is_empty() {
+                    continue;
+                }
+                groups.push((e, slot.len(), pairs.len()));
+                for &i in pairs {
+                    src.push((i / k) as i32);
+                    slot.push(i as i32);
+                }
+            }
+            let srcp = self.upload_scratch_i32("moe_src", &src)?;
+            let slotp = self.upload_scratch_i32("moe_slot", &slot)?;
+            let xs = self.scratch("moe_xs", 4 * n_sel * d)?;
+            self.launch(
+                "ds4_gather_rows",
+                (grid_for(n_sel * d), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(xp),
+                    Arg::Ptr(srcp),
+                    i32a(OP, "selections", n_sel)?,
+                    i32a(OP, "dim", d)?,
+                    Arg::Ptr(xs),
+                ],
+            )?;
+            for &(e, off, n) in &groups {
+                for (wbase, y) in [(gp, sg), (upp, su)] {
+                    self.mm(
+                        Mm {
+                            w: wbase + (e * f * grb) as u64,
+                            ty: gty,
+                            row_bytes: grb,
+                            row0: 0,
+                            n_rows: f,
+                            cols: d,
+                            x: xs + (4 * off * d) as u64,
+                            x_stride: d,
+                            n_tok: n,
+                            y: y + (4 * off * f) as u64,
+                            y_stride: f,
+                        },
+                        OP,
+                    )?;
+                }
+            }
+            self.launch(
+                "ds4_moe_act",
+                (grid_for(n_sel * f), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(sg),
+                    Arg::Ptr(su),
+                    Arg::Ptr(wp),
+                    Arg::Ptr(slotp),
+                    i32a(OP, "selections", n_sel)?,
+                    i32a(OP, "ff", f)?,
+                    Arg::F32(a.clamp),
+                    Arg::Ptr(sh),
+                ],
+            )?;
+            let ob = self.scratch("moe_ob", 4 * n_sel * d)?;
+            for &(e, off, n) in &groups {
+                self.mm(
+                    Mm {
+                        w: dp + (e * d * drb) as u64,
+                        ty: dty,
+                        row_bytes: drb,
+                        row0: 0,
+                        n_rows: d,
+                        cols: f,
+                        x: sh + (4 * off * f) as u64,
+                        x_stride: f,
+                        n_tok: n,
+                        y: ob + (4 * off * d) as u64,
+                        y_stride: d,
+                    },
+                    OP,
+                )?;
+            }
+            self.launch(
+                "ds4_scatter_rows",
+                (grid_for(n_sel * d), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(ob),
+                    Arg::Ptr(slotp),
+                    i32a(OP, "selections", n_sel)?,
+                    i32a(OP, "dim", d)?,
+                    Arg::Ptr(so),
+                ],
+            )?;
+        }
+        self.launch(
+            "ds4_sum_slots",
+            (grid_for(t * d), 1, 1),
+            256,
+            &[
+                Arg::Ptr(so),
+                i32a(OP, "tokens", t)?,
+                i32a(OP, "k", k)?,
+                i32a(OP, "dim", d)?,
+                Arg::Ptr(op_),
+            ],
+        )
+    }
+
+    /// Whether the grouped GEMV takes experts of `n_out × n_in` of `ty` at `w`.
+    fn grouped_ok(&self, ty: GgmlType, n_in: usize, n_out: usize, w: u64) -> bool {
+        match GemvType::from_ggml(ty) {
+            Ok(g) => self.gemv.launch_for(g, n_in, n_out).is_ok() && w.is_multiple_of(16),
+            Err(_) => false,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn grouped(
+        &self,
+        ty: GgmlType,
+        w: (u64, Option<u64>),
+        expert_bytes: usize,
+        ids: u64,
+        n_experts: usize,
+        x: u64,
+        x_per_sel: bool,
+        y: (u64, Option<u64>),
+        n_sel: usize,
+        n_in: usize,
+        n_out: usize,
+    ) -> BResult<()> {
+        const OP: &str = "moe";
+        let g = GemvType::from_ggml(ty).map_err(gerr(OP))?;
+        let l = self.gemv.launch_for(g, n_in, n_out).map_err(gerr(OP))?;
+        let f = self.gemv.grouped_function(g);
+        let mats = if w.1.is_some() { 2 } else { 1 };
+        self.launch_fn(
+            f,
+            "gemv_grouped",
+            (l.grid_x, g32(n_sel), mats),
+            l.block,
+            &[
+                Arg::Ptr(w.0),
+                Arg::Ptr(w.1.unwrap_or(w.0)),
+                u(expert_bytes),
+                Arg::Ptr(ids),
+                i32a(OP, "experts", n_experts)?,
+                Arg::Ptr(x),
+                u(if x_per_sel { n_in } else { 0 }),
+                Arg::Ptr(y.0),
+                Arg::Ptr(y.1.unwrap_or(y.0)),
+                i32a(OP, "n_in", n_in)?,
+                i32a(OP, "n_out", n_out)?,
+                Arg::I32(l.wpr as i32),
+            ],
+        )
+    }
+}

@@ -1,0 +1,921 @@
+// ops.cu: every engine op besides the batch-1 GEMV (gemv.cu), for the CUDA and HIP backends.
+//
+// Each kernel mirrors one `Backend` op of crates/ds4-engine/src/backend.rs and the CPU
+// reference in crates/ds4-cpu (the scalar math of crates/ds4-engine/src/numerics.rs), in the
+// same operation order where that order decides rounding (RMS sums in double, RoPE angles as
+// an f32 product with cos/sin in double, the Sinkhorn iteration, top-k tie rules). Host code
+// (crates/ds4-gpu/src/backend) checks every shape and range before a launch; kernels still
+// never read or write outside what they are given. Inputs that only the device can see to be
+// bad (a token id outside the table, an expert id outside the tensor) set a bit in the fault
+// word and produce NaN, and the host reports the fault at its next synchronisation.
+//
+// All kernels use 1-D blocks and static shared memory only.
+#include "ds4_port.h"
+#include "ds4_iq2xxs_tables.h"
+
+// Fault bits (crates/ds4-gpu/src/backend/fault.rs names them).
+#define DS4_FAULT_TOKEN 1
+#define DS4_FAULT_EXPERT 2
+#define DS4_FAULT_ROW 4
+#define DS4_FAULT_TYPE 8
+
+// GGML type ids (the GGUF numbering).
+#define DS4_T_F32 0
+#define DS4_T_F16 1
+#define DS4_T_Q8_0 8
+#define DS4_T_Q2_K 10
+#define DS4_T_Q4_K 12
+#define DS4_T_IQ2_XXS 16
+#define DS4_T_BF16 30
+
+#define DS4_NAN __int_as_float(0x7fc00000)
+
+__device__ __forceinline__ void ds4_fault(int* fault, int bit) { atomicOr(fault, bit); }
+
+// ---------------------------------------------------------------------------------------
+// Element access of every weight format (byte loads only: blocks are not aligned).
+// ---------------------------------------------------------------------------------------
+
+__device__ __forceinline__ ds4_u16 ds4_b16(const ds4_u8* p) {
+    return (ds4_u16)p[0] | ((ds4_u16)p[1] << 8);
+}
+__device__ __forceinline__ ds4_u32 ds4_b32(const ds4_u8* p) {
+    return (ds4_u32)p[0] | ((ds4_u32)p[1] << 8) | ((ds4_u32)p[2] << 16) | ((ds4_u32)p[3] << 24);
+}
+__device__ __forceinline__ float ds4_bf2f(ds4_u16 h) { return __uint_as_float(((ds4_u32)h) << 16); }
+
+// Value of element i of a row of type ty (ggml block layouts).
+__device__ float ds4_elem(int ty, const ds4_u8* row, int i) {
+    switch (ty) {
+    case DS4_T_F32:
+        return __uint_as_float(ds4_b32(row + 4 * (ds4_size)i));
+    case DS4_T_F16:
+        return ds4_h2f(ds4_b16(row + 2 * (ds4_size)i));
+    case DS4_T_BF16:
+        return ds4_bf2f(ds4_b16(row + 2 * (ds4_size)i));
+    case DS4_T_Q8_0: {
+        const ds4_u8* b = row + (ds4_size)(i / 32) * 34;
+        return ds4_h2f(ds4_b16(b)) * (float)(ds4_i8)b[2 + i % 32];
+    }
+    case DS4_T_Q2_K: {
+        // scales[16] @0, qs[64] @16, d @80, dmin @82.
+        const ds4_u8* b = row + (ds4_size)(i / 256) * 84;
+        const int j = i % 256, n = j / 128, jj = j % 128, g = jj / 32, l = jj % 32;
+        const ds4_u8 sc = b[n * 8 + 2 * g + (l >= 16 ? 1 : 0)];
+        const float d = ds4_h2f(ds4_b16(b + 80)), dmin = ds4_h2f(ds4_b16(b + 82));
+        const int q = (b[16 + n * 32 + l] >> (2 * g)) & 3;
+        return d * (float)(sc & 0xF) * (float)q - dmin * (float)(sc >> 4);
+    }
+    case DS4_T_Q4_K: {
+        // d @0, dmin @2, scales[12] @4, qs[128] @16.
+        const ds4_u8* b = row + (ds4_size)(i / 256) * 144;
+        const int j = i % 256, c = j / 64, jj = j % 64;
+        const int is = 2 * c + (jj >= 32 ? 1 : 0);
+        const ds4_u8* s = b + 4;
+        int sc, m;
+        if (is < 4) {
+            sc = s[is] & 63;
+            m = s[is + 4] & 63;
+        } else {
+            sc = (s[is + 4] & 0xF) | ((s[is - 4] >> 6) << 4);
+            m = (s[is + 4] >> 4) | ((s[is] >> 6) << 4);
+        }
+        const ds4_u8 qb = b[16 + c * 32 + (jj % 32)];
+        const int q = jj < 32 ? (qb & 0xF) : (qb >> 4);
+        const float d = ds4_h2f(ds4_b16(b)), dmin = ds4_h2f(ds4_b16(b + 2));
+        return d * (float)sc * (float)q - dmin * (float)m;
+    }
+    case DS4_T_IQ2_XXS: {
+        // d @0, then per 32 values: 4 grid bytes + u32 (7-bit sign sets x4, 4-bit scale).
+        const ds4_u8* b = row + (ds4_size)(i / 256) * 66;
+        const int j = i % 256, ib = j / 32, l = (j % 32) / 8, k = j % 8;
+        const ds4_u8* q = b + 2 + ib * 8;
+        const ds4_u32 a1 = ds4_b32(q + 4);
+        const float db = ds4_h2f(ds4_b16(b)) * (0.5f + (float)(a1 >> 28)) * 0.25f;
+        const ds4_u8 signs = ds4_iq2xxs_ksigns[(a1 >> (7 * l)) & 127];
+        const float g = (float)((ds4_iq2xxs_grid[q[l]] >> (8 * k)) & 0xff);
+        return db * g * ((signs >> k) & 1 ? -1.0f : 1.0f);
+    }
+    default:
+        return DS4_NAN;
+    }
+}
+
+// out[r * cols + c] = W[row0 + r][c] as f32, rows of row_bytes bytes.
+extern "C" __global__ void ds4_dequant_rows(const ds4_u8* w, int ty, ds4_size row_bytes,
+                                            ds4_size row0, int n_rows, int cols, float* out) {
+    const ds4_size n = (ds4_size)n_rows * cols;
+    for (ds4_size e = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (ds4_size)gridDim.x * blockDim.x) {
+        const ds4_size r = e / cols;
+        const int c = (int)(e % cols);
+        out[e] = ds4_elem(ty, w + (row0 + r) * row_bytes, c);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Dense f32 GEMM for prefill: C[t][r] = sum_c X[t][c] * W[r][c] (both row-major, K = cols
+// contiguous), one 64x64 tile of C per block, 4x4 outputs per thread, K in steps of 16.
+// ---------------------------------------------------------------------------------------
+#define DS4_GT 64
+#define DS4_GK 16
+extern "C" __global__ void __launch_bounds__(256)
+ds4_gemm_nt(const float* x, ds4_size x_stride, const float* w, ds4_size w_stride, float* y,
+            ds4_size y_stride, int n_tok, int n_rows, int k) {
+    __shared__ float xs[DS4_GK][DS4_GT + 4];
+    __shared__ float ws[DS4_GK][DS4_GT + 4];
+    const int t0 = blockIdx.y * DS4_GT, r0 = blockIdx.x * DS4_GT;
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    float acc[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) acc[a][b] = 0.0f;
+    for (int kk = 0; kk < k; kk += DS4_GK) {
+        // 64 rows x 16 k of each operand: 1024 values, 4 per thread.
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int e = tid + q * 256, row = e / DS4_GK, kc = e % DS4_GK;
+            const int t = t0 + row, r = r0 + row, kx = kk + kc;
+            xs[kc][row] = (t < n_tok && kx < k) ? x[(ds4_size)t * x_stride + kx] : 0.0f;
+            ws[kc][row] = (r < n_rows && kx < k) ? w[(ds4_size)r * w_stride + kx] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kc = 0; kc < DS4_GK; kc++) {
+            float xv[4], wv[4];
+#pragma unroll
+            for (int a = 0; a < 4; a++) xv[a] = xs[kc][ty + 16 * a];
+#pragma unroll
+            for (int b = 0; b < 4; b++) wv[b] = ws[kc][tx + 16 * b];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int b = 0; b < 4; b++) acc[a][b] += xv[a] * wv[b];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int a = 0; a < 4; a++) {
+        const int t = t0 + ty + 16 * a;
+        if (t >= n_tok) continue;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            const int r = r0 + tx + 16 * b;
+            if (r < n_rows) y[(ds4_size)t * y_stride + r] = acc[a][b];
+        }
+    }
+}
+
+// Small-batch matmul straight from the quantized rows (shapes the GEMV kernels do not take):
+// one warp per (row, group of up to 4 tokens).
+extern "C" __global__ void ds4_matmul_generic(const ds4_u8* w, int ty, ds4_size row_bytes,
+                                              ds4_size row0, int n_rows, int cols,
+                                              const float* x, ds4_size x_stride, int n_tok,
+                                              float* y, ds4_size y_stride) {
+    const int warps = blockDim.x / DS4_WARP;
+    const int r = blockIdx.x * warps + threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x % DS4_WARP;
+    const int tg = blockIdx.y * 4;
+    if (r >= n_rows) return;
+    const ds4_u8* row = w + (row0 + r) * row_bytes;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = lane; c < cols; c += DS4_WARP) {
+        const float v = ds4_elem(ty, row, c);
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            if (tg + q < n_tok) acc[q] += v * x[(ds4_size)(tg + q) * x_stride + c];
+    }
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float s = ds4_warp_sum(acc[q]);
+        if (lane == 0 && tg + q < n_tok) y[(ds4_size)(tg + q) * y_stride + r] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Elementwise ops.
+// ---------------------------------------------------------------------------------------
+#define DS4_GRID_STRIDE(i, n) \
+    for (ds4_size i = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (ds4_size)gridDim.x * blockDim.x)
+
+extern "C" __global__ void ds4_fill(float* p, ds4_size n, float v) {
+    DS4_GRID_STRIDE(i, n) p[i] = v;
+}
+
+extern "C" __global__ void ds4_copy(float* dst, const float* src, ds4_size n) {
+    DS4_GRID_STRIDE(i, n) dst[i] = src[i];
+}
+
+extern "C" __global__ void ds4_add(float* acc, const float* x, ds4_size n) {
+    DS4_GRID_STRIDE(i, n) acc[i] += x[i];
+}
+
+__device__ __forceinline__ float ds4_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float ds4_silu(float x) { return x * ds4_sigmoid(x); }
+__device__ __forceinline__ float ds4_swiglu1(float g, float u, float c) {
+    return ds4_silu(fminf(g, c)) * fminf(fmaxf(u, -c), c);
+}
+__device__ __forceinline__ float ds4_sqrtsoftplus(float x) {
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    return sqrtf(sp);
+}
+
+extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float c, float* out,
+                                      ds4_size n) {
+    DS4_GRID_STRIDE(i, n) out[i] = ds4_swiglu1(g[i], u[i], c);
+}
+
+// ---------------------------------------------------------------------------------------
+// Block reductions (256 threads).
+// ---------------------------------------------------------------------------------------
+__device__ double ds4_block_sum_d(double v, double* sh) {
+    const int tid = threadIdx.x;
+    sh[tid] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) sh[tid] += sh[tid + s];
+        __syncthreads();
+    }
+    const double r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// (mean(x^2) + eps)^(-1/2) of n values, the sum in double (as the CPU reference).
+__device__ float ds4_rms_scale(const float* x, int n, float eps, double* sh) {
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)x[i] * (double)x[i];
+    ss = ds4_block_sum_d(ss, sh);
+    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+}
+
+// One block (256 threads) per row. out may be x (in place).
+extern "C" __global__ void __launch_bounds__(256)
+ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
+    __shared__ double sh[256];
+    const ds4_size base = (ds4_size)blockIdx.x * width;
+    const float s = ds4_rms_scale(x + base, width, eps, sh);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = x[base + i] * s;
+        out[base + i] = w ? v * w[i] : v;
+    }
+}
+
+// RoPE: one thread per (row, head, pair). freqs[j], j < rope_dim/2.
+extern "C" __global__ void ds4_rope(float* x, const float* freqs, int n_rows, int n_heads,
+                                    int head_dim, int rope_dim, ds4_size pos0, ds4_size pos_step,
+                                    int inverse) {
+    const int half = rope_dim / 2;
+    const ds4_size n = (ds4_size)n_rows * n_heads * half;
+    DS4_GRID_STRIDE(e, n) {
+        const int j = (int)(e % half);
+        const ds4_size rh = e / half;
+        const ds4_size r = rh / n_heads;
+        const ds4_size p = pos0 + r * pos_step;
+        const double ang = (double)((float)p * freqs[j]);
+        const float c = (float)cos(ang);
+        float s = (float)sin(ang);
+        if (inverse) s = -s;
+        float* t = x + rh * head_dim + (head_dim - rope_dim) + 2 * j;
+        const float u = t[0], v = t[1];
+        t[0] = u * c - v * s;
+        t[1] = u * s + v * c;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// QAT simulations (numerics.rs).
+// ---------------------------------------------------------------------------------------
+__device__ float ds4_pow2_ceil(float t) {
+    const ds4_u32 bits = __float_as_uint(t);
+    const int exp = (int)((bits >> 23) & 0xff);
+    const ds4_u32 mant = bits & 0x7fffff;
+    if (exp == 0) return (float)exp2(ceil(log2((double)t)));
+    const int e = exp - 127 + (mant != 0 ? 1 : 0);
+    if (e >= -126 && e <= 127) return __uint_as_float(((ds4_u32)(e + 127)) << 23);
+    return (float)exp2((double)e);
+}
+
+__device__ float ds4_e4m3_round(float x) {
+    const float a = fabsf(x);
+    if (a == 0.0f) return x;
+    float q;
+    if (a < 0.015625f) {  // 2^-6
+        q = 0.001953125f;  // 2^-9
+    } else {
+        const int e = (int)((__float_as_uint(a) >> 23) & 0xff) - 127;
+        q = __uint_as_float(((ds4_u32)(e - 3 + 127)) << 23);
+    }
+    const float r = rintf(a / q) * q;
+    return copysignf(fminf(r, 448.0f), x);
+}
+
+__device__ float ds4_e2m1_round(float x) {
+    const float vals[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float a = fabsf(x);
+    int best = 0;
+    float best_d = __int_as_float(0x7f800000);
+    for (int code = 0; code < 8; code++) {
+        const float d = fabsf(a - vals[code]);
+        if (d < best_d || (d == best_d && code % 2 == 0)) {
+            best = code;
+            best_d = d;
+        }
+    }
+    return copysignf(vals[best], x);
+}
+
+// One thread per 64-value block of the first n_dims of each row.
+extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims) {
+    const int per_row = (n_dims + 63) / 64;
+    const ds4_size n = (ds4_size)rows * per_row;
+    DS4_GRID_STRIDE(e, n) {
+        const ds4_size r = e / per_row;
+        const int b0 = (int)(e % per_row) * 64;
+        const int len = min(64, n_dims - b0);
+        float* v = x + r * width + b0;
+        float amax = 0.0f;
+        for (int i = 0; i < len; i++) amax = fmaxf(amax, fabsf(v[i]));
+        amax = fmaxf(amax, 1e-4f);
+        const float s = ds4_pow2_ceil(amax * (1.0f / 448.0f));
+        for (int i = 0; i < len; i++)
+            v[i] = s * ds4_e4m3_round(fminf(fmaxf(v[i] / s, -448.0f), 448.0f));
+    }
+}
+
+// One block (256 threads) per row of `width` (a power of two, <= 4096): normalised
+// Walsh-Hadamard transform in shared memory, then FP4 in blocks of 32.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_qat_hfp4(float* x, int width, float norm) {
+    __shared__ float v[4096];
+    float* row = x + (ds4_size)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) v[i] = row[i];
+    __syncthreads();
+    for (int h = 1; h < width; h *= 2) {
+        for (int p = threadIdx.x; p < width / 2; p += blockDim.x) {
+            const int i = (p / h) * 2 * h + (p % h);
+            const float a = v[i], b = v[i + h];
+            v[i] = a + b;
+            v[i + h] = a - b;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < width; i += blockDim.x) v[i] *= norm;
+    __syncthreads();
+    for (int b = threadIdx.x; b < width / 32; b += blockDim.x) {
+        float* q = v + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(q[i]));
+        amax = fmaxf(amax, 6.0f * 1.17549435e-38f);
+        const float s = ds4_pow2_ceil(amax * (1.0f / 6.0f));
+        for (int i = 0; i < 32; i++) q[i] = s * ds4_e2m1_round(fminf(fmaxf(q[i] / s, -6.0f), 6.0f));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < width; i += blockDim.x) row[i] = v[i];
+}
+
+// ---------------------------------------------------------------------------------------
+// Embedding, mHC.
+// ---------------------------------------------------------------------------------------
+
+// One block per token: out[t][s] = table[tokens[t]] for every stream s.
+extern "C" __global__ void ds4_embed(const ds4_u8* table, int ty, ds4_size row_bytes, int n_vocab,
+                                     const int* tokens, int n_streams, int d, float* out,
+                                     int* fault) {
+    const int t = blockIdx.x;
+    const int tok = tokens[t];
+    const bool ok = tok >= 0 && tok < n_vocab;
+    if (!ok && threadIdx.x == 0) ds4_fault(fault, DS4_FAULT_TOKEN);
+    float* o = out + (ds4_size)t * n_streams * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = ok ? ds4_elem(ty, table + (ds4_size)tok * row_bytes, i) : DS4_NAN;
+        for (int s = 0; s < n_streams; s++) o[(ds4_size)s * d + i] = v;
+    }
+}
+
+// Sinkhorn projection of an n x n matrix (thread-local; n <= 8), as the CPU reference.
+__device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
+    for (int i = 0; i < n; i++) {
+        float* row = z + i * n;
+        float m = -__int_as_float(0x7f800000);
+        for (int j = 0; j < n; j++) m = fmaxf(m, row[j]);
+        float s = 0.0f;
+        for (int j = 0; j < n; j++) {
+            row[j] = expf(row[j] - m);
+            s += row[j];
+        }
+        for (int j = 0; j < n; j++) row[j] = row[j] / s + eps;
+    }
+    const int n_it = iters > 0 ? iters : 1;
+    for (int it = 0; it < n_it; it++) {
+        if (it > 0) {
+            for (int i = 0; i < n; i++) {
+                float s = 0.0f;
+                for (int j = 0; j < n; j++) s += z[i * n + j];
+                s += eps;
+                for (int j = 0; j < n; j++) z[i * n + j] /= s;
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            float s = 0.0f;
+            for (int i = 0; i < n; i++) s += z[i * n + j];
+            s += eps;
+            for (int i = 0; i < n; i++) z[i * n + j] /= s;
+        }
+    }
+}
+
+#define DS4_HC_MAX 8
+
+// HCPre, one block (256 threads) per token: coefficients from mix and the streams' RMS,
+// then y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
+extern "C" __global__ void __launch_bounds__(256)
+ds4_hc_pre(const float* mix, const float* x, const float* base, const float* scale, int n,
+           int d, int iters, float hc_eps, float rms_eps, float* y, float* post, float* comb) {
+    __shared__ double sh[256];
+    __shared__ float pre[DS4_HC_MAX];
+    const int t = blockIdx.x;
+    const int nm = 2 * n + n * n;
+    const float* xt = x + (ds4_size)t * n * d;
+    const float rho = ds4_rms_scale(xt, n * d, rms_eps, sh);
+    if (threadIdx.x == 0) {
+        const float* m = mix + (ds4_size)t * nm;
+        float z[DS4_HC_MAX * DS4_HC_MAX];
+        for (int i = 0; i < n; i++) {
+            pre[i] = ds4_sigmoid(scale[0] * (m[i] * rho) + base[i]) + hc_eps;
+            post[(ds4_size)t * n + i] = 2.0f * ds4_sigmoid(scale[1] * (m[n + i] * rho) + base[n + i]);
+        }
+        for (int k = 0; k < n * n; k++) z[k] = scale[2] * (m[2 * n + k] * rho) + base[2 * n + k];
+        ds4_sinkhorn(z, n, iters, hc_eps);
+        for (int k = 0; k < n * n; k++) comb[(ds4_size)t * n * n + k] = z[k];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < n; s++) acc += pre[s] * xt[(ds4_size)s * d + i];
+        y[(ds4_size)t * d + i] = acc;
+    }
+}
+
+// HCPost in place: X'_j[e] = post_j f[e] + sum_i comb[i][j] X_i[e]; one thread per (t, e).
+extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* post,
+                                       const float* comb, int n_tok, int n, int d) {
+    const ds4_size total = (ds4_size)n_tok * d;
+    DS4_GRID_STRIDE(e, total) {
+        const ds4_size t = e / d;
+        const int i0 = (int)(e % d);
+        float* xt = x + t * n * d;
+        const float* c = comb + t * n * n;
+        float old[DS4_HC_MAX];
+        for (int i = 0; i < n; i++) old[i] = xt[(ds4_size)i * d + i0];
+        for (int j = 0; j < n; j++) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; i++) acc += c[i * n + j] * old[i];
+            xt[(ds4_size)j * d + i0] = post[t * n + j] * f[t * d + i0] + acc;
+        }
+    }
+}
+
+// HCHead, one block per token.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_hc_head(const float* mix, const float* x, const float* base, const float* scale, int n,
+            int d, float hc_eps, float rms_eps, float* y) {
+    __shared__ double sh[256];
+    __shared__ float wts[DS4_HC_MAX];
+    const int t = blockIdx.x;
+    const float* xt = x + (ds4_size)t * n * d;
+    const float rho = ds4_rms_scale(xt, n * d, rms_eps, sh);
+    if (threadIdx.x < n) {
+        const int i = threadIdx.x;
+        wts[i] = ds4_sigmoid(scale[0] * (mix[(ds4_size)t * n + i] * rho) + base[i]) + hc_eps;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < n; s++) acc += wts[s] * xt[(ds4_size)s * d + i];
+        y[(ds4_size)t * d + i] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Compressor (spec 5.3): one block walks the chunk's tokens in order (the accumulator is a
+// sequential state); threads split the feature dims. acc = [u slots | z slots].
+// ---------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256)
+ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4_size pos0,
+               int n_tok, int m, int c, int overlap, float* rows, ds4_size cap) {
+    const int pw = overlap ? 2 * c : c;
+    const int slots = overlap ? 2 * m : m;
+    float* au = acc;
+    float* az = acc + (ds4_size)slots * pw;
+    for (int t = 0; t < n_tok; t++) {
+        const ds4_size p = pos0 + t;
+        const int j = (int)(p % m);
+        const int slot = overlap ? m + j : j;
+        for (int e = threadIdx.x; e < pw; e += blockDim.x) {
+            au[slot * pw + e] = u[(ds4_size)t * pw + e];
+            az[slot * pw + e] = z[(ds4_size)t * pw + e] + ape[j * pw + e];
+        }
+        __syncthreads();
+        if (j + 1 != m) continue;
+        const ds4_size w = p / m;
+        if (w < cap) {
+            for (int e = threadIdx.x; e < c; e += blockDim.x) {
+                // Candidates: previous window's first half (overlap, w > 0), then this
+                // window's (second half when overlapping).
+                const int s0 = overlap ? (w > 0 ? 0 : m) : 0;
+                const int s1 = overlap ? 2 * m : m;
+                float mx = -__int_as_float(0x7f800000);
+                for (int s = s0; s < s1; s++) {
+                    const int off = (overlap && s >= m) ? c + e : e;
+                    mx = fmaxf(mx, az[s * pw + off]);
+                }
+                float sum = 0.0f;
+                for (int s = s0; s < s1; s++) {
+                    const int off = (overlap && s >= m) ? c + e : e;
+                    sum += expf(az[s * pw + off] - mx);
+                }
+                float o = 0.0f;
+                for (int s = s0; s < s1; s++) {
+                    const int off = (overlap && s >= m) ? c + e : e;
+                    o += (expf(az[s * pw + off] - mx) / sum) * au[s * pw + off];
+                }
+                rows[w * c + e] = o;
+            }
+        }
+        __syncthreads();
+        if (overlap) {
+            for (int e = threadIdx.x; e < m * pw; e += blockDim.x) {
+                au[e] = au[m * pw + e];
+                az[e] = az[m * pw + e];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Lightning indexer (spec 5.5).
+// ---------------------------------------------------------------------------------------
+
+// scores[t][r] for r < n_p(t): one warp per (row, query); q of the query staged in shared.
+// q is [T, heads*dim], w [T, heads]; heads*dim <= 8192.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads, int dim,
+                   float wscale, ds4_size pos0, int ratio, int n_cols, float* scores) {
+    __shared__ float qs[8192];
+    __shared__ float ws[64];
+    const int t = blockIdx.y;
+    const ds4_size n_p = (pos0 + t + 1) / ratio;
+    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = q[(ds4_size)t * heads * dim + i];
+    for (int i = threadIdx.x; i < heads; i += blockDim.x) ws[i] = w[(ds4_size)t * heads + i] * wscale;
+    __syncthreads();
+    const int warps = blockDim.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    const ds4_size r = (ds4_size)blockIdx.x * warps + threadIdx.x / DS4_WARP;
+    if (r >= (ds4_size)n_cols) return;
+    if (r >= n_p) {
+        if (lane == 0) scores[(ds4_size)t * n_cols + r] = -__int_as_float(0x7f800000);
+        return;
+    }
+    const float* k = rows + r * dim;
+    float acc = 0.0f;
+    for (int h = 0; h < heads; h++) {
+        float d = 0.0f;
+        for (int i = lane; i < dim; i += DS4_WARP) d += qs[h * dim + i] * k[i];
+        d = ds4_warp_sum(d);
+        acc += ws[h] * fmaxf(d, 0.0f);
+    }
+    if (lane == 0) scores[(ds4_size)t * n_cols + r] = acc;
+}
+
+// Order-preserving map of f32 to u32 (the order of f32::total_cmp).
+__device__ __forceinline__ ds4_u32 ds4_key(float f) {
+    const ds4_u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ int ds4_block_sum_i(int v, int* sh) {
+    const int tid = threadIdx.x;
+    sh[tid] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (tid < s) sh[tid] += sh[tid + s];
+        __syncthreads();
+    }
+    const int r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// Inclusive scan over the block (Hillis-Steele); returns this thread's inclusive prefix.
+__device__ int ds4_block_scan_i(int v, int* sh) {
+    const int tid = threadIdx.x;
+    sh[tid] = v;
+    __syncthreads();
+    for (int o = 1; o < blockDim.x; o *= 2) {
+        const int add = tid >= o ? sh[tid - o] : 0;
+        __syncthreads();
+        sh[tid] += add;
+        __syncthreads();
+    }
+    const int r = sh[tid];
+    __syncthreads();
+    return r;
+}
+
+// Top-k per query (one 256-thread block each): the k largest scores (ties: lower index),
+// written ascending to out[t][0..k], padded with -1. Queries with n_p <= k take all rows.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_topk_select(const float* scores, int n_cols, ds4_size pos0, int ratio, int k, int* out) {
+    __shared__ int sh[256];
+    const int t = blockIdx.x;
+    const int n_p = (int)((pos0 + t + 1) / ratio);
+    int* o = out + (ds4_size)t * k;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) o[i] = -1;
+    __syncthreads();
+    if (n_p <= k) {
+        for (int i = threadIdx.x; i < n_p; i += blockDim.x) o[i] = i;
+        return;
+    }
+    const float* s = scores + (ds4_size)t * n_cols;
+    // Largest K with count(key >= K) >= k: the k-th largest key.
+    ds4_u32 prefix = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        const ds4_u32 cand = prefix | (1u << bit);
+        int cnt = 0;
+        for (int i = threadIdx.x; i < n_p; i += blockDim.x) cnt += ds4_key(s[i]) >= cand ? 1 : 0;
+        cnt = ds4_block_sum_i(cnt, sh);
+        if (cnt >= k) prefix = cand;
+    }
+    int gt = 0;
+    for (int i = threadIdx.x; i < n_p; i += blockDim.x) gt += ds4_key(s[i]) > prefix ? 1 : 0;
+    gt = ds4_block_sum_i(gt, sh);
+    const int need_eq = k - gt;
+    // Compact in index order: all keys > K, and the first need_eq keys == K.
+    __shared__ int tot_eq, tot_sel;
+    int eq_seen = 0, base = 0;
+    for (int c0 = 0; c0 < n_p; c0 += blockDim.x) {
+        const int i = c0 + threadIdx.x;
+        const ds4_u32 key = i < n_p ? ds4_key(s[i]) : 0;
+        const int is_eq = (i < n_p && key == prefix) ? 1 : 0;
+        const int eq_incl = ds4_block_scan_i(is_eq, sh);
+        const int eq_before = eq_seen + eq_incl - is_eq;
+        const int sel = (i < n_p && (key > prefix || (is_eq && eq_before < need_eq))) ? 1 : 0;
+        const int sel_incl = ds4_block_scan_i(sel, sh);
+        if (sel && base + sel_incl - 1 < k) o[base + sel_incl - 1] = i;
+        if (threadIdx.x == blockDim.x - 1) {
+            tot_eq = eq_incl;
+            tot_sel = sel_incl;
+        }
+        __syncthreads();
+        eq_seen += tot_eq;
+        base += tot_sel;
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Sink attention (spec 5.2, 5.4, 5.6): one block of 4 warps per (token, head); every warp
+// takes keys w, w+4, ... with an online softmax, then the warps combine with the sink.
+// head_dim <= 512 (16 values per lane, held in registers).
+// ---------------------------------------------------------------------------------------
+#define DS4_ATT_WARPS 4
+#define DS4_ATT_MAXV 16
+extern "C" __global__ void __launch_bounds__(128)
+ds4_attention(const float* q, const float* kv, const float* ring, const float* crows,
+              const int* idx, const float* sinks, ds4_size pos0, int n_head, int hd, int window,
+              int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale, float* out,
+              int* fault) {
+    __shared__ float m_sh[DS4_ATT_WARPS], s_sh[DS4_ATT_WARPS];
+    __shared__ float o_sh[DS4_ATT_WARPS][DS4_ATT_MAXV * DS4_WARP];
+    const int th = blockIdx.x;
+    const int t = th / n_head, h = th % n_head;
+    const int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    const ds4_size p = pos0 + t;
+    const ds4_size lo = p + 1 > (ds4_size)window ? p + 1 - window : 0;
+    const int n_win = (int)(p - lo + 1);
+    int n_comp = 0;
+    if (comp_mode == 1) n_comp = (int)((p + 1) / ratio);
+    if (comp_mode == 2) n_comp = k_sel;
+    const ds4_size n_vis = comp_mode != 0 ? (p + 1) / ratio : 0;
+    const float* qv = q + (ds4_size)th * hd;
+    const int nv = (hd + DS4_WARP - 1) / DS4_WARP;
+    float qr[DS4_ATT_MAXV], acc[DS4_ATT_MAXV];
+#pragma unroll
+    for (int j = 0; j < DS4_ATT_MAXV; j++) {
+        const int dd = lane + j * DS4_WARP;
+        qr[j] = (j < nv && dd < hd) ? qv[dd] : 0.0f;
+        acc[j] = 0.0f;
+    }
+    float m = -__int_as_float(0x7f800000), s = 0.0f;
+    for (int key = warp; key < n_win + n_comp; key += DS4_ATT_WARPS) {
+        const float* kp;
+        if (key < n_win) {
+            const ds4_size pos = lo + key;
+            kp = pos < pos0 ? ring + (pos % window) * hd : kv + (pos - pos0) * hd;
+        } else if (comp_mode == 1) {
+            kp = crows + (ds4_size)(key - n_win) * hd;
+        } else {
+            const int r = idx[(ds4_size)t * k_sel + (key - n_win)];
+            if (r < 0) continue;
+            if ((ds4_size)r >= n_vis || (ds4_size)r >= n_crows) {
+                if (lane == 0) ds4_fault(fault, DS4_FAULT_ROW);
+                continue;
+            }
+            kp = crows + (ds4_size)r * hd;
+        }
+        float d = 0.0f;
+#pragma unroll
+        for (int j = 0; j < DS4_ATT_MAXV; j++) {
+            const int dd = lane + j * DS4_WARP;
+            if (j < nv && dd < hd) d += qr[j] * kp[dd];
+        }
+        const float l = ds4_warp_sum(d) * scale;
+        const float mn = fmaxf(m, l);
+        const float corr = expf(m - mn), e = expf(l - mn);
+        s = s * corr + e;
+#pragma unroll
+        for (int j = 0; j < DS4_ATT_MAXV; j++) {
+            const int dd = lane + j * DS4_WARP;
+            acc[j] = acc[j] * corr + ((j < nv && dd < hd) ? e * kp[dd] : 0.0f);
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        m_sh[warp] = m;
+        s_sh[warp] = s;
+    }
+#pragma unroll
+    for (int j = 0; j < DS4_ATT_MAXV; j++) {
+        const int dd = lane + j * DS4_WARP;
+        if (j < nv && dd < hd) o_sh[warp][dd] = acc[j];
+    }
+    __syncthreads();
+    const float sink = sinks[h];
+    float mm = sink;
+    for (int w = 0; w < DS4_ATT_WARPS; w++) mm = fmaxf(mm, m_sh[w]);
+    float denom = expf(sink - mm);
+    float f[DS4_ATT_WARPS];
+    for (int w = 0; w < DS4_ATT_WARPS; w++) {
+        f[w] = s_sh[w] > 0.0f ? expf(m_sh[w] - mm) : 0.0f;
+        denom += s_sh[w] * f[w];
+    }
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < DS4_ATT_WARPS; w++) o += o_sh[w][dd] * f[w];
+        out[(ds4_size)th * hd + dd] = o / denom;
+    }
+}
+
+// Ring store: rows of the chunk's last min(n_tok, window) tokens into slot p % window.
+extern "C" __global__ void ds4_ring_store(float* ring, const float* kv, ds4_size pos0, int n_tok,
+                                          int window, int d) {
+    const int first = n_tok > window ? n_tok - window : 0;
+    const ds4_size n = (ds4_size)(n_tok - first) * d;
+    DS4_GRID_STRIDE(e, n) {
+        const int ti = first + (int)(e / d);
+        const int i = (int)(e % d);
+        ring[((pos0 + ti) % window) * d + i] = kv[(ds4_size)ti * d + i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Router (spec 6, steps 1-3): one block (256 threads) per token.
+// mode 0: top-k of sqrtsoftplus(l) + bias (bias may be null); mode 1: hash table row.
+// ---------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256)
+ds4_router(const float* logits, int n_expert, int k, float rscale, int mode, const float* bias,
+           const ds4_u8* table, int table_rows, const int* tokens, int* ids, float* weights,
+           int* fault) {
+    __shared__ float sel_s[1024];
+    __shared__ ds4_u32 bv[256];
+    __shared__ int bi[256];
+    __shared__ int taken[1024];
+    __shared__ int chosen[64];
+    const int t = blockIdx.x;
+    const float* l = logits + (ds4_size)t * n_expert;
+    if (mode == 0) {
+        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+            sel_s[e] = ds4_sqrtsoftplus(l[e]) + (bias ? bias[e] : 0.0f);
+            taken[e] = 0;
+        }
+        __syncthreads();
+        // k rounds of arg-max in f32::total_cmp order, lower index first on ties (the CPU
+        // reference sorts by exactly that order).
+        for (int r = 0; r < k; r++) {
+            ds4_u32 best = 0;
+            int besti = -1;
+            for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+                const ds4_u32 v = ds4_key(sel_s[e]);
+                if (!taken[e] && (besti < 0 || v > best)) {
+                    best = v;
+                    besti = e;
+                }
+            }
+            bv[threadIdx.x] = best;
+            bi[threadIdx.x] = besti;
+            __syncthreads();
+            for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+                if (threadIdx.x < s) {
+                    const ds4_u32 ov = bv[threadIdx.x + s];
+                    const int oi = bi[threadIdx.x + s];
+                    const ds4_u32 mv = bv[threadIdx.x];
+                    const int mi = bi[threadIdx.x];
+                    if (oi >= 0 && (mi < 0 || ov > mv || (ov == mv && oi < mi))) {
+                        bv[threadIdx.x] = ov;
+                        bi[threadIdx.x] = oi;
+                    }
+                }
+                __syncthreads();
+            }
+            if (threadIdx.x == 0) {
+                chosen[r] = bi[0];
+                taken[bi[0]] = 1;
+            }
+            __syncthreads();
+        }
+    } else if (threadIdx.x == 0) {
+        const int tok = tokens[t];
+        for (int r = 0; r < k; r++) {
+            int e = -1;
+            if (tok >= 0 && tok < table_rows) e = (int)ds4_b32(table + ((ds4_size)tok * k + r) * 4);
+            else ds4_fault(fault, DS4_FAULT_TOKEN);
+            if (e < 0 || e >= n_expert) {
+                ds4_fault(fault, DS4_FAULT_EXPERT);
+                e = 0;
+            }
+            chosen[r] = e;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float pi[64];
+        float sum = 0.0f;
+        for (int r = 0; r < k; r++) {
+            pi[r] = ds4_sqrtsoftplus(l[chosen[r]]);
+            sum += pi[r];
+        }
+        for (int r = 0; r < k; r++) {
+            weights[(ds4_size)t * k + r] = sum > 0.0f ? pi[r] / sum * rscale : 0.0f;
+            ids[(ds4_size)t * k + r] = chosen[r];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// MoE helpers.
+// ---------------------------------------------------------------------------------------
+
+// xs[j] = x[src[j]] for j < n (rows of d).
+extern "C" __global__ void ds4_gather_rows(const float* x, const int* src, int n, int d, float* xs) {
+    const ds4_size total = (ds4_size)n * d;
+    DS4_GRID_STRIDE(e, total) {
+        const ds4_size j = e / d;
+        xs[e] = x[(ds4_size)src[j] * d + (e % d)];
+    }
+}
+
+// h[j] = weights[slot[j]] * swiglu(g[j], u[j]) over rows of f.
+extern "C" __global__ void ds4_moe_act(const float* g, const float* u, const float* weights,
+                                       const int* slot, int n, int f, float clamp, float* h) {
+    const ds4_size total = (ds4_size)n * f;
+    DS4_GRID_STRIDE(e, total) {
+        const ds4_size j = e / f;
+        const float w = slot ? weights[slot[j]] : weights[j];
+        h[e] = w * ds4_swiglu1(g[e], u[e], clamp);
+    }
+}
+
+// per_slot[slot[j]] = o[j] (rows of d).
+extern "C" __global__ void ds4_scatter_rows(const float* o, const int* slot, int n, int d,
+                                            float* per_slot) {
+    const ds4_size total = (ds4_size)n * d;
+    DS4_GRID_STRIDE(e, total) {
+        const ds4_size j = e / d;
+        per_slot[(ds4_size)slot[j] * d + (e % d)] = o[e];
+    }
+}
+
+// out[t] = sum over slots s < k of per_slot[t*k + s], in slot order.
+extern "C" __global__ void ds4_sum_slots(const float* per_slot, int n_tok, int k, int d, float* out) {
+    const ds4_size total = (ds4_size)n_tok * d;
+    DS4_GRID_STRIDE(e, total) {
+        const ds4_size t = e / d;
+        const int i = (int)(e % d);
+        float acc = 0.0f;
+        for (int s = 0; s < k; s++) acc += per_slot[(t * k + s) * d + i];
+        out[e] = acc;
+    }
+}
+
+// Expert ids in range? Sets the fault bit and clamps to 0 (so the GEMV reads a valid
+// matrix; the NaN-free result is then discarded by the host, which reports the fault).
+extern "C" __global__ void ds4_check_ids(int* ids, int n, int n_expert, int* fault) {
+    DS4_GRID_STRIDE(i, (ds4_size)n) {
+        if (ids[i] < 0 || ids[i] >= n_expert) {
+            ds4_fault(fault, DS4_FAULT_EXPERT);
+        }
+    }
+}

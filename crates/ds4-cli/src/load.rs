@@ -14,7 +14,7 @@ use ds4_gguf::GgufFile;
 /// `--backend`: which [`Backend`] runs the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum BackendChoice {
-    /// The best available backend (today: the CPU).
+    /// The best available backend: CUDA when a device answers, else the CPU.
     #[default]
     Auto,
     Cpu,
@@ -52,17 +52,35 @@ impl From<ModeChoice> for NumericMode {
     }
 }
 
-/// Creates the backend. Only the CPU backend exists in this build; the GPU choices fail with
-/// a message that says so (rather than silently running on the CPU).
+/// Creates the backend. `auto` takes CUDA when a device answers, else the CPU, and says
+/// which and why on stderr; `rocm` reports that the ROCm engine backend is not built yet.
 pub fn make_backend(choice: BackendChoice, threads: usize) -> anyhow::Result<Box<dyn Backend>> {
+    let cpu = || -> anyhow::Result<Box<dyn Backend>> {
+        let be = ds4_cpu::CpuBackend::new(threads).context("starting the CPU backend")?;
+        Ok(Box::new(be))
+    };
+    let cuda = || -> anyhow::Result<Box<dyn Backend>> {
+        let be = ds4_gpu::backend::CudaBackend::new(ds4_gpu::backend::CudaOptions::default())
+            .context("starting the CUDA backend")?;
+        Ok(Box::new(be))
+    };
     match choice {
-        BackendChoice::Auto | BackendChoice::Cpu => {
-            let be = ds4_cpu::CpuBackend::new(threads).context("starting the CPU backend")?;
-            Ok(Box::new(be))
-        }
-        BackendChoice::Cuda | BackendChoice::Rocm => bail!(
-            "the {choice} backend is not available in this build yet (only the CPU backend \
-             exists); use --backend cpu or --backend auto"
+        BackendChoice::Cpu => cpu(),
+        BackendChoice::Cuda => cuda(),
+        BackendChoice::Auto => match ds4_gpu::cuda::CudaDevice::count() {
+            Ok(n) if n > 0 => cuda(),
+            Ok(_) => {
+                eprintln!("ds4: backend auto -> cpu (the CUDA driver reports no devices)");
+                cpu()
+            }
+            Err(e) => {
+                eprintln!("ds4: backend auto -> cpu ({e})");
+                cpu()
+            }
+        },
+        BackendChoice::Rocm => bail!(
+            "the rocm engine backend is not available in this build yet (the HIP runtime \
+             layer exists, the engine ops do not); use --backend cpu or --backend cuda"
         ),
     }
 }

@@ -114,9 +114,19 @@ fn one_shot_streams_plain_text_and_reports_load_and_rates() {
 #[test]
 fn bad_flags_and_backends_are_refused() {
     let m = tiny_gguf().to_str().unwrap();
-    let o = ds4(&["-m", m, "--backend", "cuda", "-p", "x"]);
+    let o = ds4(&["-m", m, "--backend", "rocm", "-p", "x"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(text(&o.stderr).contains("the cuda backend is not available in this build"));
+    assert!(text(&o.stderr).contains("the rocm engine backend is not available in this build"));
+    // Without a CUDA driver (CI), --backend cuda is refused with the reason; --backend
+    // auto falls back to the CPU and says why.
+    if ds4_gpu::cuda::CudaDevice::count().map_or(true, |n| n == 0) {
+        let o = ds4(&["-m", m, "--backend", "cuda", "-p", "x"]);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(text(&o.stderr).contains("CUDA"), "{}", text(&o.stderr));
+        let o = ds4(&["-m", m, "--backend", "auto", "-n", "2", "-p", "x"]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
+        assert!(text(&o.stderr).contains("backend auto -> cpu"), "{}", text(&o.stderr));
+    }
     let o = ds4(&["-m", "/nonexistent.gguf", "-p", "x"]);
     assert!(text(&o.stderr).contains("model file /nonexistent.gguf not found"));
     let o = ds4(&["-m", m, "-n", "0", "-p", "x"]);

@@ -63,6 +63,10 @@ struct Args {
     /// Seed of the synthetic weights and the random prompt.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Prefill GEMM: f32 (cuBLAS, no TF32), tf32 (cuBLAS tensor cores) or builtin (the
+    /// backend's own tiled f32 kernel).
+    #[arg(long, default_value = "f32")]
+    gemm: String,
     /// Also print the last logits' checksum (to compare placements: equal weights and
     /// tokens must give equal logits whatever memory holds the weights).
     #[arg(long)]
@@ -168,11 +172,25 @@ fn main() -> Result<()> {
     };
     eprintln!("{}", plan.render_text());
 
+    let cublas = match args.gemm.as_str() {
+        "f32" => Some(ds4_gpu::cuda::GemmPrecision::F32),
+        "tf32" => Some(ds4_gpu::cuda::GemmPrecision::Tf32),
+        "builtin" => None,
+        o => bail!("--gemm {o:?}: use f32, tf32 or builtin"),
+    };
     let be = CudaBackend::new(CudaOptions {
         plan: Some(plan.clone()),
         source,
+        cublas,
         ..CudaOptions::default()
     })?;
+    eprintln!(
+        "prefill GEMM: {}",
+        match be.cublas_path() {
+            Some(p) => format!("cuBLAS {} ({})", args.gemm, p.display()),
+            None => "built-in tiled f32 kernel".into(),
+        }
+    );
     if let Some(actual) = be.actual_placement() {
         eprintln!("{}", actual.render_text(&plan));
     }

@@ -40,7 +40,7 @@ struct ModelArgs {
     /// The model GGUF.
     #[arg(short, long, default_value = "ds4flash.gguf")]
     model: PathBuf,
-    /// Backend: auto (the best available; today the CPU), cpu, cuda, rocm.
+    /// Backend: auto (CUDA when a device answers, else the CPU), cpu, cuda, rocm.
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
     /// Numeric mode: official (FP8/FP4 QAT simulation, the default where the model allows it)
@@ -256,6 +256,12 @@ enum Command {
         #[arg(long, value_enum, default_value = "auto")]
         rules: Rules,
     },
+    /// Print the token ids of a text (only the GGUF's vocabulary is read).
+    Tokenize(ds4_cli::textcmd::TokenizeArgs),
+    /// Print the exact text (bytes) of a list of token ids.
+    Detokenize(ds4_cli::textcmd::DetokenizeArgs),
+    /// Print the rendered prompt (or its ids) of an OpenAI-style message list.
+    Render(ds4_cli::textcmd::RenderArgs),
 }
 
 /// ds4 spellings clap cannot express: `-sys` is `--system`; `--server` is refused.
@@ -294,6 +300,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         return run_model(cli.run);
     };
     match command {
+        Command::Tokenize(a) => {
+            ds4_cli::textcmd::run_tokenize(&a, &mut std::io::stdout().lock())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Detokenize(a) => {
+            ds4_cli::textcmd::run_detokenize(&a, &mut std::io::stdout().lock())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Render(a) => {
+            ds4_cli::textcmd::run_render(&a, &mut std::io::stdout().lock())?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Vectors {
             dir,
             model,

@@ -65,10 +65,22 @@ impl CudaBackend {
             .iter_mut()
             .map(|v| (v as *mut u64).cast::<c_void>())
             .collect();
+        let t0 = self.profile.as_ref().map(|_| {
+            let _ = self.dev.synchronize();
+            std::time::Instant::now()
+        });
         // SAFETY: `args` follow the kernel's parameter list (types and order), and the op
         // methods checked every pointer and count against live buffers of this device
         // before calling (see the launch contract above); `store` outlives the call.
-        unsafe { f.launch(grid, block, &mut params) }.map_err(gerr(name))
+        unsafe { f.launch(grid, block, &mut params) }.map_err(gerr(name))?;
+        if let (Some(p), Some(t0)) = (&self.profile, t0) {
+            let _ = self.dev.synchronize();
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let e = p.entry(name).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += t0.elapsed().as_secs_f64();
+        }
+        Ok(())
     }
 
     /// A grid-stride kernel over `n` elements whose first parameters are `args` followed

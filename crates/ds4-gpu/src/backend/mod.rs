@@ -26,7 +26,10 @@ use ds4_gguf::{GgmlType, GgufFile};
 use ds4_placement::{Actual, MemKind, Plan};
 
 use crate::cache::KernelCache;
-use crate::cuda::{CudaAllocator, CudaBuffer, CudaDevice, CudaFunction, CudaModule, GemvKernels};
+use crate::cuda::{
+    Cublas, CudaAllocator, CudaBuffer, CudaDevice, CudaFunction, CudaModule, GemmPrecision,
+    GemvKernels,
+};
 use crate::error::GpuError;
 use crate::kernels::OPS;
 
@@ -52,6 +55,9 @@ pub struct CudaOptions {
     /// Token count from which matmuls use the dequantized-panel GEMM instead of the direct
     /// quantized kernel.
     pub panel_from_tokens: usize,
+    /// Prefill GEMM: cuBLAS at this precision when the library is found (`None`: always
+    /// the built-in tiled f32 kernel).
+    pub cublas: Option<GemmPrecision>,
 }
 
 impl Default for CudaOptions {
@@ -62,6 +68,7 @@ impl Default for CudaOptions {
             source: None,
             cache: KernelCache::default_location(),
             panel_from_tokens: 9,
+            cublas: Some(GemmPrecision::F32),
         }
     }
 }
@@ -125,7 +132,26 @@ pub struct CudaBackend {
     pub(crate) freqs: HashMap<[u32; 7], CudaBuffer>,
     fault: CudaBuffer,
     pub(crate) panel_from_tokens: usize,
+    pub(crate) cublas: Option<Cublas>,
     loaded: LoadedBytes,
+    /// `DS4_CUDA_PROFILE=1`: per-kernel launch counts and synchronised wall time (slows
+    /// everything down; for finding where time goes, not for speed numbers).
+    pub(crate) profile: Option<std::sync::Mutex<HashMap<&'static str, (u64, f64)>>>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            let p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let mut v: Vec<_> = p.iter().collect();
+            v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+            let total: f64 = v.iter().map(|x| x.1 .1).sum();
+            eprintln!("DS4_CUDA_PROFILE: kernel, launches, seconds, share");
+            for (k, (n, s)) in v {
+                eprintln!("  {k:<22} {n:>9} {s:>9.3} {:>6.1}%", 100.0 * s / total.max(1e-12));
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -186,6 +212,16 @@ impl CudaBackend {
         for name in OP_KERNELS {
             funcs.insert(*name, module.function(name)?);
         }
+        let cublas = match opts.cublas {
+            Some(p) => match Cublas::load(&dev, p) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::info!("prefill GEMM: built-in kernel ({e})");
+                    None
+                }
+            },
+            None => None,
+        };
         let mut fault = dev.alloc(MemKind::Device, 4)?;
         fault.fill_u32(0)?;
         let mut be = CudaBackend {
@@ -205,7 +241,11 @@ impl CudaBackend {
             freqs: HashMap::new(),
             fault,
             panel_from_tokens: opts.panel_from_tokens.max(2),
+            cublas,
             loaded: LoadedBytes::default(),
+            profile: std::env::var("DS4_CUDA_PROFILE")
+                .is_ok_and(|v| v == "1")
+                .then(|| std::sync::Mutex::new(HashMap::new())),
         };
         if let Some(plan) = opts.plan {
             be.allocate_plan(&plan)?;
@@ -249,6 +289,11 @@ impl CudaBackend {
     /// The memory kind tensor `name` was loaded into.
     pub fn weight_kind(&self, name: &str) -> Option<MemKind> {
         self.weights.iter().find(|w| w.name == name).map(|w| w.kind)
+    }
+
+    /// Where the prefill GEMM's cuBLAS came from (`None`: the built-in kernel).
+    pub fn cublas_path(&self) -> Option<&std::path::Path> {
+        self.cublas.as_ref().map(|c| c.path.as_path())
     }
 
     pub fn device(&self) -> &CudaDevice {

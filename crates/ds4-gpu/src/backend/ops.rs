@@ -127,6 +127,27 @@ impl CudaBackend {
                     Arg::Ptr(panel),
                 ],
             )?;
+            if let Some(cb) = &self.cublas {
+                // SAFETY: x holds n_tok rows of x_stride (checked by the op), the panel
+                // n rows of cols, y n_tok rows of y_stride from column r; all device
+                // memory of this context, alive until the stream drains.
+                unsafe {
+                    cb.gemm_nt(
+                        m.x,
+                        m.x_stride,
+                        panel,
+                        m.cols,
+                        m.y + 4 * r as u64,
+                        m.y_stride,
+                        m.n_tok,
+                        n,
+                        m.cols,
+                    )
+                }
+                .map_err(gerr(op))?;
+                r += n;
+                continue;
+            }
             self.launch(
                 "ds4_gemm_nt",
                 (g32(n.div_ceil(64)), g32(m.n_tok.div_ceil(64)), 1),

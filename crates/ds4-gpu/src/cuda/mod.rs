@@ -5,6 +5,7 @@
 //! everywhere. `unsafe` is confined to this module (FFI, allocation, launch), each block
 //! with a `// SAFETY:` note.
 
+mod cublas;
 mod device;
 mod driver;
 mod event;
@@ -13,6 +14,7 @@ mod graph;
 mod memory;
 mod module;
 
+pub use cublas::{Cublas, GemmPrecision};
 pub use device::{CudaDevice, CudaDeviceInfo};
 pub use driver::{probe_libraries, CudaLibraries};
 pub use event::CudaEvent;

@@ -156,10 +156,10 @@ pub fn plan_inventory(
         resolve_overrides(&args.overrides, env).context("invalid placement override")?;
     let mut request = Request::new(
         args.ctx,
-        kv::kv_growth_per_token(&hparams),
-        kv::scratch_estimate(&hparams, args.ctx, args.prefill_chunk),
+        kv::kv_growth_per_token(hparams),
+        kv::scratch_estimate(hparams, args.ctx, args.prefill_chunk),
     );
-    request.kv_fixed_bytes = kv::kv_fixed_bytes(&hparams);
+    request.kv_fixed_bytes = kv::kv_fixed_bytes(hparams);
     request.prefill_chunk = args.prefill_chunk;
     request.overrides = overrides;
     let result = plan(host, device, inventory, &request, &Policy::default());

@@ -125,7 +125,11 @@ fn bad_flags_and_backends_are_refused() {
         assert!(text(&o.stderr).contains("CUDA"), "{}", text(&o.stderr));
         let o = ds4(&["-m", m, "--backend", "auto", "-n", "2", "-p", "x"]);
         assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
-        assert!(text(&o.stderr).contains("backend auto -> cpu"), "{}", text(&o.stderr));
+        assert!(
+            text(&o.stderr).contains("backend auto -> cpu"),
+            "{}",
+            text(&o.stderr)
+        );
     }
     let o = ds4(&["-m", "/nonexistent.gguf", "-p", "x"]);
     assert!(text(&o.stderr).contains("model file /nonexistent.gguf not found"));

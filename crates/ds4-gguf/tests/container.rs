@@ -370,3 +370,14 @@ fn piecewise_writes_equal_whole_tensor_writes() {
     let e = w.finish().unwrap_err().to_string();
     assert!(e.contains("\"a\" is incomplete (60 of 102 bytes)"), "{e}");
 }
+
+#[test]
+fn header_only_files_have_a_header_and_no_payloads() {
+    let h = sample_header();
+    let f = GgufFile::header_only(h.clone()).unwrap();
+    assert_eq!(f.header().tensors.len(), h.tensors.len());
+    assert_eq!(f.layout().data_offset, f.layout().file_len);
+    let name = h.tensors[0].name.clone();
+    let e = f.tensor_bytes(&name).unwrap_err().to_string();
+    assert!(e.contains(&name) && e.contains("outside"), "{e}");
+}

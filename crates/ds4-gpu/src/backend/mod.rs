@@ -148,7 +148,10 @@ impl Drop for CudaBackend {
             let total: f64 = v.iter().map(|x| x.1 .1).sum();
             eprintln!("DS4_CUDA_PROFILE: kernel, launches, seconds, share");
             for (k, (n, s)) in v {
-                eprintln!("  {k:<22} {n:>9} {s:>9.3} {:>6.1}%", 100.0 * s / total.max(1e-12));
+                eprintln!(
+                    "  {k:<22} {n:>9} {s:>9.3} {:>6.1}%",
+                    100.0 * s / total.max(1e-12)
+                );
             }
         }
     }

@@ -139,7 +139,12 @@ impl Cublas {
                 GemmPrecision::Tf32 => TF32_MATH,
             };
             // SAFETY: valid handle; the stream belongs to the current context.
-            let (s1, s2) = unsafe { (set_stream(handle, ctx.stream.cast()), set_math(handle, math)) };
+            let (s1, s2) = unsafe {
+                (
+                    set_stream(handle, ctx.stream.cast()),
+                    set_math(handle, math),
+                )
+            };
             if s1 != 0 || s2 != 0 {
                 // SAFETY: handle created above, destroyed once.
                 unsafe { destroy(handle) };
@@ -158,7 +163,9 @@ impl Cublas {
                 path: c,
             });
         }
-        Err(GpuError::CudaUnavailable(format!("cuBLAS not found ({last})")))
+        Err(GpuError::CudaUnavailable(format!(
+            "cuBLAS not found ({last})"
+        )))
     }
 
     /// Queues `Y[t][r] = Σ_c X[t][c] · W[r][c]` for `t < n_tok`, `r < n_rows` (row-major

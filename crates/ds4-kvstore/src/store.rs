@@ -196,6 +196,32 @@ impl KvStore {
         }
     }
 
+    /// The tool-call map of an entry (empty if it has none), verified against the entry's
+    /// checksum without keeping the payload: the file is hashed in one streaming pass, so
+    /// reading the maps of a large cache at startup needs little memory. A server must not
+    /// replay DSML from a torn or tampered file, so a corrupt entry is removed and reported
+    /// exactly as [`KvStore::load`] does.
+    pub fn tool_map(&mut self, name: &str) -> Result<BTreeMap<String, String>, KvError> {
+        let idx = self
+            .entries
+            .iter()
+            .position(|e| e.name == name)
+            .ok_or_else(|| KvError::NoSuchEntry(name.to_string()))?;
+        let path = self.path(name);
+        match read_tool_map_verified(&path, &self.cfg) {
+            Ok(map) => Ok(map),
+            Err(reason) => {
+                tracing::warn!(entry = %name, %reason, "removing corrupt KV entry");
+                let _ = fs::remove_file(&path);
+                self.entries.remove(idx);
+                Err(KvError::Rejected {
+                    name: name.to_string(),
+                    reason,
+                })
+            }
+        }
+    }
+
     /// Stores the state after `tokens`. Evicts least-recently-used entries first so the
     /// directory never exceeds the budget, then writes atomically.
     pub fn store(
@@ -407,6 +433,64 @@ fn read_verified(path: &Path, cfg: &StoreConfig) -> Result<(Header, Loaded), Str
             tool_map,
         },
     ))
+}
+
+/// Streams an entry through the checksum and returns its tool map (see [`KvStore::tool_map`]).
+fn read_tool_map_verified(
+    path: &Path,
+    cfg: &StoreConfig,
+) -> Result<BTreeMap<String, String>, String> {
+    use sha2::{Digest, Sha256};
+    let mut f = File::open(path).map_err(|e| e.to_string())?;
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    let mut head = [0u8; HEADER_LEN];
+    f.read_exact(&mut head)
+        .map_err(|_| FormatError::Short.to_string())?;
+    let h = Header::decode(&head).map_err(|e| e.to_string())?;
+    if h.model_id != cfg.model_id {
+        return Err("made by another model (identity differs)".into());
+    }
+    if h.file_len() != len {
+        return Err(FormatError::Length {
+            expected: h.file_len(),
+            actual: len,
+        }
+        .to_string());
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(&head[0..96]);
+    // Tokens and payload: hashed, not kept.
+    let mut rest = len - HEADER_LEN as u64 - h.tool_map_len;
+    let mut buf = vec![0u8; 1 << 20];
+    while rest > 0 {
+        let n = rest.min(buf.len() as u64) as usize;
+        f.read_exact(&mut buf[..n]).map_err(|e| e.to_string())?;
+        hasher.update(&buf[..n]);
+        rest -= n as u64;
+    }
+    // The map: its length is bounded by the file's actual size (checked above), and the
+    // buffer only grows as bytes really arrive.
+    let mut map_bytes = Vec::new();
+    (&mut f)
+        .take(h.tool_map_len)
+        .read_to_end(&mut map_bytes)
+        .map_err(|e| e.to_string())?;
+    if map_bytes.len() as u64 != h.tool_map_len {
+        return Err(FormatError::Length {
+            expected: h.file_len(),
+            actual: len,
+        }
+        .to_string());
+    }
+    hasher.update(&map_bytes);
+    let sum: [u8; 32] = hasher.finalize().into();
+    if sum != h.checksum {
+        return Err(FormatError::Checksum.to_string());
+    }
+    if h.flags & FLAG_TOOL_MAP == 0 {
+        return Ok(BTreeMap::new());
+    }
+    serde_json::from_slice(&map_bytes).map_err(|e| FormatError::ToolMap(e.to_string()).to_string())
 }
 
 /// Rewrites the mutable counters in place (outside the checksum).

@@ -64,6 +64,66 @@ fn store_lookup_load_round_trip() {
     assert!(s3.lookup(&[1, 2, 3]).is_none());
 }
 
+/// `tool_map` returns exactly what was stored, verified: a flipped byte anywhere (payload
+/// or map) makes it fail and removes the entry; entries without a map give an empty one.
+#[test]
+fn tool_map_is_read_verified() {
+    let d = tempfile::tempdir().unwrap();
+    let (mut s, _) = KvStore::open(cfg(d.path(), 1 << 30)).unwrap();
+    let mut map = BTreeMap::new();
+    map.insert(
+        "call_a".to_string(),
+        "\n\n<｜DSML｜tool_calls>A".to_string(),
+    );
+    map.insert(
+        "toolu_b".to_string(),
+        "\n\n<｜DSML｜tool_calls>B".to_string(),
+    );
+    // A payload over the 1 MiB streaming buffer, so the hash is fed in several pieces.
+    let big = payload(3 << 20, 5);
+    let with = match s.store(&[4, 5, 6], &big, &map).unwrap() {
+        StoreOutcome::Stored { name, .. } => name,
+        other => panic!("{other:?}"),
+    };
+    let without = match s.store(&[7], &payload(10, 1), &BTreeMap::new()).unwrap() {
+        StoreOutcome::Stored { name, .. } => name,
+        other => panic!("{other:?}"),
+    };
+    drop(s);
+    let (mut s, _) = KvStore::open(cfg(d.path(), 1 << 30)).unwrap();
+    assert_eq!(s.tool_map(&with).unwrap(), map);
+    assert!(s.tool_map(&without).unwrap().is_empty());
+    assert!(matches!(
+        s.tool_map("nope.kv"),
+        Err(ds4_kvstore::KvError::NoSuchEntry(_))
+    ));
+    // Reading the map does not count as a use.
+    assert_eq!(s.entries().iter().find(|e| e.name == with).unwrap().hits, 0);
+    // Corrupt one payload byte: the map is refused and the entry removed.
+    let path = d.path().join(&with);
+    let mut b = std::fs::read(&path).unwrap();
+    b[160 + 12 + (2 << 20)] ^= 0x40;
+    std::fs::write(&path, &b).unwrap();
+    assert!(matches!(
+        s.tool_map(&with),
+        Err(ds4_kvstore::KvError::Rejected { .. })
+    ));
+    assert!(!path.exists());
+    assert!(s.entries().iter().all(|e| e.name != with));
+    // Corrupt the map itself (last byte) of a fresh entry: refused too.
+    let name = match s.store(&[8, 8], &payload(100, 2), &map).unwrap() {
+        StoreOutcome::Stored { name, .. } => name,
+        other => panic!("{other:?}"),
+    };
+    let path = d.path().join(&name);
+    let mut b = std::fs::read(&path).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x01;
+    std::fs::write(&path, &b).unwrap();
+    assert!(s.tool_map(&name).is_err());
+    assert!(!path.exists());
+}
+
 #[test]
 fn lru_eviction_keeps_the_budget() {
     let d = tempfile::tempdir().unwrap();

@@ -9,4 +9,5 @@ pub mod plan;
 pub mod repl;
 pub mod sessions;
 pub mod signals;
+pub mod textcmd;
 pub mod vectors;

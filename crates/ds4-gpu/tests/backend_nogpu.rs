@@ -12,7 +12,9 @@ fn backend_refuses_cleanly_without_a_device() {
         assert!(CudaBackend::new(CudaOptions::default()).is_ok());
         return;
     }
-    let e = CudaBackend::new(CudaOptions::default()).unwrap_err().to_string();
+    let e = CudaBackend::new(CudaOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("CUDA"), "{e}");
 }
 

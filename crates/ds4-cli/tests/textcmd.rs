@@ -4,7 +4,7 @@
 //! spec's fully rendered examples (§2.9); plus agreement with the `ds4_chat` library.
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 

@@ -395,62 +395,76 @@ extern "C" __global__ void ds4_embed(const ds4_u8* table, int ty, ds4_size row_b
     }
 }
 
-// Sinkhorn projection of an n x n matrix (thread-local; n <= 8), as the CPU reference.
-__device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
-    for (int i = 0; i < n; i++) {
-        float* row = z + i * n;
+// Sinkhorn projection of the n x n matrix z (shared memory, n <= 8) by the whole block:
+// thread k < n*n owns element (k / n, k % n). Every row/column sum is taken by each of its
+// threads in index order, exactly as the CPU reference does, so the result matches it
+// operation for operation; only the n*n divisions run in parallel. Every thread of the
+// block must call this (it synchronises).
+__device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
+    const int k = threadIdx.x;
+    const bool own = k < n * n;
+    const int i = own ? k / n : 0;
+    const int j = own ? k % n : 0;
+    float v = 0.0f;
+    if (own) {
+        const float* row = z + i * n;
         float m = -__int_as_float(0x7f800000);
-        for (int j = 0; j < n; j++) m = fmaxf(m, row[j]);
+        for (int q = 0; q < n; q++) m = fmaxf(m, row[q]);
         float s = 0.0f;
-        for (int j = 0; j < n; j++) {
-            row[j] = expf(row[j] - m);
-            s += row[j];
-        }
-        for (int j = 0; j < n; j++) row[j] = row[j] / s + eps;
+        for (int q = 0; q < n; q++) s += expf(row[q] - m);
+        v = expf(row[j] - m) / s + eps;
     }
+    __syncthreads();
+    if (own) z[k] = v;
+    __syncthreads();
     const int n_it = iters > 0 ? iters : 1;
     for (int it = 0; it < n_it; it++) {
         if (it > 0) {
-            for (int i = 0; i < n; i++) {
-                float s = 0.0f;
-                for (int j = 0; j < n; j++) s += z[i * n + j];
-                s += eps;
-                for (int j = 0; j < n; j++) z[i * n + j] /= s;
-            }
-        }
-        for (int j = 0; j < n; j++) {
             float s = 0.0f;
-            for (int i = 0; i < n; i++) s += z[i * n + j];
-            s += eps;
-            for (int i = 0; i < n; i++) z[i * n + j] /= s;
+            if (own) {
+                for (int q = 0; q < n; q++) s += z[i * n + q];
+                s += eps;
+            }
+            __syncthreads();
+            if (own) z[k] = z[k] / s;
+            __syncthreads();
         }
+        float s = 0.0f;
+        if (own) {
+            for (int q = 0; q < n; q++) s += z[q * n + j];
+            s += eps;
+        }
+        __syncthreads();
+        if (own) z[k] = z[k] / s;
+        __syncthreads();
     }
 }
 
 #define DS4_HC_MAX 8
 
-// HCPre, one block (256 threads) per token: coefficients from mix and the streams' RMS,
-// then y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
+// HCPre, one block (256 threads) per token: coefficients from mix and the streams' RMS
+// (the Sinkhorn projection spread over the block's first n*n threads), then
+// y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
 extern "C" __global__ void __launch_bounds__(256)
 ds4_hc_pre(const float* mix, const float* x, const float* base, const float* scale, int n,
            int d, int iters, float hc_eps, float rms_eps, float* y, float* post, float* comb) {
     __shared__ double sh[256];
     __shared__ float pre[DS4_HC_MAX];
+    __shared__ float z[DS4_HC_MAX * DS4_HC_MAX];
     const int t = blockIdx.x;
     const int nm = 2 * n + n * n;
     const float* xt = x + (ds4_size)t * n * d;
     const float rho = ds4_rms_scale(xt, n * d, rms_eps, sh);
-    if (threadIdx.x == 0) {
-        const float* m = mix + (ds4_size)t * nm;
-        float z[DS4_HC_MAX * DS4_HC_MAX];
-        for (int i = 0; i < n; i++) {
-            pre[i] = ds4_sigmoid(scale[0] * (m[i] * rho) + base[i]) + hc_eps;
-            post[(ds4_size)t * n + i] = 2.0f * ds4_sigmoid(scale[1] * (m[n + i] * rho) + base[n + i]);
-        }
-        for (int k = 0; k < n * n; k++) z[k] = scale[2] * (m[2 * n + k] * rho) + base[2 * n + k];
-        ds4_sinkhorn(z, n, iters, hc_eps);
-        for (int k = 0; k < n * n; k++) comb[(ds4_size)t * n * n + k] = z[k];
+    const float* m = mix + (ds4_size)t * nm;
+    const int k = threadIdx.x;
+    if (k < n) {
+        pre[k] = ds4_sigmoid(scale[0] * (m[k] * rho) + base[k]) + hc_eps;
+        post[(ds4_size)t * n + k] = 2.0f * ds4_sigmoid(scale[1] * (m[n + k] * rho) + base[n + k]);
     }
+    if (k < n * n) z[k] = scale[2] * (m[2 * n + k] * rho) + base[2 * n + k];
+    __syncthreads();
+    ds4_sinkhorn_block(z, n, iters, hc_eps);
+    if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float acc = 0.0f;

@@ -34,6 +34,7 @@ use crate::config::{ServerConfig, MODEL_ID};
 use crate::emit::{self, AnthropicStream, Ctx, Frame, OpenAiStream, ResponsesStream};
 use crate::error::{ApiError, ErrorKind, Shape};
 use crate::json_out::{arr, Obj};
+use crate::live::ToolBinding;
 use crate::request::{self, Endpoint};
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
@@ -44,6 +45,8 @@ pub struct AppState {
     pub cfg: Arc<ServerConfig>,
     pub tok: Arc<Tokenizer>,
     pub toolmem: Arc<Mutex<ToolMemory>>,
+    /// The worker's latest [`ToolBinding`] (tool-output continuations are planned on it).
+    pub binding: Arc<Mutex<Option<ToolBinding>>>,
     pub jobs: mpsc::Sender<Job>,
     pub stats: Arc<Stats>,
     pub shutting_down: Arc<AtomicBool>,
@@ -58,6 +61,7 @@ impl AppState {
         cfg: Arc<ServerConfig>,
         tok: Arc<Tokenizer>,
         toolmem: Arc<Mutex<ToolMemory>>,
+        binding: Arc<Mutex<Option<ToolBinding>>>,
         jobs: mpsc::Sender<Job>,
         stats: Arc<Stats>,
         shutting_down: Arc<AtomicBool>,
@@ -68,6 +72,7 @@ impl AppState {
             cfg,
             tok,
             toolmem,
+            binding,
             jobs,
             stats,
             shutting_down,
@@ -328,7 +333,7 @@ async fn tokenize_inner(
             let mut req = request::parse_chat(&body, ctx)?;
             let mut tm = st2.toolmem.lock().unwrap_or_else(|p| p.into_inner());
             let tm = st2.cfg.exact_dsml_replay.then_some(&mut *tm);
-            let p = request::prepare(&mut req, tm, &st2.tok)?;
+            let p = request::prepare(&mut req, tm, None, &st2.tok)?;
             Ok((p.tokens, Some(p.text)))
         })
         .await
@@ -425,8 +430,9 @@ async fn generation(
     }
 }
 
-/// Sets the job's cancel flag when dropped: the SSE body (client disconnect) or the handler
-/// future goes away.
+/// Sets the job's cancel flag when dropped: the SSE body goes away (a streaming client
+/// disconnected), or the handler future does (hyper drops it when a non-streaming client
+/// hangs up while waiting; `non_stream_disconnect_cancels_generation` checks this).
 struct CancelOnDrop(Arc<AtomicBool>);
 
 impl Drop for CancelOnDrop {
@@ -453,9 +459,14 @@ async fn generation_inner(
             Endpoint::Responses => request::parse_responses(&body, ctx),
             Endpoint::Messages => request::parse_messages(&body, ctx),
         }?;
+        let binding = st2
+            .binding
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let mut tm = st2.toolmem.lock().unwrap_or_else(|p| p.into_inner());
         let tm = st2.cfg.exact_dsml_replay.then_some(&mut *tm);
-        let p = request::prepare(&mut req, tm, &st2.tok)?;
+        let p = request::prepare(&mut req, tm, binding.as_ref(), &st2.tok)?;
         Ok((req, p))
     })
     .await
@@ -476,6 +487,7 @@ async fn generation_inner(
         .as_ref()
         .and_then(|s| s.output_for(&prepared.text))
         .map(str::to_string);
+    let ectx = Ctx::new(&req, counter, now_secs());
     let cancel = Arc::new(AtomicBool::new(false));
     let guard = CancelOnDrop(cancel.clone());
     let (tx, mut rx) = mpsc::channel(if req.stream {
@@ -491,6 +503,7 @@ async fn generation_inner(
         max_tokens: req.max_tokens,
         deltas: req.stream,
         forced,
+        response_id: (ep == Endpoint::Responses).then(|| ectx.id.clone()),
         events: tx,
         cancel,
     };
@@ -506,7 +519,6 @@ async fn generation_inner(
         });
     }
     Stats::add(&st.stats.requests, 1);
-    let ectx = Ctx::new(&req, counter, now_secs());
     let usage = match rx.recv().await {
         Some(JobEvent::Started { usage, .. }) => usage,
         Some(JobEvent::Failed(e)) => return Err(e),

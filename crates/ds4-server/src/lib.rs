@@ -3,7 +3,7 @@
 //! ```text
 //! HTTP (axum)                    request::parse_* → prepare (render, exact DSML, tokenize)
 //!   → bounded queue (429 when full) → worker thread (one Session, one live KV)
-//!       reuse: live prefix | thinking-visible | turn snapshot | disk checkpoint | cold
+//!       reuse: tool binding | live prefix | thinking-visible | turn snapshot | disk | cold
 //!       prefill suffix (+ cold/continued disk saves) → decode + sample → OutputStream
 //!   → JobEvents → emit::{OpenAi,Anthropic,Responses}Stream → SSE / JSON body
 //! ```
@@ -18,6 +18,7 @@ pub mod emit;
 pub mod error;
 pub mod http;
 pub mod json_out;
+pub mod live;
 pub mod model;
 pub mod request;
 pub mod script;
@@ -67,6 +68,9 @@ impl Server {
             cfg.tool_memory_max_ids,
             cfg.tool_memory_max_bytes,
         )));
+        // What the live state ends with after a clean Responses/Messages turn: the worker
+        // publishes it after each job, handlers read it to plan tool-output continuations.
+        let binding = Arc::new(Mutex::new(None));
         let ctx = model.engine.config().ctx;
         let tok = model.tokenizer.clone();
         let w = worker::Worker::new(
@@ -75,6 +79,7 @@ impl Server {
             model.identity,
             cfg.clone(),
             toolmem.clone(),
+            binding.clone(),
             stats.clone(),
             shutting_down.clone(),
         )?;
@@ -96,6 +101,7 @@ impl Server {
             cfg.clone(),
             tok,
             toolmem,
+            binding,
             tx,
             stats.clone(),
             shutting_down.clone(),

@@ -4,7 +4,7 @@
 //! wrong type or an out-of-range value is a 400 that names the field. Values that become
 //! prompt bytes (tool schemas, tool-call arguments) are kept as the exact bytes sent.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use ds4_chat::render::{self, Message, ThinkingMode, ToolCall};
 use ds4_chat::request::ChatRequest;
@@ -13,6 +13,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::error::{ApiError, Shape};
+use crate::live::{self, LiveTail, ToolBinding};
 use crate::toolmem::ToolMemory;
 
 /// Which endpoint a request came in on.
@@ -83,6 +84,8 @@ pub struct GenRequest {
     pub reasoning_summary: bool,
     /// Responses: wire tool name (`NS+name`) → (namespace, name).
     pub namespaces: HashMap<String, (String, String)>,
+    /// Responses: continue this response on the live state ([`crate::live`]).
+    pub previous_response_id: Option<String>,
 }
 
 /// A rendered, tokenized request.
@@ -98,6 +101,9 @@ pub struct Prepared {
     pub tool_context: bool,
     /// Assistant tool-call messages replayed with their exact sampled DSML.
     pub exact_replays: usize,
+    /// The request continues the live state after tool calls ([`crate::live`]). When
+    /// `required`, `text` and `tokens` hold only the continuation suffix.
+    pub live_tail: Option<LiveTail>,
 }
 
 const INVALID: &str = "invalid JSON request";
@@ -387,6 +393,7 @@ pub fn parse_chat(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         completion_prompt: None,
         reasoning_summary: false,
         namespaces: HashMap::new(),
+        previous_response_id: None,
     })
 }
 
@@ -424,6 +431,7 @@ pub fn parse_completions(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> 
         completion_prompt: Some(prompt),
         reasoning_summary: false,
         namespaces: HashMap::new(),
+        previous_response_id: None,
     })
 }
 
@@ -531,7 +539,6 @@ pub fn parse_messages(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
     } else {
         Vec::new()
     };
-    check_tool_outputs(&messages, Endpoint::Messages)?;
     let mut th = Thinking::new();
     th.thinking_field(f.val("thinking"))?;
     if let Some(Value::Object(oc)) = f.val("output_config") {
@@ -552,6 +559,7 @@ pub fn parse_messages(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         completion_prompt: None,
         reasoning_summary: false,
         namespaces: HashMap::new(),
+        previous_response_id: None,
     })
 }
 
@@ -605,41 +613,17 @@ fn anthropic_block(raw: &RawValue, msg: &mut Message) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Tool results must answer a call replayed in the same request: this server keeps no
-/// continuation state beyond the live KV (spec §8's 400 messages).
-fn check_tool_outputs(messages: &[Message], ep: Endpoint) -> Result<(), ApiError> {
-    let calls: HashSet<&str> = messages
-        .iter()
-        .flat_map(|m| m.tool_calls.iter().map(|c| c.id.as_str()))
-        .collect();
-    for m in messages {
-        for id in &m.tool_call_ids {
-            if !id.is_empty() && !calls.contains(id.as_str()) {
-                return Err(bad(match ep {
-                    Endpoint::Messages => format!(
-                        "Anthropic continuation state is not available for tool_use_id {id}; retry by replaying the full messages history"
-                    ),
-                    _ => format!(
-                        "Responses continuation state is not available for call_id {id}; retry by replaying the full input history"
-                    ),
-                }));
-            }
-        }
-    }
-    Ok(())
-}
-
 /// `POST /v1/responses`.
 pub fn parse_responses(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
     let f = Fields::parse(body)?;
     let model = f.model()?;
-    for key in ["previous_response_id", "conversation"] {
-        if f.raw(key).is_some() {
-            return Err(bad(format!(
-                "{key} is not supported; replay full input instead"
-            )));
-        }
+    if f.raw("conversation").is_some() {
+        return Err(bad(
+            "conversation is not supported; replay full input instead",
+        ));
     }
+    // Only the response the live state ends with can be continued; `prepare` checks it.
+    let previous_response_id = f.string("previous_response_id")?;
     let mut messages = Vec::new();
     if let Some(instr) = f.string("instructions")? {
         messages.push(Message::system(&instr));
@@ -694,7 +678,6 @@ pub fn parse_responses(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         tool_schemas = schema_lines(f.raw("tools"))?;
         tool_schemas.extend(extra_schemas);
     }
-    check_tool_outputs(&messages, Endpoint::Responses)?;
     let mut th = Thinking::new();
     let mut summary = false;
     match f.val("reasoning") {
@@ -729,6 +712,7 @@ pub fn parse_responses(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         completion_prompt: None,
         reasoning_summary: summary,
         namespaces,
+        previous_response_id,
     })
 }
 
@@ -924,31 +908,63 @@ fn responses_items(
 }
 
 /// Renders and tokenizes a request. Assistant tool-call messages are first resolved against
-/// tool memory for exact replay (when enabled).
+/// tool memory for exact replay (when enabled). `binding` is what the live state ends with
+/// now (tool-output continuations are checked against it, [`crate::live::plan`]).
 pub fn prepare(
     req: &mut GenRequest,
     toolmem: Option<&mut ToolMemory>,
+    binding: Option<&ToolBinding>,
     tok: &Tokenizer,
 ) -> Result<Prepared, ApiError> {
     let thinking = req.mode.is_thinking();
-    let (text, tools, tool_context, exact) = match &req.completion_prompt {
-        Some(p) => (render::render_completion(p, req.mode), false, false, 0),
-        None => {
-            let exact = match toolmem {
-                Some(tm) => tm.apply(&mut req.messages).0,
-                None => 0,
-            };
-            let tool_context = !req.tool_schemas.is_empty()
-                || req.messages.iter().any(|m| {
-                    !m.tool_calls.is_empty()
-                        || !m.tool_call_ids.is_empty()
-                        || m.role == "tool"
-                        || m.role == "function"
-                });
-            let text = render::render_prompt(&req.messages, &req.tool_schemas, req.mode);
-            (text, !req.tool_schemas.is_empty(), tool_context, exact)
-        }
+    if let Some(p) = &req.completion_prompt {
+        let text = render::render_completion(p, req.mode);
+        let tokens = tok
+            .encode_chat(&text)
+            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
+        return Ok(Prepared {
+            text,
+            tokens,
+            thinking,
+            tools: false,
+            tool_context: false,
+            exact_replays: 0,
+            live_tail: None,
+        });
+    }
+    let exact = match toolmem {
+        Some(tm) => tm.apply(&mut req.messages).0,
+        None => 0,
     };
+    let mut live_tail = live::plan(req, binding)?;
+    if let Some(t) = &mut live_tail {
+        t.suffix_tokens = tok
+            .encode_chat(&t.suffix_text)
+            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
+    }
+    let mut tools = !req.tool_schemas.is_empty();
+    let mut tool_context = tools
+        || req.messages.iter().any(|m| {
+            !m.tool_calls.is_empty()
+                || !m.tool_call_ids.is_empty()
+                || m.role == "tool"
+                || m.role == "function"
+        });
+    if let Some(t) = live_tail.as_ref().filter(|t| t.required) {
+        // Only the suffix exists; the tools (and the tool context) are the live state's.
+        tools |= binding.is_some_and(|b| b.tools);
+        tool_context = true;
+        return Ok(Prepared {
+            text: t.suffix_text.clone(),
+            tokens: t.suffix_tokens.clone(),
+            thinking,
+            tools,
+            tool_context,
+            exact_replays: exact,
+            live_tail,
+        });
+    }
+    let text = render::render_prompt(&req.messages, &req.tool_schemas, req.mode);
     let tokens = tok
         .encode_chat(&text)
         .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
@@ -959,6 +975,7 @@ pub fn prepare(
         tools,
         tool_context,
         exact_replays: exact,
+        live_tail,
     })
 }
 
@@ -1024,11 +1041,14 @@ mod tests {
             vec![r#"{"name":"Read","input_schema":{"type":"object"}}"#]
         );
         assert_eq!(r.stop, vec!["S"]);
-        let e = parse_messages(
+        // A result for a call that is neither replayed nor live: 400 naming the id (the
+        // check needs the live binding, so it happens when the request is prepared).
+        let orphan = parse_messages(
             br#"{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"gone","content":"r"}]}]}"#,
             CTX,
         )
-        .unwrap_err();
+        .unwrap();
+        let e = live::plan(&orphan, None).unwrap_err();
         assert!(e.message.contains("tool_use_id gone"), "{}", e.message);
         let none = parse_messages(
             br#"{"messages":[],"tools":[{"name":"f"}],"tool_choice":{"type":"none"}}"#,
@@ -1061,17 +1081,27 @@ mod tests {
             err(br#"{"input":"x","tool_choice":{"type":"function"}}"#),
             "forced tool_choice not supported"
         );
-        assert!(err(br#"{"input":"x","previous_response_id":"r"}"#)
-            .starts_with("previous_response_id is not supported"));
+        assert_eq!(
+            err(br#"{"input":"x","conversation":"c"}"#),
+            "conversation is not supported; replay full input instead"
+        );
+        assert!(err(br#"{"input":"x","previous_response_id":7}"#).contains("previous_response_id"));
+        let plan_err = |b: &[u8]| {
+            live::plan(&parse_responses(b, CTX).unwrap(), None)
+                .unwrap_err()
+                .message
+        };
+        assert!(plan_err(br#"{"input":"x","previous_response_id":"r"}"#)
+            .starts_with("previous_response_id r is not available"));
         assert!(err(
             br#"{"input":[{"type":"message","role":"user","content":"x","status":"in_progress"}]}"#
         )
         .contains("status"));
         assert!(err(br#"{"input":[{"type":"bogus"}]}"#).contains("bogus"));
-        assert!(
-            err(br#"{"input":[{"type":"function_call_output","call_id":"c","output":"o"}]}"#)
-                .contains("call_id c")
-        );
+        assert!(plan_err(
+            br#"{"input":[{"type":"function_call_output","call_id":"c","output":"o"}]}"#
+        )
+        .contains("call_id c"));
         let off = parse_responses(br#"{"input":"x","reasoning":{"effort":"none"}}"#, CTX).unwrap();
         assert_eq!(off.mode, ThinkingMode::NoThink);
     }

@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::config::{DiskCacheConfig, ServerConfig};
 use crate::diskcache::{self, continuation};
 use crate::error::{ApiError, ServerError};
+use crate::live::{self, ToolBinding};
 use crate::request::{Endpoint, Prepared};
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
@@ -38,6 +39,8 @@ pub struct Job {
     pub deltas: bool,
     /// Forced output (test hook, see [`crate::script`]).
     pub forced: Option<String>,
+    /// Responses: the `resp_…` id the client will see (a later `previous_response_id`).
+    pub response_id: Option<String>,
     pub events: mpsc::Sender<JobEvent>,
     /// Set by the handler when the client goes away.
     pub cancel: Arc<AtomicBool>,
@@ -171,6 +174,13 @@ pub struct Worker {
     snapshots: VecDeque<MemSnapshot>,
     disk: Option<Disk>,
     toolmem: Arc<Mutex<ToolMemory>>,
+    /// What the live state ends with after a clean Responses/Messages turn (spec §9);
+    /// `None` once anything else touched the live state.
+    binding: Option<ToolBinding>,
+    /// Where handlers read `binding`. Published only between jobs, so a request planned
+    /// while another job runs still sees the binding it was accepted with, and the worker
+    /// answers 409 if that job moved the live state (spec §8).
+    published: Arc<Mutex<Option<ToolBinding>>>,
     stats: Arc<Stats>,
     cfg: Arc<ServerConfig>,
     shutdown: Arc<AtomicBool>,
@@ -187,12 +197,14 @@ fn engine_err(e: impl std::fmt::Display) -> ApiError {
 impl Worker {
     /// Creates the session and opens the disk cache (evicting it to its budget). Tool maps
     /// saved with disk entries are loaded into tool memory.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         engine: ds4_engine::Engine,
         tok: Arc<Tokenizer>,
         identity: [u8; 32],
         cfg: Arc<ServerConfig>,
         toolmem: Arc<Mutex<ToolMemory>>,
+        published: Arc<Mutex<Option<ToolBinding>>>,
         stats: Arc<Stats>,
         shutdown: Arc<AtomicBool>,
     ) -> Result<Worker, ServerError> {
@@ -251,6 +263,8 @@ impl Worker {
             snapshots: VecDeque::new(),
             disk,
             toolmem,
+            binding: None,
+            published,
             stats,
             cfg,
             shutdown,
@@ -287,14 +301,22 @@ impl Worker {
                     let _ = events.try_send(JobEvent::Failed(ApiError::internal("internal error")));
                 }
             }
+            self.publish();
         }
         self.disk_save("shutdown");
+    }
+
+    /// Makes the binding visible to handlers. Called when a job ends (before its `Done` is
+    /// sent, so a client that answers a tool call at once finds it) and after every job.
+    fn publish(&self) {
+        *self.published.lock().unwrap_or_else(|p| p.into_inner()) = self.binding.clone();
     }
 
     fn discard_live(&mut self) {
         let _ = self.session.reset();
         self.logits = None;
         self.visible = None;
+        self.binding = None;
         self.snapshots.clear();
     }
 
@@ -316,7 +338,18 @@ impl Worker {
 
     fn run_job(&mut self, job: Job) -> Result<(), ApiError> {
         let t0 = Instant::now();
-        let (cached, suffix, source) = self.reuse(&job.prepared)?;
+        let (cached, suffix, source) = match self.live_tail(&job) {
+            Some(r) => r,
+            // Only the live state could serve it, and it moved since the request was
+            // accepted: nothing was touched, so the binding (if any) stays.
+            None if job.prepared.live_tail.as_ref().is_some_and(|t| t.required) => {
+                return Err(live::conflict(job.endpoint));
+            }
+            None => {
+                self.binding = None;
+                self.reuse(&job.prepared)?
+            }
+        };
         let usage0 = Usage {
             prompt_tokens: cached + suffix.len(),
             cached_tokens: cached,
@@ -371,6 +404,25 @@ impl Worker {
         );
         self.send(&job, JobEvent::Done(Box::new(outcome)));
         Ok(())
+    }
+
+    /// A tool-output continuation (spec §9 steps 2–3): when the job's tail answers the
+    /// binding the live state ends with, the live tokens are reused and only the tail's
+    /// suffix is evaluated. Consumes the binding. Returns what [`Worker::reuse`] returns.
+    fn live_tail(&mut self, job: &Job) -> Option<(usize, Vec<u32>, &'static str)> {
+        let t = job.prepared.live_tail.as_ref()?;
+        let b = self.binding.as_ref()?;
+        let live_len = self.session.pos();
+        if b.frontier != live_len
+            || live_len == 0
+            || self.logits.is_none()
+            || !t.matches(job.endpoint, b)
+        {
+            return None;
+        }
+        self.binding = None;
+        self.visible = None;
+        Some((live_len, t.suffix_tokens.clone(), t.source(job.endpoint)))
     }
 
     /// Picks how to reach the prompt and puts the session there. Returns (reused tokens,
@@ -735,6 +787,7 @@ impl Worker {
         }
         ids.truncate(output.message.tool_calls.len());
         self.remember(job, &output, &ids, stop_hit || cancelled);
+        self.publish();
         Ok(Outcome {
             output,
             tool_ids: ids,
@@ -785,6 +838,23 @@ impl Worker {
         self.visible = None;
         let p = &job.prepared;
         let clean = !tainted && out.finish == ds4_chat::stream::FinishReason::Stop;
+        // A turn that ended by itself (EOS or complete tool calls) can be continued with
+        // tool outputs or, on Responses, a `previous_response_id`.
+        let ended = !tainted
+            && matches!(
+                out.finish,
+                ds4_chat::stream::FinishReason::Stop | ds4_chat::stream::FinishReason::ToolCalls
+            );
+        self.binding = (ended
+            && matches!(job.endpoint, Endpoint::Responses | Endpoint::Messages)
+            && self.session.pos() > 0)
+            .then(|| ToolBinding {
+                endpoint: job.endpoint,
+                response_id: job.response_id.clone(),
+                call_ids: ids.to_vec(),
+                tools: p.tools,
+                frontier: self.session.pos(),
+            });
         if clean
             && p.thinking
             && !p.tool_context

@@ -163,3 +163,71 @@ async fn shutdown_ends_the_running_generation_and_drains_the_queue() {
     // Nothing listens any more.
     assert!(tokio::net::TcpStream::connect(a).await.is_err());
 }
+
+/// A non-streaming client that goes away mid-generation cancels its job too: the worker
+/// stops within a few tokens (not after the 2000-token limit) and the next request runs
+/// at once. With a 25 ms token delay, an uncancelled job would keep the worker for 50 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_stream_disconnect_cancels_generation() {
+    use tokio::io::AsyncWriteExt;
+    let srv = start(slow(4)).await;
+    let a = srv.addr;
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages":[{"role":"user","content":"[long]"}],"think":false,"max_tokens":2000}),
+        ),
+        (
+            "/v1/messages",
+            json!({"max_tokens":2000,"thinking":{"type":"disabled"},"messages":[{"role":"user","content":"[long]"}]}),
+        ),
+        (
+            "/v1/responses",
+            json!({"reasoning":{"effort":"none"},"max_output_tokens":2000,"input":"[long]"}),
+        ),
+    ] {
+        let before = stats(a).await;
+        let gen0 = before["generated_tokens"].as_u64().unwrap();
+        let cancelled0 = before["cancelled"].as_u64().unwrap();
+        let body = body.to_string();
+        let mut s = tokio::net::TcpStream::connect(a).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: {a}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(body.as_bytes()).await.unwrap();
+        // Wait until it is generating, then hang up without reading anything.
+        wait_stats(a, |s| {
+            s["running"] == 1 && s["generated_tokens"].as_u64().unwrap() >= gen0 + 5
+        })
+        .await;
+        drop(s);
+        let t0 = std::time::Instant::now();
+        let s = wait_stats(a, |s| {
+            s["cancelled"].as_u64().unwrap() == cancelled0 + 1 && s["running"] == 0
+        })
+        .await;
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{path}: cancel took {:?}",
+            t0.elapsed()
+        );
+        let generated = s["generated_tokens"].as_u64().unwrap() - gen0;
+        assert!(
+            generated < 400,
+            "{path}: generation went on after the disconnect: {generated} tokens"
+        );
+        // The worker is free: a short request is answered promptly.
+        let t0 = std::time::Instant::now();
+        let r = post(
+            a,
+            "/v1/chat/completions",
+            &json!({"messages":[{"role":"user","content":"[plain]"}],"think":false}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(t0.elapsed() < Duration::from_secs(10));
+    }
+    srv.shutdown().await.unwrap();
+}

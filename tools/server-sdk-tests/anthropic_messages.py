@@ -1,6 +1,6 @@
 """Anthropic SDK: messages plain (thinking + text), thinking disabled, the streaming helper,
-streamed tool_use with input_json deltas, a tool_result follow-up reusing the live KV, and
-typed errors."""
+streamed tool_use with input_json deltas, tool_result follow-ups reusing the live KV (history
+replayed, and the result alone), and typed errors."""
 
 import anthropic
 from anthropic import Anthropic
@@ -74,6 +74,18 @@ def _():
     r = client.messages.create(model=MODEL, max_tokens=200, tools=TOOLS, messages=msgs)
     eq(r.content[-1].text, THINK_CONTENT, "text")
     eq(r.usage.cache_read_input_tokens, u.cache_read_input_tokens + u.cache_creation_input_tokens + u.output_tokens, "cache read")
+
+
+@check("messages tool_result-only follow-up on the live state")
+def _():
+    r1 = client.messages.create(model=MODEL, max_tokens=400, tools=TOOLS, messages=[{"role": "user", "content": "[thinktool] go"}])
+    tu = [b for b in r1.content if b.type == "tool_use"][0]
+    # Only the result: the server continues the turn it remembers.
+    r2 = client.messages.create(model=MODEL, max_tokens=200, tools=TOOLS, messages=[
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu.id, "content": "[think] a.txt"}]}])
+    eq(r2.content[-1].text, THINK_CONTENT, "text")
+    u = r1.usage
+    eq(r2.usage.cache_read_input_tokens, u.cache_read_input_tokens + u.cache_creation_input_tokens + u.output_tokens, "cache read")
 
 
 @check("messages typed errors")

@@ -1,5 +1,6 @@
 """OpenAI SDK: Responses API — plain, the streaming event lifecycle (raw events and the
-SDK's accumulating stream helper), reasoning summaries, function calls and a follow-up."""
+SDK's accumulating stream helper), reasoning summaries, function calls, a replayed follow-up
+and a previous_response_id follow-up that sends only the tool output."""
 
 import openai
 from openai import OpenAI
@@ -66,6 +67,25 @@ def _():
     eq(r2.output_text, THINK_CONTENT, "follow-up text")
     # The replayed items render the sampled DSML exactly: the whole first turn is reused.
     eq(r2.usage.input_tokens_details.cached_tokens, u1.input_tokens + u1.output_tokens, "cached tokens")
+
+
+@check("responses previous_response_id with only the function_call_output (live state)")
+def _():
+    # OpenAI-SDK style tool loop: send only the output and name the response it answers.
+    r1 = client.responses.create(model=MODEL, input="[thinktool] go", tools=TOOLS, reasoning={"effort": "high"})
+    fc = [o for o in r1.output if o.type == "function_call"][0]
+    r2 = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=TOOLS, reasoning={"effort": "high"},
+                                 input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "[think] a.txt"}])
+    eq(r2.status, "completed", "status")
+    eq(r2.output_text, THINK_CONTENT, "text")
+    # Nothing of turn 1 is evaluated again: its prompt and sampled output are the cache.
+    eq(r2.usage.input_tokens_details.cached_tokens, r1.usage.input_tokens + r1.usage.output_tokens, "cached tokens")
+    # r1 is no longer what the live state ends with.
+    try:
+        client.responses.create(model=MODEL, previous_response_id=r1.id, input="[plain]")
+        raise AssertionError("accepted a stale previous_response_id")
+    except openai.BadRequestError as e:
+        ok(r1.id in str(e), str(e))
 
 
 @check("responses errors")

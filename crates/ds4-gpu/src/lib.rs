@@ -23,6 +23,7 @@ pub mod cuda;
 pub mod error;
 pub mod hip;
 pub mod kernels;
+pub mod loader;
 pub mod tables;
 
 pub use cache::KernelCache;

@@ -14,7 +14,7 @@ use ds4_gguf::GgufFile;
 /// `--backend`: which [`Backend`] runs the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum BackendChoice {
-    /// The best available backend: CUDA when a device answers, else the CPU.
+    /// The best available backend: CUDA when a device answers, then ROCm, else the CPU.
     #[default]
     Auto,
     Cpu,
@@ -52,8 +52,9 @@ impl From<ModeChoice> for NumericMode {
     }
 }
 
-/// Creates the backend. `auto` takes CUDA when a device answers, else the CPU, and says
-/// which and why on stderr; `rocm` reports that the ROCm engine backend is not built yet.
+/// Creates the backend. `auto` takes CUDA when a device answers, then ROCm, then the CPU,
+/// and says on stderr which it chose and why; `cuda` / `rocm` fail with the runtime's
+/// reason ("CUDA is not available: ...", "no ROCm device: ...") instead of falling back.
 pub fn make_backend(choice: BackendChoice, threads: usize) -> anyhow::Result<Box<dyn Backend>> {
     let cpu = || -> anyhow::Result<Box<dyn Backend>> {
         let be = ds4_cpu::CpuBackend::new(threads).context("starting the CPU backend")?;
@@ -64,24 +65,38 @@ pub fn make_backend(choice: BackendChoice, threads: usize) -> anyhow::Result<Box
             .context("starting the CUDA backend")?;
         Ok(Box::new(be))
     };
+    let rocm = || -> anyhow::Result<Box<dyn Backend>> {
+        let be = ds4_gpu::backend::HipBackend::new(ds4_gpu::backend::GpuOptions::default())
+            .context("starting the ROCm backend")?;
+        for f in be.alloc_fallbacks() {
+            eprintln!("ds4: rocm: {f}");
+        }
+        Ok(Box::new(be))
+    };
     match choice {
         BackendChoice::Cpu => cpu(),
         BackendChoice::Cuda => cuda(),
-        BackendChoice::Auto => match ds4_gpu::cuda::CudaDevice::count() {
-            Ok(n) if n > 0 => cuda(),
-            Ok(_) => {
-                eprintln!("ds4: backend auto -> cpu (the CUDA driver reports no devices)");
-                cpu()
-            }
-            Err(e) => {
-                eprintln!("ds4: backend auto -> cpu ({e})");
-                cpu()
-            }
-        },
-        BackendChoice::Rocm => bail!(
-            "the rocm engine backend is not available in this build yet (the HIP runtime \
-             layer exists, the engine ops do not); use --backend cpu or --backend cuda"
-        ),
+        BackendChoice::Rocm => rocm(),
+        BackendChoice::Auto => {
+            let why_not_cuda = match ds4_gpu::cuda::CudaDevice::count() {
+                Ok(n) if n > 0 => return cuda(),
+                Ok(_) => "the CUDA driver reports no devices".to_string(),
+                Err(e) => e.to_string(),
+            };
+            let why_not_rocm =
+                match ds4_gpu::hip::HipRuntime::load().and_then(|rt| rt.device_count()) {
+                    Ok(_) => match rocm() {
+                        Ok(be) => {
+                            eprintln!("ds4: backend auto -> rocm (no CUDA: {why_not_cuda})");
+                            return Ok(be);
+                        }
+                        Err(e) => format!("{e:#}"),
+                    },
+                    Err(e) => e.to_string(),
+                };
+            eprintln!("ds4: backend auto -> cpu ({why_not_cuda}; {why_not_rocm})");
+            cpu()
+        }
     }
 }
 

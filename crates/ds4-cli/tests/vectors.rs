@@ -290,7 +290,7 @@ fn unavailable_gpu_backends_are_refused_with_the_reason() {
     let m = tiny_gguf().to_str().unwrap();
     let no_cuda = ds4_gpu::cuda::CudaDevice::count().map_or(true, |n| n == 0);
     for b in ["cuda", "rocm"] {
-        if b == "cuda" && !no_cuda {
+        if (b == "cuda" && !no_cuda) || (b == "rocm" && std::path::Path::new("/dev/kfd").exists()) {
             continue;
         }
         let o = ds4(&[
@@ -306,11 +306,14 @@ fn unavailable_gpu_backends_are_refused_with_the_reason() {
         ]);
         assert_eq!(o.status.code(), Some(2));
         let e = text(&o.stderr);
-        let want = if b == "cuda" {
-            "CUDA".to_string()
+        // No GPU here: "CUDA is not available" / "no ROCm device" (HIP runtime installed,
+        // as CI does for the hipcc check) / "ROCm is not available" (no runtime).
+        let ok = if b == "cuda" {
+            e.contains("CUDA")
         } else {
-            "the rocm engine backend is not available in this build".to_string()
+            e.contains("no ROCm device") || e.contains("ROCm is not available")
         };
-        assert!(e.contains(&want), "{e}");
+        assert!(ok, "{e}");
+        assert!(!e.contains("panicked"), "{e}");
     }
 }

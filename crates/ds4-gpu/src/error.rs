@@ -65,6 +65,18 @@ pub enum GpuError {
     /// The HIP runtime loaded but reports no usable device.
     #[error("no ROCm device: {0}")]
     NoHipDevice(String),
+    /// ds4's host admission refused an allocation: pinning it would leave the OS less than
+    /// its reserve (usable = MemAvailable − CmaFree, read live before each allocation).
+    #[error("{kind} allocation of {requested_mib} MiB not admitted: {usable_gib:.2} GiB usable host memory after excluding CMA, {reserve_gib:.2} GiB OS reserve")]
+    NotAdmitted {
+        kind: &'static str,
+        requested_mib: u64,
+        usable_gib: f64,
+        reserve_gib: f64,
+    },
+    /// Usable host memory could not be read (ds4 refuses host allocations then).
+    #[error("cannot read usable host memory: {0}")]
+    HostMemoryUnknown(String),
     /// A HIP runtime or hiprtc call returned an error.
     #[error("{call} failed while {context}: {code}")]
     Hip {

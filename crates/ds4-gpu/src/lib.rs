@@ -7,17 +7,23 @@
 //! * [`cuda`]: CUDA through cudarc's driver + NVRTC bindings, loaded at run time:
 //!   device facts for the placement planner, allocators for every placement kind,
 //!   module loading, GEMV launches.
-//! * [`hip`]: ROCm groundwork: `libamdhip64` / `libhiprtc` loaded with libloading.
+//! * [`hip`]: ROCm/HIP: `libamdhip64` / `libhiprtc` loaded with libloading, allocation
+//!   with ds4's integrated-GPU policy, hiprtc modules cached on disk, launches; a fake
+//!   runtime for tests.
+//! * [`api`]: [`api::GpuApi`], the runtime interface the engine backend runs on (CUDA and
+//!   HIP implement it).
 //!
 //! No function here panics because a GPU library is missing; all report
 //! [`GpuError`] instead.
 
+pub mod api;
 pub mod backend;
 pub mod cache;
 pub mod cuda;
 pub mod error;
 pub mod hip;
 pub mod kernels;
+pub mod loader;
 pub mod tables;
 
 pub use cache::KernelCache;

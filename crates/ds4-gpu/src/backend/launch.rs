@@ -5,7 +5,8 @@ use std::ffi::c_void;
 
 use ds4_engine::backend::{BResult, BackendError};
 
-use super::{gerr, CudaBackend};
+use super::{gerr, GpuBackend};
+use crate::api::GpuApi;
 
 /// One kernel parameter. Device pointers and 64-bit sizes are 8 bytes, `int`/`float` 4.
 #[derive(Debug, Clone, Copy)]
@@ -19,7 +20,7 @@ pub enum Arg {
 /// Threads per block of the grid-stride kernels.
 const STRIDE_THREADS: u32 = 256;
 
-impl CudaBackend {
+impl<D: GpuApi> GpuBackend<D> {
     /// Queues `name` with `args` in the kernel's parameter order.
     ///
     /// Callers (the op methods) have checked every pointer argument against the buffer it
@@ -41,7 +42,7 @@ impl CudaBackend {
 
     pub(crate) fn launch_fn(
         &self,
-        f: &crate::cuda::CudaFunction,
+        f: &D::Function,
         name: &'static str,
         grid: (u32, u32, u32),
         block: u32,
@@ -72,7 +73,7 @@ impl CudaBackend {
         // SAFETY: `args` follow the kernel's parameter list (types and order), and the op
         // methods checked every pointer and count against live buffers of this device
         // before calling (see the launch contract above); `store` outlives the call.
-        unsafe { f.launch(grid, block, &mut params) }.map_err(gerr(name))?;
+        unsafe { self.dev.launch(f, grid, block, &mut params) }.map_err(gerr(name))?;
         if let (Some(p), Some(t0)) = (&self.profile, t0) {
             let _ = self.dev.synchronize();
             let mut p = p.lock().unwrap_or_else(|e| e.into_inner());

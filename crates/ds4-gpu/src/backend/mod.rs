@@ -1,5 +1,8 @@
-//! The CUDA engine backend: `ds4_engine::Backend` over the driver API, NVRTC-compiled
-//! kernels from `kernels/*.cu`, and weights placed where the placement plan says.
+//! The GPU engine backend: `ds4_engine::Backend` over any [`GpuApi`] runtime — CUDA
+//! ([`CudaBackend`]: driver API, NVRTC, optional cuBLAS) and ROCm/HIP ([`HipBackend`]:
+//! `libamdhip64`, hiprtc, the built-in tiled GEMM) run the same ops, the same kernels from
+//! `kernels/*.cu` and the same launch arguments; weights are placed where the placement
+//! plan says.
 //!
 //! * Activations, KV state and small weight vectors are f32 device buffers (one allocation
 //!   each; the engine allocates them once per engine/state).
@@ -25,13 +28,12 @@ use ds4_engine::backend::{BResult, BackendError, Buf, IBuf, Slice, Weight, Weigh
 use ds4_gguf::{GgmlType, GgufFile};
 use ds4_placement::{Actual, MemKind, Plan};
 
+use crate::api::{DeviceBuffer, GpuApi};
 use crate::cache::KernelCache;
-use crate::cuda::{
-    Cublas, CudaAllocator, CudaBuffer, CudaDevice, CudaFunction, CudaModule, GemmPrecision,
-    GemvKernels,
-};
+use crate::cuda::{Cublas, CudaDevice, GemmPrecision};
 use crate::error::GpuError;
-use crate::kernels::OPS;
+use crate::hip::HipDevice;
+use crate::kernels::{gemv_launch, GemvConfig, GemvLaunch, GemvType, GEMV, OPS};
 
 pub use launch::Arg;
 
@@ -42,9 +44,9 @@ pub trait WeightSource: Send + Sync {
     fn fill(&self, name: &str, out: &mut [u8]) -> Result<(), String>;
 }
 
-/// How to build a [`CudaBackend`].
+/// How to build a [`GpuBackend`] (the name predates ROCm; [`GpuOptions`] is the same).
 pub struct CudaOptions {
-    /// CUDA device ordinal.
+    /// Device ordinal (CUDA or HIP).
     pub ordinal: usize,
     /// Where weights go. `None`: every tensor in its own device allocation.
     pub plan: Option<Plan>,
@@ -56,9 +58,16 @@ pub struct CudaOptions {
     /// quantized kernel.
     pub panel_from_tokens: usize,
     /// Prefill GEMM: cuBLAS at this precision when the library is found (`None`: always
-    /// the built-in tiled f32 kernel).
+    /// the built-in tiled f32 kernel). CUDA only; ROCm always uses the built-in kernel.
     pub cublas: Option<GemmPrecision>,
+    /// Read host-resident weights from the file with `pread` straight into their final
+    /// pinned buffer, dropping the page cache behind (no mmap-to-device copies, no double
+    /// residency). Default: on for ROCm ([`HipBackend::new`] sets it), off for CUDA.
+    pub pread_load: bool,
 }
+
+/// Options of either runtime.
+pub type GpuOptions = CudaOptions;
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -69,25 +78,26 @@ impl Default for CudaOptions {
             cache: KernelCache::default_location(),
             panel_from_tokens: 9,
             cublas: Some(GemmPrecision::F32),
+            pread_load: false,
         }
     }
 }
 
 /// Where a weight's raw bytes live.
-enum Storage {
-    /// Its own device allocation.
-    Own(CudaBuffer),
+enum Storage<B> {
+    /// Its own allocation.
+    Own(B),
     /// A span of plan arena `arena`.
     Arena { arena: usize, offset: usize },
 }
 
-pub(crate) struct GpuWeight {
+pub(crate) struct GpuWeight<B> {
     pub name: String,
     pub info: WeightInfo,
     pub row_bytes: usize,
-    storage: Option<Storage>,
+    storage: Option<Storage<B>>,
     /// f32 copy on the device for `WeightUse::Vector`.
-    vector: Option<CudaBuffer>,
+    vector: Option<B>,
     pub kind: MemKind,
 }
 
@@ -114,32 +124,106 @@ impl LoadedBytes {
     }
 }
 
-/// The CUDA backend.
-pub struct CudaBackend {
-    pub(crate) dev: CudaDevice,
-    pub(crate) gemv: GemvKernels,
-    _ops_module: CudaModule,
-    pub(crate) funcs: HashMap<&'static str, CudaFunction>,
-    bufs: Vec<Option<CudaBuffer>>,
-    ibufs: Vec<Option<CudaBuffer>>,
-    pub(crate) weights: Vec<GpuWeight>,
-    arenas: Vec<CudaBuffer>,
+/// Warps per multiprocessor the GEMV launch heuristics aim to keep busy (as
+/// `cuda::GemvKernels`).
+const WARPS_PER_SM_TARGET: u64 = 48;
+
+/// The GEMV module of a runtime: one function per weight type, plain and grouped, with
+/// the configuration compiled into the kernels (same lookups as `cuda::GemvKernels`).
+pub(crate) struct GemvSet<D: GpuApi> {
+    _module: D::Module,
+    plain: Vec<D::Function>,
+    grouped: Vec<D::Function>,
+    configs: Vec<GemvConfig>,
+    target_warps: u64,
+}
+
+fn gemv_index(ty: GemvType) -> usize {
+    GemvType::ALL.iter().position(|t| *t == ty).unwrap_or(0)
+}
+
+impl<D: GpuApi> GemvSet<D> {
+    fn load(dev: &D, cache: &KernelCache) -> Result<Self, GpuError> {
+        let module = dev.load_module(&GEMV, cache, &[])?;
+        let mut plain = Vec::new();
+        let mut grouped = Vec::new();
+        let mut configs = Vec::new();
+        for t in GemvType::ALL {
+            plain.push(dev.function(&module, &format!("ds4_gemv_{}", t.suffix()))?);
+            grouped.push(dev.function(&module, &format!("ds4_gemv_grouped_{}", t.suffix()))?);
+            let [rows, cb] =
+                dev.read_i32x2_global(&module, &format!("ds4_gemv_config_{}", t.suffix()))?;
+            configs.push(GemvConfig {
+                rows: u32::try_from(rows).unwrap_or(0),
+                chunk_blocks: u32::try_from(cb).unwrap_or(0),
+            });
+        }
+        let sms = u64::from(dev.multiprocessors().max(1));
+        Ok(GemvSet {
+            _module: module,
+            plain,
+            grouped,
+            configs,
+            target_warps: sms * WARPS_PER_SM_TARGET,
+        })
+    }
+
+    pub(crate) fn function(&self, ty: GemvType) -> &D::Function {
+        &self.plain[gemv_index(ty)]
+    }
+
+    pub(crate) fn grouped_function(&self, ty: GemvType) -> &D::Function {
+        &self.grouped[gemv_index(ty)]
+    }
+
+    pub(crate) fn launch_for(
+        &self,
+        ty: GemvType,
+        n_in: usize,
+        n_out: usize,
+    ) -> Result<GemvLaunch, GpuError> {
+        gemv_launch(
+            ty,
+            self.configs[gemv_index(ty)],
+            n_in as u64,
+            n_out as u64,
+            self.target_warps,
+        )
+    }
+}
+
+/// The engine backend on runtime `D`.
+pub struct GpuBackend<D: GpuApi> {
+    pub(crate) dev: D,
+    pub(crate) gemv: GemvSet<D>,
+    _ops_module: D::Module,
+    pub(crate) funcs: HashMap<&'static str, D::Function>,
+    bufs: Vec<Option<D::Buffer>>,
+    ibufs: Vec<Option<D::Buffer>>,
+    pub(crate) weights: Vec<GpuWeight<D::Buffer>>,
+    arenas: Vec<D::Buffer>,
     spans: HashMap<String, (usize, usize)>,
     actual: Option<Actual>,
     source: Option<Arc<dyn WeightSource>>,
     staging: Vec<u8>,
-    pub(crate) scratch: HashMap<&'static str, CudaBuffer>,
-    pub(crate) freqs: HashMap<[u32; 7], CudaBuffer>,
-    fault: CudaBuffer,
+    pub(crate) scratch: HashMap<&'static str, D::Buffer>,
+    pub(crate) freqs: HashMap<[u32; 7], D::Buffer>,
+    fault: D::Buffer,
     pub(crate) panel_from_tokens: usize,
     pub(crate) cublas: Option<Cublas>,
     loaded: LoadedBytes,
+    pread_load: bool,
     /// `DS4_CUDA_PROFILE=1`: per-kernel launch counts and synchronised wall time (slows
     /// everything down; for finding where time goes, not for speed numbers).
     pub(crate) profile: Option<std::sync::Mutex<HashMap<&'static str, (u64, f64)>>>,
 }
 
-impl Drop for CudaBackend {
+/// The CUDA backend (verified on the H200).
+pub type CudaBackend = GpuBackend<CudaDevice>;
+/// The ROCm/HIP backend.
+pub type HipBackend = GpuBackend<HipDevice>;
+
+impl<D: GpuApi> Drop for GpuBackend<D> {
     fn drop(&mut self) {
         if let Some(p) = &self.profile {
             let p = p.lock().unwrap_or_else(|e| e.into_inner());
@@ -157,10 +241,11 @@ impl Drop for CudaBackend {
     }
 }
 
-impl std::fmt::Debug for CudaBackend {
+impl<D: GpuApi> std::fmt::Debug for GpuBackend<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaBackend")
-            .field("device", &self.dev.info().name)
+        f.debug_struct("GpuBackend")
+            .field("runtime", &self.dev.runtime())
+            .field("device", &self.dev.device_name())
             .field("weights", &self.weights.len())
             .finish()
     }
@@ -204,17 +289,11 @@ pub(crate) fn gerr(op: &'static str) -> impl Fn(GpuError) -> BackendError {
     }
 }
 
-impl CudaBackend {
-    /// Opens the device, compiles (or loads from the cache) every kernel, and allocates the
-    /// plan's weight arenas when a plan is given.
+impl GpuBackend<CudaDevice> {
+    /// Opens the CUDA device, compiles (or loads from the cache) every kernel, loads
+    /// cuBLAS when asked, and allocates the plan's weight arenas when a plan is given.
     pub fn new(opts: CudaOptions) -> Result<CudaBackend, GpuError> {
         let dev = CudaDevice::open(opts.ordinal)?;
-        let gemv = GemvKernels::load(&dev, &opts.cache)?;
-        let module = dev.load_module(&OPS, &opts.cache)?;
-        let mut funcs = HashMap::new();
-        for name in OP_KERNELS {
-            funcs.insert(*name, module.function(name)?);
-        }
         let cublas = match opts.cublas {
             Some(p) => match Cublas::load(&dev, p) {
                 Ok(c) => Some(c),
@@ -225,9 +304,42 @@ impl CudaBackend {
             },
             None => None,
         };
+        Self::with_device(dev, opts, cublas)
+    }
+}
+
+impl GpuBackend<HipDevice> {
+    /// Opens the ROCm device (`ROCM_PATH`, default /opt/rocm), compiles every kernel with
+    /// hiprtc for its architecture (or loads it from the cache), and allocates the plan's
+    /// weight arenas when a plan is given. Host-resident weights are read with `pread`.
+    pub fn new(mut opts: CudaOptions) -> Result<HipBackend, GpuError> {
+        let dev = HipDevice::open(opts.ordinal)?;
+        opts.pread_load = true;
+        Self::with_device(dev, opts, None)
+    }
+
+    /// Where weight allocations fell back (for the load report).
+    pub fn alloc_fallbacks(&self) -> Vec<String> {
+        self.dev.alloc_stats().fallbacks
+    }
+}
+
+impl<D: GpuApi> GpuBackend<D> {
+    /// The backend on an opened device (the fake HIP runtime in tests).
+    pub fn with_device(
+        dev: D,
+        opts: CudaOptions,
+        cublas: Option<Cublas>,
+    ) -> Result<GpuBackend<D>, GpuError> {
+        let gemv = GemvSet::load(&dev, &opts.cache)?;
+        let module = dev.load_module(&OPS, &opts.cache, &[])?;
+        let mut funcs = HashMap::new();
+        for name in OP_KERNELS {
+            funcs.insert(*name, dev.function(&module, name)?);
+        }
         let mut fault = dev.alloc(MemKind::Device, 4)?;
         fault.fill_u32(0)?;
-        let mut be = CudaBackend {
+        let mut be = GpuBackend {
             dev,
             gemv,
             _ops_module: module,
@@ -246,6 +358,7 @@ impl CudaBackend {
             panel_from_tokens: opts.panel_from_tokens.max(2),
             cublas,
             loaded: LoadedBytes::default(),
+            pread_load: opts.pread_load,
             profile: std::env::var("DS4_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
                 .then(|| std::sync::Mutex::new(HashMap::new())),
@@ -261,13 +374,13 @@ impl CudaBackend {
     fn allocate_plan(&mut self, plan: &Plan) -> Result<(), GpuError> {
         let mut arenas_only = plan.clone();
         arenas_only.buffers.clear();
-        let mut alloc = CudaAllocator { device: &self.dev };
-        let done = ds4_placement::execute(&arenas_only, &mut alloc).map_err(|f| {
-            GpuError::BadArgument {
+        let done = self
+            .dev
+            .execute_plan(&arenas_only)
+            .map_err(|f| GpuError::BadArgument {
                 op: "load",
                 detail: f.to_string(),
-            }
-        })?;
+            })?;
         for (i, a) in plan.arenas.iter().enumerate() {
             for s in &a.spans {
                 self.spans
@@ -289,6 +402,24 @@ impl CudaBackend {
         &self.loaded
     }
 
+    /// The raw bytes of weight `name` as loaded, read back from its buffer (checks and
+    /// diagnostics).
+    pub fn weight_bytes(&self, name: &str) -> Result<Option<Vec<u8>>, GpuError> {
+        let Some(w) = self.weights.iter().find(|w| w.name == name) else {
+            return Ok(None);
+        };
+        let bytes = w.row_bytes * w.info.dims[1] * w.info.dims[2];
+        let mut out = vec![0u8; bytes];
+        match &w.storage {
+            Some(Storage::Own(b)) => b.read(0, &mut out)?,
+            Some(Storage::Arena { arena, offset }) => {
+                self.arenas[*arena].read(*offset, &mut out)?
+            }
+            None => return Ok(None),
+        }
+        Ok(Some(out))
+    }
+
     /// The memory kind tensor `name` was loaded into.
     pub fn weight_kind(&self, name: &str) -> Option<MemKind> {
         self.weights.iter().find(|w| w.name == name).map(|w| w.kind)
@@ -299,7 +430,7 @@ impl CudaBackend {
         self.cublas.as_ref().map(|c| c.path.as_path())
     }
 
-    pub fn device(&self) -> &CudaDevice {
+    pub fn device(&self) -> &D {
         &self.dev
     }
 
@@ -343,11 +474,11 @@ impl CudaBackend {
     // ---- handles ----------------------------------------------------------------------
 
     fn slot<'a>(
-        v: &'a [Option<CudaBuffer>],
+        v: &'a [Option<D::Buffer>],
         id: u32,
         len: usize,
         op: &'static str,
-    ) -> BResult<&'a CudaBuffer> {
+    ) -> BResult<&'a D::Buffer> {
         match v.get(id as usize) {
             Some(Some(b)) if b.len() >= 4 * len.max(1) => Ok(b),
             _ => Err(BackendError::BadHandle { op, id }),
@@ -374,7 +505,7 @@ impl CudaBackend {
         Ok(Self::slot(&self.ibufs, b.id(), b.len(), op)?.device_address())
     }
 
-    pub(crate) fn weight(&self, w: Weight, op: &'static str) -> BResult<&GpuWeight> {
+    pub(crate) fn weight(&self, w: Weight, op: &'static str) -> BResult<&GpuWeight<D::Buffer>> {
         let gw = self
             .weights
             .get(w.id() as usize)
@@ -426,7 +557,7 @@ impl CudaBackend {
             self.scratch.remove(name);
             let b = self
                 .dev
-                .alloc(MemKind::Device, bytes)
+                .alloc_scratch(bytes)
                 .map_err(|e| BackendError::Alloc {
                     elems: bytes / 4,
                     problem: format!("scratch {name}: {e}"),
@@ -453,13 +584,13 @@ impl CudaBackend {
             elems,
             problem: "size overflows".into(),
         })?;
-        let mut b =
-            self.dev
-                .alloc(MemKind::Device, bytes.max(4))
-                .map_err(|e| BackendError::Alloc {
-                    elems,
-                    problem: e.to_string(),
-                })?;
+        let mut b = self
+            .dev
+            .alloc_scratch(bytes.max(4))
+            .map_err(|e| BackendError::Alloc {
+                elems,
+                problem: e.to_string(),
+            })?;
         b.fill_u32(0).map_err(gerr(op))?;
         let v = if int { &mut self.ibufs } else { &mut self.bufs };
         let id = match v.iter().position(|s| s.is_none()) {
@@ -480,12 +611,15 @@ impl CudaBackend {
 
     // ---- weights ----------------------------------------------------------------------
 
-    /// The bytes of tensor `name` into `out` (from the source, else the file).
+    /// The bytes of tensor `name` into `out` (from the source, else the file). With
+    /// `pread` and a file on disk, the bytes are read with `pread` straight into `out` and
+    /// the page cache behind them is dropped (`out` is the final pinned buffer on ROCm).
     fn tensor_into(
         source: &Option<Arc<dyn WeightSource>>,
         file: &GgufFile,
         name: &str,
         out: &mut [u8],
+        pread: bool,
     ) -> BResult<()> {
         let werr = |problem: String| BackendError::Weight {
             name: name.to_string(),
@@ -494,6 +628,28 @@ impl CudaBackend {
         match source {
             Some(s) => s.fill(name, out).map_err(werr),
             None => {
+                if pread {
+                    if let Some(path) = file.path() {
+                        let t = file
+                            .header()
+                            .tensor(name)
+                            .ok_or_else(|| werr("not in the file's tensor table".into()))?;
+                        let n = t.n_bytes().unwrap_or(u64::MAX);
+                        if n != out.len() as u64 {
+                            return Err(werr(format!(
+                                "{n} bytes in the file, {} expected",
+                                out.len()
+                            )));
+                        }
+                        let offset = file
+                            .layout()
+                            .data_offset
+                            .checked_add(t.offset)
+                            .ok_or_else(|| werr("offset overflows".into()))?;
+                        return crate::loader::pread_into(path, offset, out)
+                            .map_err(|e| werr(e.to_string()));
+                    }
+                }
                 let (_, data) = file.tensor_bytes(name).map_err(|e| werr(e.to_string()))?;
                 if data.len() != out.len() {
                     return Err(werr(format!(
@@ -549,11 +705,12 @@ impl CudaBackend {
         }
         let info = WeightInfo { ty, dims };
         let source = self.source.clone();
+        let pread = self.pread_load;
         let (storage, vector, kind) = if usage == WeightUse::Vector {
             if self.staging.len() < bytes {
                 self.staging.resize(bytes, 0);
             }
-            Self::tensor_into(&source, file, name, &mut self.staging[..bytes])?;
+            Self::tensor_into(&source, file, name, &mut self.staging[..bytes], false)?;
             let mut vals = vec![0f32; info.n_elements()];
             ds4_gguf::quant::dequantize(ty, &self.staging[..bytes], &mut vals)
                 .map_err(|e| werr(e.to_string()))?;
@@ -579,12 +736,14 @@ impl CudaBackend {
             }
             let host = buf.host_bytes_mut().map_err(|e| werr(e.to_string()))?;
             match host {
-                Some(h) => Self::tensor_into(&source, file, name, &mut h[offset..offset + bytes])?,
+                Some(h) => {
+                    Self::tensor_into(&source, file, name, &mut h[offset..offset + bytes], pread)?
+                }
                 None => {
                     if self.staging.len() < bytes {
                         self.staging.resize(bytes, 0);
                     }
-                    Self::tensor_into(&source, file, name, &mut self.staging[..bytes])?;
+                    Self::tensor_into(&source, file, name, &mut self.staging[..bytes], false)?;
                     buf.write(offset, &self.staging[..bytes])
                         .map_err(|e| werr(e.to_string()))?;
                 }
@@ -592,18 +751,25 @@ impl CudaBackend {
             self.loaded.add(kind, bytes as u64);
             (Some(Storage::Arena { arena, offset }), None, kind)
         } else {
+            // CUDA: device memory. ROCm: ds4's chain (pinned host first on integrated GPUs).
             let mut b = self
                 .dev
-                .alloc(MemKind::Device, bytes.max(16))
+                .alloc_weights(bytes.max(16))
                 .map_err(|e| werr(e.to_string()))?;
-            if self.staging.len() < bytes {
-                self.staging.resize(bytes, 0);
+            let kind = b.kind();
+            match b.host_bytes_mut().map_err(|e| werr(e.to_string()))? {
+                Some(h) => Self::tensor_into(&source, file, name, &mut h[..bytes], pread)?,
+                None => {
+                    if self.staging.len() < bytes {
+                        self.staging.resize(bytes, 0);
+                    }
+                    Self::tensor_into(&source, file, name, &mut self.staging[..bytes], false)?;
+                    b.write(0, &self.staging[..bytes])
+                        .map_err(|e| werr(e.to_string()))?;
+                }
             }
-            Self::tensor_into(&source, file, name, &mut self.staging[..bytes])?;
-            b.write(0, &self.staging[..bytes])
-                .map_err(|e| werr(e.to_string()))?;
-            self.loaded.add(MemKind::Device, bytes as u64);
-            (Some(Storage::Own(b)), None, MemKind::Device)
+            self.loaded.add(kind, bytes as u64);
+            (Some(Storage::Own(b)), None, kind)
         };
         // Big staging buffers are not kept past the tensor that needed them.
         if self.staging.len() > (64 << 20) {
@@ -647,9 +813,9 @@ pub(crate) fn need(s: Slice, n: usize, op: &'static str, what: &str) -> BResult<
     Ok(())
 }
 
-impl ds4_engine::Backend for CudaBackend {
+impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn name(&self) -> String {
-        format!("cuda ({})", self.dev.info().name)
+        format!("{} ({})", self.dev.runtime(), self.dev.device_name())
     }
 
     fn alloc(&mut self, len: usize) -> BResult<Buf> {

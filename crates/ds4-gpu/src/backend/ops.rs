@@ -9,7 +9,8 @@ use ds4_gguf::GgmlType;
 use ds4_placement::MemKind;
 
 use super::launch::{grid_for, Arg};
-use super::{gerr, need, shape, CudaBackend};
+use super::{gerr, need, shape, GpuBackend};
+use crate::api::{DeviceBuffer, GpuApi};
 use crate::kernels::GemvType;
 
 /// f32 elements of one dequantized weight panel (256 MiB).
@@ -52,7 +53,7 @@ fn g32(v: usize) -> u32 {
     u32::try_from(v).unwrap_or(u32::MAX)
 }
 
-impl CudaBackend {
+impl<D: GpuApi> GpuBackend<D> {
     /// Queues one matmul by the best path for its shape.
     fn mm(&mut self, m: Mm, op: &'static str) -> BResult<()> {
         if m.n_rows == 0 || m.n_tok == 0 {

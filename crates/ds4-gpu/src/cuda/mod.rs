@@ -5,6 +5,7 @@
 //! everywhere. `unsafe` is confined to this module (FFI, allocation, launch), each block
 //! with a `// SAFETY:` note.
 
+mod api;
 mod cublas;
 mod device;
 mod driver;

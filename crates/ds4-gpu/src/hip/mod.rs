@@ -12,8 +12,14 @@
 //! depend on the version-specific layout of `hipDeviceProp_t`.
 //!
 //! Verified here without AMD hardware: loading, "no device" reporting and hiprtc
-//! compiles of the kernel tree (ROCm 5.2's hiprtc, gfx1030). Allocation and launch paths
-//! are not written yet (issue 8).
+//! compiles of the kernel tree (ROCm 5.2's hiprtc, gfx1030). The allocation, module and
+//! launch layer ([`device`]) runs on the [`HipCalls`] function table: the real runtime
+//! here, or [`fake::FakeHip`] in tests (Strix Halo profiles, fault injection).
+
+pub mod device;
+pub mod fake;
+
+pub use device::{HipAllocator, HipBuffer, HipDevice, HipFunction, HipModule, HostMemory};
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
@@ -110,6 +116,33 @@ pub fn kfd_gfx_targets(root: &Path) -> Vec<String> {
 }
 
 type FnInt = unsafe extern "C" fn(*mut c_int) -> c_int;
+type FnVoid = unsafe extern "C" fn() -> c_int;
+type FnMalloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+type FnMallocFlags = unsafe extern "C" fn(*mut *mut c_void, usize, u32) -> c_int;
+type FnFree = unsafe extern "C" fn(*mut c_void) -> c_int;
+type FnHostDevPtr = unsafe extern "C" fn(*mut *mut c_void, *mut c_void, u32) -> c_int;
+type FnHostRegister = unsafe extern "C" fn(*mut c_void, usize, u32) -> c_int;
+type FnMemcpy = unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> c_int;
+type FnMemsetD32 = unsafe extern "C" fn(*mut c_void, c_int, usize) -> c_int;
+type FnModuleLoad = unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int;
+type FnModuleUnload = unsafe extern "C" fn(*mut c_void) -> c_int;
+type FnModuleGetFunction =
+    unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> c_int;
+type FnModuleGetGlobal =
+    unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void, *const c_char) -> c_int;
+type FnLaunch = unsafe extern "C" fn(
+    *mut c_void,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
 type FnAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
 type FnSetDevice = unsafe extern "C" fn(c_int) -> c_int;
 type FnMemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
@@ -174,6 +207,22 @@ pub struct HipRuntime {
     mem_get_info: FnMemInfo,
     get_error_string: FnErrStr,
     device_get_name: FnName,
+    malloc: FnMalloc,
+    free: FnFree,
+    host_malloc: FnMallocFlags,
+    host_free: FnFree,
+    host_get_device_pointer: FnHostDevPtr,
+    malloc_managed: FnMallocFlags,
+    host_register: FnHostRegister,
+    host_unregister: FnFree,
+    memcpy: FnMemcpy,
+    memset_d32: FnMemsetD32,
+    module_load_data: FnModuleLoad,
+    module_unload: FnModuleUnload,
+    module_get_function: FnModuleGetFunction,
+    module_get_global: FnModuleGetGlobal,
+    module_launch_kernel: FnLaunch,
+    device_synchronize: FnVoid,
 }
 
 impl std::fmt::Debug for HipRuntime {
@@ -182,6 +231,23 @@ impl std::fmt::Debug for HipRuntime {
             .field("path", &self.path)
             .finish()
     }
+}
+
+/// Resolve the first of `names` that `lib` exports (entry points renamed across ROCm
+/// versions: `hipHostMalloc` → `hipHostAlloc`, `hipHostFree` → `hipFreeHost`).
+///
+/// # Safety
+/// `T` must be the exact C signature of every listed symbol.
+unsafe fn sym_any<T: Copy>(lib: &libloading::Library, names: &[&str], path: &Path) -> Result<T> {
+    let mut last = None;
+    for n in names {
+        // SAFETY: guaranteed by the caller.
+        match unsafe { sym::<T>(lib, n, path) } {
+            Ok(f) => return Ok(f),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| GpuError::HipUnavailable("no symbol names given".into())))
 }
 
 /// Resolve `name` in `lib` as a function pointer of type `T`.
@@ -219,13 +285,29 @@ impl HipRuntime {
                 mem_get_info: sym(&lib, "hipMemGetInfo", &path)?,
                 get_error_string: sym(&lib, "hipGetErrorString", &path)?,
                 device_get_name: sym(&lib, "hipDeviceGetName", &path)?,
+                malloc: sym(&lib, "hipMalloc", &path)?,
+                free: sym(&lib, "hipFree", &path)?,
+                host_malloc: sym_any(&lib, &["hipHostMalloc", "hipHostAlloc"], &path)?,
+                host_free: sym_any(&lib, &["hipHostFree", "hipFreeHost"], &path)?,
+                host_get_device_pointer: sym(&lib, "hipHostGetDevicePointer", &path)?,
+                malloc_managed: sym(&lib, "hipMallocManaged", &path)?,
+                host_register: sym(&lib, "hipHostRegister", &path)?,
+                host_unregister: sym(&lib, "hipHostUnregister", &path)?,
+                memcpy: sym(&lib, "hipMemcpy", &path)?,
+                memset_d32: sym(&lib, "hipMemsetD32", &path)?,
+                module_load_data: sym(&lib, "hipModuleLoadData", &path)?,
+                module_unload: sym(&lib, "hipModuleUnload", &path)?,
+                module_get_function: sym(&lib, "hipModuleGetFunction", &path)?,
+                module_get_global: sym(&lib, "hipModuleGetGlobal", &path)?,
+                module_launch_kernel: sym(&lib, "hipModuleLaunchKernel", &path)?,
+                device_synchronize: sym(&lib, "hipDeviceSynchronize", &path)?,
                 _lib: lib,
                 path,
             })
         }
     }
 
-    fn error_text(&self, code: c_int) -> String {
+    pub fn error_text(&self, code: c_int) -> String {
         // SAFETY: hipGetErrorString returns a static string for any code (or null).
         let p = unsafe { (self.get_error_string)(code) };
         if p.is_null() {
@@ -339,6 +421,276 @@ impl HipRuntime {
             free_bytes: free as u64,
             total_bytes: total as u64,
         })
+    }
+}
+
+/// `hipMemcpyKind` values (stable across ROCm versions).
+const HIP_MEMCPY_HOST_TO_DEVICE: c_int = 1;
+const HIP_MEMCPY_DEVICE_TO_HOST: c_int = 2;
+/// `hipHostMallocPortable | hipHostMallocMapped` (also the `hipHostRegister` flags).
+const HIP_HOST_MAPPED_PORTABLE: u32 = 0x1 | 0x2;
+/// `hipMemAttachGlobal`.
+const HIP_MEM_ATTACH_GLOBAL: u32 = 0x1;
+
+/// The HIP runtime entry points the allocation, module and launch layer uses, as a table
+/// so that tests can substitute [`fake::FakeHip`]. Errors are the runtime's `hipError_t`
+/// codes; [`HipCalls::error_text`] names them. Pointers travel as integers (device
+/// addresses as `u64`, host addresses as `usize`).
+pub trait HipCalls: Send + Sync {
+    /// Where the runtime came from (library path, or "fake").
+    fn describe(&self) -> String;
+    /// `hipGetErrorString` with the code.
+    fn error_text(&self, code: c_int) -> String;
+    /// `hipSetDevice`.
+    fn set_device(&self, ordinal: usize) -> c_int;
+    /// `hipMalloc`: device-pool memory.
+    fn malloc(&self, bytes: usize) -> std::result::Result<u64, c_int>;
+    /// `hipMallocManaged(.., hipMemAttachGlobal)`.
+    fn malloc_managed(&self, bytes: usize) -> std::result::Result<u64, c_int>;
+    /// `hipHostMalloc(.., hipHostMallocMapped | hipHostMallocPortable)`: the host address.
+    fn host_malloc_mapped(&self, bytes: usize) -> std::result::Result<usize, c_int>;
+    /// `hipHostGetDevicePointer` of pinned or registered host memory.
+    fn host_device_pointer(&self, host: usize) -> std::result::Result<u64, c_int>;
+    /// `hipHostRegister(.., hipHostRegisterMapped | hipHostRegisterPortable)`.
+    ///
+    /// # Safety
+    /// `host..host+bytes` must be live memory that stays valid until unregistered.
+    unsafe fn host_register(&self, host: usize, bytes: usize) -> c_int;
+    /// `hipHostUnregister`.
+    ///
+    /// # Safety
+    /// `host` must have been registered and no queued work may still use it.
+    unsafe fn host_unregister(&self, host: usize) -> c_int;
+    /// `hipFree` (device or managed).
+    ///
+    /// # Safety
+    /// `dptr` came from `malloc`/`malloc_managed` and no queued work still uses it.
+    unsafe fn free(&self, dptr: u64) -> c_int;
+    /// `hipHostFree`.
+    ///
+    /// # Safety
+    /// `host` came from `host_malloc_mapped` and no queued work still uses it.
+    unsafe fn host_free(&self, host: usize) -> c_int;
+    /// `hipMemcpy` host → device (synchronous).
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` must lie inside one live allocation of this runtime.
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> c_int;
+    /// `hipMemcpy` device → host (synchronous, after queued work on the null stream).
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` must lie inside one live allocation of this runtime.
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> c_int;
+    /// `hipMemsetD32`.
+    ///
+    /// # Safety
+    /// `dst..dst+4·count` must lie inside one live allocation of this runtime.
+    unsafe fn memset_d32(&self, dst: u64, value: u32, count: usize) -> c_int;
+    /// `hipMemGetInfo`: (free, total) of the device pool, unclamped.
+    fn mem_get_info(&self) -> std::result::Result<(u64, u64), c_int>;
+    /// `hipModuleLoadData` of a code object: the module handle.
+    fn module_load_data(&self, image: &[u8]) -> std::result::Result<usize, c_int>;
+    /// `hipModuleUnload`.
+    ///
+    /// # Safety
+    /// `module` came from `module_load_data`; no function of it is used afterwards.
+    unsafe fn module_unload(&self, module: usize) -> c_int;
+    /// `hipModuleGetFunction`.
+    fn module_get_function(&self, module: usize, name: &CStr) -> std::result::Result<usize, c_int>;
+    /// `hipModuleGetGlobal`: (device address, bytes).
+    fn module_get_global(
+        &self,
+        module: usize,
+        name: &CStr,
+    ) -> std::result::Result<(u64, usize), c_int>;
+    /// `hipModuleLaunchKernel` on the null stream, no dynamic shared memory.
+    ///
+    /// # Safety
+    /// As [`crate::api::GpuApi::launch`].
+    unsafe fn launch(
+        &self,
+        function: usize,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> c_int;
+    /// `hipDeviceSynchronize`.
+    fn synchronize(&self) -> c_int;
+}
+
+impl HipCalls for HipRuntime {
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+    fn error_text(&self, code: c_int) -> String {
+        HipRuntime::error_text(self, code)
+    }
+    fn set_device(&self, ordinal: usize) -> c_int {
+        // SAFETY: hipSetDevice validates the ordinal itself.
+        unsafe { (self.set_device)(ordinal as c_int) }
+    }
+    fn malloc(&self, bytes: usize) -> std::result::Result<u64, c_int> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer is a local.
+        let r = unsafe { (self.malloc)(&mut p, bytes) };
+        if r == HIP_SUCCESS {
+            Ok(p as u64)
+        } else {
+            Err(r)
+        }
+    }
+    fn malloc_managed(&self, bytes: usize) -> std::result::Result<u64, c_int> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer is a local.
+        let r = unsafe { (self.malloc_managed)(&mut p, bytes, HIP_MEM_ATTACH_GLOBAL) };
+        if r == HIP_SUCCESS {
+            Ok(p as u64)
+        } else {
+            Err(r)
+        }
+    }
+    fn host_malloc_mapped(&self, bytes: usize) -> std::result::Result<usize, c_int> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer is a local.
+        let r = unsafe { (self.host_malloc)(&mut p, bytes, HIP_HOST_MAPPED_PORTABLE) };
+        if r == HIP_SUCCESS {
+            Ok(p as usize)
+        } else {
+            Err(r)
+        }
+    }
+    fn host_device_pointer(&self, host: usize) -> std::result::Result<u64, c_int> {
+        let mut d: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the runtime looks `host` up in its own tables and returns an error for
+        // memory it did not pin or register; out-pointer is a local.
+        let r = unsafe { (self.host_get_device_pointer)(&mut d, host as *mut c_void, 0) };
+        if r == HIP_SUCCESS {
+            Ok(d as u64)
+        } else {
+            Err(r)
+        }
+    }
+    unsafe fn host_register(&self, host: usize, bytes: usize) -> c_int {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.host_register)(host as *mut c_void, bytes, HIP_HOST_MAPPED_PORTABLE) }
+    }
+    unsafe fn host_unregister(&self, host: usize) -> c_int {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.host_unregister)(host as *mut c_void) }
+    }
+    unsafe fn free(&self, dptr: u64) -> c_int {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.free)(dptr as *mut c_void) }
+    }
+    unsafe fn host_free(&self, host: usize) -> c_int {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.host_free)(host as *mut c_void) }
+    }
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> c_int {
+        // SAFETY: destination range guaranteed by the caller; `src` is a live slice.
+        unsafe {
+            (self.memcpy)(
+                dst as *mut c_void,
+                src.as_ptr().cast(),
+                src.len(),
+                HIP_MEMCPY_HOST_TO_DEVICE,
+            )
+        }
+    }
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> c_int {
+        // SAFETY: source range guaranteed by the caller; `dst` is a live slice.
+        unsafe {
+            (self.memcpy)(
+                dst.as_mut_ptr().cast(),
+                src as *const c_void,
+                dst.len(),
+                HIP_MEMCPY_DEVICE_TO_HOST,
+            )
+        }
+    }
+    unsafe fn memset_d32(&self, dst: u64, value: u32, count: usize) -> c_int {
+        // SAFETY: range guaranteed by the caller.
+        unsafe { (self.memset_d32)(dst as *mut c_void, value as c_int, count) }
+    }
+    fn mem_get_info(&self) -> std::result::Result<(u64, u64), c_int> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers are locals.
+        let r = unsafe { (self.mem_get_info)(&mut free, &mut total) };
+        if r == HIP_SUCCESS {
+            Ok((free as u64, total as u64))
+        } else {
+            Err(r)
+        }
+    }
+    fn module_load_data(&self, image: &[u8]) -> std::result::Result<usize, c_int> {
+        let mut m: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `image` is a whole code object held for the call; the runtime validates
+        // it (an ELF it cannot use is an error code) and copies what it keeps.
+        let r = unsafe { (self.module_load_data)(&mut m, image.as_ptr().cast()) };
+        if r == HIP_SUCCESS {
+            Ok(m as usize)
+        } else {
+            Err(r)
+        }
+    }
+    unsafe fn module_unload(&self, module: usize) -> c_int {
+        // SAFETY: guaranteed by the caller.
+        unsafe { (self.module_unload)(module as *mut c_void) }
+    }
+    fn module_get_function(&self, module: usize, name: &CStr) -> std::result::Result<usize, c_int> {
+        let mut f: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a loaded module handle (HipModule keeps it alive); NUL-terminated name.
+        let r = unsafe { (self.module_get_function)(&mut f, module as *mut c_void, name.as_ptr()) };
+        if r == HIP_SUCCESS {
+            Ok(f as usize)
+        } else {
+            Err(r)
+        }
+    }
+    fn module_get_global(
+        &self,
+        module: usize,
+        name: &CStr,
+    ) -> std::result::Result<(u64, usize), c_int> {
+        let (mut d, mut bytes): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
+        // SAFETY: a loaded module handle; NUL-terminated name; out-pointers are locals.
+        let r = unsafe {
+            (self.module_get_global)(&mut d, &mut bytes, module as *mut c_void, name.as_ptr())
+        };
+        if r == HIP_SUCCESS {
+            Ok((d as u64, bytes))
+        } else {
+            Err(r)
+        }
+    }
+    unsafe fn launch(
+        &self,
+        function: usize,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> c_int {
+        // SAFETY: guaranteed by the caller; null stream, no `extra` array, and the runtime
+        // copies the argument values at launch.
+        unsafe {
+            (self.module_launch_kernel)(
+                function as *mut c_void,
+                grid.0,
+                grid.1,
+                grid.2,
+                block,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+    }
+    fn synchronize(&self) -> c_int {
+        // SAFETY: no arguments; waits for the current device.
+        unsafe { (self.device_synchronize)() }
     }
 }
 

@@ -1,0 +1,88 @@
+//! [`GpuApi`] for CUDA: pure delegation to the verified driver-API code in this module
+//! (same allocation calls and flags, same stream, same launch), so the engine backend
+//! behaves exactly as it did when it was CUDA-only.
+
+use std::ffi::c_void;
+
+use ds4_placement::{execute, Allocated, LoadFailure, MemKind, Plan};
+
+use super::device::CudaDevice;
+use super::memory::{CudaAllocator, CudaBuffer};
+use super::module::{CudaFunction, CudaModule};
+use crate::api::{DeviceBuffer, GpuApi};
+use crate::cache::KernelCache;
+use crate::error::Result;
+use crate::kernels::KernelSource;
+
+impl DeviceBuffer for CudaBuffer {
+    fn kind(&self) -> MemKind {
+        CudaBuffer::kind(self)
+    }
+    fn len(&self) -> usize {
+        CudaBuffer::len(self)
+    }
+    fn device_address(&self) -> u64 {
+        CudaBuffer::device_address(self)
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        CudaBuffer::write(self, offset, src)
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        CudaBuffer::read(self, offset, dst)
+    }
+    fn fill_u32(&mut self, value: u32) -> Result<()> {
+        CudaBuffer::fill_u32(self, value)
+    }
+    fn host_bytes_mut(&mut self) -> Result<Option<&mut [u8]>> {
+        CudaBuffer::host_bytes_mut(self)
+    }
+}
+
+impl GpuApi for CudaDevice {
+    type Buffer = CudaBuffer;
+    type Module = CudaModule;
+    type Function = CudaFunction;
+
+    fn runtime(&self) -> &'static str {
+        "cuda"
+    }
+    fn device_name(&self) -> String {
+        self.info().name.clone()
+    }
+    fn multiprocessors(&self) -> u32 {
+        self.info().multiprocessors
+    }
+    fn alloc(&self, kind: MemKind, bytes: usize) -> Result<CudaBuffer> {
+        CudaDevice::alloc(self, kind, bytes)
+    }
+    fn execute_plan(&self, plan: &Plan) -> Result<Allocated<CudaBuffer>, LoadFailure> {
+        execute(plan, &mut CudaAllocator { device: self })
+    }
+    fn load_module(
+        &self,
+        src: &KernelSource,
+        cache: &KernelCache,
+        extra: &[String],
+    ) -> Result<CudaModule> {
+        self.load_module_with(src, cache, extra)
+    }
+    fn function(&self, module: &CudaModule, name: &str) -> Result<CudaFunction> {
+        module.function(name)
+    }
+    fn read_i32x2_global(&self, module: &CudaModule, name: &str) -> Result<[i32; 2]> {
+        module.read_i32_global::<2>(name)
+    }
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller upholds CudaFunction::launch's contract (this trait's).
+        unsafe { f.launch(grid, block, params) }
+    }
+    fn synchronize(&self) -> Result<()> {
+        CudaDevice::synchronize(self)
+    }
+}

@@ -52,51 +52,147 @@ impl From<ModeChoice> for NumericMode {
     }
 }
 
-/// Creates the backend. `auto` takes CUDA when a device answers, then ROCm, then the CPU,
-/// and says on stderr which it chose and why; `cuda` / `rocm` fail with the runtime's
-/// reason ("CUDA is not available: ...", "no ROCm device: ...") instead of falling back.
+/// What `--backend` resolves to on this machine. GPU variants carry the device's facts, so
+/// the placement plan is made for the device that will run the model.
+#[derive(Debug, Clone)]
+pub enum Resolved {
+    Cpu,
+    Cuda {
+        facts: ds4_placement::DeviceFacts,
+        desc: String,
+    },
+    Rocm {
+        facts: ds4_placement::DeviceFacts,
+        desc: String,
+    },
+}
+
+impl Resolved {
+    /// The device for the planner (`None`: plan as CPU-only).
+    pub fn plan_device(&self) -> Option<(ds4_placement::DeviceFacts, String)> {
+        match self {
+            Resolved::Cpu => None,
+            Resolved::Cuda { facts, desc } | Resolved::Rocm { facts, desc } => {
+                Some((facts.clone(), desc.clone()))
+            }
+        }
+    }
+}
+
+fn probe_cuda() -> anyhow::Result<Resolved> {
+    let dev = ds4_gpu::cuda::CudaDevice::open(0).context("starting the CUDA backend")?;
+    let facts = dev
+        .placement_facts()
+        .context("reading the CUDA device's memory")?;
+    let i = dev.info();
+    let desc = format!(
+        "CUDA device 0: {}, {}, {}",
+        i.name,
+        i.arch(),
+        if i.integrated {
+            "integrated"
+        } else {
+            "discrete"
+        }
+    );
+    Ok(Resolved::Cuda { facts, desc })
+}
+
+fn probe_rocm() -> anyhow::Result<Resolved> {
+    let dev = ds4_gpu::hip::HipDevice::open(0).context("starting the ROCm backend")?;
+    let facts = dev
+        .placement_facts()
+        .context("reading the ROCm device's memory")?;
+    let i = dev.info();
+    let desc = format!(
+        "ROCm device 0: {}, {}, {}",
+        i.name,
+        dev.arch(),
+        if i.integrated {
+            "integrated"
+        } else {
+            "discrete"
+        }
+    );
+    Ok(Resolved::Rocm { facts, desc })
+}
+
+/// Resolves `--backend` on this machine. `auto` takes CUDA when a device answers, then
+/// ROCm, then the CPU; with `loud` it says on stderr which it chose and why. `cuda` /
+/// `rocm` fail with the runtime's reason ("CUDA is not available: ...", "no ROCm device:
+/// ...") instead of falling back.
+pub fn probe_device(choice: BackendChoice, loud: bool) -> anyhow::Result<Resolved> {
+    match choice {
+        BackendChoice::Cpu => Ok(Resolved::Cpu),
+        BackendChoice::Cuda => probe_cuda(),
+        BackendChoice::Rocm => probe_rocm(),
+        BackendChoice::Auto => {
+            let why_not_cuda = match ds4_gpu::cuda::CudaDevice::count() {
+                Ok(n) if n > 0 => return probe_cuda(),
+                Ok(_) => "the CUDA driver reports no devices".to_string(),
+                Err(e) => e.to_string(),
+            };
+            let why_not_rocm = match probe_rocm() {
+                Ok(r) => {
+                    if loud {
+                        eprintln!("ds4: backend auto -> rocm (no CUDA: {why_not_cuda})");
+                    }
+                    return Ok(r);
+                }
+                Err(e) => format!("{e:#}"),
+            };
+            if loud {
+                eprintln!("ds4: backend auto -> cpu ({why_not_cuda}; {why_not_rocm})");
+            }
+            Ok(Resolved::Cpu)
+        }
+    }
+}
+
+/// Creates the backend `--backend` asks for, without a placement plan (every GPU weight in
+/// device memory / ROCm's own chain). The loader uses [`make_planned_backend`].
 pub fn make_backend(choice: BackendChoice, threads: usize) -> anyhow::Result<Box<dyn Backend>> {
+    let resolved = probe_device(choice, true)?;
+    make_planned_backend(&resolved, choice, threads, None)
+}
+
+/// Creates the backend `resolved` names; GPU weights go where `plan` says (its arenas,
+/// memory kinds and fallbacks). When `auto` resolved to ROCm and the ROCm backend cannot
+/// start, the CPU runs the model (said on stderr).
+pub fn make_planned_backend(
+    resolved: &Resolved,
+    choice: BackendChoice,
+    threads: usize,
+    plan: Option<ds4_placement::Plan>,
+) -> anyhow::Result<Box<dyn Backend>> {
     let cpu = || -> anyhow::Result<Box<dyn Backend>> {
         let be = ds4_cpu::CpuBackend::new(threads).context("starting the CPU backend")?;
         Ok(Box::new(be))
     };
-    let cuda = || -> anyhow::Result<Box<dyn Backend>> {
-        let be = ds4_gpu::backend::CudaBackend::new(ds4_gpu::backend::CudaOptions::default())
-            .context("starting the CUDA backend")?;
-        Ok(Box::new(be))
+    let opts = ds4_gpu::backend::GpuOptions {
+        plan,
+        ..ds4_gpu::backend::GpuOptions::default()
     };
-    let rocm = || -> anyhow::Result<Box<dyn Backend>> {
-        let be = ds4_gpu::backend::HipBackend::new(ds4_gpu::backend::GpuOptions::default())
-            .context("starting the ROCm backend")?;
-        for f in be.alloc_fallbacks() {
-            eprintln!("ds4: rocm: {f}");
+    match resolved {
+        Resolved::Cpu => cpu(),
+        Resolved::Cuda { .. } => {
+            let be =
+                ds4_gpu::backend::CudaBackend::new(opts).context("starting the CUDA backend")?;
+            Ok(Box::new(be))
         }
-        Ok(Box::new(be))
-    };
-    match choice {
-        BackendChoice::Cpu => cpu(),
-        BackendChoice::Cuda => cuda(),
-        BackendChoice::Rocm => rocm(),
-        BackendChoice::Auto => {
-            let why_not_cuda = match ds4_gpu::cuda::CudaDevice::count() {
-                Ok(n) if n > 0 => return cuda(),
-                Ok(_) => "the CUDA driver reports no devices".to_string(),
-                Err(e) => e.to_string(),
-            };
-            let why_not_rocm =
-                match ds4_gpu::hip::HipRuntime::load().and_then(|rt| rt.device_count()) {
-                    Ok(_) => match rocm() {
-                        Ok(be) => {
-                            eprintln!("ds4: backend auto -> rocm (no CUDA: {why_not_cuda})");
-                            return Ok(be);
-                        }
-                        Err(e) => format!("{e:#}"),
-                    },
-                    Err(e) => e.to_string(),
-                };
-            eprintln!("ds4: backend auto -> cpu ({why_not_cuda}; {why_not_rocm})");
-            cpu()
-        }
+        Resolved::Rocm { .. } => match ds4_gpu::backend::HipBackend::new(opts) {
+            Ok(be) => {
+                for f in be.alloc_fallbacks() {
+                    eprintln!("ds4: rocm: {f}");
+                }
+                Ok(Box::new(be))
+            }
+            Err(e) if choice == BackendChoice::Auto => {
+                eprintln!("ds4: backend auto -> cpu (the ROCm backend did not start: {e})");
+                cpu()
+            }
+            Err(e) => Err(anyhow::Error::new(e).context("starting the ROCm backend")),
+        },
     }
 }
 
@@ -146,25 +242,32 @@ pub fn model_id(file: &GgufFile) -> anyhow::Result<[u8; 32]> {
     ds4_kvstore::header_identity(file.header()).context("encoding the model header")
 }
 
-/// Runs the placement planner for this model and request, like `ds4 plan`: a refusal is an
-/// error (with the planner's reason and remedy), a plan is printed to `log`.
-fn placement_report(opts: &LoadOptions, log: &mut dyn Write) -> anyhow::Result<()> {
+/// Runs the placement planner for this model and request on the device the model will run
+/// on, like `ds4 plan`: a refusal is an error (with the planner's reason and remedy), a plan
+/// is printed to `log` (when asked) and returned.
+fn placement_plan(
+    opts: &LoadOptions,
+    ctx: usize,
+    resolved: &Resolved,
+    log: Option<&mut dyn Write>,
+) -> anyhow::Result<ds4_placement::Plan> {
     let args = crate::plan::PlanArgs {
         source: crate::plan::Source::File(opts.model.clone()),
         mtp: None,
-        ctx: opts.ctx as u64,
+        ctx: ctx as u64,
         prefill_chunk: opts.prefill_chunk as u64,
         machine: None,
+        device: resolved.plan_device(),
         overrides: opts.placement.clone(),
     };
     let planned = crate::plan::run(&args, |k| std::env::var(k).ok())?;
     match planned.result {
         Ok(plan) => {
-            if opts.report_placement {
+            if let Some(log) = log.filter(|_| opts.report_placement) {
                 writeln!(log, "placement plan for {}", planned.description)?;
                 write!(log, "{}", plan.render_text())?;
             }
-            Ok(())
+            Ok(plan)
         }
         Err(refusal) => bail!("placement refused for {}: {refusal}", planned.description),
     }
@@ -178,9 +281,8 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> anyhow::Result<Loaded> {
         tokenizer_from_gguf(&file)
             .with_context(|| format!("{}: no usable vocabulary", opts.model.display()))?,
     );
-    placement_report(opts, log)?;
     let model_id = model_id(&file)?;
-    let engine = build_engine(&file, opts, opts.ctx)?;
+    let engine = build_engine_logged(&file, opts, opts.ctx, Some(log))?;
     writeln!(
         log,
         "ds4: model {} · mode {} · backend {} · ctx {}",
@@ -203,10 +305,29 @@ pub fn build_engine(
     opts: &LoadOptions,
     ctx: usize,
 ) -> anyhow::Result<Engine> {
+    build_engine_logged(file, opts, ctx, None)
+}
+
+/// [`build_engine`], printing the placement plan to `log` when given. The plan is made
+/// for the device that will run the model, before anything is allocated, and the GPU
+/// backends place the weights by it: a model that cannot fit is refused here, not by an
+/// allocation failing halfway through the load.
+fn build_engine_logged(
+    file: &Arc<GgufFile>,
+    opts: &LoadOptions,
+    ctx: usize,
+    log: Option<&mut dyn Write>,
+) -> anyhow::Result<Engine> {
     if ctx == 0 {
         bail!("the context must be at least 1 token");
     }
-    let backend = make_backend(opts.backend, opts.threads)?;
+    let resolved = probe_device(opts.backend, true)?;
+    let plan = placement_plan(opts, ctx, &resolved, log)?;
+    let gpu_plan = match resolved {
+        Resolved::Cpu => None,
+        _ => Some(plan),
+    };
+    let backend = make_planned_backend(&resolved, opts.backend, opts.threads, gpu_plan)?;
     let cfg = EngineConfig {
         mode: opts.mode.map(NumericMode::from),
         ctx,

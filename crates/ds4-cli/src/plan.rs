@@ -26,6 +26,10 @@ pub struct PlanArgs {
     pub ctx: u64,
     pub prefill_chunk: u64,
     pub machine: Option<PathBuf>,
+    /// The GPU this machine would run on, as probed by the caller
+    /// ([`crate::load::probe_device`]), with its description. Used when `machine` is `None`;
+    /// `None` plans this machine as CPU-only.
+    pub device: Option<(DeviceFacts, String)>,
     pub overrides: CliOverrides,
 }
 
@@ -126,13 +130,14 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Res
                 .with_context(|| format!("machine file {} is not valid", p.display()))?;
             (m.host, m.device, m.description)
         }
-        None => (
-            ds4_placement::probe::host_facts().context("reading this machine's memory facts")?,
-            // GPU probing arrives with the GPU backends; until then this machine is planned
-            // as CPU-only unless a --machine file describes it.
-            DeviceFacts::cpu(),
-            "this machine (CPU only)".into(),
-        ),
+        None => {
+            let host = ds4_placement::probe::host_facts()
+                .context("reading this machine's memory facts")?;
+            match &args.device {
+                Some((facts, desc)) => (host, facts.clone(), format!("this machine ({desc})")),
+                None => (host, DeviceFacts::cpu(), "this machine (CPU only)".into()),
+            }
+        }
     };
     let result = plan_inventory(&hparams, &inventory, &host, &device, args, env)?;
     Ok(Planned {

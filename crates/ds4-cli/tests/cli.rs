@@ -161,7 +161,7 @@ fn plan_small_discrete_gpu_is_hybrid_and_q4_on_strix_is_refused() {
 
 #[test]
 fn plan_a_model_file_on_this_machine() {
-    let o = ds4(&["plan", "-m", TINY, "--ctx", "2048"]);
+    let o = ds4(&["plan", "-m", TINY, "--ctx", "2048", "--backend", "cpu"]);
     assert_eq!(
         o.status.code(),
         Some(0),
@@ -169,4 +169,22 @@ fn plan_a_model_file_on_this_machine() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(stdout(&o).contains("CPU only"));
+}
+
+/// `ds4 plan --backend cuda` plans for the CUDA device it finds (its memory facts read
+/// from the driver), and without one it fails naming CUDA instead of planning for a GPU
+/// that is not there.
+#[test]
+fn plan_for_the_cuda_device_or_a_clear_error() {
+    let o = ds4(&["plan", "-m", TINY, "--ctx", "2048", "--backend", "cuda"]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!err.contains("panicked"), "{err}");
+    let has_cuda = ds4_gpu::cuda::CudaDevice::count().is_ok_and(|n| n > 0);
+    if has_cuda {
+        assert_eq!(o.status.code(), Some(0), "{err}");
+        assert!(stdout(&o).contains("CUDA device 0"), "{}", stdout(&o));
+    } else {
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("CUDA"), "{err}");
+    }
 }

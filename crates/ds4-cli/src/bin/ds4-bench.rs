@@ -153,6 +153,7 @@ fn main() -> Result<()> {
         ctx: ctx as u64,
         prefill_chunk: args.prefill_chunk as u64,
         machine: None,
+        device: Some((facts.clone(), "CUDA device 0".into())),
         overrides: CliOverrides {
             weights_mem: (args.weights_mem != "auto").then(|| args.weights_mem.clone()),
             device_mem_limit_gib: args.device_mem_limit_gib.clone(),

@@ -188,7 +188,8 @@ enum SyntheticLayout {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Plan memory placement for a model (no GPU touched, no weights read); exits 3 on a refusal.
+    /// Plan memory placement for a model on this machine's GPU (its memory facts are read;
+    /// nothing is allocated, no weights read); exits 3 on a refusal.
     Plan {
         /// The model file.
         #[arg(short, long, conflicts_with = "synthetic", required_unless_present_any = ["synthetic", "help_overrides"])]
@@ -208,6 +209,10 @@ enum Command {
         /// Replay a described machine (JSON: host and device facts) instead of this one.
         #[arg(long)]
         machine: Option<PathBuf>,
+        /// The device to plan for when no --machine is given: auto (CUDA, then ROCm, then
+        /// none), cpu (no GPU), cuda or rocm.
+        #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+        backend: BackendChoice,
         #[command(flatten)]
         placement: PlacementFlags,
         #[arg(long)]
@@ -368,6 +373,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ctx,
             prefill_chunk,
             machine,
+            backend,
             placement,
             json,
             help_overrides,
@@ -392,6 +398,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 mtp,
                 ctx,
                 prefill_chunk,
+                device: if machine.is_none() {
+                    ds4_cli::load::probe_device(backend, false)?.plan_device()
+                } else {
+                    None
+                },
                 machine,
                 overrides: placement.to_overrides(),
             };

@@ -25,8 +25,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ds4_placement::{
-    admit, execute, AllocError, Allocated, Allocator, LoadFailure, ManagedAdvice, MemChoice,
-    MemKind, Plan,
+    admit, execute, AllocError, Allocated, Allocator, DeviceFacts, LoadFailure, ManagedAdvice,
+    MemChoice, MemKind, Plan,
 };
 
 use super::{HipCalls, HipDeviceInfo, HipRtc, HipRuntime, HIPRTC_OPTIONS};
@@ -246,6 +246,15 @@ impl HipDevice {
             return Ok((free, total));
         }
         Ok((free.min(self.usable_host()?), total))
+    }
+
+    /// Facts for the planner, with fresh (clamped) free/total numbers.
+    pub fn placement_facts(&self) -> Result<DeviceFacts> {
+        let (free, total) = self.mem_info()?;
+        let mut info = self.info.clone();
+        info.free_bytes = free;
+        info.total_bytes = total;
+        Ok(info.device_facts())
     }
 
     /// ds4's admission check for `bytes` of `kind`, with live numbers: host kinds always,

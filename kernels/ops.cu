@@ -244,9 +244,21 @@ __device__ double ds4_block_sum_d(double v, double* sh) {
 }
 
 // (mean(x^2) + eps)^(-1/2) of n values, the sum in double (as the CPU reference).
+// At decode one block reads the whole row, so the loop is bound by memory latency: eight
+// independent partial sums keep eight loads in flight per thread instead of one.
 __device__ float ds4_rms_scale(const float* x, int n, float eps, double* sh) {
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)x[i] * (double)x[i];
+    const int bd = blockDim.x;
+    double p[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    int i = threadIdx.x;
+    for (; i + 7 * bd < n; i += 8 * bd) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = x[i + u * bd];
+#pragma unroll
+        for (int u = 0; u < 8; u++) p[u] += (double)v[u] * (double)v[u];
+    }
+    for (; i < n; i += bd) p[0] += (double)x[i] * (double)x[i];
+    double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
     ss = ds4_block_sum_d(ss, sh);
     return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
 }
@@ -257,7 +269,24 @@ ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
     __shared__ double sh[256];
     const ds4_size base = (ds4_size)blockIdx.x * width;
     const float s = ds4_rms_scale(x + base, width, eps, sh);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    // Four elements per round, all loaded before any store (out may be x: each element is
+    // read and written by the same thread only).
+    const int bd = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + 3 * bd < width; i += 4 * bd) {
+        float v[4], g[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            v[u] = x[base + i + u * bd];
+            g[u] = w ? w[i + u * bd] : 1.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const float a = v[u] * s;
+            out[base + i + u * bd] = w ? a * g[u] : a;
+        }
+    }
+    for (; i < width; i += bd) {
         const float v = x[base + i] * s;
         out[base + i] = w ? v * w[i] : v;
     }
@@ -327,21 +356,31 @@ __device__ float ds4_e2m1_round(float x) {
     return copysignf(vals[best], x);
 }
 
-// One thread per 64-value block of the first n_dims of each row.
+// One logical warp per 64-value block of the first n_dims of each row, two values per
+// lane. The block's amax is a maximum (exact in any order; fmaxf skips NaN as the serial
+// loop did), so results equal the one-thread-per-block form; loads are coalesced. The
+// launch has blockDim a multiple of 32, so every lane of a warp takes the same block.
 extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims) {
     const int per_row = (n_dims + 63) / 64;
     const ds4_size n = (ds4_size)rows * per_row;
-    DS4_GRID_STRIDE(e, n) {
+    const int lane = threadIdx.x % DS4_WARP;
+    const ds4_size warps = ((ds4_size)gridDim.x * blockDim.x) / DS4_WARP;
+    for (ds4_size e = ((ds4_size)blockIdx.x * blockDim.x + threadIdx.x) / DS4_WARP; e < n;
+         e += warps) {
         const ds4_size r = e / per_row;
         const int b0 = (int)(e % per_row) * 64;
         const int len = min(64, n_dims - b0);
         float* v = x + r * width + b0;
-        float amax = 0.0f;
-        for (int i = 0; i < len; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const int i0 = lane, i1 = lane + DS4_WARP;
+        const float a0 = i0 < len ? v[i0] : 0.0f;
+        const float a1 = i1 < len ? v[i1] : 0.0f;
+        float amax = fmaxf(fabsf(a0), fabsf(a1));
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) amax = fmaxf(amax, ds4_shfl_xor(amax, m));
         amax = fmaxf(amax, 1e-4f);
         const float s = ds4_pow2_ceil(amax * (1.0f / 448.0f));
-        for (int i = 0; i < len; i++)
-            v[i] = s * ds4_e4m3_round(fminf(fmaxf(v[i] / s, -448.0f), 448.0f));
+        if (i0 < len) v[i0] = s * ds4_e4m3_round(fminf(fmaxf(a0 / s, -448.0f), 448.0f));
+        if (i1 < len) v[i1] = s * ds4_e4m3_round(fminf(fmaxf(a1 / s, -448.0f), 448.0f));
     }
 }
 
@@ -442,6 +481,38 @@ __device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
 
 #define DS4_HC_MAX 8
 
+// y[i] = sum_s c[s] * x[s*d + i] (s in stream order, as the CPU reference) by the whole
+// block; two outputs per round with all their loads issued first (latency, as above).
+__device__ void ds4_mix_streams(const float* x, const float* c, int n, int d, float* y) {
+    const int bd = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + bd < d; i += 2 * bd) {
+        float a[DS4_HC_MAX], b[DS4_HC_MAX];
+#pragma unroll
+        for (int s = 0; s < DS4_HC_MAX; s++) {
+            if (s < n) {
+                a[s] = x[(ds4_size)s * d + i];
+                b[s] = x[(ds4_size)s * d + i + bd];
+            }
+        }
+        float ya = 0.0f, yb = 0.0f;
+#pragma unroll
+        for (int s = 0; s < DS4_HC_MAX; s++) {
+            if (s < n) {
+                ya += c[s] * a[s];
+                yb += c[s] * b[s];
+            }
+        }
+        y[i] = ya;
+        y[i + bd] = yb;
+    }
+    for (; i < d; i += bd) {
+        float acc = 0.0f;
+        for (int s = 0; s < n; s++) acc += c[s] * x[(ds4_size)s * d + i];
+        y[i] = acc;
+    }
+}
+
 // HCPre, one block (256 threads) per token: coefficients from mix and the streams' RMS
 // (the Sinkhorn projection spread over the block's first n*n threads), then
 // y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
@@ -466,11 +537,7 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
     ds4_sinkhorn_block(z, n, iters, hc_eps);
     if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
     __syncthreads();
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < n; s++) acc += pre[s] * xt[(ds4_size)s * d + i];
-        y[(ds4_size)t * d + i] = acc;
-    }
+    ds4_mix_streams(xt, pre, n, d, y + (ds4_size)t * d);
 }
 
 // HCPost in place: X'_j[e] = post_j f[e] + sum_i comb[i][j] X_i[e]; one thread per (t, e).
@@ -506,11 +573,7 @@ ds4_hc_head(const float* mix, const float* x, const float* base, const float* sc
         wts[i] = ds4_sigmoid(scale[0] * (mix[(ds4_size)t * n + i] * rho) + base[i]) + hc_eps;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < n; s++) acc += wts[s] * xt[(ds4_size)s * d + i];
-        y[(ds4_size)t * d + i] = acc;
-    }
+    ds4_mix_streams(xt, wts, n, d, y + (ds4_size)t * d);
 }
 
 // ---------------------------------------------------------------------------------------

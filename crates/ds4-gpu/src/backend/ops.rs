@@ -385,9 +385,10 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         let xp = self.fptr(x, OP)?;
+        // One 32-lane warp per 64-value block.
         self.launch(
             "ds4_qat_fp8",
-            (grid_for(n), 1, 1),
+            (grid_for(n * 32), 1, 1),
             256,
             &[
                 Arg::Ptr(xp),

@@ -242,28 +242,36 @@ pub fn model_id(file: &GgufFile) -> anyhow::Result<[u8; 32]> {
     ds4_kvstore::header_identity(file.header()).context("encoding the model header")
 }
 
+/// What placing a model needs besides the file: the request the planner sees.
+#[derive(Debug, Clone)]
+pub struct PlacementRequest<'a> {
+    pub model: &'a Path,
+    pub ctx: usize,
+    pub prefill_chunk: usize,
+    pub overrides: ds4_placement::CliOverrides,
+}
+
 /// Runs the placement planner for this model and request on the device the model will run
 /// on, like `ds4 plan`: a refusal is an error (with the planner's reason and remedy), a plan
-/// is printed to `log` (when asked) and returned.
-fn placement_plan(
-    opts: &LoadOptions,
-    ctx: usize,
+/// is printed to `log` (when given) and returned.
+pub fn placement_plan(
+    req: &PlacementRequest<'_>,
     resolved: &Resolved,
     log: Option<&mut dyn Write>,
 ) -> anyhow::Result<ds4_placement::Plan> {
     let args = crate::plan::PlanArgs {
-        source: crate::plan::Source::File(opts.model.clone()),
+        source: crate::plan::Source::File(req.model.to_path_buf()),
         mtp: None,
-        ctx: ctx as u64,
-        prefill_chunk: opts.prefill_chunk as u64,
+        ctx: req.ctx as u64,
+        prefill_chunk: req.prefill_chunk as u64,
         machine: None,
         device: resolved.plan_device(),
-        overrides: opts.placement.clone(),
+        overrides: req.overrides.clone(),
     };
     let planned = crate::plan::run(&args, |k| std::env::var(k).ok())?;
     match planned.result {
         Ok(plan) => {
-            if let Some(log) = log.filter(|_| opts.report_placement) {
+            if let Some(log) = log {
                 writeln!(log, "placement plan for {}", planned.description)?;
                 write!(log, "{}", plan.render_text())?;
             }
@@ -271,6 +279,24 @@ fn placement_plan(
         }
         Err(refusal) => bail!("placement refused for {}: {refusal}", planned.description),
     }
+}
+
+/// The backend `--backend` asks for, with the model's weights to be placed by a plan made
+/// for that device before anything is allocated (the CLI and `ds4-server` both load this
+/// way). The plan is printed to `log` when given.
+pub fn planned_backend(
+    choice: BackendChoice,
+    threads: usize,
+    req: &PlacementRequest<'_>,
+    log: Option<&mut dyn Write>,
+) -> anyhow::Result<Box<dyn Backend>> {
+    let resolved = probe_device(choice, true)?;
+    let plan = placement_plan(req, &resolved, log)?;
+    let gpu_plan = match resolved {
+        Resolved::Cpu => None,
+        _ => Some(plan),
+    };
+    make_planned_backend(&resolved, choice, threads, gpu_plan)
 }
 
 /// Opens the model, builds the tokenizer and the engine, and prints the load report (model,
@@ -321,13 +347,14 @@ fn build_engine_logged(
     if ctx == 0 {
         bail!("the context must be at least 1 token");
     }
-    let resolved = probe_device(opts.backend, true)?;
-    let plan = placement_plan(opts, ctx, &resolved, log)?;
-    let gpu_plan = match resolved {
-        Resolved::Cpu => None,
-        _ => Some(plan),
+    let req = PlacementRequest {
+        model: &opts.model,
+        ctx,
+        prefill_chunk: opts.prefill_chunk,
+        overrides: opts.placement.clone(),
     };
-    let backend = make_planned_backend(&resolved, opts.backend, opts.threads, gpu_plan)?;
+    let log = log.filter(|_| opts.report_placement);
+    let backend = planned_backend(opts.backend, opts.threads, &req, log)?;
     let cfg = EngineConfig {
         mode: opts.mode.map(NumericMode::from),
         ctx,

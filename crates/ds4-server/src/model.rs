@@ -1,5 +1,6 @@
-//! Loading a model for serving: the engine on the CPU backend, the tokenizer from the
-//! GGUF's `tokenizer.ggml.*` tables, and the model identity that keys the disk KV cache.
+//! Loading a model for serving: the engine on a backend (the CPU by default; the binary
+//! passes the one `--backend` chose, placed by the planner), the tokenizer from the GGUF's
+//! `tokenizer.ggml.*` tables, and the model identity that keys the disk KV cache.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -56,18 +57,28 @@ impl std::fmt::Debug for LoadedModel {
 impl LoadedModel {
     /// Opens `path`, builds the tokenizer and loads the weights onto a CPU backend.
     pub fn open(path: &Path, opts: &ModelOptions) -> Result<LoadedModel, ServerError> {
+        let backend = ds4_cpu::CpuBackend::new(opts.threads)
+            .map_err(|e| ServerError::Model(format!("CPU backend: {e}")))?;
+        Self::open_with_backend(path, opts, Box::new(backend))
+    }
+
+    /// Opens `path`, builds the tokenizer and loads the weights onto `backend` (a GPU
+    /// backend built with its placement plan, or the CPU).
+    pub fn open_with_backend(
+        path: &Path,
+        opts: &ModelOptions,
+        backend: Box<dyn ds4_engine::Backend>,
+    ) -> Result<LoadedModel, ServerError> {
         let file = GgufFile::open(path)
             .map_err(|e| ServerError::Model(format!("{}: {e}", path.display())))?;
         let header = file.header().clone();
         let tokenizer = tokenizer_from_header(&header)?;
-        let backend = ds4_cpu::CpuBackend::new(opts.threads)
-            .map_err(|e| ServerError::Model(format!("CPU backend: {e}")))?;
         let config = EngineConfig {
             mode: opts.mode,
             ctx: opts.ctx,
             prefill_chunk: opts.prefill_chunk,
         };
-        let engine = Engine::load(Arc::new(file), Box::new(backend), config)?;
+        let engine = Engine::load(Arc::new(file), backend, config)?;
         if engine.hparams().n_vocab != tokenizer.vocab_size() {
             return Err(ServerError::Model(format!(
                 "the tokenizer has {} tokens but the model's vocabulary is {}",

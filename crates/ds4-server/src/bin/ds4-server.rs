@@ -28,6 +28,11 @@ struct Args {
     /// CPU threads (0 = one per core).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
+    /// Backend: auto (CUDA when a device answers, then ROCm, then the CPU, saying why),
+    /// cpu, cuda, rocm. GPU weights are placed by the same plan `ds4 plan` prints (the
+    /// DS4_WEIGHTS_MEM / DS4_DEVICE_MEM_LIMIT_GIB / ... variables override it).
+    #[arg(long, value_enum, default_value_t = ds4_cli::load::BackendChoice::Auto)]
+    backend: ds4_cli::load::BackendChoice,
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 128)]
     prefill_chunk: usize,
@@ -167,7 +172,16 @@ fn main() -> Result<()> {
         mode,
     };
     let t0 = std::time::Instant::now();
-    let model = LoadedModel::open(&a.model, &opts)
+    let req = ds4_cli::load::PlacementRequest {
+        model: &a.model,
+        ctx: a.ctx,
+        prefill_chunk: a.prefill_chunk.max(1),
+        overrides: Default::default(),
+    };
+    let backend =
+        ds4_cli::load::planned_backend(a.backend, a.threads, &req, Some(&mut std::io::stderr()))
+            .with_context(|| format!("placing {}", a.model.display()))?;
+    let model = LoadedModel::open_with_backend(&a.model, &opts, backend)
         .with_context(|| format!("loading {}", a.model.display()))?;
     tracing::info!(
         model = %model.name,

@@ -149,13 +149,6 @@ pub fn probe_device(choice: BackendChoice, loud: bool) -> anyhow::Result<Resolve
     }
 }
 
-/// Creates the backend `--backend` asks for, without a placement plan (every GPU weight in
-/// device memory / ROCm's own chain). The loader uses [`make_planned_backend`].
-pub fn make_backend(choice: BackendChoice, threads: usize) -> anyhow::Result<Box<dyn Backend>> {
-    let resolved = probe_device(choice, true)?;
-    make_planned_backend(&resolved, choice, threads, None)
-}
-
 /// Creates the backend `resolved` names; GPU weights go where `plan` says (its arenas,
 /// memory kinds and fallbacks). When `auto` resolved to ROCm and the ROCm backend cannot
 /// start, the CPU runs the model (said on stderr).

@@ -179,8 +179,10 @@ impl KvStore {
         match read_verified(&path, &self.cfg) {
             Ok((header, loaded)) => {
                 let e = &mut self.entries[idx];
-                e.hits = header.hits + 1;
-                e.last_used = now_ms().max(e.last_used + 1);
+                // The counters are outside the checksum: a torn or corrupt one may hold
+                // anything, including u64::MAX.
+                e.hits = header.hits.saturating_add(1);
+                e.last_used = now_ms().max(e.last_used.saturating_add(1));
                 let _ = update_counters(&path, e.last_used, e.hits);
                 Ok(loaded)
             }
@@ -500,4 +502,38 @@ fn update_counters(path: &Path, last_used: u64, hits: u64) -> std::io::Result<()
     f.write_all(&last_used.to_le_bytes())?;
     f.write_all(&hits.to_le_bytes())?;
     f.sync_data()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the `kvstore_load` fuzz target: the hit and last-used counters live outside
+    /// the checksum, so an entry whose counters read u64::MAX is still valid and must load
+    /// (it used to panic on `hits + 1` with overflow checks on).
+    #[test]
+    fn saturated_counters_load_without_overflow() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = StoreConfig {
+            dir: d.path().to_path_buf(),
+            budget_bytes: 1 << 20,
+            model_id: [3; 32],
+            mode: Mode::Exact,
+            ctx: 4096,
+        };
+        let (mut s, _) = KvStore::open(cfg.clone()).unwrap();
+        let StoreOutcome::Stored { name, .. } =
+            s.store(&[1, 2, 3], b"payload", &BTreeMap::new()).unwrap()
+        else {
+            panic!("not stored");
+        };
+        drop(s);
+        update_counters(&d.path().join(&name), u64::MAX, u64::MAX).unwrap();
+        let (mut s, rejected) = KvStore::open(cfg).unwrap();
+        assert!(rejected.is_empty());
+        let l = s.load(&name).unwrap();
+        assert_eq!(l.payload, b"payload");
+        let e = s.entries().iter().find(|e| e.name == name).unwrap();
+        assert_eq!((e.hits, e.last_used), (u64::MAX, u64::MAX));
+    }
 }

@@ -52,16 +52,18 @@ impl From<ModeChoice> for NumericMode {
     }
 }
 
-/// What `--backend` resolves to on this machine. GPU variants carry the device's facts, so
-/// the placement plan is made for the device that will run the model.
-#[derive(Debug, Clone)]
+/// What `--backend` resolves to on this machine. GPU variants hold the opened device (the
+/// backend is built on it, so it is opened once) and its facts, so the placement plan is
+/// made for the device that will run the model.
 pub enum Resolved {
     Cpu,
     Cuda {
+        dev: ds4_gpu::cuda::CudaDevice,
         facts: ds4_placement::DeviceFacts,
         desc: String,
     },
     Rocm {
+        dev: ds4_gpu::hip::HipDevice,
         facts: ds4_placement::DeviceFacts,
         desc: String,
     },
@@ -72,11 +74,17 @@ impl Resolved {
     pub fn plan_device(&self) -> Option<(ds4_placement::DeviceFacts, String)> {
         match self {
             Resolved::Cpu => None,
-            Resolved::Cuda { facts, desc } | Resolved::Rocm { facts, desc } => {
+            Resolved::Cuda { facts, desc, .. } | Resolved::Rocm { facts, desc, .. } => {
                 Some((facts.clone(), desc.clone()))
             }
         }
     }
+}
+
+/// "RUNTIME device 0: NAME, ARCH, integrated|discrete" for the plan's heading.
+fn device_desc(runtime: &str, name: &str, arch: &str, integrated: bool) -> String {
+    let kind = if integrated { "integrated" } else { "discrete" };
+    format!("{runtime} device 0: {name}, {arch}, {kind}")
 }
 
 fn probe_cuda() -> anyhow::Result<Resolved> {
@@ -85,17 +93,8 @@ fn probe_cuda() -> anyhow::Result<Resolved> {
         .placement_facts()
         .context("reading the CUDA device's memory")?;
     let i = dev.info();
-    let desc = format!(
-        "CUDA device 0: {}, {}, {}",
-        i.name,
-        i.arch(),
-        if i.integrated {
-            "integrated"
-        } else {
-            "discrete"
-        }
-    );
-    Ok(Resolved::Cuda { facts, desc })
+    let desc = device_desc("CUDA", &i.name, &i.arch(), i.integrated);
+    Ok(Resolved::Cuda { dev, facts, desc })
 }
 
 fn probe_rocm() -> anyhow::Result<Resolved> {
@@ -103,18 +102,8 @@ fn probe_rocm() -> anyhow::Result<Resolved> {
     let facts = dev
         .placement_facts()
         .context("reading the ROCm device's memory")?;
-    let i = dev.info();
-    let desc = format!(
-        "ROCm device 0: {}, {}, {}",
-        i.name,
-        dev.arch(),
-        if i.integrated {
-            "integrated"
-        } else {
-            "discrete"
-        }
-    );
-    Ok(Resolved::Rocm { facts, desc })
+    let desc = device_desc("ROCm", &dev.info().name, dev.arch(), dev.info().integrated);
+    Ok(Resolved::Rocm { dev, facts, desc })
 }
 
 /// Resolves `--backend` on this machine. `auto` takes CUDA when a device answers, then
@@ -149,11 +138,11 @@ pub fn probe_device(choice: BackendChoice, loud: bool) -> anyhow::Result<Resolve
     }
 }
 
-/// Creates the backend `resolved` names; GPU weights go where `plan` says (its arenas,
-/// memory kinds and fallbacks). When `auto` resolved to ROCm and the ROCm backend cannot
-/// start, the CPU runs the model (said on stderr).
+/// Creates the backend `resolved` names, on its already opened device; GPU weights go
+/// where `plan` says (its arenas, memory kinds and fallbacks). When `auto` resolved to ROCm
+/// and the ROCm backend cannot start, the CPU runs the model (said on stderr).
 pub fn make_planned_backend(
-    resolved: &Resolved,
+    resolved: Resolved,
     choice: BackendChoice,
     threads: usize,
     plan: Option<ds4_placement::Plan>,
@@ -168,12 +157,12 @@ pub fn make_planned_backend(
     };
     match resolved {
         Resolved::Cpu => cpu(),
-        Resolved::Cuda { .. } => {
-            let be =
-                ds4_gpu::backend::CudaBackend::new(opts).context("starting the CUDA backend")?;
+        Resolved::Cuda { dev, .. } => {
+            let be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
+                .context("starting the CUDA backend")?;
             Ok(Box::new(be))
         }
-        Resolved::Rocm { .. } => match ds4_gpu::backend::HipBackend::new(opts) {
+        Resolved::Rocm { dev, .. } => match ds4_gpu::backend::HipBackend::on_device(dev, opts) {
             Ok(be) => {
                 for f in be.alloc_fallbacks() {
                     eprintln!("ds4: rocm: {f}");
@@ -285,11 +274,8 @@ pub fn planned_backend(
 ) -> anyhow::Result<Box<dyn Backend>> {
     let resolved = probe_device(choice, true)?;
     let plan = placement_plan(req, &resolved, log)?;
-    let gpu_plan = match resolved {
-        Resolved::Cpu => None,
-        _ => Some(plan),
-    };
-    make_planned_backend(&resolved, choice, threads, gpu_plan)
+    let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
+    make_planned_backend(resolved, choice, threads, gpu_plan)
 }
 
 /// Opens the model, builds the tokenizer and the engine, and prints the load report (model,

@@ -294,6 +294,12 @@ impl GpuBackend<CudaDevice> {
     /// cuBLAS when asked, and allocates the plan's weight arenas when a plan is given.
     pub fn new(opts: CudaOptions) -> Result<CudaBackend, GpuError> {
         let dev = CudaDevice::open(opts.ordinal)?;
+        Self::on_device(dev, opts)
+    }
+
+    /// [`Self::new`] on a device the caller already opened (the loader reads its facts
+    /// for the planner first; `opts.ordinal` is not used).
+    pub fn on_device(dev: CudaDevice, opts: CudaOptions) -> Result<CudaBackend, GpuError> {
         let cublas = match opts.cublas {
             Some(p) => match Cublas::load(&dev, p) {
                 Ok(c) => Some(c),
@@ -312,8 +318,13 @@ impl GpuBackend<HipDevice> {
     /// Opens the ROCm device (`ROCM_PATH`, default /opt/rocm), compiles every kernel with
     /// hiprtc for its architecture (or loads it from the cache), and allocates the plan's
     /// weight arenas when a plan is given. Host-resident weights are read with `pread`.
-    pub fn new(mut opts: CudaOptions) -> Result<HipBackend, GpuError> {
+    pub fn new(opts: CudaOptions) -> Result<HipBackend, GpuError> {
         let dev = HipDevice::open(opts.ordinal)?;
+        Self::on_device(dev, opts)
+    }
+
+    /// [`Self::new`] on a device the caller already opened (`opts.ordinal` is not used).
+    pub fn on_device(dev: HipDevice, mut opts: CudaOptions) -> Result<HipBackend, GpuError> {
         opts.pread_load = true;
         Self::with_device(dev, opts, None)
     }

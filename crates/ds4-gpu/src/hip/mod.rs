@@ -518,6 +518,15 @@ pub trait HipCalls: Send + Sync {
     fn synchronize(&self) -> c_int;
 }
 
+/// `value` when the runtime call returned `hipSuccess`, else its error code.
+fn hip_result<T>(r: c_int, value: T) -> std::result::Result<T, c_int> {
+    if r == HIP_SUCCESS {
+        Ok(value)
+    } else {
+        Err(r)
+    }
+}
+
 impl HipCalls for HipRuntime {
     fn describe(&self) -> String {
         self.path.display().to_string()
@@ -533,42 +542,26 @@ impl HipCalls for HipRuntime {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: out-pointer is a local.
         let r = unsafe { (self.malloc)(&mut p, bytes) };
-        if r == HIP_SUCCESS {
-            Ok(p as u64)
-        } else {
-            Err(r)
-        }
+        hip_result(r, p as u64)
     }
     fn malloc_managed(&self, bytes: usize) -> std::result::Result<u64, c_int> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: out-pointer is a local.
         let r = unsafe { (self.malloc_managed)(&mut p, bytes, HIP_MEM_ATTACH_GLOBAL) };
-        if r == HIP_SUCCESS {
-            Ok(p as u64)
-        } else {
-            Err(r)
-        }
+        hip_result(r, p as u64)
     }
     fn host_malloc_mapped(&self, bytes: usize) -> std::result::Result<usize, c_int> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: out-pointer is a local.
         let r = unsafe { (self.host_malloc)(&mut p, bytes, HIP_HOST_MAPPED_PORTABLE) };
-        if r == HIP_SUCCESS {
-            Ok(p as usize)
-        } else {
-            Err(r)
-        }
+        hip_result(r, p as usize)
     }
     fn host_device_pointer(&self, host: usize) -> std::result::Result<u64, c_int> {
         let mut d: *mut c_void = std::ptr::null_mut();
         // SAFETY: the runtime looks `host` up in its own tables and returns an error for
         // memory it did not pin or register; out-pointer is a local.
         let r = unsafe { (self.host_get_device_pointer)(&mut d, host as *mut c_void, 0) };
-        if r == HIP_SUCCESS {
-            Ok(d as u64)
-        } else {
-            Err(r)
-        }
+        hip_result(r, d as u64)
     }
     unsafe fn host_register(&self, host: usize, bytes: usize) -> c_int {
         // SAFETY: guaranteed by the caller.
@@ -616,22 +609,14 @@ impl HipCalls for HipRuntime {
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: out-pointers are locals.
         let r = unsafe { (self.mem_get_info)(&mut free, &mut total) };
-        if r == HIP_SUCCESS {
-            Ok((free as u64, total as u64))
-        } else {
-            Err(r)
-        }
+        hip_result(r, (free as u64, total as u64))
     }
     fn module_load_data(&self, image: &[u8]) -> std::result::Result<usize, c_int> {
         let mut m: *mut c_void = std::ptr::null_mut();
         // SAFETY: `image` is a whole code object held for the call; the runtime validates
         // it (an ELF it cannot use is an error code) and copies what it keeps.
         let r = unsafe { (self.module_load_data)(&mut m, image.as_ptr().cast()) };
-        if r == HIP_SUCCESS {
-            Ok(m as usize)
-        } else {
-            Err(r)
-        }
+        hip_result(r, m as usize)
     }
     unsafe fn module_unload(&self, module: usize) -> c_int {
         // SAFETY: guaranteed by the caller.
@@ -641,11 +626,7 @@ impl HipCalls for HipRuntime {
         let mut f: *mut c_void = std::ptr::null_mut();
         // SAFETY: a loaded module handle (HipModule keeps it alive); NUL-terminated name.
         let r = unsafe { (self.module_get_function)(&mut f, module as *mut c_void, name.as_ptr()) };
-        if r == HIP_SUCCESS {
-            Ok(f as usize)
-        } else {
-            Err(r)
-        }
+        hip_result(r, f as usize)
     }
     fn module_get_global(
         &self,
@@ -657,11 +638,7 @@ impl HipCalls for HipRuntime {
         let r = unsafe {
             (self.module_get_global)(&mut d, &mut bytes, module as *mut c_void, name.as_ptr())
         };
-        if r == HIP_SUCCESS {
-            Ok((d as u64, bytes))
-        } else {
-            Err(r)
-        }
+        hip_result(r, (d as u64, bytes))
     }
     unsafe fn launch(
         &self,

@@ -996,3 +996,42 @@ extern "C" __global__ void ds4_check_ids(int* ids, int n, int n_expert, int* fau
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Greedy decoding: the index of the largest of n values, the lowest index on ties, NaN
+// never chosen unless x[0] is NaN (then 0) — the CPU's sequential `best = i if x[i] >
+// x[best]` scan exactly. One block; a fixed tree order (deterministic).
+// ---------------------------------------------------------------------------------------
+#define DS4_ARGMAX_THREADS 1024
+__device__ __forceinline__ bool ds4_argmax_better(float v, int i, float bv, int bi) {
+    if (v != v) return false;          // NaN never wins
+    if (bv != bv) return true;         // anything beats NaN / the empty start
+    return v > bv || (v == bv && i < bi);
+}
+
+extern "C" __global__ void __launch_bounds__(DS4_ARGMAX_THREADS)
+ds4_argmax(const float* x, int n, int* out) {
+    __shared__ float sv[DS4_ARGMAX_THREADS];
+    __shared__ int si[DS4_ARGMAX_THREADS];
+    const int t = threadIdx.x;
+    float bv = __int_as_float(0x7fc00000);  // NaN: "nothing yet"
+    int bi = 0x7fffffff;
+    for (int i = t; i < n; i += DS4_ARGMAX_THREADS) {
+        const float v = x[i];
+        if (ds4_argmax_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    sv[t] = bv;
+    si[t] = bi;
+    __syncthreads();
+    for (int s = DS4_ARGMAX_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s && ds4_argmax_better(sv[t + s], si[t + s], sv[t], si[t])) {
+            sv[t] = sv[t + s];
+            si[t] = si[t + s];
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        const float x0 = x[0];
+        out[0] = (x0 != x0 || si[0] == 0x7fffffff) ? 0 : si[0];
+    }
+}

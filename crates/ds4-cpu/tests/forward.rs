@@ -382,3 +382,61 @@ fn generate_stops_at_the_context_and_continues_from_given_logits() {
         .unwrap();
     assert_eq!(out.tokens, vec![argmax(&l)]);
 }
+
+#[test]
+fn eval_argmax_equals_the_argmax_of_the_downloaded_logits() {
+    let file = model();
+    let cfg = EngineConfig {
+        mode: Some(NumericMode::Exact),
+        ctx: 256,
+        prefill_chunk: 7,
+    };
+    let mk = || {
+        Engine::load(
+            Arc::clone(&file),
+            Box::new(CpuBackend::new(1).unwrap()),
+            cfg.clone(),
+        )
+        .unwrap()
+    };
+    let (mut a, mut b) = (mk(), mk());
+    let vocab = a.hparams().n_vocab;
+    let prompt = tokens(19, vocab, 5);
+    let (mut sa, mut sb) = (a.new_state().unwrap(), b.new_state().unwrap());
+    let la = a
+        .eval(&mut sa, &prompt, ds4_engine::Logits::Last, None)
+        .unwrap();
+    let mut next = argmax(&la);
+    assert_eq!(b.eval_argmax(&mut sb, &prompt).unwrap(), next);
+    for _ in 0..6 {
+        let l = a
+            .eval(&mut sa, &[next], ds4_engine::Logits::Last, None)
+            .unwrap();
+        let g = b.eval_argmax(&mut sb, &[next]).unwrap();
+        assert_eq!(g, argmax(&l));
+        next = g;
+    }
+    assert_eq!(sa.pos(), sb.pos());
+}
+
+#[test]
+fn default_argmax_op_follows_the_sequential_scan_on_ties_and_nan() {
+    use ds4_engine::Backend;
+    let mut be = CpuBackend::new(1).unwrap();
+    let cases: [&[f32]; 5] = [
+        &[1.0, 3.0, 3.0, -1.0],
+        &[f32::NAN, 5.0, 7.0],
+        &[2.0, f32::NAN, 9.0, 9.0],
+        &[-4.0, -4.0],
+        &[0.5],
+    ];
+    for c in cases {
+        let x = be.alloc(c.len()).unwrap();
+        be.upload(x.all(), c).unwrap();
+        let out = be.alloc_i32(1).unwrap();
+        be.argmax(x.all(), out).unwrap();
+        let mut got = [0i32];
+        be.download_i32(out, 0, &mut got).unwrap();
+        assert_eq!(got[0] as u32, argmax(c), "{c:?}");
+    }
+}

@@ -358,6 +358,26 @@ pub struct MoeArgs {
     pub clamp: f32,
 }
 
+/// Host↔device traffic and launches a backend has issued since it was created, so
+/// benchmarks can show per-token overhead (launches and synchronisations per token).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Kernel launches (0 on backends without kernels).
+    pub launches: u64,
+    /// Host waits for the device (explicit synchronisations and blocking copies back).
+    pub syncs: u64,
+}
+
+/// One row of a device-time attribution: the time the device spent on launches of
+/// `kernel` issued while the forward pass was in section `tag` (e.g. a layer kind).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfileRow {
+    pub tag: &'static str,
+    pub kernel: &'static str,
+    pub launches: u64,
+    pub ms: f64,
+}
+
 /// An execution device. Object safe: the engine holds a `Box<dyn Backend>`.
 ///
 /// Determinism contract: for fixed inputs an op's output must not depend on the number of
@@ -541,4 +561,32 @@ pub trait Backend: Send {
         args: MoeArgs,
         out: Slice,
     ) -> BResult<()>;
+
+    // ---- decode helpers and instrumentation (defaults made of the ops above) -----------
+
+    /// `out[0]` = index of the largest value of `x`, the first one on ties, NaN never
+    /// chosen (unless `x[0]` is NaN: then 0) — exactly [`crate::sampler::argmax`]. Greedy
+    /// decoding copies back this one integer instead of the whole logits row.
+    fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
+        let mut v = vec![0f32; x.len];
+        self.download(x, &mut v)?;
+        let i = crate::sampler::argmax(&v);
+        self.upload_i32(out, 0, &[i as i32])
+    }
+    /// Names the section of the forward pass the following ops belong to (layer kinds),
+    /// for [`Backend::take_profile`]. No effect unless profiling is on.
+    fn annotate(&mut self, _tag: &'static str) {}
+    /// Turns device-time attribution on or off; returns whether the backend supports it.
+    fn set_profiling(&mut self, _on: bool) -> BResult<bool> {
+        Ok(false)
+    }
+    /// The attribution gathered since the last call (waits for the device), and the
+    /// device time it covers in milliseconds.
+    fn take_profile(&mut self) -> BResult<Option<(Vec<ProfileRow>, f64)>> {
+        Ok(None)
+    }
+    /// Launch and synchronisation counts so far.
+    fn counters(&self) -> Counters {
+        Counters::default()
+    }
 }

@@ -164,6 +164,24 @@ impl Engine {
         Ok(())
     }
 
+    /// The backend, for instrumentation ([`Backend::counters`], profiling).
+    pub fn backend_mut(&mut self) -> &mut dyn Backend {
+        self.backend.as_mut()
+    }
+
+    /// Runs `tokens` like [`Engine::eval`] and returns only the greedy next token (the
+    /// argmax of the last logits row, computed by the backend: one integer crosses back
+    /// instead of the vocabulary-sized row).
+    pub fn eval_argmax(&mut self, state: &mut KvState, tokens: &[u32]) -> Result<u32> {
+        self.eval_inner(state, tokens, Logits::Last, None, true)?;
+        let s = self.scratch.as_ref().expect("eval allocated the scratch");
+        let mut id = [0i32];
+        let (logits, out) = (s.logits.rows(0, 1, self.spec.hparams.n_vocab), s.argmax);
+        self.backend.argmax(logits, out)?;
+        self.backend.download_i32(out, 0, &mut id)?;
+        Ok(id[0] as u32)
+    }
+
     /// Runs `tokens` (appended after the state's current position) in chunks of
     /// `config.prefill_chunk`, and returns the requested logits. `progress(done, total)` is
     /// called after every chunk.
@@ -172,7 +190,20 @@ impl Engine {
         state: &mut KvState,
         tokens: &[u32],
         want: Logits,
+        progress: Option<&mut dyn FnMut(usize, usize)>,
+    ) -> Result<Vec<f32>> {
+        self.eval_inner(state, tokens, want, progress, false)
+    }
+
+    /// [`Engine::eval`]; with `keep_on_device` the last logits stay in the scratch
+    /// (nothing is copied back).
+    fn eval_inner(
+        &mut self,
+        state: &mut KvState,
+        tokens: &[u32],
+        want: Logits,
         mut progress: Option<&mut dyn FnMut(usize, usize)>,
+        keep_on_device: bool,
     ) -> Result<Vec<f32>> {
         self.check_state(state)?;
         if tokens.is_empty() {
@@ -233,7 +264,7 @@ impl Engine {
                 Want::Last => 1,
                 Want::All => chunk.len(),
             };
-            if rows > 0 {
+            if rows > 0 && !keep_on_device {
                 let start = out.len();
                 out.resize(start + rows * n_vocab, 0.0);
                 self.backend

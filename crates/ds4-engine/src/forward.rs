@@ -55,6 +55,8 @@ pub(crate) struct Scratch {
     sf: Buf,
     hmix: Buf,
     pub logits: Buf,
+    /// One i32: the greedy token of the last logits row ([`Backend::argmax`]).
+    pub argmax: IBuf,
 }
 
 impl Scratch {
@@ -97,6 +99,7 @@ impl Scratch {
             sf: be.alloc(cap * d)?,
             hmix: be.alloc(cap * n)?,
             logits: be.alloc(logit_rows.max(1) * hp.n_vocab)?,
+            argmax: be.alloc_i32(1)?,
         })
     }
 
@@ -129,7 +132,7 @@ impl Scratch {
         ] {
             be.free(b);
         }
-        for b in [self.tokens, self.sel, self.eids] {
+        for b in [self.tokens, self.sel, self.eids, self.argmax] {
             be.free_i32(b);
         }
     }
@@ -198,6 +201,7 @@ pub(crate) fn forward_chunk(
     let comb = s.comb.rows(0, t, n_hc * n_hc);
     let f = s.f.rows(0, t, dm);
 
+    be.annotate("embed");
     be.embed(m.w.tok_embd, s.tokens, t, n_hc, x)?;
 
     for (il, lw) in m.w.layers.iter().enumerate() {
@@ -215,6 +219,11 @@ pub(crate) fn forward_chunk(
             };
 
         // ---- attention sublayer (spec §5) ----
+        be.annotate(match hp.attn_kind(il) {
+            AttnKind::Sliding => "attn.sliding",
+            AttnKind::Csa => "attn.csa",
+            AttnKind::Hca(_) => "attn.hca",
+        });
         be.matmul(lw.hc_attn.fn_, 0, x, t, mix)?;
         be.hc_pre(mix, x, lw.hc_attn.base, lw.hc_attn.scale, hc, y, post, comb)?;
         be.rms_norm(y, Some(lw.attn_norm), t, dm, eps, a)?;
@@ -317,6 +326,11 @@ pub(crate) fn forward_chunk(
         be.hc_post(x, f, post, comb, hc)?;
 
         // ---- MoE sublayer (spec §6) ----
+        be.annotate(if lw.tid2eid.is_some() {
+            "moe.hash"
+        } else {
+            "moe.topk"
+        });
         be.matmul(lw.hc_ffn.fn_, 0, x, t, mix)?;
         be.hc_pre(mix, x, lw.hc_ffn.base, lw.hc_ffn.scale, hc, y, post, comb)?;
         be.rms_norm(y, Some(lw.ffn_norm), t, dm, eps, a)?;
@@ -378,6 +392,7 @@ pub(crate) fn forward_chunk(
         Want::Last => (t - 1, 1),
         Want::All => (0, t),
     };
+    be.annotate("head");
     let xs = s.x.rows(t0, nt, xw);
     let hmix = s.hmix.rows(0, nt, n_hc);
     let hy = s.y.rows(0, nt, dm);

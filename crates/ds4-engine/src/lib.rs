@@ -24,7 +24,9 @@ pub mod session;
 pub mod state;
 pub mod weights;
 
-pub use backend::{Backend, BackendError, Buf, IBuf, Slice, Weight, WeightInfo, WeightUse};
+pub use backend::{
+    Backend, BackendError, Buf, Counters, IBuf, ProfileRow, Slice, Weight, WeightInfo, WeightUse,
+};
 pub use config::{EngineConfig, NumericMode};
 pub use engine::{Engine, Logits};
 pub use error::{EngineError, Result};

@@ -44,6 +44,8 @@ pub trait GpuApi: Send + Sync + Sized {
     type Buffer: DeviceBuffer;
     type Module: Send + Sync;
     type Function: Send + Sync;
+    /// A timing event on the device's stream (device-time attribution).
+    type Event: Send + Sync;
 
     /// `cuda` or `rocm`.
     fn runtime(&self) -> &'static str;
@@ -91,4 +93,10 @@ pub trait GpuApi: Send + Sync + Sized {
     ) -> Result<()>;
     /// Waits for all queued work, surfacing asynchronous faults.
     fn synchronize(&self) -> Result<()>;
+    /// A new timing event (runtimes without wired events refuse: attribution off).
+    fn timing_event(&self) -> Result<Self::Event>;
+    /// Records `e` at the current end of the stream (no host wait).
+    fn record_event(&self, e: &Self::Event) -> Result<()>;
+    /// Milliseconds between two recorded events (waits for `b`).
+    fn event_ms(&self, a: &Self::Event, b: &Self::Event) -> Result<f32>;
 }

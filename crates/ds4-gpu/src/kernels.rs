@@ -118,6 +118,24 @@ impl GemvType {
     }
 
     /// Suffix of the kernel entry points (`ds4_gemv_<suffix>`).
+    /// Kernel label for timing attribution (`gemv_<suffix>`).
+    pub fn label(self, grouped: bool) -> &'static str {
+        match (self, grouped) {
+            (GemvType::F32, false) => "gemv_f32",
+            (GemvType::F16, false) => "gemv_f16",
+            (GemvType::Q8_0, false) => "gemv_q8_0",
+            (GemvType::Q2K, false) => "gemv_q2_k",
+            (GemvType::Q4K, false) => "gemv_q4_k",
+            (GemvType::Iq2Xxs, false) => "gemv_iq2_xxs",
+            (GemvType::F32, true) => "gemv_grouped_f32",
+            (GemvType::F16, true) => "gemv_grouped_f16",
+            (GemvType::Q8_0, true) => "gemv_grouped_q8_0",
+            (GemvType::Q2K, true) => "gemv_grouped_q2_k",
+            (GemvType::Q4K, true) => "gemv_grouped_q4_k",
+            (GemvType::Iq2Xxs, true) => "gemv_grouped_iq2_xxs",
+        }
+    }
+
     pub fn suffix(self) -> &'static str {
         match self {
             GemvType::F32 => "f32",

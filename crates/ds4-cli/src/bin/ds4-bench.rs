@@ -65,8 +65,13 @@ struct Args {
     seed: u64,
     /// Prefill GEMM: f32 (cuBLAS, no TF32), tf32 (cuBLAS tensor cores) or builtin (the
     /// backend's own tiled f32 kernel).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "tf32")]
     gemm: String,
+    /// After each frontier's decode, decode this many more tokens with device-time
+    /// attribution on (events before every launch, resolved per token) and print where the
+    /// time goes by section and kernel. 0: off.
+    #[arg(long, default_value_t = 0)]
+    profile: usize,
     /// Also print the last logits' checksum (to compare placements: equal weights and
     /// tokens must give equal logits whatever memory holds the weights).
     #[arg(long)]
@@ -245,12 +250,24 @@ fn main() -> Result<()> {
         let t0 = Instant::now();
         let mut logits = eng.eval(&mut st, &toks, Logits::Last, None)?;
         let pf = t0.elapsed().as_secs_f64();
+        let mut next = ds4_engine::argmax(&logits) as u32;
+        let c0 = eng.backend_mut().counters();
         let t1 = Instant::now();
         for _ in 0..args.decode {
-            let next = ds4_engine::argmax(&logits) as u32;
-            logits = eng.eval(&mut st, &[next], Logits::Last, None)?;
+            next = eng.eval_argmax(&mut st, &[next])?;
         }
         let dc = t1.elapsed().as_secs_f64();
+        let c1 = eng.backend_mut().counters();
+        let per = args.decode.max(1) as f64;
+        eprintln!(
+            "decode @{f}: {:.1} launches, {:.1} host syncs per token",
+            (c1.launches - c0.launches) as f64 / per,
+            (c1.syncs - c0.syncs) as f64 / per
+        );
+        if args.profile > 0 {
+            profile_decode(&mut eng, &mut st, &mut next, args.profile, f)?;
+        }
+        logits = eng.eval(&mut st, &[next], Logits::Last, None)?;
         let kv = ds4_model::kv::kv_fixed_bytes(&hp)
             + ds4_model::kv::kv_growth_per_token(&hp) * st.pos() as u64;
         let dtps = args.decode as f64 / dc;
@@ -275,6 +292,84 @@ fn main() -> Result<()> {
     }
     if let Some(p) = &args.csv {
         std::fs::File::create(p)?.write_all(csv.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// Decodes `n` tokens with device-time attribution on and prints it: per section (layer
+/// kind) and per kernel, in microseconds per token, with the device's total against the
+/// host's wall time (they agree when the GPU never waits for the host).
+fn profile_decode(
+    eng: &mut Engine,
+    st: &mut ds4_engine::KvState,
+    next: &mut u32,
+    n: usize,
+    frontier: usize,
+) -> Result<()> {
+    if !eng.backend_mut().set_profiling(true)? {
+        eprintln!("profile: this backend has no device-time attribution");
+        return Ok(());
+    }
+    eng.backend_mut().take_profile()?; // drop anything recorded before
+    let mut wall = 0.0;
+    let mut rows: std::collections::HashMap<(&str, &str), (u64, f64)> = Default::default();
+    let mut device = 0.0;
+    for _ in 0..n {
+        let t = Instant::now();
+        *next = eng.eval_argmax(st, &[*next])?;
+        wall += t.elapsed().as_secs_f64() * 1e3;
+        if let Some((r, ms)) = eng.backend_mut().take_profile()? {
+            device += ms;
+            for x in r {
+                let e = rows.entry((x.tag, x.kernel)).or_insert((0, 0.0));
+                e.0 += x.launches;
+                e.1 += x.ms;
+            }
+        }
+    }
+    eng.backend_mut().set_profiling(false)?;
+    let per = n as f64;
+    eprintln!(
+        "profile @{frontier} ({n} tokens): device {:.3} ms/token, host wall {:.3} ms/token \
+         (device/wall {:.1} %)",
+        device / per,
+        wall / per,
+        100.0 * device / wall.max(1e-9)
+    );
+    let mut by_tag: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
+    let mut by_kernel: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
+    for (&(tag, kernel), &(c, ms)) in &rows {
+        let e = by_tag.entry(tag).or_default();
+        e.0 += c;
+        e.1 += ms;
+        let e = by_kernel.entry(kernel).or_default();
+        e.0 += c;
+        e.1 += ms;
+    }
+    let print = |title: &str, m: &std::collections::BTreeMap<&str, (u64, f64)>| {
+        let mut v: Vec<_> = m.iter().collect();
+        v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        eprintln!("  by {title}: name, launches/token, us/token, share");
+        for (k, (c, ms)) in v {
+            eprintln!(
+                "    {k:<24} {:>8.1} {:>9.1} {:>6.1}%",
+                *c as f64 / per,
+                1e3 * ms / per,
+                100.0 * ms / device.max(1e-12)
+            );
+        }
+    };
+    print("section", &by_tag);
+    print("kernel", &by_kernel);
+    let mut v: Vec<_> = rows.iter().collect();
+    v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    eprintln!("  top section/kernel pairs: us/token, us/launch");
+    for ((tag, kernel), (c, ms)) in v.into_iter().take(25) {
+        eprintln!(
+            "    {tag:<13} {kernel:<24} {:>9.1} {:>8.2}",
+            1e3 * ms / per,
+            1e3 * ms / (*c).max(1) as f64
+        );
     }
     Ok(())
 }

@@ -66,6 +66,9 @@ impl<D: GpuApi> GpuBackend<D> {
             .iter_mut()
             .map(|v| (v as *mut u64).cast::<c_void>())
             .collect();
+        self.mark_launch(name)?;
+        self.launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let t0 = self.profile.as_ref().map(|_| {
             let _ = self.dev.synchronize();
             std::time::Instant::now()

@@ -338,6 +338,15 @@ impl Backend for Mirror {
         let name = if a.inverse { "rope_inverse" } else { "rope" };
         self.run(name, &[Out::Rw(o)], |b| b.rope(cx, a), |b| b.rope(gx, a))
     }
+    fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
+        let (cx, gx, co, go) = (self.c(x), self.g(x), self.ci(out), self.gi(out));
+        self.run(
+            "argmax",
+            &[Out::I(out, 1)],
+            |b| b.argmax(cx, co),
+            |b| b.argmax(gx, go),
+        )
+    }
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
         let (ca, ga, cx, gx) = (self.c(acc), self.g(acc), self.c(x), self.g(x));
         self.run("add", &[Out::Rw(acc)], |b| b.add(ca, cx), |b| b.add(ga, gx))

@@ -22,9 +22,12 @@ pub mod mirror;
 mod ops;
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use ds4_engine::backend::{BResult, BackendError, Buf, IBuf, Slice, Weight, WeightInfo, WeightUse};
+use ds4_engine::backend::{
+    BResult, BackendError, Buf, Counters, IBuf, ProfileRow, Slice, Weight, WeightInfo, WeightUse,
+};
 use ds4_gguf::{GgmlType, GgufFile};
 use ds4_placement::{Actual, MemKind, Plan};
 
@@ -216,6 +219,39 @@ pub struct GpuBackend<D: GpuApi> {
     /// `DS4_CUDA_PROFILE=1`: per-kernel launch counts and synchronised wall time (slows
     /// everything down; for finding where time goes, not for speed numbers).
     pub(crate) profile: Option<std::sync::Mutex<HashMap<&'static str, (u64, f64)>>>,
+    /// Device-time attribution by events (see [`Timeline`]); `None` when off.
+    pub(crate) timeline: Option<std::sync::Mutex<Timeline<D::Event>>>,
+    /// The forward pass's current section ([`ds4_engine::Backend::annotate`]).
+    pub(crate) tag: &'static str,
+    /// Kernel launches and host waits so far.
+    pub(crate) launches: std::sync::atomic::AtomicU64,
+    pub(crate) syncs: std::sync::atomic::AtomicU64,
+}
+
+/// Device-time attribution without host synchronisation: an event is recorded on the
+/// stream before every launch; once resolved (after a token), the time between event `i`
+/// and event `i+1` is launch `i`'s device time (its run plus any idle gap before it, so the
+/// rows add up to the device's wall time over the span).
+pub(crate) struct Timeline<E> {
+    events: Vec<E>,
+    /// (section, kernel) of the launch that follows event `i`.
+    marks: Vec<(&'static str, &'static str)>,
+    rows: HashMap<(&'static str, &'static str), (u64, f64)>,
+    total_ms: f64,
+}
+
+/// Launches recorded before the timeline resolves itself (bounds the event pool).
+const TIMELINE_MAX_MARKS: usize = 1 << 15;
+
+impl<E> Timeline<E> {
+    fn new() -> Self {
+        Timeline {
+            events: Vec::new(),
+            marks: Vec::new(),
+            rows: HashMap::new(),
+            total_ms: 0.0,
+        }
+    }
 }
 
 /// The CUDA backend (verified on the H200).
@@ -279,6 +315,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_scatter_rows",
     "ds4_sum_slots",
     "ds4_check_ids",
+    "ds4_argmax",
 ];
 
 /// A GPU-layer error as a backend error of `op`.
@@ -373,6 +410,10 @@ impl<D: GpuApi> GpuBackend<D> {
             profile: std::env::var("DS4_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
                 .then(|| std::sync::Mutex::new(HashMap::new())),
+            timeline: None,
+            tag: "",
+            launches: Default::default(),
+            syncs: Default::default(),
         };
         if let Some(plan) = opts.plan {
             be.allocate_plan(&plan)?;
@@ -451,8 +492,82 @@ impl<D: GpuApi> GpuBackend<D> {
         self.check_fault("sync")
     }
 
+    /// Records the timing mark of the launch about to be queued (timeline on only).
+    pub(crate) fn mark_launch(&self, kernel: &'static str) -> BResult<()> {
+        let Some(tl) = &self.timeline else {
+            return Ok(());
+        };
+        let mut tl = tl.lock().unwrap_or_else(|e| e.into_inner());
+        if tl.marks.len() + 1 >= TIMELINE_MAX_MARKS {
+            self.resolve_timeline(&mut tl)?;
+        }
+        let i = tl.marks.len();
+        if i == tl.events.len() {
+            let e = self.dev.timing_event().map_err(gerr("profile"))?;
+            tl.events.push(e);
+        }
+        self.dev
+            .record_event(&tl.events[i])
+            .map_err(gerr("profile"))?;
+        tl.marks.push((self.tag, kernel));
+        Ok(())
+    }
+
+    /// Records the closing event, waits for it and adds every interval to the rows.
+    fn resolve_timeline(&self, tl: &mut Timeline<D::Event>) -> BResult<()> {
+        let n = tl.marks.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if n == tl.events.len() {
+            let e = self.dev.timing_event().map_err(gerr("profile"))?;
+            tl.events.push(e);
+        }
+        self.dev
+            .record_event(&tl.events[n])
+            .map_err(gerr("profile"))?;
+        self.syncs.fetch_add(1, Relaxed);
+        for i in 0..n {
+            let ms = f64::from(
+                self.dev
+                    .event_ms(&tl.events[i], &tl.events[i + 1])
+                    .map_err(gerr("profile"))?,
+            );
+            let key = tl.marks[i];
+            let r = tl.rows.entry(key).or_insert((0, 0.0));
+            r.0 += 1;
+            r.1 += ms;
+            tl.total_ms += ms;
+        }
+        tl.marks.clear();
+        Ok(())
+    }
+
+    /// See [`ds4_engine::Backend::take_profile`].
+    pub(crate) fn take_timeline(&mut self) -> BResult<Option<(Vec<ProfileRow>, f64)>> {
+        let Some(tl) = &self.timeline else {
+            return Ok(None);
+        };
+        let mut tl = tl.lock().unwrap_or_else(|e| e.into_inner());
+        self.resolve_timeline(&mut tl)?;
+        let mut rows: Vec<ProfileRow> = tl
+            .rows
+            .drain()
+            .map(|((tag, kernel), (launches, ms))| ProfileRow {
+                tag,
+                kernel,
+                launches,
+                ms,
+            })
+            .collect();
+        rows.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        let total = std::mem::take(&mut tl.total_ms);
+        Ok(Some((rows, total)))
+    }
+
     fn check_fault(&mut self, op: &'static str) -> BResult<()> {
         let mut b = [0u8; 4];
+        self.syncs.fetch_add(1, Relaxed);
         self.fault.read(0, &mut b).map_err(gerr(op))?;
         let bits = u32::from_le_bytes(b);
         if bits == 0 {
@@ -854,6 +969,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         self.fptr(dst, "upload")?;
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.bufs[dst.buf.id() as usize].as_mut().expect("checked");
+        self.syncs.fetch_add(1, Relaxed);
         b.write(4 * dst.off, &bytes).map_err(gerr("upload"))
     }
 
@@ -862,6 +978,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         self.fptr(src, "download")?;
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.bufs[src.buf.id() as usize].as_ref().expect("checked");
+        self.syncs.fetch_add(1, Relaxed);
         b.read(4 * src.off, &mut bytes).map_err(gerr("download"))?;
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -883,6 +1000,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         }
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.ibufs[dst.id() as usize].as_mut().expect("checked");
+        self.syncs.fetch_add(1, Relaxed);
         b.write(4 * off, &bytes).map_err(gerr("upload_i32"))
     }
 
@@ -900,6 +1018,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         }
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.ibufs[src.id() as usize].as_ref().expect("checked");
+        self.syncs.fetch_add(1, Relaxed);
         b.read(4 * off, &mut bytes).map_err(gerr("download_i32"))?;
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
             *d = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -935,6 +1054,38 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         usage: WeightUse,
     ) -> BResult<Weight> {
         self.load(file, name, usage)
+    }
+
+    fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
+        self.op_argmax(x, out)
+    }
+
+    fn annotate(&mut self, tag: &'static str) {
+        self.tag = tag;
+    }
+
+    fn set_profiling(&mut self, on: bool) -> BResult<bool> {
+        if !on {
+            self.timeline = None;
+            return Ok(true);
+        }
+        if self.timeline.is_none() {
+            // Probe: a runtime without timing events says so here, not mid-forward.
+            self.dev.timing_event().map_err(gerr("profile"))?;
+            self.timeline = Some(std::sync::Mutex::new(Timeline::new()));
+        }
+        Ok(true)
+    }
+
+    fn take_profile(&mut self) -> BResult<Option<(Vec<ProfileRow>, f64)>> {
+        self.take_timeline()
+    }
+
+    fn counters(&self) -> Counters {
+        Counters {
+            launches: self.launches.load(Relaxed),
+            syncs: self.syncs.load(Relaxed),
+        }
     }
 
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {

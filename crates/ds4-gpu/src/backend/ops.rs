@@ -71,7 +71,7 @@ impl<D: GpuApi> GpuBackend<D> {
                         let f = self.gemv.function(gty);
                         return self.launch_fn(
                             f,
-                            "gemv",
+                            gty.label(false),
                             (l.grid_x, 1, 1),
                             l.block,
                             &[
@@ -1239,7 +1239,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let mats = if w.1.is_some() { 2 } else { 1 };
         self.launch_fn(
             f,
-            "gemv_grouped",
+            g.label(true),
             (l.grid_x, g32(n_sel), mats),
             l.block,
             &[
@@ -1256,6 +1256,23 @@ impl<D: GpuApi> GpuBackend<D> {
                 i32a(OP, "n_out", n_out)?,
                 Arg::I32(l.wpr as i32),
             ],
+        )
+    }
+
+    pub(super) fn op_argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
+        const OP: &str = "argmax";
+        if x.len == 0 || out.is_empty() {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{} values into {} slots", x.len, out.len()),
+            });
+        }
+        let (xp, op_) = (self.fptr(x, OP)?, self.iptr(out, OP)?);
+        self.launch(
+            "ds4_argmax",
+            (1, 1, 1),
+            1024,
+            &[Arg::Ptr(xp), i32a(OP, "values", x.len)?, Arg::Ptr(op_)],
         )
     }
 }

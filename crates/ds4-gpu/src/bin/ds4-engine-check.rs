@@ -191,6 +191,11 @@ fn ops(a: &Args) -> Result<()> {
             for t in &toks[a.tokens..] {
                 eng.eval(&mut st, std::slice::from_ref(t), Logits::Last, None)?;
             }
+            // Greedy steps (the device argmax op is mirrored too).
+            let mut next = toks[a.tokens];
+            for _ in 0..3 {
+                next = eng.eval_argmax(&mut st, &[next])?;
+            }
             drop(eng);
             let stats = stats_handle.lock().map(|s| s.clone()).unwrap_or_default();
             let tol = if mode == NumericMode::Exact {

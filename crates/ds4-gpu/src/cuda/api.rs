@@ -42,6 +42,7 @@ impl GpuApi for CudaDevice {
     type Buffer = CudaBuffer;
     type Module = CudaModule;
     type Function = CudaFunction;
+    type Event = super::event::CudaEvent;
 
     fn runtime(&self) -> &'static str {
         "cuda"
@@ -84,5 +85,14 @@ impl GpuApi for CudaDevice {
     }
     fn synchronize(&self) -> Result<()> {
         CudaDevice::synchronize(self)
+    }
+    fn timing_event(&self) -> Result<Self::Event> {
+        self.event()
+    }
+    fn record_event(&self, e: &Self::Event) -> Result<()> {
+        e.record()
+    }
+    fn event_ms(&self, a: &Self::Event, b: &Self::Event) -> Result<f32> {
+        a.elapsed_ms(b)
     }
 }

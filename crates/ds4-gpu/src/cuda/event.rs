@@ -16,6 +16,9 @@ pub struct CudaEvent {
 
 // SAFETY: event handles are thread-agnostic; methods bind the context first.
 unsafe impl Send for CudaEvent {}
+// SAFETY: the methods take `&self` and only pass the handle to the driver, which
+// serialises event calls internally; no Rust-side state is mutated.
+unsafe impl Sync for CudaEvent {}
 
 impl CudaDevice {
     pub fn event(&self) -> Result<CudaEvent> {

@@ -692,6 +692,8 @@ impl GpuApi for HipDevice {
     type Buffer = HipBuffer;
     type Module = HipModule;
     type Function = HipFunction;
+    /// Timing events are not wired to hipEvent* yet: attribution is CUDA-only for now.
+    type Event = ();
 
     fn runtime(&self) -> &'static str {
         "rocm"
@@ -838,5 +840,17 @@ impl GpuApi for HipDevice {
             }));
         }
         Ok(())
+    }
+    fn timing_event(&self) -> Result<()> {
+        Err(GpuError::BadArgument {
+            op: "profile",
+            detail: "device-time attribution needs timing events, not wired for ROCm yet".into(),
+        })
+    }
+    fn record_event(&self, _e: &()) -> Result<()> {
+        Ok(())
+    }
+    fn event_ms(&self, _a: &(), _b: &()) -> Result<f32> {
+        Ok(0.0)
     }
 }

@@ -483,9 +483,9 @@ __device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
 
 // y[i] = sum_s c[s] * x[s*d + i] (s in stream order, as the CPU reference) by the whole
 // block; two outputs per round with all their loads issued first (latency, as above).
-__device__ void ds4_mix_streams(const float* x, const float* c, int n, int d, float* y) {
-    const int bd = blockDim.x;
-    int i = threadIdx.x;
+__device__ void ds4_mix_streams_by(const float* x, const float* c, int n, int d, float* y,
+                                   int tid, int bd) {
+    int i = tid;
     for (; i + bd < d; i += 2 * bd) {
         float a[DS4_HC_MAX], b[DS4_HC_MAX];
 #pragma unroll
@@ -513,6 +513,53 @@ __device__ void ds4_mix_streams(const float* x, const float* c, int n, int d, fl
     }
 }
 
+__device__ void ds4_mix_streams(const float* x, const float* c, int n, int d, float* y) {
+    ds4_mix_streams_by(x, c, n, d, y, threadIdx.x, blockDim.x);
+}
+
+// ds4_sinkhorn_block's arithmetic (same operations in the same order) run by warp 0 alone,
+// with warp barriers instead of block barriers, for n*n <= 32: the other warps are free
+// to work meanwhile.
+__device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
+    const int k = threadIdx.x;
+    const bool own = k < n * n;
+    const int i = own ? k / n : 0;
+    const int j = own ? k % n : 0;
+    float v = 0.0f;
+    if (own) {
+        const float* row = z + i * n;
+        float m = -__int_as_float(0x7f800000);
+        for (int q = 0; q < n; q++) m = fmaxf(m, row[q]);
+        float s = 0.0f;
+        for (int q = 0; q < n; q++) s += expf(row[q] - m);
+        v = expf(row[j] - m) / s + eps;
+    }
+    ds4_syncwarp();
+    if (own) z[k] = v;
+    ds4_syncwarp();
+    const int n_it = iters > 0 ? iters : 1;
+    for (int it = 0; it < n_it; it++) {
+        if (it > 0) {
+            float s = 0.0f;
+            if (own) {
+                for (int q = 0; q < n; q++) s += z[i * n + q];
+                s += eps;
+            }
+            ds4_syncwarp();
+            if (own) z[k] = z[k] / s;
+            ds4_syncwarp();
+        }
+        float s = 0.0f;
+        if (own) {
+            for (int q = 0; q < n; q++) s += z[q * n + j];
+            s += eps;
+        }
+        ds4_syncwarp();
+        if (own) z[k] = z[k] / s;
+        ds4_syncwarp();
+    }
+}
+
 // HCPre, one block (256 threads) per token: coefficients from mix and the streams' RMS
 // (the Sinkhorn projection spread over the block's first n*n threads), then
 // y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
@@ -534,6 +581,17 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
     }
     if (k < n * n) z[k] = scale[2] * (m[2 * n + k] * rho) + base[2 * n + k];
     __syncthreads();
+    if (n * n <= DS4_WARP && blockDim.x > DS4_WARP) {
+        // Warp 0 projects comb while the other warps mix the streams (independent work).
+        if (k < DS4_WARP) {
+            ds4_sinkhorn_warp(z, n, iters, hc_eps);
+            if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
+        } else {
+            ds4_mix_streams_by(xt, pre, n, d, y + (ds4_size)t * d, k - DS4_WARP,
+                               blockDim.x - DS4_WARP);
+        }
+        return;
+    }
     ds4_sinkhorn_block(z, n, iters, hc_eps);
     if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
     __syncthreads();
@@ -673,83 +731,88 @@ __device__ __forceinline__ ds4_u32 ds4_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__device__ int ds4_block_sum_i(int v, int* sh) {
+// Top-k per query (one block of DS4_TOPK_THREADS each): the k largest scores (ties: lower
+// index), written ascending to out[t][0..k], padded with -1. Queries with n_p <= k take all
+// rows. The k-th largest key K is found by a radix select (four passes of 8-bit digits, a
+// shared-memory histogram each); then every thread takes a contiguous segment of indices,
+// and two block scans (of its "== K" and of its selected counts) give each segment its
+// place, so the output comes out in index order with the first need_eq ties.
+#define DS4_TOPK_THREADS 1024
+__device__ int ds4_scan_excl_1024(int v, int* sh) {
     const int tid = threadIdx.x;
     sh[tid] = v;
     __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (tid < s) sh[tid] += sh[tid + s];
-        __syncthreads();
-    }
-    const int r = sh[0];
-    __syncthreads();
-    return r;
-}
-
-// Inclusive scan over the block (Hillis-Steele); returns this thread's inclusive prefix.
-__device__ int ds4_block_scan_i(int v, int* sh) {
-    const int tid = threadIdx.x;
-    sh[tid] = v;
-    __syncthreads();
-    for (int o = 1; o < blockDim.x; o *= 2) {
+    for (int o = 1; o < DS4_TOPK_THREADS; o *= 2) {
         const int add = tid >= o ? sh[tid - o] : 0;
         __syncthreads();
         sh[tid] += add;
         __syncthreads();
     }
-    const int r = sh[tid];
+    const int r = sh[tid] - v;
     __syncthreads();
     return r;
 }
 
-// Top-k per query (one 256-thread block each): the k largest scores (ties: lower index),
-// written ascending to out[t][0..k], padded with -1. Queries with n_p <= k take all rows.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(DS4_TOPK_THREADS)
 ds4_topk_select(const float* scores, int n_cols, ds4_size pos0, int ratio, int k, int* out) {
-    __shared__ int sh[256];
-    const int t = blockIdx.x;
+    __shared__ int sh[DS4_TOPK_THREADS];
+    __shared__ int hist[256];
+    __shared__ ds4_u32 s_prefix;
+    __shared__ int s_rank;
+    const int t = blockIdx.x, tid = threadIdx.x;
     const int n_p = (int)((pos0 + t + 1) / ratio);
     int* o = out + (ds4_size)t * k;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) o[i] = -1;
+    for (int i = tid; i < k; i += blockDim.x) o[i] = -1;
     __syncthreads();
     if (n_p <= k) {
-        for (int i = threadIdx.x; i < n_p; i += blockDim.x) o[i] = i;
+        for (int i = tid; i < n_p; i += blockDim.x) o[i] = i;
         return;
     }
     const float* s = scores + (ds4_size)t * n_cols;
-    // Largest K with count(key >= K) >= k: the k-th largest key.
-    ds4_u32 prefix = 0;
-    for (int bit = 31; bit >= 0; bit--) {
-        const ds4_u32 cand = prefix | (1u << bit);
-        int cnt = 0;
-        for (int i = threadIdx.x; i < n_p; i += blockDim.x) cnt += ds4_key(s[i]) >= cand ? 1 : 0;
-        cnt = ds4_block_sum_i(cnt, sh);
-        if (cnt >= k) prefix = cand;
-    }
-    int gt = 0;
-    for (int i = threadIdx.x; i < n_p; i += blockDim.x) gt += ds4_key(s[i]) > prefix ? 1 : 0;
-    gt = ds4_block_sum_i(gt, sh);
-    const int need_eq = k - gt;
-    // Compact in index order: all keys > K, and the first need_eq keys == K.
-    __shared__ int tot_eq, tot_sel;
-    int eq_seen = 0, base = 0;
-    for (int c0 = 0; c0 < n_p; c0 += blockDim.x) {
-        const int i = c0 + threadIdx.x;
-        const ds4_u32 key = i < n_p ? ds4_key(s[i]) : 0;
-        const int is_eq = (i < n_p && key == prefix) ? 1 : 0;
-        const int eq_incl = ds4_block_scan_i(is_eq, sh);
-        const int eq_before = eq_seen + eq_incl - is_eq;
-        const int sel = (i < n_p && (key > prefix || (is_eq && eq_before < need_eq))) ? 1 : 0;
-        const int sel_incl = ds4_block_scan_i(sel, sh);
-        if (sel && base + sel_incl - 1 < k) o[base + sel_incl - 1] = i;
-        if (threadIdx.x == blockDim.x - 1) {
-            tot_eq = eq_incl;
-            tot_sel = sel_incl;
+    ds4_u32 prefix = 0, mask = 0;
+    int rank = k;  // rank of K among the keys that match `prefix` under `mask`
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        if (tid < 256) hist[tid] = 0;
+        __syncthreads();
+        for (int i = tid; i < n_p; i += blockDim.x) {
+            const ds4_u32 key = ds4_key(s[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
         }
         __syncthreads();
-        eq_seen += tot_eq;
-        base += tot_sel;
+        // Thread d (< 256) looks at digit 255 - d: counts of larger digits come first.
+        const int c = tid < 256 ? hist[255 - tid] : 0;
+        const int before = ds4_scan_excl_1024(c, sh);
+        if (tid < 256 && before < rank && before + c >= rank) {
+            s_prefix = prefix | ((ds4_u32)(255 - tid) << shift);
+            s_rank = rank - before;
+        }
         __syncthreads();
+        prefix = s_prefix;
+        rank = s_rank;
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    const int need_eq = rank;  // keys == K to take (the rest of the k are > K)
+    const int seg = (n_p + DS4_TOPK_THREADS - 1) / DS4_TOPK_THREADS;
+    const int a = min(tid * seg, n_p), b = min(a + seg, n_p);
+    int gt = 0, eq = 0;
+    for (int i = a; i < b; i++) {
+        const ds4_u32 key = ds4_key(s[i]);
+        gt += key > prefix ? 1 : 0;
+        eq += key == prefix ? 1 : 0;
+    }
+    const int eq_before = ds4_scan_excl_1024(eq, sh);
+    const int take_eq = max(0, min(eq, need_eq - eq_before));
+    const int base = ds4_scan_excl_1024(gt + take_eq, sh);
+    int w = base, eq_taken = 0;
+    for (int i = a; i < b; i++) {
+        const ds4_u32 key = ds4_key(s[i]);
+        bool sel = key > prefix;
+        if (key == prefix && eq_taken < take_eq) {
+            sel = true;
+            eq_taken++;
+        }
+        if (sel && w < k) o[w++] = i;
     }
 }
 
@@ -842,6 +905,132 @@ ds4_attention(const float* q, const float* kv, const float* ring, const float* c
     for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
         float o = 0.0f;
         for (int w = 0; w < DS4_ATT_WARPS; w++) o += o_sh[w][dd] * f[w];
+        out[(ds4_size)th * hd + dd] = o / denom;
+    }
+}
+
+// Split-key sink attention for few tokens (decode): the keys of (token, head) are cut
+// into ranges of `kps` keys, one block of 4 warps per (token·head, range), so the serial
+// online-softmax chain per warp is kps/4 keys long instead of (n_win + n_comp)/4. Each
+// block writes its partial (max m, sum s, unnormalised output acc[hd]) to `part`; the sink
+// and the normalisation are applied by ds4_attention_combine in split order (fixed order:
+// deterministic). Same key enumeration and fault rules as ds4_attention.
+extern "C" __global__ void __launch_bounds__(128)
+ds4_attention_split(const float* q, const float* kv, const float* ring, const float* crows,
+                    const int* idx, ds4_size pos0, int n_head, int hd, int window,
+                    int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale,
+                    int kps, float* part, int* fault) {
+    __shared__ float m_sh[DS4_ATT_WARPS], s_sh[DS4_ATT_WARPS];
+    __shared__ float o_sh[DS4_ATT_WARPS][DS4_ATT_MAXV * DS4_WARP];
+    const int th = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    const int t = th / n_head;
+    const int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    const ds4_size p = pos0 + t;
+    const ds4_size lo = p + 1 > (ds4_size)window ? p + 1 - window : 0;
+    const int n_win = (int)(p - lo + 1);
+    int n_comp = 0;
+    if (comp_mode == 1) n_comp = (int)((p + 1) / ratio);
+    if (comp_mode == 2) n_comp = k_sel;
+    const ds4_size n_vis = comp_mode != 0 ? (p + 1) / ratio : 0;
+    const int k0 = split * kps;
+    const int k1 = min(k0 + kps, n_win + n_comp);
+    const float* qv = q + (ds4_size)th * hd;
+    const int nv = (hd + DS4_WARP - 1) / DS4_WARP;
+    float qr[DS4_ATT_MAXV], acc[DS4_ATT_MAXV];
+#pragma unroll
+    for (int j = 0; j < DS4_ATT_MAXV; j++) {
+        const int dd = lane + j * DS4_WARP;
+        qr[j] = (j < nv && dd < hd) ? qv[dd] : 0.0f;
+        acc[j] = 0.0f;
+    }
+    float m = -__int_as_float(0x7f800000), s = 0.0f;
+    for (int key = k0 + warp; key < k1; key += DS4_ATT_WARPS) {
+        const float* kp;
+        if (key < n_win) {
+            const ds4_size pos = lo + key;
+            kp = pos < pos0 ? ring + (pos % window) * hd : kv + (pos - pos0) * hd;
+        } else if (comp_mode == 1) {
+            kp = crows + (ds4_size)(key - n_win) * hd;
+        } else {
+            const int r = idx[(ds4_size)t * k_sel + (key - n_win)];
+            if (r < 0) continue;
+            if ((ds4_size)r >= n_vis || (ds4_size)r >= n_crows) {
+                if (lane == 0) ds4_fault(fault, DS4_FAULT_ROW);
+                continue;
+            }
+            kp = crows + (ds4_size)r * hd;
+        }
+        float kr[DS4_ATT_MAXV];
+        float d = 0.0f;
+#pragma unroll
+        for (int j = 0; j < DS4_ATT_MAXV; j++) {
+            const int dd = lane + j * DS4_WARP;
+            kr[j] = (j < nv && dd < hd) ? kp[dd] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < DS4_ATT_MAXV; j++) d += qr[j] * kr[j];
+        const float l = ds4_warp_sum(d) * scale;
+        const float mn = fmaxf(m, l);
+        const float corr = expf(m - mn), e = expf(l - mn);
+        s = s * corr + e;
+#pragma unroll
+        for (int j = 0; j < DS4_ATT_MAXV; j++) acc[j] = acc[j] * corr + e * kr[j];
+        m = mn;
+    }
+    if (lane == 0) {
+        m_sh[warp] = m;
+        s_sh[warp] = s;
+    }
+#pragma unroll
+    for (int j = 0; j < DS4_ATT_MAXV; j++) {
+        const int dd = lane + j * DS4_WARP;
+        if (j < nv && dd < hd) o_sh[warp][dd] = acc[j];
+    }
+    __syncthreads();
+    float mm = -__int_as_float(0x7f800000);
+    for (int w = 0; w < DS4_ATT_WARPS; w++) mm = fmaxf(mm, m_sh[w]);
+    float f[DS4_ATT_WARPS];
+    float st = 0.0f;
+    for (int w = 0; w < DS4_ATT_WARPS; w++) {
+        f[w] = s_sh[w] > 0.0f ? expf(m_sh[w] - mm) : 0.0f;
+        st += s_sh[w] * f[w];
+    }
+    float* pp = part + ((ds4_size)th * n_splits + split) * (ds4_size)(hd + 2);
+    if (threadIdx.x == 0) {
+        pp[0] = mm;
+        pp[1] = st;
+    }
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < DS4_ATT_WARPS; w++) o += o_sh[w][dd] * f[w];
+        pp[2 + dd] = o;
+    }
+}
+
+// Combines ds4_attention_split's partials of one (token, head) with the sink, in split
+// order, and writes the normalised output.
+extern "C" __global__ void __launch_bounds__(128)
+ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd, int n_splits,
+                      float* out) {
+    const int th = blockIdx.x, h = th % n_head;
+    const float* pp = part + (ds4_size)th * n_splits * (ds4_size)(hd + 2);
+    const float sink = sinks[h];
+    float mm = sink;
+    for (int i = 0; i < n_splits; i++) {
+        const float* pi = pp + (ds4_size)i * (hd + 2);
+        if (pi[1] > 0.0f) mm = fmaxf(mm, pi[0]);
+    }
+    float denom = expf(sink - mm);
+    for (int i = 0; i < n_splits; i++) {
+        const float* pi = pp + (ds4_size)i * (hd + 2);
+        if (pi[1] > 0.0f) denom += pi[1] * expf(pi[0] - mm);
+    }
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float o = 0.0f;
+        for (int i = 0; i < n_splits; i++) {
+            const float* pi = pp + (ds4_size)i * (hd + 2);
+            if (pi[1] > 0.0f) o += pi[2 + dd] * expf(pi[0] - mm);
+        }
         out[(ds4_size)th * hd + dd] = o / denom;
     }
 }

@@ -316,6 +316,8 @@ const OP_KERNELS: &[&str] = &[
     "ds4_sum_slots",
     "ds4_check_ids",
     "ds4_argmax",
+    "ds4_attention_split",
+    "ds4_attention_combine",
 ];
 
 /// A GPU-layer error as a backend error of `op`.
@@ -676,10 +678,15 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// A device scratch buffer of at least `bytes`, kept for reuse.
+    ///
+    /// Grows geometrically (to the next power of two): a scratch whose need creeps up with
+    /// the context (indexer scores, attention partials) is re-allocated O(log n) times, not
+    /// every few tokens — freeing device memory waits for the device mid-token.
     pub(crate) fn scratch(&mut self, name: &'static str, bytes: usize) -> BResult<u64> {
-        let bytes = bytes.max(4);
-        let grow = self.scratch.get(name).is_none_or(|b| b.len() < bytes);
+        let need = bytes.max(4);
+        let grow = self.scratch.get(name).is_none_or(|b| b.len() < need);
         if grow {
+            let bytes = need.checked_next_power_of_two().unwrap_or(need);
             self.scratch.remove(name);
             let b = self
                 .dev

@@ -19,6 +19,12 @@ const PANEL_ELEMS: usize = 64 << 20;
 const GROUPED_MAX_SEL: usize = 64;
 /// Head dims the attention kernel holds in registers.
 const ATT_MAX_HD: usize = 512;
+/// Length of the on-device 0..n sequence used as group ids.
+const IOTA_LEN: usize = 64;
+/// Keys per block of the split-key (decode) attention.
+const ATT_KEYS_PER_SPLIT: usize = 32;
+/// Below this many (token, head) blocks attention splits the keys over blocks too.
+const ATT_SPLIT_BELOW_BLOCKS: usize = 1024;
 
 /// A matmul over rows `row0..row0+n_rows` of a quantized matrix at `w` (device address).
 #[derive(Debug, Clone, Copy)]
@@ -245,6 +251,29 @@ impl<D: GpuApi> GpuBackend<D> {
         let (ty, row_bytes) = (gw.info.ty, gw.row_bytes);
         let wp = self.wraw(w, OP)?;
         let (xp, yp) = (self.fptr(x, OP)?, self.fptr(y, OP)?);
+        // One token: all groups in one launch of the grouped GEMV (group g = "expert" g of
+        // r rows reading its own slice of x), instead of one launch per group.
+        if n_tok == 1
+            && groups <= IOTA_LEN
+            && self.grouped_ok(ty, cols, r, wp)
+            && xp.is_multiple_of(16)
+            && (4 * cols).is_multiple_of(16)
+        {
+            let ids = self.iota()?;
+            return self.grouped(
+                ty,
+                (wp, None),
+                r * row_bytes,
+                ids,
+                groups,
+                xp,
+                true,
+                (yp, None),
+                groups,
+                cols,
+                r,
+            );
+        }
         for g in 0..groups {
             self.mm(
                 Mm {
@@ -716,7 +745,7 @@ impl<D: GpuApi> GpuBackend<D> {
             i32a(OP, "top k", k)?,
             Arg::Ptr(self.iptr(out, OP)?),
         ];
-        self.launch("ds4_topk_select", (g32(t), 1, 1), 256, &args)
+        self.launch("ds4_topk_select", (g32(t), 1, 1), 1024, &args)
     }
 
     pub(super) fn op_attention(&mut self, a: AttnArgs) -> BResult<()> {
@@ -791,6 +820,55 @@ impl<D: GpuApi> GpuBackend<D> {
             }
         };
         let sinks = self.wvec(a.sinks, OP, nh)?;
+        // Few tokens: split every (token, head)'s keys over blocks (flash decoding).
+        let n_keys = win.min(last)
+            + match a.comp {
+                CompSel::None => 0,
+                CompSel::All { .. } => last / ratio,
+                CompSel::Top { .. } => k_sel,
+            };
+        let splits = n_keys.div_ceil(ATT_KEYS_PER_SPLIT);
+        if t * nh < ATT_SPLIT_BELOW_BLOCKS && splits > 1 {
+            let part = self.scratch("att_part", 4 * t * nh * splits * (hd + 2))?;
+            let args = [
+                Arg::Ptr(self.fptr(a.q, OP)?),
+                Arg::Ptr(self.fptr(a.kv, OP)?),
+                Arg::Ptr(self.fptr(a.ring, OP)?),
+                Arg::Ptr(crows),
+                Arg::Ptr(idx),
+                u(a.pos0),
+                i32a(OP, "heads", nh)?,
+                i32a(OP, "head dim", hd)?,
+                i32a(OP, "window", win)?,
+                Arg::I32(mode),
+                i32a(OP, "ratio", ratio)?,
+                i32a(OP, "k", k_sel)?,
+                u(n_crows),
+                Arg::F32(a.scale),
+                i32a(OP, "keys per split", ATT_KEYS_PER_SPLIT)?,
+                Arg::Ptr(part),
+                Arg::Ptr(self.fault_ptr()),
+            ];
+            self.launch(
+                "ds4_attention_split",
+                (g32(t * nh), g32(splits), 1),
+                128,
+                &args,
+            )?;
+            return self.launch(
+                "ds4_attention_combine",
+                (g32(t * nh), 1, 1),
+                128,
+                &[
+                    Arg::Ptr(part),
+                    Arg::Ptr(sinks),
+                    i32a(OP, "heads", nh)?,
+                    i32a(OP, "head dim", hd)?,
+                    i32a(OP, "splits", splits)?,
+                    Arg::Ptr(self.fptr(a.out, OP)?),
+                ],
+            );
+        }
         let args = [
             Arg::Ptr(self.fptr(a.q, OP)?),
             Arg::Ptr(self.fptr(a.kv, OP)?),
@@ -1210,6 +1288,15 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// Whether the grouped GEMV takes experts of `n_out × n_in` of `ty` at `w`.
+    /// Device address of the i32 sequence 0, 1, …, IOTA_LEN-1 (uploaded once).
+    fn iota(&mut self) -> BResult<u64> {
+        if let Some(b) = self.scratch.get("iota") {
+            return Ok(b.device_address());
+        }
+        let v: Vec<i32> = (0..IOTA_LEN as i32).collect();
+        self.upload_scratch_i32("iota", &v)
+    }
+
     fn grouped_ok(&self, ty: GgmlType, n_in: usize, n_out: usize, w: u64) -> bool {
         match GemvType::from_ggml(ty) {
             Ok(g) => self.gemv.launch_for(g, n_in, n_out).is_ok() && w.is_multiple_of(16),

@@ -263,12 +263,11 @@ __device__ float ds4_rms_scale(const float* x, int n, float eps, double* sh) {
     return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
 }
 
-// One block (256 threads) per row. out may be x (in place).
-extern "C" __global__ void __launch_bounds__(256)
-ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
-    __shared__ double sh[256];
-    const ds4_size base = (ds4_size)blockIdx.x * width;
-    const float s = ds4_rms_scale(x + base, width, eps, sh);
+// RMSNorm of one row by the whole block (out may be x: in place).
+__device__ void ds4_rms_norm_row(const float* x, const float* w, float* out, int width,
+                                 float eps, double* sh) {
+    const ds4_size base = 0;
+    const float s = ds4_rms_scale(x, width, eps, sh);
     // Four elements per round, all loaded before any store (out may be x: each element is
     // read and written by the same thread only).
     const int bd = blockDim.x;
@@ -290,6 +289,14 @@ ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
         const float v = x[base + i] * s;
         out[base + i] = w ? v * w[i] : v;
     }
+}
+
+// One block (256 threads) per row. out may be x (in place).
+extern "C" __global__ void __launch_bounds__(256)
+ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
+    __shared__ double sh[256];
+    const ds4_size base = (ds4_size)blockIdx.x * width;
+    ds4_rms_norm_row(x + base, w, out + base, width, eps, sh);
 }
 
 // RoPE: one thread per (row, head, pair). freqs[j], j < rope_dim/2.
@@ -381,6 +388,51 @@ extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims
         const float s = ds4_pow2_ceil(amax * (1.0f / 448.0f));
         if (i0 < len) v[i0] = s * ds4_e4m3_round(fminf(fmaxf(a0 / s, -448.0f), 448.0f));
         if (i1 < len) v[i1] = s * ds4_e4m3_round(fminf(fmaxf(a1 / s, -448.0f), 448.0f));
+    }
+}
+
+// Head preparation in one pass, one block (256 threads) per row (row r = token r/n_heads):
+// ds4_rms_norm's arithmetic (times w if given), then ds4_rope's rotation of the last
+// rope_dim dims at position pos0 + (r / n_heads)·pos_step, then (fp8_dims > 0) ds4_qat_fp8's
+// round trip of the first fp8_dims dims. Each stage reads what the previous one wrote
+// (block barriers between them), so the result equals the three kernels run in turn.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs, int n_heads,
+              int rope_dim, ds4_size pos0, ds4_size pos_step, int fp8_dims) {
+    __shared__ double sh[256];
+    const ds4_size row = blockIdx.x;
+    float* xr = x + row * width;
+    ds4_rms_norm_row(xr, w, xr, width, eps, sh);
+    __syncthreads();
+    const int half = rope_dim / 2;
+    const ds4_size p = pos0 + (row / n_heads) * pos_step;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+        const double ang = (double)((float)p * freqs[j]);
+        const float c = (float)cos(ang);
+        const float sn = (float)sin(ang);
+        float* tp = xr + (width - rope_dim) + 2 * j;
+        const float u = tp[0], v = tp[1];
+        tp[0] = u * c - v * sn;
+        tp[1] = u * sn + v * c;
+    }
+    if (fp8_dims <= 0) return;
+    __syncthreads();
+    const int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP;
+    const int n_blk = (fp8_dims + 63) / 64;
+    for (int b = warp; b < n_blk; b += blockDim.x / DS4_WARP) {
+        const int b0 = b * 64;
+        const int len = min(64, fp8_dims - b0);
+        float* v = xr + b0;
+        const int i0 = lane, i1 = lane + DS4_WARP;
+        const float a0 = i0 < len ? v[i0] : 0.0f;
+        const float a1 = i1 < len ? v[i1] : 0.0f;
+        float amax = fmaxf(fabsf(a0), fabsf(a1));
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) amax = fmaxf(amax, ds4_shfl_xor(amax, m));
+        amax = fmaxf(amax, 1e-4f);
+        const float sc = ds4_pow2_ceil(amax * (1.0f / 448.0f));
+        if (i0 < len) v[i0] = sc * ds4_e4m3_round(fminf(fmaxf(a0 / sc, -448.0f), 448.0f));
+        if (i1 < len) v[i1] = sc * ds4_e4m3_round(fminf(fmaxf(a1 / sc, -448.0f), 448.0f));
     }
 }
 
@@ -565,7 +617,8 @@ __device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
 // y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
 extern "C" __global__ void __launch_bounds__(256)
 ds4_hc_pre(const float* mix, const float* x, const float* base, const float* scale, int n,
-           int d, int iters, float hc_eps, float rms_eps, float* y, float* post, float* comb) {
+           int d, int iters, float hc_eps, float rms_eps, float* y, float* post, float* comb,
+           const float* norm_w, float* normed) {
     __shared__ double sh[256];
     __shared__ float pre[DS4_HC_MAX];
     __shared__ float z[DS4_HC_MAX * DS4_HC_MAX];
@@ -590,12 +643,17 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
             ds4_mix_streams_by(xt, pre, n, d, y + (ds4_size)t * d, k - DS4_WARP,
                                blockDim.x - DS4_WARP);
         }
-        return;
+    } else {
+        ds4_sinkhorn_block(z, n, iters, hc_eps);
+        if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
+        __syncthreads();
+        ds4_mix_streams(xt, pre, n, d, y + (ds4_size)t * d);
     }
-    ds4_sinkhorn_block(z, n, iters, hc_eps);
-    if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
-    __syncthreads();
-    ds4_mix_streams(xt, pre, n, d, y + (ds4_size)t * d);
+    if (normed) {
+        // The sublayer's input norm on the block's own y (ds4_rms_norm's arithmetic).
+        __syncthreads();
+        ds4_rms_norm_row(y + (ds4_size)t * d, norm_w, normed + (ds4_size)t * d, d, rms_eps, sh);
+    }
 }
 
 // HCPost in place: X'_j[e] = post_j f[e] + sum_i comb[i][j] X_i[e]; one thread per (t, e).
@@ -1008,28 +1066,43 @@ ds4_attention_split(const float* q, const float* kv, const float* ring, const fl
 }
 
 // Combines ds4_attention_split's partials of one (token, head) with the sink, in split
-// order, and writes the normalised output.
-extern "C" __global__ void __launch_bounds__(128)
+// order, and writes the normalised output. The per-split weights exp(m_i - max) are
+// computed once into shared memory (n_splits <= DS4_ATT_MAX_SPLITS, checked by the host),
+// then every thread sums its output dims over the splits in index order.
+#define DS4_ATT_MAX_SPLITS 1024
+extern "C" __global__ void __launch_bounds__(256)
 ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd, int n_splits,
                       float* out) {
+    __shared__ float wsh[DS4_ATT_MAX_SPLITS];
+    __shared__ float s_mm, s_inv;
     const int th = blockIdx.x, h = th % n_head;
-    const float* pp = part + (ds4_size)th * n_splits * (ds4_size)(hd + 2);
-    const float sink = sinks[h];
-    float mm = sink;
-    for (int i = 0; i < n_splits; i++) {
-        const float* pi = pp + (ds4_size)i * (hd + 2);
-        if (pi[1] > 0.0f) mm = fmaxf(mm, pi[0]);
+    const ds4_size stride = (ds4_size)(hd + 2);
+    const float* pp = part + (ds4_size)th * n_splits * stride;
+    if (threadIdx.x == 0) {
+        float mm = sinks[h];
+        for (int i = 0; i < n_splits; i++) {
+            if (pp[i * stride + 1] > 0.0f) mm = fmaxf(mm, pp[i * stride]);
+        }
+        s_mm = mm;
     }
-    float denom = expf(sink - mm);
-    for (int i = 0; i < n_splits; i++) {
-        const float* pi = pp + (ds4_size)i * (hd + 2);
-        if (pi[1] > 0.0f) denom += pi[1] * expf(pi[0] - mm);
+    __syncthreads();
+    const float mm = s_mm;
+    for (int i = threadIdx.x; i < n_splits; i += blockDim.x) {
+        const float si = pp[i * stride + 1];
+        wsh[i] = si > 0.0f ? expf(pp[i * stride] - mm) : 0.0f;
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float denom = expf(sinks[h] - mm);
+        for (int i = 0; i < n_splits; i++) denom += pp[i * stride + 1] * wsh[i];
+        s_inv = denom;
+    }
+    __syncthreads();
+    const float denom = s_inv;
     for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
         float o = 0.0f;
         for (int i = 0; i < n_splits; i++) {
-            const float* pi = pp + (ds4_size)i * (hd + 2);
-            if (pi[1] > 0.0f) o += pi[2 + dd] * expf(pi[0] - mm);
+            if (wsh[i] != 0.0f) o += pp[i * stride + 2 + dd] * wsh[i];
         }
         out[(ds4_size)th * hd + dd] = o / denom;
     }

@@ -562,6 +562,61 @@ pub trait Backend: Send {
         out: Slice,
     ) -> BResult<()>;
 
+    // ---- fused ops (each defaults to the ops it fuses; backends may do it in one pass) --
+
+    /// `ya = Wa·x`, `yb = Wb·x`: two matrices of one shape and type reading one input
+    /// (compressor kv/gate, shared-expert gate/up), so a device can stream both in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_pair(
+        &mut self,
+        wa: Weight,
+        wb: Weight,
+        x: Slice,
+        n_tok: usize,
+        ya: Slice,
+        yb: Slice,
+    ) -> BResult<()> {
+        self.matmul(wa, 0, x, n_tok, ya)?;
+        self.matmul(wb, 0, x, n_tok, yb)
+    }
+    /// [`Backend::hc_pre`] then `out = rms_norm(y) · norm` (the sublayer's input norm).
+    #[allow(clippy::too_many_arguments)]
+    fn hc_pre_norm(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        args: HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        self.hc_pre(mix, x, base, scale, args, y, post, comb)?;
+        self.rms_norm(y, Some(norm), args.n_tok, args.dim, args.rms_eps, out)
+    }
+    /// Head preparation in place on `x` (`rope.n_rows · rope.n_heads` rows of
+    /// `rope.head_dim`): RMSNorm (times `w` if given), RoPE, then — with `fp8_dims = Some(n)`
+    /// — the FP8 round trip of the first `n` dims of every row.
+    fn norm_rope(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        eps: f32,
+        rope: RopeArgs,
+        fp8_dims: Option<usize>,
+    ) -> BResult<()> {
+        let (rows, width) = (rope.n_rows * rope.n_heads, rope.head_dim);
+        self.rms_norm(x, w, rows, width, eps, x)?;
+        self.rope(x, rope)?;
+        match fp8_dims {
+            Some(n) => self.qat_fp8(x, rows, width, n),
+            None => Ok(()),
+        }
+    }
+
     // ---- decode helpers and instrumentation (defaults made of the ops above) -----------
 
     /// `out[0]` = index of the largest value of `x`, the first one on ties, NaN never

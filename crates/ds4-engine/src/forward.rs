@@ -225,24 +225,20 @@ pub(crate) fn forward_chunk(
             AttnKind::Hca(_) => "attn.hca",
         });
         be.matmul(lw.hc_attn.fn_, 0, x, t, mix)?;
-        be.hc_pre(mix, x, lw.hc_attn.base, lw.hc_attn.scale, hc, y, post, comb)?;
-        be.rms_norm(y, Some(lw.attn_norm), t, dm, eps, a)?;
+        let (hb, hs) = (lw.hc_attn.base, lw.hc_attn.scale);
+        be.hc_pre_norm(mix, x, hb, hs, hc, lw.attn_norm, y, post, comb, a)?;
 
         let cq = s.cq.rows(0, t, hp.q_lora_rank);
         be.matmul(lw.q_a, 0, a, t, cq)?;
         be.rms_norm(cq, Some(lw.q_a_norm), t, hp.q_lora_rank, eps, cq)?;
         let q = s.q.rows(0, t, nh * hd);
         be.matmul(lw.q_b, 0, cq, t, q)?;
-        be.rms_norm(q, None, t * nh, hd, eps, q)?;
-        be.rope(q, rope(t, nh, hd, pos0, 1))?;
+        be.norm_rope(q, None, eps, rope(t, nh, hd, pos0, 1), None)?;
 
         let kv = s.kv.rows(0, t, hd);
         be.matmul(lw.kv, 0, a, t, kv)?;
-        be.rms_norm(kv, Some(lw.kv_norm), t, hd, eps, kv)?;
-        be.rope(kv, rope(t, 1, hd, pos0, 1))?;
-        if official {
-            be.qat_fp8(kv, t, hd, nope)?;
-        }
+        let kv_fp8 = official.then_some(nope);
+        be.norm_rope(kv, Some(lw.kv_norm), eps, rope(t, 1, hd, pos0, 1), kv_fp8)?;
 
         let mut comp = CompSel::None;
         if let (Some(cs), Some(cw)) = (ls.comp, lw.comp.as_ref()) {
@@ -332,8 +328,8 @@ pub(crate) fn forward_chunk(
             "moe.topk"
         });
         be.matmul(lw.hc_ffn.fn_, 0, x, t, mix)?;
-        be.hc_pre(mix, x, lw.hc_ffn.base, lw.hc_ffn.scale, hc, y, post, comb)?;
-        be.rms_norm(y, Some(lw.ffn_norm), t, dm, eps, a)?;
+        let (hb, hs) = (lw.hc_ffn.base, lw.hc_ffn.scale);
+        be.hc_pre_norm(mix, x, hb, hs, hc, lw.ffn_norm, y, post, comb, a)?;
         let k = hp.n_expert_used;
         let rl = s.rl.rows(0, t, hp.n_expert);
         be.matmul(lw.router, 0, a, t, rl)?;
@@ -376,8 +372,7 @@ pub(crate) fn forward_chunk(
             s.su.rows(0, t, ff),
             s.sh.rows(0, t, ff),
         );
-        be.matmul(lw.gate_sh, 0, a, t, sg)?;
-        be.matmul(lw.up_sh, 0, a, t, su)?;
+        be.matmul_pair(lw.gate_sh, lw.up_sh, a, t, sg, su)?;
         be.swiglu(sg, su, clamp, sh)?;
         let sf = s.sf.rows(0, t, dm);
         be.matmul(lw.down_sh, 0, sh, t, sf)?;
@@ -421,8 +416,7 @@ fn compress(
     let args = cs.chunk_args(pos0, t);
     let pw = args.proj_width();
     let (cu, cz) = (s.cu.rows(0, t, pw), s.cz.rows(0, t, pw));
-    be.matmul(cw.kv, 0, a, t, cu)?;
-    be.matmul(cw.gate, 0, a, t, cz)?;
+    be.matmul_pair(cw.kv, cw.gate, a, t, cu, cz)?;
     be.compressor(cs.acc.all(), cu, cz, cw.ape, args, cs.rows.all())?;
     let (w0, w1) = (cs.rows_at(pos0), cs.rows_at(pos0 + t));
     if w1 > w0 {

@@ -450,6 +450,85 @@ impl Backend for Mirror {
             |b| b.hc_pre(g.0, g.1, g.2, g.3, a, g.4, g.5, g.6),
         )
     }
+    fn hc_pre_norm(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        let c = (
+            (self.c(mix), self.c(x), self.cw(base), self.cw(scale)),
+            self.cw(norm),
+            (self.c(y), self.c(post), self.c(comb), self.c(out)),
+        );
+        let g = (
+            (self.g(mix), self.g(x), self.gw(base), self.gw(scale)),
+            self.gw(norm),
+            (self.g(y), self.g(post), self.g(comb), self.g(out)),
+        );
+        let (n, t) = (a.n_hc, a.n_tok);
+        self.run(
+            "hc_pre_norm",
+            &[
+                Out::W(y.sub(0, t * a.dim)),
+                Out::W(post.sub(0, t * n)),
+                Out::W(comb.sub(0, t * n * n)),
+                Out::W(out.sub(0, t * a.dim)),
+            ],
+            |b| {
+                let ((m, x, bs, sc), w, (y, p, cb, o)) = c;
+                b.hc_pre_norm(m, x, bs, sc, a, w, y, p, cb, o)
+            },
+            |b| {
+                let ((m, x, bs, sc), w, (y, p, cb, o)) = g;
+                b.hc_pre_norm(m, x, bs, sc, a, w, y, p, cb, o)
+            },
+        )
+    }
+    fn norm_rope(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        eps: f32,
+        rope: RopeArgs,
+        fp8_dims: Option<usize>,
+    ) -> BResult<()> {
+        let (cw, gw) = (w.map(|w| self.cw(w)), w.map(|w| self.gw(w)));
+        let (cx, gx) = (self.c(x), self.g(x));
+        let n = rope.n_rows * rope.n_heads * rope.head_dim;
+        self.run(
+            "norm_rope",
+            &[Out::Rw(x.sub(0, n))],
+            |b| b.norm_rope(cx, cw, eps, rope, fp8_dims),
+            |b| b.norm_rope(gx, gw, eps, rope, fp8_dims),
+        )
+    }
+    fn matmul_pair(
+        &mut self,
+        wa: Weight,
+        wb: Weight,
+        x: Slice,
+        n_tok: usize,
+        ya: Slice,
+        yb: Slice,
+    ) -> BResult<()> {
+        let c = (self.cw(wa), self.cw(wb), self.c(x), self.c(ya), self.c(yb));
+        let g = (self.gw(wa), self.gw(wb), self.g(x), self.g(ya), self.g(yb));
+        let (ra, rb) = (n_tok * wa.info.rows(), n_tok * wb.info.rows());
+        self.run(
+            "matmul_pair",
+            &[Out::W(ya.sub(0, ra)), Out::W(yb.sub(0, rb))],
+            |b| b.matmul_pair(c.0, c.1, c.2, n_tok, c.3, c.4),
+            |b| b.matmul_pair(g.0, g.1, g.2, n_tok, g.3, g.4),
+        )
+    }
     fn hc_post(&mut self, x: Slice, f: Slice, post: Slice, comb: Slice, a: HcArgs) -> BResult<()> {
         let c = (self.c(x), self.c(f), self.c(post), self.c(comb));
         let g = (self.g(x), self.g(f), self.g(post), self.g(comb));

@@ -318,6 +318,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_argmax",
     "ds4_attention_split",
     "ds4_attention_combine",
+    "ds4_norm_rope",
 ];
 
 /// A GPU-layer error as a backend error of `op`.
@@ -1189,7 +1190,46 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         post: Slice,
         comb: Slice,
     ) -> BResult<()> {
-        self.op_hc_pre(mix, x, base, scale, args, y, post, comb)
+        self.op_hc_pre(mix, x, base, scale, args, y, post, comb, None)
+    }
+
+    fn hc_pre_norm(
+        &mut self,
+        mix: Slice,
+        x: Slice,
+        base: Weight,
+        scale: Weight,
+        args: ds4_engine::backend::HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        self.op_hc_pre(mix, x, base, scale, args, y, post, comb, Some((norm, out)))
+    }
+
+    fn norm_rope(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        eps: f32,
+        rope: ds4_engine::backend::RopeArgs,
+        fp8_dims: Option<usize>,
+    ) -> BResult<()> {
+        self.op_norm_rope(x, w, eps, rope, fp8_dims)
+    }
+
+    fn matmul_pair(
+        &mut self,
+        wa: Weight,
+        wb: Weight,
+        x: Slice,
+        n_tok: usize,
+        ya: Slice,
+        yb: Slice,
+    ) -> BResult<()> {
+        self.op_matmul_pair(wa, wb, x, n_tok, ya, yb)
     }
 
     fn hc_post(

@@ -23,6 +23,8 @@ const ATT_MAX_HD: usize = 512;
 const IOTA_LEN: usize = 64;
 /// Keys per block of the split-key (decode) attention.
 const ATT_KEYS_PER_SPLIT: usize = 32;
+/// Splits the combine kernel holds weights for (`DS4_ATT_MAX_SPLITS` in ops.cu).
+const ATT_MAX_SPLITS: usize = 1024;
 /// Below this many (token, head) blocks attention splits the keys over blocks too.
 const ATT_SPLIT_BELOW_BLOCKS: usize = 1024;
 
@@ -504,6 +506,8 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// HCPre; with `norm = Some((w, out))` also `out = rms_norm(y) · w` in the same kernel.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn op_hc_pre(
         &mut self,
         mix: Slice,
@@ -514,6 +518,7 @@ impl<D: GpuApi> GpuBackend<D> {
         y: Slice,
         post: Slice,
         comb: Slice,
+        norm: Option<(Weight, Slice)>,
     ) -> BResult<()> {
         const OP: &str = "hc_pre";
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
@@ -533,6 +538,19 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         let (bp, sp) = (self.wvec(base, OP, nm)?, self.wvec(scale, OP, 3)?);
+        let (nw, np) = match norm {
+            Some((w, out)) => {
+                need(out, t * d, OP, "normed output")?;
+                if out != y && out.overlaps(y) {
+                    return Err(BackendError::Aliasing {
+                        op: OP,
+                        id: out.buf.id(),
+                    });
+                }
+                (self.wvec(w, OP, d)?, self.fptr(out.sub(0, t * d), OP)?)
+            }
+            None => (0, 0),
+        };
         let args = [
             Arg::Ptr(self.fptr(mix, OP)?),
             Arg::Ptr(self.fptr(x, OP)?),
@@ -546,6 +564,8 @@ impl<D: GpuApi> GpuBackend<D> {
             Arg::Ptr(self.fptr(y, OP)?),
             Arg::Ptr(self.fptr(post, OP)?),
             Arg::Ptr(self.fptr(comb, OP)?),
+            Arg::Ptr(nw),
+            Arg::Ptr(np),
         ];
         self.launch("ds4_hc_pre", (g32(t), 1, 1), 256, &args)
     }
@@ -827,7 +847,8 @@ impl<D: GpuApi> GpuBackend<D> {
                 CompSel::All { .. } => last / ratio,
                 CompSel::Top { .. } => k_sel,
             };
-        let splits = n_keys.div_ceil(ATT_KEYS_PER_SPLIT);
+        let kps = ATT_KEYS_PER_SPLIT.max(n_keys.div_ceil(ATT_MAX_SPLITS));
+        let splits = n_keys.div_ceil(kps);
         if t * nh < ATT_SPLIT_BELOW_BLOCKS && splits > 1 {
             let part = self.scratch("att_part", 4 * t * nh * splits * (hd + 2))?;
             let args = [
@@ -845,7 +866,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 i32a(OP, "k", k_sel)?,
                 u(n_crows),
                 Arg::F32(a.scale),
-                i32a(OP, "keys per split", ATT_KEYS_PER_SPLIT)?,
+                i32a(OP, "keys per split", kps)?,
                 Arg::Ptr(part),
                 Arg::Ptr(self.fault_ptr()),
             ];
@@ -858,7 +879,7 @@ impl<D: GpuApi> GpuBackend<D> {
             return self.launch(
                 "ds4_attention_combine",
                 (g32(t * nh), 1, 1),
-                128,
+                256,
                 &[
                     Arg::Ptr(part),
                     Arg::Ptr(sinks),
@@ -1360,6 +1381,112 @@ impl<D: GpuApi> GpuBackend<D> {
             (1, 1, 1),
             1024,
             &[Arg::Ptr(xp), i32a(OP, "values", x.len)?, Arg::Ptr(op_)],
+        )
+    }
+
+    pub(super) fn op_norm_rope(
+        &mut self,
+        x: Slice,
+        w: Option<Weight>,
+        eps: f32,
+        a: RopeArgs,
+        fp8_dims: Option<usize>,
+    ) -> BResult<()> {
+        const OP: &str = "norm_rope";
+        let (rows, width, rd) = (a.n_rows * a.n_heads, a.head_dim, a.freq.rope_dim);
+        if !rd.is_multiple_of(2) || rd > width {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("rope dim {rd} vs head dim {width}"),
+            });
+        }
+        let n8 = fp8_dims.unwrap_or(0);
+        if n8 > width {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{n8} FP8 dims of a {width}-wide row"),
+            });
+        }
+        need(x, rows * width, OP, "input")?;
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let wp = match w {
+            Some(w) => self.wvec(w, OP, width)?,
+            None => 0,
+        };
+        let fp = self.freqs_ptr(&a)?;
+        let xp = self.fptr(x, OP)?;
+        self.launch(
+            "ds4_norm_rope",
+            (g32(rows), 1, 1),
+            256,
+            &[
+                Arg::Ptr(xp),
+                Arg::Ptr(wp),
+                i32a(OP, "width", width)?,
+                Arg::F32(eps),
+                Arg::Ptr(fp),
+                i32a(OP, "heads", a.n_heads)?,
+                i32a(OP, "rope dim", rd)?,
+                u(a.pos0),
+                u(a.pos_step),
+                i32a(OP, "fp8 dims", n8)?,
+            ],
+        )
+    }
+
+    /// Two same-shaped matmuls on one input: one grouped-GEMV launch (matrix z of the grid
+    /// = which weight) for a single token, else two matmuls.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn op_matmul_pair(
+        &mut self,
+        wa: Weight,
+        wb: Weight,
+        x: Slice,
+        n_tok: usize,
+        ya: Slice,
+        yb: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "matmul_pair";
+        if wa.info != wb.info || wa.info.mats() != 1 || n_tok != 1 {
+            self.op_matmul(wa, 0, x, n_tok, ya)?;
+            return self.op_matmul(wb, 0, x, n_tok, yb);
+        }
+        let (cols, rows) = (wa.info.cols(), wa.info.rows());
+        need(x, cols, OP, "input")?;
+        need(ya, rows, OP, "first output")?;
+        need(yb, rows, OP, "second output")?;
+        if x.overlaps(ya) || x.overlaps(yb) || ya.overlaps(yb) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: ya.buf.id(),
+            });
+        }
+        let ty = self.weight(wa, OP)?.info.ty;
+        let (pa, pb) = (self.wraw(wa, OP)?, self.wraw(wb, OP)?);
+        let xp = self.fptr(x, OP)?;
+        if !(self.grouped_ok(ty, cols, rows, pa)
+            && self.grouped_ok(ty, cols, rows, pb)
+            && xp.is_multiple_of(16))
+        {
+            self.op_matmul(wa, 0, x, n_tok, ya)?;
+            return self.op_matmul(wb, 0, x, n_tok, yb);
+        }
+        let (ap, bp) = (self.fptr(ya, OP)?, self.fptr(yb, OP)?);
+        let ids = self.iota()?;
+        self.grouped(
+            ty,
+            (pa, Some(pb)),
+            0,
+            ids,
+            1,
+            xp,
+            false,
+            (ap, Some(bp)),
+            1,
+            cols,
+            rows,
         )
     }
 }

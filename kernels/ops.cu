@@ -753,34 +753,71 @@ ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4
 // Lightning indexer (spec 5.5).
 // ---------------------------------------------------------------------------------------
 
-// scores[t][r] for r < n_p(t): one warp per (row, query); q of the query staged in shared.
-// q is [T, heads*dim], w [T, heads]; heads*dim <= 8192.
+// scores[t][r] for r < n_p(t). A block (8 warps) takes DS4_IDX_ROWS rows of one query; q
+// of the query is staged once per block in shared memory with a padded row stride
+// (dim + 1: lane h reading head h's element i hits bank (h + i) mod 32, conflict-free).
+// Each warp scores its rows one at a time with one lane per head; each head's dot product
+// and the weighted sum over heads use the CPU reference's exact order (8 interleaved
+// partial sums folded left, then heads in order) with unfused multiplies and adds, so the
+// scores — and the top-k chosen from them — equal the CPU's bit for bit.
+// q is [T, heads*dim], w [T, heads]; heads <= 64, heads*dim <= 8192, dim % 8 == 0.
+#define DS4_IDX_ROWS 64
 extern "C" __global__ void __launch_bounds__(256)
 ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads, int dim,
                    float wscale, ds4_size pos0, int ratio, int n_cols, float* scores) {
-    __shared__ float qs[8192];
+    __shared__ float qs[8192 + 64];
     __shared__ float ws[64];
+    __shared__ float dsh[8][64];
     const int t = blockIdx.y;
     const ds4_size n_p = (pos0 + t + 1) / ratio;
-    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = q[(ds4_size)t * heads * dim + i];
-    for (int i = threadIdx.x; i < heads; i += blockDim.x) ws[i] = w[(ds4_size)t * heads + i] * wscale;
+    const int ld = dim + 1;
+    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) {
+        qs[(i / dim) * ld + i % dim] = q[(ds4_size)t * heads * dim + i];
+    }
+    for (int i = threadIdx.x; i < heads; i += blockDim.x) {
+        ws[i] = __fmul_rn(w[(ds4_size)t * heads + i], wscale);
+    }
     __syncthreads();
-    const int warps = blockDim.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    const ds4_size r = (ds4_size)blockIdx.x * warps + threadIdx.x / DS4_WARP;
-    if (r >= (ds4_size)n_cols) return;
-    if (r >= n_p) {
-        if (lane == 0) scores[(ds4_size)t * n_cols + r] = -__int_as_float(0x7f800000);
-        return;
+    const int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
+    const ds4_size r0 = (ds4_size)blockIdx.x * DS4_IDX_ROWS;
+    for (int ri = warp; ri < DS4_IDX_ROWS; ri += blockDim.x / DS4_WARP) {
+        const ds4_size r = r0 + ri;
+        if (r >= (ds4_size)n_cols) break;
+        if (r >= n_p) {
+            if (lane == 0) scores[(ds4_size)t * n_cols + r] = -__int_as_float(0x7f800000);
+            continue;
+        }
+        const float* k = rows + r * dim;
+        for (int h = lane; h < heads; h += DS4_WARP) {
+            const float* qh = qs + h * ld;
+            float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int i = 0; i < dim; i += 8) {
+                const float4 k0 = ds4_ldg((const float4*)(k + i));
+                const float4 k1 = ds4_ldg((const float4*)(k + i + 4));
+                a[0] = __fadd_rn(a[0], __fmul_rn(qh[i + 0], k0.x));
+                a[1] = __fadd_rn(a[1], __fmul_rn(qh[i + 1], k0.y));
+                a[2] = __fadd_rn(a[2], __fmul_rn(qh[i + 2], k0.z));
+                a[3] = __fadd_rn(a[3], __fmul_rn(qh[i + 3], k0.w));
+                a[4] = __fadd_rn(a[4], __fmul_rn(qh[i + 4], k1.x));
+                a[5] = __fadd_rn(a[5], __fmul_rn(qh[i + 5], k1.y));
+                a[6] = __fadd_rn(a[6], __fmul_rn(qh[i + 6], k1.z));
+                a[7] = __fadd_rn(a[7], __fmul_rn(qh[i + 7], k1.w));
+            }
+            float d = a[0];
+#pragma unroll
+            for (int l = 1; l < 8; l++) d = __fadd_rn(d, a[l]);
+            dsh[warp][h] = d;
+        }
+        ds4_syncwarp();
+        if (lane == 0) {
+            float acc = 0.0f;
+            for (int h = 0; h < heads; h++) {
+                acc = __fadd_rn(acc, __fmul_rn(ws[h], fmaxf(dsh[warp][h], 0.0f)));
+            }
+            scores[(ds4_size)t * n_cols + r] = acc;
+        }
+        ds4_syncwarp();
     }
-    const float* k = rows + r * dim;
-    float acc = 0.0f;
-    for (int h = 0; h < heads; h++) {
-        float d = 0.0f;
-        for (int i = lane; i < dim; i += DS4_WARP) d += qs[h * dim + i] * k[i];
-        d = ds4_warp_sum(d);
-        acc += ws[h] * fmaxf(d, 0.0f);
-    }
-    if (lane == 0) scores[(ds4_size)t * n_cols + r] = acc;
 }
 
 // Order-preserving map of f32 to u32 (the order of f32::total_cmp).

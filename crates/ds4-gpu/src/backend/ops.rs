@@ -19,6 +19,8 @@ const PANEL_ELEMS: usize = 64 << 20;
 const GROUPED_MAX_SEL: usize = 64;
 /// Head dims the attention kernel holds in registers.
 const ATT_MAX_HD: usize = 512;
+/// Indexer rows scored per block (`DS4_IDX_ROWS` in ops.cu).
+const IDX_ROWS_PER_BLOCK: usize = 64;
 /// Length of the on-device 0..n sequence used as group ids.
 const IOTA_LEN: usize = 64;
 /// Keys per block of the split-key (decode) attention.
@@ -731,10 +733,18 @@ impl<D: GpuApi> GpuBackend<D> {
         if scoring {
             need(q, t * nh * hd, OP, "q")?;
             need(w, t * nh, OP, "w")?;
-            if nh * hd > 8192 || nh > 64 {
+            if nh * hd > 8192 || nh > 64 || !hd.is_multiple_of(8) {
                 return Err(BackendError::Invalid {
                     op: OP,
-                    problem: format!("{nh} heads of {hd} (at most 64 heads, 8192 values)"),
+                    problem: format!(
+                        "{nh} heads of {hd} (at most 64 heads, 8192 values, dims a multiple of 8)"
+                    ),
+                });
+            }
+            if !self.fptr(rows, OP)?.is_multiple_of(16) {
+                return Err(BackendError::Invalid {
+                    op: OP,
+                    problem: "indexer rows must start 16-byte aligned".into(),
                 });
             }
             sp = self.scratch("scores", 4 * t * n_last)?;
@@ -752,7 +762,7 @@ impl<D: GpuApi> GpuBackend<D> {
             ];
             self.launch(
                 "ds4_indexer_scores",
-                (g32(n_last.div_ceil(8)), g32(t), 1),
+                (g32(n_last.div_ceil(IDX_ROWS_PER_BLOCK)), g32(t), 1),
                 256,
                 &args,
             )?;

@@ -247,12 +247,13 @@ class Reference:
     def __init__(self, cfg: Config, weights: dict[str, np.ndarray], qat: bool):
         self.c = cfg
         self.w = {k: (v if v.dtype.kind == "i" else v.astype(np.float64)) for k, v in weights.items()}
-        self.qat = qat
+        # The two simulations can be switched separately (sensitivity runs); `qat` sets both.
+        self.qat_fp8 = self.qat_fp4 = qat
         rd = cfg.rope_dim
         self.freq_main = rope_freqs(rd, cfg.rope_theta, None)
         self.freq_comp = rope_freqs(rd, cfg.compress_theta,
                                     (cfg.yarn_factor, cfg.yarn_orig, cfg.beta_fast, cfg.beta_slow))
-        if qat and any(r == 4 for r in cfg.ratios):
+        if any(r == 4 for r in cfg.ratios):
             self.had = hadamard_matrix(cfg.idx_dim)
         self.reset()
 
@@ -329,8 +330,8 @@ class Reference:
         x = np.repeat(w["model.embed_tokens.weight"][ids][:, None, :], c.hc, axis=1)
         margins = [{"router": math.inf, "indexer": math.inf} for _ in range(t)]
         qat8 = (lambda v: np.concatenate([fp8_roundtrip(v[..., :nope]), v[..., nope:]], axis=-1)) \
-            if self.qat else (lambda v: v)
-        qat4 = (lambda v: fp4_roundtrip(v @ self.had)) if self.qat else (lambda v: v)
+            if self.qat_fp8 else (lambda v: v)
+        qat4 = (lambda v: fp4_roundtrip(v @ self.had)) if self.qat_fp4 else (lambda v: v)
 
         for il in range(c.n_layer):
             L = f"model.layers.{il}."

@@ -9,6 +9,16 @@
 //!   engine against the CPU engine, through prefill, token-by-token decode and chunked
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode
 //!   (1e-3) where the model allows it.
+//! * `reference [FIXTURES_DIR] [--cpu-only]` — official mode against the official-mode reference logits of
+//!   the tiny fixtures (`tests/fixtures/tiny-*/official.safetensors`, written by
+//!   `tools/oracle/make_official.py` from DeepSeek's reference semantics): every fixture and
+//!   q2/q4 variant is converted, run through prefill, token-by-token decode and chunked prefill
+//!   on the CUDA backend and on the CPU backend, and both are judged with the bound of
+//!   `crates/ds4-cpu/tests/official_reference.rs` (pooled >= 95 % of positions within 1e-4
+//!   relative, >= 85 % per sequence, every position within 5e-3, identical top-1 where the
+//!   reference gap exceeds 1e-2). The GPU's error against the CPU engine is printed too, so
+//!   whatever the GPU adds is reported apart from the engine's own error. `--cpu-only` skips
+//!   the GPU (a machine without one can check the command and the CPU numbers).
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -312,12 +322,243 @@ fn parity(a: &Args) -> Result<()> {
     }
 }
 
+/// Bound of the official-mode reference check (see crates/ds4-cpu/tests/official_reference.rs).
+const REF_TIGHT: f64 = 1e-4;
+const REF_TIGHT_SHARE: f64 = 0.95;
+const REF_TIGHT_SHARE_PER_SEQ: f64 = 0.85;
+const REF_LOOSE: f64 = 5e-3;
+const REF_TOP1_GAP: f32 = 1e-2;
+
+fn st_f32(st: &safetensors::SafeTensors, name: &str) -> Result<Vec<f32>> {
+    let t = st
+        .tensor(name)
+        .with_context(|| format!("no tensor {name}"))?;
+    if t.dtype() != safetensors::Dtype::F32 {
+        bail!("{name} is {:?}, expected F32", t.dtype());
+    }
+    Ok(t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn st_tokens(st: &safetensors::SafeTensors, name: &str) -> Result<Vec<u32>> {
+    let t = st
+        .tensor(name)
+        .with_context(|| format!("no tensor {name}"))?;
+    if t.dtype() != safetensors::Dtype::I32 {
+        bail!("{name} is {:?}, expected I32", t.dtype());
+    }
+    t.data()
+        .chunks_exact(4)
+        .map(|c| {
+            u32::try_from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .with_context(|| format!("negative token in {name}"))
+        })
+        .collect()
+}
+
+/// Per-position max_v |g - w| / max(1, |w|) (NaN becomes infinity, failing every bound),
+/// and the positions whose argmax differs while the reference gap exceeds REF_TOP1_GAP.
+fn position_errors(got: &[f32], want: &[f32], gaps: &[f32], vocab: usize) -> (Vec<f64>, usize) {
+    let mut errs = Vec::with_capacity(gaps.len());
+    let mut mismatches = 0;
+    for (t, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let e = g.iter().zip(w).fold(0f64, |m, (a, b)| {
+            let d = (*a as f64 - *b as f64).abs() / (*b as f64).abs().max(1.0);
+            if d.is_nan() {
+                f64::INFINITY
+            } else {
+                m.max(d)
+            }
+        });
+        errs.push(e);
+        let am = |r: &[f32]| {
+            r.iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                )
+                .0
+        };
+        if am(g) != am(w) && gaps.get(t).is_some_and(|&gap| gap > REF_TOP1_GAP) {
+            mismatches += 1;
+        }
+    }
+    (errs, mismatches)
+}
+
+fn reference(fixtures: &str, cpu_only: bool) -> Result<()> {
+    let root = std::path::Path::new(fixtures);
+    let mut dirs: Vec<_> = std::fs::read_dir(root)
+        .with_context(|| format!("reading {fixtures}"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("official.json").exists())
+        .collect();
+    dirs.sort();
+    if dirs.is_empty() {
+        bail!("no fixture with official.json under {fixtures}");
+    }
+    let work = std::env::temp_dir().join(format!("ds4-engine-check-ref-{}", std::process::id()));
+    let mut failed = Vec::new();
+    // Pooled per backend: (positions within REF_TIGHT, all positions, worst).
+    let mut pooled = [(0usize, 0usize, 0f64); 2];
+    for dir in dirs {
+        let name = dir
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("official.json"))?)
+                .with_context(|| format!("{name}/official.json"))?;
+        let inputs_bytes = std::fs::read(dir.join("reference.safetensors"))?;
+        let inputs = safetensors::SafeTensors::deserialize(&inputs_bytes)?;
+        let official_bytes = std::fs::read(dir.join("official.safetensors"))?;
+        let official = safetensors::SafeTensors::deserialize(&official_bytes)?;
+        let variants = meta["variants"]
+            .as_object()
+            .context("official.json: variants")?;
+        for (variant, info) in variants {
+            let src = work.join(&name).join("hf");
+            std::fs::create_dir_all(&src)?;
+            for f in ["config.json", "model.safetensors"] {
+                std::fs::copy(dir.join(f), src.join(f))?;
+            }
+            let out = work.join(&name).join(format!("{variant}.gguf"));
+            let opts = ds4_convert::HfOptions::new(variant)
+                .with_context(|| format!("{name}: unknown variant {variant}"))?;
+            ds4_convert::convert_hf(&src, &out, &opts, &mut ds4_convert::NoProgress)
+                .with_context(|| format!("converting {name} as {variant}"))?;
+            let file = Arc::new(GgufFile::open(&out)?);
+            let spec =
+                ds4_model::ModelSpec::from_header(file.header(), ds4_model::Strictness::Auto)?;
+            let vocab = spec.hparams.n_vocab;
+            let seqs = info["sequences"]
+                .as_object()
+                .context("official.json: sequences")?;
+            for (seq, sinfo) in seqs {
+                let toks = st_tokens(&inputs, &format!("tokens.{seq}"))?;
+                let chunk = sinfo["chunk_size"].as_u64().context("chunk_size")? as usize;
+                let want = st_f32(&official, &format!("{variant}.{seq}.logits"))?;
+                let gaps = st_f32(&official, &format!("{variant}.{seq}.top1_gap"))?;
+                let t0 = Instant::now();
+                let mut runs = vec![reference_paths(&file, &toks, chunk, false)?];
+                if !cpu_only {
+                    runs.push(reference_paths(&file, &toks, chunk, true)?);
+                }
+                let mut line = format!("{name} {variant} {seq} ({} tokens):", toks.len());
+                for (b, backend) in ["cpu", "gpu"].iter().enumerate().take(runs.len()) {
+                    for (i, path) in ["prefill", "decode", "chunked"].iter().enumerate() {
+                        let got = &runs[b][i];
+                        if got.len() != want.len() {
+                            bail!(
+                                "{name}/{variant}/{seq}/{backend}/{path}: {} logits, expected {}",
+                                got.len(),
+                                want.len()
+                            );
+                        }
+                        let (e, mism) = position_errors(got, &want, &gaps, vocab);
+                        let tight = e.iter().filter(|&&x| x <= REF_TIGHT).count();
+                        let worst = e.iter().fold(0f64, |m, &x| m.max(x));
+                        let share = tight as f64 / e.len() as f64;
+                        let ok =
+                            share >= REF_TIGHT_SHARE_PER_SEQ && worst <= REF_LOOSE && mism == 0;
+                        pooled[b].0 += tight;
+                        pooled[b].1 += e.len();
+                        pooled[b].2 = pooled[b].2.max(worst);
+                        line += &format!(
+                            "\n  {backend} {path:7}: {:5.1}% <= {REF_TIGHT:e}, max {worst:.2e}, top-1 mismatches {mism}{}",
+                            100.0 * share,
+                            if ok { "" } else { "  FAIL" }
+                        );
+                        if !ok {
+                            failed.push(format!("{name}/{variant}/{seq}/{backend}/{path}"));
+                        }
+                    }
+                }
+                if runs.len() == 2 {
+                    line += "\n  gpu vs cpu engine:";
+                    for (i, path) in ["prefill", "decode", "chunked"].iter().enumerate() {
+                        line += &format!(" {path} {:.2e}", rel_err(&runs[1][i], &runs[0][i]));
+                    }
+                }
+                println!("{line} ({:.1} s)", t0.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    for (b, backend) in ["cpu", "gpu"].iter().enumerate() {
+        if b == 1 && cpu_only {
+            break;
+        }
+        let (tight, n, worst) = pooled[b];
+        let share = tight as f64 / n.max(1) as f64;
+        println!(
+            "{backend}: {n} position-paths, {:.2}% within {REF_TIGHT:e}, worst {worst:.2e}",
+            100.0 * share
+        );
+        if share < REF_TIGHT_SHARE {
+            failed.push(format!("{backend}: pooled share {:.2}%", 100.0 * share));
+        }
+    }
+    if failed.is_empty() {
+        println!("REFERENCE: ALL PASSED");
+        Ok(())
+    } else {
+        bail!("reference check failed: {}", failed.join(", "))
+    }
+}
+
+/// Official-mode logits of whole prefill, token-by-token decode and chunked prefill.
+fn reference_paths(
+    file: &Arc<GgufFile>,
+    toks: &[u32],
+    chunk: usize,
+    gpu: bool,
+) -> Result<[Vec<f32>; 3]> {
+    let mut out: [Vec<f32>; 3] = Default::default();
+    for (i, c) in [toks.len(), 1, chunk].into_iter().enumerate() {
+        let be: Box<dyn ds4_engine::Backend> = if gpu {
+            Box::new(cuda()?)
+        } else {
+            Box::new(CpuBackend::new(0)?)
+        };
+        let cfg = EngineConfig {
+            mode: Some(NumericMode::Official),
+            ctx: 1024,
+            prefill_chunk: c,
+        };
+        let mut eng = Engine::load(file.clone(), be, cfg)?;
+        let mut st = eng.new_state()?;
+        out[i] = if i == 1 {
+            let mut all = Vec::new();
+            for t in toks {
+                all.extend(eng.eval(&mut st, std::slice::from_ref(t), Logits::Last, None)?);
+            }
+            all
+        } else {
+            eng.eval(&mut st, toks, Logits::All, None)?
+        };
+    }
+    Ok(out)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let rest = parse(args.get(1..).unwrap_or(&[]))?;
+    let rest = || parse(args.get(1..).unwrap_or(&[]));
     match args.first().map(String::as_str) {
-        Some("ops") => ops(&rest),
-        Some("parity") => parity(&rest),
-        _ => bail!("usage: ds4-engine-check (ops|parity) [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]"),
+        Some("ops") => ops(&rest()?),
+        Some("parity") => parity(&rest()?),
+        Some("reference") => {
+            let cpu_only = args.iter().any(|a| a == "--cpu-only");
+            let dir = args[1..]
+                .iter()
+                .find(|a| !a.starts_with("--"))
+                .map_or("tests/fixtures", String::as_str);
+            reference(dir, cpu_only)
+        }
+        _ => bail!("usage: ds4-engine-check (ops|parity) [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]\n       ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only]"),
     }
 }

@@ -761,7 +761,7 @@ ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4
 // partial sums folded left, then heads in order) with unfused multiplies and adds, so the
 // scores — and the top-k chosen from them — equal the CPU's bit for bit.
 // q is [T, heads*dim], w [T, heads]; heads <= 64, heads*dim <= 8192, dim % 8 == 0.
-#define DS4_IDX_ROWS 64
+#define DS4_IDX_ROWS 16
 extern "C" __global__ void __launch_bounds__(256)
 ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads, int dim,
                    float wscale, ds4_size pos0, int ratio, int n_cols, float* scores) {

@@ -20,7 +20,7 @@ const GROUPED_MAX_SEL: usize = 64;
 /// Head dims the attention kernel holds in registers.
 const ATT_MAX_HD: usize = 512;
 /// Indexer rows scored per block (`DS4_IDX_ROWS` in ops.cu).
-const IDX_ROWS_PER_BLOCK: usize = 64;
+const IDX_ROWS_PER_BLOCK: usize = 16;
 /// Length of the on-device 0..n sequence used as group ids.
 const IOTA_LEN: usize = 64;
 /// Keys per block of the split-key (decode) attention.

@@ -172,8 +172,24 @@ impl Engine {
         state: &mut KvState,
         tokens: &[u32],
         want: Logits,
-        mut progress: Option<&mut dyn FnMut(usize, usize)>,
+        progress: Option<&mut dyn FnMut(usize, usize)>,
     ) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.eval_into(state, tokens, want, progress, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Engine::eval`] into `out` (cleared first), so a decode loop reuses one logits
+    /// buffer instead of allocating a vocabulary-sized vector per token.
+    pub fn eval_into(
+        &mut self,
+        state: &mut KvState,
+        tokens: &[u32],
+        want: Logits,
+        mut progress: Option<&mut dyn FnMut(usize, usize)>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        out.clear();
         self.check_state(state)?;
         if tokens.is_empty() {
             return Err(EngineError::Empty);
@@ -218,7 +234,6 @@ impl Engine {
             w: &self.weights,
             mode: self.mode,
         };
-        let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(cap);
         for (ci, chunk) in tokens.chunks(cap).enumerate() {
             let last = ci + 1 == n_chunks;
@@ -243,7 +258,7 @@ impl Engine {
                 p((ci * cap + chunk.len()).min(tokens.len()), tokens.len());
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 

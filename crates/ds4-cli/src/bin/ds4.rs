@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use ds4_chat::render::{ThinkingMode, DEFAULT_SYSTEM};
 use ds4_cli::generate::{GenSettings, OneShotEnd};
-use ds4_cli::load::{BackendChoice, LoadOptions, ModeChoice};
+use ds4_cli::load::{BackendChoice, LoadOptions, ModeChoice, Precision};
 use ds4_cli::signals::Interrupts;
 use ds4_engine::SamplerConfig;
 use ds4_model::Strictness;
@@ -53,6 +53,10 @@ struct ModelArgs {
     /// Prefill chunk in tokens (bounds scratch memory; results do not depend on it).
     #[arg(long, default_value_t = 2048)]
     prefill_chunk: usize,
+    /// Pedantic f32 prefill GEMM instead of the default fast TF32 path (CUDA; also
+    /// DS4_QUALITY=1). Slower prefill, logits closer to the f32 reference.
+    #[arg(long)]
+    quality: bool,
     #[command(flatten)]
     placement: PlacementFlags,
 }
@@ -68,6 +72,7 @@ impl ModelArgs {
             threads: self.threads,
             placement: self.placement.to_overrides(),
             report_placement: report,
+            precision: Precision::from_env(self.quality),
         }
     }
 }
@@ -339,7 +344,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let args = ds4_cli::vectors::VectorsRun {
                 dir,
-                load: model.load_options(ctx, false),
+                // A parity check compares against references: always the f32 path.
+                load: LoadOptions {
+                    precision: Precision::Quality,
+                    ..model.load_options(ctx, false)
+                },
                 counts_only,
                 thresholds: ds4_cli::vectors::Thresholds {
                     min_overlap,

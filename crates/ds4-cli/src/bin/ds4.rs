@@ -109,16 +109,16 @@ struct RunArgs {
     #[arg(short = 'n', long, default_value_t = 50000)]
     tokens: usize,
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_TEMP)]
     temp: f32,
     /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_TOP_P)]
     top_p: f32,
     /// Keep only the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_TOP_K)]
     top_k: usize,
     /// Drop tokens below this fraction of the top probability.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_MIN_P)]
     min_p: f32,
     /// RNG seed (default: from the clock).
     #[arg(long)]
@@ -534,7 +534,7 @@ fn run_model(a: RunArgs) -> anyhow::Result<ExitCode> {
             &mut std::io::stdout(),
             &mut std::io::stderr(),
         )?;
-        return Ok(match end {
+        return Ok(match end.end {
             OneShotEnd::Done => ExitCode::SUCCESS,
             OneShotEnd::Interrupted => ExitCode::from(130),
         });

@@ -230,7 +230,7 @@ impl Runner {
             if cancel.load(Ordering::Relaxed) {
                 break GenStop::Interrupted;
             }
-            logits = self.session.decode(tok)?;
+            self.session.decode_into(tok, &mut logits)?;
         };
         Ok(GenOutcome {
             tokens: out,

@@ -59,6 +59,37 @@ pub enum OneShotEnd {
     Interrupted,
 }
 
+/// The CLI's default sampling (`ds4` without sampling flags; `ds4-bench --e2e` measures
+/// exactly this): temperature 1, top-p 1, top-k off, min-p 0.05.
+pub const DEFAULT_TEMP: f32 = 1.0;
+pub const DEFAULT_TOP_P: f32 = 1.0;
+pub const DEFAULT_TOP_K: usize = 0;
+pub const DEFAULT_MIN_P: f32 = 0.05;
+
+/// [`SamplerConfig`] with the CLI's defaults and `seed`.
+pub fn default_sampler(seed: u64) -> SamplerConfig {
+    SamplerConfig {
+        temperature: DEFAULT_TEMP,
+        top_k: DEFAULT_TOP_K,
+        top_p: DEFAULT_TOP_P,
+        min_p: DEFAULT_MIN_P,
+        seed,
+        ..SamplerConfig::default()
+    }
+}
+
+/// A one-shot run's end and its measured rates (what the status line prints).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OneShotStats {
+    pub end: OneShotEnd,
+    /// Prompt tokens evaluated, and the seconds it took.
+    pub prefilled: usize,
+    pub prefill_secs: f64,
+    /// Tokens sampled, and the seconds from the first sample to the last.
+    pub generated: usize,
+    pub gen_secs: f64,
+}
+
 /// Renders `prompt`, prefills it, and streams the answer to `out`.
 pub fn one_shot(
     loaded: Loaded,
@@ -67,7 +98,7 @@ pub fn one_shot(
     intr: &Interrupts,
     out: &mut dyn Write,
     log: &mut dyn Write,
-) -> anyhow::Result<OneShotEnd> {
+) -> anyhow::Result<OneShotStats> {
     let tok = loaded.tokenizer.clone();
     let session = Session::new(loaded.engine)?;
     let mut runner = Runner::new(session, tok.clone());
@@ -102,7 +133,13 @@ pub fn one_shot(
     let Some(logits) = logits else {
         intr.end();
         writeln!(log, "ds4: interrupted during prefill")?;
-        return Ok(OneShotEnd::Interrupted);
+        return Ok(OneShotStats {
+            end: OneShotEnd::Interrupted,
+            prefilled: sync.prefilled,
+            prefill_secs: sync.secs,
+            generated: 0,
+            gen_secs: 0.0,
+        });
     };
     let room = ctx - tokens.len();
     let max = s.max_tokens.min(room.saturating_sub(1)).max(1);
@@ -139,10 +176,16 @@ pub fn one_shot(
         writeln!(log, "ds4: interrupted")?;
     }
     writeln!(log, "{}", status_line(&sync, &gen, live, ctx))?;
-    Ok(if interrupted {
-        OneShotEnd::Interrupted
-    } else {
-        OneShotEnd::Done
+    Ok(OneShotStats {
+        end: if interrupted {
+            OneShotEnd::Interrupted
+        } else {
+            OneShotEnd::Done
+        },
+        prefilled: sync.prefilled,
+        prefill_secs: sync.secs,
+        generated: gen.tokens.len(),
+        gen_secs: gen.secs,
     })
 }
 

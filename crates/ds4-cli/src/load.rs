@@ -52,6 +52,52 @@ impl From<ModeChoice> for NumericMode {
     }
 }
 
+/// Prefill GEMM precision on CUDA: what users run is the fastest verified path; the
+/// pedantic f32 path is one flag away for anyone who wants bit-closer logits, and parity
+/// checks (`ds4 vectors`) always use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// cuBLAS TF32 (f32 accumulation, 10-bit-mantissa products): the default.
+    #[default]
+    Fast,
+    /// cuBLAS in full f32 (`--quality` or `DS4_QUALITY=1`).
+    Quality,
+}
+
+impl Precision {
+    /// The environment variable that selects [`Precision::Quality`] when set to `1`.
+    pub const ENV: &'static str = "DS4_QUALITY";
+
+    /// `--quality` wins; otherwise `DS4_QUALITY=1` (any other value, or unset: fast).
+    pub fn resolve(quality_flag: bool, env: Option<&std::ffi::OsStr>) -> Precision {
+        if quality_flag || env.is_some_and(|v| v == "1") {
+            Precision::Quality
+        } else {
+            Precision::Fast
+        }
+    }
+
+    /// [`Precision::resolve`] with this process's environment.
+    pub fn from_env(quality_flag: bool) -> Precision {
+        Precision::resolve(quality_flag, std::env::var_os(Self::ENV).as_deref())
+    }
+
+    /// The cuBLAS precision the CUDA backend is built with.
+    pub fn cublas(self) -> ds4_gpu::cuda::GemmPrecision {
+        match self {
+            Precision::Fast => ds4_gpu::cuda::GemmPrecision::Tf32,
+            Precision::Quality => ds4_gpu::cuda::GemmPrecision::F32,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fast => "fast (TF32 prefill GEMM)",
+            Precision::Quality => "quality (f32 prefill GEMM)",
+        }
+    }
+}
+
 /// What `--backend` resolves to on this machine. GPU variants hold the opened device (the
 /// backend is built on it, so it is opened once) and its facts, so the placement plan is
 /// made for the device that will run the model.
@@ -146,15 +192,13 @@ pub fn make_planned_backend(
     choice: BackendChoice,
     threads: usize,
     plan: Option<ds4_placement::Plan>,
+    precision: Precision,
 ) -> anyhow::Result<Box<dyn Backend>> {
     let cpu = || -> anyhow::Result<Box<dyn Backend>> {
         let be = ds4_cpu::CpuBackend::new(threads).context("starting the CPU backend")?;
         Ok(Box::new(be))
     };
-    let opts = ds4_gpu::backend::GpuOptions {
-        plan,
-        ..ds4_gpu::backend::GpuOptions::default()
-    };
+    let opts = gpu_options(plan, precision);
     match resolved {
         Resolved::Cpu => cpu(),
         Resolved::Cuda { dev, .. } => {
@@ -175,6 +219,19 @@ pub fn make_planned_backend(
             }
             Err(e) => Err(anyhow::Error::new(e).context("starting the ROCm backend")),
         },
+    }
+}
+
+/// The GPU backend options the CLI and the server use: the plan, and cuBLAS at the chosen
+/// precision (ROCm ignores it).
+pub fn gpu_options(
+    plan: Option<ds4_placement::Plan>,
+    precision: Precision,
+) -> ds4_gpu::backend::GpuOptions {
+    ds4_gpu::backend::GpuOptions {
+        plan,
+        cublas: Some(precision.cublas()),
+        ..ds4_gpu::backend::GpuOptions::default()
     }
 }
 
@@ -207,6 +264,8 @@ pub struct LoadOptions {
     pub placement: ds4_placement::CliOverrides,
     /// Print the placement report (to the given writer) at load.
     pub report_placement: bool,
+    /// Prefill GEMM precision (CUDA).
+    pub precision: Precision,
 }
 
 /// A model ready to run: the engine, its tokenizer, and what the store needs to know.
@@ -271,11 +330,12 @@ pub fn planned_backend(
     threads: usize,
     req: &PlacementRequest<'_>,
     log: Option<&mut dyn Write>,
+    precision: Precision,
 ) -> anyhow::Result<Box<dyn Backend>> {
     let resolved = probe_device(choice, true)?;
     let plan = placement_plan(req, &resolved, log)?;
     let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
-    make_planned_backend(resolved, choice, threads, gpu_plan)
+    make_planned_backend(resolved, choice, threads, gpu_plan, precision)
 }
 
 /// Opens the model, builds the tokenizer and the engine, and prints the load report (model,
@@ -333,7 +393,7 @@ fn build_engine_logged(
         overrides: opts.placement.clone(),
     };
     let log = log.filter(|_| opts.report_placement);
-    let backend = planned_backend(opts.backend, opts.threads, &req, log)?;
+    let backend = planned_backend(opts.backend, opts.threads, &req, log, opts.precision)?;
     let cfg = EngineConfig {
         mode: opts.mode.map(NumericMode::from),
         ctx,
@@ -341,4 +401,50 @@ fn build_engine_logged(
     };
     Engine::load(file.clone(), backend, cfg)
         .with_context(|| format!("cannot load {}", opts.model.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_gpu::cuda::GemmPrecision;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn fast_by_default_quality_by_flag_or_environment() {
+        assert_eq!(Precision::resolve(false, None), Precision::Fast);
+        assert_eq!(Precision::resolve(true, None), Precision::Quality);
+        assert_eq!(
+            Precision::resolve(false, Some(OsStr::new("1"))),
+            Precision::Quality
+        );
+        for other in ["0", "", "yes"] {
+            assert_eq!(
+                Precision::resolve(false, Some(OsStr::new(other))),
+                Precision::Fast,
+                "{other:?}"
+            );
+        }
+        assert_eq!(
+            Precision::resolve(true, Some(OsStr::new("0"))),
+            Precision::Quality
+        );
+    }
+
+    #[test]
+    fn precision_selects_the_cublas_gemm() {
+        assert_eq!(
+            gpu_options(None, Precision::Fast).cublas,
+            Some(GemmPrecision::Tf32)
+        );
+        assert_eq!(
+            gpu_options(None, Precision::Quality).cublas,
+            Some(GemmPrecision::F32)
+        );
+        // The library default stays f32: check tools built on it keep the pedantic path.
+        assert_eq!(
+            ds4_gpu::backend::GpuOptions::default().cublas,
+            Some(GemmPrecision::F32)
+        );
+        assert_eq!(Precision::default(), Precision::Fast);
+    }
 }

@@ -75,6 +75,10 @@ enum Cmd {
         /// Print the exact file size and write nothing.
         #[arg(long)]
         dry_run: bool,
+        /// Leave the routed-expert tensors as holes (a sparse file that reads back zeros
+        /// there, valid blocks): the full-size q2 file then takes ~4 GB of disk.
+        #[arg(long)]
+        sparse_experts: bool,
         /// Embed this HF tokenizer.json.
         #[arg(long, conflicts_with = "vocab_gguf")]
         tokenizer: Option<PathBuf>,
@@ -189,6 +193,7 @@ fn main() -> Result<()> {
             layers,
             seed,
             dry_run,
+            sparse_experts,
             tokenizer,
             vocab_gguf,
             out,
@@ -229,6 +234,20 @@ fn main() -> Result<()> {
             };
             let tmp = PathBuf::from(format!("{}.partial", out.display()));
             let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            if sparse_experts {
+                let written = model.write_sparse_experts(&f, &tmp, &mut Bar::new(cli.quiet))?;
+                f.sync_all()?;
+                drop(f);
+                std::fs::rename(&tmp, &out)?;
+                println!(
+                    "wrote {} ({} bytes, {:.2} GiB apparent; {:.2} GiB written, experts left as holes)",
+                    out.display(),
+                    size,
+                    gib(size),
+                    gib(written)
+                );
+                return Ok(());
+            }
             let (w, bytes) = model.write_to(
                 BufWriter::with_capacity(8 << 20, f),
                 &mut Bar::new(cli.quiet),

@@ -400,6 +400,74 @@ impl SyntheticModel {
     }
 }
 
+impl SyntheticModel {
+    /// Writes the file like [`SyntheticModel::write_to`], except that the routed-expert
+    /// tensors ([`is_routed_expert`]) are left as holes: nothing is written there, the file
+    /// just has its full length, so those bytes read back as zeros, which are valid
+    /// blocks of every quantized type (scale 0: all values 0). Why: the full-size q2 file
+    /// is 80.76 GiB, of which the experts are ~77 GB; sparse, it fits a 64 GiB disk, and
+    /// loading it still reads (and copies) every byte at full size. Returns the bytes
+    /// actually written (header plus the dense tensors).
+    pub fn write_sparse_experts(
+        &self,
+        f: &std::fs::File,
+        path: &std::path::Path,
+        progress: &mut dyn Progress,
+    ) -> Result<u64> {
+        use crate::error::io_err;
+        use std::os::unix::fs::FileExt;
+        const CHUNK: u64 = 32 << 20;
+        let dense: u64 = self
+            .gens
+            .iter()
+            .zip(&self.header.tensors)
+            .filter(|(_, t)| !is_routed_expert(&t.name))
+            .map(|(g, _)| g.rows * g.row_bytes)
+            .sum();
+        progress.start(dense);
+        let head = ds4_gguf::encode_header(&self.header)?;
+        f.write_all_at(&head, 0).map_err(io_err(path))?;
+        let mut written = head.len() as u64;
+        let mut buf: Vec<u8> = Vec::new();
+        for (i, g) in self.gens.iter().enumerate() {
+            let t = &self.header.tensors[i];
+            if is_routed_expert(&t.name) {
+                continue;
+            }
+            progress.tensor(&t.name);
+            let rows_per = (CHUNK / g.row_bytes.max(1)).max(1);
+            let mut at = self.data_offset + t.offset;
+            let mut r = 0;
+            while r < g.rows {
+                let n = rows_per.min(g.rows - r);
+                buf.resize((n * g.row_bytes) as usize, 0);
+                self.fill_rows(i, r, &mut buf)?;
+                f.write_all_at(&buf, at).map_err(io_err(path))?;
+                progress.advance(buf.len() as u64);
+                at += buf.len() as u64;
+                written += buf.len() as u64;
+                r += n;
+            }
+        }
+        f.set_len(self.file_size).map_err(io_err(path))?;
+        progress.finish();
+        Ok(written)
+    }
+}
+
+/// Whether `name` is a routed-expert tensor (`blk.N.ffn_{gate,up,down}_exps.weight`), the
+/// ones [`SyntheticModel::write_sparse_experts`] leaves as holes.
+pub fn is_routed_expert(name: &str) -> bool {
+    name.starts_with("blk.")
+        && [
+            "ffn_gate_exps.weight",
+            "ffn_up_exps.weight",
+            "ffn_down_exps.weight",
+        ]
+        .iter()
+        .any(|s| name.ends_with(s))
+}
+
 /// The real Flash hyper-parameters with `layers` layers (schedule and clamp vectors resized,
 /// hash layers = min(3, layers)).
 pub fn flash_hparams(layers: usize) -> Result<HParams> {

@@ -241,3 +241,76 @@ fn tiny_synthetic_file_reads_back_exactly() {
         "{e}"
     );
 }
+
+/// `--sparse-experts`: the routed experts are holes (allocated blocks far below the
+/// apparent size), read back as zeros that dequantize to zeros; every other tensor holds
+/// exactly the generator's bytes and the file validates.
+#[test]
+fn sparse_experts_file_has_holes_that_read_as_zero_blocks() {
+    use ds4_convert::synthetic::is_routed_expert;
+    use std::os::unix::fs::MetadataExt;
+    let mut h = flash_hparams(2).unwrap();
+    h.n_embd = 256;
+    h.n_vocab = 300;
+    h.n_head = 4;
+    h.head_dim = 64;
+    h.rope_dim = 16;
+    h.q_lora_rank = 64;
+    h.o_groups = 2;
+    h.o_lora_rank = 32;
+    h.n_expert = 64;
+    h.n_expert_used = 2;
+    h.expert_ff = 512;
+    h.indexer_heads = 4;
+    h.indexer_head_dim = 32;
+    h.indexer_top_k = 4;
+    let tok = ds4_convert::tokenizer::generated_tokenizer(300);
+    let m = SyntheticModel::from_hparams(h, TypeRecipe::Q2, 5, &tok).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("sparse.gguf");
+    let f = std::fs::File::create(&path).unwrap();
+    let written = m.write_sparse_experts(&f, &path, &mut NoProgress).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!(meta.len(), m.file_size());
+    let experts: u64 = m
+        .header()
+        .tensors
+        .iter()
+        .filter(|t| is_routed_expert(&t.name))
+        .map(|t| t.n_bytes().unwrap())
+        .sum();
+    assert_eq!(
+        m.header()
+            .tensors
+            .iter()
+            .filter(|t| is_routed_expert(&t.name))
+            .count(),
+        6
+    );
+    assert!(experts > (4 << 20), "experts {experts} bytes");
+    assert!(written + experts <= m.file_size());
+    // Allocated bytes: what was written (plus block rounding), not the experts.
+    let allocated = meta.blocks() * 512;
+    assert!(
+        allocated < m.file_size() - experts / 2,
+        "allocated {allocated} of {} (experts {experts})",
+        m.file_size()
+    );
+    let file = GgufFile::open(&path).unwrap();
+    ModelSpec::from_header(file.header(), Strictness::Layout).unwrap();
+    for (i, t) in m.header().tensors.iter().enumerate() {
+        let (_, got) = file.tensor_bytes(&t.name).unwrap();
+        if is_routed_expert(&t.name) {
+            assert!(got.iter().all(|&b| b == 0), "{}", t.name);
+            let mut v = vec![1f32; t.n_elements().unwrap() as usize];
+            quant::dequantize(t.ty, got, &mut v).unwrap();
+            assert!(v.iter().all(|&x| x == 0.0), "{}", t.name);
+        } else {
+            let mut want = vec![0u8; t.n_bytes().unwrap() as usize];
+            m.fill_tensor(i, &mut want).unwrap();
+            assert_eq!(got, &want[..], "{}", t.name);
+        }
+    }
+}

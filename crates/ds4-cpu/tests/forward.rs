@@ -439,4 +439,42 @@ fn default_argmax_op_follows_the_sequential_scan_on_ties_and_nan() {
         be.download_i32(out, 0, &mut got).unwrap();
         assert_eq!(got[0] as u32, argmax(c), "{c:?}");
     }
+
+/// `generate` hands the repetition penalty only its window (not the whole context); the
+/// tokens must be those of sampling with the full history by hand.
+#[test]
+fn generate_penalises_the_same_window_as_the_full_history() {
+    let file = model();
+    let prompt = tokens(12, 97, 10);
+    let cfg = SamplerConfig {
+        temperature: 0.8,
+        repeat_penalty: 1.8,
+        repeat_window: 6,
+        seed: 3,
+        ..SamplerConfig::default()
+    };
+    let stop = StopConditions {
+        max_tokens: 10,
+        ..Default::default()
+    };
+    let mut g = session(&file, NumericMode::Exact, 8, 2);
+    let mut sampler = Sampler::new(cfg.clone()).unwrap();
+    let got = g
+        .generate(&prompt, None, &mut sampler, &stop, &mut |_| true, None)
+        .unwrap()
+        .tokens;
+    let mut s = session(&file, NumericMode::Exact, 8, 2);
+    let mut sampler = Sampler::new(cfg).unwrap();
+    let mut history = prompt.clone();
+    let mut logits = s.prefill(&prompt).unwrap();
+    let mut want = Vec::new();
+    for i in 0..10 {
+        let t = sampler.sample(&logits, &history).unwrap();
+        want.push(t);
+        history.push(t);
+        if i < 9 {
+            logits = s.decode(t).unwrap();
+        }
+    }
+    assert_eq!(got, want);
 }

@@ -173,7 +173,7 @@ impl Engine {
     /// argmax of the last logits row, computed by the backend: one integer crosses back
     /// instead of the vocabulary-sized row).
     pub fn eval_argmax(&mut self, state: &mut KvState, tokens: &[u32]) -> Result<u32> {
-        self.eval_inner(state, tokens, Logits::Last, None, true)?;
+        self.eval_inner(state, tokens, Logits::Last, None, None)?;
         let s = self.scratch.as_ref().expect("eval allocated the scratch");
         let mut id = [0i32];
         let (logits, out) = (s.logits.rows(0, 1, self.spec.hparams.n_vocab), s.argmax);
@@ -192,19 +192,37 @@ impl Engine {
         want: Logits,
         progress: Option<&mut dyn FnMut(usize, usize)>,
     ) -> Result<Vec<f32>> {
-        self.eval_inner(state, tokens, want, progress, false)
+        let mut out = Vec::new();
+        self.eval_into(state, tokens, want, progress, &mut out)?;
+        Ok(out)
     }
 
-    /// [`Engine::eval`]; with `keep_on_device` the last logits stay in the scratch
-    /// (nothing is copied back).
+    /// [`Engine::eval`] into `out` (cleared first), so a decode loop reuses one logits
+    /// buffer instead of allocating a vocabulary-sized vector per token.
+    pub fn eval_into(
+        &mut self,
+        state: &mut KvState,
+        tokens: &[u32],
+        want: Logits,
+        progress: Option<&mut dyn FnMut(usize, usize)>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.eval_inner(state, tokens, want, progress, Some(out))
+    }
+
+    /// [`Engine::eval_into`]; with `out = None` the last logits stay in the scratch
+    /// (nothing is copied back: [`Engine::eval_argmax`]).
     fn eval_inner(
         &mut self,
         state: &mut KvState,
         tokens: &[u32],
         want: Logits,
         mut progress: Option<&mut dyn FnMut(usize, usize)>,
-        keep_on_device: bool,
-    ) -> Result<Vec<f32>> {
+        mut out: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
+        if let Some(o) = out.as_deref_mut() {
+            o.clear();
+        }
         self.check_state(state)?;
         if tokens.is_empty() {
             return Err(EngineError::Empty);
@@ -249,7 +267,6 @@ impl Engine {
             w: &self.weights,
             mode: self.mode,
         };
-        let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(cap);
         for (ci, chunk) in tokens.chunks(cap).enumerate() {
             let last = ci + 1 == n_chunks;
@@ -264,7 +281,7 @@ impl Engine {
                 Want::Last => 1,
                 Want::All => chunk.len(),
             };
-            if rows > 0 && !keep_on_device {
+            if let (true, Some(out)) = (rows > 0, out.as_deref_mut()) {
                 let start = out.len();
                 out.resize(start + rows * n_vocab, 0.0);
                 self.backend
@@ -274,7 +291,7 @@ impl Engine {
                 p((ci * cap + chunk.len()).min(tokens.len()), tokens.len());
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 

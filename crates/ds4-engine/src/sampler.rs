@@ -42,6 +42,14 @@ impl Default for SamplerConfig {
 }
 
 impl SamplerConfig {
+    /// Whether [`Sampler::sample`] returns exactly [`argmax`] of the logits whatever the
+    /// history (temperature 0 and no repetition penalty). Such a sampler needs only the
+    /// argmax id, not the logits, so a GPU backend can compute it on the device and copy
+    /// back 4 bytes instead of the whole vocabulary.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.repeat_penalty == 1.0
+    }
+
     /// Refuses values that have no meaning (negative temperature, p outside [0, 1], …).
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(EngineError::Sampler(m));
@@ -107,21 +115,52 @@ impl Rng {
     }
 }
 
+/// Draws tokens from logits with a [`SamplerConfig`].
+///
+/// Cost per call is O(vocab) with no vocab-sized allocation after the first call: one pass
+/// checks for NaN and finds the maximum, min-p (when it can be applied first) and top-k
+/// shrink the candidates by a threshold and a selection, and only the candidates that the
+/// filters and the draw actually walk are sorted. The kept set and the drawn token are the
+/// ones the straightforward "sort the whole vocabulary" formulation gives (a test keeps
+/// that formulation as a reference); only the floating-point summation order of
+/// normalisers may differ, which can change a token only when the uniform draw lands
+/// within rounding (~1e-16 relative) of a boundary.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: Rng,
+    /// Reused across calls: the penalised logits (only with a repetition penalty).
+    work: Vec<f32>,
+    /// Reused across calls: candidates as sort keys (see [`key`]).
+    keys: Vec<u64>,
+    /// Reused across calls: distinct ids of the repetition window.
+    seen: Vec<u32>,
 }
+
+/// Candidate sets up to this size are sorted whole at once (cheap, and the normaliser is
+/// then summed in exactly the reference order).
+const SORT_WHOLE: usize = 4096;
 
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Result<Sampler> {
         cfg.validate()?;
         let rng = Rng::new(cfg.seed);
-        Ok(Sampler { cfg, rng })
+        Ok(Sampler {
+            cfg,
+            rng,
+            work: Vec::new(),
+            keys: Vec::new(),
+            seen: Vec::new(),
+        })
     }
 
     pub fn config(&self) -> &SamplerConfig {
         &self.cfg
+    }
+
+    /// See [`SamplerConfig::is_greedy`].
+    pub fn is_greedy(&self) -> bool {
+        self.cfg.is_greedy()
     }
 
     /// Picks the next token from `logits`; `history` feeds the repetition penalty.
@@ -129,86 +168,411 @@ impl Sampler {
         if logits.is_empty() {
             return Err(EngineError::Sampler("empty logits".into()));
         }
-        if let Some(i) = logits.iter().position(|x| x.is_nan()) {
+        if u32::try_from(logits.len()).is_err() {
+            return Err(EngineError::Sampler(format!(
+                "{} logits: token ids must fit in 32 bits",
+                logits.len()
+            )));
+        }
+        if scan(logits).1 {
+            let i = logits.iter().position(|x| x.is_nan()).unwrap_or(0);
             return Err(EngineError::Sampler(format!("logit {i} is NaN")));
         }
-        let mut l = logits.to_vec();
-        if self.cfg.repeat_penalty != 1.0 {
-            let start = history.len().saturating_sub(self.cfg.repeat_window);
-            let mut seen = vec![false; l.len()];
-            for &t in &history[start..] {
-                if let Some(s) = seen.get_mut(t as usize) {
-                    if !*s {
-                        *s = true;
-                        let v = &mut l[t as usize];
-                        *v = if *v > 0.0 {
-                            *v / self.cfg.repeat_penalty
-                        } else {
-                            *v * self.cfg.repeat_penalty
-                        };
+        let Sampler {
+            cfg,
+            rng,
+            work,
+            keys,
+            seen,
+        } = self;
+        let l: &[f32] = if cfg.repeat_penalty != 1.0 {
+            work.clear();
+            work.extend_from_slice(logits);
+            let start = history.len().saturating_sub(cfg.repeat_window);
+            seen.clear();
+            seen.extend(
+                history[start..]
+                    .iter()
+                    .copied()
+                    .filter(|&t| (t as usize) < work.len()),
+            );
+            seen.sort_unstable();
+            seen.dedup();
+            for &t in seen.iter() {
+                let v = &mut work[t as usize];
+                *v = if *v > 0.0 {
+                    *v / cfg.repeat_penalty
+                } else {
+                    *v * cfg.repeat_penalty
+                };
+            }
+            work
+        } else {
+            logits
+        };
+        if cfg.temperature == 0.0 {
+            return Ok(argmax(l));
+        }
+        let top32 = scan(l).0;
+        if top32 == f32::INFINITY {
+            let i = l.iter().position(|&x| x == f32::INFINITY).unwrap_or(0);
+            return Err(EngineError::Sampler(format!("logit {i} is +inf")));
+        }
+        if top32 == f32::NEG_INFINITY {
+            return Err(EngineError::Sampler("every logit is -inf".into()));
+        }
+        let top = top32 as f64;
+        let temp = cfg.temperature as f64;
+        let inv_t = 1.0 / temp;
+        // The unnormalised probability of token `i`, bit for bit the reference formula.
+        let e = |i: u32| ((l[i as usize] as f64 - top) * inv_t).exp();
+
+        let n = l.len();
+        let top_k = if cfg.top_k > 0 && cfg.top_k < n {
+            cfg.top_k
+        } else {
+            0
+        };
+        // Top-p compares cumulative mass with the mass of the whole top-k set (or the
+        // vocabulary), so it needs that normaliser `z`.
+        let need_z = cfg.top_p < 1.0;
+        // Every filter keeps a prefix of the sorted order, so the candidates can be cut at
+        // a logit threshold first as long as the cut keeps that whole prefix:
+        // * min-p: p_i >= min_p · p_max  ⇔  l_i >= max + T·ln(min_p) (with a little
+        //   slack; the exact test below decides);
+        // * top-k: a threshold with at least k logits above it, then a selection;
+        // * otherwise a guessed threshold holding the mass the walks need, checked
+        //   afterwards (a walk that runs off its end starts again with every token).
+        let min_p_cut = if cfg.min_p > 0.0 {
+            let c = top + temp * (cfg.min_p as f64).ln();
+            round_down(c - 1e-6 * (1.0 + c.abs()))
+        } else {
+            f32::NEG_INFINITY
+        };
+        // The uniform draw (exactly one per sampled token, as the reference).
+        let u = rng.next_f64();
+        let mut vocab_mass = f64::NAN;
+        let (cut, mut z, complete) = if top_k > 0 {
+            let mut d = 4.0f64;
+            let cut = loop {
+                let c = round_down(top - d * temp);
+                if c == f32::NEG_INFINITY || count_at_least(l, c) >= top_k {
+                    break c;
+                }
+                d *= 2.0;
+            };
+            // z is over the whole top-k set, so min-p may cut first only without top-p.
+            let cut = if need_z { cut } else { cut.max(min_p_cut) };
+            (cut, 1.0, true)
+        } else if need_z || cfg.min_p == 0.0 {
+            // z (or, for plain temperature sampling, the total mass) over the vocabulary.
+            let z: f64 = l.iter().map(|&x| ((x as f64 - top) * inv_t).exp()).sum();
+            vocab_mass = z;
+            if cfg.min_p > 0.0 {
+                (min_p_cut, if need_z { z } else { 1.0 }, true)
+            } else {
+                // Mass the walks need (the top-p nucleus, or the draw itself), in units of
+                // z, with a margin for summation order.
+                let need = if need_z { cfg.top_p as f64 } else { u } + 1e-9;
+                let mut d = 8.0f64;
+                let cut = loop {
+                    let c = round_down(top - d * temp);
+                    if c == f32::NEG_INFINITY || mass_at_least(l, c, top, inv_t) / z >= need {
+                        break c;
+                    }
+                    d *= 2.0;
+                };
+                (cut, if need_z { z } else { 1.0 }, cut == f32::NEG_INFINITY)
+            }
+        } else {
+            (min_p_cut, 1.0, true)
+        };
+        let mut cut = cut;
+        let mut complete = complete;
+        loop {
+            keys.clear();
+            if cut == f32::NEG_INFINITY {
+                keys.reserve(n);
+                keys.extend(l.iter().enumerate().map(|(i, &x)| key(x, i)));
+            } else {
+                // Survivors are rare: test a block at once (vectorises), visit only hits.
+                for (bi, b) in l.chunks(LANES).enumerate() {
+                    if b.iter().fold(false, |a, &x| a | (x >= cut)) {
+                        for (j, &x) in b.iter().enumerate() {
+                            if x >= cut {
+                                keys.push(key(x, bi * LANES + j));
+                            }
+                        }
                     }
                 }
             }
-        }
-        if self.cfg.temperature == 0.0 {
-            return Ok(argmax(&l));
-        }
-        // Candidates sorted by logit descending, lower id first on ties.
-        let mut idx: Vec<u32> = (0..l.len() as u32).collect();
-        idx.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
-        if self.cfg.top_k > 0 && self.cfg.top_k < idx.len() {
-            idx.truncate(self.cfg.top_k);
-        }
-        let inv_t = 1.0 / self.cfg.temperature as f64;
-        let top = l[idx[0] as usize] as f64;
-        let mut p: Vec<f64> = idx
-            .iter()
-            .map(|&i| ((l[i as usize] as f64 - top) * inv_t).exp())
-            .collect();
-        let z: f64 = p.iter().sum();
-        for v in &mut p {
-            *v /= z;
-        }
-        if self.cfg.min_p > 0.0 {
-            let floor = self.cfg.min_p as f64 * p[0];
-            let keep = p.iter().take_while(|&&v| v >= floor).count().max(1);
-            p.truncate(keep);
-            idx.truncate(keep);
-        }
-        if self.cfg.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = p.len();
-            for (i, v) in p.iter().enumerate() {
-                acc += v;
-                if acc >= self.cfg.top_p as f64 {
-                    keep = i + 1;
-                    break;
+            if top_k > 0 && top_k < keys.len() {
+                keys.select_nth_unstable_by(top_k - 1, |a, b| b.cmp(a));
+                keys.truncate(top_k);
+            }
+            let mut sorted = 0usize;
+            let n_keys = keys.len();
+            if n_keys <= SORT_WHOLE {
+                ensure_sorted(keys, &mut sorted, n_keys);
+            }
+            let sum_prefix = |keys: &[u64], m: usize, z: f64| -> f64 {
+                keys[..m].iter().map(|&k| e(id(k)) / z).sum()
+            };
+            if top_k > 0 && need_z {
+                // The whole top-k set, summed in sorted order when small (as the reference).
+                z = sum_prefix(keys, n_keys, 1.0);
+            }
+            let p = |k: u64| e(id(k)) / z;
+            ensure_sorted(keys, &mut sorted, 1);
+            let p0 = p(keys[0]);
+            let mut keep = n_keys;
+            // Whether a walk ended because the candidates ran out (not by its own rule).
+            let mut ran_out = true;
+            if cfg.min_p > 0.0 {
+                let floor = cfg.min_p as f64 * p0;
+                let mut m = 0;
+                while m < n_keys {
+                    ensure_sorted(keys, &mut sorted, m + 1);
+                    if p(keys[m]) < floor {
+                        ran_out = false;
+                        break;
+                    }
+                    m += 1;
                 }
+                keep = m.max(1);
             }
-            p.truncate(keep);
-            idx.truncate(keep);
-        }
-        let total: f64 = p.iter().sum();
-        let mut r = self.rng.next_f64() * total;
-        for (i, v) in p.iter().enumerate() {
-            if r < *v {
-                return Ok(idx[i]);
+            if need_z {
+                let mut acc = 0.0;
+                let mut i = 0;
+                while i < keep {
+                    ensure_sorted(keys, &mut sorted, i + 1);
+                    acc += p(keys[i]);
+                    i += 1;
+                    if acc >= cfg.top_p as f64 {
+                        ran_out = false;
+                        break;
+                    }
+                }
+                keep = i;
             }
-            r -= v;
+            if need_z && ran_out && !complete {
+                cut = f32::NEG_INFINITY;
+                complete = true;
+                continue;
+            }
+            // Summed in sorted order when that prefix is sorted (always, except when every
+            // candidate of a large set is kept: then any order is the same sum up to
+            // rounding).
+            let total = if top_k == 0 && !need_z && cfg.min_p == 0.0 {
+                // Plain temperature sampling: the total is the vocabulary's mass.
+                vocab_mass
+            } else {
+                sum_prefix(keys, keep, z)
+            };
+            let mut r = u * total;
+            for i in 0..keep {
+                ensure_sorted(keys, &mut sorted, i + 1);
+                let v = p(keys[i]);
+                if r < v {
+                    return Ok(id(keys[i]));
+                }
+                r -= v;
+            }
+            if !complete {
+                cut = f32::NEG_INFINITY;
+                complete = true;
+                continue;
+            }
+            ensure_sorted(keys, &mut sorted, keep);
+            return Ok(id(keys[keep - 1]));
         }
-        Ok(*idx.last().expect("at least one candidate"))
     }
 }
 
-/// Index of the largest value, lowest index on ties (NaN-free input).
+/// The largest f32 at or below `c` (so `x >= result` keeps every `x >= c`).
+fn round_down(c: f64) -> f32 {
+    let c32 = c as f32;
+    if c32 as f64 > c {
+        c32.next_down()
+    } else {
+        c32
+    }
+}
+
+/// Whether at least `k` values are `>= c` (counted in vectorised blocks).
+fn count_at_least(l: &[f32], c: f32) -> usize {
+    l.chunks(LANES)
+        .map(|b| b.iter().map(|&x| usize::from(x >= c)).sum::<usize>())
+        .sum()
+}
+
+/// Unnormalised mass of the values `>= c`.
+fn mass_at_least(l: &[f32], c: f32, top: f64, inv_t: f64) -> f64 {
+    l.iter()
+        .filter(|&&x| x >= c)
+        .map(|&x| ((x as f64 - top) * inv_t).exp())
+        .sum()
+}
+
+/// A candidate's sort key: descending key order is descending logit (in `total_cmp`
+/// order) with the lower id first on ties, so one integer comparison replaces an indirect
+/// float comparison and the order never depends on sort stability.
+fn key(x: f32, i: usize) -> u64 {
+    let b = x.to_bits();
+    let ordered = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    (u64::from(ordered) << 32) | u64::from(u32::MAX - i as u32)
+}
+
+fn id(k: u64) -> u32 {
+    u32::MAX - k as u32
+}
+
+/// Makes sure `keys[..n]` holds the `n` largest keys in descending order, given that
+/// `keys[..*sorted]` already does. Grows the sorted prefix geometrically so walks that go
+/// deep cost a few selections, not one per step.
+fn ensure_sorted(keys: &mut [u64], sorted: &mut usize, n: usize) {
+    let n = n.min(keys.len());
+    if n <= *sorted {
+        return;
+    }
+    let want = n.max(*sorted * 4).max(256).min(keys.len());
+    let rest = &mut keys[*sorted..];
+    let m = want - *sorted;
+    if m < rest.len() {
+        rest.select_nth_unstable_by(m - 1, |a, b| b.cmp(a));
+    }
+    rest[..m].sort_unstable_by(|a, b| b.cmp(a));
+    *sorted = want;
+}
+
+/// Index of the largest value, lowest index on ties (NaN-free input; `-0.0 == 0.0`).
 pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
+    let m = scan(x).0;
+    x.iter().position(|&v| v == m).unwrap_or(0) as u32
+}
+
+/// Independent accumulators per pass, so the scans below compile to vector code.
+const LANES: usize = 16;
+
+/// The largest value (NaNs ignored; -inf for none) and whether any value is NaN, in one
+/// vectorised pass.
+fn scan(l: &[f32]) -> (f32, bool) {
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let mut nan = [false; LANES];
+    let mut blocks = l.chunks_exact(LANES);
+    for b in &mut blocks {
+        for j in 0..LANES {
+            let x = b[j];
+            nan[j] |= x.is_nan();
+            m[j] = if x > m[j] { x } else { m[j] };
         }
     }
-    best as u32
+    let mut top = f32::NEG_INFINITY;
+    let mut any_nan = false;
+    for &x in blocks.remainder().iter().chain(m.iter()) {
+        any_nan |= x.is_nan();
+        if x > top {
+            top = x;
+        }
+    }
+    (top, any_nan || nan.iter().any(|&n| n))
+}
+
+/// The sampler as it was before the O(vocab) rewrite, kept verbatim as the reference the
+/// new one must agree with (it sorts the whole vocabulary per token).
+#[cfg(test)]
+mod reference {
+    use super::{argmax, Rng, SamplerConfig};
+    use crate::error::{EngineError, Result};
+
+    #[derive(Debug, Clone)]
+    pub struct RefSampler {
+        cfg: SamplerConfig,
+        rng: Rng,
+    }
+
+    impl RefSampler {
+        pub fn new(cfg: SamplerConfig) -> Result<RefSampler> {
+            cfg.validate()?;
+            let rng = Rng::new(cfg.seed);
+            Ok(RefSampler { cfg, rng })
+        }
+
+        /// Picks the next token from `logits`; `history` feeds the repetition penalty.
+        pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
+            if logits.is_empty() {
+                return Err(EngineError::Sampler("empty logits".into()));
+            }
+            if let Some(i) = logits.iter().position(|x| x.is_nan()) {
+                return Err(EngineError::Sampler(format!("logit {i} is NaN")));
+            }
+            let mut l = logits.to_vec();
+            if self.cfg.repeat_penalty != 1.0 {
+                let start = history.len().saturating_sub(self.cfg.repeat_window);
+                let mut seen = vec![false; l.len()];
+                for &t in &history[start..] {
+                    if let Some(s) = seen.get_mut(t as usize) {
+                        if !*s {
+                            *s = true;
+                            let v = &mut l[t as usize];
+                            *v = if *v > 0.0 {
+                                *v / self.cfg.repeat_penalty
+                            } else {
+                                *v * self.cfg.repeat_penalty
+                            };
+                        }
+                    }
+                }
+            }
+            if self.cfg.temperature == 0.0 {
+                return Ok(argmax(&l));
+            }
+            // Candidates sorted by logit descending, lower id first on ties.
+            let mut idx: Vec<u32> = (0..l.len() as u32).collect();
+            idx.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+            if self.cfg.top_k > 0 && self.cfg.top_k < idx.len() {
+                idx.truncate(self.cfg.top_k);
+            }
+            let inv_t = 1.0 / self.cfg.temperature as f64;
+            let top = l[idx[0] as usize] as f64;
+            let mut p: Vec<f64> = idx
+                .iter()
+                .map(|&i| ((l[i as usize] as f64 - top) * inv_t).exp())
+                .collect();
+            let z: f64 = p.iter().sum();
+            for v in &mut p {
+                *v /= z;
+            }
+            if self.cfg.min_p > 0.0 {
+                let floor = self.cfg.min_p as f64 * p[0];
+                let keep = p.iter().take_while(|&&v| v >= floor).count().max(1);
+                p.truncate(keep);
+                idx.truncate(keep);
+            }
+            if self.cfg.top_p < 1.0 {
+                let mut acc = 0.0;
+                let mut keep = p.len();
+                for (i, v) in p.iter().enumerate() {
+                    acc += v;
+                    if acc >= self.cfg.top_p as f64 {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+                p.truncate(keep);
+                idx.truncate(keep);
+            }
+            let total: f64 = p.iter().sum();
+            let mut r = self.rng.next_f64() * total;
+            for (i, v) in p.iter().enumerate() {
+                if r < *v {
+                    return Ok(idx[i]);
+                }
+                r -= v;
+            }
+            Ok(*idx.last().expect("at least one candidate"))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -322,5 +686,165 @@ mod tests {
         assert_eq!(s.sample(&[2.0, 1.5], &[0]).unwrap(), 1);
         // Negative logits get more negative.
         assert_eq!(s.sample(&[-1.0, -1.5], &[0]).unwrap(), 1);
+    }
+
+    /// Random logits of a few shapes the model produces: broad, peaked, quantised (ties),
+    /// with masked (-inf) entries and signed zeros.
+    fn random_logits(rng: &mut Rng, n: usize, shape: u64) -> Vec<f32> {
+        let mut l: Vec<f32> = (0..n)
+            .map(|_| {
+                let u = rng.next_f64() as f32;
+                match shape {
+                    0 => u * 8.0 - 4.0,
+                    1 => (u * 8.0 - 4.0).powi(3) * 0.5,
+                    2 => ((u * 16.0).floor() - 8.0) * 0.25,
+                    3 => -20.0 * u,
+                    // Peaked: a bulk around 0 and (below) a few strong candidates.
+                    _ => u * 6.0 - 3.0,
+                }
+            })
+            .collect();
+        if shape == 3 {
+            for v in l.iter_mut().step_by(7) {
+                *v = f32::NEG_INFINITY;
+            }
+            l[1] = 3.0;
+            l[n / 2] = 3.0;
+            l[2] = -0.0;
+            l[3] = 0.0;
+        }
+        if shape == 4 {
+            for k in 0..12 {
+                let i = (rng.next_u64() % n as u64) as usize;
+                l[i] = 14.0 - 0.5 * k as f32;
+            }
+        }
+        l
+    }
+
+    fn configs() -> Vec<SamplerConfig> {
+        let mut out = Vec::new();
+        for &temperature in &[0.0f32, 0.4, 1.0, 1.7] {
+            for &top_k in &[0usize, 1, 5, 40, 3000] {
+                for &top_p in &[1.0f32, 0.95, 0.5] {
+                    for &min_p in &[0.0f32, 0.05, 0.3] {
+                        out.push(SamplerConfig {
+                            temperature,
+                            top_k,
+                            top_p,
+                            min_p,
+                            repeat_penalty: if top_k == 5 { 1.3 } else { 1.0 },
+                            repeat_window: 16,
+                            seed: (top_k as u64) * 31 + (min_p * 100.0) as u64,
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn agrees_with_the_whole_vocabulary_reference() {
+        let mut g = Rng::new(2024);
+        let mut cases = 0;
+        for (ci, c) in configs().into_iter().enumerate() {
+            let n = [37usize, 1000, 9000][ci % 3];
+            let shape = (ci / 3) as u64 % 5;
+            let logits = random_logits(&mut g, n, shape);
+            let history: Vec<u32> = (0..40).map(|i| (i * 13 % n) as u32).collect();
+            let mut new = Sampler::new(c.clone()).unwrap();
+            let mut old = reference::RefSampler::new(c.clone()).unwrap();
+            for step in 0..20 {
+                let h = &history[..step * 2];
+                let a = new.sample(&logits, h).unwrap();
+                let b = old.sample(&logits, h).unwrap();
+                assert_eq!(a, b, "config {c:?} shape {shape} n {n} step {step}");
+                cases += 1;
+            }
+        }
+        assert!(cases > 3000);
+    }
+
+    #[test]
+    fn agrees_with_the_reference_at_full_vocabulary() {
+        let n = 129_280;
+        let mut g = Rng::new(99);
+        for (i, c) in [
+            SamplerConfig {
+                temperature: 1.0,
+                min_p: 0.05,
+                seed: 1,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                temperature: 1.0,
+                seed: 2,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: 3,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                temperature: 1.0,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.05,
+                seed: 4,
+                ..SamplerConfig::default()
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for shape in [0, 1, 4] {
+                let logits = random_logits(&mut g, n, shape);
+                let mut new = Sampler::new(c.clone()).unwrap();
+                let mut old = reference::RefSampler::new(c.clone()).unwrap();
+                for step in 0..6 {
+                    assert_eq!(
+                        new.sample(&logits, &[]).unwrap(),
+                        old.sample(&logits, &[]).unwrap(),
+                        "{c:?} case {i} shape {shape} step {step}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn infinite_logits_are_refused_by_name() {
+        let mut s = Sampler::new(cfg(1.0)).unwrap();
+        let e = s
+            .sample(&[0.0, f32::INFINITY], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("logit 1 is +inf"), "{e}");
+        let e = s
+            .sample(&[f32::NEG_INFINITY, f32::NEG_INFINITY], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("every logit is -inf"), "{e}");
+        // Masked entries next to a finite one are fine.
+        assert_eq!(s.sample(&[f32::NEG_INFINITY, 2.0], &[]).unwrap(), 1);
+    }
+
+    #[test]
+    fn greedy_flag_means_argmax_whatever_the_history() {
+        assert!(SamplerConfig::default().is_greedy());
+        assert!(!cfg(0.7).is_greedy());
+        let pen = SamplerConfig {
+            repeat_penalty: 1.5,
+            ..cfg(0.0)
+        };
+        assert!(!pen.is_greedy());
+        let mut s = Sampler::new(cfg(0.0)).unwrap();
+        assert!(s.is_greedy());
+        let mut g = Rng::new(5);
+        let l = random_logits(&mut g, 5000, 1);
+        assert_eq!(s.sample(&l, &[1, 2, 3]).unwrap(), argmax(&l));
     }
 }

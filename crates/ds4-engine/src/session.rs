@@ -123,6 +123,12 @@ impl Session {
         e.eval(s, &[token], Logits::Last, None)
     }
 
+    /// [`Session::decode`] into a reused buffer (cleared first): no per-token allocation.
+    pub fn decode_into(&mut self, token: u32, logits: &mut Vec<f32>) -> Result<()> {
+        let (e, s) = self.st();
+        e.eval_into(s, &[token], Logits::Last, None, logits)
+    }
+
     pub fn snapshot(&mut self) -> Result<Snapshot> {
         let (e, s) = self.st();
         e.snapshot(s)
@@ -161,9 +167,9 @@ impl Session {
             if cancelled() {
                 return Ok(finish(out, StopReason::Cancelled));
             }
-            let mut history = self.tokens().to_vec();
-            history.extend_from_slice(&out);
-            let tok = sampler.sample(&logits, &history)?;
+            // Every token sampled so far has been fed, so the state's tokens are the whole
+            // history (borrowed, not copied per token; the sampler reads only its window).
+            let tok = sampler.sample(&logits, self.tokens())?;
             out.push(tok);
             let keep_going = on_token(tok);
             if stop.stop_tokens.contains(&tok) {
@@ -188,7 +194,7 @@ impl Session {
             if cancelled() {
                 return Ok(finish(out, StopReason::Cancelled));
             }
-            logits = self.decode(tok)?;
+            self.decode_into(tok, &mut logits)?;
         }
     }
 

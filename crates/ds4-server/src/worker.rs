@@ -750,9 +750,12 @@ impl Worker {
             let text = dec.push(t).unwrap_or_default();
             let evs = stream.push(&text);
             self.emit(job, evs, &mut ids);
-            match self.session.decode(t) {
-                Ok(l) => self.logits = Some(l),
+            // One logits buffer reused across tokens (no vocabulary-sized allocation each).
+            let buf = self.logits.get_or_insert_with(Vec::new);
+            match self.session.decode_into(t, buf) {
+                Ok(()) => {}
                 Err(e) => {
+                    self.logits = None;
                     self.discard_live();
                     break EndCause::Error(e.to_string());
                 }

@@ -6,6 +6,12 @@
 //! prefill speed of the interval since the previous frontier, the decode speed of
 //! `--decode` tokens there, the KV bytes held, and decode as a fraction of the bandwidth
 //! limit (measured device copy bandwidth ÷ weight bytes read per token).
+//!
+//! `ds4-bench --e2e -m FILE` measures what a user of `ds4 -p` gets instead: the CLI's own
+//! load (placement plan, backend choice, fast-default precision), prompt rendering, the
+//! `Session` prefill/generate path with the CLI's default sampler, detokenisation and the
+//! streaming writer (into a sink), on any backend (the CPU too). It prints the load time,
+//! prefill t/s and generation t/s as one CSV row.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -76,6 +82,131 @@ struct Args {
     /// tokens must give equal logits whatever memory holds the weights).
     #[arg(long)]
     checksum: bool,
+    /// End-to-end: the CLI's load and one-shot generation path (needs -m; a full-size
+    /// synthetic file comes from `ds4-convert synthetic --sparse-experts`).
+    #[arg(long)]
+    e2e: bool,
+    /// --e2e: backend (auto, cpu, cuda, rocm), as `ds4 --backend`.
+    #[arg(long, value_enum, default_value_t = ds4_cli::load::BackendChoice::Auto)]
+    backend: ds4_cli::load::BackendChoice,
+    /// --e2e: context size.
+    #[arg(long, default_value_t = 8192)]
+    ctx: usize,
+    /// --e2e: tokens to generate (EOS is masked so every run generates exactly this many).
+    #[arg(short = 'n', long, default_value_t = 200)]
+    tokens: usize,
+    /// --e2e: prompt text file (default: a generated text of --prompt-words words).
+    #[arg(long)]
+    prompt_file: Option<std::path::PathBuf>,
+    /// --e2e: words of the generated prompt.
+    #[arg(long, default_value_t = 1500)]
+    prompt_words: usize,
+    /// --e2e: the pedantic f32 prefill GEMM (as `ds4 --quality`; also DS4_QUALITY=1).
+    #[arg(long)]
+    quality: bool,
+    /// --e2e: CPU threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+/// `--e2e`: the CLI's own path, timed.
+fn e2e(args: &Args) -> Result<()> {
+    use ds4_cli::generate::{default_sampler, one_shot, GenSettings};
+    use ds4_cli::load::{LoadOptions, ModeChoice, Precision};
+    let Some(model) = &args.model else {
+        bail!("--e2e needs -m FILE (a full-size synthetic file: ds4-convert synthetic --sparse-experts)");
+    };
+    let mode = match args.mode.as_deref() {
+        None => None,
+        Some("exact") => Some(ModeChoice::Exact),
+        Some("official") => Some(ModeChoice::Official),
+        Some(o) => bail!("--mode {o:?}: use exact or official"),
+    };
+    if args.tokens == 0 || args.ctx == 0 {
+        bail!("--tokens and --ctx must be at least 1");
+    }
+    let prompt = match &args.prompt_file {
+        Some(f) => std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read the prompt file {}", f.display()))?,
+        None => {
+            const WORDS: [&str; 12] = [
+                "the",
+                "model",
+                "reads",
+                "a",
+                "long",
+                "prompt",
+                "about",
+                "rivers",
+                "and",
+                "mountains",
+                "before",
+                "answering",
+            ];
+            (0..args.prompt_words)
+                .map(|i| WORDS[i % WORDS.len()])
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+    };
+    let precision = Precision::from_env(args.quality);
+    let opts = LoadOptions {
+        model: model.clone(),
+        backend: args.backend,
+        mode,
+        ctx: args.ctx,
+        prefill_chunk: args.prefill_chunk.max(1),
+        threads: args.threads,
+        placement: CliOverrides {
+            weights_mem: (args.weights_mem != "auto").then(|| args.weights_mem.clone()),
+            device_mem_limit_gib: args.device_mem_limit_gib.clone(),
+            ..Default::default()
+        },
+        report_placement: false,
+        precision,
+    };
+    let t0 = Instant::now();
+    let loaded = ds4_cli::load::load(&opts, &mut std::io::stderr())?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let settings = GenSettings {
+        system: Some(ds4_chat::render::DEFAULT_SYSTEM.to_string()),
+        thinking: ds4_chat::render::ThinkingMode::Think,
+        sampler: default_sampler(args.seed),
+        max_tokens: args.tokens,
+        ignore_eos: true,
+        color: false,
+        terminal: false,
+        progress: false,
+    };
+    let intr = ds4_cli::signals::Interrupts::default();
+    let stats = one_shot(
+        loaded,
+        &prompt,
+        &settings,
+        &intr,
+        &mut std::io::sink(),
+        &mut std::io::stderr(),
+    )?;
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let csv = format!(
+        "bench,precision,load_s,prompt_tokens,prefill_s,prefill_tok_s,generated,gen_s,gen_tok_s\n\
+         e2e,{},{load_s:.3},{},{:.3},{:.1},{},{:.3},{:.2}\n",
+        match precision {
+            Precision::Fast => "fast",
+            Precision::Quality => "quality",
+        },
+        stats.prefilled,
+        stats.prefill_secs,
+        rate(stats.prefilled, stats.prefill_secs),
+        stats.generated,
+        stats.gen_secs,
+        rate(stats.generated, stats.gen_secs),
+    );
+    print!("{csv}");
+    if let Some(p) = &args.csv {
+        std::fs::File::create(p)?.write_all(csv.as_bytes())?;
+    }
+    Ok(())
 }
 
 struct Synth(SyntheticModel);
@@ -109,6 +240,9 @@ fn copy_bandwidth(dev: &CudaDevice) -> Result<f64> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.e2e {
+        return e2e(&args);
+    }
     let mut frontiers = args.frontiers.clone();
     frontiers.sort_unstable();
     frontiers.dedup();

@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use ds4_chat::render::{ThinkingMode, DEFAULT_SYSTEM};
 use ds4_cli::generate::{GenSettings, OneShotEnd};
-use ds4_cli::load::{BackendChoice, LoadOptions, ModeChoice};
+use ds4_cli::load::{BackendChoice, LoadOptions, ModeChoice, Precision};
 use ds4_cli::signals::Interrupts;
 use ds4_engine::SamplerConfig;
 use ds4_model::Strictness;
@@ -53,6 +53,10 @@ struct ModelArgs {
     /// Prefill chunk in tokens (bounds scratch memory; results do not depend on it).
     #[arg(long, default_value_t = 2048)]
     prefill_chunk: usize,
+    /// Pedantic f32 prefill GEMM instead of the default fast TF32 path (CUDA; also
+    /// DS4_QUALITY=1). Slower prefill, logits closer to the f32 reference.
+    #[arg(long)]
+    quality: bool,
     #[command(flatten)]
     placement: PlacementFlags,
 }
@@ -68,6 +72,7 @@ impl ModelArgs {
             threads: self.threads,
             placement: self.placement.to_overrides(),
             report_placement: report,
+            precision: Precision::from_env(self.quality),
         }
     }
 }
@@ -104,16 +109,16 @@ struct RunArgs {
     #[arg(short = 'n', long, default_value_t = 50000)]
     tokens: usize,
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_TEMP)]
     temp: f32,
     /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_TOP_P)]
     top_p: f32,
     /// Keep only the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_TOP_K)]
     top_k: usize,
     /// Drop tokens below this fraction of the top probability.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = ds4_cli::generate::DEFAULT_MIN_P)]
     min_p: f32,
     /// RNG seed (default: from the clock).
     #[arg(long)]
@@ -339,7 +344,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let args = ds4_cli::vectors::VectorsRun {
                 dir,
-                load: model.load_options(ctx, false),
+                // A parity check compares against references: always the f32 path.
+                load: LoadOptions {
+                    precision: Precision::Quality,
+                    ..model.load_options(ctx, false)
+                },
                 counts_only,
                 thresholds: ds4_cli::vectors::Thresholds {
                     min_overlap,
@@ -525,7 +534,7 @@ fn run_model(a: RunArgs) -> anyhow::Result<ExitCode> {
             &mut std::io::stdout(),
             &mut std::io::stderr(),
         )?;
-        return Ok(match end {
+        return Ok(match end.end {
             OneShotEnd::Done => ExitCode::SUCCESS,
             OneShotEnd::Interrupted => ExitCode::from(130),
         });

@@ -33,6 +33,10 @@ struct Args {
     /// DS4_WEIGHTS_MEM / DS4_DEVICE_MEM_LIMIT_GIB / ... variables override it).
     #[arg(long, value_enum, default_value_t = ds4_cli::load::BackendChoice::Auto)]
     backend: ds4_cli::load::BackendChoice,
+    /// Pedantic f32 prefill GEMM instead of the default fast TF32 path (CUDA; also
+    /// DS4_QUALITY=1).
+    #[arg(long)]
+    quality: bool,
     /// Prefill chunk size in tokens.
     #[arg(long, default_value_t = 128)]
     prefill_chunk: usize,
@@ -178,9 +182,16 @@ fn main() -> Result<()> {
         prefill_chunk: a.prefill_chunk.max(1),
         overrides: Default::default(),
     };
-    let backend =
-        ds4_cli::load::planned_backend(a.backend, a.threads, &req, Some(&mut std::io::stderr()))
-            .with_context(|| format!("placing {}", a.model.display()))?;
+    let precision = ds4_cli::load::Precision::from_env(a.quality);
+    tracing::info!("prefill precision: {}", precision.name());
+    let backend = ds4_cli::load::planned_backend(
+        a.backend,
+        a.threads,
+        &req,
+        Some(&mut std::io::stderr()),
+        precision,
+    )
+    .with_context(|| format!("placing {}", a.model.display()))?;
     let model = LoadedModel::open_with_backend(&a.model, &opts, backend)
         .with_context(|| format!("loading {}", a.model.display()))?;
     tracing::info!(

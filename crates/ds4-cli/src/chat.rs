@@ -206,6 +206,10 @@ impl Runner {
         let mut out = Vec::new();
         let mut logits = logits;
         self.last_logits = None;
+        // Greedy decoding asks the backend for the argmax: one integer per token crosses
+        // back instead of the logits row (not with --ignore-eos, which edits the row).
+        let device_argmax = sampler.is_greedy() && !ignore_eos;
+        let mut next = None;
         let stop = loop {
             if out.len() >= max_tokens {
                 break GenStop::Length;
@@ -218,7 +222,10 @@ impl Runner {
                     *l = f32::NEG_INFINITY;
                 }
             }
-            let tok = sampler.sample(&logits, &[])?;
+            let tok = match next.take() {
+                Some(t) => t,
+                None => sampler.sample(&logits, &[])?,
+            };
             out.push(tok);
             if tok == eos {
                 break GenStop::Eos;
@@ -230,7 +237,11 @@ impl Runner {
             if cancel.load(Ordering::Relaxed) {
                 break GenStop::Interrupted;
             }
-            self.session.decode_into(tok, &mut logits)?;
+            if device_argmax {
+                next = Some(self.session.decode_argmax(tok)?);
+            } else {
+                self.session.decode_into(tok, &mut logits)?;
+            }
         };
         Ok(GenOutcome {
             tokens: out,

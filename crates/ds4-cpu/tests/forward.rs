@@ -439,6 +439,7 @@ fn default_argmax_op_follows_the_sequential_scan_on_ties_and_nan() {
         be.download_i32(out, 0, &mut got).unwrap();
         assert_eq!(got[0] as u32, argmax(c), "{c:?}");
     }
+}
 
 /// `generate` hands the repetition penalty only its window (not the whole context); the
 /// tokens must be those of sampling with the full history by hand.

@@ -124,6 +124,13 @@ impl Session {
     }
 
     /// [`Session::decode`] into a reused buffer (cleared first): no per-token allocation.
+    /// Feeds `token` and returns the greedy next token, computed on the backend (only one
+    /// integer is copied back, not the logits row).
+    pub fn decode_argmax(&mut self, token: u32) -> Result<u32> {
+        let (e, s) = self.st();
+        e.eval_argmax(s, &[token])
+    }
+
     pub fn decode_into(&mut self, token: u32, logits: &mut Vec<f32>) -> Result<()> {
         let (e, s) = self.st();
         e.eval_into(s, &[token], Logits::Last, None, logits)

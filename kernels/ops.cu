@@ -291,10 +291,11 @@ __device__ void ds4_rms_norm_row(const float* x, const float* w, float* out, int
     }
 }
 
-// One block (256 threads) per row. out may be x (in place).
-extern "C" __global__ void __launch_bounds__(256)
+// One block per row (256 threads; 1024 when there are few rows, as at decode: more loads in
+// flight on the one multiprocessor that does the work). out may be x (in place).
+extern "C" __global__ void __launch_bounds__(1024)
 ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
-    __shared__ double sh[256];
+    __shared__ double sh[1024];
     const ds4_size base = (ds4_size)blockIdx.x * width;
     ds4_rms_norm_row(x + base, w, out + base, width, eps, sh);
 }
@@ -612,14 +613,14 @@ __device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
     }
 }
 
-// HCPre, one block (256 threads) per token: coefficients from mix and the streams' RMS
+// HCPre, one block (256 threads, or 1024 for few tokens: decode) per token: coefficients from mix and the streams' RMS
 // (the Sinkhorn projection spread over the block's first n*n threads), then
 // y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(1024)
 ds4_hc_pre(const float* mix, const float* x, const float* base, const float* scale, int n,
            int d, int iters, float hc_eps, float rms_eps, float* y, float* post, float* comb,
            const float* norm_w, float* normed) {
-    __shared__ double sh[256];
+    __shared__ double sh[1024];
     __shared__ float pre[DS4_HC_MAX];
     __shared__ float z[DS4_HC_MAX * DS4_HC_MAX];
     const int t = blockIdx.x;
@@ -657,7 +658,8 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
 }
 
 // HCPost in place: X'_j[e] = post_j f[e] + sum_i comb[i][j] X_i[e]; one thread per (t, e).
-extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* post,
+// With f2 non-null, f += f2 first (written back: the residual add before HCPost fused in).
+extern "C" __global__ void ds4_hc_post(float* x, float* f, const float* f2, const float* post,
                                        const float* comb, int n_tok, int n, int d) {
     const ds4_size total = (ds4_size)n_tok * d;
     DS4_GRID_STRIDE(e, total) {
@@ -667,10 +669,15 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* po
         const float* c = comb + t * n * n;
         float old[DS4_HC_MAX];
         for (int i = 0; i < n; i++) old[i] = xt[(ds4_size)i * d + i0];
+        float fv = f[t * d + i0];
+        if (f2) {
+            fv = fv + f2[t * d + i0];
+            f[t * d + i0] = fv;
+        }
         for (int j = 0; j < n; j++) {
             float acc = 0.0f;
             for (int i = 0; i < n; i++) acc += c[i * n + j] * old[i];
-            xt[(ds4_size)j * d + i0] = post[t * n + j] * f[t * d + i0] + acc;
+            xt[(ds4_size)j * d + i0] = post[t * n + j] * fv + acc;
         }
     }
 }

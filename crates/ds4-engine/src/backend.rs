@@ -617,6 +617,21 @@ pub trait Backend: Send {
         }
     }
 
+    /// `f += f2` (the shared expert's output onto the routed experts'), then
+    /// [`Backend::hc_post`] with the sum.
+    fn hc_post_add(
+        &mut self,
+        x: Slice,
+        f: Slice,
+        f2: Slice,
+        post: Slice,
+        comb: Slice,
+        args: HcArgs,
+    ) -> BResult<()> {
+        self.add(f, f2)?;
+        self.hc_post(x, f, post, comb, args)
+    }
+
     // ---- decode helpers and instrumentation (defaults made of the ops above) -----------
 
     /// `out[0]` = index of the largest value of `x`, the first one on ties, NaN never

@@ -376,8 +376,7 @@ pub(crate) fn forward_chunk(
         be.swiglu(sg, su, clamp, sh)?;
         let sf = s.sf.rows(0, t, dm);
         be.matmul(lw.down_sh, 0, sh, t, sf)?;
-        be.add(f, sf)?;
-        be.hc_post(x, f, post, comb, hc)?;
+        be.hc_post_add(x, f, sf, post, comb, hc)?;
     }
     st.tokens.extend_from_slice(toks);
 

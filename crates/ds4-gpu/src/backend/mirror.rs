@@ -539,6 +539,27 @@ impl Backend for Mirror {
             |b| b.hc_post(g.0, g.1, g.2, g.3, a),
         )
     }
+    fn hc_post_add(
+        &mut self,
+        x: Slice,
+        f: Slice,
+        f2: Slice,
+        post: Slice,
+        comb: Slice,
+        a: HcArgs,
+    ) -> BResult<()> {
+        let c = (self.c(x), self.c(f), self.c(f2), self.c(post), self.c(comb));
+        let g = (self.g(x), self.g(f), self.g(f2), self.g(post), self.g(comb));
+        self.run(
+            "hc_post_add",
+            &[
+                Out::Rw(x.sub(0, a.n_tok * a.n_hc * a.dim)),
+                Out::Rw(f.sub(0, a.n_tok * a.dim)),
+            ],
+            |b| b.hc_post_add(c.0, c.1, c.2, c.3, c.4, a),
+            |b| b.hc_post_add(g.0, g.1, g.2, g.3, g.4, a),
+        )
+    }
     fn hc_head(
         &mut self,
         mix: Slice,

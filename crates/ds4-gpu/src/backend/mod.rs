@@ -1240,7 +1240,19 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         args: ds4_engine::backend::HcArgs,
     ) -> BResult<()> {
-        self.op_hc_post(x, f, post, comb, args)
+        self.op_hc_post(x, f, None, post, comb, args)
+    }
+
+    fn hc_post_add(
+        &mut self,
+        x: Slice,
+        f: Slice,
+        f2: Slice,
+        post: Slice,
+        comb: Slice,
+        args: ds4_engine::backend::HcArgs,
+    ) -> BResult<()> {
+        self.op_hc_post(x, f, Some(f2), post, comb, args)
     }
 
     fn hc_head(

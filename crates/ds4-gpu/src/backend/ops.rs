@@ -59,6 +59,16 @@ fn u(v: usize) -> Arg {
     Arg::U64(v as u64)
 }
 
+/// Threads of a one-block-per-row kernel: 1024 when the rows are few (decode: the whole row
+/// is one multiprocessor's work, so more loads in flight), else 256.
+fn row_threads(rows: usize) -> u32 {
+    if rows < 64 {
+        1024
+    } else {
+        256
+    }
+}
+
 fn g32(v: usize) -> u32 {
     u32::try_from(v).unwrap_or(u32::MAX)
 }
@@ -328,7 +338,7 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch(
             "ds4_rms_norm",
             (g32(rows), 1, 1),
-            256,
+            row_threads(rows),
             &[
                 Arg::Ptr(xp),
                 Arg::Ptr(wp),
@@ -569,13 +579,15 @@ impl<D: GpuApi> GpuBackend<D> {
             Arg::Ptr(nw),
             Arg::Ptr(np),
         ];
-        self.launch("ds4_hc_pre", (g32(t), 1, 1), 256, &args)
+        self.launch("ds4_hc_pre", (g32(t), 1, 1), row_threads(t), &args)
     }
 
+    /// HCPost; with `f2 = Some(s)`, `f += s` first in the same kernel.
     pub(super) fn op_hc_post(
         &mut self,
         x: Slice,
         f: Slice,
+        f2: Option<Slice>,
         post: Slice,
         comb: Slice,
         a: HcArgs,
@@ -595,9 +607,29 @@ impl<D: GpuApi> GpuBackend<D> {
         if t * d == 0 {
             return Ok(());
         }
+        let f2p = match f2 {
+            Some(s) => {
+                need(s, t * d, OP, "f2")?;
+                if s.overlaps(f) || s.overlaps(x) {
+                    return Err(BackendError::Aliasing {
+                        op: OP,
+                        id: s.buf.id(),
+                    });
+                }
+                self.fptr(s, OP)?
+            }
+            None => 0,
+        };
+        if f.overlaps(x) {
+            return Err(BackendError::Aliasing {
+                op: OP,
+                id: f.buf.id(),
+            });
+        }
         let args = [
             Arg::Ptr(self.fptr(x, OP)?),
             Arg::Ptr(self.fptr(f, OP)?),
+            Arg::Ptr(f2p),
             Arg::Ptr(self.fptr(post, OP)?),
             Arg::Ptr(self.fptr(comb, OP)?),
             i32a(OP, "tokens", t)?,

@@ -108,6 +108,10 @@ pub struct ServerConfig {
     /// A streaming client that has not taken an event for this long while events wait is
     /// treated as gone and its generation is cancelled (back-pressure).
     pub stall_timeout: Duration,
+    /// Kernel send buffer of each connection (0 = the kernel's autotuned default, which
+    /// grows to megabytes: a client that stopped reading then absorbs tens of thousands of
+    /// tokens before back-pressure reaches the worker).
+    pub send_buffer_bytes: usize,
     /// Match chat markers inside message text, tool results and tool arguments as control
     /// tokens (ds4's behaviour). Off by default: only the renderer emits control tokens, so
     /// content cannot forge turns.
@@ -151,6 +155,7 @@ impl Default for ServerConfig {
             shutdown_grace: Duration::from_secs(10),
             prepare_concurrency: 0,
             stall_timeout: Duration::from_secs(2),
+            send_buffer_bytes: 128 << 10,
             content_special_tokens: false,
             snapshot_slots: 1,
             snapshot_max_bytes: 1 << 30,

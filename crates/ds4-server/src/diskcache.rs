@@ -95,7 +95,7 @@ pub fn read_tool_maps(dir: &Path) -> BTreeMap<String, String> {
 }
 
 fn read_tool_map(path: &Path) -> Option<BTreeMap<String, String>> {
-    let mut f = File::open(path).ok()?;
+    let mut f = ds4_kvstore::open_entry(path, false).ok()?;
     let mut head = [0u8; HEADER_LEN];
     f.read_exact(&mut head).ok()?;
     let h = Header::decode(&head).ok()?;

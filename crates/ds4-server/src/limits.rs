@@ -161,6 +161,9 @@ pub async fn serve_connections(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
+                if cfg.send_buffer_bytes > 0 {
+                    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(cfg.send_buffer_bytes);
+                }
                 let svc = TowerToHyperService::new(router.clone());
                 let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
                 Stats::add(&stats.connections, 1);

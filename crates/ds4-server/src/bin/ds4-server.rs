@@ -83,6 +83,9 @@ struct Args {
     /// Milliseconds a streaming client may stop reading before its generation is cancelled.
     #[arg(long, default_value_t = 2000)]
     stall_timeout_ms: u64,
+    /// Kernel send buffer per connection in KiB (0 = kernel default, autotuned to MBs).
+    #[arg(long, default_value_t = 128)]
+    send_buffer_kib: usize,
     /// Treat chat markers inside message text, tool results and tool arguments as control
     /// tokens (ds4's behaviour; lets content forge turns). Off: they are plain text.
     #[arg(long)]
@@ -241,6 +244,7 @@ fn main() -> Result<()> {
         prepare_concurrency: a.prepare_concurrency,
         stall_timeout: Duration::from_millis(a.stall_timeout_ms.max(1)),
         content_special_tokens: a.content_special_tokens,
+        send_buffer_bytes: a.send_buffer_kib << 10,
         snapshot_slots: a.snapshot_slots,
         disk,
         exact_dsml_replay: !a.disable_exact_dsml_tool_replay,

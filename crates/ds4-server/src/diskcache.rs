@@ -7,7 +7,6 @@
 //! prefix of the rendered prompt (then the rest is tokenized on its own, chat-format §4.4).
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 

@@ -330,7 +330,7 @@ impl Worker {
         }
         if job.events.try_send(ev).is_err() {
             // Receiver gone (disconnect) or buffer full (stalled client): stop the job.
-            if !job.events.is_closed() {
+            if !job.events.is_closed() && !job.cancel.swap(true, Ordering::Relaxed) {
                 Stats::add(&self.stats.stalled, 1);
             }
             job.cancel.store(true, Ordering::Relaxed);

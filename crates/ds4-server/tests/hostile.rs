@@ -425,19 +425,25 @@ async fn shared_cache_directory_is_refused_untouched() {
 /// buffers fill, and the worker serves the next request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_stops_is_cancelled_quickly() {
+    // A forced 20k-token answer (the random tiny model may stop early on its own).
+    let huge = "word ".repeat(20_000);
+    let rules = json!([{"when": "[huge]", "output": huge}]).to_string();
     let srv = start_ctx(
         ServerConfig {
             send_buffer_bytes: 16 << 10,
+            script: Some(std::sync::Arc::new(
+                ds4_server::Script::from_json(&rules).unwrap(),
+            )),
             ..ServerConfig::default()
         },
-        8192,
+        32768,
     )
     .await;
     let a = srv.addr;
     let sock = tokio::net::TcpSocket::new_v4().unwrap();
     sock.set_recv_buffer_size(4096).unwrap();
     let mut s = sock.connect(a).await.unwrap();
-    let body = json!({"messages":[{"role":"user","content":"go"}],"think":false,"stream":true,"max_tokens":8000,"temperature":1.0,"top_k":50}).to_string();
+    let body = json!({"messages":[{"role":"user","content":"[huge]"}],"think":false,"stream":true,"max_tokens":30000}).to_string();
     let req = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
@@ -448,7 +454,7 @@ async fn a_reader_that_stops_is_cancelled_quickly() {
     assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
     // Stop reading now (keep the socket open).
     let t0 = Instant::now();
-    let st = wait_stats(a, |s| s["stalled"].as_u64() == Some(1) || s["running"] == 0).await;
+    let st = wait_stats(a, |s| s["stalled"].as_u64() >= Some(1) || s["running"] == 0).await;
     let took = t0.elapsed();
     let generated = st["generated_tokens"].as_u64().unwrap();
     eprintln!("stalled reader cancelled after {took:?}; {generated} tokens generated");
@@ -456,7 +462,7 @@ async fn a_reader_that_stops_is_cancelled_quickly() {
         st["stalled"], 1,
         "the generation ended without a stall: {st}"
     );
-    assert!(generated < 8000, "{st}");
+    assert!(generated < 20_000, "{st}");
     assert!(
         took < Duration::from_secs(6),
         "cancelled only after {took:?}"

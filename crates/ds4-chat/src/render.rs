@@ -77,7 +77,7 @@ impl Rendered {
         let trusted = if text.is_empty() {
             Vec::new()
         } else {
-            vec![0..text.len()]
+            std::iter::once(0..text.len()).collect()
         };
         Rendered { text, trusted }
     }

@@ -412,7 +412,7 @@ fn key_matches(given: &str, key: &str) -> bool {
 fn presented_key(h: &HeaderMap) -> Option<&str> {
     if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
         let v = v.trim();
-        if let Some((scheme, k)) = v.split_once(|c: char| c == ' ' || c == '\t') {
+        if let Some((scheme, k)) = v.split_once([' ', '\t']) {
             if scheme.eq_ignore_ascii_case("bearer") && !k.trim().is_empty() {
                 return Some(k.trim());
             }

@@ -42,7 +42,10 @@ fn nofile_soft_limit() -> Option<u64> {
         };
         // SAFETY: getrlimit only writes the struct we pass, which lives for the call.
         let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) };
-        (rc == 0).then_some(r.rlim_cur as u64)
+        // rlim_t is not u64 on every unix.
+        #[allow(clippy::unnecessary_cast)]
+        let cur = r.rlim_cur as u64;
+        (rc == 0).then_some(cur)
     }
     #[cfg(not(unix))]
     {

@@ -256,17 +256,19 @@ mod tests {
             Message::tool("c2", "r2"),
             Message::user("next"),
         ];
-        let t = render_tail(&tail, ThinkingMode::Think).unwrap();
+        let t = render_tail(&tail, ThinkingMode::Think).unwrap().text;
         assert_eq!(
             t,
             format!("{EOS_TEXT}{USER_TEXT}<tool_result>r1 &lt;/tool_result></tool_result><tool_result>r2</tool_result>{USER_TEXT}next{ASSISTANT_TEXT}{THINK_OPEN_TEXT}")
         );
-        let t = render_tail(&tail[1..2], ThinkingMode::ThinkMax).unwrap();
+        let t = render_tail(&tail[1..2], ThinkingMode::ThinkMax)
+            .unwrap()
+            .text;
         assert_eq!(
             t,
             format!("{EOS_TEXT}{USER_TEXT}<tool_result>r1 &lt;/tool_result></tool_result>{ASSISTANT_TEXT}{THINK_OPEN_TEXT}")
         );
-        let t = render_tail(&tail[3..], ThinkingMode::NoThink).unwrap();
+        let t = render_tail(&tail[3..], ThinkingMode::NoThink).unwrap().text;
         assert_eq!(
             t,
             format!("{EOS_TEXT}{USER_TEXT}next{ASSISTANT_TEXT}{THINK_CLOSE_TEXT}")

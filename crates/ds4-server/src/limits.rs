@@ -105,7 +105,7 @@ pub fn now_ms() -> u64 {
 /// Bodies at least this large trigger [`release_memory`] once their request is prepared.
 pub const TRIM_AFTER_BYTES: usize = 1 << 20;
 
-const REFUSED: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 98\r\n\r\n{\"error\":{\"message\":\"too many open connections\",\"type\":\"server_error\",\"code\":\"too_many_connections\"}}";
+const REFUSED: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 101\r\n\r\n{\"error\":{\"message\":\"too many open connections\",\"type\":\"server_error\",\"code\":\"too_many_connections\"}}";
 
 /// Answers a connection past the cap with 503 and closes it (bounded in time, so a client
 /// that does not read cannot pin the task).

@@ -2,8 +2,8 @@
 """Peak and idle RSS of a live ds4-server under concurrent hostile bodies (issue 24 item 1).
 
 usage: memory_burst.py SERVER_URL SERVER_PID [N_CLIENTS] [KIND]
-KIND: messages (2.2 M tiny chat messages, ~66 MB), system (the same count of system
-messages: passes the turn count, so it is parsed and rendered), detok (32 M ids, ~62 MB).
+KIND: messages (2.2 M tiny user messages, 64 MB), system (as many empty-ish system
+messages, which render to almost nothing), detok (22 M ids, 64 MB).
 Prints the RSS before, the peak (VmHWM is reset first where the kernel allows) and the RSS
 2 s after the burst, in MiB. Standard library only.
 """
@@ -17,7 +17,8 @@ def rss(pid, field):
 
 def body(kind):
     if kind == "detok":
-        return b'{"tokens":[' + b",".join([b"65"] * 32_000_000) + b"]}", "/detokenize"
+        n = (64 << 20) // 3 - 64
+        return b'{"tokens":[' + b",".join([b"65"] * n) + b"]}", "/detokenize"
     role = b"system" if kind == "system" else b"user"
     one = b'{"role":"' + role + b'","content":"x"}'
     n = (64 << 20) // (len(one) + 1) - 16

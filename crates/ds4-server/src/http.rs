@@ -834,9 +834,19 @@ fn admit_and_prepare(
         Stats::add(&st.stats.rejected_early, 1);
         ApiError::context_overflow_at_least(n, st.ctx, ep.prompt_param())
     };
-    let turns = request::count_turns(&body);
+    let (turns, items) = request::count_turns(&body);
     if turns >= st.ctx {
         return Err(early(turns));
+    }
+    // Messages that render to (almost) nothing, e.g. millions of empty system messages,
+    // still cost memory to parse; no real conversation has more messages than the context
+    // has tokens.
+    if items > st.ctx {
+        Stats::add(&st.stats.rejected_early, 1);
+        return Err(ApiError::bad(format!(
+            "{items} messages exceed the context size ({} tokens); send at most that many",
+            st.ctx
+        )));
     }
     let mut req = match ep {
         Endpoint::Chat => request::parse_chat(&body, ctx),

@@ -180,12 +180,13 @@ fn check_forced_tool(name: Option<&str>, tools: Option<Value>) -> Result<(), Api
 /// User and assistant turns a body holds, counted without building it: each renders at
 /// least one control token, so more of them than the context holds can be refused before
 /// any parsing (a body of millions of tiny messages took gigabytes to parse and render).
-/// 0 when the body is not shaped as expected (the real parser reports that).
-pub fn count_turns(body: &[u8]) -> usize {
+/// Also returns how many items the arrays hold in all (system messages included).
+/// (0, 0) when the body is not shaped as expected (the real parser reports that).
+pub fn count_turns(body: &[u8]) -> (usize, usize) {
     use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
     use std::fmt;
 
-    struct Turns(usize);
+    struct Turns(usize, usize);
     impl<'de> serde::Deserialize<'de> for Turns {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
             struct V;
@@ -195,33 +196,34 @@ pub fn count_turns(body: &[u8]) -> usize {
                     f.write_str("anything")
                 }
                 fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Turns, A::Error> {
-                    let mut n = 0;
+                    let (mut n, mut items) = (0, 0);
                     while let Some(t) = seq.next_element::<IsTurn>()? {
                         n += t.0 as usize;
+                        items += 1;
                     }
-                    Ok(Turns(n))
+                    Ok(Turns(n, items))
                 }
                 fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Turns, A::Error> {
                     while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                    Ok(Turns(0))
+                    Ok(Turns(0, 0))
                 }
                 fn visit_str<E>(self, _: &str) -> Result<Turns, E> {
-                    Ok(Turns(0))
+                    Ok(Turns(0, 0))
                 }
                 fn visit_bool<E>(self, _: bool) -> Result<Turns, E> {
-                    Ok(Turns(0))
+                    Ok(Turns(0, 0))
                 }
                 fn visit_i64<E>(self, _: i64) -> Result<Turns, E> {
-                    Ok(Turns(0))
+                    Ok(Turns(0, 0))
                 }
                 fn visit_u64<E>(self, _: u64) -> Result<Turns, E> {
-                    Ok(Turns(0))
+                    Ok(Turns(0, 0))
                 }
                 fn visit_f64<E>(self, _: f64) -> Result<Turns, E> {
-                    Ok(Turns(0))
+                    Ok(Turns(0, 0))
                 }
                 fn visit_unit<E>(self) -> Result<Turns, E> {
-                    Ok(Turns(0))
+                    Ok(Turns(0, 0))
                 }
             }
             d.deserialize_any(V)
@@ -287,8 +289,14 @@ pub fn count_turns(body: &[u8]) -> usize {
         input: Option<Turns>,
     }
     match serde_json::from_slice::<Top>(body) {
-        Ok(t) => t.messages.map_or(0, |m| m.0) + t.input.map_or(0, |i| i.0),
-        Err(_) => 0,
+        Ok(t) => {
+            let (m, i) = (
+                t.messages.unwrap_or(Turns(0, 0)),
+                t.input.unwrap_or(Turns(0, 0)),
+            );
+            (m.0 + i.0, m.1 + i.1)
+        }
+        Err(_) => (0, 0),
     }
 }
 

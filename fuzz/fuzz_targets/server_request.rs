@@ -41,7 +41,7 @@ fn check_prepared(p: &request::Prepared, tok: &Tokenizer) {
 fn exercise(req: GenRequest, tok: &Tokenizer) {
     // Plain: no tool memory, nothing live.
     let mut plain = req.clone();
-    if let Ok(p) = request::prepare(&mut plain, None, None, tok) {
+    if let Ok(p) = request::prepare(&mut plain, None, None, tok, false) {
         check_prepared(&p, tok);
     }
 
@@ -64,7 +64,7 @@ fn exercise(req: GenRequest, tok: &Tokenizer) {
         frontier: 0,
     };
     let mut live = req;
-    if let Ok(p) = request::prepare(&mut live, Some(&mut mem), Some(&binding), tok) {
+    if let Ok(p) = request::prepare(&mut live, Some(&mut mem), Some(&binding), tok, false) {
         check_prepared(&p, tok);
         if let Some(t) = &p.live_tail {
             let _ = t.matches(live.endpoint, &binding);

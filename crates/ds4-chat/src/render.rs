@@ -41,6 +41,65 @@ pub const BENCH_DEFAULT_SYSTEM: &str = "You are a helpful assistant.";
 const PARAM_END: &str = "</｜DSML｜parameter>";
 const TOOL_RESULT_END: &str = "</tool_result>";
 
+/// A rendered prompt plus the byte ranges the renderer wrote itself (markers, wrappers, DSML
+/// structure, fixed preambles). Only there may chat markers become control tokens
+/// ([`Tokenizer::encode_rendered`]); message text, reasoning, tool results, tool names and
+/// arguments and schemas are outside them, so a client cannot forge a turn by writing
+/// `<｜Assistant｜>` into its content. The text is byte-identical to [`render_prompt`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rendered {
+    pub text: String,
+    /// Sorted, non-overlapping, on character boundaries.
+    pub trusted: Vec<std::ops::Range<usize>>,
+}
+
+impl Rendered {
+    /// Appends renderer-owned text.
+    pub fn ctl(&mut self, s: &str) {
+        let a = self.text.len();
+        self.text.push_str(s);
+        let b = self.text.len();
+        match self.trusted.last_mut() {
+            Some(r) if r.end == a => r.end = b,
+            _ if a < b => self.trusted.push(a..b),
+            _ => {}
+        }
+    }
+
+    /// Appends client-supplied text (never control tokens).
+    pub fn raw(&mut self, s: &str) {
+        self.text.push_str(s);
+    }
+
+    /// The whole text counts as trusted: ds4's behaviour, where markers anywhere in the
+    /// prompt are control tokens (the server's `--content-special-tokens`).
+    pub fn all_trusted(text: String) -> Rendered {
+        let trusted = if text.is_empty() {
+            Vec::new()
+        } else {
+            std::iter::once(0..text.len()).collect()
+        };
+        Rendered { text, trusted }
+    }
+
+    /// The token ids (markers only where trusted).
+    pub fn tokens(&self, tok: &Tokenizer) -> Result<Vec<u32>, ChatError> {
+        tok.encode_rendered(&self.text, &self.trusted)
+    }
+
+    /// The part from byte `from` on (a char boundary), with its trusted ranges.
+    pub fn suffix(&self, from: usize) -> Rendered {
+        let text = self.text.get(from..).unwrap_or("").to_string();
+        let trusted = self
+            .trusted
+            .iter()
+            .filter(|r| r.end > from)
+            .map(|r| r.start.max(from) - from..r.end - from)
+            .collect();
+        Rendered { text, trusted }
+    }
+}
+
 /// Reasoning mode of a request (§2.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ThinkingMode {
@@ -183,48 +242,54 @@ fn push_attr_escaped(out: &mut String, s: &str) {
     }
 }
 
-fn push_dsml_param(out: &mut String, key: &str, value: &str, is_string: bool) {
-    out.push_str("<｜DSML｜parameter name=\"");
-    push_attr_escaped(out, key);
-    out.push_str(if is_string {
+fn push_dsml_param(out: &mut Rendered, key: &str, value: &str, is_string: bool) {
+    out.ctl("<｜DSML｜parameter name=\"");
+    push_attr_escaped(&mut out.text, key);
+    out.ctl(if is_string {
         "\" string=\"true\">"
     } else {
         "\" string=\"false\">"
     });
     escape_tag(
-        out,
+        &mut out.text,
         value,
         PARAM_END,
         if is_string { "&lt;" } else { "\\u003c" },
     );
-    out.push_str(PARAM_END);
-    out.push('\n');
+    out.ctl(PARAM_END);
+    out.ctl("\n");
 }
 
 /// The canonical DSML block for assistant tool calls (§2.5b), starting with `\n\n`, ending with
 /// `</｜DSML｜tool_calls>` (no newline). Empty for no calls.
 pub fn render_tool_calls(calls: &[ToolCall]) -> String {
-    let mut out = String::new();
+    let mut out = Rendered::default();
+    render_tool_calls_into(&mut out, calls);
+    out.text
+}
+
+/// [`render_tool_calls`] into `out`: the DSML structure is renderer-owned, the names and
+/// argument values are client text.
+fn render_tool_calls_into(out: &mut Rendered, calls: &[ToolCall]) {
     if calls.is_empty() {
-        return out;
+        return;
     }
-    out.push_str("\n\n<｜DSML｜tool_calls>\n");
+    out.ctl("\n\n<｜DSML｜tool_calls>\n");
     for c in calls {
-        out.push_str("<｜DSML｜invoke name=\"");
-        push_attr_escaped(&mut out, &c.name);
-        out.push_str("\">\n");
+        out.ctl("<｜DSML｜invoke name=\"");
+        push_attr_escaped(&mut out.text, &c.name);
+        out.ctl("\">\n");
         match json::parse_args(&c.arguments) {
             Some(args) => {
                 for a in &args {
-                    push_dsml_param(&mut out, &a.key, &a.value, a.is_string);
+                    push_dsml_param(out, &a.key, &a.value, a.is_string);
                 }
             }
-            None => push_dsml_param(&mut out, "arguments", &c.arguments, true),
+            None => push_dsml_param(out, "arguments", &c.arguments, true),
         }
-        out.push_str("</｜DSML｜invoke>\n");
+        out.ctl("</｜DSML｜invoke>\n");
     }
-    out.push_str("</｜DSML｜tool_calls>");
-    out
+    out.ctl("</｜DSML｜tool_calls>");
 }
 
 /// The tools block: [`TOOLS_HEAD`] + schema lines joined by `\n` + [`TOOLS_TAIL`]; empty if
@@ -256,36 +321,51 @@ pub fn render_prompt<S: AsRef<str>>(
     tool_schemas: &[S],
     mode: ThinkingMode,
 ) -> String {
+    render_prompt_spans(messages, tool_schemas, mode).text
+}
+
+/// [`render_prompt`] with the renderer-owned byte ranges ([`Rendered`]).
+pub fn render_prompt_spans<S: AsRef<str>>(
+    messages: &[Message],
+    tool_schemas: &[S],
+    mode: ThinkingMode,
+) -> Rendered {
     let think = mode.is_thinking();
-    let tools_block = render_tools_block(tool_schemas);
-    let tool_context = !tools_block.is_empty()
+    let schemas = join_lines(tool_schemas);
+    let tool_context = !schemas.is_empty()
         || messages.iter().any(|m| {
             (m.role == "assistant" && !m.tool_calls.is_empty()) || is_tool_result(&m.role)
         });
-
-    let mut system = tools_block;
-    for m in messages.iter().filter(|m| is_system(&m.role)) {
-        if !system.is_empty() {
-            system.push_str("\n\n");
-        }
-        system.push_str(&m.content);
-    }
     let last_user = messages
         .iter()
         .rposition(|m| m.role == "user" || is_tool_result(&m.role));
 
-    let mut out = String::with_capacity(
-        system.len()
-            + messages
-                .iter()
-                .map(|m| m.content.len() + m.reasoning.len() + 64)
-                .sum::<usize>(),
-    );
-    out.push_str(BOS_TEXT);
+    let mut out = Rendered {
+        text: String::with_capacity(
+            schemas.len()
+                + messages
+                    .iter()
+                    .map(|m| m.content.len() + m.reasoning.len() + 64)
+                    .sum::<usize>(),
+        ),
+        trusted: Vec::new(),
+    };
+    out.ctl(BOS_TEXT);
     if mode == ThinkingMode::ThinkMax {
-        out.push_str(MAX_PREFIX);
+        out.ctl(MAX_PREFIX);
     }
-    out.push_str(&system);
+    let system_start = out.text.len();
+    if !schemas.is_empty() {
+        out.ctl(TOOLS_HEAD);
+        out.raw(&schemas);
+        out.ctl(TOOLS_TAIL);
+    }
+    for m in messages.iter().filter(|m| is_system(&m.role)) {
+        if out.text.len() > system_start {
+            out.ctl("\n\n");
+        }
+        out.raw(&m.content);
+    }
 
     let mut pending_assistant = false;
     let mut pending_tool = false;
@@ -294,45 +374,46 @@ pub fn render_prompt<S: AsRef<str>>(
         if is_system(role) {
             continue;
         } else if role == "user" {
-            out.push_str(USER_TEXT);
-            out.push_str(&m.content);
+            out.ctl(USER_TEXT);
+            out.raw(&m.content);
             pending_assistant = true;
             pending_tool = false;
         } else if is_tool_result(role) {
             if !pending_tool {
-                out.push_str(USER_TEXT);
+                out.ctl(USER_TEXT);
             }
-            out.push_str("<tool_result>");
-            escape_tag(&mut out, &m.content, TOOL_RESULT_END, "&lt;");
-            out.push_str(TOOL_RESULT_END);
+            out.ctl("<tool_result>");
+            escape_tag(&mut out.text, &m.content, TOOL_RESULT_END, "&lt;");
+            out.ctl(TOOL_RESULT_END);
             pending_assistant = true;
             pending_tool = true;
         } else if role == "assistant" {
             if pending_assistant {
-                out.push_str(ASSISTANT_TEXT);
+                out.ctl(ASSISTANT_TEXT);
                 if think && (tool_context || last_user.is_none_or(|u| i > u)) {
-                    out.push_str(THINK_OPEN_TEXT);
-                    out.push_str(&m.reasoning);
-                    out.push_str(THINK_CLOSE_TEXT);
+                    out.ctl(THINK_OPEN_TEXT);
+                    out.raw(&m.reasoning);
+                    out.ctl(THINK_CLOSE_TEXT);
                 } else {
-                    out.push_str(THINK_CLOSE_TEXT);
+                    out.ctl(THINK_CLOSE_TEXT);
                 }
             }
-            out.push_str(&m.content);
+            out.raw(&m.content);
             if !m.tool_calls.is_empty() {
                 match m.exact_dsml.as_deref() {
-                    Some(raw) if !raw.is_empty() => out.push_str(raw),
-                    _ => out.push_str(&render_tool_calls(&m.tool_calls)),
+                    // The block the model itself sampled (kept by the server by call id).
+                    Some(raw) if !raw.is_empty() => out.ctl(raw),
+                    _ => render_tool_calls_into(&mut out, &m.tool_calls),
                 }
             }
-            out.push_str(EOS_TEXT);
+            out.ctl(EOS_TEXT);
             pending_assistant = false;
             pending_tool = false;
         }
     }
     if pending_assistant {
-        out.push_str(ASSISTANT_TEXT);
-        out.push_str(if think {
+        out.ctl(ASSISTANT_TEXT);
+        out.ctl(if think {
             THINK_OPEN_TEXT
         } else {
             THINK_CLOSE_TEXT
@@ -344,15 +425,21 @@ pub fn render_prompt<S: AsRef<str>>(
 /// `/v1/completions` rendering (§2.6): BOS + [MAX_PREFIX] + `You are a helpful assistant` +
 /// User + prompt + Assistant + think tag.
 pub fn render_completion(prompt: &str, mode: ThinkingMode) -> String {
-    let mut out = String::from(BOS_TEXT);
+    render_completion_spans(prompt, mode).text
+}
+
+/// [`render_completion`] with the renderer-owned byte ranges (the prompt is client text).
+pub fn render_completion_spans(prompt: &str, mode: ThinkingMode) -> Rendered {
+    let mut out = Rendered::default();
+    out.ctl(BOS_TEXT);
     if mode == ThinkingMode::ThinkMax {
-        out.push_str(MAX_PREFIX);
+        out.ctl(MAX_PREFIX);
     }
-    out.push_str(DEFAULT_SYSTEM);
-    out.push_str(USER_TEXT);
-    out.push_str(prompt);
-    out.push_str(ASSISTANT_TEXT);
-    out.push_str(if mode.is_thinking() {
+    out.ctl(DEFAULT_SYSTEM);
+    out.ctl(USER_TEXT);
+    out.raw(prompt);
+    out.ctl(ASSISTANT_TEXT);
+    out.ctl(if mode.is_thinking() {
         THINK_OPEN_TEXT
     } else {
         THINK_CLOSE_TEXT

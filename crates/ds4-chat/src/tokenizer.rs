@@ -448,6 +448,47 @@ impl Tokenizer {
         self.classes.has(c, name)
     }
 
+    /// Length in bytes of the longest token: a text of `n` bytes needs at least
+    /// `n / max_token_bytes()` tokens (servers use it to refuse oversized prompts before
+    /// tokenizing them).
+    pub fn max_token_bytes(&self) -> usize {
+        self.id_bytes.iter().map(|b| b.len()).max().unwrap_or(1)
+    }
+
+    /// Encodes a rendered prompt in which only the byte ranges in `trusted` (sorted, not
+    /// overlapping, as the renderer records them) may hold control tokens: chat markers
+    /// there become single tokens, the same strings anywhere else (message text, tool
+    /// results, tool arguments) are ordinary text. The text between two accepted markers is
+    /// encoded as one span, so a prompt whose content holds no marker gets exactly the ids
+    /// of [`Tokenizer::encode_chat`].
+    pub fn encode_rendered(
+        &self,
+        text: &str,
+        trusted: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, ChatError> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 1);
+        let (ac, ids) = (&self.markers_ac.0, &self.markers_ac.1);
+        let mut pos = 0;
+        for r in trusted {
+            let (start, end) = (r.start.max(pos), r.end.min(text.len()));
+            if start >= end {
+                continue;
+            }
+            let Some(span) = text.get(start..end) else {
+                return Err(ChatError::Vocab(format!(
+                    "trusted range {start}..{end} is not on character boundaries"
+                )));
+            };
+            for m in ac.find_iter(span) {
+                self.encode_plain_into(&text[pos..start + m.start()], &mut out)?;
+                out.push(ids[m.pattern().as_usize()]);
+                pos = start + m.end();
+            }
+        }
+        self.encode_plain_into(&text[pos..], &mut out)?;
+        Ok(out)
+    }
+
     /// The exact bytes of one token.
     pub fn token_bytes(&self, id: u32) -> Result<&[u8], ChatError> {
         self.id_bytes

@@ -13,7 +13,10 @@ pub mod format;
 pub mod store;
 
 pub use format::{file_name, Mode};
-pub use store::{EntryMeta, KvError, KvStore, Loaded, Rejected, StoreConfig, StoreOutcome};
+pub use store::{
+    open_entry, prepare_dir, EntryMeta, KvError, KvStore, Loaded, Rejected, StoreConfig,
+    StoreOutcome,
+};
 
 /// The identity of a model file: SHA-256 of its encoded GGUF header (metadata and tensor
 /// table, offsets included). The CLI and the server both use this, so a session saved by one

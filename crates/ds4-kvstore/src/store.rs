@@ -23,6 +23,71 @@ pub enum KvError {
     NoSuchEntry(String),
     #[error("cannot store: {0}")]
     Invalid(String),
+    #[error("unsafe KV cache directory: {0}")]
+    UnsafeDir(String),
+}
+
+/// Makes sure `dir` can hold the cache safely. A missing directory is created with mode
+/// 0700; an existing one is used as it is — its permissions are never changed (the server
+/// used to chmod a shared 1777 directory to 0700) — but refused when other users may write
+/// to it, since they could plant or swap entries.
+pub fn prepare_dir(dir: &Path) -> Result<(), KvError> {
+    match fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut b = fs::DirBuilder::new();
+            b.recursive(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::DirBuilderExt;
+                b.mode(0o700);
+            }
+            b.create(dir).map_err(io(dir))
+        }
+        Err(e) => Err(KvError::Io {
+            path: dir.to_path_buf(),
+            source: e,
+        }),
+        Ok(m) if !m.is_dir() => Err(KvError::UnsafeDir(format!(
+            "{} exists and is not a directory",
+            dir.display()
+        ))),
+        Ok(_m) => {
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = _m.permissions().mode() & 0o7777;
+                if mode & 0o022 != 0 {
+                    return Err(KvError::UnsafeDir(format!(
+                        "{} is writable by other users (mode {mode:o}), who could plant or replace cache entries; use a private directory (a missing one is created with mode 0700)",
+                        dir.display()
+                    )));
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Opens an existing entry file without following a symlink and without blocking on a FIFO,
+/// and only if it is a regular file (checked on the opened descriptor, so a swap between
+/// check and use cannot redirect it). Every entry read or write goes through here, so the
+/// store never touches anything outside its directory.
+pub fn open_entry(path: &Path, write: bool) -> std::io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(!write).write(write);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        o.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    }
+    let f = o.open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok(f)
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> KvError + '_ {
@@ -108,7 +173,7 @@ impl KvStore {
     /// entry and removes the ones that can never be loaded (other model or format version,
     /// corrupt or truncated header). Returns the removed files so the caller can report them.
     pub fn open(cfg: StoreConfig) -> Result<(KvStore, Vec<Rejected>), KvError> {
-        fs::create_dir_all(&cfg.dir).map_err(io(&cfg.dir))?;
+        prepare_dir(&cfg.dir)?;
         let mut entries = Vec::new();
         let mut rejected = Vec::new();
         for item in fs::read_dir(&cfg.dir).map_err(io(&cfg.dir))? {
@@ -122,6 +187,11 @@ impl KvStore {
                 continue;
             }
             if !format::is_entry_name(&name) {
+                continue;
+            }
+            // Symlinks, FIFOs, devices, directories: never opened (a FIFO hung startup).
+            if !item.file_type().is_ok_and(|t| t.is_file()) {
+                tracing::warn!(entry = %name, "ignoring a KV entry name that is not a regular file");
                 continue;
             }
             match index_entry(&path, &name, &cfg) {
@@ -288,7 +358,15 @@ impl KvStore {
             .dir
             .join(format!("{name}.tmp.{}.{}", std::process::id(), now));
         let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
+            let mut o = OpenOptions::new();
+            // A new file only: never write through something planted at the temp name.
+            o.write(true).create_new(true);
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::OpenOptionsExt;
+                o.mode(0o600).custom_flags(libc::O_NOFOLLOW);
+            }
+            let mut f = o.open(&tmp)?;
             f.write_all(&head)?;
             f.write_all(&token_bytes)?;
             f.write_all(payload)?;
@@ -367,7 +445,7 @@ fn tmp_owner(name: &str) -> Option<u32> {
 
 /// Reads the header and tokens only (cheap), checking identity and length.
 fn index_entry(path: &Path, name: &str, cfg: &StoreConfig) -> Result<EntryMeta, String> {
-    let mut f = File::open(path).map_err(|e| e.to_string())?;
+    let mut f = open_entry(path, false).map_err(|e| e.to_string())?;
     let len = f.metadata().map_err(|e| e.to_string())?.len();
     let mut head = [0u8; HEADER_LEN];
     f.read_exact(&mut head)
@@ -402,7 +480,10 @@ fn index_entry(path: &Path, name: &str, cfg: &StoreConfig) -> Result<EntryMeta, 
 }
 
 fn read_verified(path: &Path, cfg: &StoreConfig) -> Result<(Header, Loaded), String> {
-    let bytes = fs::read(path).map_err(|e| e.to_string())?;
+    let mut bytes = Vec::new();
+    open_entry(path, false)
+        .and_then(|mut f| f.read_to_end(&mut bytes))
+        .map_err(|e| e.to_string())?;
     let h = Header::decode(&bytes).map_err(|e| e.to_string())?;
     if h.model_id != cfg.model_id {
         return Err("made by another model (identity differs)".into());
@@ -443,7 +524,7 @@ fn read_tool_map_verified(
     cfg: &StoreConfig,
 ) -> Result<BTreeMap<String, String>, String> {
     use sha2::{Digest, Sha256};
-    let mut f = File::open(path).map_err(|e| e.to_string())?;
+    let mut f = open_entry(path, false).map_err(|e| e.to_string())?;
     let len = f.metadata().map_err(|e| e.to_string())?.len();
     let mut head = [0u8; HEADER_LEN];
     f.read_exact(&mut head)
@@ -497,7 +578,7 @@ fn read_tool_map_verified(
 
 /// Rewrites the mutable counters in place (outside the checksum).
 fn update_counters(path: &Path, last_used: u64, hits: u64) -> std::io::Result<()> {
-    let mut f = OpenOptions::new().write(true).open(path)?;
+    let mut f = open_entry(path, true)?;
     f.seek(SeekFrom::Start(128))?;
     f.write_all(&last_used.to_le_bytes())?;
     f.write_all(&hits.to_le_bytes())?;

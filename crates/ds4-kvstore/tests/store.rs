@@ -300,3 +300,93 @@ fn expected_payload(tokens: &[u32]) -> Vec<u8> {
         })
         .collect()
 }
+
+/// Issue 24: the cache directory is used as it is found (never chmod-ed), created 0700 when
+/// missing, and refused when other users can write to it.
+#[cfg(unix)]
+#[test]
+fn directory_permissions_are_never_changed() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let shared = d.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let cfg = |dir: &std::path::Path| StoreConfig {
+        dir: dir.to_path_buf(),
+        budget_bytes: 1 << 20,
+        model_id: [1; 32],
+        mode: Mode::Exact,
+        ctx: 4096,
+    };
+    let err = KvStore::open(cfg(&shared))
+        .err()
+        .expect("a 1777 directory is refused");
+    assert!(err.to_string().contains("writable by other users"), "{err}");
+    let mode = std::fs::metadata(&shared).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o1777, "permissions of an existing directory changed");
+    let fresh = d.path().join("a/b/kv");
+    KvStore::open(cfg(&fresh)).unwrap();
+    let mode = std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
+    // A private existing directory keeps its mode.
+    let private = d.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o750)).unwrap();
+    KvStore::open(cfg(&private)).unwrap();
+    let mode = std::fs::metadata(&private).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o750);
+}
+
+/// Issue 24: an entry name that is a symlink out of the directory is never followed (the
+/// hit counters used to be written through it), and an entry-named FIFO does not hang open.
+#[cfg(unix)]
+#[test]
+fn symlinks_and_fifos_are_not_followed() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("kv");
+    let cfg = StoreConfig {
+        dir: dir.clone(),
+        budget_bytes: 1 << 20,
+        model_id: [2; 32],
+        mode: Mode::Exact,
+        ctx: 4096,
+    };
+    let (mut s, _) = KvStore::open(cfg.clone()).unwrap();
+    let StoreOutcome::Stored { name, .. } = s
+        .store(&[5, 6, 7], b"payload", &std::collections::BTreeMap::new())
+        .unwrap()
+    else {
+        panic!("not stored")
+    };
+    drop(s);
+    // Move the real entry outside and leave a symlink to it under the entry's name.
+    let outside = d.path().join("outside.bin");
+    std::fs::rename(dir.join(&name), &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, dir.join(&name)).unwrap();
+    let before = std::fs::read(&outside).unwrap();
+    let (mut s, _) = KvStore::open(cfg.clone()).unwrap();
+    assert!(s.entries().is_empty(), "a symlink was indexed");
+    assert!(s.load(&name).is_err());
+    drop(s);
+    assert_eq!(
+        std::fs::read(&outside).unwrap(),
+        before,
+        "written through a symlink"
+    );
+
+    // A FIFO under an entry name: open must return (run it on a thread with a deadline).
+    std::fs::remove_file(dir.join(&name)).unwrap();
+    let fifo = std::ffi::CString::new(dir.join(&name).to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path that lives for the call.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = KvStore::open(cfg).map(|(s, _)| s.entries().len());
+        let _ = tx.send(r.map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("opening a store with an entry-named FIFO hung");
+    assert_eq!(r.unwrap(), 0);
+    assert!(ds4_kvstore::open_entry(&dir.join(&name), false).is_err());
+}

@@ -80,10 +80,42 @@ pub struct ServerConfig {
     pub retry_after_secs: u64,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
-    /// `Some`: clients must send `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    /// `Some`: clients must send `Authorization: Bearer KEY` or `x-api-key: KEY`. An empty
+    /// key is refused at bind time: an empty `x-api-key:` header would match it.
     pub api_key: Option<String>,
-    /// Adds permissive CORS headers.
-    pub cors: bool,
+    /// Browser origins allowed to call the API cross-origin (`--cors`); `*` allows any.
+    /// Empty: a POST carrying an `Origin` of another site is refused (CSRF from a web page).
+    pub cors_origins: Vec<String>,
+    /// Extra `Host` header values accepted when the server is bound to loopback without a
+    /// key (loopback names are always accepted). Guards against DNS rebinding.
+    pub allowed_hosts: Vec<String>,
+    /// Time a client has to send a complete request head (also closes idle keep-alive
+    /// connections).
+    pub header_timeout: Duration,
+    /// Longest pause between two pieces of a request body.
+    pub body_idle_timeout: Duration,
+    /// Longest time to receive a whole request body.
+    pub body_timeout: Duration,
+    /// Open connections at most; past it new ones get 503 and are closed. 0 = from the
+    /// descriptor limit.
+    pub max_connections: usize,
+    /// After a shutdown request, how long open connections may take to finish before they
+    /// are dropped (a stalled client must not keep the process alive).
+    pub shutdown_grace: Duration,
+    /// Requests parsed, rendered and tokenized at the same time (the rest wait): bounds the
+    /// memory hostile bodies can take. 0 = from the cores and memory.
+    pub prepare_concurrency: usize,
+    /// A streaming client that has not taken an event for this long while events wait is
+    /// treated as gone and its generation is cancelled (back-pressure).
+    pub stall_timeout: Duration,
+    /// Kernel send buffer of each connection (0 = the kernel's autotuned default, which
+    /// grows to megabytes: a client that stopped reading then absorbs tens of thousands of
+    /// tokens before back-pressure reaches the worker).
+    pub send_buffer_bytes: usize,
+    /// Match chat markers inside message text, tool results and tool arguments as control
+    /// tokens (ds4's behaviour). Off by default: only the renderer emits control tokens, so
+    /// content cannot forge turns.
+    pub content_special_tokens: bool,
     /// In-memory KV snapshots kept at turn boundaries (0 disables).
     pub snapshot_slots: usize,
     /// Snapshots bigger than this are not kept.
@@ -101,6 +133,9 @@ pub struct ServerConfig {
     pub script: Option<Arc<Script>>,
     /// Test hook: sleep this long after every generated token.
     pub token_delay: Option<Duration>,
+    /// Test hook: a generation request whose body contains this string panics inside its
+    /// handler (the panic-containment test). Not a user feature.
+    pub test_panic_marker: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -111,7 +146,17 @@ impl Default for ServerConfig {
             retry_after_secs: 1,
             max_body_bytes: 64 << 20,
             api_key: None,
-            cors: false,
+            cors_origins: Vec::new(),
+            allowed_hosts: Vec::new(),
+            header_timeout: Duration::from_secs(10),
+            body_idle_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_connections: 0,
+            shutdown_grace: Duration::from_secs(10),
+            prepare_concurrency: 0,
+            stall_timeout: Duration::from_secs(2),
+            send_buffer_bytes: 128 << 10,
+            content_special_tokens: false,
             snapshot_slots: 1,
             snapshot_max_bytes: 1 << 30,
             disk: None,
@@ -122,6 +167,7 @@ impl Default for ServerConfig {
             keep_alive: Duration::from_secs(5),
             script: None,
             token_delay: None,
+            test_panic_marker: None,
         }
     }
 }

@@ -7,11 +7,12 @@
 //! prefix of the rendered prompt (then the rest is tokenized on its own, chat-format §4.4).
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 use ds4_chat::Tokenizer;
+
+use crate::request::Prepared;
 use ds4_kvstore::format::{self, Header, FLAG_TOOL_MAP, HEADER_LEN};
 
 const PAYLOAD_MAGIC: &[u8; 8] = b"DS4SRV1\0";
@@ -54,24 +55,20 @@ pub fn decode_payload(payload: &[u8], n_vocab: usize) -> Result<(Vec<f32>, Vec<u
 
 /// How a candidate prefix (live state, snapshot or disk entry) continues into a prompt:
 /// the tokens to evaluate after it, or `None` if it is not a prefix.
-pub fn continuation(
-    tok: &Tokenizer,
-    prefix: &[u32],
-    prompt_text: &str,
-    prompt_tokens: &[u32],
-) -> Option<Vec<u32>> {
+pub fn continuation(tok: &Tokenizer, prefix: &[u32], p: &Prepared) -> Option<Vec<u32>> {
     if prefix.is_empty() {
         return None;
     }
-    if prompt_tokens.starts_with(prefix) {
-        return Some(prompt_tokens[prefix.len()..].to_vec());
+    if p.tokens.starts_with(prefix) {
+        return Some(p.tokens[prefix.len()..].to_vec());
     }
     let bytes = tok.decode(prefix).ok()?;
-    if bytes.len() <= prompt_text.len()
-        && prompt_text.as_bytes().starts_with(&bytes)
-        && prompt_text.is_char_boundary(bytes.len())
+    if bytes.len() <= p.text.len()
+        && p.text.as_bytes().starts_with(&bytes)
+        && p.text.is_char_boundary(bytes.len())
     {
-        return tok.encode_chat(&prompt_text[bytes.len()..]).ok();
+        // Same special-token policy as the prompt: markers only where the renderer wrote them.
+        return p.suffix_tokens(tok, bytes.len()).ok();
     }
     None
 }
@@ -97,7 +94,7 @@ pub fn read_tool_maps(dir: &Path) -> BTreeMap<String, String> {
 }
 
 fn read_tool_map(path: &Path) -> Option<BTreeMap<String, String>> {
-    let mut f = File::open(path).ok()?;
+    let mut f = ds4_kvstore::open_entry(path, false).ok()?;
     let mut head = [0u8; HEADER_LEN];
     f.read_exact(&mut head).ok()?;
     let h = Header::decode(&head).ok()?;

@@ -50,6 +50,12 @@ pub enum ErrorKind {
     ShuttingDown,
     /// Continuation state vanished (409).
     Conflict,
+    /// The request body stalled or took too long (408; the connection is closed).
+    Timeout,
+    /// Host / Origin checks refused a browser-style request (403).
+    Forbidden,
+    /// A JSON endpoint was sent another content type (415).
+    UnsupportedMediaType,
     Internal,
 }
 
@@ -116,6 +122,16 @@ impl ApiError {
         }
     }
 
+    /// A prompt that needs at least `n` tokens (a bound found before rendering) cannot fit.
+    pub fn context_overflow_at_least(n: usize, ctx: usize, param: &'static str) -> ApiError {
+        ApiError {
+            message: format!(
+                "Prompt has at least {n} tokens, but the configured context size is {ctx} tokens"
+            ),
+            ..ApiError::context_overflow(n, ctx, param)
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self.kind {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
@@ -126,15 +142,21 @@ impl ApiError {
             ErrorKind::Busy => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Conflict => StatusCode::CONFLICT,
+            ErrorKind::Timeout => StatusCode::REQUEST_TIMEOUT,
+            ErrorKind::Forbidden => StatusCode::FORBIDDEN,
+            ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn openai_type(&self) -> &'static str {
         match self.kind {
-            ErrorKind::InvalidRequest | ErrorKind::TooLarge | ErrorKind::Conflict => {
-                "invalid_request_error"
-            }
+            ErrorKind::InvalidRequest
+            | ErrorKind::TooLarge
+            | ErrorKind::Conflict
+            | ErrorKind::Timeout
+            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
+            ErrorKind::Forbidden => "permission_error",
             ErrorKind::MethodNotAllowed | ErrorKind::NotFound => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Busy => "rate_limit_error",
@@ -144,9 +166,12 @@ impl ApiError {
 
     fn anthropic_type(&self) -> &'static str {
         match self.kind {
-            ErrorKind::InvalidRequest | ErrorKind::Conflict | ErrorKind::MethodNotAllowed => {
-                "invalid_request_error"
-            }
+            ErrorKind::InvalidRequest
+            | ErrorKind::Conflict
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::Timeout
+            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
+            ErrorKind::Forbidden => "permission_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::TooLarge => "request_too_large",

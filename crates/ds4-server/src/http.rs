@@ -34,6 +34,7 @@ use crate::config::{ServerConfig, MODEL_ID};
 use crate::emit::{self, AnthropicStream, Ctx, Frame, OpenAiStream, ResponsesStream};
 use crate::error::{ApiError, ErrorKind, Shape};
 use crate::json_out::{arr, Obj};
+use crate::limits;
 use crate::live::ToolBinding;
 use crate::request::{self, Endpoint};
 use crate::stats::Stats;
@@ -52,6 +53,14 @@ pub struct AppState {
     pub shutting_down: Arc<AtomicBool>,
     pub ctx: usize,
     pub model_name: String,
+    /// Bound to loopback without a key: only loopback `Host` names are served (DNS
+    /// rebinding would otherwise let any web page drive the server).
+    pub loopback_guard: bool,
+    /// Longest token in bytes: turns a prompt's byte count into a lower bound on its tokens.
+    pub max_token_bytes: usize,
+    /// Permits to parse, render and tokenize a request (memory is bounded by permits ×
+    /// the per-request bound, whatever the number of connections).
+    pub prepare: Arc<tokio::sync::Semaphore>,
     counter: AtomicU64,
 }
 
@@ -67,7 +76,10 @@ impl AppState {
         shutting_down: Arc<AtomicBool>,
         ctx: usize,
         model_name: String,
+        loopback_guard: bool,
+        prepare_concurrency: usize,
     ) -> AppState {
+        let max_token_bytes = tok.max_token_bytes().max(1);
         AppState {
             cfg,
             tok,
@@ -78,6 +90,9 @@ impl AppState {
             shutting_down,
             ctx,
             model_name,
+            loopback_guard,
+            max_token_bytes,
+            prepare: Arc::new(tokio::sync::Semaphore::new(prepare_concurrency.max(1))),
             counter: AtomicU64::new(0),
         }
     }
@@ -108,17 +123,223 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(unknown_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             cors_and_options,
         ))
-        .layer(CatchPanicLayer::custom(
-            |_: Box<dyn std::any::Any + Send>| {
-                ApiError::internal("internal error (handler panicked)").into_response(Shape::OpenAi)
-            },
-        ))
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .layer(CatchPanicLayer::custom(PanicResponse(state.stats.clone())))
         .with_state(state)
+}
+
+/// A handler panic becomes a 500 (counted on `/health`); the connection and the server
+/// carry on.
+#[derive(Clone)]
+struct PanicResponse(Arc<Stats>);
+
+impl tower_http::catch_panic::ResponseForPanic for PanicResponse {
+    type ResponseBody = axum::body::Body;
+
+    fn response_for_panic(
+        &mut self,
+        _err: Box<dyn std::any::Any + Send + 'static>,
+    ) -> axum::http::Response<Self::ResponseBody> {
+        Stats::add(&self.0.handler_panics, 1);
+        tracing::error!("a request handler panicked; answered 500");
+        ApiError::internal("internal error (handler panicked)").into_response(Shape::OpenAi)
+    }
+}
+
+/// The name part of a `Host` value (`name`, `name:port`, `[v6]:port`), lower-cased.
+fn host_name(host: &str) -> String {
+    let h = host.trim();
+    let name = if let Some(rest) = h.strip_prefix('[') {
+        rest.split(']').next().unwrap_or("")
+    } else {
+        match h.rsplit_once(':') {
+            Some((n, port)) if port.bytes().all(|b| b.is_ascii_digit()) => n,
+            _ => h,
+        }
+    };
+    name.to_ascii_lowercase()
+}
+
+fn is_loopback_name(name: &str) -> bool {
+    name == "localhost"
+        || name.ends_with(".localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+fn host_allowed(cfg: &ServerConfig, host: &str) -> bool {
+    let name = host_name(host);
+    is_loopback_name(&name)
+        || cfg
+            .allowed_hosts
+            .iter()
+            .any(|a| a.eq_ignore_ascii_case(host.trim()) || host_name(a) == name)
+}
+
+/// `--cors` lets this origin call the API from a browser.
+fn cors_allows(cfg: &ServerConfig, origin: &str) -> bool {
+    cfg.cors_origins
+        .iter()
+        .any(|o| o == "*" || o.trim_end_matches('/').eq_ignore_ascii_case(origin))
+}
+
+/// An `Origin` may POST when `--cors` names it or it is the server's own origin.
+fn origin_allowed(cfg: &ServerConfig, origin: &str, host: Option<&str>) -> bool {
+    if cors_allows(cfg, origin) {
+        return true;
+    }
+    let own = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"));
+    matches!((own, host), (Some(o), Some(h)) if o.eq_ignore_ascii_case(h.trim()))
+}
+
+fn is_json_type(ct: &str) -> bool {
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// Browser-attack checks before anything else runs: the `Host` name when bound to loopback
+/// without a key (DNS rebinding), then for POSTs the `Origin` (cross-site requests) and the
+/// content type (a cross-site form or `text/plain` POST needs no CORS preflight).
+async fn guard(State(st): St, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let h = req.headers();
+    let host = h.get(header::HOST).and_then(|v| v.to_str().ok());
+    let refuse = |kind: ErrorKind, msg: String| {
+        Stats::add(&st.stats.rejected_origin, 1);
+        ApiError::new(kind, msg).into_response(shape_for(&path))
+    };
+    if st.loopback_guard {
+        if let Some(v) = h.get(header::HOST) {
+            let ok = v.to_str().is_ok_and(|v| host_allowed(&st.cfg, v));
+            if !ok {
+                let shown = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                return refuse(
+                    ErrorKind::Forbidden,
+                    format!("Host {shown:?} is not a loopback name: this server listens on loopback without an API key, so it only answers requests addressed to localhost (start it with --allowed-host NAME to accept another name)"),
+                );
+            }
+        }
+    }
+    if req.method() == Method::POST {
+        if let Some(o) = h.get(header::ORIGIN) {
+            let origin = String::from_utf8_lossy(o.as_bytes()).into_owned();
+            if !origin_allowed(&st.cfg, &origin, host) {
+                return refuse(
+                    ErrorKind::Forbidden,
+                    format!("cross-origin request from {origin:?} refused (start the server with --cors {origin} to allow that site)"),
+                );
+            }
+        }
+        if let Some(ct) = h.get(header::CONTENT_TYPE) {
+            let ct = String::from_utf8_lossy(ct.as_bytes()).into_owned();
+            if !is_json_type(&ct) {
+                return refuse(
+                    ErrorKind::UnsupportedMediaType,
+                    format!("Content-Type {ct:?} is not accepted: send the JSON body as application/json"),
+                );
+            }
+        }
+    }
+    next.run(req).await
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn closing(mut r: Response) -> Response {
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+/// Reads a POST body under the limits before any handler sees it: a declared length over
+/// the limit is refused before the body is touched (so no `100 Continue` goes out), a body
+/// that pauses longer than the idle timeout or takes longer than the body timeout gets 408
+/// and the connection is closed.
+async fn read_body(State(st): St, req: Request, next: Next) -> Response {
+    use http_body_util::BodyExt;
+    if req.method() != Method::POST {
+        return next.run(req).await;
+    }
+    let shape = shape_for(req.uri().path());
+    let limit = st.cfg.max_body_bytes;
+    let too_large = || {
+        closing(
+            ApiError::new(
+                ErrorKind::TooLarge,
+                format!("request body exceeds the {limit}-byte limit"),
+            )
+            .into_response(shape),
+        )
+    };
+    let declared = content_length(req.headers());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large();
+    }
+    let (parts, mut body) = req.into_parts();
+    let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    let deadline = tokio::time::Instant::now() + st.cfg.body_timeout;
+    loop {
+        let now = tokio::time::Instant::now();
+        let wait = st
+            .cfg
+            .body_idle_timeout
+            .min(deadline.saturating_duration_since(now));
+        match tokio::time::timeout(wait, body.frame()).await {
+            Err(_) => {
+                Stats::add(&st.stats.timed_out, 1);
+                let what = if tokio::time::Instant::now() >= deadline {
+                    format!(
+                        "the request body took longer than {:?}",
+                        st.cfg.body_timeout
+                    )
+                } else {
+                    format!(
+                        "the request body stalled for {:?}",
+                        st.cfg.body_idle_timeout
+                    )
+                };
+                return closing(ApiError::new(ErrorKind::Timeout, what).into_response(shape));
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                return closing(
+                    ApiError::bad(format!("bad HTTP request body: {e}")).into_response(shape),
+                )
+            }
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    if buf.len() + data.len() > limit {
+                        return too_large();
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+    next.run(Request::from_parts(parts, axum::body::Body::from(buf)))
+        .await
 }
 
 fn shape_for(path: &str) -> Shape {
@@ -143,19 +364,30 @@ async fn method_not_allowed(req: Request) -> Response {
     ApiError::new(ErrorKind::MethodNotAllowed, msg).into_response(shape_for(req.uri().path()))
 }
 
-/// `OPTIONS` → 204; with `--cors`, permissive CORS headers on every response.
+/// `OPTIONS` → 204; CORS headers for an origin `--cors` names (`*`: any).
 async fn cors_and_options(State(st): St, req: Request, next: Next) -> Response {
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let mut resp = if req.method() == Method::OPTIONS {
         StatusCode::NO_CONTENT.into_response()
     } else {
         next.run(req).await
     };
-    if st.cfg.cors {
+    let any = st.cfg.cors_origins.iter().any(|o| o == "*");
+    let allow = match &origin {
+        _ if any => Some(HeaderValue::from_static("*")),
+        Some(o) if cors_allows(&st.cfg, o) => HeaderValue::from_str(o).ok(),
+        _ => None,
+    };
+    if let Some(allow) = allow {
         let h = resp.headers_mut();
-        h.insert(
-            header::ACCESS_CONTROL_ALLOW_ORIGIN,
-            HeaderValue::from_static("*"),
-        );
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, allow);
+        if !any {
+            h.insert(header::VARY, HeaderValue::from_static("Origin"));
+        }
         h.insert(
             header::ACCESS_CONTROL_ALLOW_METHODS,
             HeaderValue::from_static("GET, POST, OPTIONS"),
@@ -175,18 +407,21 @@ fn key_matches(given: &str, key: &str) -> bool {
     a.ct_eq(&b).into()
 }
 
+/// The key a request presents. The `Bearer` scheme name is case-insensitive (RFC 9110
+/// §11.1); an empty key counts as none.
 fn presented_key(h: &HeaderMap) -> Option<&str> {
     if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
-        if let Some(k) = v
-            .strip_prefix("Bearer ")
-            .or_else(|| v.strip_prefix("bearer "))
-        {
-            return Some(k.trim());
+        let v = v.trim();
+        if let Some((scheme, k)) = v.split_once([' ', '\t']) {
+            if scheme.eq_ignore_ascii_case("bearer") && !k.trim().is_empty() {
+                return Some(k.trim());
+            }
         }
     }
     h.get("x-api-key")
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
+        .filter(|k| !k.is_empty())
 }
 
 /// `--api-key`: `Authorization: Bearer KEY` or `x-api-key: KEY` (`/health` is open).
@@ -310,6 +545,7 @@ async fn tokenize_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = body_bytes(body, st.cfg.max_body_bytes)?;
+    let _permit = prepare_permit(st).await?;
     let v: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad(format!("invalid JSON request: {e}")))?;
     let Value::Object(o) = &v else {
@@ -333,7 +569,7 @@ async fn tokenize_inner(
             let mut req = request::parse_chat(&body, ctx)?;
             let mut tm = st2.toolmem.lock().unwrap_or_else(|p| p.into_inner());
             let tm = st2.cfg.exact_dsml_replay.then_some(&mut *tm);
-            let p = request::prepare(&mut req, tm, None, &st2.tok)?;
+            let p = request::prepare(&mut req, tm, None, &st2.tok, st2.cfg.content_special_tokens)?;
             Ok((p.tokens, Some(p.text)))
         })
         .await
@@ -379,31 +615,68 @@ async fn tokenize_inner(
 }
 
 async fn detokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Response, ApiError> {
+    let run = async {
         let body = body_bytes(body, st.cfg.max_body_bytes)?;
-        let v: Value = serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad(format!("invalid JSON request: {e}")))?;
-        let Some(Value::Array(items)) = v.get("tokens") else {
-            return Err(ApiError::bad("missing tokens"));
-        };
-        let ids = items
-            .iter()
-            .map(|x| x.as_u64().and_then(|i| u32::try_from(i).ok()))
-            .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| ApiError::bad("`tokens` must be an array of token ids"))?;
-        let text = st
-            .tok
-            .decode_lossy(&ids)
-            .map_err(|e| ApiError::bad(e.to_string()))?;
-        Ok(json_response(
-            StatusCode::OK,
-            Obj::new().str("content", &text).end(),
-        ))
+        let _permit = prepare_permit(&st).await?;
+        let st2 = st.clone();
+        // Off the async threads: decoding millions of ids would stall `/health`.
+        tokio::task::spawn_blocking(move || {
+            let r = detokenize_body(&st2, &body);
+            if body.len() >= limits::TRIM_AFTER_BYTES {
+                drop(body);
+                limits::release_memory();
+            }
+            r
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("request task failed: {e}")))?
     };
-    match run() {
+    match run.await {
         Ok(r) => r,
         Err(e) => e.into_response(Shape::OpenAi),
     }
+}
+
+/// `{"tokens": [ids]}` → `{"content": text}`. The ids are read straight into a `Vec<u32>`
+/// (a `serde_json::Value` per id took ~30 bytes each), and at most `ctx` of them are
+/// decoded, which bounds the output too: no session of this server holds more.
+fn detokenize_body(st: &AppState, body: &[u8]) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        tokens: Option<Vec<u32>>,
+    }
+    let b: Body = serde_json::from_slice(body).map_err(|e| {
+        if e.is_data() {
+            ApiError::bad("`tokens` must be an array of token ids")
+        } else {
+            ApiError::bad(format!("invalid JSON request: {e}"))
+        }
+    })?;
+    let ids = b.tokens.ok_or_else(|| ApiError::bad("missing tokens"))?;
+    if ids.len() > st.ctx {
+        return Err(ApiError::bad(format!(
+            "{} token ids exceed the context size ({}); detokenize at most that many at once",
+            ids.len(),
+            st.ctx
+        )));
+    }
+    let text = st
+        .tok
+        .decode_lossy(&ids)
+        .map_err(|e| ApiError::bad(e.to_string()))?;
+    Ok(json_response(
+        StatusCode::OK,
+        Obj::new().str("content", &text).end(),
+    ))
+}
+
+/// Waits for a preparation permit (see [`AppState::prepare`]).
+async fn prepare_permit(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+    st.prepare
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::shutting_down())
 }
 
 async fn chat(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -450,24 +723,22 @@ async fn generation_inner(
     if st.shutting_down.load(Ordering::Relaxed) {
         return Err(ApiError::shutting_down());
     }
+    if let Some(m) = st.cfg.test_panic_marker.as_deref() {
+        if !m.is_empty() && body.windows(m.len()).any(|w| w == m.as_bytes()) {
+            panic!("test hook: injected handler panic");
+        }
+    }
     let ctx = st.ctx as u64;
+    let permit = prepare_permit(&st).await?;
     let st2 = st.clone();
     let (req, prepared) = tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
-        let mut req = match ep {
-            Endpoint::Chat => request::parse_chat(&body, ctx),
-            Endpoint::Completions => request::parse_completions(&body, ctx),
-            Endpoint::Responses => request::parse_responses(&body, ctx),
-            Endpoint::Messages => request::parse_messages(&body, ctx),
-        }?;
-        let binding = st2
-            .binding
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let mut tm = st2.toolmem.lock().unwrap_or_else(|p| p.into_inner());
-        let tm = st2.cfg.exact_dsml_replay.then_some(&mut *tm);
-        let p = request::prepare(&mut req, tm, binding.as_ref(), &st2.tok)?;
-        Ok((req, p))
+        let _permit = permit;
+        let big = body.len() >= limits::TRIM_AFTER_BYTES;
+        let r = admit_and_prepare(&st2, ep, body, ctx);
+        if big {
+            limits::release_memory();
+        }
+        r
     })
     .await
     .map_err(|e| ApiError::internal(format!("request task failed: {e}")))??;
@@ -490,6 +761,7 @@ async fn generation_inner(
     let ectx = Ctx::new(&req, counter, now_secs());
     let cancel = Arc::new(AtomicBool::new(false));
     let guard = CancelOnDrop(cancel.clone());
+    let taken_ms = Arc::new(AtomicU64::new(limits::now_ms()));
     let (tx, mut rx) = mpsc::channel(if req.stream {
         st.cfg.stream_buffer_events.max(16)
     } else {
@@ -506,6 +778,7 @@ async fn generation_inner(
         response_id: (ep == Endpoint::Responses).then(|| ectx.id.clone()),
         events: tx,
         cancel,
+        taken_ms: taken_ms.clone(),
     };
     Stats::add(&st.stats.queued, 1);
     if let Err(e) = st.jobs.try_send(job) {
@@ -526,7 +799,14 @@ async fn generation_inner(
         None => return Err(ApiError::shutting_down()),
     };
     if req.stream {
-        return Ok(sse_response(ectx, usage, rx, guard, st.cfg.keep_alive));
+        return Ok(sse_response(
+            ectx,
+            usage,
+            rx,
+            guard,
+            st.cfg.keep_alive,
+            taken_ms,
+        ));
     }
     loop {
         match rx.recv().await {
@@ -539,6 +819,57 @@ async fn generation_inner(
             None => return Err(ApiError::internal("generation ended without a result")),
         }
     }
+}
+
+/// Parses, checks and renders a generation request. Cheap bounds come first, so a body that
+/// can never fit the context is refused before it is expanded into messages, a prompt and
+/// token ids (issue 24: 2.2 M tiny messages took 2.4 GB only to end in this same error).
+fn admit_and_prepare(
+    st: &AppState,
+    ep: Endpoint,
+    body: Bytes,
+    ctx: u64,
+) -> Result<(request::GenRequest, request::Prepared), ApiError> {
+    let early = |n: usize| {
+        Stats::add(&st.stats.rejected_early, 1);
+        ApiError::context_overflow_at_least(n, st.ctx, ep.prompt_param())
+    };
+    let (turns, items) = request::count_turns(&body);
+    if turns >= st.ctx {
+        return Err(early(turns));
+    }
+    // Messages that render to (almost) nothing, e.g. millions of empty system messages,
+    // still cost memory to parse; no real conversation has more messages than the context
+    // has tokens.
+    if items > st.ctx {
+        Stats::add(&st.stats.rejected_early, 1);
+        return Err(ApiError::bad(format!(
+            "{items} messages exceed the context size ({} tokens); send at most that many",
+            st.ctx
+        )));
+    }
+    let mut req = match ep {
+        Endpoint::Chat => request::parse_chat(&body, ctx),
+        Endpoint::Completions => request::parse_completions(&body, ctx),
+        Endpoint::Responses => request::parse_responses(&body, ctx),
+        Endpoint::Messages => request::parse_messages(&body, ctx),
+    }?;
+    drop(body);
+    let bound = request::token_lower_bound(&req, st.max_token_bytes);
+    if bound >= st.ctx {
+        return Err(early(bound));
+    }
+    let binding = st.binding.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut tm = st.toolmem.lock().unwrap_or_else(|p| p.into_inner());
+    let tm = st.cfg.exact_dsml_replay.then_some(&mut *tm);
+    let p = request::prepare(
+        &mut req,
+        tm,
+        binding.as_ref(),
+        &st.tok,
+        st.cfg.content_special_tokens,
+    )?;
+    Ok((req, p))
 }
 
 fn final_body(ctx: &Ctx, o: &Outcome) -> String {
@@ -586,6 +917,7 @@ struct SseState {
     em: Emitter,
     pending: VecDeque<Frame>,
     finished: bool,
+    taken_ms: Arc<AtomicU64>,
     _guard: CancelOnDrop,
 }
 
@@ -603,6 +935,7 @@ fn sse_response(
     rx: mpsc::Receiver<JobEvent>,
     guard: CancelOnDrop,
     keep_alive: Duration,
+    taken_ms: Arc<AtomicU64>,
 ) -> Response {
     let mut em = Emitter::new(ctx);
     let first = match &mut em {
@@ -615,6 +948,7 @@ fn sse_response(
         em,
         pending: first.into(),
         finished: false,
+        taken_ms,
         _guard: guard,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
@@ -627,6 +961,7 @@ fn sse_response(
             }
             match s.rx.recv().await {
                 Some(ev) => {
+                    s.taken_ms.store(limits::now_ms(), Ordering::Relaxed);
                     let (frames, end) = s.em.on(ev);
                     s.pending.extend(frames);
                     s.finished = end;

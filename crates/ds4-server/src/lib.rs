@@ -18,6 +18,7 @@ pub mod emit;
 pub mod error;
 pub mod http;
 pub mod json_out;
+pub mod limits;
 pub mod live;
 pub mod model;
 pub mod request;
@@ -47,6 +48,8 @@ pub struct Server {
     worker: std::thread::JoinHandle<()>,
     stats: Arc<Stats>,
     shutting_down: Arc<AtomicBool>,
+    cfg: Arc<ServerConfig>,
+    max_connections: usize,
 }
 
 impl Server {
@@ -61,6 +64,24 @@ impl Server {
                 "the queue capacity must be at least 1".into(),
             ));
         }
+        if cfg.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            return Err(ServerError::Config(
+                "the API key is empty: an empty key would accept an empty `x-api-key:` header; give a non-empty key or none".into(),
+            ));
+        }
+        if !addr.ip().is_loopback() && cfg.api_key.is_none() {
+            tracing::warn!(
+                %addr,
+                "listening on a non-loopback address without an API key: anyone who can reach it can run generations (set --api-key-file or DS4_API_KEY)"
+            );
+        }
+        let max_connections = limits::max_connections(cfg.max_connections);
+        let prepare = limits::prepare_concurrency(cfg.prepare_concurrency, cfg.max_body_bytes);
+        tracing::info!(
+            max_connections,
+            prepare_concurrency = prepare,
+            "request limits"
+        );
         let cfg = Arc::new(cfg);
         let stats = Arc::new(Stats::default());
         let shutting_down = Arc::new(AtomicBool::new(false));
@@ -107,6 +128,8 @@ impl Server {
             shutting_down.clone(),
             ctx,
             model.name,
+            addr.ip().is_loopback() && cfg.api_key.is_none(),
+            prepare,
         ));
         Ok(Server {
             listener,
@@ -114,6 +137,8 @@ impl Server {
             worker,
             stats,
             shutting_down,
+            cfg,
+            max_connections,
         })
     }
 
@@ -129,7 +154,9 @@ impl Server {
 
     /// Serves until `shutdown` resolves. Then: no new connections, the running generation
     /// ends with finish `error` ("shutdown requested"), queued requests get 503, open
-    /// connections finish, and the worker saves a `shutdown` disk checkpoint and exits.
+    /// connections get [`ServerConfig::shutdown_grace`] to finish (then they are dropped, so
+    /// a stalled client cannot hold the process), and the worker saves a `shutdown` disk
+    /// checkpoint and exits.
     pub async fn serve<F>(self, shutdown: F) -> Result<(), ServerError>
     where
         F: Future<Output = ()> + Send + 'static,
@@ -140,10 +167,17 @@ impl Server {
             flag.store(true, Ordering::Relaxed);
             tracing::info!("shutdown requested; draining");
         };
-        let served = axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(signal)
-            .await;
-        // The router (and with it the queue's sender) is gone: the worker drains and exits.
+        let served = limits::serve_connections(
+            self.listener,
+            self.router,
+            &self.cfg,
+            self.max_connections,
+            self.stats.clone(),
+            signal,
+        )
+        .await;
+        // Every connection (and with it the router's queue sender) is gone: the worker
+        // drains and exits.
         let worker = self.worker;
         let joined = tokio::task::spawn_blocking(move || worker.join()).await;
         served.map_err(|source| ServerError::Io {

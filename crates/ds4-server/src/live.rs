@@ -51,6 +51,8 @@ pub struct LiveTail {
     pub matching: TailMatch,
     /// `⟨EOS⟩` + the tail turn(s) + `⟨A⟩` + think tag, and its tokens.
     pub suffix_text: String,
+    /// Renderer-owned byte ranges of `suffix_text` ([`render::Rendered`]).
+    pub suffix_trusted: Vec<std::ops::Range<usize>>,
     pub suffix_tokens: Vec<u32>,
     /// No full prompt to fall back on: without the binding the request cannot be served.
     pub required: bool,
@@ -112,17 +114,29 @@ fn is_system(m: &Message) -> bool {
 /// whose EOS was sampled but not evaluated) + each turn exactly as the full prompt would
 /// render it + `⟨A⟩` + think tag. System messages are left out: the live state's system
 /// block cannot change.
-pub fn render_tail(tail: &[Message], mode: ThinkingMode) -> Result<String, ApiError> {
+pub fn render_tail(tail: &[Message], mode: ThinkingMode) -> Result<render::Rendered, ApiError> {
     let msgs: Vec<Message> = tail.iter().filter(|m| !is_system(m)).cloned().collect();
-    let full = render::render_prompt(&msgs, &[] as &[String], mode);
+    let full = render::render_prompt_spans(&msgs, &[] as &[String], mode);
     let mut head = String::from(BOS_TEXT);
     if mode == ThinkingMode::ThinkMax {
         head.push_str(render::MAX_PREFIX);
     }
-    let body = full
-        .strip_prefix(head.as_str())
-        .ok_or_else(|| ApiError::internal("tail rendering has an unexpected head"))?;
-    Ok(format!("{EOS_TEXT}{body}"))
+    if !full.text.starts_with(head.as_str()) {
+        return Err(ApiError::internal("tail rendering has an unexpected head"));
+    }
+    let body = full.suffix(head.len());
+    let mut out = render::Rendered::default();
+    out.ctl(EOS_TEXT);
+    let shift = out.text.len();
+    out.text.push_str(&body.text);
+    for r in body.trusted {
+        let r = r.start + shift..r.end + shift;
+        match out.trusted.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => out.trusted.push(r),
+        }
+    }
+    Ok(out)
 }
 
 /// Tool ids answered by `m` (tool messages and Anthropic `tool_result` blocks).
@@ -146,11 +160,13 @@ pub fn plan(req: &GenRequest, binding: Option<&ToolBinding>) -> Result<Option<Li
                  matching: TailMatch,
                  required: bool|
      -> Result<Option<LiveTail>, ApiError> {
+        let r = render_tail(tail, req.mode)?;
         Ok(Some(LiveTail {
             ids,
             response_id,
             matching,
-            suffix_text: render_tail(tail, req.mode)?,
+            suffix_text: r.text,
+            suffix_trusted: r.trusted,
             suffix_tokens: Vec::new(),
             required,
         }))
@@ -240,17 +256,19 @@ mod tests {
             Message::tool("c2", "r2"),
             Message::user("next"),
         ];
-        let t = render_tail(&tail, ThinkingMode::Think).unwrap();
+        let t = render_tail(&tail, ThinkingMode::Think).unwrap().text;
         assert_eq!(
             t,
             format!("{EOS_TEXT}{USER_TEXT}<tool_result>r1 &lt;/tool_result></tool_result><tool_result>r2</tool_result>{USER_TEXT}next{ASSISTANT_TEXT}{THINK_OPEN_TEXT}")
         );
-        let t = render_tail(&tail[1..2], ThinkingMode::ThinkMax).unwrap();
+        let t = render_tail(&tail[1..2], ThinkingMode::ThinkMax)
+            .unwrap()
+            .text;
         assert_eq!(
             t,
             format!("{EOS_TEXT}{USER_TEXT}<tool_result>r1 &lt;/tool_result></tool_result>{ASSISTANT_TEXT}{THINK_OPEN_TEXT}")
         );
-        let t = render_tail(&tail[3..], ThinkingMode::NoThink).unwrap();
+        let t = render_tail(&tail[3..], ThinkingMode::NoThink).unwrap().text;
         assert_eq!(
             t,
             format!("{EOS_TEXT}{USER_TEXT}next{ASSISTANT_TEXT}{THINK_CLOSE_TEXT}")
@@ -282,7 +300,7 @@ mod tests {
             for tail in &tails {
                 let all: Vec<Message> = history.iter().chain(tail).cloned().collect();
                 let full = render::render_prompt(&all, &schemas, mode);
-                let t = render_tail(tail, mode).unwrap();
+                let t = render_tail(tail, mode).unwrap().text;
                 assert!(
                     full.ends_with(&t),
                     "{mode:?}: {full:?} does not end with {t:?}"
@@ -305,6 +323,7 @@ mod tests {
             response_id: rid.map(str::to_string),
             matching: m,
             suffix_text: String::new(),
+            suffix_trusted: Vec::new(),
             suffix_tokens: Vec::new(),
             required: true,
         };

@@ -92,6 +92,9 @@ pub struct GenRequest {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prepared {
     pub text: String,
+    /// Byte ranges of `text` the renderer wrote (the only places chat markers are control
+    /// tokens; the whole text with `--content-special-tokens`).
+    pub trusted: Vec<std::ops::Range<usize>>,
     pub tokens: Vec<u32>,
     /// The prompt ends with `<think>`: output starts inside reasoning.
     pub thinking: bool,
@@ -104,6 +107,216 @@ pub struct Prepared {
     /// The request continues the live state after tool calls ([`crate::live`]). When
     /// `required`, `text` and `tokens` hold only the continuation suffix.
     pub live_tail: Option<LiveTail>,
+}
+
+impl Prepared {
+    /// Tokens of `text[from..]` (a char boundary) under the same special-token policy as
+    /// the whole prompt: used when a cached prefix ends inside the prompt's text.
+    pub fn suffix_tokens(
+        &self,
+        tok: &Tokenizer,
+        from: usize,
+    ) -> Result<Vec<u32>, ds4_chat::ChatError> {
+        let r = render::Rendered {
+            text: self.text.clone(),
+            trusted: self.trusted.clone(),
+        };
+        r.suffix(from).tokens(tok)
+    }
+}
+
+/// Roles the renderer understands; anything else used to be dropped silently.
+const KNOWN_ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
+fn check_roles(messages: &[Message]) -> Result<(), ApiError> {
+    match messages
+        .iter()
+        .enumerate()
+        .find(|(_, m)| !KNOWN_ROLES.contains(&m.role.as_str()))
+    {
+        Some((i, m)) => Err(bad(format!(
+            "message {i} has unknown role {:?} (expected one of {})",
+            m.role,
+            KNOWN_ROLES.join(", ")
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// A forced `tool_choice` must name a tool the request defines: forcing a missing one was
+/// silently ignored.
+fn check_forced_tool(name: Option<&str>, tools: Option<Value>) -> Result<(), ApiError> {
+    let Some(name) = name else {
+        return Ok(());
+    };
+    let defined = tools
+        .as_ref()
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .any(|t| {
+            let n = t
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .or_else(|| t.get("name"));
+            n.and_then(Value::as_str) == Some(name)
+        });
+    if defined {
+        Ok(())
+    } else {
+        Err(bad(format!(
+            "tool_choice forces tool {name:?}, which `tools` does not define"
+        )))
+    }
+}
+
+/// User and assistant turns a body holds, counted without building it: each renders at
+/// least one control token, so more of them than the context holds can be refused before
+/// any parsing (a body of millions of tiny messages took gigabytes to parse and render).
+/// Also returns how many items the arrays hold in all (system messages included).
+/// (0, 0) when the body is not shaped as expected (the real parser reports that).
+pub fn count_turns(body: &[u8]) -> (usize, usize) {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use std::fmt;
+
+    struct Turns(usize, usize);
+    impl<'de> serde::Deserialize<'de> for Turns {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Turns;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("anything")
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Turns, A::Error> {
+                    let (mut n, mut items) = (0, 0);
+                    while let Some(t) = seq.next_element::<IsTurn>()? {
+                        n += t.0 as usize;
+                        items += 1;
+                    }
+                    Ok(Turns(n, items))
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Turns, A::Error> {
+                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    Ok(Turns(0, 0))
+                }
+                fn visit_str<E>(self, _: &str) -> Result<Turns, E> {
+                    Ok(Turns(0, 0))
+                }
+                fn visit_bool<E>(self, _: bool) -> Result<Turns, E> {
+                    Ok(Turns(0, 0))
+                }
+                fn visit_i64<E>(self, _: i64) -> Result<Turns, E> {
+                    Ok(Turns(0, 0))
+                }
+                fn visit_u64<E>(self, _: u64) -> Result<Turns, E> {
+                    Ok(Turns(0, 0))
+                }
+                fn visit_f64<E>(self, _: f64) -> Result<Turns, E> {
+                    Ok(Turns(0, 0))
+                }
+                fn visit_unit<E>(self) -> Result<Turns, E> {
+                    Ok(Turns(0, 0))
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    /// An array item whose `role` is `user` or `assistant`.
+    struct IsTurn(bool);
+    impl<'de> serde::Deserialize<'de> for IsTurn {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = IsTurn;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("anything")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<IsTurn, A::Error> {
+                    let mut turn = false;
+                    while let Some(k) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                        if k == "role" {
+                            let r = map.next_value::<Option<std::borrow::Cow<'de, str>>>();
+                            turn = matches!(
+                                r.as_ref().map(|r| r.as_deref()),
+                                Ok(Some("user" | "assistant"))
+                            );
+                            r.map(|_| ()).or_else(|_| Ok::<(), A::Error>(()))?;
+                        } else {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                    Ok(IsTurn(turn))
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<IsTurn, A::Error> {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    Ok(IsTurn(false))
+                }
+                fn visit_str<E>(self, _: &str) -> Result<IsTurn, E> {
+                    Ok(IsTurn(false))
+                }
+                fn visit_bool<E>(self, _: bool) -> Result<IsTurn, E> {
+                    Ok(IsTurn(false))
+                }
+                fn visit_i64<E>(self, _: i64) -> Result<IsTurn, E> {
+                    Ok(IsTurn(false))
+                }
+                fn visit_u64<E>(self, _: u64) -> Result<IsTurn, E> {
+                    Ok(IsTurn(false))
+                }
+                fn visit_f64<E>(self, _: f64) -> Result<IsTurn, E> {
+                    Ok(IsTurn(false))
+                }
+                fn visit_unit<E>(self) -> Result<IsTurn, E> {
+                    Ok(IsTurn(false))
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    #[derive(serde::Deserialize)]
+    struct Top {
+        messages: Option<Turns>,
+        input: Option<Turns>,
+    }
+    match serde_json::from_slice::<Top>(body) {
+        Ok(t) => {
+            let (m, i) = (
+                t.messages.unwrap_or(Turns(0, 0)),
+                t.input.unwrap_or(Turns(0, 0)),
+            );
+            (m.0 + i.0, m.1 + i.1)
+        }
+        Err(_) => (0, 0),
+    }
+}
+
+/// A lower bound on a parsed request's prompt tokens, before rendering: one control token
+/// per user or assistant turn, plus the client text (contents, reasoning, schemas, a
+/// completion prompt) divided by the longest token's length. Rendering only adds bytes.
+pub fn token_lower_bound(req: &GenRequest, max_token_bytes: usize) -> usize {
+    let turns = req
+        .messages
+        .iter()
+        .filter(|m| m.role == "user" || m.role == "assistant")
+        .count();
+    let bytes: usize = req
+        .messages
+        .iter()
+        .map(|m| m.content.len() + m.reasoning.len())
+        .sum::<usize>()
+        + req.tool_schemas.iter().map(String::len).sum::<usize>()
+        + req.completion_prompt.as_ref().map_or(0, String::len);
+    turns + bytes / max_token_bytes.max(1)
 }
 
 const INVALID: &str = "invalid JSON request";
@@ -378,6 +591,28 @@ pub fn parse_chat(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
             return Err(bad(format!("{INVALID}: `messages` must be an array")));
         }
     }
+    check_roles(&chat.messages)?;
+    match f.val("tool_choice") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if matches!(s.as_str(), "none" | "auto" | "required") => {}
+        Some(Value::String(s)) => {
+            return Err(bad(format!(
+                "tool_choice {s:?} is not one of none, auto, required or a tool"
+            )))
+        }
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str);
+            check_forced_tool(name, f.val("tools"))?;
+        }
+        Some(_) => {
+            return Err(bad(format!(
+                "{INVALID}: `tool_choice` must be a string or an object"
+            )))
+        }
+    }
     let tool_schemas = chat.active_tool_schemas().to_vec();
     Ok(GenRequest {
         endpoint: Endpoint::Chat,
@@ -528,10 +763,16 @@ pub fn parse_messages(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         }
         messages.push(msg);
     }
+    check_roles(&messages)?;
     let mut tools_on = true;
     if let Some(Value::Object(tc)) = f.val("tool_choice") {
-        if tc.get("type").and_then(Value::as_str) == Some("none") {
-            tools_on = false;
+        match tc.get("type").and_then(Value::as_str) {
+            Some("none") => tools_on = false,
+            Some("tool") => check_forced_tool(
+                Some(tc.get("name").and_then(Value::as_str).unwrap_or("")),
+                f.val("tools"),
+            )?,
+            _ => {}
         }
     }
     let tool_schemas = if tools_on {
@@ -644,6 +885,7 @@ pub fn parse_responses(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
             }
         },
     }
+    check_roles(&messages)?;
     let mut tools_on = true;
     match f.val("tool_choice") {
         None => {}
@@ -910,20 +1152,33 @@ fn responses_items(
 /// Renders and tokenizes a request. Assistant tool-call messages are first resolved against
 /// tool memory for exact replay (when enabled). `binding` is what the live state ends with
 /// now (tool-output continuations are checked against it, [`crate::live::plan`]).
+/// `content_specials`: chat markers in client text become control tokens too (ds4's
+/// behaviour); otherwise only the renderer's markers do.
 pub fn prepare(
     req: &mut GenRequest,
     toolmem: Option<&mut ToolMemory>,
     binding: Option<&ToolBinding>,
     tok: &Tokenizer,
+    content_specials: bool,
 ) -> Result<Prepared, ApiError> {
+    let policy = |r: render::Rendered| {
+        if content_specials {
+            render::Rendered::all_trusted(r.text)
+        } else {
+            r
+        }
+    };
+    let tokenize = |r: &render::Rendered| {
+        r.tokens(tok)
+            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+    };
     let thinking = req.mode.is_thinking();
     if let Some(p) = &req.completion_prompt {
-        let text = render::render_completion(p, req.mode);
-        let tokens = tok
-            .encode_chat(&text)
-            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
+        let r = policy(render::render_completion_spans(p, req.mode));
+        let tokens = tokenize(&r)?;
         return Ok(Prepared {
-            text,
+            text: r.text,
+            trusted: r.trusted,
             tokens,
             thinking,
             tools: false,
@@ -938,9 +1193,13 @@ pub fn prepare(
     };
     let mut live_tail = live::plan(req, binding)?;
     if let Some(t) = &mut live_tail {
-        t.suffix_tokens = tok
-            .encode_chat(&t.suffix_text)
-            .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
+        let r = policy(render::Rendered {
+            text: std::mem::take(&mut t.suffix_text),
+            trusted: std::mem::take(&mut t.suffix_trusted),
+        });
+        t.suffix_tokens = tokenize(&r)?;
+        t.suffix_text = r.text;
+        t.suffix_trusted = r.trusted;
     }
     let mut tools = !req.tool_schemas.is_empty();
     let mut tool_context = tools
@@ -956,6 +1215,7 @@ pub fn prepare(
         tool_context = true;
         return Ok(Prepared {
             text: t.suffix_text.clone(),
+            trusted: t.suffix_trusted.clone(),
             tokens: t.suffix_tokens.clone(),
             thinking,
             tools,
@@ -964,12 +1224,15 @@ pub fn prepare(
             live_tail,
         });
     }
-    let text = render::render_prompt(&req.messages, &req.tool_schemas, req.mode);
-    let tokens = tok
-        .encode_chat(&text)
-        .map_err(|e| ApiError::internal(format!("tokenizer: {e}")))?;
+    let r = policy(render::render_prompt_spans(
+        &req.messages,
+        &req.tool_schemas,
+        req.mode,
+    ));
+    let tokens = tokenize(&r)?;
     Ok(Prepared {
-        text,
+        text: r.text,
+        trusted: r.trusted,
         tokens,
         thinking,
         tools,

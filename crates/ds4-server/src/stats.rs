@@ -30,6 +30,20 @@ pub struct Stats {
     /// Assistant tool-call turns rendered with their exact sampled DSML.
     pub exact_replays: AtomicU64,
     pub worker_panics: AtomicU64,
+    /// Open client connections right now.
+    pub connections: AtomicU64,
+    /// Connections refused with 503 because the connection cap was reached.
+    pub rejected_connections: AtomicU64,
+    /// Requests answered 408 because the body stalled or took too long.
+    pub timed_out: AtomicU64,
+    /// Requests refused by the Host / Origin / Content-Type checks.
+    pub rejected_origin: AtomicU64,
+    /// Requests refused before rendering because they cannot fit the context.
+    pub rejected_early: AtomicU64,
+    /// Streaming generations cancelled because the client stopped reading.
+    pub stalled: AtomicU64,
+    /// Handler panics answered with 500.
+    pub handler_panics: AtomicU64,
 }
 
 impl Stats {
@@ -64,6 +78,13 @@ impl Stats {
             .num("disk_rejected", g(&self.disk_rejected))
             .num("exact_replays", g(&self.exact_replays))
             .num("worker_panics", g(&self.worker_panics))
+            .num("connections", g(&self.connections))
+            .num("rejected_connections", g(&self.rejected_connections))
+            .num("timed_out", g(&self.timed_out))
+            .num("rejected_origin", g(&self.rejected_origin))
+            .num("rejected_early", g(&self.rejected_early))
+            .num("stalled", g(&self.stalled))
+            .num("handler_panics", g(&self.handler_panics))
             .end()
     }
 }

@@ -44,6 +44,10 @@ pub struct Job {
     pub events: mpsc::Sender<JobEvent>,
     /// Set by the handler when the client goes away.
     pub cancel: Arc<AtomicBool>,
+    /// When the client last took an event ([`crate::limits::now_ms`]): a streaming client
+    /// that takes nothing for [`ServerConfig::stall_timeout`] while events wait has stopped
+    /// reading, and its generation is cancelled instead of holding the worker.
+    pub taken_ms: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Token accounting of one request (spec §7.1: P, R, C).
@@ -326,7 +330,26 @@ impl Worker {
         }
         if job.events.try_send(ev).is_err() {
             // Receiver gone (disconnect) or buffer full (stalled client): stop the job.
+            if !job.events.is_closed() && !job.cancel.swap(true, Ordering::Relaxed) {
+                Stats::add(&self.stats.stalled, 1);
+            }
             job.cancel.store(true, Ordering::Relaxed);
+            return;
+        }
+        // Back-pressure: events are waiting and the client has taken none for the stall
+        // timeout (its socket stopped draining). Cancel instead of generating into buffers.
+        let waiting = job.events.max_capacity() - job.events.capacity();
+        if job.deltas && waiting > 1 && !job.cancel.load(Ordering::Relaxed) {
+            let idle = crate::limits::now_ms().saturating_sub(job.taken_ms.load(Ordering::Relaxed));
+            if idle > self.cfg.stall_timeout.as_millis() as u64 {
+                tracing::warn!(
+                    idle_ms = idle,
+                    waiting,
+                    "streaming client stopped reading; cancelling"
+                );
+                Stats::add(&self.stats.stalled, 1);
+                job.cancel.store(true, Ordering::Relaxed);
+            }
         }
     }
 
@@ -338,6 +361,9 @@ impl Worker {
 
     fn run_job(&mut self, job: Job) -> Result<(), ApiError> {
         let t0 = Instant::now();
+        // Time in the queue is not the client's stall.
+        job.taken_ms
+            .store(crate::limits::now_ms(), Ordering::Relaxed);
         let (cached, suffix, source) = match self.live_tail(&job) {
             Some(r) => r,
             // Only the live state could serve it, and it moved since the request was
@@ -430,7 +456,7 @@ impl Worker {
     fn reuse(&mut self, p: &Prepared) -> Result<(usize, Vec<u32>, &'static str), ApiError> {
         let live_len = self.session.pos();
         if live_len > 0 {
-            if let Some(s) = continuation(&self.tok, self.session.tokens(), &p.text, &p.tokens) {
+            if let Some(s) = continuation(&self.tok, self.session.tokens(), p) {
                 if !s.is_empty() || self.logits.is_some() {
                     return Ok((live_len, s, "live"));
                 }
@@ -440,9 +466,8 @@ impl Worker {
                     && p.text.len() > v.text.len()
                     && p.text.starts_with(&v.text)
                 {
-                    let s = self
-                        .tok
-                        .encode_chat(&p.text[v.text.len()..])
+                    let s = p
+                        .suffix_tokens(&self.tok, v.text.len())
                         .map_err(engine_err)?;
                     return Ok((live_len, s, "thinking-visible"));
                 }
@@ -450,7 +475,7 @@ impl Worker {
         }
         for i in (0..self.snapshots.len()).rev() {
             let m = &self.snapshots[i];
-            if let Some(s) = continuation(&self.tok, &m.tokens, &p.text, &p.tokens) {
+            if let Some(s) = continuation(&self.tok, &m.tokens, p) {
                 self.session.restore(&m.snap).map_err(engine_err)?;
                 self.logits = Some(m.logits.clone());
                 self.visible = None;
@@ -492,7 +517,7 @@ impl Worker {
             if best.as_ref().is_some_and(|b| b.0 >= e.tokens.len()) {
                 continue;
             }
-            if let Some(s) = continuation(&self.tok, &e.tokens, &p.text, &p.tokens) {
+            if let Some(s) = continuation(&self.tok, &e.tokens, p) {
                 best = Some((e.tokens.len(), e.name.clone(), s));
             }
         }

@@ -805,7 +805,7 @@ async fn errors_have_each_protocols_shape() {
 async fn api_key_and_cors() {
     let cfg = ServerConfig {
         api_key: Some("sekrit".into()),
-        cors: true,
+        cors_origins: vec!["*".into()],
         ..ServerConfig::default()
     };
     let srv = start(cfg).await;

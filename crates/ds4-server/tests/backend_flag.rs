@@ -70,9 +70,10 @@ fn auto_prints_the_plan_and_serves() {
     });
     assert!(seen.contains("placement plan for"), "{seen}");
     let mut s = TcpStream::connect(&addr).unwrap();
+    // A loopback Host: other names are refused on a loopback server without a key.
     write!(
         s,
-        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut body = String::new();

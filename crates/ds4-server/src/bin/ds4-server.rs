@@ -51,12 +51,49 @@ struct Args {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY`. Visible to
+    /// other local users in the process list: prefer --api-key-file or DS4_API_KEY.
     #[arg(long)]
     api_key: Option<String>,
-    /// Add permissive CORS headers.
+    /// Read the API key from this file (first line, surrounding whitespace removed).
+    #[arg(long, conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
+    /// Let a browser page from ORIGIN (e.g. http://localhost:3000) call the API; `--cors`
+    /// alone allows any origin. Repeatable. Without it, cross-origin POSTs are refused.
+    #[arg(long, value_name = "ORIGIN", num_args = 0..=1, default_missing_value = "*", action = clap::ArgAction::Append)]
+    cors: Vec<String>,
+    /// Accept this Host name too when listening on loopback without a key (loopback names
+    /// are always accepted; others are refused against DNS rebinding). Repeatable.
+    #[arg(long, value_name = "NAME", action = clap::ArgAction::Append)]
+    allowed_host: Vec<String>,
+    /// Seconds a client has to send a request head (also closes idle connections).
+    #[arg(long, default_value_t = 10)]
+    header_timeout_secs: u64,
+    /// Longest pause in a request body upload, in seconds.
+    #[arg(long, default_value_t = 10)]
+    body_idle_timeout_secs: u64,
+    /// Longest whole request body upload, in seconds.
+    #[arg(long, default_value_t = 30)]
+    body_timeout_secs: u64,
+    /// Open connections at most (0 = from the descriptor limit); past it: 503.
+    #[arg(long, default_value_t = 0)]
+    max_connections: usize,
+    /// Seconds open connections may take to finish after SIGTERM before they are dropped.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace_secs: u64,
+    /// Requests parsed and tokenized at once (0 = from the cores and memory).
+    #[arg(long, default_value_t = 0)]
+    prepare_concurrency: usize,
+    /// Milliseconds a streaming client may stop reading before its generation is cancelled.
+    #[arg(long, default_value_t = 2000)]
+    stall_timeout_ms: u64,
+    /// Kernel send buffer per connection in KiB (0 = kernel default, autotuned to MBs).
+    #[arg(long, default_value_t = 128)]
+    send_buffer_kib: usize,
+    /// Treat chat markers inside message text, tool results and tool arguments as control
+    /// tokens (ds4's behaviour; lets content forge turns). Off: they are plain text.
     #[arg(long)]
-    cors: bool,
+    content_special_tokens: bool,
     /// Requests that may wait while one runs; more get 429.
     #[arg(long, default_value_t = 32)]
     queue: usize,
@@ -101,6 +138,51 @@ fn host_addr(host: &str, port: u16) -> Result<SocketAddr> {
     Ok(SocketAddr::new(IpAddr::V4(ip), port))
 }
 
+/// What to do when `-m` does not name a GGUF file: opening a directory used to end in
+/// "No such device" (the mmap error), printed twice.
+fn check_model_path(p: &std::path::Path) -> Result<()> {
+    const HELP: &str = "ds4-server serves a DeepSeek V4 Flash GGUF in the ds4 layout, given with -m PATH. \
+Make one from a Hugging Face checkpoint with `ds4-convert hf CHECKPOINT_DIR OUT.gguf` (see the README), \
+or try the server on the small random-weight demo model: -m tests/fixtures/demo/ds4-demo.gguf";
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(m) if m.is_dir() => bail!(
+            "model {} is a directory, not a GGUF file.\n{HELP}",
+            p.display()
+        ),
+        Ok(_) => bail!("model {} is not a regular file.\n{HELP}", p.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("model file {} not found.\n{HELP}", p.display())
+        }
+        Err(e) => bail!("cannot read model file {}: {e}", p.display()),
+    }
+}
+
+/// The API key from --api-key, --api-key-file or DS4_API_KEY (in that order); an empty one
+/// is refused (it would accept an empty `x-api-key:` header).
+fn api_key(a: &Args) -> Result<Option<String>> {
+    let (key, from) = if let Some(k) = &a.api_key {
+        (k.clone(), "--api-key".to_string())
+    } else if let Some(p) = &a.api_key_file {
+        let text = std::fs::read_to_string(p)
+            .with_context(|| format!("cannot read --api-key-file {}", p.display()))?;
+        (
+            text.lines().next().unwrap_or("").trim().to_string(),
+            format!("--api-key-file {}", p.display()),
+        )
+    } else if let Ok(k) = std::env::var("DS4_API_KEY") {
+        (k.trim().to_string(), "DS4_API_KEY".to_string())
+    } else {
+        return Ok(None);
+    };
+    if key.trim().is_empty() {
+        bail!(
+            "the API key from {from} is empty; give a non-empty key (or none for an open server)"
+        );
+    }
+    Ok(Some(key))
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -126,13 +208,8 @@ fn main() -> Result<()> {
     let disk = match &a.kv_disk_dir {
         None => None,
         Some(dir) => {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("cannot create {}", dir.display()))?;
-            #[cfg(unix)]
-            {
-                use std::os::unix::fs::PermissionsExt;
-                let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
-            }
+            // The store creates a missing directory 0700 and refuses a shared one; it never
+            // changes the permissions of an existing directory.
             let d = DiskCacheConfig {
                 budget_bytes: a.kv_disk_space_mb.saturating_mul(1 << 20),
                 min_tokens: a.kv_cache_min_tokens,
@@ -160,8 +237,18 @@ fn main() -> Result<()> {
         max_tokens: a.tokens,
         queue_capacity: a.queue,
         max_body_bytes: a.max_body_bytes,
-        api_key: a.api_key.clone(),
-        cors: a.cors,
+        api_key: api_key(&a)?,
+        cors_origins: a.cors.clone(),
+        allowed_hosts: a.allowed_host.clone(),
+        header_timeout: Duration::from_secs(a.header_timeout_secs.max(1)),
+        body_idle_timeout: Duration::from_secs(a.body_idle_timeout_secs.max(1)),
+        body_timeout: Duration::from_secs(a.body_timeout_secs.max(1)),
+        max_connections: a.max_connections,
+        shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
+        prepare_concurrency: a.prepare_concurrency,
+        stall_timeout: Duration::from_millis(a.stall_timeout_ms.max(1)),
+        content_special_tokens: a.content_special_tokens,
+        send_buffer_bytes: a.send_buffer_kib << 10,
         snapshot_slots: a.snapshot_slots,
         disk,
         exact_dsml_replay: !a.disable_exact_dsml_tool_replay,
@@ -175,6 +262,7 @@ fn main() -> Result<()> {
         prefill_chunk: a.prefill_chunk,
         mode,
     };
+    check_model_path(&a.model)?;
     let t0 = std::time::Instant::now();
     let req = ds4_cli::load::PlacementRequest {
         model: &a.model,

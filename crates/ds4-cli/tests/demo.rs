@@ -157,7 +157,7 @@ fn demo_runs_the_whole_path_and_says_its_weights_are_random() {
         // A special token would be parsed, not printed: the comparison below assumes none,
         // and with this fixed model and prompt there is none.
         assert_eq!(
-            tt.values[id as usize].as_int(),
+            tt.get(id as usize).and_then(|e| e.as_int()),
             Some(1),
             "greedy token {id} is not a normal token; pick another prompt"
         );

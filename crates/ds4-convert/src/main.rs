@@ -182,7 +182,7 @@ fn main() -> Result<()> {
                 f.header()
                     .get(k)
                     .and_then(|v| v.as_array())
-                    .map_or(0, |a| a.values.len())
+                    .map_or(0, |a| a.len())
             };
             println!(
                 "{}: {bytes} bytes, {} tokens, {} merges",

@@ -148,14 +148,13 @@ impl Tokenizer {
                 .ok_or_else(|| ChatError::Vocab(format!("{key} is missing or not an array")))?;
             // A cap so a corrupt header never sizes huge tables (V4 has 129,280 tokens).
             const MAX_VOCAB: usize = 1 << 22;
-            if a.values.len() > MAX_VOCAB {
+            if a.len() > MAX_VOCAB {
                 return Err(ChatError::Vocab(format!(
                     "{key} has {} entries, more than {MAX_VOCAB}",
-                    a.values.len()
+                    a.len()
                 )));
             }
-            a.values
-                .iter()
+            a.iter()
                 .enumerate()
                 .map(|(i, v)| {
                     v.as_str()
@@ -170,7 +169,6 @@ impl Tokenizer {
             .and_then(ds4_gguf::Value::as_array)
         {
             Some(a) => a
-                .values
                 .iter()
                 .map(|v| v.as_int().and_then(|i| i32::try_from(i).ok()))
                 .collect::<Option<Vec<i32>>>()

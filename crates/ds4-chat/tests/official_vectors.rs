@@ -1,6 +1,6 @@
 //! The five official DeepSeek API test vectors (chat-format.md §5): each prompt rendered as one
-//! non-thinking user turn must give the API's `usage.prompt_tokens`. The data lives in the
-//! steering repo (`../shared/test-vectors/` next to the repository) and is never copied here.
+//! non-thinking user turn must give the API's `usage.prompt_tokens`. The data is committed in
+//! `tests/fixtures/official-vectors/` (provenance note there); `DS4_TEST_VECTORS` overrides it.
 
 mod common;
 
@@ -12,11 +12,11 @@ fn vectors_dir() -> std::path::PathBuf {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
             std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../shared/test-vectors")
+                .join("../../tests/fixtures/official-vectors")
         });
     assert!(
         dir.join("manifest.json").is_file(),
-        "official test vectors not found at {} (expected <repo>/../shared/test-vectors, or set DS4_TEST_VECTORS)",
+        "official test vectors not found at {} (expected <repo>/tests/fixtures/official-vectors, or set DS4_TEST_VECTORS)",
         dir.display()
     );
     dir

@@ -152,7 +152,7 @@ const ALPHABET: &[&str] = &[
 ];
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 3000, .. ProptestConfig::default() })]
 
     #[test]
     fn pieces_equal_hf_on_random_strings(ix in prop::collection::vec(0..ALPHABET.len(), 0..24)) {

@@ -476,7 +476,7 @@ fn text_strategy() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, failure_persistence: None, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 400, .. ProptestConfig::default() })]
 
     #[test]
     fn any_chunking_same_events_and_message(

@@ -168,7 +168,7 @@ fn tiny_vocabulary_with_markers_works() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, .. ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, .. ProptestConfig::default() })]
 
     /// Random text: encode/decode round trip in every mode and chunk-free streaming decode.
     #[test]

@@ -5,6 +5,7 @@ pub mod generate;
 pub mod inspect;
 pub mod load;
 pub mod logging;
+pub mod logits;
 pub mod plan;
 pub mod repl;
 pub mod sessions;

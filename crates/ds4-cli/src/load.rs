@@ -240,13 +240,28 @@ pub fn tokenizer_from_gguf(file: &GgufFile) -> anyhow::Result<Tokenizer> {
     Tokenizer::from_gguf_header(file.header()).context("building the tokenizer")
 }
 
+/// What to tell a user whose model file does not exist: a bare "file not found" does not say
+/// what kind of file is wanted or where one comes from, and a newcomer has none yet. Shared by
+/// `ds4` and `ds4-server` (both take `-m FILE` with the default `./ds4flash.gguf`).
+pub fn missing_model_message(path: &Path) -> String {
+    format!(
+        "model file {} not found.\n\
+         ds4 runs DeepSeek V4 Flash from one GGUF file in ds4's layout, given with -m FILE \
+         (default ./ds4flash.gguf). Where such a file comes from:\n\
+         \x20 * the real weights: the q2 (81 GB) or q4 (153 GB) GGUF files the ds4 project \
+         publishes on Hugging Face (antirez/deepseek-v4-gguf)\n\
+         \x20 * to see the engine run without them: -m tests/fixtures/demo/ds4-demo.gguf (in the \
+         ds4-rs repository; tiny, random weights, meaningless text)\n\
+         \x20 * random weights at the real shapes, for benchmarks: \
+         ds4-convert synthetic --layout q2 OUT.gguf",
+        path.display()
+    )
+}
+
 /// Opens a GGUF (memory-mapped), with the path in the error.
 pub fn open_gguf(path: &Path) -> anyhow::Result<Arc<GgufFile>> {
     if !path.exists() {
-        bail!(
-            "model file {} not found (give -m MODEL; the default is ./ds4flash.gguf)",
-            path.display()
-        );
+        bail!("{}", missing_model_message(path));
     }
     let f = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(Arc::new(f))
@@ -356,6 +371,9 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> anyhow::Result<Loaded> {
         engine.backend_name(),
         engine.config().ctx
     )?;
+    if let Some(note) = ds4_model::layout::random_weights_note(file.header()) {
+        writeln!(log, "ds4: NOTE: {note}")?;
+    }
     Ok(Loaded {
         engine,
         tokenizer,

@@ -76,6 +76,9 @@ pub fn inventory_of(tensors: &[TensorInfo], set: WeightSet) -> TensorInventory {
 }
 
 fn load_header(path: &Path) -> anyhow::Result<Header> {
+    if !path.exists() {
+        anyhow::bail!("{}", crate::load::missing_model_message(path));
+    }
     let f = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(f.header().clone())
 }

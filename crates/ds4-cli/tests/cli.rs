@@ -3,15 +3,15 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// `ds4` with none of the placement environment variables the plans below depend on (every
+/// row of the override table), so a developer's or CI's settings cannot change a result.
 fn ds4(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ds4"))
-        .args(args)
-        .current_dir(root())
-        .env_remove("DS4_WEIGHTS_MEM")
-        .env_remove("DS4_ROCM_FORCE_DEVICE_MEM")
-        .env_remove("DS4_CUDA_MANAGED")
-        .output()
-        .unwrap()
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ds4"));
+    c.args(args).current_dir(root());
+    for d in ds4_placement::OVERRIDE_TABLE {
+        c.env_remove(d.env);
+    }
+    c.output().unwrap()
 }
 
 fn root() -> PathBuf {

@@ -159,15 +159,15 @@ fn tampered_tiny_vectors_fail_with_reasons() {
     );
 }
 
-/// `<repo>/../shared/test-vectors`, or `DS4_TEST_VECTORS`. Missing data is a failure, not a
+/// The committed `<repo>/tests/fixtures/official-vectors`, or `DS4_TEST_VECTORS`. Missing data is a failure, not a
 /// skip: the official counts are part of the check.
 fn official_vectors() -> PathBuf {
     let dir = std::env::var_os("DS4_TEST_VECTORS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("../shared/test-vectors"));
+        .unwrap_or_else(|| root().join("tests/fixtures/official-vectors"));
     assert!(
         dir.join("manifest.json").is_file(),
-        "official test vectors not found at {} (expected <repo>/../shared/test-vectors, or set DS4_TEST_VECTORS)",
+        "official test vectors not found at {} (expected <repo>/tests/fixtures/official-vectors, or set DS4_TEST_VECTORS)",
         dir.display()
     );
     dir

@@ -7,10 +7,13 @@
 //! * [`vocab`]: a `tokenizer.json` → GGUF with metadata only.
 //! * [`synthetic`]: random weights at the real shapes, generated straight into a caller's
 //!   buffer ([`synthetic::SyntheticModel::fill_rows`]) or streamed to a file.
+//! * [`demo`]: the tiny random-weight model with the real vocabulary that the README's
+//!   first command runs.
 
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
+pub mod demo;
 pub mod error;
 pub mod mapping;
 pub mod progress;

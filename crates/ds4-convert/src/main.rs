@@ -87,6 +87,13 @@ enum Cmd {
         vocab_gguf: Option<PathBuf>,
         out: Option<PathBuf>,
     },
+    /// The tiny random-weight demo model (tests/fixtures/demo/ds4-demo.gguf) for a vocabulary.
+    Demo {
+        /// Take tokenizer.ggml.* from this GGUF (the vocabulary-only fixture).
+        #[arg(long)]
+        vocab_gguf: PathBuf,
+        out: PathBuf,
+    },
 }
 
 struct Bar(Option<ProgressBar>);
@@ -179,7 +186,7 @@ fn main() -> Result<()> {
                 f.header()
                     .get(k)
                     .and_then(|v| v.as_array())
-                    .map_or(0, |a| a.values.len())
+                    .map_or(0, |a| a.len())
             };
             println!(
                 "{}: {bytes} bytes, {} tokens, {} merges",
@@ -232,9 +239,10 @@ fn main() -> Result<()> {
             let Some(out) = out else {
                 bail!("an output path is required unless --dry-run is given");
             };
-            let tmp = PathBuf::from(format!("{}.partial", out.display()));
-            let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
             if sparse_experts {
+                let tmp = PathBuf::from(format!("{}.partial", out.display()));
+                let f =
+                    File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
                 let written = model.write_sparse_experts(&f, &tmp, &mut Bar::new(cli.quiet))?;
                 f.sync_all()?;
                 drop(f);
@@ -248,23 +256,43 @@ fn main() -> Result<()> {
                 );
                 return Ok(());
             }
-            let (w, bytes) = model.write_to(
-                BufWriter::with_capacity(8 << 20, f),
-                &mut Bar::new(cli.quiet),
-            )?;
-            let f = w.into_inner().map_err(|e| e.into_error())?;
-            f.sync_all()?;
-            drop(f);
-            std::fs::rename(&tmp, &out)?;
-            if bytes != size {
-                bail!("wrote {bytes} bytes but the dry-run size is {size}");
-            }
+            let bytes = write_model(&model, &out, cli.quiet)?;
             println!(
                 "{}: {bytes} bytes written in {:.1} s",
                 out.display(),
                 t0.elapsed().as_secs_f64()
             );
         }
+        Cmd::Demo { vocab_gguf, out } => {
+            let f = GgufFile::open(&vocab_gguf)
+                .with_context(|| format!("opening {}", vocab_gguf.display()))?;
+            let tok = tokenizer::from_gguf(&vocab_gguf, f.header())?;
+            let model = ds4_convert::demo::demo_model(&tok)?;
+            let bytes = write_model(&model, &out, cli.quiet)?;
+            println!(
+                "{}: demo model, {} tensors, {bytes} bytes, {} tokens in the vocabulary",
+                out.display(),
+                model.header().tensors.len(),
+                tok.tokens.len()
+            );
+        }
     }
     Ok(())
+}
+
+/// Streams `model` to `out` through a `.partial` file renamed at the end, so an interrupted
+/// run never leaves a truncated file under the final name. Returns the bytes written.
+fn write_model(model: &SyntheticModel, out: &std::path::Path, quiet: bool) -> Result<u64> {
+    let size = model.file_size();
+    let tmp = PathBuf::from(format!("{}.partial", out.display()));
+    let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let (w, bytes) = model.write_to(BufWriter::with_capacity(8 << 20, f), &mut Bar::new(quiet))?;
+    let f = w.into_inner().map_err(|e| e.into_error())?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, out)?;
+    if bytes != size {
+        bail!("wrote {bytes} bytes but the planned size is {size}");
+    }
+    Ok(bytes)
 }

@@ -203,7 +203,19 @@ impl SyntheticModel {
                 h.n_vocab
             )));
         }
-        let mut header = model_header(&h, &recipe, SYNTHETIC_NAME, tok);
+        let header = model_header(&h, &recipe, SYNTHETIC_NAME, tok);
+        SyntheticModel::from_header(h, recipe, seed, header)
+    }
+
+    /// A synthetic model for a header made by [`model_header`] and then adjusted by the
+    /// caller (the demo model changes two tensor types and its name). The header must still
+    /// pass validation and block alignment.
+    pub(crate) fn from_header(
+        h: HParams,
+        recipe: TypeRecipe,
+        seed: u64,
+        mut header: Header,
+    ) -> Result<SyntheticModel> {
         crate::convert::check_block_alignment(&header, "synthetic")?;
         ModelSpec::from_header(&header, Strictness::Auto)?;
         header.assign_offsets()?;

@@ -200,10 +200,9 @@ pub fn from_gguf(path: &Path, h: &Header) -> Result<TokenizerData> {
         let a = h
             .get(key)
             .and_then(Value::as_array)
-            .filter(|a| a.elem_type == ValueType::String)
+            .filter(|a| a.elem_type() == ValueType::String)
             .ok_or_else(|| tok_err(path, format!("{key} is missing or not an array of strings")))?;
-        Ok(a.values
-            .iter()
+        Ok(a.iter()
             .map(|v| v.as_str().unwrap_or_default().to_string())
             .collect())
     };
@@ -211,7 +210,6 @@ pub fn from_gguf(path: &Path, h: &Header) -> Result<TokenizerData> {
     let merges = strings("tokenizer.ggml.merges")?;
     let token_types = match h.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
         Some(a) => a
-            .values
             .iter()
             .map(|v| v.as_int().and_then(|i| i32::try_from(i).ok()))
             .collect::<Option<Vec<i32>>>()

@@ -26,7 +26,6 @@ fn vocab_fixture_matches_the_independent_python_dump() {
             .unwrap()
             .as_array()
             .unwrap()
-            .values
             .iter()
             .map(|v| v.as_str().unwrap().to_string())
             .collect()
@@ -40,7 +39,6 @@ fn vocab_fixture_matches_the_independent_python_dump() {
         .unwrap()
         .as_array()
         .unwrap()
-        .values
         .iter()
         .map(|v| v.as_int().unwrap() as i64)
         .collect();

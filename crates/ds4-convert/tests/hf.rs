@@ -446,19 +446,16 @@ fn tokenizer_json_is_embedded() {
         .unwrap()
         .as_array()
         .unwrap();
-    assert_eq!(toks.values.len(), d.v);
-    assert_eq!(toks.values[2].as_str(), Some("<｜User｜>"));
-    assert_eq!(toks.values[7].as_str(), Some("t0"));
+    assert_eq!(toks.len(), d.v);
+    assert_eq!(toks.get(2).unwrap().as_str(), Some("<｜User｜>"));
+    assert_eq!(toks.get(7).unwrap().as_str(), Some("t0"));
     let types = f
         .header()
         .get("tokenizer.ggml.token_type")
         .unwrap()
         .as_array()
         .unwrap();
-    let t: Vec<i128> = types.values[..8]
-        .iter()
-        .map(|v| v.as_int().unwrap())
-        .collect();
+    let t: Vec<i128> = types.iter().take(8).map(|v| v.as_int().unwrap()).collect();
     // BOS/EOS special → control; <｜User｜>/<｜Assistant｜> look special → control;
     // <think>, </think>, ｜DSML｜ → user-defined; BPE → normal.
     assert_eq!(t, vec![3, 3, 3, 3, 4, 4, 4, 1]);
@@ -468,7 +465,8 @@ fn tokenizer_json_is_embedded() {
             .unwrap()
             .as_array()
             .unwrap()
-            .values[0]
+            .get(0)
+            .unwrap()
             .as_str(),
         Some("t1 t2")
     );

@@ -58,6 +58,13 @@ pub enum GgufError {
     Overlap { a: String, b: String },
     #[error("no tensor named {name:?}")]
     NoSuchTensor { name: String },
+    #[error("{what} would need {needed} bytes of memory, more than a {file_len}-byte file may use (its size plus {slack} bytes): the header is not a plausible GGUF")]
+    TooMuchMemory {
+        what: String,
+        needed: u64,
+        file_len: u64,
+        slack: u64,
+    },
     #[error("writer: {0}")]
     Writer(String),
 }

@@ -15,7 +15,7 @@ pub mod writer;
 
 pub use error::{GgufError, Result};
 pub use header::{Header, TensorInfo, DEFAULT_ALIGNMENT};
-pub use reader::{parse, GgufFile, Layout};
+pub use reader::{parse, GgufFile, Layout, PARSE_MEMORY_SLACK};
 pub use types::GgmlType;
-pub use value::{Array, Value, ValueType};
+pub use value::{Array, Elem, Value, ValueType};
 pub use writer::{encode_header, file_size, GgufWriter};

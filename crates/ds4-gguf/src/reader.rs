@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::fs::File;
+use std::mem::size_of;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -14,13 +15,47 @@ use crate::header::{
 use crate::types::GgmlType;
 use crate::value::{Array, Value, ValueType};
 
-/// A cursor over untrusted bytes; every read is bounds-checked.
+/// Heap bytes the parser may use beyond the file's own size. Parsed metadata is stored
+/// packed (see [`Array`]), so a file's arrays and strings never cost more heap than the
+/// bytes they occupy; what remains (key records, tensor records, the duplicate-name sets)
+/// is charged against this allowance plus the file size, and a header that would need more
+/// is refused before the allocation is made.
+pub const PARSE_MEMORY_SLACK: u64 = 1 << 20;
+
+/// Heap bytes charged per entry of a duplicate-name set: a hash table of `String` keys
+/// (24 bytes and a control byte per slot, at most 8/7 load, doubled when it grows), rounded
+/// up so the charge bounds what the table really takes.
+const SET_SLOT: u64 = 64;
+
+/// A cursor over untrusted bytes; every read is bounds-checked, and every allocation
+/// sized by the file is charged to `budget` first.
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Heap bytes still allowed (file size + [`PARSE_MEMORY_SLACK`] at the start).
+    budget: u64,
 }
 
 impl<'a> Cursor<'a> {
+    /// Takes `bytes` from the memory budget, or refuses naming what needed them.
+    fn charge(&mut self, bytes: u64, what: &dyn Fn() -> String) -> Result<()> {
+        if bytes > self.budget {
+            return Err(GgufError::TooMuchMemory {
+                what: what(),
+                needed: bytes,
+                file_len: self.buf.len() as u64,
+                slack: PARSE_MEMORY_SLACK,
+            });
+        }
+        self.budget -= bytes;
+        Ok(())
+    }
+
+    /// [`Cursor::charge`] for `count` items of `size` bytes.
+    fn charge_n(&mut self, count: u64, size: usize, what: &dyn Fn() -> String) -> Result<()> {
+        self.charge(count.saturating_mul(size as u64), what)
+    }
+
     fn remaining(&self) -> u64 {
         (self.buf.len() - self.pos) as u64
     }
@@ -40,7 +75,7 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
 
-    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+    fn fixed<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
         let s = self.take(N as u64, what)?;
         let mut a = [0u8; N];
         a.copy_from_slice(s);
@@ -48,11 +83,11 @@ impl<'a> Cursor<'a> {
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.array(what)?))
+        Ok(u32::from_le_bytes(self.fixed(what)?))
     }
 
     fn u64(&mut self, what: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.array(what)?))
+        Ok(u64::from_le_bytes(self.fixed(what)?))
     }
 
     /// Checks that `count` items of at least `min_len` bytes each can still fit.
@@ -85,14 +120,14 @@ impl<'a> Cursor<'a> {
     fn value(&mut self, ty: ValueType, key: &str, depth: usize) -> Result<Value> {
         let what = || format!("value of {key:?}");
         Ok(match ty {
-            ValueType::U8 => Value::U8(self.array::<1>(&what())?[0]),
-            ValueType::I8 => Value::I8(self.array::<1>(&what())?[0] as i8),
-            ValueType::U16 => Value::U16(u16::from_le_bytes(self.array(&what())?)),
-            ValueType::I16 => Value::I16(i16::from_le_bytes(self.array(&what())?)),
+            ValueType::U8 => Value::U8(self.fixed::<1>(&what())?[0]),
+            ValueType::I8 => Value::I8(self.fixed::<1>(&what())?[0] as i8),
+            ValueType::U16 => Value::U16(u16::from_le_bytes(self.fixed(&what())?)),
+            ValueType::I16 => Value::I16(i16::from_le_bytes(self.fixed(&what())?)),
             ValueType::U32 => Value::U32(self.u32(&what())?),
-            ValueType::I32 => Value::I32(i32::from_le_bytes(self.array(&what())?)),
-            ValueType::F32 => Value::F32(f32::from_le_bytes(self.array(&what())?)),
-            ValueType::Bool => match self.array::<1>(&what())?[0] {
+            ValueType::I32 => Value::I32(i32::from_le_bytes(self.fixed(&what())?)),
+            ValueType::F32 => Value::F32(f32::from_le_bytes(self.fixed(&what())?)),
+            ValueType::Bool => match self.fixed::<1>(&what())?[0] {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
                 b => {
@@ -103,35 +138,111 @@ impl<'a> Cursor<'a> {
                 }
             },
             ValueType::U64 => Value::U64(self.u64(&what())?),
-            ValueType::I64 => Value::I64(i64::from_le_bytes(self.array(&what())?)),
-            ValueType::F64 => Value::F64(f64::from_le_bytes(self.array(&what())?)),
+            ValueType::I64 => Value::I64(i64::from_le_bytes(self.fixed(&what())?)),
+            ValueType::F64 => Value::F64(f64::from_le_bytes(self.fixed(&what())?)),
             ValueType::String => Value::String(self.string(&what())?),
-            ValueType::Array => {
-                if depth >= MAX_NESTING {
-                    return Err(GgufError::NestingTooDeep {
-                        key: key.to_string(),
-                        max: MAX_NESTING,
+            ValueType::Array => Value::Array(self.array(key, depth)?),
+        })
+    }
+
+    /// An array value: element type, count, then the elements, read into packed storage
+    /// whose size is charged to the budget before it is allocated.
+    fn array(&mut self, key: &str, depth: usize) -> Result<Array> {
+        if depth >= MAX_NESTING {
+            return Err(GgufError::NestingTooDeep {
+                key: key.to_string(),
+                max: MAX_NESTING,
+            });
+        }
+        let at = self.pos as u64;
+        let code = self.u32(&format!("array element type of {key:?}"))?;
+        let elem_type = ValueType::from_code(code).ok_or_else(|| GgufError::UnknownValueType {
+            key: key.to_string(),
+            code,
+            offset: at,
+        })?;
+        let count = self.u64(&format!("array length of {key:?}"))?;
+        self.check_count(
+            count,
+            elem_type.min_encoded_len(),
+            &format!("array {key:?} element"),
+        )?;
+        let what = || format!("array {key:?} ({count} {elem_type} elements)");
+        let n = count as usize;
+        let elem = || format!("element of array {key:?}");
+        macro_rules! numbers {
+            ($t:ty, $make:expr) => {{
+                self.charge_n(count, std::mem::size_of::<$t>(), &what)?;
+                let mut v: Vec<$t> = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(<$t>::from_le_bytes(self.fixed(&elem())?));
+                }
+                $make(v)
+            }};
+        }
+        Ok(match elem_type {
+            ValueType::U8 => numbers!(u8, Array::from_u8s),
+            ValueType::I8 => numbers!(i8, Array::from_i8s),
+            ValueType::U16 => numbers!(u16, Array::from_u16s),
+            ValueType::I16 => numbers!(i16, Array::from_i16s),
+            ValueType::U32 => numbers!(u32, Array::from_u32s),
+            ValueType::I32 => numbers!(i32, Array::i32s),
+            ValueType::F32 => numbers!(f32, Array::f32s),
+            ValueType::U64 => numbers!(u64, Array::from_u64s),
+            ValueType::I64 => numbers!(i64, Array::from_i64s),
+            ValueType::F64 => numbers!(f64, Array::from_f64s),
+            ValueType::Bool => {
+                self.charge_n(count, 1, &what)?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(match self.fixed::<1>(&elem())?[0] {
+                        0 => false,
+                        1 => true,
+                        b => {
+                            return Err(GgufError::BadValue {
+                                key: key.to_string(),
+                                problem: format!("bool byte is {b}, expected 0 or 1"),
+                            })
+                        }
                     });
                 }
-                let at = self.pos as u64;
-                let code = self.u32(&format!("array element type of {key:?}"))?;
-                let elem_type =
-                    ValueType::from_code(code).ok_or_else(|| GgufError::UnknownValueType {
-                        key: key.to_string(),
-                        code,
+                Array::from_bools(v)
+            }
+            ValueType::String => {
+                // First pass: the total text size, so the buffer is allocated (and charged)
+                // once at its exact size.
+                let start = self.pos;
+                let mut total = 0u64;
+                for _ in 0..n {
+                    let len = self.u64(&elem())?;
+                    self.take(len, &elem())?;
+                    total += len;
+                }
+                self.pos = start;
+                self.charge(total, &what)?;
+                self.charge_n(count, std::mem::size_of::<usize>(), &what)?;
+                let mut text = String::with_capacity(total as usize);
+                let mut ends = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let len = self.u64(&elem())?;
+                    let at = self.pos as u64;
+                    let bytes = self.take(len, &elem())?;
+                    let s = std::str::from_utf8(bytes).map_err(|_| GgufError::InvalidUtf8 {
+                        what: elem(),
                         offset: at,
                     })?;
-                let count = self.u64(&format!("array length of {key:?}"))?;
-                self.check_count(
-                    count,
-                    elem_type.min_encoded_len(),
-                    &format!("array {key:?} element"),
-                )?;
-                let mut values = Vec::with_capacity(count as usize);
-                for _ in 0..count {
-                    values.push(self.value(elem_type, key, depth + 1)?);
+                    text.push_str(s);
+                    ends.push(text.len());
                 }
-                Value::Array(Array { elem_type, values })
+                Array::from_packed_strings(text, ends).expect("ends ascend on char boundaries")
+            }
+            ValueType::Array => {
+                self.charge_n(count, std::mem::size_of::<Array>(), &what)?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(self.array(key, depth + 1)?);
+                }
+                Array::from_arrays(v)
             }
         })
     }
@@ -155,7 +266,11 @@ pub fn parse(buf: &[u8]) -> Result<(Header, Layout)> {
     if file_len < 24 {
         return Err(GgufError::TooSmall { len: file_len });
     }
-    let mut c = Cursor { buf, pos: 0 };
+    let mut c = Cursor {
+        buf,
+        pos: 0,
+        budget: file_len.saturating_add(PARSE_MEMORY_SLACK),
+    };
     let magic = c.u32("magic")?;
     if magic != GGUF_MAGIC {
         return Err(GgufError::BadMagic { found: magic });
@@ -170,9 +285,16 @@ pub fn parse(buf: &[u8]) -> Result<(Header, Layout)> {
     c.check_count(n_kv, 13, "metadata key/value")?;
     let mut header = Header::default();
     let mut seen = HashSet::new();
+    c.charge_n(n_kv, size_of::<(String, Value)>(), &|| {
+        format!("the table of {n_kv} metadata records")
+    })?;
     header.metadata.reserve(n_kv as usize);
     for i in 0..n_kv {
         let key = c.string(&format!("metadata key #{i}"))?;
+        // The key itself, its copy in the duplicate check, and that set's slot.
+        c.charge(2 * key.len() as u64 + SET_SLOT, &|| {
+            format!("metadata key #{i}")
+        })?;
         let at = c.pos as u64;
         let code = c.u32(&format!("value type of {key:?}"))?;
         let ty = ValueType::from_code(code).ok_or_else(|| GgufError::UnknownValueType {
@@ -188,9 +310,18 @@ pub fn parse(buf: &[u8]) -> Result<(Header, Layout)> {
     }
     c.check_count(n_tensors, 32, "tensor info")?;
     let mut names = HashSet::new();
+    // The table, and the span list the overlap check builds from it.
+    c.charge_n(
+        n_tensors,
+        size_of::<TensorInfo>() + size_of::<(u64, u64, &str)>(),
+        &|| format!("the table of {n_tensors} tensor records"),
+    )?;
     header.tensors.reserve(n_tensors as usize);
     for i in 0..n_tensors {
         let name = c.string(&format!("tensor name #{i}"))?;
+        c.charge(2 * name.len() as u64 + SET_SLOT, &|| {
+            format!("tensor name #{i}")
+        })?;
         let n_dims = c.u32(&format!("dim count of tensor {name:?}"))?;
         if n_dims == 0 || n_dims as usize > MAX_DIMS {
             return Err(GgufError::BadTensor {
@@ -198,6 +329,9 @@ pub fn parse(buf: &[u8]) -> Result<(Header, Layout)> {
                 problem: format!("has {n_dims} dims (allowed 1..={MAX_DIMS})"),
             });
         }
+        c.charge_n(u64::from(n_dims), size_of::<u64>(), &|| {
+            format!("dims of tensor {name:?}")
+        })?;
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
             dims.push(c.u64(&format!("dims of tensor {name:?}"))?);

@@ -6,7 +6,7 @@ use std::io::Write;
 
 use crate::error::{GgufError, Result};
 use crate::header::{align_up, Header, GGUF_MAGIC, GGUF_VERSION};
-use crate::value::Value;
+use crate::value::{Array, Elem, Value};
 
 fn io_err(context: &str) -> impl FnOnce(std::io::Error) -> GgufError + '_ {
     move |source| GgufError::Io {
@@ -25,7 +25,7 @@ pub fn encode_header(h: &Header) -> Result<Vec<u8>> {
     for (k, v) in &h.metadata {
         put_str(&mut out, k);
         out.extend_from_slice(&v.value_type().code().to_le_bytes());
-        put_value(&mut out, k, v)?;
+        put_value(&mut out, v);
     }
     for t in &h.tensors {
         put_str(&mut out, &t.name);
@@ -44,7 +44,7 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
-fn put_value(out: &mut Vec<u8>, key: &str, v: &Value) -> Result<()> {
+fn put_value(out: &mut Vec<u8>, v: &Value) {
     match v {
         Value::U8(x) => out.push(*x),
         Value::I8(x) => out.push(*x as u8),
@@ -58,22 +58,32 @@ fn put_value(out: &mut Vec<u8>, key: &str, v: &Value) -> Result<()> {
         Value::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
         Value::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
         Value::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
-        Value::Array(a) => {
-            out.extend_from_slice(&a.elem_type.code().to_le_bytes());
-            out.extend_from_slice(&(a.values.len() as u64).to_le_bytes());
-            for e in &a.values {
-                if e.value_type() != a.elem_type {
-                    return Err(GgufError::Writer(format!(
-                        "array {key:?} declares {} elements but holds a {}",
-                        a.elem_type,
-                        e.value_type()
-                    )));
-                }
-                put_value(out, key, e)?;
-            }
+        Value::Array(a) => put_array(out, a),
+    }
+}
+
+/// An array's element type, count and elements (the packed storage guarantees every
+/// element has the declared type, so nothing can fail).
+fn put_array(out: &mut Vec<u8>, a: &Array) {
+    out.extend_from_slice(&a.elem_type().code().to_le_bytes());
+    out.extend_from_slice(&(a.len() as u64).to_le_bytes());
+    for e in a.iter() {
+        match e {
+            Elem::U8(x) => out.push(x),
+            Elem::I8(x) => out.push(x as u8),
+            Elem::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Elem::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Elem::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Elem::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Elem::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Elem::Bool(x) => out.push(u8::from(x)),
+            Elem::String(s) => put_str(out, s),
+            Elem::Array(inner) => put_array(out, inner),
+            Elem::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Elem::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Elem::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
         }
     }
-    Ok(())
 }
 
 /// Writes a GGUF file: `new` lays out offsets and writes the header; payload bytes then

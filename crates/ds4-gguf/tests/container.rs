@@ -25,13 +25,16 @@ fn sample_header() -> Header {
     );
     h.set(
         "nested",
-        Value::Array(Array {
-            elem_type: ValueType::Array,
-            values: vec![
-                Value::Array(Array::i32s([1, 2, 3])),
-                Value::Array(Array::f32s([])),
-            ],
-        }),
+        Value::Array(
+            Array::new(
+                ValueType::Array,
+                vec![
+                    Value::Array(Array::i32s([1, 2, 3])),
+                    Value::Array(Array::f32s([])),
+                ],
+            )
+            .unwrap(),
+        ),
     );
     h.tensors = vec![
         TensorInfo {
@@ -222,10 +225,7 @@ fn invalid_utf8_unknown_types_duplicates_and_nesting() {
 
     let mut v = Value::Array(Array::i32s([1]));
     for _ in 0..9 {
-        v = Value::Array(Array {
-            elem_type: ValueType::Array,
-            values: vec![v],
-        });
+        v = Value::Array(Array::new(ValueType::Array, vec![v]).unwrap());
     }
     let mut h = Header::default();
     h.set("deep", v);
@@ -327,17 +327,8 @@ fn writer_refuses_wrong_payloads() {
         .contains("3 bytes supplied"));
     let w = GgufWriter::new(Vec::new(), sample_header()).unwrap();
     assert!(w.finish().unwrap_err().to_string().contains("0 of 4"));
-    let bad = Header {
-        metadata: vec![(
-            "x".into(),
-            Value::Array(Array {
-                elem_type: ValueType::U8,
-                values: vec![Value::U16(1)],
-            }),
-        )],
-        tensors: vec![],
-    };
-    assert!(encode_header(&bad).is_err());
+    // An array cannot hold an element of another type than it declares.
+    assert!(Array::new(ValueType::U8, vec![Value::U16(1)]).is_none());
 }
 
 #[test]

@@ -27,10 +27,7 @@ fn value() -> impl Strategy<Value = Value> {
     scalar().prop_recursive(3, 24, 6, |inner| {
         (inner, 0usize..6).prop_map(|(v, n)| {
             let ty = v.value_type();
-            Value::Array(Array {
-                elem_type: ty,
-                values: vec![v; n],
-            })
+            Value::Array(Array::new(ty, vec![v; n]).expect("one element type"))
         })
     })
 }

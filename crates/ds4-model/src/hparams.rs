@@ -1,6 +1,6 @@
 //! Hyper-parameters from `deepseek4.*` metadata, read with ds4's accepted types.
 
-use ds4_gguf::{Header, Value};
+use ds4_gguf::{Elem, Header, Value};
 use serde::Serialize;
 
 use crate::error::Problem;
@@ -156,7 +156,7 @@ pub(crate) struct KeyReader<'a> {
 
 fn type_name(v: &Value) -> String {
     match v {
-        Value::Array(a) => format!("array of {}", a.elem_type),
+        Value::Array(a) => format!("array of {}", a.elem_type()),
         other => other.value_type().to_string(),
     }
 }
@@ -235,11 +235,10 @@ impl<'a> KeyReader<'a> {
             return vec![0; min_len];
         };
         let out: Option<Vec<u32>> = v.as_array().and_then(|a| {
-            a.values
-                .iter()
+            a.iter()
                 .map(|e| match e {
-                    Value::I32(x) => u32::try_from(*x).ok(),
-                    Value::U32(x) => Some(*x),
+                    Elem::I32(x) => u32::try_from(x).ok(),
+                    Elem::U32(x) => Some(x),
                     _ => None,
                 })
                 .collect()
@@ -266,11 +265,10 @@ impl<'a> KeyReader<'a> {
             return vec![0.0; min_len];
         };
         let out: Option<Vec<f32>> = v.as_array().and_then(|a| {
-            a.values
-                .iter()
+            a.iter()
                 .map(|e| match e {
-                    Value::F32(x) => Some(*x),
-                    Value::F64(x) => Some(*x as f32),
+                    Elem::F32(x) => Some(x),
+                    Elem::F64(x) => Some(x as f32),
                     _ => None,
                 })
                 .collect()

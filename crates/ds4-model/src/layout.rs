@@ -151,6 +151,16 @@ pub fn arch_metadata(h: &HParams) -> Vec<(String, Value)> {
     ]
 }
 
+/// Metadata key (a string) that marks a file whose weights are random: the committed demo
+/// model carries it, and the `ds4` CLI prints its text, so nobody mistakes the demo's output
+/// for what the real model would say.
+pub const RANDOM_WEIGHTS_NOTE_KEY: &str = "ds4.random_weights_note";
+
+/// The [`RANDOM_WEIGHTS_NOTE_KEY`] text of a file, if it has one.
+pub fn random_weights_note(header: &Header) -> Option<&str> {
+    header.get(RANDOM_WEIGHTS_NOTE_KEY).and_then(|v| v.as_str())
+}
+
 /// `general.*` keys as the published q2 file has them.
 pub fn general_metadata(name: &str, file_type: u32) -> Vec<(String, Value)> {
     vec![

@@ -195,7 +195,7 @@ fn check_tokenizer(h: &Header, problems: &mut Vec<Problem>) {
             Some(v) => {
                 let ok = v
                     .as_array()
-                    .is_some_and(|a| a.elem_type == ds4_gguf::ValueType::String);
+                    .is_some_and(|a| a.elem_type() == ds4_gguf::ValueType::String);
                 if !ok {
                     problems.push(Problem::KeyType {
                         key: key.into(),
@@ -203,9 +203,9 @@ fn check_tokenizer(h: &Header, problems: &mut Vec<Problem>) {
                         found: v.value_type().to_string(),
                     });
                 } else if key.ends_with("tokens") {
-                    let a = v.as_array().map(|a| &a.values[..]).unwrap_or(&[]);
+                    let a = v.as_array();
                     for s in SPECIAL_TOKENS {
-                        if !a.iter().any(|t| t.as_str() == Some(s)) {
+                        if !a.is_some_and(|a| a.iter().any(|t| t.as_str() == Some(s))) {
                             problems.push(Problem::Inconsistent {
                                 what: format!("tokenizer.ggml.tokens lacks the special token {s}"),
                             });

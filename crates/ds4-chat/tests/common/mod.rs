@@ -61,7 +61,6 @@ pub fn vocab() -> &'static VocabTables {
         };
         let strings = |key: &str| -> Vec<String> {
             array(key)
-                .values
                 .iter()
                 .map(|v| v.as_str().expect("string entry").to_owned())
                 .collect()
@@ -70,7 +69,6 @@ pub fn vocab() -> &'static VocabTables {
             tokens: strings("tokenizer.ggml.tokens"),
             merges: strings("tokenizer.ggml.merges"),
             token_type: array("tokenizer.ggml.token_type")
-                .values
                 .iter()
                 .map(|v| i32::try_from(v.as_int().expect("int entry")).expect("i32 type"))
                 .collect(),

@@ -51,7 +51,7 @@ struct ModelArgs {
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
     /// Prefill chunk in tokens (bounds scratch memory; results do not depend on it).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, visible_alias = "chunk", default_value_t = 2048)]
     prefill_chunk: usize,
     /// Pedantic f32 prefill GEMM instead of the default fast TF32 path (CUDA; also
     /// DS4_QUALITY=1). Slower prefill, logits closer to the f32 reference.
@@ -266,6 +266,29 @@ enum Command {
         #[arg(long, value_enum, default_value = "auto")]
         rules: Rules,
     },
+    /// Write the raw logits of a token sequence ([positions, vocab] float32 .npy) and/or
+    /// print each position's top-K ids and log-probabilities as JSON.
+    Logits {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The token ids (comma- or space-separated, or a JSON list).
+        #[arg(long, conflicts_with = "prompt", required_unless_present = "prompt")]
+        tokens: Option<String>,
+        /// Text tokenized as `ds4 tokenize --special chat` does: plain text stays text, ds4's
+        /// chat markers become their ids (so `ds4 render` output can be passed verbatim).
+        #[arg(long)]
+        prompt: Option<String>,
+        /// Prefill the first N tokens in one pass (all their logits), then feed the rest one
+        /// token at a time as decoding does (default: prefill everything).
+        #[arg(long)]
+        decode_from: Option<usize>,
+        /// The .npy file to write ([positions, vocab] float32, C order).
+        #[arg(long, required_unless_present = "top")]
+        out: Option<PathBuf>,
+        /// Print the top K ids and log-probabilities of every position as JSON on stdout.
+        #[arg(long)]
+        top: Option<usize>,
+    },
     /// Print the token ids of a text (only the GGUF's vocabulary is read).
     Tokenize(ds4_cli::textcmd::TokenizeArgs),
     /// Print the exact text (bytes) of a list of token ids.
@@ -310,6 +333,67 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         return run_model(cli.run);
     };
     match command {
+        Command::Logits {
+            model,
+            tokens,
+            prompt,
+            decode_from,
+            out,
+            top,
+        } => {
+            let tokens = match (tokens, prompt) {
+                (Some(t), _) => ds4_cli::textcmd::parse_ids(&t).context("--tokens")?,
+                (None, Some(p)) => ds4_cli::textcmd::load_tokenizer(&model.model)?
+                    .encode_chat(&p)
+                    .context("tokenizing --prompt")?,
+                (None, None) => anyhow::bail!("give --tokens IDS or --prompt TEXT"),
+            };
+            if tokens.is_empty() {
+                anyhow::bail!("the token sequence is empty: nothing to evaluate");
+            }
+            let decode_from = decode_from.unwrap_or(tokens.len());
+            if decode_from > tokens.len() {
+                anyhow::bail!(
+                    "--decode-from {decode_from} is past the end of the {} tokens",
+                    tokens.len()
+                );
+            }
+            // Checked before loading: a bad id should not cost a load of the real model.
+            let n_vocab = {
+                let f = ds4_cli::load::open_gguf(&model.model)?;
+                ds4_model::ModelSpec::from_header(f.header(), Strictness::Auto)
+                    .with_context(|| format!("{} is not a valid model", model.model.display()))?
+                    .hparams
+                    .n_vocab
+            };
+            if let Some((i, t)) = tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| t as usize >= n_vocab)
+            {
+                anyhow::bail!(
+                    "token {t} (entry {}) is outside the model's vocabulary of {n_vocab}",
+                    i + 1
+                );
+            }
+            let opts = model.load_options(tokens.len(), false);
+            let mut loaded = ds4_cli::load::load(&opts, &mut std::io::stderr())?;
+            let logits = ds4_cli::logits::compute(&mut loaded.engine, &tokens, decode_from)?;
+            if let Some(path) = &out {
+                ds4_cli::logits::save_npy_f32(path, tokens.len(), n_vocab, &logits)?;
+                eprintln!(
+                    "ds4: wrote {} x {n_vocab} float32 logits to {} ({decode_from} prefilled, {} decoded)",
+                    tokens.len(),
+                    path.display(),
+                    tokens.len() - decode_from
+                );
+            }
+            if let Some(k) = top {
+                let rows = ds4_cli::logits::top_k(&logits, n_vocab, &tokens, decode_from, k);
+                println!("{}", serde_json::to_string(&rows)?);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Tokenize(a) => {
             ds4_cli::textcmd::run_tokenize(&a, &mut std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)

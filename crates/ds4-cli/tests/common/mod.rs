@@ -32,11 +32,12 @@ pub fn tiny_gguf() -> &'static Path {
 pub fn ds4_cmd() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ds4"));
     c.current_dir(root())
-        .env_remove("DS4_WEIGHTS_MEM")
-        .env_remove("DS4_ROCM_FORCE_DEVICE_MEM")
-        .env_remove("DS4_CUDA_MANAGED")
         .env_remove("RUST_LOG")
         .env("DS4_HISTORY", "");
+    // Every placement variable (the override table), so plans do not depend on the caller.
+    for d in ds4_placement::OVERRIDE_TABLE {
+        c.env_remove(d.env);
+    }
     c
 }
 

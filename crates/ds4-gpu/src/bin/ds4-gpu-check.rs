@@ -2,8 +2,10 @@
 //!
 //! Subcommands:
 //! * `gen-tables` — print `kernels/ds4_iq2xxs_tables.h` from the Rust codec tables.
-//! * `compile [ARCH] [OUTDIR]` — compile every kernel file with NVRTC (needs libnvrtc only,
-//!   no GPU) and write the CUBINs to OUTDIR.
+//! * `compile [--arch sm_80,sm_90] [--out DIR] [-D...]` (or the older `compile ARCH [OUTDIR]`)
+//!   — compile every kernel file with NVRTC through the engine's own compile function and
+//!   options, for each architecture (needs libnvrtc only, no driver or GPU); the CUBINs go to
+//!   DIR when given. Any compile error is the exit status, which is what CI relies on.
 //! * `hip [ARCH] [OPTIONS]` — load the HIP runtime and hiprtc, list devices (or report
 //!   that there are none) and compile every kernel file with hiprtc (default gfx1030).
 //! * `run [--quick] [--no-variants]` (default) — on a CUDA device: device facts, kernel compile + cache,
@@ -26,11 +28,10 @@ fn main() -> Result<()> {
             print!("{}", tables::iq2xxs_header());
             Ok(())
         }
-        Some("compile") => compile(
-            args.get(1).map(String::as_str).unwrap_or("sm_90"),
-            args.get(2),
-            &args[args.len().min(3)..],
-        ),
+        Some("compile") => {
+            let c = parse_compile_args(&args[1..])?;
+            compile(&c)
+        }
         Some("run") | None => run(
             args.iter().any(|a| a == "--quick"),
             !args.iter().any(|a| a == "--no-variants"),
@@ -86,28 +87,105 @@ fn hip(arch: &str, extra: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn compile(arch: &str, out: Option<&String>, extra: &[String]) -> Result<()> {
-    println!("NVRTC {}", ds4_gpu::cuda::nvrtc_version()?);
-    for src in kernels::ALL {
-        let t = Instant::now();
-        let (image, log) = ds4_gpu::cuda::nvrtc_compile_with(src, arch, extra)?;
-        println!(
-            "{}: {} bytes of CUBIN for {arch} in {:.0} ms{}",
-            src.name,
-            image.len(),
-            t.elapsed().as_secs_f64() * 1e3,
-            if log.is_empty() {
-                String::new()
-            } else {
-                format!("\n{log}")
+/// What `compile` was asked for.
+#[derive(Debug, PartialEq)]
+struct CompileArgs {
+    archs: Vec<String>,
+    out: Option<String>,
+    /// Extra NVRTC options (after the engine's own).
+    extra: Vec<String>,
+}
+
+/// `--arch A,B --out DIR -D...`, or the positional form `ARCH [OUTDIR] [-D...]`.
+fn parse_compile_args(args: &[String]) -> Result<CompileArgs> {
+    let mut c = CompileArgs {
+        archs: Vec::new(),
+        out: None,
+        extra: Vec::new(),
+    };
+    let mut positional = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--arch" => {
+                let v = it
+                    .next()
+                    .context("--arch needs a value (e.g. sm_80,sm_90)")?;
+                c.archs.extend(
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(String::from),
+                );
             }
-        );
-        if let Some(dir) = out {
-            std::fs::create_dir_all(dir)?;
-            let path = std::path::Path::new(dir).join(src.name.replace(".cu", ".cubin"));
-            std::fs::write(&path, &image).with_context(|| format!("writing {}", path.display()))?;
+            "--out" => c.out = Some(it.next().context("--out needs a directory")?.clone()),
+            s if s.starts_with('-') => c.extra.push(s.to_string()),
+            s => positional.push(s.to_string()),
         }
     }
+    let mut positional = positional.into_iter();
+    if c.archs.is_empty() {
+        c.archs
+            .push(positional.next().unwrap_or_else(|| "sm_90".into()));
+    }
+    if c.out.is_none() {
+        c.out = positional.next();
+    }
+    if let Some(extra) = positional.next() {
+        bail!("unexpected argument {extra:?} for compile");
+    }
+    if let Some(bad) = c.archs.iter().find(|a| !a.starts_with("sm_")) {
+        bail!("architecture {bad:?} is not of the form sm_XX (a real GPU, for a CUBIN)");
+    }
+    Ok(c)
+}
+
+/// Compiles every kernel file for every architecture with the function and options the
+/// engine uses at run time ([`ds4_gpu::cuda::nvrtc_compile_with`], `NVRTC_OPTIONS`), so
+/// a kernel that fails here would fail on the GPU too. All files and architectures are
+/// tried; the error lists every failure.
+fn compile(c: &CompileArgs) -> Result<()> {
+    println!("NVRTC {}", ds4_gpu::cuda::nvrtc_version()?);
+    let mut failed = Vec::new();
+    for arch in &c.archs {
+        for src in kernels::ALL {
+            let t = Instant::now();
+            match ds4_gpu::cuda::nvrtc_compile_with(src, arch, &c.extra) {
+                Ok((image, log)) => {
+                    println!(
+                        "{}: {} bytes of CUBIN for {arch} in {:.0} ms{}",
+                        src.name,
+                        image.len(),
+                        t.elapsed().as_secs_f64() * 1e3,
+                        if log.is_empty() {
+                            String::new()
+                        } else {
+                            format!("\n{log}")
+                        }
+                    );
+                    if let Some(dir) = &c.out {
+                        std::fs::create_dir_all(dir)?;
+                        let file = src.name.replace(".cu", &format!(".{arch}.cubin"));
+                        let path = std::path::Path::new(dir).join(file);
+                        std::fs::write(&path, &image)
+                            .with_context(|| format!("writing {}", path.display()))?;
+                    }
+                }
+                Err(e) => {
+                    println!("{}: FAILED for {arch}: {e}", src.name);
+                    failed.push(format!("{} ({arch})", src.name));
+                }
+            }
+        }
+    }
+    if !failed.is_empty() {
+        bail!("NVRTC compile failed: {}", failed.join(", "));
+    }
+    println!(
+        "all {} kernel files compiled for {}",
+        kernels::ALL.len(),
+        c.archs.join(", ")
+    );
     Ok(())
 }
 
@@ -944,4 +1022,30 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     }
     println!("ALL CHECKS PASSED");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(a: &[&str]) -> Result<CompileArgs> {
+        parse_compile_args(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn compile_arguments() {
+        let c = parse(&["--arch", "sm_80,sm_90", "--out", "d", "-DX=1"]).unwrap();
+        assert_eq!(c.archs, vec!["sm_80", "sm_90"]);
+        assert_eq!(c.out.as_deref(), Some("d"));
+        assert_eq!(c.extra, vec!["-DX=1"]);
+        let c = parse(&["sm_86", "outdir"]).unwrap();
+        assert_eq!(
+            (c.archs, c.out),
+            (vec!["sm_86".to_string()], Some("outdir".into()))
+        );
+        assert_eq!(parse(&[]).unwrap().archs, vec!["sm_90"]);
+        assert!(parse(&["--arch", "compute_90"]).is_err());
+        assert!(parse(&["--arch"]).is_err());
+        assert!(parse(&["sm_90", "d", "extra"]).is_err());
+    }
 }

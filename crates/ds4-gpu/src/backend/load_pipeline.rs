@@ -41,7 +41,8 @@ const STAGING_ALIGN: usize = 4096;
 /// How the pipeline reads and stages. From the environment by default:
 /// `DS4_LOAD_THREADS` (readers, default min(8, available cores)) and
 /// `DS4_LOAD_STAGING_MIB` (the pinned staging ring in MiB, default 256, split into
-/// max(4, readers) buffers so every reader can fill one while copies are in flight).
+/// max(4, readers + 2) buffers, so two copies can be in flight while every reader fills
+/// one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoadConfig {
     /// Reader threads (at least 1).
@@ -71,11 +72,11 @@ impl LoadConfig {
         Ok(LoadConfig::with_ring(threads, mib << 20))
     }
 
-    /// `threads` readers and a ring of `total_bytes` split into max(4, threads) buffers
-    /// (each a multiple of 4 KiB, at least 4 KiB).
+    /// `threads` readers and a ring of `total_bytes` split into max(4, threads + 2)
+    /// buffers (each a multiple of 4 KiB, at least 4 KiB).
     pub fn with_ring(threads: usize, total_bytes: usize) -> LoadConfig {
         let threads = threads.max(1);
-        let buffers = threads.max(4);
+        let buffers = (threads + 2).max(4);
         let per = (total_bytes / buffers) / STAGING_ALIGN * STAGING_ALIGN;
         LoadConfig {
             threads,
@@ -679,5 +680,25 @@ impl<D: GpuApi> GpuBackend<D> {
             });
         }
         Ok((total, device_bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ring_is_split_into_aligned_buffers_for_every_reader() {
+        let c = LoadConfig::with_ring(8, 256 << 20);
+        assert_eq!((c.threads, c.buffers), (8, 10));
+        assert_eq!(c.buffer_bytes % STAGING_ALIGN, 0);
+        assert!(c.buffer_bytes * c.buffers <= 256 << 20);
+        assert!(c.buffer_bytes * c.buffers > 250 << 20);
+        // Few readers still get a ring of four; a tiny ring still gets 4 KiB buffers.
+        let c = LoadConfig::with_ring(0, 1000);
+        assert_eq!(
+            (c.threads, c.buffers, c.buffer_bytes),
+            (1, 4, STAGING_ALIGN)
+        );
     }
 }

@@ -415,6 +415,19 @@ pub trait Backend: Send {
         usage: WeightUse,
     ) -> BResult<Weight>;
 
+    /// Loads many tensors at once, in `list` order; the result holds one weight per entry.
+    /// Device backends override this to overlap file reads with host-to-device copies;
+    /// the default loads them one by one.
+    fn load_weights(
+        &mut self,
+        file: &Arc<GgufFile>,
+        list: &[(String, WeightUse)],
+    ) -> BResult<Vec<Weight>> {
+        list.iter()
+            .map(|(name, usage)| self.load_weight(file, name, *usage))
+            .collect()
+    }
+
     // ---- dense algebra ------------------------------------------------------------------
 
     /// `y[t] = W[mat] · x[t]` for `t < n_tok`; `x` is `[T, cols]`, `y` is `[T, rows]`.

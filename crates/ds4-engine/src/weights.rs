@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ds4_gguf::GgufFile;
 use ds4_model::{AttnKind, ModelSpec};
 
-use crate::backend::{Backend, Weight, WeightUse};
+use crate::backend::{Backend, Weight, WeightInfo, WeightUse};
 use crate::error::{EngineError, Result};
 
 /// One mHC sublayer's parameters (φ, b, α).
@@ -73,19 +73,53 @@ pub struct ModelWeights {
 impl ModelWeights {
     /// Loads every tensor the forward pass needs. `spec` must have been validated against
     /// `file`'s header (so every required tensor exists with the expected dims).
+    ///
+    /// The tensor list is collected first and handed to the backend in one
+    /// [`Backend::load_weights`] call, so a device backend can overlap file reads with
+    /// host-to-device copies across tensors.
     pub fn load(
         backend: &mut dyn Backend,
         file: &Arc<GgufFile>,
         spec: &ModelSpec,
     ) -> Result<ModelWeights> {
-        let mut get = |name: String, usage: WeightUse| -> Result<Weight> {
+        // Pass 1: the names in the order the model is assembled (placeholder weights).
+        let mut list: Vec<(String, WeightUse)> = Vec::new();
+        let placeholder = Weight::new(
+            u32::MAX,
+            WeightInfo {
+                ty: ds4_gguf::GgmlType::F32,
+                dims: [1, 1, 1],
+            },
+        );
+        Self::assemble(spec, &mut |name, usage| {
             if spec.tensor(&name).is_none() {
                 return Err(EngineError::MissingTensor { name });
             }
-            backend
-                .load_weight(file, &name, usage)
-                .map_err(EngineError::from)
-        };
+            list.push((name, usage));
+            Ok(placeholder)
+        })?;
+        let loaded = backend
+            .load_weights(file, &list)
+            .map_err(EngineError::from)?;
+        if loaded.len() != list.len() {
+            return Err(EngineError::from(crate::backend::BackendError::Invalid {
+                op: "load_weights",
+                problem: format!("{} weights for {} tensors", loaded.len(), list.len()),
+            }));
+        }
+        // Pass 2: the same walk, handing out the loaded weights in order.
+        let mut next = loaded.into_iter().zip(list);
+        Self::assemble(spec, &mut |name, _| match next.next() {
+            Some((w, (n, _))) if n == name => Ok(w),
+            _ => Err(EngineError::MissingTensor { name }),
+        })
+    }
+
+    /// Builds the model's weight structure, asking `get` for each tensor in a fixed order.
+    fn assemble(
+        spec: &ModelSpec,
+        get: &mut dyn FnMut(String, WeightUse) -> Result<Weight>,
+    ) -> Result<ModelWeights> {
         use WeightUse::{Matrix as M, Table as T, Vector as V};
         let hp = &spec.hparams;
         let tok_embd = get("token_embd.weight".into(), T)?;

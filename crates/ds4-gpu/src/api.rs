@@ -99,4 +99,27 @@ pub trait GpuApi: Send + Sync + Sized {
     fn record_event(&self, e: &Self::Event) -> Result<()>;
     /// Milliseconds between two recorded events (waits for `b`).
     fn event_ms(&self, a: &Self::Event, b: &Self::Event) -> Result<f32>;
+
+    // ---- load pipeline ----------------------------------------------------------------
+
+    /// An event used only for ordering (the load pipeline recycles a staging buffer once
+    /// the copy out of it has completed); no timing, so it is cheaper to record.
+    fn copy_event(&self) -> Result<Self::Event>;
+    /// Blocks until the work queued before `e`'s last record has completed.
+    fn event_wait(&self, e: &Self::Event) -> Result<()>;
+    /// Whether the work queued before `e`'s last record has completed (never blocks).
+    fn event_query(&self, e: &Self::Event) -> Result<bool>;
+    /// Queues a copy of `src` (host memory, page-locked for a truly asynchronous copy) to
+    /// `dst` at byte `offset`, without waiting. Runtimes without asynchronous copies may
+    /// complete it before returning.
+    ///
+    /// # Safety
+    /// `src` must stay allocated and unmodified until an event recorded after this call
+    /// has completed (or the device has been synchronised): the device reads it later.
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: &Self::Buffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()>;
 }

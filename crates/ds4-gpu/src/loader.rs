@@ -34,6 +34,23 @@ pub fn pread_into(path: &Path, offset: u64, out: &mut [u8]) -> Result<(), LoadEr
         source,
     };
     let f = File::open(path).map_err(io)?;
+    pread_range(&f, path, offset, out, true)
+}
+
+/// Reads `out.len()` bytes at `offset` of the open file `f` (named `path` in errors),
+/// dropping the page cache behind the read when `drop` (host-resident weights that must
+/// not be resident twice). Holes in a sparse file read back as zeros.
+pub(crate) fn pread_range(
+    f: &File,
+    path: &Path,
+    offset: u64,
+    out: &mut [u8],
+    drop: bool,
+) -> Result<(), LoadError> {
+    let io = |source| LoadError::Io {
+        path: path.display().to_string(),
+        source,
+    };
     let mut done = 0usize;
     while done < out.len() {
         let n = CHUNK.min(out.len() - done);
@@ -45,7 +62,9 @@ pub fn pread_into(path: &Path, offset: u64, out: &mut [u8]) -> Result<(), LoadEr
                 end: offset + out.len() as u64,
             });
         }
-        drop_cache(&f, at, got);
+        if drop {
+            drop_cache(f, at, got);
+        }
         done += got;
     }
     Ok(())

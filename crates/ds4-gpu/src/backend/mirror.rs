@@ -271,6 +271,30 @@ impl Backend for Mirror {
         self.weights.push((c, g));
         Ok(Weight::new((self.weights.len() - 1) as u32, c.info))
     }
+    /// Both sides in one batch each, so the GPU side loads through its pipeline (the
+    /// engine check then compares the pipeline's weights against the CPU's).
+    fn load_weights(
+        &mut self,
+        file: &Arc<GgufFile>,
+        list: &[(String, WeightUse)],
+    ) -> BResult<Vec<Weight>> {
+        let cs = self.cpu.load_weights(file, list)?;
+        let gs = self.gpu.load_weights(file, list)?;
+        if cs.len() != gs.len() {
+            return Err(BackendError::Invalid {
+                op: "load_weights",
+                problem: format!("{} CPU weights, {} GPU weights", cs.len(), gs.len()),
+            });
+        }
+        Ok(cs
+            .into_iter()
+            .zip(gs)
+            .map(|(c, g)| {
+                self.weights.push((c, g));
+                Weight::new((self.weights.len() - 1) as u32, c.info)
+            })
+            .collect())
+    }
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         let (cw, gw, cx, gx, cy, gy) = (
             self.cw(w),

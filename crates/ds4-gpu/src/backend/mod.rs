@@ -18,6 +18,7 @@
 //!   fault word that every download checks, so they surface as errors, never silently.
 
 mod launch;
+mod load_pipeline;
 pub mod mirror;
 mod ops;
 
@@ -39,6 +40,7 @@ use crate::hip::HipDevice;
 use crate::kernels::{gemv_launch, GemvConfig, GemvLaunch, GemvType, GEMV, OPS};
 
 pub use launch::Arg;
+pub use load_pipeline::LoadConfig;
 
 /// Supplies tensor bytes instead of the GGUF file's payload (synthetic full-size models
 /// generated straight into their final buffers, where no file of that size exists).
@@ -216,6 +218,8 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) cublas: Option<Cublas>,
     loaded: LoadedBytes,
     pread_load: bool,
+    /// Load pipeline settings (`None`: from the environment, see [`LoadConfig`]).
+    load_config: Option<LoadConfig>,
     /// `DS4_CUDA_PROFILE=1`: per-kernel launch counts and synchronised wall time (slows
     /// everything down; for finding where time goes, not for speed numbers).
     pub(crate) profile: Option<std::sync::Mutex<HashMap<&'static str, (u64, f64)>>>,
@@ -410,6 +414,7 @@ impl<D: GpuApi> GpuBackend<D> {
             cublas,
             loaded: LoadedBytes::default(),
             pread_load: opts.pread_load,
+            load_config: None,
             profile: std::env::var("DS4_CUDA_PROFILE")
                 .is_ok_and(|v| v == "1")
                 .then(|| std::sync::Mutex::new(HashMap::new())),
@@ -799,6 +804,18 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     fn load(&mut self, file: &Arc<GgufFile>, name: &str, usage: WeightUse) -> BResult<Weight> {
+        self.load_inner(file, name, usage, false)
+    }
+
+    /// Allocates weight `name` and, unless `defer`, copies its bytes. Deferred matrices
+    /// and tables are filled later by the load pipeline (small vectors never are).
+    fn load_inner(
+        &mut self,
+        file: &Arc<GgufFile>,
+        name: &str,
+        usage: WeightUse,
+        defer: bool,
+    ) -> BResult<Weight> {
         let werr = |problem: String| BackendError::Weight {
             name: name.to_string(),
             problem,
@@ -868,8 +885,13 @@ impl<D: GpuApi> GpuBackend<D> {
                     "the plan's span at {offset} does not hold {bytes} bytes"
                 )));
             }
-            let host = buf.host_bytes_mut().map_err(|e| werr(e.to_string()))?;
-            match host {
+            let host = if defer {
+                Ok(None)
+            } else {
+                buf.host_bytes_mut().map_err(|e| werr(e.to_string()))
+            };
+            match host? {
+                _ if defer => {}
                 Some(h) => {
                     Self::tensor_into(&source, file, name, &mut h[offset..offset + bytes], pread)?
                 }
@@ -891,7 +913,13 @@ impl<D: GpuApi> GpuBackend<D> {
                 .alloc_weights(bytes.max(16))
                 .map_err(|e| werr(e.to_string()))?;
             let kind = b.kind();
-            match b.host_bytes_mut().map_err(|e| werr(e.to_string()))? {
+            let host = if defer {
+                Ok(None)
+            } else {
+                b.host_bytes_mut().map_err(|e| werr(e.to_string()))
+            };
+            match host? {
+                _ if defer => {}
                 Some(h) => Self::tensor_into(&source, file, name, &mut h[..bytes], pread)?,
                 None => {
                     if self.staging.len() < bytes {
@@ -1062,6 +1090,14 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         usage: WeightUse,
     ) -> BResult<Weight> {
         self.load(file, name, usage)
+    }
+
+    fn load_weights(
+        &mut self,
+        file: &Arc<GgufFile>,
+        list: &[(String, WeightUse)],
+    ) -> BResult<Vec<Weight>> {
+        self.load_batch(file, list)
     }
 
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {

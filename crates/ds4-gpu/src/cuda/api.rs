@@ -95,4 +95,22 @@ impl GpuApi for CudaDevice {
     fn event_ms(&self, a: &Self::Event, b: &Self::Event) -> Result<f32> {
         a.elapsed_ms(b)
     }
+    fn copy_event(&self) -> Result<Self::Event> {
+        self.ordering_event()
+    }
+    fn event_wait(&self, e: &Self::Event) -> Result<()> {
+        e.wait()
+    }
+    fn event_query(&self, e: &Self::Event) -> Result<bool> {
+        e.query()
+    }
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: &CudaBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()> {
+        // SAFETY: the caller keeps `src` alive and unmodified until a later event completes.
+        unsafe { dst.write_async(offset, src) }
+    }
 }

@@ -37,7 +37,50 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// An event for ordering only (`CU_EVENT_DISABLE_TIMING`: cheaper to record and query).
+    pub fn ordering_event(&self) -> Result<CudaEvent> {
+        self.ctx.bind()?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: context current; out-pointer is a local.
+        check(
+            unsafe {
+                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            },
+            "cuEventCreate",
+            || "creating a copy-ordering event".into(),
+        )?;
+        Ok(CudaEvent {
+            ctx: self.ctx.clone(),
+            ev,
+        })
+    }
+}
+
 impl CudaEvent {
+    /// Blocks until the work before the event's last record has completed.
+    pub fn wait(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: valid event of this context.
+        check(
+            unsafe { sys::cuEventSynchronize(self.ev) },
+            "cuEventSynchronize",
+            || "waiting for queued copies".into(),
+        )
+    }
+
+    /// Whether the work before the event's last record has completed.
+    pub fn query(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: valid event of this context.
+        let r = unsafe { sys::cuEventQuery(self.ev) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check(r, "cuEventQuery", || "polling queued copies".into())?;
+        Ok(true)
+    }
+
     /// Record the event at the current end of the stream.
     pub fn record(&self) -> Result<()> {
         self.ctx.bind()?;

@@ -380,6 +380,40 @@ impl CudaBuffer {
         }
     }
 
+    /// Queue a copy of `src` into the buffer at `offset` on the stream, without waiting
+    /// (the load pipeline overlaps file reads with these copies).
+    ///
+    /// # Safety
+    /// `src` must stay allocated and unmodified until the copy has completed (an event
+    /// recorded after this call completed, or a stream sync).
+    pub unsafe fn write_async(&self, offset: usize, src: &[u8]) -> Result<()> {
+        bounds("write", "source", offset, src.len(), self.len)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        // SAFETY: destination range checked above; the caller keeps `src` alive and
+        // unmodified until the copy completes.
+        check(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    self.dptr + offset as u64,
+                    src.as_ptr().cast(),
+                    src.len(),
+                    self.ctx.stream,
+                )
+            },
+            "cuMemcpyHtoDAsync",
+            || {
+                format!(
+                    "queueing a copy of {} bytes to a {} buffer",
+                    src.len(),
+                    self.kind.label()
+                )
+            },
+        )
+    }
+
     /// Copy `src` into the buffer at `offset` and wait for the copy.
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         bounds("write", "source", offset, src.len(), self.len)?;

@@ -544,6 +544,27 @@ impl HipBuffer {
     }
 }
 
+impl HipBuffer {
+    /// Copies `src` to byte `offset` through a shared reference (the load pipeline
+    /// writes disjoint ranges of one buffer). `hipMemcpy` is synchronous, so the copy
+    /// has completed when this returns.
+    pub(crate) fn write_shared(&self, offset: usize, src: &[u8]) -> Result<()> {
+        bounds("write", "source", offset, src.len(), self.len)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: offset + len checked against this live allocation above.
+        let r = unsafe { self.calls.memcpy_htod(self.dptr + offset as u64, src) };
+        self.check("hipMemcpy", r, || {
+            format!(
+                "copying {} bytes to a {} buffer",
+                src.len(),
+                self.kind.label()
+            )
+        })
+    }
+}
+
 impl DeviceBuffer for HipBuffer {
     fn kind(&self) -> MemKind {
         self.kind
@@ -852,5 +873,23 @@ impl GpuApi for HipDevice {
     }
     fn event_ms(&self, _a: &(), _b: &()) -> Result<f32> {
         Ok(0.0)
+    }
+    /// Copies are synchronous on this layer: every event has completed.
+    fn copy_event(&self) -> Result<()> {
+        Ok(())
+    }
+    fn event_wait(&self, _e: &()) -> Result<()> {
+        Ok(())
+    }
+    fn event_query(&self, _e: &()) -> Result<bool> {
+        Ok(true)
+    }
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: &HipBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()> {
+        dst.write_shared(offset, src)
     }
 }

@@ -95,6 +95,8 @@ struct State {
     launches: Vec<Launch>,
     functions: Vec<String>,
     modules: usize,
+    /// Host-to-device copies so far (not in `calls`: a model load makes thousands).
+    htod_copies: u64,
 }
 
 /// The fake runtime (see the module docs).
@@ -144,6 +146,11 @@ impl FakeHip {
     /// Every call so far, in order (`hipMalloc 1024`, `hipHostMalloc 4096 -> oom`, ...).
     pub fn calls(&self) -> Vec<String> {
         self.st().calls.clone()
+    }
+
+    /// Host-to-device copies (`hipMemcpy` host → device) so far.
+    pub fn htod_copies(&self) -> u64 {
+        self.st().htod_copies
     }
 
     /// Launches so far: (kernel, grid, block, parameter count).
@@ -356,6 +363,7 @@ impl HipCalls for FakeHip {
         if !self.backed(dst, src.len()) {
             return HIP_ERROR_INVALID_VALUE;
         }
+        self.st().htod_copies += 1;
         // SAFETY: dst..dst+len lies inside a live boxed allocation of this fake (checked).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         0

@@ -1,0 +1,266 @@
+//! The weight load pipeline on the HIP layer over the fake runtime: staging buffers far
+//! smaller than the tensors (so every tensor spans several chunks and chunk boundaries
+//! fall mid-tensor), several reader threads, device and host-visible destinations, file
+//! and `WeightSource` inputs. The fake runs no kernels, so the check is byte equality of
+//! every tensor read back from its buffer with the file's (or the source's) bytes.
+
+use std::sync::Arc;
+
+use ds4_convert::SyntheticModel;
+use ds4_engine::backend::WeightUse;
+use ds4_engine::{Backend, Engine, EngineConfig};
+use ds4_gguf::{GgmlType, GgufFile};
+use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, LoadConfig, WeightSource};
+use ds4_gpu::hip::device::HipSettings;
+use ds4_gpu::hip::fake::{FakeHip, Faults};
+use ds4_gpu::KernelCache;
+use ds4_model::layout::{placeholder_tokenizer, TypeRecipe};
+use ds4_model::HParams;
+use ds4_placement::{MachineFacts, MemChoice, MemKind};
+
+fn machine(name: &str) -> MachineFacts {
+    let path = format!(
+        "{}/../ds4-placement/machines/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    MachineFacts::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn tiny_hparams() -> HParams {
+    let n_layer = 2;
+    HParams {
+        n_layer,
+        n_embd: 256,
+        n_head: 4,
+        head_dim: 64,
+        rope_dim: 16,
+        q_lora_rank: 64,
+        o_lora_rank: 32,
+        o_groups: 2,
+        n_vocab: 97,
+        n_expert: 8,
+        n_expert_used: 2,
+        expert_ff: 256,
+        hash_layer_count: 1,
+        swiglu_clamp: vec![10.0; n_layer],
+        sliding_window: 8,
+        compress_ratios: vec![0, 4],
+        indexer_heads: 16,
+        indexer_head_dim: 32,
+        indexer_top_k: 3,
+        context_length: Some(4096),
+        yarn: ds4_model::Yarn {
+            factor: 4.0,
+            original_context: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        },
+        compress_rope_freq_base: 1000.0,
+        ..HParams::flash()
+    }
+}
+
+fn model_file(dir: &std::path::Path) -> Arc<GgufFile> {
+    let h = tiny_hparams();
+    let tok = placeholder_tokenizer(h.n_vocab);
+    let m = SyntheticModel::from_hparams(h, TypeRecipe::Q2, 7, &tok).unwrap();
+    let (bytes, _) = m
+        .write_to(Vec::new(), &mut ds4_convert::NoProgress)
+        .unwrap();
+    let p = dir.join("tiny.gguf");
+    std::fs::write(&p, bytes).unwrap();
+    Arc::new(GgufFile::open(&p).unwrap())
+}
+
+fn backend(
+    fake: &Arc<FakeHip>,
+    m: &MachineFacts,
+    weights: MemChoice,
+    source: Option<Arc<dyn WeightSource>>,
+) -> HipBackend {
+    let settings = HipSettings {
+        weights,
+        ..HipSettings::default()
+    };
+    let dev = fake.device(m, settings);
+    let opts = GpuOptions {
+        cache: KernelCache::disabled(),
+        cublas: None,
+        pread_load: true,
+        source,
+        ..GpuOptions::default()
+    };
+    GpuBackend::with_device(dev, opts, None).unwrap()
+}
+
+/// Every matrix/table tensor of the file (vectors take the f32 path, not the pipeline).
+fn tensor_list(file: &GgufFile) -> Vec<(String, WeightUse)> {
+    file.header()
+        .tensors
+        .iter()
+        .filter(|t| t.dims.iter().skip(1).any(|&d| d > 1))
+        .map(|t| {
+            let usage = if t.ty == GgmlType::I32 {
+                WeightUse::Table
+            } else {
+                WeightUse::Matrix
+            };
+            (t.name.clone(), usage)
+        })
+        .collect()
+}
+
+/// A configuration whose chunks are not a divisor of any tensor's size.
+fn tiny_ring(threads: usize) -> LoadConfig {
+    LoadConfig {
+        threads,
+        buffers: 3,
+        buffer_bytes: 1000,
+    }
+}
+
+#[test]
+fn device_weights_arrive_byte_exact_through_small_staging_buffers() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file(dir.path());
+    let m = machine("strix-halo-stock");
+    let fake = FakeHip::for_machine(&m, Faults::default());
+    let mut be = backend(&fake, &m, MemChoice::Device, None);
+    be.set_load_config(tiny_ring(3));
+    let list = tensor_list(&file);
+    // Many tensors must span several chunks for the test to mean anything.
+    let multi = list
+        .iter()
+        .filter(|(n, _)| file.tensor_bytes(n).unwrap().1.len() > 3000)
+        .count();
+    assert!(multi > 10, "only {multi} tensors span several chunks");
+    let weights = be.load_weights(&file, &list).unwrap();
+    assert_eq!(weights.len(), list.len());
+    for ((name, _), w) in list.iter().zip(&weights) {
+        let want = file.tensor_bytes(name).unwrap().1;
+        assert_eq!(be.weight_kind(name), Some(MemKind::Device), "{name}");
+        assert_eq!(
+            w.info.dims[0] as u64,
+            file.header().tensor(name).unwrap().dims[0]
+        );
+        let got = be.weight_bytes(name).unwrap().unwrap();
+        assert!(got == want, "{name}: bytes differ from the file's");
+    }
+    // Device destinations went through staging: no tensor was written in one copy.
+    let copies = fake.htod_copies() as usize;
+    let chunks: usize = list
+        .iter()
+        .map(|(n, _)| file.tensor_bytes(n).unwrap().1.len().div_ceil(1000))
+        .sum();
+    assert!(copies >= chunks, "{copies} copies for {chunks} chunks");
+    let staging = fake
+        .calls()
+        .iter()
+        .filter(|c| c.starts_with("hipHostMalloc"))
+        .count();
+    assert_eq!(staging, 1, "one pinned staging ring");
+}
+
+#[test]
+fn host_weights_are_read_in_place_byte_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file(dir.path());
+    let m = machine("strix-halo-stock");
+    let fake = FakeHip::for_machine(&m, Faults::default());
+    let mut be = backend(&fake, &m, MemChoice::Auto, None);
+    be.set_load_config(tiny_ring(4));
+    let list = tensor_list(&file);
+    be.load_weights(&file, &list).unwrap();
+    for (name, _) in &list {
+        assert_eq!(be.weight_kind(name), Some(MemKind::PinnedHost), "{name}");
+        let want = file.tensor_bytes(name).unwrap().1;
+        assert!(
+            be.weight_bytes(name).unwrap().unwrap() == want,
+            "{name}: bytes differ from the file's"
+        );
+    }
+}
+
+/// Bytes that depend on the tensor name and position, so a misplaced chunk shows.
+struct Pattern;
+
+impl WeightSource for Pattern {
+    fn fill(&self, name: &str, out: &mut [u8]) -> Result<(), String> {
+        let seed = name
+            .bytes()
+            .fold(17u32, |h, b| h.wrapping_mul(31) ^ u32::from(b));
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (seed.wrapping_add(i as u32).wrapping_mul(2654435761) >> 13) as u8;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_weight_source_fills_device_weights_through_the_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file(dir.path());
+    let m = machine("strix-halo-stock");
+    let fake = FakeHip::for_machine(&m, Faults::default());
+    let mut be = backend(&fake, &m, MemChoice::Device, Some(Arc::new(Pattern)));
+    be.set_load_config(tiny_ring(2));
+    let list = tensor_list(&file);
+    be.load_weights(&file, &list).unwrap();
+    for (name, _) in &list {
+        let mut want = vec![0u8; file.tensor_bytes(name).unwrap().1.len()];
+        Pattern.fill(name, &mut want).unwrap();
+        assert!(
+            be.weight_bytes(name).unwrap().unwrap() == want,
+            "{name}: bytes differ from the source's"
+        );
+    }
+}
+
+/// A source that fails on one tensor: the load stops with an error naming it.
+struct Failing;
+
+impl WeightSource for Failing {
+    fn fill(&self, name: &str, out: &mut [u8]) -> Result<(), String> {
+        if name == "blk.1.attn_q_b.weight" {
+            return Err("generator refused".into());
+        }
+        Pattern.fill(name, out)
+    }
+}
+
+#[test]
+fn a_reader_error_names_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file(dir.path());
+    let m = machine("strix-halo-stock");
+    let fake = FakeHip::for_machine(&m, Faults::default());
+    let mut be = backend(&fake, &m, MemChoice::Device, Some(Arc::new(Failing)));
+    be.set_load_config(tiny_ring(3));
+    let e = be
+        .load_weights(&file, &tensor_list(&file))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("blk.1.attn_q_b.weight") && e.contains("generator refused"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_engine_loads_its_model_through_the_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file(dir.path());
+    let m = machine("strix-halo-stock");
+    let fake = FakeHip::for_machine(&m, Faults::default());
+    let mut be = backend(&fake, &m, MemChoice::Device, None);
+    be.set_load_config(tiny_ring(3));
+    let cfg = EngineConfig {
+        mode: None,
+        ctx: 256,
+        prefill_chunk: 4,
+    };
+    let eng = Engine::load(file.clone(), Box::new(be), cfg).unwrap();
+    assert!(eng.backend_name().starts_with("rocm"));
+    drop(eng);
+    assert!(fake.live().is_empty(), "{:?}", fake.live());
+}

@@ -492,7 +492,18 @@ extern "C" __global__ void ds4_embed(const ds4_u8* table, int ty, ds4_size row_b
 // threads in index order, exactly as the CPU reference does, so the result matches it
 // operation for operation; only the n*n divisions run in parallel. Every thread of the
 // block must call this (it synchronises).
-__device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
+// Barrier of the Sinkhorn projection: the whole block, or (WARP_ONLY, n*n <= 32) warp 0
+// alone, so the block's other warps can do independent work meanwhile.
+template <bool WARP_ONLY> __device__ __forceinline__ void ds4_hc_barrier() {
+    if (WARP_ONLY) {
+        ds4_syncwarp();
+    } else {
+        __syncthreads();
+    }
+}
+
+template <bool WARP_ONLY>
+__device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
     const int k = threadIdx.x;
     const bool own = k < n * n;
     const int i = own ? k / n : 0;
@@ -506,9 +517,9 @@ __device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
         for (int q = 0; q < n; q++) s += expf(row[q] - m);
         v = expf(row[j] - m) / s + eps;
     }
-    __syncthreads();
+    ds4_hc_barrier<WARP_ONLY>();
     if (own) z[k] = v;
-    __syncthreads();
+    ds4_hc_barrier<WARP_ONLY>();
     const int n_it = iters > 0 ? iters : 1;
     for (int it = 0; it < n_it; it++) {
         if (it > 0) {
@@ -517,19 +528,23 @@ __device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
                 for (int q = 0; q < n; q++) s += z[i * n + q];
                 s += eps;
             }
-            __syncthreads();
+            ds4_hc_barrier<WARP_ONLY>();
             if (own) z[k] = z[k] / s;
-            __syncthreads();
+            ds4_hc_barrier<WARP_ONLY>();
         }
         float s = 0.0f;
         if (own) {
             for (int q = 0; q < n; q++) s += z[q * n + j];
             s += eps;
         }
-        __syncthreads();
+        ds4_hc_barrier<WARP_ONLY>();
         if (own) z[k] = z[k] / s;
-        __syncthreads();
+        ds4_hc_barrier<WARP_ONLY>();
     }
+}
+
+__device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
+    ds4_sinkhorn<false>(z, n, iters, eps);
 }
 
 #define DS4_HC_MAX 8
@@ -570,49 +585,6 @@ __device__ void ds4_mix_streams(const float* x, const float* c, int n, int d, fl
     ds4_mix_streams_by(x, c, n, d, y, threadIdx.x, blockDim.x);
 }
 
-// ds4_sinkhorn_block's arithmetic (same operations in the same order) run by warp 0 alone,
-// with warp barriers instead of block barriers, for n*n <= 32: the other warps are free
-// to work meanwhile.
-__device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
-    const int k = threadIdx.x;
-    const bool own = k < n * n;
-    const int i = own ? k / n : 0;
-    const int j = own ? k % n : 0;
-    float v = 0.0f;
-    if (own) {
-        const float* row = z + i * n;
-        float m = -__int_as_float(0x7f800000);
-        for (int q = 0; q < n; q++) m = fmaxf(m, row[q]);
-        float s = 0.0f;
-        for (int q = 0; q < n; q++) s += expf(row[q] - m);
-        v = expf(row[j] - m) / s + eps;
-    }
-    ds4_syncwarp();
-    if (own) z[k] = v;
-    ds4_syncwarp();
-    const int n_it = iters > 0 ? iters : 1;
-    for (int it = 0; it < n_it; it++) {
-        if (it > 0) {
-            float s = 0.0f;
-            if (own) {
-                for (int q = 0; q < n; q++) s += z[i * n + q];
-                s += eps;
-            }
-            ds4_syncwarp();
-            if (own) z[k] = z[k] / s;
-            ds4_syncwarp();
-        }
-        float s = 0.0f;
-        if (own) {
-            for (int q = 0; q < n; q++) s += z[q * n + j];
-            s += eps;
-        }
-        ds4_syncwarp();
-        if (own) z[k] = z[k] / s;
-        ds4_syncwarp();
-    }
-}
-
 // HCPre, one block (256 threads, or 1024 for few tokens: decode) per token: coefficients from mix and the streams' RMS
 // (the Sinkhorn projection spread over the block's first n*n threads), then
 // y = sum_i pre_i X_i. Writes post [n] and comb [n*n].
@@ -638,7 +610,7 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
     if (n * n <= DS4_WARP && blockDim.x > DS4_WARP) {
         // Warp 0 projects comb while the other warps mix the streams (independent work).
         if (k < DS4_WARP) {
-            ds4_sinkhorn_warp(z, n, iters, hc_eps);
+            ds4_sinkhorn<true>(z, n, iters, hc_eps);
             if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
         } else {
             ds4_mix_streams_by(xt, pre, n, d, y + (ds4_size)t * d, k - DS4_WARP,

@@ -36,8 +36,11 @@ struct Reference {
 
 impl Reference {
     fn load(dir: &Path) -> Reference {
+        Reference::open(&dir.join("reference.safetensors"))
+    }
+    fn open(path: &Path) -> Reference {
         Reference {
-            bytes: std::fs::read(dir.join("reference.safetensors")).unwrap(),
+            bytes: std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
         }
     }
     fn tensor(&self, name: &str) -> (Vec<usize>, Vec<u8>, safetensors::Dtype) {
@@ -54,11 +57,17 @@ impl Reference {
             .collect();
         (s, v)
     }
-    fn tokens(&self, seq: &str) -> Vec<u32> {
-        let (_, d, ty) = self.tensor(&format!("tokens.{seq}"));
-        assert_eq!(ty, safetensors::Dtype::I32);
+    fn i32s(&self, name: &str) -> Vec<i32> {
+        let (_, d, ty) = self.tensor(name);
+        assert_eq!(ty, safetensors::Dtype::I32, "{name}");
         d.chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+    fn tokens(&self, seq: &str) -> Vec<u32> {
+        self.i32s(&format!("tokens.{seq}"))
+            .into_iter()
+            .map(|t| t as u32)
             .collect()
     }
     fn sequences(&self) -> Vec<(String, usize)> {
@@ -279,4 +288,79 @@ fn dequantized_twin(file: &GgufFile) -> Arc<GgufFile> {
         w.write_tensor(p).unwrap();
     }
     Arc::new(GgufFile::from_bytes(w.finish().unwrap().0).unwrap())
+}
+
+/// The rows of `logits` ([T, V]) at `positions`.
+fn rows(logits: &[f32], vocab: usize, positions: &[i32]) -> Vec<f32> {
+    positions
+        .iter()
+        .flat_map(|&p| {
+            let p = usize::try_from(p).expect("stored position is not negative");
+            logits[p * vocab..(p + 1) * vocab].iter().copied()
+        })
+        .collect()
+}
+
+/// The q2/q4 conversions against their own reference: `official_reference.py` in exact mode on
+/// the GGUF's dequantized tensors (`tools/oracle/make_quant_exact.py`, checked against HF on the
+/// f32 checkpoint to <= 1e-5). HF never ran the quantized weights, so this is what makes the
+/// quantized paths' logits checkable at the same 1e-4 as the f32 ones.
+#[test]
+fn quantized_conversions_match_their_exact_reference() {
+    use sha2::{Digest, Sha256};
+
+    let dir = fixtures_root().join("tiny-quant");
+    let tokens_ref = Reference::load(&dir);
+    let quant = Reference::open(&dir.join("quant_exact.safetensors"));
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("quant_exact.json")).unwrap()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut worst = 0f64;
+    for recipe in ["q2", "q4"] {
+        let file = convert(&dir, recipe, &tmp.path().join(recipe));
+        let gguf = std::fs::read(tmp.path().join(recipe).join(format!("{recipe}.gguf"))).unwrap();
+        let sha: String = Sha256::digest(&gguf)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            doc["variants"][recipe]["gguf_sha256"].as_str(),
+            Some(sha.as_str()),
+            "{recipe}: the converter's output changed since quant_exact.safetensors was written; \
+             regenerate it with tools/oracle/make_quant_exact.py"
+        );
+        // Negative control: the other recipe's reference must be far off, so the 1e-4 check
+        // really tells the two quantizations apart.
+        let other = if recipe == "q2" { "q4" } else { "q2" };
+        for (seq, _) in tokens_ref.sequences() {
+            let tokens = tokens_ref.tokens(&seq);
+            let chunk = doc["variants"][recipe]["sequences"][&seq]["chunk_size"]
+                .as_u64()
+                .unwrap() as usize;
+            let positions = quant.i32s(&format!("{recipe}.{seq}.positions"));
+            let (shape, want) = quant.f32s(&format!("{recipe}.{seq}.logits"));
+            let vocab = shape[1];
+            assert_eq!(shape[0], positions.len());
+            let got = run_paths(&file, NumericMode::Exact, &tokens, chunk);
+            for (path, g) in ["prefill", "decode", "chunked"].iter().zip(&got) {
+                assert_eq!(g.len(), tokens.len() * vocab, "{recipe}/{seq}/{path}");
+                let (abs, rel) = errors(&rows(g, vocab, &positions), &want);
+                println!(
+                    "tiny-quant {recipe} {seq:6} {path:7} ({} positions): max|d| {abs:.3e}  max rel {rel:.3e}",
+                    positions.len()
+                );
+                assert!(rel <= TOL, "{recipe}/{seq}/{path}: {rel:e} > {TOL:e}");
+                worst = worst.max(rel);
+            }
+            let (_, wrong) = quant.f32s(&format!("{other}.{seq}.logits"));
+            let other_pos = quant.i32s(&format!("{other}.{seq}.positions"));
+            let (_, off) = errors(&rows(&got[0], vocab, &other_pos), &wrong);
+            println!("tiny-quant {recipe} {seq:6} vs the {other} reference: max rel {off:.3e}");
+            assert!(
+                off > 1e-2,
+                "{recipe}/{seq}: the {other} reference is only {off:e} away; the check cannot tell them apart"
+            );
+        }
+    }
+    println!("worst relative error {worst:.3e}");
 }

@@ -18,6 +18,10 @@ fn server(args: &[&str]) -> Command {
         .args(args)
         .env_remove("RUST_LOG")
         .env_remove("RUST_BACKTRACE");
+    // Every placement variable (the override table), so the plan does not depend on the caller.
+    for d in ds4_placement::OVERRIDE_TABLE {
+        c.env_remove(d.env);
+    }
     c
 }
 

@@ -57,6 +57,21 @@ fn tensor_list(file: &GgufFile) -> Vec<(String, WeightUse)> {
 }
 
 /// A configuration whose chunks are not a divisor of any tensor's size.
+/// Every tensor of `list` reads back from `be` exactly as `want(name)`.
+fn assert_read_back(
+    be: &HipBackend,
+    list: &[(String, WeightUse)],
+    from: &str,
+    want: impl Fn(&str) -> Vec<u8>,
+) {
+    for (name, _) in list {
+        assert!(
+            be.weight_bytes(name).unwrap().unwrap() == want(name),
+            "{name}: bytes differ from the {from}'s"
+        );
+    }
+}
+
 fn tiny_ring(threads: usize) -> LoadConfig {
     LoadConfig {
         threads,
@@ -119,12 +134,10 @@ fn host_weights_are_read_in_place_byte_exact() {
     be.load_weights(&file, &list).unwrap();
     for (name, _) in &list {
         assert_eq!(be.weight_kind(name), Some(MemKind::PinnedHost), "{name}");
-        let want = file.tensor_bytes(name).unwrap().1;
-        assert!(
-            be.weight_bytes(name).unwrap().unwrap() == want,
-            "{name}: bytes differ from the file's"
-        );
     }
+    assert_read_back(&be, &list, "file", |n| {
+        file.tensor_bytes(n).unwrap().1.to_vec()
+    });
 }
 
 /// Bytes that depend on the tensor name and position, so a misplaced chunk shows.
@@ -152,14 +165,11 @@ fn a_weight_source_fills_device_weights_through_the_pipeline() {
     be.set_load_config(tiny_ring(2));
     let list = tensor_list(&file);
     be.load_weights(&file, &list).unwrap();
-    for (name, _) in &list {
-        let mut want = vec![0u8; file.tensor_bytes(name).unwrap().1.len()];
-        Pattern.fill(name, &mut want).unwrap();
-        assert!(
-            be.weight_bytes(name).unwrap().unwrap() == want,
-            "{name}: bytes differ from the source's"
-        );
-    }
+    assert_read_back(&be, &list, "source", |n| {
+        let mut want = vec![0u8; file.tensor_bytes(n).unwrap().1.len()];
+        Pattern.fill(n, &mut want).unwrap();
+        want
+    });
 }
 
 /// A source that fails on one tensor: the load stops with an error naming it.

@@ -416,31 +416,11 @@ impl CudaBuffer {
 
     /// Copy `src` into the buffer at `offset` and wait for the copy.
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        bounds("write", "source", offset, src.len(), self.len)?;
+        // SAFETY: `src` stays borrowed until the stream sync below completes the copy.
+        unsafe { self.write_async(offset, src)? };
         if src.is_empty() {
             return Ok(());
         }
-        self.ctx.bind()?;
-        // SAFETY: destination range checked above; `src` stays borrowed until the stream
-        // sync below completes the copy.
-        check(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    self.dptr + offset as u64,
-                    src.as_ptr().cast(),
-                    src.len(),
-                    self.ctx.stream,
-                )
-            },
-            "cuMemcpyHtoDAsync",
-            || {
-                format!(
-                    "copying {} bytes to a {} buffer",
-                    src.len(),
-                    self.kind.label()
-                )
-            },
-        )?;
         self.ctx.sync("a host-to-device copy")
     }
 

@@ -1,6 +1,6 @@
 //! ds4-engine-check: the CUDA engine backend against the CPU reference.
 //!
-//! * `ops [MODELS] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]` — every op of
+//! * `ops [MODELS] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C]` — every op of
 //!   the forward pass run on both backends through [`ds4_gpu::backend::mirror::Mirror`],
 //!   on the given GGUF files and on `N` freshly generated random tiny models (and a
 //!   real-dimension synthetic q2 model of `L` layers), with random tokens: per op, the
@@ -42,6 +42,8 @@ struct Args {
     flash_layers: usize,
     tokens: usize,
     seed: u64,
+    /// Fixed prefill chunk for `ops`/`parity` (0: a random chunk of 3..16 per model).
+    chunk: usize,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -50,6 +52,7 @@ fn parse(args: &[String]) -> Result<Args> {
         tiny: 2,
         flash_layers: 0,
         tokens: 48,
+        chunk: 0,
         seed: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -66,6 +69,7 @@ fn parse(args: &[String]) -> Result<Args> {
             "--flash-layers" => a.flash_layers = v(i)?.parse()?,
             "--tokens" => a.tokens = v(i)?.parse()?,
             "--seed" => a.seed = v(i)?.parse()?,
+            "--chunk" => a.chunk = v(i)?.parse()?,
             s if s.starts_with("--") => bail!("unknown option {s}"),
             s => {
                 a.models.push(s.to_string());
@@ -187,7 +191,8 @@ fn ops(a: &Args) -> Result<()> {
             let t0 = Instant::now();
             let mirror = Mirror::new(CpuBackend::new(0)?, cuda()?);
             let stats_handle = mirror.stats.clone();
-            let chunk = 3 + (rng.next_f64() * 14.0) as usize;
+            let random_chunk = 3 + (rng.next_f64() * 14.0) as usize;
+            let chunk = if a.chunk > 0 { a.chunk } else { random_chunk };
             let cfg = EngineConfig {
                 mode: Some(mode),
                 ctx: 4096,

@@ -56,6 +56,17 @@ __device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
 // Read-only global loads: plain loads on AMD (the compiler picks scalar/vector caches).
 template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return *p; }
 
+// Signed 4x8-bit dot product plus c. Written out byte by byte so that every ROCm version
+// and every gfx target compiles it; the AMD dot-product builtins (gfx9/RDNA sdot4) are a
+// later tuning step that needs hardware to measure.
+__device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
+    c += (int)(ds4_i8)(a & 0xff) * (int)(ds4_i8)(b & 0xff);
+    c += (int)(ds4_i8)((a >> 8) & 0xff) * (int)(ds4_i8)((b >> 8) & 0xff);
+    c += (int)(ds4_i8)((a >> 16) & 0xff) * (int)(ds4_i8)((b >> 16) & 0xff);
+    c += (int)(ds4_i8)((a >> 24) & 0xff) * (int)(ds4_i8)((b >> 24) & 0xff);
+    return c;
+}
+
 #else  // CUDA (NVRTC)
 
 __device__ __forceinline__ float ds4_shfl_xor(float v, int lane_mask) {
@@ -74,7 +85,15 @@ __device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
 
 template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return __ldg(p); }
 
+// Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).
+__device__ __forceinline__ int ds4_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+
 #endif
+
+// Integer shuffle through the float one (bit pattern preserved).
+__device__ __forceinline__ int ds4_shfl_xor_i(int v, int lane_mask) {
+    return __float_as_int(ds4_shfl_xor(__int_as_float(v), lane_mask));
+}
 
 // Sum of v over the 32 lanes of a logical warp; every lane receives the total.
 __device__ __forceinline__ float ds4_warp_sum(float v) {

@@ -82,6 +82,20 @@ struct Ds4Tables {
     const ds4_u8* signs;
 };
 
+// The input vector quantized to int8 blocks (docs: int8 activations): per 32 values a
+// scale d (amax / 127) and 32 codes q = round(x / d); s16 holds the code sums of each 16
+// values (the K-quants' min terms). All three live in shared memory; `at` advances to an
+// element offset (a multiple of 32).
+struct Ds4XQ {
+    const ds4_i8* q;
+    const float* d;
+    const int* s16;
+};
+__device__ __forceinline__ const float* ds4_x_at(const float* x, ds4_size e) { return x + e; }
+__device__ __forceinline__ Ds4XQ ds4_x_at(Ds4XQ x, ds4_size e) {
+    return Ds4XQ{x.q + e, x.d + e / 32, x.s16 + e / 16};
+}
+
 // ---------------------------------------------------------------------------------------
 // Block formats. Each describes: BE elements and BB bytes per block, UPB decode units per
 // block, cb(R): blocks per staged chunk when a warp computes R rows at once (CB*BB a
@@ -302,12 +316,21 @@ __device__ __forceinline__ void ds4_load_chunk(const ds4_u8* __restrict__ row, i
 
 // This lane's shares of rows[r]·x (r < R) over the chunks owned by warp `part` of `wpr`.
 // rows r >= nvalid repeat the last valid row (their sums are discarded by the caller).
-template <class T, int R>
+// No work between the first loads and the loop (f32 activations).
+struct Ds4NoPre {
+    __device__ void operator()() const {}
+};
+
+// `active` false: the warp issues no loads and computes nothing, but still runs `pre`
+// (which may hold a block-wide barrier: every thread must reach it). `pre` runs after the
+// first chunk's loads are issued, so its work overlaps their latency.
+template <class T, int R, class XT, class PRE = Ds4NoPre>
 __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0,
                                                  ds4_size row_bytes, int nvalid,
-                                                 const float* __restrict__ x, int n_in,
+                                                 const XT x, int n_in,
                                                  int part, int wpr, uint4* stage,
-                                                 Ds4Tables tb, float (&acc)[R]) {
+                                                 Ds4Tables tb, float (&acc)[R],
+                                                 bool active = true, PRE pre = PRE()) {
     constexpr int CB = T::cb(R);
     constexpr int VEC = CB * T::BB / 16;
     constexpr int V = (VEC + DS4_WARP - 1) / DS4_WARP;
@@ -320,13 +343,15 @@ __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0
     const ds4_u8* sbytes = (const ds4_u8*)stage;
     const ds4_u8* rows[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) rows[r] = row0 + (ds4_size)min(r, nvalid - 1) * row_bytes;
+    for (int r = 0; r < R; ++r) rows[r] = row0 + (ds4_size)max(min(r, nvalid - 1), 0) * row_bytes;
     uint4 regs[R][V];
     int c = part;
-    if (c < nchunks) {
+    if (active && c < nchunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(rows[r], c, nblocks, lane, regs[r]);
     }
+    pre();
+    if (!active) return;
     for (; c < nchunks; c += wpr) {
         const int b0 = c * CB;
         const int nb = min(CB, nblocks - b0);
@@ -345,7 +370,7 @@ __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0
             for (int r = 0; r < R; ++r)
                 ds4_load_chunk<T, CB, V>(rows[r], c + wpr, nblocks, lane, regs[r]);
         }
-        const float* xc = x + (ds4_size)b0 * T::BE;
+        const XT xc = ds4_x_at(x, (ds4_size)b0 * T::BE);
         if (nb == CB) {
             DS4_UNROLL(DS4_GEMV_UNROLL)
             for (int k = 0; k < UPL; ++k)
@@ -497,6 +522,347 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
     ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }
 
+// ---------------------------------------------------------------------------------------
+// Int8 activations (docs: int8 activations). The block's threads first quantize the input
+// vector into shared memory (every block does it, identically, so no extra launch and no
+// ordering between blocks), then the rows are streamed as above and each unit multiplies
+// int8 codes with dp4a: integer sums are exact, so the CPU backend's integer part is
+// bit-equal, and only the per-unit float scaling and the order of the float sum differ.
+// Which matmuls take this path is the engine's rule (one-token matmuls of block-quantized
+// weights when the backend's activation mode is q8); the host never mixes the two paths
+// inside one op.
+// ---------------------------------------------------------------------------------------
+
+// Widest input the shared-memory quantization holds (DeepSeek V4 Flash's widest
+// block-quantized matmul input is 8192: the attention output projection).
+#define DS4_Q8_MAX_IN 8192
+extern "C" __device__ const int ds4_gemvq_max_in[2] = {DS4_Q8_MAX_IN, 32};
+
+// max(|a|, |b|) that propagates NaN (fmaxf would drop it and hide a poisoned input).
+__device__ __forceinline__ float ds4_nanmax(float a, float b) {
+    return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+
+// Quantizes x[0..n) (n a multiple of 32, <= DS4_Q8_MAX_IN) into q/d/s16 with all threads of
+// the block; ends with a barrier. Per block of 32: amax over the block (NaN propagates),
+// d = amax / 127, q = round-half-away(x · (1 / d)) (0 when d is 0 or NaN, so that NaN shows
+// in the output through d).
+__device__ __forceinline__ void ds4_quantize_x(const float* __restrict__ x, int n, ds4_i8* q,
+                                               float* d, int* s16) {
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int nthreads_warps = blockDim.x / DS4_WARP;
+    for (int b = warp; b < n / 32; b += nthreads_warps) {
+        const float v = x[b * 32 + lane];
+        float amax = fabsf(v);
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) amax = ds4_nanmax(amax, ds4_shfl_xor(amax, m));
+        const float db = amax / 127.0f;
+        const int qi = db > 0.0f ? (int)roundf(v * (1.0f / db)) : 0;
+        q[b * 32 + lane] = (ds4_i8)qi;
+        int s = qi;
+#pragma unroll
+        for (int m = 8; m > 0; m >>= 1) s += ds4_shfl_xor_i(s, m);
+        if (lane == 0) d[b] = db;
+        if ((lane & 15) == 0) s16[b * 2 + (lane >> 4)] = s;
+    }
+    __syncthreads();
+}
+
+// The same quantization, fast: x 16-byte aligned. Each thread owns 4 consecutive values of
+// every 1024 (8 threads per block of 32) and issues all its loads before any arithmetic,
+// so the whole prologue costs about one trip to L2 instead of one per block of 32.
+__device__ __forceinline__ void ds4_quantize_x4(const float* __restrict__ x, int n, ds4_i8* q,
+                                                float* d, int* s16) {
+    constexpr int MAXIT = DS4_Q8_MAX_IN / (4 * DS4_GEMV_THREADS);
+    const int t = threadIdx.x;
+    const int lane = t & (DS4_WARP - 1);
+    float4 v[MAXIT];
+#pragma unroll
+    for (int it = 0; it < MAXIT; ++it) {
+        const int i = 4 * (t + it * DS4_GEMV_THREADS);
+        v[it] = i < n ? ds4_ld_x4(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int it = 0; it < MAXIT; ++it) {
+        const int i = 4 * (t + it * DS4_GEMV_THREADS);
+        if (4 * (it * DS4_GEMV_THREADS) >= n) break;  // uniform across the block
+        const float4 f = v[it];
+        float amax = ds4_nanmax(ds4_nanmax(fabsf(f.x), fabsf(f.y)),
+                                ds4_nanmax(fabsf(f.z), fabsf(f.w)));
+#pragma unroll
+        for (int m = 4; m > 0; m >>= 1) amax = ds4_nanmax(amax, ds4_shfl_xor(amax, m));
+        const float db = amax / 127.0f;
+        int q0 = 0, q1 = 0, q2 = 0, q3 = 0;
+        if (db > 0.0f) {
+            const float id = 1.0f / db;
+            q0 = (int)roundf(f.x * id);
+            q1 = (int)roundf(f.y * id);
+            q2 = (int)roundf(f.z * id);
+            q3 = (int)roundf(f.w * id);
+        }
+        int sum = (q0 + q1) + (q2 + q3);
+        sum += ds4_shfl_xor_i(sum, 2);
+        sum += ds4_shfl_xor_i(sum, 1);
+        if (i < n) {
+            *(int*)(q + i) = (int)(((ds4_u32)q0 & 0xff) | (((ds4_u32)q1 & 0xff) << 8) |
+                                   (((ds4_u32)q2 & 0xff) << 16) | ((ds4_u32)q3 << 24));
+            if ((lane & 7) == 0) d[i / 32] = db;
+            if ((lane & 3) == 0) s16[i / 16] = sum;
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ int ds4_ld_i32s(const ds4_i8* p) { return *(const int*)p; }
+// Four weight bytes at a 2-byte aligned address (blocks of 34 and 66 bytes).
+__device__ __forceinline__ int ds4_ld_w4(const ds4_u8* p) {
+    return (int)((ds4_u32)ds4_ld_u16(p) | ((ds4_u32)ds4_ld_u16(p + 2) << 16));
+}
+
+// Q2_K unit (sub-block of 16 values): four dp4a on the 2-bit codes; the min term uses the
+// precomputed code sum of those 16 activations.
+struct Ds4Q2Kx : Ds4Q2K {
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
+                                float (&acc)[R]) {
+        const int b = u >> 4, sb = u & 15;
+        const int h = sb >> 3, j = (sb >> 1) & 3, half = sb & 1;
+        const ds4_i8* xq = xc.q + b * BE + 16 * sb;
+        const int x0 = ds4_ld_i32s(xq), x1 = ds4_ld_i32s(xq + 4);
+        const int x2 = ds4_ld_i32s(xq + 8), x3 = ds4_ld_i32s(xq + 12);
+        const float dx = xc.d[b * 8 + (sb >> 1)];
+        const int xs = xc.s16[b * 16 + sb];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const ds4_u32 dd = ds4_ld_u32(blk + 80);
+            const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
+            const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
+            const int sc = blk[sb];
+            const ds4_u8* qs = blk + 16 + 32 * h + 16 * half;
+            const int m = 0x03030303;
+            int is = ds4_dp4a((int)(ds4_ld_u32(qs) >> (2 * j)) & m, x0, 0);
+            is = ds4_dp4a((int)(ds4_ld_u32(qs + 4) >> (2 * j)) & m, x1, is);
+            is = ds4_dp4a((int)(ds4_ld_u32(qs + 8) >> (2 * j)) & m, x2, is);
+            is = ds4_dp4a((int)(ds4_ld_u32(qs + 12) >> (2 * j)) & m, x3, is);
+            acc[r] += dx * (d * (float)((sc & 15) * is) - dmin * (float)((sc >> 4) * xs));
+        }
+    }
+};
+
+// Q4_K unit (16 values of sub-block j): four dp4a on the 4-bit codes.
+struct Ds4Q4Kx : Ds4Q4K {
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
+                                float (&acc)[R]) {
+        const int b = u >> 4, t = u & 15, j = t >> 1, half = t & 1;
+        const ds4_i8* xq = xc.q + b * BE + 16 * t;
+        const int x0 = ds4_ld_i32s(xq), x1 = ds4_ld_i32s(xq + 4);
+        const int x2 = ds4_ld_i32s(xq + 8), x3 = ds4_ld_i32s(xq + 12);
+        const float dx = xc.d[b * 8 + j];
+        const int xs = xc.s16[b * 16 + t];
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const ds4_u32 dd = ds4_ld_u32(blk);
+            const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
+            const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
+            const ds4_u8* sp = blk + 4;
+            int sc, mn;
+            if (j < 4) {
+                sc = sp[j] & 63;
+                mn = sp[j + 4] & 63;
+            } else {
+                sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
+                mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
+            }
+            const uint4 qv = *(const uint4*)(blk + 16 + 32 * (j >> 1) + 16 * half);
+            const int m = 0x0f0f0f0f;
+            int is = ds4_dp4a((int)(qv.x >> shift) & m, x0, 0);
+            is = ds4_dp4a((int)(qv.y >> shift) & m, x1, is);
+            is = ds4_dp4a((int)(qv.z >> shift) & m, x2, is);
+            is = ds4_dp4a((int)(qv.w >> shift) & m, x3, is);
+            acc[r] += dx * (d * (float)(sc * is) - dmin * (float)(mn * xs));
+        }
+    }
+};
+
+// IQ2_XXS unit (8 values of one grid entry): the grid bytes (8, 25 or 43, never 0) get
+// their signs as (g ^ m) + (m & 1) per byte with m = 0xFF to negate: 255 - g + 1 = 256 - g
+// stays inside the byte, so one 32-bit add does four bytes. Then two dp4a.
+// Four sign bits (bit e: negate byte e) to the byte mask 0x00/0xFF per byte: the multiply
+// by 1 + 2^7 + 2^14 + 2^21 moves bit e to bit 8e with no two partial products meeting.
+__device__ __forceinline__ ds4_u32 ds4_sign_mask4(ds4_u32 bits4) {
+    return ((bits4 * 0x00204081u) & 0x01010101u) * 0xffu;
+}
+
+struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables tb,
+                                float (&acc)[R]) {
+        const int b = u >> 5, t = u & 31, g = t >> 2, k = t & 3;
+        const ds4_i8* xq = xc.q + b * BE + 8 * t;
+        const int xa = ds4_ld_i32s(xq), xb = ds4_ld_i32s(xq + 4);
+        const float dx = xc.d[b * 8 + g];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const float d = ds4_h2f(ds4_ld_u16(blk));
+            const ds4_u8* gp = blk + 2 + 8 * g;
+            const ds4_u32 idx = gp[k];
+            const ds4_u32 w1 = (ds4_u32)ds4_ld_w4(gp + 4);
+            const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
+            const ds4_u64 gv = tb.grid[idx];
+            const ds4_u32 sg = tb.signs[(w1 >> (7 * k)) & 127];
+            const ds4_u32 glo = (ds4_u32)gv, ghi = (ds4_u32)(gv >> 32);
+            const ds4_u32 mlo = ds4_sign_mask4(sg & 15u), mhi = ds4_sign_mask4(sg >> 4);
+            const int vlo = (int)((glo ^ mlo) + (mlo & 0x01010101u));
+            const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
+            const int is = ds4_dp4a(vhi, xb, ds4_dp4a(vlo, xa, 0));
+            acc[r] += (db * dx) * (float)is;
+        }
+    }
+};
+
+// The staged row engine with int8 activations: quantize x, then as ds4_gemv_quant.
+template <class T>
+__device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
+                                                const float* __restrict__ x,
+                                                float* __restrict__ y, int n_in, int n_out,
+                                                int wpr, bool ok) {
+    constexpr int R = T::ROWS;
+    constexpr int VEC = T::cb(R) * T::BB / 16;
+    __shared__ uint4 stage[DS4_GEMV_WARPS][R * VEC];
+    __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
+    __shared__ float xd[DS4_Q8_MAX_IN / 32];
+    __shared__ int xs[DS4_Q8_MAX_IN / 16];
+    const Ds4Tables tb = T::prologue();
+    const bool fits = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
+    ok = ok && fits;
+    const int warp = threadIdx.x / DS4_WARP;
+    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
+    const ds4_size row_bytes = (ds4_size)(n_in / T::BE) * T::BB;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    // Every warp enters (the quantization inside is block-wide); the weight loads of the
+    // first chunk are in flight while x is quantized.
+    const bool active = ok && row0 < n_out;
+    ds4_rows_partial<T, R>(W + (ds4_size)(active ? row0 : 0) * row_bytes, row_bytes,
+                           min(R, n_out - row0), Ds4XQ{xq, xd, xs}, n_in, warp % wpr, wpr,
+                           stage[warp], tb, acc, active, [&]() {
+                               if (fits) ds4_quantize_x4(x, n_in, xq, xd, xs);
+                               else __syncthreads();
+                           });
+    ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
+}
+
+// ---------------------------------------------------------------------------------------
+// Int8 activations for any row alignment (the tiny models' rows are not 16-byte
+// multiples): one warp per row, each lane one 32-value unit at a time read byte-wise from
+// global memory. The per-unit terms are written exactly as the CPU backend's
+// (ds4_gguf::quant::q8act): same integer sums, same float expression.
+// ---------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float ds4_f16_at(const ds4_u8* p) {
+    return ds4_h2f((ds4_u16)((ds4_u32)p[0] | ((ds4_u32)p[1] << 8)));
+}
+
+// Term of 32-value unit u of a row of type `ty` (ggml codes: 10 Q2_K, 12 Q4_K, 16 IQ2_XXS;
+// the types ds4_gguf::quant::q8act::applies names).
+__device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int u, const ds4_i8* xq,
+                                  const float* xd, const ds4_u64* grid, const ds4_u8* ksigns) {
+    const float dx = xd[u];
+    const ds4_i8* x = xq + 32 * u;
+    const int b = u >> 3, i = u & 7;
+    if (ty == 10) {
+        const ds4_u8* blk = row + 84 * b;
+        const float d = ds4_f16_at(blk + 80), dmin = ds4_f16_at(blk + 82);
+        int A = 0, B = 0;
+        for (int half = 0; half < 2; ++half) {
+            const int sb = 2 * i + half;
+            const int h = sb >> 3, j = (sb >> 1) & 3;
+            const ds4_u8* qs = blk + 16 + 32 * h + 16 * half;
+            int is = 0, xs = 0;
+            for (int m = 0; m < 16; ++m) {
+                is += (int)((qs[m] >> (2 * j)) & 3) * (int)x[16 * half + m];
+                xs += (int)x[16 * half + m];
+            }
+            A += (int)(blk[sb] & 15) * is;
+            B += (int)(blk[sb] >> 4) * xs;
+        }
+        return dx * (d * (float)A - dmin * (float)B);
+    }
+    if (ty == 12) {
+        const ds4_u8* blk = row + 144 * b;
+        const float d = ds4_f16_at(blk), dmin = ds4_f16_at(blk + 2);
+        const ds4_u8* sp = blk + 4;
+        const int j = i;
+        int sc, mn;
+        if (j < 4) {
+            sc = sp[j] & 63;
+            mn = sp[j + 4] & 63;
+        } else {
+            sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
+            mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
+        }
+        const ds4_u8* qs = blk + 16 + 32 * (j >> 1);
+        int is = 0, xs = 0;
+        for (int m = 0; m < 32; ++m) {
+            is += (int)((qs[m] >> (4 * (j & 1))) & 15) * (int)x[m];
+            xs += (int)x[m];
+        }
+        return dx * (d * (float)(sc * is) - dmin * (float)(mn * xs));
+    }
+    // IQ2_XXS: group i of block b.
+    const ds4_u8* blk = row + 66 * b;
+    const float d = ds4_f16_at(blk);
+    const ds4_u8* gp = blk + 2 + 8 * i;
+    const ds4_u32 w1 = (ds4_u32)gp[4] | ((ds4_u32)gp[5] << 8) | ((ds4_u32)gp[6] << 16) |
+                       ((ds4_u32)gp[7] << 24);
+    const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
+    int is = 0;
+    for (int k = 0; k < 4; ++k) {
+        const ds4_u64 g = grid[gp[k]];
+        const ds4_u32 sg = ksigns[(w1 >> (7 * k)) & 127];
+        for (int e = 0; e < 8; ++e) {
+            const int v = (int)((g >> (8 * e)) & 0xff);
+            is += (((sg >> e) & 1u) ? -v : v) * (int)x[8 * k + e];
+        }
+    }
+    return (db * dx) * (float)is;
+}
+
+// y[n_out] = W · q8(x): grid x = ceil(n_out / 8) blocks of 256 threads, one warp per row.
+extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
+    ds4_gemvq_generic(const ds4_u8* __restrict__ W, int ty, ds4_size row_bytes,
+                      const float* __restrict__ x, float* __restrict__ y, int n_in, int n_out) {
+    __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
+    __shared__ float xd[DS4_Q8_MAX_IN / 32];
+    __shared__ int xs[DS4_Q8_MAX_IN / 16];
+    __shared__ ds4_u64 grid[256];
+    __shared__ ds4_u8 ksigns[128];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = ds4_iq2xxs_grid[i];
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) ksigns[i] = ds4_iq2xxs_ksigns[i];
+    const bool ok = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
+    if (ok) ds4_quantize_x(x, n_in, xq, xd, xs);
+    else __syncthreads();
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int row = blockIdx.x * DS4_GEMV_WARPS + warp;
+    if (row >= n_out) return;
+    float acc = 0.f;
+    if (ok) {
+        const ds4_u8* r = W + (ds4_size)row * row_bytes;
+        for (int u = lane; u < n_in / 32; u += DS4_WARP)
+            acc += ds4_q8_unit_term(ty, r, u, xq, xd, grid, ksigns);
+    }
+    acc = ds4_warp_sum(acc);
+    if (lane == 0) y[row] = ok ? acc : __int_as_float(0x7fc00000);
+}
+
 // Launch configuration compiled into this module, read by the host after loading:
 // {rows per warp, blocks per chunk (plain types: vectors per lane pass = 32)}.
 #define DS4_GEMV_CONFIG(NAME, ROWS, CB) \
@@ -550,3 +916,11 @@ DS4_GEMV_ENTRY(q8_0, ds4_gemv_quant, Ds4Q8_0, DS4_MINB_Q8_0)
 DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)
+
+// Int8-activation entry points: same grids and arguments as ds4_gemv_<t> /
+// ds4_gemv_grouped_<t>; n_in <= DS4_Q8_MAX_IN (else the outputs are NaN). Only the low-bit
+// formats: Q8_0 is memory-bound with f32 activations already (its int8 variant measured
+// slower on the H200).
+DS4_GEMV_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
+DS4_GEMV_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
+DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)

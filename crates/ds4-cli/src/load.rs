@@ -57,10 +57,11 @@ impl From<ModeChoice> for NumericMode {
 /// checks (`ds4 vectors`) always use it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// cuBLAS TF32 (f32 accumulation, 10-bit-mantissa products): the default.
+    /// Int8 activations in one-token matmuls and cuBLAS TF32 (f32 accumulation,
+    /// 10-bit-mantissa products) in prefill: the default.
     #[default]
     Fast,
-    /// cuBLAS in full f32 (`--quality` or `DS4_QUALITY=1`).
+    /// f32 activations and cuBLAS in full f32 (`--quality` or `DS4_QUALITY=1`).
     Quality,
 }
 
@@ -90,10 +91,15 @@ impl Precision {
         }
     }
 
+    /// Whether one-token matmuls use int8 activations (`Backend::set_activation_q8`).
+    pub fn activation_q8(self) -> bool {
+        self == Precision::Fast
+    }
+
     pub fn name(self) -> &'static str {
         match self {
-            Precision::Fast => "fast (TF32 prefill GEMM)",
-            Precision::Quality => "quality (f32 prefill GEMM)",
+            Precision::Fast => "fast (int8 decode activations, TF32 prefill GEMM)",
+            Precision::Quality => "quality (f32 activations, f32 prefill GEMM)",
         }
     }
 }
@@ -350,7 +356,10 @@ pub fn planned_backend(
     let resolved = probe_device(choice, true)?;
     let plan = placement_plan(req, &resolved, log)?;
     let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
-    make_planned_backend(resolved, choice, threads, gpu_plan, precision)
+    let mut be = make_planned_backend(resolved, choice, threads, gpu_plan, precision)?;
+    be.set_activation_q8(precision.activation_q8())
+        .context("selecting the activation precision")?;
+    Ok(be)
 }
 
 /// Opens the model, builds the tokenizer and the engine, and prints the load report (model,

@@ -76,7 +76,8 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `y[t, r] = W[mat][r] · x[t]`.
+/// `y[t, r] = W[mat][r] · x[t]`; with `q8` and one token, through int8 activations
+/// (see `Backend::set_activation_q8`).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     par: Par,
@@ -89,12 +90,25 @@ pub fn matmul(
     n_tok: usize,
     y: &mut [f32],
     y_stride: usize,
+    q8: bool,
 ) -> BResult<()> {
     let cols = w.info.cols();
     let err = |e: ds4_gguf::quant::QuantError| BackendError::Invalid {
         op: "matmul",
         problem: format!("{}: {e}", w.name),
     };
+    if n_tok == 1 && q8 && ds4_gguf::quant::q8act::applies(w.info.ty) {
+        // Int8 activations (Backend::set_activation_q8): x quantized once for all rows.
+        let mut xq = ds4_gguf::quant::q8act::ActQ8::default();
+        xq.quantize(&x[..cols]).map_err(err)?;
+        return try_rows_mut(par, &mut y[..n_rows], ROWS_PER_TASK, |ci, yc| {
+            for (i, yv) in yc.iter_mut().enumerate() {
+                let r = row0 + ci * ROWS_PER_TASK + i;
+                *yv = ds4_gguf::quant::q8act::dot(w.info.ty, w.row(mat, r), &xq).map_err(err)?;
+            }
+            Ok(())
+        });
+    }
     if n_tok == 1 {
         return try_rows_mut(par, &mut y[..n_rows], ROWS_PER_TASK, |ci, yc| {
             for (i, yv) in yc.iter_mut().enumerate() {

@@ -39,6 +39,8 @@ pub struct CpuBackend {
     bufs: Slab<f32>,
     ibufs: Slab<i32>,
     weights: Vec<CpuWeight>,
+    /// Int8 activations for one-token matmuls ([`Backend::set_activation_q8`]).
+    act_q8: bool,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -78,6 +80,7 @@ impl CpuBackend {
             bufs: Slab::new(),
             ibufs: Slab::new(),
             weights: Vec::new(),
+            act_q8: false,
         })
     }
 
@@ -288,6 +291,11 @@ impl Backend for CpuBackend {
         Ok(Weight::new(id, info))
     }
 
+    fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
+        self.act_q8 = on;
+        Ok(())
+    }
+
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         const OP: &str = "matmul";
         let (cols, rows, mats) = (w.info.cols(), w.info.rows(), w.info.mats());
@@ -297,11 +305,12 @@ impl Backend for CpuBackend {
                 problem: format!("matrix {mat} of {mats}"),
             });
         }
+        let q8 = self.act_q8 && n_tok == 1;
         self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
             CpuBackend::check_matmul_io(cw, x, cols, n_tok, y, rows)?;
             let xv = this.view(x, OP)?;
-            kernels::matmul(par, cw, mat, 0, rows, xv, cols, n_tok, yv, rows)
+            kernels::matmul(par, cw, mat, 0, rows, xv, cols, n_tok, yv, rows, q8)
         })
     }
 
@@ -322,6 +331,7 @@ impl Backend for CpuBackend {
             });
         }
         let r = rows / groups;
+        let q8 = self.act_q8 && n_tok == 1;
         self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
             need(x, n_tok * groups * cols, OP, "input")?;
@@ -339,6 +349,7 @@ impl Backend for CpuBackend {
                     n_tok,
                     &mut yv[g * r..],
                     rows,
+                    q8,
                 )?;
             }
             Ok(())
@@ -1011,6 +1022,7 @@ impl Backend for CpuBackend {
         need(x, t * d, OP, "x")?;
         need(weights, t * k, OP, "weights")?;
         need(out, t * d, OP, "out")?;
+        let q8 = self.act_q8 && t == 1;
         self.with_out(out, OP, 3 * t * k * d * f, |this, ov, par| {
             let (gw, uw, dw) = (
                 this.weight(gate, OP)?,
@@ -1052,8 +1064,8 @@ impl Backend for CpuBackend {
                 }
                 let mut g = vec![0f32; n * f];
                 let mut u = vec![0f32; n * f];
-                kernels::matmul(par, gw, e, 0, f, &xs, d, n, &mut g, f)?;
-                kernels::matmul(par, uw, e, 0, f, &xs, d, n, &mut u, f)?;
+                kernels::matmul(par, gw, e, 0, f, &xs, d, n, &mut g, f, q8)?;
+                kernels::matmul(par, uw, e, 0, f, &xs, d, n, &mut u, f, q8)?;
                 for (j, &i) in pairs.iter().enumerate() {
                     let wgt = wv[i];
                     for r in 0..f {
@@ -1062,7 +1074,7 @@ impl Backend for CpuBackend {
                     }
                 }
                 let mut o = vec![0f32; n * d];
-                kernels::matmul(par, dw, e, 0, d, &g, f, n, &mut o, d)?;
+                kernels::matmul(par, dw, e, 0, d, &g, f, n, &mut o, d, q8)?;
                 for (j, &i) in pairs.iter().enumerate() {
                     per_slot[i * d..(i + 1) * d].copy_from_slice(&o[j * d..(j + 1) * d]);
                 }

@@ -115,6 +115,78 @@ fn matmul_matches_the_dequantized_reference_for_every_type() {
     }
 }
 
+/// Int8 activations (`Backend::set_activation_q8`): one-token matmuls of the low-bit types
+/// equal `q8act::dot` row by row (the GPU kernels' definition), multi-token matmuls and Q8_0
+/// or F16 weights keep the f32 path, and the int8 result stays near the f32 one.
+#[test]
+fn activation_q8_follows_the_rule_and_the_codec() {
+    let mut rng = Rng::new(5);
+    let (cols, rows, t) = (512, 64, 2);
+    let wv = randn(&mut rng, cols * rows, 0.1);
+    let xv = randn(&mut rng, t * cols, 1.0);
+    for ty in [
+        GgmlType::F16,
+        GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q4K,
+        GgmlType::Iq2Xxs,
+    ] {
+        let mut b = be(2);
+        let (w, f) = weight(
+            &mut b,
+            &[cols as u64, rows as u64],
+            ty,
+            &wv,
+            WeightUse::Matrix,
+        );
+        let x = put(&mut b, &xv);
+        let f32_one = {
+            let y = b.alloc(rows).unwrap();
+            b.matmul(w, 0, x.rows(0, 1, cols), 1, y.all()).unwrap();
+            get(&mut b, y)
+        };
+        let f32_two = {
+            let y = b.alloc(t * rows).unwrap();
+            b.matmul(w, 0, x.all(), t, y.all()).unwrap();
+            get(&mut b, y)
+        };
+        b.set_activation_q8(true).unwrap();
+        let q8_one = {
+            let y = b.alloc(rows).unwrap();
+            b.matmul(w, 0, x.rows(0, 1, cols), 1, y.all()).unwrap();
+            get(&mut b, y)
+        };
+        let q8_two = {
+            let y = b.alloc(t * rows).unwrap();
+            b.matmul(w, 0, x.all(), t, y.all()).unwrap();
+            get(&mut b, y)
+        };
+        assert_eq!(
+            q8_two, f32_two,
+            "{ty}: two tokens must stay on f32 activations"
+        );
+        if !quant::q8act::applies(ty) {
+            assert_eq!(q8_one, f32_one, "{ty}: not a q8 type");
+            continue;
+        }
+        assert_ne!(q8_one, f32_one, "{ty}: the q8 path was not taken");
+        let (info, bytes) = f.tensor_bytes("w").unwrap();
+        let rb = bytes.len() / rows;
+        let mut a = quant::q8act::ActQ8::default();
+        a.quantize(&xv[..cols]).unwrap();
+        for r in 0..rows {
+            let want = quant::q8act::dot(info.ty, &bytes[r * rb..(r + 1) * rb], &a).unwrap();
+            assert_eq!(q8_one[r].to_bits(), want.to_bits(), "{ty} row {r}");
+        }
+        let scale = f32_one.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = q8_one
+            .iter()
+            .zip(&f32_one)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 2e-2 * scale, "{ty}: q8 vs f32 {worst} of {scale}");
+    }
+}
+
 #[test]
 fn grouped_matmul_is_block_diagonal() {
     let mut rng = Rng::new(2);

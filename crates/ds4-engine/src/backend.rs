@@ -672,4 +672,24 @@ pub trait Backend: Send {
     fn counters(&self) -> Counters {
         Counters::default()
     }
+    /// Selects int8 activations (`true`) or f32 activations (`false`, the default) for
+    /// one-token matmuls.
+    ///
+    /// The rule, identical on every backend so that they stay comparable op by op: when on,
+    /// every `matmul`, `matmul_grouped`, `matmul_pair` and `moe` call whose token count is
+    /// 1 quantizes its input (and, in `moe`, the down projection's input) to int8 blocks of
+    /// 32 and multiplies the low-bit weights (Q2_K, Q4_K, IQ2_XXS:
+    /// `ds4_gguf::quant::q8act::applies`) in integer arithmetic, as `q8act` defines; other
+    /// weights (Q8_0, F16, F32) and calls with more than one token are unchanged. Decode is bandwidth-bound and the integer dot products
+    /// are what let the GPU read weights at memory speed; the error this adds is measured
+    /// in BENCHMARKS.md. Returns an error if the backend cannot do it.
+    fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
+        if on {
+            return Err(BackendError::Invalid {
+                op: "set_activation_q8",
+                problem: "this backend has no int8-activation matmuls".into(),
+            });
+        }
+        Ok(())
+    }
 }

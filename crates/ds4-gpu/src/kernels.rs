@@ -136,6 +136,19 @@ impl GemvType {
         }
     }
 
+    /// Kernel label of the int8-activation variant (`gemv_q_<suffix>`).
+    pub fn label_q8(self, grouped: bool) -> &'static str {
+        match (self, grouped) {
+            (GemvType::Q2K, false) => "gemvq_q2_k",
+            (GemvType::Q4K, false) => "gemvq_q4_k",
+            (GemvType::Iq2Xxs, false) => "gemvq_iq2_xxs",
+            (GemvType::Q2K, true) => "gemvq_grouped_q2_k",
+            (GemvType::Q4K, true) => "gemvq_grouped_q4_k",
+            (GemvType::Iq2Xxs, true) => "gemvq_grouped_iq2_xxs",
+            (_, g) => self.label(g),
+        }
+    }
+
     pub fn suffix(self) -> &'static str {
         match self {
             GemvType::F32 => "f32",

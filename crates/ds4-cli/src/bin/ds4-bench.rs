@@ -73,6 +73,10 @@ struct Args {
     /// backend's own tiled f32 kernel).
     #[arg(long, default_value = "tf32")]
     gemm: String,
+    /// One-token matmul activations: q8 (int8 blocks and integer dot products, what `ds4`
+    /// runs by default) or f32 (as `ds4 --quality`).
+    #[arg(long, default_value = "q8")]
+    act: String,
     /// After each frontier's decode, decode this many more tokens with device-time
     /// attribution on (events before every launch, resolved per token) and print where the
     /// time goes by section and kernel. 0: off.
@@ -318,12 +322,19 @@ fn main() -> Result<()> {
         "builtin" => None,
         o => bail!("--gemm {o:?}: use f32, tf32 or builtin"),
     };
-    let be = CudaBackend::new(CudaOptions {
+    let act_q8 = match args.act.as_str() {
+        "q8" => true,
+        "f32" => false,
+        o => bail!("--act {o:?}: use q8 or f32"),
+    };
+    let mut be = CudaBackend::new(CudaOptions {
         plan: Some(plan.clone()),
         source,
         cublas,
         ..CudaOptions::default()
     })?;
+    ds4_engine::Backend::set_activation_q8(&mut be, act_q8)?;
+    eprintln!("one-token activations: {}", args.act);
     eprintln!(
         "prefill GEMM: {}",
         match be.cublas_path() {

@@ -31,6 +31,7 @@ pub mod plain;
 pub mod q2_k;
 pub mod q4_k;
 pub mod q8_0;
+pub mod q8act;
 mod search;
 
 /// Why a codec call was refused. Every variant names the type and the numbers involved.

@@ -204,6 +204,10 @@ impl Backend for Mirror {
     fn name(&self) -> String {
         format!("mirror({} | {})", self.cpu.name(), self.gpu.name())
     }
+    fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
+        self.cpu.set_activation_q8(on)?;
+        self.gpu.set_activation_q8(on)
+    }
     fn alloc(&mut self, len: usize) -> BResult<Buf> {
         let p = (self.cpu.alloc(len)?, self.gpu.alloc(len)?);
         self.bufs.push(p);

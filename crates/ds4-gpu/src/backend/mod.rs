@@ -139,6 +139,12 @@ pub(crate) struct GemvSet<D: GpuApi> {
     _module: D::Module,
     plain: Vec<D::Function>,
     grouped: Vec<D::Function>,
+    /// Int8-activation entry points (plain, grouped) per type; `None` for F32/F16.
+    q8: Vec<Option<(D::Function, D::Function)>>,
+    /// The any-alignment int8-activation GEMV (`ds4_gemvq_generic`).
+    pub(crate) q8_generic: D::Function,
+    /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
+    pub(crate) q8_max_in: usize,
     configs: Vec<GemvConfig>,
     target_warps: u64,
 }
@@ -153,7 +159,16 @@ impl<D: GpuApi> GemvSet<D> {
         let mut plain = Vec::new();
         let mut grouped = Vec::new();
         let mut configs = Vec::new();
+        let mut q8 = Vec::new();
         for t in GemvType::ALL {
+            q8.push(if !ds4_gguf::quant::q8act::applies(t.ggml()) {
+                None
+            } else {
+                Some((
+                    dev.function(&module, &format!("ds4_gemv_q_{}", t.suffix()))?,
+                    dev.function(&module, &format!("ds4_gemv_grouped_q_{}", t.suffix()))?,
+                ))
+            });
             plain.push(dev.function(&module, &format!("ds4_gemv_{}", t.suffix()))?);
             grouped.push(dev.function(&module, &format!("ds4_gemv_grouped_{}", t.suffix()))?);
             let [rows, cb] =
@@ -164,10 +179,15 @@ impl<D: GpuApi> GemvSet<D> {
             });
         }
         let sms = u64::from(dev.multiprocessors().max(1));
+        let q8_generic = dev.function(&module, "ds4_gemvq_generic")?;
+        let [max_in, _] = dev.read_i32x2_global(&module, "ds4_gemvq_max_in")?;
         Ok(GemvSet {
             _module: module,
             plain,
             grouped,
+            q8,
+            q8_generic,
+            q8_max_in: usize::try_from(max_in).unwrap_or(0),
             configs,
             target_warps: sms * WARPS_PER_SM_TARGET,
         })
@@ -179,6 +199,11 @@ impl<D: GpuApi> GemvSet<D> {
 
     pub(crate) fn grouped_function(&self, ty: GemvType) -> &D::Function {
         &self.grouped[gemv_index(ty)]
+    }
+
+    /// The int8-activation (plain, grouped) entry points of `ty`, if it has them.
+    pub(crate) fn q8_functions(&self, ty: GemvType) -> Option<&(D::Function, D::Function)> {
+        self.q8[gemv_index(ty)].as_ref()
     }
 
     pub(crate) fn launch_for(
@@ -230,6 +255,8 @@ pub struct GpuBackend<D: GpuApi> {
     /// Kernel launches and host waits so far.
     pub(crate) launches: std::sync::atomic::AtomicU64,
     pub(crate) syncs: std::sync::atomic::AtomicU64,
+    /// Int8 activations for one-token matmuls ([`ds4_engine::Backend::set_activation_q8`]).
+    pub(crate) act_q8: bool,
 }
 
 /// Device-time attribution without host synchronisation: an event is recorded on the
@@ -422,6 +449,7 @@ impl<D: GpuApi> GpuBackend<D> {
             tag: "",
             launches: Default::default(),
             syncs: Default::default(),
+            act_q8: false,
         };
         if let Some(plan) = opts.plan {
             be.allocate_plan(&plan)?;
@@ -1106,6 +1134,11 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
 
     fn annotate(&mut self, tag: &'static str) {
         self.tag = tag;
+    }
+
+    fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
+        self.act_q8 = on;
+        Ok(())
     }
 
     fn set_profiling(&mut self, on: bool) -> BResult<bool> {

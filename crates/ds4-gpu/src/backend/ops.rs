@@ -44,6 +44,8 @@ struct Mm {
     n_tok: usize,
     y: u64,
     y_stride: usize,
+    /// Int8 activations (the op's rule: act_q8 and one token in the op).
+    q8: bool,
 }
 
 fn i32a(op: &'static str, what: &str, v: usize) -> BResult<Arg> {
@@ -80,6 +82,9 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         let gty = GemvType::from_ggml(m.ty).ok();
+        if m.q8 && m.n_tok == 1 && ds4_gguf::quant::q8act::applies(m.ty) {
+            return self.mm_q8(m, op);
+        }
         if m.n_tok == 1 {
             if let Some(gty) = gty {
                 let wbase = m.w + (m.row0 * m.row_bytes) as u64;
@@ -190,6 +195,61 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(())
     }
 
+    /// One-token matmul with int8 activations: the staged kernel when rows are 16-byte
+    /// aligned, else the any-alignment one.
+    fn mm_q8(&mut self, m: Mm, op: &'static str) -> BResult<()> {
+        if m.cols > self.gemv.q8_max_in || !m.cols.is_multiple_of(32) {
+            return Err(BackendError::Invalid {
+                op,
+                problem: format!(
+                    "int8 activations: an input of {} values (at most {}, a multiple of 32)",
+                    m.cols, self.gemv.q8_max_in
+                ),
+            });
+        }
+        let gty = GemvType::from_ggml(m.ty).map_err(gerr(op))?;
+        let wbase = m.w + (m.row0 * m.row_bytes) as u64;
+        if let (Ok(l), Some((f, _))) = (
+            self.gemv.launch_for(gty, m.cols, m.n_rows),
+            self.gemv.q8_functions(gty),
+        ) {
+            if l.row_bytes as usize == m.row_bytes
+                && wbase.is_multiple_of(16)
+                && m.x.is_multiple_of(16)
+            {
+                return self.launch_fn(
+                    f,
+                    gty.label_q8(false),
+                    (l.grid_x, 1, 1),
+                    l.block,
+                    &[
+                        Arg::Ptr(wbase),
+                        Arg::Ptr(m.x),
+                        Arg::Ptr(m.y),
+                        i32a(op, "cols", m.cols)?,
+                        i32a(op, "rows", m.n_rows)?,
+                        Arg::I32(l.wpr as i32),
+                    ],
+                );
+            }
+        }
+        self.launch_fn(
+            &self.gemv.q8_generic,
+            "gemvq_generic",
+            (g32(m.n_rows.div_ceil(8)), 1, 1),
+            256,
+            &[
+                Arg::Ptr(wbase),
+                Arg::I32(m.ty.code() as i32),
+                u(m.row_bytes),
+                Arg::Ptr(m.x),
+                Arg::Ptr(m.y),
+                i32a(op, "cols", m.cols)?,
+                i32a(op, "rows", m.n_rows)?,
+            ],
+        )
+    }
+
     pub(super) fn op_matmul(
         &mut self,
         w: Weight,
@@ -231,6 +291,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 n_tok,
                 y: yp,
                 y_stride: rows,
+                q8: self.act_q8 && n_tok == 1,
             },
             OP,
         )
@@ -286,6 +347,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 groups,
                 cols,
                 r,
+                self.act_q8,
             );
         }
         for g in 0..groups {
@@ -302,6 +364,7 @@ impl<D: GpuApi> GpuBackend<D> {
                     n_tok,
                     y: yp + (4 * g * r) as u64,
                     y_stride: rows,
+                    q8: self.act_q8 && n_tok == 1,
                 },
                 OP,
             )?;
@@ -1198,6 +1261,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 n_sel,
                 d,
                 f,
+                self.act_q8 && t == 1,
             )?;
             self.launch(
                 "ds4_moe_act",
@@ -1226,6 +1290,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 n_sel,
                 f,
                 d,
+                self.act_q8 && t == 1,
             )?;
         } else {
             // Host-side grouping by expert: (token, slot) pairs in token order per expert.
@@ -1284,6 +1349,7 @@ impl<D: GpuApi> GpuBackend<D> {
                             n_tok: n,
                             y: y + (4 * off * f) as u64,
                             y_stride: f,
+                            q8: self.act_q8 && t == 1,
                         },
                         OP,
                     )?;
@@ -1319,6 +1385,7 @@ impl<D: GpuApi> GpuBackend<D> {
                         n_tok: n,
                         y: ob + (4 * off * d) as u64,
                         y_stride: d,
+                        q8: self.act_q8 && t == 1,
                     },
                     OP,
                 )?;
@@ -1381,15 +1448,33 @@ impl<D: GpuApi> GpuBackend<D> {
         n_sel: usize,
         n_in: usize,
         n_out: usize,
+        q8: bool,
     ) -> BResult<()> {
         const OP: &str = "moe";
         let g = GemvType::from_ggml(ty).map_err(gerr(OP))?;
         let l = self.gemv.launch_for(g, n_in, n_out).map_err(gerr(OP))?;
-        let f = self.gemv.grouped_function(g);
+        let q8f = if q8 && ds4_gguf::quant::q8act::applies(ty) {
+            self.gemv.q8_functions(g)
+        } else {
+            None
+        };
+        if q8 && q8f.is_some() && n_in > self.gemv.q8_max_in {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!(
+                    "int8 activations: an input of {n_in} values (at most {})",
+                    self.gemv.q8_max_in
+                ),
+            });
+        }
+        let (f, label) = match q8f {
+            Some((_, gf)) => (gf, g.label_q8(true)),
+            None => (self.gemv.grouped_function(g), g.label(true)),
+        };
         let mats = if w.1.is_some() { 2 } else { 1 };
         self.launch_fn(
             f,
-            g.label(true),
+            label,
             (l.grid_x, g32(n_sel), mats),
             l.block,
             &[
@@ -1529,6 +1614,7 @@ impl<D: GpuApi> GpuBackend<D> {
             1,
             cols,
             rows,
+            self.act_q8,
         )
     }
 }

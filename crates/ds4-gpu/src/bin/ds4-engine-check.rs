@@ -1,11 +1,11 @@
 //! ds4-engine-check: the CUDA engine backend against the CPU reference.
 //!
-//! * `ops [MODELS] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C]` — every op of
+//! * `ops [MODELS] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C] [--act-q8]` — every op of
 //!   the forward pass run on both backends through [`ds4_gpu::backend::mirror::Mirror`],
 //!   on the given GGUF files and on `N` freshly generated random tiny models (and a
 //!   real-dimension synthetic q2 model of `L` layers), with random tokens: per op, the
 //!   worst relative error, NaN count and integer mismatches. Fails above tolerance.
-//! * `parity [MODELS] [--tiny N] [--tokens T] [--seed S]` — whole-model logits of the CUDA
+//! * `parity [MODELS] [--tiny N] [--tokens T] [--seed S] [--act-q8]` — whole-model logits of the CUDA
 //!   engine against the CPU engine, through prefill, token-by-token decode and chunked
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode
 //!   (1e-3) where the model allows it.
@@ -35,6 +35,8 @@ use ds4_model::HParams;
 
 const TOL_EXACT: f64 = 1e-4;
 const TOL_OFFICIAL: f64 = 1e-3;
+/// `ops --act-q8`: tolerance of ops that requantize values they computed (see `ops`).
+const TOL_Q8_REQUANT: f64 = 2e-3;
 
 struct Args {
     models: Vec<String>,
@@ -44,6 +46,8 @@ struct Args {
     seed: u64,
     /// Fixed prefill chunk for `ops`/`parity` (0: a random chunk of 3..16 per model).
     chunk: usize,
+    /// `ops`/`parity`: int8 activations on both backends (`Backend::set_activation_q8`).
+    act_q8: bool,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -53,6 +57,7 @@ fn parse(args: &[String]) -> Result<Args> {
         flash_layers: 0,
         tokens: 48,
         chunk: 0,
+        act_q8: false,
         seed: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -70,6 +75,11 @@ fn parse(args: &[String]) -> Result<Args> {
             "--tokens" => a.tokens = v(i)?.parse()?,
             "--seed" => a.seed = v(i)?.parse()?,
             "--chunk" => a.chunk = v(i)?.parse()?,
+            "--act-q8" => {
+                a.act_q8 = true;
+                i += 1;
+                continue;
+            }
             s if s.starts_with("--") => bail!("unknown option {s}"),
             s => {
                 a.models.push(s.to_string());
@@ -189,7 +199,8 @@ fn ops(a: &Args) -> Result<()> {
     for (label, file) in models(a)? {
         for mode in modes(&file)? {
             let t0 = Instant::now();
-            let mirror = Mirror::new(CpuBackend::new(0)?, cuda()?);
+            let mut mirror = Mirror::new(CpuBackend::new(0)?, cuda()?);
+            ds4_engine::Backend::set_activation_q8(&mut mirror, a.act_q8)?;
             let stats_handle = mirror.stats.clone();
             let random_chunk = 3 + (rng.next_f64() * 14.0) as usize;
             let chunk = if a.chunk > 0 { a.chunk } else { random_chunk };
@@ -229,6 +240,17 @@ fn ops(a: &Args) -> Result<()> {
             );
             for (op, s) in &stats {
                 let bad_int = s.int_mismatches > 0 && *op != "indexer_topk";
+                // With int8 activations, `moe` requantizes a value it computed itself (the
+                // down projection's input, SwiGLU · route weight): CPU and GPU differ there
+                // by f32 rounding, so a value on a rounding boundary may take the next int8
+                // code on one side, which moves that output by one code step of its
+                // block (observed 3e-4 to 6e-4 of the output scale). Every other matmul
+                // quantizes identical inputs and keeps the strict tolerance.
+                let tol = if a.act_q8 && *op == "moe" {
+                    TOL_Q8_REQUANT
+                } else {
+                    tol
+                };
                 let ok = s.max_rel <= tol && s.nan == 0 && !bad_int;
                 println!(
                     "  {:<18} {:>6} {:>12.3e} {:>5} {:>9}  {}",
@@ -260,14 +282,16 @@ fn paths(
     mode: NumericMode,
     toks: &[u32],
     gpu: bool,
+    act_q8: bool,
 ) -> Result<[Vec<f32>; 3]> {
     let mut out: [Vec<f32>; 3] = Default::default();
     for (i, chunk) in [toks.len(), 1, 5].into_iter().enumerate() {
-        let be: Box<dyn ds4_engine::Backend> = if gpu {
+        let mut be: Box<dyn ds4_engine::Backend> = if gpu {
             Box::new(cuda()?)
         } else {
             Box::new(CpuBackend::new(0)?)
         };
+        be.set_activation_q8(act_q8)?;
         let cfg = EngineConfig {
             mode: Some(mode),
             ctx: 4096,
@@ -299,8 +323,8 @@ fn parity(a: &Args) -> Result<()> {
                 ds4_model::ModelSpec::from_header(file.header(), ds4_model::Strictness::Auto)?;
             let toks = random_tokens(&mut rng, a.tokens, spec.hparams.n_vocab);
             let t0 = Instant::now();
-            let cpu = paths(&file, mode, &toks, false)?;
-            let gpu = paths(&file, mode, &toks, true)?;
+            let cpu = paths(&file, mode, &toks, false, a.act_q8)?;
+            let gpu = paths(&file, mode, &toks, true, a.act_q8)?;
             let tol = if mode == NumericMode::Exact {
                 TOL_EXACT
             } else {

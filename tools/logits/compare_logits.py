@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""Compare two [positions, vocab] float32 .npy logit files (from `ds4 logits --out`): max |a-b|
+over the row maximum |b|, top-1 agreement, KL(b || a). Pure Python (no numpy needed).
+
+Usage: compare_logits.py TEST.npy REFERENCE.npy
+"""
+import array, ast, math, re, struct, sys
+def load(p):
+    b = open(p, 'rb').read()
+    hl = struct.unpack('<H', b[8:10])[0]
+    h = b[10:10 + hl].decode()
+    sh = ast.literal_eval(re.search(r"'shape': (\(.*?\))", h).group(1))
+    a = array.array('f'); a.frombytes(b[10 + hl:])
+    return sh, a
+sa, a = load(sys.argv[1]); sb, b = load(sys.argv[2])
+assert sa == sb, (sa, sb)
+R, V = sa
+worst = 0.0; top = 0; kls = []; nan = 0
+for r in range(R):
+    x = a[r*V:(r+1)*V]; y = b[r*V:(r+1)*V]
+    if any(v != v for v in x): nan += 1; continue
+    mx = max(abs(v) for v in y) or 1.0
+    d = max(abs(p - q) for p, q in zip(x, y)) / mx
+    worst = max(worst, d)
+    ix = max(range(V), key=x.__getitem__); iy = max(range(V), key=y.__getitem__)
+    top += ix == iy
+    # KL(ref || test), ref = argv[2]
+    my = max(y); mxx = max(x)
+    zy = sum(math.exp(v - my) for v in y); zx = sum(math.exp(v - mxx) for v in x)
+    kl = 0.0
+    for p_, q_ in zip(y, x):
+        lp = p_ - my - math.log(zy); lq = q_ - mxx - math.log(zx)
+        kl += math.exp(lp) * (lp - lq)
+    kls.append(kl)
+kls.sort()
+print(f"{sys.argv[1].split('/')[-1]} vs {sys.argv[2].split('/')[-1]}: rows {R} max rel (to row max|ref|) {worst:.3e}, top-1 agree {top}/{R}, KL mean {sum(kls)/max(1,len(kls)):.3e} max {kls[-1] if kls else float('nan'):.3e}, NaN rows {nan}")

@@ -19,7 +19,6 @@
 
 mod launch;
 mod load_pipeline;
-pub mod mirror;
 mod ops;
 
 use std::collections::HashMap;

@@ -622,16 +622,7 @@ impl<D: GpuApi> GpuBackend<D> {
     /// Device address of `s`, after checking the handle and the range.
     pub(crate) fn fptr(&self, s: Slice, op: &'static str) -> BResult<u64> {
         let b = Self::slot(&self.bufs, s.buf.id(), s.buf.len(), op)?;
-        let end = s.off.checked_add(s.len);
-        if end.is_none_or(|e| e > s.buf.len()) {
-            return Err(BackendError::OutOfRange {
-                op,
-                id: s.buf.id(),
-                off: s.off,
-                end: end.unwrap_or(usize::MAX),
-                len: s.buf.len(),
-            });
-        }
+        validate::in_range(s, op)?;
         Ok(b.device_address() + 4 * s.off as u64)
     }
 

@@ -40,7 +40,7 @@ pub enum BackendError {
         end: usize,
         len: usize,
     },
-    #[error("{op}: an output overlaps an input (buffer #{id})")]
+    #[error("{op}: an output shares buffer #{id} with another operand of the op")]
     Aliasing { op: &'static str, id: u32 },
     #[error("{op}: {what} is {found}, expected {expected}")]
     Shape {
@@ -405,7 +405,7 @@ pub trait Backend: Send {
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()>;
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()>;
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()>;
-    /// `dst = src`; the ranges may be in one buffer but must not overlap.
+    /// `dst = src`; two buffers (the aliasing rule of [`crate::validate`]).
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()>;
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()>;
 

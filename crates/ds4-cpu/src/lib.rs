@@ -6,7 +6,9 @@
 //! * Activations and KV state are f32.
 //! * Multi-threaded with rayon over output rows / heads / tokens, on a private pool whose
 //!   size is chosen at construction; results do not depend on it (fixed reduction orders).
-//! * Every op validates its handles, ranges and shapes and refuses aliasing outputs.
+//! * Every op first runs the shared argument checks of `ds4_engine::validate` (shapes,
+//!   ranges, weight types, the aliasing rule); what stays here is the handle lookup and the
+//!   checks of data only the kernels see (token ids, expert ids, selected rows).
 
 mod kernels;
 mod mem;
@@ -18,9 +20,10 @@ use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, HcArgs, IBuf,
     IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightUse,
 };
+use ds4_engine::validate;
 use ds4_gguf::GgufFile;
 
-use mem::{need, range, Slab};
+use mem::{range, Slab};
 use weights::CpuWeight;
 
 use kernels::{rows_mut, try_rows_mut, Par};
@@ -50,18 +53,6 @@ impl std::fmt::Debug for CpuBackend {
             .field("weights", &self.weights.len())
             .finish()
     }
-}
-
-fn shape(op: &'static str, what: &str, expected: usize, found: usize) -> BResult<()> {
-    if expected != found {
-        return Err(BackendError::Shape {
-            op,
-            what: what.to_string(),
-            expected,
-            found,
-        });
-    }
-    Ok(())
 }
 
 impl CpuBackend {
@@ -165,19 +156,6 @@ impl CpuBackend {
         self.ibufs.put(out.id(), v);
         r
     }
-
-    fn check_matmul_io(
-        w: &CpuWeight,
-        x: Slice,
-        in_w: usize,
-        n_tok: usize,
-        y: Slice,
-        out_w: usize,
-    ) -> BResult<()> {
-        let _ = w;
-        need(x, n_tok * in_w, "matmul", "input")?;
-        need(y, n_tok * out_w, "matmul", "output")
-    }
 }
 
 impl Backend for CpuBackend {
@@ -202,7 +180,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        shape("upload", "source length", dst.len, src.len())?;
+        validate::upload(dst, src.len())?;
         let v = self.bufs.get_mut(dst.buf.id(), "upload")?;
         let r = range(dst, v.len(), "upload")?;
         v[r].copy_from_slice(src);
@@ -210,58 +188,33 @@ impl Backend for CpuBackend {
     }
 
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        shape("download", "destination length", src.len, dst.len())?;
+        validate::download(src, dst.len())?;
         dst.copy_from_slice(self.view(src, "download")?);
         Ok(())
     }
 
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
+        validate::upload_i32(dst, off, src.len())?;
         let v = self.ibufs.get_mut(dst.id(), "upload_i32")?;
-        let end = off.saturating_add(src.len());
-        if end > v.len() {
-            return Err(BackendError::OutOfRange {
+        if v.len() != dst.len() {
+            return Err(BackendError::BadHandle {
                 op: "upload_i32",
                 id: dst.id(),
-                off,
-                end,
-                len: v.len(),
             });
         }
-        v[off..end].copy_from_slice(src);
+        v[off..off + src.len()].copy_from_slice(src);
         Ok(())
     }
 
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
+        validate::download_i32(src, off, dst.len())?;
         let v = self.iview(src, "download_i32")?;
-        let end = off.saturating_add(dst.len());
-        if end > v.len() {
-            return Err(BackendError::OutOfRange {
-                op: "download_i32",
-                id: src.id(),
-                off,
-                end,
-                len: v.len(),
-            });
-        }
-        dst.copy_from_slice(&v[off..end]);
+        dst.copy_from_slice(&v[off..off + dst.len()]);
         Ok(())
     }
 
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        shape("copy", "destination length", src.len, dst.len)?;
-        if src.overlaps(dst) {
-            return Err(BackendError::Aliasing {
-                op: "copy",
-                id: src.buf.id(),
-            });
-        }
-        if src.buf.id() == dst.buf.id() {
-            let v = self.bufs.get_mut(src.buf.id(), "copy")?;
-            let rs = range(src, v.len(), "copy")?;
-            range(dst, v.len(), "copy")?;
-            v.copy_within(rs, dst.off);
-            return Ok(());
-        }
+        validate::copy(src, dst)?;
         self.with_out(dst, "copy", 0, |this, out, _| {
             out.copy_from_slice(this.view(src, "copy")?);
             Ok(())
@@ -269,6 +222,7 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
+        validate::fill(dst)?;
         let v = self.bufs.get_mut(dst.buf.id(), "fill")?;
         let r = range(dst, v.len(), "fill")?;
         v[r].fill(value);
@@ -298,17 +252,11 @@ impl Backend for CpuBackend {
 
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         const OP: &str = "matmul";
-        let (cols, rows, mats) = (w.info.cols(), w.info.rows(), w.info.mats());
-        if mat >= mats {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("matrix {mat} of {mats}"),
-            });
-        }
+        validate::matmul(w, mat, x, n_tok, y)?;
+        let (cols, rows) = (w.info.cols(), w.info.rows());
         let q8 = self.act_q8 && n_tok == 1;
         self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
-            CpuBackend::check_matmul_io(cw, x, cols, n_tok, y, rows)?;
             let xv = this.view(x, OP)?;
             kernels::matmul(par, cw, mat, 0, rows, xv, cols, n_tok, yv, rows, q8)
         })
@@ -323,19 +271,12 @@ impl Backend for CpuBackend {
         y: Slice,
     ) -> BResult<()> {
         const OP: &str = "matmul_grouped";
+        validate::matmul_grouped(w, groups, x, n_tok, y)?;
         let (cols, rows) = (w.info.cols(), w.info.rows());
-        if groups == 0 || rows % groups != 0 || w.info.mats() != 1 {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("{rows} rows do not split into {groups} groups"),
-            });
-        }
         let r = rows / groups;
         let q8 = self.act_q8 && n_tok == 1;
         self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
-            need(x, n_tok * groups * cols, OP, "input")?;
-            need(y, n_tok * rows, OP, "output")?;
             let xv = this.view(x, OP)?;
             for g in 0..groups {
                 kernels::matmul(
@@ -366,25 +307,14 @@ impl Backend for CpuBackend {
         out: Slice,
     ) -> BResult<()> {
         const OP: &str = "rms_norm";
-        need(out, rows * width, OP, "output")?;
-        need(x, rows * width, OP, "input")?;
+        validate::rms_norm(x, w, rows, width, out)?;
         if width == 0 {
             return Ok(());
         }
         let in_place = x == out;
-        if !in_place && x.overlaps(out) {
-            return Err(BackendError::Aliasing {
-                op: OP,
-                id: x.buf.id(),
-            });
-        }
         self.with_out(out, OP, rows * width, |this, o, par| {
             let g = match w {
-                Some(w) => {
-                    let v = this.weight(w, OP)?.values(OP)?;
-                    shape(OP, "weight length", width, v.len())?;
-                    Some(v)
-                }
+                Some(w) => Some(this.weight(w, OP)?.values(OP)?),
                 None => None,
             };
             if !in_place {
@@ -399,13 +329,7 @@ impl Backend for CpuBackend {
 
     fn rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
         const OP: &str = "rope";
-        if !a.freq.rope_dim.is_multiple_of(2) || a.freq.rope_dim > a.head_dim {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("rope dim {} vs head dim {}", a.freq.rope_dim, a.head_dim),
-            });
-        }
-        need(x, a.n_rows * a.n_heads * a.head_dim, OP, "input")?;
+        validate::rope(x, &a)?;
         if a.n_rows == 0 || a.n_heads == 0 {
             return Ok(());
         }
@@ -418,7 +342,7 @@ impl Backend for CpuBackend {
 
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
         const OP: &str = "add";
-        shape(OP, "input length", acc.len, x.len)?;
+        validate::add(acc, x)?;
         self.with_out(acc, OP, acc.len, |this, a, par| {
             let xv = this.view(x, OP)?;
             rows_mut(par, a, 4096, |ci, a| {
@@ -431,8 +355,7 @@ impl Backend for CpuBackend {
 
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
         const OP: &str = "swiglu";
-        shape(OP, "up length", gate.len, up.len)?;
-        shape(OP, "output length", gate.len, out.len)?;
+        validate::swiglu(gate, up, out)?;
         self.with_out(out, OP, 16 * out.len, |this, o, par| {
             let (g, u) = (this.view(gate, OP)?, this.view(up, OP)?);
             rows_mut(par, o, 4096, |ci, oc| {
@@ -447,13 +370,7 @@ impl Backend for CpuBackend {
 
     fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
         const OP: &str = "qat_fp8";
-        if n_dims > width {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("{n_dims} dims of a {width}-wide row"),
-            });
-        }
-        need(x, rows * width, OP, "input")?;
+        validate::qat_fp8(x, rows, width, n_dims)?;
         if width == 0 {
             return Ok(());
         }
@@ -467,13 +384,7 @@ impl Backend for CpuBackend {
 
     fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
         const OP: &str = "qat_hadamard_fp4";
-        if !width.is_power_of_two() {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("width {width} is not a power of two"),
-            });
-        }
-        need(x, rows * width, OP, "input")?;
+        validate::qat_hadamard_fp4(x, rows, width)?;
         let work = rows * width * (16 + width.trailing_zeros() as usize);
         self.with_out(x, OP, work, |_, v, par| {
             rows_mut(par, &mut v[..rows * width], width, |_, r| {
@@ -492,19 +403,11 @@ impl Backend for CpuBackend {
         out: Slice,
     ) -> BResult<()> {
         const OP: &str = "embed";
+        validate::embed(table, tokens, n_tok, n_streams, out)?;
         let (d, n_vocab) = (table.info.cols(), table.info.rows());
-        need(out, n_tok * n_streams * d, OP, "output")?;
         self.with_out(out, OP, n_tok * n_streams * d, |this, o, par| {
             let tw = this.weight(table, OP)?;
             let toks = this.iview(tokens, OP)?;
-            if toks.len() < n_tok {
-                return Err(BackendError::Shape {
-                    op: OP,
-                    what: "token count".into(),
-                    expected: n_tok,
-                    found: toks.len(),
-                });
-            }
             try_rows_mut(
                 par,
                 &mut o[..n_tok * n_streams * d],
@@ -541,13 +444,9 @@ impl Backend for CpuBackend {
         comb: Slice,
     ) -> BResult<()> {
         const OP: &str = "hc_pre";
+        validate::hc_pre(mix, x, base, scale, &a, y, post, comb)?;
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
         let nm = 2 * n + n * n;
-        need(mix, t * nm, OP, "mix")?;
-        need(x, t * n * d, OP, "streams")?;
-        need(y, t * d, OP, "y")?;
-        need(post, t * n, OP, "post")?;
-        need(comb, t * n * n, OP, "comb")?;
         // Per token [pre | post | P], computed first (small), then the stream mix.
         let mut coef = vec![0f32; t * nm];
         let cref = &mut coef;
@@ -556,8 +455,6 @@ impl Backend for CpuBackend {
             let xv = this.view(x, OP)?;
             let bv = this.weight(base, OP)?.values(OP)?;
             let sv = this.weight(scale, OP)?.values(OP)?;
-            shape(OP, "base length", nm, bv.len())?;
-            shape(OP, "scale length", 3, sv.len())?;
             rows_mut(par, cref, nm, |i, c| {
                 kernels::hc_pre_coeffs(
                     &mv[i * nm..(i + 1) * nm],
@@ -594,11 +491,8 @@ impl Backend for CpuBackend {
 
     fn hc_post(&mut self, x: Slice, f: Slice, post: Slice, comb: Slice, a: HcArgs) -> BResult<()> {
         const OP: &str = "hc_post";
+        validate::hc_post(x, f, post, comb, &a)?;
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
-        need(x, t * n * d, OP, "streams")?;
-        need(f, t * d, OP, "f")?;
-        need(post, t * n, OP, "post")?;
-        need(comb, t * n * n, OP, "comb")?;
         self.with_out(x, OP, t * n * n * d, |this, xv, par| {
             let (fv, pv, cv) = (
                 this.view(f, OP)?,
@@ -629,17 +523,13 @@ impl Backend for CpuBackend {
         y: Slice,
     ) -> BResult<()> {
         const OP: &str = "hc_head";
+        validate::hc_head(mix, x, base, scale, &a, y)?;
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
-        need(mix, t * n, OP, "mix")?;
-        need(x, t * n * d, OP, "streams")?;
-        need(y, t * d, OP, "y")?;
         self.with_out(y, OP, 2 * t * n * d, |this, yv, par| {
             let mv = this.view(mix, OP)?;
             let xv = this.view(x, OP)?;
             let bv = this.weight(base, OP)?.values(OP)?;
             let sv = this.weight(scale, OP)?.values(OP)?;
-            shape(OP, "base length", n, bv.len())?;
-            shape(OP, "scale length", 1, sv.len())?;
             rows_mut(par, &mut yv[..t * d], d, |i, yr| {
                 let xs = &xv[i * n * d..(i + 1) * n * d];
                 let w = kernels::hc_head_weights(
@@ -667,18 +557,7 @@ impl Backend for CpuBackend {
         rows: Slice,
     ) -> BResult<()> {
         const OP: &str = "compressor";
-        let pw = a.proj_width();
-        if a.ratio == 0 || a.width == 0 {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: "ratio and width must be positive".into(),
-            });
-        }
-        shape(OP, "accumulator length", a.acc_len(), acc.len)?;
-        need(u, a.n_tok * pw, OP, "u")?;
-        need(z, a.n_tok * pw, OP, "z")?;
-        shape(OP, "ape row width", pw, ape.info.cols())?;
-        shape(OP, "ape rows", a.ratio, ape.info.rows())?;
+        validate::compressor(acc, u, z, ape, &a, rows)?;
         let mut rows_v = self.bufs.take(rows.buf.id(), OP)?;
         let r = (|| {
             let rr = range(rows, rows_v.len(), OP)?;
@@ -707,28 +586,10 @@ impl Backend for CpuBackend {
         out: IBuf,
     ) -> BResult<()> {
         const OP: &str = "indexer_topk";
+        validate::indexer_topk(q, w, rows, &a, out)?;
         let (t, k, hd, nh) = (a.n_tok, a.top_k, a.head_dim, a.n_heads);
-        if a.ratio == 0 || k == 0 || hd == 0 {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: "ratio, top_k and head dim must be positive".into(),
-            });
-        }
-        if out.len() < t * k {
-            return Err(BackendError::Shape {
-                op: OP,
-                what: "output length".into(),
-                expected: t * k,
-                found: out.len(),
-            });
-        }
         let n_last = (a.pos0 + t) / a.ratio;
-        need(rows, n_last * hd, OP, "rows")?;
         let scoring = n_last > k;
-        if scoring {
-            need(q, t * nh * hd, OP, "q")?;
-            need(w, t * nh, OP, "w")?;
-        }
         let work = if scoring { t * n_last * nh * hd } else { 0 };
         self.with_iout(out, OP, work, |this, ov, par| {
             let rv = this.view(rows, OP)?;
@@ -765,17 +626,8 @@ impl Backend for CpuBackend {
 
     fn attention(&mut self, a: AttnArgs) -> BResult<()> {
         const OP: &str = "attention";
+        validate::attention(&a)?;
         let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
-        if win == 0 || hd == 0 {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: "window and head dim must be positive".into(),
-            });
-        }
-        need(a.q, t * nh * hd, OP, "q")?;
-        need(a.kv, t * hd, OP, "kv")?;
-        need(a.ring, win * hd, OP, "ring")?;
-        need(a.out, t * nh * hd, OP, "out")?;
         let last = a.pos0 + t; // exclusive end of positions
         let n_keys = win
             + match a.comp {
@@ -788,43 +640,16 @@ impl Backend for CpuBackend {
             let kvv = this.view(a.kv, OP)?;
             let ring = this.view(a.ring, OP)?;
             let sinks = this.weight(a.sinks, OP)?.values(OP)?;
-            shape(OP, "sinks length", nh, sinks.len())?;
             // Compressed rows and per-query selections.
             let (crows, ratio, sel): (&[f32], usize, Selection) = match a.comp {
                 CompSel::None => (&[], 0, None),
-                CompSel::All { rows, ratio } => {
-                    if ratio == 0 {
-                        return Err(BackendError::Invalid {
-                            op: OP,
-                            problem: "compression ratio 0".into(),
-                        });
-                    }
-                    need(rows, last / ratio * hd, OP, "compressed rows")?;
-                    (this.view(rows, OP)?, ratio, None)
-                }
+                CompSel::All { rows, ratio } => (this.view(rows, OP)?, ratio, None),
                 CompSel::Top {
                     rows,
                     ratio,
                     idx,
                     k,
-                } => {
-                    if ratio == 0 {
-                        return Err(BackendError::Invalid {
-                            op: OP,
-                            problem: "compression ratio 0".into(),
-                        });
-                    }
-                    let iv = this.iview(idx, OP)?;
-                    if iv.len() < t * k {
-                        return Err(BackendError::Shape {
-                            op: OP,
-                            what: "selection length".into(),
-                            expected: t * k,
-                            found: iv.len(),
-                        });
-                    }
-                    (this.view(rows, OP)?, ratio, Some((iv, k)))
-                }
+                } => (this.view(rows, OP)?, ratio, Some((this.iview(idx, OP)?, k))),
             };
             let n_rows_avail = crows.len() / hd;
             // Keys per query, in a fixed order: raw window by position, then compressed rows.
@@ -893,15 +718,8 @@ impl Backend for CpuBackend {
         window: usize,
     ) -> BResult<()> {
         const OP: &str = "ring_store";
-        if window == 0 {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: "window 0".into(),
-            });
-        }
+        validate::ring_store(ring, kv, n_tok, window)?;
         let d = ring.len / window;
-        shape(OP, "ring length", window * d, ring.len)?;
-        need(kv, n_tok * d, OP, "kv")?;
         self.with_out(ring, OP, 0, |this, rv, _| {
             let kvv = this.view(kv, OP)?;
             for ti in n_tok.saturating_sub(window)..n_tok {
@@ -921,23 +739,8 @@ impl Backend for CpuBackend {
         weights: Slice,
     ) -> BResult<()> {
         const OP: &str = "router";
+        validate::router(logits, &routing, &a, ids, weights)?;
         let (t, e, k) = (a.n_tok, a.n_expert, a.k);
-        if k == 0 || k > e {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("{k} of {e} experts"),
-            });
-        }
-        need(logits, t * e, OP, "logits")?;
-        need(weights, t * k, OP, "weights")?;
-        if ids.len() < t * k {
-            return Err(BackendError::Shape {
-                op: OP,
-                what: "ids length".into(),
-                expected: t * k,
-                found: ids.len(),
-            });
-        }
         let mut idv = self.ibufs.take(ids.id(), OP)?;
         let idr = &mut idv;
         let r = self.with_out(weights, OP, 0, |this, wv, _| {
@@ -947,18 +750,13 @@ impl Backend for CpuBackend {
                 let chosen: Vec<usize> = match routing {
                     Routing::TopK { bias } => {
                         let b = match bias {
-                            Some(b) => {
-                                let v = this.weight(b, OP)?.values(OP)?;
-                                shape(OP, "bias length", e, v.len())?;
-                                Some(v)
-                            }
+                            Some(b) => Some(this.weight(b, OP)?.values(OP)?),
                             None => None,
                         };
                         kernels::route_topk(l, b, k)
                     }
                     Routing::Hash { table, tokens } => {
                         let tw = this.weight(table, OP)?;
-                        shape(OP, "hash table width", k, tw.info.cols())?;
                         let toks = this.iview(tokens, OP)?;
                         let tok = toks.get(ti).copied().unwrap_or(-1);
                         let tok = usize::try_from(tok)
@@ -1005,23 +803,9 @@ impl Backend for CpuBackend {
         out: Slice,
     ) -> BResult<()> {
         const OP: &str = "moe";
+        validate::moe(x, ids, weights, gate, up, down, &a, out)?;
         let (t, k) = (a.n_tok, a.k);
         let (d, f, ne) = (gate.info.cols(), gate.info.rows(), gate.info.mats());
-        if up.info.dims != gate.info.dims {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("gate {:?} vs up {:?}", gate.info.dims, up.info.dims),
-            });
-        }
-        if down.info.dims != [f, d, ne] {
-            return Err(BackendError::Invalid {
-                op: OP,
-                problem: format!("down {:?}, expected {:?}", down.info.dims, [f, d, ne]),
-            });
-        }
-        need(x, t * d, OP, "x")?;
-        need(weights, t * k, OP, "weights")?;
-        need(out, t * d, OP, "out")?;
         let q8 = self.act_q8 && t == 1;
         self.with_out(out, OP, 3 * t * k * d * f, |this, ov, par| {
             let (gw, uw, dw) = (
@@ -1032,14 +816,6 @@ impl Backend for CpuBackend {
             let xv = this.view(x, OP)?;
             let wv = this.view(weights, OP)?;
             let iv = this.iview(ids, OP)?;
-            if iv.len() < t * k {
-                return Err(BackendError::Shape {
-                    op: OP,
-                    what: "ids length".into(),
-                    expected: t * k,
-                    found: iv.len(),
-                });
-            }
             // (token, slot) pairs per expert, in token order.
             let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); ne];
             for (i, &e) in iv[..t * k].iter().enumerate() {

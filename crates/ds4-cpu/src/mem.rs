@@ -97,16 +97,3 @@ pub(crate) fn range(s: Slice, have: usize, op: &'static str) -> BResult<std::ops
     }
     Ok(s.off..end)
 }
-
-/// Checks that a slice holds at least `need` elements.
-pub(crate) fn need(s: Slice, need: usize, op: &'static str, what: &str) -> BResult<()> {
-    if s.len < need {
-        return Err(BackendError::Shape {
-            op,
-            what: format!("{what} length"),
-            expected: need,
-            found: s.len,
-        });
-    }
-    Ok(())
-}

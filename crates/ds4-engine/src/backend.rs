@@ -10,8 +10,13 @@
 //! Memory model: the forward code never sees numbers. It holds opaque handles to
 //! backend-owned f32 buffers ([`Buf`], sub-ranges as [`Slice`]), i32 buffers ([`IBuf`]) and
 //! weights ([`Weight`]); only [`Backend::upload`]/[`Backend::download`] cross the boundary.
-//! Outputs of an op must not overlap its inputs unless the op says otherwise (the backend
-//! refuses with [`BackendError::Aliasing`]).
+//! An operand an op writes shares no buffer with its other operands, except the exact
+//! in-place forms an op documents ([`crate::validate`] states the rule and why; a backend
+//! refuses anything else with [`BackendError::Aliasing`]).
+//!
+//! Argument checks live in [`crate::validate`], one function per op: every implementation
+//! calls it first, so the checks are written once and every backend refuses the same calls
+//! with the same error.
 //!
 //! Shapes are row-major with the token index slowest: `[T, width]` means token `t`'s values
 //! are `t*width .. (t+1)*width`. Weight matrices follow GGUF: a weight with dims
@@ -35,7 +40,7 @@ pub enum BackendError {
         end: usize,
         len: usize,
     },
-    #[error("{op}: an output overlaps an input (buffer #{id})")]
+    #[error("{op}: an output shares buffer #{id} with another operand of the op")]
     Aliasing { op: &'static str, id: u32 },
     #[error("{op}: {what} is {found}, expected {expected}")]
     Shape {
@@ -400,7 +405,7 @@ pub trait Backend: Send {
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()>;
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()>;
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()>;
-    /// `dst = src`; the ranges may be in one buffer but must not overlap.
+    /// `dst = src`; two buffers (the aliasing rule of [`crate::validate`]).
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()>;
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()>;
 
@@ -589,10 +594,12 @@ pub trait Backend: Send {
         ya: Slice,
         yb: Slice,
     ) -> BResult<()> {
+        crate::validate::matmul_pair(wa, wb, x, n_tok, ya, yb)?;
         self.matmul(wa, 0, x, n_tok, ya)?;
         self.matmul(wb, 0, x, n_tok, yb)
     }
     /// [`Backend::hc_pre`] then `out = rms_norm(y) · norm` (the sublayer's input norm).
+    /// `out` may be exactly `y` (in place).
     #[allow(clippy::too_many_arguments)]
     fn hc_pre_norm(
         &mut self,
@@ -607,6 +614,7 @@ pub trait Backend: Send {
         comb: Slice,
         out: Slice,
     ) -> BResult<()> {
+        crate::validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
         self.hc_pre(mix, x, base, scale, args, y, post, comb)?;
         self.rms_norm(y, Some(norm), args.n_tok, args.dim, args.rms_eps, out)
     }
@@ -621,6 +629,7 @@ pub trait Backend: Send {
         rope: RopeArgs,
         fp8_dims: Option<usize>,
     ) -> BResult<()> {
+        crate::validate::norm_rope(x, w, &rope, fp8_dims)?;
         let (rows, width) = (rope.n_rows * rope.n_heads, rope.head_dim);
         self.rms_norm(x, w, rows, width, eps, x)?;
         self.rope(x, rope)?;
@@ -641,6 +650,7 @@ pub trait Backend: Send {
         comb: Slice,
         args: HcArgs,
     ) -> BResult<()> {
+        crate::validate::hc_post_add(x, f, f2, post, comb, &args)?;
         self.add(f, f2)?;
         self.hc_post(x, f, post, comb, args)
     }
@@ -651,6 +661,7 @@ pub trait Backend: Send {
     /// chosen (unless `x[0]` is NaN: then 0) — exactly [`crate::sampler::argmax`]. Greedy
     /// decoding copies back this one integer instead of the whole logits row.
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
+        crate::validate::argmax(x, out)?;
         let mut v = vec![0f32; x.len];
         self.download(x, &mut v)?;
         let i = crate::sampler::argmax(&v);

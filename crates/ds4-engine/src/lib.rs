@@ -22,6 +22,7 @@ pub mod numerics;
 pub mod sampler;
 pub mod session;
 pub mod state;
+pub mod validate;
 pub mod weights;
 
 pub use backend::{

@@ -19,7 +19,6 @@
 
 mod launch;
 mod load_pipeline;
-pub mod mirror;
 mod ops;
 
 use std::collections::HashMap;
@@ -29,6 +28,7 @@ use std::sync::Arc;
 use ds4_engine::backend::{
     BResult, BackendError, Buf, Counters, IBuf, ProfileRow, Slice, Weight, WeightInfo, WeightUse,
 };
+use ds4_engine::validate;
 use ds4_gguf::{GgmlType, GgufFile};
 use ds4_placement::{Actual, MemKind, Plan};
 
@@ -650,16 +650,7 @@ impl<D: GpuApi> GpuBackend<D> {
     /// Device address of `s`, after checking the handle and the range.
     pub(crate) fn fptr(&self, s: Slice, op: &'static str) -> BResult<u64> {
         let b = Self::slot(&self.bufs, s.buf.id(), s.buf.len(), op)?;
-        let end = s.off.checked_add(s.len);
-        if end.is_none_or(|e| e > s.buf.len()) {
-            return Err(BackendError::OutOfRange {
-                op,
-                id: s.buf.id(),
-                off: s.off,
-                end: end.unwrap_or(usize::MAX),
-                len: s.buf.len(),
-            });
-        }
+        validate::in_range(s, op)?;
         Ok(b.device_address() + 4 * s.off as u64)
     }
 
@@ -978,31 +969,8 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 }
 
-fn shape(op: &'static str, what: &str, expected: usize, found: usize) -> BResult<()> {
-    if expected != found {
-        return Err(BackendError::Shape {
-            op,
-            what: what.to_string(),
-            expected,
-            found,
-        });
-    }
-    Ok(())
-}
-
-/// `s` holds at least `n` elements.
-pub(crate) fn need(s: Slice, n: usize, op: &'static str, what: &str) -> BResult<()> {
-    if s.len < n {
-        return Err(BackendError::Shape {
-            op,
-            what: format!("{what} length"),
-            expected: n,
-            found: s.len,
-        });
-    }
-    Ok(())
-}
-
+/// Every op runs `ds4_engine::validate` first (the checks every backend shares), then the
+/// launch code in `ops.rs`.
 impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn name(&self) -> String {
         format!("{} ({})", self.dev.runtime(), self.dev.device_name())
@@ -1029,7 +997,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        shape("upload", "source length", dst.len, src.len())?;
+        validate::upload(dst, src.len())?;
         self.fptr(dst, "upload")?;
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.bufs[dst.buf.id() as usize].as_mut().expect("checked");
@@ -1038,7 +1006,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        shape("download", "destination length", src.len, dst.len())?;
+        validate::download(src, dst.len())?;
         self.fptr(src, "download")?;
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.bufs[src.buf.id() as usize].as_ref().expect("checked");
@@ -1051,17 +1019,8 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
+        validate::upload_i32(dst, off, src.len())?;
         self.iptr(dst, "upload_i32")?;
-        let end = off.saturating_add(src.len());
-        if end > dst.len() {
-            return Err(BackendError::OutOfRange {
-                op: "upload_i32",
-                id: dst.id(),
-                off,
-                end,
-                len: dst.len(),
-            });
-        }
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.ibufs[dst.id() as usize].as_mut().expect("checked");
         self.syncs.fetch_add(1, Relaxed);
@@ -1069,17 +1028,8 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
+        validate::download_i32(src, off, dst.len())?;
         self.iptr(src, "download_i32")?;
-        let end = off.saturating_add(dst.len());
-        if end > src.len() {
-            return Err(BackendError::OutOfRange {
-                op: "download_i32",
-                id: src.id(),
-                off,
-                end,
-                len: src.len(),
-            });
-        }
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.ibufs[src.id() as usize].as_ref().expect("checked");
         self.syncs.fetch_add(1, Relaxed);
@@ -1091,18 +1041,13 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        shape("copy", "destination length", src.len, dst.len)?;
-        if src.overlaps(dst) {
-            return Err(BackendError::Aliasing {
-                op: "copy",
-                id: src.buf.id(),
-            });
-        }
+        validate::copy(src, dst)?;
         let (s, d) = (self.fptr(src, "copy")?, self.fptr(dst, "copy")?);
         self.elementwise("ds4_copy", src.len, &[Arg::Ptr(d), Arg::Ptr(s)])
     }
 
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
+        validate::fill(dst)?;
         let d = self.fptr(dst, "fill")?;
         self.elementwise(
             "ds4_fill",
@@ -1129,6 +1074,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
+        validate::argmax(x, out)?;
         self.op_argmax(x, out)
     }
 
@@ -1166,6 +1112,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
+        validate::matmul(w, mat, x, n_tok, y)?;
         self.op_matmul(w, mat, x, n_tok, y)
     }
 
@@ -1177,6 +1124,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_tok: usize,
         y: Slice,
     ) -> BResult<()> {
+        validate::matmul_grouped(w, groups, x, n_tok, y)?;
         self.op_matmul_grouped(w, groups, x, n_tok, y)
     }
 
@@ -1189,34 +1137,23 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         eps: f32,
         out: Slice,
     ) -> BResult<()> {
+        validate::rms_norm(x, w, rows, width, out)?;
         self.op_rms_norm(x, w, rows, width, eps, out)
     }
 
     fn rope(&mut self, x: Slice, args: ds4_engine::backend::RopeArgs) -> BResult<()> {
+        validate::rope(x, &args)?;
         self.op_rope(x, args)
     }
 
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
-        shape("add", "input length", acc.len, x.len)?;
-        if acc.overlaps(x) {
-            return Err(BackendError::Aliasing {
-                op: "add",
-                id: x.buf.id(),
-            });
-        }
+        validate::add(acc, x)?;
         let (a, b) = (self.fptr(acc, "add")?, self.fptr(x, "add")?);
         self.elementwise("ds4_add", acc.len, &[Arg::Ptr(a), Arg::Ptr(b)])
     }
 
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
-        shape("swiglu", "up length", gate.len, up.len)?;
-        shape("swiglu", "output length", gate.len, out.len)?;
-        if out.overlaps(gate) || out.overlaps(up) {
-            return Err(BackendError::Aliasing {
-                op: "swiglu",
-                id: out.buf.id(),
-            });
-        }
+        validate::swiglu(gate, up, out)?;
         let (g, u, o) = (
             self.fptr(gate, "swiglu")?,
             self.fptr(up, "swiglu")?,
@@ -1230,10 +1167,12 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
+        validate::qat_fp8(x, rows, width, n_dims)?;
         self.op_qat_fp8(x, rows, width, n_dims)
     }
 
     fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
+        validate::qat_hadamard_fp4(x, rows, width)?;
         self.op_qat_hfp4(x, rows, width)
     }
 
@@ -1245,6 +1184,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_streams: usize,
         out: Slice,
     ) -> BResult<()> {
+        validate::embed(table, tokens, n_tok, n_streams, out)?;
         self.op_embed(table, tokens, n_tok, n_streams, out)
     }
 
@@ -1259,6 +1199,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         post: Slice,
         comb: Slice,
     ) -> BResult<()> {
+        validate::hc_pre(mix, x, base, scale, &args, y, post, comb)?;
         self.op_hc_pre(mix, x, base, scale, args, y, post, comb, None)
     }
 
@@ -1275,6 +1216,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         out: Slice,
     ) -> BResult<()> {
+        validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
         self.op_hc_pre(mix, x, base, scale, args, y, post, comb, Some((norm, out)))
     }
 
@@ -1286,6 +1228,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         rope: ds4_engine::backend::RopeArgs,
         fp8_dims: Option<usize>,
     ) -> BResult<()> {
+        validate::norm_rope(x, w, &rope, fp8_dims)?;
         self.op_norm_rope(x, w, eps, rope, fp8_dims)
     }
 
@@ -1298,6 +1241,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         ya: Slice,
         yb: Slice,
     ) -> BResult<()> {
+        validate::matmul_pair(wa, wb, x, n_tok, ya, yb)?;
         self.op_matmul_pair(wa, wb, x, n_tok, ya, yb)
     }
 
@@ -1309,6 +1253,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         args: ds4_engine::backend::HcArgs,
     ) -> BResult<()> {
+        validate::hc_post(x, f, post, comb, &args)?;
         self.op_hc_post(x, f, None, post, comb, args)
     }
 
@@ -1321,6 +1266,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         args: ds4_engine::backend::HcArgs,
     ) -> BResult<()> {
+        validate::hc_post_add(x, f, f2, post, comb, &args)?;
         self.op_hc_post(x, f, Some(f2), post, comb, args)
     }
 
@@ -1333,6 +1279,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::HcArgs,
         y: Slice,
     ) -> BResult<()> {
+        validate::hc_head(mix, x, base, scale, &args, y)?;
         self.op_hc_head(mix, x, base, scale, args, y)
     }
 
@@ -1345,6 +1292,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::CompressorArgs,
         rows: Slice,
     ) -> BResult<()> {
+        validate::compressor(acc, u, z, ape, &args, rows)?;
         self.op_compressor(acc, u, z, ape, args, rows)
     }
 
@@ -1356,10 +1304,12 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::IndexerArgs,
         out: IBuf,
     ) -> BResult<()> {
+        validate::indexer_topk(q, w, rows, &args, out)?;
         self.op_indexer_topk(q, w, rows, args, out)
     }
 
     fn attention(&mut self, args: ds4_engine::backend::AttnArgs) -> BResult<()> {
+        validate::attention(&args)?;
         self.op_attention(args)
     }
 
@@ -1371,6 +1321,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_tok: usize,
         window: usize,
     ) -> BResult<()> {
+        validate::ring_store(ring, kv, n_tok, window)?;
         self.op_ring_store(ring, kv, pos0, n_tok, window)
     }
 
@@ -1382,6 +1333,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         ids: IBuf,
         weights: Slice,
     ) -> BResult<()> {
+        validate::router(logits, &routing, &args, ids, weights)?;
         self.op_router(logits, routing, args, ids, weights)
     }
 
@@ -1396,6 +1348,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::MoeArgs,
         out: Slice,
     ) -> BResult<()> {
+        validate::moe(x, ids, weights, gate, up, down, &args, out)?;
         self.op_moe(x, ids, weights, gate, up, down, args, out)
     }
 }

@@ -1,27 +1,30 @@
-//! `Mirror`: a backend that runs every op on the CPU reference and on the CUDA backend and
-//! compares the outputs op by op — the kernel test of `ds4-gpu-check ops`.
+//! `Mirror`: a backend that runs every op on a reference backend and on a candidate
+//! backend and compares the outputs op by op — the kernel test of `ds4-engine-check ops`
+//! (the CPU reference against CUDA; any two `Backend`s work, e.g. the CPU against HIP, or
+//! the CPU against itself in tests).
 //!
 //! Why a mirror instead of hand-made inputs per kernel: driven by the real forward pass on
 //! random models and random tokens, every op sees the shapes, strides, positions and value
 //! ranges it meets in a model (window roll-over, compressed rows appearing, hash and top-k
 //! routing, chunk boundaries), and a wrong kernel is named the moment it first diverges.
 //!
-//! Per op: GPU outputs that are not also inputs are first poisoned with NaN (so an element a
-//! kernel forgets to write fails), both backends run, the outputs are compared (relative
-//! error = max |gpu − cpu| / max |cpu|; NaN never passes), and the CPU result is copied into
-//! the GPU buffer so the next op starts from identical inputs.
+//! Per op: candidate outputs that are not also inputs are first poisoned with NaN (so an
+//! element a kernel forgets to write fails), both backends run, the outputs are compared
+//! (relative error = max |candidate − reference| / max |reference|; NaN never passes), and
+//! the reference result is copied into the candidate's buffer so the next op starts from
+//! identical inputs.
+//!
+//! Naming inside: `c*` helpers map a mirror handle to the reference side, `g*` to the
+//! candidate side (historically CPU and GPU).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use ds4_cpu::CpuBackend;
 use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, HcArgs, IBuf,
     IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightUse,
 };
 use ds4_gguf::GgufFile;
-
-use super::CudaBackend;
 
 /// What one op did over a run.
 #[derive(Debug, Clone, Default)]
@@ -33,9 +36,11 @@ pub struct OpStat {
     pub nan: usize,
 }
 
-pub struct Mirror {
-    pub cpu: CpuBackend,
-    pub gpu: CudaBackend,
+/// Reference backend `R`, candidate backend `C`; the forward pass sees one backend whose
+/// results are the reference's.
+pub struct Mirror<R: Backend, C: Backend> {
+    pub reference: R,
+    pub candidate: C,
     bufs: Vec<(Buf, Buf)>,
     ibufs: Vec<(IBuf, IBuf)>,
     weights: Vec<(Weight, Weight)>,
@@ -72,11 +77,11 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
-impl Mirror {
-    pub fn new(cpu: CpuBackend, gpu: CudaBackend) -> Mirror {
+impl<R: Backend, C: Backend> Mirror<R, C> {
+    pub fn new(reference: R, candidate: C) -> Self {
         Mirror {
-            cpu,
-            gpu,
+            reference,
+            candidate,
             bufs: Vec::new(),
             ibufs: Vec::new(),
             weights: Vec::new(),
@@ -146,22 +151,23 @@ impl Mirror {
         self.w(w).map(|p| p.1).unwrap_or(w)
     }
 
-    /// Runs `cpu_op` and `gpu_op`, compares `outs`, resyncs the GPU outputs.
+    /// Runs `cpu_op` on the reference and `gpu_op` on the candidate, compares `outs`,
+    /// resyncs the candidate's outputs.
     fn run(
         &mut self,
         op: &'static str,
         outs: &[Out],
-        cpu_op: impl FnOnce(&mut CpuBackend) -> BResult<()>,
-        gpu_op: impl FnOnce(&mut CudaBackend) -> BResult<()>,
+        cpu_op: impl FnOnce(&mut R) -> BResult<()>,
+        gpu_op: impl FnOnce(&mut C) -> BResult<()>,
     ) -> BResult<()> {
         for o in outs {
             if let Out::W(s) = *o {
                 let g = self.g(s);
-                self.gpu.fill(g, f32::NAN)?;
+                self.candidate.fill(g, f32::NAN)?;
             }
         }
-        cpu_op(&mut self.cpu)?;
-        gpu_op(&mut self.gpu)?;
+        cpu_op(&mut self.reference)?;
+        gpu_op(&mut self.candidate)?;
         let mut st = OpStat::default();
         st.calls += 1;
         for o in outs {
@@ -170,23 +176,23 @@ impl Mirror {
                     let (c, g) = self.b(s)?;
                     let mut cv = vec![0f32; s.len];
                     let mut gv = vec![0f32; s.len];
-                    self.cpu.download(c, &mut cv)?;
-                    self.gpu.download(g, &mut gv)?;
+                    self.reference.download(c, &mut cv)?;
+                    self.candidate.download(g, &mut gv)?;
                     let r = rel_err(&gv, &cv);
                     if !r.is_finite() {
                         st.nan += 1;
                     }
                     st.max_rel = st.max_rel.max(r);
-                    self.gpu.upload(g, &cv)?;
+                    self.candidate.upload(g, &cv)?;
                 }
                 Out::I(b, n) => {
                     let (c, g) = self.ib(b)?;
                     let mut cv = vec![0i32; n];
                     let mut gv = vec![0i32; n];
-                    self.cpu.download_i32(c, 0, &mut cv)?;
-                    self.gpu.download_i32(g, 0, &mut gv)?;
+                    self.reference.download_i32(c, 0, &mut cv)?;
+                    self.candidate.download_i32(g, 0, &mut gv)?;
                     st.int_mismatches += cv.iter().zip(&gv).filter(|(a, b)| a != b).count();
-                    self.gpu.upload_i32(g, 0, &cv)?;
+                    self.candidate.upload_i32(g, 0, &cv)?;
                 }
             }
         }
@@ -200,55 +206,62 @@ impl Mirror {
     }
 }
 
-impl Backend for Mirror {
+impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
     fn name(&self) -> String {
-        format!("mirror({} | {})", self.cpu.name(), self.gpu.name())
+        format!(
+            "mirror({} | {})",
+            self.reference.name(),
+            self.candidate.name()
+        )
     }
     fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
-        self.cpu.set_activation_q8(on)?;
-        self.gpu.set_activation_q8(on)
+        self.reference.set_activation_q8(on)?;
+        self.candidate.set_activation_q8(on)
     }
     fn alloc(&mut self, len: usize) -> BResult<Buf> {
-        let p = (self.cpu.alloc(len)?, self.gpu.alloc(len)?);
+        let p = (self.reference.alloc(len)?, self.candidate.alloc(len)?);
         self.bufs.push(p);
         Ok(Buf::new((self.bufs.len() - 1) as u32, len))
     }
     fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
-        let p = (self.cpu.alloc_i32(len)?, self.gpu.alloc_i32(len)?);
+        let p = (
+            self.reference.alloc_i32(len)?,
+            self.candidate.alloc_i32(len)?,
+        );
         self.ibufs.push(p);
         Ok(IBuf::new((self.ibufs.len() - 1) as u32, len))
     }
     fn free(&mut self, buf: Buf) {
         if let Ok((c, g)) = self.b(buf.all()) {
-            self.cpu.free(c.buf);
-            self.gpu.free(g.buf);
+            self.reference.free(c.buf);
+            self.candidate.free(g.buf);
         }
     }
     fn free_i32(&mut self, buf: IBuf) {
         if let Ok((c, g)) = self.ib(buf) {
-            self.cpu.free_i32(c);
-            self.gpu.free_i32(g);
+            self.reference.free_i32(c);
+            self.candidate.free_i32(g);
         }
     }
     fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
         let (c, g) = self.b(dst)?;
-        self.cpu.upload(c, src)?;
-        self.gpu.upload(g, src)
+        self.reference.upload(c, src)?;
+        self.candidate.upload(g, src)
     }
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
         let (c, g) = self.b(src)?;
         let mut gv = vec![0f32; dst.len()];
-        self.gpu.download(g, &mut gv)?;
-        self.cpu.download(c, dst)
+        self.candidate.download(g, &mut gv)?;
+        self.reference.download(c, dst)
     }
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
         let (c, g) = self.ib(dst)?;
-        self.cpu.upload_i32(c, off, src)?;
-        self.gpu.upload_i32(g, off, src)
+        self.reference.upload_i32(c, off, src)?;
+        self.candidate.upload_i32(g, off, src)
     }
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
         let (c, _) = self.ib(src)?;
-        self.cpu.download_i32(c, off, dst)
+        self.reference.download_i32(c, off, dst)
     }
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
         let (cs, gs, cd, gd) = (self.c(src), self.g(src), self.c(dst), self.g(dst));
@@ -261,8 +274,8 @@ impl Backend for Mirror {
     }
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
         let (c, g) = self.b(dst)?;
-        self.cpu.fill(c, value)?;
-        self.gpu.fill(g, value)
+        self.reference.fill(c, value)?;
+        self.candidate.fill(g, value)
     }
     fn load_weight(
         &mut self,
@@ -270,8 +283,8 @@ impl Backend for Mirror {
         name: &str,
         usage: WeightUse,
     ) -> BResult<Weight> {
-        let c = self.cpu.load_weight(file, name, usage)?;
-        let g = self.gpu.load_weight(file, name, usage)?;
+        let c = self.reference.load_weight(file, name, usage)?;
+        let g = self.candidate.load_weight(file, name, usage)?;
         self.weights.push((c, g));
         Ok(Weight::new((self.weights.len() - 1) as u32, c.info))
     }
@@ -282,8 +295,8 @@ impl Backend for Mirror {
         file: &Arc<GgufFile>,
         list: &[(String, WeightUse)],
     ) -> BResult<Vec<Weight>> {
-        let cs = self.cpu.load_weights(file, list)?;
-        let gs = self.gpu.load_weights(file, list)?;
+        let cs = self.reference.load_weights(file, list)?;
+        let gs = self.candidate.load_weights(file, list)?;
         if cs.len() != gs.len() {
             return Err(BackendError::Invalid {
                 op: "load_weights",
@@ -666,7 +679,7 @@ impl Backend for Mirror {
         )
     }
     fn attention(&mut self, a: AttnArgs) -> BResult<()> {
-        let map = |m: &Mirror, cpu: bool| -> AttnArgs {
+        let map = |m: &Self, cpu: bool| -> AttnArgs {
             let s = |x: Slice| if cpu { m.c(x) } else { m.g(x) };
             let comp = match a.comp {
                 CompSel::None => CompSel::None,
@@ -729,7 +742,7 @@ impl Backend for Mirror {
         ids: IBuf,
         weights: Slice,
     ) -> BResult<()> {
-        let rt = |m: &Mirror, cpu: bool| match routing {
+        let rt = |m: &Self, cpu: bool| match routing {
             Routing::TopK { bias } => Routing::TopK {
                 bias: bias.map(|b| if cpu { m.cw(b) } else { m.gw(b) }),
             },

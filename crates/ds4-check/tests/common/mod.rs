@@ -1,4 +1,5 @@
-//! Helpers shared by the fake-runtime test files: machine files and a tiny q2 model.
+//! Helpers shared by the ds4-check test files: machine files and a tiny q2 model.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 

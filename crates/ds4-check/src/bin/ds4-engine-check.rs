@@ -1,7 +1,7 @@
 //! ds4-engine-check: the CUDA engine backend against the CPU reference.
 //!
 //! * `ops [MODELS] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C] [--act-q8]` — every op of
-//!   the forward pass run on both backends through [`ds4_gpu::backend::mirror::Mirror`],
+//!   the forward pass run on both backends through [`ds4_check::mirror::Mirror`],
 //!   on the given GGUF files and on `N` freshly generated random tiny models (and a
 //!   real-dimension synthetic q2 model of `L` layers), with random tokens: per op, the
 //!   worst relative error, NaN count and integer mismatches. Fails above tolerance.
@@ -24,11 +24,11 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
+use ds4_check::mirror::{rel_err, Mirror};
 use ds4_convert::SyntheticModel;
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Engine, EngineConfig, Logits, NumericMode, Rng};
 use ds4_gguf::GgufFile;
-use ds4_gpu::backend::mirror::{rel_err, Mirror};
 use ds4_gpu::backend::{CudaBackend, CudaOptions};
 use ds4_model::layout::{placeholder_tokenizer, TypeRecipe};
 use ds4_model::HParams;

@@ -361,6 +361,8 @@ struct RefArgs {
     paths: Vec<usize>,
     only: Vec<String>,
     seed: u64,
+    /// Writes every per-position error here (JSON), for studying the bound.
+    dump: Option<String>,
 }
 
 const PATHS: [&str; 3] = ["prefill", "decode", "chunked"];
@@ -373,6 +375,7 @@ fn parse_reference(args: &[String]) -> Result<RefArgs> {
         paths: vec![0, 1, 2],
         only: Vec::new(),
         seed: 1,
+        dump: None,
     };
     let mut i = 0;
     while i < args.len() {
@@ -410,6 +413,7 @@ fn parse_reference(args: &[String]) -> Result<RefArgs> {
             }
             "--only" => a.only.push(v(i)?.clone()),
             "--seed" => a.seed = v(i)?.parse().context("--seed")?,
+            "--dump" => a.dump = Some(v(i)?.clone()),
             s if s.starts_with("--") => bail!("unknown option {s}"),
             s => {
                 a.fixtures = s.to_string();
@@ -428,9 +432,10 @@ struct RunTally {
     control: Option<Control>,
     /// (positions within TIGHT, positions, worst).
     pooled: (usize, usize, f64),
-    /// Sequences that failed the run's bound, with the reason.
+    /// Sequences that failed the strict bound (CPU engine), with the reason.
     failed: Vec<String>,
-    judged: usize,
+    /// The reordered bound's tally (GPU and controls).
+    reordered: refcheck::Reordered,
     /// Earliest departure from the reference over all sequences.
     first_departure: Option<usize>,
 }
@@ -468,10 +473,11 @@ fn reference(a: &RefArgs) -> Result<()> {
             control: *c,
             pooled: (0, 0, 0.0),
             failed: Vec::new(),
-            judged: 0,
+            reordered: refcheck::Reordered::default(),
             first_departure: None,
         })
         .collect();
+    let mut dump = serde_json::Map::new();
     for dir in dirs {
         let name = dir
             .file_name()
@@ -530,12 +536,17 @@ fn reference(a: &RefArgs) -> Result<()> {
                         let verdict = if r == 0 {
                             refcheck::strict(&e)
                         } else {
-                            refcheck::reordered(&e)
+                            t.reordered.add(&e)
                         };
+                        if a.dump.is_some() {
+                            dump.insert(
+                                format!("{name}/{variant}/{seq}/{}/{path}", t.label),
+                                serde_json::json!(e.errors),
+                            );
+                        }
                         t.pooled.0 += e.tight();
                         t.pooled.1 += e.len();
                         t.pooled.2 = t.pooled.2.max(e.worst());
-                        t.judged += 1;
                         if let Some(d) = e.departure() {
                             t.first_departure = Some(t.first_departure.map_or(d, |f| f.min(d)));
                         }
@@ -545,7 +556,8 @@ fn reference(a: &RefArgs) -> Result<()> {
                             e.summary(),
                             match &verdict {
                                 Ok(()) => String::new(),
-                                Err(w) => format!("  FAIL ({w})"),
+                                Err(w) if r == 0 => format!("  FAIL ({w})"),
+                                Err(w) => format!("  prefix not clean ({w})"),
                             }
                         );
                         if r == 1 && !a.cpu_only {
@@ -554,7 +566,7 @@ fn reference(a: &RefArgs) -> Result<()> {
                                     &format!("\n    (not met: the CPU engine's strict bound: {w})");
                             }
                         }
-                        if let Err(w) = verdict {
+                        if let (0, Err(w)) = (r, verdict) {
                             t.failed.push(format!("{name}/{variant}/{seq}/{path}: {w}"));
                         }
                     }
@@ -574,59 +586,66 @@ fn reference(a: &RefArgs) -> Result<()> {
         }
     }
     let _ = std::fs::remove_dir_all(&work);
+    if let Some(p) = &a.dump {
+        std::fs::write(p, serde_json::to_vec(&dump)?).with_context(|| format!("writing {p}"))?;
+    }
     let mut failed = Vec::new();
     println!(
-        "\nbounds: cpu engine strict (>= {:.0}% within {:e} per sequence, >= {:.0}% pooled, max {:e}, top-1); others reordered (first {} positions within {:e}, top-1 there)",
+        "\nbounds: cpu engine strict (>= {:.0}% within {:e} per sequence, >= {:.0}% pooled, max {:e}, top-1 where the gap > {:e});\n        others reordered (a prefix is clean when its first {} positions are within {:e} with identical top-1; every shorter sequence-path clean, >= {:.0}% of the others clean, no NaN)",
         100.0 * refcheck::STRICT_SHARE_PER_SEQ,
         refcheck::TIGHT,
         100.0 * refcheck::STRICT_SHARE_POOLED,
         refcheck::STRICT_LOOSE,
+        refcheck::TOP1_GAP,
         refcheck::PREFIX,
-        refcheck::PREFIX_MAX
+        refcheck::PREFIX_MAX,
+        100.0 * refcheck::CLEAN_SHARE
     );
     for (r, t) in tally.iter().enumerate() {
         let (tight, n, worst) = t.pooled;
         let share = tight as f64 / n.max(1) as f64;
-        let mut verdict = String::from("ok");
-        match t.control {
-            None => {
-                if r == 0 && share < refcheck::STRICT_SHARE_POOLED {
-                    failed.push(format!("cpu: pooled share {:.2}%", 100.0 * share));
-                    verdict = "FAIL (pooled share)".into();
-                }
-                if !t.failed.is_empty() {
-                    failed.push(format!("{}: {}", t.label, t.failed.join(", ")));
-                    verdict = format!("FAIL ({} sequences)", t.failed.len());
-                }
+        let rb = &t.reordered;
+        let verdict = if r == 0 {
+            if share < refcheck::STRICT_SHARE_POOLED {
+                failed.push(format!("cpu: pooled share {:.2}%", 100.0 * share));
+                "FAIL (pooled share)".to_string()
+            } else if !t.failed.is_empty() {
+                failed.push(format!("cpu: {}", t.failed.join(", ")));
+                format!("FAIL ({} sequence-paths)", t.failed.len())
+            } else {
+                "ok (strict)".into()
             }
-            // A correct control must pass everywhere; a planted bug must be caught somewhere.
-            Some(c) if c.is_correct() => {
-                if !t.failed.is_empty() {
-                    failed.push(format!(
-                        "{} (a correct control) rejected: {}",
-                        t.label,
-                        t.failed.join(", ")
-                    ));
-                    verdict = "FAIL: bound rejects a correct control".into();
-                } else {
-                    verdict = "ok (correct control accepted)".into();
+        } else {
+            let v = rb.verdict();
+            match (t.control, v) {
+                (None, Ok(())) => "ok (reordered)".into(),
+                (None, Err(w)) => {
+                    failed.push(format!("{}: {w}", t.label));
+                    format!("FAIL ({w})")
                 }
-            }
-            Some(_) => {
-                if t.failed.is_empty() {
+                // A correct control must pass; a planted bug must be caught.
+                (Some(c), Ok(())) if c.is_correct() => "ok (correct control accepted)".into(),
+                (Some(c), Err(w)) if c.is_correct() => {
+                    failed.push(format!("{} (a correct control) rejected: {w}", t.label));
+                    format!("FAIL: the bound rejects a correct control ({w})")
+                }
+                (Some(_), Ok(())) => {
                     failed.push(format!("{} (a planted bug) accepted", t.label));
-                    verdict = "FAIL: bound accepts a planted bug".into();
-                } else {
-                    verdict = format!(
-                        "ok (bug caught in {} of {} sequence-paths)",
-                        t.failed.len(),
-                        t.judged
-                    );
+                    "FAIL: the bound accepts a planted bug".into()
                 }
+                (Some(_), Err(w)) => format!("ok (bug caught: {w})"),
             }
-        }
+        };
+        let clean = if r == 0 {
+            String::new()
+        } else {
+            format!(
+                ", clean prefixes {}/{} short + {}/{} long",
+                rb.short.0, rb.short.1, rb.long.0, rb.long.1
+            )
+        };
         println!(
-            "{:<26} {n} position-paths, {:.2}% within {:e}, worst {worst:.2e}, earliest departure {}: {verdict}",
+            "{:<26} {n} position-paths, {:.2}% within {:e}, worst {worst:.2e}, earliest departure {}{clean}: {verdict}",
             t.label,
             100.0 * share,
             refcheck::TIGHT,
@@ -690,6 +709,6 @@ fn main() -> Result<()> {
         Some("ops") => ops(&rest()?),
         Some("parity") => parity(&rest()?),
         Some("reference") => reference(&parse_reference(args.get(1..).unwrap_or(&[]))?),
-        _ => bail!("usage: ds4-engine-check (ops|parity) [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]\n       ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S]"),
+        _ => bail!("usage: ds4-engine-check (ops|parity) [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]\n       ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]"),
     }
 }

@@ -31,6 +31,9 @@ pub enum Control {
     /// uniform noise of up to `amp`·max|output| — what summing in another order does, at
     /// the size the GPU op mirror measures (≤ 6.8e-7 of the op's max).
     Reorder { amp: f32 },
+    /// Correct: every reducing op's output value moved by uniform noise of up to `k` ulps of
+    /// itself (2⁻²³·k relative) — rounding differences of a well-conditioned reordering.
+    Ulps { k: f32 },
     /// Correct: every QAT input multiplied by 1 ± 2⁻²³ (random signs) before its round trip.
     QatNudge,
     /// Bug: the raw KV rows skip their FP8 round trip.
@@ -53,10 +56,10 @@ impl Control {
     /// Every control by name, for `--control all` and the usage text.
     pub const NAMES: &'static [&'static str] = &[
         "reorder",
+        "ulps:4",
         "qat-nudge",
         "no-fp8-kv",
         "no-fp8-comp",
-        "fp8-block-32",
         "fp8-scale-unrounded",
         "no-hadamard",
         "fp4-before-rope",
@@ -83,7 +86,13 @@ impl Control {
             "fp4-before-rope" => Control::Fp4BeforeRope,
             "comp-rope-last" => Control::CompRopeLast,
             _ => {
-                if let Some(a) = s.strip_prefix("reorder:") {
+                if let Some(k) = s.strip_prefix("ulps:") {
+                    let k: f32 = k.parse().map_err(|_| bad())?;
+                    if !(k.is_finite() && k >= 0.0) {
+                        return Err(format!("{s}: the ulp count must be finite and >= 0"));
+                    }
+                    Control::Ulps { k }
+                } else if let Some(a) = s.strip_prefix("reorder:") {
                     let amp: f32 = a.parse().map_err(|_| bad())?;
                     if !(amp.is_finite() && amp >= 0.0) {
                         return Err(format!("{s}: the amplitude must be finite and >= 0"));
@@ -106,7 +115,7 @@ impl Control {
     pub fn is_correct(self) -> bool {
         matches!(
             self,
-            Control::None | Control::Reorder { .. } | Control::QatNudge
+            Control::None | Control::Reorder { .. } | Control::Ulps { .. } | Control::QatNudge
         )
     }
 }
@@ -116,6 +125,7 @@ impl std::fmt::Display for Control {
         match self {
             Control::None => write!(f, "none"),
             Control::Reorder { amp } => write!(f, "reorder:{amp:e}"),
+            Control::Ulps { k } => write!(f, "ulps:{k}"),
             Control::QatNudge => write!(f, "qat-nudge"),
             Control::NoFp8Kv => write!(f, "no-fp8-kv"),
             Control::NoFp8Comp => write!(f, "no-fp8-comp"),
@@ -162,17 +172,22 @@ impl Controlled {
     }
 
     /// Reorder control: uniform noise of up to `amp`·max|out| on every value of `out`.
+    /// Ulps control: every value of `out` times 1 + u·k·2⁻²³, u uniform in [−1, 1].
     fn reorder(&mut self, out: Slice) -> BResult<()> {
-        let Control::Reorder { amp } = self.control else {
-            return Ok(());
+        let (abs, amp) = match self.control {
+            Control::Reorder { amp } => (true, amp as f64),
+            Control::Ulps { k } => (false, k as f64 * f32::EPSILON as f64),
+            _ => return Ok(()),
         };
         if out.len == 0 || amp == 0.0 {
             return Ok(());
         }
         let mut v = self.read(out)?;
-        let m = v.iter().fold(0f32, |m, x| m.max(x.abs())) as f64 * amp as f64;
+        let m = v.iter().fold(0f32, |m, x| m.max(x.abs())) as f64 * amp;
         for x in &mut v {
-            *x = (*x as f64 + m * (2.0 * self.rng.next_f64() - 1.0)) as f32;
+            let u = 2.0 * self.rng.next_f64() - 1.0;
+            let d = if abs { m } else { (*x as f64).abs() * amp };
+            *x = (*x as f64 + d * u) as f32;
         }
         self.inner.upload(out, &v)
     }

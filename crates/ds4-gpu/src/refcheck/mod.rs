@@ -8,16 +8,18 @@
 //!   identical top-1 where the reference's top-1/top-2 gap exceeds 1e-2. It holds for the CPU
 //!   engine because the engine's f32 rounding happens to sit close to the reference's; it is not
 //!   a property every correct implementation has.
-//! * [`reordered`]: the bound for any implementation with its own (f32-accurate) arithmetic
+//! * [`Reordered`]: the bound for any implementation with its own (f32-accurate) arithmetic
 //!   order, such as the GPU backend. FP8/FP4 simulations turn a last-bit difference next to a
 //!   rounding boundary into a whole grid step, and a changed KV or indexer row reaches every
 //!   later position that reads it, so after the first such flip a long sequence may legitimately
 //!   wander far from the reference (the reference itself in float32 reaches 0.70 with three
 //!   top-1 changes on one sequence). What stays true of a correct implementation is the
 //!   *prefix*: until the first flip every position agrees to f32 noise, and flips are rare, so
-//!   the first departure lies well into the sequence. A semantic bug departs at once. The bound
-//!   is therefore on the prefix (see [`reordered`] and tools/oracle/README.md, "Reorder and
-//!   negative controls", for the measurements behind each number).
+//!   a flip lands at a random position in a minority of sequences, while a semantic bug acts in
+//!   every sequence from the first position where its op runs. The bound ([`Reordered`]) is
+//!   therefore on the first [`PREFIX`] positions, counted over sequences (see
+//!   tools/oracle/README.md, "Reorder and negative controls", for the measurements behind each
+//!   number).
 
 pub mod controls;
 
@@ -31,12 +33,19 @@ pub const STRICT_LOOSE: f64 = 5e-3;
 /// Top-1 changes are excused where the reference's top-1/top-2 gap is at most this.
 pub const TOP1_GAP: f32 = 1e-2;
 
-/// Reordered bound: every position before this one must agree (e_t ≤ [`TIGHT`]) with an
-/// identical top-1 wherever the gap exceeds [`TOP1_GAP`].
-pub const PREFIX: usize = 64;
-/// Reordered bound: within the prefix, the largest e_t must also stay below this (f32 noise
-/// is ≤ 1e-5 on every sequence; a bug that sneaks under [`TIGHT`] would still show here).
-pub const PREFIX_MAX: f64 = 3e-5;
+/// Reordered bound: how many leading positions of a sequence are judged. By position 100
+/// every simulation has acted on every fixture (raw KV FP8 from 0, compressed-row FP8 from 3,
+/// indexer scoring from 35 or 67), and a correct implementation's boundary flips have mostly
+/// not yet propagated far.
+pub const PREFIX: usize = 100;
+/// Reordered bound: the largest e_t a *clean* prefix may have (one FP8 flip in a compressed row
+/// moves later logits by up to 5.8e-3 … 2.2e-3 in the measured controls; 5e-3 is the strict
+/// bound's every-position limit).
+pub const PREFIX_MAX: f64 = 5e-3;
+/// Reordered bound: the share of sequence-paths with at least [`PREFIX`] positions whose
+/// prefix must be clean. Measured: correct controls 50–100 % (the harshest, 16-ulp noise on
+/// every op, 50 %; the reference itself in float32 100 %), every planted bug 0 %.
+pub const CLEAN_SHARE: f64 = 1.0 / 3.0;
 
 /// Per-position errors of one sequence and the top-1 comparison.
 #[derive(Debug, Clone)]
@@ -192,11 +201,10 @@ pub fn strict(s: &SeqErrors) -> Result<(), String> {
     }
 }
 
-/// The bound for an implementation with its own f32 arithmetic order: over the first
-/// [`PREFIX`] positions (the whole sequence if shorter) every e_t ≤ [`PREFIX_MAX`] and the
-/// top-1 is identical wherever the gap exceeds [`TOP1_GAP`]. Later positions are reported,
-/// not judged (a boundary flip may move them arbitrarily far).
-pub fn reordered(s: &SeqErrors) -> Result<(), String> {
+/// Whether one sequence-path's prefix is clean: over the first [`PREFIX`] positions (the whole
+/// sequence if shorter) every e_t ≤ [`PREFIX_MAX`] and the top-1 is identical wherever the
+/// reference gap exceeds [`TOP1_GAP`]. The error says why not.
+pub fn clean_prefix(s: &SeqErrors) -> Result<(), String> {
     let n = PREFIX.min(s.len());
     let mut why = Vec::new();
     let w = s.prefix_worst(n);
@@ -207,16 +215,80 @@ pub fn reordered(s: &SeqErrors) -> Result<(), String> {
             at.map_or("?".into(), |a| a.to_string())
         ));
     }
-    let early: Vec<_> = s.top1_mismatch.iter().filter(|&&t| t < n).collect();
-    if !early.is_empty() {
+    let early = s.top1_mismatch.iter().filter(|&&t| t < n).count();
+    if early > 0 {
         why.push(format!(
-            "top-1 differs at {} of the first {n} positions",
-            early.len()
+            "top-1 differs at {early} of the first {n} positions"
         ));
     }
     if why.is_empty() {
         Ok(())
     } else {
         Err(why.join("; "))
+    }
+}
+
+/// The reordered bound, pooled over every sequence-path of a run (see [`Reordered::verdict`]).
+#[derive(Debug, Clone, Default)]
+pub struct Reordered {
+    /// Sequence-paths shorter than [`PREFIX`]: (clean, all).
+    pub short: (usize, usize),
+    /// Sequence-paths of at least [`PREFIX`] positions: (clean, all).
+    pub long: (usize, usize),
+    /// Sequence-paths with a NaN (or infinite) logit anywhere.
+    pub nan: usize,
+}
+
+impl Reordered {
+    /// Adds one sequence-path; returns its [`clean_prefix`] verdict.
+    pub fn add(&mut self, s: &SeqErrors) -> Result<(), String> {
+        let v = clean_prefix(s);
+        let c = usize::from(v.is_ok());
+        if s.len() < PREFIX {
+            self.short.0 += c;
+            self.short.1 += 1;
+        } else {
+            self.long.0 += c;
+            self.long.1 += 1;
+        }
+        if s.errors.iter().any(|e| e.is_infinite()) {
+            self.nan += 1;
+        }
+        v
+    }
+
+    /// The bound for an implementation with its own f32 arithmetic order:
+    /// * every sequence-path shorter than [`PREFIX`] is clean (no flip has room to grow);
+    /// * at least [`CLEAN_SHARE`] of the longer sequence-paths are clean: a correct
+    ///   implementation's flips are rare and land at random positions, a semantic bug acts
+    ///   in every sequence as soon as its op runs;
+    /// * no NaN anywhere.
+    pub fn verdict(&self) -> Result<(), String> {
+        let mut why = Vec::new();
+        if self.short.0 < self.short.1 {
+            why.push(format!(
+                "{} of {} short sequence-paths not clean",
+                self.short.1 - self.short.0,
+                self.short.1
+            ));
+        }
+        let share = self.long.0 as f64 / self.long.1.max(1) as f64;
+        if self.long.1 > 0 && share < CLEAN_SHARE {
+            why.push(format!(
+                "{} of {} sequence-paths of >= {PREFIX} positions clean ({:.0}% < {:.0}%)",
+                self.long.0,
+                self.long.1,
+                100.0 * share,
+                100.0 * CLEAN_SHARE
+            ));
+        }
+        if self.nan > 0 {
+            why.push(format!("NaN in {} sequence-paths", self.nan));
+        }
+        if why.is_empty() {
+            Ok(())
+        } else {
+            Err(why.join("; "))
+        }
     }
 }

@@ -72,7 +72,7 @@ fn argmax(r: &[f32]) -> usize {
 /// Compares `got` with `want` (`[T, vocab]` each); `gaps` is the reference's per-position
 /// top-1/top-2 gap. Errors (not panics) on inconsistent lengths.
 pub fn compare(got: &[f32], want: &[f32], gaps: &[f32], vocab: usize) -> Result<SeqErrors, String> {
-    if vocab == 0 || want.len() % vocab != 0 {
+    if vocab == 0 || !want.len().is_multiple_of(vocab) {
         return Err(format!(
             "reference of {} values is not a whole number of rows of {vocab}",
             want.len()

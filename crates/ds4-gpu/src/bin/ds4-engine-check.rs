@@ -9,16 +9,19 @@
 //!   engine against the CPU engine, through prefill, token-by-token decode and chunked
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode
 //!   (1e-3) where the model allows it.
-//! * `reference [FIXTURES_DIR] [--cpu-only]` — official mode against the official-mode reference logits of
+//! * `reference [FIXTURES_DIR] [--cpu-only] [--control NAME|all]... [--paths P,..] [--only FIX]...
+//!   [--seed S] [--dump FILE]` — official mode against the official-mode reference logits of
 //!   the tiny fixtures (`tests/fixtures/tiny-*/official.safetensors`, written by
 //!   `tools/oracle/make_official.py` from DeepSeek's reference semantics): every fixture and
-//!   q2/q4 variant is converted, run through prefill, token-by-token decode and chunked prefill
-//!   on the CUDA backend and on the CPU backend, and both are judged with the bound of
-//!   `crates/ds4-cpu/tests/official_reference.rs` (pooled >= 95 % of positions within 1e-4
-//!   relative, >= 85 % per sequence, every position within 5e-3, identical top-1 where the
-//!   reference gap exceeds 1e-2). The GPU's error against the CPU engine is printed too, so
-//!   whatever the GPU adds is reported apart from the engine's own error. `--cpu-only` skips
-//!   the GPU (a machine without one can check the command and the CPU numbers).
+//!   q2/q4 variant is converted and run through prefill, token-by-token decode and chunked
+//!   prefill. The CPU engine is judged by the strict bound of
+//!   `crates/ds4-cpu/tests/official_reference.rs`; the CUDA backend, whose f32 arithmetic order
+//!   is its own, by the reordered bound of [`ds4_gpu::refcheck::Reordered`] (clean first-100
+//!   prefixes), with the strict verdict printed for information and its error against the CPU
+//!   engine reported apart. `--control` adds CPU runs under a control backend
+//!   ([`ds4_gpu::refcheck::controls`]): correct reorderings must pass the reordered bound and
+//!   planted bugs must fail it, or the command fails. `--cpu-only` skips the GPU (a machine
+//!   without one can check the command, the CPU numbers and the controls).
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};

@@ -215,3 +215,25 @@ fn pooled_rule_counts_clean_prefixes() {
     assert!(p.add(&short).is_err());
     assert!(p.verdict().is_err(), "an unclean short sequence passed");
 }
+
+/// Control names: every listed one parses and prints back; bad ones are errors, not panics.
+#[test]
+fn control_names_parse_and_bad_ones_are_errors() {
+    for n in Control::NAMES {
+        let c = Control::parse(n).unwrap();
+        assert_eq!(Control::parse(&c.to_string()).unwrap(), c, "{n}");
+    }
+    for bad in [
+        "bogus",
+        "reorder:-1",
+        "reorder:nan",
+        "ulps:x",
+        "ulps:inf",
+        "fp8-block-0",
+        "",
+    ] {
+        assert!(Control::parse(bad).is_err(), "{bad:?} parsed");
+    }
+    assert!(Control::parse("ulps:1").unwrap().is_correct());
+    assert!(!Control::parse("no-hadamard").unwrap().is_correct());
+}

@@ -12,8 +12,6 @@
 //!   runtime for tests.
 //! * [`api`]: [`api::GpuApi`], the runtime interface the engine backend runs on (CUDA and
 //!   HIP implement it).
-//! * [`refcheck`]: judging official-mode logits against the fixtures' float64 reference, and
-//!   the control backends (reorder noise, planted bugs) that calibrate the bound.
 //!
 //! No function here panics because a GPU library is missing; all report
 //! [`GpuError`] instead.
@@ -26,7 +24,6 @@ pub mod error;
 pub mod hip;
 pub mod kernels;
 pub mod loader;
-pub mod refcheck;
 pub mod tables;
 
 pub use cache::KernelCache;

@@ -16,10 +16,10 @@
 //!   q2/q4 variant is converted and run through prefill, token-by-token decode and chunked
 //!   prefill. The CPU engine is judged by the strict bound of
 //!   `crates/ds4-cpu/tests/official_reference.rs`; the CUDA backend, whose f32 arithmetic order
-//!   is its own, by the reordered bound of [`ds4_gpu::refcheck::Reordered`] (clean first-100
+//!   is its own, by the reordered bound of [`ds4_check::refcheck::Reordered`] (clean first-100
 //!   prefixes), with the strict verdict printed for information and its error against the CPU
 //!   engine reported apart. `--control` adds CPU runs under a control backend
-//!   ([`ds4_gpu::refcheck::controls`]): correct reorderings must pass the reordered bound and
+//!   ([`ds4_check::refcheck::controls`]): correct reorderings must pass the reordered bound and
 //!   planted bugs must fail it, or the command fails. `--cpu-only` skips the GPU (a machine
 //!   without one can check the command, the CPU numbers and the controls).
 
@@ -28,12 +28,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use ds4_check::mirror::{rel_err, Mirror};
+use ds4_check::refcheck::{self, controls::Control, controls::Controlled};
 use ds4_convert::SyntheticModel;
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Engine, EngineConfig, Logits, NumericMode, Rng};
 use ds4_gguf::GgufFile;
 use ds4_gpu::backend::{CudaBackend, CudaOptions};
-use ds4_gpu::refcheck::{self, controls::Control, controls::Controlled};
 use ds4_model::layout::{placeholder_tokenizer, TypeRecipe};
 use ds4_model::HParams;
 

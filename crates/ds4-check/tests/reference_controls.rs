@@ -1,5 +1,5 @@
 //! The official-mode bound for implementations with their own f32 arithmetic order
-//! (`ds4_gpu::refcheck::Reordered`, what `ds4-engine-check reference` judges the GPU by) must
+//! (`ds4_check::refcheck::Reordered`, what `ds4-engine-check reference` judges the GPU by) must
 //! accept correct implementations that round differently and reject plausible bugs. This runs
 //! both kinds of control on the CPU, through the same judging code, on one fixture sequence
 //! (tiny-hca16 `medium`, 100 tokens: every simulation has acted by position 35).
@@ -11,11 +11,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use ds4_check::refcheck::controls::{Control, Controlled};
+use ds4_check::refcheck::{self, SeqErrors};
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Backend, Engine, EngineConfig, Logits, NumericMode};
 use ds4_gguf::GgufFile;
-use ds4_gpu::refcheck::controls::{Control, Controlled};
-use ds4_gpu::refcheck::{self, SeqErrors};
 
 struct Case {
     file: Arc<GgufFile>,

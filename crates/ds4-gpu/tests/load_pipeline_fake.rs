@@ -201,7 +201,7 @@ impl WeightSource for Rows {
 
     fn fill_range(&self, name: &str, start: usize, out: &mut [u8]) -> Result<(), String> {
         use std::sync::atomic::Ordering;
-        if start % self.granule != 0 {
+        if !start.is_multiple_of(self.granule) {
             return Err(format!("{name}: piece starts at {start}, off the granule"));
         }
         self.largest.fetch_max(out.len(), Ordering::Relaxed);

@@ -234,7 +234,7 @@ impl WeightSource for Synth {
             .ok_or_else(|| format!("no synthetic tensor {name}"))?;
         let (_, row_bytes) = self.0.rows(i).map_err(|e| e.to_string())?;
         let rb = row_bytes as usize;
-        if rb == 0 || start % rb != 0 {
+        if rb == 0 || !start.is_multiple_of(rb) {
             return Err(format!(
                 "{name}: piece at byte {start} is not on a {rb}-byte row"
             ));

@@ -82,15 +82,16 @@ pub use executor::{execute, Actual, AllocError, Allocated, Allocator, LoadFailur
 pub use host::{parse_meminfo, CgroupFacts, CgroupVersion, HostFacts, HostOs, MemInfo};
 pub use inventory::{TensorClass, TensorInventory, TensorSpec, WeightSet};
 pub use plan::{
-    Arena, BudgetFacts, Buffer, BufferPurpose, ClassRow, Decision, Ledger, LoadStrategy,
-    ManagedAdvice, MemKind, Plan, Pool, PoolLedger, Rule, Span, WeightsMode,
+    Arena, BudgetFacts, Buffer, BufferPurpose, ClassRow, Decision, ExpertStream, Ledger,
+    LoadStrategy, ManagedAdvice, MemKind, Plan, Pool, PoolLedger, Rule, Span, StreamedTensor,
+    WeightsMode,
 };
 pub use planner::plan;
 pub use policy::{admit, stream_cache_cap, Policy};
 pub use refusal::{FitRefusal, Refusal, Remedy, Shortfall, Unsupported};
 pub use request::{
-    override_table_markdown, resolve_overrides, CliOverrides, MemChoice, OptionalCache, Overrides,
-    Request, Setting, Source, OVERRIDE_TABLE,
+    override_table_markdown, resolve_overrides, CliOverrides, ExpertsChoice, MemChoice,
+    OptionalCache, Overrides, Request, RoutedExperts, Setting, Source, OVERRIDE_TABLE,
 };
 
 /// A described machine, as `ds4 plan --machine FILE.json` reads it.

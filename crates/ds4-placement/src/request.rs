@@ -713,6 +713,7 @@ mod tests {
         for d in OVERRIDE_TABLE {
             let val = match d.values {
                 "0|1" => "1",
+                "auto|resident|stream" => "stream",
                 v if v.starts_with("auto") => "managed",
                 _ => "3",
             };

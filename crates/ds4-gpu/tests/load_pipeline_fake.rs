@@ -192,7 +192,9 @@ impl Rows {
 
 impl WeightSource for Rows {
     fn fill(&self, name: &str, _out: &mut [u8]) -> Result<(), String> {
-        Err(format!("{name}: whole-tensor fill asked of a piecewise source"))
+        Err(format!(
+            "{name}: whole-tensor fill asked of a piecewise source"
+        ))
     }
 
     fn granule(&self, _name: &str) -> Option<usize> {

@@ -40,7 +40,10 @@ fn run(m: &str, inv: &TensorInventory, req: &Request) -> Result<Plan, Refusal> {
 fn check_streamed(p: &Plan, inv: &TensorInventory, cache_kind: MemKind) {
     assert_eq!(p.mode, WeightsMode::Streamed);
     assert!(p.ledger.fits(), "{}", p.render_text());
-    let st = p.stream.as_ref().expect("a streamed plan describes its stream");
+    let st = p
+        .stream
+        .as_ref()
+        .expect("a streamed plan describes its stream");
     // Every routed-expert tensor is streamed, and no arena holds one; every other tensor
     // sits in exactly one span, named as in the inventory.
     let mut placed = vec![0usize; inv.tensors.len()];
@@ -97,7 +100,10 @@ fn discrete_16g_32g_q2_streams_instead_of_refusing() {
     assert!(st.per_token_bytes > GIB && st.per_token_bytes < 2 * GIB);
     // The device holds the rest, the session and the cache; a pinned host tier takes RAM
     // but leaves the optional-cache reserve free.
-    let tier = st.host_tier.as_ref().expect("32 GB of RAM leave room for a host tier");
+    let tier = st
+        .host_tier
+        .as_ref()
+        .expect("32 GB of RAM leave room for a host tier");
     assert_eq!(tier.kind, MemKind::PinnedHost);
     assert!(p.ledger.host.headroom() >= Policy::default().optional_reserve);
     let d = p.decision("weights.routed_experts").unwrap();

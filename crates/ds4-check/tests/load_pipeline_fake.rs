@@ -172,6 +172,90 @@ fn a_weight_source_fills_device_weights_through_the_pipeline() {
     });
 }
 
+/// A source that fills pieces of `granule` bytes (like rows of a generated tensor) and
+/// refuses whole-tensor fills, recording the largest piece it was asked for.
+struct Rows {
+    granule: usize,
+    largest: std::sync::atomic::AtomicUsize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Rows {
+    fn new(granule: usize) -> Rows {
+        Rows {
+            granule,
+            largest: 0.into(),
+            calls: 0.into(),
+        }
+    }
+}
+
+impl WeightSource for Rows {
+    fn fill(&self, name: &str, _out: &mut [u8]) -> Result<(), String> {
+        Err(format!(
+            "{name}: whole-tensor fill asked of a piecewise source"
+        ))
+    }
+
+    fn granule(&self, _name: &str) -> Option<usize> {
+        Some(self.granule)
+    }
+
+    fn fill_range(&self, name: &str, start: usize, out: &mut [u8]) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        if !start.is_multiple_of(self.granule) {
+            return Err(format!("{name}: piece starts at {start}, off the granule"));
+        }
+        self.largest.fetch_max(out.len(), Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let mut whole = vec![0u8; start + out.len()];
+        Pattern.fill(name, &mut whole)?;
+        out.copy_from_slice(&whole[start..]);
+        Ok(())
+    }
+}
+
+/// A source with a granule is filled piecewise straight into the staging buffers (and
+/// the host-visible destinations): no piece is larger than a staging buffer (or one
+/// granule, when that is larger), so no reader stages a whole tensor on the heap.
+#[test]
+fn a_piecewise_source_is_filled_in_bounded_pieces() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file(dir.path());
+    let list = tensor_list(&file);
+    let biggest = list
+        .iter()
+        .map(|(n, _)| file.tensor_bytes(n).unwrap().1.len())
+        .max()
+        .unwrap();
+    // 48 does not divide the 1000-byte staging buffers; 1500 is larger than one.
+    for (granule, choice) in [
+        (48usize, MemChoice::Device),
+        (1500, MemChoice::Device),
+        (48, MemChoice::Auto),
+    ] {
+        let m = machine("strix-halo-stock");
+        let fake = FakeHip::for_machine(&m, Faults::default());
+        let src = Arc::new(Rows::new(granule));
+        let mut be = backend(&fake, &m, choice, Some(src.clone()));
+        be.set_load_config(tiny_ring(3));
+        be.load_weights(&file, &list).unwrap();
+        assert_read_back(&be, &list, "source", |n| {
+            let mut want = vec![0u8; file.tensor_bytes(n).unwrap().1.len()];
+            Pattern.fill(n, &mut want).unwrap();
+            want
+        });
+        let largest = src.largest.load(Ordering::Relaxed);
+        let bound = granule.max(1000 / granule * granule);
+        assert!(
+            largest <= bound && bound < biggest,
+            "granule {granule}: largest piece {largest}, bound {bound}, tensor {biggest}"
+        );
+        assert!(src.calls.load(Ordering::Relaxed) > list.len());
+    }
+}
+
 /// A source that fails on one tensor: the load stops with an error naming it.
 struct Failing;
 

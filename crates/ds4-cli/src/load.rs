@@ -337,6 +337,15 @@ pub fn placement_plan(
                 writeln!(log, "placement plan for {}", planned.description)?;
                 write!(log, "{}", plan.render_text())?;
             }
+            if let Some(st) = &plan.stream {
+                bail!(
+                    "placement for {}: the model fits only with routed experts streamed from the file \
+                     (a {:.1} GiB expert cache; `ds4 plan` shows the plan), and the engine cannot \
+                     stream experts yet",
+                    planned.description,
+                    st.cache.bytes as f64 / (1u64 << 30) as f64
+                );
+            }
             Ok(plan)
         }
         Err(refusal) => bail!("placement refused for {}: {refusal}", planned.description),

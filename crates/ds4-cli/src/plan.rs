@@ -170,6 +170,16 @@ pub fn plan_inventory(
     request.kv_fixed_bytes = kv::kv_fixed_bytes(hparams);
     request.prefill_chunk = args.prefill_chunk;
     request.overrides = overrides;
+    request.routed_experts = u32::try_from(hparams.n_expert)
+        .ok()
+        .zip(u32::try_from(hparams.n_expert_used).ok())
+        .filter(|&(n, k)| n > 0 && k > 0)
+        .map(
+            |(per_layer, per_token)| ds4_placement::request::RoutedExperts {
+                per_layer,
+                per_token,
+            },
+        );
     let result = plan(host, device, inventory, &request, &Policy::default());
     Ok(result)
 }

@@ -124,7 +124,16 @@ fn plan_small_discrete_gpu_is_hybrid_and_q4_on_strix_is_refused() {
     assert_eq!(o.status.code(), Some(0));
     assert!(stdout(&o).contains("weights: hybrid"), "{}", stdout(&o));
     let m = format!("{MACHINES}/strix-halo-stock.json");
-    let o = ds4(&["plan", "--synthetic", "q4", "--machine", &m]);
+    // Resident only: otherwise it streams the experts (see below).
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q4",
+        "--machine",
+        &m,
+        "--experts",
+        "resident",
+    ]);
     assert_eq!(o.status.code(), Some(3));
     let s = stdout(&o);
     assert!(
@@ -151,11 +160,13 @@ fn plan_small_discrete_gpu_is_hybrid_and_q4_on_strix_is_refused() {
         &m,
         "--weights-mem",
         "device",
+        "--experts",
+        "resident",
     ]);
     assert_eq!(
         o.status.code(),
         Some(3),
-        "forcing device weights on a 62 GiB pool must refuse"
+        "forcing resident device weights on a 62 GiB pool must refuse"
     );
 }
 
@@ -186,5 +197,35 @@ fn plan_for_the_cuda_device_or_a_clear_error() {
     } else {
         assert_eq!(o.status.code(), Some(1), "{err}");
         assert!(err.contains("CUDA"), "{err}");
+    }
+}
+
+#[test]
+fn plan_streams_experts_where_nothing_resident_fits() {
+    for (machine, cache) in [
+        ("discrete-16g-32g", "GiB in device"),
+        ("cpu-64g", "GiB in host (pageable)"),
+    ] {
+        let m = format!("{MACHINES}/{machine}.json");
+        let o = ds4(&["plan", "--synthetic", "q2", "--machine", &m]);
+        let s = stdout(&o);
+        assert_eq!(o.status.code(), Some(0), "{machine}: {s}");
+        assert!(s.contains("weights: streamed routed experts"), "{s}");
+        assert!(s.contains(cache), "{machine}: {s}");
+        assert!(
+            s.contains("hit rate") && s.contains("ASSUMED") && s.contains("tok/s"),
+            "{s}"
+        );
+        // Asked to keep experts resident, the same machine refuses.
+        let o = ds4(&[
+            "plan",
+            "--synthetic",
+            "q2",
+            "--machine",
+            &m,
+            "--experts",
+            "resident",
+        ]);
+        assert_eq!(o.status.code(), Some(3), "{machine}");
     }
 }

@@ -9,6 +9,8 @@
 
 use crate::error::{EngineError, Result};
 
+mod fast;
+
 /// Sampling parameters. The defaults are greedy decoding.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplerConfig {
@@ -125,6 +127,10 @@ impl Rng {
 /// that formulation as a reference); only the floating-point summation order of
 /// normalisers may differ, which can change a token only when the uniform draw lands
 /// within rounding (~1e-16 relative) of a boundary.
+///
+/// Plain temperature and nucleus sampling (top-k off) go through a banded-mass fast path
+/// first (`sampler/fast.rs`) that returns this exact path's token or, when a comparison
+/// is too close to call, nothing, and then the exact path decides with the same draw.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     cfg: SamplerConfig,
@@ -135,6 +141,10 @@ pub struct Sampler {
     keys: Vec<u64>,
     /// Reused across calls: distinct ids of the repetition window.
     seen: Vec<u32>,
+    /// Reused across calls: the banded-mass fast path's buffers (see `fast`).
+    fast: fast::Scratch,
+    /// Whether the fast path may answer first (tests turn it off to get the exact path).
+    use_fast: bool,
 }
 
 /// Candidate sets up to this size are sorted whole at once (cheap, and the normaliser is
@@ -151,6 +161,8 @@ impl Sampler {
             work: Vec::new(),
             keys: Vec::new(),
             seen: Vec::new(),
+            fast: fast::Scratch::default(),
+            use_fast: true,
         })
     }
 
@@ -184,6 +196,8 @@ impl Sampler {
             work,
             keys,
             seen,
+            fast,
+            use_fast,
         } = self;
         let l: &[f32] = if cfg.repeat_penalty != 1.0 {
             work.clear();
@@ -251,6 +265,14 @@ impl Sampler {
         };
         // The uniform draw (exactly one per sampled token, as the reference).
         let u = rng.next_f64();
+        // Settings whose draw depends on the whole vocabulary's mass: the banded fast
+        // path decides unless a comparison is too close to call, then the exact path
+        // below runs with the same draw.
+        if *use_fast && top_k == 0 && (need_z || cfg.min_p == 0.0) {
+            if let Some(t) = fast::sample(fast, l, top32, cfg, u, min_p_cut) {
+                return Ok(t);
+            }
+        }
         let mut vocab_mass = f64::NAN;
         let (cut, mut z, complete) = if top_k > 0 {
             let mut d = 4.0f64;
@@ -813,6 +835,144 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Logits shaped like the criterion bench's: an Irwin–Hall bulk of width `sigma`,
+    /// optionally with a few strong candidates far above it.
+    fn bench_like(rng: &mut Rng, n: usize, sigma: f64, peaked: bool) -> Vec<f32> {
+        let mut l: Vec<f32> = (0..n)
+            .map(|_| {
+                let s: f64 = (0..4).map(|_| rng.next_f64()).sum::<f64>() - 2.0;
+                (s * sigma * 3f64.sqrt()) as f32
+            })
+            .collect();
+        if peaked {
+            for k in 0..12 {
+                l[(rng.next_u64() % n as u64) as usize] = 20.0 - 0.5 * k as f32;
+            }
+        }
+        l
+    }
+
+    fn exact_only(c: &SamplerConfig) -> Sampler {
+        let mut s = Sampler::new(c.clone()).unwrap();
+        s.use_fast = false;
+        s
+    }
+
+    #[test]
+    fn fast_masses_are_within_their_stated_error_of_libm() {
+        // Random logits, maxima and temperatures of every scale in use, against the exact
+        // path's f64 formula (tokens within the grid's 40 temperatures of the maximum).
+        let mut g = Rng::new(11);
+        let mut worst = 0f64;
+        let mut checked = 0;
+        for i in 0..300_000 {
+            let temp = [0.05f32, 0.3, 0.7, 1.0, 1.3, 2.0, 5.0][i % 7];
+            let top = (g.next_f64() * 60.0 - 20.0) as f32;
+            let x = top - (g.next_f64() * 39.0 * temp as f64) as f32;
+            let want = ((x as f64 - top as f64) * (1.0 / temp as f64)).exp();
+            let got = fast::mass(x, top, temp).expect("grid");
+            worst = worst.max((got - want).abs() / want);
+            checked += 1;
+        }
+        assert_eq!(checked, 300_000);
+        assert!(worst < fast::REL_ERR, "worst relative error {worst:e}");
+        eprintln!("worst relative mass error {worst:e}");
+    }
+
+    /// The fast path against the exact path (the sampler before it) with the same draw:
+    /// it answers the exact path's token or nothing, and it answers almost always.
+    #[test]
+    fn fast_path_draws_the_exact_paths_token() {
+        let mut g = Rng::new(77);
+        let mut answered = 0usize;
+        let mut asked = 0usize;
+        let settings = [
+            (1.0f32, 1.0f32, 0.0f32),
+            (0.7, 1.0, 0.0),
+            (1.6, 1.0, 0.0),
+            (1.0, 0.9, 0.0),
+            (0.8, 0.5, 0.0),
+            (1.0, 0.95, 0.05),
+            (1.3, 0.9, 0.3),
+        ];
+        for (si, &(temperature, top_p, min_p)) in settings.iter().enumerate() {
+            for (li, &(n, sigma, peaked)) in [
+                (129_280usize, 3.5f64, false),
+                (129_280, 2.0, true),
+                (5000, 1.0, false),
+                (300, 6.0, true),
+            ]
+            .iter()
+            .enumerate()
+            {
+                let l = bench_like(&mut g, n, sigma, peaked);
+                let c = SamplerConfig {
+                    temperature,
+                    top_p,
+                    min_p,
+                    seed: (si * 10 + li) as u64,
+                    ..SamplerConfig::default()
+                };
+                let mut exact = exact_only(&c);
+                let mut new = Sampler::new(c.clone()).unwrap();
+                let mut probe = Rng::new(c.seed);
+                let top = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let cut = if min_p > 0.0 {
+                    let c = top as f64 + temperature as f64 * (min_p as f64).ln();
+                    round_down(c - 1e-6 * (1.0 + c.abs()))
+                } else {
+                    f32::NEG_INFINITY
+                };
+                let mut scratch = fast::Scratch::default();
+                for step in 0..60 {
+                    let want = exact.sample(&l, &[]).unwrap();
+                    assert_eq!(new.sample(&l, &[]).unwrap(), want, "{c:?} {li} {step}");
+                    // The same draw, straight into the fast path: never a wrong token.
+                    let u = probe.next_f64();
+                    asked += 1;
+                    let got = fast::sample(&mut scratch, &l, top, &c, u, cut);
+                    if got.is_none() {
+                        eprintln!("declined si {si} li {li} u {u}");
+                    }
+                    if let Some(t) = got {
+                        assert_eq!(t, want, "{c:?} {li} step {step} u {u}");
+                        answered += 1;
+                    }
+                }
+            }
+        }
+        // Closeness to a boundary is rare; if the fast path declined often this test
+        // would be checking the exact path against itself.
+        assert!(
+            answered * 100 >= asked * 97,
+            "answered {answered} of {asked}"
+        );
+    }
+
+    #[test]
+    fn fast_path_declines_a_draw_on_a_boundary() {
+        // Two equal logits: mass 1 each, so u = 0.5 lands exactly on the boundary.
+        let l = [0.5f32, 0.5, -30.0];
+        let c = SamplerConfig {
+            temperature: 1.0,
+            ..SamplerConfig::default()
+        };
+        let mut s = fast::Scratch::default();
+        let mut at = |u: f64| fast::sample(&mut s, &l, 0.5, &c, u, f32::NEG_INFINITY);
+        assert_eq!(at(0.5), None);
+        assert_eq!(at(0.5 + 1e-9), None);
+        assert_eq!(at(0.5 + 1e-6), Some(1));
+        assert_eq!(at(0.5 - 1e-6), Some(0));
+        assert_eq!(at(0.3), Some(0));
+        assert_eq!(at(0.7), Some(1));
+        // A nucleus of 0.5 ends exactly at token 0's mass: too close to call.
+        let c = SamplerConfig { top_p: 0.5, ..c };
+        assert_eq!(
+            fast::sample(&mut s, &l, 0.5, &c, 0.1, f32::NEG_INFINITY),
+            None
+        );
     }
 
     #[test]

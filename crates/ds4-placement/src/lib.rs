@@ -38,6 +38,21 @@
 //! - CPU backend: pageable host memory.
 //! - `--weights-mem device|host|managed` forces a kind with no fallback chain.
 //!
+//! # Streamed experts
+//! When nothing resident fits (or with `--experts stream` / `DS4_EXPERTS=stream`), and
+//! the request gives the routed-expert shape, the plan keeps every routed-expert tensor
+//! in the model file and plans the rest exactly like a resident model without them. The
+//! expert cache then takes the room left in the pool the device computes from (device
+//! memory on a discrete GPU, the weights' kind on unified memory, host memory on the
+//! CPU; in host memory beyond its minimum it leaves the optional-cache reserve free), in
+//! whole (layer, expert) units; a discrete GPU gets a second tier in pinned host memory
+//! where RAM allows. The plan is refused only when the cache cannot hold one token's
+//! units plus [`Policy::stream_min_extra_cache`]. Its speed estimate (tokens/s the disk
+//! allows) rests on two assumptions it states: the disk's read rate (measured when the
+//! request carries one, else the policy's) and a hit rate equal to the cached share of
+//! all units (uniform routing). [`plan::ExpertStream`] says what an expert cache may
+//! rely on. `--experts resident` never streams.
+//!
 //! # Arenas
 //! A tensor of at least 256 MiB gets its own allocation of exactly its size (rounded
 //! chunks stranded up to 13 GiB in ds4); smaller tensors are bump-allocated, 256-byte
@@ -82,15 +97,16 @@ pub use executor::{execute, Actual, AllocError, Allocated, Allocator, LoadFailur
 pub use host::{parse_meminfo, CgroupFacts, CgroupVersion, HostFacts, HostOs, MemInfo};
 pub use inventory::{TensorClass, TensorInventory, TensorSpec, WeightSet};
 pub use plan::{
-    Arena, BudgetFacts, Buffer, BufferPurpose, ClassRow, Decision, Ledger, LoadStrategy,
-    ManagedAdvice, MemKind, Plan, Pool, PoolLedger, Rule, Span, WeightsMode,
+    Arena, BudgetFacts, Buffer, BufferPurpose, ClassRow, Decision, ExpertStream, Ledger,
+    LoadStrategy, ManagedAdvice, MemKind, Plan, Pool, PoolLedger, Rule, Span, StreamedTensor,
+    WeightsMode,
 };
 pub use planner::plan;
 pub use policy::{admit, stream_cache_cap, Policy};
 pub use refusal::{FitRefusal, Refusal, Remedy, Shortfall, Unsupported};
 pub use request::{
-    override_table_markdown, resolve_overrides, CliOverrides, MemChoice, OptionalCache, Overrides,
-    Request, Setting, Source, OVERRIDE_TABLE,
+    override_table_markdown, resolve_overrides, CliOverrides, ExpertsChoice, MemChoice,
+    OptionalCache, Overrides, Request, RoutedExperts, Setting, Source, OVERRIDE_TABLE,
 };
 
 /// A described machine, as `ds4 plan --machine FILE.json` reads it.

@@ -107,6 +107,8 @@ pub enum BufferPurpose {
     Kv,
     Scratch,
     OptionalCache,
+    /// Slots for routed experts streamed from the model file (see [`ExpertStream`]).
+    ExpertCache,
 }
 
 /// A non-weight allocation.
@@ -129,6 +131,9 @@ pub enum WeightsMode {
     Pageable,
     /// Per-token tensors on the device, (most) routed experts in pinned host memory.
     Hybrid,
+    /// Everything but the routed experts resident; routed experts read from the model
+    /// file on demand into a fixed expert cache ([`Plan::stream`]).
+    Streamed,
 }
 
 impl WeightsMode {
@@ -139,6 +144,7 @@ impl WeightsMode {
             WeightsMode::Managed => "managed",
             WeightsMode::Pageable => "host (pageable)",
             WeightsMode::Hybrid => "hybrid (device + pinned host)",
+            WeightsMode::Streamed => "streamed routed experts (resident rest + expert cache)",
         }
     }
 }
@@ -175,6 +181,8 @@ pub enum Rule {
     OptionalAdmitted,
     /// Optional cache dropped: it would eat into the workspace reserve.
     OptionalDropped,
+    /// Nothing resident fits: routed experts are streamed through an expert cache.
+    ExpertsStreamed,
 }
 
 impl Rule {
@@ -194,6 +202,7 @@ impl Rule {
             Rule::ManagedUnavailable => "managed memory unsupported by the runtime",
             Rule::OptionalAdmitted => "optional cache leaves the workspace reserve free",
             Rule::OptionalDropped => "optional cache would eat into the workspace reserve",
+            Rule::ExpertsStreamed => "nothing resident fits: routed experts streamed from the file through an expert cache",
         }
     }
 }
@@ -385,7 +394,7 @@ impl LoadStrategy {
 }
 
 /// Everything decided before the first byte is copied.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub mode: WeightsMode,
     pub ctx: u64,
@@ -399,6 +408,65 @@ pub struct Plan {
     pub ledger: Ledger,
     pub load: LoadStrategy,
     pub warnings: Vec<String>,
+    /// With [`WeightsMode::Streamed`]: how routed experts are streamed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<ExpertStream>,
+}
+
+/// What a streamed plan promises an expert cache built from it.
+///
+/// * The tensors in [`ExpertStream::tensors`] are **not** in any arena: they stay in the
+///   model file. Expert `e` of tensor `t` is the `expert_bytes` bytes at
+///   `e · expert_bytes` within that tensor's data (experts are the outermost dimension),
+///   so one (layer, expert) unit is that slice of each of the layer's tensors.
+/// * [`ExpertStream::cache`] (the `ExpertCache` buffer in [`Plan::buffers`], already
+///   charged to its pool) holds `cache_slots` units of `slot_bytes` each (the largest
+///   unit of any layer); `host_tier` is an optional second tier in host memory.
+/// * One token needs `per_token_bytes` of units (its experts in every layer); the
+///   cache is at least that plus the policy's extra, so a layer's experts never evict
+///   each other while it runs and the next layer's can be read ahead.
+/// * `predicted_tokens_per_s` is an estimate from two stated **assumptions**, not a
+///   measurement: the disk's read rate and the hit rate (uniform routing: the cached
+///   fraction of all units).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertStream {
+    pub tensors: Vec<StreamedTensor>,
+    /// Experts per routed tensor and used per token per layer.
+    pub experts_per_layer: u32,
+    pub experts_per_token: u32,
+    /// Largest (layer, expert) unit: one expert's slice of all the layer's tensors.
+    pub slot_bytes: u64,
+    /// Units of all layers (experts × layers) and their bytes.
+    pub units: u64,
+    pub all_bytes: u64,
+    /// One token's units over all layers.
+    pub per_token_bytes: u64,
+    /// Smallest cache the plan accepts (per-token set + the policy's extra).
+    pub min_cache_bytes: u64,
+    pub cache: Buffer,
+    pub cache_slots: u64,
+    /// Second tier in host memory (pinned host on a discrete GPU), if any.
+    pub host_tier: Option<Buffer>,
+    pub host_tier_slots: u64,
+    /// Assumed (or, when the request carried one, measured) disk read rate.
+    pub read_bytes_per_s: u64,
+    pub read_rate_measured: bool,
+    /// Assumed fraction of a token's units found in the cache tiers (uniform routing).
+    pub assumed_hit_rate: f64,
+    /// Disk bytes per token at that hit rate, and the tokens/s the disk alone allows.
+    pub disk_bytes_per_token: u64,
+    pub predicted_tokens_per_s: Option<f64>,
+}
+
+/// A routed-expert tensor left in the file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamedTensor {
+    /// Index into the inventory's tensor list.
+    pub tensor: usize,
+    pub name: String,
+    pub layer: Option<u32>,
+    pub bytes: u64,
+    pub expert_bytes: u64,
 }
 
 impl Plan {

@@ -5,14 +5,16 @@ use std::collections::BTreeMap;
 use crate::bytes::{fmt_bytes, fmt_gib, GIB, MIB};
 use crate::device::{DeviceFacts, DeviceKind};
 use crate::host::HostFacts;
+use crate::inventory::WeightSet;
 use crate::inventory::{TensorClass, TensorInventory};
 use crate::plan::{
     Arena, Attempt, BudgetFacts, Buffer, BufferPurpose, ClassRow, Decision, Ledger, LoadStrategy,
     ManagedAdvice, MemKind, Plan, Pool, PoolLedger, Rule, Span, WeightsMode,
 };
+use crate::plan::{ExpertStream, StreamedTensor};
 use crate::policy::Policy;
 use crate::refusal::{FailedOption, FitRefusal, Refusal, Remedy, Shortfall, Unsupported};
-use crate::request::{MemChoice, Request, Setting, Source};
+use crate::request::{ExpertsChoice, MemChoice, Request, Setting, Source};
 
 macro_rules! debug {
     ($($t:tt)*) => {
@@ -56,10 +58,28 @@ fn plan_inner(
         kv,
         scratch: req.scratch_bytes,
     };
-    let result = match device.kind {
-        DeviceKind::CpuOnly => cpu_plan(&cx),
-        DeviceKind::Discrete => discrete_plan(&cx),
-        DeviceKind::IntegratedUma | DeviceKind::CoherentUma => uma_plan(&cx),
+    let experts = req.overrides.experts.value;
+    let result = if experts == ExpertsChoice::Stream {
+        streamed_plan(host, device, inv, req, policy, &[])
+    } else {
+        let resident = match device.kind {
+            DeviceKind::CpuOnly => cpu_plan(&cx),
+            DeviceKind::Discrete => discrete_plan(&cx),
+            DeviceKind::IntegratedUma | DeviceKind::CoherentUma => uma_plan(&cx),
+        };
+        // Streaming is the last resort: only when nothing resident fits.
+        match resident {
+            Err(mut tried) if experts == ExpertsChoice::Auto && req.routed_experts.is_some() => {
+                match streamed_plan(host, device, inv, req, policy, &tried) {
+                    Ok(p) => Ok(p),
+                    Err(more) => {
+                        tried.extend(more);
+                        Err(tried)
+                    }
+                }
+            }
+            r => r,
+        }
     };
     result.map_err(|tried| {
         let remedies = if want_remedies {
@@ -312,6 +332,8 @@ fn ledger_for(cx: &Cx, arenas: &[Arena], buffers: &[Buffer]) -> Ledger {
                 BufferPurpose::Kv => &mut t.kv,
                 BufferPurpose::Scratch => &mut t.scratch,
                 BufferPurpose::OptionalCache => &mut t.optional,
+                // The cache holds weights (streamed routed experts).
+                BufferPurpose::ExpertCache => &mut t.weights,
             };
             *slot = slot.saturating_add(b.bytes);
         }
@@ -1016,7 +1038,244 @@ fn finish(cx: &Cx, b: Built, mode: WeightsMode, weights: Vec<Decision>) -> Plan 
         ledger: b.ledger,
         load,
         warnings,
+        stream: None,
     }
+}
+
+/// Routed experts streamed from the model file: everything else is planned as a resident
+/// model without them (same rules, same pools), then the expert cache takes the room that
+/// leaves in the pool the device computes from (device memory on a discrete GPU, the
+/// weights' kind on unified memory, host memory on the CPU), rounded down to whole
+/// (layer, expert) units, with a second tier in pinned host memory on a discrete GPU
+/// where RAM allows. Refused only when the cache cannot hold one token's units plus the
+/// policy's extra. `resident_tried` are the resident options that failed (reported as
+/// the reason for streaming).
+fn streamed_plan(
+    host: &HostFacts,
+    device: &DeviceFacts,
+    inv: &TensorInventory,
+    req: &Request,
+    policy: &Policy,
+    resident_tried: &[FailedOption],
+) -> Result<Plan, Vec<FailedOption>> {
+    let option = "streamed routed experts (resident rest + expert cache)";
+    let fail = |note: String| {
+        vec![FailedOption {
+            option: option.into(),
+            shortfalls: Vec::new(),
+            note: Some(note),
+        }]
+    };
+    let Some(shape) = req.routed_experts else {
+        return Err(fail(
+            "the request does not say how routed-expert tensors split into experts".into(),
+        ));
+    };
+    if shape.per_layer == 0 || shape.per_token == 0 || shape.per_token > shape.per_layer {
+        return Err(fail(format!(
+            "{} experts per token of {} per layer is not a routed-expert shape",
+            shape.per_token, shape.per_layer
+        )));
+    }
+    let per_layer = u64::from(shape.per_layer);
+    let mut rest = Vec::new();
+    let mut map = Vec::new();
+    let mut tensors = Vec::new();
+    let mut unit_of_layer: BTreeMap<Option<u32>, u64> = BTreeMap::new();
+    for (i, t) in inv.tensors.iter().enumerate() {
+        if t.class == TensorClass::RoutedExperts && t.set == WeightSet::Main {
+            if !t.bytes.is_multiple_of(per_layer) {
+                return Err(fail(format!(
+                    "{} ({} bytes) does not split into {per_layer} equal experts",
+                    t.name, t.bytes
+                )));
+            }
+            let expert_bytes = t.bytes / per_layer;
+            *unit_of_layer.entry(t.layer).or_default() += expert_bytes;
+            tensors.push(StreamedTensor {
+                tensor: i,
+                name: t.name.clone(),
+                layer: t.layer,
+                bytes: t.bytes,
+                expert_bytes,
+            });
+        } else {
+            map.push(i);
+            rest.push(t.clone());
+        }
+    }
+    let Some(&slot) = unit_of_layer.values().max().filter(|&&b| b > 0) else {
+        return Err(fail("the model has no routed-expert tensors".into()));
+    };
+    let all_bytes: u64 = tensors.iter().map(|t| t.bytes).sum();
+    let units = unit_of_layer.len() as u64 * per_layer;
+    let per_token_bytes: u64 = unit_of_layer
+        .values()
+        .map(|u| u * u64::from(shape.per_token))
+        .sum();
+    let min_cache = per_token_bytes
+        + policy
+            .stream_min_extra_cache
+            .min(all_bytes.saturating_sub(per_token_bytes));
+
+    // Everything else, planned as a resident model.
+    let inv2 = TensorInventory::new(rest);
+    let mut req2 = req.clone();
+    req2.overrides.experts = Setting::new(ExpertsChoice::Resident, Source::Default);
+    let mut p = match plan_inner(host, device, &inv2, &req2, policy, false) {
+        Ok(p) => p,
+        Err(Refusal::DoesNotFit(f)) => {
+            return Err(f
+                .tried
+                .into_iter()
+                .map(|mut o| {
+                    o.option = format!("streamed experts; the rest resident: {}", o.option);
+                    o
+                })
+                .collect())
+        }
+        Err(other) => return Err(fail(other.to_string())),
+    };
+    let cache_kind = match device.kind {
+        DeviceKind::CpuOnly => MemKind::Pageable,
+        DeviceKind::Discrete => MemKind::Device,
+        DeviceKind::IntegratedUma | DeviceKind::CoherentUma => {
+            p.arenas.first().map_or(MemKind::PinnedHost, |a| a.kind)
+        }
+    };
+    let tier_kind = (device.kind == DeviceKind::Discrete && supports(device, MemKind::PinnedHost))
+        .then_some(MemKind::PinnedHost);
+    let cx = Cx {
+        device,
+        inv: &inv2,
+        req: &req2,
+        policy,
+        facts: p.facts.clone(),
+        kv: req.kv_bytes().unwrap_or(0),
+        scratch: req.scratch_bytes,
+    };
+    let buffer = |name: &str, kind: MemKind, bytes: u64| Buffer {
+        purpose: BufferPurpose::ExpertCache,
+        name: name.into(),
+        kind,
+        fallback: Vec::new(),
+        bytes,
+    };
+    let with = |cache: u64, tier: u64| {
+        let mut b = p.buffers.clone();
+        b.push(buffer("expert cache", cache_kind, cache));
+        if let (Some(k), true) = (tier_kind, tier > 0) {
+            b.push(buffer("expert cache (host tier)", k, tier));
+        }
+        b
+    };
+    // In host memory, the cache beyond its minimum leaves the policy's reserve free (the
+    // OS and the page cache under the streamed reads need it).
+    let cache_fits = |x: u64| {
+        let l = ledger_for(&cx, &p.arenas, &with(x, 0));
+        l.fits()
+            && (cache_kind == MemKind::Device
+                || x <= min_cache
+                || l.host.headroom() >= policy.optional_reserve)
+    };
+    let cache = max_true(0, all_bytes, cache_fits) / slot * slot;
+    if cache < min_cache {
+        let l = ledger_for(&cx, &p.arenas, &with(min_cache, 0));
+        return Err(vec![FailedOption {
+            option: format!(
+                "{option}: the rest resident, a cache of at least {} ({} for one token's experts + {} extra)",
+                fmt_gib(min_cache),
+                fmt_gib(per_token_bytes),
+                fmt_gib(min_cache - per_token_bytes)
+            ),
+            shortfalls: shortfalls(&l),
+            note: None,
+        }]);
+    }
+    // The host tier is optional: like any optional cache it must leave the policy's
+    // reserve of host memory free.
+    let tier_fits = |x: u64| {
+        let l = ledger_for(&cx, &p.arenas, &with(cache, x));
+        l.fits() && (x == 0 || l.host.headroom() >= policy.optional_reserve)
+    };
+    let tier = match tier_kind {
+        Some(_) if cache < all_bytes => max_true(0, all_bytes - cache, tier_fits) / slot * slot,
+        _ => 0,
+    };
+    let buffers = with(cache, tier);
+    p.ledger = ledger_for(&cx, &p.arenas, &buffers);
+    let host_tier = (tier > 0).then(|| buffers.last().cloned()).flatten();
+    p.buffers = buffers;
+    for a in &mut p.arenas {
+        for sp in &mut a.spans {
+            sp.tensor = map[sp.tensor];
+        }
+    }
+    let cached = (cache + tier).min(all_bytes);
+    let hit = cached as f64 / all_bytes as f64;
+    let disk_bytes_per_token = (per_token_bytes as f64 * (1.0 - hit)).round() as u64;
+    let (read, measured) = match req.disk_read_bytes_per_s {
+        Some(r) if r > 0 => (r, true),
+        _ => (policy.stream_assumed_read_bytes_per_s, false),
+    };
+    let predicted = (disk_bytes_per_token > 0).then(|| read as f64 / disk_bytes_per_token as f64);
+    let forced = req.overrides.experts.value == ExpertsChoice::Stream;
+    p.decisions.insert(
+        0,
+        Decision {
+            subject: "weights.routed_experts".into(),
+            kind: Some(cache_kind),
+            bytes: cache,
+            rule: if forced {
+                Rule::Override
+            } else {
+                Rule::ExpertsStreamed
+            },
+            detail: format!(
+                "{} of routed experts stay in the model file; a {} expert cache ({} units of {})",
+                fmt_gib(all_bytes),
+                fmt_gib(cache),
+                cache / slot,
+                fmt_bytes(slot)
+            ),
+            rejected: resident_tried
+                .iter()
+                .map(|o| Attempt {
+                    option: o.option.clone(),
+                    reason: o
+                        .note
+                        .clone()
+                        .unwrap_or_else(|| describe_shortfalls(&o.shortfalls)),
+                })
+                .collect(),
+            source: req.overrides.experts.source.clone(),
+            change: "--experts resident (refuse instead) or --experts stream (always)".into(),
+        },
+    );
+    p.warnings.push(
+        "streamed experts: every cache miss is a read from the model file; decode speed depends on the disk and on how skewed the routing is".into(),
+    );
+    p.mode = WeightsMode::Streamed;
+    p.stream = Some(ExpertStream {
+        tensors,
+        experts_per_layer: shape.per_layer,
+        experts_per_token: shape.per_token,
+        slot_bytes: slot,
+        units,
+        all_bytes,
+        per_token_bytes,
+        min_cache_bytes: min_cache,
+        cache: buffer("expert cache", cache_kind, cache),
+        cache_slots: cache / slot,
+        host_tier,
+        host_tier_slots: tier / slot,
+        read_bytes_per_s: read,
+        read_rate_measured: measured,
+        assumed_hit_rate: hit,
+        disk_bytes_per_token,
+        predicted_tokens_per_s: predicted,
+    });
+    Ok(p)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -47,6 +47,23 @@ pub struct Policy {
     pub hybrid_fill_device: bool,
     /// Refuse instead of using any fallback kind (chains of length one).
     pub strict: bool,
+    /// A streamed-experts plan needs room for one token's experts plus this much more
+    /// cache (or every expert, if fewer), so hot experts can stay while the next layer's
+    /// are read; below that it is refused.
+    #[serde(default = "default_stream_min_extra")]
+    pub stream_min_extra_cache: u64,
+    /// Sequential read rate assumed for the model file's disk when the request carries
+    /// no measured one (a mid-range NVMe drive); only feeds the speed estimate.
+    #[serde(default = "default_stream_read")]
+    pub stream_assumed_read_bytes_per_s: u64,
+}
+
+fn default_stream_min_extra() -> u64 {
+    2 * GIB
+}
+
+fn default_stream_read() -> u64 {
+    3_000_000_000
 }
 
 impl Default for Policy {
@@ -67,6 +84,8 @@ impl Default for Policy {
             allow_hybrid: true,
             hybrid_fill_device: true,
             strict: false,
+            stream_min_extra_cache: default_stream_min_extra(),
+            stream_assumed_read_bytes_per_s: default_stream_read(),
         }
     }
 }

@@ -172,6 +172,59 @@ impl Plan {
             }
             let _ = writeln!(s, "      setting: {}; change with {}", d.source, d.change);
         }
+        if let Some(st) = &self.stream {
+            let _ = writeln!(s, "streamed routed experts:");
+            let _ = writeln!(
+                s,
+                "  {} in {} tensors stay in the model file: {} units (layer, expert) of up to {}; {} of {} experts per layer per token = {} per token",
+                fmt_gib(st.all_bytes),
+                st.tensors.len(),
+                st.units,
+                fmt_bytes(st.slot_bytes),
+                st.experts_per_token,
+                st.experts_per_layer,
+                fmt_gib(st.per_token_bytes)
+            );
+            let tier = st.host_tier.as_ref().map_or(String::new(), |t| {
+                format!(
+                    " + host tier {} in {} ({} units)",
+                    fmt_gib(t.bytes),
+                    t.kind.label(),
+                    st.host_tier_slots
+                )
+            });
+            let _ = writeln!(
+                s,
+                "  cache {} in {} ({} units){tier}; minimum accepted {}",
+                fmt_gib(st.cache.bytes),
+                st.cache.kind.label(),
+                st.cache_slots,
+                fmt_gib(st.min_cache_bytes)
+            );
+            let rate = if st.read_rate_measured {
+                "measured"
+            } else {
+                "ASSUMED (policy default; no measured rate given)"
+            };
+            let _ = writeln!(
+                s,
+                "  estimate: hit rate {:.1}% ASSUMED (uniform routing: cached share of all units; skewed routing hits more), disk {:.2} GB/s {rate}",
+                st.assumed_hit_rate * 100.0,
+                st.read_bytes_per_s as f64 / 1e9
+            );
+            match st.predicted_tokens_per_s {
+                Some(t) => {
+                    let _ = writeln!(
+                        s,
+                        "  -> {} read from disk per token, at most {t:.2} tok/s from the disk alone (compute not included)",
+                        fmt_gib(st.disk_bytes_per_token)
+                    );
+                }
+                None => {
+                    let _ = writeln!(s, "  -> every unit is cached: no disk reads per token");
+                }
+            }
+        }
         if !self.warnings.is_empty() {
             let _ = writeln!(s, "warnings:");
             for w in &self.warnings {

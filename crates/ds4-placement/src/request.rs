@@ -59,6 +59,47 @@ impl FromStr for MemChoice {
     }
 }
 
+/// Whether routed experts must be resident or may be streamed from the model file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertsChoice {
+    /// Resident when anything resident fits; streamed only when nothing does.
+    #[default]
+    Auto,
+    /// Resident or refused (never streamed).
+    Resident,
+    /// Streamed even when a resident plan would fit.
+    Stream,
+}
+
+impl ExpertsChoice {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpertsChoice::Auto => "auto",
+            ExpertsChoice::Resident => "resident",
+            ExpertsChoice::Stream => "stream",
+        }
+    }
+}
+
+impl fmt::Display for ExpertsChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ExpertsChoice {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "auto" => Ok(ExpertsChoice::Auto),
+            "resident" => Ok(ExpertsChoice::Resident),
+            "stream" => Ok(ExpertsChoice::Stream),
+            _ => Err(()),
+        }
+    }
+}
+
 /// Where a setting's value came from (shown in the report next to each decision).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case", tag = "from")]
@@ -120,6 +161,9 @@ pub struct Overrides {
     /// Cap on the device pool in bytes (reproduces small-pool machines on big GPUs).
     #[serde(default)]
     pub device_mem_limit: Setting<Option<u64>>,
+    /// Resident or streamed routed experts.
+    #[serde(default)]
+    pub experts: Setting<ExpertsChoice>,
 }
 
 impl Overrides {
@@ -146,6 +190,7 @@ pub struct CliOverrides {
     pub scratch_mem: Option<String>,
     pub os_reserve_gib: Option<String>,
     pub device_mem_limit_gib: Option<String>,
+    pub experts: Option<String>,
 }
 
 /// A flag or variable with a value the planner does not accept.
@@ -221,6 +266,13 @@ pub const OVERRIDE_TABLE: &[OverrideDoc] = &[
         values: "GiB (0 = no limit)",
         default: "0",
         effect: "caps the device pool, to reproduce small-pool machines on big GPUs",
+    },
+    OverrideDoc {
+        flag: "--experts",
+        env: "DS4_EXPERTS",
+        values: "auto|resident|stream",
+        default: "auto",
+        effect: "routed experts resident, or streamed from the model file through an expert cache (auto: streamed only when nothing resident fits)",
     },
 ];
 
@@ -388,7 +440,35 @@ pub fn resolve_overrides(
             true,
             env,
         )?,
+        experts: resolve_experts(cli.experts.as_deref(), env)?,
     })
+}
+
+fn resolve_experts(
+    cli: Option<&str>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Setting<ExpertsChoice>, OverrideError> {
+    let parse = |name: &str, v: &str| {
+        v.parse::<ExpertsChoice>()
+            .map_err(|_| OverrideError::BadValue {
+                name: name.to_string(),
+                value: v.to_string(),
+                expected: "auto, resident, stream",
+            })
+    };
+    let var = "DS4_EXPERTS";
+    let from_env = match env(var) {
+        Some(v) => Some(Setting::new(parse(var, &v)?, env_src(var, &v))),
+        None => None,
+    };
+    let from_cli = match cli {
+        Some(v) => Some(Setting::new(
+            parse("--experts", v)?,
+            cli_src("--experts", v),
+        )),
+        None => None,
+    };
+    Ok(from_cli.or(from_env).unwrap_or_default())
 }
 
 /// An extra buffer that speeds things up but is not required (a Q8→F16 expansion, a
@@ -419,6 +499,23 @@ pub struct Request {
     pub optional_caches: Vec<OptionalCache>,
     #[serde(default)]
     pub overrides: Overrides,
+    /// How routed-expert tensors split into experts; needed to plan streamed experts
+    /// (`None`: they can only be resident).
+    #[serde(default)]
+    pub routed_experts: Option<RoutedExperts>,
+    /// A measured sequential read rate of the model file's disk (bytes/s), for the
+    /// streamed plan's speed estimate; `None`: the policy's assumed rate.
+    #[serde(default)]
+    pub disk_read_bytes_per_s: Option<u64>,
+}
+
+/// The routed-expert shape of the model: every routed-expert tensor of a layer holds
+/// `per_layer` experts of equal size, contiguous along its outermost dimension, and a
+/// token uses `per_token` of them in every layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoutedExperts {
+    pub per_layer: u32,
+    pub per_token: u32,
 }
 
 /// A request that cannot be planned at all.
@@ -443,6 +540,8 @@ impl Request {
             scratch_bytes,
             optional_caches: Vec::new(),
             overrides: Overrides::default(),
+            routed_experts: None,
+            disk_read_bytes_per_s: None,
         }
     }
 
@@ -614,6 +713,7 @@ mod tests {
         for d in OVERRIDE_TABLE {
             let val = match d.values {
                 "0|1" => "1",
+                "auto|resident|stream" => "stream",
                 v if v.starts_with("auto") => "managed",
                 _ => "3",
             };

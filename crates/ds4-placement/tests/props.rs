@@ -150,6 +150,7 @@ fn request_strategy() -> impl Strategy<Value = Request> {
                 scratch: cli(s),
                 os_reserve: gib_setting(reserve),
                 device_mem_limit: gib_setting(limit),
+                ..Overrides::default()
             };
             r.optional_caches = opt
                 .into_iter()

@@ -223,6 +223,30 @@ impl WeightSource for Synth {
             .ok_or_else(|| format!("no synthetic tensor {name}"))?;
         self.0.fill_tensor(i, out).map_err(|e| e.to_string())
     }
+
+    /// Rows: so the loader fills staging-buffer-sized pieces, not whole tensors on the heap.
+    fn granule(&self, name: &str) -> Option<usize> {
+        let i = self.0.tensor_index(name)?;
+        let (_, row_bytes) = self.0.rows(i).ok()?;
+        usize::try_from(row_bytes).ok().filter(|&b| b > 0)
+    }
+
+    fn fill_range(&self, name: &str, start: usize, out: &mut [u8]) -> Result<(), String> {
+        let i = self
+            .0
+            .tensor_index(name)
+            .ok_or_else(|| format!("no synthetic tensor {name}"))?;
+        let (_, row_bytes) = self.0.rows(i).map_err(|e| e.to_string())?;
+        let rb = row_bytes as usize;
+        if rb == 0 || !start.is_multiple_of(rb) {
+            return Err(format!(
+                "{name}: piece at byte {start} is not on a {rb}-byte row"
+            ));
+        }
+        self.0
+            .fill_rows(i, (start / rb) as u64, out)
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// Device-to-device copy bandwidth (read + write bytes per second), timed with events.

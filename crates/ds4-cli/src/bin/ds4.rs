@@ -171,6 +171,10 @@ struct PlacementFlags {
     /// Cap the device pool (GiB), to reproduce small-pool machines on big GPUs.
     #[arg(long)]
     device_mem_limit_gib: Option<String>,
+    /// Routed experts: auto|resident|stream (stream: read from the model file through an
+    /// expert cache; auto streams only when nothing resident fits).
+    #[arg(long)]
+    experts: Option<String>,
 }
 
 impl PlacementFlags {
@@ -181,6 +185,7 @@ impl PlacementFlags {
             scratch_mem: self.scratch_mem.clone(),
             os_reserve_gib: self.os_reserve_gib.clone(),
             device_mem_limit_gib: self.device_mem_limit_gib.clone(),
+            experts: self.experts.clone(),
         }
     }
 }

@@ -92,6 +92,9 @@ struct Job {
     /// Absolute offset of its bytes in the file.
     file_offset: u64,
     bytes: usize,
+    /// Largest unit it is split into (a multiple of the source's granule when there is
+    /// a source; `usize::MAX`: whole).
+    piece: usize,
 }
 
 /// Where a unit's bytes go.
@@ -130,7 +133,6 @@ struct Split<'s, 'a, B> {
     targets: &'s [(BufId, usize, usize)],
     next: &'s mut usize,
     jobs: &'s [Job],
-    piece: usize,
     units: &'s mut Vec<Unit<'a, B>>,
     device_bytes: &'s mut u64,
 }
@@ -153,12 +155,12 @@ impl<'a, B: DeviceBuffer> Split<'_, 'a, B> {
         if mine.is_empty() {
             return Ok(());
         }
-        let piece = self.piece;
         let host = buf.host_bytes_mut().map_err(gerr)?.is_some();
         if !host {
             let b: &'a B = buf;
             for &(_, off, j) in mine {
                 let bytes = self.jobs[j].bytes;
+                let piece = self.jobs[j].piece;
                 *self.device_bytes += bytes as u64;
                 let mut s = 0usize;
                 while s < bytes {
@@ -197,6 +199,7 @@ impl<'a, B: DeviceBuffer> Split<'_, 'a, B> {
             let (mut dst, tail) = tail.split_at_mut(bytes);
             rest = tail;
             pos = off + bytes;
+            let piece = self.jobs[j].piece;
             let mut s = 0usize;
             while s < bytes {
                 let n = piece.min(bytes - s);
@@ -223,11 +226,13 @@ struct Reader<'a> {
     handle: Option<(File, &'a Path)>,
     /// Drop the page cache behind reads into host-resident memory (ROCm's `pread_load`).
     drop_cache: bool,
+    /// Size of one staging buffer.
+    staging_bytes: usize,
 }
 
 impl Reader<'_> {
     /// Bytes `start..start + out.len()` of `job` into `out` (never a source tensor: those
-    /// are filled whole).
+    /// come from the source).
     fn read(&self, job: &Job, start: usize, out: &mut [u8], drop: bool) -> Result<(), String> {
         match &self.handle {
             Some((f, path)) => crate::loader::pread_range(
@@ -298,6 +303,7 @@ fn reader_loop<'a, B: DeviceBuffer>(
         match unit.dst {
             Dst::Host(out) => {
                 let r = match rd.source {
+                    Some(s) if job.piece != usize::MAX => s.fill_range(&job.name, unit.start, out),
                     Some(s) => s.fill(&job.name, out),
                     None => rd.read(job, unit.start, out, true),
                 };
@@ -308,11 +314,25 @@ fn reader_loop<'a, B: DeviceBuffer>(
                 sh.host_done.fetch_add(unit.len as u64, Ordering::Relaxed);
             }
             Dst::Device { buf, offset } => {
-                // A source fills whole tensors only; stage it on the heap first.
+                // A source that fills whole tensors only (or pieces of one granule larger
+                // than a staging buffer) is staged on the heap first; otherwise each
+                // staging buffer is filled in place below.
+                let mut staged = false;
                 if let Some(s) = rd.source {
-                    whole.clear();
-                    whole.resize(job.bytes, 0);
-                    if let Err(e) = s.fill(&job.name, &mut whole) {
+                    let r = if job.piece == usize::MAX {
+                        whole.clear();
+                        whole.resize(job.bytes, 0);
+                        staged = true;
+                        s.fill(&job.name, &mut whole)
+                    } else if unit.len > rd.staging_bytes {
+                        whole.clear();
+                        whole.resize(unit.len, 0);
+                        staged = true;
+                        s.fill_range(&job.name, unit.start, &mut whole)
+                    } else {
+                        Ok(())
+                    };
+                    if let Err(e) = r {
                         sh.fail(werr(&job.name, e));
                         return;
                     }
@@ -327,9 +347,17 @@ fn reader_loop<'a, B: DeviceBuffer>(
                     let Ok(staging) = got else { return };
                     let n = staging.len().min(unit.len - done);
                     let at = unit.start + done;
-                    if rd.source.is_some() {
-                        staging[..n].copy_from_slice(&whole[at..at + n]);
-                    } else if let Err(e) = rd.read(job, at, &mut staging[..n], false) {
+                    let r = match rd.source {
+                        Some(_) if staged => {
+                            // `whole` holds the tensor, or just this unit.
+                            let from = if job.piece == usize::MAX { at } else { done };
+                            staging[..n].copy_from_slice(&whole[from..from + n]);
+                            Ok(())
+                        }
+                        Some(s) => s.fill_range(&job.name, at, &mut staging[..n]),
+                        None => rd.read(job, at, &mut staging[..n], false),
+                    };
+                    if let Err(e) = r {
                         sh.fail(werr(&job.name, e));
                         return;
                     }
@@ -536,11 +564,21 @@ impl<D: GpuApi> GpuBackend<D> {
                 .data_offset
                 .checked_add(t.offset)
                 .ok_or_else(|| werr(&w.name, "offset overflows".into()))?;
+            // File reads are split so readers share big tensors; a source is split at its
+            // granule (whole tensors when it has none).
+            let piece = match source.as_deref() {
+                None => cfg.buffer_bytes,
+                Some(s) => match s.granule(&w.name) {
+                    Some(g) if g > 0 => (cfg.buffer_bytes / g).max(1) * g,
+                    _ => usize::MAX,
+                },
+            };
             targets.push((id, offset, jobs.len()));
             jobs.push(Job {
                 name: w.name.clone(),
                 file_offset,
                 bytes,
+                piece,
             });
         }
         if jobs.is_empty() {
@@ -548,12 +586,6 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         targets.sort_unstable_by_key(|&(id, off, _)| (id, off));
         let total: u64 = jobs.iter().map(|j| j.bytes as u64).sum();
-        // A source fills whole tensors; file reads are split so readers share big ones.
-        let piece = if source.is_some() {
-            usize::MAX
-        } else {
-            cfg.buffer_bytes
-        };
 
         // Split every destination buffer into its units.
         let mut units: Vec<Unit<'_, D::Buffer>> = Vec::new();
@@ -563,7 +595,6 @@ impl<D: GpuApi> GpuBackend<D> {
             targets: &targets,
             next: &mut t,
             jobs: &jobs,
-            piece,
             units: &mut units,
             device_bytes: &mut device_bytes,
         };
@@ -622,6 +653,7 @@ impl<D: GpuApi> GpuBackend<D> {
             source: source.as_deref(),
             handle,
             drop_cache: *pread_load,
+            staging_bytes: cfg.buffer_bytes,
         };
         let (free_tx, free_rx) = mpsc::channel::<&mut [u8]>();
         if ring > 0 {

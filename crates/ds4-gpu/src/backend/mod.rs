@@ -47,6 +47,25 @@ pub use load_pipeline::LoadConfig;
 pub trait WeightSource: Send + Sync {
     /// Fill `out` (exactly the tensor's byte size) with tensor `name`'s bytes.
     fn fill(&self, name: &str, out: &mut [u8]) -> Result<(), String>;
+
+    /// The unit (bytes, e.g. one row) at which this source can start and end a piece of
+    /// tensor `name`. With an answer the loader fills tensors in pieces of at most its
+    /// staging-buffer size through [`WeightSource::fill_range`], so no reader holds more
+    /// than that (or one unit, if larger) on the heap; without one (the default) a
+    /// tensor bound for device memory is staged whole on the heap first, which at full
+    /// size is gigabytes per reader thread.
+    fn granule(&self, _name: &str) -> Option<usize> {
+        None
+    }
+
+    /// Fill `out` with bytes `start .. start + out.len()` of tensor `name`. Called only
+    /// when [`WeightSource::granule`] answers `g`: `start` is a multiple of `g`, and so is
+    /// `out.len()` unless the piece ends the tensor.
+    fn fill_range(&self, name: &str, _start: usize, _out: &mut [u8]) -> Result<(), String> {
+        Err(format!(
+            "{name}: this weight source fills whole tensors only"
+        ))
+    }
 }
 
 /// How to build a [`GpuBackend`] (the name predates ROCm; [`GpuOptions`] is the same).

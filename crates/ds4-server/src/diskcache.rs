@@ -13,7 +13,7 @@ use std::path::Path;
 
 use ds4_chat::Tokenizer;
 
-use crate::request::Prepared;
+use crate::prepare::Prepared;
 use ds4_kvstore::format::{self, Header, FLAG_TOOL_MAP, HEADER_LEN};
 
 /// Tool maps larger than this are not read back at startup (replay is an optimisation).

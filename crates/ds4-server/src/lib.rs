@@ -12,15 +12,18 @@
 //! `/v1/completions`, `/v1/responses`, `/v1/messages`, `GET /health` (status + counters),
 //! `POST /tokenize`, `/detokenize`. Wire formats follow `shared/spec/server-and-cli.md` §4–8.
 
+pub mod api;
 pub mod config;
 pub mod diskcache;
 pub mod emit;
+pub mod endpoints;
 pub mod error;
 pub mod http;
 pub mod json_out;
 pub mod limits;
 pub mod live;
 pub mod model;
+pub mod prepare;
 pub mod request;
 pub mod script;
 pub mod stats;

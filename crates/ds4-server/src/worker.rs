@@ -23,9 +23,10 @@ use tokio::sync::mpsc;
 use crate::config::{DiskCacheConfig, ServerConfig};
 use crate::diskcache::{self, continuation};
 
+use crate::api::Endpoint;
 use crate::error::{ApiError, ServerError};
 use crate::live::{self, ToolBinding};
-use crate::request::{Endpoint, Prepared};
+use crate::prepare::Prepared;
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
 
@@ -927,11 +928,11 @@ impl Worker {
 /// top_k 0 (values above 1024 capped), seed 0 = time-derived; in thinking modes the client's
 /// knobs are ignored and the defaults forced (as DeepSeek's API does).
 pub fn sampler_config(
-    s: &crate::request::Sampling,
+    s: &crate::api::Sampling,
     thinking: bool,
     fallback_seed: u64,
 ) -> SamplerConfig {
-    let d = crate::request::Sampling::default();
+    let d = crate::api::Sampling::default();
     let s = if thinking { &d } else { s };
     let mut top_p = s.top_p.unwrap_or(1.0);
     let mut top_k = s.top_k.unwrap_or(0).min(1024) as usize;
@@ -958,7 +959,7 @@ pub fn sampler_config(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::Sampling;
+    use crate::api::Sampling;
 
     #[test]
     fn ids_have_the_right_shape() {

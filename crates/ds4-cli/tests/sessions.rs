@@ -11,9 +11,8 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 
-use common::{ds4_cmd, status_lines, text, tiny_gguf};
+use common::{ds4_cmd, run_with_input, status_lines, text, tiny_gguf};
 use ds4_chat::tokenizer::{ASSISTANT_TEXT, BOS_TEXT, EOS_TEXT, THINK_CLOSE_TEXT, USER_TEXT};
 use ds4_kvstore::format::{self as kvformat, Header, HEADER_LEN};
 use ds4_server::{DiskCacheConfig, LoadedModel, ModelOptions, Server, ServerConfig};
@@ -45,22 +44,7 @@ fn chat(dir: &Path, script: &str) -> (String, String) {
         "--system",
         SYSTEM,
     ];
-    let mut child = ds4_cmd()
-        .args(args)
-        .arg("--kv-disk-dir")
-        .arg(dir)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(script.as_bytes())
-        .unwrap();
-    let o = child.wait_with_output().unwrap();
+    let o = run_with_input(ds4_cmd().args(args).arg("--kv-disk-dir").arg(dir), script);
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
     (text(&o.stdout), err)

@@ -6,9 +6,10 @@
 use std::io::Write;
 
 use ds4_chat::render::{CliPrompt, ThinkingMode};
-use ds4_engine::{Sampler, SamplerConfig, Session};
+use ds4_engine::{Sampler, SamplerConfig};
+use ds4_runtime::driver::{Conversation, GenLimits};
 
-use crate::chat::{prefill_bar, status_line, GenStop, Printer, Runner, TurnText};
+use crate::chat::{prefill_bar, status_line, GenStop, Printer, TurnText};
 use crate::load::Loaded;
 use crate::signals::Interrupts;
 
@@ -100,8 +101,7 @@ pub fn one_shot(
     log: &mut dyn Write,
 ) -> anyhow::Result<OneShotStats> {
     let tok = loaded.tokenizer.clone();
-    let session = Session::new(loaded.engine)?;
-    let mut runner = Runner::new(session, tok.clone());
+    let mut runner = Conversation::new(loaded.engine)?;
     let ctx = runner.ctx();
     let (mode, warn) = effective_mode(s.thinking, ctx);
     if let Some(w) = warn {
@@ -147,21 +147,18 @@ pub fn one_shot(
     let mut printer = Printer::new(&mut *out, s.color, s.terminal);
     let mut io_err = None;
     let eos = tok.markers().eos;
-    let gen = runner.generate(
-        logits,
-        &mut sampler,
-        max,
+    let limits = GenLimits {
+        max_tokens: max,
         eos,
-        s.ignore_eos,
-        &intr.cancel,
-        &mut |id| {
-            for ev in text.push(&tok, id) {
-                if let Err(e) = printer.event(&ev) {
-                    io_err.get_or_insert(e);
-                }
+        ignore_eos: s.ignore_eos,
+    };
+    let gen = runner.generate(logits, &mut sampler, limits, &intr.cancel, &mut |id| {
+        for ev in text.push(&tok, id) {
+            if let Err(e) = printer.event(&ev) {
+                io_err.get_or_insert(e);
             }
-        },
-    )?;
+        }
+    })?;
     let interrupted = intr.end() || gen.stop == GenStop::Interrupted;
     let (events, _) = text.finish(gen.stop);
     for ev in &events {

@@ -1,14 +1,16 @@
-//! Shared code of the ds4 binaries: one module per subcommand, plus the generation core.
+//! Shared code of the ds4 binaries: one module per subcommand. Loading, planning and the
+//! conversation driver live in `ds4-runtime` (shared with `ds4-server`); `load` and `plan`
+//! are re-exported under their old paths.
 
 pub mod chat;
 pub mod generate;
 pub mod inspect;
-pub mod load;
 pub mod logging;
 pub mod logits;
-pub mod plan;
 pub mod repl;
 pub mod sessions;
 pub mod signals;
 pub mod textcmd;
 pub mod vectors;
+
+pub use ds4_runtime::{load, plan};

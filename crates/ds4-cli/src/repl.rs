@@ -13,10 +13,11 @@ use std::sync::Arc;
 use anyhow::Context;
 use ds4_chat::render::{cli_turn_tokens, ThinkingMode, MAX_PREFIX};
 use ds4_chat::Tokenizer;
-use ds4_engine::{NumericMode, Sampler, Session, Snapshot};
+use ds4_engine::{NumericMode, Sampler};
 use ds4_gguf::GgufFile;
+use ds4_runtime::driver::{Conversation, GenLimits};
 
-use crate::chat::{prefill_bar, status_line, GenStop, Printer, Runner, TurnText};
+use crate::chat::{prefill_bar, status_line, GenStop, Printer, TurnText};
 use crate::generate::{effective_mode, mode_name, GenSettings};
 use crate::load::{build_engine, LoadOptions, Loaded};
 use crate::sessions::{render_listing, DiskSessions};
@@ -32,8 +33,9 @@ Commands:
                   re-prefilled with the next message
   /read FILE      add FILE's text to your next message
   /save NAME      save the conversation and its KV state (needs --kv-disk-dir)
-  /load NAME      restore a saved conversation
-  /list           saved conversations
+  /load NAME      restore a saved conversation (or a checkpoint by its file name, e.g. one
+                  ds4-server wrote to the same --kv-disk-dir)
+  /list           saved conversations and checkpoints
   /reset          start a new conversation
   /quit, /exit    leave (Ctrl+D too)
 A line ending in \\ continues on the next line; pasted text keeps its line breaks.
@@ -265,7 +267,7 @@ fn kv_mode(m: NumericMode) -> ds4_kvstore::Mode {
 }
 
 struct Repl {
-    runner: Option<Runner>,
+    runner: Option<Conversation>,
     tok: Arc<Tokenizer>,
     file: Arc<GgufFile>,
     load: LoadOptions,
@@ -301,9 +303,8 @@ pub fn run(
         model_id: loaded.model_id,
         mode: kv_mode(mode),
     });
-    let session = Session::new(loaded.engine)?;
     let mut repl = Repl {
-        runner: Some(Runner::new(session, loaded.tokenizer.clone())),
+        runner: Some(Conversation::new(loaded.engine)?),
         tok: loaded.tokenizer,
         file: loaded.file,
         load: opts.load,
@@ -330,7 +331,7 @@ pub fn run(
 }
 
 impl Repl {
-    fn runner(&mut self) -> &mut Runner {
+    fn runner(&mut self) -> &mut Conversation {
         self.runner
             .as_mut()
             .expect("a runner exists between commands")
@@ -461,7 +462,7 @@ impl Repl {
             Ok(x) => x,
             Err(e) => {
                 intr.end();
-                return Err(e);
+                return Err(e.into());
             }
         };
         let Some(logits) = logits else {
@@ -478,21 +479,20 @@ impl Repl {
         let mut io_err = None;
         let mut sampler = self.sampler.clone();
         let ignore_eos = self.settings.ignore_eos;
-        let gen = self.runner().generate(
-            logits,
-            &mut sampler,
-            max,
+        let limits = GenLimits {
+            max_tokens: max,
             eos,
             ignore_eos,
-            &intr.cancel,
-            &mut |id| {
+        };
+        let gen = self
+            .runner()
+            .generate(logits, &mut sampler, limits, &intr.cancel, &mut |id| {
                 for ev in text_stream.push(&tok, id) {
                     if let Err(e) = printer.event(&ev) {
                         io_err.get_or_insert(e);
                     }
                 }
-            },
-        );
+            });
         self.sampler = sampler;
         let interrupted = intr.end();
         let gen = gen?;
@@ -595,11 +595,11 @@ impl Repl {
             Err(e) => {
                 let back = build_engine(&self.file, &self.load, old)
                     .context("restoring the previous context after a failed /ctx")?;
-                self.runner = Some(Runner::new(Session::new(back)?, self.tok.clone()));
+                self.runner = Some(Conversation::new(back)?);
                 return Err(e.context(format!("cannot make a context of {n} tokens; kept {old}")));
             }
         };
-        self.runner = Some(Runner::new(Session::new(engine)?, self.tok.clone()));
+        self.runner = Some(Conversation::new(engine)?);
         let t = self.transcript().len();
         eprintln!(
             "context is now {n} tokens; the transcript ({t} tokens) is kept and re-prefilled with the next message"
@@ -623,41 +623,52 @@ impl Repl {
             anyhow::bail!("interrupted; nothing saved");
         }
         synced?;
-        let snap = self.runner().session.snapshot()?;
+        // The current checkpoint payload, with the logits when known: ds4-server can then
+        // answer a prompt that ends exactly here without evaluating anything.
+        let payload = self.runner().checkpoint()?;
         let ctx = self.ctx();
         let thinking = mode_name(self.requested);
         let kv = self.kv()?;
-        let notes = kv.save(name, &target, snap.as_bytes(), ctx, thinking)?;
+        let notes = kv.save(name, &target, &payload, ctx, thinking)?;
         for n in notes {
             eprintln!("ds4: {n}");
         }
         eprintln!(
             "saved session {name} ({} tokens, {:.1} MiB)",
             target.len(),
-            snap.as_bytes().len() as f64 / 1048576.0
+            payload.len() as f64 / 1048576.0
         );
         Ok(())
     }
 
     fn load_session(&mut self, name: &str) -> anyhow::Result<()> {
         let ctx = self.ctx();
-        let (tokens, payload, info) = self.kv()?.load(name, ctx)?;
-        let snap = Snapshot::from_bytes(payload);
-        if let Err(e) = self.runner().restore(&snap) {
-            self.runner().reset()?;
-            return Err(e.context(format!("session {name:?} cannot be restored")));
+        let (entry, info) = self.kv()?.load(name, ctx)?;
+        let format = self
+            .runner()
+            .resume(&entry.payload, &entry.tokens)
+            .with_context(|| format!("session {name:?} cannot be restored"))?;
+        if format.is_legacy() {
+            // Written before the payload formats were unified: rewritten in the current
+            // one (never dropped), so the server reads it too.
+            let payload = self.runner().checkpoint()?;
+            match self.kv()?.rewrite(&entry, &payload, ctx) {
+                Ok(()) => eprintln!(
+                    "ds4: session {name} migrated from the {} format",
+                    format.name()
+                ),
+                Err(e) => eprintln!("ds4: session {name} not migrated: {e:#}"),
+            }
         }
-        if self.runner().live() != tokens.as_slice() {
-            self.runner().reset()?;
-            anyhow::bail!(
-                "session {name:?} is inconsistent (its state holds other tokens); not loaded"
-            );
+        let tokens = entry.tokens;
+        // A checkpoint without a name keeps the current thinking mode.
+        if let Some(info) = &info {
+            self.requested = match info.thinking.as_str() {
+                "nothink" => ThinkingMode::NoThink,
+                "think-max" => ThinkingMode::ThinkMax,
+                _ => ThinkingMode::Think,
+            };
         }
-        self.requested = match info.thinking.as_str() {
-            "nothink" => ThinkingMode::NoThink,
-            "think-max" => ThinkingMode::ThinkMax,
-            _ => ThinkingMode::Think,
-        };
         let (mode, _) = self.effective();
         let want = self.header_tokens(mode == ThinkingMode::ThinkMax)?;
         self.attachments.clear();

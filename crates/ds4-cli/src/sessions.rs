@@ -7,13 +7,18 @@
 //! entries, and the index is replaced atomically (temp file + rename), so a crash leaves the
 //! old or the new index, never a torn one. An index row whose entry was evicted or removed
 //! (another model, corruption) is reported as gone, not silently dropped.
+//!
+//! The store is shared with `ds4-server` (same model identity, same payload format,
+//! `ds4_runtime::checkpoint`): a server checkpoint has no name here, but `/list` shows it
+//! by its entry file name and `/load` takes that name, so a conversation moves from the
+//! server to the chat as well as the other way.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
-use ds4_kvstore::{KvStore, Mode, StoreConfig, StoreOutcome};
+use ds4_kvstore::{format::is_entry_name, KvStore, Loaded, Mode, StoreConfig, StoreOutcome};
 use serde::{Deserialize, Serialize};
 
 pub const INDEX_FILE: &str = "ds4-sessions.json";
@@ -59,8 +64,9 @@ pub struct ListRow {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Listing {
     pub named: Vec<ListRow>,
-    /// Store entries not referenced by a name (cache checkpoints).
-    pub unnamed: usize,
+    /// Store entries not referenced by a name (cache checkpoints, e.g. `ds4-server`'s):
+    /// entry file name and token count. `/load` takes the file name.
+    pub unnamed: Vec<(String, usize)>,
     pub total_bytes: u64,
     pub budget_bytes: u64,
 }
@@ -162,24 +168,7 @@ impl DiskSessions {
         thinking: &str,
     ) -> anyhow::Result<Vec<String>> {
         check_name(name)?;
-        let (mut store, mut notes) = self.open(ctx)?;
-        let outcome = store
-            .store(tokens, payload, &BTreeMap::new())
-            .context("writing the session")?;
-        let entry = match outcome {
-            StoreOutcome::Stored { name, evicted } => {
-                for e in evicted {
-                    notes.push(format!("evicted {e} to stay within the disk budget"));
-                }
-                name
-            }
-            StoreOutcome::SkippedTooLarge { needed, budget } => bail!(
-                "the session needs {:.1} MiB, more than the whole disk budget of {:.1} MiB \
-                 (raise --kv-disk-space-mb)",
-                needed as f64 / 1048576.0,
-                budget as f64 / 1048576.0
-            ),
-        };
+        let (entry, notes) = self.store(tokens, payload, &BTreeMap::new(), ctx)?;
         let mut idx = self.read_index()?;
         idx.version = 1;
         idx.sessions.insert(
@@ -195,8 +184,49 @@ impl DiskSessions {
         Ok(notes)
     }
 
-    /// Reads session `name`: its tokens, snapshot bytes and settings.
-    pub fn load(&self, name: &str, ctx: usize) -> anyhow::Result<(Vec<u32>, Vec<u8>, Named)> {
+    /// Writes one entry (replacing a same-token one): its file name and the notes to show.
+    fn store(
+        &self,
+        tokens: &[u32],
+        payload: &[u8],
+        tool_map: &BTreeMap<String, String>,
+        ctx: usize,
+    ) -> anyhow::Result<(String, Vec<String>)> {
+        let (mut store, mut notes) = self.open(ctx)?;
+        let outcome = store
+            .store(tokens, payload, tool_map)
+            .context("writing the session")?;
+        let entry = match outcome {
+            StoreOutcome::Stored { name, evicted } => {
+                for e in evicted {
+                    notes.push(format!("evicted {e} to stay within the disk budget"));
+                }
+                name
+            }
+            StoreOutcome::SkippedTooLarge { needed, budget } => bail!(
+                "the session needs {:.1} MiB, more than the whole disk budget of {:.1} MiB \
+                 (raise --kv-disk-space-mb)",
+                needed as f64 / 1048576.0,
+                budget as f64 / 1048576.0
+            ),
+        };
+        Ok((entry, notes))
+    }
+
+    /// Rewrites a loaded entry with a new payload (a legacy payload migrated to the current
+    /// format), keeping its tokens (so its file name and any index row stay valid) and tool
+    /// map.
+    pub fn rewrite(&self, entry: &Loaded, payload: &[u8], ctx: usize) -> anyhow::Result<()> {
+        self.store(&entry.tokens, payload, &entry.tool_map, ctx)
+            .map(|_| ())
+    }
+
+    /// Reads session `name` — a saved name, or the file name of any entry in the store —
+    /// with its settings when it has a name.
+    pub fn load(&self, name: &str, ctx: usize) -> anyhow::Result<(Loaded, Option<Named>)> {
+        if is_entry_name(name) {
+            return Ok((self.load_entry(name, name, ctx)?, None));
+        }
         check_name(name)?;
         let idx = self.read_index()?;
         let Some(info) = idx.sessions.get(name).cloned() else {
@@ -209,13 +239,12 @@ impl DiskSessions {
             }
             bail!("no session named {name:?} (saved: {})", known.join(", "));
         };
+        Ok((self.load_entry(name, &info.entry, ctx)?, Some(info)))
+    }
+
+    fn load_entry(&self, name: &str, entry: &str, ctx: usize) -> anyhow::Result<Loaded> {
         let (mut store, _) = self.open(ctx)?;
-        let Some(meta) = store
-            .entries()
-            .iter()
-            .find(|e| e.name == info.entry)
-            .cloned()
-        else {
+        let Some(meta) = store.entries().iter().find(|e| e.name == entry).cloned() else {
             bail!(
                 "session {name:?} is gone from {}: its KV entry was evicted or removed \
                  (another model or numeric mode, or corruption)",
@@ -230,8 +259,7 @@ impl DiskSessions {
                 meta.tokens.len() + 2
             );
         }
-        let loaded = store.load(&info.entry).context("reading the session")?;
-        Ok((loaded.tokens, loaded.payload, info))
+        store.load(entry).context("reading the session")
     }
 
     /// Named sessions and a summary of the store.
@@ -251,7 +279,8 @@ impl DiskSessions {
             .entries()
             .iter()
             .filter(|e| !named.iter().any(|r| r.info.entry == e.name))
-            .count();
+            .map(|e| (e.name.clone(), e.tokens.len()))
+            .collect();
         Ok((
             Listing {
                 named,
@@ -285,9 +314,12 @@ pub fn render_listing(l: &Listing, dir: &Path) -> String {
             ));
         }
     }
+    for (entry, tokens) in &l.unnamed {
+        s.push_str(&format!("  {entry} {tokens:>8} tokens  (checkpoint)\n"));
+    }
     s.push_str(&format!(
         "store: {} other checkpoint(s), {:.1} MiB used of {:.1} MiB\n",
-        l.unnamed,
+        l.unnamed.len(),
         l.total_bytes as f64 / 1048576.0,
         l.budget_bytes as f64 / 1048576.0
     ));
@@ -330,11 +362,14 @@ mod tests {
         let (l, _) = s.list(64).unwrap();
         assert_eq!(l.named.len(), 2);
         assert!(l.named.iter().all(|r| r.present));
-        assert_eq!(l.unnamed, 0);
-        let (toks, payload, info) = s.load("two", 64).unwrap();
-        assert_eq!(toks, vec![1, 2, 3, 4]);
-        assert_eq!(payload, b"payload-2");
-        assert_eq!(info.thinking, "nothink");
+        assert!(l.unnamed.is_empty());
+        let (e, info) = s.load("two", 64).unwrap();
+        assert_eq!(e.tokens, vec![1, 2, 3, 4]);
+        assert_eq!(e.payload, b"payload-2");
+        assert_eq!(info.unwrap().thinking, "nothink");
+        // An entry is also reachable by its file name, without settings.
+        let (e, info) = s.load(&ds4_kvstore::file_name(&[1, 2, 3, 4]), 64).unwrap();
+        assert_eq!((e.payload.as_slice(), info), (&b"payload-2"[..], None));
         // A smaller context cannot hold a session saved for a larger one.
         let e = s.load("one", 4).unwrap_err().to_string();
         assert!(e.contains("holds 3 tokens") && e.contains("/ctx 5"), "{e}");

@@ -9,7 +9,7 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{ds4, ds4_cmd, status_lines, text, tiny_gguf};
+use common::{ds4, ds4_cmd, run_with_input, status_lines, text, tiny_gguf};
 
 /// Greedy, no reasoning, short answers: deterministic output.
 fn base_args(ctx: &str, n: &str) -> Vec<String> {
@@ -36,20 +36,7 @@ fn base_args(ctx: &str, n: &str) -> Vec<String> {
 fn chat(script: &str, extra: &[&str]) -> (Option<i32>, String, String) {
     let mut args = base_args("512", "6");
     args.extend(extra.iter().map(|s| s.to_string()));
-    let mut child = ds4_cmd()
-        .args(&args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(script.as_bytes())
-        .unwrap();
-    let o = child.wait_with_output().unwrap();
+    let o = run_with_input(ds4_cmd().args(&args), script);
     (o.status.code(), text(&o.stdout), text(&o.stderr))
 }
 

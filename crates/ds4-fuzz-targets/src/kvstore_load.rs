@@ -87,14 +87,17 @@ fn run_one(dir: &Path, data: &[u8]) {
         if let Ok(map) = map {
             assert_eq!(map, loaded.tool_map, "tool_map and load disagree");
         }
-        // The server's view of the payload: logits + snapshot (claimed size and a wrong one).
-        if let Some(n) = loaded.payload.get(8..16) {
-            let n = u64::from_le_bytes(n.try_into().unwrap_or([0; 8]));
-            if n <= loaded.payload.len() as u64 {
-                let _ = ds4_server::diskcache::decode_payload(&loaded.payload, n as usize);
+        // The shared checkpoint payload: logits + snapshot, with the count each layout
+        // claims (the legacy server layout at 8, the current one at 12) and a wrong one.
+        for at in [8usize, 12] {
+            if let Some(n) = loaded.payload.get(at..at + 8) {
+                let n = u64::from_le_bytes(n.try_into().unwrap_or([0; 8]));
+                if n <= loaded.payload.len() as u64 {
+                    let _ = ds4_runtime::checkpoint::decode(&loaded.payload, n as usize);
+                }
             }
         }
-        let _ = ds4_server::diskcache::decode_payload(&loaded.payload, 3);
+        let _ = ds4_runtime::checkpoint::decode(&loaded.payload, 3);
         // Round trip through the writer.
         if !loaded.tokens.is_empty() {
             if let Ok(ds4_kvstore::StoreOutcome::Stored { name, .. }) =

@@ -1,6 +1,6 @@
 //! Feeds arbitrary bytes to the four ds4-server request parsers (chat, completions, messages,
 //! responses) and, when one accepts them, renders and tokenizes the request with the real V4
-//! tokenizer (`request::prepare`): once plainly, once with tool memory and a live binding that
+//! tokenizer (`prepare::prepare`): once plainly, once with tool memory and a live binding that
 //! the request's own tool ids resolve against. Nothing may panic, and the prompt tokens must
 //! decode back to exactly the prompt text.
 
@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use ds4_chat::Tokenizer;
 use ds4_server::live::ToolBinding;
+use ds4_server::prepare;
 use ds4_server::request::{self, GenRequest};
 use ds4_server::toolmem::ToolMemory;
 
@@ -25,7 +26,7 @@ fn tokenizer() -> &'static Tokenizer {
     })
 }
 
-fn check_prepared(p: &request::Prepared, tok: &Tokenizer) {
+fn check_prepared(p: &prepare::Prepared, tok: &Tokenizer) {
     let bytes = tok
         .decode(&p.tokens)
         .expect("prompt tokens are in the vocabulary");
@@ -39,7 +40,7 @@ fn check_prepared(p: &request::Prepared, tok: &Tokenizer) {
 fn exercise(req: GenRequest, tok: &Tokenizer) {
     // Plain: no tool memory, nothing live.
     let mut plain = req.clone();
-    if let Ok(p) = request::prepare(&mut plain, None, None, tok, false) {
+    if let Ok(p) = prepare::prepare(&mut plain, None, None, tok, false) {
         check_prepared(&p, tok);
     }
 
@@ -62,7 +63,7 @@ fn exercise(req: GenRequest, tok: &Tokenizer) {
         frontier: 0,
     };
     let mut live = req;
-    if let Ok(p) = request::prepare(&mut live, Some(&mut mem), Some(&binding), tok, false) {
+    if let Ok(p) = prepare::prepare(&mut live, Some(&mut mem), Some(&binding), tok, false) {
         check_prepared(&p, tok);
         if let Some(t) = &p.live_tail {
             let _ = t.matches(live.endpoint, &binding);

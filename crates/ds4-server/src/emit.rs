@@ -7,9 +7,9 @@ use std::collections::HashMap;
 
 use ds4_chat::stream::FinishReason;
 
+use crate::api::{Endpoint, GenRequest};
 use crate::error::{ApiError, Shape};
 use crate::json_out::{arr, s, Obj};
-use crate::request::{Endpoint, GenRequest};
 use crate::worker::{random_id, Delta, Outcome, Usage};
 
 /// One SSE event: optional `event:` name and the `data:` payload.

@@ -30,13 +30,16 @@ use subtle::ConstantTimeEq;
 use tokio::sync::mpsc;
 use tower_http::catch_panic::CatchPanicLayer;
 
+use crate::api::{Endpoint, GenRequest};
 use crate::config::{ServerConfig, MODEL_ID};
-use crate::emit::{self, AnthropicStream, Ctx, Frame, OpenAiStream, ResponsesStream};
+use crate::emit::{self, Ctx, Frame};
+use crate::endpoints::{self, EventStream};
 use crate::error::{ApiError, ErrorKind, Shape};
 use crate::json_out::{arr, Obj};
 use crate::limits;
 use crate::live::ToolBinding;
-use crate::request::{self, Endpoint};
+use crate::prepare::Prepared;
+use crate::request;
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
 use crate::worker::{sampler_config, Job, JobEvent, Outcome};
@@ -110,14 +113,19 @@ fn now_secs() -> u64 {
 /// The router with every route and layer.
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.cfg.max_body_bytes;
-    Router::new()
+    let mut r = Router::new()
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
-        .route("/v1/responses", post(responses))
-        .route("/v1/messages", post(messages))
-        .route("/health", get(health))
+        .route("/v1/models/{id}", get(model));
+    for f in endpoints::ALL {
+        let ep = f.endpoint();
+        r = r.route(
+            f.path(),
+            post(move |State(st): St, body: Result<Bytes, BytesRejection>| {
+                generation(st, ep, body)
+            }),
+        );
+    }
+    r.route("/health", get(health))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(unknown_endpoint)
@@ -566,10 +574,11 @@ async fn tokenize_inner(
     let (tokens, prompt) = if o.contains_key("messages") {
         let ctx = st.ctx as u64;
         tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
-            let mut req = request::parse_chat(&body, ctx)?;
+            let chat = endpoints::family(Endpoint::Chat);
+            let mut req = chat.parse(&body, ctx)?;
             let mut tm = st2.toolmem.lock().unwrap_or_else(|p| p.into_inner());
             let tm = st2.cfg.exact_dsml_replay.then_some(&mut *tm);
-            let p = request::prepare(&mut req, tm, None, &st2.tok, st2.cfg.content_special_tokens)?;
+            let p = chat.prepare(&mut req, tm, None, &st2.tok, st2.cfg.content_special_tokens)?;
             Ok((p.tokens, Some(p.text)))
         })
         .await
@@ -677,19 +686,6 @@ async fn prepare_permit(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePerm
         .acquire_owned()
         .await
         .map_err(|_| ApiError::shutting_down())
-}
-
-async fn chat(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
-    generation(st, Endpoint::Chat, body).await
-}
-async fn completions(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
-    generation(st, Endpoint::Completions, body).await
-}
-async fn responses(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
-    generation(st, Endpoint::Responses, body).await
-}
-async fn messages(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
-    generation(st, Endpoint::Messages, body).await
 }
 
 async fn generation(
@@ -829,7 +825,7 @@ fn admit_and_prepare(
     ep: Endpoint,
     body: Bytes,
     ctx: u64,
-) -> Result<(request::GenRequest, request::Prepared), ApiError> {
+) -> Result<(GenRequest, Prepared), ApiError> {
     let early = |n: usize| {
         Stats::add(&st.stats.rejected_early, 1);
         ApiError::context_overflow_at_least(n, st.ctx, ep.prompt_param())
@@ -848,12 +844,8 @@ fn admit_and_prepare(
             st.ctx
         )));
     }
-    let mut req = match ep {
-        Endpoint::Chat => request::parse_chat(&body, ctx),
-        Endpoint::Completions => request::parse_completions(&body, ctx),
-        Endpoint::Responses => request::parse_responses(&body, ctx),
-        Endpoint::Messages => request::parse_messages(&body, ctx),
-    }?;
+    let family = endpoints::family(ep);
+    let mut req = family.parse(&body, ctx)?;
     drop(body);
     let bound = request::token_lower_bound(&req, st.max_token_bytes);
     if bound >= st.ctx {
@@ -862,7 +854,7 @@ fn admit_and_prepare(
     let binding = st.binding.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let mut tm = st.toolmem.lock().unwrap_or_else(|p| p.into_inner());
     let tm = st.cfg.exact_dsml_replay.then_some(&mut *tm);
-    let p = request::prepare(
+    let p = family.prepare(
         &mut req,
         tm,
         binding.as_ref(),
@@ -873,48 +865,22 @@ fn admit_and_prepare(
 }
 
 fn final_body(ctx: &Ctx, o: &Outcome) -> String {
-    match ctx.endpoint {
-        Endpoint::Chat => emit::chat_body(ctx, o),
-        Endpoint::Completions => emit::completion_body(ctx, o),
-        Endpoint::Responses => emit::responses_body(ctx, o),
-        Endpoint::Messages => emit::anthropic_body(ctx, o),
-    }
+    endpoints::family(ctx.endpoint).body(ctx, o)
 }
 
-enum Emitter {
-    OpenAi(OpenAiStream),
-    Anthropic(AnthropicStream),
-    Responses(ResponsesStream),
-}
-
-impl Emitter {
-    fn new(ctx: Ctx) -> Emitter {
-        match ctx.endpoint {
-            Endpoint::Chat | Endpoint::Completions => Emitter::OpenAi(OpenAiStream::new(ctx)),
-            Endpoint::Messages => Emitter::Anthropic(AnthropicStream::new(ctx)),
-            Endpoint::Responses => Emitter::Responses(ResponsesStream::new(ctx)),
-        }
-    }
-
-    fn on(&mut self, ev: JobEvent) -> (Vec<Frame>, bool) {
-        match (self, ev) {
-            (Emitter::OpenAi(e), JobEvent::Delta(d)) => (e.delta(&d), false),
-            (Emitter::Anthropic(e), JobEvent::Delta(d)) => (e.delta(&d), false),
-            (Emitter::Responses(e), JobEvent::Delta(d)) => (e.delta(&d), false),
-            (Emitter::OpenAi(e), JobEvent::Done(o)) => (e.done(&o), true),
-            (Emitter::Anthropic(e), JobEvent::Done(o)) => (e.done(&o), true),
-            (Emitter::Responses(e), JobEvent::Done(o)) => (e.done(&o), true),
-            (Emitter::OpenAi(e), JobEvent::Failed(x)) => (e.error(&x), true),
-            (Emitter::Anthropic(e), JobEvent::Failed(x)) => (e.error(&x), true),
-            (Emitter::Responses(e), JobEvent::Failed(x)) => (e.error(&x), true),
-            (_, JobEvent::Started { .. }) => (Vec::new(), false),
-        }
+/// A family's stream writer fed with worker events: (frames, whether the stream ended).
+fn on_event(em: &mut dyn EventStream, ev: JobEvent) -> (Vec<Frame>, bool) {
+    match ev {
+        JobEvent::Delta(d) => (em.delta(&d), false),
+        JobEvent::Done(o) => (em.done(&o), true),
+        JobEvent::Failed(x) => (em.error(&x), true),
+        JobEvent::Started { .. } => (Vec::new(), false),
     }
 }
 
 struct SseState {
     rx: mpsc::Receiver<JobEvent>,
-    em: Emitter,
+    em: Box<dyn EventStream>,
     pending: VecDeque<Frame>,
     finished: bool,
     taken_ms: Arc<AtomicU64>,
@@ -937,12 +903,8 @@ fn sse_response(
     keep_alive: Duration,
     taken_ms: Arc<AtomicU64>,
 ) -> Response {
-    let mut em = Emitter::new(ctx);
-    let first = match &mut em {
-        Emitter::OpenAi(e) => e.start(),
-        Emitter::Anthropic(e) => e.start(&usage),
-        Emitter::Responses(e) => e.start(),
-    };
+    let mut em = endpoints::family(ctx.endpoint).stream(ctx);
+    let first = em.start(&usage);
     let state = SseState {
         rx,
         em,
@@ -962,7 +924,7 @@ fn sse_response(
             match s.rx.recv().await {
                 Some(ev) => {
                     s.taken_ms.store(limits::now_ms(), Ordering::Relaxed);
-                    let (frames, end) = s.em.on(ev);
+                    let (frames, end) = on_event(s.em.as_mut(), ev);
                     s.pending.extend(frames);
                     s.finished = end;
                 }

@@ -1,26 +1,32 @@
 //! `ds4-server`: an OpenAI- and Anthropic-compatible HTTP API over one ds4 engine session.
 //!
 //! ```text
-//! HTTP (axum)                    request::parse_* → prepare (render, exact DSML, tokenize)
-//!   → bounded queue (429 when full) → worker thread (one Session, one live KV)
+//! HTTP (axum) → endpoints::family(ep): parse (request) → prepare (render, exact DSML, tokenize)
+//!   → bounded queue (429 when full) → worker thread (one ds4_runtime Conversation)
 //!       reuse: tool binding | live prefix | thinking-visible | turn snapshot | disk | cold
 //!       prefill suffix (+ cold/continued disk saves) → decode + sample → OutputStream
-//!   → JobEvents → emit::{OpenAi,Anthropic,Responses}Stream → SSE / JSON body
+//!   → JobEvents → the family's EventStream (emit) → SSE / JSON body
 //! ```
+//!
+//! Module dependencies run one way: `api` (the request model) ← `request` (parsers),
+//! `live` ← `prepare` ← `endpoints` → `emit`; nothing below `http` imports it.
 //!
 //! Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
 //! `/v1/completions`, `/v1/responses`, `/v1/messages`, `GET /health` (status + counters),
 //! `POST /tokenize`, `/detokenize`. Wire formats follow `shared/spec/server-and-cli.md` §4–8.
 
+pub mod api;
 pub mod config;
 pub mod diskcache;
 pub mod emit;
+pub mod endpoints;
 pub mod error;
 pub mod http;
 pub mod json_out;
 pub mod limits;
 pub mod live;
 pub mod model;
+pub mod prepare;
 pub mod request;
 pub mod script;
 pub mod stats;

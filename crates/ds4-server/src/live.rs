@@ -17,8 +17,8 @@ use std::collections::HashSet;
 use ds4_chat::render::{self, Message, ThinkingMode};
 use ds4_chat::tokenizer::{BOS_TEXT, EOS_TEXT};
 
+use crate::api::{Endpoint, GenRequest};
 use crate::error::{ApiError, ErrorKind};
-use crate::request::{Endpoint, GenRequest};
 
 /// What the live state ends with after a clean Responses or Messages turn.
 #[derive(Debug, Clone, PartialEq, Eq)]

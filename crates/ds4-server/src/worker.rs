@@ -14,15 +14,19 @@ use std::time::Instant;
 use ds4_chat::stream::{EndCause, FinalOutput, Halt, OutputStream, StreamEvent, StreamOptions};
 use ds4_chat::tokenizer::{THINK_CLOSE_TEXT, THINK_OPEN_TEXT};
 use ds4_chat::Tokenizer;
-use ds4_engine::{argmax, Sampler, SamplerConfig, Session, Snapshot};
+use ds4_engine::{argmax, Sampler, SamplerConfig, Snapshot};
 use ds4_kvstore::{KvStore, Mode, StoreConfig, StoreOutcome};
+use ds4_runtime::checkpoint::Format;
+use ds4_runtime::driver::Conversation;
 use tokio::sync::mpsc;
 
 use crate::config::{DiskCacheConfig, ServerConfig};
 use crate::diskcache::{self, continuation};
+
+use crate::api::Endpoint;
 use crate::error::{ApiError, ServerError};
 use crate::live::{self, ToolBinding};
-use crate::request::{Endpoint, Prepared};
+use crate::prepare::Prepared;
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
 
@@ -166,14 +170,12 @@ enum Stop {
 
 /// The worker's state: the session and everything tied to its live KV.
 pub struct Worker {
-    session: Session,
+    /// The live session and the logits after it (the runtime's conversation driver).
+    conv: Conversation,
     tok: Arc<Tokenizer>,
     eos: u32,
-    n_vocab: usize,
     ctx: usize,
     piece: usize,
-    /// Logits after the live state's last token.
-    logits: Option<Vec<f32>>,
     visible: Option<Visible>,
     snapshots: VecDeque<MemSnapshot>,
     disk: Option<Disk>,
@@ -214,7 +216,6 @@ impl Worker {
     ) -> Result<Worker, ServerError> {
         let ctx = engine.config().ctx;
         let piece = engine.config().prefill_chunk.max(1) * 4;
-        let n_vocab = engine.hparams().n_vocab;
         let mode = match engine.mode() {
             ds4_engine::NumericMode::Exact => Mode::Exact,
             ds4_engine::NumericMode::Official => Mode::Official,
@@ -256,13 +257,11 @@ impl Worker {
         };
         let eos = tok.markers().eos;
         Ok(Worker {
-            session: Session::new(engine)?,
+            conv: Conversation::new(engine).map_err(|e| ServerError::Model(e.to_string()))?,
             tok,
             eos,
-            n_vocab,
             ctx,
             piece,
-            logits: None,
             visible: None,
             snapshots: VecDeque::new(),
             disk,
@@ -317,8 +316,7 @@ impl Worker {
     }
 
     fn discard_live(&mut self) {
-        let _ = self.session.reset();
-        self.logits = None;
+        let _ = self.conv.reset();
         self.visible = None;
         self.binding = None;
         self.snapshots.clear();
@@ -438,10 +436,10 @@ impl Worker {
     fn live_tail(&mut self, job: &Job) -> Option<(usize, Vec<u32>, &'static str)> {
         let t = job.prepared.live_tail.as_ref()?;
         let b = self.binding.as_ref()?;
-        let live_len = self.session.pos();
+        let live_len = self.conv.pos();
         if b.frontier != live_len
             || live_len == 0
-            || self.logits.is_none()
+            || self.conv.logits().is_none()
             || !t.matches(job.endpoint, b)
         {
             return None;
@@ -454,10 +452,10 @@ impl Worker {
     /// Picks how to reach the prompt and puts the session there. Returns (reused tokens,
     /// tokens still to evaluate, where the reuse came from).
     fn reuse(&mut self, p: &Prepared) -> Result<(usize, Vec<u32>, &'static str), ApiError> {
-        let live_len = self.session.pos();
+        let live_len = self.conv.pos();
         if live_len > 0 {
-            if let Some(s) = continuation(&self.tok, self.session.tokens(), p) {
-                if !s.is_empty() || self.logits.is_some() {
+            if let Some(s) = continuation(&self.tok, self.conv.live(), p) {
+                if !s.is_empty() || self.conv.logits().is_some() {
                     return Ok((live_len, s, "live"));
                 }
             }
@@ -476,8 +474,9 @@ impl Worker {
         for i in (0..self.snapshots.len()).rev() {
             let m = &self.snapshots[i];
             if let Some(s) = continuation(&self.tok, &m.tokens, p) {
-                self.session.restore(&m.snap).map_err(engine_err)?;
-                self.logits = Some(m.logits.clone());
+                self.conv
+                    .restore(&m.snap, Some(m.logits.clone()))
+                    .map_err(engine_err)?;
                 self.visible = None;
                 let n = m.tokens.len();
                 if let Some(d) = &mut self.disk {
@@ -496,8 +495,7 @@ impl Worker {
         if live_len > 0 {
             self.disk_save("evict");
         }
-        self.session.reset().map_err(engine_err)?;
-        self.logits = None;
+        self.conv.reset().map_err(engine_err)?;
         self.visible = None;
         if let Some(d) = &mut self.disk {
             d.frontier = 0;
@@ -538,16 +536,16 @@ impl Worker {
                 return None;
             }
         };
-        let restored =
-            diskcache::decode_payload(&loaded.payload, self.n_vocab).and_then(|(logits, snap)| {
-                self.session
-                    .restore(&Snapshot::from_bytes(snap))
-                    .map_err(|e| e.to_string())
-                    .map(|_| logits)
-            });
-        match restored {
-            Ok(logits) if self.session.tokens() == loaded.tokens.as_slice() => {
-                self.logits = Some(logits);
+        // Without stored logits the entry can only serve a prompt that goes on after it.
+        // `Err(None)`: restored fine but not usable for this prompt; `Err(Some(why))`: broken.
+        let resumed = match self.conv.resume(&loaded.payload, &loaded.tokens) {
+            Ok(_) if suffix.is_empty() && self.conv.logits().is_none() => Err(None),
+            Ok(format) => Ok(format),
+            Err(e) => Err(Some(e.to_string())),
+        };
+        let d = self.disk.as_mut()?;
+        match resumed {
+            Ok(format) => {
                 self.visible = None;
                 d.frontier = loaded.tokens.len();
                 if self.cfg.exact_dsml_replay {
@@ -558,49 +556,80 @@ impl Worker {
                 }
                 Stats::add(&self.stats.disk_hits, 1);
                 tracing::info!(entry = name, tokens = loaded.tokens.len(), "disk KV hit");
+                if format.is_legacy() {
+                    self.migrate(name, &loaded, format);
+                }
                 Some((loaded.tokens.len(), suffix, "disk"))
             }
-            other => {
-                let why = match other {
-                    Err(e) => e,
-                    Ok(_) => "restored tokens differ from the entry".into(),
-                };
+            Err(None) => {
+                // A usable entry for a longer prompt: kept.
+                tracing::info!(entry = name, "disk KV entry has no logits for this prompt");
+                let _ = self.conv.reset();
+                None
+            }
+            Err(Some(why)) => {
                 tracing::warn!(entry = name, reason = %why, "disk KV entry unusable; removed");
                 let _ = d.store.remove(name);
                 Stats::add(&self.stats.disk_rejected, 1);
-                let _ = self.session.reset();
-                self.logits = None;
                 None
+            }
+        }
+    }
+
+    /// Rewrites an entry written in a legacy payload format (by an older `ds4` or
+    /// `ds4-server`) in the current one, keeping its tokens and tool map. The live state
+    /// holds exactly the entry's tokens here.
+    fn migrate(&mut self, name: &str, loaded: &ds4_kvstore::Loaded, from: Format) {
+        let payload = match self.conv.checkpoint() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(entry = name, error = %e, "legacy disk KV entry not migrated");
+                return;
+            }
+        };
+        let Some(d) = &mut self.disk else { return };
+        match d.store.store(&loaded.tokens, &payload, &loaded.tool_map) {
+            Ok(StoreOutcome::Stored { .. }) => {
+                tracing::info!(entry = name, from = from.name(), "disk KV entry migrated")
+            }
+            Ok(StoreOutcome::SkippedTooLarge { .. }) => {
+                tracing::warn!(
+                    entry = name,
+                    "legacy disk KV entry not migrated: over the budget"
+                )
+            }
+            Err(e) => {
+                tracing::warn!(entry = name, error = %e, "legacy disk KV entry not migrated")
             }
         }
     }
 
     /// Saves the live state as a disk checkpoint (if enabled and long enough).
     fn disk_save(&mut self, reason: &str) {
-        let n = self.session.pos();
+        let n = self.conv.pos();
         let Some(d) = &self.disk else { return };
         if n == 0 || n < d.cfg.min_tokens {
             return;
         }
-        let Some(logits) = &self.logits else { return };
-        let snap = match self.session.snapshot() {
-            Ok(s) => s,
+        // Server checkpoints always carry the logits: a prompt that ends exactly at one
+        // then starts sampling at once.
+        if self.conv.logits().is_none() {
+            return;
+        }
+        let payload = match self.conv.checkpoint() {
+            Ok(p) => p,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot snapshot for the disk cache");
                 return;
             }
         };
-        let payload = diskcache::encode_payload(logits, snap.as_bytes());
         let tool_map = if self.cfg.exact_dsml_replay {
-            let text = self
-                .tok
-                .decode_lossy(self.session.tokens())
-                .unwrap_or_default();
+            let text = self.tok.decode_lossy(self.conv.live()).unwrap_or_default();
             lock(&self.toolmem).blocks_in(&text)
         } else {
             Default::default()
         };
-        let tokens = self.session.tokens().to_vec();
+        let tokens = self.conv.live().to_vec();
         let Some(d) = &mut self.disk else { return };
         match d.store.store(&tokens, &payload, &tool_map) {
             Ok(StoreOutcome::Stored { name, evicted }) => {
@@ -665,15 +694,15 @@ impl Worker {
             if self.stopping(job) {
                 return Err(Stop::Cancelled);
             }
-            let pos = self.session.pos();
+            let pos = self.conv.pos();
             let mut end = tokens.len().min(done + self.piece);
             for b in [cold_at, self.next_continued()].into_iter().flatten() {
                 if b > pos && b < pos + (end - done) {
                     end = done + (b - pos);
                 }
             }
-            match self.session.prefill(&tokens[done..end]) {
-                Ok(l) => self.logits = Some(l),
+            match self.conv.prefill(&tokens[done..end]) {
+                Ok(()) => {}
                 Err(e) => {
                     // The state is unchanged or partial; nothing after it can be trusted.
                     self.discard_live();
@@ -683,7 +712,7 @@ impl Worker {
             }
             Stats::add(&self.stats.prefilled_tokens, (end - done) as u64);
             done = end;
-            let pos = self.session.pos();
+            let pos = self.conv.pos();
             if cold_at == Some(pos) {
                 self.disk_save("cold");
             } else if self.next_continued() == Some(pos) {
@@ -698,14 +727,14 @@ impl Worker {
         if self.cfg.snapshot_slots == 0 {
             return;
         }
-        let Some(logits) = self.logits.clone() else {
+        let Some(logits) = self.conv.logits().map(<[f32]>::to_vec) else {
             return;
         };
-        let tokens = self.session.tokens().to_vec();
+        let tokens = self.conv.live().to_vec();
         if self.snapshots.back().is_some_and(|s| s.tokens == tokens) {
             return;
         }
-        match self.session.snapshot() {
+        match self.conv.snapshot() {
             Ok(snap) if snap.as_bytes().len() <= self.cfg.snapshot_max_bytes => {
                 self.snapshots.retain(|s| s.tokens != tokens);
                 self.snapshots.push_back(MemSnapshot {
@@ -751,7 +780,7 @@ impl Worker {
             if self.shutdown.load(Ordering::Relaxed) {
                 break EndCause::Error("shutdown requested".into());
             }
-            let Some(logits) = self.logits.as_ref() else {
+            let Some(logits) = self.conv.logits() else {
                 break EndCause::Error("no logits to sample from".into());
             };
             let t = match &forced {
@@ -775,12 +804,9 @@ impl Worker {
             let text = dec.push(t).unwrap_or_default();
             let evs = stream.push(&text);
             self.emit(job, evs, &mut ids);
-            // One logits buffer reused across tokens (no vocabulary-sized allocation each).
-            let buf = self.logits.get_or_insert_with(Vec::new);
-            match self.session.decode_into(t, buf) {
+            match self.conv.advance(t) {
                 Ok(()) => {}
                 Err(e) => {
-                    self.logits = None;
                     self.discard_live();
                     break EndCause::Error(e.to_string());
                 }
@@ -789,8 +815,7 @@ impl Worker {
             if stream.halted().is_some() {
                 break EndCause::Eos;
             }
-            if self.next_continued() == Some(self.session.pos())
-                && !stream.dsml_state().in_tool_call()
+            if self.next_continued() == Some(self.conv.pos()) && !stream.dsml_state().in_tool_call()
             {
                 self.disk_save("continued");
             }
@@ -875,13 +900,13 @@ impl Worker {
             );
         self.binding = (ended
             && matches!(job.endpoint, Endpoint::Responses | Endpoint::Messages)
-            && self.session.pos() > 0)
+            && self.conv.pos() > 0)
             .then(|| ToolBinding {
                 endpoint: job.endpoint,
                 response_id: job.response_id.clone(),
                 call_ids: ids.to_vec(),
                 tools: p.tools,
-                frontier: self.session.pos(),
+                frontier: self.conv.pos(),
             });
         if clean
             && p.thinking
@@ -892,7 +917,7 @@ impl Worker {
             if let Some(prefix) = p.text.strip_suffix(THINK_OPEN_TEXT) {
                 self.visible = Some(Visible {
                     text: format!("{prefix}{THINK_CLOSE_TEXT}{}", out.message.content),
-                    live_len: self.session.pos(),
+                    live_len: self.conv.pos(),
                 });
             }
         }
@@ -903,11 +928,11 @@ impl Worker {
 /// top_k 0 (values above 1024 capped), seed 0 = time-derived; in thinking modes the client's
 /// knobs are ignored and the defaults forced (as DeepSeek's API does).
 pub fn sampler_config(
-    s: &crate::request::Sampling,
+    s: &crate::api::Sampling,
     thinking: bool,
     fallback_seed: u64,
 ) -> SamplerConfig {
-    let d = crate::request::Sampling::default();
+    let d = crate::api::Sampling::default();
     let s = if thinking { &d } else { s };
     let mut top_p = s.top_p.unwrap_or(1.0);
     let mut top_k = s.top_k.unwrap_or(0).min(1024) as usize;
@@ -934,7 +959,7 @@ pub fn sampler_config(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::Sampling;
+    use crate::api::Sampling;
 
     #[test]
     fn ids_have_the_right_shape() {

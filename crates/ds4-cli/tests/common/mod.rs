@@ -2,8 +2,9 @@
 //! binary, and `ds4` invocations on it.
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
 pub fn root() -> PathBuf {
@@ -43,6 +44,23 @@ pub fn ds4_cmd() -> Command {
 
 pub fn ds4(args: &[&str]) -> Output {
     ds4_cmd().args(args).output().expect("running ds4")
+}
+
+/// Runs `cmd` with `input` on its stdin and returns everything it wrote (a chat script).
+pub fn run_with_input(cmd: &mut Command, input: &str) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running ds4");
+    child
+        .stdin
+        .take()
+        .expect("a stdin pipe")
+        .write_all(input.as_bytes())
+        .expect("writing the script");
+    child.wait_with_output().expect("waiting for ds4")
 }
 
 pub fn text(b: &[u8]) -> String {

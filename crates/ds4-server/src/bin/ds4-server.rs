@@ -31,8 +31,8 @@ struct Args {
     /// Backend: auto (CUDA when a device answers, then ROCm, then the CPU, saying why),
     /// cpu, cuda, rocm. GPU weights are placed by the same plan `ds4 plan` prints (the
     /// DS4_WEIGHTS_MEM / DS4_DEVICE_MEM_LIMIT_GIB / ... variables override it).
-    #[arg(long, value_enum, default_value_t = ds4_cli::load::BackendChoice::Auto)]
-    backend: ds4_cli::load::BackendChoice,
+    #[arg(long, value_enum, default_value_t = ds4_runtime::load::BackendChoice::Auto)]
+    backend: ds4_runtime::load::BackendChoice,
     /// Pedantic f32 prefill GEMM instead of the default fast TF32 path (CUDA; also
     /// DS4_QUALITY=1).
     #[arg(long)]
@@ -264,15 +264,15 @@ fn main() -> Result<()> {
     };
     check_model_path(&a.model)?;
     let t0 = std::time::Instant::now();
-    let req = ds4_cli::load::PlacementRequest {
+    let req = ds4_runtime::load::PlacementRequest {
         model: &a.model,
         ctx: a.ctx,
         prefill_chunk: a.prefill_chunk.max(1),
         overrides: Default::default(),
     };
-    let precision = ds4_cli::load::Precision::from_env(a.quality);
+    let precision = ds4_runtime::load::Precision::from_env(a.quality);
     tracing::info!("prefill precision: {}", precision.name());
-    let backend = ds4_cli::load::planned_backend(
+    let backend = ds4_runtime::load::planned_backend(
         a.backend,
         a.threads,
         &req,

@@ -1,0 +1,388 @@
+//! The conversation driver: one live engine session, the logits after its last token, and
+//! the moves every front end makes on it — bring it to a token sequence reusing the live
+//! prefix, evaluate more, generate step by step with stop conditions and cancellation,
+//! checkpoint it and resume a checkpoint.
+//!
+//! The live state is the only copy of the context. A new turn normally extends it, so only
+//! the new tokens are evaluated; a sequence that does not extend it (another conversation,
+//! an edited history) resets and refills it, because the engine has no partial rewind.
+//! Keeping the logits beside the state is what lets a prompt that ends exactly at the live
+//! state (or at a checkpoint) start sampling without evaluating anything.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use ds4_chat::Tokenizer;
+use ds4_engine::{Engine, EngineError, Sampler, Session, Snapshot};
+use thiserror::Error;
+
+use crate::checkpoint::{self, CheckpointError, Format};
+
+/// Why a driver operation failed.
+#[derive(Debug, Error)]
+pub enum DriverError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("nothing to evaluate: the token sequence is empty")]
+    Empty,
+    #[error("{tokens} tokens do not fit the context of {ctx} (use a larger -c/--ctx or /ctx N)")]
+    TooLong { tokens: usize, ctx: usize },
+    #[error("interrupted")]
+    Interrupted,
+    #[error("the restored state holds other tokens than the checkpoint says")]
+    Inconsistent,
+}
+
+/// What one [`Conversation::sync`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SyncStats {
+    /// Tokens that were already live and kept.
+    pub reused: usize,
+    /// Tokens evaluated now.
+    pub prefilled: usize,
+    pub secs: f64,
+}
+
+impl SyncStats {
+    pub fn tokens_per_sec(&self) -> f64 {
+        rate(self.prefilled, self.secs)
+    }
+}
+
+fn rate(n: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        n as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GenStop {
+    /// The model sampled EOS.
+    Eos,
+    /// The token limit was reached.
+    Length,
+    /// The cancel flag was raised.
+    Interrupted,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenOutcome {
+    /// Sampled tokens in order (an EOS is included).
+    pub tokens: Vec<u32>,
+    pub stop: GenStop,
+    pub secs: f64,
+}
+
+impl GenOutcome {
+    pub fn tokens_per_sec(&self) -> f64 {
+        rate(self.tokens.len(), self.secs)
+    }
+}
+
+/// The stop conditions of one [`Conversation::generate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenLimits {
+    /// Most tokens to sample.
+    pub max_tokens: usize,
+    pub eos: u32,
+    /// Mask EOS out of every distribution (fixed-length runs for benchmarks and tests).
+    pub ignore_eos: bool,
+}
+
+/// How a candidate prefix (the live state, a snapshot, a disk checkpoint) continues into a
+/// target: the tokens to evaluate after it, or `None` if it is not a prefix.
+///
+/// A prefix matches when its tokens start the target's tokens, or when its decoded bytes
+/// start the target's text at a character boundary: the same text can tokenize differently
+/// when it is split (a cached prefix was tokenized on its own), so a byte match is still a
+/// valid reuse; `suffix_from(bytes)` then tokenizes the rest of the target from that byte
+/// offset under the caller's special-token policy.
+pub fn continuation(
+    tok: &Tokenizer,
+    prefix: &[u32],
+    target_tokens: &[u32],
+    target_text: &str,
+    suffix_from: impl FnOnce(usize) -> Option<Vec<u32>>,
+) -> Option<Vec<u32>> {
+    if prefix.is_empty() {
+        return None;
+    }
+    if target_tokens.starts_with(prefix) {
+        return Some(target_tokens[prefix.len()..].to_vec());
+    }
+    let bytes = tok.decode(prefix).ok()?;
+    if bytes.len() <= target_text.len()
+        && target_text.as_bytes().starts_with(&bytes)
+        && target_text.is_char_boundary(bytes.len())
+    {
+        return suffix_from(bytes.len());
+    }
+    None
+}
+
+/// A live session plus the logits of its last evaluated token.
+pub struct Conversation {
+    session: Session,
+    /// Logits after `session.tokens()`, when known.
+    last_logits: Option<Vec<f32>>,
+}
+
+impl Conversation {
+    /// A new, empty conversation on `engine` (its KV state is allocated here).
+    pub fn new(engine: Engine) -> Result<Conversation, DriverError> {
+        Ok(Conversation {
+            session: Session::new(engine)?,
+            last_logits: None,
+        })
+    }
+
+    pub fn engine(&self) -> &Engine {
+        self.session.engine()
+    }
+
+    pub fn ctx(&self) -> usize {
+        self.session.ctx()
+    }
+
+    /// Tokens held by the live state.
+    pub fn live(&self) -> &[u32] {
+        self.session.tokens()
+    }
+
+    /// Number of live tokens.
+    pub fn pos(&self) -> usize {
+        self.session.pos()
+    }
+
+    /// The logits after the live state, when known.
+    pub fn logits(&self) -> Option<&[f32]> {
+        self.last_logits.as_deref()
+    }
+
+    /// Forgets the logits (the caller changed what they would be, or cannot trust them).
+    pub fn forget_logits(&mut self) {
+        self.last_logits = None;
+    }
+
+    /// Empties the live state.
+    pub fn reset(&mut self) -> Result<(), DriverError> {
+        self.last_logits = None;
+        self.session.reset()?;
+        Ok(())
+    }
+
+    pub fn snapshot(&mut self) -> Result<Snapshot, DriverError> {
+        Ok(self.session.snapshot()?)
+    }
+
+    /// Replaces the live state with a snapshot; `logits` are the ones after it, if known.
+    pub fn restore(
+        &mut self,
+        snap: &Snapshot,
+        logits: Option<Vec<f32>>,
+    ) -> Result<(), DriverError> {
+        self.last_logits = None;
+        self.session.restore(snap)?;
+        self.last_logits = logits;
+        Ok(())
+    }
+
+    /// The live state as a checkpoint payload ([`checkpoint::encode`], with the logits
+    /// when known).
+    pub fn checkpoint(&mut self) -> Result<Vec<u8>, DriverError> {
+        let snap = self.session.snapshot()?;
+        Ok(checkpoint::encode(self.logits(), snap.as_bytes()))
+    }
+
+    /// Restores a checkpoint payload of any known format whose state must hold exactly
+    /// `tokens`. Returns the payload's format (a legacy one should be rewritten by the
+    /// caller). On any failure the live state is empty.
+    pub fn resume(&mut self, payload: &[u8], tokens: &[u32]) -> Result<Format, DriverError> {
+        let n_vocab = self.engine().hparams().n_vocab;
+        let resumed = checkpoint::decode(payload, n_vocab)
+            .map_err(DriverError::from)
+            .and_then(|c| {
+                self.restore(&Snapshot::from_bytes(c.snapshot), c.logits)?;
+                if self.live() != tokens {
+                    return Err(DriverError::Inconsistent);
+                }
+                Ok(c.format)
+            });
+        if resumed.is_err() {
+            let _ = self.reset();
+        }
+        resumed
+    }
+
+    /// Evaluates `tokens` after the live state in one call and keeps the logits. On an
+    /// engine error the state is partial and the logits are forgotten.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<(), DriverError> {
+        match self.session.prefill(tokens) {
+            Ok(l) => {
+                self.last_logits = Some(l);
+                Ok(())
+            }
+            Err(e) => {
+                self.last_logits = None;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// One generation step: feeds `tok` and keeps the logits after it, reusing one buffer
+    /// (no vocabulary-sized allocation per token).
+    pub fn advance(&mut self, tok: u32) -> Result<(), DriverError> {
+        let mut buf = self.last_logits.take().unwrap_or_default();
+        self.session.decode_into(tok, &mut buf)?;
+        self.last_logits = Some(buf);
+        Ok(())
+    }
+
+    /// Makes the live state hold exactly `target` and returns the logits after its last
+    /// token, or `None` if `cancel` was raised between prefill chunks (the state then holds
+    /// a prefix of `target`). `progress(done, total)` is called after every chunk.
+    pub fn sync(
+        &mut self,
+        target: &[u32],
+        cancel: &AtomicBool,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<(SyncStats, Option<Vec<f32>>), DriverError> {
+        let t0 = Instant::now();
+        if target.is_empty() {
+            return Err(DriverError::Empty);
+        }
+        if target.len() > self.ctx() {
+            return Err(DriverError::TooLong {
+                tokens: target.len(),
+                ctx: self.ctx(),
+            });
+        }
+        if !target.starts_with(self.live()) {
+            self.reset()?;
+        }
+        let reused = self.live().len();
+        if reused == target.len() {
+            if let Some(l) = self.last_logits.clone() {
+                let stats = SyncStats {
+                    reused,
+                    prefilled: 0,
+                    secs: t0.elapsed().as_secs_f64(),
+                };
+                return Ok((stats, Some(l)));
+            }
+            // Logits unknown (after a restore without them): evaluate from scratch.
+            self.reset()?;
+            return self.sync(target, cancel, progress);
+        }
+        let todo = &target[reused..];
+        let chunk = self.engine().config().prefill_chunk.max(1);
+        let mut done = 0;
+        for piece in todo.chunks(chunk) {
+            if cancel.load(Ordering::Relaxed) {
+                self.last_logits = None;
+                let stats = SyncStats {
+                    reused,
+                    prefilled: done,
+                    secs: t0.elapsed().as_secs_f64(),
+                };
+                return Ok((stats, None));
+            }
+            self.prefill(piece)?;
+            done += piece.len();
+            progress(done, todo.len());
+        }
+        let stats = SyncStats {
+            reused,
+            prefilled: todo.len(),
+            secs: t0.elapsed().as_secs_f64(),
+        };
+        Ok((stats, self.last_logits.clone()))
+    }
+
+    /// Makes the live state hold exactly `target`, without needing logits (before a
+    /// snapshot): nothing is evaluated when it already does.
+    pub fn sync_state(&mut self, target: &[u32], cancel: &AtomicBool) -> Result<(), DriverError> {
+        if self.live() == target {
+            return Ok(());
+        }
+        if target.is_empty() {
+            return self.reset();
+        }
+        let (_, logits) = self.sync(target, cancel, &mut |_, _| {})?;
+        if logits.is_none() {
+            return Err(DriverError::Interrupted);
+        }
+        Ok(())
+    }
+
+    /// Samples up to `limits.max_tokens` tokens starting from `logits` (the logits after the
+    /// live state). Stops at EOS (included in the result), at the limit, or when `cancel`
+    /// is raised. Every sampled token except the last is fed to the state, so the live state
+    /// afterwards holds the prompt and all but the last sampled token: a one-shot run does
+    /// not pay for a step nobody reads, and the next turn feeds that token with its own.
+    pub fn generate(
+        &mut self,
+        logits: Vec<f32>,
+        sampler: &mut Sampler,
+        limits: GenLimits,
+        cancel: &AtomicBool,
+        on_token: &mut dyn FnMut(u32),
+    ) -> Result<GenOutcome, DriverError> {
+        let t0 = Instant::now();
+        let GenLimits {
+            max_tokens,
+            eos,
+            ignore_eos,
+        } = limits;
+        let mut out = Vec::new();
+        let mut logits = logits;
+        self.last_logits = None;
+        // Greedy decoding asks the backend for the argmax: one integer per token crosses
+        // back instead of the logits row (not with ignore_eos, which edits the row).
+        let device_argmax = sampler.is_greedy() && !ignore_eos;
+        let mut next = None;
+        let stop = loop {
+            if out.len() >= max_tokens {
+                break GenStop::Length;
+            }
+            if cancel.load(Ordering::Relaxed) {
+                break GenStop::Interrupted;
+            }
+            if ignore_eos {
+                if let Some(l) = logits.get_mut(eos as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            let tok = match next.take() {
+                Some(t) => t,
+                None => sampler.sample(&logits, &[])?,
+            };
+            out.push(tok);
+            if tok == eos {
+                break GenStop::Eos;
+            }
+            on_token(tok);
+            if out.len() >= max_tokens {
+                break GenStop::Length;
+            }
+            if cancel.load(Ordering::Relaxed) {
+                break GenStop::Interrupted;
+            }
+            if device_argmax {
+                next = Some(self.session.decode_argmax(tok)?);
+            } else {
+                self.session.decode_into(tok, &mut logits)?;
+            }
+        };
+        Ok(GenOutcome {
+            tokens: out,
+            stop,
+            secs: t0.elapsed().as_secs_f64(),
+        })
+    }
+}

@@ -1,0 +1,19 @@
+//! What the ds4 front ends (`ds4`, `ds4-bench`, `ds4-server`) share below their user
+//! interfaces, so they cannot drift apart:
+//!
+//! - [`load`]: backend choice, the placement plan for the device that will run the model,
+//!   GPU weights placed by that plan, and the load report;
+//! - [`plan`]: the planner's view of a model file (also what `ds4 plan` prints);
+//! - [`driver`]: the conversation driver — the live session, its logits, prefix reuse,
+//!   step-wise generation, checkpoints;
+//! - [`checkpoint`]: the one payload format of disk checkpoints, read by both binaries.
+
+pub mod checkpoint;
+pub mod driver;
+pub mod load;
+pub mod plan;
+
+pub use checkpoint::{Checkpoint, CheckpointError, Format};
+pub use driver::{
+    continuation, Conversation, DriverError, GenLimits, GenOutcome, GenStop, SyncStats,
+};

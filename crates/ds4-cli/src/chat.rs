@@ -251,7 +251,7 @@ impl Runner {
     }
 }
 
-/// Generated token bytes → reasoning / answer events (chat-format.md §3.4), never splitting
+/// Generated token bytes → reasoning / answer events (docs/chat.md §3.4), never splitting
 /// a UTF-8 character.
 pub struct TurnText {
     utf8: Utf8Stream,

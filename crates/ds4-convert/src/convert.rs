@@ -7,7 +7,7 @@
 //!
 //! Payloads are streamed in table order. A plain tensor is read, encoded and written a chunk
 //! of rows at a time; routed experts one batch of experts at a time (each expert quantized
-//! independently, with IQ2_XXS importance = that expert's column energy, spec §5.4). Encoding
+//! independently, with IQ2_XXS importance = that expert's column energy, docs/gguf.md §5.4). Encoding
 //! runs on rayon but results are written in a fixed order, so two conversions of the same
 //! checkpoint are byte-identical.
 

@@ -1,4 +1,4 @@
-//! Checkpoint tensor names → ds4 GGUF names (spec gguf-layout §5.2–5.3).
+//! Checkpoint tensor names → ds4 GGUF names (docs/gguf.md §5.2–5.3).
 //!
 //! Three spellings exist for the same tensors: the official DeepSeek checkpoint (a), the
 //! transformers in-memory module names (b), and what transformers 5.23 `save_pretrained`

@@ -558,7 +558,7 @@ fn blocks_q4_k(rng: &mut Rng, s: f32, out: &mut [u8]) {
         for v in &mut sc {
             *v = 1 + rng.below(63) as u8;
         }
-        // 6-bit codes, min code = scale code (spec §6, Q4_K scale packing).
+        // 6-bit codes, min code = scale code (docs/gguf.md §6, Q4_K scale packing).
         let s12 = &mut b[4..16];
         s12.fill(0);
         for j in 0..4 {

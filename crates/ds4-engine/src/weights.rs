@@ -17,7 +17,7 @@ pub struct HcWeights {
     pub scale: Weight,
 }
 
-/// A compressor's parameters (spec §5.3).
+/// A compressor's parameters (docs/forward.md §5.3).
 #[derive(Debug, Clone, Copy)]
 pub struct CompressorWeights {
     pub kv: Weight,
@@ -26,7 +26,7 @@ pub struct CompressorWeights {
     pub norm: Weight,
 }
 
-/// The lightning indexer of a CSA layer (spec §5.5).
+/// The lightning indexer of a CSA layer (docs/forward.md §5.5).
 #[derive(Debug, Clone, Copy)]
 pub struct IndexerWeights {
     pub q_b: Weight,

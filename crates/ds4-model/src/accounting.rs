@@ -1,4 +1,4 @@
-//! Byte accounting: file size and weight bytes read per decoded token (spec §7).
+//! Byte accounting: file size and weight bytes read per decoded token (docs/gguf.md §7).
 //!
 //! Per-token traffic is what bounds batch-1 decode speed, so `ds4 inspect` and `ds4-bench`
 //! report it; it is computed from the bound tensors, never from hardcoded totals.

@@ -1,4 +1,4 @@
-//! The tensor table a model must have, derived from its hyper-parameters (spec §4).
+//! The tensor table a model must have, derived from its hyper-parameters (docs/gguf.md §4).
 //! Shapes are GGUF dims (ne0 first). Names follow ds4's spelling exactly.
 
 use ds4_gguf::GgmlType;

@@ -77,7 +77,7 @@ fn k(s: &str) -> String {
     format!("{ARCH_PREFIX}{s}")
 }
 
-/// `deepseek4.*` keys in the order of the real file (spec §3.2), with the writer's types.
+/// `deepseek4.*` keys in the order of the real file (docs/gguf.md §3.2), with the writer's types.
 pub fn arch_metadata(h: &HParams) -> Vec<(String, Value)> {
     let u = |x: usize| Value::U32(x as u32);
     let mut ratios: Vec<i32> = h.compress_ratios.iter().map(|&r| r as i32).collect();
@@ -209,7 +209,7 @@ pub fn tokenizer_metadata(t: &TokenizerData) -> Vec<(String, Value)> {
     ]
 }
 
-/// Position of a per-layer suffix in the published file's order (spec §4.5, official
+/// Position of a per-layer suffix in the published file's order (docs/gguf.md §4.5, official
 /// checkpoint key order within a layer).
 fn layer_rank(suffix: &str) -> usize {
     const ORDER: [&str; 34] = [
@@ -349,7 +349,7 @@ pub fn placeholder_tokenizer(n_vocab: usize) -> TokenizerData {
     }
 }
 
-/// The MTP sidecar's 32 tensors with the published types and data order (spec §4.7).
+/// The MTP sidecar's 32 tensors with the published types and data order (docs/gguf.md §4.7).
 /// Only their sizes matter to the planner; an engine that runs MTP validates the real file.
 pub fn mtp_tensor_table(h: &HParams) -> Vec<TensorInfo> {
     let u = |x: usize| x as u64;
@@ -419,7 +419,7 @@ mod tests {
         assert_eq!(h.tensors.len(), 32);
         // Data section of the published sidecar: 3,807,602,400 B file − 2,208 B header.
         assert_eq!(h.assign_offsets().unwrap(), 3_807_602_400 - 2_208);
-        // Spot-check published offsets (spec §4.7).
+        // Spot-check published offsets (docs/gguf.md §4.7).
         let off = |n: &str| h.tensors.iter().find(|t| t.name == n).unwrap().offset;
         assert_eq!(off("mtp.0.ffn_gate_exps.weight"), 143_825_472);
         assert_eq!(off("mtp.0.e_proj.weight"), 3_771_899_456);

@@ -27,7 +27,9 @@ fn headings(text: &str) -> BTreeSet<String> {
             let word = rest.trim_start().split_whitespace().next()?;
             let num = word.trim_end_matches('.');
             let ok = !num.is_empty()
-                && num.split('.').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+                && num
+                    .split('.')
+                    .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
             ok.then(|| num.to_string())
         })
         .collect()
@@ -77,10 +79,7 @@ fn number(s: &str) -> Option<(String, usize)> {
 /// Characters allowed between the parts of one citation chain, e.g. the `, ` of
 /// `§5.2, §5.6` or the ` steps 2–4, ` of `§9 steps 2–4, §8`.
 fn gap_char(c: char) -> bool {
-    c.is_ascii_lowercase()
-        || c.is_ascii_digit()
-        || c.is_whitespace()
-        || "`,;:()-–—&.".contains(c)
+    c.is_ascii_lowercase() || c.is_ascii_digit() || c.is_whitespace() || "`,;:()-–—&.".contains(c)
 }
 
 /// Every `(docs file, section or None)` cited on one line.
@@ -144,19 +143,29 @@ fn every_docs_citation_names_an_existing_section() {
     for r in ROOTS {
         text_files(&root.join(r), &mut files);
     }
-    for f in ["README.md", "ARCHITECTURE.md", "BENCHMARKS.md", "STRIXHALO.md"] {
+    for f in [
+        "README.md",
+        "ARCHITECTURE.md",
+        "BENCHMARKS.md",
+        "STRIXHALO.md",
+    ] {
         files.push(root.join(f));
     }
     let old_spec = ["spec", " §"].concat();
     let old_dir = ["shared", "/spec"].concat();
     let (mut problems, mut checked) = (Vec::new(), 0usize);
     for f in &files {
-        let Ok(text) = fs::read_to_string(f) else { continue };
+        let Ok(text) = fs::read_to_string(f) else {
+            continue;
+        };
         let rel = f.strip_prefix(&root).unwrap_or(f).display().to_string();
         for (n, line) in text.lines().enumerate() {
             let where_ = format!("{rel}:{}", n + 1);
             if line.to_lowercase().contains(&old_spec) || line.contains(&old_dir) {
-                problems.push(format!("{where_}: cites the out-of-tree spec: {}", line.trim()));
+                problems.push(format!(
+                    "{where_}: cites the out-of-tree spec: {}",
+                    line.trim()
+                ));
             }
             for (doc, sec) in citations(line) {
                 checked += 1;
@@ -194,7 +203,9 @@ fn the_citation_parser_reads_chains_and_ranges() {
     assert_eq!(got, want);
     let got = citations("(docs/forward.md §3–§7), docs/chat.md §2.5a; https://x/docs/no.md §1");
     assert_eq!(
-        got.iter().filter_map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+        got.iter()
+            .filter_map(|(_, s)| s.clone())
+            .collect::<Vec<_>>(),
         ["3", "7", "2.5"]
     );
     assert!(headings("## 5. Attention\n### 5.3 Compressor\n#### x\n").contains("5.3"));

@@ -310,7 +310,10 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
                 sources.push(Source::Direct(t.name.clone()));
                 keep.push(true);
             }
-            None if info.name.ends_with("exp_probs_b.bias") => {
+            None if info
+                .name
+                .ends_with(ds4_model::LayerTensor::RouterBias.suffix()) =>
+            {
                 // ds4 treats the selection bias as optional: leave it out of the file.
                 sources.push(Source::Direct(String::new()));
                 keep.push(false);

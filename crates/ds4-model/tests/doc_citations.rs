@@ -24,7 +24,7 @@ fn headings(text: &str) -> BTreeSet<String> {
             if rest.len() == l.len() || !rest.starts_with(' ') {
                 return None;
             }
-            let word = rest.trim_start().split_whitespace().next()?;
+            let word = rest.split_whitespace().next()?;
             let num = word.trim_end_matches('.');
             let ok = !num.is_empty()
                 && num
@@ -104,8 +104,7 @@ fn citations(line: &str) -> Vec<(String, Option<String>)> {
         out.push((stem.clone(), None));
         // The chain of section references that follows.
         let mut tail = &rest[stem_len + 3..];
-        loop {
-            let Some(sign) = tail.find('§') else { break };
+        while let Some(sign) = tail.find('§') {
             if tail[..sign].chars().count() > 16 || !tail[..sign].chars().all(gap_char) {
                 break;
             }

@@ -672,7 +672,7 @@ ds4_hc_head(const float* mix, const float* x, const float* base, const float* sc
 }
 
 // ---------------------------------------------------------------------------------------
-// Compressor (spec 5.3): one block walks the chunk's tokens in order (the accumulator is a
+// Compressor (docs/forward.md §5.3): one block walks the chunk's tokens in order (the accumulator is a
 // sequential state); threads split the feature dims. acc = [u slots | z slots].
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(256)
@@ -729,7 +729,7 @@ ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4
 }
 
 // ---------------------------------------------------------------------------------------
-// Lightning indexer (spec 5.5).
+// Lightning indexer (docs/forward.md §5.5).
 // ---------------------------------------------------------------------------------------
 
 // scores[t][r] for r < n_p(t). A block (8 warps) takes DS4_IDX_ROWS rows of one query; q
@@ -891,7 +891,7 @@ ds4_topk_select(const float* scores, int n_cols, ds4_size pos0, int ratio, int k
 }
 
 // ---------------------------------------------------------------------------------------
-// Sink attention (spec 5.2, 5.4, 5.6): one block of 4 warps per (token, head); every warp
+// Sink attention (docs/forward.md §5.2, §5.4, §5.6): one block of 4 warps per (token, head); every warp
 // takes keys w, w+4, ... with an online softmax, then the warps combine with the sink.
 // head_dim <= 512 (16 values per lane, held in registers).
 // ---------------------------------------------------------------------------------------
@@ -1137,7 +1137,7 @@ extern "C" __global__ void ds4_ring_store(float* ring, const float* kv, ds4_size
 }
 
 // ---------------------------------------------------------------------------------------
-// Router (spec 6, steps 1-3): one block (256 threads) per token.
+// Router (docs/forward.md §6, steps 1-3): one block (256 threads) per token.
 // mode 0: top-k of sqrtsoftplus(l) + bias (bias may be null); mode 1: hash table row.
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(256)

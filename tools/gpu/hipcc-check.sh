@@ -5,7 +5,7 @@
 # Usage: tools/gpu/hipcc-check.sh [--no-install] [ARCH...]   (default arch: gfx1030)
 # Installs `hipcc` and `libamdhip64-dev` with apt-get unless --no-install is given or
 # hipcc is already on PATH. Debian 12's device libraries cover gfx1030 (RDNA2, wave32),
-# not gfx1100/gfx1151; see shared/spec/gpu-notes.md.
+# not gfx1100/gfx1151; see docs/gpu.md.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

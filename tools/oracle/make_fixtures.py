@@ -7,7 +7,7 @@ run on CPU in float32 it is the oracle. This script writes, per tiny model,
 `tests/fixtures/tiny-<name>/`:
 
 * what `save_pretrained` writes (config.json, generation_config.json, model.safetensors in
-  float32, transformers' own "original format" tensor naming, see gguf-layout.md §5.2 (c));
+  float32, transformers' own "original format" tensor naming, see docs/gguf.md §5.2 (c));
 * `reference.safetensors`: token sequences and float32 logits of three execution modes
   (full prefill, token-by-token decode with HF's cache, chunked prefill), plus small debug dumps;
 * `reference.json`: seeds, a config summary, token lists, top-k margins, SwiGLU clamp counts,
@@ -45,7 +45,7 @@ DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures"
 
 # A top-k decision whose k-th and (k+1)-th scores are closer than this (relative to the largest
 # |score| of that decision) could flip between two correct float32 implementations; such token
-# sequences are redrawn (forward-pass.md §9.5).
+# sequences are redrawn (docs/forward.md §9.5).
 MARGIN_THRESHOLD = 3e-5
 
 SLIDING = "sliding_attention"
@@ -55,7 +55,7 @@ HCA = "heavily_compressed_attention"
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One tiny model. Field names follow ds4's GGUF metadata symbols (gguf-layout.md §3.2)."""
+    """One tiny model. Field names follow ds4's GGUF metadata symbols (docs/gguf.md §3.2)."""
 
     name: str
     description: str
@@ -97,7 +97,7 @@ class ModelSpec:
 
     @property
     def layer_types(self) -> list[str]:
-        # Flash schedule (forward-pass.md §1): 0,1 sliding, then CSA on even, HCA on odd layers.
+        # Flash schedule (docs/forward.md §1): 0,1 sliding, then CSA on even, HCA on odd layers.
         return [SLIDING if i < 2 else (CSA if i % 2 == 0 else HCA) for i in range(self.n_layer)]
 
     @property
@@ -151,7 +151,7 @@ class ModelSpec:
         return cfg
 
     def check(self) -> None:
-        """Refuse specs that HF would build but that break the ds4 layout rules (gguf-layout §5.7)."""
+        """Refuse specs that HF would build but that break the ds4 layout rules (docs/gguf.md §5.7)."""
         assert (self.n_head * self.head_dim) % self.o_groups == 0
         assert self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim
         assert self.idx_dim >= self.rope_dim and self.idx_dim % 2 == 0
@@ -262,7 +262,7 @@ MODELS = [
     ),
 ]
 
-# Initialisation scales (forward-pass.md §11 "All parameters randomized"), recorded in reference.json.
+# Initialisation scales (docs/forward.md §11 "All parameters randomized"), recorded in reference.json.
 INIT = {
     "embed_tokens": "N(0, 1)",
     "linear weights (incl. lm_head, router, hc fn)": "N(0, 1/fan_in)",

@@ -218,7 +218,7 @@ def softplus(x):
 
 
 def topk_lowest_index(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest scores; on exact ties the lower index wins (spec §2.6)."""
+    """Indices of the k largest scores; on exact ties the lower index wins (docs/forward.md §2.6)."""
     order = np.lexsort((np.arange(len(scores)), -scores))
     return np.sort(order[:k])
 
@@ -287,7 +287,7 @@ class Reference:
 
     # -- compressor ----------------------------------------------------------------------------
     def _compress_rows(self, us, zs, ratio, width, w_from, w_to, pre):
-        """Finished rows w_from..w_to-1 from the cached per-token projections (spec §5.3)."""
+        """Finished rows w_from..w_to-1 from the cached per-token projections (docs/forward.md §5.3)."""
         c = self.c
         rows = []
         for w in range(w_from, w_to):

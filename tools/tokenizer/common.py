@@ -4,7 +4,7 @@ import json
 import os
 import re
 
-# The seven strings ds4 recognises inside rendered chat text (spec chat-format.md §4.4).
+# The seven strings ds4 recognises inside rendered chat text (docs/chat.md §4.4).
 DS4_MARKERS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                "<think>", "</think>", "｜DSML｜"]
 
@@ -37,7 +37,7 @@ def hf_tokenizer(keep_added=None):
 def gguf_tables(t):
     """tokens / merges / token_type exactly as a GGUF-style converter lays them out.
 
-    id -> text: model.vocab inverted, overridden by added_tokens[].content (gguf-layout.md §3.3).
+    id -> text: model.vocab inverted, overridden by added_tokens[].content (docs/gguf.md §3.3).
     Types follow llama.cpp's convention: added tokens that are HF-special or shaped like
     `<｜…｜>` / `<|…|>` are CONTROL (3), other added tokens USER_DEFINED (4), the rest NORMAL (1).
     """

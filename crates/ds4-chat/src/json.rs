@@ -2,7 +2,7 @@
 //! the tool-call arguments depend on it.
 //!
 //! serde_json cannot be used for these spots: tool-call arguments must keep key order *and*
-//! duplicate keys (chat-format.md §2.5), non-string values are copied minified but with their
+//! duplicate keys (docs/chat.md §2.5), non-string values are copied minified but with their
 //! string escapes untouched, and ds4 accepts a few things strict JSON does not (a missing
 //! comma between members, text after the closing brace). Every scanner here is bounded (depth
 //! limit, no allocation beyond the input size) and never panics.

@@ -2,9 +2,9 @@
 //!
 //! * [`Tokenizer`]: exact V4 byte-level BPE (HF `tokenizers` configured from GGUF tables),
 //!   three special-token policies, exact decoding and a UTF-8-safe streaming decoder.
-//! * [`render`]: byte-exact chat prompt rendering (ds4's algorithm, chat-format.md §2).
+//! * [`render`]: byte-exact chat prompt rendering (ds4's algorithm, docs/chat.md §2).
 //! * [`parse`] / [`stream`]: generated text → reasoning, content and DSML tool calls, both
-//!   final and as a streaming state machine (§3).
+//!   final and as a streaming state machine (docs/chat.md §3).
 
 mod bpe;
 pub mod error;

@@ -1,4 +1,4 @@
-//! Final (non-streaming) parsing of generated text (chat-format.md §3.1–3.2): reasoning vs
+//! Final (non-streaming) parsing of generated text (docs/chat.md §3.1–3.2): reasoning vs
 //! content, and DSML tool-call blocks → tool calls with JSON arguments. Byte behaviour follows
 //! ds4's parser, including its leniency (loose nesting, three tag spellings) and its quirks
 //! (text after the end tag is dropped; a malformed block turns the *whole* output into content).
@@ -73,7 +73,7 @@ pub struct ParsedMessage {
     pub content: String,
     pub tool_calls: Vec<ParsedToolCall>,
     /// The sampled DSML block, from its start (including a leading `\n\n`) through the end tag:
-    /// what tool memory stores for exact replay (§2.5a).
+    /// what tool memory stores for exact replay (docs/chat.md §2.5a).
     pub raw_dsml: Option<String>,
 }
 
@@ -86,7 +86,7 @@ pub struct ParsedOutput {
     pub tool_parse_failed: bool,
 }
 
-/// §3.1: skip a leading `<think>`; before the first `</think>` is reasoning, after it content.
+/// docs/chat.md §3.1: skip a leading `<think>`; before the first `</think>` is reasoning, after it content.
 /// Without `</think>` the whole text (a leading `<think>` included) is content.
 pub fn split_reasoning(text: &str) -> (Option<String>, String) {
     let body = text.strip_prefix(THINK_OPEN).unwrap_or(text);

@@ -1,4 +1,4 @@
-//! Hand-written equivalent of the V4 pre-tokenizer regex sequence (chat-format.md §4.1).
+//! Hand-written equivalent of the V4 pre-tokenizer regex sequence (docs/chat.md §4.1).
 //!
 //! Why not HF's `Split` pre-tokenizers: on this three-regex sequence they run at well under
 //! 1 MB/s (Oniguruma plus `NormalizedString` bookkeeping per piece), far from the issue's
@@ -253,7 +253,7 @@ mod tests {
 
     #[test]
     fn spec_examples() {
-        // chat-format.md §4.3 divergence examples: the HF behaviour.
+        // docs/chat.md §4.3 divergence examples: the HF behaviour.
         assert_eq!(pieces("»\n"), ["»\n"]);
         assert_eq!(pieces(")–"), [")–"]);
         assert_eq!(pieces("….b"), ["….", "b"]);

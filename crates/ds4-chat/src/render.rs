@@ -1,6 +1,6 @@
-//! Byte-exact prompt rendering (chat-format.md §2): normalized messages + tool schemas +
+//! Byte-exact prompt rendering (docs/chat.md §2): normalized messages + tool schemas +
 //! thinking mode → the one UTF-8 string ds4 tokenizes. The rendered string is also cache-key
-//! material (server-and-cli.md §9–10), so every byte here follows ds4 exactly, quirks included.
+//! material (docs/server.md §9–10), so every byte here follows ds4 exactly, quirks included.
 
 use crate::error::ChatError;
 use crate::json;
@@ -8,12 +8,12 @@ use crate::tokenizer::{
     Tokenizer, ASSISTANT_TEXT, BOS_TEXT, EOS_TEXT, THINK_CLOSE_TEXT, THINK_OPEN_TEXT, USER_TEXT,
 };
 
-/// Think Max preamble, placed right after BOS (§2.2; 476 bytes).
+/// Think Max preamble, placed right after BOS (docs/chat.md §2.2; 476 bytes).
 pub const MAX_PREFIX: &str = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n\
 You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n\
 Explicitly write out your entire deliberation process, documenting every intermediate step, considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n";
 
-/// Text before the tool schema lines (§2.2; 1183 bytes).
+/// Text before the tool schema lines (docs/chat.md §2.2; 1183 bytes).
 pub const TOOLS_HEAD: &str = "## Tools\n\n\
 You have access to a set of tools to help answer the user question. You can invoke tools by writing a \"<｜DSML｜tool_calls>\" block like the following:\n\n\
 <｜DSML｜tool_calls>\n\
@@ -30,7 +30,7 @@ If thinking_mode is enabled (triggered by <think>), you MUST output your complet
 Otherwise, output directly after </think> with tool calls or final response.\n\n\
 ### Available Tool Schemas\n\n";
 
-/// Text after the tool schema lines (§2.2; 146 bytes, no trailing newline).
+/// Text after the tool schema lines (docs/chat.md §2.2; 146 bytes, no trailing newline).
 pub const TOOLS_TAIL: &str = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls. Use the exact parameter names from the schemas.";
 
 /// Default system text of `ds4 -p` and `/v1/completions` (no final period).
@@ -100,7 +100,7 @@ impl Rendered {
     }
 }
 
-/// Reasoning mode of a request (§2.1).
+/// Reasoning mode of a request (docs/chat.md §2.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ThinkingMode {
     /// No reasoning: the prompt ends with `</think>`.
@@ -150,11 +150,11 @@ pub struct ToolCall {
     pub name: String,
     /// The arguments text: the decoded JSON string if the client sent a string, or the raw
     /// JSON bytes if it sent an object. Rendered from its JSON object members, or as one
-    /// `arguments` string parameter when it is not an object (§2.5).
+    /// `arguments` string parameter when it is not an object (docs/chat.md §2.5).
     pub arguments: String,
 }
 
-/// One normalized message (§2.3). Roles are kept verbatim: `system`, `developer`, `user`,
+/// One normalized message (docs/chat.md §2.3). Roles are kept verbatim: `system`, `developer`, `user`,
 /// `assistant`, `tool`, `function` are understood; other roles are dropped when rendering.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Message {
@@ -165,7 +165,7 @@ pub struct Message {
     pub tool_calls: Vec<ToolCall>,
     /// Ids this message answers (tool results); used by cache logic, not rendered.
     pub tool_call_ids: Vec<String>,
-    /// Exact-replay DSML block (§2.5a): set by the server when every call id of this assistant
+    /// Exact-replay DSML block (docs/chat.md §2.5a): set by the server when every call id of this assistant
     /// message resolves to the same block in tool memory. Rendered verbatim instead of the
     /// canonical DSML when the message has tool calls.
     pub exact_dsml: Option<String>,
@@ -260,7 +260,7 @@ fn push_dsml_param(out: &mut Rendered, key: &str, value: &str, is_string: bool) 
     out.ctl("\n");
 }
 
-/// The canonical DSML block for assistant tool calls (§2.5b), starting with `\n\n`, ending with
+/// The canonical DSML block for assistant tool calls (docs/chat.md §2.5b), starting with `\n\n`, ending with
 /// `</｜DSML｜tool_calls>` (no newline). Empty for no calls.
 pub fn render_tool_calls(calls: &[ToolCall]) -> String {
     let mut out = Rendered::default();
@@ -313,8 +313,8 @@ fn join_lines<S: AsRef<str>>(lines: &[S]) -> String {
     out
 }
 
-/// Renders a conversation exactly as ds4's server does (§2.3). `tool_schemas` are the schema
-/// lines (§2.4, already extracted byte-exact, e.g. by [`tool_schema_lines`]); pass none when
+/// Renders a conversation exactly as ds4's server does (docs/chat.md §2.3). `tool_schemas` are the schema
+/// lines (docs/chat.md §2.4, already extracted byte-exact, e.g. by [`tool_schema_lines`]); pass none when
 /// tools are absent or `tool_choice` is "none". Apply [`ThinkingMode::for_context`] first.
 pub fn render_prompt<S: AsRef<str>>(
     messages: &[Message],
@@ -422,7 +422,7 @@ pub fn render_prompt_spans<S: AsRef<str>>(
     out
 }
 
-/// `/v1/completions` rendering (§2.6): BOS + [MAX_PREFIX] + `You are a helpful assistant` +
+/// `/v1/completions` rendering (docs/chat.md §2.6): BOS + [MAX_PREFIX] + `You are a helpful assistant` +
 /// User + prompt + Assistant + think tag.
 pub fn render_completion(prompt: &str, mode: ThinkingMode) -> String {
     render_completion_spans(prompt, mode).text
@@ -447,7 +447,7 @@ pub fn render_completion_spans(prompt: &str, mode: ThinkingMode) -> Rendered {
     out
 }
 
-/// Schema lines of one entry of a request's `tools` array, from its exact bytes (§2.4), the way
+/// Schema lines of one entry of a request's `tools` array, from its exact bytes (docs/chat.md §2.4), the way
 /// ds4 reads them: an object with a `function` member → that member's raw bytes (OpenAI);
 /// a Responses `namespace` → one synthesized line per inner function tool; a Responses
 /// `tool_search` → a synthesized line; anything else → the raw object verbatim (Anthropic,
@@ -612,7 +612,7 @@ pub(crate) fn array_items(raw: &str) -> (Vec<&str>, bool) {
     (out, false)
 }
 
-/// Token-level prompt of the CLI / bench paths (§2.7), where the user text is BPE'd without
+/// Token-level prompt of the CLI / bench paths (docs/chat.md §2.7), where the user text is BPE'd without
 /// special-marker recognition and the markers are inserted as ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CliPrompt<'a> {
@@ -650,7 +650,7 @@ impl CliPrompt<'_> {
     }
 }
 
-/// Official test-vector / `ds4_test` prompt (§2.7, §5): BOS + User + BPE(prompt) + Assistant +
+/// Official test-vector / `ds4_test` prompt (docs/chat.md §2.7, §5): BOS + User + BPE(prompt) + Assistant +
 /// `</think>` (no system, non-thinking).
 pub fn official_vector_tokens(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>, ChatError> {
     CliPrompt {
@@ -661,7 +661,7 @@ pub fn official_vector_tokens(tok: &Tokenizer, prompt: &str) -> Result<Vec<u32>,
     .tokens(tok)
 }
 
-/// Interactive-CLI transcript growth (§2.7): the ids appended for one user turn before
+/// Interactive-CLI transcript growth (docs/chat.md §2.7): the ids appended for one user turn before
 /// generation (User + BPE(text) + Assistant + think tag). The caller appends every sampled
 /// token and then EOS.
 pub fn cli_turn_tokens(

@@ -1,4 +1,4 @@
-//! OpenAI chat request → render input (chat-format.md §2.1, §2.4, §2.6), read the way ds4
+//! OpenAI chat request → render input (docs/chat.md §2.1, §2.4, §2.6), read the way ds4
 //! reads it: the same leniency, the same defaults, raw bytes where the prompt copies bytes.
 //! Used by `ds4 render --messages FILE.json` and by the server's `/v1/chat/completions`.
 
@@ -36,7 +36,7 @@ impl ChatRequest {
         }
     }
 
-    /// The rendered prompt string (§2.3).
+    /// The rendered prompt string (docs/chat.md §2.3).
     pub fn render(&self) -> String {
         render::render_prompt(&self.messages, self.active_tool_schemas(), self.mode)
     }
@@ -334,7 +334,7 @@ fn parse_tool_calls(sc: &mut Scanner<'_>) -> Option<Vec<ToolCall>> {
             }
             Some(())
         })?;
-        // Entries lacking a name or arguments are dropped (§2.6).
+        // Entries lacking a name or arguments are dropped (docs/chat.md §2.6).
         if let (Some(name), Some(arguments)) = (name, arguments) {
             calls.push(ToolCall {
                 id: id.unwrap_or_default(),

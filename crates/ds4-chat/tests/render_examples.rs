@@ -1,4 +1,4 @@
-//! The fully rendered examples of chat-format.md §2.9 (real ds4 output): byte length, SHA1 and
+//! The fully rendered examples of docs/chat.md §2.9 (real ds4 output): byte length, SHA1 and
 //! token ids/counts. Expected values are copied from the spec, never computed here.
 
 mod common;
@@ -185,7 +185,7 @@ fn ex5_nothink_tool_choice_none_two_calls_two_results() {
 
 #[test]
 fn ex6_anthropic_shape() {
-    // Messages as the Anthropic normalization produces them (§2.6): private system part
+    // Messages as the Anthropic normalization produces them (docs/chat.md §2.6): private system part
     // skipped, thinking → reasoning, tool_use → call with the raw input JSON, tool_result
     // appended to a user message's content.
     let schemas = render::tool_schema_lines(r#"{"name":"Read","description":"Read a file","input_schema":{"type":"object","properties":{"path":{"type":"string"}}}}"#).unwrap();
@@ -257,7 +257,7 @@ fn responses_shape_and_completions() {
 
 #[test]
 fn dsml_tag_tokens_in_context() {
-    // chat-format.md §1.
+    // docs/chat.md §1.
     let tok = common::tokenizer();
     let cases: [(&str, &[u32]); 8] = [
         (

@@ -60,7 +60,7 @@ const TOOL_TEXT: &str = "Run ls.</think>Sure.\n\n<｜DSML｜tool_calls>\n<｜DSM
 
 #[test]
 fn spec_openai_stream_example() {
-    // server-and-cli.md §7.2: reasoning, content, one tool call, fragments.
+    // docs/server.md §7.2: reasoning, content, one tool call, fragments.
     let o = opts(true, true, &[]);
     let (ev, fin) = assert_split_invariant(&o, TOOL_TEXT, EndCause::Eos);
     assert_eq!(
@@ -221,7 +221,7 @@ fn reasoning_holds_partial_close_and_open_prefix() {
 
 #[test]
 fn length_truncated_reasoning_is_content_in_final_message() {
-    // ds4 quirk (§3.1): no </think> => reasoning none, content = whole text.
+    // ds4 quirk (docs/chat.md §3.1): no </think> => reasoning none, content = whole text.
     let (ev, fin) =
         assert_split_invariant(&opts(true, false, &[]), "still thinking", EndCause::Length);
     assert_eq!(ev, vec![StreamEvent::Reasoning("still thinking".into())]);

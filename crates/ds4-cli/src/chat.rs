@@ -6,7 +6,7 @@ use ds4_chat::stream::{EndCause, FinalOutput, OutputStream, StreamEvent, StreamO
 use ds4_chat::{Tokenizer, Utf8Stream};
 pub use ds4_runtime::driver::{GenOutcome, GenStop, SyncStats};
 
-/// Generated token bytes → reasoning / answer events (chat-format.md §3.4), never splitting
+/// Generated token bytes → reasoning / answer events (docs/chat.md §3.4), never splitting
 /// a UTF-8 character.
 pub struct TurnText {
     utf8: Utf8Stream,

@@ -1,4 +1,4 @@
-//! `ds4 -p PROMPT`: one-shot generation (spec server-and-cli.md §2, chat-format.md §2.7).
+//! `ds4 -p PROMPT`: one-shot generation (docs/server.md §2, docs/chat.md §2.7).
 //!
 //! The model's text goes to stdout as it is sampled; everything else (load report, progress,
 //! the final rate line) to stderr, so `ds4 -p … > answer.txt` captures only the answer.

@@ -1,6 +1,6 @@
 //! `ds4` with no prompt: the interactive multi-turn chat.
 //!
-//! The transcript is token-level (chat-format.md §2.7): BOS + [MAX_PREFIX] + [system], then
+//! The transcript is token-level (docs/chat.md §2.7): BOS + [MAX_PREFIX] + [system], then
 //! per turn User + BPE(text) + Assistant + think tag + every sampled token + EOS. Earlier
 //! reasoning stays in it (unlike the server), so each turn extends the live KV state and
 //! only the new tokens are prefilled. stdout carries only what the model writes; prompts,

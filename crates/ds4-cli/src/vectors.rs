@@ -1,5 +1,5 @@
-//! `ds4 vectors`: compare this engine with DeepSeek's official API vectors (issue 12, spec
-//! chat-format.md §5).
+//! `ds4 vectors`: compare this engine with DeepSeek's official API vectors (issue 12,
+//! docs/chat.md §5).
 //!
 //! A vectors directory holds `manifest.json` (the cases), `prompts/*.txt` (one user prompt
 //! each) and `official/*.official.json` (`usage.prompt_tokens` and per greedy step the chosen

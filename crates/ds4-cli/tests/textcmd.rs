@@ -1,7 +1,7 @@
 //! `ds4 tokenize`, `ds4 detokenize` and `ds4 render` end to end, on the vocabulary-only GGUF
 //! fixture. Expected values are independent of the code under test: ids from Python HF
-//! `tokenizers` (tests/corpus/expected) and from chat-format.md, byte lengths and SHA1s of the
-//! spec's fully rendered examples (§2.9); plus agreement with the `ds4_chat` library.
+//! `tokenizers` (tests/corpus/expected) and from docs/chat.md, byte lengths and SHA1s of the
+//! fully rendered examples (docs/chat.md §2.9); plus agreement with the `ds4_chat` library.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -154,7 +154,7 @@ fn tokenize_matches_hf_reference_on_corpus_files() {
 
 #[test]
 fn tokenize_known_ids_and_special_tokens() {
-    // chat-format.md §5: body tokens of two official test-vector prompts.
+    // docs/chat.md §5: body tokens of two official test-vector prompts.
     let it = "Rispondi in italiano con una frase: chi era Ada Lovelace?";
     let it_ids = [
         52, 278, 4908, 75, 295, 89034, 399, 3919, 123003, 28, 23442, 9861, 63030, 47121, 317, 805,
@@ -170,14 +170,14 @@ fn tokenize_known_ids_and_special_tokens() {
         ),
         [7805, 418, 1353, 270, 1167, 28, 223, 11154, 26, 7203, 513, 223, 7833, 344]
     );
-    // §1: `<tool_result>` is plain text; `<｜tool▁sep｜>` is an added token only HF matches.
+    // docs/chat.md §1: `<tool_result>` is plain text; `<｜tool▁sep｜>` is an added token only HF matches.
     assert_eq!(tokenize("<tool_result>", "all"), [30, 72461, 46148, 32]);
     assert_eq!(tokenize("<｜tool▁sep｜>", "all"), [128814]);
     assert!(tokenize("<｜tool▁sep｜>", "chat").len() > 1);
     assert_eq!(tokenize("</think>", "chat"), [128822]);
     let plain = tokenize("</think>", "none");
     assert!(plain.len() > 1 && !plain.contains(&128822), "{plain:?}");
-    // §2.9 Ex1, the rendered string tokenized with the chat markers.
+    // docs/chat.md §2.9 Ex1, the rendered string tokenized with the chat markers.
     assert_eq!(
         tokenize(
             "<｜begin▁of▁sentence｜>You are terse.<｜User｜>Hi<｜Assistant｜><think>",
@@ -383,7 +383,7 @@ fn check_render(
     assert_eq!(v["prompt"].as_str().unwrap().as_bytes(), &out[..]);
 }
 
-// chat-format.md §2.9 requests, verbatim.
+// docs/chat.md §2.9 requests, verbatim.
 const EX1: &str = r#"{"model":"deepseek-v4-flash","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Hi"}]}"#;
 const EX2: &str = r#"{"model":"deepseek-v4-flash","messages":[{"role":"system","content":"S1"},{"role":"user","content":"first"},{"role":"assistant","content":"first answer","reasoning_content":"old hidden reasoning"},{"role":"developer","content":"S2"},{"role":"user","content":[{"type":"text","text":"sec"},{"type":"text","text":"ond"}]}]}"#;
 const EX2_NOTHINK: &str = r#"{"model":"deepseek-chat","messages":[{"role":"user","content":"first"},{"role":"assistant","content":"first answer","reasoning_content":"old hidden reasoning"},{"role":"user","content":[{"type":"text","text":"sec"},{"type":"text","text":"ond"}]}]}"#;
@@ -515,7 +515,7 @@ fn render_spec_examples_from_message_arrays_and_flags() {
         None,
     );
     // Ex6 (Anthropic) and the Responses example, written as the OpenAI messages they
-    // normalize to (§2.6): tool schemas copied raw, tool-call arguments given as objects.
+    // normalize to (docs/chat.md §2.6): tool schemas copied raw, tool-call arguments given as objects.
     check_render(
         "ex6 as OpenAI",
         &[

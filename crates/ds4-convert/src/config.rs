@@ -1,4 +1,4 @@
-//! `config.json` → [`HParams`], for both config dialects (spec gguf-layout §3.2, §5.6):
+//! `config.json` → [`HParams`], for both config dialects (docs/gguf.md §3.2, §5.6):
 //!
 //! * transformers 5.x (`save_pretrained`): `layer_types` + `compress_rates`, `mlp_layer_types`,
 //!   `rope_parameters.{main,compress}`, `partial_rotary_factor`;
@@ -181,7 +181,7 @@ pub fn hparams_from_config(json: &Value) -> Result<HParams> {
 
 /// Per-layer compress ratios: official `compress_ratios`, else `layer_types` mapped through
 /// `compress_rates`, else transformers' default (the V4-Pro pattern: two HCA layers, then
-/// HCA/CSA alternating — spec warns this is *not* Flash's schedule, but it is what
+/// HCA/CSA alternating — docs/gguf.md §5.6 warns this is *not* Flash's schedule, but it is what
 /// transformers builds from such a config, and the tensor shapes are checked against it).
 fn layer_schedule(c: &Cfg<'_>, n_layer: usize) -> Result<Vec<u32>> {
     let mut csa = 4usize;

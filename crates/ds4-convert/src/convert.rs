@@ -7,7 +7,7 @@
 //!
 //! Payloads are streamed in table order. A plain tensor is read, encoded and written a chunk
 //! of rows at a time; routed experts one batch of experts at a time (each expert quantized
-//! independently, with IQ2_XXS importance = that expert's column energy, spec §5.4). Encoding
+//! independently, with IQ2_XXS importance = that expert's column energy, docs/gguf.md §5.4). Encoding
 //! runs on rayon but results are written in a fixed order, so two conversions of the same
 //! checkpoint are byte-identical.
 
@@ -310,7 +310,10 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
                 sources.push(Source::Direct(t.name.clone()));
                 keep.push(true);
             }
-            None if info.name.ends_with("exp_probs_b.bias") => {
+            None if info
+                .name
+                .ends_with(ds4_model::LayerTensor::RouterBias.suffix()) =>
+            {
                 // ds4 treats the selection bias as optional: leave it out of the file.
                 sources.push(Source::Direct(String::new()));
                 keep.push(false);

@@ -77,7 +77,9 @@ pub fn demo_model(tok: &TokenizerData) -> Result<SyntheticModel> {
     let recipe = TypeRecipe::Q2;
     let mut header = model_header(&h, &recipe, DEMO_NAME, tok);
     for t in &mut header.tensors {
-        if t.name == "token_embd.weight" || t.name == "output.weight" {
+        if t.name == ds4_model::GlobalTensor::TokenEmbd.name()
+            || t.name == ds4_model::GlobalTensor::Output.name()
+        {
             t.ty = GgmlType::Iq2Xxs;
         }
     }

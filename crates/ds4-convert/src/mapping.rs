@@ -1,4 +1,4 @@
-//! Checkpoint tensor names → ds4 GGUF names (spec gguf-layout §5.2–5.3).
+//! Checkpoint tensor names → ds4 GGUF names (docs/gguf.md §5.2–5.3).
 //!
 //! Three spellings exist for the same tensors: the official DeepSeek checkpoint (a), the
 //! transformers in-memory module names (b), and what transformers 5.23 `save_pretrained`
@@ -6,6 +6,8 @@
 //! stays `embed_tokens`, the HC head stays `hc_head.hc_*`, and the attention kv-norm becomes
 //! `attn.norm.weight`). A leading `model.` is stripped and every spelling is accepted; the
 //! detected scheme only decides how *missing* tensors are named in error messages.
+
+use ds4_model::{GlobalTensor, LayerTensor};
 
 /// Which naming a checkpoint uses, detected from its keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,12 +47,17 @@ pub enum ExpertPart {
 }
 
 impl ExpertPart {
-    pub fn gguf_suffix(self) -> &'static str {
+    /// The GGUF tensor the expert matrices are stacked into.
+    pub fn tensor(self) -> LayerTensor {
         match self {
-            ExpertPart::Gate => "ffn_gate_exps.weight",
-            ExpertPart::Up => "ffn_up_exps.weight",
-            ExpertPart::Down => "ffn_down_exps.weight",
+            ExpertPart::Gate => LayerTensor::GateExps,
+            ExpertPart::Up => LayerTensor::UpExps,
+            ExpertPart::Down => LayerTensor::DownExps,
         }
+    }
+
+    pub fn gguf_suffix(self) -> &'static str {
+        self.tensor().suffix()
     }
 
     fn official(self) -> &'static str {
@@ -93,39 +100,39 @@ pub enum Mapped {
 }
 
 /// Global tensors: GGUF name, official (a), saved (c) after stripping `model.`, module (b).
-const GLOBALS: [(&str, &str, &str, &str); 6] = [
+const GLOBALS: [(GlobalTensor, &str, &str, &str); 6] = [
     (
-        "token_embd.weight",
+        GlobalTensor::TokenEmbd,
         "embed.weight",
         "embed_tokens.weight",
         "embed_tokens.weight",
     ),
     (
-        "output.weight",
+        GlobalTensor::Output,
         "head.weight",
         "head.weight",
         "lm_head.weight",
     ),
     (
-        "output_norm.weight",
+        GlobalTensor::OutputNorm,
         "norm.weight",
         "norm.weight",
         "norm.weight",
     ),
     (
-        "output_hc_fn.weight",
+        GlobalTensor::OutputHcFn,
         "hc_head_fn",
         "hc_head.hc_fn",
         "hc_head.hc_fn",
     ),
     (
-        "output_hc_base.weight",
+        GlobalTensor::OutputHcBase,
         "hc_head_base",
         "hc_head.hc_base",
         "hc_head.hc_base",
     ),
     (
-        "output_hc_scale.weight",
+        GlobalTensor::OutputHcScale,
         "hc_head_scale",
         "hc_head.hc_scale",
         "hc_head.hc_scale",
@@ -134,147 +141,147 @@ const GLOBALS: [(&str, &str, &str, &str); 6] = [
 
 /// Per-layer tensors: GGUF suffix, official/saved suffix (a)/(c), module suffix (b).
 /// The saved kv-norm spelling differs and is handled separately.
-const LAYER: [(&str, &str, &str); 35] = [
-    ("hc_attn_fn.weight", "hc_attn_fn", "attn_hc.fn"),
-    ("hc_attn_base.weight", "hc_attn_base", "attn_hc.base"),
-    ("hc_attn_scale.weight", "hc_attn_scale", "attn_hc.scale"),
-    ("hc_ffn_fn.weight", "hc_ffn_fn", "ffn_hc.fn"),
-    ("hc_ffn_base.weight", "hc_ffn_base", "ffn_hc.base"),
-    ("hc_ffn_scale.weight", "hc_ffn_scale", "ffn_hc.scale"),
+const LAYER: [(LayerTensor, &str, &str); 35] = [
+    (LayerTensor::HcAttnFn, "hc_attn_fn", "attn_hc.fn"),
+    (LayerTensor::HcAttnBase, "hc_attn_base", "attn_hc.base"),
+    (LayerTensor::HcAttnScale, "hc_attn_scale", "attn_hc.scale"),
+    (LayerTensor::HcFfnFn, "hc_ffn_fn", "ffn_hc.fn"),
+    (LayerTensor::HcFfnBase, "hc_ffn_base", "ffn_hc.base"),
+    (LayerTensor::HcFfnScale, "hc_ffn_scale", "ffn_hc.scale"),
     (
-        "attn_norm.weight",
+        LayerTensor::AttnNorm,
         "attn_norm.weight",
         "input_layernorm.weight",
     ),
     (
-        "ffn_norm.weight",
+        LayerTensor::FfnNorm,
         "ffn_norm.weight",
         "post_attention_layernorm.weight",
     ),
     (
-        "attn_q_a.weight",
+        LayerTensor::AttnQA,
         "attn.wq_a.weight",
         "self_attn.q_a_proj.weight",
     ),
     (
-        "attn_q_a_norm.weight",
+        LayerTensor::AttnQANorm,
         "attn.q_norm.weight",
         "self_attn.q_a_norm.weight",
     ),
     (
-        "attn_q_b.weight",
+        LayerTensor::AttnQB,
         "attn.wq_b.weight",
         "self_attn.q_b_proj.weight",
     ),
     (
-        "attn_kv.weight",
+        LayerTensor::AttnKv,
         "attn.wkv.weight",
         "self_attn.kv_proj.weight",
     ),
     (
-        "attn_kv_a_norm.weight",
+        LayerTensor::AttnKvNorm,
         "attn.kv_norm.weight",
         "self_attn.kv_norm.weight",
     ),
-    ("attn_sinks.weight", "attn.attn_sink", "self_attn.sinks"),
+    (LayerTensor::AttnSinks, "attn.attn_sink", "self_attn.sinks"),
     (
-        "attn_output_a.weight",
+        LayerTensor::AttnOutputA,
         "attn.wo_a.weight",
         "self_attn.o_a_proj.weight",
     ),
     (
-        "attn_output_b.weight",
+        LayerTensor::AttnOutputB,
         "attn.wo_b.weight",
         "self_attn.o_b_proj.weight",
     ),
     (
-        "attn_compressor_ape.weight",
+        LayerTensor::CompressorApe,
         "attn.compressor.ape",
         "self_attn.compressor.position_bias",
     ),
     (
-        "attn_compressor_kv.weight",
+        LayerTensor::CompressorKv,
         "attn.compressor.wkv.weight",
         "self_attn.compressor.kv_proj.weight",
     ),
     (
-        "attn_compressor_gate.weight",
+        LayerTensor::CompressorGate,
         "attn.compressor.wgate.weight",
         "self_attn.compressor.gate_proj.weight",
     ),
     (
-        "attn_compressor_norm.weight",
+        LayerTensor::CompressorNorm,
         "attn.compressor.norm.weight",
         "self_attn.compressor.kv_norm.weight",
     ),
     (
-        "indexer.attn_q_b.weight",
+        LayerTensor::IndexerQB,
         "attn.indexer.wq_b.weight",
         "self_attn.compressor.indexer.q_b_proj.weight",
     ),
     (
-        "indexer.proj.weight",
+        LayerTensor::IndexerProj,
         "attn.indexer.weights_proj.weight",
         "self_attn.compressor.indexer.scorer.weights_proj.weight",
     ),
     (
-        "indexer_compressor_ape.weight",
+        LayerTensor::IndexerCompressorApe,
         "attn.indexer.compressor.ape",
         "self_attn.compressor.indexer.position_bias",
     ),
     (
-        "indexer_compressor_kv.weight",
+        LayerTensor::IndexerCompressorKv,
         "attn.indexer.compressor.wkv.weight",
         "self_attn.compressor.indexer.kv_proj.weight",
     ),
     (
-        "indexer_compressor_gate.weight",
+        LayerTensor::IndexerCompressorGate,
         "attn.indexer.compressor.wgate.weight",
         "self_attn.compressor.indexer.gate_proj.weight",
     ),
     (
-        "indexer_compressor_norm.weight",
+        LayerTensor::IndexerCompressorNorm,
         "attn.indexer.compressor.norm.weight",
         "self_attn.compressor.indexer.kv_norm.weight",
     ),
-    ("ffn_gate_inp.weight", "ffn.gate.weight", "mlp.gate.weight"),
     (
-        "exp_probs_b.bias",
+        LayerTensor::RouterGate,
+        "ffn.gate.weight",
+        "mlp.gate.weight",
+    ),
+    (
+        LayerTensor::RouterBias,
         "ffn.gate.bias",
         "mlp.gate.e_score_correction_bias",
     ),
+    (LayerTensor::Tid2Eid, "ffn.gate.tid2eid", "mlp.gate.tid2eid"),
     (
-        "ffn_gate_tid2eid.weight",
-        "ffn.gate.tid2eid",
-        "mlp.gate.tid2eid",
-    ),
-    (
-        "ffn_gate_shexp.weight",
+        LayerTensor::GateShexp,
         "ffn.shared_experts.w1.weight",
         "mlp.shared_experts.gate_proj.weight",
     ),
     (
-        "ffn_up_shexp.weight",
+        LayerTensor::UpShexp,
         "ffn.shared_experts.w3.weight",
         "mlp.shared_experts.up_proj.weight",
     ),
     (
-        "ffn_down_shexp.weight",
+        LayerTensor::DownShexp,
         "ffn.shared_experts.w2.weight",
         "mlp.shared_experts.down_proj.weight",
     ),
     // Aliases that only appear in one direction.
     // save_pretrained writes the kv-norm as `attn.norm.weight` (the `.norm.`→`.kv_norm.`
     // rename reversed); accept it.
-    ("attn_kv_a_norm.weight", "attn.norm.weight", ""),
+    (LayerTensor::AttnKvNorm, "attn.norm.weight", ""),
     // Tolerate compressor norms spelled with the module's `kv_norm` under (a)-style paths.
     (
-        "attn_compressor_norm.weight",
+        LayerTensor::CompressorNorm,
         "attn.compressor.kv_norm.weight",
         "",
     ),
     (
-        "indexer_compressor_norm.weight",
+        LayerTensor::IndexerCompressorNorm,
         "attn.indexer.compressor.kv_norm.weight",
         "",
     ),
@@ -300,7 +307,7 @@ pub fn map_name(key: &str) -> Mapped {
     }
     for (gguf, a, c, b) in GLOBALS {
         if s == a || s == c || s == b || key == b {
-            return Mapped::Tensor(gguf.to_string());
+            return Mapped::Tensor(gguf.name().to_string());
         }
     }
     let Some(rest) = s.strip_prefix("layers.") else {
@@ -314,7 +321,7 @@ pub fn map_name(key: &str) -> Mapped {
     };
     for (gguf, a, b) in LAYER {
         if rest == a || (!b.is_empty() && rest == b) {
-            return Mapped::Tensor(format!("blk.{layer}.{gguf}"));
+            return Mapped::Tensor(gguf.name(layer));
         }
     }
     for pre in ["ffn.experts.", "mlp.experts."] {
@@ -364,12 +371,12 @@ pub fn source_name(gguf: &str, scheme: Scheme) -> String {
         Scheme::HfModule | Scheme::HfSaved => "model.",
     };
     for (g, a, c, b) in GLOBALS {
-        if g == gguf {
+        if g.name() == gguf {
             return match scheme {
                 Scheme::Official => a.to_string(),
-                Scheme::HfSaved if g == "output.weight" => c.to_string(),
+                Scheme::HfSaved if g == GlobalTensor::Output => c.to_string(),
                 Scheme::HfSaved => format!("{prefix}{c}"),
-                Scheme::HfModule if g == "output.weight" => b.to_string(),
+                Scheme::HfModule if g == GlobalTensor::Output => b.to_string(),
                 Scheme::HfModule => format!("{prefix}{b}"),
             };
         }
@@ -377,11 +384,11 @@ pub fn source_name(gguf: &str, scheme: Scheme) -> String {
     let Some((layer, suffix)) = gguf.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
         return gguf.to_string();
     };
-    if scheme == Scheme::HfSaved && suffix == "attn_kv_a_norm.weight" {
+    if scheme == Scheme::HfSaved && suffix == LayerTensor::AttnKvNorm.suffix() {
         return format!("{prefix}layers.{layer}.attn.norm.weight");
     }
     for (g, a, b) in LAYER {
-        if g == suffix {
+        if g.suffix() == suffix {
             let leaf = if scheme == Scheme::HfModule { b } else { a };
             return format!("{prefix}layers.{layer}.{leaf}");
         }
@@ -497,13 +504,16 @@ mod tests {
     fn source_names_round_trip_through_map_name() {
         for scheme in [Scheme::Official, Scheme::HfSaved, Scheme::HfModule] {
             for (g, ..) in GLOBALS {
-                assert_eq!(map_name(&source_name(g, scheme)), Mapped::Tensor(g.into()));
+                assert_eq!(
+                    map_name(&source_name(g.name(), scheme)),
+                    Mapped::Tensor(g.name().into())
+                );
             }
             for (g, _, b) in LAYER {
                 if b.is_empty() {
                     continue;
                 }
-                let full = format!("blk.5.{g}");
+                let full = g.name(5);
                 assert_eq!(
                     map_name(&source_name(&full, scheme)),
                     Mapped::Tensor(full.clone()),

@@ -118,15 +118,20 @@ enum Role {
 }
 
 fn role_of(name: &str, ne0: u64, n_expert: u64) -> Role {
+    use ds4_model::{GlobalTensor as G, LayerTensor as L, TensorName as N};
+    match N::parse(name) {
+        Some(N::Global(G::TokenEmbd)) => return Role::Matrix(1.0),
+        Some(N::Layer(_, L::Tid2Eid)) => return Role::ExpertIds(n_expert),
+        Some(N::Layer(_, L::AttnSinks)) => return Role::Range(-0.5, 0.5),
+        Some(N::Layer(_, L::RouterBias)) => return Role::Range(-0.01, 0.01),
+        _ => {}
+    }
+    // Families by spelling: every norm weight, HC base/scale, compressor position bias.
     let leaf = match name.strip_prefix("blk.") {
         Some(r) => r.split_once('.').map(|(_, l)| l).unwrap_or(r),
         None => name,
     };
     match leaf {
-        "token_embd.weight" => Role::Matrix(1.0),
-        "ffn_gate_tid2eid.weight" => Role::ExpertIds(n_expert),
-        "attn_sinks.weight" => Role::Range(-0.5, 0.5),
-        "exp_probs_b.bias" => Role::Range(-0.01, 0.01),
         l if l.ends_with("norm.weight") => Role::Ones,
         l if l.ends_with("_base.weight") => Role::Range(-0.1, 0.1),
         l if l.ends_with("_scale.weight") => Role::Range(0.5, 1.0),
@@ -470,14 +475,11 @@ impl SyntheticModel {
 /// Whether `name` is a routed-expert tensor (`blk.N.ffn_{gate,up,down}_exps.weight`), the
 /// ones [`SyntheticModel::write_sparse_experts`] leaves as holes.
 pub fn is_routed_expert(name: &str) -> bool {
-    name.starts_with("blk.")
-        && [
-            "ffn_gate_exps.weight",
-            "ffn_up_exps.weight",
-            "ffn_down_exps.weight",
-        ]
-        .iter()
-        .any(|s| name.ends_with(s))
+    use ds4_model::{LayerTensor as L, TensorName};
+    matches!(
+        TensorName::parse(name),
+        Some(TensorName::Layer(_, L::GateExps | L::UpExps | L::DownExps))
+    )
 }
 
 /// The real Flash hyper-parameters with `layers` layers (schedule and clamp vectors resized,
@@ -558,7 +560,7 @@ fn blocks_q4_k(rng: &mut Rng, s: f32, out: &mut [u8]) {
         for v in &mut sc {
             *v = 1 + rng.below(63) as u8;
         }
-        // 6-bit codes, min code = scale code (spec §6, Q4_K scale packing).
+        // 6-bit codes, min code = scale code (docs/gguf.md §6, Q4_K scale packing).
         let s12 = &mut b[4..16];
         s12.fill(0);
         for j in 0..4 {

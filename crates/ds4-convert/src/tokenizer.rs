@@ -15,7 +15,7 @@ pub const TOKEN_CONTROL: i32 = 3;
 pub const TOKEN_USER_DEFINED: i32 = 4;
 pub const TOKEN_UNUSED: i32 = 5;
 
-/// The seven strings ds4 requires (spec §3.3), at their V4 ids.
+/// The seven strings ds4 requires (docs/gguf.md §3.3), at their V4 ids.
 pub const DS4_SPECIALS: [(&str, usize); 7] = [
     ("<｜begin▁of▁sentence｜>", 0),
     ("<｜end▁of▁sentence｜>", 1),

@@ -185,7 +185,7 @@ fn oracle_fixtures_convert_and_validate() {
                 }
                 continue;
             }
-            // Every source tensor lands, bit for bit, where spec §5.3 says.
+            // Every source tensor lands, bit for bit, where docs/gguf.md §5.3 says.
             let srcs = common::tensors(&d, common::Naming::Saved);
             assert_eq!(srcs.len(), st.len(), "{name}: tensor count");
             for s in &srcs {

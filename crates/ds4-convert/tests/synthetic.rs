@@ -16,7 +16,7 @@ const VOCAB_FIXTURE: &str = concat!(
 
 #[test]
 fn full_size_dry_run_matches_the_spec() {
-    // gguf-layout.md §7.1: q2 tensor data 86,714,777,664 B, q4 164,628,168,768 B (padded,
+    // docs/gguf.md §7.1: q2 tensor data 86,714,777,664 B, q4 164,628,168,768 B (padded,
     // back to back), 1328 tensors.
     let q2 = SyntheticModel::new(TypeRecipe::Q2, 43, 0).unwrap();
     let q4 = SyntheticModel::new(TypeRecipe::Q4, 43, 0).unwrap();
@@ -28,7 +28,7 @@ fn full_size_dry_run_matches_the_spec() {
     assert_eq!(spec.routed_bits(), 2);
     ModelSpec::from_header(q4.header(), Strictness::Ds4).unwrap();
 
-    // With the real vocabulary and the 57 KVs, §7.1: data at 5,328,480, file
+    // With the real vocabulary and the 57 KVs, docs/gguf.md §7.1: data at 5,328,480, file
     // 86,720,106,144 B (= 80.76 GiB).
     let f = GgufFile::open(VOCAB_FIXTURE).unwrap();
     let tok = ds4_convert::tokenizer::from_gguf(VOCAB_FIXTURE.as_ref(), f.header()).unwrap();

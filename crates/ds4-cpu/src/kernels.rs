@@ -190,7 +190,7 @@ pub fn rope(par: Par, x: &mut [f32], a: &RopeArgs) {
     });
 }
 
-/// Sinkhorn projection of an `n × n` matrix, in place (spec §2.5).
+/// Sinkhorn projection of an `n × n` matrix, in place (docs/forward.md §2.5).
 pub fn sinkhorn(z: &mut [f32], n: usize, iters: usize, eps: f32) {
     for i in 0..n {
         let row = &mut z[i * n..(i + 1) * n];
@@ -225,7 +225,7 @@ pub fn sinkhorn(z: &mut [f32], n: usize, iters: usize, eps: f32) {
     }
 }
 
-/// HCPre coefficients of one token (spec §4.1): writes `[pre (n) | post (n) | P (n·n)]`
+/// HCPre coefficients of one token (docs/forward.md §4.1): writes `[pre (n) | post (n) | P (n·n)]`
 /// into `coef` from the raw mix `φ·x̂` and the token's streams `x`.
 #[allow(clippy::too_many_arguments)]
 pub fn hc_pre_coeffs(
@@ -279,7 +279,7 @@ pub fn hc_post_token(x: &mut [f32], f: &[f32], post: &[f32], comb: &[f32], n: us
     }
 }
 
-/// HCHead stream weights of one token (spec §4.3).
+/// HCHead stream weights of one token (docs/forward.md §4.3).
 pub fn hc_head_weights(
     mix: &[f32],
     x: &[f32],
@@ -390,7 +390,7 @@ pub fn top_k_lowest_tie(scores: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Lightning indexer scores for one query over `rows[0..n]` (spec §5.5).
+/// Lightning indexer scores for one query over `rows[0..n]` (docs/forward.md §5.5).
 #[allow(clippy::too_many_arguments)]
 pub fn indexer_scores(
     par: Par,
@@ -418,7 +418,7 @@ pub fn indexer_scores(
     out
 }
 
-/// Per-head sink attention for one query over `keys` (spec §5.6).
+/// Per-head sink attention for one query over `keys` (docs/forward.md §5.6).
 pub fn attend_head(q: &[f32], keys: &[&[f32]], sink: f32, scale: f32, out: &mut [f32]) {
     let logits: Vec<f32> = keys.iter().map(|k| dot_f32(q, k) * scale).collect();
     let m = logits.iter().fold(sink, |a, &b| a.max(b));
@@ -450,7 +450,7 @@ pub fn route_topk(logits: &[f32], bias: Option<&[f32]>, k: usize) -> Vec<usize> 
     idx
 }
 
-/// Expert weights `λ·π_e / Σπ` for the chosen ids (spec §6 step 3).
+/// Expert weights `λ·π_e / Σπ` for the chosen ids (docs/forward.md §6 step 3).
 pub fn route_weights(logits: &[f32], ids: &[usize], scale: f32, out: &mut [f32]) {
     let pi: Vec<f32> = ids.iter().map(|&e| sqrtsoftplus(logits[e])).collect();
     let sum: f32 = pi.iter().sum();

@@ -100,7 +100,7 @@ fn official_mode_changes_logits_and_exact_does_not_quantize() {
     let d = max_rel(&o, &e, 1.0);
     println!("official vs exact: max rel {d:e}");
     assert!(all_finite(&o));
-    // O(1) changes on random toy models are expected (spec §9.5).
+    // O(1) changes on random toy models are expected (docs/forward.md §9.5).
     assert!(d > 1e-4, "the QAT simulation is not wired: {d:e}");
 }
 

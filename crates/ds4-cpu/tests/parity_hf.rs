@@ -1,7 +1,7 @@
 //! Parity with HF transformers on the committed tiny fixtures (`tests/fixtures/tiny-*`):
 //! each fixture is converted to GGUF with `ds4-convert` (f32 recipe) into a temp dir, run in
 //! `exact` mode on the CPU backend, and full-prefill, token-by-token decode and chunked
-//! prefill logits are compared with HF's (spec §9.5: |Δ| <= 1e-4 · max(1, |ref|)).
+//! prefill logits are compared with HF's (docs/forward.md §9.5: |Δ| <= 1e-4 · max(1, |ref|)).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -207,7 +207,7 @@ pub enum WeightUse {
     Table,
 }
 
-/// RoPE frequency schedule of a layer (spec §2.3). Backends derive the per-pair frequencies
+/// RoPE frequency schedule of a layer (docs/forward.md §2.3). Backends derive the per-pair frequencies
 /// with [`crate::numerics::rope_freqs`] so every device uses the same formula.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RopeFreq {
@@ -229,11 +229,11 @@ pub struct RopeArgs {
     pub pos0: usize,
     pub pos_step: usize,
     pub freq: RopeFreq,
-    /// Rotate by `-p·ω` (the output de-rotation, spec §5.7).
+    /// Rotate by `-p·ω` (the output de-rotation, docs/forward.md §5.7).
     pub inverse: bool,
 }
 
-/// Constants of the mHC ops (spec §4).
+/// Constants of the mHC ops (docs/forward.md §4).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HcArgs {
     pub n_tok: usize,
@@ -246,7 +246,7 @@ pub struct HcArgs {
     pub rms_eps: f32,
 }
 
-/// Arguments of [`Backend::compressor`] (spec §5.3): feed `n_tok` tokens at positions
+/// Arguments of [`Backend::compressor`] (docs/forward.md §5.3): feed `n_tok` tokens at positions
 /// `pos0..` into the accumulator and pool every window that completes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CompressorArgs {
@@ -283,7 +283,7 @@ impl CompressorArgs {
     }
 }
 
-/// Arguments of [`Backend::indexer_topk`] (spec §5.5).
+/// Arguments of [`Backend::indexer_topk`] (docs/forward.md §5.5).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct IndexerArgs {
     pub pos0: usize,
@@ -296,7 +296,7 @@ pub struct IndexerArgs {
     pub weight_scale: f32,
 }
 
-/// Which compressed rows a query attends to (spec §5.4).
+/// Which compressed rows a query attends to (docs/forward.md §5.4).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum CompSel {
     /// Sliding-only layer.
@@ -313,7 +313,7 @@ pub enum CompSel {
     },
 }
 
-/// Arguments of [`Backend::attention`] (spec §5.2, §5.6).
+/// Arguments of [`Backend::attention`] (docs/forward.md §5.2, §5.6).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnArgs {
     /// `[T, n_head, head_dim]`, normed and roped queries.
@@ -335,7 +335,7 @@ pub struct AttnArgs {
     pub out: Slice,
 }
 
-/// Arguments of [`Backend::router`] (spec §6 steps 1–3).
+/// Arguments of [`Backend::router`] (docs/forward.md §6 steps 1–3).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RouterArgs {
     pub n_tok: usize,
@@ -447,7 +447,7 @@ pub trait Backend: Send {
         n_tok: usize,
         y: Slice,
     ) -> BResult<()>;
-    /// RMSNorm of `rows` rows of `width`, times `w` if given (spec §2.1). `out` may be
+    /// RMSNorm of `rows` rows of `width`, times `w` if given (docs/forward.md §2.1). `out` may be
     /// exactly `x` (in place).
     fn rms_norm(
         &mut self,
@@ -458,14 +458,14 @@ pub trait Backend: Send {
         eps: f32,
         out: Slice,
     ) -> BResult<()>;
-    /// In-place interleaved RoPE on the last `rope_dim` dims of every head (spec §2.3).
+    /// In-place interleaved RoPE on the last `rope_dim` dims of every head (docs/forward.md §2.3).
     fn rope(&mut self, x: Slice, args: RopeArgs) -> BResult<()>;
     /// `acc += x`.
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()>;
-    /// `out = SiLU(min(g, c)) · clamp(u, −c, c)` elementwise (spec §6 step 4).
+    /// `out = SiLU(min(g, c)) · clamp(u, −c, c)` elementwise (docs/forward.md §6 step 4).
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()>;
 
-    // ---- QAT simulations (spec §2.7), in place ------------------------------------------
+    // ---- QAT simulations (docs/forward.md §2.7), in place ------------------------------------------
 
     /// FP8-E4M3 round trip of the first `n_dims` values of every row, in blocks of 64
     /// (a shorter last block if `n_dims` is not a multiple of 64).
@@ -485,7 +485,7 @@ pub trait Backend: Send {
         n_streams: usize,
         out: Slice,
     ) -> BResult<()>;
-    /// HCPre after the mixing matmul (spec §4.1): `mix` is `[T, 2n+n²]` = φ·x̂ (not yet
+    /// HCPre after the mixing matmul (docs/forward.md §4.1): `mix` is `[T, 2n+n²]` = φ·x̂ (not yet
     /// scaled by ρ), `x` is `[T, n·D]`; writes `y [T, D]`, `post [T, n]`, `comb [T, n·n]`.
     #[allow(clippy::too_many_arguments)]
     fn hc_pre(
@@ -499,7 +499,7 @@ pub trait Backend: Send {
         post: Slice,
         comb: Slice,
     ) -> BResult<()>;
-    /// HCPost in place on `x [T, n·D]` (spec §4.2): `X'_j = post_j·f + Σ_i comb[i][j]·X_i`.
+    /// HCPost in place on `x [T, n·D]` (docs/forward.md §4.2): `X'_j = post_j·f + Σ_i comb[i][j]·X_i`.
     fn hc_post(
         &mut self,
         x: Slice,
@@ -508,7 +508,7 @@ pub trait Backend: Send {
         comb: Slice,
         args: HcArgs,
     ) -> BResult<()>;
-    /// HCHead (spec §4.3): `mix` is `[T, n]` = φ_h·x̂; writes `y [T, D]`.
+    /// HCHead (docs/forward.md §4.3): `mix` is `[T, n]` = φ_h·x̂; writes `y [T, D]`.
     fn hc_head(
         &mut self,
         mix: Slice,
@@ -518,7 +518,7 @@ pub trait Backend: Send {
         args: HcArgs,
         y: Slice,
     ) -> BResult<()>;
-    /// Compressor accumulate-and-pool (spec §5.3, state layout §8.1): `u`, `z` are
+    /// Compressor accumulate-and-pool (docs/forward.md §5.3, state layout §8.1): `u`, `z` are
     /// `[T, κc]` projections (z without the `ape` bias, which this op adds); `acc` is the
     /// layer's accumulator (`args.acc_len()` values); each completed window `w` writes its
     /// pooled (not yet normed) row to `rows[w]`.
@@ -532,7 +532,7 @@ pub trait Backend: Send {
         args: CompressorArgs,
         rows: Slice,
     ) -> BResult<()>;
-    /// Lightning indexer (spec §5.5): for every query, the scores over its visible rows and
+    /// Lightning indexer (docs/forward.md §5.5): for every query, the scores over its visible rows and
     /// their top-k (lowest index wins ties), written to `out [T, k]` ascending, padded −1.
     /// Queries with at most `k` visible rows select all of them without scoring.
     /// `q` is `[T, heads·dim]`, `w` is `[T, heads]` (unscaled), `rows` the indexer rows.
@@ -544,7 +544,7 @@ pub trait Backend: Send {
         args: IndexerArgs,
         out: IBuf,
     ) -> BResult<()>;
-    /// Sink attention over window rows and compressed rows (spec §5.2, §5.4, §5.6).
+    /// Sink attention over window rows and compressed rows (docs/forward.md §5.2, §5.4, §5.6).
     fn attention(&mut self, args: AttnArgs) -> BResult<()>;
     /// Stores the chunk's KV rows `kv [T, dim]` of positions `pos0..` into the ring
     /// (`[window, dim]`, slot `p % window`); only the last `window` rows matter.
@@ -556,7 +556,7 @@ pub trait Backend: Send {
         n_tok: usize,
         window: usize,
     ) -> BResult<()>;
-    /// Router (spec §6 steps 1–3): `logits [T, E]` → expert ids `[T, k]` and weights `[T, k]`.
+    /// Router (docs/forward.md §6 steps 1–3): `logits [T, E]` → expert ids `[T, k]` and weights `[T, k]`.
     fn router(
         &mut self,
         logits: Slice,
@@ -565,7 +565,7 @@ pub trait Backend: Send {
         ids: IBuf,
         weights: Slice,
     ) -> BResult<()>;
-    /// Routed experts (spec §6 step 4): `out[t] = Σ_i W2_e (g_i · SwiGLU_c(W1_e x, W3_e x))`,
+    /// Routed experts (docs/forward.md §6 step 4): `out[t] = Σ_i W2_e (g_i · SwiGLU_c(W1_e x, W3_e x))`,
     /// summed in slot order `i = 0..k`.
     #[allow(clippy::too_many_arguments)]
     fn moe(

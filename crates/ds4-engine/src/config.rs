@@ -7,7 +7,7 @@ use ds4_model::HParams;
 
 use crate::error::EngineError;
 
-/// Which graph the engine computes (spec §2.7, §9.4).
+/// Which graph the engine computes (docs/forward.md §2.7, §9.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NumericMode {
     /// No quantization simulation: the graph HF transformers computes (parity tests).

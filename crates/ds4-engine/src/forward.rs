@@ -1,8 +1,8 @@
-//! The DeepSeek V4 forward pass, written once over [`Backend`] ops (spec §3–§7).
+//! The DeepSeek V4 forward pass, written once over [`Backend`] ops (docs/forward.md §3–§7).
 //!
 //! One call processes a chunk of `T` consecutive tokens at positions `pos0..pos0+T`
 //! against a [`KvState`] holding everything before `pos0`. Prefill, chunked prefill and
-//! decode (`T = 1`) are the same code; the math per token is identical in all three (spec §3
+//! decode (`T = 1`) are the same code; the math per token is identical in all three (docs/forward.md §3
 //! "Causality"), and the CPU backend's ops make them agree bit for bit.
 
 use ds4_model::{AttnKind, HParams};
@@ -138,7 +138,7 @@ impl Scratch {
     }
 }
 
-/// RoPE schedule of layer `il` (spec §2.3): plain base on sliding layers, the compressed
+/// RoPE schedule of layer `il` (docs/forward.md §2.3): plain base on sliding layers, the compressed
 /// base with YaRN on compressed layers.
 pub fn layer_rope(hp: &HParams, il: usize) -> RopeFreq {
     match hp.attn_kind(il) {
@@ -218,7 +218,7 @@ pub(crate) fn forward_chunk(
                 inverse: false,
             };
 
-        // ---- attention sublayer (spec §5) ----
+        // ---- attention sublayer (docs/forward.md §5) ----
         be.annotate(match hp.attn_kind(il) {
             AttnKind::Sliding => "attn.sliding",
             AttnKind::Csa => "attn.csa",
@@ -321,7 +321,7 @@ pub(crate) fn forward_chunk(
         be.matmul(lw.out_b, 0, low, t, f)?;
         be.hc_post(x, f, post, comb, hc)?;
 
-        // ---- MoE sublayer (spec §6) ----
+        // ---- MoE sublayer (docs/forward.md §6) ----
         be.annotate(if lw.tid2eid.is_some() {
             "moe.hash"
         } else {
@@ -380,7 +380,7 @@ pub(crate) fn forward_chunk(
     }
     st.tokens.extend_from_slice(toks);
 
-    // ---- head (spec §4.3, §7) ----
+    // ---- head (docs/forward.md §4.3, §7) ----
     let (t0, nt) = match want {
         Want::None => return Ok(()),
         Want::Last => (t - 1, 1),

@@ -1,5 +1,5 @@
 //! The DeepSeek V4 Flash inference engine: the forward pass written once over an op-level
-//! [`Backend`] trait (spec `forward-pass.md`), the decode-time KV state with byte snapshots,
+//! [`Backend`] trait (`docs/forward.md`), the decode-time KV state with byte snapshots,
 //! a session/generation API and a sampler.
 //!
 //! ```text
@@ -11,7 +11,7 @@
 //!
 //! Numeric modes ([`NumericMode`]): `exact` computes HF transformers' graph (no QAT
 //! simulation); `official` adds the FP8/FP4 simulations the checkpoint was trained with
-//! (spec §2.7). `official` is the default wherever the model's dims allow it.
+//! (docs/forward.md §2.7). `official` is the default wherever the model's dims allow it.
 
 pub mod backend;
 pub mod config;

@@ -1,5 +1,5 @@
 //! Scalar definitions every backend must compute identically: RoPE frequencies, the QAT
-//! round trips (spec §2.7), and the small activation functions.
+//! round trips (docs/forward.md §2.7), and the small activation functions.
 //!
 //! They live in the engine (not in a backend) because they *are* the model's math: the CPU
 //! backend calls them directly and a GPU kernel must reproduce them; the CPU backend's tests
@@ -7,7 +7,7 @@
 
 use crate::backend::RopeFreq;
 
-/// Per-pair RoPE frequencies `ω_j`, `j < rope_dim/2` (spec §2.3), rounded to f32.
+/// Per-pair RoPE frequencies `ω_j`, `j < rope_dim/2` (docs/forward.md §2.3), rounded to f32.
 ///
 /// Computed in f64 and rounded once, which matches the f32 tables HF and the official code
 /// build up to an ulp. Compressed layers blend towards `ω/factor` with YaRN's linear ramp
@@ -83,7 +83,7 @@ pub fn e4m3_round(x: f32) -> f32 {
     r.min(E4M3_MAX).copysign(x)
 }
 
-/// FP8 simulation of one block (spec §2.7 "Q8"): power-of-two scale from the block max.
+/// FP8 simulation of one block (docs/forward.md §2.7 "Q8"): power-of-two scale from the block max.
 pub fn fp8_roundtrip(v: &mut [f32]) {
     let amax = v.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-4);
     let s = pow2_ceil(amax * (1.0 / E4M3_MAX));
@@ -110,7 +110,7 @@ pub fn e2m1_round(x: f32) -> f32 {
     E2M1_VALUES[best].copysign(x)
 }
 
-/// FP4 simulation of one block (spec §2.7 "Q4").
+/// FP4 simulation of one block (docs/forward.md §2.7 "Q4").
 pub fn fp4_roundtrip(v: &mut [f32]) {
     let amax = v
         .iter()
@@ -164,7 +164,7 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
-/// Router score `√softplus(x)` (spec §6).
+/// Router score `√softplus(x)` (docs/forward.md §6).
 #[inline]
 pub fn sqrtsoftplus(x: f32) -> f32 {
     softplus(x).sqrt()
@@ -190,7 +190,7 @@ mod tests {
         let w = rope_freqs(&f);
         assert_eq!(w.len(), 32);
         let w0 = |j: usize| 160_000f64.powf(-(j as f64) / 32.0);
-        // lo = 15, hi = 25 (spec §2.3): pairs <= 15 unchanged, >= 25 divided by 16.
+        // lo = 15, hi = 25 (docs/forward.md §2.3): pairs <= 15 unchanged, >= 25 divided by 16.
         for (j, &wj) in w.iter().enumerate() {
             let want = match j {
                 0..=15 => w0(j),

@@ -1,6 +1,6 @@
-//! Decode-time state (spec §8): per layer a raw KV ring, and for compressed layers the
+//! Decode-time state (docs/forward.md §8): per layer a raw KV ring, and for compressed layers the
 //! compressed rows, the indexer rows and the compressor accumulators. All values are f32 in
-//! backend buffers; nothing is rounded on store (spec §9.4: f32 storage).
+//! backend buffers; nothing is rounded on store (docs/forward.md §9.4: f32 storage).
 //!
 //! A state can be serialised to bytes ([`Snapshot`]) and restored, giving bit-identical
 //! continuations on the same backend; the on-disk KV cache and prefix reuse build on it.

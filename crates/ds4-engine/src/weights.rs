@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use ds4_gguf::GgufFile;
-use ds4_model::{AttnKind, ModelSpec};
+use ds4_model::{AttnKind, GlobalTensor, LayerTensor, ModelSpec};
 
 use crate::backend::{Backend, Weight, WeightInfo, WeightUse};
 use crate::error::{EngineError, Result};
@@ -17,7 +17,7 @@ pub struct HcWeights {
     pub scale: Weight,
 }
 
-/// A compressor's parameters (spec §5.3).
+/// A compressor's parameters (docs/forward.md §5.3).
 #[derive(Debug, Clone, Copy)]
 pub struct CompressorWeights {
     pub kv: Weight,
@@ -26,7 +26,7 @@ pub struct CompressorWeights {
     pub norm: Weight,
 }
 
-/// The lightning indexer of a CSA layer (spec §5.5).
+/// The lightning indexer of a CSA layer (docs/forward.md §5.5).
 #[derive(Debug, Clone, Copy)]
 pub struct IndexerWeights {
     pub q_b: Weight,
@@ -120,85 +120,89 @@ impl ModelWeights {
         spec: &ModelSpec,
         get: &mut dyn FnMut(String, WeightUse) -> Result<Weight>,
     ) -> Result<ModelWeights> {
+        use GlobalTensor as G;
+        use LayerTensor as L;
         use WeightUse::{Matrix as M, Table as T, Vector as V};
         let hp = &spec.hparams;
-        let tok_embd = get("token_embd.weight".into(), T)?;
+        let mut global = |g: GlobalTensor, usage| get(g.name().to_string(), usage);
+        let tok_embd = global(G::TokenEmbd, T)?;
         let head_hc = HcWeights {
-            fn_: get("output_hc_fn.weight".into(), M)?,
-            base: get("output_hc_base.weight".into(), V)?,
-            scale: get("output_hc_scale.weight".into(), V)?,
+            fn_: global(G::OutputHcFn, M)?,
+            base: global(G::OutputHcBase, V)?,
+            scale: global(G::OutputHcScale, V)?,
         };
-        let output_norm = get("output_norm.weight".into(), V)?;
-        let output = get("output.weight".into(), M)?;
+        let output_norm = global(G::OutputNorm, V)?;
+        let output = global(G::Output, M)?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         for il in 0..hp.n_layer {
-            let p = |s: &str| format!("blk.{il}.{s}");
-            let mut hc = |pre: &str| -> Result<HcWeights> {
+            let mut get = |t: LayerTensor, usage| get(t.name(il), usage);
+            let mut hc = |ffn: bool| -> Result<HcWeights> {
+                let [fn_, base, scale] = L::hc(ffn);
                 Ok(HcWeights {
-                    fn_: get(p(&format!("{pre}_fn.weight")), M)?,
-                    base: get(p(&format!("{pre}_base.weight")), V)?,
-                    scale: get(p(&format!("{pre}_scale.weight")), V)?,
+                    fn_: get(fn_, M)?,
+                    base: get(base, V)?,
+                    scale: get(scale, V)?,
                 })
             };
-            let hc_attn = hc("hc_attn")?;
-            let hc_ffn = hc("hc_ffn")?;
+            let hc_attn = hc(false)?;
+            let hc_ffn = hc(true)?;
             let kind = hp.attn_kind(il);
-            let mut comp = |pre: &str| -> Result<CompressorWeights> {
+            let mut comp = |indexer: bool| -> Result<CompressorWeights> {
+                let [kv, gate, ape, norm] = L::compressor(indexer);
                 Ok(CompressorWeights {
-                    kv: get(p(&format!("{pre}_kv.weight")), M)?,
-                    gate: get(p(&format!("{pre}_gate.weight")), M)?,
-                    ape: get(p(&format!("{pre}_ape.weight")), V)?,
-                    norm: get(p(&format!("{pre}_norm.weight")), V)?,
+                    kv: get(kv, M)?,
+                    gate: get(gate, M)?,
+                    ape: get(ape, V)?,
+                    norm: get(norm, V)?,
                 })
             };
             let comp_w = match kind {
                 AttnKind::Sliding => None,
-                _ => Some(comp("attn_compressor")?),
+                _ => Some(comp(false)?),
             };
             let indexer = match kind {
                 AttnKind::Csa => Some(IndexerWeights {
-                    comp: comp("indexer_compressor")?,
-                    q_b: get(p("indexer.attn_q_b.weight"), M)?,
-                    proj: get(p("indexer.proj.weight"), M)?,
+                    comp: comp(true)?,
+                    q_b: get(L::IndexerQB, M)?,
+                    proj: get(L::IndexerProj, M)?,
                 }),
                 _ => None,
             };
             let hash = hp.is_hash_layer(il);
-            let bias_name = p("exp_probs_b.bias");
-            let router_bias = if !hash && spec.tensor(&bias_name).is_some() {
-                Some(get(bias_name, V)?)
+            let router_bias = if !hash && spec.layer_tensor(il, L::RouterBias).is_some() {
+                Some(get(L::RouterBias, V)?)
             } else {
                 None
             };
             let tid2eid = if hash {
-                Some(get(p("ffn_gate_tid2eid.weight"), T)?)
+                Some(get(L::Tid2Eid, T)?)
             } else {
                 None
             };
             layers.push(LayerWeights {
                 hc_attn,
-                attn_norm: get(p("attn_norm.weight"), V)?,
-                q_a: get(p("attn_q_a.weight"), M)?,
-                q_a_norm: get(p("attn_q_a_norm.weight"), V)?,
-                q_b: get(p("attn_q_b.weight"), M)?,
-                kv: get(p("attn_kv.weight"), M)?,
-                kv_norm: get(p("attn_kv_a_norm.weight"), V)?,
-                sinks: get(p("attn_sinks.weight"), V)?,
-                out_a: get(p("attn_output_a.weight"), M)?,
-                out_b: get(p("attn_output_b.weight"), M)?,
+                attn_norm: get(L::AttnNorm, V)?,
+                q_a: get(L::AttnQA, M)?,
+                q_a_norm: get(L::AttnQANorm, V)?,
+                q_b: get(L::AttnQB, M)?,
+                kv: get(L::AttnKv, M)?,
+                kv_norm: get(L::AttnKvNorm, V)?,
+                sinks: get(L::AttnSinks, V)?,
+                out_a: get(L::AttnOutputA, M)?,
+                out_b: get(L::AttnOutputB, M)?,
                 comp: comp_w,
                 indexer,
                 hc_ffn,
-                ffn_norm: get(p("ffn_norm.weight"), V)?,
-                router: get(p("ffn_gate_inp.weight"), M)?,
+                ffn_norm: get(L::FfnNorm, V)?,
+                router: get(L::RouterGate, M)?,
                 router_bias,
                 tid2eid,
-                gate_exps: get(p("ffn_gate_exps.weight"), M)?,
-                up_exps: get(p("ffn_up_exps.weight"), M)?,
-                down_exps: get(p("ffn_down_exps.weight"), M)?,
-                gate_sh: get(p("ffn_gate_shexp.weight"), M)?,
-                up_sh: get(p("ffn_up_shexp.weight"), M)?,
-                down_sh: get(p("ffn_down_shexp.weight"), M)?,
+                gate_exps: get(L::GateExps, M)?,
+                up_exps: get(L::UpExps, M)?,
+                down_exps: get(L::DownExps, M)?,
+                gate_sh: get(L::GateShexp, M)?,
+                up_sh: get(L::UpShexp, M)?,
+                down_sh: get(L::DownShexp, M)?,
             });
         }
         Ok(ModelWeights {

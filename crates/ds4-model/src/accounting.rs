@@ -1,4 +1,4 @@
-//! Byte accounting: file size and weight bytes read per decoded token (spec §7).
+//! Byte accounting: file size and weight bytes read per decoded token (docs/gguf.md §7).
 //!
 //! Per-token traffic is what bounds batch-1 decode speed, so `ds4 inspect` and `ds4-bench`
 //! report it; it is computed from the bound tensors, never from hardcoded totals.
@@ -7,6 +7,7 @@ use ds4_gguf::GgmlType;
 use serde::Serialize;
 
 use crate::catalogue::TensorClass;
+use crate::names::{GlobalTensor, LayerTensor};
 use crate::spec::ModelSpec;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -52,58 +53,57 @@ impl ByteAccounting {
         ) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
         let n_exp = h.n_expert.max(1) as u64;
         for il in 0..h.n_layer {
-            let l = |s: &str| bytes(&format!("blk.{il}.{s}"));
-            for s in [
-                "ffn_gate_exps.weight",
-                "ffn_up_exps.weight",
-                "ffn_down_exps.weight",
+            use LayerTensor as L;
+            let l = |t: LayerTensor| bytes(&t.name(il));
+            for t in [L::GateExps, L::UpExps, L::DownExps] {
+                routed += l(t) / n_exp * h.n_expert_used as u64;
+            }
+            shared += l(L::GateShexp) + l(L::UpShexp) + l(L::DownShexp);
+            for t in [
+                L::AttnQA,
+                L::AttnQB,
+                L::AttnKv,
+                L::AttnOutputA,
+                L::AttnOutputB,
             ] {
-                routed += l(s) / n_exp * h.n_expert_used as u64;
+                attn += l(t);
             }
-            shared +=
-                l("ffn_gate_shexp.weight") + l("ffn_up_shexp.weight") + l("ffn_down_shexp.weight");
-            for s in [
-                "attn_q_a",
-                "attn_q_b",
-                "attn_kv",
-                "attn_output_a",
-                "attn_output_b",
-            ] {
-                attn += l(&format!("{s}.weight"));
+            for (a, i) in L::compressor(false).into_iter().zip(L::compressor(true)) {
+                comp += l(a);
+                icomp += l(i);
             }
-            for s in ["ape", "kv", "gate", "norm"] {
-                comp += l(&format!("attn_compressor_{s}.weight"));
-                icomp += l(&format!("indexer_compressor_{s}.weight"));
-            }
-            router += l("ffn_gate_inp.weight") + l("exp_probs_b.bias");
+            router += l(L::RouterGate) + l(L::RouterBias);
             if h.is_hash_layer(il) {
                 router += 4 * h.n_expert_used as u64; // one tid2eid row of i32
             }
-            for s in ["hc_attn", "hc_ffn"] {
-                hc += l(&format!("{s}_fn.weight"))
-                    + l(&format!("{s}_base.weight"))
-                    + l(&format!("{s}_scale.weight"));
+            for t in L::hc(false).into_iter().chain(L::hc(true)) {
+                hc += l(t);
             }
-            for s in [
-                "attn_norm",
-                "ffn_norm",
-                "attn_q_a_norm",
-                "attn_kv_a_norm",
-                "attn_sinks",
+            for t in [
+                L::AttnNorm,
+                L::FfnNorm,
+                L::AttnQANorm,
+                L::AttnKvNorm,
+                L::AttnSinks,
             ] {
-                norms += l(&format!("{s}.weight"));
+                norms += l(t);
             }
-            idx_q += l("indexer.attn_q_b.weight") + l("indexer.proj.weight");
+            idx_q += l(L::IndexerQB) + l(L::IndexerProj);
         }
         let embd_row = spec
-            .tensor("token_embd.weight")
+            .tensor(GlobalTensor::TokenEmbd.name())
             .and_then(|t| t.ty.row_bytes(h.n_embd as u64))
             .unwrap_or(0);
-        let head = bytes("output_hc_fn.weight")
-            + bytes("output_hc_base.weight")
-            + bytes("output_hc_scale.weight")
-            + bytes("output_norm.weight")
-            + bytes("output.weight");
+        let head = [
+            GlobalTensor::OutputHcFn,
+            GlobalTensor::OutputHcBase,
+            GlobalTensor::OutputHcScale,
+            GlobalTensor::OutputNorm,
+            GlobalTensor::Output,
+        ]
+        .into_iter()
+        .map(|g| bytes(g.name()))
+        .sum::<u64>();
         let parts = vec![
             ("routed experts".to_string(), routed),
             ("shared expert".to_string(), shared),

@@ -1,24 +1,27 @@
-//! The tensor table a model must have, derived from its hyper-parameters (spec §4).
+//! The tensor table a model must have, derived from its hyper-parameters (docs/gguf.md §4).
 //! Shapes are GGUF dims (ne0 first). Names follow ds4's spelling exactly.
 
 use ds4_gguf::GgmlType;
 use serde::Serialize;
 
 use crate::hparams::{AttnKind, HParams};
+use crate::names::{GlobalTensor, LayerTensor, TensorName};
 
-/// What a tensor is for; used by `inspect` summaries and by the placement planner.
+/// What a tensor is for; used by `inspect` summaries, the byte accounting and (mapped one to
+/// one onto `ds4_placement::TensorClass`, whose variants have the same names) the placement
+/// planner. Which tensor has which class is decided in [`crate::names`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum TensorClass {
     Embedding,
     Attention,
     Compressor,
     Indexer,
-    Hc,
+    HyperConnection,
     Router,
-    Experts,
-    Shared,
-    Norm,
-    Head,
+    RoutedExperts,
+    SharedExpert,
+    Norms,
+    OutputHead,
 }
 
 impl TensorClass {
@@ -27,26 +30,27 @@ impl TensorClass {
         TensorClass::Attention,
         TensorClass::Compressor,
         TensorClass::Indexer,
-        TensorClass::Hc,
+        TensorClass::HyperConnection,
         TensorClass::Router,
-        TensorClass::Experts,
-        TensorClass::Shared,
-        TensorClass::Norm,
-        TensorClass::Head,
+        TensorClass::RoutedExperts,
+        TensorClass::SharedExpert,
+        TensorClass::Norms,
+        TensorClass::OutputHead,
     ];
 
+    /// Short label used in `ds4 inspect` output.
     pub fn name(self) -> &'static str {
         match self {
             TensorClass::Embedding => "embedding",
             TensorClass::Attention => "attention",
             TensorClass::Compressor => "compressor",
             TensorClass::Indexer => "indexer",
-            TensorClass::Hc => "hc",
+            TensorClass::HyperConnection => "hc",
             TensorClass::Router => "router",
-            TensorClass::Experts => "experts",
-            TensorClass::Shared => "shared",
-            TensorClass::Norm => "norms",
-            TensorClass::Head => "head",
+            TensorClass::RoutedExperts => "experts",
+            TensorClass::SharedExpert => "shared",
+            TensorClass::Norms => "norms",
+            TensorClass::OutputHead => "head",
         }
     }
 }
@@ -106,69 +110,29 @@ pub struct ExpectedTensor {
 
 /// Every tensor of the main model, in ds4's catalogue order (globals first, then layers).
 pub fn expected_tensors(h: &HParams) -> Vec<ExpectedTensor> {
+    use GlobalTensor as G;
+    use LayerTensor as L;
+    use TypeRule as T;
     let u = |x: usize| x as u64;
     let (e, v, m) = (u(h.n_embd), u(h.n_vocab), u(h.hc_mult));
     let mut out = Vec::new();
-    let mut add = |name: String, dims: Vec<u64>, rule, class, layer, optional| {
+    for (g, dims, rule) in [
+        (G::TokenEmbd, vec![e, v], T::Plain),
+        (G::OutputHcFn, vec![m * e, m], T::Plain),
+        (G::OutputHcBase, vec![m], T::Vector),
+        (G::OutputHcScale, vec![1], T::Vector),
+        (G::OutputNorm, vec![e], T::Vector),
+        (G::Output, vec![e, v], T::Q8),
+    ] {
         out.push(ExpectedTensor {
-            name,
+            name: g.name().to_string(),
             dims,
             rule,
-            class,
-            layer,
-            optional,
-        })
-    };
-    use TensorClass as C;
-    use TypeRule as T;
-    add(
-        "token_embd.weight".into(),
-        vec![e, v],
-        T::Plain,
-        C::Embedding,
-        None,
-        false,
-    );
-    add(
-        "output_hc_fn.weight".into(),
-        vec![m * e, m],
-        T::Plain,
-        C::Head,
-        None,
-        false,
-    );
-    add(
-        "output_hc_base.weight".into(),
-        vec![m],
-        T::Vector,
-        C::Head,
-        None,
-        false,
-    );
-    add(
-        "output_hc_scale.weight".into(),
-        vec![1],
-        T::Vector,
-        C::Head,
-        None,
-        false,
-    );
-    add(
-        "output_norm.weight".into(),
-        vec![e],
-        T::Vector,
-        C::Head,
-        None,
-        false,
-    );
-    add(
-        "output.weight".into(),
-        vec![e, v],
-        T::Q8,
-        C::Head,
-        None,
-        false,
-    );
+            class: g.class(),
+            layer: None,
+            optional: false,
+        });
+    }
     let hd = u(h.n_head * h.head_dim);
     let (q, d, f, n) = (
         u(h.q_lora_rank),
@@ -180,268 +144,77 @@ pub fn expected_tensors(h: &HParams) -> Vec<ExpectedTensor> {
     let mix = u(h.hc_mix());
     let (ih, id) = (u(h.indexer_heads), u(h.indexer_head_dim));
     for il in 0..h.n_layer {
-        let p = |s: &str| format!("blk.{il}.{s}");
-        let l = Some(il);
-        for hc in ["hc_attn", "hc_ffn"] {
-            add(
-                p(&format!("{hc}_fn.weight")),
-                vec![m * e, mix],
-                T::Plain,
-                C::Hc,
-                l,
-                false,
-            );
-            add(
-                p(&format!("{hc}_scale.weight")),
-                vec![3],
-                T::Vector,
-                C::Hc,
-                l,
-                false,
-            );
-            add(
-                p(&format!("{hc}_base.weight")),
-                vec![mix],
-                T::Vector,
-                C::Hc,
-                l,
-                false,
-            );
+        let mut add = |t: LayerTensor, dims: Vec<u64>, rule: TypeRule, optional: bool| {
+            out.push(ExpectedTensor {
+                name: t.name(il),
+                dims,
+                rule,
+                class: t.class(),
+                layer: Some(il),
+                optional,
+            })
+        };
+        for ffn in [false, true] {
+            let [fn_, base, scale] = L::hc(ffn);
+            add(fn_, vec![m * e, mix], T::Plain, false);
+            add(scale, vec![3], T::Vector, false);
+            add(base, vec![mix], T::Vector, false);
         }
-        add(p("attn_norm.weight"), vec![e], T::Vector, C::Norm, l, false);
-        add(
-            p("attn_q_a.weight"),
-            vec![e, q],
-            T::Q8,
-            C::Attention,
-            l,
-            false,
-        );
-        add(
-            p("attn_q_a_norm.weight"),
-            vec![q],
-            T::Vector,
-            C::Norm,
-            l,
-            false,
-        );
-        add(
-            p("attn_q_b.weight"),
-            vec![q, hd],
-            T::Q8,
-            C::Attention,
-            l,
-            false,
-        );
-        add(
-            p("attn_kv.weight"),
-            vec![e, d],
-            T::Q8,
-            C::Attention,
-            l,
-            false,
-        );
-        add(
-            p("attn_kv_a_norm.weight"),
-            vec![d],
-            T::Vector,
-            C::Norm,
-            l,
-            false,
-        );
-        add(
-            p("attn_sinks.weight"),
-            vec![u(h.n_head)],
-            T::Vector,
-            C::Norm,
-            l,
-            false,
-        );
-        add(
-            p("attn_output_a.weight"),
-            vec![hd / g.max(1), g * o],
-            T::Q8,
-            C::Attention,
-            l,
-            false,
-        );
-        add(
-            p("attn_output_b.weight"),
-            vec![g * o, e],
-            T::Q8,
-            C::Attention,
-            l,
-            false,
-        );
-        add(p("ffn_norm.weight"), vec![e], T::Vector, C::Norm, l, false);
-        add(
-            p("ffn_gate_inp.weight"),
-            vec![e, n],
-            T::Plain,
-            C::Router,
-            l,
-            false,
-        );
-        add(
-            p("ffn_gate_exps.weight"),
-            vec![e, f, n],
-            T::Routed,
-            C::Experts,
-            l,
-            false,
-        );
-        add(
-            p("ffn_up_exps.weight"),
-            vec![e, f, n],
-            T::Routed,
-            C::Experts,
-            l,
-            false,
-        );
-        add(
-            p("ffn_down_exps.weight"),
-            vec![f, e, n],
-            T::Routed,
-            C::Experts,
-            l,
-            false,
-        );
-        add(
-            p("ffn_gate_shexp.weight"),
-            vec![e, f],
-            T::Q8,
-            C::Shared,
-            l,
-            false,
-        );
-        add(
-            p("ffn_up_shexp.weight"),
-            vec![e, f],
-            T::Q8,
-            C::Shared,
-            l,
-            false,
-        );
-        add(
-            p("ffn_down_shexp.weight"),
-            vec![f, e],
-            T::Q8,
-            C::Shared,
-            l,
-            false,
-        );
+        add(L::AttnNorm, vec![e], T::Vector, false);
+        add(L::AttnQA, vec![e, q], T::Q8, false);
+        add(L::AttnQANorm, vec![q], T::Vector, false);
+        add(L::AttnQB, vec![q, hd], T::Q8, false);
+        add(L::AttnKv, vec![e, d], T::Q8, false);
+        add(L::AttnKvNorm, vec![d], T::Vector, false);
+        add(L::AttnSinks, vec![u(h.n_head)], T::Vector, false);
+        add(L::AttnOutputA, vec![hd / g.max(1), g * o], T::Q8, false);
+        add(L::AttnOutputB, vec![g * o, e], T::Q8, false);
+        add(L::FfnNorm, vec![e], T::Vector, false);
+        add(L::RouterGate, vec![e, n], T::Plain, false);
+        add(L::GateExps, vec![e, f, n], T::Routed, false);
+        add(L::UpExps, vec![e, f, n], T::Routed, false);
+        add(L::DownExps, vec![f, e, n], T::Routed, false);
+        add(L::GateShexp, vec![e, f], T::Q8, false);
+        add(L::UpShexp, vec![e, f], T::Q8, false);
+        add(L::DownShexp, vec![f, e], T::Q8, false);
         if h.is_hash_layer(il) {
-            add(
-                p("ffn_gate_tid2eid.weight"),
-                vec![u(h.n_expert_used), v],
-                T::Index,
-                C::Router,
-                l,
-                false,
-            );
+            add(L::Tid2Eid, vec![u(h.n_expert_used), v], T::Index, false);
         } else {
-            add(
-                p("exp_probs_b.bias"),
-                vec![n],
-                T::Vector,
-                C::Router,
-                l,
-                true,
-            );
+            // ds4 treats the selection bias as optional in the main model.
+            add(L::RouterBias, vec![n], T::Vector, true);
         }
         let kind = h.attn_kind(il);
         if kind != AttnKind::Sliding {
             let cw = u(h.compressor_width(il));
             let r = u(h.compress_ratios[il] as usize);
-            add(
-                p("attn_compressor_ape.weight"),
-                vec![cw, r],
-                T::Plain,
-                C::Compressor,
-                l,
-                false,
-            );
-            add(
-                p("attn_compressor_kv.weight"),
-                vec![e, cw],
-                T::Plain,
-                C::Compressor,
-                l,
-                false,
-            );
-            add(
-                p("attn_compressor_gate.weight"),
-                vec![e, cw],
-                T::Plain,
-                C::Compressor,
-                l,
-                false,
-            );
-            add(
-                p("attn_compressor_norm.weight"),
-                vec![d],
-                T::Vector,
-                C::Compressor,
-                l,
-                false,
-            );
+            add(L::CompressorApe, vec![cw, r], T::Plain, false);
+            add(L::CompressorKv, vec![e, cw], T::Plain, false);
+            add(L::CompressorGate, vec![e, cw], T::Plain, false);
+            add(L::CompressorNorm, vec![d], T::Vector, false);
         }
         if kind == AttnKind::Csa {
-            add(
-                p("indexer.attn_q_b.weight"),
-                vec![q, ih * id],
-                T::Plain,
-                C::Indexer,
-                l,
-                false,
-            );
-            add(
-                p("indexer.proj.weight"),
-                vec![e, ih],
-                T::Plain,
-                C::Indexer,
-                l,
-                false,
-            );
-            add(
-                p("indexer_compressor_ape.weight"),
-                vec![2 * id, 4],
-                T::Plain,
-                C::Indexer,
-                l,
-                false,
-            );
-            add(
-                p("indexer_compressor_kv.weight"),
-                vec![e, 2 * id],
-                T::Plain,
-                C::Indexer,
-                l,
-                false,
-            );
-            add(
-                p("indexer_compressor_gate.weight"),
-                vec![e, 2 * id],
-                T::Plain,
-                C::Indexer,
-                l,
-                false,
-            );
-            add(
-                p("indexer_compressor_norm.weight"),
-                vec![id],
-                T::Vector,
-                C::Indexer,
-                l,
-                false,
-            );
+            add(L::IndexerQB, vec![q, ih * id], T::Plain, false);
+            add(L::IndexerProj, vec![e, ih], T::Plain, false);
+            add(L::IndexerCompressorApe, vec![2 * id, 4], T::Plain, false);
+            add(L::IndexerCompressorKv, vec![e, 2 * id], T::Plain, false);
+            add(L::IndexerCompressorGate, vec![e, 2 * id], T::Plain, false);
+            add(L::IndexerCompressorNorm, vec![id], T::Vector, false);
         }
     }
     out
 }
 
-/// Class of a tensor by name, for tensors outside the catalogue too (best effort).
+/// Class of a tensor by name: exact for every name of the layout ([`TensorName::parse`]), a
+/// best guess from the spelling for anything else.
 pub fn classify(name: &str) -> TensorClass {
+    match TensorName::parse(name) {
+        Some(t) => t.class(),
+        None => classify_by_spelling(name),
+    }
+}
+
+/// The fallback of [`classify`] for names outside the layout.
+fn classify_by_spelling(name: &str) -> TensorClass {
     // Strip a `blk.N.` or `mtp.N.` prefix.
     let s = match name.split_once('.') {
         Some(("blk" | "mtp", rest)) => rest.split_once('.').map_or(rest, |x| x.1),
@@ -449,11 +222,11 @@ pub fn classify(name: &str) -> TensorClass {
     };
     match s {
         _ if s.starts_with("token_embd") => TensorClass::Embedding,
-        _ if s.starts_with("output") || s.starts_with("hc_head") => TensorClass::Head,
+        _ if s.starts_with("output") || s.starts_with("hc_head") => TensorClass::OutputHead,
         _ if s.starts_with("e_proj") || s.starts_with("h_proj") => TensorClass::Attention,
-        _ if s.contains("_exps") => TensorClass::Experts,
-        _ if s.contains("shexp") => TensorClass::Shared,
-        _ if s.starts_with("hc_") => TensorClass::Hc,
+        _ if s.contains("_exps") => TensorClass::RoutedExperts,
+        _ if s.contains("shexp") => TensorClass::SharedExpert,
+        _ if s.starts_with("hc_") => TensorClass::HyperConnection,
         _ if s.starts_with("indexer") => TensorClass::Indexer,
         _ if s.starts_with("attn_compressor") => TensorClass::Compressor,
         _ if s.starts_with("ffn_gate_inp")
@@ -462,7 +235,7 @@ pub fn classify(name: &str) -> TensorClass {
         {
             TensorClass::Router
         }
-        _ if s.contains("norm") || s.starts_with("attn_sinks") => TensorClass::Norm,
+        _ if s.contains("norm") || s.starts_with("attn_sinks") => TensorClass::Norms,
         _ => TensorClass::Attention,
     }
 }
@@ -477,6 +250,11 @@ mod tests {
         assert_eq!(t.len(), 1328);
         for x in &t {
             assert_eq!(classify(&x.name), x.class, "{}", x.name);
+            // The spelling heuristic (used for names outside the layout) agrees too.
+            assert_eq!(classify_by_spelling(&x.name), x.class, "{}", x.name);
+        }
+        for t in crate::names::LayerTensor::ALL {
+            assert_eq!(classify_by_spelling(&t.mtp_name()), t.class(), "{t:?}");
         }
         let per_layer = |il: usize| t.iter().filter(|x| x.layer == Some(il)).count();
         assert_eq!(

@@ -1,4 +1,4 @@
-//! KV-state sizes (spec §8): what grows per token and what is fixed, as ds4 stores it
+//! KV-state sizes (docs/forward.md §8): what grows per token and what is fixed, as ds4 stores it
 //! (f32 buffers). The placement planner budgets with these before anything is allocated.
 
 use crate::hparams::{AttnKind, HParams};

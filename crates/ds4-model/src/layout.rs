@@ -6,6 +6,7 @@ use ds4_gguf::{Array, GgmlType, Header, TensorInfo, Value};
 
 use crate::catalogue::{expected_tensors, ExpectedTensor, TypeRule};
 use crate::hparams::{HParams, ARCH_PREFIX};
+use crate::names::{LayerTensor, TensorName};
 
 /// Which ggml type each storage family gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +57,7 @@ impl TypeRecipe {
             TypeRule::Vector => self.vector,
             TypeRule::Q8 => self.q8,
             TypeRule::Index => GgmlType::I32,
-            TypeRule::Routed if t.name.ends_with("ffn_down_exps.weight") => self.down,
+            TypeRule::Routed if t.name.ends_with(LayerTensor::DownExps.suffix()) => self.down,
             TypeRule::Routed => self.gate_up,
         }
     }
@@ -77,7 +78,7 @@ fn k(s: &str) -> String {
     format!("{ARCH_PREFIX}{s}")
 }
 
-/// `deepseek4.*` keys in the order of the real file (spec §3.2), with the writer's types.
+/// `deepseek4.*` keys in the order of the real file (docs/gguf.md §3.2), with the writer's types.
 pub fn arch_metadata(h: &HParams) -> Vec<(String, Value)> {
     let u = |x: usize| Value::U32(x as u32);
     let mut ratios: Vec<i32> = h.compress_ratios.iter().map(|&r| r as i32).collect();
@@ -209,49 +210,47 @@ pub fn tokenizer_metadata(t: &TokenizerData) -> Vec<(String, Value)> {
     ]
 }
 
-/// Position of a per-layer suffix in the published file's order (spec §4.5, official
+/// Position of a per-layer suffix in the published file's order (docs/gguf.md §4.5, official
 /// checkpoint key order within a layer).
-fn layer_rank(suffix: &str) -> usize {
-    const ORDER: [&str; 34] = [
-        "attn_sinks.weight",
-        "attn_compressor_ape.weight",
-        "attn_compressor_norm.weight",
-        "attn_compressor_gate.weight",
-        "attn_compressor_kv.weight",
-        "indexer_compressor_ape.weight",
-        "indexer_compressor_norm.weight",
-        "indexer_compressor_gate.weight",
-        "indexer_compressor_kv.weight",
-        "indexer.proj.weight",
-        "indexer.attn_q_b.weight",
-        "attn_kv_a_norm.weight",
-        "attn_q_a_norm.weight",
-        "attn_kv.weight",
-        "attn_output_a.weight",
-        "attn_output_b.weight",
-        "attn_q_a.weight",
-        "attn_q_b.weight",
-        "attn_norm.weight",
-        "exp_probs_b.bias",
-        "ffn_gate_inp.weight",
-        "ffn_gate_shexp.weight",
-        "ffn_down_shexp.weight",
-        "ffn_up_shexp.weight",
-        "ffn_norm.weight",
-        "hc_attn_base.weight",
-        "hc_attn_fn.weight",
-        "hc_attn_scale.weight",
-        "hc_ffn_base.weight",
-        "hc_ffn_fn.weight",
-        "hc_ffn_scale.weight",
-        "ffn_gate_exps.weight",
-        "ffn_down_exps.weight",
-        "ffn_up_exps.weight",
+fn layer_rank(t: LayerTensor) -> usize {
+    use LayerTensor::*;
+    const ORDER: [LayerTensor; 34] = [
+        AttnSinks,
+        CompressorApe,
+        CompressorNorm,
+        CompressorGate,
+        CompressorKv,
+        IndexerCompressorApe,
+        IndexerCompressorNorm,
+        IndexerCompressorGate,
+        IndexerCompressorKv,
+        IndexerProj,
+        IndexerQB,
+        AttnKvNorm,
+        AttnQANorm,
+        AttnKv,
+        AttnOutputA,
+        AttnOutputB,
+        AttnQA,
+        AttnQB,
+        AttnNorm,
+        RouterBias,
+        RouterGate,
+        GateShexp,
+        DownShexp,
+        UpShexp,
+        FfnNorm,
+        HcAttnBase,
+        HcAttnFn,
+        HcAttnScale,
+        HcFfnBase,
+        HcFfnFn,
+        HcFfnScale,
+        GateExps,
+        DownExps,
+        UpExps,
     ];
-    ORDER
-        .iter()
-        .position(|s| *s == suffix)
-        .unwrap_or(ORDER.len())
+    ORDER.iter().position(|x| *x == t).unwrap_or(ORDER.len())
 }
 
 /// The tensor table in the published order: tid2eid tables, routed experts layer by layer
@@ -264,10 +263,13 @@ pub fn tensor_table(h: &HParams, recipe: &TypeRecipe) -> Vec<TensorInfo> {
         ty: recipe.type_for(t),
         offset: 0,
     };
-    let suffix = |t: &ExpectedTensor| t.name.splitn(3, '.').nth(2).unwrap_or("").to_string();
+    let rank = |t: &ExpectedTensor| match TensorName::parse(&t.name) {
+        Some(TensorName::Layer(_, lt)) => layer_rank(lt),
+        _ => usize::MAX,
+    };
     let mut out: Vec<TensorInfo> = all
         .iter()
-        .filter(|t| t.name.ends_with("ffn_gate_tid2eid.weight"))
+        .filter(|t| t.name.ends_with(LayerTensor::Tid2Eid.suffix()))
         .map(info)
         .collect();
     for il in 0..h.n_layer {
@@ -275,7 +277,7 @@ pub fn tensor_table(h: &HParams, recipe: &TypeRecipe) -> Vec<TensorInfo> {
             .iter()
             .filter(|t| t.layer == Some(il) && t.rule == TypeRule::Routed)
             .collect();
-        exps.sort_by_key(|t| layer_rank(&suffix(t)));
+        exps.sort_by_key(|t| rank(t));
         out.extend(exps.into_iter().map(info));
     }
     for il in 0..h.n_layer {
@@ -285,7 +287,7 @@ pub fn tensor_table(h: &HParams, recipe: &TypeRecipe) -> Vec<TensorInfo> {
                 t.layer == Some(il) && t.rule != TypeRule::Routed && t.rule != TypeRule::Index
             })
             .collect();
-        rest.sort_by_key(|t| layer_rank(&suffix(t)));
+        rest.sort_by_key(|t| rank(t));
         out.extend(rest.into_iter().map(info));
     }
     out.extend(all.iter().filter(|t| t.layer.is_none()).map(info));
@@ -349,7 +351,7 @@ pub fn placeholder_tokenizer(n_vocab: usize) -> TokenizerData {
     }
 }
 
-/// The MTP sidecar's 32 tensors with the published types and data order (spec §4.7).
+/// The MTP sidecar's 32 tensors with the published types and data order (docs/gguf.md §4.7).
 /// Only their sizes matter to the planner; an engine that runs MTP validates the real file.
 pub fn mtp_tensor_table(h: &HParams) -> Vec<TensorInfo> {
     let u = |x: usize| x as u64;
@@ -362,43 +364,44 @@ pub fn mtp_tensor_table(h: &HParams) -> Vec<TensorInfo> {
     );
     let mix = u(h.hc_mix());
     use GgmlType::{F32, Q4K, Q8_0};
-    let rows: Vec<(&str, Vec<u64>, GgmlType)> = vec![
-        ("hc_head_base.weight", vec![m], F32),
-        ("hc_head_fn.weight", vec![m * e, m], F32),
-        ("hc_head_scale.weight", vec![1], F32),
-        ("hc_attn_base.weight", vec![mix], F32),
-        ("hc_ffn_base.weight", vec![mix], F32),
-        ("hc_attn_fn.weight", vec![m * e, mix], F32),
-        ("hc_attn_scale.weight", vec![3], F32),
-        ("hc_ffn_fn.weight", vec![m * e, mix], F32),
-        ("hc_ffn_scale.weight", vec![3], F32),
-        ("attn_sinks.weight", vec![u(h.n_head)], F32),
-        ("attn_q_a.weight", vec![e, q], Q8_0),
-        ("attn_q_b.weight", vec![q, hd], Q8_0),
-        ("attn_q_a_norm.weight", vec![q], F32),
-        ("attn_output_a.weight", vec![hd / g.max(1), g * o], Q8_0),
-        ("attn_kv.weight", vec![e, u(h.head_dim)], Q8_0),
-        ("attn_kv_a_norm.weight", vec![u(h.head_dim)], F32),
-        ("attn_output_b.weight", vec![g * o, e], Q8_0),
-        ("attn_norm.weight", vec![e], F32),
-        ("ffn_norm.weight", vec![e], F32),
-        ("ffn_gate_shexp.weight", vec![e, f], Q8_0),
-        ("ffn_up_shexp.weight", vec![e, f], Q8_0),
-        ("ffn_down_shexp.weight", vec![f, e], Q8_0),
-        ("ffn_gate_exps.weight", vec![e, f, n], Q4K),
-        ("ffn_up_exps.weight", vec![e, f, n], Q4K),
-        ("ffn_down_exps.weight", vec![f, e, n], Q4K),
-        ("ffn_gate_inp.weight", vec![e, n], F32),
-        ("exp_probs_b.bias", vec![n], F32),
-        ("e_proj.weight", vec![e, e], Q8_0),
-        ("h_proj.weight", vec![e, e], Q8_0),
-        ("enorm.weight", vec![e], F32),
-        ("hnorm.weight", vec![e], F32),
-        ("norm.weight", vec![e], F32),
+    use LayerTensor::*;
+    let rows: Vec<(LayerTensor, Vec<u64>, GgmlType)> = vec![
+        (MtpHcHeadBase, vec![m], F32),
+        (MtpHcHeadFn, vec![m * e, m], F32),
+        (MtpHcHeadScale, vec![1], F32),
+        (HcAttnBase, vec![mix], F32),
+        (HcFfnBase, vec![mix], F32),
+        (HcAttnFn, vec![m * e, mix], F32),
+        (HcAttnScale, vec![3], F32),
+        (HcFfnFn, vec![m * e, mix], F32),
+        (HcFfnScale, vec![3], F32),
+        (AttnSinks, vec![u(h.n_head)], F32),
+        (AttnQA, vec![e, q], Q8_0),
+        (AttnQB, vec![q, hd], Q8_0),
+        (AttnQANorm, vec![q], F32),
+        (AttnOutputA, vec![hd / g.max(1), g * o], Q8_0),
+        (AttnKv, vec![e, u(h.head_dim)], Q8_0),
+        (AttnKvNorm, vec![u(h.head_dim)], F32),
+        (AttnOutputB, vec![g * o, e], Q8_0),
+        (AttnNorm, vec![e], F32),
+        (FfnNorm, vec![e], F32),
+        (GateShexp, vec![e, f], Q8_0),
+        (UpShexp, vec![e, f], Q8_0),
+        (DownShexp, vec![f, e], Q8_0),
+        (GateExps, vec![e, f, n], Q4K),
+        (UpExps, vec![e, f, n], Q4K),
+        (DownExps, vec![f, e, n], Q4K),
+        (RouterGate, vec![e, n], F32),
+        (RouterBias, vec![n], F32),
+        (MtpEProj, vec![e, e], Q8_0),
+        (MtpHProj, vec![e, e], Q8_0),
+        (MtpENorm, vec![e], F32),
+        (MtpHNorm, vec![e], F32),
+        (MtpNorm, vec![e], F32),
     ];
     rows.into_iter()
         .map(|(s, dims, ty)| TensorInfo {
-            name: format!("mtp.0.{s}"),
+            name: s.mtp_name(),
             dims,
             ty,
             offset: 0,
@@ -419,7 +422,7 @@ mod tests {
         assert_eq!(h.tensors.len(), 32);
         // Data section of the published sidecar: 3,807,602,400 B file − 2,208 B header.
         assert_eq!(h.assign_offsets().unwrap(), 3_807_602_400 - 2_208);
-        // Spot-check published offsets (spec §4.7).
+        // Spot-check published offsets (docs/gguf.md §4.7).
         let off = |n: &str| h.tensors.iter().find(|t| t.name == n).unwrap().offset;
         assert_eq!(off("mtp.0.ffn_gate_exps.weight"), 143_825_472);
         assert_eq!(off("mtp.0.e_proj.weight"), 3_771_899_456);

@@ -11,10 +11,12 @@ pub mod error;
 pub mod hparams;
 pub mod kv;
 pub mod layout;
+pub mod names;
 pub mod spec;
 
 pub use accounting::ByteAccounting;
 pub use catalogue::{expected_tensors, ExpectedTensor, TensorClass, TypeRule};
 pub use error::{ModelError, Problem};
 pub use hparams::{AttnKind, HParams, Yarn};
+pub use names::{GlobalTensor, LayerTensor, TensorName};
 pub use spec::{ModelSpec, Strictness};

@@ -8,6 +8,7 @@ use serde::Serialize;
 use crate::catalogue::{expected_tensors, ExpectedTensor, TensorClass};
 use crate::error::{ModelError, Problem};
 use crate::hparams::{self, flash_schedule, HParams, ARCH_PREFIX};
+use crate::names::LayerTensor;
 
 /// How strictly to validate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -121,12 +122,8 @@ impl ModelSpec {
             .map(|(i, b)| (b.expected.name.clone(), i))
             .collect();
         for il in 0..hp.n_layer {
-            let ty = |s: &str| {
-                by_name
-                    .get(&format!("blk.{il}.{s}"))
-                    .map(|&i| tensors[i].ty)
-            };
-            if let (Some(g), Some(u)) = (ty("ffn_gate_exps.weight"), ty("ffn_up_exps.weight")) {
+            let ty = |t: LayerTensor| by_name.get(&t.name(il)).map(|&i| tensors[i].ty);
+            if let (Some(g), Some(u)) = (ty(LayerTensor::GateExps), ty(LayerTensor::UpExps)) {
                 if g != u {
                     problems.push(Problem::GateUpMismatch {
                         layer: il,
@@ -151,14 +148,14 @@ impl ModelSpec {
         self.by_name.get(name).map(|&i| &self.tensors[i])
     }
 
-    /// A layer's tensor by suffix, e.g. `layer_tensor(3, "attn_q_a.weight")`.
-    pub fn layer_tensor(&self, layer: usize, suffix: &str) -> Option<&BoundTensor> {
-        self.tensor(&format!("blk.{layer}.{suffix}"))
+    /// A layer's tensor, e.g. `layer_tensor(3, LayerTensor::AttnQA)`.
+    pub fn layer_tensor(&self, layer: usize, t: LayerTensor) -> Option<&BoundTensor> {
+        self.tensor(&t.name(layer))
     }
 
     /// "Routed quant bits" as ds4 reports it: 4 if layer-0 gate is Q4_K, else 2.
     pub fn routed_bits(&self) -> u32 {
-        match self.layer_tensor(0, "ffn_gate_exps.weight").map(|t| t.ty) {
+        match self.layer_tensor(0, LayerTensor::GateExps).map(|t| t.ty) {
             Some(GgmlType::Q4K) => 4,
             _ => 2,
         }

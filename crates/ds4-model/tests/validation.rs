@@ -39,7 +39,7 @@ fn real_q2_layout_sizes() {
     assert_eq!(spec.strictness, Strictness::Ds4);
     assert_eq!(spec.routed_bits(), 2);
     let acc = ByteAccounting::of(&spec);
-    // Spec §7.1: tensor data 86,714,777,664 B once each payload is padded to 32 B; the
+    // docs/gguf.md §7.1: tensor data 86,714,777,664 B once each payload is padded to 32 B; the
     // unpadded sum is 1,764 B less.
     assert_eq!(acc.tensor_bytes, 86_714_777_664 - 1_764);
     assert_eq!(padded_data(&h), 86_714_777_664);
@@ -62,7 +62,7 @@ fn real_q2_layout_sizes() {
     assert_eq!(get("I32"), (9_308_160, 3));
     assert_eq!(get("F16").1, 359);
     assert_eq!(get("F32").1, 492);
-    // Spec §7.2: weight bytes per decoded token.
+    // docs/gguf.md §7.2: weight bytes per decoded token.
     assert_eq!(acc.per_token_short, 9_195_786_660);
     assert_eq!(acc.per_token_long, 9_559_118_244);
     assert_eq!(format!("{:.2}", acc.per_token_short as f64 / 1e9), "9.20");
@@ -77,7 +77,7 @@ fn real_q4_layout_sizes() {
     let acc = ByteAccounting::of(&spec);
     assert_eq!(acc.tensor_bytes, 164_628_168_768 - 1_764);
     // With our placeholder vocabulary the file is a few MB smaller than the real one; with
-    // the real vocabulary the data section starts at byte 5,328,480 (spec §7.1, measured on
+    // the real vocabulary the data section starts at byte 5,328,480 (docs/gguf.md §7.1, measured on
     // a file ds4 accepted), which gives the published 153.33 GiB.
     let header_len = file_size(&h).unwrap() - padded_data(&h);
     assert!(header_len < 5_328_480, "{header_len}");

@@ -34,7 +34,7 @@ fn env(pairs: &[(&str, &str)]) -> Overrides {
 }
 
 // ---------------------------------------------------------------------------------------
-// Inventories match the spec's independently computed totals.
+// Inventories match the independently computed totals.
 
 #[test]
 fn inventories_match_the_layout_spec() {

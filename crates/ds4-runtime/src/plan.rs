@@ -33,19 +33,20 @@ pub struct PlanArgs {
     pub overrides: CliOverrides,
 }
 
-/// Maps the model crate's tensor classes onto the planner's.
+/// Maps the model crate's tensor classes onto the planner's: the same variants by name (the
+/// planner keeps its own copy so that it depends on no model crate; it adds `Other`).
 pub fn placement_class(c: ModelClass) -> TensorClass {
     match c {
         ModelClass::Embedding => TensorClass::Embedding,
         ModelClass::Attention => TensorClass::Attention,
         ModelClass::Compressor => TensorClass::Compressor,
         ModelClass::Indexer => TensorClass::Indexer,
-        ModelClass::Hc => TensorClass::HyperConnection,
+        ModelClass::HyperConnection => TensorClass::HyperConnection,
         ModelClass::Router => TensorClass::Router,
-        ModelClass::Experts => TensorClass::RoutedExperts,
-        ModelClass::Shared => TensorClass::SharedExpert,
-        ModelClass::Norm => TensorClass::Norms,
-        ModelClass::Head => TensorClass::OutputHead,
+        ModelClass::RoutedExperts => TensorClass::RoutedExperts,
+        ModelClass::SharedExpert => TensorClass::SharedExpert,
+        ModelClass::Norms => TensorClass::Norms,
+        ModelClass::OutputHead => TensorClass::OutputHead,
     }
 }
 

@@ -36,7 +36,7 @@ impl Endpoint {
         }
     }
 
-    /// Tool-call id prefix (spec §7.1).
+    /// Tool-call id prefix (docs/server.md §7.1).
     pub fn tool_id_prefix(self) -> &'static str {
         if self == Endpoint::Messages {
             "toolu_"

@@ -8,10 +8,10 @@ use std::time::Duration;
 use crate::script::Script;
 
 /// The id `/v1/models` lists (any model string is accepted on requests and echoed back,
-/// spec chat-format §2.1).
+/// docs/chat.md §2.1).
 pub const MODEL_ID: &str = "deepseek-v4-flash";
 
-/// Disk KV cache settings (spec §3, §11).
+/// Disk KV cache settings (docs/server.md §3, §11).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DiskCacheConfig {
     pub dir: PathBuf,
@@ -121,7 +121,7 @@ pub struct ServerConfig {
     /// Snapshots bigger than this are not kept.
     pub snapshot_max_bytes: usize,
     pub disk: Option<DiskCacheConfig>,
-    /// Exact-DSML tool replay (spec §10); off = canonical DSML only.
+    /// Exact-DSML tool replay (docs/server.md §10); off = canonical DSML only.
     pub exact_dsml_replay: bool,
     pub tool_memory_max_ids: usize,
     pub tool_memory_max_bytes: usize,

@@ -1,11 +1,11 @@
-//! The server's use of the disk KV store (spec §9, §11): which entry serves a prompt, and
+//! The server's use of the disk KV store (docs/server.md §9, §11): which entry serves a prompt, and
 //! reading tool maps back at startup. The payload format is `ds4_runtime::checkpoint`,
 //! shared with the `ds4` chat's `/save`.
 //!
 //! `ds4-kvstore` owns durability, identity, integrity and the space budget; entries are
 //! keyed by token ids. ds4 keys by rendered bytes instead; we get the same effect by
 //! matching an entry when its tokens are a token prefix of the prompt *or* decode to a byte
-//! prefix of the rendered prompt (then the rest is tokenized on its own, chat-format §4.4).
+//! prefix of the rendered prompt (then the rest is tokenized on its own, docs/chat.md §4.4).
 
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -29,7 +29,7 @@ pub fn continuation(tok: &Tokenizer, prefix: &[u32], p: &Prepared) -> Option<Vec
 }
 
 /// Reads the tool maps of every entry that has one, without reading payloads (so replay of
-/// tool calls survives restarts, spec §10). Unreadable maps are skipped: the entry itself is
+/// tool calls survives restarts, docs/server.md §10). Unreadable maps are skipped: the entry itself is
 /// verified by its checksum when it is loaded.
 pub fn read_tool_maps(dir: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();

@@ -1,4 +1,4 @@
-//! Worker events → wire format, per protocol (spec §7): the non-stream JSON bodies and the
+//! Worker events → wire format, per protocol (docs/server.md §7): the non-stream JSON bodies and the
 //! SSE event sequences of OpenAI chat/completions, Anthropic messages and OpenAI Responses.
 //! Each emitter is a small state machine fed in order: `start`, `delta`…, then `done` (or
 //! `error` after a start).
@@ -913,7 +913,7 @@ impl ResponsesStream {
                         .end(),
                 ));
             }
-            // Tool arguments are not streamed incrementally (spec §7.4).
+            // Tool arguments are not streamed incrementally (docs/server.md §7.4).
             Delta::ToolStart { .. } | Delta::ToolArgs { .. } | Delta::ToolEnd { .. } => {}
         }
         out

@@ -1,6 +1,6 @@
 //! Errors. [`ServerError`] is what setting up or running the server can fail with;
 //! [`ApiError`] is a failed request, rendered as an HTTP response in the shape of the
-//! protocol the client speaks (spec §8), so SDKs raise their own typed exceptions.
+//! protocol the client speaks (docs/server.md §8), so SDKs raise their own typed exceptions.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -110,7 +110,7 @@ impl ApiError {
         ApiError::new(ErrorKind::ShuttingDown, "server shutting down")
     }
 
-    /// Prompt of `n` tokens does not fit a context of `ctx` tokens (spec §8).
+    /// Prompt of `n` tokens does not fit a context of `ctx` tokens (docs/server.md §8).
     pub fn context_overflow(n: usize, ctx: usize, param: &'static str) -> ApiError {
         ApiError {
             param: Some(param),
@@ -210,7 +210,7 @@ impl ApiError {
         }
     }
 
-    /// The in-stream SSE error payload (spec §7.1).
+    /// The in-stream SSE error payload (docs/server.md §7.1).
     pub fn sse_payload(&self, shape: Shape) -> String {
         match shape {
             Shape::OpenAi => Obj::new()

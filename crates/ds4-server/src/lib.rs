@@ -13,7 +13,7 @@
 //!
 //! Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
 //! `/v1/completions`, `/v1/responses`, `/v1/messages`, `GET /health` (status + counters),
-//! `POST /tokenize`, `/detokenize`. Wire formats follow `shared/spec/server-and-cli.md` §4–8.
+//! `POST /tokenize`, `/detokenize`. Wire formats follow `docs/server.md` §4–8.
 
 pub mod api;
 pub mod config;

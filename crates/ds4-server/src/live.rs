@@ -1,4 +1,4 @@
-//! Tool-output continuations on the live KV state (spec §9 steps 2–4, §8 409).
+//! Tool-output continuations on the live KV state (docs/server.md §9 steps 2–4, §8 409).
 //!
 //! Agents answer a tool call in one of two ways: they replay the whole history with the tool
 //! results appended, or they send *only* the results (Responses: `function_call_output`

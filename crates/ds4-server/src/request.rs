@@ -1,5 +1,5 @@
-//! Request bodies of the four generation endpoints → one [`GenRequest`] (spec §5,
-//! chat-format §2.1, §2.4, §2.6). Unknown fields are accepted and ignored, as ds4 does and
+//! Request bodies of the four generation endpoints → one [`GenRequest`] (docs/server.md §5,
+//! docs/chat.md §2.1, §2.4, §2.6). Unknown fields are accepted and ignored, as ds4 does and
 //! as SDKs need (they send fields a local server has no use for); a known field with the
 //! wrong type or an out-of-range value is a 400 that names the field. Values that become
 //! prompt bytes (tool schemas, tool-call arguments) are kept as the exact bytes sent.
@@ -371,7 +371,7 @@ impl Fields {
     }
 }
 
-/// Thinking controls shared by messages, responses and completions (chat-format §2.1).
+/// Thinking controls shared by messages, responses and completions (docs/chat.md §2.1).
 #[derive(Debug, Default)]
 struct Thinking {
     explicit: bool,
@@ -847,7 +847,7 @@ pub fn parse_responses(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
     })
 }
 
-/// Responses input items → messages (chat-format §2.6).
+/// Responses input items → messages (docs/chat.md §2.6).
 fn responses_items(
     items: &[Box<RawValue>],
     out: &mut Vec<Message>,

@@ -1,4 +1,4 @@
-//! Exact-DSML tool replay memory (spec §10): tool-call id → the DSML block the model
+//! Exact-DSML tool replay memory (docs/server.md §10): tool-call id → the DSML block the model
 //! actually sampled. Clients send tool calls back as JSON; re-rendering them canonically
 //! would not byte-match the live KV and would break prefix reuse, so an assistant message
 //! whose call ids all map to one stored block is rendered with that block verbatim.

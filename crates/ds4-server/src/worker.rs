@@ -1,4 +1,4 @@
-//! The one inference worker (spec §9): a thread that owns the engine session (one live KV
+//! The one inference worker (docs/server.md §9): a thread that owns the engine session (one live KV
 //! state) and runs jobs strictly one at a time from a bounded queue. For each job it picks
 //! the cheapest way to reach the prompt (live state, an in-memory turn snapshot, a disk
 //! checkpoint, or a cold prefill), evaluates only what is missing, generates, and streams
@@ -54,7 +54,7 @@ pub struct Job {
     pub taken_ms: Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// Token accounting of one request (spec §7.1: P, R, C).
+/// Token accounting of one request (docs/server.md §7.1: P, R, C).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     /// Tokens of the effective prompt.
@@ -147,7 +147,7 @@ struct MemSnapshot {
 
 /// After a tool-less thinking answer the client replays it without the reasoning; this
 /// remembers the text it will send, so the live state (which has the reasoning) still counts
-/// as its prefix (spec §9 `thinking-visible`).
+/// as its prefix (docs/server.md §9 `thinking-visible`).
 struct Visible {
     text: String,
     live_len: usize,
@@ -180,12 +180,12 @@ pub struct Worker {
     snapshots: VecDeque<MemSnapshot>,
     disk: Option<Disk>,
     toolmem: Arc<Mutex<ToolMemory>>,
-    /// What the live state ends with after a clean Responses/Messages turn (spec §9);
+    /// What the live state ends with after a clean Responses/Messages turn (docs/server.md §9);
     /// `None` once anything else touched the live state.
     binding: Option<ToolBinding>,
     /// Where handlers read `binding`. Published only between jobs, so a request planned
     /// while another job runs still sees the binding it was accepted with, and the worker
-    /// answers 409 if that job moved the live state (spec §8).
+    /// answers 409 if that job moved the live state (docs/server.md §8).
     published: Arc<Mutex<Option<ToolBinding>>>,
     stats: Arc<Stats>,
     cfg: Arc<ServerConfig>,
@@ -430,7 +430,7 @@ impl Worker {
         Ok(())
     }
 
-    /// A tool-output continuation (spec §9 steps 2–3): when the job's tail answers the
+    /// A tool-output continuation (docs/server.md §9 steps 2–3): when the job's tail answers the
     /// binding the live state ends with, the live tokens are reused and only the tail's
     /// suffix is evaluated. Consumes the binding. Returns what [`Worker::reuse`] returns.
     fn live_tail(&mut self, job: &Job) -> Option<(usize, Vec<u32>, &'static str)> {
@@ -649,7 +649,7 @@ impl Worker {
         }
     }
 
-    /// Where a cold prompt is checkpointed (spec §11 `cold`): the shared system/tools prefix
+    /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`): the shared system/tools prefix
     /// (up to the last `⟨U⟩` before the first `⟨A⟩`), else the trimmed, aligned length.
     fn cold_boundary(&self, tokens: &[u32]) -> Option<usize> {
         let d = self.disk.as_ref()?;
@@ -924,7 +924,7 @@ impl Worker {
     }
 }
 
-/// Resolves a request's sampling (spec §6): defaults temperature 1, top_p 1, min_p 0.05,
+/// Resolves a request's sampling (docs/server.md §6): defaults temperature 1, top_p 1, min_p 0.05,
 /// top_k 0 (values above 1024 capped), seed 0 = time-derived; in thinking modes the client's
 /// knobs are ignored and the defaults forced (as DeepSeek's API does).
 pub fn sampler_config(

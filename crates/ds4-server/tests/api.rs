@@ -272,7 +272,7 @@ async fn chat_tool_calls_stream_and_body() {
     assert_ne!(m["tool_calls"][0]["id"], id.as_str());
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     // tool_choice "none": the schemas are not rendered and DSML is not streamed live, but the
-    // final parse still turns it into tool calls (spec chat-format §3.2).
+    // final parse still turns it into tool calls (docs/chat.md §3.2).
     b["tool_choice"] = json!("none");
     let v = post(a, "/v1/chat/completions", &b).await.json();
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");

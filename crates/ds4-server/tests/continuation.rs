@@ -1,4 +1,4 @@
-//! Tool-output continuations on the live KV state (spec §9 steps 2–4, §8): a client answers
+//! Tool-output continuations on the live KV state (docs/server.md §9 steps 2–4, §8): a client answers
 //! a tool call by sending only the results (Responses `function_call_output` items, with or
 //! without `previous_response_id`; an Anthropic last message of `tool_result` blocks), or by
 //! replaying everything. Each test checks the reused token count against the first turn's

@@ -91,7 +91,7 @@ struct ThinkFlags {
     nothink: bool,
 }
 
-/// Generation and chat flags (spec server-and-cli.md §2).
+/// Generation and chat flags (docs/server.md §2).
 #[derive(clap::Args)]
 struct RunArgs {
     /// Answer this prompt and exit (without -p or --prompt-file: interactive chat).

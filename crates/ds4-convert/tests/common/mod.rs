@@ -1,5 +1,5 @@
 //! Builds tiny DeepSeek V4 checkpoints on disk, written from the spec's name table
-//! (gguf-layout §5.3) independently of the converter's own mapping code.
+//! (docs/gguf.md §5.3) independently of the converter's own mapping code.
 #![allow(dead_code)]
 
 use std::path::Path;
@@ -113,7 +113,7 @@ pub fn config_json(d: &Dims) -> serde_json::Value {
     c
 }
 
-/// The tensors of a checkpoint, from spec §5.3 (column "checkpoint key (a)/(c)" or "(b)").
+/// The tensors of a checkpoint, from docs/gguf.md §5.3 (column "checkpoint key (a)/(c)" or "(b)").
 pub fn tensors(d: &Dims, naming: Naming) -> Vec<Src> {
     let mut out = Vec::new();
     let p = match naming {

@@ -107,7 +107,7 @@ pub fn quant_hparams() -> HParams {
     }
 }
 
-/// A complete ds4-layout model with random weights (HF-like init, spec §11).
+/// A complete ds4-layout model with random weights (HF-like init, docs/forward.md §11).
 pub fn synthetic_model(hp: &HParams, recipe: &TypeRecipe, seed: u64) -> Arc<GgufFile> {
     synthetic_pair(hp, recipe, seed).0
 }

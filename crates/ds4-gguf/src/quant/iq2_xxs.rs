@@ -515,7 +515,7 @@ mod tests {
         assert_eq!(n_off, 6561 - 256);
     }
 
-    /// The spec's formula (§6): db = d·(0.5 + ls)·0.25, value j of sub-group k =
+    /// The documented formula (docs/gguf.md §6): db = d·(0.5 + ls)·0.25, value j of sub-group k =
     /// db · GRID[w0 byte k][j] · (bit j of KSIGNS[s_k] ? −1 : +1).
     #[test]
     fn dequantize_follows_the_spec_formula() {

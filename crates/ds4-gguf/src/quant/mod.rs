@@ -1,7 +1,7 @@
 //! ggml block codecs for the element types ds4 files use: dequantize to f32, a reference dot
 //! product with an f32 vector, and quantizers.
 //!
-//! Layouts and formulas follow `shared/spec/gguf-layout.md` §6. The dequantizers are
+//! Layouts and formulas follow `docs/gguf.md` §6. The dequantizers are
 //! bit-exact with PyPI `gguf` 0.19 (`gguf.quants.dequantize`): each element is computed with
 //! the same f32 operations in the same order (checked by `tests/codec_crosscheck.rs` on
 //! committed vectors made by `tools/codecs/gen_codec_vectors.py`).
@@ -17,7 +17,7 @@
 //!
 //! # Quantizers
 //! Q8_0 is bit-exact with `gguf.quants.quantize(.., Q8_0)`. Q2_K, Q4_K and IQ2_XXS follow
-//! ggml's reference search procedures as ds4's `gguf-tools/quants.c` uses them (spec §6.1).
+//! ggml's reference search procedures as ds4's `gguf-tools/quants.c` uses them (docs/gguf.md §6.1).
 //! Inputs must be finite; a block whose scale would not fit in f16 is refused rather than
 //! written as inf (see [`QuantError`]).
 

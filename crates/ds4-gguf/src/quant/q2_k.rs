@@ -250,7 +250,7 @@ pub(crate) fn quantize_row(src: &[f32], importance: Option<&[f32]>) -> Result<Ve
 mod tests {
     use super::*;
 
-    /// The spec's formula (§6): q = (qs[32h + l] >> 2j) & 3 with h = i/128, j = (i%128)/32,
+    /// The documented formula (docs/gguf.md §6): q = (qs[32h + l] >> 2j) & 3 with h = i/128, j = (i%128)/32,
     /// l = i%32; y = d·(sc & 15)·q − dmin·(sc >> 4) for sub-block i/16.
     #[test]
     fn dequantize_follows_the_spec_formula() {

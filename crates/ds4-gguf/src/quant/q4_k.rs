@@ -284,7 +284,7 @@ mod tests {
         }
     }
 
-    /// The spec's formula for element i (§6): nibble of qs[32·(i/64) + i%32], low half when
+    /// The documented formula for element i (docs/gguf.md §6): nibble of qs[32·(i/64) + i%32], low half when
     /// i%64 < 32; y = d·sc[i/32]·q − dmin·m[i/32].
     #[test]
     fn dequantize_follows_the_spec_formula() {

@@ -1,8 +1,8 @@
 //! Shared test inputs: the DeepSeek V4 Flash tensor tables (q2, q4, MTP sidecar) built
 //! from the layout spec's formulas, the tiny fixture's table, machine files, requests.
 //!
-//! The real inventories are rebuilt from shapes and ggml block sizes (gguf-layout §4),
-//! then checked against the spec's independently computed totals (§7), so a wrong
+//! The real inventories are rebuilt from shapes and ggml block sizes (docs/gguf.md §4),
+//! then checked against the independently computed totals (docs/gguf.md §7), so a wrong
 //! formula here fails a test instead of skewing every scenario.
 #![allow(dead_code)]
 
@@ -37,7 +37,7 @@ fn bytes_of(ty: Ty, elems: u64) -> u64 {
     elems / be * bb
 }
 
-/// Model dimensions (gguf-layout symbols).
+/// Model dimensions (docs/gguf.md symbols).
 pub struct Dims {
     pub l: u64,
     pub e: u64,
@@ -395,7 +395,7 @@ pub fn flash(q: Quant) -> TensorInventory {
     build(&flash_dims(), &t)
 }
 
-/// The 32-tensor MTP sidecar, sizes from its data offsets (gguf-layout §4.7).
+/// The 32-tensor MTP sidecar, sizes from its data offsets (docs/gguf.md §4.7).
 pub fn mtp_tensors() -> Vec<TensorSpec> {
     let table: [(&str, u64, C); 32] = [
         ("hc_head_base.weight", 0, C::HyperConnection),

@@ -84,7 +84,13 @@ fn library_greedy(model: &Path, prompt: &str, n: usize) -> (Vec<u32>, ds4_chat::
     }
     .tokens(&tok)
     .unwrap();
-    let backend = Box::new(ds4_cpu::CpuBackend::new(1).unwrap());
+    let mut backend = Box::new(ds4_cpu::CpuBackend::new(1).unwrap());
+    // What `ds4` runs by default (no --quality): int8 activations in one-token matmuls.
+    ds4_engine::Backend::set_activation_q8(
+        backend.as_mut(),
+        ds4_cli::load::Precision::default().activation_q8(),
+    )
+    .unwrap();
     let cfg = EngineConfig {
         mode: None,
         ctx: 256,

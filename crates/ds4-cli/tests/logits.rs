@@ -42,7 +42,13 @@ fn read_npy(path: &Path) -> (usize, usize, Vec<f32>) {
 /// The library's logits: prefill `tokens[..from]` (all rows), then decode the rest.
 fn library(model: &Path, tokens: &[u32], from: usize, chunk: usize) -> Vec<f32> {
     let file = Arc::new(GgufFile::open(model).unwrap());
-    let backend = Box::new(ds4_cpu::CpuBackend::new(1).unwrap());
+    let mut backend = Box::new(ds4_cpu::CpuBackend::new(1).unwrap());
+    // `ds4 logits` without --quality: the default (int8 activations in one-token matmuls).
+    ds4_engine::Backend::set_activation_q8(
+        backend.as_mut(),
+        ds4_cli::load::Precision::default().activation_q8(),
+    )
+    .unwrap();
     let cfg = EngineConfig {
         mode: None,
         ctx: tokens.len(),

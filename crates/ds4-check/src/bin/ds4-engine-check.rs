@@ -9,7 +9,7 @@
 //!   engine against the CPU engine, through prefill, token-by-token decode and chunked
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode
 //!   (1e-3) where the model allows it.
-//! * `reference [FIXTURES_DIR] [--cpu-only] [--control NAME|all]... [--paths P,..] [--only FIX]...
+//! * `reference [FIXTURES_DIR] [--cpu-only] [--act-q8] [--control NAME|all]... [--paths P,..] [--only FIX]...
 //!   [--seed S] [--dump FILE]` — official mode against the official-mode reference logits of
 //!   the tiny fixtures (`tests/fixtures/tiny-*/official.safetensors`, written by
 //!   `tools/oracle/make_official.py` from DeepSeek's reference semantics): every fixture and
@@ -395,6 +395,10 @@ struct RefArgs {
     seed: u64,
     /// Writes every per-position error here (JSON), for studying the bound.
     dump: Option<String>,
+    /// Int8 activations on every backend (`--act-q8`): the error the fast default adds
+    /// against the reference (the q2/q4 variants have low-bit weights; f32/f16 fixtures are
+    /// unaffected).
+    act_q8: bool,
 }
 
 const PATHS: [&str; 3] = ["prefill", "decode", "chunked"];
@@ -408,6 +412,7 @@ fn parse_reference(args: &[String]) -> Result<RefArgs> {
         only: Vec::new(),
         seed: 1,
         dump: None,
+        act_q8: false,
     };
     let mut i = 0;
     while i < args.len() {
@@ -418,6 +423,11 @@ fn parse_reference(args: &[String]) -> Result<RefArgs> {
         match args[i].as_str() {
             "--cpu-only" => {
                 a.cpu_only = true;
+                i += 1;
+                continue;
+            }
+            "--act-q8" => {
+                a.act_q8 = true;
                 i += 1;
                 continue;
             }
@@ -711,6 +721,7 @@ fn reference_paths(
         } else {
             Box::new(CpuBackend::new(0)?)
         };
+        be.set_activation_q8(a.act_q8)?;
         if let Some(c) = control {
             be = Box::new(Controlled::new(be, c, a.seed.wrapping_add(i as u64)));
         }

@@ -97,23 +97,23 @@ pub fn matmul(
         op: "matmul",
         problem: format!("{}: {e}", w.name),
     };
-    if n_tok == 1 && q8 && ds4_gguf::quant::q8act::applies(w.info.ty) {
-        // Int8 activations (Backend::set_activation_q8): x quantized once for all rows.
-        let mut xq = ds4_gguf::quant::q8act::ActQ8::default();
-        xq.quantize(&x[..cols]).map_err(err)?;
-        return try_rows_mut(par, &mut y[..n_rows], ROWS_PER_TASK, |ci, yc| {
-            for (i, yv) in yc.iter_mut().enumerate() {
-                let r = row0 + ci * ROWS_PER_TASK + i;
-                *yv = ds4_gguf::quant::q8act::dot(w.info.ty, w.row(mat, r), &xq).map_err(err)?;
-            }
-            Ok(())
-        });
-    }
     if n_tok == 1 {
+        // Int8 activations (Backend::set_activation_q8): x quantized once for all rows.
+        let xq = if q8 && ds4_gguf::quant::q8act::applies(w.info.ty) {
+            let mut a = ds4_gguf::quant::q8act::ActQ8::default();
+            a.quantize(&x[..cols]).map_err(err)?;
+            Some(a)
+        } else {
+            None
+        };
         return try_rows_mut(par, &mut y[..n_rows], ROWS_PER_TASK, |ci, yc| {
             for (i, yv) in yc.iter_mut().enumerate() {
-                let r = row0 + ci * ROWS_PER_TASK + i;
-                *yv = ds4_gguf::quant::dot(w.info.ty, w.row(mat, r), &x[..cols]).map_err(err)?;
+                let row = w.row(mat, row0 + ci * ROWS_PER_TASK + i);
+                *yv = match &xq {
+                    Some(a) => ds4_gguf::quant::q8act::dot(w.info.ty, row, a),
+                    None => ds4_gguf::quant::dot(w.info.ty, row, &x[..cols]),
+                }
+                .map_err(err)?;
             }
             Ok(())
         });

@@ -56,6 +56,18 @@ __device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
 // Read-only global loads: plain loads on AMD (the compiler picks scalar/vector caches).
 template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return *p; }
 
+// f32 to IEEE binary16 bits, round to nearest even (through clang's _Float16).
+__device__ __forceinline__ ds4_u16 ds4_f2h(float f) {
+    _Float16 v = (_Float16)f;
+    ds4_u16 h;
+    __builtin_memcpy(&h, &v, 2);
+    return h;
+}
+
+__device__ __forceinline__ float ds4_shfl_up(float v, int delta) {
+    return __shfl_up(v, delta, DS4_WARP);
+}
+
 // Signed 4x8-bit dot product plus c. Written out byte by byte so that every ROCm version
 // and every gfx target compiles it; the AMD dot-product builtins (gfx9/RDNA sdot4) are a
 // later tuning step that needs hardware to measure.
@@ -84,6 +96,17 @@ __device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
 }
 
 template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return __ldg(p); }
+
+// f32 to IEEE binary16 bits, round to nearest even (inline PTX, as ds4_h2f).
+__device__ __forceinline__ ds4_u16 ds4_f2h(float f) {
+    ds4_u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float ds4_shfl_up(float v, int delta) {
+    return __shfl_up_sync(DS4_FULL_MASK, v, delta, DS4_WARP);
+}
 
 // Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).
 __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }

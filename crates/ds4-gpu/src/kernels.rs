@@ -58,8 +58,16 @@ pub const OPS: KernelSource = KernelSource {
     headers: &[PORT_H, IQ2XXS_TABLES_H],
 };
 
+/// Prefill matmuls from quantized tiles on the tensor cores, and the on-device grouping of
+/// routed experts they use (the fast default's prefill; `--quality` keeps the f32 panels).
+pub const TILES: KernelSource = KernelSource {
+    name: "tiles.cu",
+    source: include_str!("../../../kernels/tiles.cu"),
+    headers: &[PORT_H, IQ2XXS_TABLES_H],
+};
+
 /// Every kernel file, for tools that compile them all (cache warm-up, hipcc checks).
-pub const ALL: &[KernelSource] = &[GEMV, OPS];
+pub const ALL: &[KernelSource] = &[GEMV, OPS, TILES];
 
 /// Threads per block of the GEMV kernels (8 logical warps).
 pub const GEMV_THREADS: u32 = 256;

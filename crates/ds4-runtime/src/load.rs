@@ -228,6 +228,25 @@ pub fn make_planned_backend(
     }
 }
 
+/// `DS4_PREFILL_TILES=experts|all`: multi-token matmuls on quantized tensor-core tiles
+/// (docs/gpu.md §4). Opt-in until the kernels have been measured on a GPU; never with
+/// `--quality`, whose point is the f32 path.
+pub const PREFILL_TILES_ENV: &str = "DS4_PREFILL_TILES";
+
+fn prefill_tiles_from_env(precision: Precision) -> ds4_gpu::backend::PrefillTiles {
+    use ds4_gpu::backend::PrefillTiles;
+    if precision == Precision::Quality {
+        return PrefillTiles::Off;
+    }
+    match std::env::var(PREFILL_TILES_ENV) {
+        Ok(v) => PrefillTiles::parse(&v).unwrap_or_else(|| {
+            tracing::warn!("{PREFILL_TILES_ENV}={v:?}: use off, experts or all; using off");
+            PrefillTiles::Off
+        }),
+        Err(_) => PrefillTiles::Off,
+    }
+}
+
 /// The GPU backend options the CLI and the server use: the plan, and cuBLAS at the chosen
 /// precision (ROCm ignores it).
 pub fn gpu_options(
@@ -237,6 +256,7 @@ pub fn gpu_options(
     ds4_gpu::backend::GpuOptions {
         plan,
         cublas: Some(precision.cublas()),
+        prefill_tiles: prefill_tiles_from_env(precision),
         ..ds4_gpu::backend::GpuOptions::default()
     }
 }

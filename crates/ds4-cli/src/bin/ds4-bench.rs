@@ -73,6 +73,11 @@ struct Args {
     /// backend's own tiled f32 kernel).
     #[arg(long, default_value = "tf32")]
     gemm: String,
+    /// Multi-token matmuls on quantized tensor-core tiles: off (panels + the --gemm GEMM,
+    /// what `ds4` runs by default), experts (routed experts on tiles) or all
+    /// (`DS4_PREFILL_TILES` in `ds4`).
+    #[arg(long, default_value = "off")]
+    tiles: String,
     /// One-token matmul activations: q8 (int8 blocks and integer dot products, what `ds4`
     /// runs by default) or f32 (as `ds4 --quality`).
     #[arg(long, default_value = "q8")]
@@ -82,6 +87,10 @@ struct Args {
     /// time goes by section and kernel. 0: off.
     #[arg(long, default_value_t = 0)]
     profile: usize,
+    /// Before the frontiers, prefill this many tokens in a fresh state with device-time
+    /// attribution on and print where the time goes. 0: off.
+    #[arg(long, default_value_t = 0)]
+    profile_prefill: usize,
     /// Also print the last logits' checksum (to compare placements: equal weights and
     /// tokens must give equal logits whatever memory holds the weights).
     #[arg(long)]
@@ -351,12 +360,16 @@ fn main() -> Result<()> {
         "f32" => false,
         o => bail!("--act {o:?}: use q8 or f32"),
     };
+    let prefill_tiles = ds4_gpu::backend::PrefillTiles::parse(&args.tiles)
+        .with_context(|| format!("--tiles {:?}: use off, experts or all", args.tiles))?;
     let mut be = CudaBackend::new(CudaOptions {
         plan: Some(plan.clone()),
         source,
         cublas,
+        prefill_tiles,
         ..CudaOptions::default()
     })?;
+    eprintln!("prefill tiles: {}", args.tiles);
     ds4_engine::Backend::set_activation_q8(&mut be, act_q8)?;
     eprintln!("one-token activations: {}", args.act);
     eprintln!(
@@ -407,6 +420,9 @@ fn main() -> Result<()> {
          kv_bytes,decode_limit_tok_s,decode_fraction_of_limit\n",
     );
     let mut last = Vec::new();
+    if args.profile_prefill > 0 {
+        profile_prefill(&mut eng, args.profile_prefill, args.seed)?;
+    }
     for &f in &frontiers {
         let pos = st.pos();
         if f <= pos {
@@ -505,9 +521,58 @@ fn profile_decode(
         wall / per,
         100.0 * device / wall.max(1e-9)
     );
+    print_profile(&rows, per, device, "token");
+    Ok(())
+}
+
+/// One prefill of `n` random tokens in a fresh state with device-time attribution on,
+/// printed per chunk-token (cuBLAS GEMMs are not launches of ours: their time falls to
+/// the launch queued before them, the panel's dequantization).
+fn profile_prefill(eng: &mut Engine, n: usize, seed: u64) -> Result<()> {
+    if !eng.backend_mut().set_profiling(true)? {
+        eprintln!("profile: this backend has no device-time attribution");
+        return Ok(());
+    }
+    eng.backend_mut().take_profile()?;
+    let vocab = eng.hparams().n_vocab;
+    let mut rng = Rng::new(seed ^ 0x9f1f);
+    let toks: Vec<u32> = (0..n)
+        .map(|_| (rng.next_f64() * vocab as f64) as u32 % vocab as u32)
+        .collect();
+    let mut st = eng.new_state()?;
+    let t = Instant::now();
+    eng.eval(&mut st, &toks, Logits::Last, None)?;
+    let wall = t.elapsed().as_secs_f64() * 1e3;
+    let mut rows: std::collections::HashMap<(&str, &str), (u64, f64)> = Default::default();
+    let mut device = 0.0;
+    if let Some((r, ms)) = eng.backend_mut().take_profile()? {
+        device = ms;
+        for x in r {
+            let e = rows.entry((x.tag, x.kernel)).or_insert((0, 0.0));
+            e.0 += x.launches;
+            e.1 += x.ms;
+        }
+    }
+    eng.backend_mut().set_profiling(false)?;
+    eprintln!(
+        "profile prefill ({n} tokens): device {device:.1} ms, host wall {wall:.1} ms \
+         ({:.0} tok/s wall); times below are per prefill",
+        n as f64 / (wall * 1e-3)
+    );
+    print_profile(&rows, 1.0, device, "prefill");
+    Ok(())
+}
+
+/// Prints attribution rows by section, by kernel and by pair, divided by `per`.
+fn print_profile(
+    rows: &std::collections::HashMap<(&str, &str), (u64, f64)>,
+    per: f64,
+    device: f64,
+    unit: &str,
+) {
     let mut by_tag: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
     let mut by_kernel: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
-    for (&(tag, kernel), &(c, ms)) in &rows {
+    for (&(tag, kernel), &(c, ms)) in rows {
         let e = by_tag.entry(tag).or_default();
         e.0 += c;
         e.1 += ms;
@@ -518,7 +583,7 @@ fn profile_decode(
     let print = |title: &str, m: &std::collections::BTreeMap<&str, (u64, f64)>| {
         let mut v: Vec<_> = m.iter().collect();
         v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-        eprintln!("  by {title}: name, launches/token, us/token, share");
+        eprintln!("  by {title}: name, launches/{unit}, us/{unit}, share");
         for (k, (c, ms)) in v {
             eprintln!(
                 "    {k:<24} {:>8.1} {:>9.1} {:>6.1}%",
@@ -532,7 +597,7 @@ fn profile_decode(
     print("kernel", &by_kernel);
     let mut v: Vec<_> = rows.iter().collect();
     v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-    eprintln!("  top section/kernel pairs: us/token, us/launch");
+    eprintln!("  top section/kernel pairs: us/{unit}, us/launch");
     for ((tag, kernel), (c, ms)) in v.into_iter().take(25) {
         eprintln!(
             "    {tag:<13} {kernel:<24} {:>9.1} {:>8.2}",
@@ -540,5 +605,4 @@ fn profile_decode(
             1e3 * ms / (*c).max(1) as f64
         );
     }
-    Ok(())
 }

@@ -37,7 +37,7 @@ use crate::cache::KernelCache;
 use crate::cuda::{Cublas, CudaDevice, GemmPrecision};
 use crate::error::GpuError;
 use crate::hip::HipDevice;
-use crate::kernels::{gemv_launch, GemvConfig, GemvLaunch, GemvType, GEMV, OPS};
+use crate::kernels::{gemv_launch, GemvConfig, GemvLaunch, GemvType, GEMV, OPS, TILES};
 
 pub use launch::Arg;
 pub use load_pipeline::LoadConfig;
@@ -88,6 +88,35 @@ pub struct CudaOptions {
     /// pinned buffer, dropping the page cache behind (no mmap-to-device copies, no double
     /// residency). Default: on for ROCm ([`HipBackend::new`] sets it), off for CUDA.
     pub pread_load: bool,
+    /// Which multi-token matmuls run on half-precision tiles decoded from the quantized
+    /// weights (`kernels/tiles.cu`) instead of f32 panels. Default: none (the pedantic
+    /// path); the CLI's fast default turns them on.
+    pub prefill_tiles: PrefillTiles,
+}
+
+/// Multi-token matmuls on quantized tiles (`kernels/tiles.cu`): half-precision operands
+/// (11 significant bits, TF32's class), f32 accumulation, no dequantized panels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillTiles {
+    /// Every multi-token matmul through panels (f32 or cuBLAS).
+    #[default]
+    Off,
+    /// Routed experts on tiles, grouped on the device; dense matmuls through panels.
+    Experts,
+    /// Routed experts and every dense multi-token matmul on tiles.
+    All,
+}
+
+impl PrefillTiles {
+    /// Parses `off`, `experts` or `all`.
+    pub fn parse(s: &str) -> Option<PrefillTiles> {
+        match s {
+            "off" => Some(PrefillTiles::Off),
+            "experts" => Some(PrefillTiles::Experts),
+            "all" => Some(PrefillTiles::All),
+            _ => None,
+        }
+    }
 }
 
 /// Options of either runtime.
@@ -103,6 +132,7 @@ impl Default for CudaOptions {
             panel_from_tokens: 9,
             cublas: Some(GemmPrecision::F32),
             pread_load: false,
+            prefill_tiles: PrefillTiles::Off,
         }
     }
 }
@@ -246,6 +276,7 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) dev: D,
     pub(crate) gemv: GemvSet<D>,
     _ops_module: D::Module,
+    _tiles_module: D::Module,
     pub(crate) funcs: HashMap<&'static str, D::Function>,
     bufs: Vec<Option<D::Buffer>>,
     ibufs: Vec<Option<D::Buffer>>,
@@ -276,6 +307,8 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) syncs: std::sync::atomic::AtomicU64,
     /// Int8 activations for one-token matmuls ([`ds4_engine::Backend::set_activation_q8`]).
     pub(crate) act_q8: bool,
+    /// Multi-token matmuls on quantized tiles ([`CudaOptions::prefill_tiles`]).
+    pub(crate) tiles: PrefillTiles,
 }
 
 /// Device-time attribution without host synchronisation: an event is recorded on the
@@ -371,6 +404,16 @@ const OP_KERNELS: &[&str] = &[
     "ds4_norm_rope",
 ];
 
+/// Every kernel of `tiles.cu` the backend launches.
+const TILE_KERNELS: &[&str] = &[
+    "ds4_moe_sort",
+    "ds4_gather_rows_h",
+    "ds4_to_half",
+    "ds4_moe_act_h",
+    "ds4_moe_sum_sorted",
+    "ds4_mm_tiles",
+];
+
 /// A GPU-layer error as a backend error of `op`.
 pub(crate) fn gerr(op: &'static str) -> impl Fn(GpuError) -> BackendError {
     move |e| BackendError::Invalid {
@@ -438,12 +481,17 @@ impl<D: GpuApi> GpuBackend<D> {
         for name in OP_KERNELS {
             funcs.insert(*name, dev.function(&module, name)?);
         }
+        let tiles_module = dev.load_module(&TILES, &opts.cache, &[])?;
+        for name in TILE_KERNELS {
+            funcs.insert(*name, dev.function(&tiles_module, name)?);
+        }
         let mut fault = dev.alloc(MemKind::Device, 4)?;
         fault.fill_u32(0)?;
         let mut be = GpuBackend {
             dev,
             gemv,
             _ops_module: module,
+            _tiles_module: tiles_module,
             funcs,
             bufs: Vec::new(),
             ibufs: Vec::new(),
@@ -469,6 +517,7 @@ impl<D: GpuApi> GpuBackend<D> {
             launches: Default::default(),
             syncs: Default::default(),
             act_q8: false,
+            tiles: opts.prefill_tiles,
         };
         if let Some(plan) = opts.plan {
             be.allocate_plan(&plan)?;

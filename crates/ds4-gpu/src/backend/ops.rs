@@ -11,7 +11,7 @@ use ds4_gguf::GgmlType;
 use ds4_placement::MemKind;
 
 use super::launch::{grid_for, Arg};
-use super::{gerr, GpuBackend};
+use super::{gerr, GpuBackend, PrefillTiles};
 use crate::api::{DeviceBuffer, GpuApi};
 use crate::kernels::GemvType;
 
@@ -19,6 +19,11 @@ use crate::kernels::GemvType;
 const PANEL_ELEMS: usize = 64 << 20;
 /// Largest selection count routed experts run through the grouped GEMV.
 const GROUPED_MAX_SEL: usize = 64;
+/// Output rows and tokens of one `ds4_mm_tiles` block (`DS4_TR`, `DS4_TT` in tiles.cu).
+const TILE_ROWS: usize = 128;
+const TILE_TOKENS: usize = 64;
+/// Most blocks per (row tile, group) that split a group's token tiles (`gridDim.z`).
+const TILE_MAX_SPLIT: usize = 4;
 /// Head dims the attention kernel holds in registers.
 const ATT_MAX_HD: usize = 512;
 /// Indexer rows scored per block (`DS4_IDX_ROWS` in ops.cu).
@@ -31,6 +36,18 @@ const ATT_KEYS_PER_SPLIT: usize = 32;
 const ATT_MAX_SPLITS: usize = 1024;
 /// Below this many (token, head) blocks attention splits the keys over blocks too.
 const ATT_SPLIT_BELOW_BLOCKS: usize = 1024;
+
+/// The routing side of a routed-expert op on tiles (device addresses and counts).
+#[derive(Debug, Clone, Copy)]
+struct MoeTiles {
+    x: u64,
+    ids: u64,
+    weights: u64,
+    out: u64,
+    n_tok: usize,
+    k: usize,
+    n_exp: usize,
+}
 
 /// A matmul over rows `row0..row0+n_rows` of a quantized matrix at `w` (device address).
 #[derive(Debug, Clone, Copy)]
@@ -135,6 +152,9 @@ impl<D: GpuApi> GpuBackend<D> {
                 ],
             );
         }
+        if self.tiles == PrefillTiles::All && self.tiles_ok(m.ty, m.cols, m.w, m.row_bytes) {
+            return self.mm_tiles(m, op);
+        }
         // Dequantized panels of rows, then the f32 GEMM.
         let panel_rows = (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows);
         let panel = self.scratch("panel", 4 * panel_rows * m.cols)?;
@@ -195,6 +215,63 @@ impl<D: GpuApi> GpuBackend<D> {
             r += n;
         }
         Ok(())
+    }
+
+    /// Whether `ds4_mm_tiles` decodes `ty` rows of `cols` values at `w` (row starts
+    /// aligned for its word loads; the K step needs `cols` in whole 32-value groups).
+    fn tiles_ok(&self, ty: GgmlType, cols: usize, w: u64, row_bytes: usize) -> bool {
+        let align = match ty {
+            GgmlType::Q2K | GgmlType::Q4K => 4,
+            GgmlType::Iq2Xxs => 2,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0 => 1,
+            _ => return false,
+        };
+        cols.is_multiple_of(32)
+            && cols > 0
+            && w.is_multiple_of(align)
+            && row_bytes.is_multiple_of(align as usize)
+    }
+
+    /// A dense multi-token matmul on tiles: the activations as halves, then one launch.
+    fn mm_tiles(&mut self, m: Mm, op: &'static str) -> BResult<()> {
+        let xh = self.scratch("tiles_xd", 2 * m.n_tok * m.cols)?;
+        self.launch(
+            "ds4_to_half",
+            (grid_for(m.n_tok * m.cols), 1, 1),
+            256,
+            &[
+                Arg::Ptr(m.x),
+                u(m.x_stride),
+                i32a(op, "tokens", m.n_tok)?,
+                i32a(op, "cols", m.cols)?,
+                Arg::Ptr(xh),
+            ],
+        )?;
+        let wbase = m.w + (m.row0 * m.row_bytes) as u64;
+        self.launch(
+            "ds4_mm_tiles",
+            (
+                g32(m.n_rows.div_ceil(TILE_ROWS)),
+                1,
+                g32(m.n_tok.div_ceil(TILE_TOKENS)),
+            ),
+            256,
+            &[
+                Arg::Ptr(wbase),
+                Arg::Ptr(0),
+                u(0),
+                Arg::I32(m.ty.code() as i32),
+                u(m.row_bytes),
+                i32a(op, "rows", m.n_rows)?,
+                i32a(op, "cols", m.cols)?,
+                Arg::Ptr(xh),
+                Arg::Ptr(0),
+                i32a(op, "tokens", m.n_tok)?,
+                Arg::Ptr(m.y),
+                Arg::Ptr(0),
+                u(m.y_stride),
+            ],
+        )
     }
 
     /// One-token matmul with int8 activations: the staged kernel when rows are 16-byte
@@ -958,6 +1035,23 @@ impl<D: GpuApi> GpuBackend<D> {
         let su = self.scratch("moe_u", 4 * n_sel * f)?;
         let sh = self.scratch("moe_h", 4 * n_sel * f)?;
         let so = self.scratch("moe_o", 4 * n_sel * d)?;
+        if n_sel > GROUPED_MAX_SEL
+            && self.tiles != PrefillTiles::Off
+            && self.tiles_ok(gty, d, gp, grb)
+            && self.tiles_ok(gty, d, upp, grb)
+            && self.tiles_ok(dty, f, dp, drb)
+        {
+            let sel = MoeTiles {
+                x: xp,
+                ids: ip,
+                weights: wp,
+                out: op_,
+                n_tok: t,
+                k,
+                n_exp: ne,
+            };
+            return self.moe_tiles(sel, (gp, upp, gty, grb), (dp, dty, drb), (d, f), a.clamp);
+        }
         let grouped = n_sel <= GROUPED_MAX_SEL
             && self.grouped_ok(gty, d, f, gp)
             && self.grouped_ok(gty, d, f, upp)
@@ -1159,6 +1253,128 @@ impl<D: GpuApi> GpuBackend<D> {
                 i32a(OP, "k", k)?,
                 i32a(OP, "dim", d)?,
                 Arg::Ptr(op_),
+            ],
+        )
+    }
+
+    /// Routed experts on tiles: selections grouped by expert on the device, gate and up
+    /// in one launch, SwiGLU · route weight as halves, down, then the slot-ordered sum.
+    fn moe_tiles(
+        &mut self,
+        s: MoeTiles,
+        (gp, upp, gty, grb): (u64, u64, GgmlType, usize),
+        (dp, dty, drb): (u64, GgmlType, usize),
+        (d, f): (usize, usize),
+        clamp: f32,
+    ) -> BResult<()> {
+        const OP: &str = "moe";
+        let n_sel = s.n_tok * s.k;
+        let offs = self.scratch("tiles_offs", 4 * (s.n_exp + 2))?;
+        let order = self.scratch("tiles_order", 4 * n_sel)?;
+        let inv = self.scratch("tiles_inv", 4 * n_sel)?;
+        self.launch(
+            "ds4_moe_sort",
+            (g32(s.n_exp + 1), 1, 1),
+            256,
+            &[
+                Arg::Ptr(s.ids),
+                i32a(OP, "selections", n_sel)?,
+                i32a(OP, "experts", s.n_exp)?,
+                Arg::Ptr(offs),
+                Arg::Ptr(order),
+                Arg::Ptr(inv),
+                Arg::Ptr(self.fault_ptr()),
+            ],
+        )?;
+        let xh = self.scratch("tiles_x", 2 * n_sel * d)?;
+        self.launch(
+            "ds4_gather_rows_h",
+            (grid_for(n_sel * d), 1, 1),
+            256,
+            &[
+                Arg::Ptr(s.x),
+                Arg::Ptr(order),
+                i32a(OP, "k", s.k)?,
+                i32a(OP, "selections", n_sel)?,
+                i32a(OP, "dim", d)?,
+                Arg::Ptr(xh),
+            ],
+        )?;
+        // Token tiles of one expert are split over at most TILE_MAX_SPLIT blocks; blocks
+        // beyond an expert's tiles return at once.
+        let split = g32(n_sel.div_ceil(TILE_TOKENS).clamp(1, TILE_MAX_SPLIT));
+        let sg = self.scratch("moe_g", 4 * n_sel * f)?;
+        let su = self.scratch("moe_u", 4 * n_sel * f)?;
+        self.launch(
+            "ds4_mm_tiles",
+            (g32(f.div_ceil(TILE_ROWS)), g32(2 * s.n_exp), split),
+            256,
+            &[
+                Arg::Ptr(gp),
+                Arg::Ptr(upp),
+                u(grb * f),
+                Arg::I32(gty.code() as i32),
+                u(grb),
+                i32a(OP, "ff", f)?,
+                i32a(OP, "dim", d)?,
+                Arg::Ptr(xh),
+                Arg::Ptr(offs),
+                i32a(OP, "selections", n_sel)?,
+                Arg::Ptr(sg),
+                Arg::Ptr(su),
+                u(f),
+            ],
+        )?;
+        let hh = self.scratch("tiles_h", 2 * n_sel * f)?;
+        self.launch(
+            "ds4_moe_act_h",
+            (grid_for(n_sel * f), 1, 1),
+            256,
+            &[
+                Arg::Ptr(sg),
+                Arg::Ptr(su),
+                Arg::Ptr(s.weights),
+                Arg::Ptr(order),
+                i32a(OP, "selections", n_sel)?,
+                i32a(OP, "ff", f)?,
+                Arg::F32(clamp),
+                Arg::Ptr(hh),
+            ],
+        )?;
+        let so = self.scratch("moe_o", 4 * n_sel * d)?;
+        self.launch(
+            "ds4_mm_tiles",
+            (g32(d.div_ceil(TILE_ROWS)), g32(s.n_exp), split),
+            256,
+            &[
+                Arg::Ptr(dp),
+                Arg::Ptr(0),
+                u(drb * d),
+                Arg::I32(dty.code() as i32),
+                u(drb),
+                i32a(OP, "dim", d)?,
+                i32a(OP, "ff", f)?,
+                Arg::Ptr(hh),
+                Arg::Ptr(offs),
+                i32a(OP, "selections", n_sel)?,
+                Arg::Ptr(so),
+                Arg::Ptr(0),
+                u(d),
+            ],
+        )?;
+        self.launch(
+            "ds4_moe_sum_sorted",
+            (grid_for(s.n_tok * d), 1, 1),
+            256,
+            &[
+                Arg::Ptr(so),
+                Arg::Ptr(inv),
+                Arg::Ptr(s.ids),
+                i32a(OP, "tokens", s.n_tok)?,
+                i32a(OP, "k", s.k)?,
+                i32a(OP, "dim", d)?,
+                i32a(OP, "experts", s.n_exp)?,
+                Arg::Ptr(s.out),
             ],
         )
     }

@@ -111,6 +111,20 @@ __device__ __forceinline__ float ds4_shfl_up(float v, int delta) {
 // Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).
 __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
 
+// Tensor-core product (sm_80 and later): c += A * B for one 16x16 half tile A (row-major
+// fragment a[4]) and one 16x8 half tile B (column fragment b[2]), f32 accumulator c[4]; the
+// PTX m16n8k16 fragment layouts (g = lane / 4, t = lane % 4): a[0] = A[g][2t..2t+1],
+// a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]; b[0] = B[2t..2t+1][g],
+// b[1] = B[2t+8..][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1].
+#define DS4_HAS_MMA 1
+__device__ __forceinline__ void ds4_mma_16816(float* c, const ds4_u32* a, const ds4_u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 #endif
 
 // Integer shuffle through the float one (bit pattern preserved).

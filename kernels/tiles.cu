@@ -14,7 +14,8 @@
 // with no host round trip; one `ds4_mm_tiles` launch then covers every expert.
 //
 // HIP: the same kernels; the tile product is written out as plain FMAs on the same shared
-// tiles (the AMD matrix-core builtins are a tuning step that needs AMD hardware).
+// tiles (the AMD matrix-core builtins are a tuning step that needs AMD hardware). The CPU
+// emulation (crates/ds4-gpu/emu) runs the tensor-core path through an emulated mma.
 #include "ds4_port.h"
 #include "ds4_iq2xxs_tables.h"
 
@@ -261,18 +262,6 @@ extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, co
     }
 }
 
-// The product of one 16x16 half tile of W (rows) and a 16x8 tile of X^T (tokens), added to
-// the f32 accumulator fragment c (m16n8k16 layouts: g = lane / 4, t = lane % 4).
-#if !defined(DS4_HIP)
-__device__ __forceinline__ void ds4_mma(float* c, const ds4_u32* a, const ds4_u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#endif
-
 // Y[p][r] = sum_k W_g[r][k] * X[p][k] for the tokens p of group g, every group in one
 // launch: grid = (row tiles of 128, groups [x2 with a second matrix], token-tile stride).
 // With `offs`, group g's tokens are offs[g] .. offs[g+1] and its matrix is at
@@ -345,7 +334,7 @@ ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_
             const int wr = warp * 16;
 #pragma unroll
             for (int ks = 0; ks < DS4_TK; ks += 16) {
-#if !defined(DS4_HIP)
+#if defined(DS4_HAS_MMA)
                 ds4_u32 a[4];
                 a[0] = *(const ds4_u32*)&ws[wr + g][ks + 2 * t4];
                 a[1] = *(const ds4_u32*)&ws[wr + g + 8][ks + 2 * t4];
@@ -356,7 +345,7 @@ ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_
                     ds4_u32 b[2];
                     b[0] = *(const ds4_u32*)&xs[8 * j + g][ks + 2 * t4];
                     b[1] = *(const ds4_u32*)&xs[8 * j + g][ks + 8 + 2 * t4];
-                    ds4_mma(acc[j], a, b);
+                    ds4_mma_16816(acc[j], a, b);
                 }
 #else
                 // The same fragment elements as the tensor-core path, by plain FMAs.

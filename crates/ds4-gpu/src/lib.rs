@@ -20,6 +20,7 @@ pub mod api;
 pub mod backend;
 pub mod cache;
 pub mod cuda;
+pub mod emu;
 pub mod error;
 pub mod hip;
 pub mod kernels;

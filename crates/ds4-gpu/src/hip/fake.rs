@@ -14,6 +14,7 @@ use ds4_placement::MachineFacts;
 
 use super::device::{HipDevice, HipSettings, HostMemory, KernelCompiler};
 use super::{HipCalls, HipDeviceInfo};
+use crate::emu::EmuKernels;
 use crate::error::Result;
 use crate::kernels::KernelSource;
 
@@ -21,6 +22,7 @@ const HIP_ERROR_OUT_OF_MEMORY: c_int = 2;
 const HIP_ERROR_INVALID_VALUE: c_int = 1;
 const HIP_ERROR_NOT_FOUND: c_int = 500;
 const HIP_ERROR_NOT_SUPPORTED: c_int = 801;
+const HIP_ERROR_LAUNCH_FAILURE: c_int = 719;
 
 /// One recorded launch: kernel, grid, block, parameter count.
 pub type Launch = (String, (u32, u32, u32), u32, usize);
@@ -97,6 +99,11 @@ struct State {
     modules: usize,
     /// Host-to-device copies so far (not in `calls`: a model load makes thousands).
     htod_copies: u64,
+    /// Kernels run on the CPU at each launch ([`FakeHip::set_kernels`]); `None`: launches
+    /// are only recorded.
+    kernels: Option<Arc<EmuKernels>>,
+    /// Launches the emulation refused (kernel, message).
+    kernel_errors: Vec<String>,
 }
 
 /// The fake runtime (see the module docs).
@@ -151,6 +158,18 @@ impl FakeHip {
     /// Host-to-device copies (`hipMemcpy` host → device) so far.
     pub fn htod_copies(&self) -> u64 {
         self.st().htod_copies
+    }
+
+    /// Runs every later launch's kernel on the CPU (see [`crate::emu`]): the backend then
+    /// computes for real, so its results can be compared with the CPU backend's.
+    pub fn set_kernels(&self, kernels: Arc<EmuKernels>) {
+        self.st().kernels = Some(kernels);
+    }
+
+    /// Launches the kernel emulation refused, with its message (a deadlock, a wrong
+    /// parameter count, an unknown kernel).
+    pub fn kernel_errors(&self) -> Vec<String> {
+        self.st().kernel_errors.clone()
     }
 
     /// Launches so far: (kernel, grid, block, parameter count).
@@ -419,12 +438,18 @@ impl HipCalls for FakeHip {
     fn module_get_global(
         &self,
         _module: usize,
-        _name: &CStr,
+        name: &CStr,
     ) -> std::result::Result<(u64, usize), c_int> {
-        // Every GEMV configuration reads {2 rows per warp, 32 blocks per chunk}.
+        // Every GEMV configuration reads {2 rows per warp, 32 blocks per chunk}, unless the
+        // kernels run: then the compiled value.
         static CONFIG: [i32; 2] = [2, 32];
-        let a = CONFIG.as_ptr() as u64;
         let mut s = self.st();
+        let a = match &s.kernels {
+            Some(k) => k
+                .global(&name.to_string_lossy())
+                .ok_or(HIP_ERROR_NOT_FOUND)?,
+            None => CONFIG.as_ptr() as u64,
+        };
         s.allocs.entry(a).or_insert_with(|| Alloc {
             kind: "module global",
             bytes: 8,
@@ -448,8 +473,20 @@ impl HipCalls for FakeHip {
             .get(function.wrapping_sub(1))
             .cloned()
             .unwrap_or_default();
-        s.launches.push((name, grid, block, params.len()));
-        0
+        s.launches.push((name.clone(), grid, block, params.len()));
+        let Some(k) = s.kernels.clone() else {
+            return 0;
+        };
+        drop(s);
+        // SAFETY: the backend passes device addresses of this fake's allocations, which
+        // are host memory, and the kernel's parameters in order (checked by count).
+        match unsafe { k.launch(&name, grid, block, params) } {
+            Ok(()) => 0,
+            Err(e) => {
+                self.st().kernel_errors.push(e.to_string());
+                HIP_ERROR_LAUNCH_FAILURE
+            }
+        }
     }
     fn synchronize(&self) -> c_int {
         0

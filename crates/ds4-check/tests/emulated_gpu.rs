@@ -1,0 +1,154 @@
+//! The GPU backend with its kernels run on the CPU (`ds4_gpu::emu`: every `kernels/*.cu`
+//! compiled by the host C++ compiler, each GPU thread a fiber) against the CPU backend, op
+//! by op through the mirror, on a tiny random q2 model: the host logic and the kernels of
+//! the CUDA/HIP backends checked in every CI run, without a GPU. Speed and the GPU's own
+//! math library are out of its reach (the H200 runs of `ds4-engine-check ops` cover them).
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use common::{machine, model_file};
+use ds4_check::mirror::{Mirror, OpStat};
+use ds4_cpu::CpuBackend;
+use ds4_engine::{Backend, Engine, EngineConfig, Logits, NumericMode};
+use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, PrefillTiles};
+use ds4_gpu::emu::EmuKernels;
+use ds4_gpu::hip::device::HipSettings;
+use ds4_gpu::hip::fake::{FakeHip, Faults};
+use ds4_gpu::KernelCache;
+
+/// Same tolerances as `ds4-engine-check ops` (relative to the output's largest value).
+const TOL_EXACT: f64 = 1e-4;
+const TOL_OFFICIAL: f64 = 1e-3;
+const TOL_Q8_REQUANT: f64 = 2e-3;
+const TOL_TILES: f64 = 3e-3;
+
+fn kernels() -> Arc<EmuKernels> {
+    static K: OnceLock<Arc<EmuKernels>> = OnceLock::new();
+    K.get_or_init(|| Arc::new(EmuKernels::build().expect("building the kernel emulation")))
+        .clone()
+}
+
+struct Run {
+    tiles: PrefillTiles,
+    act_q8: bool,
+    chunk: usize,
+    mode: NumericMode,
+}
+
+/// Prefill 40 tokens in chunks, two decode steps and a greedy step, mirrored; returns the
+/// per-op statistics and the emulation's refusals.
+fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file(dir.path());
+    let m = machine("strix-halo-stock");
+    let fake = FakeHip::for_machine(&m, Faults::default());
+    fake.set_kernels(kernels());
+    let dev = fake.device(&m, HipSettings::default());
+    let opts = GpuOptions {
+        cache: KernelCache::at(dir.path().join("kernels")),
+        cublas: None,
+        pread_load: true,
+        prefill_tiles: r.tiles,
+        ..GpuOptions::default()
+    };
+    let gpu: HipBackend = GpuBackend::with_device(dev, opts, None).unwrap();
+    let mut mirror = Mirror::new(CpuBackend::new(1).unwrap(), gpu);
+    mirror.set_activation_q8(r.act_q8).unwrap();
+    let stats = mirror.stats.clone();
+    let cfg = EngineConfig {
+        mode: Some(r.mode),
+        ctx: 256,
+        prefill_chunk: r.chunk,
+    };
+    let mut eng = Engine::load(file, Box::new(mirror), cfg).unwrap();
+    let vocab = eng.hparams().n_vocab as u32;
+    let toks: Vec<u32> = (0..42).map(|i| (i * 37 + 11) % vocab).collect();
+    let mut st = eng.new_state().unwrap();
+    eng.eval(&mut st, &toks[..40], Logits::Last, None).unwrap();
+    for t in &toks[40..] {
+        eng.eval(&mut st, std::slice::from_ref(t), Logits::Last, None)
+            .unwrap();
+    }
+    eng.eval_argmax(&mut st, &toks[..1]).unwrap();
+    drop(eng);
+    let s = stats.lock().unwrap().clone().into_iter().collect();
+    (s, fake.kernel_errors())
+}
+
+fn check(r: Run) {
+    let (stats, errors) = mirrored(&r);
+    assert!(errors.is_empty(), "{errors:?}");
+    for (op, s) in &stats {
+        eprintln!(
+            "  {op:<18} {:>5} calls  max rel {:.3e}  NaN {}  int diff {}",
+            s.calls, s.max_rel, s.nan, s.int_mismatches
+        );
+    }
+    for op in ["matmul", "attention", "moe", "router", "hc_post", "argmax"] {
+        assert!(
+            stats.iter().any(|(o, s)| *o == op && s.calls > 0),
+            "{op} never ran"
+        );
+    }
+    let base = if r.mode == NumericMode::Exact {
+        TOL_EXACT
+    } else {
+        TOL_OFFICIAL
+    };
+    let mut bad = Vec::new();
+    for (op, s) in &stats {
+        let tiled = match r.tiles {
+            PrefillTiles::Off => false,
+            PrefillTiles::Experts => *op == "moe",
+            PrefillTiles::All => op.starts_with("matmul") || *op == "moe",
+        };
+        let mut tol = base;
+        if r.act_q8 && *op == "moe" {
+            tol = tol.max(TOL_Q8_REQUANT);
+        }
+        if tiled {
+            tol = tol.max(TOL_TILES);
+        }
+        let int_ok = s.int_mismatches == 0 || *op == "indexer_topk";
+        if !(s.max_rel <= tol && s.nan == 0 && int_ok) {
+            bad.push(format!(
+                "{op}: max rel {:.3e} (tol {tol:e}), NaN {}, int diff {}",
+                s.max_rel, s.nan, s.int_mismatches
+            ));
+        }
+    }
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+#[test]
+fn emulated_gpu_ops_match_the_cpu_exact() {
+    check(Run {
+        tiles: PrefillTiles::Off,
+        act_q8: false,
+        chunk: 5,
+        mode: NumericMode::Exact,
+    });
+}
+
+#[test]
+fn emulated_gpu_ops_match_the_cpu_official_int8() {
+    check(Run {
+        tiles: PrefillTiles::Off,
+        act_q8: true,
+        chunk: 16,
+        mode: NumericMode::Official,
+    });
+}
+
+#[test]
+fn emulated_prefill_tiles_match_the_cpu() {
+    // 40-token chunks: 80 expert selections, past the grouped GEMV, onto the tiles.
+    check(Run {
+        tiles: PrefillTiles::All,
+        act_q8: false,
+        chunk: 40,
+        mode: NumericMode::Exact,
+    });
+}

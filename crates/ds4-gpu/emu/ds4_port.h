@@ -1,0 +1,176 @@
+// ds4_port.h for the CPU emulation of the kernels (crates/ds4-gpu/src/emu.rs): the same
+// interface as kernels/ds4_port.h, implemented in C++20 on the host, so that every
+// kernels/*.cu file compiles with a host C++ compiler and runs block by block, each GPU
+// thread a fiber (runtime.cpp). Used by tests only: it checks the kernels' logic (indexing,
+// decoding, barriers, warp exchanges, fragment layouts) against the CPU backend without a
+// GPU; it says nothing about speed or about a GPU's memory model.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DS4_CPU 1
+
+typedef unsigned char ds4_u8;
+typedef signed char ds4_i8;
+typedef unsigned short ds4_u16;
+typedef unsigned int ds4_u32;
+typedef int ds4_i32;
+typedef unsigned long long ds4_u64;
+typedef unsigned long long ds4_size;
+
+#define DS4_WARP 32
+#define DS4_FULL_MASK 0xffffffffu
+
+// CUDA keywords: device code is ordinary host code here. `static` on __forceinline__ gives
+// every translation unit its own helpers (two .cu files may define helpers of one name);
+// __shared__ variables become function statics, shared by the fibers of the one block that
+// runs at a time.
+#define __device__
+#ifndef __global__  // the build's kernel-listing pass defines it as a marker
+#define __global__
+#endif
+#define __host__
+#define __forceinline__ static inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+struct ds4emu_dim3 {
+    unsigned x, y, z;
+};
+struct ds4emu_fiber_id {
+    ds4emu_dim3 tid;
+    int lane, warp;
+};
+extern "C" const ds4emu_fiber_id* ds4emu_self();
+extern "C" void ds4emu_block_barrier();
+extern "C" void ds4emu_warp_barrier();
+extern "C" float* ds4emu_warp_slots(int n);  // this warp's exchange area, n floats per lane
+extern ds4emu_dim3 blockIdx, blockDim, gridDim;
+#define threadIdx (ds4emu_self()->tid)
+
+static inline void __syncthreads() { ds4emu_block_barrier(); }
+
+struct __attribute__((aligned(16))) uint4 {
+    unsigned x, y, z, w;
+};
+struct __attribute__((aligned(16))) float4 {
+    float x, y, z, w;
+};
+struct __attribute__((aligned(8))) uint2 {
+    unsigned x, y;
+};
+struct __attribute__((aligned(8))) float2 {
+    float x, y;
+};
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+static inline float __int_as_float(int v) { float f; memcpy(&f, &v, 4); return f; }
+static inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
+static inline int __float_as_int(float v) { int i; memcpy(&i, &v, 4); return i; }
+static inline unsigned __float_as_uint(float v) { unsigned i; memcpy(&i, &v, 4); return i; }
+// Built with -ffp-contract=off: a product and a sum are each rounded once, as _rn asks.
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+static inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+static inline long long min(long long a, long long b) { return a < b ? a : b; }
+static inline long long max(long long a, long long b) { return a > b ? a : b; }
+static inline ds4_size min(ds4_size a, ds4_size b) { return a < b ? a : b; }
+static inline ds4_size max(ds4_size a, ds4_size b) { return a > b ? a : b; }
+static inline float min(float a, float b) { return fminf(a, b); }
+static inline float max(float a, float b) { return fmaxf(a, b); }
+
+// Fibers never run at the same time, so plain read-modify-writes are atomic here.
+static inline int atomicOr(int* p, int v) { int o = *p; *p = o | v; return o; }
+static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
+static inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; return o; }
+
+static inline float ds4_shfl_xor(float v, int lane_mask) {
+    float* s = ds4emu_warp_slots(1);
+    const int lane = ds4emu_self()->lane;
+    s[lane] = v;
+    ds4emu_warp_barrier();
+    const float r = s[lane ^ lane_mask];
+    ds4emu_warp_barrier();
+    return r;
+}
+
+static inline float ds4_shfl_up(float v, int delta) {
+    float* s = ds4emu_warp_slots(1);
+    const int lane = ds4emu_self()->lane;
+    s[lane] = v;
+    ds4emu_warp_barrier();
+    const float r = lane >= delta ? s[lane - delta] : v;
+    ds4emu_warp_barrier();
+    return r;
+}
+
+static inline void ds4_syncwarp() { ds4emu_warp_barrier(); }
+
+static inline float ds4_h2f(ds4_u16 h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static inline ds4_u16 ds4_f2h(float f) {
+    _Float16 v = (_Float16)f;
+    ds4_u16 h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+
+template <class T> static inline T ds4_ldg(const T* p) { return *p; }
+
+static inline int ds4_dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(ds4_i8)((a >> (8 * i)) & 0xff) * (int)(ds4_i8)((b >> (8 * i)) & 0xff);
+    return c;
+}
+
+// The tensor-core product of kernels/ds4_port.h, computed from the documented PTX
+// m16n8k16 fragment layouts: every lane publishes its fragments, then computes its own
+// four outputs from the whole tiles (f32 sums in k order).
+#define DS4_HAS_MMA 1
+static inline float ds4emu_half(ds4_u32 reg, int hi) { return ds4_h2f((ds4_u16)(hi ? reg >> 16 : reg & 0xffff)); }
+static inline void ds4_mma_16816(float* c, const ds4_u32* a, const ds4_u32* b) {
+    float* s = ds4emu_warp_slots(6);  // per lane: a[4], b[2] (bit patterns)
+    const int lane = ds4emu_self()->lane;
+    for (int i = 0; i < 4; i++) memcpy(&s[lane * 6 + i], &a[i], 4);
+    for (int i = 0; i < 2; i++) memcpy(&s[lane * 6 + 4 + i], &b[i], 4);
+    ds4emu_warp_barrier();
+    auto reg = [&](int l, int i) { ds4_u32 r; memcpy(&r, &s[l * 6 + i], 4); return r; };
+    // A[row][col]: lane (row % 8) * 4 + (col % 8) / 2, register (row >= 8) + 2 (col >= 8).
+    auto A = [&](int row, int col) {
+        return ds4emu_half(reg((row % 8) * 4 + (col % 8) / 2, (row >= 8 ? 1 : 0) + (col >= 8 ? 2 : 0)), col % 2);
+    };
+    // B[k][n]: lane n * 4 + (k % 8) / 2, register 4 + (k >= 8).
+    auto B = [&](int k, int n) { return ds4emu_half(reg(n * 4 + (k % 8) / 2, 4 + (k >= 8 ? 1 : 0)), k % 2); };
+    const int g = lane / 4, t = lane % 4;
+    float out[4];
+    for (int q = 0; q < 4; q++) {
+        const int row = g + (q >> 1) * 8, col = 2 * t + (q & 1);
+        float acc = c[q];
+        for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, col);
+        out[q] = acc;
+    }
+    ds4emu_warp_barrier();
+    for (int q = 0; q < 4; q++) c[q] = out[q];
+}
+
+// Sum of v over the 32 lanes of a logical warp; every lane receives the total.
+static inline float ds4_warp_sum(float v) {
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += ds4_shfl_xor(v, m);
+    return v;
+}
+
+static inline int ds4_shfl_xor_i(int v, int lane_mask) {
+    return __float_as_int(ds4_shfl_xor(__int_as_float(v), lane_mask));
+}

@@ -1,0 +1,322 @@
+//! The kernels on the CPU: every `kernels/*.cu` file compiled by the host's C++ compiler
+//! against a CPU version of `ds4_port.h` (`crates/ds4-gpu/emu/`), loaded as a shared
+//! library and run block by block with each GPU thread a fiber. The fake HIP runtime
+//! ([`crate::hip::fake::FakeHip::with_kernels`]) launches through it, so the whole GPU
+//! backend — host logic and kernels — runs in ordinary tests and meets the CPU backend in
+//! the op mirror without a GPU.
+//!
+//! Why not trust the kernels to the H200 runs alone: device time is scarce, and most kernel
+//! bugs are logic (an index, a barrier, a decode, a fragment layout) that an emulation
+//! finds as well. What it cannot find: speed, the GPU memory model, and the exact rounding
+//! of the GPU's math library (`expf` differs by ulps).
+//!
+//! Needs a C++20 compiler (`$CXX`, else `c++`); the library is cached in the temp
+//! directory by a hash of the sources.
+
+use std::ffi::{c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::kernels::{KernelSource, ALL};
+
+const CPU_PORT_H: &str = include_str!("../emu/ds4_port.h");
+const RUNTIME_CPP: &str = include_str!("../emu/runtime.cpp");
+
+/// Errors of the emulation (building it, or a launch it refused).
+#[derive(Debug, thiserror::Error)]
+pub enum EmuError {
+    #[error("kernel emulation: {0}")]
+    Build(String),
+    #[error("kernel emulation: {kernel}: {problem}")]
+    Launch { kernel: String, problem: String },
+}
+
+type Thunk = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int;
+type RunFn = unsafe extern "C" fn(
+    Thunk,
+    *mut *mut c_void,
+    c_int,
+    u32,
+    u32,
+    u32,
+    u32,
+    *mut c_char,
+    c_int,
+) -> c_int;
+
+/// The compiled kernels.
+pub struct EmuKernels {
+    lib: libloading::Library,
+    run: RunFn,
+}
+
+impl std::fmt::Debug for EmuKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EmuKernels")
+    }
+}
+
+fn compiler() -> String {
+    std::env::var("CXX").unwrap_or_else(|_| "c++".into())
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<Vec<u8>, EmuError> {
+    let out = cmd
+        .output()
+        .map_err(|e| EmuError::Build(format!("{what}: cannot run {:?}: {e}", cmd.get_program())))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: String = err.lines().take(40).collect::<Vec<_>>().join("\n");
+        return Err(EmuError::Build(format!("{what} failed:\n{tail}")));
+    }
+    Ok(out.stdout)
+}
+
+/// Names of the `extern "C"` kernels of a preprocessed source: with `__global__` defined
+/// as a marker, every kernel reads `<marker> void <name>(`.
+fn kernel_names(preprocessed: &str) -> Vec<String> {
+    const MARK: &str = "__ds4emu_kernel__";
+    let mut names = Vec::new();
+    for piece in preprocessed.split(MARK).skip(1) {
+        let rest = piece.trim_start();
+        let Some(rest) = rest.strip_prefix("void") else {
+            continue;
+        };
+        let name: String = rest
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() && !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> Result<(), EmuError> {
+    std::fs::write(dir.join(name), text)
+        .map_err(|e| EmuError::Build(format!("writing {}: {e}", dir.join(name).display())))
+}
+
+impl EmuKernels {
+    /// Builds (or finds in the cache) the emulation of every kernel file.
+    pub fn build() -> Result<EmuKernels, EmuError> {
+        let mut h = Sha256::new();
+        h.update(CPU_PORT_H.as_bytes());
+        h.update(RUNTIME_CPP.as_bytes());
+        h.update(compiler().as_bytes());
+        for k in ALL {
+            h.update(k.hash());
+        }
+        let key: String = h.finalize()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let lib_path = std::env::temp_dir().join(format!("ds4-emu-{key}.so"));
+        if !lib_path.exists() {
+            Self::compile(&lib_path)?;
+        }
+        Self::open(&lib_path)
+    }
+
+    fn compile(lib_path: &Path) -> Result<(), EmuError> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |t| t.subsec_nanos());
+        let dir =
+            std::env::temp_dir().join(format!("ds4-emu-build-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| EmuError::Build(format!("creating {}: {e}", dir.display())))?;
+        let result = Self::compile_in(&dir, lib_path);
+        let _ = std::fs::remove_dir_all(&dir);
+        result
+    }
+
+    fn compile_in(d: &Path, lib_path: &Path) -> Result<(), EmuError> {
+        // The CPU port takes the name of the GPU one, so the sources' #include finds it.
+        write(d, "ds4_port.h", CPU_PORT_H)?;
+        write(d, "runtime.cpp", RUNTIME_CPP)?;
+        let mut units = vec![PathBuf::from("runtime.cpp")];
+        for k in ALL {
+            Self::unit(d, k, &mut units)?;
+        }
+        let tmp = lib_path.with_extension(format!("{}.tmp", std::process::id()));
+        let mut cmd = Command::new(compiler());
+        cmd.current_dir(d)
+            .args([
+                "-std=c++20",
+                "-O1",
+                "-fPIC",
+                "-shared",
+                "-ffp-contract=off",
+                "-w",
+            ])
+            .args(&units)
+            .arg("-o")
+            .arg(&tmp);
+        run(&mut cmd, "compiling the kernel emulation")?;
+        std::fs::rename(&tmp, lib_path)
+            .map_err(|e| EmuError::Build(format!("caching {}: {e}", lib_path.display())))
+    }
+
+    /// Writes kernel file `k` and a translation unit exporting one unpacking thunk per
+    /// kernel (`ds4emu_t_<name>`).
+    fn unit(d: &Path, k: &KernelSource, units: &mut Vec<PathBuf>) -> Result<(), EmuError> {
+        for (name, text) in k.headers {
+            if *name != "ds4_port.h" {
+                write(d, name, text)?;
+            }
+        }
+        write(d, k.name, k.source)?;
+        let pre = run(
+            Command::new(compiler()).current_dir(d).args([
+                "-std=c++20",
+                "-E",
+                "-D__global__=__ds4emu_kernel__",
+                "-x",
+                "c++",
+                k.name,
+            ]),
+            "preprocessing",
+        )?;
+        let names = kernel_names(&String::from_utf8_lossy(&pre));
+        if names.is_empty() {
+            return Err(EmuError::Build(format!("{}: no kernels found", k.name)));
+        }
+        let mut reg = format!(
+            "#include \"{}\"\n#include <utility>\n\
+             template <class... A, unsigned long... I>\n\
+             static void ds4emu_call(void (*f)(A...), void** p, std::index_sequence<I...>) {{ f(*(A*)p[I]...); }}\n\
+             template <class... A> static int ds4emu_thunk(void (*f)(A...), void** p, int n) {{\n\
+               if (n < 0) return (int)sizeof...(A) == -n ? 0 : 1;\n\
+               ds4emu_call(f, p, std::index_sequence_for<A...>{{}});\n  return 0;\n}}\n",
+            k.name
+        );
+        for n in &names {
+            reg += &format!(
+                "extern \"C\" int ds4emu_t_{n}(void** p, int n) {{ return ds4emu_thunk({n}, p, n); }}\n"
+            );
+        }
+        let unit = format!("reg_{}.cpp", k.name.trim_end_matches(".cu"));
+        write(d, &unit, &reg)?;
+        units.push(PathBuf::from(unit));
+        Ok(())
+    }
+
+    fn open(path: &Path) -> Result<EmuKernels, EmuError> {
+        // SAFETY: a library this module compiled from the project's own sources; its
+        // initialisers only set up statics.
+        let lib = unsafe { libloading::Library::new(path) }
+            .map_err(|e| EmuError::Build(format!("loading {}: {e}", path.display())))?;
+        // SAFETY: `ds4emu_run` is defined in runtime.cpp with exactly this signature.
+        let run = unsafe { lib.get::<RunFn>(b"ds4emu_run\0") }
+            .map_err(|e| EmuError::Build(format!("ds4emu_run: {e}")))?;
+        let run = *run;
+        Ok(EmuKernels { lib, run })
+    }
+
+    /// Whether kernel `name` exists.
+    pub fn has(&self, name: &str) -> bool {
+        self.thunk(name).is_some()
+    }
+
+    fn thunk(&self, name: &str) -> Option<Thunk> {
+        let sym = format!("ds4emu_t_{name}\0");
+        // SAFETY: every `ds4emu_t_*` symbol is a thunk of type `Thunk` (generated above).
+        unsafe { self.lib.get::<Thunk>(sym.as_bytes()) }
+            .ok()
+            .map(|s| *s)
+    }
+
+    /// Address of module global `name` (e.g. a GEMV configuration), if defined.
+    pub fn global(&self, name: &str) -> Option<u64> {
+        let sym = format!("{name}\0");
+        // SAFETY: only the address is taken; the symbol is data of the library, alive as
+        // long as `self`.
+        unsafe { self.lib.get::<*const c_void>(sym.as_bytes()) }
+            .ok()
+            .map(|s| *s as u64)
+    }
+
+    /// Runs kernel `name` over `grid` with `block` threads; `params` point at the
+    /// argument values (the CUDA/HIP launch convention).
+    ///
+    /// # Safety
+    /// Every pointer argument must be valid for what the kernel reads and writes, as on a
+    /// GPU; `params` must hold the kernel's parameters in order.
+    pub unsafe fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), EmuError> {
+        let thunk = self.thunk(name).ok_or_else(|| EmuError::Launch {
+            kernel: name.into(),
+            problem: "no such kernel".into(),
+        })?;
+        let mut err = vec![0 as c_char; 512];
+        let n = c_int::try_from(params.len()).unwrap_or(c_int::MAX);
+        // SAFETY: thunk and run come from the library; the caller vouches for params.
+        let rc = unsafe {
+            (self.run)(
+                thunk,
+                params.as_mut_ptr(),
+                n,
+                grid.0,
+                grid.1,
+                grid.2,
+                block,
+                err.as_mut_ptr(),
+                err.len() as c_int,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        // SAFETY: runtime.cpp wrote a NUL-terminated message into err (snprintf).
+        let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        Err(EmuError::Launch {
+            kernel: name.into(),
+            problem: msg,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_read_the_marker() {
+        let t = "extern \"C\" __ds4emu_kernel__ void ds4_a(int x) {}\n\
+                 extern \"C\" __ds4emu_kernel__ void  ds4_b (float* y);\n\
+                 __ds4emu_kernel__ int not_a_kernel;";
+        assert_eq!(kernel_names(t), vec!["ds4_a", "ds4_b"]);
+    }
+
+    /// The emulation builds, runs a kernel and refuses a wrong parameter count.
+    #[test]
+    fn a_kernel_runs_on_the_cpu() {
+        let k = EmuKernels::build().unwrap();
+        assert!(k.has("ds4_fill") && k.has("ds4_mm_tiles") && k.has("ds4_gemv_q8_0"));
+        let mut out = vec![0f32; 1000];
+        let (mut p, mut n, mut v) = (out.as_mut_ptr() as u64, 1000u64, 2.5f32);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut p as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+            (&mut v as *mut f32).cast(),
+        ];
+        // SAFETY: out holds n floats; the parameters are ds4_fill's (ptr, count, value).
+        unsafe { k.launch("ds4_fill", (2, 1, 1), 256, &mut params) }.unwrap();
+        assert!(out.iter().all(|&x| x == 2.5));
+        // SAFETY: refused before running (parameter count).
+        let e = unsafe { k.launch("ds4_fill", (1, 1, 1), 32, &mut params[..2]) };
+        assert!(e.is_err());
+    }
+}

@@ -24,6 +24,7 @@
 // and hold n_out rows, n_in and n_out floats.
 #include "ds4_port.h"
 #include "ds4_iq2xxs_tables.h"
+#include "ds4_quant.h"
 
 #define DS4_GEMV_THREADS 256
 #define DS4_GEMV_WARPS (DS4_GEMV_THREADS / DS4_WARP)
@@ -228,14 +229,9 @@ struct Ds4Q4K {
             const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
             const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
             const ds4_u8* sp = blk + 4;
-            ds4_u32 sc, mn;
-            if (j < 4) {
-                sc = sp[j] & 63;
-                mn = sp[j + 4] & 63;
-            } else {
-                sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
-                mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
-            }
+            int sci, mni;
+            ds4_q4k_scale_min(sp, j, &sci, &mni);
+            const ds4_u32 sc = (ds4_u32)sci, mn = (ds4_u32)mni;
             const uint4 qv = *(const uint4*)(blk + 16 + 32 * (j >> 1) + 16 * half);
             float sqx = ds4_codes4(qv.x >> shift, 15u, x0);
             sqx += ds4_codes4(qv.y >> shift, 15u, x1);
@@ -671,13 +667,7 @@ struct Ds4Q4Kx : Ds4Q4K {
             const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
             const ds4_u8* sp = blk + 4;
             int sc, mn;
-            if (j < 4) {
-                sc = sp[j] & 63;
-                mn = sp[j + 4] & 63;
-            } else {
-                sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
-                mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
-            }
+            ds4_q4k_scale_min(sp, j, &sc, &mn);
             const uint4 qv = *(const uint4*)(blk + 16 + 32 * (j >> 1) + 16 * half);
             const int m = 0x0f0f0f0f;
             int is = ds4_dp4a((int)(qv.x >> shift) & m, x0, 0);
@@ -801,13 +791,7 @@ __device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int u, const ds4_i8
         const ds4_u8* sp = blk + 4;
         const int j = i;
         int sc, mn;
-        if (j < 4) {
-            sc = sp[j] & 63;
-            mn = sp[j + 4] & 63;
-        } else {
-            sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
-            mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
-        }
+        ds4_q4k_scale_min(sp, j, &sc, &mn);
         const ds4_u8* qs = blk + 16 + 32 * (j >> 1);
         int is = 0, xs = 0;
         for (int m = 0; m < 32; ++m) {

@@ -12,6 +12,7 @@
 // All kernels use 1-D blocks and static shared memory only.
 #include "ds4_port.h"
 #include "ds4_iq2xxs_tables.h"
+#include "ds4_quant.h"
 
 // Fault bits (crates/ds4-gpu/src/backend/fault.rs names them).
 #define DS4_FAULT_TOKEN 1
@@ -71,15 +72,8 @@ __device__ float ds4_elem(int ty, const ds4_u8* row, int i) {
         const ds4_u8* b = row + (ds4_size)(i / 256) * 144;
         const int j = i % 256, c = j / 64, jj = j % 64;
         const int is = 2 * c + (jj >= 32 ? 1 : 0);
-        const ds4_u8* s = b + 4;
         int sc, m;
-        if (is < 4) {
-            sc = s[is] & 63;
-            m = s[is + 4] & 63;
-        } else {
-            sc = (s[is + 4] & 0xF) | ((s[is - 4] >> 6) << 4);
-            m = (s[is + 4] >> 4) | ((s[is] >> 6) << 4);
-        }
+        ds4_q4k_scale_min(b + 4, is, &sc, &m);
         const ds4_u8 qb = b[16 + c * 32 + (jj % 32)];
         const int q = jj < 32 ? (qb & 0xF) : (qb >> 4);
         const float d = ds4_h2f(ds4_b16(b)), dmin = ds4_h2f(ds4_b16(b + 2));

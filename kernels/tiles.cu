@@ -18,6 +18,7 @@
 // emulation (crates/ds4-gpu/emu) runs the tensor-core path through an emulated mma.
 #include "ds4_port.h"
 #include "ds4_iq2xxs_tables.h"
+#include "ds4_quant.h"
 
 #define DS4_T_F32 0
 #define DS4_T_F16 1
@@ -100,15 +101,8 @@ __device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, int k0, con
         const ds4_u8* b = row + (ds4_size)(k0 / 256) * 144;
         const int j0 = k0 % 256, c = j0 / 64, hi = (j0 % 64) >= 32 ? 1 : 0;
         const int is = 2 * c + hi;
-        const ds4_u8* s = b + 4;
         int sc, m;
-        if (is < 4) {
-            sc = s[is] & 63;
-            m = s[is + 4] & 63;
-        } else {
-            sc = (s[is + 4] & 0xF) | ((s[is - 4] >> 6) << 4);
-            m = (s[is + 4] >> 4) | ((s[is] >> 6) << 4);
-        }
+        ds4_q4k_scale_min(b + 4, is, &sc, &m);
         const float d = ds4_h2f(ds4_ld16(b)), dmin = ds4_h2f(ds4_ld16(b + 2));
         const ds4_u32* qs = (const ds4_u32*)(b + 16 + c * 32);
 #pragma unroll

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::{Arc, OnceLock};
 
-use common::{machine, model_file};
+use common::{machine, model_file_with};
 use ds4_check::mirror::{Mirror, OpStat};
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Backend, Engine, EngineConfig, Logits, NumericMode};
@@ -17,6 +17,7 @@ use ds4_gpu::emu::EmuKernels;
 use ds4_gpu::hip::device::HipSettings;
 use ds4_gpu::hip::fake::{FakeHip, Faults};
 use ds4_gpu::KernelCache;
+use ds4_model::layout::TypeRecipe;
 
 /// Same tolerances as `ds4-engine-check ops` (relative to the output's largest value).
 const TOL_EXACT: f64 = 1e-4;
@@ -31,6 +32,7 @@ fn kernels() -> Arc<EmuKernels> {
 }
 
 struct Run {
+    recipe: TypeRecipe,
     tiles: PrefillTiles,
     act_q8: bool,
     chunk: usize,
@@ -41,7 +43,7 @@ struct Run {
 /// per-op statistics and the emulation's refusals.
 fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
-    let file = model_file(dir.path());
+    let file = model_file_with(dir.path(), r.recipe);
     let m = machine("strix-halo-stock");
     let fake = FakeHip::for_machine(&m, Faults::default());
     fake.set_kernels(kernels());
@@ -125,19 +127,24 @@ fn check(r: Run) {
 #[test]
 fn emulated_gpu_ops_match_the_cpu_exact() {
     check(Run {
+        // Chunks of 36 and 4: f32 panels with the built-in GEMM and experts grouped on
+        // the host (72 selections), then the small-batch kernel and the grouped GEMV.
+        recipe: TypeRecipe::Q2,
         tiles: PrefillTiles::Off,
         act_q8: false,
-        chunk: 5,
+        chunk: 36,
         mode: NumericMode::Exact,
     });
 }
 
 #[test]
-fn emulated_gpu_ops_match_the_cpu_official_int8() {
+fn emulated_gpu_ops_match_the_cpu_official_int8_q4() {
+    // Q4_K experts: the Q4_K tile decode at prefill, the int8 Q4_K GEMVs at decode.
     check(Run {
-        tiles: PrefillTiles::Off,
+        recipe: TypeRecipe::Q4,
+        tiles: PrefillTiles::Experts,
         act_q8: true,
-        chunk: 16,
+        chunk: 40,
         mode: NumericMode::Official,
     });
 }
@@ -146,6 +153,7 @@ fn emulated_gpu_ops_match_the_cpu_official_int8() {
 fn emulated_prefill_tiles_match_the_cpu() {
     // 40-token chunks: 80 expert selections, past the grouped GEMV, onto the tiles.
     check(Run {
+        recipe: TypeRecipe::Q2,
         tiles: PrefillTiles::All,
         act_q8: false,
         chunk: 40,

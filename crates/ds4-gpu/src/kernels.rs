@@ -43,11 +43,14 @@ pub const IQ2XXS_TABLES_H: (&str, &str) = (
     include_str!("../../../kernels/ds4_iq2xxs_tables.h"),
 );
 
+/// Block-format pieces shared by the kernel files.
+pub const QUANT_H: (&str, &str) = ("ds4_quant.h", include_str!("../../../kernels/ds4_quant.h"));
+
 /// Batch-1 GEMV for every ds4 weight type (plain and grouped-expert entry points).
 pub const GEMV: KernelSource = KernelSource {
     name: "gemv.cu",
     source: include_str!("../../../kernels/gemv.cu"),
-    headers: &[PORT_H, IQ2XXS_TABLES_H],
+    headers: &[PORT_H, IQ2XXS_TABLES_H, QUANT_H],
 };
 
 /// Every engine op besides the batch-1 GEMV (norms, RoPE, attention, mHC, router, MoE
@@ -55,7 +58,7 @@ pub const GEMV: KernelSource = KernelSource {
 pub const OPS: KernelSource = KernelSource {
     name: "ops.cu",
     source: include_str!("../../../kernels/ops.cu"),
-    headers: &[PORT_H, IQ2XXS_TABLES_H],
+    headers: &[PORT_H, IQ2XXS_TABLES_H, QUANT_H],
 };
 
 /// Prefill matmuls from quantized tiles on the tensor cores, and the on-device grouping of
@@ -63,7 +66,7 @@ pub const OPS: KernelSource = KernelSource {
 pub const TILES: KernelSource = KernelSource {
     name: "tiles.cu",
     source: include_str!("../../../kernels/tiles.cu"),
-    headers: &[PORT_H, IQ2XXS_TABLES_H],
+    headers: &[PORT_H, IQ2XXS_TABLES_H, QUANT_H],
 };
 
 /// Every kernel file, for tools that compile them all (cache warm-up, hipcc checks).

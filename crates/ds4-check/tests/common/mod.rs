@@ -52,9 +52,14 @@ pub fn tiny_hparams() -> HParams {
 }
 
 pub fn model_file(dir: &std::path::Path) -> Arc<GgufFile> {
+    model_file_with(dir, TypeRecipe::Q2)
+}
+
+/// The tiny model with the weight types of `recipe` (q2: IQ2_XXS/Q2_K experts, q4: Q4_K).
+pub fn model_file_with(dir: &std::path::Path, recipe: TypeRecipe) -> Arc<GgufFile> {
     let h = tiny_hparams();
     let tok = placeholder_tokenizer(h.n_vocab);
-    let m = SyntheticModel::from_hparams(h, TypeRecipe::Q2, 7, &tok).unwrap();
+    let m = SyntheticModel::from_hparams(h, recipe, 7, &tok).unwrap();
     let (bytes, _) = m
         .write_to(Vec::new(), &mut ds4_convert::NoProgress)
         .unwrap();

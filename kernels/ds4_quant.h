@@ -1,0 +1,16 @@
+// ds4_quant.h: block-format pieces shared by the kernel files (included after ds4_port.h).
+#pragma once
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes `sp`
+// (ggml's get_scale_min_k4): sub-blocks 0..3 keep theirs in the low 6 bits of bytes j and
+// j+4; 4..7 split theirs over the low/high nibbles of byte j+4 and the top 2 bits of bytes
+// j-4 and j.
+__device__ __forceinline__ void ds4_q4k_scale_min(const ds4_u8* sp, int j, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = sp[j] & 63;
+        *mn = sp[j + 4] & 63;
+    } else {
+        *sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
+        *mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
+    }
+}

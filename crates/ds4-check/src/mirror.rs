@@ -218,6 +218,10 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
         self.reference.set_activation_q8(on)?;
         self.candidate.set_activation_q8(on)
     }
+    fn set_decode_rows(&mut self, n: usize) -> BResult<()> {
+        self.reference.set_decode_rows(n)?;
+        self.candidate.set_decode_rows(n)
+    }
     fn alloc(&mut self, len: usize) -> BResult<Buf> {
         let p = (self.reference.alloc(len)?, self.candidate.alloc(len)?);
         self.bufs.push(p);

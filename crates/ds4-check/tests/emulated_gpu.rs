@@ -39,7 +39,8 @@ struct Run {
     mode: NumericMode,
 }
 
-/// Prefill 40 tokens in chunks, two decode steps and a greedy step, mirrored; returns the
+/// Prefill 40 tokens in chunks, two decode steps, a greedy step and a batched step of two
+/// sequences, mirrored; returns the
 /// per-op statistics and the emulation's refusals.
 fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
@@ -74,6 +75,11 @@ fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
             .unwrap();
     }
     eng.eval_argmax(&mut st, &toks[..1]).unwrap();
+    // A batched decode step of two sequences (decode rows: int8 row by row when on).
+    let mut st2 = eng.new_state().unwrap();
+    eng.eval(&mut st2, &toks[..3], Logits::Last, None).unwrap();
+    eng.eval_batch(&mut [&mut st, &mut st2], &toks[3..5])
+        .unwrap();
     drop(eng);
     let s = stats.lock().unwrap().clone().into_iter().collect();
     (s, fake.kernel_errors())

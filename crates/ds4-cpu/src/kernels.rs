@@ -76,8 +76,9 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `y[t, r] = W[mat][r] · x[t]`; with `q8` and one token, through int8 activations
-/// (see `Backend::set_activation_q8`).
+/// `y[t, r] = W[mat][r] · x[t]`; with `q8`, through int8 activations, each token's `x`
+/// quantized on its own (see `Backend::set_activation_q8`), so a token's results do not
+/// depend on the other tokens of the call.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     par: Par,
@@ -118,6 +119,18 @@ pub fn matmul(
             Ok(())
         });
     }
+    let xq = if q8 && ds4_gguf::quant::q8act::applies(w.info.ty) {
+        let mut v = Vec::with_capacity(n_tok);
+        for t in 0..n_tok {
+            let mut a = ds4_gguf::quant::q8act::ActQ8::default();
+            a.quantize(&x[t * x_stride..t * x_stride + cols])
+                .map_err(err)?;
+            v.push(a);
+        }
+        Some(v)
+    } else {
+        None
+    };
     // Row-major results per weight row (each row read once for all tokens), then transposed.
     let mut tmp = vec![0f32; n_rows * n_tok];
     try_rows_mut(par, &mut tmp, ROWS_PER_TASK * n_tok, |ci, c| {
@@ -125,8 +138,14 @@ pub fn matmul(
             let r = row0 + ci * ROWS_PER_TASK + i;
             let row = w.row(mat, r);
             for (t, o) in rowout.iter_mut().enumerate() {
-                let xt = &x[t * x_stride..t * x_stride + cols];
-                *o = ds4_gguf::quant::dot(w.info.ty, row, xt).map_err(err)?;
+                *o = match &xq {
+                    Some(q) => ds4_gguf::quant::q8act::dot(w.info.ty, row, &q[t]),
+                    None => {
+                        let xt = &x[t * x_stride..t * x_stride + cols];
+                        ds4_gguf::quant::dot(w.info.ty, row, xt)
+                    }
+                }
+                .map_err(err)?;
             }
         }
         Ok::<(), BackendError>(())

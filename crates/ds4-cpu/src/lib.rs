@@ -44,6 +44,8 @@ pub struct CpuBackend {
     weights: Vec<CpuWeight>,
     /// Int8 activations for one-token matmuls ([`Backend::set_activation_q8`]).
     act_q8: bool,
+    /// Rows of a batched decode step ([`Backend::set_decode_rows`]); 1 otherwise.
+    decode_rows: usize,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -72,6 +74,7 @@ impl CpuBackend {
             ibufs: Slab::new(),
             weights: Vec::new(),
             act_q8: false,
+            decode_rows: 1,
         })
     }
 
@@ -155,6 +158,14 @@ impl CpuBackend {
         };
         self.ibufs.put(out.id(), v);
         r
+    }
+}
+
+impl CpuBackend {
+    /// The int8-activation rule ([`Backend::set_activation_q8`],
+    /// [`Backend::set_decode_rows`]): on, and no more tokens than decode rows.
+    fn q8_rows(&self, n_tok: usize) -> bool {
+        self.act_q8 && n_tok <= self.decode_rows
     }
 }
 
@@ -250,11 +261,16 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn set_decode_rows(&mut self, n: usize) -> BResult<()> {
+        self.decode_rows = n.max(1);
+        Ok(())
+    }
+
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         const OP: &str = "matmul";
         validate::matmul(w, mat, x, n_tok, y)?;
         let (cols, rows) = (w.info.cols(), w.info.rows());
-        let q8 = self.act_q8 && n_tok == 1;
+        let q8 = self.q8_rows(n_tok);
         self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
             let xv = this.view(x, OP)?;
@@ -274,7 +290,7 @@ impl Backend for CpuBackend {
         validate::matmul_grouped(w, groups, x, n_tok, y)?;
         let (cols, rows) = (w.info.cols(), w.info.rows());
         let r = rows / groups;
-        let q8 = self.act_q8 && n_tok == 1;
+        let q8 = self.q8_rows(n_tok);
         self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
             let cw = this.weight(w, OP)?;
             let xv = this.view(x, OP)?;
@@ -806,7 +822,7 @@ impl Backend for CpuBackend {
         validate::moe(x, ids, weights, gate, up, down, &a, out)?;
         let (t, k) = (a.n_tok, a.k);
         let (d, f, ne) = (gate.info.cols(), gate.info.rows(), gate.info.mats());
-        let q8 = self.act_q8 && t == 1;
+        let q8 = self.q8_rows(t);
         self.with_out(out, OP, 3 * t * k * d * f, |this, ov, par| {
             let (gw, uw, dw) = (
                 this.weight(gate, OP)?,

@@ -703,4 +703,19 @@ pub trait Backend: Send {
         }
         Ok(())
     }
+    /// How many rows of the next ops are decode rows: one token of each of `n` independent
+    /// sequences (a batched decode step), 1 otherwise. It widens the int8-activation rule of
+    /// [`Backend::set_activation_q8`] from "one token" to "at most `n` tokens", applied row
+    /// by row, so a sequence decoded in a batch gets exactly the results it gets alone.
+    /// The default supports only `n = 1` (a backend that cannot keep that promise refuses
+    /// batches instead of computing them differently).
+    fn set_decode_rows(&mut self, n: usize) -> BResult<()> {
+        if n > 1 {
+            return Err(BackendError::Invalid {
+                op: "set_decode_rows",
+                problem: format!("this backend has no batched decode ({n} rows)"),
+            });
+        }
+        Ok(())
+    }
 }

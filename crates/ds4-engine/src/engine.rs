@@ -9,7 +9,7 @@ use ds4_model::{HParams, ModelSpec, Strictness};
 use crate::backend::Backend;
 use crate::config::{EngineConfig, NumericMode};
 use crate::error::{EngineError, Result};
-use crate::forward::{forward_chunk, Model, Scratch, Want};
+use crate::forward::{forward, forward_chunk, Model, Scratch, Seq, Want};
 use crate::state::{fnv1a, KvState, Snapshot};
 use crate::weights::ModelWeights;
 
@@ -182,6 +182,113 @@ impl Engine {
         Ok(id[0] as u32)
     }
 
+    /// One batched decode step: token `tokens[i]` appended to `states[i]` for every `i`, in
+    /// one forward pass (weights read once for all rows); returns one logits row per state,
+    /// `[states, n_vocab]`. Each state's row equals what [`Engine::eval`] of its token
+    /// alone would give (the backend applies the decode-row numerics per row:
+    /// [`crate::Backend::set_decode_rows`]). At most `config.prefill_chunk` states.
+    pub fn eval_batch(&mut self, states: &mut [&mut KvState], tokens: &[u32]) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.eval_batch_inner(states, tokens)?;
+        let n = states.len();
+        let v = self.spec.hparams.n_vocab;
+        let s = self.scratch.as_ref().expect("eval allocated the scratch");
+        out.resize(n * v, 0.0);
+        self.backend.download(s.logits.rows(0, n, v), &mut out)?;
+        Ok(out)
+    }
+
+    fn eval_batch_inner(&mut self, states: &mut [&mut KvState], tokens: &[u32]) -> Result<()> {
+        let n = states.len();
+        if n == 0 || tokens.len() != n {
+            return Err(EngineError::Config(format!(
+                "a batched decode step needs one token per state ({} states, {} tokens)",
+                n,
+                tokens.len()
+            )));
+        }
+        let cap = self.config.prefill_chunk;
+        if n > cap {
+            return Err(EngineError::Config(format!(
+                "a batched decode step of {n} states exceeds the chunk size {cap}"
+            )));
+        }
+        let n_vocab = self.spec.hparams.n_vocab;
+        for (i, st) in states.iter().enumerate() {
+            self.check_state(st)?;
+            let token = tokens[i];
+            if token as usize >= n_vocab {
+                return Err(EngineError::BadToken {
+                    token,
+                    index: i,
+                    n_vocab,
+                });
+            }
+            if st.pos() >= st.ctx {
+                return Err(EngineError::ContextFull {
+                    pos: st.pos(),
+                    adding: 1,
+                    ctx: st.ctx,
+                });
+            }
+        }
+        self.ensure_scratch(n)?;
+        let scratch = self.scratch.as_ref().expect("scratch allocated above");
+        let model = Model {
+            hp: &self.spec.hparams,
+            w: &self.weights,
+            mode: self.mode,
+        };
+        let mut seqs: Vec<Seq> = states
+            .iter_mut()
+            .zip(tokens.chunks(1))
+            .map(|(st, tok)| Seq {
+                state: st,
+                tokens: tok,
+            })
+            .collect();
+        self.backend.set_decode_rows(n)?;
+        let r = forward(
+            self.backend.as_mut(),
+            &model,
+            scratch,
+            &mut seqs,
+            Want::Last,
+        );
+        let reset = self.backend.set_decode_rows(1);
+        r?;
+        Ok(reset?)
+    }
+
+    /// [`Engine::eval_batch`] returning only each state's greedy next token.
+    pub fn eval_batch_argmax(
+        &mut self,
+        states: &mut [&mut KvState],
+        tokens: &[u32],
+    ) -> Result<Vec<u32>> {
+        let v = self.spec.hparams.n_vocab;
+        let logits = self.eval_batch(states, tokens)?;
+        Ok(logits.chunks(v).map(crate::argmax).collect())
+    }
+
+    /// Scratch for chunks of `config.prefill_chunk` tokens with at least `logit_rows`
+    /// logits rows.
+    fn ensure_scratch(&mut self, logit_rows: usize) -> Result<()> {
+        let need_new = match &self.scratch {
+            Some(s) => s.logit_rows < logit_rows,
+            None => true,
+        };
+        if need_new {
+            if let Some(old) = self.scratch.take() {
+                old.free(self.backend.as_mut());
+            }
+            let cap = self.config.prefill_chunk;
+            let s = Scratch::new(self.backend.as_mut(), &self.spec.hparams, cap, logit_rows)?;
+            self.scratch = Some(s);
+        }
+        Ok(())
+    }
+
     /// Runs `tokens` (appended after the state's current position) in chunks of
     /// `config.prefill_chunk`, and returns the requested logits. `progress(done, total)` is
     /// called after every chunk.
@@ -250,17 +357,8 @@ impl Engine {
         }
         let cap = self.config.prefill_chunk;
         let logit_rows = if want == Logits::All { cap } else { 1 };
-        let need_new = match &self.scratch {
-            Some(s) => s.logit_rows < logit_rows,
-            None => true,
-        };
-        if need_new {
-            if let Some(old) = self.scratch.take() {
-                old.free(self.backend.as_mut());
-            }
-            let s = Scratch::new(self.backend.as_mut(), hp, cap, logit_rows)?;
-            self.scratch = Some(s);
-        }
+        self.ensure_scratch(logit_rows)?;
+        let hp = &self.spec.hparams;
         let scratch = self.scratch.as_ref().expect("scratch allocated above");
         let model = Model {
             hp,

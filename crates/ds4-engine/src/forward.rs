@@ -162,6 +162,12 @@ pub(crate) struct Model<'a> {
     pub mode: NumericMode,
 }
 
+/// One sequence's part of a forward call: its state and the tokens that follow it.
+pub(crate) struct Seq<'a> {
+    pub state: &'a mut KvState,
+    pub tokens: &'a [u32],
+}
+
 /// Runs one chunk. `toks` must be non-empty, at most `s.cap` long, valid ids, and fit in
 /// the state's context (checked by the caller). Logits land in `s.logits`
 /// (`[rows, n_vocab]`, rows = 1 for `Last`, `T` for `All`).
@@ -173,16 +179,54 @@ pub(crate) fn forward_chunk(
     toks: &[u32],
     want: Want,
 ) -> Result<()> {
+    forward(
+        be,
+        m,
+        s,
+        &mut [Seq {
+            state: st,
+            tokens: toks,
+        }],
+        want,
+    )
+}
+
+/// Runs the tokens of several sequences in one pass (rows in sequence order): every op
+/// that only mixes a row with weights runs once over all rows (weights read once), and the
+/// ops that depend on a sequence's positions and cache (RoPE, compressors, indexer,
+/// attention, ring) run per sequence. With several sequences each must bring exactly one
+/// token (a batched decode step; `Want::Last` then yields one logits row per sequence).
+/// The caller checks sizes, ids and contexts.
+pub(crate) fn forward(
+    be: &mut dyn Backend,
+    m: &Model,
+    s: &Scratch,
+    seqs: &mut [Seq],
+    want: Want,
+) -> Result<()> {
     let hp = m.hp;
-    let t = toks.len();
-    let pos0 = st.pos();
+    let t: usize = seqs.iter().map(|q| q.tokens.len()).sum();
+    let batched = seqs.len() > 1;
+    debug_assert!(!batched || seqs.iter().all(|q| q.tokens.len() == 1));
+    // (first row, rows, position of the first row) of every sequence.
+    let spans: Vec<(usize, usize, usize)> = seqs
+        .iter()
+        .scan(0, |r, q| {
+            let span = (*r, q.tokens.len(), q.state.pos());
+            *r += q.tokens.len();
+            Some(span)
+        })
+        .collect();
     let (dm, nh, hd) = (hp.n_embd, hp.n_head, hp.head_dim);
     let n_hc = hp.hc_mult;
     let xw = n_hc * dm;
     let eps = hp.rms_eps;
     let official = m.mode == NumericMode::Official;
     let nope = hd - hp.rope_dim;
-    let ids: Vec<i32> = toks.iter().map(|&x| x as i32).collect();
+    let ids: Vec<i32> = seqs
+        .iter()
+        .flat_map(|q| q.tokens.iter().map(|&x| x as i32))
+        .collect();
     be.upload_i32(s.tokens, 0, &ids)?;
 
     let x = s.x.rows(0, t, xw);
@@ -205,7 +249,6 @@ pub(crate) fn forward_chunk(
     be.embed(m.w.tok_embd, s.tokens, t, n_hc, x)?;
 
     for (il, lw) in m.w.layers.iter().enumerate() {
-        let ls = st.layers[il];
         let freq = layer_rope(hp, il);
         let rope =
             |n_rows: usize, n_heads: usize, head_dim: usize, p0: usize, step: usize| RopeArgs {
@@ -228,96 +271,103 @@ pub(crate) fn forward_chunk(
         let (hb, hs) = (lw.hc_attn.base, lw.hc_attn.scale);
         be.hc_pre_norm(mix, x, hb, hs, hc, lw.attn_norm, y, post, comb, a)?;
 
-        let cq = s.cq.rows(0, t, hp.q_lora_rank);
-        be.matmul(lw.q_a, 0, a, t, cq)?;
-        be.rms_norm(cq, Some(lw.q_a_norm), t, hp.q_lora_rank, eps, cq)?;
-        let q = s.q.rows(0, t, nh * hd);
-        be.matmul(lw.q_b, 0, cq, t, q)?;
-        be.norm_rope(q, None, eps, rope(t, nh, hd, pos0, 1), None)?;
+        let cq_all = s.cq.rows(0, t, hp.q_lora_rank);
+        be.matmul(lw.q_a, 0, a, t, cq_all)?;
+        be.rms_norm(cq_all, Some(lw.q_a_norm), t, hp.q_lora_rank, eps, cq_all)?;
+        let q_all = s.q.rows(0, t, nh * hd);
+        be.matmul(lw.q_b, 0, cq_all, t, q_all)?;
+        let kv_all = s.kv.rows(0, t, hd);
+        be.matmul(lw.kv, 0, a, t, kv_all)?;
+        let o_all = s.o.rows(0, t, nh * hd);
 
-        let kv = s.kv.rows(0, t, hd);
-        be.matmul(lw.kv, 0, a, t, kv)?;
-        let kv_fp8 = official.then_some(nope);
-        be.norm_rope(kv, Some(lw.kv_norm), eps, rope(t, 1, hd, pos0, 1), kv_fp8)?;
+        for (seq, &(r0, t, pos0)) in seqs.iter().zip(&spans) {
+            let ls = seq.state.layers[il];
+            let rows = |x: crate::backend::Slice, width: usize| x.sub(r0 * width, t * width);
+            let (a, cq) = (rows(a, dm), rows(cq_all, hp.q_lora_rank));
+            let (q, kv) = (rows(q_all, nh * hd), rows(kv_all, hd));
+            be.norm_rope(q, None, eps, rope(t, nh, hd, pos0, 1), None)?;
+            let kv_fp8 = official.then_some(nope);
+            be.norm_rope(kv, Some(lw.kv_norm), eps, rope(t, 1, hd, pos0, 1), kv_fp8)?;
 
-        let mut comp = CompSel::None;
-        if let (Some(cs), Some(cw)) = (ls.comp, lw.comp.as_ref()) {
-            compress(be, s, a, cs, cw, pos0, t, eps, |be, rows, n, w0| {
-                be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
-                if official {
-                    be.qat_fp8(rows, n, hd, nope)?;
-                }
-                Ok(())
-            })?;
-            comp = CompSel::All {
-                rows: cs.rows.all(),
-                ratio: cs.ratio,
-            };
-            if let (Some(is), Some(iw)) = (ls.index, lw.indexer.as_ref()) {
-                let id = hp.indexer_head_dim;
-                compress(be, s, a, is, &iw.comp, pos0, t, eps, |be, rows, n, w0| {
-                    be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
+            let mut comp = CompSel::None;
+            if let (Some(cs), Some(cw)) = (ls.comp, lw.comp.as_ref()) {
+                compress(be, s, a, cs, cw, pos0, t, eps, |be, rows, n, w0| {
+                    be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
                     if official {
-                        be.qat_hadamard_fp4(rows, n, id)?;
+                        be.qat_fp8(rows, n, hd, nope)?;
                     }
                     Ok(())
                 })?;
-                let ih = hp.indexer_heads;
-                let iq = s.iq.rows(0, t, ih * id);
-                let iwt = s.iw.rows(0, t, ih);
-                // Scores are only needed once some query sees more rows than it may pick.
-                if (pos0 + t) / is.ratio > hp.indexer_top_k {
-                    be.matmul(iw.q_b, 0, cq, t, iq)?;
-                    be.rope(iq, rope(t, ih, id, pos0, 1))?;
-                    if official {
-                        be.qat_hadamard_fp4(iq, t * ih, id)?;
-                    }
-                    be.matmul(iw.proj, 0, a, t, iwt)?;
-                }
-                let args = IndexerArgs {
-                    pos0,
-                    n_tok: t,
-                    ratio: is.ratio,
-                    n_heads: ih,
-                    head_dim: id,
-                    top_k: hp.indexer_top_k,
-                    weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
-                };
-                be.indexer_topk(iq, iwt, is.rows.all(), args, s.sel)?;
-                comp = CompSel::Top {
+                comp = CompSel::All {
                     rows: cs.rows.all(),
                     ratio: cs.ratio,
-                    idx: s.sel,
-                    k: hp.indexer_top_k,
                 };
+                if let (Some(is), Some(iw)) = (ls.index, lw.indexer.as_ref()) {
+                    let id = hp.indexer_head_dim;
+                    compress(be, s, a, is, &iw.comp, pos0, t, eps, |be, rows, n, w0| {
+                        be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
+                        if official {
+                            be.qat_hadamard_fp4(rows, n, id)?;
+                        }
+                        Ok(())
+                    })?;
+                    let ih = hp.indexer_heads;
+                    let iq = s.iq.rows(0, t, ih * id);
+                    let iwt = s.iw.rows(0, t, ih);
+                    // Scores are only needed once some query sees more rows than it may pick.
+                    if (pos0 + t) / is.ratio > hp.indexer_top_k {
+                        be.matmul(iw.q_b, 0, cq, t, iq)?;
+                        be.rope(iq, rope(t, ih, id, pos0, 1))?;
+                        if official {
+                            be.qat_hadamard_fp4(iq, t * ih, id)?;
+                        }
+                        be.matmul(iw.proj, 0, a, t, iwt)?;
+                    }
+                    let args = IndexerArgs {
+                        pos0,
+                        n_tok: t,
+                        ratio: is.ratio,
+                        n_heads: ih,
+                        head_dim: id,
+                        top_k: hp.indexer_top_k,
+                        weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
+                    };
+                    be.indexer_topk(iq, iwt, is.rows.all(), args, s.sel)?;
+                    comp = CompSel::Top {
+                        rows: cs.rows.all(),
+                        ratio: cs.ratio,
+                        idx: s.sel,
+                        k: hp.indexer_top_k,
+                    };
+                }
             }
-        }
 
-        let o = s.o.rows(0, t, nh * hd);
-        be.attention(AttnArgs {
-            q,
-            kv,
-            ring: ls.ring.all(),
-            comp,
-            sinks: lw.sinks,
-            pos0,
-            n_tok: t,
-            n_head: nh,
-            head_dim: hd,
-            window: hp.sliding_window,
-            scale: (1.0 / (hd as f64).sqrt()) as f32,
-            out: o,
-        })?;
-        be.ring_store(ls.ring.all(), kv, pos0, t, hp.sliding_window)?;
-        be.rope(
-            o,
-            RopeArgs {
-                inverse: true,
-                ..rope(t, nh, hd, pos0, 1)
-            },
-        )?;
+            let o = rows(o_all, nh * hd);
+            be.attention(AttnArgs {
+                q,
+                kv,
+                ring: ls.ring.all(),
+                comp,
+                sinks: lw.sinks,
+                pos0,
+                n_tok: t,
+                n_head: nh,
+                head_dim: hd,
+                window: hp.sliding_window,
+                scale: (1.0 / (hd as f64).sqrt()) as f32,
+                out: o,
+            })?;
+            be.ring_store(ls.ring.all(), kv, pos0, t, hp.sliding_window)?;
+            be.rope(
+                o,
+                RopeArgs {
+                    inverse: true,
+                    ..rope(t, nh, hd, pos0, 1)
+                },
+            )?;
+        }
         let low = s.low.rows(0, t, hp.o_groups * hp.o_lora_rank);
-        be.matmul_grouped(lw.out_a, hp.o_groups, o, t, low)?;
+        be.matmul_grouped(lw.out_a, hp.o_groups, o_all, t, low)?;
         be.matmul(lw.out_b, 0, low, t, f)?;
         be.hc_post(x, f, post, comb, hc)?;
 
@@ -378,11 +428,14 @@ pub(crate) fn forward_chunk(
         be.matmul(lw.down_sh, 0, sh, t, sf)?;
         be.hc_post_add(x, f, sf, post, comb, hc)?;
     }
-    st.tokens.extend_from_slice(toks);
+    for q in seqs.iter_mut() {
+        q.state.tokens.extend_from_slice(q.tokens);
+    }
 
     // ---- head (docs/forward.md §4.3, §7) ----
     let (t0, nt) = match want {
         Want::None => return Ok(()),
+        Want::Last if batched => (0, t),
         Want::Last => (t - 1, 1),
         Want::All => (0, t),
     };

@@ -309,6 +309,8 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) act_q8: bool,
     /// Multi-token matmuls on quantized tiles ([`CudaOptions::prefill_tiles`]).
     pub(crate) tiles: PrefillTiles,
+    /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
+    pub(crate) decode_rows: usize,
 }
 
 /// Device-time attribution without host synchronisation: an event is recorded on the
@@ -518,6 +520,7 @@ impl<D: GpuApi> GpuBackend<D> {
             syncs: Default::default(),
             act_q8: false,
             tiles: opts.prefill_tiles,
+            decode_rows: 1,
         };
         if let Some(plan) = opts.plan {
             be.allocate_plan(&plan)?;
@@ -1152,6 +1155,11 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
 
     fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
         self.act_q8 = on;
+        Ok(())
+    }
+
+    fn set_decode_rows(&mut self, n: usize) -> BResult<()> {
+        self.decode_rows = n.max(1);
         Ok(())
     }
 

@@ -95,14 +95,32 @@ fn g32(v: usize) -> u32 {
 }
 
 impl<D: GpuApi> GpuBackend<D> {
+    /// The int8-activation rule (`Backend::set_activation_q8`, `set_decode_rows`): on, and
+    /// no more tokens than decode rows.
+    pub(super) fn q8_rows(&self, n_tok: usize) -> bool {
+        self.act_q8 && n_tok <= self.decode_rows
+    }
+
     /// Queues one matmul by the best path for its shape.
     fn mm(&mut self, m: Mm, op: &'static str) -> BResult<()> {
         if m.n_rows == 0 || m.n_tok == 0 {
             return Ok(());
         }
         let gty = GemvType::from_ggml(m.ty).ok();
-        if m.q8 && m.n_tok == 1 && ds4_gguf::quant::q8act::applies(m.ty) {
-            return self.mm_q8(m, op);
+        if m.q8 && ds4_gguf::quant::q8act::applies(m.ty) {
+            // Decode rows: each token through the one-token kernel, as it runs alone.
+            for t in 0..m.n_tok {
+                self.mm_q8(
+                    Mm {
+                        x: m.x + (4 * t * m.x_stride) as u64,
+                        y: m.y + (4 * t * m.y_stride) as u64,
+                        n_tok: 1,
+                        ..m
+                    },
+                    op,
+                )?;
+            }
+            return Ok(());
         }
         if m.n_tok == 1 {
             if let Some(gty) = gty {
@@ -356,7 +374,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 n_tok,
                 y: yp,
                 y_stride: rows,
-                q8: self.act_q8 && n_tok == 1,
+                q8: self.q8_rows(n_tok),
             },
             OP,
         )
@@ -415,7 +433,7 @@ impl<D: GpuApi> GpuBackend<D> {
                     n_tok,
                     y: yp + (4 * g * r) as u64,
                     y_stride: rows,
-                    q8: self.act_q8 && n_tok == 1,
+                    q8: self.q8_rows(n_tok),
                 },
                 OP,
             )?;
@@ -1037,6 +1055,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let so = self.scratch("moe_o", 4 * n_sel * d)?;
         if n_sel > GROUPED_MAX_SEL
             && self.tiles != PrefillTiles::Off
+            && !self.q8_rows(t)
             && self.tiles_ok(gty, d, gp, grb)
             && self.tiles_ok(gty, d, upp, grb)
             && self.tiles_ok(dty, f, dp, drb)
@@ -1101,7 +1120,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 n_sel,
                 d,
                 f,
-                self.act_q8 && t == 1,
+                self.q8_rows(t),
             )?;
             self.launch(
                 "ds4_moe_act",
@@ -1130,7 +1149,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 n_sel,
                 f,
                 d,
-                self.act_q8 && t == 1,
+                self.q8_rows(t),
             )?;
         } else {
             // Host-side grouping by expert: (token, slot) pairs in token order per expert.
@@ -1189,7 +1208,7 @@ impl<D: GpuApi> GpuBackend<D> {
                             n_tok: n,
                             y: y + (4 * off * f) as u64,
                             y_stride: f,
-                            q8: self.act_q8 && t == 1,
+                            q8: self.q8_rows(t),
                         },
                         OP,
                     )?;
@@ -1225,7 +1244,7 @@ impl<D: GpuApi> GpuBackend<D> {
                         n_tok: n,
                         y: ob + (4 * off * d) as u64,
                         y_stride: d,
-                        q8: self.act_q8 && t == 1,
+                        q8: self.q8_rows(t),
                     },
                     OP,
                 )?;

@@ -1,0 +1,119 @@
+//! Batched decode (`Engine::eval_batch`): several sequences of different lengths decoded in
+//! one forward pass must get, bit for bit, the logits each gets decoded alone — in exact
+//! and official mode, with f32 and with int8 activations — and bad batches are errors.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use ds4_cpu::CpuBackend;
+use ds4_engine::{argmax, Backend, Engine, EngineConfig, EngineError, Logits, NumericMode};
+use ds4_gguf::GgufFile;
+use ds4_model::layout::TypeRecipe;
+
+fn engine(file: &Arc<GgufFile>, mode: NumericMode, q8: bool) -> Engine {
+    let cfg = EngineConfig {
+        mode: Some(mode),
+        ctx: 256,
+        prefill_chunk: 16,
+    };
+    let mut be = CpuBackend::new(2).unwrap();
+    be.set_activation_q8(q8).unwrap();
+    Engine::load(Arc::clone(file), Box::new(be), cfg).unwrap()
+}
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut r = ds4_engine::Rng::new(seed);
+    (0..n)
+        .map(|_| (r.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// Prompts of 3, 9, 21 and 34 tokens (inside and past the sliding window, around
+/// compressor windows of 4 and 16), then 6 greedy steps: batched vs one by one.
+fn batched_equals_alone(file: &Arc<GgufFile>, mode: NumericMode, q8: bool) {
+    let mut eng = engine(file, mode, q8);
+    let vocab = eng.hparams().n_vocab;
+    let prompts: Vec<Vec<u32>> = [3usize, 9, 21, 34]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tokens(n, vocab, 100 + i as u64))
+        .collect();
+    let mut batch = Vec::new();
+    let mut alone = Vec::new();
+    let mut next = Vec::new();
+    for p in &prompts {
+        let mut a = eng.new_state().unwrap();
+        let mut b = eng.new_state().unwrap();
+        let la = eng.eval(&mut a, p, Logits::Last, None).unwrap();
+        eng.eval(&mut b, p, Logits::Last, None).unwrap();
+        next.push(argmax(&la) as u32);
+        batch.push(a);
+        alone.push(b);
+    }
+    for step in 0..6 {
+        let mut refs: Vec<&mut ds4_engine::KvState> = batch.iter_mut().collect();
+        let got = eng.eval_batch(&mut refs, &next).unwrap();
+        let mut want = Vec::new();
+        for (st, &t) in alone.iter_mut().zip(&next) {
+            want.extend(eng.eval(st, &[t], Logits::Last, None).unwrap());
+        }
+        assert_eq!(got.len(), want.len());
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "{mode} q8 {q8}: step {step} differs from decoding alone"
+        );
+        next = got.chunks(vocab).map(|r| argmax(r) as u32).collect();
+    }
+    // The argmax form agrees with the logits form.
+    let mut refs: Vec<&mut ds4_engine::KvState> = batch.iter_mut().collect();
+    let ids = eng.eval_batch_argmax(&mut refs, &next).unwrap();
+    let mut want = Vec::new();
+    for (st, &t) in alone.iter_mut().zip(&next) {
+        want.push(argmax(&eng.eval(st, &[t], Logits::Last, None).unwrap()) as u32);
+    }
+    assert_eq!(ids, want);
+}
+
+#[test]
+fn batched_decode_equals_decoding_alone() {
+    let f32_model = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 11);
+    batched_equals_alone(&f32_model, NumericMode::Exact, false);
+    batched_equals_alone(&f32_model, NumericMode::Official, false);
+    // K-quant experts: int8 activations apply, row by row.
+    let q2 = synthetic_model(&quant_hparams(), &TypeRecipe::Q2, 5);
+    batched_equals_alone(&q2, NumericMode::Official, true);
+}
+
+#[test]
+fn bad_batches_are_errors() {
+    let file = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 11);
+    let mut eng = engine(&file, NumericMode::Exact, false);
+    let mut a = eng.new_state().unwrap();
+    let mut b = eng.new_state().unwrap();
+    eng.eval(&mut a, &[1, 2], Logits::Last, None).unwrap();
+    // One token per state.
+    let r = eng.eval_batch(&mut [&mut a, &mut b], &[1]);
+    assert!(matches!(r, Err(EngineError::Config(_))), "{r:?}");
+    assert!(eng.eval_batch(&mut [], &[]).is_err());
+    // A token outside the vocabulary.
+    let r = eng.eval_batch(&mut [&mut a, &mut b], &[1, 10_000]);
+    assert!(
+        matches!(r, Err(EngineError::BadToken { index: 1, .. })),
+        "{r:?}"
+    );
+    // More states than the chunk holds.
+    let mut many: Vec<_> = (0..17).map(|_| eng.new_state().unwrap()).collect();
+    let mut refs: Vec<&mut ds4_engine::KvState> = many.iter_mut().collect();
+    assert!(eng.eval_batch(&mut refs, &[3; 17]).is_err());
+    // Nothing moved: both states continue as if the bad calls never happened.
+    assert_eq!(a.pos(), 2);
+    assert_eq!(b.pos(), 0);
+    eng.eval_batch(&mut [&mut a, &mut b], &[3, 4]).unwrap();
+    assert_eq!((a.pos(), b.pos()), (3, 1));
+}

@@ -186,7 +186,10 @@ fn wide_fixture_tells_the_fp8_block_size() {
     }
     // The control itself is right: with blocks of 64 it is the engine.
     let same = run(&c, Some(Control::Fp8Block(64)));
-    assert_eq!(same.errors, plain.errors, "fp8-block-64 differs from the engine");
+    assert_eq!(
+        same.errors, plain.errors,
+        "fp8-block-64 differs from the engine"
+    );
 }
 
 #[test]

@@ -91,6 +91,13 @@ class ModelSpec:
     # divided by it to keep those channels from dominating the output.
     clamp_frac: float = 0.125
     clamp_boost: float = 6.0
+    # FP8 block contrast (tiny-wide): per 32-dim slice of the non-RoPE KV dims, a factor on the
+    # KV norm and attention-compressor norm weights; the matching output-projection (wo_a)
+    # columns are divided by it, so every slice still matters for the logits. Empty: off.
+    # Why: with power-of-two scales an E4M3 round trip depends on its block only through
+    # values far below the block's max (subnormals), so on rows of uniform magnitude a wrong
+    # FP8 block size is invisible; slices whose magnitudes differ by 2^13 make it visible.
+    kv_slice_scale: tuple = ()
     # sequence name -> (length, chunk size used for chunked prefill)
     sequences: tuple = (("short", 7, 3), ("medium", 100, 37), ("long", 520, 37))
     debug_seq: str = "short"
@@ -162,6 +169,9 @@ class ModelSpec:
         for dim in (self.embd, self.q_lora, self.n_head * self.head_dim // self.o_groups,
                     self.o_groups * self.o_lora, self.expert_ffn):
             assert dim % 32 == 0, f"{self.name}: Q8_0 dim {dim} is not a multiple of 32"
+        if self.kv_slice_scale:
+            assert len(self.kv_slice_scale) * 32 == self.head_dim - self.rope_dim, \
+                "kv_slice_scale needs one factor per 32 non-RoPE dims"
         long_len = max(length for _, length, _ in self.sequences)
         assert long_len // self.hca_ratio >= 4, "long sequence needs several HCA rows"
         assert long_len // 4 > self.idx_topk, "indexer top-k must be smaller than the CSA row count"
@@ -261,6 +271,48 @@ MODELS = [
         yarn_orig_ctx=65536,
     ),
 ]
+
+# 2^-13: under a shared block scale a slice this much smaller than its neighbour is quantized
+# with the subnormal step (a few grid points per standard deviation); under its own scale it
+# keeps E4M3's 3 mantissa bits. Its block max (~5e-4) stays above the 1e-4 amax floor.
+KV_SMALL = 2.0**-13
+
+MODELS.append(
+    ModelSpec(
+        name="wide",
+        description="4 layers [S,S,CSA,HCA], HCA ratio 16, 2 hash + 2 top-k MoE layers (top-2 of 4), "
+        "window 16, real rope bases/YaRN; head_dim 160 with a 32-dim rope slice, so the FP8 round "
+        "trip covers 128 non-RoPE dims (two blocks of 64). Its KV/compressor norm weights scale the "
+        "four 32-dim slices by 1, 2^-13, 2^-13, 2^-13 (wo_a compensates): with blocks of 64 the "
+        "second slice shares the first one's scale, with blocks of 128 the third and fourth do "
+        "too, with blocks of 32 none does, so each block size gives different logits.",
+        seed=1004,
+        vocab=256,
+        embd=64,
+        n_layer=4,
+        hca_ratio=16,
+        n_hash=2,
+        n_head=2,
+        head_dim=160,
+        rope_dim=32,
+        q_lora=32,
+        o_groups=2,
+        o_lora=16,
+        n_expert=4,
+        n_expert_used=2,
+        expert_ffn=32,
+        window=16,
+        idx_heads=16,
+        idx_dim=32,
+        idx_topk=8,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        yarn_factor=16.0,
+        yarn_orig_ctx=65536,
+        kv_slice_scale=(1.0, KV_SMALL, KV_SMALL, KV_SMALL),
+        sequences=(("short", 7, 3), ("medium", 100, 37), ("long", 260, 37)),
+    )
+)
 
 # Initialisation scales (docs/forward.md §11 "All parameters randomized"), recorded in reference.json.
 INIT = {
@@ -364,6 +416,26 @@ def init_weights(model: DeepseekV4ForCausalLM, spec: ModelSpec) -> None:
     missing = [n for n, _ in model.named_parameters() if n not in done]
     if missing:
         raise RuntimeError(f"parameters left uninitialised: {missing}")
+    if spec.kv_slice_scale:
+        _apply_kv_slice_scale(model, spec)
+
+
+@torch.no_grad()
+def _apply_kv_slice_scale(model: DeepseekV4ForCausalLM, spec: ModelSpec) -> None:
+    """Scales the non-RoPE KV dims slice by slice (spec.kv_slice_scale) in the raw KV norm and
+    the attention compressor's norm, and divides the wo_a columns that read those dims of each
+    head's attention output by the same factor (the attention output is a convex combination of
+    KV rows, so its per-dim scale follows the rows')."""
+    f = torch.ones(spec.head_dim)
+    for i, k in enumerate(spec.kv_slice_scale):
+        f[32 * i:32 * (i + 1)] = k
+    heads_per_group = spec.n_head // spec.o_groups
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.kv_norm.weight.mul_(f)
+        if getattr(attn, "compressor", None) is not None:
+            attn.compressor.kv_norm.weight.mul_(f)
+        attn.o_a_proj.weight.div_(f.repeat(heads_per_group))
 
 
 class Recorder:
@@ -744,6 +816,11 @@ def build_fixture(spec: ModelSpec, out_root: Path, log) -> dict:
         "init": INIT,
         "clamp_frac": spec.clamp_frac,
         "clamp_boost": spec.clamp_boost,
+        **({"kv_slice_scale": {
+            "factors": list(spec.kv_slice_scale),
+            "rule": "per 32-dim slice of the non-RoPE dims: KV norm and attention-compressor norm "
+                    "weights times the factor, the wo_a columns reading those dims divided by it",
+        }} if spec.kv_slice_scale else {}),
         "parameter_count": n_params,
         "config": config_summary(spec),
         "sequences": meta_seqs,
@@ -819,7 +896,9 @@ def main(argv=None) -> int:
             bad = []
             for s in specs:
                 new, old = Path(tmp) / f"tiny-{s.name}", args.out / f"tiny-{s.name}"
-                names = sorted({p.name for p in new.iterdir()} | ({p.name for p in old.iterdir()} if old.is_dir() else set()))
+                # Only what this script writes: official.* and quant_exact.* come from
+                # make_official.py / make_quant_exact.py and would always "differ".
+                names = sorted(p.name for p in new.iterdir())
                 for name in names:
                     if not ((new / name).is_file() and (old / name).is_file() and filecmp.cmp(new / name, old / name, shallow=False)):
                         bad.append(f"tiny-{s.name}/{name}")

@@ -50,6 +50,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 EXACT_TOL = 1e-5
 MODE_TOL = 1e-9
+# FP8 block-size check: on a fixture with more than one FP8 block per row, the reference with
+# blocks of 32 or 128 instead of 64 must leave the official logits (e_t = max_v |d| /
+# max(1, |ref|) above this) within the first BLOCK_PREFIX positions of every sequence. These
+# are the numbers of ds4_check::refcheck's reordered bound (PREFIX_MAX, PREFIX): a fixture that
+# passes here gives the engine's wrong-block controls no clean prefix to hide in.
+BLOCK_DEPART = 5e-3
+BLOCK_PREFIX = 100
+WRONG_BLOCKS = (32, 128)
 
 # GGUF tensor (ds4 layout) -> HF saved name, for reading a q2/q4 conversion back.
 GLOBAL_MAP = {
@@ -210,7 +218,36 @@ def run_variant(cfg, weights, ref, meta, label, log, check_exact: bool):
     info["sensitivity"] = {"sequence": seq, **sens}
     log(f"    {label} sensitivity ({seq}): " + ", ".join(f"{k[len('max_abs_official_minus_'):]} {v:.3f}"
                                                    for k, v in sens.items()))
+    info["fp8_block_sensitivity"] = fp8_block_sensitivity(cfg, weights, ref, seqs, tensors, label, log)
     return tensors, info
+
+
+def fp8_block_sensitivity(cfg, weights, ref, seqs, tensors, label, log) -> dict:
+    """How far the official logits move when the FP8 round trip uses blocks of 32 or 128
+    instead of 64 (prefill of every sequence). Where a row has more than one FP8 block
+    (non-RoPE width > 64), every sequence must depart within its first BLOCK_PREFIX positions,
+    or the fixture cannot tell the block size and nothing is written."""
+    nope = cfg.head_dim - cfg.rope_dim
+    out = {"non_rope_width": nope, "depart_threshold": BLOCK_DEPART, "prefix": BLOCK_PREFIX}
+    for block in WRONG_BLOCKS:
+        r = Reference(cfg, weights, qat=True)
+        r.fp8_block = block
+        per_seq = {}
+        for seq in seqs:
+            toks = ref[f"tokens.{seq}"]
+            want = tensors[f"{label}.{seq}.logits"].astype(np.float64)
+            e = (np.abs(r.run(toks, len(toks)) - want) / np.maximum(1.0, np.abs(want))).max(axis=-1)
+            over = np.nonzero(e > BLOCK_DEPART)[0]
+            per_seq[seq] = {"max_rel": float(e.max()), "median_rel": float(np.median(e)),
+                            "first_position_over_threshold": int(over[0]) if len(over) else None}
+            if nope > 64 and (not len(over) or over[0] >= BLOCK_PREFIX):
+                raise RuntimeError(f"{label}/{seq}: FP8 blocks of {block} stay within {BLOCK_DEPART:e} "
+                                   f"over the first {BLOCK_PREFIX} positions; the fixture does not tell "
+                                   "the block size")
+        out[f"block_{block}"] = per_seq
+        log(f"    {label} FP8 block {block} instead of 64: " + ", ".join(
+            f"{s} max {v['max_rel']:.2e} from {v['first_position_over_threshold']}" for s, v in per_seq.items()))
+    return out
 
 
 def main(argv=None) -> int:

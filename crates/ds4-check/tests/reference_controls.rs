@@ -26,8 +26,10 @@ struct Case {
     _tmp: tempfile::TempDir,
 }
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-hca16")
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
 }
 
 fn f32s(st: &safetensors::SafeTensors, name: &str) -> Vec<f32> {
@@ -41,8 +43,8 @@ fn f32s(st: &safetensors::SafeTensors, name: &str) -> Vec<f32> {
         .collect()
 }
 
-fn case() -> Case {
-    let dir = fixture();
+fn case(name: &str) -> Case {
+    let dir = fixture(name);
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("hf");
     std::fs::create_dir_all(&src).unwrap();
@@ -96,7 +98,7 @@ fn run(c: &Case, control: Option<Control>) -> SeqErrors {
 
 #[test]
 fn reordered_bound_accepts_correct_controls_and_rejects_planted_bugs() {
-    let c = case();
+    let c = case("tiny-hca16");
     let plain = run(&c, None);
     println!("cpu engine: {}", plain.summary());
     refcheck::strict(&plain).expect("the CPU engine meets the strict bound");
@@ -149,6 +151,45 @@ fn reordered_bound_accepts_correct_controls_and_rejects_planted_bugs() {
             refcheck::PREFIX_MAX
         );
     }
+}
+
+/// FP8 block size (issue 18): tiny-wide has 128 non-RoPE KV dims (two blocks of 64) whose
+/// 32-dim slices differ in magnitude by 2^13 (tools/oracle/README.md, "tiny-wide"), so blocks
+/// of 32 or 128 quantize some slices with another scale. The engine must meet both bounds
+/// there, and a control with the wrong block size must fail the reordered one by a wide margin
+/// (on the older fixtures, whose non-RoPE widths are at most 48, it is invisible).
+#[test]
+fn wide_fixture_tells_the_fp8_block_size() {
+    let c = case("tiny-wide");
+    let plain = run(&c, None);
+    println!("cpu engine: {}", plain.summary());
+    refcheck::strict(&plain).expect("the CPU engine meets the strict bound on tiny-wide");
+    refcheck::clean_prefix(&plain).expect("the CPU engine's prefix is clean on tiny-wide");
+    for name in ["fp8-block-128", "fp8-block-32"] {
+        let k = Control::parse(name).unwrap();
+        assert!(!k.is_correct());
+        let e = run(&c, Some(k));
+        println!("{name:22} {}", e.summary());
+        let mut pooled = refcheck::Reordered::default();
+        assert!(
+            pooled.add(&e).is_err(),
+            "{name} (wrong FP8 block) has a clean prefix on tiny-wide"
+        );
+        assert!(pooled.verdict().is_err(), "{name} passes the pooled bound");
+        refcheck::strict(&e).expect_err("a wrong FP8 block passes the strict bound");
+        let w = e.prefix_worst(refcheck::PREFIX);
+        assert!(
+            w >= 3.0 * refcheck::PREFIX_MAX,
+            "{name}: prefix error {w:.2e} is within 3x of the limit {:e}",
+            refcheck::PREFIX_MAX
+        );
+    }
+    // The control itself is right: with blocks of 64 it is the engine.
+    let same = run(&c, Some(Control::Fp8Block(64)));
+    assert_eq!(
+        same.errors, plain.errors,
+        "fp8-block-64 differs from the engine"
+    );
 }
 
 #[test]

@@ -71,6 +71,42 @@ fn argmax(r: &[f32]) -> usize {
         .0
 }
 
+/// Per position of `logits` (`[T, vocab]`), the largest minus the second largest value: the
+/// top-1/top-2 gap the fixtures record for their reference, computed here for a reference that
+/// is another engine run (`ds4-engine-check parity`). A row with a NaN gives NaN; [`compare`]
+/// then rates that position as infinitely wrong anyway.
+pub fn top1_gaps(logits: &[f32], vocab: usize) -> Result<Vec<f32>, String> {
+    if vocab < 2 || !logits.len().is_multiple_of(vocab) {
+        return Err(format!(
+            "{} logits are not a whole number of rows of {vocab} (>= 2)",
+            logits.len()
+        ));
+    }
+    Ok(logits
+        .chunks(vocab)
+        .map(|r| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &v in r {
+                if v.is_nan() {
+                    return f32::NAN;
+                }
+                if v > a {
+                    b = a;
+                    a = v;
+                } else if v > b {
+                    b = v;
+                }
+            }
+            a - b
+        })
+        .collect())
+}
+
+/// [`compare`] against another run's logits: the top-1 gaps are taken from `want` itself.
+pub fn compare_runs(got: &[f32], want: &[f32], vocab: usize) -> Result<SeqErrors, String> {
+    compare(got, want, &top1_gaps(want, vocab)?, vocab)
+}
+
 /// Compares `got` with `want` (`[T, vocab]` each); `gaps` is the reference's per-position
 /// top-1/top-2 gap. Errors (not panics) on inconsistent lengths.
 pub fn compare(got: &[f32], want: &[f32], gaps: &[f32], vocab: usize) -> Result<SeqErrors, String> {

@@ -87,6 +87,15 @@ struct Args {
     /// time goes by section and kernel. 0: off.
     #[arg(long, default_value_t = 0)]
     profile: usize,
+    /// After the frontiers: batched decode (one forward pass for several sequences) at
+    /// each of these batch sizes, comma separated (e.g. 1,2,4,8): every sequence gets a
+    /// --batch-prompt-token prompt, then --decode steps; prints aggregate tok/s and the
+    /// step latency.
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Prompt tokens per sequence for --batch.
+    #[arg(long, default_value_t = 256)]
+    batch_prompt: usize,
     /// Before the frontiers, prefill this many tokens in a fresh state with device-time
     /// attribution on and print where the time goes. 0: off.
     #[arg(long, default_value_t = 0)]
@@ -466,6 +475,16 @@ fn main() -> Result<()> {
         csv += &line;
         last = logits;
     }
+    for &b in &args.batch {
+        batch_decode(
+            &mut eng,
+            b,
+            args.batch_prompt,
+            args.decode.max(1),
+            &mut rng,
+            limit,
+        )?;
+    }
     print!("{csv}");
     if args.checksum {
         let sum: f64 = last.iter().map(|&v| v as f64).sum();
@@ -522,6 +541,56 @@ fn profile_decode(
         100.0 * device / wall.max(1e-9)
     );
     print_profile(&rows, per, device, "token");
+    Ok(())
+}
+
+/// `b` sequences with `prompt`-token random prompts, then `steps` batched greedy decode
+/// steps; prints aggregate and per-sequence speed (the issue-22 measurement at the engine
+/// level, without the server).
+fn batch_decode(
+    eng: &mut Engine,
+    b: usize,
+    prompt: usize,
+    steps: usize,
+    rng: &mut Rng,
+    limit: f64,
+) -> Result<()> {
+    if b == 0 {
+        bail!("--batch sizes must be at least 1");
+    }
+    let vocab = eng.hparams().n_vocab;
+    let mut states = Vec::with_capacity(b);
+    let mut next = Vec::with_capacity(b);
+    for _ in 0..b {
+        let toks: Vec<u32> = (0..prompt.max(1))
+            .map(|_| (rng.next_f64() * vocab as f64) as u32 % vocab as u32)
+            .collect();
+        let mut st = eng.new_state()?;
+        next.push(eng.eval_argmax(&mut st, &toks)?);
+        states.push(st);
+    }
+    let c0 = eng.backend_mut().counters();
+    let t = Instant::now();
+    for _ in 0..steps {
+        let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+        next = eng.eval_batch_argmax(&mut refs, &next)?;
+    }
+    let s = t.elapsed().as_secs_f64();
+    let c1 = eng.backend_mut().counters();
+    let agg = (b * steps) as f64 / s;
+    eprintln!(
+        "batch {b}: {steps} steps in {s:.3} s · step {:.2} ms · aggregate {agg:.2} tok/s \
+         ({:.1} % of the batch-1 bandwidth limit {limit:.0}) · per sequence {:.2} tok/s · \
+         {:.0} launches, {:.1} host syncs per step",
+        1e3 * s / steps as f64,
+        100.0 * agg / limit,
+        steps as f64 / s,
+        (c1.launches - c0.launches) as f64 / steps as f64,
+        (c1.syncs - c0.syncs) as f64 / steps as f64
+    );
+    for st in states {
+        eng.free_state(st);
+    }
     Ok(())
 }
 

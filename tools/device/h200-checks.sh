@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One device session's checks and measurements, in priority order, for a machine with an
+# NVIDIA GPU and no Rust: run it from the repository root with the stripped binaries
+# (ds4, ds4-bench, ds4-engine-check, ds4-convert) in $BIN (default ./bin) and an output
+# directory in $OUT (default ./out). Each step logs to $OUT/<step>.log and prints its
+# summary lines; a failing step does not stop the later ones.
+#
+# Build the binaries on a machine with Rust:
+#   cargo build --release -p ds4-cli -p ds4-check -p ds4-convert --bins
+#   for b in ds4 ds4-bench ds4-engine-check ds4-convert; do strip -o bin/$b target/release/$b; done
+#
+# Steps (skip any with SKIP="name name"):
+#   ops        op mirror on the fixtures + random tiny models, f32 and int8 activations
+#   tiles      op mirror with prefill tiles (experts, all), tiny and 4-layer real dims
+#   reference  official-mode reference bound on the fixtures (GPU and CPU)
+#   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound)
+#   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution
+#   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
+#   batch      batched decode aggregate tok/s at 1, 2, 4, 8, 16 sequences
+set -uo pipefail
+BIN="${BIN:-$PWD/bin}"
+OUT="${OUT:-$PWD/out}"
+SKIP="${SKIP:-}"
+R="$PWD"
+export PATH="$BIN:$PATH"
+mkdir -p "$OUT"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+skip() { [[ " $SKIP " == *" $1 "* ]]; }
+step() { echo "== $1"; }
+
+models() {
+    [ -f "$work/m-q2.gguf" ] && return
+    for f in tiny-hca16 tiny-hca128 tiny-quant; do
+        ds4-convert hf --quiet "$R/tests/fixtures/$f" "$work/m-$f.gguf" >/dev/null
+    done
+    ds4-convert hf --quiet --types q2 "$R/tests/fixtures/tiny-quant" "$work/m-q2.gguf" >/dev/null
+    ds4-convert hf --quiet --types q4 "$R/tests/fixtures/tiny-quant" "$work/m-q4.gguf" >/dev/null
+}
+
+if ! skip ops; then
+    step ops; models
+    ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 > "$OUT/ops.log" 2>&1; tail -1 "$OUT/ops.log"
+    ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 --act-q8 > "$OUT/ops_q8.log" 2>&1; tail -1 "$OUT/ops_q8.log"
+fi
+if ! skip tiles; then
+    step tiles; models
+    ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 --chunk 40 --tiles experts > "$OUT/tiles_e.log" 2>&1; tail -1 "$OUT/tiles_e.log"
+    ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 --chunk 40 --tiles all > "$OUT/tiles_a.log" 2>&1; tail -1 "$OUT/tiles_a.log"
+    ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles all > "$OUT/tiles_4l.log" 2>&1
+    grep -E "moe|matmul|FAIL" "$OUT/tiles_4l.log" | head -8; tail -1 "$OUT/tiles_4l.log"
+fi
+if ! skip reference; then
+    step reference
+    timeout 300 ds4-engine-check reference tests/fixtures > "$OUT/reference.log" 2>&1; tail -3 "$OUT/reference.log"
+fi
+if ! skip parity; then
+    step parity; models
+    ds4-engine-check parity "$work"/m-*.gguf --tiny 2 > "$OUT/parity.log" 2>&1; grep -E "PASSED|FAIL|failed" "$OUT/parity.log" | head -5
+fi
+if ! skip prefill; then
+    step prefill
+    for t in off experts all; do
+        timeout 200 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 --decode 4 --tiles $t \
+            --profile-prefill 2048 > "$OUT/prefill_$t.log" 2>&1
+        echo "tiles $t:"; grep -E "^2048,|profile prefill" "$OUT/prefill_$t.log"
+        grep -A12 "by kernel" "$OUT/prefill_$t.log" | head -12
+    done
+fi
+if ! skip bench; then
+    step bench
+    timeout 400 ds4-bench --synthetic q2 --frontiers 2048,8192,32768 --decode 16 > "$OUT/bench.log" 2>&1
+    grep -E "^[0-9]+,|rror" "$OUT/bench.log"
+    timeout 400 ds4-bench --synthetic q2 --frontiers 2048,8192,32768 --decode 16 --tiles experts > "$OUT/bench_tiles.log" 2>&1
+    grep -E "^[0-9]+,|rror" "$OUT/bench_tiles.log"
+fi
+if ! skip batch; then
+    step batch
+    timeout 400 ds4-bench --synthetic q2 --frontiers 512 --decode 16 --batch 1,2,4,8,16 > "$OUT/batch.log" 2>&1
+    grep -E "^batch|rror" "$OUT/batch.log"
+fi

@@ -25,13 +25,23 @@ const TOL_OFFICIAL: f64 = 1e-3;
 const TOL_Q8_REQUANT: f64 = 2e-3;
 const TOL_TILES: f64 = 3e-3;
 
-fn kernels() -> Arc<EmuKernels> {
+fn kernels(mma: bool) -> Arc<EmuKernels> {
     static K: OnceLock<Arc<EmuKernels>> = OnceLock::new();
-    K.get_or_init(|| Arc::new(EmuKernels::build().expect("building the kernel emulation")))
-        .clone()
+    static NO_MMA: OnceLock<Arc<EmuKernels>> = OnceLock::new();
+    let (cell, extra): (_, &[&str]) = if mma {
+        (&K, &[])
+    } else {
+        (&NO_MMA, &["-DDS4_EMU_NO_MMA"])
+    };
+    cell.get_or_init(|| {
+        Arc::new(EmuKernels::build_with(extra).expect("building the kernel emulation"))
+    })
+    .clone()
 }
 
 struct Run {
+    /// Kernels with the tensor-core paths (CUDA) or without (HIP's paths).
+    mma: bool,
     recipe: TypeRecipe,
     tiles: PrefillTiles,
     act_q8: bool,
@@ -47,7 +57,7 @@ fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     let file = model_file_with(dir.path(), r.recipe);
     let m = machine("strix-halo-stock");
     let fake = FakeHip::for_machine(&m, Faults::default());
-    fake.set_kernels(kernels());
+    fake.set_kernels(kernels(r.mma));
     let dev = fake.device(&m, HipSettings::default());
     let opts = GpuOptions {
         cache: KernelCache::at(dir.path().join("kernels")),
@@ -133,6 +143,7 @@ fn check(r: Run) {
 #[test]
 fn emulated_gpu_ops_match_the_cpu_exact() {
     check(Run {
+        mma: true,
         // Chunks of 36 and 4: f32 panels with the built-in GEMM and experts grouped on
         // the host (72 selections), then the small-batch kernel and the grouped GEMV.
         recipe: TypeRecipe::Q2,
@@ -147,6 +158,7 @@ fn emulated_gpu_ops_match_the_cpu_exact() {
 fn emulated_gpu_ops_match_the_cpu_official_int8_q4() {
     // Q4_K experts: the Q4_K tile decode at prefill, the int8 Q4_K GEMVs at decode.
     check(Run {
+        mma: true,
         recipe: TypeRecipe::Q4,
         tiles: PrefillTiles::Experts,
         act_q8: true,
@@ -159,8 +171,22 @@ fn emulated_gpu_ops_match_the_cpu_official_int8_q4() {
 fn emulated_prefill_tiles_match_the_cpu() {
     // 40-token chunks: 80 expert selections, past the grouped GEMV, onto the tiles.
     check(Run {
+        mma: true,
         recipe: TypeRecipe::Q2,
         tiles: PrefillTiles::All,
+        act_q8: false,
+        chunk: 40,
+        mode: NumericMode::Exact,
+    });
+}
+
+#[test]
+fn emulated_prefill_tiles_without_matrix_instructions_match_the_cpu() {
+    // The tile kernels' HIP path (plain FMAs on the same shared tiles).
+    check(Run {
+        mma: false,
+        recipe: TypeRecipe::Q2,
+        tiles: PrefillTiles::Experts,
         act_q8: false,
         chunk: 40,
         mode: NumericMode::Exact,

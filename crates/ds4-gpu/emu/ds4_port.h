@@ -137,8 +137,11 @@ static inline int ds4_dp4a(int a, int b, int c) {
 
 // The tensor-core product of kernels/ds4_port.h, computed from the documented PTX
 // m16n8k16 fragment layouts: every lane publishes its fragments, then computes its own
-// four outputs from the whole tiles (f32 sums in k order).
+// four outputs from the whole tiles (f32 sums in k order). Built with -DDS4_EMU_NO_MMA the
+// kernels take their HIP path instead (no matrix instructions).
+#ifndef DS4_EMU_NO_MMA
 #define DS4_HAS_MMA 1
+#endif
 static inline float ds4emu_half(ds4_u32 reg, int hi) { return ds4_h2f((ds4_u16)(hi ? reg >> 16 : reg & 0xffff)); }
 static inline void ds4_mma_16816(float* c, const ds4_u32* a, const ds4_u32* b) {
     float* s = ds4emu_warp_slots(6);  // per lane: a[4], b[2] (bit patterns)

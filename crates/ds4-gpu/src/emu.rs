@@ -104,7 +104,17 @@ fn write(dir: &Path, name: &str, text: &str) -> Result<(), EmuError> {
 impl EmuKernels {
     /// Builds (or finds in the cache) the emulation of every kernel file.
     pub fn build() -> Result<EmuKernels, EmuError> {
+        Self::build_with(&[])
+    }
+
+    /// [`EmuKernels::build`] with extra compiler arguments (e.g. `-DDS4_EMU_NO_MMA`: the
+    /// kernels' paths for GPUs without matrix instructions, as on HIP).
+    pub fn build_with(extra: &[&str]) -> Result<EmuKernels, EmuError> {
         let mut h = Sha256::new();
+        for e in extra {
+            h.update(e.as_bytes());
+            h.update([0]);
+        }
         h.update(CPU_PORT_H.as_bytes());
         h.update(RUNTIME_CPP.as_bytes());
         h.update(compiler().as_bytes());
@@ -117,12 +127,12 @@ impl EmuKernels {
             .collect();
         let lib_path = std::env::temp_dir().join(format!("ds4-emu-{key}.so"));
         if !lib_path.exists() {
-            Self::compile(&lib_path)?;
+            Self::compile(&lib_path, extra)?;
         }
         Self::open(&lib_path)
     }
 
-    fn compile(lib_path: &Path) -> Result<(), EmuError> {
+    fn compile(lib_path: &Path, extra: &[&str]) -> Result<(), EmuError> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |t| t.subsec_nanos());
@@ -130,12 +140,12 @@ impl EmuKernels {
             std::env::temp_dir().join(format!("ds4-emu-build-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&dir)
             .map_err(|e| EmuError::Build(format!("creating {}: {e}", dir.display())))?;
-        let result = Self::compile_in(&dir, lib_path);
+        let result = Self::compile_in(&dir, lib_path, extra);
         let _ = std::fs::remove_dir_all(&dir);
         result
     }
 
-    fn compile_in(d: &Path, lib_path: &Path) -> Result<(), EmuError> {
+    fn compile_in(d: &Path, lib_path: &Path, extra: &[&str]) -> Result<(), EmuError> {
         // The CPU port takes the name of the GPU one, so the sources' #include finds it.
         write(d, "ds4_port.h", CPU_PORT_H)?;
         write(d, "runtime.cpp", RUNTIME_CPP)?;
@@ -154,6 +164,7 @@ impl EmuKernels {
                 "-ffp-contract=off",
                 "-w",
             ])
+            .args(extra)
             .args(&units)
             .arg("-o")
             .arg(&tmp);

@@ -68,15 +68,27 @@ __device__ __forceinline__ float ds4_shfl_up(float v, int delta) {
     return __shfl_up(v, delta, DS4_WARP);
 }
 
-// Signed 4x8-bit dot product plus c. Written out byte by byte so that every ROCm version
-// and every gfx target compiles it; the AMD dot-product builtins (gfx9/RDNA sdot4) are a
-// later tuning step that needs hardware to measure.
+// Signed 4x8-bit dot product plus c, as CUDA's __dp4a (no saturation). RDNA3/3.5/4
+// (gfx11xx, Strix Halo's gfx1151, gfx12xx) have it as v_dot4_i32_iu8 (sudot4 with both
+// operands signed); GCN5.1/CDNA and RDNA2 as v_dot4_i32_i8 (sdot4). Other targets get the
+// byte-by-byte form, which every ROCm version compiles.
 __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
+#if defined(__gfx1100__) || defined(__gfx1101__) || defined(__gfx1102__) || \
+    defined(__gfx1103__) || defined(__gfx1150__) || defined(__gfx1151__) || \
+    defined(__gfx1152__) || defined(__gfx1200__) || defined(__gfx1201__)
+    return __builtin_amdgcn_sudot4(true, a, true, b, c, false);
+#elif defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || \
+    defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__) || \
+    defined(__gfx1030__) || defined(__gfx1031__) || defined(__gfx1032__) || \
+    defined(__gfx1033__) || defined(__gfx1034__) || defined(__gfx1035__) || defined(__gfx1036__)
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+#else
     c += (int)(ds4_i8)(a & 0xff) * (int)(ds4_i8)(b & 0xff);
     c += (int)(ds4_i8)((a >> 8) & 0xff) * (int)(ds4_i8)((b >> 8) & 0xff);
     c += (int)(ds4_i8)((a >> 16) & 0xff) * (int)(ds4_i8)((b >> 16) & 0xff);
     c += (int)(ds4_i8)((a >> 24) & 0xff) * (int)(ds4_i8)((b >> 24) & 0xff);
     return c;
+#endif
 }
 
 #else  // CUDA (NVRTC)

@@ -9,7 +9,7 @@ mod common;
 use std::sync::{Arc, OnceLock};
 
 use common::{machine, model_file_with};
-use ds4_check::mirror::{Mirror, OpStat};
+use ds4_check::mirror::{Mirror, OpRule, OpStat};
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Backend, Engine, EngineConfig, Logits, NumericMode};
 use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, PrefillTiles};
@@ -18,12 +18,6 @@ use ds4_gpu::hip::device::HipSettings;
 use ds4_gpu::hip::fake::{FakeHip, Faults};
 use ds4_gpu::KernelCache;
 use ds4_model::layout::TypeRecipe;
-
-/// Same tolerances as `ds4-engine-check ops` (relative to the output's largest value).
-const TOL_EXACT: f64 = 1e-4;
-const TOL_OFFICIAL: f64 = 1e-3;
-const TOL_Q8_REQUANT: f64 = 2e-3;
-const TOL_TILES: f64 = 3e-3;
 
 fn kernels(mma: bool) -> Arc<EmuKernels> {
     static K: OnceLock<Arc<EmuKernels>> = OnceLock::new();
@@ -110,33 +104,24 @@ fn check(r: Run) {
             "{op} never ran"
         );
     }
-    let base = if r.mode == NumericMode::Exact {
-        TOL_EXACT
-    } else {
-        TOL_OFFICIAL
+    let rule = OpRule {
+        mode: r.mode,
+        act_q8: r.act_q8,
+        tiles: r.tiles,
     };
-    let mut bad = Vec::new();
-    for (op, s) in &stats {
-        let tiled = match r.tiles {
-            PrefillTiles::Off => false,
-            PrefillTiles::Experts => *op == "moe",
-            PrefillTiles::All => op.starts_with("matmul") || *op == "moe",
-        };
-        let mut tol = base;
-        if r.act_q8 && *op == "moe" {
-            tol = tol.max(TOL_Q8_REQUANT);
-        }
-        if tiled {
-            tol = tol.max(TOL_TILES);
-        }
-        let int_ok = s.int_mismatches == 0 || *op == "indexer_topk";
-        if !(s.max_rel <= tol && s.nan == 0 && int_ok) {
-            bad.push(format!(
-                "{op}: max rel {:.3e} (tol {tol:e}), NaN {}, int diff {}",
-                s.max_rel, s.nan, s.int_mismatches
-            ));
-        }
-    }
+    let bad: Vec<String> = stats
+        .iter()
+        .filter(|(op, s)| !rule.passes(op, s))
+        .map(|(op, s)| {
+            format!(
+                "{op}: max rel {:.3e} (tol {:e}), NaN {}, int diff {}",
+                s.max_rel,
+                rule.tolerance(op),
+                s.nan,
+                s.int_mismatches
+            )
+        })
+        .collect();
     assert!(bad.is_empty(), "{bad:#?}");
 }
 

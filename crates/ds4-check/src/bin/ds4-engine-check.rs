@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use ds4_check::mirror::{rel_err, Mirror};
+use ds4_check::mirror::{rel_err, Mirror, OpRule};
 use ds4_check::parity;
 use ds4_check::refcheck::{self, controls::Control, controls::Controlled};
 use ds4_convert::SyntheticModel;
@@ -38,19 +38,6 @@ use ds4_engine::{Engine, EngineConfig, Logits, NumericMode, Rng};
 use ds4_gguf::GgufFile;
 use ds4_gpu::backend::{CudaBackend, CudaOptions, PrefillTiles};
 use ds4_model::layout::{placeholder_tokenizer, TypeRecipe};
-
-/// `ops`: per-op tolerance in exact mode (the CPU-vs-HF tolerance) ...
-const TOL_EXACT: f64 = parity::TOL_EXACT;
-/// ... and in official mode. Each op starts from identical inputs in the mirror, so a rounding
-/// flip cannot propagate there; whole-model `parity` in official mode is judged by the
-/// reordered bound instead (`ds4_check::parity`).
-const TOL_OFFICIAL: f64 = 1e-3;
-/// `ops --act-q8`: tolerance of ops that requantize values they computed (see `ops`).
-const TOL_Q8_REQUANT: f64 = 2e-3;
-/// `ops --tiles`: tolerance of the matmuls on half-precision tiles. Rounding both operands
-/// to 11 significant bits moves each product by ≤ 2⁻¹⁰ of itself; summed with random
-/// signs that is a few 1e-4 of the output's scale (an indexing or decoding bug is O(1)).
-const TOL_TILES: f64 = 3e-3;
 
 struct Args {
     models: Vec<String>,
@@ -218,10 +205,10 @@ fn ops(a: &Args) -> Result<()> {
             }
             drop(eng);
             let stats = stats_handle.lock().map(|s| s.clone()).unwrap_or_default();
-            let tol = if mode == NumericMode::Exact {
-                TOL_EXACT
-            } else {
-                TOL_OFFICIAL
+            let rule = OpRule {
+                mode,
+                act_q8: a.act_q8,
+                tiles: a.tiles,
             };
             println!(
                 "\n{label} · {mode} · prefill {} tokens in chunks of {chunk} + 4 decode · {:.1} s",
@@ -233,25 +220,7 @@ fn ops(a: &Args) -> Result<()> {
                 "op", "calls", "max rel err", "NaN", "int diff"
             );
             for (op, s) in &stats {
-                let bad_int = s.int_mismatches > 0 && *op != "indexer_topk";
-                // With int8 activations, `moe` requantizes a value it computed itself (the
-                // down projection's input, SwiGLU · route weight): CPU and GPU differ there
-                // by f32 rounding, so a value on a rounding boundary may take the next int8
-                // code on one side, which moves that output by one code step of its
-                // block (observed 3e-4 to 6e-4 of the output scale). Every other matmul
-                // quantizes identical inputs and keeps the strict tolerance.
-                let tol = if a.act_q8 && *op == "moe" {
-                    TOL_Q8_REQUANT
-                } else {
-                    tol
-                };
-                let tiled = match a.tiles {
-                    PrefillTiles::Off => false,
-                    PrefillTiles::Experts => *op == "moe",
-                    PrefillTiles::All => op.starts_with("matmul") || *op == "moe",
-                };
-                let tol = if tiled { tol.max(TOL_TILES) } else { tol };
-                let ok = s.max_rel <= tol && s.nan == 0 && !bad_int;
+                let ok = rule.passes(op, s);
                 println!(
                     "  {:<18} {:>6} {:>12.3e} {:>5} {:>9}  {}",
                     op,

@@ -52,9 +52,15 @@ pub fn tiny_hparams() -> HParams {
 }
 
 pub fn model_file(dir: &std::path::Path) -> Arc<GgufFile> {
+    model_file_with(dir, TypeRecipe::Q2)
+}
+
+/// The tiny model with `recipe`'s types (Q4_K experts fit the grouped expert GEMV at
+/// these widths, IQ2_XXS does not: its 256-element rows are not 16-byte multiples).
+pub fn model_file_with(dir: &std::path::Path, recipe: TypeRecipe) -> Arc<GgufFile> {
     let h = tiny_hparams();
     let tok = placeholder_tokenizer(h.n_vocab);
-    let m = SyntheticModel::from_hparams(h, TypeRecipe::Q2, 7, &tok).unwrap();
+    let m = SyntheticModel::from_hparams(h, recipe, 7, &tok).unwrap();
     let (bytes, _) = m
         .write_to(Vec::new(), &mut ds4_convert::NoProgress)
         .unwrap();

@@ -223,3 +223,35 @@ fn the_upload_ring_waits_before_reusing_a_slot() {
     be.download_i32(buf2, 0, &mut back2).unwrap();
     assert_eq!(back2, big);
 }
+
+/// Without pinned memory (hipHostMalloc refused) the backend falls back to waiting copies
+/// and its own fault read: more waits per step, the same results and the same errors.
+#[test]
+fn without_pinned_memory_decode_falls_back_to_waiting_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file_with(dir.path(), ds4_model::layout::TypeRecipe::Q4);
+    let m = machine("strix-halo-stock");
+    let faults = Faults {
+        host_malloc_fails: true,
+        ..Faults::default()
+    };
+    let fake = FakeHip::for_machine(&m, faults);
+    let be = backend(&fake, &m, dir.path());
+    let cfg = EngineConfig {
+        mode: None,
+        ctx: 256,
+        prefill_chunk: 4,
+    };
+    let mut eng = Engine::load(file, Box::new(be), cfg).unwrap();
+    let mut st = eng.new_state().unwrap();
+    eng.eval_argmax(&mut st, &[1, 2, 3]).unwrap();
+    let (c0, a0) = (eng.backend_mut().counters(), fake.async_copies());
+    eng.eval_argmax(&mut st, &[4]).unwrap();
+    let c1 = eng.backend_mut().counters();
+    // Upload, read-back, fault read: three waits, nothing queued.
+    assert_eq!(c1.syncs - c0.syncs, 3);
+    assert_eq!(fake.async_copies(), a0);
+    fake.set_kernel_fault(Some(("ds4_embed", 8, 1)));
+    let e = eng.eval_argmax(&mut st, &[4]).unwrap_err().to_string();
+    assert!(e.contains("a token id outside the embedding"), "{e}");
+}

@@ -114,10 +114,12 @@ fn device_weights_arrive_byte_exact_through_small_staging_buffers() {
         .map(|(n, _)| file.tensor_bytes(n).unwrap().1.len().div_ceil(1000))
         .sum();
     assert!(copies >= chunks, "{copies} copies for {chunks} chunks");
+    // Besides the backend's small per-token staging (a size of its own).
+    let per_token = format!("hipHostMalloc {}", ds4_gpu::backend::HOST_IO_BYTES);
     let staging = fake
         .calls()
         .iter()
-        .filter(|c| c.starts_with("hipHostMalloc"))
+        .filter(|c| c.starts_with("hipHostMalloc") && **c != per_token)
         .count();
     assert_eq!(staging, 1, "one pinned staging ring");
 }

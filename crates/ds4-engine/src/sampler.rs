@@ -128,6 +128,12 @@ impl Rng {
 /// normalisers may differ, which can change a token only when the uniform draw lands
 /// within rounding (~1e-16 relative) of a boundary.
 ///
+/// The whole-vocabulary passes (maximum and NaN scan, threshold counts and collections,
+/// the fast path's binning) are compiled for AVX2 and AVX-512 too and picked at run time
+/// (`multiversion`): the default x86-64 target has only 4-lane SSE2, and these passes are
+/// nearly all of a token's cost. They are compares, maxima and unfused IEEE arithmetic, so
+/// every variant gives the same bits.
+///
 /// Plain temperature and nucleus sampling (top-k off) go through a banded-mass fast path
 /// first (`sampler/fast.rs`) that returns this exact path's token or, when a comparison
 /// is too close to call, nothing, and then the exact path decides with the same draw.
@@ -186,7 +192,8 @@ impl Sampler {
                 logits.len()
             )));
         }
-        if scan(logits).1 {
+        let (raw_top, any_nan) = scan(logits);
+        if any_nan {
             let i = logits.iter().position(|x| x.is_nan()).unwrap_or(0);
             return Err(EngineError::Sampler(format!("logit {i} is NaN")));
         }
@@ -224,10 +231,16 @@ impl Sampler {
         } else {
             logits
         };
+        // The penalty changes logits, so their maximum is scanned again; otherwise the
+        // first scan's maximum is the one (a full pass less per token).
+        let top32 = if cfg.repeat_penalty != 1.0 {
+            scan(l).0
+        } else {
+            raw_top
+        };
         if cfg.temperature == 0.0 {
-            return Ok(argmax(l));
+            return Ok(first_index_of(l, top32));
         }
-        let top32 = scan(l).0;
         if top32 == f32::INFINITY {
             let i = l.iter().position(|&x| x == f32::INFINITY).unwrap_or(0);
             return Err(EngineError::Sampler(format!("logit {i} is +inf")));
@@ -312,21 +325,12 @@ impl Sampler {
         let mut cut = cut;
         let mut complete = complete;
         loop {
-            keys.clear();
             if cut == f32::NEG_INFINITY {
+                keys.clear();
                 keys.reserve(n);
                 keys.extend(l.iter().enumerate().map(|(i, &x)| key(x, i)));
             } else {
-                // Survivors are rare: test a block at once (vectorises), visit only hits.
-                for (bi, b) in l.chunks(LANES).enumerate() {
-                    if b.iter().fold(false, |a, &x| a | (x >= cut)) {
-                        for (j, &x) in b.iter().enumerate() {
-                            if x >= cut {
-                                keys.push(key(x, bi * LANES + j));
-                            }
-                        }
-                    }
-                }
+                collect_at_least(l, cut, keys, usize::MAX);
             }
             if top_k > 0 && top_k < keys.len() {
                 keys.select_nth_unstable_by(top_k - 1, |a, b| b.cmp(a));
@@ -421,11 +425,69 @@ fn round_down(c: f64) -> f32 {
     }
 }
 
+/// The sort keys of the values `>= cut` into `out` (cleared first), in index order;
+/// `false` (with `out` incomplete) once there are more than `limit`. Survivors are rare:
+/// a block is tested at once (vector code), only blocks with a hit are visited.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+avx+fma",
+    "x86_64+avx2+avx+fma",
+))]
+fn collect_at_least(l: &[f32], cut: f32, out: &mut Vec<u64>, limit: usize) -> bool {
+    out.clear();
+    // Blocks of 4·LANES decided by their maximum, kept in LANES vertical lanes (the shape
+    // of `scan`): this compiles to whole-register compares. A closure in an iterator
+    // adapter would not be inlined into the target-feature clone.
+    const BLK: usize = 4 * LANES;
+    let visit = |base: usize, b: &[f32], out: &mut Vec<u64>| {
+        for (j, &x) in b.iter().enumerate() {
+            if x >= cut {
+                out.push(key(x, base + j));
+            }
+        }
+        out.len() <= limit
+    };
+    let mut blocks = l.chunks_exact(BLK);
+    for (bi, b) in (&mut blocks).enumerate() {
+        let mut m = [f32::NEG_INFINITY; LANES];
+        for k in 0..BLK / LANES {
+            for j in 0..LANES {
+                let x = b[k * LANES + j];
+                m[j] = if x > m[j] { x } else { m[j] };
+            }
+        }
+        // An integer OR reduces in any order (a float max does not).
+        let mut any = 0u32;
+        for &x in &m {
+            any |= u32::from(x >= cut);
+        }
+        if any != 0 && !visit(bi * BLK, b, out) {
+            return false;
+        }
+    }
+    let rest = blocks.remainder();
+    visit(l.len() - rest.len(), rest, out)
+}
+
 /// Whether at least `k` values are `>= c` (counted in vectorised blocks).
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+avx+fma",
+    "x86_64+avx2+avx+fma",
+))]
 fn count_at_least(l: &[f32], c: f32) -> usize {
-    l.chunks(LANES)
-        .map(|b| b.iter().map(|&x| usize::from(x >= c)).sum::<usize>())
-        .sum()
+    // Counted in f32 lanes (exact below 2^24 per lane): compiles to compares and adds,
+    // where integer lanes compiled to a loop many times slower.
+    let mut n = [0f32; LANES];
+    let mut blocks = l.chunks_exact(LANES);
+    for b in &mut blocks {
+        for j in 0..LANES {
+            n[j] += if b[j] >= c { 1.0 } else { 0.0 };
+        }
+    }
+    let mut total: usize = n.iter().map(|&v| v as usize).sum();
+    for &x in blocks.remainder() {
+        total += usize::from(x >= c);
+    }
+    total
 }
 
 /// Unnormalised mass of the values `>= c`.
@@ -469,7 +531,11 @@ fn ensure_sorted(keys: &mut [u64], sorted: &mut usize, n: usize) {
 
 /// Index of the largest value, lowest index on ties (NaN-free input; `-0.0 == 0.0`).
 pub fn argmax(x: &[f32]) -> u32 {
-    let m = scan(x).0;
+    first_index_of(x, scan(x).0)
+}
+
+/// The lowest index holding `m` (0 when none: an all-NaN or empty input).
+fn first_index_of(x: &[f32], m: f32) -> u32 {
     x.iter().position(|&v| v == m).unwrap_or(0) as u32
 }
 
@@ -477,7 +543,11 @@ pub fn argmax(x: &[f32]) -> u32 {
 const LANES: usize = 16;
 
 /// The largest value (NaNs ignored; -inf for none) and whether any value is NaN, in one
-/// vectorised pass.
+/// vectorised pass (multiversioned like the fast path's binning: a full pass per token).
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+avx+fma",
+    "x86_64+avx2+avx+fma",
+))]
 fn scan(l: &[f32]) -> (f32, bool) {
     let mut m = [f32::NEG_INFINITY; LANES];
     let mut nan = [false; LANES];
@@ -1006,5 +1076,109 @@ mod tests {
         let mut g = Rng::new(5);
         let l = random_logits(&mut g, 5000, 1);
         assert_eq!(s.sample(&l, &[1, 2, 3]).unwrap(), argmax(&l));
+    }
+
+    /// The criterion bench's settings on logits shaped like its own, token for token
+    /// against the whole-vocabulary reference (the fast path, the selections and the
+    /// run-time-dispatched passes all on).
+    #[test]
+    fn bench_settings_agree_with_the_reference() {
+        let n = 129_280;
+        let mut g = Rng::new(4242);
+        let base = SamplerConfig {
+            temperature: 1.0,
+            min_p: 0.05,
+            ..SamplerConfig::default()
+        };
+        let settings = [
+            base.clone(),
+            SamplerConfig {
+                temperature: 0.0,
+                ..base.clone()
+            },
+            SamplerConfig {
+                top_k: 40,
+                min_p: 0.0,
+                ..base.clone()
+            },
+            SamplerConfig {
+                top_k: 40,
+                top_p: 0.95,
+                ..base.clone()
+            },
+            SamplerConfig {
+                top_p: 0.9,
+                min_p: 0.0,
+                ..base.clone()
+            },
+            SamplerConfig {
+                top_p: 0.9,
+                ..base.clone()
+            },
+            SamplerConfig {
+                min_p: 0.0,
+                ..base.clone()
+            },
+            SamplerConfig {
+                repeat_penalty: 1.1,
+                ..base.clone()
+            },
+        ];
+        let history: Vec<u32> = (0..64).map(|i| i * 997 % n as u32).collect();
+        for (peaked, sigma) in [(true, 2.0), (false, 3.5)] {
+            let l = bench_like(&mut g, n, sigma, peaked);
+            for (si, c) in settings.iter().enumerate() {
+                let c = SamplerConfig {
+                    seed: 100 + si as u64,
+                    ..c.clone()
+                };
+                let mut new = Sampler::new(c.clone()).unwrap();
+                let mut old = reference::RefSampler::new(c.clone()).unwrap();
+                for step in 0..8 {
+                    assert_eq!(
+                        new.sample(&l, &history).unwrap(),
+                        old.sample(&l, &history).unwrap(),
+                        "{c:?} peaked {peaked} step {step}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The vectorised passes against their one-line definitions, on lengths that are not
+    /// multiples of the block sizes and with ties, -inf and signed zeros.
+    #[test]
+    fn vector_passes_match_their_definitions() {
+        let mut g = Rng::new(8);
+        for n in [1usize, 15, 16, 17, 63, 64, 65, 1000, 4099] {
+            let mut l: Vec<f32> = (0..n)
+                .map(|_| ((g.next_f64() * 16.0).floor() - 8.0) as f32 * 0.5)
+                .collect();
+            l[0] = f32::NEG_INFINITY;
+            if n > 3 {
+                l[n - 1] = -0.0;
+                l[n / 2] = f32::NEG_INFINITY;
+            }
+            let want_top = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(scan(&l), (want_top, false), "n {n}");
+            let mut keys = Vec::new();
+            for cut in [-4.0f32, -0.0, 0.0, 1.5, 3.5, 9.0, f32::NEG_INFINITY] {
+                let want: Vec<u64> = l
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &x)| x >= cut)
+                    .map(|(i, &x)| key(x, i))
+                    .collect();
+                assert_eq!(count_at_least(&l, cut), want.len(), "n {n} cut {cut}");
+                assert!(collect_at_least(&l, cut, &mut keys, usize::MAX));
+                assert_eq!(keys, want, "n {n} cut {cut}");
+                if want.len() > 1 {
+                    assert!(!collect_at_least(&l, cut, &mut keys, want.len() - 1));
+                }
+            }
+            let mut with_nan = l.clone();
+            with_nan[n - 1] = f32::NAN;
+            assert!(scan(&with_nan).1, "n {n}");
+        }
     }
 }

@@ -37,6 +37,17 @@ pub trait DeviceBuffer: Send + Sync {
     /// The bytes through the host mapping, for host-resident kinds (after queued work);
     /// `None` for device memory.
     fn host_bytes_mut(&mut self) -> Result<Option<&mut [u8]>>;
+    /// Bytes `offset..offset + len` through the host mapping *without* waiting for queued
+    /// work (a per-token path must not add a host wait); `None` for device memory.
+    ///
+    /// # Safety
+    /// No queued or running device work may access the range: the caller knows every
+    /// copy touching it has completed (a host wait since) and no kernel uses it.
+    unsafe fn host_range_unsynced(
+        &mut self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Option<&mut [u8]>>;
 }
 
 /// A GPU runtime bound to one device.
@@ -121,5 +132,38 @@ pub trait GpuApi: Send + Sync + Sized {
         dst: &Self::Buffer,
         offset: usize,
         src: &[u8],
+    ) -> Result<()>;
+
+    // ---- per-token traffic ------------------------------------------------------------
+
+    /// Queues a copy of `len` bytes from the host-resident (pinned) buffer `src` at
+    /// `src_off` to `dst` at `dst_off`, on the stream the kernels run on, without waiting:
+    /// kernels queued later see the bytes. Unlike [`GpuApi::copy_to_device_async`] this is
+    /// asynchronous on every runtime (the token-id upload of a decode step).
+    ///
+    /// # Safety
+    /// `src`'s range must not be modified until a host wait for the stream has returned.
+    unsafe fn queue_upload(
+        &self,
+        src: &Self::Buffer,
+        src_off: usize,
+        dst: &Self::Buffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()>;
+    /// Queues a copy of `len` bytes from `src` at `src_off` into the host-resident
+    /// (pinned) buffer `dst` at `dst_off`, on the kernels' stream, without waiting; the
+    /// bytes are valid on the host once a later host wait for the stream has returned (the
+    /// device fault word rides along with the wait for a result).
+    ///
+    /// # Safety
+    /// `dst`'s range must not be accessed from the host until such a wait has returned.
+    unsafe fn queue_download(
+        &self,
+        src: &Self::Buffer,
+        src_off: usize,
+        dst: &Self::Buffer,
+        dst_off: usize,
+        len: usize,
     ) -> Result<()>;
 }

@@ -55,7 +55,9 @@ pub fn model_file(dir: &std::path::Path) -> Arc<GgufFile> {
     model_file_with(dir, TypeRecipe::Q2)
 }
 
-/// The tiny model with the weight types of `recipe` (q2: IQ2_XXS/Q2_K experts, q4: Q4_K).
+/// The tiny model with `recipe`'s types (q2: IQ2_XXS/Q2_K experts; q4: Q4_K experts, which
+/// fit the grouped expert GEMV at these widths, IQ2_XXS does not: its 256-element rows are
+/// not 16-byte multiples).
 pub fn model_file_with(dir: &std::path::Path, recipe: TypeRecipe) -> Arc<GgufFile> {
     let h = tiny_hparams();
     let tok = placeholder_tokenizer(h.n_vocab);

@@ -16,6 +16,9 @@
 //!   (`ops.cu`). Routed experts: grouped GEMV at decode, per-expert panels at prefill.
 //! * Device-only errors (a token id outside the table, an expert id out of range) set a
 //!   fault word that every download checks, so they surface as errors, never silently.
+//! * A greedy decode step waits for the device once: the token id goes up through pinned
+//!   memory and a queued copy, and the fault word comes back in the same wait as the
+//!   argmax (see `HostIo`).
 
 mod launch;
 mod load_pipeline;
@@ -289,6 +292,9 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) scratch: HashMap<&'static str, D::Buffer>,
     pub(crate) freqs: HashMap<[u32; 7], D::Buffer>,
     fault: D::Buffer,
+    /// Pinned host memory for the per-token traffic (`None` when pinned memory was
+    /// refused: then every upload and fault check waits, as before).
+    io: Option<HostIo<D::Buffer>>,
     pub(crate) panel_from_tokens: usize,
     pub(crate) cublas: Option<Cublas>,
     loaded: LoadedBytes,
@@ -311,6 +317,32 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) tiles: PrefillTiles,
     /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
     pub(crate) decode_rows: usize,
+}
+
+/// Upload slots of [`HostIo`]: a decode step queues one upload and waits once, so two
+/// would do; four leave room for a caller that uploads more between waits.
+const IO_SLOTS: usize = 4;
+/// Bytes per upload slot (1024 token ids: a decode step's, or a small prefill chunk's).
+const IO_SLOT_BYTES: usize = 4096;
+/// Where the fault word lands, after the slots.
+const IO_FAULT_OFF: usize = IO_SLOTS * IO_SLOT_BYTES;
+/// Bytes of pinned host memory every backend allocates for its per-token traffic (tests
+/// tell this allocation from weight placements by its size).
+pub const HOST_IO_BYTES: usize = IO_FAULT_OFF + 4;
+
+/// Pinned host memory that keeps a decode step at one host wait (issue 16).
+///
+/// * Token ids are written into a slot of a small ring and copied to the device by a
+///   queued copy on the kernels' stream: no wait. A slot is written again only once the
+///   copy out of it is known complete: every host wait for the stream completes all
+///   copies queued before it, so `queued` counts the slots used since the last wait, and
+///   a full ring waits first (never in a decode step, which waits once per token).
+/// * Before a read-back the fault word is queued into `IO_FAULT_OFF`; the read-back's own
+///   wait then makes it valid on the host, so checking it costs no second wait.
+struct HostIo<B> {
+    buf: B,
+    next: usize,
+    queued: usize,
 }
 
 /// Device-time attribution without host synchronisation: an event is recorded on the
@@ -489,6 +521,18 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let mut fault = dev.alloc(MemKind::Device, 4)?;
         fault.fill_u32(0)?;
+        let io = match dev.alloc(MemKind::PinnedHost, HOST_IO_BYTES) {
+            Ok(buf) if buf.kind() == MemKind::PinnedHost => Some(HostIo {
+                buf,
+                next: 0,
+                queued: 0,
+            }),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::info!("per-token staging: pinned memory refused ({e}); waiting copies");
+                None
+            }
+        };
         let mut be = GpuBackend {
             dev,
             gemv,
@@ -506,6 +550,7 @@ impl<D: GpuApi> GpuBackend<D> {
             scratch: HashMap::new(),
             freqs: HashMap::new(),
             fault,
+            io,
             panel_from_tokens: opts.panel_from_tokens.max(2),
             cublas,
             loaded: LoadedBytes::default(),
@@ -595,8 +640,62 @@ impl<D: GpuApi> GpuBackend<D> {
 
     /// Waits for all queued work (for timing) and reports any device fault.
     pub fn sync(&mut self) -> BResult<()> {
+        let queued = self.queue_fault("sync")?;
+        self.syncs.fetch_add(1, Relaxed);
         self.dev.synchronize().map_err(gerr("sync"))?;
-        self.check_fault("sync")
+        self.waited();
+        self.fault_after_wait(queued, "sync")
+    }
+
+    /// Records that the host has just waited for the stream: every queued copy is done.
+    fn waited(&mut self) {
+        if let Some(io) = &mut self.io {
+            io.queued = 0;
+        }
+    }
+
+    /// Queues the fault word's copy into pinned memory, so that the host wait that
+    /// follows also brings it back; `false` without pinned memory.
+    fn queue_fault(&mut self, op: &'static str) -> BResult<bool> {
+        let Some(io) = &self.io else {
+            return Ok(false);
+        };
+        // SAFETY: the fault slot is read on the host only after a host wait
+        // (`fault_after_wait`), and no upload uses it.
+        unsafe {
+            self.dev
+                .queue_download(&self.fault, 0, &io.buf, IO_FAULT_OFF, 4)
+        }
+        .map_err(gerr(op))?;
+        Ok(true)
+    }
+
+    /// After a host wait: the fault word as [`Self::queue_fault`] brought it back
+    /// (`queued`), or read with a wait of its own; an error if a kernel set it.
+    fn fault_after_wait(&mut self, queued: bool, op: &'static str) -> BResult<()> {
+        let bits = match (&mut self.io, queued) {
+            (Some(io), true) => {
+                // SAFETY: the caller has just waited for the stream, which completed the
+                // queued copy into this word; nothing else writes it.
+                let w = unsafe { io.buf.host_range_unsynced(IO_FAULT_OFF, 4) }
+                    .map_err(gerr(op))?
+                    .ok_or_else(|| {
+                        gerr(op)(GpuError::BadArgument {
+                            op,
+                            detail: "per-token staging is not host memory".into(),
+                        })
+                    })?;
+                u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+            }
+            _ => {
+                let mut b = [0u8; 4];
+                self.syncs.fetch_add(1, Relaxed);
+                self.fault.read(0, &mut b).map_err(gerr(op))?;
+                self.waited();
+                u32::from_le_bytes(b)
+            }
+        };
+        self.report_fault(bits, op)
     }
 
     /// Records the timing mark of the launch about to be queued (timeline on only).
@@ -672,11 +771,9 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(Some((rows, total)))
     }
 
-    fn check_fault(&mut self, op: &'static str) -> BResult<()> {
-        let mut b = [0u8; 4];
-        self.syncs.fetch_add(1, Relaxed);
-        self.fault.read(0, &mut b).map_err(gerr(op))?;
-        let bits = u32::from_le_bytes(b);
+    /// An error naming what a kernel reported in fault word `bits` (none when 0); the
+    /// device word is cleared for the next step.
+    fn report_fault(&mut self, bits: u32, op: &'static str) -> BResult<()> {
         if bits == 0 {
             return Ok(());
         }
@@ -1073,42 +1170,95 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.bufs[dst.buf.id() as usize].as_mut().expect("checked");
         self.syncs.fetch_add(1, Relaxed);
-        b.write(4 * dst.off, &bytes).map_err(gerr("upload"))
+        b.write(4 * dst.off, &bytes).map_err(gerr("upload"))?;
+        if !bytes.is_empty() {
+            self.waited();
+        }
+        Ok(())
     }
 
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
         validate::download(src, dst.len())?;
         self.fptr(src, "download")?;
+        if dst.is_empty() {
+            // No read, so no wait for the fault word to ride along with.
+            return self.fault_after_wait(false, "download");
+        }
+        let queued = self.queue_fault("download")?;
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.bufs[src.buf.id() as usize].as_ref().expect("checked");
         self.syncs.fetch_add(1, Relaxed);
         b.read(4 * src.off, &mut bytes).map_err(gerr("download"))?;
+        self.waited();
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
-        self.check_fault("download")
+        self.fault_after_wait(queued, "download")
     }
 
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
+        const OP: &str = "upload_i32";
         validate::upload_i32(dst, off, src.len())?;
-        self.iptr(dst, "upload_i32")?;
+        self.iptr(dst, OP)?;
+        let n = 4 * src.len();
+        if n > 0 && n <= IO_SLOT_BYTES && self.io.is_some() {
+            // Through a ring slot and a queued copy (see `HostIo`): no host wait.
+            if self.io.as_ref().is_some_and(|io| io.queued == IO_SLOTS) {
+                self.syncs.fetch_add(1, Relaxed);
+                self.dev.synchronize().map_err(gerr(OP))?;
+                self.waited();
+            }
+            let io = self.io.as_mut().expect("checked");
+            let at = io.next * IO_SLOT_BYTES;
+            // SAFETY: the slot's last copy completed (fewer than IO_SLOTS copies were
+            // queued since the last host wait, and slots are used in turn) and no kernel
+            // reads pinned staging.
+            let slot = unsafe { io.buf.host_range_unsynced(at, n) }
+                .map_err(gerr(OP))?
+                .ok_or_else(|| {
+                    gerr(OP)(GpuError::BadArgument {
+                        op: OP,
+                        detail: "per-token staging is not host memory".into(),
+                    })
+                })?;
+            for (d, v) in slot.chunks_exact_mut(4).zip(src) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+            let b = self.ibufs[dst.id() as usize].as_ref().expect("checked");
+            // SAFETY: the slot is not written again before a host wait (ring invariant).
+            unsafe { self.dev.queue_upload(&io.buf, at, b, 4 * off, n) }.map_err(gerr(OP))?;
+            io.next = (io.next + 1) % IO_SLOTS;
+            io.queued += 1;
+            return Ok(());
+        }
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.ibufs[dst.id() as usize].as_mut().expect("checked");
         self.syncs.fetch_add(1, Relaxed);
-        b.write(4 * off, &bytes).map_err(gerr("upload_i32"))
+        b.write(4 * off, &bytes).map_err(gerr(OP))?;
+        if !bytes.is_empty() {
+            self.waited();
+        }
+        Ok(())
     }
 
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
         validate::download_i32(src, off, dst.len())?;
         self.iptr(src, "download_i32")?;
+        if dst.is_empty() {
+            // No read, so no wait for the fault word to ride along with.
+            return self.fault_after_wait(false, "download_i32");
+        }
+        // The fault word rides along with this read's wait (the step's only one).
+        let queued = self.queue_fault("download_i32")?;
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.ibufs[src.id() as usize].as_ref().expect("checked");
         self.syncs.fetch_add(1, Relaxed);
         b.read(4 * off, &mut bytes).map_err(gerr("download_i32"))?;
+        self.waited();
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
             *d = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
-        self.check_fault("download_i32")
+        self.fault_after_wait(queued, "download_i32")
     }
 
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {

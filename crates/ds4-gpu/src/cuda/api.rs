@@ -36,6 +36,14 @@ impl DeviceBuffer for CudaBuffer {
     fn host_bytes_mut(&mut self) -> Result<Option<&mut [u8]>> {
         CudaBuffer::host_bytes_mut(self)
     }
+    unsafe fn host_range_unsynced(
+        &mut self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Option<&mut [u8]>> {
+        // SAFETY: the caller upholds the trait method's contract (the same).
+        unsafe { CudaBuffer::host_range_unsynced(self, offset, len) }
+    }
 }
 
 impl GpuApi for CudaDevice {
@@ -112,5 +120,27 @@ impl GpuApi for CudaDevice {
     ) -> Result<()> {
         // SAFETY: the caller keeps `src` alive and unmodified until a later event completes.
         unsafe { dst.write_async(offset, src) }
+    }
+    unsafe fn queue_upload(
+        &self,
+        src: &CudaBuffer,
+        src_off: usize,
+        dst: &CudaBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller upholds the trait method's contract (the same).
+        unsafe { dst.upload_from_host_async(dst_off, src, src_off, len) }
+    }
+    unsafe fn queue_download(
+        &self,
+        src: &CudaBuffer,
+        src_off: usize,
+        dst: &CudaBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller upholds the trait method's contract (the same).
+        unsafe { src.download_to_host_async(src_off, dst, dst_off, len) }
     }
 }

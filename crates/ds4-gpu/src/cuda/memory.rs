@@ -506,6 +506,110 @@ impl CudaBuffer {
         )
     }
 
+    /// Bytes `offset..offset + len` of a host-resident buffer through its host mapping,
+    /// without waiting for the stream; `None` for device memory.
+    ///
+    /// # Safety
+    /// No queued or running device work may access the range (see
+    /// [`crate::api::DeviceBuffer::host_range_unsynced`]).
+    pub unsafe fn host_range_unsynced(
+        &mut self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Option<&mut [u8]>> {
+        bounds("host_range", "range", offset, len, self.len)?;
+        if self.host.is_null() {
+            return Ok(None);
+        }
+        // SAFETY: inside this buffer's host allocation (checked); `&mut self` makes the
+        // slice the only host accessor and the caller guarantees no device access.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts_mut(self.host.add(offset), len)
+        }))
+    }
+
+    /// Queue a copy of `len` bytes from host-resident `src` at `src_off` into this buffer
+    /// at `offset`, on the stream, without waiting.
+    ///
+    /// # Safety
+    /// `src`'s range must stay unmodified until the stream has been waited for.
+    pub unsafe fn upload_from_host_async(
+        &self,
+        offset: usize,
+        src: &CudaBuffer,
+        src_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        bounds("queue_upload", "destination", offset, len, self.len)?;
+        bounds("queue_upload", "source", src_off, len, src.len)?;
+        if src.host.is_null() {
+            return Err(GpuError::BadArgument {
+                op: "queue_upload",
+                detail: format!("the source is {}, not host memory", src.kind.label()),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        // SAFETY: both ranges checked; the source is page-locked host memory the caller
+        // keeps unmodified until the stream is waited for; the destination lives until its
+        // drop, which drains the stream first.
+        check(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    self.dptr + offset as u64,
+                    src.host.add(src_off).cast(),
+                    len,
+                    self.ctx.stream,
+                )
+            },
+            "cuMemcpyHtoDAsync",
+            || format!("queueing a {len}-byte upload from pinned memory"),
+        )
+    }
+
+    /// Queue a copy of `len` bytes of this buffer at `offset` into host-resident `dst` at
+    /// `dst_off`, on the stream, without waiting.
+    ///
+    /// # Safety
+    /// `dst`'s range must not be read or written from the host until the stream has been
+    /// waited for.
+    pub unsafe fn download_to_host_async(
+        &self,
+        offset: usize,
+        dst: &CudaBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        bounds("queue_download", "source", offset, len, self.len)?;
+        bounds("queue_download", "destination", dst_off, len, dst.len)?;
+        if dst.host.is_null() {
+            return Err(GpuError::BadArgument {
+                op: "queue_download",
+                detail: format!("the destination is {}, not host memory", dst.kind.label()),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        // SAFETY: both ranges checked; the destination is page-locked host memory the
+        // caller does not touch until the stream is waited for.
+        check(
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.host.add(dst_off).cast(),
+                    self.dptr + offset as u64,
+                    len,
+                    self.ctx.stream,
+                )
+            },
+            "cuMemcpyDtoHAsync",
+            || format!("queueing a {len}-byte download into pinned memory"),
+        )
+    }
+
     /// Host view of a host-resident buffer (pinned, managed, registered), after waiting
     /// for queued work; `None` for device memory.
     pub fn host_bytes(&self) -> Result<Option<&[u8]>> {

@@ -545,6 +545,51 @@ impl HipBuffer {
 }
 
 impl HipBuffer {
+    /// Queues `hipMemcpyAsync` between this buffer at `offset` and host-resident `host`
+    /// at `host_off` (towards this buffer when `to_device`).
+    ///
+    /// # Safety
+    /// `host`'s range must not be touched from the host until the null stream has been
+    /// waited for.
+    unsafe fn queue_copy(
+        &self,
+        offset: usize,
+        host: &HipBuffer,
+        host_off: usize,
+        len: usize,
+        to_device: bool,
+    ) -> Result<()> {
+        let op = if to_device {
+            "queue_upload"
+        } else {
+            "queue_download"
+        };
+        bounds(op, "device range", offset, len, self.len)?;
+        bounds(op, "host range", host_off, len, host.len)?;
+        if host.host == 0 {
+            return Err(GpuError::BadArgument {
+                op,
+                detail: format!("the host side is {}, not host memory", host.kind.label()),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges checked against live allocations; the host side is pinned
+        // (hipHostMalloc) and the caller leaves it alone until the stream is waited for.
+        let r = unsafe {
+            self.calls.memcpy_async(
+                self.dptr + offset as u64,
+                host.host + host_off,
+                len,
+                to_device,
+            )
+        };
+        self.check("hipMemcpyAsync", r, || {
+            format!("queueing a {len}-byte copy through pinned memory")
+        })
+    }
+
     /// Copies `src` to byte `offset` through a shared reference (the load pipeline
     /// writes disjoint ranges of one buffer). `hipMemcpy` is synchronous, so the copy
     /// has completed when this returns.
@@ -612,6 +657,22 @@ impl DeviceBuffer for HipBuffer {
         // SAFETY: the whole allocation, len/4 words.
         let r = unsafe { self.calls.memset_d32(self.dptr, value, self.len / 4) };
         self.check("hipMemsetD32", r, || format!("filling {} bytes", self.len))
+    }
+    unsafe fn host_range_unsynced(
+        &mut self,
+        offset: usize,
+        len: usize,
+    ) -> Result<Option<&mut [u8]>> {
+        bounds("host_range", "range", offset, len, self.len)?;
+        if self.host == 0 {
+            return Ok(None);
+        }
+        // SAFETY: inside this buffer's host mapping (checked), alive while `self` is;
+        // `&mut self` makes the slice the only host accessor and the caller guarantees
+        // that no device work touches the range.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts_mut((self.host + offset) as *mut u8, len)
+        }))
     }
     fn host_bytes_mut(&mut self) -> Result<Option<&mut [u8]>> {
         if self.host == 0 {
@@ -891,5 +952,27 @@ impl GpuApi for HipDevice {
         src: &[u8],
     ) -> Result<()> {
         dst.write_shared(offset, src)
+    }
+    unsafe fn queue_upload(
+        &self,
+        src: &HipBuffer,
+        src_off: usize,
+        dst: &HipBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller upholds the trait method's contract (the same).
+        unsafe { dst.queue_copy(dst_off, src, src_off, len, true) }
+    }
+    unsafe fn queue_download(
+        &self,
+        src: &HipBuffer,
+        src_off: usize,
+        dst: &HipBuffer,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller upholds the trait method's contract (the same).
+        unsafe { src.queue_copy(src_off, dst, dst_off, len, false) }
     }
 }

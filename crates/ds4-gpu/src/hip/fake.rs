@@ -104,6 +104,14 @@ struct State {
     kernels: Option<Arc<EmuKernels>>,
     /// Launches the emulation refused (kernel, message).
     kernel_errors: Vec<String>,
+    /// Calls after which the host has waited for the device: `hipDeviceSynchronize` and
+    /// the synchronous `hipMemcpy` (either direction).
+    host_waits: u64,
+    /// `hipMemcpyAsync` calls (no wait).
+    async_copies: u64,
+    /// A "kernel" that reports a device fault: when `.0` launches, parameter `.1` is read
+    /// as a device address and `.2` is ORed into the word there.
+    kernel_fault: Option<(String, usize, u32)>,
 }
 
 /// The fake runtime (see the module docs).
@@ -173,6 +181,23 @@ impl FakeHip {
     }
 
     /// Launches so far: (kernel, grid, block, parameter count).
+    /// Calls so far after which the host waited for the device (see `State::host_waits`).
+    pub fn host_waits(&self) -> u64 {
+        self.st().host_waits
+    }
+
+    /// Asynchronous copies queued so far.
+    pub fn async_copies(&self) -> u64 {
+        self.st().async_copies
+    }
+
+    /// From now on, every launch of `kernel` sets `bits` in the word whose device address
+    /// is its parameter `param` (as a kernel reporting invalid input sets the fault word);
+    /// `None` stops it.
+    pub fn set_kernel_fault(&self, fault: Option<(&str, usize, u32)>) {
+        self.st().kernel_fault = fault.map(|(k, p, b)| (k.to_string(), p, b));
+    }
+
     pub fn launches(&self) -> Vec<Launch> {
         self.st().launches.clone()
     }
@@ -382,7 +407,10 @@ impl HipCalls for FakeHip {
         if !self.backed(dst, src.len()) {
             return HIP_ERROR_INVALID_VALUE;
         }
-        self.st().htod_copies += 1;
+        let mut s = self.st();
+        s.htod_copies += 1;
+        s.host_waits += 1;
+        drop(s);
         // SAFETY: dst..dst+len lies inside a live boxed allocation of this fake (checked).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         0
@@ -391,8 +419,31 @@ impl HipCalls for FakeHip {
         if !self.backed(src, dst.len()) {
             return HIP_ERROR_INVALID_VALUE;
         }
+        self.st().host_waits += 1;
         // SAFETY: src..src+len lies inside a live boxed allocation of this fake (checked).
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        0
+    }
+    unsafe fn memcpy_async(
+        &self,
+        device: u64,
+        host: usize,
+        bytes: usize,
+        to_device: bool,
+    ) -> c_int {
+        if !self.backed(device, bytes) || !self.backed(host as u64, bytes) {
+            return HIP_ERROR_INVALID_VALUE;
+        }
+        self.st().async_copies += 1;
+        // The fake runs nothing in the background, so a queued copy is done at once.
+        let (dst, src) = if to_device {
+            (device as *mut u8, host as *const u8)
+        } else {
+            (host as *mut u8, device as *const u8)
+        };
+        // SAFETY: both ranges lie inside live allocations of this fake (checked); distinct
+        // allocations never overlap.
+        unsafe { std::ptr::copy(src, dst, bytes) };
         0
     }
     unsafe fn memset_d32(&self, dst: u64, value: u32, count: usize) -> c_int {
@@ -473,22 +524,42 @@ impl HipCalls for FakeHip {
             .get(function.wrapping_sub(1))
             .cloned()
             .unwrap_or_default();
-        s.launches.push((name.clone(), grid, block, params.len()));
-        let Some(k) = s.kernels.clone() else {
-            return 0;
+        let fault = match &s.kernel_fault {
+            Some((k, p, bits)) if *k == name => Some((*p, *bits)),
+            _ => None,
         };
+        s.launches.push((name.clone(), grid, block, params.len()));
+        let kernels = s.kernels.clone();
         drop(s);
-        // SAFETY: the backend passes device addresses of this fake's allocations, which
-        // are host memory, and the kernel's parameters in order (checked by count).
-        match unsafe { k.launch(&name, grid, block, params) } {
-            Ok(()) => 0,
-            Err(e) => {
+        if let Some(k) = kernels {
+            // SAFETY: the backend passes device addresses of this fake's allocations, which
+            // are host memory, and the kernel's parameters in order (checked by count).
+            if let Err(e) = unsafe { k.launch(&name, grid, block, params) } {
                 self.st().kernel_errors.push(e.to_string());
-                HIP_ERROR_LAUNCH_FAILURE
+                return HIP_ERROR_LAUNCH_FAILURE;
             }
         }
+        if let Some((p, bits)) = fault {
+            let Some(&arg) = params.get(p) else {
+                return HIP_ERROR_INVALID_VALUE;
+            };
+            // SAFETY: the caller's contract: every parameter points at a live value of
+            // the kernel's parameter type; this one is a device address (a u64).
+            let addr = unsafe { std::ptr::read_unaligned(arg as *const u64) };
+            if !self.backed(addr, 4) {
+                return HIP_ERROR_INVALID_VALUE;
+            }
+            // SAFETY: inside a live allocation of this fake (checked); the fake's device
+            // addresses are host addresses.
+            unsafe {
+                let w = addr as *mut u32;
+                std::ptr::write_unaligned(w, std::ptr::read_unaligned(w) | bits);
+            }
+        }
+        0
     }
     fn synchronize(&self) -> c_int {
+        self.st().host_waits += 1;
         0
     }
 }

@@ -123,6 +123,8 @@ type FnFree = unsafe extern "C" fn(*mut c_void) -> c_int;
 type FnHostDevPtr = unsafe extern "C" fn(*mut *mut c_void, *mut c_void, u32) -> c_int;
 type FnHostRegister = unsafe extern "C" fn(*mut c_void, usize, u32) -> c_int;
 type FnMemcpy = unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> c_int;
+type FnMemcpyAsync =
+    unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, *mut c_void) -> c_int;
 type FnMemsetD32 = unsafe extern "C" fn(*mut c_void, c_int, usize) -> c_int;
 type FnModuleLoad = unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int;
 type FnModuleUnload = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -216,6 +218,7 @@ pub struct HipRuntime {
     host_register: FnHostRegister,
     host_unregister: FnFree,
     memcpy: FnMemcpy,
+    memcpy_async: FnMemcpyAsync,
     memset_d32: FnMemsetD32,
     module_load_data: FnModuleLoad,
     module_unload: FnModuleUnload,
@@ -294,6 +297,7 @@ impl HipRuntime {
                 host_register: sym(&lib, "hipHostRegister", &path)?,
                 host_unregister: sym(&lib, "hipHostUnregister", &path)?,
                 memcpy: sym(&lib, "hipMemcpy", &path)?,
+                memcpy_async: sym(&lib, "hipMemcpyAsync", &path)?,
                 memset_d32: sym(&lib, "hipMemsetD32", &path)?,
                 module_load_data: sym(&lib, "hipModuleLoadData", &path)?,
                 module_unload: sym(&lib, "hipModuleUnload", &path)?,
@@ -481,6 +485,15 @@ pub trait HipCalls: Send + Sync {
     /// # Safety
     /// `src..src+dst.len()` must lie inside one live allocation of this runtime.
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> c_int;
+    /// `hipMemcpyAsync` on the null stream (the kernels' stream), host → device when
+    /// `to_device`, else device → host: queued, no wait. `host` is a pinned host address.
+    ///
+    /// # Safety
+    /// `device..device+bytes` must lie inside one live allocation of this runtime and
+    /// `host..host+bytes` inside one pinned host allocation; the host range must not be
+    /// touched until the null stream has been waited for.
+    unsafe fn memcpy_async(&self, device: u64, host: usize, bytes: usize, to_device: bool)
+        -> c_int;
     /// `hipMemsetD32`.
     ///
     /// # Safety
@@ -600,6 +613,30 @@ impl HipCalls for HipRuntime {
                 HIP_MEMCPY_DEVICE_TO_HOST,
             )
         }
+    }
+    unsafe fn memcpy_async(
+        &self,
+        device: u64,
+        host: usize,
+        bytes: usize,
+        to_device: bool,
+    ) -> c_int {
+        let (dst, src, kind) = if to_device {
+            (
+                device as *mut c_void,
+                host as *const c_void,
+                HIP_MEMCPY_HOST_TO_DEVICE,
+            )
+        } else {
+            (
+                host as *mut c_void,
+                device as *const c_void,
+                HIP_MEMCPY_DEVICE_TO_HOST,
+            )
+        };
+        // SAFETY: ranges guaranteed by the caller; the null stream orders the copy with
+        // the kernels.
+        unsafe { (self.memcpy_async)(dst, src, bytes, kind, std::ptr::null_mut()) }
     }
     unsafe fn memset_d32(&self, dst: u64, value: u32, count: usize) -> c_int {
         // SAFETY: range guaranteed by the caller.

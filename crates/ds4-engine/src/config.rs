@@ -69,6 +69,13 @@ impl FromStr for NumericMode {
     }
 }
 
+/// The prefill chunk every front end uses unless told otherwise (`ds4`, `ds4-server`,
+/// `ds4-bench`, the library default): one value, so the server never prefills slower than
+/// the CLI. 2048 is where the GPU's multi-token matmuls reach their measured throughput
+/// (BENCHMARKS.md: the bench and the CLI prefill at 2048); its scratch is part of the
+/// placement plan's buffers.
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
+
 /// How an [`crate::Engine`] runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
@@ -85,7 +92,7 @@ impl Default for EngineConfig {
         EngineConfig {
             mode: None,
             ctx: 4096,
-            prefill_chunk: 128,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
 }

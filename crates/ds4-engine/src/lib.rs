@@ -28,7 +28,7 @@ pub mod weights;
 pub use backend::{
     Backend, BackendError, Buf, Counters, IBuf, ProfileRow, Slice, Weight, WeightInfo, WeightUse,
 };
-pub use config::{EngineConfig, NumericMode};
+pub use config::{EngineConfig, NumericMode, DEFAULT_PREFILL_CHUNK};
 pub use engine::{Engine, Logits};
 pub use error::{EngineError, Result};
 pub use sampler::{argmax, Rng, Sampler, SamplerConfig};

@@ -52,7 +52,7 @@ struct Args {
     #[arg(long, default_value_t = 32)]
     decode: usize,
     /// Prefill chunk.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = ds4_engine::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
     /// Numeric mode (default: the model's default).
     #[arg(long)]

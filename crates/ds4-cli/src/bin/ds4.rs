@@ -51,7 +51,7 @@ struct ModelArgs {
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
     /// Prefill chunk in tokens (bounds scratch memory; results do not depend on it).
-    #[arg(long, visible_alias = "chunk", default_value_t = 2048)]
+    #[arg(long, visible_alias = "chunk", default_value_t = ds4_engine::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
     /// Pedantic f32 prefill GEMM instead of the default fast TF32 path (CUDA; also
     /// DS4_QUALITY=1). Slower prefill, logits closer to the f32 reference.

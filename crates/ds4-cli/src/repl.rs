@@ -483,6 +483,7 @@ impl Repl {
             max_tokens: max,
             eos,
             ignore_eos,
+            feed_all: false,
         };
         let gen = self
             .runner()

@@ -15,5 +15,5 @@ pub mod plan;
 
 pub use checkpoint::{Checkpoint, CheckpointError, Format};
 pub use driver::{
-    continuation, Conversation, DriverError, GenLimits, GenOutcome, GenStop, SyncStats,
+    continuation, Conversation, DriverError, Flow, GenLimits, GenOutcome, GenStop, Steer, SyncStats,
 };

@@ -43,6 +43,15 @@ pub enum ModeChoice {
     Official,
 }
 
+impl From<NumericMode> for ModeChoice {
+    fn from(m: NumericMode) -> ModeChoice {
+        match m {
+            NumericMode::Exact => ModeChoice::Exact,
+            NumericMode::Official => ModeChoice::Official,
+        }
+    }
+}
+
 impl From<ModeChoice> for NumericMode {
     fn from(m: ModeChoice) -> NumericMode {
         match m {
@@ -381,6 +390,14 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> anyhow::Result<Loaded> {
     );
     let model_id = model_id(&file)?;
     let engine = build_engine_logged(&file, opts, opts.ctx, Some(log))?;
+    if engine.hparams().n_vocab != tokenizer.vocab_size() {
+        bail!(
+            "{}: the tokenizer has {} tokens but the model's vocabulary is {}",
+            opts.model.display(),
+            tokenizer.vocab_size(),
+            engine.hparams().n_vocab
+        );
+    }
     writeln!(
         log,
         "ds4: model {} · mode {} · backend {} · ctx {}",

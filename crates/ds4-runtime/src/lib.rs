@@ -10,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod driver;
+pub mod error;
 pub mod load;
 pub mod plan;
 
@@ -17,3 +18,4 @@ pub use checkpoint::{Checkpoint, CheckpointError, Format};
 pub use driver::{
     continuation, Conversation, DriverError, Flow, GenLimits, GenOutcome, GenStop, Steer, SyncStats,
 };
+pub use error::{error_chain, LoadError};

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use crate::error::LoadError;
 use ds4_gguf::{GgufFile, Header, TensorInfo};
 use ds4_model::catalogue::{classify, TensorClass as ModelClass};
 use ds4_model::layout::{model_header, mtp_tensor_table, placeholder_tokenizer, TypeRecipe};
@@ -76,11 +76,14 @@ pub fn inventory_of(tensors: &[TensorInfo], set: WeightSet) -> TensorInventory {
     )
 }
 
-fn load_header(path: &Path) -> anyhow::Result<Header> {
+fn load_header(path: &Path) -> Result<Header, LoadError> {
     if !path.exists() {
-        anyhow::bail!("{}", crate::load::missing_model_message(path));
+        return Err(LoadError::MissingModel(path.to_path_buf()));
     }
-    let f = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     Ok(f.header().clone())
 }
 
@@ -89,12 +92,16 @@ pub struct Planned {
     pub result: Result<Plan, Refusal>,
 }
 
-pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Result<Planned> {
+pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Planned, LoadError> {
     let (hparams, header, label): (HParams, Header, String) = match &args.source {
         Source::File(p) => {
             let h = load_header(p)?;
-            let spec = ModelSpec::from_header(&h, Strictness::Auto)
-                .with_context(|| format!("{} is not a model ds4-rs can run", p.display()))?;
+            let spec = ModelSpec::from_header(&h, Strictness::Auto).map_err(|source| {
+                LoadError::NotAModel {
+                    path: p.clone(),
+                    source,
+                }
+            })?;
             (spec.hparams, h, p.display().to_string())
         }
         Source::Synthetic(recipe) => {
@@ -124,19 +131,22 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Res
         }
     }
     if args.ctx == 0 {
-        bail!("--ctx must be at least 1");
+        return Err(LoadError::ZeroContext);
     }
     let (host, device, machine_desc): (HostFacts, DeviceFacts, String) = match &args.machine {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read machine file {}", p.display()))?;
-            let m = MachineFacts::from_json(&text)
-                .with_context(|| format!("machine file {} is not valid", p.display()))?;
+            let text = std::fs::read_to_string(p).map_err(|source| LoadError::MachineFile {
+                path: p.clone(),
+                source,
+            })?;
+            let m = MachineFacts::from_json(&text).map_err(|e| LoadError::MachineInvalid {
+                path: p.clone(),
+                source: Box::new(e),
+            })?;
             (m.host, m.device, m.description)
         }
         None => {
-            let host = ds4_placement::probe::host_facts()
-                .context("reading this machine's memory facts")?;
+            let host = ds4_placement::probe::host_facts().map_err(LoadError::HostFacts)?;
             match &args.device {
                 Some((facts, desc)) => (host, facts.clone(), format!("this machine ({desc})")),
                 None => (host, DeviceFacts::cpu(), "this machine (CPU only)".into()),
@@ -160,9 +170,8 @@ pub fn plan_inventory(
     device: &DeviceFacts,
     args: &PlanArgs,
     env: impl Fn(&str) -> Option<String>,
-) -> anyhow::Result<Result<ds4_placement::Plan, ds4_placement::Refusal>> {
-    let overrides =
-        resolve_overrides(&args.overrides, env).context("invalid placement override")?;
+) -> Result<Result<ds4_placement::Plan, ds4_placement::Refusal>, LoadError> {
+    let overrides = resolve_overrides(&args.overrides, env).map_err(LoadError::Override)?;
     let mut request = Request::new(
         args.ctx,
         kv::kv_growth_per_token(hparams),

@@ -99,7 +99,7 @@ impl LoadedModel {
             &opts.load_options(path, BackendChoice::Cpu),
             &mut std::io::sink(),
         )
-        .map_err(|e| ServerError::Model(e.to_string()))?;
+        .map_err(|e| ServerError::Model(ds4_runtime::error_chain(&e)))?;
         Ok(loaded.into())
     }
 }

@@ -5,12 +5,12 @@ use std::path::{Path, PathBuf};
 
 use crate::error::LoadError;
 use ds4_gguf::{GgufFile, Header, TensorInfo};
-use ds4_model::catalogue::{classify, TensorClass as ModelClass};
+use ds4_model::catalogue::classify;
 use ds4_model::layout::{model_header, mtp_tensor_table, placeholder_tokenizer, TypeRecipe};
 use ds4_model::{kv, HParams, ModelSpec, Strictness};
 use ds4_placement::{
     plan, resolve_overrides, CliOverrides, DeviceFacts, HostFacts, MachineFacts, Plan, Policy,
-    Refusal, Request, TensorClass, TensorInventory, TensorSpec, WeightSet,
+    Refusal, Request, TensorInventory, TensorSpec, WeightSet,
 };
 
 /// Where the tensor table comes from.
@@ -33,23 +33,6 @@ pub struct PlanArgs {
     pub overrides: CliOverrides,
 }
 
-/// Maps the model crate's tensor classes onto the planner's: the same variants by name (the
-/// planner keeps its own copy so that it depends on no model crate; it adds `Other`).
-pub fn placement_class(c: ModelClass) -> TensorClass {
-    match c {
-        ModelClass::Embedding => TensorClass::Embedding,
-        ModelClass::Attention => TensorClass::Attention,
-        ModelClass::Compressor => TensorClass::Compressor,
-        ModelClass::Indexer => TensorClass::Indexer,
-        ModelClass::HyperConnection => TensorClass::HyperConnection,
-        ModelClass::Router => TensorClass::Router,
-        ModelClass::RoutedExperts => TensorClass::RoutedExperts,
-        ModelClass::SharedExpert => TensorClass::SharedExpert,
-        ModelClass::Norms => TensorClass::Norms,
-        ModelClass::OutputHead => TensorClass::OutputHead,
-    }
-}
-
 fn layer_of(name: &str) -> Option<u32> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
@@ -63,7 +46,7 @@ pub fn inventory_of(tensors: &[TensorInfo], set: WeightSet) -> TensorInventory {
                 let mut s = TensorSpec::new(
                     t.name.clone(),
                     t.n_bytes().unwrap_or(0),
-                    placement_class(classify(&t.name)),
+                    classify(&t.name),
                     layer_of(&t.name),
                 )
                 .in_set(set);
@@ -192,4 +175,34 @@ pub fn plan_inventory(
         );
     let result = plan(host, device, inventory, &request, &Policy::default());
     Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_model::names::TensorName;
+
+    /// The planner sees the class the model crate's typed names give every tensor of the
+    /// published layouts (main and MTP): no name falls back to a guess.
+    #[test]
+    fn every_tensor_of_the_layout_has_its_named_class() {
+        let hp = HParams::flash();
+        for recipe in [TypeRecipe::Q2, TypeRecipe::Q4] {
+            let h = model_header(&hp, &recipe, "t", &placeholder_tokenizer(hp.n_vocab));
+            let mut tables = vec![
+                (h.tensors.clone(), WeightSet::Main),
+                (mtp_tensor_table(&hp), WeightSet::Mtp),
+            ];
+            for (table, set) in tables.drain(..) {
+                let inv = inventory_of(&table, set);
+                assert_eq!(inv.tensors.len(), table.len());
+                for (spec, info) in inv.tensors.iter().zip(&table) {
+                    let named = TensorName::parse(&info.name)
+                        .unwrap_or_else(|| panic!("{} is not a layout name", info.name));
+                    assert_eq!(spec.class, named.class(), "{}", info.name);
+                    assert_eq!(spec.set, set, "{}", info.name);
+                }
+            }
+        }
+    }
 }

@@ -45,6 +45,9 @@ pub struct Job {
     pub forced: Option<String>,
     /// Responses: the `resp_…` id the client will see (a later `previous_response_id`).
     pub response_id: Option<String>,
+    /// How the request's family continues the live state (`None`: it does not, and a turn
+    /// leaves no binding).
+    pub continuation: Option<crate::api::Continuation>,
     pub events: mpsc::Sender<JobEvent>,
     /// Set by the handler when the client goes away.
     pub cancel: Arc<AtomicBool>,
@@ -341,13 +344,13 @@ impl Worker {
             Some(r) => r,
             // Only the live state could serve it, and it moved since the request was
             // accepted: nothing was touched, so the binding (if any) stays.
-            None if job.prepared.live_tail.as_ref().is_some_and(|t| t.required) => {
-                return Err(live::conflict(job.endpoint));
-            }
-            None => {
-                self.binding = None;
-                self.reuse(&job.prepared)?
-            }
+            None => match job.prepared.live_tail.as_ref().filter(|t| t.required) {
+                Some(t) => return Err(live::conflict(&t.continuation)),
+                None => {
+                    self.binding = None;
+                    self.reuse(&job.prepared)?
+                }
+            },
         };
         let usage0 = Usage {
             prompt_tokens: cached + suffix.len(),
@@ -358,7 +361,7 @@ impl Worker {
             return Err(ApiError::context_overflow(
                 usage0.prompt_tokens,
                 self.ctx,
-                job.endpoint.prompt_param(),
+                crate::endpoints::family(job.endpoint).prompt_param(),
             ));
         }
         tracing::debug!(source, cached, prefill = suffix.len(), "prompt");
@@ -421,7 +424,7 @@ impl Worker {
         }
         self.binding = None;
         self.visible = None;
-        Some((live_len, t.suffix_tokens.clone(), t.source(job.endpoint)))
+        Some((live_len, t.suffix_tokens.clone(), t.source()))
     }
 
     /// Picks how to reach the prompt and puts the session there. Returns (reused tokens,
@@ -788,7 +791,10 @@ impl Worker {
         let (evs, output) = stream.finish(cause);
         emit(&self.stats, &self.cfg, job, &mut ids, evs);
         while ids.len() < output.message.tool_calls.len() {
-            ids.push(random_id(job.endpoint.tool_id_prefix(), 32));
+            ids.push(random_id(
+                crate::endpoints::family(job.endpoint).tool_id_prefix(),
+                32,
+            ));
         }
         ids.truncate(output.message.tool_calls.len());
         self.remember(job, &output, &ids, stop_hit || cancelled);
@@ -825,10 +831,8 @@ impl Worker {
                 out.finish,
                 ds4_chat::stream::FinishReason::Stop | ds4_chat::stream::FinishReason::ToolCalls
             );
-        self.binding = (ended
-            && matches!(job.endpoint, Endpoint::Responses | Endpoint::Messages)
-            && self.conv.pos() > 0)
-            .then(|| ToolBinding {
+        self.binding =
+            (ended && job.continuation.is_some() && self.conv.pos() > 0).then(|| ToolBinding {
                 endpoint: job.endpoint,
                 response_id: job.response_id.clone(),
                 call_ids: ids.to_vec(),
@@ -893,7 +897,10 @@ fn emit(
             StreamEvent::Content(s) => Delta::Content(s),
             StreamEvent::ToolCallStart { index, name } => {
                 while ids.len() <= index {
-                    ids.push(random_id(job.endpoint.tool_id_prefix(), 32));
+                    ids.push(random_id(
+                        crate::endpoints::family(job.endpoint).tool_id_prefix(),
+                        32,
+                    ));
                 }
                 Delta::ToolStart {
                     index,

@@ -327,7 +327,13 @@ mod tests {
             suffix_trusted: Vec::new(),
             suffix_tokens: Vec::new(),
             required: true,
-            continuation: crate::endpoints::responses::CONTINUATION,
+            continuation: Continuation {
+                protocol: "Responses",
+                history: "input",
+                call_id_field: "call_id",
+                tool_output_source: "responses-tool-output",
+                response_ids: true,
+            },
         };
         assert!(t(&["b", "a"], None, TailMatch::SameSet).matches(Endpoint::Responses, &b));
         assert!(!t(&["a"], None, TailMatch::SameSet).matches(Endpoint::Responses, &b));

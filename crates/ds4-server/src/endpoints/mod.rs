@@ -13,6 +13,9 @@ pub mod completions;
 pub mod messages;
 pub mod responses;
 
+#[cfg(test)]
+mod parse_tests;
+
 use ds4_chat::Tokenizer;
 
 use crate::api::{Endpoint, GenRequest};

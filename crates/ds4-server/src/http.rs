@@ -780,6 +780,8 @@ async fn generation_inner(
             .is_some_and(|c| c.response_ids)
             .then(|| ectx.id.clone()),
         continuation: req.continuation,
+        prompt_param: endpoints::family(ep).prompt_param(),
+        tool_id_prefix: endpoints::family(ep).tool_id_prefix(),
         events: tx,
         cancel,
         taken_ms: taken_ms.clone(),

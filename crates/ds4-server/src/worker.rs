@@ -45,6 +45,11 @@ pub struct Job {
     pub forced: Option<String>,
     /// Responses: the `resp_…` id the client will see (a later `previous_response_id`).
     pub response_id: Option<String>,
+    /// The request field that holds the prompt (a context overflow names it) and the
+    /// prefix of tool-call ids: the family's, given by the handler so the worker needs no
+    /// endpoint code.
+    pub prompt_param: &'static str,
+    pub tool_id_prefix: &'static str,
     /// How the request's family continues the live state (`None`: it does not, and a turn
     /// leaves no binding).
     pub continuation: Option<crate::api::Continuation>,
@@ -361,7 +366,7 @@ impl Worker {
             return Err(ApiError::context_overflow(
                 usage0.prompt_tokens,
                 self.ctx,
-                crate::endpoints::family(job.endpoint).prompt_param(),
+                job.prompt_param,
             ));
         }
         tracing::debug!(source, cached, prefill = suffix.len(), "prompt");
@@ -791,10 +796,7 @@ impl Worker {
         let (evs, output) = stream.finish(cause);
         emit(&self.stats, &self.cfg, job, &mut ids, evs);
         while ids.len() < output.message.tool_calls.len() {
-            ids.push(random_id(
-                crate::endpoints::family(job.endpoint).tool_id_prefix(),
-                32,
-            ));
+            ids.push(random_id(job.tool_id_prefix, 32));
         }
         ids.truncate(output.message.tool_calls.len());
         self.remember(job, &output, &ids, stop_hit || cancelled);
@@ -897,10 +899,7 @@ fn emit(
             StreamEvent::Content(s) => Delta::Content(s),
             StreamEvent::ToolCallStart { index, name } => {
                 while ids.len() <= index {
-                    ids.push(random_id(
-                        crate::endpoints::family(job.endpoint).tool_id_prefix(),
-                        32,
-                    ));
+                    ids.push(random_id(job.tool_id_prefix, 32));
                 }
                 Delta::ToolStart {
                     index,

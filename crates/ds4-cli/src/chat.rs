@@ -37,7 +37,7 @@ impl TurnText {
         let mut events = self.stream.push(&rest);
         let cause = match stop {
             GenStop::Eos => EndCause::Eos,
-            GenStop::Length | GenStop::Interrupted => EndCause::Length,
+            GenStop::Length | GenStop::Interrupted | GenStop::Halted => EndCause::Length,
         };
         let (more, out) = self.stream.finish(cause);
         events.extend(more);

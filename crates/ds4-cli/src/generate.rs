@@ -151,6 +151,7 @@ pub fn one_shot(
         max_tokens: max,
         eos,
         ignore_eos: s.ignore_eos,
+        feed_all: false,
     };
     let gen = runner.generate(logits, &mut sampler, limits, &intr.cancel, &mut |id| {
         for ev in text.push(&tok, id) {

@@ -483,6 +483,7 @@ impl Repl {
             max_tokens: max,
             eos,
             ignore_eos,
+            feed_all: false,
         };
         let gen = self
             .runner()
@@ -596,7 +597,8 @@ impl Repl {
                 let back = build_engine(&self.file, &self.load, old)
                     .context("restoring the previous context after a failed /ctx")?;
                 self.runner = Some(Conversation::new(back)?);
-                return Err(e.context(format!("cannot make a context of {n} tokens; kept {old}")));
+                return Err(anyhow::Error::new(e)
+                    .context(format!("cannot make a context of {n} tokens; kept {old}")));
             }
         };
         self.runner = Some(Conversation::new(engine)?);

@@ -7,9 +7,10 @@
 use std::sync::{Arc, OnceLock};
 
 use ds4_chat::Tokenizer;
+use ds4_server::endpoints;
 use ds4_server::live::ToolBinding;
 use ds4_server::prepare;
-use ds4_server::request::{self, GenRequest};
+use ds4_server::request::GenRequest;
 use ds4_server::toolmem::ToolMemory;
 
 /// The committed vocabulary-only GGUF (real V4 tokenizer, no tensors), loaded once.
@@ -67,7 +68,7 @@ fn exercise(req: GenRequest, tok: &Tokenizer) {
         check_prepared(&p, tok);
         if let Some(t) = &p.live_tail {
             let _ = t.matches(live.endpoint, &binding);
-            let _ = t.source(live.endpoint);
+            let _ = t.source();
         }
     }
 }
@@ -77,13 +78,8 @@ pub fn server_request(data: &[u8]) {
     let tok = tokenizer();
     // Small contexts exercise the thinking-mode downgrade (`ThinkingMode::for_context`).
     let ctx = [4096u64, 1 << 20, 0][data.len() % 3];
-    for parse in [
-        request::parse_chat,
-        request::parse_completions,
-        request::parse_messages,
-        request::parse_responses,
-    ] {
-        if let Ok(req) = parse(data, ctx) {
+    for family in endpoints::ALL {
+        if let Ok(req) = family.parse(data, ctx) {
             exercise(req, tok);
         }
     }

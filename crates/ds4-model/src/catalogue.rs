@@ -7,24 +7,35 @@ use serde::Serialize;
 use crate::hparams::{AttnKind, HParams};
 use crate::names::{GlobalTensor, LayerTensor, TensorName};
 
-/// What a tensor is for; used by `inspect` summaries, the byte accounting and (mapped one to
-/// one onto `ds4_placement::TensorClass`, whose variants have the same names) the placement
-/// planner. Which tensor has which class is decided in [`crate::names`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+/// What a tensor is for: the one class enum of the workspace. `inspect` summaries, the byte
+/// accounting and the placement planner (`ds4_placement` re-exports this type) group by it;
+/// which tensor has which class is decided in [`crate::names`]. The declaration order is the
+/// order the placement report lists classes in.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum TensorClass {
-    Embedding,
+    /// q/kv/output projections, `e_proj`/`h_proj` and sinks.
     Attention,
-    Compressor,
-    Indexer,
-    HyperConnection,
-    Router,
+    /// Routed expert stacks (`ffn_{gate,up,down}_exps`): most of the bytes, 6 of 256 read
+    /// per layer per token.
     RoutedExperts,
     SharedExpert,
-    Norms,
+    /// `ffn_gate_inp`, `exp_probs_b`, `tid2eid`.
+    Router,
+    HyperConnection,
+    Compressor,
+    Indexer,
+    /// `token_embd`: one row read per token.
+    Embedding,
+    /// `output.weight` and the output hyper-connection head.
     OutputHead,
+    Norms,
 }
 
 impl TensorClass {
+    /// Every class, in the order `ds4 inspect` lists them.
     pub const ALL: [TensorClass; 10] = [
         TensorClass::Embedding,
         TensorClass::Attention,
@@ -37,6 +48,29 @@ impl TensorClass {
         TensorClass::Norms,
         TensorClass::OutputHead,
     ];
+
+    /// Whether every decoded token reads the whole tensor. The planner keeps those on the
+    /// device in a hybrid plan; routed experts (a few slices per token) and the embedding
+    /// (one row per token) can be read from host memory at little cost.
+    pub fn read_whole_every_token(self) -> bool {
+        !matches!(self, TensorClass::RoutedExperts | TensorClass::Embedding)
+    }
+
+    /// Label used in placement reports ("routed experts").
+    pub fn label(self) -> &'static str {
+        match self {
+            TensorClass::Attention => "attention",
+            TensorClass::RoutedExperts => "routed experts",
+            TensorClass::SharedExpert => "shared expert",
+            TensorClass::Router => "router",
+            TensorClass::HyperConnection => "hyper-connections",
+            TensorClass::Compressor => "compressor",
+            TensorClass::Indexer => "indexer",
+            TensorClass::Embedding => "embedding",
+            TensorClass::OutputHead => "output head",
+            TensorClass::Norms => "norms",
+        }
+    }
 
     /// Short label used in `ds4 inspect` output.
     pub fn name(self) -> &'static str {
@@ -52,6 +86,12 @@ impl TensorClass {
             TensorClass::Norms => "norms",
             TensorClass::OutputHead => "head",
         }
+    }
+}
+
+impl std::fmt::Display for TensorClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
     }
 }
 

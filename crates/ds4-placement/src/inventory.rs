@@ -1,80 +1,15 @@
 //! The tensor inventory: what has to be placed, as the model crate describes it.
 //!
-//! Kept generic (name, bytes, class, layer) so the planner needs no model crate: ds4-model
-//! fills it from a GGUF's tensor table, tests fill it from the class totals of the spec.
-
-use std::fmt;
+//! Kept to (name, bytes, class, layer): the runtime fills it from a GGUF's tensor table,
+//! tests fill it from the class totals of the spec. The class is the model crate's.
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// What a tensor is for; the hybrid plan and the report group by this.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TensorClass {
-    /// q/kv/output projections and sinks.
-    Attention,
-    /// Routed expert stacks (`ffn_{gate,up,down}_exps`): most of the bytes, 6 of 256 read
-    /// per layer per token.
-    RoutedExperts,
-    SharedExpert,
-    /// `ffn_gate_inp`, `exp_probs_b`, `tid2eid`.
-    Router,
-    HyperConnection,
-    Compressor,
-    Indexer,
-    /// `token_embd`: one row read per token.
-    Embedding,
-    /// `output.weight`.
-    OutputHead,
-    Norms,
-    Other,
-}
-
-impl TensorClass {
-    pub const ALL: [TensorClass; 11] = [
-        TensorClass::Attention,
-        TensorClass::RoutedExperts,
-        TensorClass::SharedExpert,
-        TensorClass::Router,
-        TensorClass::HyperConnection,
-        TensorClass::Compressor,
-        TensorClass::Indexer,
-        TensorClass::Embedding,
-        TensorClass::OutputHead,
-        TensorClass::Norms,
-        TensorClass::Other,
-    ];
-
-    /// Whether every decoded token reads the whole tensor. Those stay on the device in a
-    /// hybrid plan; routed experts (a few slices per token) and the embedding (one row
-    /// per token) can be read from host memory at little cost.
-    pub fn read_whole_every_token(self) -> bool {
-        !matches!(self, TensorClass::RoutedExperts | TensorClass::Embedding)
-    }
-
-    pub fn label(self) -> &'static str {
-        match self {
-            TensorClass::Attention => "attention",
-            TensorClass::RoutedExperts => "routed experts",
-            TensorClass::SharedExpert => "shared expert",
-            TensorClass::Router => "router",
-            TensorClass::HyperConnection => "hyper-connections",
-            TensorClass::Compressor => "compressor",
-            TensorClass::Indexer => "indexer",
-            TensorClass::Embedding => "embedding",
-            TensorClass::OutputHead => "output head",
-            TensorClass::Norms => "norms",
-            TensorClass::Other => "other",
-        }
-    }
-}
-
-impl fmt::Display for TensorClass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.label())
-    }
-}
+/// What a tensor is for; the hybrid plan and the report group by this. The model crate's
+/// class (decided per tensor name in `ds4_model::names`), so the planner and the model can
+/// never disagree on a class.
+pub use ds4_model::TensorClass;
 
 /// Which file a tensor comes from.
 #[derive(

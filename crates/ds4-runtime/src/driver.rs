@@ -33,6 +33,8 @@ pub enum DriverError {
     Interrupted,
     #[error("the restored state holds other tokens than the checkpoint says")]
     Inconsistent,
+    #[error("no logits to sample from (nothing was evaluated since the state last changed)")]
+    NoLogits,
 }
 
 /// What one [`Conversation::sync`] did.
@@ -68,6 +70,9 @@ pub enum GenStop {
     Length,
     /// The cancel flag was raised.
     Interrupted,
+    /// The front end's [`Steer`] ended it (a stop sequence matched, the server is stopping,
+    /// the client went away).
+    Halted,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -92,6 +97,57 @@ pub struct GenLimits {
     pub eos: u32,
     /// Mask EOS out of every distribution (fixed-length runs for benchmarks and tests).
     pub ignore_eos: bool,
+    /// Feed every emitted token, the last one too, and keep the logits after it. A server
+    /// wants this: its next request may continue exactly where this one stopped, and its
+    /// mid-generation checkpoints need the logits. Off (the CLI), the last token is left for
+    /// the next turn to feed with its own tokens, and greedy decoding asks the backend for
+    /// the argmax alone.
+    pub feed_all: bool,
+}
+
+/// Whether a generation goes on after a token ([`Steer::token`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// End after this token ([`GenStop::Halted`]).
+    Stop,
+}
+
+/// What a front end decides during [`Conversation::generate_with`]. The driver owns the
+/// loop (limits, cancellation, EOS, sampling, feeding the state), so the CLI and the server
+/// cannot drift apart on it; the front end only answers these questions at each step.
+pub trait Steer {
+    /// Asked before every step, after the cancel flag: `true` ends the generation with
+    /// [`GenStop::Halted`] (e.g. the server is shutting down, the client disconnected).
+    fn halt(&mut self) -> bool {
+        false
+    }
+
+    /// The token of step `step` (0-based) when the front end decides it instead of the
+    /// sampler: forced output, or a greedy pick inside a structured span. `logits` are the
+    /// distribution of this step, `None` when the backend already picked the argmax (greedy
+    /// decoding without [`GenLimits::feed_all`]). `None` lets the sampler choose.
+    fn choose(&mut self, _step: usize, _logits: Option<&[f32]>) -> Option<u32> {
+        None
+    }
+
+    /// An emitted token (never EOS), before it is fed to the state. [`Flow::Stop`] ends the
+    /// generation with [`GenStop::Halted`] (the token is still fed under `feed_all`).
+    fn token(&mut self, tok: u32) -> Flow;
+
+    /// After a token was fed under [`GenLimits::feed_all`] and the generation goes on: the
+    /// conversation holds it and the logits after it (a checkpoint can be written here).
+    fn fed(&mut self, _conv: &mut Conversation) {}
+}
+
+/// [`Steer`] for a front end that only watches the tokens go by.
+struct Watch<'a>(&'a mut dyn FnMut(u32));
+
+impl Steer for Watch<'_> {
+    fn token(&mut self, tok: u32) -> Flow {
+        (self.0)(tok);
+        Flow::Continue
+    }
 }
 
 /// How a candidate prefix (the live state, a snapshot, a disk checkpoint) continues into a
@@ -321,10 +377,11 @@ impl Conversation {
     }
 
     /// Samples up to `limits.max_tokens` tokens starting from `logits` (the logits after the
-    /// live state). Stops at EOS (included in the result), at the limit, or when `cancel`
-    /// is raised. Every sampled token except the last is fed to the state, so the live state
-    /// afterwards holds the prompt and all but the last sampled token: a one-shot run does
-    /// not pay for a step nobody reads, and the next turn feeds that token with its own.
+    /// live state), calling `on_token` with each. Stops at EOS (included in the result), at
+    /// the limit, or when `cancel` is raised. Without [`GenLimits::feed_all`], every sampled
+    /// token except the last is fed to the state, so the live state afterwards holds the
+    /// prompt and all but the last sampled token: a one-shot run does not pay for a step
+    /// nobody reads, and the next turn feeds that token with its own.
     pub fn generate(
         &mut self,
         logits: Vec<f32>,
@@ -333,19 +390,36 @@ impl Conversation {
         cancel: &AtomicBool,
         on_token: &mut dyn FnMut(u32),
     ) -> Result<GenOutcome, DriverError> {
+        self.last_logits = Some(logits);
+        self.generate_with(sampler, limits, cancel, &mut Watch(on_token))
+    }
+
+    /// The one generation loop of the front ends: samples from the logits after the live
+    /// state ([`DriverError::NoLogits`] when unknown) until EOS (included in the result), the
+    /// limit, `cancel`, or `steer` ends it. See [`GenLimits::feed_all`] for which tokens the
+    /// state holds afterwards. On an engine error while feeding, the state is partial and
+    /// the logits are forgotten; a sampler error leaves both as they were.
+    pub fn generate_with(
+        &mut self,
+        sampler: &mut Sampler,
+        limits: GenLimits,
+        cancel: &AtomicBool,
+        steer: &mut dyn Steer,
+    ) -> Result<GenOutcome, DriverError> {
         let t0 = Instant::now();
         let GenLimits {
             max_tokens,
             eos,
             ignore_eos,
+            feed_all,
         } = limits;
+        let mut logits = self.last_logits.take().ok_or(DriverError::NoLogits)?;
         let mut out = Vec::new();
-        let mut logits = logits;
-        self.last_logits = None;
         // Greedy decoding asks the backend for the argmax: one integer per token crosses
-        // back instead of the logits row (not with ignore_eos, which edits the row).
-        let device_argmax = sampler.is_greedy() && !ignore_eos;
-        let mut next = None;
+        // back instead of the logits row (not with ignore_eos, which edits the row, nor when
+        // the logits must be kept).
+        let device_argmax = sampler.is_greedy() && !ignore_eos && !feed_all;
+        let mut next: Option<u32> = None;
         let stop = loop {
             if out.len() >= max_tokens {
                 break GenStop::Length;
@@ -353,32 +427,61 @@ impl Conversation {
             if cancel.load(Ordering::Relaxed) {
                 break GenStop::Interrupted;
             }
+            if steer.halt() {
+                break GenStop::Halted;
+            }
             if ignore_eos {
                 if let Some(l) = logits.get_mut(eos as usize) {
                     *l = f32::NEG_INFINITY;
                 }
             }
-            let tok = match next.take() {
+            let at_hand = next.is_none().then_some(&logits[..]);
+            let tok = match steer.choose(out.len(), at_hand).or(next.take()) {
                 Some(t) => t,
-                None => sampler.sample(&logits, &[])?,
+                None => match sampler.sample(&logits, &[]) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        if feed_all {
+                            self.last_logits = Some(logits);
+                        }
+                        return Err(e.into());
+                    }
+                },
             };
             out.push(tok);
             if tok == eos {
                 break GenStop::Eos;
             }
-            on_token(tok);
-            if out.len() >= max_tokens {
-                break GenStop::Length;
-            }
-            if cancel.load(Ordering::Relaxed) {
-                break GenStop::Interrupted;
+            let flow = steer.token(tok);
+            if !feed_all {
+                if flow == Flow::Stop {
+                    break GenStop::Halted;
+                }
+                if out.len() >= max_tokens {
+                    break GenStop::Length;
+                }
+                if cancel.load(Ordering::Relaxed) {
+                    break GenStop::Interrupted;
+                }
             }
             if device_argmax {
                 next = Some(self.session.decode_argmax(tok)?);
             } else {
                 self.session.decode_into(tok, &mut logits)?;
             }
+            if flow == Flow::Stop {
+                break GenStop::Halted;
+            }
+            if feed_all {
+                self.last_logits = Some(logits);
+                steer.fed(self);
+                logits = self.last_logits.take().ok_or(DriverError::NoLogits)?;
+            }
         };
+        if feed_all {
+            // Every emitted token but an EOS was fed: these are the logits after the state.
+            self.last_logits = Some(logits);
+        }
         Ok(GenOutcome {
             tokens: out,
             stop,

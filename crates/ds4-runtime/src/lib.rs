@@ -10,10 +10,12 @@
 
 pub mod checkpoint;
 pub mod driver;
+pub mod error;
 pub mod load;
 pub mod plan;
 
 pub use checkpoint::{Checkpoint, CheckpointError, Format};
 pub use driver::{
-    continuation, Conversation, DriverError, GenLimits, GenOutcome, GenStop, SyncStats,
+    continuation, Conversation, DriverError, Flow, GenLimits, GenOutcome, GenStop, Steer, SyncStats,
 };
+pub use error::{error_chain, LoadError};

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use crate::error::{error_chain, LoadError};
 use ds4_chat::Tokenizer;
 use ds4_engine::{Backend, Engine, EngineConfig, NumericMode};
 use ds4_gguf::GgufFile;
@@ -41,6 +41,15 @@ pub enum ModeChoice {
     Exact,
     /// The FP8/FP4 simulations the checkpoint was trained with (DeepSeek's own graph).
     Official,
+}
+
+impl From<NumericMode> for ModeChoice {
+    fn from(m: NumericMode) -> ModeChoice {
+        match m {
+            NumericMode::Exact => ModeChoice::Exact,
+            NumericMode::Official => ModeChoice::Official,
+        }
+    }
 }
 
 impl From<ModeChoice> for NumericMode {
@@ -139,21 +148,26 @@ fn device_desc(runtime: &str, name: &str, arch: &str, integrated: bool) -> Strin
     format!("{runtime} device 0: {name}, {arch}, {kind}")
 }
 
-fn probe_cuda() -> anyhow::Result<Resolved> {
-    let dev = ds4_gpu::cuda::CudaDevice::open(0).context("starting the CUDA backend")?;
+/// Wraps a GPU runtime error with the step it failed in.
+fn gpu(step: &'static str) -> impl FnOnce(ds4_gpu::GpuError) -> LoadError {
+    move |source| LoadError::Gpu { step, source }
+}
+
+fn probe_cuda() -> Result<Resolved, LoadError> {
+    let dev = ds4_gpu::cuda::CudaDevice::open(0).map_err(gpu("starting the CUDA backend"))?;
     let facts = dev
         .placement_facts()
-        .context("reading the CUDA device's memory")?;
+        .map_err(gpu("reading the CUDA device's memory"))?;
     let i = dev.info();
     let desc = device_desc("CUDA", &i.name, &i.arch(), i.integrated);
     Ok(Resolved::Cuda { dev, facts, desc })
 }
 
-fn probe_rocm() -> anyhow::Result<Resolved> {
-    let dev = ds4_gpu::hip::HipDevice::open(0).context("starting the ROCm backend")?;
+fn probe_rocm() -> Result<Resolved, LoadError> {
+    let dev = ds4_gpu::hip::HipDevice::open(0).map_err(gpu("starting the ROCm backend"))?;
     let facts = dev
         .placement_facts()
-        .context("reading the ROCm device's memory")?;
+        .map_err(gpu("reading the ROCm device's memory"))?;
     let desc = device_desc("ROCm", &dev.info().name, dev.arch(), dev.info().integrated);
     Ok(Resolved::Rocm { dev, facts, desc })
 }
@@ -162,7 +176,7 @@ fn probe_rocm() -> anyhow::Result<Resolved> {
 /// ROCm, then the CPU; with `loud` it says on stderr which it chose and why. `cuda` /
 /// `rocm` fail with the runtime's reason ("CUDA is not available: ...", "no ROCm device:
 /// ...") instead of falling back.
-pub fn probe_device(choice: BackendChoice, loud: bool) -> anyhow::Result<Resolved> {
+pub fn probe_device(choice: BackendChoice, loud: bool) -> Result<Resolved, LoadError> {
     match choice {
         BackendChoice::Cpu => Ok(Resolved::Cpu),
         BackendChoice::Cuda => probe_cuda(),
@@ -180,7 +194,7 @@ pub fn probe_device(choice: BackendChoice, loud: bool) -> anyhow::Result<Resolve
                     }
                     return Ok(r);
                 }
-                Err(e) => format!("{e:#}"),
+                Err(e) => error_chain(&e),
             };
             if loud {
                 eprintln!("ds4: backend auto -> cpu ({why_not_cuda}; {why_not_rocm})");
@@ -199,9 +213,9 @@ pub fn make_planned_backend(
     threads: usize,
     plan: Option<ds4_placement::Plan>,
     precision: Precision,
-) -> anyhow::Result<Box<dyn Backend>> {
-    let cpu = || -> anyhow::Result<Box<dyn Backend>> {
-        let be = ds4_cpu::CpuBackend::new(threads).context("starting the CPU backend")?;
+) -> Result<Box<dyn Backend>, LoadError> {
+    let cpu = || -> Result<Box<dyn Backend>, LoadError> {
+        let be = ds4_cpu::CpuBackend::new(threads).map_err(LoadError::Cpu)?;
         Ok(Box::new(be))
     };
     let opts = gpu_options(plan, precision);
@@ -209,7 +223,7 @@ pub fn make_planned_backend(
         Resolved::Cpu => cpu(),
         Resolved::Cuda { dev, .. } => {
             let be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
-                .context("starting the CUDA backend")?;
+                .map_err(gpu("starting the CUDA backend"))?;
             Ok(Box::new(be))
         }
         Resolved::Rocm { dev, .. } => match ds4_gpu::backend::HipBackend::on_device(dev, opts) {
@@ -223,7 +237,7 @@ pub fn make_planned_backend(
                 eprintln!("ds4: backend auto -> cpu (the ROCm backend did not start: {e})");
                 cpu()
             }
-            Err(e) => Err(anyhow::Error::new(e).context("starting the ROCm backend")),
+            Err(e) => Err(gpu("starting the ROCm backend")(e)),
         },
     }
 }
@@ -262,8 +276,8 @@ pub fn gpu_options(
 }
 
 /// The model's tokenizer (built by `ds4_chat::Tokenizer::from_gguf_header`).
-pub fn tokenizer_from_gguf(file: &GgufFile) -> anyhow::Result<Tokenizer> {
-    Tokenizer::from_gguf_header(file.header()).context("building the tokenizer")
+pub fn tokenizer_from_gguf(file: &GgufFile) -> Result<Tokenizer, LoadError> {
+    Tokenizer::from_gguf_header(file.header()).map_err(LoadError::Tokenizer)
 }
 
 /// What to tell a user whose model file does not exist: a bare "file not found" does not say
@@ -285,11 +299,14 @@ pub fn missing_model_message(path: &Path) -> String {
 }
 
 /// Opens a GGUF (memory-mapped), with the path in the error.
-pub fn open_gguf(path: &Path) -> anyhow::Result<Arc<GgufFile>> {
+pub fn open_gguf(path: &Path) -> Result<Arc<GgufFile>, LoadError> {
     if !path.exists() {
-        bail!("{}", missing_model_message(path));
+        return Err(LoadError::MissingModel(path.to_path_buf()));
     }
-    let f = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     Ok(Arc::new(f))
 }
 
@@ -320,8 +337,8 @@ pub struct Loaded {
 
 /// Canonical bytes of a model's identity: the encoded header (metadata and tensor table,
 /// offsets included), which is what tells two model files apart without hashing gigabytes.
-pub fn model_id(file: &GgufFile) -> anyhow::Result<[u8; 32]> {
-    ds4_kvstore::header_identity(file.header()).context("encoding the model header")
+pub fn model_id(file: &GgufFile) -> Result<[u8; 32], LoadError> {
+    ds4_kvstore::header_identity(file.header()).map_err(LoadError::Identity)
 }
 
 /// What placing a model needs besides the file: the request the planner sees.
@@ -340,7 +357,7 @@ pub fn placement_plan(
     req: &PlacementRequest<'_>,
     resolved: &Resolved,
     log: Option<&mut dyn Write>,
-) -> anyhow::Result<ds4_placement::Plan> {
+) -> Result<ds4_placement::Plan, LoadError> {
     let args = crate::plan::PlanArgs {
         source: crate::plan::Source::File(req.model.to_path_buf()),
         mtp: None,
@@ -358,17 +375,17 @@ pub fn placement_plan(
                 write!(log, "{}", plan.render_text())?;
             }
             if let Some(st) = &plan.stream {
-                bail!(
-                    "placement for {}: the model fits only with routed experts streamed from the file \
-                     (a {:.1} GiB expert cache; `ds4 plan` shows the plan), and the engine cannot \
-                     stream experts yet",
-                    planned.description,
-                    st.cache.bytes as f64 / (1u64 << 30) as f64
-                );
+                return Err(LoadError::NeedsStreaming {
+                    what: planned.description,
+                    cache_gib: st.cache.bytes as f64 / (1u64 << 30) as f64,
+                });
             }
             Ok(plan)
         }
-        Err(refusal) => bail!("placement refused for {}: {refusal}", planned.description),
+        Err(refusal) => Err(LoadError::Refused {
+            what: planned.description,
+            refusal: Box::new(refusal),
+        }),
     }
 }
 
@@ -381,26 +398,30 @@ pub fn planned_backend(
     req: &PlacementRequest<'_>,
     log: Option<&mut dyn Write>,
     precision: Precision,
-) -> anyhow::Result<Box<dyn Backend>> {
+) -> Result<Box<dyn Backend>, LoadError> {
     let resolved = probe_device(choice, true)?;
     let plan = placement_plan(req, &resolved, log)?;
     let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
     let mut be = make_planned_backend(resolved, choice, threads, gpu_plan, precision)?;
     be.set_activation_q8(precision.activation_q8())
-        .context("selecting the activation precision")?;
+        .map_err(LoadError::ActivationPrecision)?;
     Ok(be)
 }
 
 /// Opens the model, builds the tokenizer and the engine, and prints the load report (model,
 /// mode, backend, context) to `log`.
-pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> anyhow::Result<Loaded> {
+pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError> {
     let file = open_gguf(&opts.model)?;
-    let tokenizer = Arc::new(
-        tokenizer_from_gguf(&file)
-            .with_context(|| format!("{}: no usable vocabulary", opts.model.display()))?,
-    );
+    let tokenizer = Arc::new(tokenizer_from_gguf(&file)?);
     let model_id = model_id(&file)?;
     let engine = build_engine_logged(&file, opts, opts.ctx, Some(log))?;
+    if engine.hparams().n_vocab != tokenizer.vocab_size() {
+        return Err(LoadError::VocabMismatch {
+            path: opts.model.clone(),
+            tokenizer: tokenizer.vocab_size(),
+            model: engine.hparams().n_vocab,
+        });
+    }
     writeln!(
         log,
         "ds4: model {} · mode {} · backend {} · ctx {}",
@@ -425,7 +446,7 @@ pub fn build_engine(
     file: &Arc<GgufFile>,
     opts: &LoadOptions,
     ctx: usize,
-) -> anyhow::Result<Engine> {
+) -> Result<Engine, LoadError> {
     build_engine_logged(file, opts, ctx, None)
 }
 
@@ -438,9 +459,9 @@ fn build_engine_logged(
     opts: &LoadOptions,
     ctx: usize,
     log: Option<&mut dyn Write>,
-) -> anyhow::Result<Engine> {
+) -> Result<Engine, LoadError> {
     if ctx == 0 {
-        bail!("the context must be at least 1 token");
+        return Err(LoadError::ZeroContext);
     }
     let req = PlacementRequest {
         model: &opts.model,
@@ -455,8 +476,10 @@ fn build_engine_logged(
         ctx,
         prefill_chunk: opts.prefill_chunk,
     };
-    Engine::load(file.clone(), backend, cfg)
-        .with_context(|| format!("cannot load {}", opts.model.display()))
+    Engine::load(file.clone(), backend, cfg).map_err(|source| LoadError::Engine {
+        path: opts.model.clone(),
+        source,
+    })
 }
 
 #[cfg(test)]

@@ -3,14 +3,14 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use crate::error::LoadError;
 use ds4_gguf::{GgufFile, Header, TensorInfo};
-use ds4_model::catalogue::{classify, TensorClass as ModelClass};
+use ds4_model::catalogue::classify;
 use ds4_model::layout::{model_header, mtp_tensor_table, placeholder_tokenizer, TypeRecipe};
 use ds4_model::{kv, HParams, ModelSpec, Strictness};
 use ds4_placement::{
     plan, resolve_overrides, CliOverrides, DeviceFacts, HostFacts, MachineFacts, Plan, Policy,
-    Refusal, Request, TensorClass, TensorInventory, TensorSpec, WeightSet,
+    Refusal, Request, TensorInventory, TensorSpec, WeightSet,
 };
 
 /// Where the tensor table comes from.
@@ -33,23 +33,6 @@ pub struct PlanArgs {
     pub overrides: CliOverrides,
 }
 
-/// Maps the model crate's tensor classes onto the planner's: the same variants by name (the
-/// planner keeps its own copy so that it depends on no model crate; it adds `Other`).
-pub fn placement_class(c: ModelClass) -> TensorClass {
-    match c {
-        ModelClass::Embedding => TensorClass::Embedding,
-        ModelClass::Attention => TensorClass::Attention,
-        ModelClass::Compressor => TensorClass::Compressor,
-        ModelClass::Indexer => TensorClass::Indexer,
-        ModelClass::HyperConnection => TensorClass::HyperConnection,
-        ModelClass::Router => TensorClass::Router,
-        ModelClass::RoutedExperts => TensorClass::RoutedExperts,
-        ModelClass::SharedExpert => TensorClass::SharedExpert,
-        ModelClass::Norms => TensorClass::Norms,
-        ModelClass::OutputHead => TensorClass::OutputHead,
-    }
-}
-
 fn layer_of(name: &str) -> Option<u32> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
@@ -63,7 +46,7 @@ pub fn inventory_of(tensors: &[TensorInfo], set: WeightSet) -> TensorInventory {
                 let mut s = TensorSpec::new(
                     t.name.clone(),
                     t.n_bytes().unwrap_or(0),
-                    placement_class(classify(&t.name)),
+                    classify(&t.name),
                     layer_of(&t.name),
                 )
                 .in_set(set);
@@ -76,11 +59,14 @@ pub fn inventory_of(tensors: &[TensorInfo], set: WeightSet) -> TensorInventory {
     )
 }
 
-fn load_header(path: &Path) -> anyhow::Result<Header> {
+fn load_header(path: &Path) -> Result<Header, LoadError> {
     if !path.exists() {
-        anyhow::bail!("{}", crate::load::missing_model_message(path));
+        return Err(LoadError::MissingModel(path.to_path_buf()));
     }
-    let f = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let f = GgufFile::open(path).map_err(|source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     Ok(f.header().clone())
 }
 
@@ -89,12 +75,16 @@ pub struct Planned {
     pub result: Result<Plan, Refusal>,
 }
 
-pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Result<Planned> {
+pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Planned, LoadError> {
     let (hparams, header, label): (HParams, Header, String) = match &args.source {
         Source::File(p) => {
             let h = load_header(p)?;
-            let spec = ModelSpec::from_header(&h, Strictness::Auto)
-                .with_context(|| format!("{} is not a model ds4-rs can run", p.display()))?;
+            let spec = ModelSpec::from_header(&h, Strictness::Auto).map_err(|source| {
+                LoadError::NotAModel {
+                    path: p.clone(),
+                    source,
+                }
+            })?;
             (spec.hparams, h, p.display().to_string())
         }
         Source::Synthetic(recipe) => {
@@ -124,19 +114,22 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> anyhow::Res
         }
     }
     if args.ctx == 0 {
-        bail!("--ctx must be at least 1");
+        return Err(LoadError::ZeroContext);
     }
     let (host, device, machine_desc): (HostFacts, DeviceFacts, String) = match &args.machine {
         Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read machine file {}", p.display()))?;
-            let m = MachineFacts::from_json(&text)
-                .with_context(|| format!("machine file {} is not valid", p.display()))?;
+            let text = std::fs::read_to_string(p).map_err(|source| LoadError::MachineFile {
+                path: p.clone(),
+                source,
+            })?;
+            let m = MachineFacts::from_json(&text).map_err(|e| LoadError::MachineInvalid {
+                path: p.clone(),
+                source: Box::new(e),
+            })?;
             (m.host, m.device, m.description)
         }
         None => {
-            let host = ds4_placement::probe::host_facts()
-                .context("reading this machine's memory facts")?;
+            let host = ds4_placement::probe::host_facts().map_err(LoadError::HostFacts)?;
             match &args.device {
                 Some((facts, desc)) => (host, facts.clone(), format!("this machine ({desc})")),
                 None => (host, DeviceFacts::cpu(), "this machine (CPU only)".into()),
@@ -160,9 +153,8 @@ pub fn plan_inventory(
     device: &DeviceFacts,
     args: &PlanArgs,
     env: impl Fn(&str) -> Option<String>,
-) -> anyhow::Result<Result<ds4_placement::Plan, ds4_placement::Refusal>> {
-    let overrides =
-        resolve_overrides(&args.overrides, env).context("invalid placement override")?;
+) -> Result<Result<ds4_placement::Plan, ds4_placement::Refusal>, LoadError> {
+    let overrides = resolve_overrides(&args.overrides, env).map_err(LoadError::Override)?;
     let mut request = Request::new(
         args.ctx,
         kv::kv_growth_per_token(hparams),
@@ -183,4 +175,34 @@ pub fn plan_inventory(
         );
     let result = plan(host, device, inventory, &request, &Policy::default());
     Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_model::names::TensorName;
+
+    /// The planner sees the class the model crate's typed names give every tensor of the
+    /// published layouts (main and MTP): no name falls back to a guess.
+    #[test]
+    fn every_tensor_of_the_layout_has_its_named_class() {
+        let hp = HParams::flash();
+        for recipe in [TypeRecipe::Q2, TypeRecipe::Q4] {
+            let h = model_header(&hp, &recipe, "t", &placeholder_tokenizer(hp.n_vocab));
+            let mut tables = vec![
+                (h.tensors.clone(), WeightSet::Main),
+                (mtp_tensor_table(&hp), WeightSet::Mtp),
+            ];
+            for (table, set) in tables.drain(..) {
+                let inv = inventory_of(&table, set);
+                assert_eq!(inv.tensors.len(), table.len());
+                for (spec, info) in inv.tensors.iter().zip(&table) {
+                    let named = TensorName::parse(&info.name)
+                        .unwrap_or_else(|| panic!("{} is not a layout name", info.name));
+                    assert_eq!(spec.class, named.class(), "{}", info.name);
+                    assert_eq!(spec.set, set, "{}", info.name);
+                }
+            }
+        }
+    }
 }

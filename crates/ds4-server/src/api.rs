@@ -7,9 +7,9 @@ use std::collections::HashMap;
 
 use ds4_chat::render::{Message, ThinkingMode};
 
-use crate::error::Shape;
-
-/// Which endpoint a request came in on.
+/// Which endpoint a request came in on. What differs per endpoint (its wire format, ids,
+/// field names) is answered by its family module, found through
+/// `crate::endpoints::family`, the one place an endpoint is mapped to code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
@@ -18,32 +18,21 @@ pub enum Endpoint {
     Messages,
 }
 
-impl Endpoint {
-    pub fn shape(self) -> Shape {
-        if self == Endpoint::Messages {
-            Shape::Anthropic
-        } else {
-            Shape::OpenAi
-        }
-    }
-
-    /// The request field that holds the prompt (context-overflow errors name it).
-    pub fn prompt_param(self) -> &'static str {
-        match self {
-            Endpoint::Chat | Endpoint::Messages => "messages",
-            Endpoint::Completions => "prompt",
-            Endpoint::Responses => "input",
-        }
-    }
-
-    /// Tool-call id prefix (docs/server.md §7.1).
-    pub fn tool_id_prefix(self) -> &'static str {
-        if self == Endpoint::Messages {
-            "toolu_"
-        } else {
-            "call_"
-        }
-    }
+/// How a family continues the live state with tool outputs (docs/server.md §9). Given by
+/// the family's parser in [`GenRequest::continuation`], so the continuation code
+/// (`crate::live`) and the worker ask the request instead of matching on the endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Continuation {
+    /// The protocol's name in errors ("Responses", "Anthropic").
+    pub protocol: &'static str,
+    /// The request field a client replays in full when the state is gone.
+    pub history: &'static str,
+    /// The field that names a tool call in a tool output.
+    pub call_id_field: &'static str,
+    /// Where a tool-output continuation came from (logs, `/health`).
+    pub tool_output_source: &'static str,
+    /// Whether a later request can name this answer (`previous_response_id`).
+    pub response_ids: bool,
 }
 
 /// Client sampling knobs (`None` = not sent).
@@ -60,6 +49,8 @@ pub struct Sampling {
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenRequest {
     pub endpoint: Endpoint,
+    /// `Some` for families whose turns the live state can continue with tool outputs.
+    pub continuation: Option<Continuation>,
     /// Echoed back.
     pub model: String,
     pub messages: Vec<Message>,

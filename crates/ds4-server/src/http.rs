@@ -695,7 +695,7 @@ async fn generation(
 ) -> Response {
     match generation_inner(st, ep, body).await {
         Ok(r) => r,
-        Err(e) => e.into_response(ep.shape()),
+        Err(e) => e.into_response(endpoints::family(ep).shape()),
     }
 }
 
@@ -742,7 +742,7 @@ async fn generation_inner(
         return Err(ApiError::context_overflow(
             prepared.tokens.len(),
             st.ctx,
-            ep.prompt_param(),
+            endpoints::family(ep).prompt_param(),
         ));
     }
     Stats::add(&st.stats.exact_replays, prepared.exact_replays as u64);
@@ -754,7 +754,11 @@ async fn generation_inner(
         .as_ref()
         .and_then(|s| s.output_for(&prepared.text))
         .map(str::to_string);
-    let ectx = Ctx::new(&req, counter, now_secs());
+    let ectx = Ctx::new(
+        &req,
+        endpoints::family(req.endpoint).response_id(counter),
+        now_secs(),
+    );
     let cancel = Arc::new(AtomicBool::new(false));
     let guard = CancelOnDrop(cancel.clone());
     let taken_ms = Arc::new(AtomicU64::new(limits::now_ms()));
@@ -771,7 +775,13 @@ async fn generation_inner(
         max_tokens: req.max_tokens,
         deltas: req.stream,
         forced,
-        response_id: (ep == Endpoint::Responses).then(|| ectx.id.clone()),
+        response_id: req
+            .continuation
+            .is_some_and(|c| c.response_ids)
+            .then(|| ectx.id.clone()),
+        continuation: req.continuation,
+        prompt_param: endpoints::family(ep).prompt_param(),
+        tool_id_prefix: endpoints::family(ep).tool_id_prefix(),
         events: tx,
         cancel,
         taken_ms: taken_ms.clone(),
@@ -828,7 +838,7 @@ fn admit_and_prepare(
 ) -> Result<(GenRequest, Prepared), ApiError> {
     let early = |n: usize| {
         Stats::add(&st.stats.rejected_early, 1);
-        ApiError::context_overflow_at_least(n, st.ctx, ep.prompt_param())
+        ApiError::context_overflow_at_least(n, st.ctx, endpoints::family(ep).prompt_param())
     };
     let (turns, items) = request::count_turns(&body);
     if turns >= st.ctx {

@@ -17,7 +17,7 @@ use std::collections::HashSet;
 use ds4_chat::render::{self, Message, ThinkingMode};
 use ds4_chat::tokenizer::{BOS_TEXT, EOS_TEXT};
 
-use crate::api::{Endpoint, GenRequest};
+use crate::api::{Continuation, Endpoint, GenRequest};
 use crate::error::{ApiError, ErrorKind};
 
 /// What the live state ends with after a clean Responses or Messages turn.
@@ -56,6 +56,8 @@ pub struct LiveTail {
     pub suffix_tokens: Vec<u32>,
     /// No full prompt to fall back on: without the binding the request cannot be served.
     pub required: bool,
+    /// The request's family's continuation facts.
+    pub continuation: Continuation,
 }
 
 impl LiveTail {
@@ -76,34 +78,32 @@ impl LiveTail {
     }
 
     /// Where the reuse came from (logs, `/health`).
-    pub fn source(&self, endpoint: Endpoint) -> &'static str {
-        match (endpoint, &self.response_id) {
-            (Endpoint::Responses, Some(_)) => "previous-response",
-            (Endpoint::Responses, None) => "responses-tool-output",
-            _ => "anthropic-tool-output",
+    pub fn source(&self) -> &'static str {
+        if self.continuation.response_ids && self.response_id.is_some() {
+            "previous-response"
+        } else {
+            self.continuation.tool_output_source
         }
     }
 }
 
 /// The 409 of a continuation whose live state vanished before the worker ran it.
-pub fn conflict(endpoint: Endpoint) -> ApiError {
+pub fn conflict(c: &Continuation) -> ApiError {
     ApiError::new(
         ErrorKind::Conflict,
-        if endpoint == Endpoint::Messages {
-            "Anthropic continuation state is not available; retry by replaying the full messages history"
-        } else {
-            "Responses continuation state is not available; retry by replaying the full input history"
-        },
+        format!(
+            "{} continuation state is not available; retry by replaying the full {} history",
+            c.protocol, c.history
+        ),
     )
 }
 
 /// The 400 of a tool output whose call is neither replayed nor live.
-pub fn unknown_call(endpoint: Endpoint, id: &str) -> ApiError {
-    ApiError::bad(if endpoint == Endpoint::Messages {
-        format!("Anthropic continuation state is not available for tool_use_id {id}; retry by replaying the full messages history")
-    } else {
-        format!("Responses continuation state is not available for call_id {id}; retry by replaying the full input history")
-    })
+pub fn unknown_call(c: &Continuation, id: &str) -> ApiError {
+    ApiError::bad(format!(
+        "{} continuation state is not available for {} {id}; retry by replaying the full {} history",
+        c.protocol, c.call_id_field, c.history
+    ))
 }
 
 fn is_system(m: &Message) -> bool {
@@ -150,9 +150,9 @@ fn answered(m: &Message) -> impl Iterator<Item = &String> {
 /// the job). `Ok(None)`: render the full prompt as usual.
 pub fn plan(req: &GenRequest, binding: Option<&ToolBinding>) -> Result<Option<LiveTail>, ApiError> {
     let ep = req.endpoint;
-    if !matches!(ep, Endpoint::Responses | Endpoint::Messages) {
+    let Some(cont) = req.continuation else {
         return Ok(None);
-    }
+    };
     let msgs = &req.messages;
     let build = |tail: &[Message],
                  ids: Vec<String>,
@@ -169,6 +169,7 @@ pub fn plan(req: &GenRequest, binding: Option<&ToolBinding>) -> Result<Option<Li
             suffix_trusted: r.trusted,
             suffix_tokens: Vec::new(),
             required,
+            continuation: cont,
         }))
     };
     let calls: HashSet<&str> = msgs
@@ -195,7 +196,7 @@ pub fn plan(req: &GenRequest, binding: Option<&ToolBinding>) -> Result<Option<Li
             .cloned()
             .collect();
         if let Some(id) = ids.iter().find(|i| !b.call_ids.contains(i)) {
-            return Err(unknown_call(ep, id));
+            return Err(unknown_call(&cont, id));
         }
         return build(&tail, ids, Some(prev.clone()), TailMatch::Subset, true);
     }
@@ -213,7 +214,7 @@ pub fn plan(req: &GenRequest, binding: Option<&ToolBinding>) -> Result<Option<Li
         .flat_map(answered)
         .find(|id| !calls.contains(id.as_str()))
     {
-        return Err(unknown_call(ep, id));
+        return Err(unknown_call(&cont, id));
     }
     let tail_ids: Vec<String> = tail.iter().flat_map(answered).cloned().collect();
     if tail_ids.is_empty() {
@@ -230,7 +231,7 @@ pub fn plan(req: &GenRequest, binding: Option<&ToolBinding>) -> Result<Option<Li
             .map(|b| b.call_ids.iter().map(String::as_str).collect())
             .unwrap_or_default();
         if let Some(id) = orphans.iter().find(|i| !live.contains(i.as_str())) {
-            return Err(unknown_call(ep, id));
+            return Err(unknown_call(&cont, id));
         }
         return build(tail, tail_ids, None, TailMatch::Subset, true);
     }
@@ -326,6 +327,13 @@ mod tests {
             suffix_trusted: Vec::new(),
             suffix_tokens: Vec::new(),
             required: true,
+            continuation: Continuation {
+                protocol: "Responses",
+                history: "input",
+                call_id_field: "call_id",
+                tool_output_source: "responses-tool-output",
+                response_ids: true,
+            },
         };
         assert!(t(&["b", "a"], None, TailMatch::SameSet).matches(Endpoint::Responses, &b));
         assert!(!t(&["a"], None, TailMatch::SameSet).matches(Endpoint::Responses, &b));

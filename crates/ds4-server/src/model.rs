@@ -1,17 +1,19 @@
-//! Loading a model for serving: the engine on a backend (the CPU by default; the binary
-//! passes the one `--backend` chose, placed by the planner), the tokenizer from the GGUF's
-//! `tokenizer.ggml.*` tables, and the model identity that keys the disk KV cache.
+//! The model a server serves. It is loaded by `ds4_runtime::load::load`, the function the
+//! `ds4` CLI loads with (backend choice, placement plan, GPU weights by the plan, tokenizer
+//! from the GGUF's own tables, the identity that keys disk checkpoints), so the two binaries
+//! cannot drift apart on what a loaded model is; this module only adds the name for logs.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use ds4_chat::Tokenizer;
-use ds4_engine::{Engine, EngineConfig, NumericMode};
-use ds4_gguf::{GgufFile, Header, Value};
+use ds4_engine::{Engine, NumericMode};
+use ds4_gguf::Value;
+use ds4_runtime::load::{BackendChoice, LoadOptions, Loaded, ModeChoice, Precision};
 
 use crate::error::ServerError;
 
-/// How to load the engine.
+/// How [`LoadedModel::open`] loads the engine (on the CPU).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelOptions {
     /// Context size of the one session (allocated once).
@@ -34,12 +36,29 @@ impl Default for ModelOptions {
     }
 }
 
+impl ModelOptions {
+    /// The runtime's load options for these, on `backend`.
+    pub fn load_options(&self, model: &Path, backend: BackendChoice) -> LoadOptions {
+        LoadOptions {
+            model: model.to_path_buf(),
+            backend,
+            mode: self.mode.map(ModeChoice::from),
+            ctx: self.ctx,
+            prefill_chunk: self.prefill_chunk,
+            threads: self.threads,
+            placement: Default::default(),
+            report_placement: false,
+            precision: Precision::default(),
+        }
+    }
+}
+
 /// A model ready to serve.
 pub struct LoadedModel {
     pub engine: Engine,
     pub tokenizer: Arc<Tokenizer>,
     /// SHA-256 of the GGUF metadata + tensor table (disk cache entries of other files are
-    /// never restored).
+    /// never restored); the same identity the CLI keys its sessions with.
     pub identity: [u8; 32],
     /// `general.name`, for logs.
     pub name: String,
@@ -54,60 +73,33 @@ impl std::fmt::Debug for LoadedModel {
     }
 }
 
-impl LoadedModel {
-    /// Opens `path`, builds the tokenizer and loads the weights onto a CPU backend.
-    pub fn open(path: &Path, opts: &ModelOptions) -> Result<LoadedModel, ServerError> {
-        let backend = ds4_cpu::CpuBackend::new(opts.threads)
-            .map_err(|e| ServerError::Model(format!("CPU backend: {e}")))?;
-        Self::open_with_backend(path, opts, Box::new(backend))
-    }
-
-    /// Opens `path`, builds the tokenizer and loads the weights onto `backend` (a GPU
-    /// backend built with its placement plan, or the CPU).
-    pub fn open_with_backend(
-        path: &Path,
-        opts: &ModelOptions,
-        backend: Box<dyn ds4_engine::Backend>,
-    ) -> Result<LoadedModel, ServerError> {
-        let file = GgufFile::open(path)
-            .map_err(|e| ServerError::Model(format!("{}: {e}", path.display())))?;
-        let header = file.header().clone();
-        let tokenizer = tokenizer_from_header(&header)?;
-        let config = EngineConfig {
-            mode: opts.mode,
-            ctx: opts.ctx,
-            prefill_chunk: opts.prefill_chunk,
-        };
-        let engine = Engine::load(Arc::new(file), backend, config)?;
-        if engine.hparams().n_vocab != tokenizer.vocab_size() {
-            return Err(ServerError::Model(format!(
-                "the tokenizer has {} tokens but the model's vocabulary is {}",
-                tokenizer.vocab_size(),
-                engine.hparams().n_vocab
-            )));
-        }
-        let name = header
+impl From<Loaded> for LoadedModel {
+    fn from(l: Loaded) -> LoadedModel {
+        let name = l
+            .file
+            .header()
             .get("general.name")
             .and_then(Value::as_str)
             .unwrap_or("unnamed")
             .to_string();
-        Ok(LoadedModel {
-            engine,
-            tokenizer: Arc::new(tokenizer),
-            identity: model_identity(&header),
+        LoadedModel {
+            engine: l.engine,
+            tokenizer: l.tokenizer,
+            identity: l.model_id,
             name,
-        })
+        }
     }
 }
 
-/// The model's tokenizer (built by `ds4_chat::Tokenizer::from_gguf_header`).
-pub fn tokenizer_from_header(h: &Header) -> Result<Tokenizer, ServerError> {
-    Ok(Tokenizer::from_gguf_header(h)?)
-}
-
-/// The model's identity for disk checkpoints: the same one the `ds4` CLI uses
-/// (`ds4_kvstore::header_identity`), so sessions move between them.
-pub fn model_identity(h: &Header) -> [u8; 32] {
-    ds4_kvstore::header_identity(h)
-        .unwrap_or_else(|_| ds4_kvstore::model_identity(b"unencodable header"))
+impl LoadedModel {
+    /// Loads `path` on the CPU through the runtime's loader (tests and embedders; the
+    /// binary loads with its `--backend` and placement flags).
+    pub fn open(path: &Path, opts: &ModelOptions) -> Result<LoadedModel, ServerError> {
+        let loaded = ds4_runtime::load::load(
+            &opts.load_options(path, BackendChoice::Cpu),
+            &mut std::io::sink(),
+        )
+        .map_err(|e| ServerError::Model(ds4_runtime::error_chain(&e)))?;
+        Ok(loaded.into())
+    }
 }

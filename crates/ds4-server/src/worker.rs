@@ -14,10 +14,10 @@ use std::time::Instant;
 use ds4_chat::stream::{EndCause, FinalOutput, Halt, OutputStream, StreamEvent, StreamOptions};
 use ds4_chat::tokenizer::{THINK_CLOSE_TEXT, THINK_OPEN_TEXT};
 use ds4_chat::Tokenizer;
-use ds4_engine::{argmax, Sampler, SamplerConfig, Snapshot};
+use ds4_engine::{argmax, EngineError, Sampler, SamplerConfig, Snapshot};
 use ds4_kvstore::{KvStore, Mode, StoreConfig, StoreOutcome};
 use ds4_runtime::checkpoint::Format;
-use ds4_runtime::driver::Conversation;
+use ds4_runtime::driver::{Conversation, DriverError, Flow, GenLimits, GenStop, Steer};
 use tokio::sync::mpsc;
 
 use crate::config::{DiskCacheConfig, ServerConfig};
@@ -45,6 +45,14 @@ pub struct Job {
     pub forced: Option<String>,
     /// Responses: the `resp_…` id the client will see (a later `previous_response_id`).
     pub response_id: Option<String>,
+    /// The request field that holds the prompt (a context overflow names it) and the
+    /// prefix of tool-call ids: the family's, given by the handler so the worker needs no
+    /// endpoint code.
+    pub prompt_param: &'static str,
+    pub tool_id_prefix: &'static str,
+    /// How the request's family continues the live state (`None`: it does not, and a turn
+    /// leaves no binding).
+    pub continuation: Option<crate::api::Continuation>,
     pub events: mpsc::Sender<JobEvent>,
     /// Set by the handler when the client goes away.
     pub cancel: Arc<AtomicBool>,
@@ -323,32 +331,7 @@ impl Worker {
     }
 
     fn send(&self, job: &Job, ev: JobEvent) {
-        if matches!(ev, JobEvent::Delta(_)) && !job.deltas {
-            return;
-        }
-        if job.events.try_send(ev).is_err() {
-            // Receiver gone (disconnect) or buffer full (stalled client): stop the job.
-            if !job.events.is_closed() && !job.cancel.swap(true, Ordering::Relaxed) {
-                Stats::add(&self.stats.stalled, 1);
-            }
-            job.cancel.store(true, Ordering::Relaxed);
-            return;
-        }
-        // Back-pressure: events are waiting and the client has taken none for the stall
-        // timeout (its socket stopped draining). Cancel instead of generating into buffers.
-        let waiting = job.events.max_capacity() - job.events.capacity();
-        if job.deltas && waiting > 1 && !job.cancel.load(Ordering::Relaxed) {
-            let idle = crate::limits::now_ms().saturating_sub(job.taken_ms.load(Ordering::Relaxed));
-            if idle > self.cfg.stall_timeout.as_millis() as u64 {
-                tracing::warn!(
-                    idle_ms = idle,
-                    waiting,
-                    "streaming client stopped reading; cancelling"
-                );
-                Stats::add(&self.stats.stalled, 1);
-                job.cancel.store(true, Ordering::Relaxed);
-            }
-        }
+        send(&self.stats, &self.cfg, job, ev);
     }
 
     fn stopping(&self, job: &Job) -> bool {
@@ -366,13 +349,13 @@ impl Worker {
             Some(r) => r,
             // Only the live state could serve it, and it moved since the request was
             // accepted: nothing was touched, so the binding (if any) stays.
-            None if job.prepared.live_tail.as_ref().is_some_and(|t| t.required) => {
-                return Err(live::conflict(job.endpoint));
-            }
-            None => {
-                self.binding = None;
-                self.reuse(&job.prepared)?
-            }
+            None => match job.prepared.live_tail.as_ref().filter(|t| t.required) {
+                Some(t) => return Err(live::conflict(&t.continuation)),
+                None => {
+                    self.binding = None;
+                    self.reuse(&job.prepared)?
+                }
+            },
         };
         let usage0 = Usage {
             prompt_tokens: cached + suffix.len(),
@@ -383,7 +366,7 @@ impl Worker {
             return Err(ApiError::context_overflow(
                 usage0.prompt_tokens,
                 self.ctx,
-                job.endpoint.prompt_param(),
+                job.prompt_param,
             ));
         }
         tracing::debug!(source, cached, prefill = suffix.len(), "prompt");
@@ -446,7 +429,7 @@ impl Worker {
         }
         self.binding = None;
         self.visible = None;
-        Some((live_len, t.suffix_tokens.clone(), t.source(job.endpoint)))
+        Some((live_len, t.suffix_tokens.clone(), t.source()))
     }
 
     /// Picks how to reach the prompt and puts the session there. Returns (reused tokens,
@@ -606,47 +589,13 @@ impl Worker {
 
     /// Saves the live state as a disk checkpoint (if enabled and long enough).
     fn disk_save(&mut self, reason: &str) {
-        let n = self.conv.pos();
-        let Some(d) = &self.disk else { return };
-        if n == 0 || n < d.cfg.min_tokens {
-            return;
-        }
-        // Server checkpoints always carry the logits: a prompt that ends exactly at one
-        // then starts sampling at once.
-        if self.conv.logits().is_none() {
-            return;
-        }
-        let payload = match self.conv.checkpoint() {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot snapshot for the disk cache");
-                return;
-            }
+        let ctx = SaveCtx {
+            tok: &self.tok,
+            toolmem: &self.toolmem,
+            cfg: &self.cfg,
+            stats: &self.stats,
         };
-        let tool_map = if self.cfg.exact_dsml_replay {
-            let text = self.tok.decode_lossy(self.conv.live()).unwrap_or_default();
-            lock(&self.toolmem).blocks_in(&text)
-        } else {
-            Default::default()
-        };
-        let tokens = self.conv.live().to_vec();
-        let Some(d) = &mut self.disk else { return };
-        match d.store.store(&tokens, &payload, &tool_map) {
-            Ok(StoreOutcome::Stored { name, evicted }) => {
-                d.frontier = n;
-                Stats::add(&self.stats.disk_stores, 1);
-                tracing::info!(reason, tokens = n, entry = %name, evicted = evicted.len(), "disk KV checkpoint saved");
-            }
-            Ok(StoreOutcome::SkippedTooLarge { needed, budget }) => {
-                tracing::warn!(
-                    reason,
-                    needed,
-                    budget,
-                    "disk KV checkpoint larger than the budget; skipped"
-                );
-            }
-            Err(e) => tracing::warn!(reason, error = %e, "disk KV checkpoint failed"),
-        }
+        disk_save(&mut self.conv, &mut self.disk, &ctx, reason);
     }
 
     /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`): the shared system/tools prefix
@@ -676,9 +625,7 @@ impl Worker {
 
     /// The next `continued` checkpoint position, if any.
     fn next_continued(&self) -> Option<usize> {
-        let d = self.disk.as_ref()?;
-        let step = d.cfg.continued_step();
-        (step > 0).then(|| d.frontier + step)
+        next_continued(&self.disk)
     }
 
     /// Evaluates `tokens` after the live state in pieces (so a cancel is noticed and disk
@@ -751,76 +698,89 @@ impl Worker {
         }
     }
 
+    /// Generates the answer through the runtime's one generation loop
+    /// ([`Conversation::generate_with`]); [`Turn`] answers its per-step questions.
     fn generate(&mut self, job: &Job, limit: usize) -> Result<Outcome, ApiError> {
         let p = &job.prepared;
-        let mut stream = OutputStream::new(StreamOptions {
-            thinking: p.thinking,
-            tools: p.tools,
-            stop: job.stop.clone(),
-        });
         let tok = self.tok.clone();
-        let mut dec = tok.stream_decoder();
         let mut sampler =
             Sampler::new(job.sampling.clone()).map_err(|e| ApiError::bad(e.to_string()))?;
         let forced = match &job.forced {
             Some(t) => Some(tok.encode_chat(t).map_err(engine_err)?),
             None => None,
         };
-        let mut ids: Vec<String> = Vec::new();
-        let mut generated = 0usize;
+        let mut turn = Turn {
+            job,
+            eos: self.eos,
+            stream: OutputStream::new(StreamOptions {
+                thinking: p.thinking,
+                tools: p.tools,
+                stop: job.stop.clone(),
+            }),
+            dec: tok.stream_decoder(),
+            forced,
+            ids: Vec::new(),
+            stream_tokens: 0,
+            halted: None,
+            save: SaveCtx {
+                tok: &self.tok,
+                toolmem: &self.toolmem,
+                cfg: &self.cfg,
+                stats: &self.stats,
+            },
+            disk: &mut self.disk,
+            shutdown: &self.shutdown,
+        };
+        let limits = GenLimits {
+            max_tokens: limit,
+            eos: self.eos,
+            ignore_eos: false,
+            feed_all: true,
+        };
+        let ran = self
+            .conv
+            .generate_with(&mut sampler, limits, &job.cancel, &mut turn);
+        let Turn {
+            mut stream,
+            mut dec,
+            mut ids,
+            stream_tokens,
+            mut halted,
+            ..
+        } = turn;
         let mut cancelled = false;
-        let cause = loop {
-            if generated >= limit {
-                break EndCause::Length;
-            }
-            if job.cancel.load(Ordering::Relaxed) || job.events.is_closed() {
-                cancelled = true;
-                break EndCause::Error("cancelled".into());
-            }
-            if self.shutdown.load(Ordering::Relaxed) {
-                break EndCause::Error("shutdown requested".into());
-            }
-            let Some(logits) = self.conv.logits() else {
-                break EndCause::Error("no logits to sample from".into());
-            };
-            let t = match &forced {
-                Some(f) => f.get(generated).copied().unwrap_or(self.eos),
-                None => {
-                    let st = stream.dsml_state();
-                    if st.in_tool_call() && !st.uses_payload_sampling() {
-                        argmax(logits)
-                    } else {
-                        match sampler.sample(logits, &[]) {
-                            Ok(t) => t,
-                            Err(e) => break EndCause::Error(e.to_string()),
-                        }
+        let (generated, cause) = match ran {
+            Ok(g) => {
+                let n = g.tokens.len() - usize::from(g.stop == GenStop::Eos);
+                let cause = match g.stop {
+                    GenStop::Eos => EndCause::Eos,
+                    GenStop::Length => EndCause::Length,
+                    GenStop::Interrupted => {
+                        cancelled = true;
+                        EndCause::Error("cancelled".into())
                     }
-                }
-            };
-            if t == self.eos {
-                break EndCause::Eos;
+                    GenStop::Halted => match halted.take() {
+                        // A stop sequence (or complete tool calls) ended the text.
+                        None => EndCause::Eos,
+                        Some(Halted::Cancelled) => {
+                            cancelled = true;
+                            EndCause::Error("cancelled".into())
+                        }
+                        Some(Halted::Shutdown) => EndCause::Error("shutdown requested".into()),
+                    },
+                };
+                (n, cause)
             }
-            generated += 1;
-            let text = dec.push(t).unwrap_or_default();
-            let evs = stream.push(&text);
-            self.emit(job, evs, &mut ids);
-            match self.conv.advance(t) {
-                Ok(()) => {}
-                Err(e) => {
+            Err(e) => {
+                let n = stream_tokens;
+                if !matches!(
+                    e,
+                    DriverError::NoLogits | DriverError::Engine(EngineError::Sampler(_))
+                ) {
+                    // The state is partial; nothing after it can be trusted.
                     self.discard_live();
-                    break EndCause::Error(e.to_string());
                 }
-            }
-            Stats::add(&self.stats.generated_tokens, 1);
-            if stream.halted().is_some() {
-                break EndCause::Eos;
-            }
-            if self.next_continued() == Some(self.conv.pos()) && !stream.dsml_state().in_tool_call()
-            {
-                self.disk_save("continued");
-            }
-            if let Some(d) = self.cfg.token_delay {
-                std::thread::sleep(d);
+                (n, EndCause::Error(e.to_string()))
             }
         };
         if cancelled {
@@ -829,14 +789,14 @@ impl Worker {
         let rest = dec.finish();
         if !rest.is_empty() {
             let evs = stream.push(&rest);
-            self.emit(job, evs, &mut ids);
+            emit(&self.stats, &self.cfg, job, &mut ids, evs);
         }
         let stop_hit = stream.halted() == Some(Halt::StopSequence);
         let reasoning_closed = !p.thinking || stream.text().contains(THINK_CLOSE_TEXT);
         let (evs, output) = stream.finish(cause);
-        self.emit(job, evs, &mut ids);
+        emit(&self.stats, &self.cfg, job, &mut ids, evs);
         while ids.len() < output.message.tool_calls.len() {
-            ids.push(random_id(job.endpoint.tool_id_prefix(), 32));
+            ids.push(random_id(job.tool_id_prefix, 32));
         }
         ids.truncate(output.message.tool_calls.len());
         self.remember(job, &output, &ids, stop_hit || cancelled);
@@ -850,31 +810,6 @@ impl Worker {
             },
             reasoning_closed,
         })
-    }
-
-    /// Maps parser events to deltas, assigning a tool-call id when a call is announced.
-    fn emit(&self, job: &Job, evs: Vec<StreamEvent>, ids: &mut Vec<String>) {
-        for e in evs {
-            let d = match e {
-                StreamEvent::Reasoning(s) => Delta::Reasoning(s),
-                StreamEvent::Content(s) => Delta::Content(s),
-                StreamEvent::ToolCallStart { index, name } => {
-                    while ids.len() <= index {
-                        ids.push(random_id(job.endpoint.tool_id_prefix(), 32));
-                    }
-                    Delta::ToolStart {
-                        index,
-                        id: ids[index].clone(),
-                        name,
-                    }
-                }
-                StreamEvent::ToolCallArguments { index, fragment } => {
-                    Delta::ToolArgs { index, fragment }
-                }
-                StreamEvent::ToolCallEnd { index } => Delta::ToolEnd { index },
-            };
-            self.send(job, JobEvent::Delta(d));
-        }
     }
 
     /// Bookkeeping after a turn: exact DSML for the call ids, the thinking-visible binding.
@@ -898,10 +833,8 @@ impl Worker {
                 out.finish,
                 ds4_chat::stream::FinishReason::Stop | ds4_chat::stream::FinishReason::ToolCalls
             );
-        self.binding = (ended
-            && matches!(job.endpoint, Endpoint::Responses | Endpoint::Messages)
-            && self.conv.pos() > 0)
-            .then(|| ToolBinding {
+        self.binding =
+            (ended && job.continuation.is_some() && self.conv.pos() > 0).then(|| ToolBinding {
                 endpoint: job.endpoint,
                 response_id: job.response_id.clone(),
                 call_ids: ids.to_vec(),
@@ -922,6 +855,203 @@ impl Worker {
             }
         }
     }
+}
+
+/// Why [`Turn::halt`] ended a generation.
+enum Halted {
+    /// The client went away.
+    Cancelled,
+    /// The server is stopping.
+    Shutdown,
+}
+
+/// The server's side of one generation: what the runtime's loop asks at each step — the
+/// forced or greedy token, the streamed text (stop sequences, tool calls, deltas to the
+/// client), and the `continued` disk checkpoints between tokens.
+struct Turn<'a, 't> {
+    job: &'a Job,
+    eos: u32,
+    stream: OutputStream,
+    /// Borrows the tokenizer, not the worker: it outlives the turn's borrows of the worker.
+    dec: ds4_chat::StreamDecoder<'t>,
+    forced: Option<Vec<u32>>,
+    /// Tool-call ids, in call order, assigned when a call is announced.
+    ids: Vec<String>,
+    /// Tokens emitted so far (EOS excluded).
+    stream_tokens: usize,
+    halted: Option<Halted>,
+    save: SaveCtx<'a>,
+    disk: &'a mut Option<Disk>,
+    shutdown: &'a AtomicBool,
+}
+
+/// Maps parser events to deltas, assigning a tool-call id when a call is announced.
+fn emit(
+    stats: &Stats,
+    cfg: &ServerConfig,
+    job: &Job,
+    ids: &mut Vec<String>,
+    evs: Vec<StreamEvent>,
+) {
+    for e in evs {
+        let d = match e {
+            StreamEvent::Reasoning(s) => Delta::Reasoning(s),
+            StreamEvent::Content(s) => Delta::Content(s),
+            StreamEvent::ToolCallStart { index, name } => {
+                while ids.len() <= index {
+                    ids.push(random_id(job.tool_id_prefix, 32));
+                }
+                Delta::ToolStart {
+                    index,
+                    id: ids[index].clone(),
+                    name,
+                }
+            }
+            StreamEvent::ToolCallArguments { index, fragment } => {
+                Delta::ToolArgs { index, fragment }
+            }
+            StreamEvent::ToolCallEnd { index } => Delta::ToolEnd { index },
+        };
+        send(stats, cfg, job, JobEvent::Delta(d));
+    }
+}
+
+impl Steer for Turn<'_, '_> {
+    fn halt(&mut self) -> bool {
+        if self.job.cancel.load(Ordering::Relaxed) || self.job.events.is_closed() {
+            self.halted = Some(Halted::Cancelled);
+        } else if self.shutdown.load(Ordering::Relaxed) {
+            self.halted = Some(Halted::Shutdown);
+        }
+        self.halted.is_some()
+    }
+
+    fn choose(&mut self, step: usize, logits: Option<&[f32]>) -> Option<u32> {
+        if let Some(f) = &self.forced {
+            return Some(f.get(step).copied().unwrap_or(self.eos));
+        }
+        // Inside a tool call's structure (names, keys) the most likely token is taken, so
+        // the sampler's randomness cannot break the DSML (docs/chat.md).
+        let st = self.stream.dsml_state();
+        if st.in_tool_call() && !st.uses_payload_sampling() {
+            return logits.map(argmax);
+        }
+        None
+    }
+
+    fn token(&mut self, t: u32) -> Flow {
+        self.stream_tokens += 1;
+        let text = self.dec.push(t).unwrap_or_default();
+        let evs = self.stream.push(&text);
+        emit(self.save.stats, self.save.cfg, self.job, &mut self.ids, evs);
+        Stats::add(&self.save.stats.generated_tokens, 1);
+        if self.stream.halted().is_some() {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        }
+    }
+
+    fn fed(&mut self, conv: &mut Conversation) {
+        if next_continued(self.disk) == Some(conv.pos()) && !self.stream.dsml_state().in_tool_call()
+        {
+            disk_save(conv, self.disk, &self.save, "continued");
+        }
+        if let Some(d) = self.save.cfg.token_delay {
+            std::thread::sleep(d);
+        }
+    }
+}
+
+/// Sends one event to the job's handler; a client that is gone or stopped reading
+/// cancels its job.
+fn send(stats: &Stats, cfg: &ServerConfig, job: &Job, ev: JobEvent) {
+    if matches!(ev, JobEvent::Delta(_)) && !job.deltas {
+        return;
+    }
+    if job.events.try_send(ev).is_err() {
+        // Receiver gone (disconnect) or buffer full (stalled client): stop the job.
+        if !job.events.is_closed() && !job.cancel.swap(true, Ordering::Relaxed) {
+            Stats::add(&stats.stalled, 1);
+        }
+        job.cancel.store(true, Ordering::Relaxed);
+        return;
+    }
+    // Back-pressure: events are waiting and the client has taken none for the stall
+    // timeout (its socket stopped draining). Cancel instead of generating into buffers.
+    let waiting = job.events.max_capacity() - job.events.capacity();
+    if job.deltas && waiting > 1 && !job.cancel.load(Ordering::Relaxed) {
+        let idle = crate::limits::now_ms().saturating_sub(job.taken_ms.load(Ordering::Relaxed));
+        if idle > cfg.stall_timeout.as_millis() as u64 {
+            tracing::warn!(
+                idle_ms = idle,
+                waiting,
+                "streaming client stopped reading; cancelling"
+            );
+            Stats::add(&stats.stalled, 1);
+            job.cancel.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// What writing a disk checkpoint needs besides the conversation and the store.
+struct SaveCtx<'a> {
+    tok: &'a Tokenizer,
+    toolmem: &'a Mutex<ToolMemory>,
+    cfg: &'a ServerConfig,
+    stats: &'a Stats,
+}
+
+/// Saves the live state as a disk checkpoint (if enabled and long enough).
+fn disk_save(conv: &mut Conversation, disk: &mut Option<Disk>, c: &SaveCtx<'_>, reason: &str) {
+    let n = conv.pos();
+    let Some(d) = &*disk else { return };
+    if n == 0 || n < d.cfg.min_tokens {
+        return;
+    }
+    // Server checkpoints always carry the logits: a prompt that ends exactly at one
+    // then starts sampling at once.
+    if conv.logits().is_none() {
+        return;
+    }
+    let payload = match conv.checkpoint() {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot snapshot for the disk cache");
+            return;
+        }
+    };
+    let tool_map = if c.cfg.exact_dsml_replay {
+        let text = c.tok.decode_lossy(conv.live()).unwrap_or_default();
+        lock(c.toolmem).blocks_in(&text)
+    } else {
+        Default::default()
+    };
+    let tokens = conv.live().to_vec();
+    let Some(d) = disk else { return };
+    match d.store.store(&tokens, &payload, &tool_map) {
+        Ok(StoreOutcome::Stored { name, evicted }) => {
+            d.frontier = n;
+            Stats::add(&c.stats.disk_stores, 1);
+            tracing::info!(reason, tokens = n, entry = %name, evicted = evicted.len(), "disk KV checkpoint saved");
+        }
+        Ok(StoreOutcome::SkippedTooLarge { needed, budget }) => {
+            tracing::warn!(
+                reason,
+                needed,
+                budget,
+                "disk KV checkpoint larger than the budget; skipped"
+            );
+        }
+        Err(e) => tracing::warn!(reason, error = %e, "disk KV checkpoint failed"),
+    }
+}
+
+/// The next `continued` checkpoint position (docs/server.md §11), if any.
+fn next_continued(disk: &Option<Disk>) -> Option<usize> {
+    let d = disk.as_ref()?;
+    let step = d.cfg.continued_step();
+    (step > 0).then(|| d.frontier + step)
 }
 
 /// Resolves a request's sampling (docs/server.md §6): defaults temperature 1, top_p 1, min_p 0.05,

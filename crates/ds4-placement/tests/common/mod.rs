@@ -425,8 +425,9 @@ pub fn mtp_tensors() -> Vec<TensorSpec> {
         ("ffn_down_exps.weight", 2_559_744_576, C::RoutedExperts),
         ("ffn_gate_inp.weight", 3_767_704_128, C::Router),
         ("exp_probs_b.bias", 3_771_898_432, C::Router),
-        ("e_proj.weight", 3_771_899_456, C::Other),
-        ("h_proj.weight", 3_789_725_248, C::Other),
+        // The class ds4_model::names gives the MTP projections.
+        ("e_proj.weight", 3_771_899_456, C::Attention),
+        ("h_proj.weight", 3_789_725_248, C::Attention),
         ("enorm.weight", 3_807_551_040, C::Norms),
         ("hnorm.weight", 3_807_567_424, C::Norms),
         ("norm.weight", 3_807_583_808, C::Norms),

@@ -256,32 +256,26 @@ fn main() -> Result<()> {
         script,
         ..ServerConfig::default()
     };
-    let opts = ModelOptions {
-        ctx: a.ctx,
-        threads: a.threads,
-        prefill_chunk: a.prefill_chunk,
-        mode,
-    };
     check_model_path(&a.model)?;
     let t0 = std::time::Instant::now();
-    let req = ds4_runtime::load::PlacementRequest {
-        model: &a.model,
-        ctx: a.ctx,
-        prefill_chunk: a.prefill_chunk.max(1),
-        overrides: Default::default(),
-    };
     let precision = ds4_runtime::load::Precision::from_env(a.quality);
     tracing::info!("prefill precision: {}", precision.name());
-    let backend = ds4_runtime::load::planned_backend(
-        a.backend,
-        a.threads,
-        &req,
-        Some(&mut std::io::stderr()),
+    // The CLI's loader: backend, placement plan (printed), engine, tokenizer, identity.
+    let opts = ds4_runtime::load::LoadOptions {
+        backend: a.backend,
+        report_placement: true,
         precision,
-    )
-    .with_context(|| format!("placing {}", a.model.display()))?;
-    let model = LoadedModel::open_with_backend(&a.model, &opts, backend)
-        .with_context(|| format!("loading {}", a.model.display()))?;
+        ..ModelOptions {
+            ctx: a.ctx,
+            threads: a.threads,
+            prefill_chunk: a.prefill_chunk,
+            mode,
+        }
+        .load_options(&a.model, a.backend)
+    };
+    let model: LoadedModel = ds4_runtime::load::load(&opts, &mut std::io::stderr())
+        .with_context(|| format!("loading {}", a.model.display()))?
+        .into();
     tracing::info!(
         model = %model.name,
         backend = %model.engine.backend_name(),

@@ -30,7 +30,7 @@ impl Default for ModelOptions {
         ModelOptions {
             ctx: 32768,
             threads: 0,
-            prefill_chunk: 128,
+            prefill_chunk: ds4_engine::DEFAULT_PREFILL_CHUNK,
             mode: None,
         }
     }

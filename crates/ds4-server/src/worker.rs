@@ -223,7 +223,8 @@ impl Worker {
         shutdown: Arc<AtomicBool>,
     ) -> Result<Worker, ServerError> {
         let ctx = engine.config().ctx;
-        let piece = engine.config().prefill_chunk.max(1) * 4;
+        // One prefill chunk per piece: a cancel is noticed after at most one chunk.
+        let piece = engine.config().prefill_chunk.max(1);
         let mode = match engine.mode() {
             ds4_engine::NumericMode::Exact => Mode::Exact,
             ds4_engine::NumericMode::Official => Mode::Official,

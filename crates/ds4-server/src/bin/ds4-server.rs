@@ -37,8 +37,8 @@ struct Args {
     /// DS4_QUALITY=1).
     #[arg(long)]
     quality: bool,
-    /// Prefill chunk size in tokens.
-    #[arg(long, default_value_t = 128)]
+    /// Prefill chunk size in tokens (the same default as `ds4`).
+    #[arg(long, default_value_t = ds4_engine::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
     /// Numeric mode: exact or official (default: official where the model allows it).
     #[arg(long)]

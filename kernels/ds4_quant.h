@@ -1,6 +1,15 @@
 // ds4_quant.h: block-format pieces shared by the kernel files (included after ds4_port.h).
 #pragma once
 
+// GGML type ids (the GGUF numbering).
+#define DS4_T_F32 0
+#define DS4_T_F16 1
+#define DS4_T_Q8_0 8
+#define DS4_T_Q2_K 10
+#define DS4_T_Q4_K 12
+#define DS4_T_IQ2_XXS 16
+#define DS4_T_BF16 30
+
 // Q4_K / Q5_K 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes `sp`
 // (ggml's get_scale_min_k4): sub-blocks 0..3 keep theirs in the low 6 bits of bytes j and
 // j+4; 4..7 split theirs over the low/high nibbles of byte j+4 and the top 2 bits of bytes

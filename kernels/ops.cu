@@ -20,14 +20,6 @@
 #define DS4_FAULT_ROW 4
 #define DS4_FAULT_TYPE 8
 
-// GGML type ids (the GGUF numbering).
-#define DS4_T_F32 0
-#define DS4_T_F16 1
-#define DS4_T_Q8_0 8
-#define DS4_T_Q2_K 10
-#define DS4_T_Q4_K 12
-#define DS4_T_IQ2_XXS 16
-#define DS4_T_BF16 30
 
 #define DS4_NAN __int_as_float(0x7fc00000)
 

@@ -20,13 +20,6 @@
 #include "ds4_iq2xxs_tables.h"
 #include "ds4_quant.h"
 
-#define DS4_T_F32 0
-#define DS4_T_F16 1
-#define DS4_T_Q8_0 8
-#define DS4_T_Q2_K 10
-#define DS4_T_Q4_K 12
-#define DS4_T_IQ2_XXS 16
-#define DS4_T_BF16 30
 
 #define DS4_FAULT_EXPERT 2
 

@@ -177,3 +177,66 @@ fn emulated_prefill_tiles_without_matrix_instructions_match_the_cpu() {
         mode: NumericMode::Exact,
     });
 }
+
+/// An expert id outside the tensor must surface as an error at the next read-back on every
+/// routed-expert path (grouped GEMV, host-grouped panels, tiles sorted on the device), never
+/// as a silent result or an out-of-bounds read.
+#[test]
+fn a_bad_expert_id_is_an_error_on_every_moe_path() {
+    use ds4_engine::backend::{MoeArgs, WeightUse};
+    use ds4_model::names::LayerTensor;
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file_with(dir.path(), TypeRecipe::Q2);
+    let m = machine("strix-halo-stock");
+    for (tiles, n_tok) in [
+        (PrefillTiles::Off, 2),
+        (PrefillTiles::Off, 40),
+        (PrefillTiles::Experts, 40),
+    ] {
+        let fake = FakeHip::for_machine(&m, Faults::default());
+        fake.set_kernels(kernels(true));
+        let opts = GpuOptions {
+            cache: KernelCache::at(dir.path().join("kernels")),
+            cublas: None,
+            pread_load: true,
+            prefill_tiles: tiles,
+            ..GpuOptions::default()
+        };
+        let mut be: HipBackend =
+            GpuBackend::with_device(fake.device(&m, HipSettings::default()), opts, None).unwrap();
+        let w = |be: &mut HipBackend, t: LayerTensor| {
+            be.load_weight(&file, &t.name(1), WeightUse::Matrix)
+                .unwrap()
+        };
+        let (gate, up, down) = (
+            w(&mut be, LayerTensor::GateExps),
+            w(&mut be, LayerTensor::UpExps),
+            w(&mut be, LayerTensor::DownExps),
+        );
+        let (d, k, ne) = (gate.info.cols(), 2, gate.info.mats());
+        let x = be.alloc(n_tok * d).unwrap();
+        be.upload(x.all(), &vec![0.5; n_tok * d]).unwrap();
+        let ids = be.alloc_i32(n_tok * k).unwrap();
+        let mut idv: Vec<i32> = (0..n_tok * k).map(|i| (i % ne) as i32).collect();
+        idv[3] = ne as i32 + 5;
+        be.upload_i32(ids, 0, &idv).unwrap();
+        let wts = be.alloc(n_tok * k).unwrap();
+        be.upload(wts.all(), &vec![0.5; n_tok * k]).unwrap();
+        let out = be.alloc(n_tok * d).unwrap();
+        let args = MoeArgs {
+            n_tok,
+            k,
+            clamp: 10.0,
+        };
+        let r = be
+            .moe(x.all(), ids, wts.all(), gate, up, down, args, out.all())
+            .and_then(|_| be.download(out.all(), &mut vec![0.0; n_tok * d]));
+        let e = r.expect_err("a bad expert id was not reported");
+        assert!(e.to_string().contains("expert"), "{tiles:?} {n_tok}: {e}");
+        assert!(
+            fake.kernel_errors().is_empty(),
+            "{:?}",
+            fake.kernel_errors()
+        );
+    }
+}

@@ -17,37 +17,16 @@ pub fn machine(name: &str) -> MachineFacts {
     MachineFacts::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// `ds4_check::parity`'s tiny dims cut to two layers (one sliding, one CSA with the
+/// indexer), so the tests that load a model many times stay quick.
 pub fn tiny_hparams() -> HParams {
     let n_layer = 2;
     HParams {
         n_layer,
-        n_embd: 256,
-        n_head: 4,
-        head_dim: 64,
-        rope_dim: 16,
-        q_lora_rank: 64,
-        o_lora_rank: 32,
-        o_groups: 2,
-        n_vocab: 97,
-        n_expert: 8,
-        n_expert_used: 2,
-        expert_ff: 256,
         hash_layer_count: 1,
         swiglu_clamp: vec![10.0; n_layer],
-        sliding_window: 8,
         compress_ratios: vec![0, 4],
-        indexer_heads: 16,
-        indexer_head_dim: 32,
-        indexer_top_k: 3,
-        context_length: Some(4096),
-        yarn: ds4_model::Yarn {
-            factor: 4.0,
-            original_context: 64,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-        },
-        compress_rope_freq_base: 1000.0,
-        ..HParams::flash()
+        ..ds4_check::parity::tiny_hparams()
     }
 }
 

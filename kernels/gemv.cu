@@ -760,14 +760,14 @@ __device__ __forceinline__ float ds4_f16_at(const ds4_u8* p) {
     return ds4_h2f((ds4_u16)((ds4_u32)p[0] | ((ds4_u32)p[1] << 8)));
 }
 
-// Term of 32-value unit u of a row of type `ty` (ggml codes: 10 Q2_K, 12 Q4_K, 16 IQ2_XXS;
+// Term of 32-value unit u of a row of type `ty` (DS4_T_Q2_K, DS4_T_Q4_K or IQ2_XXS;
 // the types ds4_gguf::quant::q8act::applies names).
 __device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int u, const ds4_i8* xq,
                                   const float* xd, const ds4_u64* grid, const ds4_u8* ksigns) {
     const float dx = xd[u];
     const ds4_i8* x = xq + 32 * u;
     const int b = u >> 3, i = u & 7;
-    if (ty == 10) {
+    if (ty == DS4_T_Q2_K) {
         const ds4_u8* blk = row + 84 * b;
         const float d = ds4_f16_at(blk + 80), dmin = ds4_f16_at(blk + 82);
         int A = 0, B = 0;
@@ -785,7 +785,7 @@ __device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int u, const ds4_i8
         }
         return dx * (d * (float)A - dmin * (float)B);
     }
-    if (ty == 12) {
+    if (ty == DS4_T_Q4_K) {
         const ds4_u8* blk = row + 144 * b;
         const float d = ds4_f16_at(blk), dmin = ds4_f16_at(blk + 2);
         const ds4_u8* sp = blk + 4;

@@ -23,3 +23,19 @@ __device__ __forceinline__ void ds4_q4k_scale_min(const ds4_u8* sp, int j, int* 
         *mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
     }
 }
+
+// Little-endian loads at any alignment (block fields are not aligned).
+__device__ __forceinline__ ds4_u16 ds4_b16(const ds4_u8* p) {
+    return (ds4_u16)p[0] | ((ds4_u16)p[1] << 8);
+}
+__device__ __forceinline__ ds4_u32 ds4_b32(const ds4_u8* p) {
+    return (ds4_u32)p[0] | ((ds4_u32)p[1] << 8) | ((ds4_u32)p[2] << 16) | ((ds4_u32)p[3] << 24);
+}
+
+// The routed experts' activation (docs/forward.md §6 step 4), one expression for every kernel
+// that applies it so their roundings agree: SiLU(min(g, c)) · clamp(u, −c, c).
+__device__ __forceinline__ float ds4_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float ds4_silu(float x) { return x * ds4_sigmoid(x); }
+__device__ __forceinline__ float ds4_swiglu1(float g, float u, float c) {
+    return ds4_silu(fminf(g, c)) * fminf(fmaxf(u, -c), c);
+}

@@ -29,12 +29,6 @@ __device__ __forceinline__ void ds4_fault(int* fault, int bit) { atomicOr(fault,
 // Element access of every weight format (byte loads only: blocks are not aligned).
 // ---------------------------------------------------------------------------------------
 
-__device__ __forceinline__ ds4_u16 ds4_b16(const ds4_u8* p) {
-    return (ds4_u16)p[0] | ((ds4_u16)p[1] << 8);
-}
-__device__ __forceinline__ ds4_u32 ds4_b32(const ds4_u8* p) {
-    return (ds4_u32)p[0] | ((ds4_u32)p[1] << 8) | ((ds4_u32)p[2] << 16) | ((ds4_u32)p[3] << 24);
-}
 __device__ __forceinline__ float ds4_bf2f(ds4_u16 h) { return __uint_as_float(((ds4_u32)h) << 16); }
 
 // Value of element i of a row of type ty (ggml block layouts).
@@ -198,11 +192,6 @@ extern "C" __global__ void ds4_add(float* acc, const float* x, ds4_size n) {
     DS4_GRID_STRIDE(i, n) acc[i] += x[i];
 }
 
-__device__ __forceinline__ float ds4_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float ds4_silu(float x) { return x * ds4_sigmoid(x); }
-__device__ __forceinline__ float ds4_swiglu1(float g, float u, float c) {
-    return ds4_silu(fminf(g, c)) * fminf(fmaxf(u, -c), c);
-}
 __device__ __forceinline__ float ds4_sqrtsoftplus(float x) {
     const float sp = x > 20.0f ? x : log1pf(expf(x));
     return sqrtf(sp);

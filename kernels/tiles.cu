@@ -31,13 +31,6 @@
 // groups fall in 8 distinct bank quadruples.
 #define DS4_TKP (DS4_TK + 8)
 
-__device__ __forceinline__ ds4_u16 ds4_ld16(const ds4_u8* p) {
-    return (ds4_u16)p[0] | ((ds4_u16)p[1] << 8);
-}
-__device__ __forceinline__ ds4_u32 ds4_ld32(const ds4_u8* p) {
-    return (ds4_u32)p[0] | ((ds4_u32)p[1] << 8) | ((ds4_u32)p[2] << 16) | ((ds4_u32)p[3] << 24);
-}
-
 // Two f32 values as one register of two halves (round to nearest even; `lo` in the low
 // half, the order the tensor-core fragments expect).
 __device__ __forceinline__ ds4_u32 ds4_pack_h2(float lo, float hi) {
@@ -52,20 +45,20 @@ __device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, int k0, con
     switch (ty) {
     case DS4_T_F32:
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = __uint_as_float(ds4_ld32(row + 4 * (ds4_size)(k0 + i)));
+        for (int i = 0; i < 32; i++) v[i] = __uint_as_float(ds4_b32(row + 4 * (ds4_size)(k0 + i)));
         break;
     case DS4_T_F16:
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = ds4_h2f(ds4_ld16(row + 2 * (ds4_size)(k0 + i)));
+        for (int i = 0; i < 32; i++) v[i] = ds4_h2f(ds4_b16(row + 2 * (ds4_size)(k0 + i)));
         break;
     case DS4_T_BF16:
 #pragma unroll
         for (int i = 0; i < 32; i++)
-            v[i] = __uint_as_float(((ds4_u32)ds4_ld16(row + 2 * (ds4_size)(k0 + i))) << 16);
+            v[i] = __uint_as_float(((ds4_u32)ds4_b16(row + 2 * (ds4_size)(k0 + i))) << 16);
         break;
     case DS4_T_Q8_0: {
         const ds4_u8* b = row + (ds4_size)(k0 / 32) * 34;
-        const float d = ds4_h2f(ds4_ld16(b));
+        const float d = ds4_h2f(ds4_b16(b));
 #pragma unroll
         for (int i = 0; i < 32; i++) v[i] = d * (float)(ds4_i8)b[2 + i];
         break;
@@ -74,7 +67,7 @@ __device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, int k0, con
         // Block of 256: scales[16] @0, qs[64] @16, d @80, dmin @82 (4-byte aligned rows).
         const ds4_u8* b = row + (ds4_size)(k0 / 256) * 84;
         const int j0 = k0 % 256, n = j0 / 128, g = (j0 % 128) / 32;
-        const float d = ds4_h2f(ds4_ld16(b + 80)), dmin = ds4_h2f(ds4_ld16(b + 82));
+        const float d = ds4_h2f(ds4_b16(b + 80)), dmin = ds4_h2f(ds4_b16(b + 82));
         const ds4_u8 s0 = b[n * 8 + 2 * g], s1 = b[n * 8 + 2 * g + 1];
         const ds4_u32* qs = (const ds4_u32*)(b + 16 + n * 32);
 #pragma unroll
@@ -96,7 +89,7 @@ __device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, int k0, con
         const int is = 2 * c + hi;
         int sc, m;
         ds4_q4k_scale_min(b + 4, is, &sc, &m);
-        const float d = ds4_h2f(ds4_ld16(b)), dmin = ds4_h2f(ds4_ld16(b + 2));
+        const float d = ds4_h2f(ds4_b16(b)), dmin = ds4_h2f(ds4_b16(b + 2));
         const ds4_u32* qs = (const ds4_u32*)(b + 16 + c * 32);
 #pragma unroll
         for (int w = 0; w < 8; w++) {
@@ -214,8 +207,6 @@ extern "C" __global__ void ds4_to_half(const float* x, ds4_size x_stride, int n,
     }
 }
 
-__device__ __forceinline__ float ds4_silu(float v) { return v * (1.0f / (1.0f + expf(-v))); }
-
 // h[p] = weight of selection order[p] * SwiGLU(g[p], u[p]) with the clamp, as halves (the
 // down projection's input in sorted order). Same expression as ops.cu's ds4_moe_act.
 extern "C" __global__ void ds4_moe_act_h(const float* g, const float* u, const float* weights,
@@ -223,10 +214,7 @@ extern "C" __global__ void ds4_moe_act_h(const float* g, const float* u, const f
     const ds4_size total = (ds4_size)n * f;
     for (ds4_size e = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (ds4_size)gridDim.x * blockDim.x) {
-        const float w = weights[order[e / f]];
-        const float gv = fminf(g[e], clamp);
-        const float uv = fminf(fmaxf(u[e], -clamp), clamp);
-        h[e] = ds4_f2h(w * (ds4_silu(gv) * uv));
+        h[e] = ds4_f2h(weights[order[e / f]] * ds4_swiglu1(g[e], u[e], clamp));
     }
 }
 

@@ -33,6 +33,26 @@ fn kernels(mma: bool) -> Arc<EmuKernels> {
     .clone()
 }
 
+/// The HIP backend over a fake runtime that runs the emulated kernels.
+fn emulated_backend(
+    m: &ds4_placement::MachineFacts,
+    dir: &std::path::Path,
+    mma: bool,
+    tiles: PrefillTiles,
+) -> (Arc<FakeHip>, HipBackend) {
+    let fake = FakeHip::for_machine(m, Faults::default());
+    fake.set_kernels(kernels(mma));
+    let opts = GpuOptions {
+        cache: KernelCache::at(dir.join("kernels")),
+        cublas: None,
+        pread_load: true,
+        prefill_tiles: tiles,
+        ..GpuOptions::default()
+    };
+    let be = GpuBackend::with_device(fake.device(m, HipSettings::default()), opts, None).unwrap();
+    (fake, be)
+}
+
 struct Run {
     /// Kernels with the tensor-core paths (CUDA) or without (HIP's paths).
     mma: bool,
@@ -50,17 +70,7 @@ fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
     let file = model_file_with(dir.path(), r.recipe);
     let m = machine("strix-halo-stock");
-    let fake = FakeHip::for_machine(&m, Faults::default());
-    fake.set_kernels(kernels(r.mma));
-    let dev = fake.device(&m, HipSettings::default());
-    let opts = GpuOptions {
-        cache: KernelCache::at(dir.path().join("kernels")),
-        cublas: None,
-        pread_load: true,
-        prefill_tiles: r.tiles,
-        ..GpuOptions::default()
-    };
-    let gpu: HipBackend = GpuBackend::with_device(dev, opts, None).unwrap();
+    let (fake, gpu) = emulated_backend(&m, dir.path(), r.mma, r.tiles);
     let mut mirror = Mirror::new(CpuBackend::new(1).unwrap(), gpu);
     mirror.set_activation_q8(r.act_q8).unwrap();
     let stats = mirror.stats.clone();
@@ -193,17 +203,7 @@ fn a_bad_expert_id_is_an_error_on_every_moe_path() {
         (PrefillTiles::Off, 40),
         (PrefillTiles::Experts, 40),
     ] {
-        let fake = FakeHip::for_machine(&m, Faults::default());
-        fake.set_kernels(kernels(true));
-        let opts = GpuOptions {
-            cache: KernelCache::at(dir.path().join("kernels")),
-            cublas: None,
-            pread_load: true,
-            prefill_tiles: tiles,
-            ..GpuOptions::default()
-        };
-        let mut be: HipBackend =
-            GpuBackend::with_device(fake.device(&m, HipSettings::default()), opts, None).unwrap();
+        let (fake, mut be) = emulated_backend(&m, dir.path(), true, tiles);
         let w = |be: &mut HipBackend, t: LayerTensor| {
             be.load_weight(&file, &t.name(1), WeightUse::Matrix)
                 .unwrap()

@@ -37,6 +37,27 @@ const ATT_MAX_SPLITS: usize = 1024;
 /// Below this many (token, head) blocks attention splits the keys over blocks too.
 const ATT_SPLIT_BELOW_BLOCKS: usize = 1024;
 
+/// One tile GEMM launch (`ds4_mm_tiles`): device addresses, shapes, and the groups (routed
+/// experts at `offs`, or one group of `n_tok` tokens when `offs` is 0).
+#[derive(Debug, Clone, Copy)]
+struct TileMm {
+    w: u64,
+    w2: u64,
+    mat_bytes: usize,
+    ty: GgmlType,
+    row_bytes: usize,
+    n_rows: usize,
+    cols: usize,
+    x: u64,
+    offs: u64,
+    groups: usize,
+    n_tok: usize,
+    split: u32,
+    y: u64,
+    y2: u64,
+    y_stride: usize,
+}
+
 /// The routing side of a routed-expert op on tiles (device addresses and counts).
 #[derive(Debug, Clone, Copy)]
 struct MoeTiles {
@@ -250,6 +271,32 @@ impl<D: GpuApi> GpuBackend<D> {
             && row_bytes.is_multiple_of(align as usize)
     }
 
+    /// One `ds4_mm_tiles` launch: `y = W·x` for every group (see tiles.cu), with a second
+    /// matrix of the same shape when `t.w2`/`t.y2` are set.
+    fn launch_tiles(&mut self, t: TileMm, op: &'static str) -> BResult<()> {
+        let groups = t.groups * if t.w2 != 0 { 2 } else { 1 };
+        self.launch(
+            "ds4_mm_tiles",
+            (g32(t.n_rows.div_ceil(TILE_ROWS)), g32(groups), t.split),
+            256,
+            &[
+                Arg::Ptr(t.w),
+                Arg::Ptr(t.w2),
+                u(t.mat_bytes),
+                Arg::I32(t.ty.code() as i32),
+                u(t.row_bytes),
+                i32a(op, "rows", t.n_rows)?,
+                i32a(op, "cols", t.cols)?,
+                Arg::Ptr(t.x),
+                Arg::Ptr(t.offs),
+                i32a(op, "tokens", t.n_tok)?,
+                Arg::Ptr(t.y),
+                Arg::Ptr(t.y2),
+                u(t.y_stride),
+            ],
+        )
+    }
+
     /// A dense multi-token matmul on tiles: the activations as halves, then one launch.
     fn mm_tiles(&mut self, m: Mm, op: &'static str) -> BResult<()> {
         let xh = self.scratch("tiles_xd", 2 * m.n_tok * m.cols)?;
@@ -265,30 +312,25 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(xh),
             ],
         )?;
-        let wbase = m.w + (m.row0 * m.row_bytes) as u64;
-        self.launch(
-            "ds4_mm_tiles",
-            (
-                g32(m.n_rows.div_ceil(TILE_ROWS)),
-                1,
-                g32(m.n_tok.div_ceil(TILE_TOKENS)),
-            ),
-            256,
-            &[
-                Arg::Ptr(wbase),
-                Arg::Ptr(0),
-                u(0),
-                Arg::I32(m.ty.code() as i32),
-                u(m.row_bytes),
-                i32a(op, "rows", m.n_rows)?,
-                i32a(op, "cols", m.cols)?,
-                Arg::Ptr(xh),
-                Arg::Ptr(0),
-                i32a(op, "tokens", m.n_tok)?,
-                Arg::Ptr(m.y),
-                Arg::Ptr(0),
-                u(m.y_stride),
-            ],
+        self.launch_tiles(
+            TileMm {
+                w: m.w + (m.row0 * m.row_bytes) as u64,
+                w2: 0,
+                mat_bytes: 0,
+                ty: m.ty,
+                row_bytes: m.row_bytes,
+                n_rows: m.n_rows,
+                cols: m.cols,
+                x: xh,
+                offs: 0,
+                groups: 1,
+                n_tok: m.n_tok,
+                split: g32(m.n_tok.div_ceil(TILE_TOKENS)),
+                y: m.y,
+                y2: 0,
+                y_stride: m.y_stride,
+            },
+            op,
         )
     }
 
@@ -1324,25 +1366,25 @@ impl<D: GpuApi> GpuBackend<D> {
         let split = g32(n_sel.div_ceil(TILE_TOKENS).clamp(1, TILE_MAX_SPLIT));
         let sg = self.scratch("moe_g", 4 * n_sel * f)?;
         let su = self.scratch("moe_u", 4 * n_sel * f)?;
-        self.launch(
-            "ds4_mm_tiles",
-            (g32(f.div_ceil(TILE_ROWS)), g32(2 * s.n_exp), split),
-            256,
-            &[
-                Arg::Ptr(gp),
-                Arg::Ptr(upp),
-                u(grb * f),
-                Arg::I32(gty.code() as i32),
-                u(grb),
-                i32a(OP, "ff", f)?,
-                i32a(OP, "dim", d)?,
-                Arg::Ptr(xh),
-                Arg::Ptr(offs),
-                i32a(OP, "selections", n_sel)?,
-                Arg::Ptr(sg),
-                Arg::Ptr(su),
-                u(f),
-            ],
+        self.launch_tiles(
+            TileMm {
+                w: gp,
+                w2: upp,
+                mat_bytes: grb * f,
+                ty: gty,
+                row_bytes: grb,
+                n_rows: f,
+                cols: d,
+                x: xh,
+                offs,
+                groups: s.n_exp,
+                n_tok: n_sel,
+                split,
+                y: sg,
+                y2: su,
+                y_stride: f,
+            },
+            OP,
         )?;
         let hh = self.scratch("tiles_h", 2 * n_sel * f)?;
         self.launch(
@@ -1361,25 +1403,25 @@ impl<D: GpuApi> GpuBackend<D> {
             ],
         )?;
         let so = self.scratch("moe_o", 4 * n_sel * d)?;
-        self.launch(
-            "ds4_mm_tiles",
-            (g32(d.div_ceil(TILE_ROWS)), g32(s.n_exp), split),
-            256,
-            &[
-                Arg::Ptr(dp),
-                Arg::Ptr(0),
-                u(drb * d),
-                Arg::I32(dty.code() as i32),
-                u(drb),
-                i32a(OP, "dim", d)?,
-                i32a(OP, "ff", f)?,
-                Arg::Ptr(hh),
-                Arg::Ptr(offs),
-                i32a(OP, "selections", n_sel)?,
-                Arg::Ptr(so),
-                Arg::Ptr(0),
-                u(d),
-            ],
+        self.launch_tiles(
+            TileMm {
+                w: dp,
+                w2: 0,
+                mat_bytes: drb * d,
+                ty: dty,
+                row_bytes: drb,
+                n_rows: d,
+                cols: f,
+                x: hh,
+                offs,
+                groups: s.n_exp,
+                n_tok: n_sel,
+                split,
+                y: so,
+                y2: 0,
+                y_stride: d,
+            },
+            OP,
         )?;
         self.launch(
             "ds4_moe_sum_sorted",

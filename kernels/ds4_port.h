@@ -139,6 +139,24 @@ __device__ __forceinline__ void ds4_mma_16816(float* c, const ds4_u32* a, const 
 
 #endif
 
+// Programmatic dependent launch (docs/gpu.md, "Overlapped launches"). On sm_90 the host may
+// launch a kernel while the previous one in the stream is still running; the kernel must
+// then call ds4_grid_wait() before it reads anything an earlier kernel wrote or writes
+// anything at all (only read-only weights may be loaded before it). After its own wait a
+// kernel lets the next one start launching (ds4_grid_wait does both), so the next kernel's
+// blocks become resident and issue their weight loads during this kernel's tail. Without
+// the launch attribute (older GPUs, HIP, DS4_PDL=0) both instructions are no-ops.
+#if !defined(DS4_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void ds4_grid_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifndef DS4_PDL_NO_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#else
+__device__ __forceinline__ void ds4_grid_wait() {}
+#endif
+
 // Integer shuffle through the float one (bit pattern preserved).
 __device__ __forceinline__ int ds4_shfl_xor_i(int v, int lane_mask) {
     return __float_as_int(ds4_shfl_xor(__int_as_float(v), lane_mask));

@@ -346,6 +346,8 @@ __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0
 #pragma unroll
         for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(rows[r], c, nblocks, lane, regs[r]);
     }
+    // Only weights (never written by a kernel) are read before this point.
+    ds4_grid_wait();
     pre();
     if (!active) return;
     for (; c < nchunks; c += wpr) {
@@ -385,6 +387,7 @@ template <int R>
 __device__ __forceinline__ void ds4_finish_rows(float (&acc)[R], float* __restrict__ y,
                                                 int row0, int n_out, int wpr, bool ok) {
     __shared__ float part_sums[DS4_GEMV_WARPS][R];
+    ds4_grid_wait();  // a no-op when the row engine waited already
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int part = warp % wpr;
@@ -495,13 +498,19 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
             w[r] = (const uint4*)(W + (ds4_size)min(row0 + r, n_out - 1) * (ds4_size)nvec * 16);
         const int stride = DS4_WARP * wpr;
         int i = (warp % wpr) * DS4_WARP + lane;
-        // Four vectors per row in flight per lane before the first use.
+        // Four vectors per row in flight per lane before the first use; the first ones
+        // are issued before the wait for the previous kernel (weights only).
+        bool waited = false;
         for (; i + 3 * stride < nvec; i += 4 * stride) {
             uint4 a[R][4];
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
                 for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + i + k * stride);
+            if (!waited) {
+                ds4_grid_wait();
+                waited = true;
+            }
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const typename T::X xv = T::ldx(x + (ds4_size)(i + k * stride) * T::EPV);
@@ -509,6 +518,7 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
                 for (int r = 0; r < R; ++r) acc[r] += T::vdot(a[r][k], xv);
             }
         }
+        ds4_grid_wait();
         for (; i < nvec; i += stride) {
             const typename T::X xv = T::ldx(x + (ds4_size)i * T::EPV);
 #pragma unroll
@@ -823,6 +833,7 @@ __device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int u, const ds4_i8
 extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
     ds4_gemvq_generic(const ds4_u8* __restrict__ W, int ty, ds4_size row_bytes,
                       const float* __restrict__ x, float* __restrict__ y, int n_in, int n_out) {
+    ds4_grid_wait();
     __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
     __shared__ float xd[DS4_Q8_MAX_IN / 32];
     __shared__ int xs[DS4_Q8_MAX_IN / 16];
@@ -885,6 +896,7 @@ DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
                                 int n_experts, const float* __restrict__ x,                 \
                                 ds4_size x_stride, float* __restrict__ y0,                  \
                                 float* __restrict__ y1, int n_in, int n_out, int wpr) {     \
+        ds4_grid_wait(); /* the ids come from the router */                                 \
         const int sel = blockIdx.y;                                                         \
         const int id = ids[sel];                                                            \
         const bool ok = id >= 0 && id < n_experts;                                          \

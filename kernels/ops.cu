@@ -84,6 +84,7 @@ __device__ float ds4_elem(int ty, const ds4_u8* row, int i) {
 // out[r * cols + c] = W[row0 + r][c] as f32, rows of row_bytes bytes.
 extern "C" __global__ void ds4_dequant_rows(const ds4_u8* w, int ty, ds4_size row_bytes,
                                             ds4_size row0, int n_rows, int cols, float* out) {
+    ds4_grid_wait();
     const ds4_size n = (ds4_size)n_rows * cols;
     for (ds4_size e = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (ds4_size)gridDim.x * blockDim.x) {
@@ -102,6 +103,7 @@ extern "C" __global__ void ds4_dequant_rows(const ds4_u8* w, int ty, ds4_size ro
 extern "C" __global__ void __launch_bounds__(256)
 ds4_gemm_nt(const float* x, ds4_size x_stride, const float* w, ds4_size w_stride, float* y,
             ds4_size y_stride, int n_tok, int n_rows, int k) {
+    ds4_grid_wait();
     __shared__ float xs[DS4_GK][DS4_GT + 4];
     __shared__ float ws[DS4_GK][DS4_GT + 4];
     const int t0 = blockIdx.y * DS4_GT, r0 = blockIdx.x * DS4_GT;
@@ -153,6 +155,7 @@ extern "C" __global__ void ds4_matmul_generic(const ds4_u8* w, int ty, ds4_size 
                                               ds4_size row0, int n_rows, int cols,
                                               const float* x, ds4_size x_stride, int n_tok,
                                               float* y, ds4_size y_stride) {
+    ds4_grid_wait();
     const int warps = blockDim.x / DS4_WARP;
     const int r = blockIdx.x * warps + threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x % DS4_WARP;
@@ -181,14 +184,17 @@ extern "C" __global__ void ds4_matmul_generic(const ds4_u8* w, int ty, ds4_size 
          i += (ds4_size)gridDim.x * blockDim.x)
 
 extern "C" __global__ void ds4_fill(float* p, ds4_size n, float v) {
+    ds4_grid_wait();
     DS4_GRID_STRIDE(i, n) p[i] = v;
 }
 
 extern "C" __global__ void ds4_copy(float* dst, const float* src, ds4_size n) {
+    ds4_grid_wait();
     DS4_GRID_STRIDE(i, n) dst[i] = src[i];
 }
 
 extern "C" __global__ void ds4_add(float* acc, const float* x, ds4_size n) {
+    ds4_grid_wait();
     DS4_GRID_STRIDE(i, n) acc[i] += x[i];
 }
 
@@ -199,6 +205,7 @@ __device__ __forceinline__ float ds4_sqrtsoftplus(float x) {
 
 extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float c, float* out,
                                       ds4_size n) {
+    ds4_grid_wait();
     DS4_GRID_STRIDE(i, n) out[i] = ds4_swiglu1(g[i], u[i], c);
 }
 
@@ -270,6 +277,7 @@ __device__ void ds4_rms_norm_row(const float* x, const float* w, float* out, int
 // flight on the one multiprocessor that does the work). out may be x (in place).
 extern "C" __global__ void __launch_bounds__(1024)
 ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
+    ds4_grid_wait();
     __shared__ double sh[1024];
     const ds4_size base = (ds4_size)blockIdx.x * width;
     ds4_rms_norm_row(x + base, w, out + base, width, eps, sh);
@@ -279,6 +287,7 @@ ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
 extern "C" __global__ void ds4_rope(float* x, const float* freqs, int n_rows, int n_heads,
                                     int head_dim, int rope_dim, ds4_size pos0, ds4_size pos_step,
                                     int inverse) {
+    ds4_grid_wait();
     const int half = rope_dim / 2;
     const ds4_size n = (ds4_size)n_rows * n_heads * half;
     DS4_GRID_STRIDE(e, n) {
@@ -344,6 +353,7 @@ __device__ float ds4_e2m1_round(float x) {
 // loop did), so results equal the one-thread-per-block form; loads are coalesced. The
 // launch has blockDim a multiple of 32, so every lane of a warp takes the same block.
 extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims) {
+    ds4_grid_wait();
     const int per_row = (n_dims + 63) / 64;
     const ds4_size n = (ds4_size)rows * per_row;
     const int lane = threadIdx.x % DS4_WARP;
@@ -375,6 +385,7 @@ extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims
 extern "C" __global__ void __launch_bounds__(256)
 ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs, int n_heads,
               int rope_dim, ds4_size pos0, ds4_size pos_step, int fp8_dims) {
+    ds4_grid_wait();
     __shared__ double sh[256];
     const ds4_size row = blockIdx.x;
     float* xr = x + row * width;
@@ -416,6 +427,7 @@ ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs
 // Walsh-Hadamard transform in shared memory, then FP4 in blocks of 32.
 extern "C" __global__ void __launch_bounds__(256)
 ds4_qat_hfp4(float* x, int width, float norm) {
+    ds4_grid_wait();
     __shared__ float v[4096];
     float* row = x + (ds4_size)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) v[i] = row[i];
@@ -451,6 +463,7 @@ ds4_qat_hfp4(float* x, int width, float norm) {
 extern "C" __global__ void ds4_embed(const ds4_u8* table, int ty, ds4_size row_bytes, int n_vocab,
                                      const int* tokens, int n_streams, int d, float* out,
                                      int* fault) {
+    ds4_grid_wait();
     const int t = blockIdx.x;
     const int tok = tokens[t];
     const bool ok = tok >= 0 && tok < n_vocab;
@@ -567,6 +580,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 ds4_hc_pre(const float* mix, const float* x, const float* base, const float* scale, int n,
            int d, int iters, float hc_eps, float rms_eps, float* y, float* post, float* comb,
            const float* norm_w, float* normed) {
+    ds4_grid_wait();
     __shared__ double sh[1024];
     __shared__ float pre[DS4_HC_MAX];
     __shared__ float z[DS4_HC_MAX * DS4_HC_MAX];
@@ -608,6 +622,7 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
 // With f2 non-null, f += f2 first (written back: the residual add before HCPost fused in).
 extern "C" __global__ void ds4_hc_post(float* x, float* f, const float* f2, const float* post,
                                        const float* comb, int n_tok, int n, int d) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n_tok * d;
     DS4_GRID_STRIDE(e, total) {
         const ds4_size t = e / d;
@@ -633,6 +648,7 @@ extern "C" __global__ void ds4_hc_post(float* x, float* f, const float* f2, cons
 extern "C" __global__ void __launch_bounds__(256)
 ds4_hc_head(const float* mix, const float* x, const float* base, const float* scale, int n,
             int d, float hc_eps, float rms_eps, float* y) {
+    ds4_grid_wait();
     __shared__ double sh[256];
     __shared__ float wts[DS4_HC_MAX];
     const int t = blockIdx.x;
@@ -653,6 +669,7 @@ ds4_hc_head(const float* mix, const float* x, const float* base, const float* sc
 extern "C" __global__ void __launch_bounds__(256)
 ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4_size pos0,
                int n_tok, int m, int c, int overlap, float* rows, ds4_size cap) {
+    ds4_grid_wait();
     const int pw = overlap ? 2 * c : c;
     const int slots = overlap ? 2 * m : m;
     float* au = acc;
@@ -719,6 +736,7 @@ ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4
 extern "C" __global__ void __launch_bounds__(256)
 ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads, int dim,
                    float wscale, ds4_size pos0, int ratio, int n_cols, float* scores) {
+    ds4_grid_wait();
     __shared__ float qs[8192 + 64];
     __shared__ float ws[64];
     __shared__ float dsh[8][64];
@@ -804,6 +822,7 @@ __device__ int ds4_scan_excl_1024(int v, int* sh) {
 
 extern "C" __global__ void __launch_bounds__(DS4_TOPK_THREADS)
 ds4_topk_select(const float* scores, int n_cols, ds4_size pos0, int ratio, int k, int* out) {
+    ds4_grid_wait();
     __shared__ int sh[DS4_TOPK_THREADS];
     __shared__ int hist[256];
     __shared__ ds4_u32 s_prefix;
@@ -877,6 +896,7 @@ ds4_attention(const float* q, const float* kv, const float* ring, const float* c
               const int* idx, const float* sinks, ds4_size pos0, int n_head, int hd, int window,
               int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale, float* out,
               int* fault) {
+    ds4_grid_wait();
     __shared__ float m_sh[DS4_ATT_WARPS], s_sh[DS4_ATT_WARPS];
     __shared__ float o_sh[DS4_ATT_WARPS][DS4_ATT_MAXV * DS4_WARP];
     const int th = blockIdx.x;
@@ -969,6 +989,7 @@ ds4_attention_split(const float* q, const float* kv, const float* ring, const fl
                     const int* idx, ds4_size pos0, int n_head, int hd, int window,
                     int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale,
                     int kps, float* part, int* fault) {
+    ds4_grid_wait();
     __shared__ float m_sh[DS4_ATT_WARPS], s_sh[DS4_ATT_WARPS];
     __shared__ float o_sh[DS4_ATT_WARPS][DS4_ATT_MAXV * DS4_WARP];
     const int th = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
@@ -1064,6 +1085,7 @@ ds4_attention_split(const float* q, const float* kv, const float* ring, const fl
 extern "C" __global__ void __launch_bounds__(256)
 ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd, int n_splits,
                       float* out) {
+    ds4_grid_wait();
     __shared__ float wsh[DS4_ATT_MAX_SPLITS];
     __shared__ float s_mm, s_inv;
     const int th = blockIdx.x, h = th % n_head;
@@ -1102,6 +1124,7 @@ ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd,
 // Ring store: rows of the chunk's last min(n_tok, window) tokens into slot p % window.
 extern "C" __global__ void ds4_ring_store(float* ring, const float* kv, ds4_size pos0, int n_tok,
                                           int window, int d) {
+    ds4_grid_wait();
     const int first = n_tok > window ? n_tok - window : 0;
     const ds4_size n = (ds4_size)(n_tok - first) * d;
     DS4_GRID_STRIDE(e, n) {
@@ -1119,6 +1142,7 @@ extern "C" __global__ void __launch_bounds__(256)
 ds4_router(const float* logits, int n_expert, int k, float rscale, int mode, const float* bias,
            const ds4_u8* table, int table_rows, const int* tokens, int* ids, float* weights,
            int* fault) {
+    ds4_grid_wait();
     __shared__ float sel_s[1024];
     __shared__ ds4_u32 bv[256];
     __shared__ int bi[256];
@@ -1200,6 +1224,7 @@ ds4_router(const float* logits, int n_expert, int k, float rscale, int mode, con
 
 // xs[j] = x[src[j]] for j < n (rows of d).
 extern "C" __global__ void ds4_gather_rows(const float* x, const int* src, int n, int d, float* xs) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n * d;
     DS4_GRID_STRIDE(e, total) {
         const ds4_size j = e / d;
@@ -1210,6 +1235,7 @@ extern "C" __global__ void ds4_gather_rows(const float* x, const int* src, int n
 // h[j] = weights[slot[j]] * swiglu(g[j], u[j]) over rows of f.
 extern "C" __global__ void ds4_moe_act(const float* g, const float* u, const float* weights,
                                        const int* slot, int n, int f, float clamp, float* h) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n * f;
     DS4_GRID_STRIDE(e, total) {
         const ds4_size j = e / f;
@@ -1221,6 +1247,7 @@ extern "C" __global__ void ds4_moe_act(const float* g, const float* u, const flo
 // per_slot[slot[j]] = o[j] (rows of d).
 extern "C" __global__ void ds4_scatter_rows(const float* o, const int* slot, int n, int d,
                                             float* per_slot) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n * d;
     DS4_GRID_STRIDE(e, total) {
         const ds4_size j = e / d;
@@ -1230,6 +1257,7 @@ extern "C" __global__ void ds4_scatter_rows(const float* o, const int* slot, int
 
 // out[t] = sum over slots s < k of per_slot[t*k + s], in slot order.
 extern "C" __global__ void ds4_sum_slots(const float* per_slot, int n_tok, int k, int d, float* out) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n_tok * d;
     DS4_GRID_STRIDE(e, total) {
         const ds4_size t = e / d;
@@ -1243,6 +1271,7 @@ extern "C" __global__ void ds4_sum_slots(const float* per_slot, int n_tok, int k
 // Expert ids in range? Sets the fault bit and clamps to 0 (so the GEMV reads a valid
 // matrix; the NaN-free result is then discarded by the host, which reports the fault).
 extern "C" __global__ void ds4_check_ids(int* ids, int n, int n_expert, int* fault) {
+    ds4_grid_wait();
     DS4_GRID_STRIDE(i, (ds4_size)n) {
         if (ids[i] < 0 || ids[i] >= n_expert) {
             ds4_fault(fault, DS4_FAULT_EXPERT);
@@ -1264,6 +1293,7 @@ __device__ __forceinline__ bool ds4_argmax_better(float v, int i, float bv, int 
 
 extern "C" __global__ void __launch_bounds__(DS4_ARGMAX_THREADS)
 ds4_argmax(const float* x, int n, int* out) {
+    ds4_grid_wait();
     __shared__ float sv[DS4_ARGMAX_THREADS];
     __shared__ int si[DS4_ARGMAX_THREADS];
     const int t = threadIdx.x;

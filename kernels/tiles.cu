@@ -136,6 +136,7 @@ __device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, int k0, con
 // permutation of 0..n_sel whatever the ids hold (bad ids sort last and set the fault bit).
 extern "C" __global__ void __launch_bounds__(256)
 ds4_moe_sort(const int* ids, int n_sel, int n_exp, int* offs, int* order, int* inv, int* fault) {
+    ds4_grid_wait();
     __shared__ int warp_n[8];
     __shared__ int s_base;
     const int e = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -190,6 +191,7 @@ ds4_moe_sort(const int* ids, int n_sel, int n_exp, int* offs, int* order, int* i
 // out[p] = x[order[p] / k] as halves (rows of d values): each expert's inputs in sorted order.
 extern "C" __global__ void ds4_gather_rows_h(const float* x, const int* order, int k, int n, int d,
                                              ds4_u16* out) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n * d;
     for (ds4_size e = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (ds4_size)gridDim.x * blockDim.x) {
@@ -200,6 +202,7 @@ extern "C" __global__ void ds4_gather_rows_h(const float* x, const int* order, i
 
 // x as halves, row by row (x_stride floats apart), into a dense [n][d] array.
 extern "C" __global__ void ds4_to_half(const float* x, ds4_size x_stride, int n, int d, ds4_u16* out) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n * d;
     for (ds4_size e = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (ds4_size)gridDim.x * blockDim.x) {
@@ -211,6 +214,7 @@ extern "C" __global__ void ds4_to_half(const float* x, ds4_size x_stride, int n,
 // down projection's input in sorted order). Same expression as ops.cu's ds4_moe_act.
 extern "C" __global__ void ds4_moe_act_h(const float* g, const float* u, const float* weights,
                                          const int* order, int n, int f, float clamp, ds4_u16* h) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n * f;
     for (ds4_size e = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (ds4_size)gridDim.x * blockDim.x) {
@@ -222,6 +226,7 @@ extern "C" __global__ void ds4_moe_act_h(const float* g, const float* u, const f
 // whose expert id is outside 0..n_exp; the fault bit says why).
 extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, const int* ids, int n_tok,
                                               int k, int d, int n_exp, float* out) {
+    ds4_grid_wait();
     const ds4_size total = (ds4_size)n_tok * d;
     for (ds4_size e = (ds4_size)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (ds4_size)gridDim.x * blockDim.x) {
@@ -247,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(256)
 ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_size row_bytes,
              int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
              float* y2, ds4_size y_stride) {
+    ds4_grid_wait();
     __shared__ __align__(16) ds4_u16 ws[DS4_TR][DS4_TKP];
     __shared__ __align__(16) ds4_u16 xs[DS4_TT][DS4_TKP];
     __shared__ ds4_u64 grid[256];

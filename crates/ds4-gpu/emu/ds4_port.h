@@ -114,6 +114,8 @@ static inline float ds4_shfl_up(float v, int delta) {
 }
 
 static inline void ds4_syncwarp() { ds4emu_warp_barrier(); }
+// Programmatic dependent launch: kernels run one after another here, nothing to wait for.
+static inline void ds4_grid_wait() {}
 
 static inline float ds4_h2f(ds4_u16 h) {
     _Float16 v;

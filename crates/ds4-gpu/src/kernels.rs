@@ -489,4 +489,52 @@ mod tests {
         assert_ne!(a, other.hash());
         assert_eq!(a, GEMV.hash());
     }
+
+    /// Overlapped launches (`ds4_grid_wait`) are only safe if every kernel waits before it
+    /// touches data an earlier kernel wrote: each entry point's body must call the wait
+    /// itself or go through a GEMV row engine (which waits after its first weight loads).
+    #[test]
+    fn every_kernel_waits_for_the_previous_one() {
+        let engines = [
+            "ds4_gemv_quant<",
+            "ds4_gemv_plain<",
+            "ds4_gemvq_quant<",
+            "ENGINE<",
+        ];
+        let mut seen = 0;
+        for k in ALL {
+            let src = k.source;
+            let mut from = 0;
+            while let Some(at) = src[from..].find("extern \"C\" __global__") {
+                let start = from + at;
+                let open = start + src[start..].find('{').expect("kernel body");
+                // The body ends at the matching brace.
+                let mut depth = 0;
+                let mut end = open;
+                for (i, c) in src[open..].char_indices() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = open + i;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                let body = &src[open..end];
+                let head = &src[start..open.min(start + 200)];
+                assert!(
+                    body.contains("ds4_grid_wait()") || engines.iter().any(|e| body.contains(e)),
+                    "{}: kernel `{head}` never calls ds4_grid_wait",
+                    k.name
+                );
+                seen += 1;
+                from = end;
+            }
+        }
+        assert!(seen >= 39, "found only {seen} kernels");
+    }
 }

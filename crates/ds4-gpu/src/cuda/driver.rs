@@ -85,6 +85,9 @@ pub(crate) struct Ctx {
     pub(crate) ordinal: usize,
     pub(crate) ctx: sys::CUcontext,
     pub(crate) stream: sys::CUstream,
+    /// Kernels are launched with programmatic stream serialization (sm_90 and later, unless
+    /// `DS4_PDL=0`): see `kernels/ds4_port.h`'s `ds4_grid_wait` and docs/gpu.md.
+    pub(crate) pdl: bool,
 }
 
 // SAFETY: CUDA contexts and streams are usable from any thread once made current there;
@@ -140,11 +143,27 @@ impl Ctx {
             || format!("creating a stream on device {ordinal}"),
         )
         .map_err(release)?;
+        let mut major = 0;
+        // SAFETY: valid device handle; out-pointer is a local.
+        check(
+            unsafe {
+                sys::cuDeviceGetAttribute(
+                    &mut major,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                    device,
+                )
+            },
+            "cuDeviceGetAttribute",
+            || format!("reading device {ordinal}'s compute capability"),
+        )
+        .map_err(release)?;
+        let pdl = major >= 9 && pdl_allowed(std::env::var("DS4_PDL").ok().as_deref());
         Ok(Arc::new(Ctx {
             device,
             ordinal,
             ctx,
             stream,
+            pdl,
         }))
     }
 
@@ -170,6 +189,12 @@ impl Ctx {
     }
 }
 
+/// `DS4_PDL=0` (or `off`/`false`) turns overlapped launches off, for A/B measurements and as
+/// an escape hatch; anything else (or unset) leaves them on where the GPU has them.
+pub(crate) fn pdl_allowed(var: Option<&str>) -> bool {
+    !matches!(var.map(str::trim), Some("0" | "off" | "false" | "no"))
+}
+
 impl Drop for Ctx {
     fn drop(&mut self) {
         // SAFETY: last owner: no buffer, module or event of this context is alive (they
@@ -179,6 +204,20 @@ impl Drop for Ctx {
             sys::cuStreamSynchronize(self.stream);
             sys::cuStreamDestroy_v2(self.stream);
             sys::cuDevicePrimaryCtxRelease_v2(self.device);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pdl_allowed;
+
+    #[test]
+    fn pdl_switch() {
+        assert!(pdl_allowed(None));
+        assert!(pdl_allowed(Some("1")));
+        for off in ["0", "off", "false", " 0 "] {
+            assert!(!pdl_allowed(Some(off)));
         }
     }
 }

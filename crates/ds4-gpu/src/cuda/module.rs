@@ -433,6 +433,46 @@ impl CudaFunction {
     ) -> Result<()> {
         let ctx = &self.module.ctx;
         ctx.bind()?;
+        if ctx.pdl {
+            let mut attr = sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+            };
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: 0,
+                hStream: ctx.stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as the plain launch below; `config` and `attr` are locals that outlive
+            // the call. Every kernel waits (ds4_grid_wait) before touching data an earlier
+            // kernel wrote, which is what the serialization attribute requires.
+            return check(
+                unsafe {
+                    sys::cuLaunchKernelEx(
+                        &config,
+                        self.func,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                },
+                "cuLaunchKernelEx",
+                || {
+                    format!(
+                        "launching {} with grid {grid:?} x {block} threads",
+                        self.name
+                    )
+                },
+            );
+        }
         // SAFETY: per the function contract; no dynamic shared memory; `params` stays
         // borrowed for the call and the driver copies the argument values at launch.
         check(

@@ -17,6 +17,8 @@
 #   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode aggregate tok/s at 1, 2, 4, 8, 16 sequences
+#   numeric    logits of the fast paths (tiles off/experts/all) against --quality, on a
+#              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
 set -uo pipefail
 BIN="${BIN:-$PWD/bin}"
 OUT="${OUT:-$PWD/out}"
@@ -79,3 +81,20 @@ if ! skip batch; then
     timeout 400 ds4-bench --synthetic q2 --frontiers 512 --decode 16 --batch 1,2,4,8,16 > "$OUT/batch.log" 2>&1
     grep -E "^batch|rror" "$OUT/batch.log"
 fi
+if ! skip numeric; then
+    step numeric; models
+    ds4-convert synthetic --quiet --layout q2 --layers 4 \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4.gguf" >/dev/null
+    head -c 1800 "$R/README.md" > "$work/prompt.txt"
+    toks="$(python3 -c 'import random; r=random.Random(7); print(",".join(str(r.randrange(256)) for _ in range(300)))')"
+    for m in syn4 q2; do
+        if [ $m = syn4 ]; then f="$work/syn4.gguf"; in=(--prompt "$(cat "$work/prompt.txt")");
+        else f="$work/m-q2.gguf"; in=(--tokens "$toks"); fi
+        ds4 logits -m "$f" --backend cuda "${in[@]}" --quality --out "$work/$m-quality.npy" > /dev/null 2>> "$OUT/numeric.log"
+        for t in off experts all; do
+            DS4_PREFILL_TILES=$t ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-$t.npy" > /dev/null 2>> "$OUT/numeric.log"
+            python3 "$R/tools/logits/compare_logits.py" "$work/$m-$t.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
+        done
+    done
+fi
+

@@ -242,23 +242,36 @@ pub fn make_planned_backend(
     }
 }
 
-/// `DS4_PREFILL_TILES=experts|all`: multi-token matmuls on quantized tensor-core tiles
-/// (docs/gpu.md §4). Opt-in until the kernels have been measured on a GPU; never with
-/// `--quality`, whose point is the f32 path.
+/// `DS4_PREFILL_TILES=off|experts|all`: which multi-token matmuls run on quantized
+/// tensor-core tiles (docs/gpu.md §4). The fast default is
+/// [`ds4_gpu::backend::PrefillTiles::FAST`] (routed experts on tiles: measured 2.25× the
+/// panel path's prefill on the H200, BENCHMARKS.md); `--quality` always takes the f32
+/// panels, whose point is the f32 path.
 pub const PREFILL_TILES_ENV: &str = "DS4_PREFILL_TILES";
 
-fn prefill_tiles_from_env(precision: Precision) -> ds4_gpu::backend::PrefillTiles {
+/// The tiles setting for `precision` and the value of [`PREFILL_TILES_ENV`] (if set).
+pub fn prefill_tiles_for(
+    precision: Precision,
+    env: Option<&str>,
+) -> ds4_gpu::backend::PrefillTiles {
     use ds4_gpu::backend::PrefillTiles;
     if precision == Precision::Quality {
         return PrefillTiles::Off;
     }
-    match std::env::var(PREFILL_TILES_ENV) {
-        Ok(v) => PrefillTiles::parse(&v).unwrap_or_else(|| {
-            tracing::warn!("{PREFILL_TILES_ENV}={v:?}: use off, experts or all; using off");
-            PrefillTiles::Off
+    match env {
+        Some(v) => PrefillTiles::parse(v.trim()).unwrap_or_else(|| {
+            tracing::warn!(
+                "{PREFILL_TILES_ENV}={v:?}: use off, experts or all; using the default ({})",
+                PrefillTiles::FAST.name()
+            );
+            PrefillTiles::FAST
         }),
-        Err(_) => PrefillTiles::Off,
+        None => PrefillTiles::FAST,
     }
+}
+
+fn prefill_tiles_from_env(precision: Precision) -> ds4_gpu::backend::PrefillTiles {
+    prefill_tiles_for(precision, std::env::var(PREFILL_TILES_ENV).ok().as_deref())
 }
 
 /// The GPU backend options the CLI and the server use: the plan, and cuBLAS at the chosen
@@ -487,6 +500,30 @@ mod tests {
     use super::*;
     use ds4_gpu::cuda::GemmPrecision;
     use std::ffi::OsStr;
+
+    #[test]
+    fn prefill_tiles_fast_by_default_off_for_quality() {
+        use ds4_gpu::backend::PrefillTiles;
+        assert_eq!(prefill_tiles_for(Precision::Fast, None), PrefillTiles::FAST);
+        assert_eq!(
+            prefill_tiles_for(Precision::Fast, Some("all")),
+            PrefillTiles::All
+        );
+        assert_eq!(
+            prefill_tiles_for(Precision::Fast, Some("off")),
+            PrefillTiles::Off
+        );
+        assert_eq!(
+            prefill_tiles_for(Precision::Fast, Some("bogus")),
+            PrefillTiles::FAST
+        );
+        for env in [None, Some("all"), Some("experts")] {
+            assert_eq!(
+                prefill_tiles_for(Precision::Quality, env),
+                PrefillTiles::Off
+            );
+        }
+    }
 
     #[test]
     fn fast_by_default_quality_by_flag_or_environment() {

@@ -74,9 +74,9 @@ struct Args {
     #[arg(long, default_value = "tf32")]
     gemm: String,
     /// Multi-token matmuls on quantized tensor-core tiles: off (panels + the --gemm GEMM,
-    /// what `ds4` runs by default), experts (routed experts on tiles) or all
-    /// (`DS4_PREFILL_TILES` in `ds4`).
-    #[arg(long, default_value = "off")]
+    /// what `ds4 --quality` runs), experts (routed experts on tiles: what `ds4` runs by
+    /// default) or all (`DS4_PREFILL_TILES` in `ds4`).
+    #[arg(long, default_value = "experts")]
     tiles: String,
     /// One-token matmul activations: q8 (int8 blocks and integer dot products, what `ds4`
     /// runs by default) or f32 (as `ds4 --quality`).

@@ -128,7 +128,13 @@ __device__ __forceinline__ void ds4_i8x2(ds4_u32 w, float& lo, float& hi) {
 struct Ds4Q8_0 {
     static constexpr int BE = 32, BB = 34, UPB = 4;
     static constexpr int ROWS = DS4_ROWS_Q8_0;
+    // Blocks per staged chunk; -DDS4_Q8_CB=n (a multiple of 8) overrides it for sweeps of
+    // the bytes each warp keeps in flight.
+#ifdef DS4_Q8_CB
+    __host__ __device__ static constexpr int cb(int) { return DS4_Q8_CB; }
+#else
     __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 56 : R == 2 ? 24 : 8; }
+#endif
     __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
     template <int R, int CB>
     __device__ static void unit(const ds4_u8* s, int u, const float* xc, Ds4Tables,

@@ -946,16 +946,20 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
 
     // Tuning variants: the same kernels compiled with other knobs, checked and timed
     // (graph replays) on the main shapes.
+    // The first sweep (rows per warp, registers, unroll, plain rows) chose the defaults
+    // (crates/ds4-gpu/NOTES.md); this one varies the bytes a Q8_0 warp keeps in flight
+    // (blocks per staged chunk) with the rows per warp and the register cap.
     let variants: &[&[&str]] = &[
-        &["-DDS4_GEMV_ROWS=1", "-DDS4_Q8_MAGIC=0"],
-        &["-DDS4_GEMV_ROWS=1"],
-        &["-DDS4_GEMV_ROWS=2"],
-        &["-DDS4_GEMV_ROWS=4"],
-        &["-DDS4_GEMV_ROWS=2", "-DDS4_GEMV_MIN_BLOCKS=2"],
-        &["-DDS4_GEMV_ROWS=4", "-DDS4_GEMV_MIN_BLOCKS=2"],
-        &["-DDS4_GEMV_ROWS=2", "-DDS4_GEMV_UNROLL=2"],
-        &["-DDS4_GEMV_PLAIN_ROWS=2"],
-        &["-DDS4_GEMV_PLAIN_ROWS=4"],
+        &["-DDS4_Q8_CB=16"],
+        &["-DDS4_Q8_CB=24"],
+        &["-DDS4_Q8_CB=16", "-DDS4_GEMV_MIN_BLOCKS=2"],
+        &["-DDS4_Q8_CB=24", "-DDS4_GEMV_MIN_BLOCKS=2"],
+        &[
+            "-DDS4_Q8_CB=8",
+            "-DDS4_GEMV_ROWS=8",
+            "-DDS4_GEMV_MIN_BLOCKS=2",
+        ],
+        &["-DDS4_Q8_CB=16", "-DDS4_GEMV_ROWS=2"],
     ];
     let vshapes: &[(GemvType, usize, usize)] = &[
         (GemvType::Q8_0, 4096, 1024),
@@ -972,6 +976,7 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     for extra in variants.iter().filter(|_| with_variants) {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let plain_only = extra.iter().all(|e| e.starts_with("-DDS4_GEMV_PLAIN_ROWS"));
+        let q8_only = extra.iter().any(|e| e.starts_with("-DDS4_Q8_CB"));
         let kv = match GemvKernels::load_with(&dev, &cache, &extra) {
             Ok(kv) => kv,
             Err(e) => {
@@ -981,7 +986,10 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
         };
         for &(t, n_in, n_out) in vshapes {
             let quantized = t.ggml().is_quantized();
-            if plain_only == quantized || (quick && n_out > 65536) {
+            if plain_only == quantized
+                || (q8_only && t != GemvType::Q8_0)
+                || (quick && n_out > 65536)
+            {
                 continue;
             }
             let (rel, _, bad, same, tm) =

@@ -102,6 +102,11 @@ pub trait GpuApi: Send + Sync + Sized {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()>;
+    /// Whether later launches may overlap the kernel before them (CUDA's programmatic
+    /// dependent launch, docs/gpu.md §6). The backend turns it on for decode-sized forward
+    /// passes and off for prefill, where it measured slower. Runtimes without it ignore
+    /// the call.
+    fn set_overlapped_launches(&self, _on: bool) {}
     /// Waits for all queued work, surfacing asynchronous faults.
     fn synchronize(&self) -> Result<()>;
     /// A new timing event (runtimes without wired events refuse: attribution off).

@@ -91,6 +91,11 @@ impl GpuApi for CudaDevice {
         // SAFETY: the caller upholds CudaFunction::launch's contract (this trait's).
         unsafe { f.launch(grid, block, params) }
     }
+    fn set_overlapped_launches(&self, on: bool) {
+        self.ctx
+            .pdl_now
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
     fn synchronize(&self) -> Result<()> {
         CudaDevice::synchronize(self)
     }

@@ -88,6 +88,9 @@ pub(crate) struct Ctx {
     /// Kernels are launched with programmatic stream serialization (sm_90 and later, unless
     /// `DS4_PDL=0`): see `kernels/ds4_port.h`'s `ds4_grid_wait` and docs/gpu.md.
     pub(crate) pdl: bool,
+    /// Overlap for the launches queued now (the backend's choice per forward pass); only
+    /// used where `pdl` is on.
+    pub(crate) pdl_now: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: CUDA contexts and streams are usable from any thread once made current there;
@@ -164,6 +167,7 @@ impl Ctx {
             ctx,
             stream,
             pdl,
+            pdl_now: std::sync::atomic::AtomicBool::new(true),
         }))
     }
 

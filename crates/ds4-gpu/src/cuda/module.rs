@@ -433,7 +433,7 @@ impl CudaFunction {
     ) -> Result<()> {
         let ctx = &self.module.ctx;
         ctx.bind()?;
-        if ctx.pdl {
+        if ctx.pdl && ctx.pdl_now.load(std::sync::atomic::Ordering::Relaxed) {
             let mut attr = sys::CUlaunchAttribute {
                 id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
                 pad: [0; 4],

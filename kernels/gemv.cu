@@ -124,46 +124,36 @@ __device__ __forceinline__ void ds4_i8x2(ds4_u32 w, float& lo, float& hi) {
 #endif
 }
 
-// Q8_0: 34-byte blocks of 32: d f16 @0, q i8[32] @2. Unit = 8 values.
-struct Ds4Q8_0 {
-    static constexpr int BE = 32, BB = 34, UPB = 4;
-    static constexpr int ROWS = DS4_ROWS_Q8_0;
-    // Blocks per staged chunk; -DDS4_Q8_CB=n (a multiple of 8) overrides it for sweeps of
-    // the bytes each warp keeps in flight.
-#ifdef DS4_Q8_CB
-    __host__ __device__ static constexpr int cb(int) { return DS4_Q8_CB; }
-#else
-    __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 56 : R == 2 ? 24 : 8; }
+// Q8_0 on the GPU is stored in the *split* layout (docs/gpu.md §7): each row of n_in values
+// is its n_in int8 codes, then its n_in / 32 f16 scales (the same 34 bytes per 32 values as
+// ggml's interleaved blocks, rearranged in place at load by ds4_q8_0_split in ops.cu). The
+// codes are then 16-byte aligned, so the row engine below loads them straight from global
+// memory like F16 rows, with no staging through shared memory.
+#ifndef DS4_Q8S_DEPTH
+#define DS4_Q8S_DEPTH 2
 #endif
-    __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
-    template <int R, int CB>
-    __device__ static void unit(const ds4_u8* s, int u, const float* xc, Ds4Tables,
-                                float (&acc)[R]) {
-        const int b = u >> 2, q = u & 3;
-        const float4 xa = ds4_ld_x4(xc + b * BE + 8 * q);
-        const float4 xb = ds4_ld_x4(xc + b * BE + 8 * q + 4);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
-            const float d = ds4_h2f(ds4_ld_u16(blk));
-            const ds4_u8* qs = blk + 2 + 8 * q;
-            float v0, v1, v2, v3, v4, v5, v6, v7;
-            ds4_i8x2(ds4_ld_u16(qs), v0, v1);
-            ds4_i8x2(ds4_ld_u16(qs + 2), v2, v3);
-            ds4_i8x2(ds4_ld_u16(qs + 4), v4, v5);
-            ds4_i8x2(ds4_ld_u16(qs + 6), v6, v7);
-            float sum = v0 * xa.x;
-            sum += v1 * xa.y;
-            sum += v2 * xa.z;
-            sum += v3 * xa.w;
-            sum += v4 * xb.x;
-            sum += v5 * xb.y;
-            sum += v6 * xb.z;
-            sum += v7 * xb.w;
-            acc[r] += d * sum;
-        }
-    }
+struct Ds4Q8S {
+    static constexpr int ROWS = DS4_ROWS_Q8_0;
+    // Vectors (16 codes) per row each lane loads before the first use.
+    static constexpr int DEPTH = DS4_Q8S_DEPTH;
 };
+
+// Sum of the 16 codes of q times x[0..16) (the codes as exact floats through 2^23).
+__device__ __forceinline__ float ds4_q8s_dot16(uint4 q, const float4 (&xv)[4]) {
+    const ds4_u32 w[4] = {q.x, q.y, q.z, q.w};
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float a, b, c, d;
+        ds4_i8x2(w[k], a, b);
+        ds4_i8x2(w[k] >> 16, c, d);
+        s += a * xv[k].x;
+        s += b * xv[k].y;
+        s += c * xv[k].z;
+        s += d * xv[k].w;
+    }
+    return s;
+}
 
 // Sum of code(k)·x[k] over four values whose 2- or 4-bit codes sit in the low bits of
 // the four bytes of q (already shifted), masked with `mask`.
@@ -534,6 +524,71 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
     ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }
 
+// Split-layout Q8_0 rows (Ds4Q8S): a warp computes R rows; each lane takes 16-code vectors
+// i, i + stride, ... with DEPTH of them per row loaded before the first use, the vector's
+// scale (shared by two lanes) beside it, and x (16 floats) once for all R rows.
+template <class T>
+__device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
+                                             const float* __restrict__ x,
+                                             float* __restrict__ y, int n_in, int n_out,
+                                             int wpr, bool ok) {
+    constexpr int R = T::ROWS, D = T::DEPTH;
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
+    const ds4_size row_bytes = (ds4_size)(n_in / 32) * 34;
+    const int nvec = n_in / 16;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    if (ok && row0 < n_out) {
+        const ds4_u8* rows[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) rows[r] = W + (ds4_size)min(row0 + r, n_out - 1) * row_bytes;
+        const int stride = DS4_WARP * wpr;
+        int i = (warp % wpr) * DS4_WARP + lane;
+        bool waited = false;
+        for (; i + (D - 1) * stride < nvec; i += D * stride) {
+            uint4 q[R][D];
+            ds4_u16 sc[R][D];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int k = 0; k < D; ++k) {
+                    const int v = i + k * stride;
+                    q[r][k] = ds4_ldg((const uint4*)rows[r] + v);
+                    sc[r][k] = ds4_ldg((const ds4_u16*)(rows[r] + n_in) + (v >> 1));
+                }
+            // Only weights were read so far (overlapped launches, docs/gpu.md §6).
+            if (!waited) {
+                ds4_grid_wait();
+                waited = true;
+            }
+#pragma unroll
+            for (int k = 0; k < D; ++k) {
+                const float* xp = x + (ds4_size)(i + k * stride) * 16;
+                const float4 xv[4] = {ds4_ld_x4(xp), ds4_ld_x4(xp + 4), ds4_ld_x4(xp + 8),
+                                      ds4_ld_x4(xp + 12)};
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] += ds4_h2f(sc[r][k]) * ds4_q8s_dot16(q[r][k], xv);
+            }
+        }
+        ds4_grid_wait();
+        for (; i < nvec; i += stride) {
+            const float* xp = x + (ds4_size)i * 16;
+            const float4 xv[4] = {ds4_ld_x4(xp), ds4_ld_x4(xp + 4), ds4_ld_x4(xp + 8),
+                                  ds4_ld_x4(xp + 12)};
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 q = ds4_ldg((const uint4*)rows[r] + i);
+                const ds4_u16 sc = ds4_ldg((const ds4_u16*)(rows[r] + n_in) + (i >> 1));
+                acc[r] += ds4_h2f(sc) * ds4_q8s_dot16(q, xv);
+            }
+        }
+    }
+    ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
+}
+
 // ---------------------------------------------------------------------------------------
 // Int8 activations (docs: int8 activations). The block's threads first quantize the input
 // vector into shared memory (every block does it, identically, so no extra launch and no
@@ -870,7 +925,7 @@ extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
     extern "C" __device__ const int ds4_gemv_config_##NAME[2] = {ROWS, CB};
 DS4_GEMV_CONFIG(f32, DS4_GEMV_PLAIN_ROWS, 32)
 DS4_GEMV_CONFIG(f16, DS4_GEMV_PLAIN_ROWS, 32)
-DS4_GEMV_CONFIG(q8_0, Ds4Q8_0::ROWS, Ds4Q8_0::cb(Ds4Q8_0::ROWS))
+DS4_GEMV_CONFIG(q8_0, Ds4Q8S::ROWS, 16)
 DS4_GEMV_CONFIG(q2_k, Ds4Q2K::ROWS, Ds4Q2K::cb(Ds4Q2K::ROWS))
 DS4_GEMV_CONFIG(q4_k, Ds4Q4K::ROWS, Ds4Q4K::cb(Ds4Q4K::ROWS))
 DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
@@ -914,7 +969,7 @@ DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
 
 DS4_GEMV_ENTRY(f32, ds4_gemv_plain, Ds4F32, DS4_MINB_PLAIN)
 DS4_GEMV_ENTRY(f16, ds4_gemv_plain, Ds4F16, DS4_MINB_PLAIN)
-DS4_GEMV_ENTRY(q8_0, ds4_gemv_quant, Ds4Q8_0, DS4_MINB_Q8_0)
+DS4_GEMV_ENTRY(q8_0, ds4_gemv_q8s, Ds4Q8S, DS4_MINB_Q8_0)
 DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)

@@ -31,8 +31,9 @@ __device__ __forceinline__ void ds4_fault(int* fault, int bit) { atomicOr(fault,
 
 __device__ __forceinline__ float ds4_bf2f(ds4_u16 h) { return __uint_as_float(((ds4_u32)h) << 16); }
 
-// Value of element i of a row of type ty (ggml block layouts).
-__device__ float ds4_elem(int ty, const ds4_u8* row, int i) {
+// Value of element i of a row of type ty and row_bytes bytes (ggml block layouts; Q8_0 in
+// the GPU's split layout: codes, then scales, see ds4_q8_0_split).
+__device__ float ds4_elem(int ty, const ds4_u8* row, int i, ds4_size row_bytes) {
     switch (ty) {
     case DS4_T_F32:
         return __uint_as_float(ds4_b32(row + 4 * (ds4_size)i));
@@ -41,8 +42,8 @@ __device__ float ds4_elem(int ty, const ds4_u8* row, int i) {
     case DS4_T_BF16:
         return ds4_bf2f(ds4_b16(row + 2 * (ds4_size)i));
     case DS4_T_Q8_0: {
-        const ds4_u8* b = row + (ds4_size)(i / 32) * 34;
-        return ds4_h2f(ds4_b16(b)) * (float)(ds4_i8)b[2 + i % 32];
+        const ds4_size n = row_bytes / 34 * 32;
+        return ds4_h2f(ds4_b16(row + n + 2 * (ds4_size)(i / 32))) * (float)(ds4_i8)row[i];
     }
     case DS4_T_Q2_K: {
         // scales[16] @0, qs[64] @16, d @80, dmin @82.
@@ -81,6 +82,32 @@ __device__ float ds4_elem(int ty, const ds4_u8* row, int i) {
     }
 }
 
+// Q8_0 rows from ggml's interleaved blocks (per 32 values: f16 scale, 32 int8 codes) to the
+// GPU's split layout (the row's n codes, then its n / 32 scales), in place: the same bytes
+// per row, rearranged so the codes are 16-byte aligned for the GEMV (docs/gpu.md §7). One
+// block per row at a time; a row must fit the block's shared memory (n <= DS4_Q8S_MAX_IN,
+// checked by the host).
+#define DS4_Q8S_MAX_IN 32768
+extern "C" __device__ const int ds4_q8s_max_in[2] = {DS4_Q8S_MAX_IN, 0};
+extern "C" __global__ void __launch_bounds__(256)
+ds4_q8_0_split(ds4_u8* w, ds4_size n_rows, int n) {
+    ds4_grid_wait();
+    __shared__ __align__(16) ds4_u8 buf[DS4_Q8S_MAX_IN / 32 * 34];
+    const int nb = n / 32;
+    const ds4_size row_bytes = (ds4_size)nb * 34;
+    for (ds4_size r = blockIdx.x; r < n_rows; r += gridDim.x) {
+        ds4_u8* row = w + r * row_bytes;
+        for (int i = threadIdx.x; i < nb * 34; i += blockDim.x) buf[i] = row[i];
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = buf[(i / 32) * 34 + 2 + i % 32];
+        for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+            row[n + 2 * b] = buf[b * 34];
+            row[n + 2 * b + 1] = buf[b * 34 + 1];
+        }
+        __syncthreads();
+    }
+}
+
 // out[r * cols + c] = W[row0 + r][c] as f32, rows of row_bytes bytes.
 extern "C" __global__ void ds4_dequant_rows(const ds4_u8* w, int ty, ds4_size row_bytes,
                                             ds4_size row0, int n_rows, int cols, float* out) {
@@ -90,7 +117,7 @@ extern "C" __global__ void ds4_dequant_rows(const ds4_u8* w, int ty, ds4_size ro
          e += (ds4_size)gridDim.x * blockDim.x) {
         const ds4_size r = e / cols;
         const int c = (int)(e % cols);
-        out[e] = ds4_elem(ty, w + (row0 + r) * row_bytes, c);
+        out[e] = ds4_elem(ty, w + (row0 + r) * row_bytes, c, row_bytes);
     }
 }
 
@@ -164,7 +191,7 @@ extern "C" __global__ void ds4_matmul_generic(const ds4_u8* w, int ty, ds4_size 
     const ds4_u8* row = w + (row0 + r) * row_bytes;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int c = lane; c < cols; c += DS4_WARP) {
-        const float v = ds4_elem(ty, row, c);
+        const float v = ds4_elem(ty, row, c, row_bytes);
 #pragma unroll
         for (int q = 0; q < 4; q++)
             if (tg + q < n_tok) acc[q] += v * x[(ds4_size)(tg + q) * x_stride + c];
@@ -470,7 +497,7 @@ extern "C" __global__ void ds4_embed(const ds4_u8* table, int ty, ds4_size row_b
     if (!ok && threadIdx.x == 0) ds4_fault(fault, DS4_FAULT_TOKEN);
     float* o = out + (ds4_size)t * n_streams * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const float v = ok ? ds4_elem(ty, table + (ds4_size)tok * row_bytes, i) : DS4_NAN;
+        const float v = ok ? ds4_elem(ty, table + (ds4_size)tok * row_bytes, i, row_bytes) : DS4_NAN;
         for (int s = 0; s < n_streams; s++) o[(ds4_size)s * d + i] = v;
     }
 }

@@ -40,8 +40,8 @@ __device__ __forceinline__ ds4_u32 ds4_pack_h2(float lo, float hi) {
 // Values k0 .. k0+31 (k0 a multiple of 32) of one weight row, in f32, computed with the
 // same expressions (and so the same f32 roundings) as ops.cu's ds4_elem and the CPU's
 // ds4_gguf::quant::dequantize.
-__device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, int k0, const ds4_u64* grid,
-                                          const ds4_u8* ksigns, float* v) {
+__device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, ds4_size row_bytes, int k0,
+                                          const ds4_u64* grid, const ds4_u8* ksigns, float* v) {
     switch (ty) {
     case DS4_T_F32:
 #pragma unroll
@@ -57,10 +57,13 @@ __device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, int k0, con
             v[i] = __uint_as_float(((ds4_u32)ds4_b16(row + 2 * (ds4_size)(k0 + i))) << 16);
         break;
     case DS4_T_Q8_0: {
-        const ds4_u8* b = row + (ds4_size)(k0 / 32) * 34;
-        const float d = ds4_h2f(ds4_b16(b));
+        // The GPU's split layout (ops.cu ds4_q8_0_split): 32 codes at k0, the scale after
+        // all of the row's codes.
+        const ds4_size n = row_bytes / 34 * 32;
+        const float d = ds4_h2f(ds4_b16(row + n + 2 * (ds4_size)(k0 / 32)));
+        const ds4_u8* q = row + k0;
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = d * (float)(ds4_i8)b[2 + i];
+        for (int i = 0; i < 32; i++) v[i] = d * (float)(ds4_i8)q[i];
         break;
     }
     case DS4_T_Q2_K: {
@@ -286,7 +289,7 @@ ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_
                 const int kg = k0 + (tid & 1) * 32;
                 float v[32];
                 if (dr < n_rows && kg < cols) {
-                    ds4_dec32(ty, drow, kg, grid, ksigns, v);
+                    ds4_dec32(ty, drow, row_bytes, kg, grid, ksigns, v);
                 } else {
 #pragma unroll
                     for (int i = 0; i < 32; i++) v[i] = 0.0f;

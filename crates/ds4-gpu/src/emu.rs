@@ -330,4 +330,87 @@ mod tests {
         let e = unsafe { k.launch("ds4_fill", (1, 1, 1), 32, &mut params[..2]) };
         assert!(e.is_err());
     }
+
+    /// The split-layout Q8_0 path on shapes the tiny models do not reach (several vectors
+    /// per lane, the depth-D main loop, several warps per row): the device-side split
+    /// equals the host's, and the GEMV of the split rows equals the CPU's dot product of
+    /// the file's rows, also for rows past the last full group and for wide rows.
+    #[test]
+    fn q8_0_split_and_gemv_match_the_cpu() {
+        use crate::kernels::{gemv_launch, q8_0_split_rows, GemvType};
+        use ds4_gguf::GgmlType;
+        let k = EmuKernels::build().unwrap();
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (n_in, n_out) in [(4096usize, 21usize), (1024, 64), (8192, 3)] {
+            let nb = n_in / 32;
+            let mut w = vec![0u8; n_out * nb * 34];
+            for (i, b) in w.iter_mut().enumerate() {
+                *b = (next() >> (i % 7)) as u8;
+            }
+            for blk in w.chunks_exact_mut(34) {
+                let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
+                blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+            }
+            let x: Vec<f32> = (0..n_in)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let want: Vec<f32> = w
+                .chunks_exact(nb * 34)
+                .map(|row| ds4_gguf::quant::dot(GgmlType::Q8_0, row, &x).unwrap())
+                .collect();
+            // The device split, in place, against the host's.
+            let mut dev = w.clone();
+            let mut host = w.clone();
+            q8_0_split_rows(&mut host, n_in).unwrap();
+            let (mut p, mut rows, mut n) = (dev.as_mut_ptr() as u64, n_out as u64, n_in as i32);
+            let mut params: Vec<*mut c_void> = vec![
+                (&mut p as *mut u64).cast(),
+                (&mut rows as *mut u64).cast(),
+                (&mut n as *mut i32).cast(),
+            ];
+            // SAFETY: dev holds n_out rows of n_in Q8_0 values.
+            unsafe { k.launch("ds4_q8_0_split", (4, 1, 1), 256, &mut params) }.unwrap();
+            assert!(
+                dev == host,
+                "{n_in}x{n_out}: device split differs from the host's"
+            );
+            for target in [1u64, 1 << 20] {
+                let cfg = crate::kernels::GemvType::Q8_0.default_config();
+                let l =
+                    gemv_launch(GemvType::Q8_0, cfg, n_in as u64, n_out as u64, target).unwrap();
+                let mut y = vec![f32::NAN; n_out];
+                let (mut wp, mut xp, mut yp) = (
+                    dev.as_ptr() as u64,
+                    x.as_ptr() as u64,
+                    y.as_mut_ptr() as u64,
+                );
+                let (mut ni, mut no, mut wpr) = (n_in as i32, n_out as i32, l.wpr as i32);
+                let mut params: Vec<*mut c_void> = vec![
+                    (&mut wp as *mut u64).cast(),
+                    (&mut xp as *mut u64).cast(),
+                    (&mut yp as *mut u64).cast(),
+                    (&mut ni as *mut i32).cast(),
+                    (&mut no as *mut i32).cast(),
+                    (&mut wpr as *mut i32).cast(),
+                ];
+                // SAFETY: the GEMV's contract: W n_out split rows, x n_in, y n_out floats.
+                unsafe { k.launch("ds4_gemv_q8_0", (l.grid_x, 1, 1), l.block, &mut params) }
+                    .unwrap();
+                for (r, (g, c)) in y.iter().zip(&want).enumerate() {
+                    let tol = 1e-5 * (1.0 + c.abs());
+                    assert!(
+                        (g - c).abs() <= tol,
+                        "{n_in}x{n_out} wpr {}: row {r}: {g} vs {c}",
+                        l.wpr
+                    );
+                }
+            }
+        }
+    }
 }

@@ -198,7 +198,7 @@ impl GemvType {
     pub fn default_config(self) -> GemvConfig {
         let (rows, chunk_blocks) = match self {
             GemvType::F32 | GemvType::F16 => (2, 32),
-            GemvType::Q8_0 => (4, 8),
+            GemvType::Q8_0 => (4, 16),
             GemvType::Q2K => (2, 12),
             GemvType::Q4K => (2, 6),
             GemvType::Iq2Xxs => (2, 16),
@@ -249,6 +249,33 @@ impl GemvType {
         }
         k * be
     }
+}
+
+/// Rearranges Q8_0 rows of `n_in` values from ggml's interleaved blocks (per 32 values an
+/// f16 scale, then 32 int8 codes) into the GPU's split layout (the row's codes, then its
+/// scales), in place on the host: what `ds4_q8_0_split` in ops.cu does on the device after
+/// a load (docs/gpu.md §7). For tools that upload weights straight to kernels.
+pub fn q8_0_split_rows(bytes: &mut [u8], n_in: usize) -> Result<()> {
+    let nb = n_in / 32;
+    let row = nb * 34;
+    if n_in == 0 || !n_in.is_multiple_of(32) || !bytes.len().is_multiple_of(row) {
+        return Err(GpuError::BadArgument {
+            op: "q8_0_split_rows",
+            detail: format!(
+                "{} bytes are not whole Q8_0 rows of {n_in} values",
+                bytes.len()
+            ),
+        });
+    }
+    let mut tmp = vec![0u8; row];
+    for r in bytes.chunks_exact_mut(row) {
+        for b in 0..nb {
+            tmp[32 * b..32 * b + 32].copy_from_slice(&r[34 * b + 2..34 * b + 34]);
+            tmp[n_in + 2 * b..n_in + 2 * b + 2].copy_from_slice(&r[34 * b..34 * b + 2]);
+        }
+        r.copy_from_slice(&tmp);
+    }
+    Ok(())
 }
 
 /// What a compiled GEMV kernel does per warp: `rows` output rows, streamed in chunks of
@@ -368,11 +395,6 @@ mod tests {
         };
         for (t, rows_macro, cb_decl) in [
             (
-                GemvType::Q8_0,
-                "DS4_ROWS_Q8_0",
-                "R == 1 ? 56 : R == 2 ? 24 : 8",
-            ),
-            (
                 GemvType::Q2K,
                 "DS4_ROWS_Q2_K",
                 "R == 1 ? 24 : R == 2 ? 12 : 4",
@@ -403,6 +425,13 @@ mod tests {
             };
             assert_eq!(c.chunk_blocks, cb, "{t:?}");
         }
+        // Split-layout Q8_0: rows from DS4_ROWS_Q8_0, 16 blocks per lane pass (32 lanes x
+        // 16 codes).
+        assert!(GEMV
+            .source
+            .contains("DS4_GEMV_CONFIG(q8_0, Ds4Q8S::ROWS, 16)"));
+        let c = GemvType::Q8_0.default_config();
+        assert_eq!((c.rows, c.chunk_blocks), (define("DS4_ROWS_Q8_0"), 16));
         assert_eq!(
             GemvType::F16.default_config().rows,
             define("DS4_GEMV_PLAIN_ROWS")
@@ -536,5 +565,28 @@ mod tests {
             }
         }
         assert!(seen >= 39, "found only {seen} kernels");
+    }
+
+    #[test]
+    fn q8_0_split_moves_codes_first_scales_last() {
+        // Two rows of 64 values: blocks (scale s, codes c..c+31).
+        let mut rows = Vec::new();
+        for r in 0..2u8 {
+            for b in 0..2u8 {
+                rows.extend_from_slice(&[10 * r + b, 0xF0 + b]);
+                rows.extend((0..32u8).map(|i| 100 * r + 40 * b + i));
+            }
+        }
+        let orig = rows.clone();
+        q8_0_split_rows(&mut rows, 64).unwrap();
+        for r in 0..2usize {
+            let (o, s) = (&orig[68 * r..68 * r + 68], &rows[68 * r..68 * r + 68]);
+            for b in 0..2 {
+                assert_eq!(&s[32 * b..32 * b + 32], &o[34 * b + 2..34 * b + 34]);
+                assert_eq!(&s[64 + 2 * b..66 + 2 * b], &o[34 * b..34 * b + 2]);
+            }
+        }
+        assert!(q8_0_split_rows(&mut rows[..67], 64).is_err());
+        assert!(q8_0_split_rows(&mut rows, 48).is_err());
     }
 }

@@ -502,6 +502,9 @@ impl<D: GpuApi> GpuBackend<D> {
             })?,
         };
         let (total, device) = self.run_pipeline(file, first, cfg)?;
+        for wi in first..self.weights.len() {
+            self.split_q8_0(wi)?;
+        }
         let secs = t0.elapsed().as_secs_f64();
         let line = format!(
             "loaded {:.2} GiB in {:.1} s ({:.1} GB/s) · device {:.2} GiB",

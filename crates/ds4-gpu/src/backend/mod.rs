@@ -418,6 +418,10 @@ impl<D: GpuApi> std::fmt::Debug for GpuBackend<D> {
 }
 
 /// Every kernel of `ops.cu` the backend launches.
+/// Widest Q8_0 row the in-place split kernel takes (`DS4_Q8S_MAX_IN` in ops.cu; DeepSeek V4
+/// Flash's widest Q8_0 row is 8192).
+pub(crate) const Q8_SPLIT_MAX_IN: usize = 32768;
+
 const OP_KERNELS: &[&str] = &[
     "ds4_dequant_rows",
     "ds4_gemm_nt",
@@ -449,6 +453,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_split",
     "ds4_attention_combine",
     "ds4_norm_rope",
+    "ds4_q8_0_split",
 ];
 
 /// Every kernel of `tiles.cu` the backend launches.
@@ -619,8 +624,9 @@ impl<D: GpuApi> GpuBackend<D> {
         &self.loaded
     }
 
-    /// The raw bytes of weight `name` as loaded, read back from its buffer (checks and
-    /// diagnostics).
+    /// The raw bytes of weight `name` as the device holds them, read back from its buffer
+    /// (checks and diagnostics): the file's bytes, except Q8_0 rows in the split layout
+    /// once the split kernel has run (docs/gpu.md §7).
     pub fn weight_bytes(&self, name: &str) -> Result<Option<Vec<u8>>, GpuError> {
         let Some(w) = self.weights.iter().find(|w| w.name == name) else {
             return Ok(None);
@@ -1007,6 +1013,39 @@ impl<D: GpuApi> GpuBackend<D> {
         self.load_inner(file, name, usage, false)
     }
 
+    /// Rearranges weight `wi`'s rows in place into the GPU's split Q8_0 layout (its codes,
+    /// then its scales; docs/gpu.md §7) once its bytes are on the device. Other types and
+    /// vectors are left alone. Every Q8_0 consumer on the GPU (GEMVs, panels, tiles, the
+    /// embedding) reads that layout; the bytes per row do not change.
+    pub(crate) fn split_q8_0(&self, wi: usize) -> BResult<()> {
+        let w = &self.weights[wi];
+        if w.info.ty != GgmlType::Q8_0 {
+            return Ok(());
+        }
+        let ptr = match &w.storage {
+            Some(Storage::Own(b)) => b.device_address(),
+            Some(Storage::Arena { arena, offset }) => {
+                self.arenas[*arena].device_address() + *offset as u64
+            }
+            None => return Ok(()),
+        };
+        let rows = w.info.dims[1] * w.info.dims[2];
+        let n = i32::try_from(w.info.dims[0]).map_err(|_| BackendError::Invalid {
+            op: "load_weight",
+            problem: format!("{}: row of {} values", w.name, w.info.dims[0]),
+        })?;
+        self.launch(
+            "ds4_q8_0_split",
+            (rows.clamp(1, 1 << 16) as u32, 1, 1),
+            256,
+            &[
+                launch::Arg::Ptr(ptr),
+                launch::Arg::U64(rows as u64),
+                launch::Arg::I32(n),
+            ],
+        )
+    }
+
     /// Allocates weight `name` and, unless `defer`, copies its bytes. Deferred matrices
     /// and tables are filled later by the load pipeline (small vectors never are).
     fn load_inner(
@@ -1138,6 +1177,12 @@ impl<D: GpuApi> GpuBackend<D> {
             self.staging = Vec::new();
         }
         let id = u32::try_from(self.weights.len()).map_err(|_| werr("too many weights".into()))?;
+        if ty == GgmlType::Q8_0 && storage.is_some() && dims[0] > Q8_SPLIT_MAX_IN {
+            return Err(werr(format!(
+                "Q8_0 rows of {} values: the GPU takes at most {Q8_SPLIT_MAX_IN}",
+                dims[0]
+            )));
+        }
         self.weights.push(GpuWeight {
             name: name.to_string(),
             info,
@@ -1146,6 +1191,9 @@ impl<D: GpuApi> GpuBackend<D> {
             vector,
             kind,
         });
+        if !defer {
+            self.split_q8_0(self.weights.len() - 1)?;
+        }
         Ok(Weight::new(id, info))
     }
 }

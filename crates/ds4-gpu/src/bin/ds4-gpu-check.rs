@@ -463,6 +463,15 @@ fn time_gemv(
 
 /// One checked + timed GEMV case on fresh random data: (rel error, non-finite, timing).
 #[allow(clippy::too_many_arguments)]
+/// `wh` as the kernels read it: Q8_0 rows in the GPU's split layout (docs/gpu.md §7).
+fn dev_layout(t: GemvType, wh: &[u8], n_in: usize) -> Result<Vec<u8>> {
+    let mut b = wh.to_vec();
+    if t == GemvType::Q8_0 {
+        ds4_gpu::kernels::q8_0_split_rows(&mut b, n_in)?;
+    }
+    Ok(b)
+}
+
 fn bench_case(
     dev: &CudaDevice,
     k: &GemvKernels,
@@ -477,7 +486,7 @@ fn bench_case(
     let x: Vec<f32> = (0..n_in).map(|_| rng.unit()).collect();
     let yref = reference(t, &wh, &x, n_out)?;
     let mut w = dev.alloc(MemKind::Device, wh.len())?;
-    w.write(0, &wh)?;
+    w.write(0, &dev_layout(t, &wh, n_in)?)?;
     let mut xb = dev.alloc(MemKind::Device, 4 * n_in)?;
     xb.write(0, &f32_bytes(&x))?;
     let mut y = dev.alloc(MemKind::Device, 4 * n_out)?;
@@ -666,9 +675,10 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
                 continue;
             }
         };
+        let wd = dev_layout(t, &wh, n_in)?;
         match w.host_bytes_mut()? {
-            Some(h) => h[..wh.len()].copy_from_slice(&wh),
-            None => w.write(0, &wh)?,
+            Some(h) => h[..wd.len()].copy_from_slice(&wd),
+            None => w.write(0, &wd)?,
         }
         let got = run_once(&k, t, &w, &xb, &mut y, n_in, n_out)?;
         let (rel, _, bad) = compare(&got, &yref);
@@ -947,19 +957,15 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     // Tuning variants: the same kernels compiled with other knobs, checked and timed
     // (graph replays) on the main shapes.
     // The first sweep (rows per warp, registers, unroll, plain rows) chose the defaults
-    // (crates/ds4-gpu/NOTES.md); this one varies the bytes a Q8_0 warp keeps in flight
-    // (blocks per staged chunk) with the rows per warp and the register cap.
+    // (crates/ds4-gpu/NOTES.md); this one varies the split-layout Q8_0 engine: vectors in
+    // flight per row (depth), rows per warp and the register cap.
     let variants: &[&[&str]] = &[
-        &["-DDS4_Q8_CB=16"],
-        &["-DDS4_Q8_CB=24"],
-        &["-DDS4_Q8_CB=16", "-DDS4_GEMV_MIN_BLOCKS=2"],
-        &["-DDS4_Q8_CB=24", "-DDS4_GEMV_MIN_BLOCKS=2"],
-        &[
-            "-DDS4_Q8_CB=8",
-            "-DDS4_GEMV_ROWS=8",
-            "-DDS4_GEMV_MIN_BLOCKS=2",
-        ],
-        &["-DDS4_Q8_CB=16", "-DDS4_GEMV_ROWS=2"],
+        &["-DDS4_Q8S_DEPTH=1"],
+        &["-DDS4_Q8S_DEPTH=4", "-DDS4_GEMV_MIN_BLOCKS=2"],
+        &["-DDS4_Q8S_DEPTH=2", "-DDS4_GEMV_MIN_BLOCKS=2"],
+        &["-DDS4_Q8S_DEPTH=4", "-DDS4_GEMV_ROWS=2"],
+        &["-DDS4_Q8S_DEPTH=2", "-DDS4_GEMV_ROWS=2"],
+        &["-DDS4_Q8S_DEPTH=2", "-DDS4_GEMV_ROWS=1"],
     ];
     let vshapes: &[(GemvType, usize, usize)] = &[
         (GemvType::Q8_0, 4096, 1024),
@@ -976,7 +982,7 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     for extra in variants.iter().filter(|_| with_variants) {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let plain_only = extra.iter().all(|e| e.starts_with("-DDS4_GEMV_PLAIN_ROWS"));
-        let q8_only = extra.iter().any(|e| e.starts_with("-DDS4_Q8_CB"));
+        let q8_only = extra.iter().any(|e| e.starts_with("-DDS4_Q8S"));
         let kv = match GemvKernels::load_with(&dev, &cache, &extra) {
             Ok(kv) => kv,
             Err(e) => {

@@ -462,7 +462,6 @@ fn time_gemv(
 }
 
 /// One checked + timed GEMV case on fresh random data: (rel error, non-finite, timing).
-#[allow(clippy::too_many_arguments)]
 /// `wh` as the kernels read it: Q8_0 rows in the GPU's split layout (docs/gpu.md §7).
 fn dev_layout(t: GemvType, wh: &[u8], n_in: usize) -> Result<Vec<u8>> {
     let mut b = wh.to_vec();
@@ -472,6 +471,7 @@ fn dev_layout(t: GemvType, wh: &[u8], n_in: usize) -> Result<Vec<u8>> {
     Ok(b)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn bench_case(
     dev: &CudaDevice,
     k: &GemvKernels,

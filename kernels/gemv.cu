@@ -29,8 +29,9 @@
 #define DS4_GEMV_THREADS 256
 #define DS4_GEMV_WARPS (DS4_GEMV_THREADS / DS4_WARP)
 
-// Tuning knobs. The defaults are per format, from the H200 sweep in
-// crates/ds4-gpu/NOTES.md: rows per warp R (x loaded once for R rows) and the minimum
+// Tuning knobs. The defaults are per format, from the H200 sweeps in
+// crates/ds4-gpu/NOTES.md (split-layout Q8_0: 2 rows x 2 vectors in flight, the fastest
+// variant without register spills, 2026-12-04): rows per warp R (x loaded once for R rows) and the minimum
 // resident blocks per multiprocessor (caps registers: 4 -> 64, 2 -> 128 per thread).
 // -DDS4_GEMV_ROWS=n / -DDS4_GEMV_MIN_BLOCKS=n override every block format at once (the
 // check tool's sweeps); -DDS4_GEMV_PLAIN_ROWS=n sets F16/F32.
@@ -40,7 +41,7 @@
 #define DS4_ROWS_Q4_K DS4_GEMV_ROWS
 #define DS4_ROWS_IQ2_XXS DS4_GEMV_ROWS
 #else
-#define DS4_ROWS_Q8_0 4
+#define DS4_ROWS_Q8_0 2
 #define DS4_ROWS_Q2_K 2
 #define DS4_ROWS_Q4_K 2
 #define DS4_ROWS_IQ2_XXS 2

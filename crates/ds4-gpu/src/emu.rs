@@ -153,7 +153,10 @@ impl EmuKernels {
         for k in ALL {
             Self::unit(d, k, &mut units)?;
         }
-        let tmp = lib_path.with_extension(format!("{}.tmp", std::process::id()));
+        // Unique per process *and* per call: tests build in parallel threads of one process.
+        static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = lib_path.with_extension(format!("{}-{n}.tmp", std::process::id()));
         let mut cmd = Command::new(compiler());
         cmd.current_dir(d)
             .args([

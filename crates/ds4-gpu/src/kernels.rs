@@ -198,7 +198,7 @@ impl GemvType {
     pub fn default_config(self) -> GemvConfig {
         let (rows, chunk_blocks) = match self {
             GemvType::F32 | GemvType::F16 => (2, 32),
-            GemvType::Q8_0 => (4, 16),
+            GemvType::Q8_0 => (2, 16),
             GemvType::Q2K => (2, 12),
             GemvType::Q4K => (2, 6),
             GemvType::Iq2Xxs => (2, 16),

@@ -700,7 +700,7 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
         table.push(line);
     }
     // A registered Vec (caller-owned memory) also works.
-    let mut owned = dev.register_host(wh.clone().into_boxed_slice())?;
+    let mut owned = dev.register_host(dev_layout(t, &wh, n_in)?.into_boxed_slice())?;
     let got = run_once(&k, t, &owned, &xb, &mut y, n_in, n_out)?;
     let (rel, _, bad) = compare(&got, &yref);
     rep.line(format!(
@@ -960,12 +960,9 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     // (crates/ds4-gpu/NOTES.md); this one varies the split-layout Q8_0 engine: vectors in
     // flight per row (depth), rows per warp and the register cap.
     let variants: &[&[&str]] = &[
-        &["-DDS4_Q8S_DEPTH=1"],
+        &["-DDS4_Q8S_DEPTH=3"],
         &["-DDS4_Q8S_DEPTH=4", "-DDS4_GEMV_MIN_BLOCKS=2"],
-        &["-DDS4_Q8S_DEPTH=2", "-DDS4_GEMV_MIN_BLOCKS=2"],
-        &["-DDS4_Q8S_DEPTH=4", "-DDS4_GEMV_ROWS=2"],
-        &["-DDS4_Q8S_DEPTH=2", "-DDS4_GEMV_ROWS=2"],
-        &["-DDS4_Q8S_DEPTH=2", "-DDS4_GEMV_ROWS=1"],
+        &["-DDS4_Q8S_DEPTH=1", "-DDS4_GEMV_ROWS=4"],
     ];
     let vshapes: &[(GemvType, usize, usize)] = &[
         (GemvType::Q8_0, 4096, 1024),

@@ -68,6 +68,11 @@ __device__ __forceinline__ float ds4_shfl_up(float v, int delta) {
     return __shfl_up(v, delta, DS4_WARP);
 }
 
+// v of lane `src` of this logical warp.
+__device__ __forceinline__ float ds4_shfl_idx(float v, int src) {
+    return __shfl(v, src, DS4_WARP);
+}
+
 // Signed 4x8-bit dot product plus c, as CUDA's __dp4a (no saturation). RDNA3/3.5/4
 // (gfx11xx, Strix Halo's gfx1151, gfx12xx) have it as v_dot4_i32_iu8 (sudot4 with both
 // operands signed); GCN5.1/CDNA and RDNA2 as v_dot4_i32_i8 (sdot4). Other targets get the
@@ -118,6 +123,11 @@ __device__ __forceinline__ ds4_u16 ds4_f2h(float f) {
 
 __device__ __forceinline__ float ds4_shfl_up(float v, int delta) {
     return __shfl_up_sync(DS4_FULL_MASK, v, delta, DS4_WARP);
+}
+
+// v of lane `src` of this logical warp.
+__device__ __forceinline__ float ds4_shfl_idx(float v, int src) {
+    return __shfl_sync(DS4_FULL_MASK, v, src, DS4_WARP);
 }
 
 // Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).

@@ -239,15 +239,33 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float c, f
 // ---------------------------------------------------------------------------------------
 // Block reductions (256 threads).
 // ---------------------------------------------------------------------------------------
+// v of lane (this lane ^ m), for doubles (two 32-bit shuffles).
+__device__ __forceinline__ double ds4_shfl_xor_d(double v, int m) {
+    const long long b = __double_as_longlong(v);
+    const int lo = ds4_shfl_xor_i((int)(b & 0xffffffffLL), m);
+    const int hi = ds4_shfl_xor_i((int)(b >> 32), m);
+    return __longlong_as_double(((long long)hi << 32) | (long long)(unsigned)lo);
+}
+
+// Sum of v over the block (blockDim.x a multiple of 32, at most 1024; sh holds >= 33
+// doubles): a shuffle tree in each warp, then one over the warps' sums, in a fixed order
+// (deterministic). Two barriers instead of one per halving step: at decode the block
+// reductions of hc_pre / rms_norm were barrier-bound (ncu on the H200).
 __device__ double ds4_block_sum_d(double v, double* sh) {
-    const int tid = threadIdx.x;
-    sh[tid] = v;
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+    const int nw = blockDim.x / DS4_WARP;
+#pragma unroll
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += ds4_shfl_xor_d(v, m);
+    if (lane == 0) sh[warp] = v;
     __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (tid < s) sh[tid] += sh[tid + s];
-        __syncthreads();
+    if (warp == 0) {
+        double r = lane < nw ? sh[lane] : 0.0;
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) r += ds4_shfl_xor_d(r, m);
+        if (lane == 0) sh[DS4_WARP] = r;
     }
-    const double r = sh[0];
+    __syncthreads();
+    const double r = sh[DS4_WARP];
     __syncthreads();
     return r;
 }
@@ -558,11 +576,62 @@ __device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
     }
 }
 
+#define DS4_HC_MAX 8
+
+// The same projection by one whole warp (n*n <= 32) with the matrix in registers: lane k
+// holds element (k / n, k % n), and every row and column sum is gathered with shuffles and
+// added in index order, as the CPU reference does, so the results are the same bits as
+// ds4_sinkhorn's; no shared-memory round trip or barrier per step (the decode-time hc_pre
+// waited on this loop: ~57 % of its cycles were barrier stalls, ncu on the H200).
+__device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
+    const int k = threadIdx.x & (DS4_WARP - 1);
+    const bool own = k < n * n;
+    const int i = own ? k / n : 0;
+    const int j = own ? k % n : 0;
+    float v = own ? z[k] : 0.0f;
+    // Softmax of each row: max (order-free) and the sum in index order.
+    float m = -__int_as_float(0x7f800000);
+    float row[DS4_HC_MAX];
+#pragma unroll
+    for (int q = 0; q < DS4_HC_MAX; q++) {
+        row[q] = ds4_shfl_idx(v, i * n + q);
+        if (q < n) m = fmaxf(m, row[q]);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int q = 0; q < DS4_HC_MAX; q++)
+        if (q < n) s += expf(row[q] - m);
+    v = own ? expf(v - m) / s + eps : 0.0f;
+    const int n_it = iters > 0 ? iters : 1;
+    for (int it = 0; it < n_it; it++) {
+        if (it > 0) {
+            float t[DS4_HC_MAX];
+#pragma unroll
+            for (int q = 0; q < DS4_HC_MAX; q++) t[q] = ds4_shfl_idx(v, i * n + q);
+            float rs = 0.0f;
+#pragma unroll
+            for (int q = 0; q < DS4_HC_MAX; q++)
+                if (q < n) rs += t[q];
+            rs += eps;
+            if (own) v = v / rs;
+        }
+        float t[DS4_HC_MAX];
+#pragma unroll
+        for (int q = 0; q < DS4_HC_MAX; q++) t[q] = ds4_shfl_idx(v, q * n + j);
+        float cs = 0.0f;
+#pragma unroll
+        for (int q = 0; q < DS4_HC_MAX; q++)
+            if (q < n) cs += t[q];
+        cs += eps;
+        if (own) v = v / cs;
+    }
+    if (own) z[k] = v;
+    ds4_syncwarp();
+}
+
 __device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
     ds4_sinkhorn<false>(z, n, iters, eps);
 }
-
-#define DS4_HC_MAX 8
 
 // y[i] = sum_s c[s] * x[s*d + i] (s in stream order, as the CPU reference) by the whole
 // block; two outputs per round with all their loads issued first (latency, as above).
@@ -626,7 +695,7 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
     if (n * n <= DS4_WARP && blockDim.x > DS4_WARP) {
         // Warp 0 projects comb while the other warps mix the streams (independent work).
         if (k < DS4_WARP) {
-            ds4_sinkhorn<true>(z, n, iters, hc_eps);
+            ds4_sinkhorn_warp(z, n, iters, hc_eps);
             if (k < n * n) comb[(ds4_size)t * n * n + k] = z[k];
         } else {
             ds4_mix_streams_by(xt, pre, n, d, y + (ds4_size)t * d, k - DS4_WARP,

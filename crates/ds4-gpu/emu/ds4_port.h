@@ -73,6 +73,8 @@ static inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); re
 static inline int __float_as_int(float v) { int i; memcpy(&i, &v, 4); return i; }
 static inline unsigned __float_as_uint(float v) { unsigned i; memcpy(&i, &v, 4); return i; }
 // Built with -ffp-contract=off: a product and a sum are each rounded once, as _rn asks.
+static inline long long __double_as_longlong(double v) { long long i; memcpy(&i, &v, 8); return i; }
+static inline double __longlong_as_double(long long v) { double d; memcpy(&d, &v, 8); return d; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 
@@ -99,6 +101,16 @@ static inline float ds4_shfl_xor(float v, int lane_mask) {
     s[lane] = v;
     ds4emu_warp_barrier();
     const float r = s[lane ^ lane_mask];
+    ds4emu_warp_barrier();
+    return r;
+}
+
+static inline float ds4_shfl_idx(float v, int src) {
+    float* s = ds4emu_warp_slots(1);
+    const int lane = ds4emu_self()->lane;
+    s[lane] = v;
+    ds4emu_warp_barrier();
+    const float r = s[src & (DS4_WARP - 1)];
     ds4emu_warp_barrier();
     return r;
 }

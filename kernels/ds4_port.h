@@ -147,6 +147,26 @@ __device__ __forceinline__ void ds4_mma_16816(float* c, const ds4_u32* a, const 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// The 32-bit shared-window address of a generic pointer into shared memory (the operand
+// form ldmatrix and cp.async take).
+__device__ __forceinline__ ds4_u32 ds4_smem_addr(const void* p) {
+    ds4_u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 half matrices from shared memory in one instruction (sm_75 and later): lane l
+// gives the address of row l % 8 of matrix l / 8 (16 contiguous, 16-byte aligned bytes);
+// r[m] receives, in every lane l, the halves (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1)
+// of matrix m, i.e. exactly one register of an mma fragment. Replaces four (A) or two
+// per n-tile (B) 32-bit shared loads, each its own instruction, by one.
+__device__ __forceinline__ void ds4_ldmatrix_x4(ds4_u32* r, const ds4_u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(ds4_smem_addr(p))
+                 : "memory");
+}
+
 #endif
 
 // Programmatic dependent launch (docs/gpu.md, "Overlapped launches"). On sm_90 the host may
@@ -165,6 +185,28 @@ __device__ __forceinline__ void ds4_grid_wait() {
 }
 #else
 __device__ __forceinline__ void ds4_grid_wait() {}
+#endif
+
+// Asynchronous 16-byte copies from global to shared memory (cp.async, sm_80 and later): the
+// copy proceeds while the thread computes; ds4_cp_commit() closes a group of copies and
+// ds4_cp_wait_all() waits for every group this thread committed (a __syncthreads() after it
+// makes the data visible to the block). `valid` false stores 16 zero bytes and reads
+// nothing (src must still be a mapped address). HIP and older NVIDIA targets: a plain copy,
+// done at once, and the commit/wait are no-ops. Both pointers 16-byte aligned.
+#if !defined(DS4_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(ds4_smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void ds4_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void ds4_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+#else
+__device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src, bool valid) {
+    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0, 0, 0, 0);
+}
+__device__ __forceinline__ void ds4_cp_commit() {}
+__device__ __forceinline__ void ds4_cp_wait_all() {}
 #endif
 
 // Integer shuffle through the float one (bit pattern preserved).

@@ -23,13 +23,18 @@
 
 #define DS4_FAULT_EXPERT 2
 
-// Tile shape: 128 weight rows (8 warps x 16) by 64 tokens, K in steps of 64.
-#define DS4_TR 128
-#define DS4_TT 64
+// K in steps of 64 (block shapes: see ds4_mm_tiles).
 #define DS4_TK 64
-// Shared rows are padded by 8 halves (16 bytes) so the fragment loads of a warp's 8 row
-// groups fall in 8 distinct bank quadruples.
-#define DS4_TKP (DS4_TK + 8)
+
+// Shared tiles are rows of DS4_TK halves (128 bytes, eight 16-byte chunks) without padding;
+// chunk c of row r is stored at chunk c ^ (r % 8). The eight row addresses of one 8x8
+// ldmatrix piece (8 rows, one chunk) and the eight 16-byte stores of a quarter warp (4
+// rows, 2 chunks, or 1 row, 8 chunks) then fall in 8 distinct bank quadruples, as the old
+// 8-half padding did, and two stages of both tiles fit the 48 KB of static shared memory
+// ((128 + 64) x 64 halves = 24 KB per stage).
+__device__ __forceinline__ int ds4_tsw(int r, int c) {
+    return r * DS4_TK + ((((c >> 3) ^ r) & 7) << 3) + (c & 7);
+}
 
 // Two f32 values as one register of two halves (round to nearest even; `lo` in the low
 // half, the order the tensor-core fragments expect).
@@ -37,100 +42,228 @@ __device__ __forceinline__ ds4_u32 ds4_pack_h2(float lo, float hi) {
     return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
 }
 
-// Values k0 .. k0+31 (k0 a multiple of 32) of one weight row, in f32, computed with the
-// same expressions (and so the same f32 roundings) as ops.cu's ds4_elem and the CPU's
-// ds4_gguf::quant::dequantize.
-__device__ __forceinline__ void ds4_dec32(int ty, const ds4_u8* row, ds4_size row_bytes, int k0,
-                                          const ds4_u64* grid, const ds4_u8* ksigns, float* v) {
-    switch (ty) {
-    case DS4_T_F32:
+// One thread's share of a K step: N values k0 .. k0+N-1 (N = 32 or 16, k0 a multiple of
+// N) of one weight row, first as the raw bytes of that row (`ds4_wload`, global loads
+// only, so that they are in flight while the tensor cores work on the previous step), then
+// decoded from those registers into f32 (`ds4_wdec`) with the same expressions (and so the
+// same f32 roundings) as ops.cu's ds4_elem and the CPU's ds4_gguf::quant::dequantize. One
+// struct template per type; the kernel body is a template over it, so each type gets its
+// own register allocation and a branch-free K loop. Every quant block here is a multiple
+// of 32 values, so a piece never straddles two blocks.
+//
+// Where a piece of N values at k0 starts inside its group of 32 (0 for whole groups, known
+// at compile time then).
+template <int N> __device__ __forceinline__ int ds4_piece_off(int k0) { return N == 32 ? 0 : k0 % 32; }
+
+// F32, F16, BF16 rows: 16-byte aligned (the host checks), so whole 16-byte loads; a
+// byte-wise load would keep every byte in its own register across the MMAs.
+template <int N> struct ds4_tw_f32 {
+    uint4 r[N / 4];
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_f32<N>& t, const ds4_u8* row, int k0, int) {
+    const uint4* p = (const uint4*)(row + 4 * (ds4_size)k0);
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = __uint_as_float(ds4_b32(row + 4 * (ds4_size)(k0 + i)));
-        break;
-    case DS4_T_F16:
+    for (int i = 0; i < N / 4; i++) t.r[i] = ds4_ldg(p + i);
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_f32<N>& t, int, float* v) {
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = ds4_h2f(ds4_b16(row + 2 * (ds4_size)(k0 + i)));
-        break;
-    case DS4_T_BF16:
-#pragma unroll
-        for (int i = 0; i < 32; i++)
-            v[i] = __uint_as_float(((ds4_u32)ds4_b16(row + 2 * (ds4_size)(k0 + i))) << 16);
-        break;
-    case DS4_T_Q8_0: {
-        // The GPU's split layout (ops.cu ds4_q8_0_split): 32 codes at k0, the scale after
-        // all of the row's codes.
-        const ds4_size n = row_bytes / 34 * 32;
-        const float d = ds4_h2f(ds4_b16(row + n + 2 * (ds4_size)(k0 / 32)));
-        const ds4_u8* q = row + k0;
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = d * (float)(ds4_i8)q[i];
-        break;
+    for (int i = 0; i < N / 4; i++) {
+        v[4 * i] = __uint_as_float(t.r[i].x);
+        v[4 * i + 1] = __uint_as_float(t.r[i].y);
+        v[4 * i + 2] = __uint_as_float(t.r[i].z);
+        v[4 * i + 3] = __uint_as_float(t.r[i].w);
     }
-    case DS4_T_Q2_K: {
-        // Block of 256: scales[16] @0, qs[64] @16, d @80, dmin @82 (4-byte aligned rows).
-        const ds4_u8* b = row + (ds4_size)(k0 / 256) * 84;
-        const int j0 = k0 % 256, n = j0 / 128, g = (j0 % 128) / 32;
-        const float d = ds4_h2f(ds4_b16(b + 80)), dmin = ds4_h2f(ds4_b16(b + 82));
-        const ds4_u8 s0 = b[n * 8 + 2 * g], s1 = b[n * 8 + 2 * g + 1];
-        const ds4_u32* qs = (const ds4_u32*)(b + 16 + n * 32);
+}
+
+// F16 and BF16: 32-bit word i (of the uint4s) holds values 2i (low half) and 2i+1.
+template <int N> struct ds4_tw_f16 {
+    uint4 r[N / 8];
+};
+template <int N> struct ds4_tw_bf16 {
+    uint4 r[N / 8];
+};
+template <int N> __device__ __forceinline__ void ds4_wload16(uint4* r, const ds4_u8* row, int k0) {
+    const uint4* p = (const uint4*)(row + 2 * (ds4_size)k0);
 #pragma unroll
-        for (int w = 0; w < 8; w++) {
-            const ds4_u32 q4 = ds4_ldg(qs + w);
-            const ds4_u8 sc = w < 4 ? s0 : s1;
+    for (int i = 0; i < N / 8; i++) r[i] = ds4_ldg(p + i);
+}
+__device__ __forceinline__ ds4_u32 ds4_word(const uint4* r, int i) {
+    const uint4 u = r[i >> 2];
+    return (i & 3) == 0 ? u.x : (i & 3) == 1 ? u.y : (i & 3) == 2 ? u.z : u.w;
+}
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_f16<N>& t, const ds4_u8* row, int k0, int) {
+    ds4_wload16<N>(t.r, row, k0);
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_f16<N>& t, int, float* v) {
 #pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int q = (int)((q4 >> (8 * c + 2 * g)) & 3);
-                v[4 * w + c] = d * (float)(sc & 0xF) * (float)q - dmin * (float)(sc >> 4);
-            }
+    for (int i = 0; i < N / 2; i++) {
+        const ds4_u32 u = ds4_word(t.r, i);
+        v[2 * i] = ds4_h2f((ds4_u16)(u & 0xffff));
+        v[2 * i + 1] = ds4_h2f((ds4_u16)(u >> 16));
+    }
+}
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_bf16<N>& t, const ds4_u8* row, int k0, int) {
+    ds4_wload16<N>(t.r, row, k0);
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_bf16<N>& t, int, float* v) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        const ds4_u32 u = ds4_word(t.r, i);
+        v[2 * i] = __uint_as_float(u << 16);
+        v[2 * i + 1] = __uint_as_float(u & 0xffff0000u);
+    }
+}
+
+// Q8_0 in the GPU's split layout (ops.cu ds4_q8_0_split, docs/gpu.md §7): the row's `cols`
+// int8 codes, then its cols / 32 f16 scales; rows 2-byte aligned (the host checks), so u16
+// loads: the piece's N / 2 code pairs and its block's scale.
+template <int N> struct ds4_tw_q8_0 {
+    ds4_u32 q[N / 2];  // bytes 2i and 2i+1 of the piece
+    ds4_u32 d;
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_q8_0<N>& t, const ds4_u8* row, int k0, int cols) {
+    t.d = ds4_ldg((const ds4_u16*)(row + cols) + k0 / 32);
+    const ds4_u16* qs = (const ds4_u16*)(row + k0);
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) t.q[i] = ds4_ldg(qs + i);
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q8_0<N>& t, int, float* v) {
+    const float d = ds4_h2f((ds4_u16)t.d);
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        v[2 * i] = d * (float)(ds4_i8)(t.q[i] & 0xff);
+        v[2 * i + 1] = d * (float)(ds4_i8)((t.q[i] >> 8) & 0xff);
+    }
+}
+
+// Q2_K, block of 256: scales[16] @0, qs[64] @16, d @80, dmin @82 (4-byte aligned rows).
+// Values j0 .. j0+31 of a block (j0 = k0 % 256 rounded down to 32) take 2-bit field
+// g = (j0 % 128) / 32 of the 32 qs bytes of half n = j0 / 128 (value i of the 32 in byte
+// i), with scale byte 2g for bytes 0..15 and 2g+1 for bytes 16..31.
+template <int N> struct ds4_tw_q2_k {
+    ds4_u32 q[N / 4];
+    ds4_u32 dm;  // d | dmin << 16
+    ds4_u32 s;   // the two scale bytes
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_q2_k<N>& t, const ds4_u8* row, int k0, int) {
+    const ds4_u8* b = row + (ds4_size)(k0 / 256) * 84;
+    const int j0 = k0 % 256, n = j0 / 128, g = (j0 % 128) / 32;
+    const ds4_u32* qs = (const ds4_u32*)(b + 16 + n * 32 + ds4_piece_off<N>(k0));
+#pragma unroll
+    for (int w = 0; w < N / 4; w++) t.q[w] = ds4_ldg(qs + w);
+    t.dm = ds4_ldg((const ds4_u32*)(b + 80));
+    t.s = ds4_ldg((const ds4_u16*)(b + n * 8 + 2 * g));
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q2_k<N>& t, int k0, float* v) {
+    const int g = (k0 % 128) / 32, w0 = ds4_piece_off<N>(k0) / 4;
+    const float d = ds4_h2f((ds4_u16)(t.dm & 0xffff)), dmin = ds4_h2f((ds4_u16)(t.dm >> 16));
+    const ds4_u8 s0 = (ds4_u8)(t.s & 0xff), s1 = (ds4_u8)(t.s >> 8);
+#pragma unroll
+    for (int w = 0; w < N / 4; w++) {
+        const ds4_u8 sc = w0 + w < 4 ? s0 : s1;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int q = (int)((t.q[w] >> (8 * c + 2 * g)) & 3);
+            v[4 * w + c] = d * (float)(sc & 0xF) * (float)q - dmin * (float)(sc >> 4);
         }
-        break;
     }
-    case DS4_T_Q4_K: {
-        // Block of 256: d @0, dmin @2, scales[12] @4, qs[128] @16 (4-byte aligned rows).
-        const ds4_u8* b = row + (ds4_size)(k0 / 256) * 144;
-        const int j0 = k0 % 256, c = j0 / 64, hi = (j0 % 64) >= 32 ? 1 : 0;
-        const int is = 2 * c + hi;
-        int sc, m;
-        ds4_q4k_scale_min(b + 4, is, &sc, &m);
-        const float d = ds4_h2f(ds4_b16(b)), dmin = ds4_h2f(ds4_b16(b + 2));
-        const ds4_u32* qs = (const ds4_u32*)(b + 16 + c * 32);
+}
+
+// Q4_K, block of 256: d @0, dmin @2, scales[12] @4, qs[128] @16 (4-byte aligned rows).
+// Values 64c .. 64c+63 of a block share qs bytes 32c .. 32c+31: low nibbles, then high.
+template <int N> struct ds4_tw_q4_k {
+    ds4_u32 q[N / 4];
+    ds4_u32 dm;    // d | dmin << 16
+    ds4_u32 s[3];  // the 12 packed scale bytes
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_q4_k<N>& t, const ds4_u8* row, int k0, int) {
+    const ds4_u8* b = row + (ds4_size)(k0 / 256) * 144;
+    const int c = (k0 % 256) / 64;
+    const ds4_u32* qs = (const ds4_u32*)(b + 16 + c * 32 + ds4_piece_off<N>(k0));
 #pragma unroll
-        for (int w = 0; w < 8; w++) {
-            const ds4_u32 q4 = ds4_ldg(qs + w);
+    for (int w = 0; w < N / 4; w++) t.q[w] = ds4_ldg(qs + w);
+    t.dm = ds4_ldg((const ds4_u32*)b);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const ds4_u32 qb = (q4 >> (8 * e)) & 0xff;
-                const int q = hi ? (int)(qb >> 4) : (int)(qb & 0xF);
-                v[4 * w + e] = d * (float)sc * (float)q - dmin * (float)m;
-            }
+    for (int i = 0; i < 3; i++) t.s[i] = ds4_ldg((const ds4_u32*)(b + 4) + i);
+}
+// Byte i (0..11) of the packed scales; selects rather than a register-array index.
+__device__ __forceinline__ int ds4_q4k_sbyte(const ds4_u32* s, int i) {
+    const ds4_u32 w = i < 4 ? s[0] : (i < 8 ? s[1] : s[2]);
+    return (int)((w >> (8 * (i & 3))) & 0xff);
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q4_k<N>& t, int k0, float* v) {
+    const int j0 = k0 % 256, c = j0 / 64, hi = (j0 % 64) >= 32 ? 1 : 0;
+    const int j = 2 * c + hi;
+    // ds4_q4k_scale_min (ds4_quant.h) on the bytes in registers.
+    int sc, m;
+    if (j < 4) {
+        sc = ds4_q4k_sbyte(t.s, j) & 63;
+        m = ds4_q4k_sbyte(t.s, j + 4) & 63;
+    } else {
+        sc = (ds4_q4k_sbyte(t.s, j + 4) & 0xF) | ((ds4_q4k_sbyte(t.s, j - 4) >> 6) << 4);
+        m = (ds4_q4k_sbyte(t.s, j + 4) >> 4) | ((ds4_q4k_sbyte(t.s, j) >> 6) << 4);
+    }
+    const float d = ds4_h2f((ds4_u16)(t.dm & 0xffff)), dmin = ds4_h2f((ds4_u16)(t.dm >> 16));
+#pragma unroll
+    for (int w = 0; w < N / 4; w++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const ds4_u32 qb = (t.q[w] >> (8 * e)) & 0xff;
+            const int q = hi ? (int)(qb >> 4) : (int)(qb & 0xF);
+            v[4 * w + e] = d * (float)sc * (float)q - dmin * (float)m;
         }
-        break;
     }
-    case DS4_T_IQ2_XXS: {
-        // Block of 256: d @0, then per 32 values 4 grid bytes + a u32 (4 x 7-bit sign sets,
-        // 4-bit scale). Rows are 2-byte aligned.
-        const ds4_u8* b = row + (ds4_size)(k0 / 256) * 66;
-        const ds4_u16* q = (const ds4_u16*)(b + 2 + ((k0 % 256) / 32) * 8);
-        const ds4_u32 g01 = ds4_ldg(q), g23 = ds4_ldg(q + 1);
-        const ds4_u32 a1 = (ds4_u32)ds4_ldg(q + 2) | ((ds4_u32)ds4_ldg(q + 3) << 16);
-        const float db = ds4_h2f(ds4_ldg((const ds4_u16*)b)) * (0.5f + (float)(a1 >> 28)) * 0.25f;
-        const ds4_u32 gi[4] = {g01 & 0xff, g01 >> 8, g23 & 0xff, g23 >> 8};
+}
+
+// IQ2_XXS, block of 256: d @0, then per 32 values 4 grid bytes + a u32 (4 x 7-bit sign
+// sets, 4-bit scale), one grid byte and sign set per 8 values. Rows are 2-byte aligned.
+// The lattice and sign tables are read from global memory at decode time (2 KB + 128
+// bytes, L1-resident): both shared stages of the tiles take the whole 48 KB.
+template <int N> struct ds4_tw_iq2_xxs {
+    ds4_u32 h[4];  // the four u16 of this group of 32
+    ds4_u32 d;
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_iq2_xxs<N>& t, const ds4_u8* row, int k0, int) {
+    const ds4_u8* b = row + (ds4_size)(k0 / 256) * 66;
+    const ds4_u16* q = (const ds4_u16*)(b + 2 + ((k0 % 256) / 32) * 8);
 #pragma unroll
-        for (int l = 0; l < 4; l++) {
-            const ds4_u64 gv = grid[gi[l]];
-            const ds4_u8 signs = ksigns[(a1 >> (7 * l)) & 127];
+    for (int i = 0; i < 4; i++) t.h[i] = ds4_ldg(q + i);
+    t.d = ds4_ldg((const ds4_u16*)b);
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_iq2_xxs<N>& t, int k0, float* v) {
+    const ds4_u32 a1 = t.h[2] | (t.h[3] << 16);
+    const float db = ds4_h2f((ds4_u16)t.d) * (0.5f + (float)(a1 >> 28)) * 0.25f;
+    const int l0 = ds4_piece_off<N>(k0) / 8;
+    ds4_u64 gv[N / 8];
+    ds4_u8 signs[N / 8];
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const float gf = (float)((gv >> (8 * k)) & 0xff);
-                v[8 * l + k] = db * gf * ((signs >> k) & 1 ? -1.0f : 1.0f);
-            }
+    for (int i = 0; i < N / 8; i++) {
+        const int l = l0 + i;
+        const ds4_u32 g2 = l < 2 ? t.h[0] : t.h[1];
+        const ds4_u32 gi = (l & 1) ? g2 >> 8 : g2 & 0xff;
+        gv[i] = ds4_ldg(ds4_iq2xxs_grid + gi);
+        signs[i] = ds4_ldg(ds4_iq2xxs_ksigns + ((a1 >> (7 * l)) & 127));
+    }
+#pragma unroll
+    for (int i = 0; i < N / 8; i++) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float gf = (float)((gv[i] >> (8 * k)) & 0xff);
+            v[8 * i + k] = db * gf * ((signs[i] >> k) & 1 ? -1.0f : 1.0f);
         }
-        break;
     }
-    default:
+}
+
+// Any other type id (the host never launches one): every value NaN, so a mistake shows.
+template <int N> struct ds4_tw_bad {
+    ds4_u32 unused;
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_bad<N>& t, const ds4_u8*, int, int) {
+    t.unused = 0;
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_bad<N>&, int, float* v) {
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = __int_as_float(0x7fc00000);
-    }
+    for (int i = 0; i < N; i++) v[i] = __int_as_float(0x7fc00000);
 }
 
 // One block per expert e (plus one block, e == n_exp, for ids outside 0..n_exp): the
@@ -245,117 +378,234 @@ extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, co
     }
 }
 
-// Y[p][r] = sum_k W_g[r][k] * X[p][k] for the tokens p of group g, every group in one
-// launch: grid = (row tiles of 128, groups [x2 with a second matrix], token-tile stride).
-// With `offs`, group g's tokens are offs[g] .. offs[g+1] and its matrix is at
-// w + g * mat_bytes (routed experts in sorted order); without, one group of n_tok tokens.
-// A second matrix (w2 / y2, same shape and type, e.g. gate and up) takes the upper half of
-// gridDim.y. X is half precision, [tokens][cols]; cols is a multiple of 32.
-extern "C" __global__ void __launch_bounds__(256)
-ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_size row_bytes,
-             int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
-             float* y2, ds4_size y_stride) {
-    ds4_grid_wait();
-    __shared__ __align__(16) ds4_u16 ws[DS4_TR][DS4_TKP];
-    __shared__ __align__(16) ds4_u16 xs[DS4_TT][DS4_TKP];
-    __shared__ ds4_u64 grid[256];
-    __shared__ ds4_u8 ksigns[128];
+// Block shapes. Every warp computes 16 rows x 64 tokens (acc[8][4]), so both shapes take
+// the same registers; both stages of both tiles are (TR + TT) x 64 halves x 2 = 48 KB.
+//   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warps 8 x 1, 32 weights decoded per thread
+//   ds4_mm_tiles_wide: TR  64 rows x TT 128 tokens, warps 4 x 2, 16 weights decoded per thread
+// The wide shape decodes each weight once per 128 tokens instead of 64 (half the decode
+// work per MMA) and reads each x element once per 64 rows instead of 128.
+
+// acc += (this warp's 16 rows of ws, from row wr) x (its 64 tokens of xs, from token wt)^T
+// over one K step.
+__device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws, const ds4_u16* xs,
+                                              int wr, int wt, int lane) {
+#if defined(DS4_HAS_MMA)
+    // ldmatrix addresses: lane l gives row l % 8 of 8x8 piece l / 8. A pieces: rows +0/+8
+    // (bit 0 of the piece), k +0/+8 (bit 1) = fragment registers a[0..3]. B pieces (tokens
+    // as rows, k contiguous): k +0/+8 (bit 0), tokens +0/+8 (bit 1) = b[0], b[1] of n-tile
+    // 2jj, then of n-tile 2jj + 1.
+    const int piece = lane >> 3;
+    const int ar = wr + (lane & 7) + (piece & 1) * 8, ac = (piece >> 1) * 8;
+    const int br = wt + (lane & 7) + (piece >> 1) * 8, bc = (piece & 1) * 8;
+#pragma unroll
+    for (int ks = 0; ks < DS4_TK; ks += 16) {
+        ds4_u32 a[4];
+        ds4_ldmatrix_x4(a, ws + ds4_tsw(ar, ks + ac));
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+            ds4_u32 b[4];
+            ds4_ldmatrix_x4(b, xs + ds4_tsw(br + 16 * jj, ks + bc));
+            ds4_mma_16816(acc[2 * jj], a, b);
+            ds4_mma_16816(acc[2 * jj + 1], a, b + 2);
+        }
+    }
+#else
+    // The same fragment elements as the tensor-core path, by plain FMAs.
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < DS4_TK; ks += 16) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int rr = wr + g + (q >> 1) * 8, tt = wt + 8 * j + 2 * t4 + (q & 1);
+                float s = acc[j][q];
+                for (int kk = 0; kk < 16; kk++)
+                    s += ds4_h2f(ws[ds4_tsw(rr, ks + kk)]) * ds4_h2f(xs[ds4_tsw(tt, ks + kk)]);
+                acc[j][q] = s;
+            }
+        }
+    }
+#endif
+}
+
+// Starts the copy of the x tile (TT tokens, halves k0 .. k0+63) into xs: TT * 8 pieces of
+// 16 bytes, TT / 32 per thread (piece e = tid + 256 q: token row e / 8, halves 8 (e % 8)
+// ..); `src[q]` is this thread's piece q at K 0, null past the group's tokens. Pieces past
+// the tokens or `cols` are zeros.
+template <int TT>
+__device__ __forceinline__ void ds4_tiles_x(ds4_u16* xs, const ds4_u16* const* src, const ds4_u16* x,
+                                            int cols, int k0, int tid) {
+#pragma unroll
+    for (int q = 0; q < TT / 32; q++) {
+        const int e = tid + 256 * q, part = e & 7;
+        const bool ok = src[q] != nullptr && k0 + part * 8 < cols;
+        ds4_cp_async16(xs + ds4_tsw(e >> 3, part * 8), ok ? src[q] + k0 : x, ok);
+    }
+}
+
+// Decodes this thread's raw weights (N values) into ws at row `row`, K offset koff; zeros
+// where the row or the K position is past the matrix.
+template <int N, class TW>
+__device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const TW& raw, int kg, bool ok, int row,
+                                                int koff) {
+    float v[N];
+    ds4_wdec(raw, kg, v);
+#pragma unroll
+    for (int q = 0; q < N / 8; q++) {
+        uint4 o;
+        o.x = ok ? ds4_pack_h2(v[8 * q + 0], v[8 * q + 1]) : 0u;
+        o.y = ok ? ds4_pack_h2(v[8 * q + 2], v[8 * q + 3]) : 0u;
+        o.z = ok ? ds4_pack_h2(v[8 * q + 4], v[8 * q + 5]) : 0u;
+        o.w = ok ? ds4_pack_h2(v[8 * q + 6], v[8 * q + 7]) : 0u;
+        *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
+    }
+}
+
+// A call per weight type rather than seven inlined bodies in one function: ptxas then
+// allocates registers per type (inlined, the sm_90 wide kernel spilled ~400 bytes that
+// no single type needs). One call per block.
+#if defined(DS4_HIP) || defined(DS4_CPU)
+#define DS4_TILES_NOINLINE __forceinline__
+#else
+#define DS4_TILES_NOINLINE __noinline__
+#endif
+
+// The body of ds4_mm_tiles for one weight type TW<N> and block shape TR x TT. Two shared
+// stages: while the tensor cores multiply stage s, the raw weights of the next K step are
+// in flight into registers and its x tile into stage s ^ 1 (cp.async); after the MMAs the
+// weights are decoded into stage s ^ 1, and one barrier per K step publishes it.
+// Accumulation order per output is fixed (k ascending), as before.
+template <class TW, int TR, int TT>
+__device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_bytes, int n_rows, int cols,
+                                              const ds4_u16* x, int lo, int hi, float* ym,
+                                              ds4_size y_stride, ds4_u16 (*ws)[TR * DS4_TK],
+                                              ds4_u16 (*xs)[TT * DS4_TK]) {
+    // Weights decoded per thread per K step, and threads per row.
+    constexpr int N = TR * DS4_TK / 256, TPR = DS4_TK / N;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Warp tile: rows wr .. wr+15, tokens wt .. wt+63 (TR / 16 warps along the rows).
+    constexpr int WR = TR / 16;
+    const int wr = (WR == 8 ? warp : warp % WR) * 16, wt = WR == 8 ? 0 : (warp / WR) * 64;
+    const int r0 = blockIdx.x * TR;
+    // This thread decodes N values of row r0 + drl per K step, from K offset koff.
+    const int drl = tid / TPR, koff = (tid % TPR) * N;
+    const int dr = r0 + drl;
+    const bool row_ok = dr < n_rows;
+    const ds4_u8* drow = wm + (ds4_size)(row_ok ? dr : 0) * row_bytes;
+    const int g = lane >> 2, t4 = lane & 3;
+    for (int t0 = lo + (int)blockIdx.z * TT; t0 < hi; t0 += (int)gridDim.z * TT) {
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[j][q] = 0.0f;
+        const ds4_u16* xsrc[TT / 32];
+#pragma unroll
+        for (int q = 0; q < TT / 32; q++) {
+            const int e = tid + 256 * q, p = t0 + (e >> 3);
+            xsrc[q] = p < hi ? x + (ds4_size)p * cols + (e & 7) * 8 : nullptr;
+        }
+        __syncthreads();  // the previous token tile's MMAs are done with both stages
+        {
+            // The first K step into stage 0 (nothing to overlap with yet). Loads stay at a
+            // valid address: the K offset is clamped to the last piece of the row.
+            TW raw;
+            ds4_wload(raw, drow, min(koff, cols - N), cols);
+            ds4_tiles_x<TT>(xs[0], xsrc, x, cols, 0, tid);
+            ds4_cp_commit();
+            ds4_tiles_store<N>(ws[0], raw, koff, row_ok && koff < cols, drl, koff);
+            ds4_cp_wait_all();
+            __syncthreads();
+        }
+        int st = 0;
+        for (int k0 = 0; k0 + DS4_TK < cols; k0 += DS4_TK) {
+            const int kn = k0 + DS4_TK, kg = kn + koff;
+            TW raw;
+            ds4_wload(raw, drow, min(kg, cols - N), cols);
+            ds4_tiles_x<TT>(xs[st ^ 1], xsrc, x, cols, kn, tid);
+            ds4_cp_commit();
+            ds4_tiles_mma(acc, ws[st], xs[st], wr, wt, lane);
+            ds4_tiles_store<N>(ws[st ^ 1], raw, kg, row_ok && kg < cols, drl, koff);
+            ds4_cp_wait_all();
+            // Stage st ^ 1 is complete for every thread, and every warp is done with stage
+            // st (which the next step overwrites).
+            __syncthreads();
+            st ^= 1;
+        }
+        ds4_tiles_mma(acc, ws[st], xs[st], wr, wt, lane);
+        // Fragment q of n-tile j: row wr + g (+8 for q >= 2), token wt + 8j + 2t4 (+1 for
+        // odd q).
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int r = r0 + wr + g + (q >> 1) * 8;
+                const int p = t0 + wt + 8 * j + 2 * t4 + (q & 1);
+                if (r < n_rows && p < hi) ym[(ds4_size)p * y_stride + r] = acc[j][q];
+            }
+        }
+    }
+}
+
+// The shared part of both kernels: this block's group and matrix, then the body for `ty`.
+template <int TR, int TT>
+__device__ __forceinline__ void ds4_tiles_block(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes,
+                                                int ty, ds4_size row_bytes, int n_rows, int cols,
+                                                const ds4_u16* x, const int* offs, int n_tok, float* y,
+                                                float* y2, ds4_size y_stride,
+                                                ds4_u16 (*ws)[TR * DS4_TK], ds4_u16 (*xs)[TT * DS4_TK]) {
+    constexpr int N = TR * DS4_TK / 256;
     const int n_groups = w2 ? (int)gridDim.y / 2 : (int)gridDim.y;
     const int second = (int)blockIdx.y >= n_groups ? 1 : 0;
     const int grp = (int)blockIdx.y - second * n_groups;
     const ds4_u8* wm = (second ? w2 : w) + (ds4_size)grp * mat_bytes;
     float* ym = second ? y2 : y;
     const int lo = offs ? offs[grp] : 0, hi = offs ? offs[grp + 1] : n_tok;
-    const int r0 = blockIdx.x * DS4_TR;
     if (lo >= hi) return;
-    if (ty == DS4_T_IQ2_XXS) {
-        for (int i = tid; i < 256; i += 256) grid[i] = ds4_iq2xxs_grid[i];
-        for (int i = tid; i < 128; i += 256) ksigns[i] = ds4_iq2xxs_ksigns[i];
+#define DS4_TILES_RUN(T) \
+    ds4_tiles_run<T<N>, TR, TT>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, ws, xs)
+    switch (ty) {
+    case DS4_T_F32: DS4_TILES_RUN(ds4_tw_f32); break;
+    case DS4_T_F16: DS4_TILES_RUN(ds4_tw_f16); break;
+    case DS4_T_BF16: DS4_TILES_RUN(ds4_tw_bf16); break;
+    case DS4_T_Q8_0: DS4_TILES_RUN(ds4_tw_q8_0); break;
+    case DS4_T_Q2_K: DS4_TILES_RUN(ds4_tw_q2_k); break;
+    case DS4_T_Q4_K: DS4_TILES_RUN(ds4_tw_q4_k); break;
+    case DS4_T_IQ2_XXS: DS4_TILES_RUN(ds4_tw_iq2_xxs); break;
+    default: DS4_TILES_RUN(ds4_tw_bad);
     }
-    // This thread decodes 32 values of row r0 + tid / 2 per K step.
-    const int dr = r0 + (tid >> 1);
-    const ds4_u8* drow = wm + (ds4_size)(dr < n_rows ? dr : 0) * row_bytes;
-    const int g = lane >> 2, t4 = lane & 3;
-    for (int t0 = lo + (int)blockIdx.z * DS4_TT; t0 < hi; t0 += (int)gridDim.z * DS4_TT) {
-        float acc[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) acc[j][q] = 0.0f;
-        for (int k0 = 0; k0 < cols; k0 += DS4_TK) {
-            __syncthreads();  // the previous step's tiles are consumed (and the tables loaded)
-            {
-                const int kg = k0 + (tid & 1) * 32;
-                float v[32];
-                if (dr < n_rows && kg < cols) {
-                    ds4_dec32(ty, drow, row_bytes, kg, grid, ksigns, v);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 32; i++) v[i] = 0.0f;
-                }
-                uint4* dst = (uint4*)&ws[tid >> 1][(tid & 1) * 32];
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    uint4 o;
-                    o.x = ds4_pack_h2(v[8 * q + 0], v[8 * q + 1]);
-                    o.y = ds4_pack_h2(v[8 * q + 2], v[8 * q + 3]);
-                    o.z = ds4_pack_h2(v[8 * q + 4], v[8 * q + 5]);
-                    o.w = ds4_pack_h2(v[8 * q + 6], v[8 * q + 7]);
-                    dst[q] = o;
-                }
-            }
-            // 64 tokens x 64 halves = 512 pieces of 16 bytes, two per thread.
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const int e = tid + 256 * q, tr = e >> 3, part = e & 7;
-                const int p = t0 + tr, kk = k0 + part * 8;
-                uint4 val = make_uint4(0, 0, 0, 0);
-                if (p < hi && kk < cols) val = *(const uint4*)(x + (ds4_size)p * cols + kk);
-                *(uint4*)&xs[tr][part * 8] = val;
-            }
-            __syncthreads();
-            const int wr = warp * 16;
-#pragma unroll
-            for (int ks = 0; ks < DS4_TK; ks += 16) {
-#if defined(DS4_HAS_MMA)
-                ds4_u32 a[4];
-                a[0] = *(const ds4_u32*)&ws[wr + g][ks + 2 * t4];
-                a[1] = *(const ds4_u32*)&ws[wr + g + 8][ks + 2 * t4];
-                a[2] = *(const ds4_u32*)&ws[wr + g][ks + 8 + 2 * t4];
-                a[3] = *(const ds4_u32*)&ws[wr + g + 8][ks + 8 + 2 * t4];
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    ds4_u32 b[2];
-                    b[0] = *(const ds4_u32*)&xs[8 * j + g][ks + 2 * t4];
-                    b[1] = *(const ds4_u32*)&xs[8 * j + g][ks + 8 + 2 * t4];
-                    ds4_mma_16816(acc[j], a, b);
-                }
-#else
-                // The same fragment elements as the tensor-core path, by plain FMAs.
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const int rr = wr + g + (q >> 1) * 8, tt = 8 * j + 2 * t4 + (q & 1);
-                        float s = acc[j][q];
-                        for (int kk = 0; kk < 16; kk++)
-                            s += ds4_h2f(ws[rr][ks + kk]) * ds4_h2f(xs[tt][ks + kk]);
-                        acc[j][q] = s;
-                    }
-                }
-#endif
-            }
-        }
-        // Fragment q of n-tile j: row wr + g (+8 for q >= 2), token 8j + 2t4 (+1 for odd q).
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int r = r0 + warp * 16 + g + (q >> 1) * 8;
-                const int p = t0 + 8 * j + 2 * t4 + (q & 1);
-                if (r < n_rows && p < hi) ym[(ds4_size)p * y_stride + r] = acc[j][q];
-            }
-        }
-    }
+#undef DS4_TILES_RUN
+}
+
+// Y[p][r] = sum_k W_g[r][k] * X[p][k] for the tokens p of group g, every group in one
+// launch: grid = (row tiles of 128, groups [x2 with a second matrix], token-tile stride).
+// With `offs`, group g's tokens are offs[g] .. offs[g+1] and its matrix is at
+// w + g * mat_bytes (routed experts in sorted order); without, one group of n_tok tokens.
+// A second matrix (w2 / y2, same shape and type, e.g. gate and up) takes the upper half of
+// gridDim.y. X is half precision, [tokens][cols], 16-byte aligned; cols is a multiple of 32.
+// __launch_bounds__(256, 2): at most 128 registers, so that two blocks share an SM and one
+// block's decode overlaps the other's MMAs.
+extern "C" __global__ void __launch_bounds__(256, 2)
+ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_size row_bytes,
+             int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
+             float* y2, ds4_size y_stride) {
+    ds4_grid_wait();
+    __shared__ __align__(16) ds4_u16 ws[2][128 * DS4_TK];
+    __shared__ __align__(16) ds4_u16 xs[2][64 * DS4_TK];
+    ds4_tiles_block<128, 64>(w, w2, mat_bytes, ty, row_bytes, n_rows, cols, x, offs, n_tok, y, y2,
+                             y_stride, ws, xs);
+}
+
+// ds4_mm_tiles with blocks of 64 rows x 128 tokens: grid = (row tiles of 64, groups [x2],
+// token-tile stride). For many tokens per group (dense matrices at prefill).
+extern "C" __global__ void __launch_bounds__(256, 2)
+ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_size row_bytes,
+                  int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
+                  float* y2, ds4_size y_stride) {
+    ds4_grid_wait();
+    __shared__ __align__(16) ds4_u16 ws[2][64 * DS4_TK];
+    __shared__ __align__(16) ds4_u16 xs[2][128 * DS4_TK];
+    ds4_tiles_block<64, 128>(w, w2, mat_bytes, ty, row_bytes, n_rows, cols, x, offs, n_tok, y, y2,
+                             y_stride, ws, xs);
 }

@@ -61,9 +61,11 @@ struct Run {
     act_q8: bool,
     chunk: usize,
     mode: NumericMode,
+    /// Prompt tokens prefilled before the decode steps.
+    prompt: usize,
 }
 
-/// Prefill 40 tokens in chunks, two decode steps, a greedy step and a batched step of two
+/// Prefill `r.prompt` tokens in chunks, two decode steps, a greedy step and a batched step of two
 /// sequences, mirrored; returns the
 /// per-op statistics and the emulation's refusals.
 fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
@@ -81,10 +83,11 @@ fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     };
     let mut eng = Engine::load(file, Box::new(mirror), cfg).unwrap();
     let vocab = eng.hparams().n_vocab as u32;
-    let toks: Vec<u32> = (0..42).map(|i| (i * 37 + 11) % vocab).collect();
+    let n = r.prompt;
+    let toks: Vec<u32> = (0..n as u32 + 2).map(|i| (i * 37 + 11) % vocab).collect();
     let mut st = eng.new_state().unwrap();
-    eng.eval(&mut st, &toks[..40], Logits::Last, None).unwrap();
-    for t in &toks[40..] {
+    eng.eval(&mut st, &toks[..n], Logits::Last, None).unwrap();
+    for t in &toks[n..] {
         eng.eval(&mut st, std::slice::from_ref(t), Logits::Last, None)
             .unwrap();
     }
@@ -146,6 +149,7 @@ fn emulated_gpu_ops_match_the_cpu_exact() {
         act_q8: false,
         chunk: 36,
         mode: NumericMode::Exact,
+        prompt: 40,
     });
 }
 
@@ -159,6 +163,7 @@ fn emulated_gpu_ops_match_the_cpu_official_int8_q4() {
         act_q8: true,
         chunk: 40,
         mode: NumericMode::Official,
+        prompt: 40,
     });
 }
 
@@ -172,6 +177,23 @@ fn emulated_prefill_tiles_match_the_cpu() {
         act_q8: false,
         chunk: 40,
         mode: NumericMode::Exact,
+        prompt: 40,
+    });
+}
+
+#[test]
+fn emulated_prefill_wide_tiles_match_the_cpu() {
+    // One 136-token chunk: the dense matmuls take ds4_mm_tiles_wide (64 rows x 128
+    // tokens per block; two token tiles, the second of 8 tokens, and 16-value decode
+    // pieces), the experts ds4_mm_tiles.
+    check(Run {
+        mma: true,
+        recipe: TypeRecipe::Q2,
+        tiles: PrefillTiles::All,
+        act_q8: false,
+        chunk: 136,
+        mode: NumericMode::Exact,
+        prompt: 136,
     });
 }
 
@@ -185,6 +207,7 @@ fn emulated_prefill_tiles_without_matrix_instructions_match_the_cpu() {
         act_q8: false,
         chunk: 40,
         mode: NumericMode::Exact,
+        prompt: 40,
     });
 }
 

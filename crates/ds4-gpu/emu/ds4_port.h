@@ -182,6 +182,31 @@ static inline void ds4_mma_16816(float* c, const ds4_u32* a, const ds4_u32* b) {
     for (int q = 0; q < 4; q++) c[q] = out[q];
 }
 
+// kernels/ds4_port.h's ldmatrix .x4: every lane publishes its row address, then gathers
+// its two halves of each of the four 8x8 matrices (row lane / 4, halves 2 (lane % 4) and
+// 2 (lane % 4) + 1 of matrix m from the row address of lane 8 m + lane / 4).
+static inline void ds4_ldmatrix_x4(ds4_u32* r, const ds4_u16* p) {
+    float* s = ds4emu_warp_slots(2);  // per lane: its row address (8 bytes)
+    const int lane = ds4emu_self()->lane;
+    memcpy(&s[lane * 2], &p, sizeof p);
+    ds4emu_warp_barrier();
+    for (int m = 0; m < 4; m++) {
+        const ds4_u16* row;
+        memcpy(&row, &s[(m * 8 + lane / 4) * 2], sizeof row);
+        memcpy(&r[m], row + 2 * (lane % 4), 4);
+    }
+    ds4emu_warp_barrier();
+}
+
+// cp.async: here a plain copy, done at once (fibers see one another's stores only across
+// barriers, as on the GPU after the wait and __syncthreads).
+static inline void ds4_cp_async16(void* dst, const void* src, bool valid) {
+    if (valid) memcpy(dst, src, 16);
+    else memset(dst, 0, 16);
+}
+static inline void ds4_cp_commit() {}
+static inline void ds4_cp_wait_all() {}
+
 // Sum of v over the 32 lanes of a logical warp; every lane receives the total.
 static inline float ds4_warp_sum(float v) {
     for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += ds4_shfl_xor(v, m);

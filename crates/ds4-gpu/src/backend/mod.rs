@@ -328,6 +328,9 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) act_q8: bool,
     /// Multi-token matmuls on quantized tiles ([`CudaOptions::prefill_tiles`]).
     pub(crate) tiles: PrefillTiles,
+    /// Dense tile matmuls of more than 64 tokens on `ds4_mm_tiles_wide` (64 rows x 128
+    /// tokens per block); `DS4_TILES_WIDE=0` keeps them on `ds4_mm_tiles`, for A/B runs.
+    pub(crate) tiles_wide: bool,
     /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
     pub(crate) decode_rows: usize,
 }
@@ -464,6 +467,7 @@ const TILE_KERNELS: &[&str] = &[
     "ds4_moe_act_h",
     "ds4_moe_sum_sorted",
     "ds4_mm_tiles",
+    "ds4_mm_tiles_wide",
 ];
 
 /// A GPU-layer error as a backend error of `op`.
@@ -583,6 +587,13 @@ impl<D: GpuApi> GpuBackend<D> {
             syncs: Default::default(),
             act_q8: false,
             tiles: opts.prefill_tiles,
+            tiles_wide: !matches!(
+                std::env::var("DS4_TILES_WIDE")
+                    .ok()
+                    .as_deref()
+                    .map(str::trim),
+                Some("0" | "off" | "false" | "no")
+            ),
             decode_rows: 1,
         };
         if let Some(plan) = opts.plan {

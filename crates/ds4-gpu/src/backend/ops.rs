@@ -19,9 +19,13 @@ use crate::kernels::GemvType;
 const PANEL_ELEMS: usize = 64 << 20;
 /// Largest selection count routed experts run through the grouped GEMV.
 const GROUPED_MAX_SEL: usize = 64;
-/// Output rows and tokens of one `ds4_mm_tiles` block (`DS4_TR`, `DS4_TT` in tiles.cu).
+/// Output rows and tokens of one `ds4_mm_tiles` block (see tiles.cu).
 const TILE_ROWS: usize = 128;
 const TILE_TOKENS: usize = 64;
+/// The same for `ds4_mm_tiles_wide` (dense matmuls of more than TILE_TOKENS tokens: each
+/// weight decoded once per 128 tokens).
+const WIDE_ROWS: usize = 64;
+const WIDE_TOKENS: usize = 128;
 /// Most blocks per (row tile, group) that split a group's token tiles (`gridDim.z`).
 const TILE_MAX_SPLIT: usize = 4;
 /// Head dims the attention kernel holds in registers.
@@ -56,6 +60,8 @@ struct TileMm {
     y: u64,
     y2: u64,
     y_stride: usize,
+    /// `ds4_mm_tiles_wide` (blocks of WIDE_ROWS x WIDE_TOKENS) instead of `ds4_mm_tiles`.
+    wide: bool,
 }
 
 /// The routing side of a routed-expert op on tiles (device addresses and counts).
@@ -261,12 +267,15 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// Whether `ds4_mm_tiles` decodes `ty` rows of `cols` values at `w` (row starts
-    /// aligned for its word loads; the K step needs `cols` in whole 32-value groups).
+    /// aligned for its loads: 16-byte loads of float rows, u16 loads of Q8_0 blocks, u32
+    /// of the K-quants, so that the raw bytes prefetched across the tensor-core step take
+    /// few registers; the K step needs `cols` in whole 32-value groups). GGUF tensors are
+    /// 32-byte aligned, so real models always qualify.
     fn tiles_ok(&self, ty: GgmlType, cols: usize, w: u64, row_bytes: usize) -> bool {
         let align = match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 16,
             GgmlType::Q2K | GgmlType::Q4K => 4,
-            GgmlType::Iq2Xxs => 2,
-            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 | GgmlType::Q8_0 => 1,
+            GgmlType::Iq2Xxs | GgmlType::Q8_0 => 2,
             _ => return false,
         };
         cols.is_multiple_of(32)
@@ -279,9 +288,14 @@ impl<D: GpuApi> GpuBackend<D> {
     /// matrix of the same shape when `t.w2`/`t.y2` are set.
     fn launch_tiles(&mut self, t: TileMm, op: &'static str) -> BResult<()> {
         let groups = t.groups * if t.w2 != 0 { 2 } else { 1 };
+        let (kernel, rows) = if t.wide {
+            ("ds4_mm_tiles_wide", WIDE_ROWS)
+        } else {
+            ("ds4_mm_tiles", TILE_ROWS)
+        };
         self.launch(
-            "ds4_mm_tiles",
-            (g32(t.n_rows.div_ceil(TILE_ROWS)), g32(groups), t.split),
+            kernel,
+            (g32(t.n_rows.div_ceil(rows)), g32(groups), t.split),
             256,
             &[
                 Arg::Ptr(t.w),
@@ -316,6 +330,9 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(xh),
             ],
         )?;
+        // More than one token tile of 64: blocks of 128 tokens (half the weight decoding).
+        let wide = self.tiles_wide && m.n_tok > TILE_TOKENS;
+        let tokens = if wide { WIDE_TOKENS } else { TILE_TOKENS };
         self.launch_tiles(
             TileMm {
                 w: m.w + (m.row0 * m.row_bytes) as u64,
@@ -329,10 +346,11 @@ impl<D: GpuApi> GpuBackend<D> {
                 offs: 0,
                 groups: 1,
                 n_tok: m.n_tok,
-                split: g32(m.n_tok.div_ceil(TILE_TOKENS)),
+                split: g32(m.n_tok.div_ceil(tokens)),
                 y: m.y,
                 y2: 0,
                 y_stride: m.y_stride,
+                wide,
             },
             op,
         )
@@ -1392,6 +1410,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 y: sg,
                 y2: su,
                 y_stride: f,
+                wide: false,
             },
             OP,
         )?;
@@ -1429,6 +1448,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 y: so,
                 y2: 0,
                 y_stride: d,
+                wide: false,
             },
             OP,
         )?;

@@ -201,12 +201,17 @@ __device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src, bool 
 }
 __device__ __forceinline__ void ds4_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void ds4_cp_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void ds4_cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 #else
 __device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src, bool valid) {
     *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0, 0, 0, 0);
 }
 __device__ __forceinline__ void ds4_cp_commit() {}
 __device__ __forceinline__ void ds4_cp_wait_all() {}
+template <int N> __device__ __forceinline__ void ds4_cp_wait() {}
 #endif
 
 // Integer shuffle through the float one (bit pattern preserved).

@@ -590,6 +590,86 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
     ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }
 
+// The split-layout Q8_0 row engine with an asynchronous-copy ring (the default): each
+// warp streams its rows' 16-code vectors (and the matching scales) into its own slice of
+// shared memory S stages ahead with cp.async, so the bytes in flight are bounded by shared
+// memory, not by registers (the register version, ds4_gemv_q8s, could keep only two vectors
+// per row in flight at 64 registers and read the big matrices at 40-55 % of the copy
+// bandwidth on the H200). A stage of warp `part` is chunk c = part + j * wpr: vectors
+// 32c .. 32c+31 of each row (lane l takes vector 32c + l) and the 16 scales of those
+// vectors' blocks (copied by lanes 0 and 1). HIP and the CPU emulation copy synchronously.
+#ifndef DS4_Q8A_STAGES
+#define DS4_Q8A_STAGES 4
+#endif
+template <class T>
+__device__ __forceinline__ void ds4_gemv_q8a(const ds4_u8* __restrict__ W,
+                                             const float* __restrict__ x,
+                                             float* __restrict__ y, int n_in, int n_out,
+                                             int wpr, bool ok) {
+    constexpr int R = T::ROWS, S = DS4_Q8A_STAGES;
+    __shared__ __align__(16) uint4 ring[DS4_GEMV_WARPS][S][R][DS4_WARP];
+    __shared__ __align__(16) ds4_u16 scl[DS4_GEMV_WARPS][S][R][16];
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int part = warp % wpr;
+    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
+    const ds4_size row_bytes = (ds4_size)(n_in / 32) * 34;
+    const int nvec = n_in / 16, nblk = n_in / 32;
+    const int nch = (nvec + DS4_WARP - 1) / DS4_WARP;
+    const int mine = part < nch ? (nch - part + wpr - 1) / wpr : 0;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    const bool active = ok && row0 < n_out;
+    const ds4_u8* rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        rows[r] = W + (active ? (ds4_size)min(row0 + r, n_out - 1) * row_bytes : 0);
+    // Queues stage j (chunk part + j * wpr) into slot j % S; always commits a group, so
+    // that group j is the j-th this thread committed.
+    auto issue = [&](int j) {
+        if (active && j < mine) {
+            const int c = part + j * wpr, slot = j % S;
+            const int v = c * DS4_WARP + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const bool okv = v < nvec;
+                ds4_cp_async16(&ring[warp][slot][r][lane],
+                               rows[r] + (okv ? (ds4_size)v * 16 : 0), okv);
+                if (lane < 2) {
+                    const bool oks = c * 16 + lane * 8 < nblk;
+                    ds4_cp_async16(&scl[warp][slot][r][lane * 8],
+                                   rows[r] + n_in + (oks ? (ds4_size)c * 32 + lane * 16 : 0), oks);
+                }
+            }
+        }
+        ds4_cp_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue(j);
+    // Only weights were read so far (overlapped launches, docs/gpu.md §6).
+    ds4_grid_wait();
+    for (int j = 0; j < mine; ++j) {
+        issue(j + S - 1);
+        ds4_cp_wait<S - 1>();
+        ds4_syncwarp();  // the scales other lanes copied
+        const int slot = j % S;
+        const int v = (part + j * wpr) * DS4_WARP + lane;
+        if (active && v < nvec) {
+            const float* xp = x + (ds4_size)v * 16;
+            const float4 xv[4] = {ds4_ld_x4(xp), ds4_ld_x4(xp + 4), ds4_ld_x4(xp + 8),
+                                  ds4_ld_x4(xp + 12)};
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                acc[r] += ds4_h2f(scl[warp][slot][r][lane >> 1]) *
+                          ds4_q8s_dot16(ring[warp][slot][r][lane], xv);
+        }
+        ds4_syncwarp();  // slot j % S is refilled by the next iteration's issue
+    }
+    ds4_cp_wait_all();
+    ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
+}
+
 // ---------------------------------------------------------------------------------------
 // Int8 activations (docs: int8 activations). The block's threads first quantize the input
 // vector into shared memory (every block does it, identically, so no extra launch and no
@@ -970,7 +1050,13 @@ DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
 
 DS4_GEMV_ENTRY(f32, ds4_gemv_plain, Ds4F32, DS4_MINB_PLAIN)
 DS4_GEMV_ENTRY(f16, ds4_gemv_plain, Ds4F16, DS4_MINB_PLAIN)
-DS4_GEMV_ENTRY(q8_0, ds4_gemv_q8s, Ds4Q8S, DS4_MINB_Q8_0)
+// -DDS4_Q8S_REGS=1: the register-staged Q8_0 engine instead of the cp.async ring (A/B).
+#if defined(DS4_Q8S_REGS) && DS4_Q8S_REGS
+#define DS4_Q8_ENGINE ds4_gemv_q8s
+#else
+#define DS4_Q8_ENGINE ds4_gemv_q8a
+#endif
+DS4_GEMV_ENTRY(q8_0, DS4_Q8_ENGINE, Ds4Q8S, DS4_MINB_Q8_0)
 DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)

@@ -206,6 +206,7 @@ static inline void ds4_cp_async16(void* dst, const void* src, bool valid) {
 }
 static inline void ds4_cp_commit() {}
 static inline void ds4_cp_wait_all() {}
+template <int N> static inline void ds4_cp_wait() {}
 
 // Sum of v over the 32 lanes of a logical warp; every lane receives the total.
 static inline float ds4_warp_sum(float v) {

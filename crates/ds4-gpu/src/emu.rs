@@ -350,7 +350,13 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        for (n_in, n_out) in [(4096usize, 21usize), (1024, 64), (8192, 3)] {
+        for (n_in, n_out) in [
+            (4096usize, 21usize),
+            (1024, 64),
+            (8192, 3),
+            (256, 5),
+            (1536, 7),
+        ] {
             let nb = n_in / 32;
             let mut w = vec![0u8; n_out * nb * 34];
             for (i, b) in w.iter_mut().enumerate() {

@@ -524,6 +524,7 @@ mod tests {
     /// itself or go through a GEMV row engine (which waits after its first weight loads).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
+        // The macro-selected Q8_0 engine (DS4_Q8_ENGINE) is one of the engines below.
         let engines = [
             "ds4_gemv_quant<",
             "ds4_gemv_plain<",

@@ -957,12 +957,13 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     // Tuning variants: the same kernels compiled with other knobs, checked and timed
     // (graph replays) on the main shapes.
     // The first sweep (rows per warp, registers, unroll, plain rows) chose the defaults
-    // (crates/ds4-gpu/NOTES.md); this one varies the split-layout Q8_0 engine: vectors in
-    // flight per row (depth), rows per warp and the register cap.
+    // (crates/ds4-gpu/NOTES.md); this one compares the split-layout Q8_0 engines: the
+    // cp.async ring (stages, rows per warp) against the register-staged one.
     let variants: &[&[&str]] = &[
-        &["-DDS4_Q8S_DEPTH=3"],
-        &["-DDS4_Q8S_DEPTH=4", "-DDS4_GEMV_MIN_BLOCKS=2"],
-        &["-DDS4_Q8S_DEPTH=1", "-DDS4_GEMV_ROWS=4"],
+        &["-DDS4_Q8S_REGS=1"],
+        &["-DDS4_Q8A_STAGES=3"],
+        &["-DDS4_Q8A_STAGES=5"],
+        &["-DDS4_Q8A_STAGES=2", "-DDS4_GEMV_ROWS=4"],
     ];
     let vshapes: &[(GemvType, usize, usize)] = &[
         (GemvType::Q8_0, 4096, 1024),
@@ -979,7 +980,7 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     for extra in variants.iter().filter(|_| with_variants) {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let plain_only = extra.iter().all(|e| e.starts_with("-DDS4_GEMV_PLAIN_ROWS"));
-        let q8_only = extra.iter().any(|e| e.starts_with("-DDS4_Q8S"));
+        let q8_only = extra.iter().any(|e| e.starts_with("-DDS4_Q8"));
         let kv = match GemvKernels::load_with(&dev, &cache, &extra) {
             Ok(kv) => kv,
             Err(e) => {

@@ -590,7 +590,8 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
     ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }
 
-// The split-layout Q8_0 row engine with an asynchronous-copy ring (the default): each
+// The split-layout Q8_0 row engine with an asynchronous-copy ring (an alternative, see
+// DS4_Q8S_REGS below): each
 // warp streams its rows' 16-code vectors (and the matching scales) into its own slice of
 // shared memory S stages ahead with cp.async, so the bytes in flight are bounded by shared
 // memory, not by registers (the register version, ds4_gemv_q8s, could keep only two vectors
@@ -1050,8 +1051,14 @@ DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
 
 DS4_GEMV_ENTRY(f32, ds4_gemv_plain, Ds4F32, DS4_MINB_PLAIN)
 DS4_GEMV_ENTRY(f16, ds4_gemv_plain, Ds4F16, DS4_MINB_PLAIN)
-// -DDS4_Q8S_REGS=1: the register-staged Q8_0 engine instead of the cp.async ring (A/B).
-#if defined(DS4_Q8S_REGS) && DS4_Q8S_REGS
+// The register-staged Q8_0 engine by default: on the H200 (2026-12-04, ds4-gpu-check
+// graphs) it read 1024->32768 in 15.2 us and 4096->8192 in 13.3 us against the cp.async
+// ring's 17.6 / 16.9 us (4 stages; 3 or 5 stages, or 4 rows x 2 stages, no better), so
+// bytes in flight were not what bounded it. -DDS4_Q8S_REGS=0 selects the ring for A/B.
+#ifndef DS4_Q8S_REGS
+#define DS4_Q8S_REGS 1
+#endif
+#if DS4_Q8S_REGS
 #define DS4_Q8_ENGINE ds4_gemv_q8s
 #else
 #define DS4_Q8_ENGINE ds4_gemv_q8a

@@ -960,10 +960,9 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     // (crates/ds4-gpu/NOTES.md); this one compares the split-layout Q8_0 engines: the
     // cp.async ring (stages, rows per warp) against the register-staged one.
     let variants: &[&[&str]] = &[
-        &["-DDS4_Q8S_REGS=1"],
-        &["-DDS4_Q8A_STAGES=3"],
-        &["-DDS4_Q8A_STAGES=5"],
-        &["-DDS4_Q8A_STAGES=2", "-DDS4_GEMV_ROWS=4"],
+        &["-DDS4_Q8S_REGS=0"],
+        &["-DDS4_Q8S_REGS=0", "-DDS4_Q8A_STAGES=2", "-DDS4_GEMV_ROWS=4"],
+        &["-DDS4_Q8S_DEPTH=3"],
     ];
     let vshapes: &[(GemvType, usize, usize)] = &[
         (GemvType::Q8_0, 4096, 1024),

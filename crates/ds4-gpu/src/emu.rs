@@ -340,9 +340,18 @@ mod tests {
     /// the file's rows, also for rows past the last full group and for wide rows.
     #[test]
     fn q8_0_split_and_gemv_match_the_cpu() {
+        // The default (register) engine and the cp.async ring (-DDS4_Q8S_REGS=0).
+        for k in [
+            EmuKernels::build().unwrap(),
+            EmuKernels::build_with(&["-DDS4_Q8S_REGS=0"]).unwrap(),
+        ] {
+            q8_0_cases(&k);
+        }
+    }
+
+    fn q8_0_cases(k: &EmuKernels) {
         use crate::kernels::{gemv_launch, q8_0_split_rows, GemvType};
         use ds4_gguf::GgmlType;
-        let k = EmuKernels::build().unwrap();
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = move || {
             seed ^= seed << 13;

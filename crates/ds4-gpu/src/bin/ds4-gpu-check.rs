@@ -961,7 +961,11 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
     // cp.async ring (stages, rows per warp) against the register-staged one.
     let variants: &[&[&str]] = &[
         &["-DDS4_Q8S_REGS=0"],
-        &["-DDS4_Q8S_REGS=0", "-DDS4_Q8A_STAGES=2", "-DDS4_GEMV_ROWS=4"],
+        &[
+            "-DDS4_Q8S_REGS=0",
+            "-DDS4_Q8A_STAGES=2",
+            "-DDS4_GEMV_ROWS=4",
+        ],
         &["-DDS4_Q8S_DEPTH=3"],
     ];
     let vshapes: &[(GemvType, usize, usize)] = &[

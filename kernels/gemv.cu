@@ -869,14 +869,27 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
     }
 };
 
-// The staged row engine with int8 activations: quantize x, then as ds4_gemv_quant.
+// The staged row engine with int8 activations: quantize x, then as ds4_gemv_quant, but
+// persistent: the host may launch fewer blocks than row groups (one wave: the routed
+// experts' 12 x 128 blocks ran in ~6 waves of short-lived blocks, each paying the x
+// quantization, the IQ2 tables and a full load latency with nothing to overlap), and each
+// block then walks row-group steps blockIdx.x, + gridDim.x, ...; a warp issues the loads of
+// its next step's first chunk before it computes its current last chunk, so the load
+// latency of one step hides behind the arithmetic of the previous one. Every row is still
+// summed by one warp in a fixed order (deterministic, and the same sums as one block per
+// step).
 template <class T>
 __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
                                                 const float* __restrict__ x,
                                                 float* __restrict__ y, int n_in, int n_out,
                                                 int wpr, bool ok) {
     constexpr int R = T::ROWS;
-    constexpr int VEC = T::cb(R) * T::BB / 16;
+    constexpr int CB = T::cb(R);
+    constexpr int VEC = CB * T::BB / 16;
+    constexpr int V = (VEC + DS4_WARP - 1) / DS4_WARP;
+    constexpr int UPL = CB * T::UPB / DS4_WARP;
+    static_assert((CB * T::BB) % 16 == 0, "chunk must be whole 16-byte vectors");
+    static_assert((CB * T::UPB) % DS4_WARP == 0, "full chunk must split evenly");
     __shared__ uint4 stage[DS4_GEMV_WARPS][R * VEC];
     __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
     __shared__ float xd[DS4_Q8_MAX_IN / 32];
@@ -885,21 +898,92 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
     const bool fits = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
     ok = ok && fits;
     const int warp = threadIdx.x / DS4_WARP;
-    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int part = warp % wpr;
+    const int gpb = DS4_GEMV_WARPS / wpr;  // row groups per block step
+    const int nsteps = (n_out + R * gpb - 1) / (R * gpb);
     const ds4_size row_bytes = (ds4_size)(n_in / T::BE) * T::BB;
-    float acc[R];
+    const int nblocks = n_in / T::BE;
+    const int nchunks = (nblocks + CB - 1) / CB;
+    const ds4_u8* sbytes = (const ds4_u8*)stage[warp];
+    const Ds4XQ xqv{xq, xd, xs};
+    // Rows of block step bs for this warp; false when it has none there.
+    auto rows_of = [&](int bs, const ds4_u8* (&rows)[R], int& row0) -> bool {
+        row0 = (bs * gpb + warp / wpr) * R;
+        const bool act = ok && bs < nsteps && row0 < n_out;
+        const int nvalid = act ? min(R, n_out - row0) : 1;
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    // Every warp enters (the quantization inside is block-wide); the weight loads of the
-    // first chunk are in flight while x is quantized.
-    const bool active = ok && row0 < n_out;
-    ds4_rows_partial<T, R>(W + (ds4_size)(active ? row0 : 0) * row_bytes, row_bytes,
-                           min(R, n_out - row0), Ds4XQ{xq, xd, xs}, n_in, warp % wpr, wpr,
-                           stage[warp], tb, acc, active, [&]() {
-                               if (fits) ds4_quantize_x4(x, n_in, xq, xd, xs);
-                               else __syncthreads();
-                           });
-    ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
+        for (int r = 0; r < R; ++r)
+            rows[r] = W + (act ? (ds4_size)(row0 + min(r, nvalid - 1)) * row_bytes : 0);
+        return act;
+    };
+    uint4 regs[R][V];
+    int bs = blockIdx.x;
+    const ds4_u8* rows[R];
+    int row0;
+    bool act = rows_of(bs, rows, row0);
+    if (act && part < nchunks) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(rows[r], part, nblocks, lane, regs[r]);
+    }
+    // Only weights were read so far (overlapped launches, docs/gpu.md §6); the first
+    // chunk's loads are in flight while x is quantized.
+    ds4_grid_wait();
+    if (fits) ds4_quantize_x4(x, n_in, xq, xd, xs);
+    else __syncthreads();
+    for (; bs < nsteps; bs += gridDim.x) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.f;
+        const ds4_u8* nrows[R];
+        int nrow0;
+        const bool nact = rows_of(bs + (int)gridDim.x, nrows, nrow0);
+        if (act) {
+            for (int c = part; c < nchunks; c += wpr) {
+                const int b0 = c * CB;
+                const int nb = min(CB, nblocks - b0);
+                const int nvec = nb * T::BB / 16;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+#pragma unroll
+                    for (int v = 0; v < V; ++v) {
+                        const int i = lane + DS4_WARP * v;
+                        if (i < nvec) stage[warp][r * VEC + i] = regs[r][v];
+                    }
+                }
+                ds4_syncwarp();
+                if (c + wpr < nchunks) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        ds4_load_chunk<T, CB, V>(rows[r], c + wpr, nblocks, lane, regs[r]);
+                } else if (nact) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        ds4_load_chunk<T, CB, V>(nrows[r], part, nblocks, lane, regs[r]);
+                }
+                const Ds4XQ xc = ds4_x_at(xqv, (ds4_size)b0 * T::BE);
+                if (nb == CB) {
+                    DS4_UNROLL(DS4_GEMV_UNROLL)
+                    for (int k = 0; k < UPL; ++k)
+                        T::template unit<R, CB>(sbytes, lane + DS4_WARP * k, xc, tb, acc);
+                } else {
+                    const int nu = nb * T::UPB;
+                    for (int u = lane; u < nu; u += DS4_WARP)
+                        T::template unit<R, CB>(sbytes, u, xc, tb, acc);
+                }
+                ds4_syncwarp();
+            }
+        } else if (nact && part < nchunks) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(nrows[r], part, nblocks, lane, regs[r]);
+        }
+        ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
+        __syncthreads();  // part_sums of ds4_finish_rows are rewritten by the next step
+#pragma unroll
+        for (int r = 0; r < R; ++r) rows[r] = nrows[r];
+        row0 = nrow0;
+        act = nact;
+    }
 }
 
 // ---------------------------------------------------------------------------------------

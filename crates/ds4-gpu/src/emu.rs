@@ -431,4 +431,74 @@ mod tests {
             }
         }
     }
+
+    /// The persistent int8-activation GEMV (`ds4_gemvq_quant`): with fewer blocks than row
+    /// steps (each block walks several, prefetching the next step's first chunk) and with
+    /// the full grid, the outputs equal the CPU's int8-activation dot products of the same
+    /// rows, for one and several chunks per row and several warps per row.
+    #[test]
+    fn persistent_int8_gemv_matches_the_cpu() {
+        use crate::kernels::{gemv_launch, GemvType};
+        use ds4_gguf::quant::q8act::{dot, ActQ8};
+        use ds4_gguf::GgmlType;
+        let k = EmuKernels::build().unwrap();
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (n_in, n_out) in [(4096usize, 70usize), (2048, 33), (8192, 9)] {
+            let ty = GemvType::Q2K;
+            let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+            let mut w = vec![0u8; n_out * rb];
+            for b in w.iter_mut() {
+                *b = next() as u8;
+            }
+            for blk in w.chunks_exact_mut(84) {
+                let d = half::f16::from_f32(0.01 + (next() % 100) as f32 * 1e-4);
+                let m = half::f16::from_f32(0.005 + (next() % 100) as f32 * 1e-4);
+                blk[80..82].copy_from_slice(&d.to_bits().to_le_bytes());
+                blk[82..84].copy_from_slice(&m.to_bits().to_le_bytes());
+            }
+            let x: Vec<f32> = (0..n_in)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let mut xq = ActQ8::default();
+            xq.quantize(&x).unwrap();
+            let want: Vec<f32> = w
+                .chunks_exact(rb)
+                .map(|row| dot(GgmlType::Q2K, row, &xq).unwrap())
+                .collect();
+            for target in [1u64, 1 << 20] {
+                let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
+                    .unwrap();
+                for grid_x in [1, 2, l.grid_x] {
+                    let mut y = vec![f32::NAN; n_out];
+                    let (mut wp, mut xp, mut yp) =
+                        (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
+                    let (mut ni, mut no, mut wpr) = (n_in as i32, n_out as i32, l.wpr as i32);
+                    let mut params: Vec<*mut c_void> = vec![
+                        (&mut wp as *mut u64).cast(),
+                        (&mut xp as *mut u64).cast(),
+                        (&mut yp as *mut u64).cast(),
+                        (&mut ni as *mut i32).cast(),
+                        (&mut no as *mut i32).cast(),
+                        (&mut wpr as *mut i32).cast(),
+                    ];
+                    // SAFETY: W n_out rows, x n_in, y n_out floats (the GEMV's contract).
+                    unsafe { k.launch("ds4_gemv_q_q2_k", (grid_x, 1, 1), l.block, &mut params) }
+                        .unwrap();
+                    for (r, (g, c)) in y.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - c).abs() <= 1e-5 * (1.0 + c.abs()),
+                            "{n_in}x{n_out} wpr {} grid {grid_x}: row {r}: {g} vs {c}",
+                            l.wpr
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

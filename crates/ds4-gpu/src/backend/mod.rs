@@ -198,6 +198,10 @@ impl LoadedBytes {
 /// `cuda::GemvKernels`).
 const WARPS_PER_SM_TARGET: u64 = 48;
 
+/// Blocks of an int8-activation GEMV resident per multiprocessor (the kernels' minimum
+/// blocks, `DS4_MINB_*` = 2 for the low-bit formats: 128 registers per thread).
+const Q8_RESIDENT_BLOCKS: u64 = 2;
+
 /// The GEMV module of a runtime: one function per weight type, plain and grouped, with
 /// the configuration compiled into the kernels (same lookups as `cuda::GemvKernels`).
 pub(crate) struct GemvSet<D: GpuApi> {
@@ -212,6 +216,7 @@ pub(crate) struct GemvSet<D: GpuApi> {
     pub(crate) q8_max_in: usize,
     configs: Vec<GemvConfig>,
     target_warps: u64,
+    sms: u64,
 }
 
 fn gemv_index(ty: GemvType) -> usize {
@@ -255,7 +260,16 @@ impl<D: GpuApi> GemvSet<D> {
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             configs,
             target_warps: sms * WARPS_PER_SM_TARGET,
+            sms,
         })
+    }
+
+    /// Blocks along x for a persistent int8-activation GEMV (`ds4_gemvq_quant` walks row
+    /// steps with a grid stride) whose grid has `others` blocks along y and z: one wave of
+    /// Q8_RESIDENT_BLOCKS per multiprocessor, never more than the `full` grid.
+    pub(crate) fn q8_grid_x(&self, full: u32, others: u32) -> u32 {
+        let wave = (self.sms * Q8_RESIDENT_BLOCKS).div_ceil(u64::from(others.max(1)));
+        full.min(u32::try_from(wave.max(1)).unwrap_or(u32::MAX))
     }
 
     pub(crate) fn function(&self, ty: GemvType) -> &D::Function {

@@ -381,7 +381,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 return self.launch_fn(
                     f,
                     gty.label_q8(false),
-                    (l.grid_x, 1, 1),
+                    (self.gemv.q8_grid_x(l.grid_x, 1), 1, 1),
                     l.block,
                     &[
                         Arg::Ptr(wbase),
@@ -1519,15 +1519,20 @@ impl<D: GpuApi> GpuBackend<D> {
                 ),
             });
         }
-        let (f, label) = match q8f {
-            Some((_, gf)) => (gf, g.label_q8(true)),
-            None => (self.gemv.grouped_function(g), g.label(true)),
-        };
         let mats = if w.1.is_some() { 2 } else { 1 };
+        let (f, label, grid_x) = match q8f {
+            Some((_, gf)) => (
+                gf,
+                g.label_q8(true),
+                self.gemv
+                    .q8_grid_x(l.grid_x, g32(n_sel).saturating_mul(mats)),
+            ),
+            None => (self.gemv.grouped_function(g), g.label(true), l.grid_x),
+        };
         self.launch_fn(
             f,
             label,
-            (l.grid_x, g32(n_sel), mats),
+            (grid_x, g32(n_sel), mats),
             l.block,
             &[
                 Arg::Ptr(w.0),

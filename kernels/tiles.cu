@@ -37,9 +37,20 @@ __device__ __forceinline__ int ds4_tsw(int r, int c) {
 }
 
 // Two f32 values as one register of two halves (round to nearest even; `lo` in the low
-// half, the order the tensor-core fragments expect).
-__device__ __forceinline__ ds4_u32 ds4_pack_h2(float lo, float hi) {
-    return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
+// half, the order the tensor-core fragments expect): one paired conversion on CUDA.
+__device__ __forceinline__ ds4_u32 ds4_pack_h2(float lo, float hi) { return ds4_f2h2(lo, hi); }
+
+// (float)v for 0 <= v < 2^23, and (float)(signed char)v for a byte v, without an
+// int-to-float conversion: the integer goes into the mantissa of 2^23 and 2^23 (+ 128) is
+// subtracted, both steps exact, so the value is the same as the cast's. The decode does one
+// such conversion per weight, and NVIDIA GPUs convert at a quarter or less of the f32 add
+// rate (16 per clock per SM on sm_80/sm_90), which made the conversions, not the tensor
+// cores, the decode's limit.
+__device__ __forceinline__ float ds4_u8f(ds4_u32 v) {
+    return __uint_as_float(0x4B000000u | v) - 8388608.0f;
+}
+__device__ __forceinline__ float ds4_i8f(ds4_u32 v) {
+    return __uint_as_float(0x4B000000u | (v ^ 0x80u)) - 8388736.0f;
 }
 
 // One thread's share of a K step: N values k0 .. k0+N-1 (N = 32 or 16, k0 a multiple of
@@ -131,8 +142,8 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q8_0<N>& 
     const float d = ds4_h2f((ds4_u16)t.d);
 #pragma unroll
     for (int i = 0; i < N / 2; i++) {
-        v[2 * i] = d * (float)(ds4_i8)(t.q[i] & 0xff);
-        v[2 * i + 1] = d * (float)(ds4_i8)((t.q[i] >> 8) & 0xff);
+        v[2 * i] = d * ds4_i8f(t.q[i] & 0xff);
+        v[2 * i + 1] = d * ds4_i8f((t.q[i] >> 8) & 0xff);
     }
 }
 
@@ -163,8 +174,8 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q2_k<N>& 
         const ds4_u8 sc = w0 + w < 4 ? s0 : s1;
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            const int q = (int)((t.q[w] >> (8 * c + 2 * g)) & 3);
-            v[4 * w + c] = d * (float)(sc & 0xF) * (float)q - dmin * (float)(sc >> 4);
+            const ds4_u32 q = (t.q[w] >> (8 * c + 2 * g)) & 3;
+            v[4 * w + c] = d * (float)(sc & 0xF) * ds4_u8f(q) - dmin * (float)(sc >> 4);
         }
     }
 }
@@ -209,8 +220,8 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q4_k<N>& 
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const ds4_u32 qb = (t.q[w] >> (8 * e)) & 0xff;
-            const int q = hi ? (int)(qb >> 4) : (int)(qb & 0xF);
-            v[4 * w + e] = d * (float)sc * (float)q - dmin * (float)m;
+            const ds4_u32 q = hi ? qb >> 4 : qb & 0xF;
+            v[4 * w + e] = d * (float)sc * ds4_u8f(q) - dmin * (float)m;
         }
     }
 }
@@ -248,7 +259,7 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_iq2_xxs<N
     for (int i = 0; i < N / 8; i++) {
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            const float gf = (float)((gv[i] >> (8 * k)) & 0xff);
+            const float gf = ds4_u8f((ds4_u32)((gv[i] >> (8 * k)) & 0xff));
             v[8 * i + k] = db * gf * ((signs[i] >> k) & 1 ? -1.0f : 1.0f);
         }
     }

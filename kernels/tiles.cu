@@ -389,35 +389,47 @@ extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, co
     }
 }
 
-// Block shapes. Every warp computes 16 rows x 64 tokens (acc[8][4]), so both shapes take
-// the same registers; both stages of both tiles are (TR + TT) x 64 halves x 2 = 48 KB.
-//   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warps 8 x 1, 32 weights decoded per thread
-//   ds4_mm_tiles_wide: TR  64 rows x TT 128 tokens, warps 4 x 2, 16 weights decoded per thread
+// Block shapes (both: 8 warps, acc[8][4] per thread, 128 registers, and both stages of both
+// tiles (TR + TT) x 64 halves x 2 = 48 KB):
+//   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warp tiles 16 x 64 (8 x 1 warps),
+//                      32 weights decoded per thread per K step
+//   ds4_mm_tiles_wide: TR  64 rows x TT 128 tokens, warp tiles 32 x 32 (2 x 4 warps),
+//                      16 weights decoded per thread per K step
 // The wide shape decodes each weight once per 128 tokens instead of 64 (half the decode
-// work per MMA) and reads each x element once per 64 rows instead of 128.
+// work per MMA). Its 32 x 32 warp tiles read 2 KB of fragments from shared memory per k16
+// for their 8 MMAs, against 2.5 KB for 16 x 64 (shared-memory bandwidth, more than the
+// tensor cores, bounds the MMA loop); the narrow kernel keeps 16 x 64, where 32 x 32 made
+// ptxas spill ~100 bytes in the Q2_K / Q4_K / IQ2_XXS bodies at 128 registers.
 
-// acc += (this warp's 16 rows of ws, from row wr) x (its 64 tokens of xs, from token wt)^T
-// over one K step.
+// acc += (this warp's WM rows of ws, from row wr) x (its 8 NJ tokens of xs, from token
+// wt)^T over one K step, NJ = 128 / WM: acc[NJ mi + nj] is the 16 x 8 piece of rows
+// wr + 16 mi, tokens wt + 8 nj.
+template <int WM>
 __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws, const ds4_u16* xs,
                                               int wr, int wt, int lane) {
+    constexpr int MI = WM / 16, NJ = 8 / MI;
 #if defined(DS4_HAS_MMA)
     // ldmatrix addresses: lane l gives row l % 8 of 8x8 piece l / 8. A pieces: rows +0/+8
     // (bit 0 of the piece), k +0/+8 (bit 1) = fragment registers a[0..3]. B pieces (tokens
-    // as rows, k contiguous): k +0/+8 (bit 0), tokens +0/+8 (bit 1) = b[0], b[1] of n-tile
-    // 2jj, then of n-tile 2jj + 1.
+    // as rows, k contiguous): k +0/+8 (bit 0), tokens +0/+8 (bit 1) = b[0], b[1] of one
+    // n-tile, then of the next.
     const int piece = lane >> 3;
     const int ar = wr + (lane & 7) + (piece & 1) * 8, ac = (piece >> 1) * 8;
     const int br = wt + (lane & 7) + (piece >> 1) * 8, bc = (piece & 1) * 8;
 #pragma unroll
     for (int ks = 0; ks < DS4_TK; ks += 16) {
-        ds4_u32 a[4];
-        ds4_ldmatrix_x4(a, ws + ds4_tsw(ar, ks + ac));
+        ds4_u32 a[MI][4];
 #pragma unroll
-        for (int jj = 0; jj < 4; jj++) {
+        for (int mi = 0; mi < MI; mi++) ds4_ldmatrix_x4(a[mi], ws + ds4_tsw(ar + 16 * mi, ks + ac));
+#pragma unroll
+        for (int jj = 0; jj < NJ / 2; jj++) {
             ds4_u32 b[4];
             ds4_ldmatrix_x4(b, xs + ds4_tsw(br + 16 * jj, ks + bc));
-            ds4_mma_16816(acc[2 * jj], a, b);
-            ds4_mma_16816(acc[2 * jj + 1], a, b + 2);
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                ds4_mma_16816(acc[NJ * mi + 2 * jj], a[mi], b);
+                ds4_mma_16816(acc[NJ * mi + 2 * jj + 1], a[mi], b + 2);
+            }
         }
     }
 #else
@@ -429,7 +441,8 @@ __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws
         for (int j = 0; j < 8; j++) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const int rr = wr + g + (q >> 1) * 8, tt = wt + 8 * j + 2 * t4 + (q & 1);
+                const int rr = wr + 16 * (j / NJ) + g + (q >> 1) * 8;
+                const int tt = wt + 8 * (j % NJ) + 2 * t4 + (q & 1);
                 float s = acc[j][q];
                 for (int kk = 0; kk < 16; kk++)
                     s += ds4_h2f(ws[ds4_tsw(rr, ks + kk)]) * ds4_h2f(xs[ds4_tsw(tt, ks + kk)]);
@@ -495,9 +508,9 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
     // Weights decoded per thread per K step, and threads per row.
     constexpr int N = TR * DS4_TK / 256, TPR = DS4_TK / N;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Warp tile: rows wr .. wr+15, tokens wt .. wt+63 (TR / 16 warps along the rows).
-    constexpr int WR = TR / 16;
-    const int wr = (WR == 8 ? warp : warp % WR) * 16, wt = WR == 8 ? 0 : (warp / WR) * 64;
+    // Warp tile: WM rows from wr, 8 NJ tokens from wt (TR / WM warps along the rows).
+    constexpr int WM = TR == 128 ? 16 : 32, NJ = 128 / WM, WR = TR / WM;
+    const int wr = (WR == 8 ? warp : warp % WR) * WM, wt = WR == 8 ? 0 : (warp / WR) * 8 * NJ;
     const int r0 = blockIdx.x * TR;
     // This thread decodes N values of row r0 + drl per K step, from K offset koff.
     const int drl = tid / TPR, koff = (tid % TPR) * N;
@@ -536,7 +549,7 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
             ds4_wload(raw, drow, min(kg, cols - N));
             ds4_tiles_x<TT>(xs[st ^ 1], xsrc, x, cols, kn, tid);
             ds4_cp_commit();
-            ds4_tiles_mma(acc, ws[st], xs[st], wr, wt, lane);
+            ds4_tiles_mma<WM>(acc, ws[st], xs[st], wr, wt, lane);
             ds4_tiles_store<N>(ws[st ^ 1], raw, kg, row_ok && kg < cols, drl, koff);
             ds4_cp_wait_all();
             // Stage st ^ 1 is complete for every thread, and every warp is done with stage
@@ -544,15 +557,15 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
             __syncthreads();
             st ^= 1;
         }
-        ds4_tiles_mma(acc, ws[st], xs[st], wr, wt, lane);
-        // Fragment q of n-tile j: row wr + g (+8 for q >= 2), token wt + 8j + 2t4 (+1 for
-        // odd q).
+        ds4_tiles_mma<WM>(acc, ws[st], xs[st], wr, wt, lane);
+        // Fragment q of piece j: row wr + 16 (j / NJ) + g (+8 for q >= 2), token
+        // wt + 8 (j % NJ) + 2t4 (+1 for odd q).
 #pragma unroll
         for (int j = 0; j < 8; j++) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const int r = r0 + wr + g + (q >> 1) * 8;
-                const int p = t0 + wt + 8 * j + 2 * t4 + (q & 1);
+                const int r = r0 + wr + 16 * (j / NJ) + g + (q >> 1) * 8;
+                const int p = t0 + wt + 8 * (j % NJ) + 2 * t4 + (q & 1);
                 if (r < n_rows && p < hi) ym[(ds4_size)p * y_stride + r] = acc[j][q];
             }
         }

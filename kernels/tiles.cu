@@ -29,7 +29,7 @@
 // Shared tiles are rows of DS4_TK halves (128 bytes, eight 16-byte chunks) without padding;
 // chunk c of row r is stored at chunk c ^ (r % 8). The eight row addresses of one 8x8
 // ldmatrix piece (8 rows, one chunk) and the eight 16-byte stores of a quarter warp (4
-// rows, 2 chunks, or 1 row, 8 chunks) then fall in 8 distinct bank quadruples, as the old
+// rows x 2 chunks, 2 x 4 or 1 x 8) then fall in 8 distinct bank quadruples, as the old
 // 8-half padding did, and two stages of both tiles fit the 48 KB of static shared memory
 // ((128 + 64) x 64 halves = 24 KB per stage).
 __device__ __forceinline__ int ds4_tsw(int r, int c) {

@@ -73,6 +73,11 @@ __device__ __forceinline__ float ds4_shfl_idx(float v, int src) {
     return __shfl(v, src, DS4_WARP);
 }
 
+// Two f32 to two IEEE binary16 in one register (`lo` in bits 0..15), round to nearest even.
+__device__ __forceinline__ ds4_u32 ds4_f2h2(float lo, float hi) {
+    return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
+}
+
 // Signed 4x8-bit dot product plus c, as CUDA's __dp4a (no saturation). RDNA3/3.5/4
 // (gfx11xx, Strix Halo's gfx1151, gfx12xx) have it as v_dot4_i32_iu8 (sudot4 with both
 // operands signed); GCN5.1/CDNA and RDNA2 as v_dot4_i32_i8 (sdot4). Other targets get the
@@ -128,6 +133,14 @@ __device__ __forceinline__ float ds4_shfl_up(float v, int delta) {
 // v of lane `src` of this logical warp.
 __device__ __forceinline__ float ds4_shfl_idx(float v, int src) {
     return __shfl_sync(DS4_FULL_MASK, v, src, DS4_WARP);
+}
+
+// Two f32 to two IEEE binary16 in one register (`lo` in bits 0..15), round to nearest
+// even: one cvt.rn.f16x2.f32 (sm_80 and later), the same bits as two ds4_f2h.
+__device__ __forceinline__ ds4_u32 ds4_f2h2(float lo, float hi) {
+    ds4_u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 
 // Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).

@@ -29,7 +29,7 @@
 // Shared tiles are rows of DS4_TK halves (128 bytes, eight 16-byte chunks) without padding;
 // chunk c of row r is stored at chunk c ^ (r % 8). The eight row addresses of one 8x8
 // ldmatrix piece (8 rows, one chunk) and the eight 16-byte stores of a quarter warp (4
-// rows, 2 chunks, or 1 row, 8 chunks) then fall in 8 distinct bank quadruples, as the old
+// rows x 2 chunks, 2 x 4 or 1 x 8) then fall in 8 distinct bank quadruples, as the old
 // 8-half padding did, and two stages of both tiles fit the 48 KB of static shared memory
 // ((128 + 64) x 64 halves = 24 KB per stage).
 __device__ __forceinline__ int ds4_tsw(int r, int c) {
@@ -37,9 +37,20 @@ __device__ __forceinline__ int ds4_tsw(int r, int c) {
 }
 
 // Two f32 values as one register of two halves (round to nearest even; `lo` in the low
-// half, the order the tensor-core fragments expect).
-__device__ __forceinline__ ds4_u32 ds4_pack_h2(float lo, float hi) {
-    return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
+// half, the order the tensor-core fragments expect): one paired conversion on CUDA.
+__device__ __forceinline__ ds4_u32 ds4_pack_h2(float lo, float hi) { return ds4_f2h2(lo, hi); }
+
+// (float)v for 0 <= v < 2^23, and (float)(signed char)v for a byte v, without an
+// int-to-float conversion: the integer goes into the mantissa of 2^23 and 2^23 (+ 128) is
+// subtracted, both steps exact, so the value is the same as the cast's. The decode does one
+// such conversion per weight, and NVIDIA GPUs convert at a quarter or less of the f32 add
+// rate (16 per clock per SM on sm_80/sm_90), which made the conversions, not the tensor
+// cores, the decode's limit.
+__device__ __forceinline__ float ds4_u8f(ds4_u32 v) {
+    return __uint_as_float(0x4B000000u | v) - 8388608.0f;
+}
+__device__ __forceinline__ float ds4_i8f(ds4_u32 v) {
+    return __uint_as_float(0x4B000000u | (v ^ 0x80u)) - 8388736.0f;
 }
 
 // One thread's share of a K step: N values k0 .. k0+N-1 (N = 32 or 16, k0 a multiple of
@@ -131,8 +142,8 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q8_0<N>& 
     const float d = ds4_h2f((ds4_u16)t.d);
 #pragma unroll
     for (int i = 0; i < N / 2; i++) {
-        v[2 * i] = d * (float)(ds4_i8)(t.q[i] & 0xff);
-        v[2 * i + 1] = d * (float)(ds4_i8)((t.q[i] >> 8) & 0xff);
+        v[2 * i] = d * ds4_i8f(t.q[i] & 0xff);
+        v[2 * i + 1] = d * ds4_i8f((t.q[i] >> 8) & 0xff);
     }
 }
 
@@ -163,8 +174,8 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q2_k<N>& 
         const ds4_u8 sc = w0 + w < 4 ? s0 : s1;
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            const int q = (int)((t.q[w] >> (8 * c + 2 * g)) & 3);
-            v[4 * w + c] = d * (float)(sc & 0xF) * (float)q - dmin * (float)(sc >> 4);
+            const ds4_u32 q = (t.q[w] >> (8 * c + 2 * g)) & 3;
+            v[4 * w + c] = d * (float)(sc & 0xF) * ds4_u8f(q) - dmin * (float)(sc >> 4);
         }
     }
 }
@@ -209,8 +220,8 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q4_k<N>& 
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const ds4_u32 qb = (t.q[w] >> (8 * e)) & 0xff;
-            const int q = hi ? (int)(qb >> 4) : (int)(qb & 0xF);
-            v[4 * w + e] = d * (float)sc * (float)q - dmin * (float)m;
+            const ds4_u32 q = hi ? qb >> 4 : qb & 0xF;
+            v[4 * w + e] = d * (float)sc * ds4_u8f(q) - dmin * (float)m;
         }
     }
 }
@@ -248,7 +259,7 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_iq2_xxs<N
     for (int i = 0; i < N / 8; i++) {
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            const float gf = (float)((gv[i] >> (8 * k)) & 0xff);
+            const float gf = ds4_u8f((ds4_u32)((gv[i] >> (8 * k)) & 0xff));
             v[8 * i + k] = db * gf * ((signs[i] >> k) & 1 ? -1.0f : 1.0f);
         }
     }
@@ -378,35 +389,47 @@ extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, co
     }
 }
 
-// Block shapes. Every warp computes 16 rows x 64 tokens (acc[8][4]), so both shapes take
-// the same registers; both stages of both tiles are (TR + TT) x 64 halves x 2 = 48 KB.
-//   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warps 8 x 1, 32 weights decoded per thread
-//   ds4_mm_tiles_wide: TR  64 rows x TT 128 tokens, warps 4 x 2, 16 weights decoded per thread
+// Block shapes (both: 8 warps, acc[8][4] per thread, 128 registers, and both stages of both
+// tiles (TR + TT) x 64 halves x 2 = 48 KB):
+//   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warp tiles 16 x 64 (8 x 1 warps),
+//                      32 weights decoded per thread per K step
+//   ds4_mm_tiles_wide: TR  64 rows x TT 128 tokens, warp tiles 32 x 32 (2 x 4 warps),
+//                      16 weights decoded per thread per K step
 // The wide shape decodes each weight once per 128 tokens instead of 64 (half the decode
-// work per MMA) and reads each x element once per 64 rows instead of 128.
+// work per MMA). Its 32 x 32 warp tiles read 2 KB of fragments from shared memory per k16
+// for their 8 MMAs, against 2.5 KB for 16 x 64 (shared-memory bandwidth, more than the
+// tensor cores, bounds the MMA loop); the narrow kernel keeps 16 x 64, where 32 x 32 made
+// ptxas spill ~100 bytes in the Q2_K / Q4_K / IQ2_XXS bodies at 128 registers.
 
-// acc += (this warp's 16 rows of ws, from row wr) x (its 64 tokens of xs, from token wt)^T
-// over one K step.
+// acc += (this warp's WM rows of ws, from row wr) x (its 8 NJ tokens of xs, from token
+// wt)^T over one K step, NJ = 128 / WM: acc[NJ mi + nj] is the 16 x 8 piece of rows
+// wr + 16 mi, tokens wt + 8 nj.
+template <int WM>
 __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws, const ds4_u16* xs,
                                               int wr, int wt, int lane) {
+    constexpr int MI = WM / 16, NJ = 8 / MI;
 #if defined(DS4_HAS_MMA)
     // ldmatrix addresses: lane l gives row l % 8 of 8x8 piece l / 8. A pieces: rows +0/+8
     // (bit 0 of the piece), k +0/+8 (bit 1) = fragment registers a[0..3]. B pieces (tokens
-    // as rows, k contiguous): k +0/+8 (bit 0), tokens +0/+8 (bit 1) = b[0], b[1] of n-tile
-    // 2jj, then of n-tile 2jj + 1.
+    // as rows, k contiguous): k +0/+8 (bit 0), tokens +0/+8 (bit 1) = b[0], b[1] of one
+    // n-tile, then of the next.
     const int piece = lane >> 3;
     const int ar = wr + (lane & 7) + (piece & 1) * 8, ac = (piece >> 1) * 8;
     const int br = wt + (lane & 7) + (piece >> 1) * 8, bc = (piece & 1) * 8;
 #pragma unroll
     for (int ks = 0; ks < DS4_TK; ks += 16) {
-        ds4_u32 a[4];
-        ds4_ldmatrix_x4(a, ws + ds4_tsw(ar, ks + ac));
+        ds4_u32 a[MI][4];
 #pragma unroll
-        for (int jj = 0; jj < 4; jj++) {
+        for (int mi = 0; mi < MI; mi++) ds4_ldmatrix_x4(a[mi], ws + ds4_tsw(ar + 16 * mi, ks + ac));
+#pragma unroll
+        for (int jj = 0; jj < NJ / 2; jj++) {
             ds4_u32 b[4];
             ds4_ldmatrix_x4(b, xs + ds4_tsw(br + 16 * jj, ks + bc));
-            ds4_mma_16816(acc[2 * jj], a, b);
-            ds4_mma_16816(acc[2 * jj + 1], a, b + 2);
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                ds4_mma_16816(acc[NJ * mi + 2 * jj], a[mi], b);
+                ds4_mma_16816(acc[NJ * mi + 2 * jj + 1], a[mi], b + 2);
+            }
         }
     }
 #else
@@ -418,7 +441,8 @@ __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws
         for (int j = 0; j < 8; j++) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const int rr = wr + g + (q >> 1) * 8, tt = wt + 8 * j + 2 * t4 + (q & 1);
+                const int rr = wr + 16 * (j / NJ) + g + (q >> 1) * 8;
+                const int tt = wt + 8 * (j % NJ) + 2 * t4 + (q & 1);
                 float s = acc[j][q];
                 for (int kk = 0; kk < 16; kk++)
                     s += ds4_h2f(ws[ds4_tsw(rr, ks + kk)]) * ds4_h2f(xs[ds4_tsw(tt, ks + kk)]);
@@ -484,9 +508,9 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
     // Weights decoded per thread per K step, and threads per row.
     constexpr int N = TR * DS4_TK / 256, TPR = DS4_TK / N;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Warp tile: rows wr .. wr+15, tokens wt .. wt+63 (TR / 16 warps along the rows).
-    constexpr int WR = TR / 16;
-    const int wr = (WR == 8 ? warp : warp % WR) * 16, wt = WR == 8 ? 0 : (warp / WR) * 64;
+    // Warp tile: WM rows from wr, 8 NJ tokens from wt (TR / WM warps along the rows).
+    constexpr int WM = TR == 128 ? 16 : 32, NJ = 128 / WM, WR = TR / WM;
+    const int wr = (WR == 8 ? warp : warp % WR) * WM, wt = WR == 8 ? 0 : (warp / WR) * 8 * NJ;
     const int r0 = blockIdx.x * TR;
     // This thread decodes N values of row r0 + drl per K step, from K offset koff.
     const int drl = tid / TPR, koff = (tid % TPR) * N;
@@ -525,7 +549,7 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
             ds4_wload(raw, drow, min(kg, cols - N), cols);
             ds4_tiles_x<TT>(xs[st ^ 1], xsrc, x, cols, kn, tid);
             ds4_cp_commit();
-            ds4_tiles_mma(acc, ws[st], xs[st], wr, wt, lane);
+            ds4_tiles_mma<WM>(acc, ws[st], xs[st], wr, wt, lane);
             ds4_tiles_store<N>(ws[st ^ 1], raw, kg, row_ok && kg < cols, drl, koff);
             ds4_cp_wait_all();
             // Stage st ^ 1 is complete for every thread, and every warp is done with stage
@@ -533,15 +557,15 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
             __syncthreads();
             st ^= 1;
         }
-        ds4_tiles_mma(acc, ws[st], xs[st], wr, wt, lane);
-        // Fragment q of n-tile j: row wr + g (+8 for q >= 2), token wt + 8j + 2t4 (+1 for
-        // odd q).
+        ds4_tiles_mma<WM>(acc, ws[st], xs[st], wr, wt, lane);
+        // Fragment q of piece j: row wr + 16 (j / NJ) + g (+8 for q >= 2), token
+        // wt + 8 (j % NJ) + 2t4 (+1 for odd q).
 #pragma unroll
         for (int j = 0; j < 8; j++) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const int r = r0 + wr + g + (q >> 1) * 8;
-                const int p = t0 + wt + 8 * j + 2 * t4 + (q & 1);
+                const int r = r0 + wr + 16 * (j / NJ) + g + (q >> 1) * 8;
+                const int p = t0 + wt + 8 * (j % NJ) + 2 * t4 + (q & 1);
                 if (r < n_rows && p < hi) ym[(ds4_size)p * y_stride + r] = acc[j][q];
             }
         }

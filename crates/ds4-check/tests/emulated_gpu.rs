@@ -263,3 +263,122 @@ fn a_bad_expert_id_is_an_error_on_every_moe_path() {
         );
     }
 }
+
+/// Bytes in a 16-byte aligned buffer (the tile kernels load float rows and activations 16
+/// bytes at a time, as the GPU allocator's alignment allows).
+fn aligned(bytes: &[u8]) -> Vec<u128> {
+    let mut v = vec![0u128; bytes.len().div_ceil(16)];
+    // SAFETY: v holds at least bytes.len() bytes; u128 has no invalid bit patterns.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr().cast(), bytes.len()) };
+    v
+}
+
+/// `ds4_mm_tiles` and `ds4_mm_tiles_wide` directly, for every weight type the host sends
+/// them, on shapes with ragged edges everywhere: rows past the last full row tile, a token
+/// count past the last full token tile with fewer token-tile blocks than tiles (the block's
+/// token loop), and (float and Q8_0 rows) a K length that ends half way through a K step.
+/// Reference: the CPU dequantizer's f32 values rounded to half, times the half activations,
+/// summed in f64. Unwritten outputs stay NaN and fail.
+#[test]
+fn emulated_tile_kernels_decode_every_type() {
+    use ds4_gguf::quant::{dequantize, f16, quantize_matrix};
+    use ds4_gguf::types::GgmlType;
+    use std::ffi::c_void;
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut rnd = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    let (n_rows, n_tok) = (80usize, 136usize);
+    for mma in [true, false] {
+        let k = kernels(mma);
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Bf16,
+            GgmlType::Q8_0,
+            GgmlType::Q2K,
+            GgmlType::Q4K,
+            GgmlType::Iq2Xxs,
+        ] {
+            let cols = match ty {
+                GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs => 512,
+                _ => 160,
+            };
+            let src: Vec<f32> = (0..n_rows * cols).map(|_| rnd()).collect();
+            let mut wq = quantize_matrix(ty, &src, cols, None).unwrap();
+            let row_bytes = wq.len() / n_rows;
+            let mut wf = vec![0f32; n_rows * cols];
+            dequantize(ty, &wq, &mut wf).unwrap();
+            // The device holds Q8_0 in the split layout (docs/gpu.md §7).
+            if ty == GgmlType::Q8_0 {
+                ds4_gpu::kernels::q8_0_split_rows(&mut wq, cols).unwrap();
+            }
+            let xh: Vec<u16> = (0..n_tok * cols).map(|_| f16::f32_to_f16(rnd())).collect();
+            let xb: Vec<u8> = xh.iter().flat_map(|h| h.to_le_bytes()).collect();
+            let (wbuf, xbuf) = (aligned(&wq), aligned(&xb));
+            for (kernel, rows, tokens, split) in [
+                ("ds4_mm_tiles", 128, 64, 2u32),
+                ("ds4_mm_tiles_wide", 64, 128, 1),
+            ] {
+                let mut y = vec![f32::NAN; n_tok * n_rows];
+                let (mut w, mut w2, mut mat, mut tyc, mut rb) = (
+                    wbuf.as_ptr() as u64,
+                    0u64,
+                    0u64,
+                    ty.code() as i32,
+                    row_bytes as u64,
+                );
+                let (mut nr, mut nc, mut x, mut offs, mut nt) = (
+                    n_rows as i32,
+                    cols as i32,
+                    xbuf.as_ptr() as u64,
+                    0u64,
+                    n_tok as i32,
+                );
+                let (mut yp, mut y2, mut ys) = (y.as_mut_ptr() as u64, 0u64, n_rows as u64);
+                let mut params: Vec<*mut c_void> = vec![
+                    (&mut w as *mut u64).cast(),
+                    (&mut w2 as *mut u64).cast(),
+                    (&mut mat as *mut u64).cast(),
+                    (&mut tyc as *mut i32).cast(),
+                    (&mut rb as *mut u64).cast(),
+                    (&mut nr as *mut i32).cast(),
+                    (&mut nc as *mut i32).cast(),
+                    (&mut x as *mut u64).cast(),
+                    (&mut offs as *mut u64).cast(),
+                    (&mut nt as *mut i32).cast(),
+                    (&mut yp as *mut u64).cast(),
+                    (&mut y2 as *mut u64).cast(),
+                    (&mut ys as *mut u64).cast(),
+                ];
+                let grid = (n_rows.div_ceil(rows) as u32, 1, split);
+                assert!(
+                    n_tok.div_ceil(tokens) as u32 > split,
+                    "the token loop must run"
+                );
+                // SAFETY: w holds n_rows rows of row_bytes, x n_tok rows of cols halves, y
+                // n_tok rows of n_rows floats; the parameters are ds4_mm_tiles' in order.
+                unsafe { k.launch(kernel, grid, 256, &mut params) }.unwrap();
+                for p in 0..n_tok {
+                    for r in 0..n_rows {
+                        let (mut s, mut mag) = (0f64, 0f64);
+                        for c in 0..cols {
+                            let wv = f16::f16_to_f32(f16::f32_to_f16(wf[r * cols + c])) as f64;
+                            let xv = f16::f16_to_f32(xh[p * cols + c]) as f64;
+                            s += wv * xv;
+                            mag += (wv * xv).abs();
+                        }
+                        let got = y[p * n_rows + r] as f64;
+                        assert!(
+                            (got - s).abs() <= 1e-5 * mag + 1e-6,
+                            "{kernel} {ty:?} mma {mma}: y[{p}][{r}] = {got}, expected {s}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -144,6 +144,10 @@ static inline ds4_u16 ds4_f2h(float f) {
 
 template <class T> static inline T ds4_ldg(const T* p) { return *p; }
 
+static inline ds4_u32 ds4_f2h2(float lo, float hi) {
+    return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
+}
+
 static inline int ds4_dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(ds4_i8)((a >> (8 * i)) & 0xff) * (int)(ds4_i8)((b >> (8 * i)) & 0xff);
     return c;

@@ -1504,7 +1504,11 @@ impl<D: GpuApi> GpuBackend<D> {
     ) -> BResult<()> {
         const OP: &str = "moe";
         let g = GemvType::from_ggml(ty).map_err(gerr(OP))?;
-        let l = self.gemv.launch_for(g, n_in, n_out).map_err(gerr(OP))?;
+        let mats = if w.1.is_some() { 2 } else { 1 };
+        let l = self
+            .gemv
+            .launch_for_grouped(g, n_in, n_out, (n_sel as u64) * u64::from(mats))
+            .map_err(gerr(OP))?;
         let q8f = if q8 && ds4_gguf::quant::q8act::applies(ty) {
             self.gemv.q8_functions(g)
         } else {
@@ -1519,7 +1523,6 @@ impl<D: GpuApi> GpuBackend<D> {
                 ),
             });
         }
-        let mats = if w.1.is_some() { 2 } else { 1 };
         let (f, label, grid_x) = match q8f {
             Some((_, gf)) => (
                 gf,

@@ -307,6 +307,35 @@ __device__ __forceinline__ void ds4_load_chunk(const ds4_u8* __restrict__ row, i
     }
 }
 
+// The chunk of R rows held in registers into the warp's shared stage (vectors past the
+// chunk's nvec are not stored).
+template <int R, int V, int VEC>
+__device__ __forceinline__ void ds4_stage_chunk(uint4* stage, const uint4 (&regs)[R][V], int nvec,
+                                                int lane) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const int i = lane + DS4_WARP * v;
+            if (i < nvec) stage[r * VEC + i] = regs[r][v];
+        }
+    }
+}
+
+// This lane's units of a staged chunk of nb blocks (CB when full) times x at the chunk.
+template <class T, int R, int CB, class XT>
+__device__ __forceinline__ void ds4_chunk_units(const ds4_u8* sbytes, int nb, int lane, const XT xc,
+                                                Ds4Tables tb, float (&acc)[R]) {
+    constexpr int UPL = CB * T::UPB / DS4_WARP;  // units per lane in a full chunk
+    if (nb == CB) {
+        DS4_UNROLL(DS4_GEMV_UNROLL)
+        for (int k = 0; k < UPL; ++k) T::template unit<R, CB>(sbytes, lane + DS4_WARP * k, xc, tb, acc);
+    } else {
+        const int nu = nb * T::UPB;
+        for (int u = lane; u < nu; u += DS4_WARP) T::template unit<R, CB>(sbytes, u, xc, tb, acc);
+    }
+}
+
 // This lane's shares of rows[r]·x (r < R) over the chunks owned by warp `part` of `wpr`.
 // rows r >= nvalid repeat the last valid row (their sums are discarded by the caller).
 // No work between the first loads and the loop (f32 activations).
@@ -327,7 +356,6 @@ __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0
     constexpr int CB = T::cb(R);
     constexpr int VEC = CB * T::BB / 16;
     constexpr int V = (VEC + DS4_WARP - 1) / DS4_WARP;
-    constexpr int UPL = CB * T::UPB / DS4_WARP;  // units per lane in a full chunk
     static_assert((CB * T::BB) % 16 == 0, "chunk must be whole 16-byte vectors");
     static_assert((CB * T::UPB) % DS4_WARP == 0, "full chunk must split evenly");
     const int lane = threadIdx.x & (DS4_WARP - 1);
@@ -350,30 +378,14 @@ __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0
     for (; c < nchunks; c += wpr) {
         const int b0 = c * CB;
         const int nb = min(CB, nblocks - b0);
-        const int nvec = nb * T::BB / 16;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-            for (int v = 0; v < V; ++v) {
-                const int i = lane + DS4_WARP * v;
-                if (i < nvec) stage[r * VEC + i] = regs[r][v];
-            }
-        }
+        ds4_stage_chunk<R, V, VEC>(stage, regs, nb * T::BB / 16, lane);
         ds4_syncwarp();
         if (c + wpr < nchunks) {
 #pragma unroll
             for (int r = 0; r < R; ++r)
                 ds4_load_chunk<T, CB, V>(rows[r], c + wpr, nblocks, lane, regs[r]);
         }
-        const XT xc = ds4_x_at(x, (ds4_size)b0 * T::BE);
-        if (nb == CB) {
-            DS4_UNROLL(DS4_GEMV_UNROLL)
-            for (int k = 0; k < UPL; ++k)
-                T::template unit<R, CB>(sbytes, lane + DS4_WARP * k, xc, tb, acc);
-        } else {
-            const int nu = nb * T::UPB;
-            for (int u = lane; u < nu; u += DS4_WARP) T::template unit<R, CB>(sbytes, u, xc, tb, acc);
-        }
+        ds4_chunk_units<T, R, CB>(sbytes, nb, lane, ds4_x_at(x, (ds4_size)b0 * T::BE), tb, acc);
         ds4_syncwarp();
     }
 }
@@ -887,7 +899,6 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
     constexpr int CB = T::cb(R);
     constexpr int VEC = CB * T::BB / 16;
     constexpr int V = (VEC + DS4_WARP - 1) / DS4_WARP;
-    constexpr int UPL = CB * T::UPB / DS4_WARP;
     static_assert((CB * T::BB) % 16 == 0, "chunk must be whole 16-byte vectors");
     static_assert((CB * T::UPB) % DS4_WARP == 0, "full chunk must split evenly");
     __shared__ uint4 stage[DS4_GEMV_WARPS][R * VEC];
@@ -942,15 +953,7 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
             for (int c = part; c < nchunks; c += wpr) {
                 const int b0 = c * CB;
                 const int nb = min(CB, nblocks - b0);
-                const int nvec = nb * T::BB / 16;
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-#pragma unroll
-                    for (int v = 0; v < V; ++v) {
-                        const int i = lane + DS4_WARP * v;
-                        if (i < nvec) stage[warp][r * VEC + i] = regs[r][v];
-                    }
-                }
+                ds4_stage_chunk<R, V, VEC>(stage[warp], regs, nb * T::BB / 16, lane);
                 ds4_syncwarp();
                 if (c + wpr < nchunks) {
 #pragma unroll
@@ -961,16 +964,8 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
                     for (int r = 0; r < R; ++r)
                         ds4_load_chunk<T, CB, V>(nrows[r], part, nblocks, lane, regs[r]);
                 }
-                const Ds4XQ xc = ds4_x_at(xqv, (ds4_size)b0 * T::BE);
-                if (nb == CB) {
-                    DS4_UNROLL(DS4_GEMV_UNROLL)
-                    for (int k = 0; k < UPL; ++k)
-                        T::template unit<R, CB>(sbytes, lane + DS4_WARP * k, xc, tb, acc);
-                } else {
-                    const int nu = nb * T::UPB;
-                    for (int u = lane; u < nu; u += DS4_WARP)
-                        T::template unit<R, CB>(sbytes, u, xc, tb, acc);
-                }
+                ds4_chunk_units<T, R, CB>(sbytes, nb, lane, ds4_x_at(xqv, (ds4_size)b0 * T::BE),
+                                          tb, acc);
                 ds4_syncwarp();
             }
         } else if (nact && part < nchunks) {

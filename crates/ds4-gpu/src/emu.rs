@@ -306,6 +306,47 @@ impl EmuKernels {
 mod tests {
     use super::*;
 
+    /// A xorshift64 stream (test data only).
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
+    /// Runs GEMV `name` (y = W x with the plain entry points' parameters) over `grid_x`
+    /// blocks; the outputs start as NaN, so a row left unwritten shows.
+    #[allow(clippy::too_many_arguments)]
+    fn run_gemv(
+        k: &EmuKernels,
+        name: &str,
+        grid_x: u32,
+        block: u32,
+        w: &[u8],
+        x: &[f32],
+        n_out: usize,
+        wpr: u32,
+    ) -> Vec<f32> {
+        let mut y = vec![f32::NAN; n_out];
+        let (mut wp, mut xp, mut yp) =
+            (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
+        let (mut ni, mut no, mut wpr) = (x.len() as i32, n_out as i32, wpr as i32);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut wp as *mut u64).cast(),
+            (&mut xp as *mut u64).cast(),
+            (&mut yp as *mut u64).cast(),
+            (&mut ni as *mut i32).cast(),
+            (&mut no as *mut i32).cast(),
+            (&mut wpr as *mut i32).cast(),
+        ];
+        // SAFETY: callers pass n_out rows of x.len() values in the kernel's layout and x, y
+        // as sized; the parameters are the GEMV entry point's, in order.
+        unsafe { k.launch(name, (grid_x, 1, 1), block, &mut params) }.unwrap();
+        y
+    }
+
     #[test]
     fn kernel_names_read_the_marker() {
         let t = "extern \"C\" __ds4emu_kernel__ void ds4_a(int x) {}\n\
@@ -352,13 +393,7 @@ mod tests {
     fn q8_0_cases(k: &EmuKernels) {
         use crate::kernels::{gemv_launch, q8_0_split_rows, GemvType};
         use ds4_gguf::GgmlType;
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         for (n_in, n_out) in [
             (4096usize, 21usize),
             (1024, 64),
@@ -402,24 +437,16 @@ mod tests {
                 let cfg = crate::kernels::GemvType::Q8_0.default_config();
                 let l =
                     gemv_launch(GemvType::Q8_0, cfg, n_in as u64, n_out as u64, target).unwrap();
-                let mut y = vec![f32::NAN; n_out];
-                let (mut wp, mut xp, mut yp) = (
-                    dev.as_ptr() as u64,
-                    x.as_ptr() as u64,
-                    y.as_mut_ptr() as u64,
+                let y = run_gemv(
+                    k,
+                    "ds4_gemv_q8_0",
+                    l.grid_x,
+                    l.block,
+                    &dev,
+                    &x,
+                    n_out,
+                    l.wpr,
                 );
-                let (mut ni, mut no, mut wpr) = (n_in as i32, n_out as i32, l.wpr as i32);
-                let mut params: Vec<*mut c_void> = vec![
-                    (&mut wp as *mut u64).cast(),
-                    (&mut xp as *mut u64).cast(),
-                    (&mut yp as *mut u64).cast(),
-                    (&mut ni as *mut i32).cast(),
-                    (&mut no as *mut i32).cast(),
-                    (&mut wpr as *mut i32).cast(),
-                ];
-                // SAFETY: the GEMV's contract: W n_out split rows, x n_in, y n_out floats.
-                unsafe { k.launch("ds4_gemv_q8_0", (l.grid_x, 1, 1), l.block, &mut params) }
-                    .unwrap();
                 for (r, (g, c)) in y.iter().zip(&want).enumerate() {
                     let tol = 1e-5 * (1.0 + c.abs());
                     assert!(
@@ -442,13 +469,7 @@ mod tests {
         use ds4_gguf::quant::q8act::{dot, ActQ8};
         use ds4_gguf::GgmlType;
         let k = EmuKernels::build().unwrap();
-        let mut seed = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x2545_F491_4F6C_DD1D);
         for (n_in, n_out) in [(4096usize, 70usize), (2048, 33), (8192, 9)] {
             let ty = GemvType::Q2K;
             let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
@@ -475,21 +496,7 @@ mod tests {
                 let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
                     .unwrap();
                 for grid_x in [1, 2, l.grid_x] {
-                    let mut y = vec![f32::NAN; n_out];
-                    let (mut wp, mut xp, mut yp) =
-                        (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
-                    let (mut ni, mut no, mut wpr) = (n_in as i32, n_out as i32, l.wpr as i32);
-                    let mut params: Vec<*mut c_void> = vec![
-                        (&mut wp as *mut u64).cast(),
-                        (&mut xp as *mut u64).cast(),
-                        (&mut yp as *mut u64).cast(),
-                        (&mut ni as *mut i32).cast(),
-                        (&mut no as *mut i32).cast(),
-                        (&mut wpr as *mut i32).cast(),
-                    ];
-                    // SAFETY: W n_out rows, x n_in, y n_out floats (the GEMV's contract).
-                    unsafe { k.launch("ds4_gemv_q_q2_k", (grid_x, 1, 1), l.block, &mut params) }
-                        .unwrap();
+                    let y = run_gemv(&k, "ds4_gemv_q_q2_k", grid_x, l.block, &w, &x, n_out, l.wpr);
                     for (r, (g, c)) in y.iter().zip(&want).enumerate() {
                         assert!(
                             (g - c).abs() <= 1e-5 * (1.0 + c.abs()),

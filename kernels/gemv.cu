@@ -139,8 +139,17 @@ struct Ds4Q8S {
     static constexpr int DEPTH = DS4_Q8S_DEPTH;
 };
 
+// x[0..16) as four vectors (x is 16-byte aligned: the host checks).
+struct Ds4X16 {
+    float4 v[4];
+};
+__device__ __forceinline__ Ds4X16 ds4_ld_x16(const float* x) {
+    return Ds4X16{{ds4_ld_x4(x), ds4_ld_x4(x + 4), ds4_ld_x4(x + 8), ds4_ld_x4(x + 12)}};
+}
+
 // Sum of the 16 codes of q times x[0..16) (the codes as exact floats through 2^23).
-__device__ __forceinline__ float ds4_q8s_dot16(uint4 q, const float4 (&xv)[4]) {
+__device__ __forceinline__ float ds4_q8s_dot16(uint4 q, const Ds4X16& x) {
+    const float4(&xv)[4] = x.v;
     const ds4_u32 w[4] = {q.x, q.y, q.z, q.w};
     float s = 0.0f;
 #pragma unroll
@@ -338,21 +347,12 @@ __device__ __forceinline__ void ds4_chunk_units(const ds4_u8* sbytes, int nb, in
 
 // This lane's shares of rows[r]·x (r < R) over the chunks owned by warp `part` of `wpr`.
 // rows r >= nvalid repeat the last valid row (their sums are discarded by the caller).
-// No work between the first loads and the loop (f32 activations).
-struct Ds4NoPre {
-    __device__ void operator()() const {}
-};
-
-// `active` false: the warp issues no loads and computes nothing, but still runs `pre`
-// (which may hold a block-wide barrier: every thread must reach it). `pre` runs after the
-// first chunk's loads are issued, so its work overlaps their latency.
-template <class T, int R, class XT, class PRE = Ds4NoPre>
+template <class T, int R, class XT>
 __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0,
                                                  ds4_size row_bytes, int nvalid,
                                                  const XT x, int n_in,
                                                  int part, int wpr, uint4* stage,
-                                                 Ds4Tables tb, float (&acc)[R],
-                                                 bool active = true, PRE pre = PRE()) {
+                                                 Ds4Tables tb, float (&acc)[R]) {
     constexpr int CB = T::cb(R);
     constexpr int VEC = CB * T::BB / 16;
     constexpr int V = (VEC + DS4_WARP - 1) / DS4_WARP;
@@ -367,14 +367,12 @@ __device__ __forceinline__ void ds4_rows_partial(const ds4_u8* __restrict__ row0
     for (int r = 0; r < R; ++r) rows[r] = row0 + (ds4_size)max(min(r, nvalid - 1), 0) * row_bytes;
     uint4 regs[R][V];
     int c = part;
-    if (active && c < nchunks) {
+    if (c < nchunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(rows[r], c, nblocks, lane, regs[r]);
     }
     // Only weights (never written by a kernel) are read before this point.
     ds4_grid_wait();
-    pre();
-    if (!active) return;
     for (; c < nchunks; c += wpr) {
         const int b0 = c * CB;
         const int nb = min(CB, nblocks - b0);
@@ -580,8 +578,7 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
 #pragma unroll
             for (int k = 0; k < D; ++k) {
                 const float* xp = x + (ds4_size)(i + k * stride) * 16;
-                const float4 xv[4] = {ds4_ld_x4(xp), ds4_ld_x4(xp + 4), ds4_ld_x4(xp + 8),
-                                      ds4_ld_x4(xp + 12)};
+                const Ds4X16 xv = ds4_ld_x16(xp);
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] += ds4_h2f(sc[r][k]) * ds4_q8s_dot16(q[r][k], xv);
             }
@@ -589,8 +586,7 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
         ds4_grid_wait();
         for (; i < nvec; i += stride) {
             const float* xp = x + (ds4_size)i * 16;
-            const float4 xv[4] = {ds4_ld_x4(xp), ds4_ld_x4(xp + 4), ds4_ld_x4(xp + 8),
-                                  ds4_ld_x4(xp + 12)};
+            const Ds4X16 xv = ds4_ld_x16(xp);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const uint4 q = ds4_ldg((const uint4*)rows[r] + i);
@@ -670,8 +666,7 @@ __device__ __forceinline__ void ds4_gemv_q8a(const ds4_u8* __restrict__ W,
         const int v = (part + j * wpr) * DS4_WARP + lane;
         if (active && v < nvec) {
             const float* xp = x + (ds4_size)v * 16;
-            const float4 xv[4] = {ds4_ld_x4(xp), ds4_ld_x4(xp + 4), ds4_ld_x4(xp + 8),
-                                  ds4_ld_x4(xp + 12)};
+            const Ds4X16 xv = ds4_ld_x16(xp);
 #pragma unroll
             for (int r = 0; r < R; ++r)
                 acc[r] += ds4_h2f(scl[warp][slot][r][lane >> 1]) *

@@ -86,9 +86,8 @@ __device__ float ds4_elem(int ty, const ds4_u8* row, int i, ds4_size row_bytes) 
 // GPU's split layout (the row's n codes, then its n / 32 scales), in place: the same bytes
 // per row, rearranged so the codes are 16-byte aligned for the GEMV (docs/gpu.md §7). One
 // block per row at a time; a row must fit the block's shared memory (n <= DS4_Q8S_MAX_IN,
-// checked by the host).
+// checked by the host against its copy, Q8_SPLIT_MAX_IN in backend/mod.rs).
 #define DS4_Q8S_MAX_IN 32768
-extern "C" __device__ const int ds4_q8s_max_in[2] = {DS4_Q8S_MAX_IN, 0};
 extern "C" __global__ void __launch_bounds__(256)
 ds4_q8_0_split(ds4_u8* w, ds4_size n_rows, int n) {
     ds4_grid_wait();
@@ -528,18 +527,7 @@ extern "C" __global__ void ds4_embed(const ds4_u8* table, int ty, ds4_size row_b
 // threads in index order, exactly as the CPU reference does, so the result matches it
 // operation for operation; only the n*n divisions run in parallel. Every thread of the
 // block must call this (it synchronises).
-// Barrier of the Sinkhorn projection: the whole block, or (WARP_ONLY, n*n <= 32) warp 0
-// alone, so the block's other warps can do independent work meanwhile.
-template <bool WARP_ONLY> __device__ __forceinline__ void ds4_hc_barrier() {
-    if (WARP_ONLY) {
-        ds4_syncwarp();
-    } else {
-        __syncthreads();
-    }
-}
-
-template <bool WARP_ONLY>
-__device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
+__device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
     const int k = threadIdx.x;
     const bool own = k < n * n;
     const int i = own ? k / n : 0;
@@ -553,9 +541,9 @@ __device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
         for (int q = 0; q < n; q++) s += expf(row[q] - m);
         v = expf(row[j] - m) / s + eps;
     }
-    ds4_hc_barrier<WARP_ONLY>();
+    __syncthreads();
     if (own) z[k] = v;
-    ds4_hc_barrier<WARP_ONLY>();
+    __syncthreads();
     const int n_it = iters > 0 ? iters : 1;
     for (int it = 0; it < n_it; it++) {
         if (it > 0) {
@@ -564,18 +552,18 @@ __device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
                 for (int q = 0; q < n; q++) s += z[i * n + q];
                 s += eps;
             }
-            ds4_hc_barrier<WARP_ONLY>();
+            __syncthreads();
             if (own) z[k] = z[k] / s;
-            ds4_hc_barrier<WARP_ONLY>();
+            __syncthreads();
         }
         float s = 0.0f;
         if (own) {
             for (int q = 0; q < n; q++) s += z[q * n + j];
             s += eps;
         }
-        ds4_hc_barrier<WARP_ONLY>();
+        __syncthreads();
         if (own) z[k] = z[k] / s;
-        ds4_hc_barrier<WARP_ONLY>();
+        __syncthreads();
     }
 }
 
@@ -586,6 +574,19 @@ __device__ void ds4_sinkhorn(float* z, int n, int iters, float eps) {
 // added in index order, as the CPU reference does, so the results are the same bits as
 // ds4_sinkhorn's; no shared-memory round trip or barrier per step (the decode-time hc_pre
 // waited on this loop: ~57 % of its cycles were barrier stalls, ncu on the H200).
+// Sum over q < n of lane (first + q * step)'s v, added in q order (every lane of the warp
+// must call it: the shuffles take all 32).
+__device__ __forceinline__ float ds4_lanes_sum(float v, int first, int step, int n) {
+    float t[DS4_HC_MAX];
+#pragma unroll
+    for (int q = 0; q < DS4_HC_MAX; q++) t[q] = ds4_shfl_idx(v, first + q * step);
+    float s = 0.0f;
+#pragma unroll
+    for (int q = 0; q < DS4_HC_MAX; q++)
+        if (q < n) s += t[q];
+    return s;
+}
+
 __device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
     const int k = threadIdx.x & (DS4_WARP - 1);
     const bool own = k < n * n;
@@ -608,32 +609,14 @@ __device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
     const int n_it = iters > 0 ? iters : 1;
     for (int it = 0; it < n_it; it++) {
         if (it > 0) {
-            float t[DS4_HC_MAX];
-#pragma unroll
-            for (int q = 0; q < DS4_HC_MAX; q++) t[q] = ds4_shfl_idx(v, i * n + q);
-            float rs = 0.0f;
-#pragma unroll
-            for (int q = 0; q < DS4_HC_MAX; q++)
-                if (q < n) rs += t[q];
-            rs += eps;
+            const float rs = ds4_lanes_sum(v, i * n, 1, n) + eps;
             if (own) v = v / rs;
         }
-        float t[DS4_HC_MAX];
-#pragma unroll
-        for (int q = 0; q < DS4_HC_MAX; q++) t[q] = ds4_shfl_idx(v, q * n + j);
-        float cs = 0.0f;
-#pragma unroll
-        for (int q = 0; q < DS4_HC_MAX; q++)
-            if (q < n) cs += t[q];
-        cs += eps;
+        const float cs = ds4_lanes_sum(v, j, n, n) + eps;
         if (own) v = v / cs;
     }
     if (own) z[k] = v;
     ds4_syncwarp();
-}
-
-__device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
-    ds4_sinkhorn<false>(z, n, iters, eps);
 }
 
 // y[i] = sum_s c[s] * x[s*d + i] (s in stream order, as the CPU reference) by the whole

@@ -590,4 +590,11 @@ mod tests {
         assert!(q8_0_split_rows(&mut rows[..67], 64).is_err());
         assert!(q8_0_split_rows(&mut rows, 48).is_err());
     }
+
+    /// The host's limit on Q8_0 row width is the split kernel's shared-memory row.
+    #[test]
+    fn q8_split_limit_matches_the_kernel() {
+        let define = format!("#define DS4_Q8S_MAX_IN {}", crate::backend::Q8_SPLIT_MAX_IN);
+        assert!(OPS.source.contains(&define), "ops.cu lacks `{define}`");
+    }
 }

@@ -433,6 +433,12 @@ impl CudaFunction {
     ) -> Result<()> {
         let ctx = &self.module.ctx;
         ctx.bind()?;
+        let what = || {
+            format!(
+                "launching {} with grid {grid:?} x {block} threads",
+                self.name
+            )
+        };
         if ctx.pdl && ctx.pdl_now.load(std::sync::atomic::Ordering::Relaxed) {
             let mut attr = sys::CUlaunchAttribute {
                 id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
@@ -465,12 +471,7 @@ impl CudaFunction {
                     )
                 },
                 "cuLaunchKernelEx",
-                || {
-                    format!(
-                        "launching {} with grid {grid:?} x {block} threads",
-                        self.name
-                    )
-                },
+                what,
             );
         }
         // SAFETY: per the function contract; no dynamic shared memory; `params` stays
@@ -492,12 +493,7 @@ impl CudaFunction {
                 )
             },
             "cuLaunchKernel",
-            || {
-                format!(
-                    "launching {} with grid {grid:?} x {block} threads",
-                    self.name
-                )
-            },
+            what,
         )
     }
 

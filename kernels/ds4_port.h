@@ -55,6 +55,7 @@ __device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
 
 // Read-only global loads: plain loads on AMD (the compiler picks scalar/vector caches).
 template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return *p; }
+template <class T> __device__ __forceinline__ T ds4_ld_act(const T* p) { return *p; }
 
 // f32 to IEEE binary16 bits, round to nearest even (through clang's _Float16).
 __device__ __forceinline__ ds4_u16 ds4_f2h(float f) {
@@ -118,6 +119,12 @@ __device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
 }
 
 template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return __ldg(p); }
+// Loads of activations (anything a kernel of this pass may have written): ld.global.cg,
+// coherent at L2 and an ordinary load to the compiler. Never ds4_ldg for them: __ldg is a
+// non-coherent load the compiler may treat as invariant and move above ds4_grid_wait(),
+// which with overlapped launches read the previous kernel's output before it was written
+// (found on the H200 as nondeterministic decode at real dimensions, docs/gpu.md §6).
+template <class T> __device__ __forceinline__ T ds4_ld_act(const T* p) { return __ldcg(p); }
 
 // f32 to IEEE binary16 bits, round to nearest even (inline PTX, as ds4_h2f).
 __device__ __forceinline__ ds4_u16 ds4_f2h(float f) {

@@ -74,8 +74,9 @@
 __device__ __forceinline__ ds4_u16 ds4_ld_u16(const ds4_u8* p) { return *(const ds4_u16*)p; }
 __device__ __forceinline__ ds4_u32 ds4_ld_u32(const ds4_u8* p) { return *(const ds4_u32*)p; }
 
+// x is an activation: coherent loads (ds4_ld_act), never the read-only path.
 __device__ __forceinline__ float4 ds4_ld_x4(const float* p) {
-    return ds4_ldg((const float4*)p);
+    return ds4_ld_act((const float4*)p);
 }
 
 // Lookup tables a format needs in shared memory (IQ2_XXS only).
@@ -977,6 +978,139 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
 }
 
 // ---------------------------------------------------------------------------------------
+// Split-layout Q8_0 rows with int8 activations (docs/gpu.md §7, §8). Profiled on the H200
+// (ncu, 2026-12-04), the f32-activation engine above ran its largest matrices with the
+// L1/TEX pipe 93 % busy and DRAM at 68 %: every lane reads 64 bytes of f32 x from L1 per
+// 16 bytes of weights. Here each block quantizes x once into shared memory (16 bytes of
+// int8 codes per 32 weights, shared by the warp's R rows) and multiplies with dp4a.
+// Persistent like ds4_gemvq_quant: a block walks row-group steps blockIdx.x, +gridDim.x, ...;
+// the warp's work is a flat sequence of items (a step's row group, U units of 32 codes per
+// lane and row), and the loads of item j+1 are issued before item j is computed (two
+// register buffers, swapped by unrolling the loop twice: copying a buffer whose loads are
+// still in flight would wait for them). Unit u of a row: its 32 codes at 32·u, its f16
+// scale at n_in + 2·u; the term is (d · dx) · Σ q_w q_x, the CPU backend's expression
+// (ds4_gguf::quant::q8act), and each row is summed by its warps in a fixed order.
+// ---------------------------------------------------------------------------------------
+// Units of 32 codes per lane and row in one item: 1 measured 96.8 tok/s decode against
+// 95.5-95.9 for 2 on the H200 (2026-12-04).
+#ifndef DS4_Q8Q_UNITS
+#define DS4_Q8Q_UNITS 1
+#endif
+#ifndef DS4_MINB_Q_Q8_0
+#define DS4_MINB_Q_Q8_0 2
+#endif
+struct Ds4Q8Sx {
+    static constexpr int ROWS = DS4_ROWS_Q8_0;
+    static constexpr int UNITS = DS4_Q8Q_UNITS;
+};
+
+template <int R, int U>
+struct Ds4Q8Item {
+    uint4 lo[R][U], hi[R][U];
+    ds4_u16 sc[R][U];
+};
+
+template <class T>
+__device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W,
+                                              const float* __restrict__ x,
+                                              float* __restrict__ y, int n_in, int n_out,
+                                              int wpr, bool ok) {
+    constexpr int R = T::ROWS, U = T::UNITS;
+    __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
+    __shared__ float xd[DS4_Q8_MAX_IN / 32];
+    __shared__ int xs[DS4_Q8_MAX_IN / 16];
+    const bool fits = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
+    ok = ok && fits;
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int part = warp % wpr;
+    const int gpb = DS4_GEMV_WARPS / wpr;  // row groups per block step
+    const int nsteps = (n_out + R * gpb - 1) / (R * gpb);
+    const ds4_size row_bytes = (ds4_size)(n_in / 32) * 34;
+    const int nunits = n_in / 32;
+    const int stride = DS4_WARP * wpr;  // units between a lane's consecutive units
+    const int nit = max(1, (nunits + U * stride - 1) / (U * stride));  // items per step
+    const int my_steps = (int)blockIdx.x < nsteps ? (nsteps - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int nj = my_steps * nit;
+    auto row0_of = [&](int j) { return (((int)blockIdx.x + (j / nit) * (int)gridDim.x) * gpb + warp / wpr) * R; };
+    auto load = [&](int j, Ds4Q8Item<R, U>& b) {
+        const int row0 = row0_of(j);
+        const int it = j % nit;
+        const bool act = ok && j < nj && row0 < n_out;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* row = W + (act ? (ds4_size)min(row0 + r, n_out - 1) * row_bytes : 0);
+#pragma unroll
+            for (int k = 0; k < U; ++k) {
+                const int u = part * DS4_WARP + lane + (it * U + k) * stride;
+                if (act && u < nunits) {
+                    b.lo[r][k] = ds4_ldg((const uint4*)(row + 32 * (ds4_size)u));
+                    b.hi[r][k] = ds4_ldg((const uint4*)(row + 32 * (ds4_size)u + 16));
+                    b.sc[r][k] = ds4_ldg((const ds4_u16*)(row + n_in) + u);
+                }
+            }
+        }
+    };
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    // Item j's units times the shared codes; the step's rows are written after its last item.
+    auto compute = [&](int j, const Ds4Q8Item<R, U>& b) {
+        const int it = j % nit;
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int u = part * DS4_WARP + lane + (it * U + k) * stride;
+            if (u < nunits) {
+                const uint4 xa = *(const uint4*)(xq + 32 * u);
+                const uint4 xb = *(const uint4*)(xq + 32 * u + 16);
+                const float dx = xd[u];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const uint4 a = b.lo[r][k], c = b.hi[r][k];
+                    int is = ds4_dp4a((int)a.x, (int)xa.x, 0);
+                    is = ds4_dp4a((int)a.y, (int)xa.y, is);
+                    is = ds4_dp4a((int)a.z, (int)xa.z, is);
+                    is = ds4_dp4a((int)a.w, (int)xa.w, is);
+                    is = ds4_dp4a((int)c.x, (int)xb.x, is);
+                    is = ds4_dp4a((int)c.y, (int)xb.y, is);
+                    is = ds4_dp4a((int)c.z, (int)xb.z, is);
+                    is = ds4_dp4a((int)c.w, (int)xb.w, is);
+                    acc[r] += (ds4_h2f(b.sc[r][k]) * dx) * (float)is;
+                }
+            }
+        }
+        if (it == nit - 1) {
+            ds4_finish_rows<R>(acc, y, row0_of(j), n_out, wpr, ok);
+            __syncthreads();  // part_sums of ds4_finish_rows are rewritten by the next step
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = 0.f;
+        }
+    };
+    Ds4Q8Item<R, U> b0, b1;
+    load(0, b0);
+    // Only weights were read so far (overlapped launches, docs/gpu.md §6); the first
+    // item's loads are in flight while x is quantized.
+    ds4_grid_wait();
+    if (fits) ds4_quantize_x4(x, n_in, xq, xd, xs);
+    else __syncthreads();
+    if (!ok && my_steps > 0) {
+        // A bad expert id or an input too wide: NaN rows, as the other engines.
+        for (int s = 0; s < my_steps; ++s) {
+            ds4_finish_rows<R>(acc, y, row0_of(s * nit), n_out, wpr, false);
+            __syncthreads();
+        }
+        return;
+    }
+    for (int j = 0; j < nj; j += 2) {
+        load(j + 1, b1);
+        compute(j, b0);
+        if (j + 1 >= nj) break;
+        load(j + 2, b0);
+        compute(j + 1, b1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Int8 activations for any row alignment (the tiny models' rows are not 16-byte
 // multiples): one warp per row, each lane one 32-value unit at a time read byte-wise from
 // global memory. The per-unit terms are written exactly as the CPU backend's
@@ -987,13 +1121,20 @@ __device__ __forceinline__ float ds4_f16_at(const ds4_u8* p) {
     return ds4_h2f((ds4_u16)((ds4_u32)p[0] | ((ds4_u32)p[1] << 8)));
 }
 
-// Term of 32-value unit u of a row of type `ty` (DS4_T_Q2_K, DS4_T_Q4_K or IQ2_XXS;
-// the types ds4_gguf::quant::q8act::applies names).
-__device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int u, const ds4_i8* xq,
+// Term of 32-value unit u of a row of n_in values of type `ty` (DS4_T_Q8_0 in the split
+// layout, DS4_T_Q2_K, DS4_T_Q4_K or IQ2_XXS; the types ds4_gguf::quant::q8act::applies
+// names).
+__device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int n_in, int u, const ds4_i8* xq,
                                   const float* xd, const ds4_u64* grid, const ds4_u8* ksigns) {
     const float dx = xd[u];
     const ds4_i8* x = xq + 32 * u;
     const int b = u >> 3, i = u & 7;
+    if (ty == DS4_T_Q8_0) {
+        const ds4_u8* c = row + 32 * u;
+        int is = 0;
+        for (int m = 0; m < 32; ++m) is += (int)(ds4_i8)c[m] * (int)x[m];
+        return (ds4_f16_at(row + n_in + 2 * u) * dx) * (float)is;
+    }
     if (ty == DS4_T_Q2_K) {
         const ds4_u8* blk = row + 84 * b;
         const float d = ds4_f16_at(blk + 80), dmin = ds4_f16_at(blk + 82);
@@ -1069,7 +1210,7 @@ extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
     if (ok) {
         const ds4_u8* r = W + (ds4_size)row * row_bytes;
         for (int u = lane; u < n_in / 32; u += DS4_WARP)
-            acc += ds4_q8_unit_term(ty, r, u, xq, xd, grid, ksigns);
+            acc += ds4_q8_unit_term(ty, r, n_in, u, xq, xd, grid, ksigns);
     }
     acc = ds4_warp_sum(acc);
     if (lane == 0) y[row] = ok ? acc : __int_as_float(0x7fc00000);
@@ -1142,10 +1283,10 @@ DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)
 
-// Int8-activation entry points: same grids and arguments as ds4_gemv_<t> /
-// ds4_gemv_grouped_<t>; n_in <= DS4_Q8_MAX_IN (else the outputs are NaN). Only the low-bit
-// formats: Q8_0 is memory-bound with f32 activations already (its int8 variant measured
-// slower on the H200).
+// Int8-activation entry points: same arguments as ds4_gemv_<t> / ds4_gemv_grouped_<t>,
+// persistent grids (any number of blocks along x); n_in <= DS4_Q8_MAX_IN (else the
+// outputs are NaN).
+DS4_GEMV_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)

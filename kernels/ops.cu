@@ -846,8 +846,8 @@ ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads,
             const float* qh = qs + h * ld;
             float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (int i = 0; i < dim; i += 8) {
-                const float4 k0 = ds4_ldg((const float4*)(k + i));
-                const float4 k1 = ds4_ldg((const float4*)(k + i + 4));
+                const float4 k0 = ds4_ld_act((const float4*)(k + i));
+                const float4 k1 = ds4_ld_act((const float4*)(k + i + 4));
                 a[0] = __fadd_rn(a[0], __fmul_rn(qh[i + 0], k0.x));
                 a[1] = __fadd_rn(a[1], __fmul_rn(qh[i + 1], k0.y));
                 a[2] = __fadd_rn(a[2], __fmul_rn(qh[i + 2], k0.z));

@@ -13,7 +13,8 @@
 #   ops        op mirror on the fixtures + random tiny models, f32 and int8 activations
 #   tiles      op mirror with prefill tiles (experts, all), tiny and 4-layer real dims
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
-#   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound)
+#   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
+#              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
 #   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode aggregate tok/s at 1, 2, 4, 8, 16 sequences
@@ -59,6 +60,19 @@ fi
 if ! skip parity; then
     step parity; models
     ds4-engine-check parity "$work"/m-*.gguf --tiny 2 > "$OUT/parity.log" 2>&1; grep -E "PASSED|FAIL|failed" "$OUT/parity.log" | head -5
+    # Real dimensions (multi-block grids, overlapped launches): the tiny models missed a
+    # launch-overlap race that only full-width GEMVs showed (docs/gpu.md §6). Then the
+    # default decode path twice: overlapped decode must be bit-for-bit repeatable.
+    ds4-convert synthetic --quiet --layout q2 --layers 4 \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4.gguf" >/dev/null
+    ds4-engine-check parity "$work/syn4.gguf" --tokens 12 > "$OUT/parity_syn4.log" 2>&1
+    grep -E "max rel|PASSED|FAIL|failed" "$OUT/parity_syn4.log" | head -8
+    p="$(head -c 200 "$R/README.md")"
+    for i in 1 2; do
+        ds4 logits -m "$work/syn4.gguf" --backend cuda --prompt "$p" --prefill-chunk 1 \
+            --out "$work/det$i.npy" > /dev/null 2>> "$OUT/parity_syn4.log"
+    done
+    cmp -s "$work/det1.npy" "$work/det2.npy" && echo "DECODE DETERMINISTIC" || echo "DECODE NOT DETERMINISTIC (FAIL)"
 fi
 if ! skip prefill; then
     step prefill

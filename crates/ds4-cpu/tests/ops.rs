@@ -115,9 +115,10 @@ fn matmul_matches_the_dequantized_reference_for_every_type() {
     }
 }
 
-/// Int8 activations (`Backend::set_activation_q8`): one-token matmuls of the low-bit types
-/// equal `q8act::dot` row by row (the GPU kernels' definition), multi-token matmuls and Q8_0
-/// or F16 weights keep the f32 path, and the int8 result stays near the f32 one.
+/// Int8 activations (`Backend::set_activation_q8`): one-token matmuls of the block types
+/// (Q8_0 and the low-bit ones) equal `q8act::dot` row by row (the GPU kernels'
+/// definition), multi-token matmuls and F16 weights keep the f32 path, and the int8 result
+/// stays near the f32 one.
 #[test]
 fn activation_q8_follows_the_rule_and_the_codec() {
     let mut rng = Rng::new(5);

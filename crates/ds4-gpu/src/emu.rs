@@ -459,6 +459,79 @@ mod tests {
         }
     }
 
+    /// The split-layout Q8_0 GEMV with int8 activations (`ds4_gemvq_q8s`): persistent
+    /// grids of 1, 2, 3 blocks and the full grid, warps per row 1 to 8 (units of 32 per
+    /// part, as `GemvSet::q8_launch` configures it), one and several items per step, and
+    /// default and one-unit builds: the outputs equal the CPU's int8-activation dot
+    /// products of the unsplit rows.
+    #[test]
+    fn q8_0_int8_gemv_matches_the_cpu() {
+        use crate::kernels::{gemv_launch, q8_0_split_rows, GemvConfig, GemvType};
+        use ds4_gguf::quant::q8act::{dot, ActQ8};
+        use ds4_gguf::GgmlType;
+        let mut next = xorshift(0xD1B5_4A32_D192_ED03);
+        for k in [
+            EmuKernels::build().unwrap(),
+            EmuKernels::build_with(&["-DDS4_Q8Q_UNITS=2"]).unwrap(),
+        ] {
+            for (n_in, n_out) in [
+                (4096usize, 21usize),
+                (1024, 64),
+                (8192, 3),
+                (256, 5),
+                (2048, 40),
+            ] {
+                let nb = n_in / 32;
+                let mut w = vec![0u8; n_out * nb * 34];
+                for (i, b) in w.iter_mut().enumerate() {
+                    *b = (next() >> (i % 7)) as u8;
+                }
+                for blk in w.chunks_exact_mut(34) {
+                    let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
+                    blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+                }
+                let x: Vec<f32> = (0..n_in)
+                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let mut xq = ActQ8::default();
+                xq.quantize(&x).unwrap();
+                let want: Vec<f32> = w
+                    .chunks_exact(nb * 34)
+                    .map(|row| dot(GgmlType::Q8_0, row, &xq).unwrap())
+                    .collect();
+                let mut split = w.clone();
+                q8_0_split_rows(&mut split, n_in).unwrap();
+                let cfg = GemvConfig {
+                    rows: GemvType::Q8_0.default_config().rows,
+                    chunk_blocks: 32,
+                };
+                for target in [1u64, 1 << 20] {
+                    let l = gemv_launch(GemvType::Q8_0, cfg, n_in as u64, n_out as u64, target)
+                        .unwrap();
+                    for grid_x in [1, 2, 3, l.grid_x] {
+                        let y = run_gemv(
+                            &k,
+                            "ds4_gemv_q_q8_0",
+                            grid_x,
+                            l.block,
+                            &split,
+                            &x,
+                            n_out,
+                            l.wpr,
+                        );
+                        for (r, (g, c)) in y.iter().zip(&want).enumerate() {
+                            assert!(
+                                (g - c).abs() <= 1e-5 * (1.0 + c.abs()),
+                                "{n_in}x{n_out} wpr {} grid {grid_x}: row {r}: {g} vs {c}",
+                                l.wpr
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// The persistent int8-activation GEMV (`ds4_gemvq_quant`): with fewer blocks than row
     /// steps (each block walks several, prefetching the next step's first chunk) and with
     /// the full grid, the outputs equal the CPU's int8-activation dot products of the same

@@ -150,6 +150,8 @@ impl GemvType {
     /// Kernel label of the int8-activation variant (`gemv_q_<suffix>`).
     pub fn label_q8(self, grouped: bool) -> &'static str {
         match (self, grouped) {
+            (GemvType::Q8_0, false) => "gemvq_q8_0",
+            (GemvType::Q8_0, true) => "gemvq_grouped_q8_0",
             (GemvType::Q2K, false) => "gemvq_q2_k",
             (GemvType::Q4K, false) => "gemvq_q4_k",
             (GemvType::Iq2Xxs, false) => "gemvq_iq2_xxs",

@@ -39,13 +39,12 @@ pub fn supports(ty: GgmlType) -> bool {
 }
 
 /// Whether the engine multiplies weights of `ty` with int8 activations (the rule of
-/// `Backend::set_activation_q8`): the low-bit formats Q2_K, Q4_K and IQ2_XXS, whose f32
-/// dot products are compute-bound on a GPU. Q8_0 has an integer dot product too
-/// ([`supports`]) but stays on f32 activations: measured on the H200 its int8 GEMV was
-/// slower than the f32 one (3.6 vs 3.1 ms per token over 216 launches; BENCHMARKS.md),
-/// since at one byte per weight it is memory-bound either way.
+/// `Backend::set_activation_q8`): every type with an integer dot product ([`supports`]).
+/// The low-bit formats' f32 dot products are compute-bound on a GPU; Q8_0's f32 GEMV reads
+/// 4 bytes of activations per byte of weight, which int8 activations in shared memory
+/// remove (decode 56.6 -> 95.9 tok/s on the H200; docs/gpu.md §8).
 pub fn applies(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs)
+    supports(ty)
 }
 
 /// A quantized activation vector.

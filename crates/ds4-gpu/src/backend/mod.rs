@@ -223,9 +223,31 @@ fn gemv_index(ty: GemvType) -> usize {
     GemvType::ALL.iter().position(|t| *t == ty).unwrap_or(0)
 }
 
+/// Extra `-D` options for gemv.cu from `DS4_GEMV_DEFINES` (space-separated, e.g.
+/// `-DDS4_Q8Q_UNITS=1`): the tuning knobs at the top of the file, measured in the whole
+/// engine without a rebuild (docs/gpu.md §8). Anything that is not a `-D` option is an
+/// error, so a typo cannot silently measure the default.
+fn gemv_defines(var: Option<&str>) -> Result<Vec<String>, GpuError> {
+    let mut out = Vec::new();
+    for opt in var.unwrap_or("").split_whitespace() {
+        if !opt.starts_with("-D") || opt.len() < 3 {
+            return Err(GpuError::BadArgument {
+                op: "DS4_GEMV_DEFINES",
+                detail: format!("{opt:?} is not a -DNAME or -DNAME=VALUE option"),
+            });
+        }
+        out.push(opt.to_string());
+    }
+    Ok(out)
+}
+
 impl<D: GpuApi> GemvSet<D> {
     fn load(dev: &D, cache: &KernelCache) -> Result<Self, GpuError> {
-        let module = dev.load_module(&GEMV, cache, &[])?;
+        let extra = gemv_defines(std::env::var("DS4_GEMV_DEFINES").ok().as_deref())?;
+        if !extra.is_empty() {
+            tracing::info!(?extra, "gemv.cu compiled with DS4_GEMV_DEFINES");
+        }
+        let module = dev.load_module(&GEMV, cache, &extra)?;
         let mut plain = Vec::new();
         let mut grouped = Vec::new();
         let mut configs = Vec::new();
@@ -292,6 +314,35 @@ impl<D: GpuApi> GemvSet<D> {
         n_out: usize,
     ) -> Result<GemvLaunch, GpuError> {
         self.launch_for_grouped(ty, n_in, n_out, 1)
+    }
+
+    /// The launch of an int8-activation GEMV of `ty` in a grid that repeats the matrix
+    /// `copies` times along y and z. Q8_0's engine (`ds4_gemvq_q8s`) gives each lane whole
+    /// 32-value units, so a row splits into parts of 32 units, and its warps per row are
+    /// chosen to fill the persistent grid's resident warps; the low-bit formats keep the
+    /// plain engine's launch.
+    pub(crate) fn q8_launch(
+        &self,
+        ty: GemvType,
+        n_in: usize,
+        n_out: usize,
+        copies: u64,
+    ) -> Result<GemvLaunch, GpuError> {
+        if ty != GemvType::Q8_0 {
+            return self.launch_for_grouped(ty, n_in, n_out, copies);
+        }
+        let cfg = GemvConfig {
+            rows: self.configs[gemv_index(ty)].rows,
+            chunk_blocks: 32,
+        };
+        let resident = self.sms * Q8_RESIDENT_BLOCKS * u64::from(crate::kernels::GEMV_WARPS);
+        gemv_launch(
+            ty,
+            cfg,
+            n_in as u64,
+            n_out as u64,
+            (resident / copies.max(1)).max(1),
+        )
     }
 
     /// [`Self::launch_for`] for a grid that repeats the matrix `copies` times along y and z
@@ -1677,5 +1728,22 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::moe(x, ids, weights, gate, up, down, &args, out)?;
         self.op_moe(x, ids, weights, gate, up, down, args, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_defines;
+
+    #[test]
+    fn gemv_defines_accept_only_define_options() {
+        assert!(gemv_defines(None).unwrap().is_empty());
+        assert_eq!(
+            gemv_defines(Some(" -DDS4_Q8Q_UNITS=1  -DX ")).unwrap(),
+            vec!["-DDS4_Q8Q_UNITS=1".to_string(), "-DX".to_string()]
+        );
+        let e = gemv_defines(Some("-DA --use_fast_math")).unwrap_err();
+        assert!(e.to_string().contains("--use_fast_math"), "{e}");
+        assert!(gemv_defines(Some("-D")).is_err());
     }
 }

@@ -371,7 +371,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let gty = GemvType::from_ggml(m.ty).map_err(gerr(op))?;
         let wbase = m.w + (m.row0 * m.row_bytes) as u64;
         if let (Ok(l), Some((f, _))) = (
-            self.gemv.launch_for(gty, m.cols, m.n_rows),
+            self.gemv.q8_launch(gty, m.cols, m.n_rows, 1),
             self.gemv.q8_functions(gty),
         ) {
             if l.row_bytes as usize == m.row_bytes
@@ -1505,15 +1505,18 @@ impl<D: GpuApi> GpuBackend<D> {
         const OP: &str = "moe";
         let g = GemvType::from_ggml(ty).map_err(gerr(OP))?;
         let mats = if w.1.is_some() { 2 } else { 1 };
-        let l = self
-            .gemv
-            .launch_for_grouped(g, n_in, n_out, (n_sel as u64) * u64::from(mats))
-            .map_err(gerr(OP))?;
         let q8f = if q8 && ds4_gguf::quant::q8act::applies(ty) {
             self.gemv.q8_functions(g)
         } else {
             None
         };
+        let copies = (n_sel as u64) * u64::from(mats);
+        let l = if q8f.is_some() {
+            self.gemv.q8_launch(g, n_in, n_out, copies)
+        } else {
+            self.gemv.launch_for_grouped(g, n_in, n_out, copies)
+        }
+        .map_err(gerr(OP))?;
         if q8 && q8f.is_some() && n_in > self.gemv.q8_max_in {
             return Err(BackendError::Invalid {
                 op: OP,

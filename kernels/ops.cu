@@ -700,6 +700,134 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
     }
 }
 
+// HCPre for the model's shape (n <= 4 streams, d <= 4096), one block per token with every
+// value held in registers, for decode latency: the general kernel above takes a global
+// round trip and a block reduction for the streams' RMS, a second trip for the mix and a
+// third trip plus reduction for the output's RMSNorm (~12 µs per call on the H200, 2 calls
+// per layer). Here DS4_HCR_CT threads each load their 4 x 8 values once; one block
+// reduction yields the streams' Gram matrix G[s][u] = <X_s, X_u> (in double), whose trace is
+// the streams' sum of squares and from which |y|^2 = sum pre_s pre_u G[s][u] follows
+// without a second reduction; then y and its norm come from registers. An extra warp runs
+// the Sinkhorn projection as soon as the RMS is known, beside the mix. The sums are in a
+// different order from the CPU's (and the general kernel's), equal within rounding.
+#define DS4_HCR_CT 512
+#define DS4_HCR_J 8
+#define DS4_HCR_N 4
+#define DS4_HCR_G (DS4_HCR_N * (DS4_HCR_N + 1) / 2)
+extern "C" __global__ void __launch_bounds__(DS4_HCR_CT + DS4_WARP)
+ds4_hc_pre_regs(const float* mix, const float* x, const float* base, const float* scale, int n,
+                int d, int iters, float hc_eps, float rms_eps, float* y, float* post, float* comb,
+                const float* norm_w, float* normed) {
+    __shared__ double gsh[(DS4_HCR_CT + DS4_WARP) / DS4_WARP][DS4_HCR_G];
+    __shared__ double gsum[DS4_HCR_G];
+    __shared__ float z[DS4_HC_MAX * DS4_HC_MAX];
+    const int t = blockIdx.x, k = threadIdx.x;
+    const int lane = k & (DS4_WARP - 1), warp = k / DS4_WARP;
+    const bool comp = k < DS4_HCR_CT;
+    // The norm's weights before the wait (weights only, docs/gpu.md §6).
+    float g[DS4_HCR_J];
+#pragma unroll
+    for (int j = 0; j < DS4_HCR_J; j++) {
+        const int i = k + j * DS4_HCR_CT;
+        g[j] = (comp && norm_w && i < d) ? norm_w[i] : 0.0f;
+    }
+    ds4_grid_wait();
+    const float* xt = x + (ds4_size)t * n * d;
+    float v[DS4_HCR_N][DS4_HCR_J];
+#pragma unroll
+    for (int s = 0; s < DS4_HCR_N; s++)
+#pragma unroll
+        for (int j = 0; j < DS4_HCR_J; j++) {
+            const int i = k + j * DS4_HCR_CT;
+            v[s][j] = (comp && s < n && i < d) ? ds4_ld_act(xt + (ds4_size)s * d + i) : 0.0f;
+        }
+    // This thread's share of the Gram matrix (upper triangle, row-major).
+    double gp[DS4_HCR_G];
+    {
+        int q = 0;
+#pragma unroll
+        for (int s = 0; s < DS4_HCR_N; s++)
+#pragma unroll
+            for (int u = s; u < DS4_HCR_N; u++, q++) {
+                double a = 0.0;
+#pragma unroll
+                for (int j = 0; j < DS4_HCR_J; j++) a += (double)v[s][j] * (double)v[u][j];
+                gp[q] = a;
+            }
+    }
+#pragma unroll
+    for (int q = 0; q < DS4_HCR_G; q++) {
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) gp[q] += ds4_shfl_xor_d(gp[q], m);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int q = 0; q < DS4_HCR_G; q++) gsh[warp][q] = gp[q];
+    }
+    __syncthreads();
+    if (k < DS4_HCR_G) {
+        double a = 0.0;
+        for (int w = 0; w < (int)(blockDim.x / DS4_WARP); w++) a += gsh[w][k];
+        gsum[k] = a;
+    }
+    __syncthreads();
+    double trace = 0.0;
+    {
+        int q = 0;
+#pragma unroll
+        for (int s = 0; s < DS4_HCR_N; s++)
+#pragma unroll
+            for (int u = s; u < DS4_HCR_N; u++, q++)
+                if (u == s) trace += gsum[q];
+    }
+    const float rho = (float)(1.0 / sqrt(trace / (double)(n * d) + (double)rms_eps));
+    const float* m = mix + (ds4_size)t * (2 * n + n * n);
+    if (!comp) {
+        // The extra warp: post, and comb by Sinkhorn, beside the mix.
+        if (lane < n)
+            post[(ds4_size)t * n + lane] =
+                2.0f * ds4_sigmoid(scale[1] * (m[n + lane] * rho) + base[n + lane]);
+        if (lane < n * n) z[lane] = scale[2] * (m[2 * n + lane] * rho) + base[2 * n + lane];
+        ds4_syncwarp();
+        ds4_sinkhorn_warp(z, n, iters, hc_eps);
+        if (lane < n * n) comb[(ds4_size)t * n * n + lane] = z[lane];
+        return;
+    }
+    float pre[DS4_HCR_N];
+#pragma unroll
+    for (int s = 0; s < DS4_HCR_N; s++)
+        pre[s] = s < n ? ds4_sigmoid(scale[0] * (m[s] * rho) + base[s]) + hc_eps : 0.0f;
+    float* yt = y + (ds4_size)t * d;
+    float yv[DS4_HCR_J];
+#pragma unroll
+    for (int j = 0; j < DS4_HCR_J; j++) {
+        float a = 0.0f;
+#pragma unroll
+        for (int s = 0; s < DS4_HCR_N; s++)
+            if (s < n) a += pre[s] * v[s][j];
+        yv[j] = a;
+        const int i = k + j * DS4_HCR_CT;
+        if (i < d) yt[i] = a;
+    }
+    if (normed) {
+        // |y|^2 = sum_s,u pre_s pre_u G[s][u] (off-diagonal entries twice).
+        double yy = 0.0;
+        int q = 0;
+#pragma unroll
+        for (int s = 0; s < DS4_HCR_N; s++)
+#pragma unroll
+            for (int u = s; u < DS4_HCR_N; u++, q++)
+                yy += (u == s ? 1.0 : 2.0) * (double)pre[s] * (double)pre[u] * gsum[q];
+        const float sc = (float)(1.0 / sqrt(yy / (double)d + (double)rms_eps));
+        float* nt = normed + (ds4_size)t * d;
+#pragma unroll
+        for (int j = 0; j < DS4_HCR_J; j++) {
+            const int i = k + j * DS4_HCR_CT;
+            if (i < d) nt[i] = norm_w ? (yv[j] * sc) * g[j] : yv[j] * sc;
+        }
+    }
+}
+
 // HCPost in place: X'_j[e] = post_j f[e] + sum_i comb[i][j] X_i[e]; one thread per (t, e).
 // With f2 non-null, f += f2 first (written back: the residual add before HCPost fused in).
 extern "C" __global__ void ds4_hc_post(float* x, float* f, const float* f2, const float* post,

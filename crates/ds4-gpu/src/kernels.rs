@@ -593,6 +593,22 @@ mod tests {
         assert!(q8_0_split_rows(&mut rows, 48).is_err());
     }
 
+    /// The host's limits for the register HCPre are the kernel's register arrays and block.
+    #[test]
+    fn hc_pre_regs_limits_match_the_kernel() {
+        use crate::backend::ops::{HC_REGS_MAX_DIM, HC_REGS_MAX_STREAMS, HC_REGS_THREADS};
+        let (ct, j) = (512usize, 8usize);
+        for d in [
+            format!("#define DS4_HCR_CT {ct}"),
+            format!("#define DS4_HCR_J {j}"),
+            format!("#define DS4_HCR_N {HC_REGS_MAX_STREAMS}"),
+        ] {
+            assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+        }
+        assert_eq!(HC_REGS_MAX_DIM, ct * j);
+        assert_eq!(HC_REGS_THREADS as usize, ct + 32);
+    }
+
     /// The host's limit on Q8_0 row width is the split kernel's shared-memory row.
     #[test]
     fn q8_split_limit_matches_the_kernel() {

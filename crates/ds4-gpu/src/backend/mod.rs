@@ -22,7 +22,7 @@
 
 mod launch;
 mod load_pipeline;
-mod ops;
+pub(crate) mod ops;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -519,6 +519,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_qat_hfp4",
     "ds4_embed",
     "ds4_hc_pre",
+    "ds4_hc_pre_regs",
     "ds4_hc_post",
     "ds4_hc_head",
     "ds4_compressor",

@@ -98,6 +98,12 @@ struct Mm {
 /// overlapped (docs/gpu.md §6).
 const OVERLAP_MAX_TOKENS: usize = 64;
 
+/// `ds4_hc_pre_regs` (kernels/ops.cu): streams and width it holds in registers
+/// (DS4_HCR_N, DS4_HCR_CT x DS4_HCR_J) and its block (DS4_HCR_CT + one Sinkhorn warp).
+pub(crate) const HC_REGS_MAX_STREAMS: usize = 4;
+pub(crate) const HC_REGS_MAX_DIM: usize = 512 * 8;
+pub(crate) const HC_REGS_THREADS: u32 = 512 + 32;
+
 fn i32a(op: &'static str, what: &str, v: usize) -> BResult<Arg> {
     i32::try_from(v)
         .map(Arg::I32)
@@ -731,6 +737,12 @@ impl<D: GpuApi> GpuBackend<D> {
             Arg::Ptr(nw),
             Arg::Ptr(np),
         ];
+        // Decode-sized passes of the model's shape: everything in registers (one global
+        // round trip, one block reduction; `ds4_hc_pre_regs`). Prefill keeps the general
+        // kernel.
+        if t <= OVERLAP_MAX_TOKENS && n <= HC_REGS_MAX_STREAMS && d <= HC_REGS_MAX_DIM {
+            return self.launch("ds4_hc_pre_regs", (g32(t), 1, 1), HC_REGS_THREADS, &args);
+        }
         self.launch("ds4_hc_pre", (g32(t), 1, 1), row_threads(t), &args)
     }
 

@@ -134,6 +134,9 @@ __device__ __forceinline__ void ds4_i8x2(ds4_u32 w, float& lo, float& hi) {
 #ifndef DS4_Q8S_DEPTH
 #define DS4_Q8S_DEPTH 2
 #endif
+// Widest x the f32-activation Q8_0 engine stages in shared memory (32 KB; wider inputs are
+// read from global memory).
+#define DS4_Q8S_XMAX 8192
 struct Ds4Q8S {
     static constexpr int ROWS = DS4_ROWS_Q8_0;
     // Vectors (16 codes) per row each lane loads before the first use.
@@ -553,6 +556,25 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    // x staged once per block in shared memory: read from global memory per warp it cost
+    // 4 bytes of x per byte of weights, from L1 before the coherent loads of docs/gpu.md §6
+    // (the L1 pipe 93 % busy, ncu) and from L2 after them (decode 56.6 tok/s with Q8_0 on
+    // f32 activations). The int8 default does not use this engine at decode (§8).
+    __shared__ __align__(16) float xsh[DS4_Q8S_XMAX];
+    const bool staged = n_in <= DS4_Q8S_XMAX;
+    ds4_grid_wait();
+    if (staged) {
+        for (int e = 4 * (int)threadIdx.x; e < n_in; e += 4 * (int)blockDim.x)
+            *(float4*)(xsh + e) = ds4_ld_act((const float4*)(x + e));
+        __syncthreads();
+    }
+    auto ldx = [&](int v) -> Ds4X16 {
+        if (staged) {
+            const float4* p = (const float4*)(xsh + 16 * v);
+            return Ds4X16{{p[0], p[1], p[2], p[3]}};
+        }
+        return ds4_ld_x16(x + (ds4_size)v * 16);
+    };
     if (ok && row0 < n_out) {
         const ds4_u8* rows[R];
 #pragma unroll
@@ -578,16 +600,14 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
             }
 #pragma unroll
             for (int k = 0; k < D; ++k) {
-                const float* xp = x + (ds4_size)(i + k * stride) * 16;
-                const Ds4X16 xv = ds4_ld_x16(xp);
+                const Ds4X16 xv = ldx(i + k * stride);
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r] += ds4_h2f(sc[r][k]) * ds4_q8s_dot16(q[r][k], xv);
             }
         }
         ds4_grid_wait();
         for (; i < nvec; i += stride) {
-            const float* xp = x + (ds4_size)i * 16;
-            const Ds4X16 xv = ds4_ld_x16(xp);
+            const Ds4X16 xv = ldx(i);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const uint4 q = ds4_ldg((const uint4*)rows[r] + i);

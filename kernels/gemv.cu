@@ -715,6 +715,14 @@ __device__ __forceinline__ void ds4_gemv_q8a(const ds4_u8* __restrict__ W,
 #define DS4_Q8_MAX_IN 8192
 extern "C" __device__ const int ds4_gemvq_max_in[2] = {DS4_Q8_MAX_IN, 32};
 
+// The shared-memory home of a quantized input (Ds4XQ points into it), one per block of the
+// int8-activation kernels.
+struct Ds4XQBuf {
+    __align__(16) ds4_i8 q[DS4_Q8_MAX_IN];
+    float d[DS4_Q8_MAX_IN / 32];
+    int s16[DS4_Q8_MAX_IN / 16];
+};
+
 // max(|a|, |b|) that propagates NaN (fmaxf would drop it and hide a poisoned input).
 __device__ __forceinline__ float ds4_nanmax(float a, float b) {
     return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
@@ -918,9 +926,10 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
     static_assert((CB * T::BB) % 16 == 0, "chunk must be whole 16-byte vectors");
     static_assert((CB * T::UPB) % DS4_WARP == 0, "full chunk must split evenly");
     __shared__ uint4 stage[DS4_GEMV_WARPS][R * VEC];
-    __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
-    __shared__ float xd[DS4_Q8_MAX_IN / 32];
-    __shared__ int xs[DS4_Q8_MAX_IN / 16];
+    __shared__ Ds4XQBuf xbuf;
+    ds4_i8* const xq = xbuf.q;
+    float* const xd = xbuf.d;
+    int* const xs = xbuf.s16;
     const Ds4Tables tb = T::prologue();
     const bool fits = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
     ok = ok && fits;
@@ -1036,9 +1045,10 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W,
                                               float* __restrict__ y, int n_in, int n_out,
                                               int wpr, bool ok) {
     constexpr int R = T::ROWS, U = T::UNITS;
-    __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
-    __shared__ float xd[DS4_Q8_MAX_IN / 32];
-    __shared__ int xs[DS4_Q8_MAX_IN / 16];
+    __shared__ Ds4XQBuf xbuf;
+    ds4_i8* const xq = xbuf.q;
+    float* const xd = xbuf.d;
+    int* const xs = xbuf.s16;
     const bool fits = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
     ok = ok && fits;
     const int warp = threadIdx.x / DS4_WARP;
@@ -1119,6 +1129,131 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W,
             ds4_finish_rows<R>(acc, y, row0_of(s * nit), n_out, wpr, false);
             __syncthreads();
         }
+        return;
+    }
+    for (int j = 0; j < nj; j += 2) {
+        load(j + 1, b1);
+        compute(j, b0);
+        if (j + 1 >= nj) break;
+        load(j + 2, b0);
+        compute(j + 1, b1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Split-layout Q8_0 with int8 activations for a few independent columns at once (batched
+// decode: M <= DS4_Q8M_COLS tokens of different sequences, each its own one-token matmul).
+// Each weight unit is loaded once and multiplied with every column's codes, so M tokens
+// read the matrix once instead of M times; each column's sum is the one-token kernel's
+// (same unit terms, same per-lane order, same reduction, given the same warps per row and
+// the default DS4_Q8Q_UNITS=1), so a batched row equals the row computed alone. x holds M rows of n_in floats x_stride apart, y M rows of n_out floats
+// y_stride apart. Shared memory holds the M quantized inputs: M * n_in <= DS4_Q8M_CODES.
+// ---------------------------------------------------------------------------------------
+#ifndef DS4_Q8M_COLS
+#define DS4_Q8M_COLS 8
+#endif
+#define DS4_Q8M_CODES 32768
+extern "C" __device__ const int ds4_gemvq_cols_max[2] = {DS4_Q8M_COLS, DS4_Q8M_CODES};
+
+extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
+    ds4_gemv_cols_q_q8_0(const ds4_u8* __restrict__ W, const float* __restrict__ x,
+                         ds4_size x_stride, float* __restrict__ y, ds4_size y_stride, int n_in,
+                         int n_out, int n_cols, int wpr) {
+    constexpr int R = Ds4Q8Sx::ROWS, MC = DS4_Q8M_COLS;
+    __shared__ __align__(16) ds4_i8 xq[DS4_Q8M_CODES];
+    __shared__ float xd[DS4_Q8M_CODES / 32];
+    __shared__ int xs[DS4_Q8M_CODES / 16];
+    const bool ok = n_in % 32 == 0 && n_in <= DS4_Q8_MAX_IN && n_cols >= 1 && n_cols <= MC &&
+                    (ds4_size)n_cols * n_in <= DS4_Q8M_CODES;
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int part = warp % wpr;
+    const int gpb = DS4_GEMV_WARPS / wpr;
+    const int nsteps = (n_out + R * gpb - 1) / (R * gpb);
+    const ds4_size row_bytes = (ds4_size)(n_in / 32) * 34;
+    const int nunits = n_in / 32;
+    const int stride = DS4_WARP * wpr;
+    const int nit = max(1, (nunits + stride - 1) / stride);
+    const int my_steps =
+        (int)blockIdx.x < nsteps ? (nsteps - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int nj = ok ? my_steps * nit : 0;
+    auto row0_of = [&](int j) {
+        return (((int)blockIdx.x + (j / nit) * (int)gridDim.x) * gpb + warp / wpr) * R;
+    };
+    auto load = [&](int j, Ds4Q8Item<R, 1>& b) {
+        const int row0 = row0_of(j);
+        const int u = part * DS4_WARP + lane + (j % nit) * stride;
+        const bool act = j < nj && row0 < n_out && u < nunits;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (act) {
+                const ds4_u8* row = W + (ds4_size)min(row0 + r, n_out - 1) * row_bytes;
+                b.lo[r][0] = ds4_ldg((const uint4*)(row + 32 * (ds4_size)u));
+                b.hi[r][0] = ds4_ldg((const uint4*)(row + 32 * (ds4_size)u + 16));
+                b.sc[r][0] = ds4_ldg((const ds4_u16*)(row + n_in) + u);
+            }
+        }
+    };
+    float acc[MC][R];
+#pragma unroll
+    for (int c = 0; c < MC; ++c)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[c][r] = 0.f;
+    auto compute = [&](int j, const Ds4Q8Item<R, 1>& b) {
+        const int u = part * DS4_WARP + lane + (j % nit) * stride;
+        if (u < nunits) {
+#pragma unroll
+            for (int c = 0; c < MC; ++c) {
+                if (c < n_cols) {
+                    const ds4_i8* xc = xq + (ds4_size)c * n_in + 32 * u;
+                    const uint4 xa = *(const uint4*)xc;
+                    const uint4 xb = *(const uint4*)(xc + 16);
+                    const float dx = xd[c * (n_in / 32) + u];
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const uint4 a = b.lo[r][0], h = b.hi[r][0];
+                        int is = ds4_dp4a((int)a.x, (int)xa.x, 0);
+                        is = ds4_dp4a((int)a.y, (int)xa.y, is);
+                        is = ds4_dp4a((int)a.z, (int)xa.z, is);
+                        is = ds4_dp4a((int)a.w, (int)xa.w, is);
+                        is = ds4_dp4a((int)h.x, (int)xb.x, is);
+                        is = ds4_dp4a((int)h.y, (int)xb.y, is);
+                        is = ds4_dp4a((int)h.z, (int)xb.z, is);
+                        is = ds4_dp4a((int)h.w, (int)xb.w, is);
+                        acc[c][r] += (ds4_h2f(b.sc[r][0]) * dx) * (float)is;
+                    }
+                }
+            }
+        }
+        if (j % nit == nit - 1) {
+            const int row0 = row0_of(j);
+#pragma unroll
+            for (int c = 0; c < MC; ++c) {
+                if (c < n_cols) {
+                    ds4_finish_rows<R>(acc[c], y + (ds4_size)c * y_stride, row0, n_out, wpr, true);
+                    __syncthreads();  // part_sums are rewritten by the next column
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[c][r] = 0.f;
+            }
+        }
+    };
+    Ds4Q8Item<R, 1> b0, b1;
+    load(0, b0);
+    ds4_grid_wait();  // only weights were read so far (docs/gpu.md §6)
+    if (ok) {
+        for (int c = 0; c < n_cols; ++c)
+            ds4_quantize_x4(x + (ds4_size)c * x_stride, n_in, xq + (ds4_size)c * n_in,
+                            xd + c * (n_in / 32), xs + c * (n_in / 16));
+    } else {
+        // Unsupported shape: NaN rows (the host checks first), as the other engines.
+        for (int s = 0; s < my_steps; ++s)
+            for (int c = 0; c < max(1, min(n_cols, MC)); ++c) {
+                float z[R] = {};
+                ds4_finish_rows<R>(z, y + (ds4_size)c * y_stride, row0_of(s * nit), n_out, wpr,
+                                   false);
+                __syncthreads();
+            }
         return;
     }
     for (int j = 0; j < nj; j += 2) {
@@ -1212,9 +1347,10 @@ extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
     ds4_gemvq_generic(const ds4_u8* __restrict__ W, int ty, ds4_size row_bytes,
                       const float* __restrict__ x, float* __restrict__ y, int n_in, int n_out) {
     ds4_grid_wait();
-    __shared__ __align__(16) ds4_i8 xq[DS4_Q8_MAX_IN];
-    __shared__ float xd[DS4_Q8_MAX_IN / 32];
-    __shared__ int xs[DS4_Q8_MAX_IN / 16];
+    __shared__ Ds4XQBuf xbuf;
+    ds4_i8* const xq = xbuf.q;
+    float* const xd = xbuf.d;
+    int* const xs = xbuf.s16;
     __shared__ ds4_u64 grid[256];
     __shared__ ds4_u8 ksigns[128];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = ds4_iq2xxs_grid[i];

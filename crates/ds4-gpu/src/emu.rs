@@ -390,6 +390,27 @@ mod tests {
         }
     }
 
+    /// `n_out` random Q8_0 rows of `n_in` values in ggml's layout (small positive scales)
+    /// and an input in [-1, 1].
+    fn random_q8_0(
+        next: &mut impl FnMut() -> u64,
+        n_in: usize,
+        n_out: usize,
+    ) -> (Vec<u8>, Vec<f32>) {
+        let mut w = vec![0u8; n_out * n_in / 32 * 34];
+        for (i, b) in w.iter_mut().enumerate() {
+            *b = (next() >> (i % 7)) as u8;
+        }
+        for blk in w.chunks_exact_mut(34) {
+            let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
+            blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+        }
+        let x = (0..n_in)
+            .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        (w, x)
+    }
+
     fn q8_0_cases(k: &EmuKernels) {
         use crate::kernels::{gemv_launch, q8_0_split_rows, GemvType};
         use ds4_gguf::GgmlType;
@@ -402,17 +423,7 @@ mod tests {
             (1536, 7),
         ] {
             let nb = n_in / 32;
-            let mut w = vec![0u8; n_out * nb * 34];
-            for (i, b) in w.iter_mut().enumerate() {
-                *b = (next() >> (i % 7)) as u8;
-            }
-            for blk in w.chunks_exact_mut(34) {
-                let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
-                blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
-            }
-            let x: Vec<f32> = (0..n_in)
-                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
-                .collect();
+            let (w, x) = random_q8_0(&mut next, n_in, n_out);
             let want: Vec<f32> = w
                 .chunks_exact(nb * 34)
                 .map(|row| ds4_gguf::quant::dot(GgmlType::Q8_0, row, &x).unwrap())
@@ -482,17 +493,7 @@ mod tests {
                 (2048, 40),
             ] {
                 let nb = n_in / 32;
-                let mut w = vec![0u8; n_out * nb * 34];
-                for (i, b) in w.iter_mut().enumerate() {
-                    *b = (next() >> (i % 7)) as u8;
-                }
-                for blk in w.chunks_exact_mut(34) {
-                    let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
-                    blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
-                }
-                let x: Vec<f32> = (0..n_in)
-                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
-                    .collect();
+                let (w, x) = random_q8_0(&mut next, n_in, n_out);
                 let mut xq = ActQ8::default();
                 xq.quantize(&x).unwrap();
                 let want: Vec<f32> = w
@@ -526,6 +527,97 @@ mod tests {
                                 l.wpr
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The several-column Q8_0 GEMV (`ds4_gemv_cols_q_q8_0`, batched decode): for 1 to 8
+    /// columns with padded strides, persistent grids of 1, 3 and the full grid, every
+    /// column's outputs are bit-for-bit the one-token kernel's on that column alone (the
+    /// host relies on it: a batched decode row equals the row decoded alone).
+    #[test]
+    fn q8_0_columns_equal_one_token_each() {
+        use crate::kernels::{gemv_launch, q8_0_split_rows, GemvConfig, GemvType};
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0xA076_1D64_78BD_642F);
+        for (n_in, n_out, cols) in [
+            (4096usize, 21usize, 8usize),
+            (1024, 64, 3),
+            (8192, 5, 4),
+            (256, 7, 2),
+        ] {
+            let (w, _) = random_q8_0(&mut next, n_in, n_out);
+            let mut split = w.clone();
+            q8_0_split_rows(&mut split, n_in).unwrap();
+            let (xs, ys) = (n_in + 32, n_out + 3);
+            let x: Vec<f32> = (0..cols * xs)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let cfg = GemvConfig {
+                rows: GemvType::Q8_0.default_config().rows,
+                chunk_blocks: 32,
+            };
+            for target in [1u64, 1 << 20] {
+                let l =
+                    gemv_launch(GemvType::Q8_0, cfg, n_in as u64, n_out as u64, target).unwrap();
+                let alone: Vec<Vec<f32>> = (0..cols)
+                    .map(|c| {
+                        let xc = &x[c * xs..c * xs + n_in];
+                        run_gemv(
+                            &k,
+                            "ds4_gemv_q_q8_0",
+                            l.grid_x,
+                            l.block,
+                            &split,
+                            xc,
+                            n_out,
+                            l.wpr,
+                        )
+                    })
+                    .collect();
+                for grid_x in [1, 3, l.grid_x] {
+                    let mut y = vec![f32::NAN; cols * ys];
+                    let (mut wp, mut xp, mut yp) = (
+                        split.as_ptr() as u64,
+                        x.as_ptr() as u64,
+                        y.as_mut_ptr() as u64,
+                    );
+                    let (mut xstr, mut ystr) = (xs as u64, ys as u64);
+                    let (mut ni, mut no, mut nc, mut wpr) =
+                        (n_in as i32, n_out as i32, cols as i32, l.wpr as i32);
+                    let mut params: Vec<*mut c_void> = vec![
+                        (&mut wp as *mut u64).cast(),
+                        (&mut xp as *mut u64).cast(),
+                        (&mut xstr as *mut u64).cast(),
+                        (&mut yp as *mut u64).cast(),
+                        (&mut ystr as *mut u64).cast(),
+                        (&mut ni as *mut i32).cast(),
+                        (&mut no as *mut i32).cast(),
+                        (&mut nc as *mut i32).cast(),
+                        (&mut wpr as *mut i32).cast(),
+                    ];
+                    // SAFETY: split holds n_out rows of n_in values, x cols rows of xs floats,
+                    // y cols rows of ys floats; the parameters are the entry point's, in order.
+                    unsafe {
+                        k.launch("ds4_gemv_cols_q_q8_0", (grid_x, 1, 1), l.block, &mut params)
+                    }
+                    .unwrap();
+                    for (c, want) in alone.iter().enumerate() {
+                        for (r, v) in want.iter().enumerate() {
+                            assert_eq!(
+                                y[c * ys + r].to_bits(),
+                                v.to_bits(),
+                                "{n_in}x{n_out} col {c} row {r} wpr {} grid {grid_x}: {} vs {v}",
+                                l.wpr,
+                                y[c * ys + r]
+                            );
+                        }
+                        assert!(
+                            y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()),
+                            "wrote past the rows"
+                        );
                     }
                 }
             }

@@ -570,6 +570,31 @@ mod tests {
         assert!(seen >= 39, "found only {seen} kernels");
     }
 
+    /// Activations are never read through the non-coherent read-only path, which the
+    /// compiler may move above the wait for the previous kernel (docs/gpu.md §6: the race
+    /// found on the H200). ops.cu's kernels read activations (none of them weights worth
+    /// it), so it has no `__ldg` at all; the GEMVs' x loader and the HCPre loads go through
+    /// `ds4_ld_act`, and the port header's ds4_ld_act is a coherent load.
+    #[test]
+    fn activations_never_take_the_read_only_path() {
+        for bad in ["ds4_ldg(", "__ldg("] {
+            assert!(!OPS.source.contains(bad), "ops.cu uses {bad}");
+        }
+        let loader = GEMV
+            .source
+            .split("ds4_ld_x4(const float* p) {")
+            .nth(1)
+            .and_then(|rest| rest.split('}').next())
+            .expect("gemv.cu defines ds4_ld_x4");
+        assert!(
+            loader.contains("ds4_ld_act("),
+            "ds4_ld_x4 must use ds4_ld_act: {loader}"
+        );
+        assert!(PORT_H
+            .1
+            .contains("ds4_ld_act(const T* p) { return __ldcg(p); }"));
+    }
+
     #[test]
     fn q8_0_split_moves_codes_first_scales_last() {
         // Two rows of 64 values: blocks (scale s, codes c..c+31).

@@ -214,6 +214,12 @@ pub(crate) struct GemvSet<D: GpuApi> {
     pub(crate) q8_generic: D::Function,
     /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
     pub(crate) q8_max_in: usize,
+    /// The several-column int8 Q8_0 GEMV (`ds4_gemv_cols_q_q8_0`: batched decode reads
+    /// each matrix once for all its tokens), its most columns, and the most codes
+    /// (columns x inputs) its shared memory holds (`ds4_gemvq_cols_max`).
+    pub(crate) q8_cols: D::Function,
+    pub(crate) q8_cols_max: usize,
+    pub(crate) q8_cols_codes: usize,
     configs: Vec<GemvConfig>,
     target_warps: u64,
     sms: u64,
@@ -272,6 +278,8 @@ impl<D: GpuApi> GemvSet<D> {
         }
         let sms = u64::from(dev.multiprocessors().max(1));
         let q8_generic = dev.function(&module, "ds4_gemvq_generic")?;
+        let q8_cols = dev.function(&module, "ds4_gemv_cols_q_q8_0")?;
+        let [cols_max, cols_codes] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_max")?;
         let [max_in, _] = dev.read_i32x2_global(&module, "ds4_gemvq_max_in")?;
         Ok(GemvSet {
             _module: module,
@@ -280,6 +288,9 @@ impl<D: GpuApi> GemvSet<D> {
             q8,
             q8_generic,
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
+            q8_cols,
+            q8_cols_max: usize::try_from(cols_max).unwrap_or(0),
+            q8_cols_codes: usize::try_from(cols_codes).unwrap_or(0),
             configs,
             target_warps: sms * WARPS_PER_SM_TARGET,
             sms,

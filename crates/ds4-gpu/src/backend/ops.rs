@@ -145,7 +145,11 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let gty = GemvType::from_ggml(m.ty).ok();
         if m.q8 && ds4_gguf::quant::q8act::applies(m.ty) {
-            // Decode rows: each token through the one-token kernel, as it runs alone.
+            // Decode rows: each token as it runs alone; Q8_0 several tokens per launch
+            // (the same sums, the matrix read once for all of them).
+            if m.n_tok > 1 && self.mm_q8_cols(m, op)? {
+                return Ok(());
+            }
             for t in 0..m.n_tok {
                 self.mm_q8(
                     Mm {
@@ -364,6 +368,57 @@ impl<D: GpuApi> GpuBackend<D> {
 
     /// One-token matmul with int8 activations: the staged kernel when rows are 16-byte
     /// aligned, else the any-alignment one.
+    /// Queues `m` (several decode rows of a Q8_0 matrix) through the several-column int8
+    /// GEMV in groups of at most `q8_cols_max` tokens; false (nothing queued) when the
+    /// shape or alignment does not suit it. The warps per row are the one-token launch's,
+    /// so every row is summed exactly as [`Self::mm_q8`] sums it alone.
+    fn mm_q8_cols(&mut self, m: Mm, op: &'static str) -> BResult<bool> {
+        if m.ty != GgmlType::Q8_0 || m.cols > self.gemv.q8_max_in || !m.cols.is_multiple_of(32) {
+            return Ok(false);
+        }
+        let per = self
+            .gemv
+            .q8_cols_max
+            .min(self.gemv.q8_cols_codes / m.cols.max(1));
+        if per < 2 {
+            return Ok(false);
+        }
+        let Ok(l) = self.gemv.q8_launch(GemvType::Q8_0, m.cols, m.n_rows, 1) else {
+            return Ok(false);
+        };
+        let wbase = m.w + (m.row0 * m.row_bytes) as u64;
+        if l.row_bytes as usize != m.row_bytes
+            || !wbase.is_multiple_of(16)
+            || !m.x.is_multiple_of(16)
+            || !(4 * m.x_stride).is_multiple_of(16)
+        {
+            return Ok(false);
+        }
+        let mut t = 0;
+        while t < m.n_tok {
+            let n = per.min(m.n_tok - t);
+            self.launch_fn(
+                &self.gemv.q8_cols,
+                "gemvq_cols_q8_0",
+                (self.gemv.q8_grid_x(l.grid_x, 1), 1, 1),
+                l.block,
+                &[
+                    Arg::Ptr(wbase),
+                    Arg::Ptr(m.x + (4 * t * m.x_stride) as u64),
+                    u(m.x_stride),
+                    Arg::Ptr(m.y + (4 * t * m.y_stride) as u64),
+                    u(m.y_stride),
+                    i32a(op, "cols", m.cols)?,
+                    i32a(op, "rows", m.n_rows)?,
+                    i32a(op, "tokens", n)?,
+                    Arg::I32(l.wpr as i32),
+                ],
+            )?;
+            t += n;
+        }
+        Ok(true)
+    }
+
     fn mm_q8(&mut self, m: Mm, op: &'static str) -> BResult<()> {
         if m.cols > self.gemv.q8_max_in || !m.cols.is_multiple_of(32) {
             return Err(BackendError::Invalid {

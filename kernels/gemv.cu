@@ -59,6 +59,10 @@
 #define DS4_MINB_Q4_K 2
 #define DS4_MINB_IQ2_XXS 2
 #endif
+// Most columns (tokens of different sequences) of the several-column GEMVs (batched decode).
+#ifndef DS4_Q8M_COLS
+#define DS4_Q8M_COLS 8
+#endif
 #ifndef DS4_GEMV_UNROLL
 #define DS4_GEMV_UNROLL 8
 #endif
@@ -537,6 +541,79 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
         }
     }
     ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
+}
+
+// The plain engine for a few independent columns (batched decode of F16/F32 matrices):
+// each weight vector is loaded once and multiplied with every column's x; per column the
+// loop, the per-lane order and the reduction are ds4_gemv_plain's, so with the same warps
+// per row each column's rows are bit-for-bit the one-token kernel's.
+template <class T>
+__device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W,
+                                                    const float* __restrict__ x,
+                                                    ds4_size x_stride, float* __restrict__ y,
+                                                    ds4_size y_stride, int n_in, int n_out,
+                                                    int n_cols, int wpr) {
+    constexpr int R = DS4_GEMV_PLAIN_ROWS, MC = DS4_Q8M_COLS;
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
+    const int nvec = n_in / T::EPV;
+    const bool ok = n_cols >= 1 && n_cols <= MC;
+    float acc[MC][R];
+#pragma unroll
+    for (int c = 0; c < MC; ++c)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[c][r] = 0.f;
+    if (ok && row0 < n_out) {
+        const uint4* w[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            w[r] = (const uint4*)(W + (ds4_size)min(row0 + r, n_out - 1) * (ds4_size)nvec * 16);
+        const int stride = DS4_WARP * wpr;
+        int i = (warp % wpr) * DS4_WARP + lane;
+        bool waited = false;
+        for (; i + 3 * stride < nvec; i += 4 * stride) {
+            uint4 a[R][4];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + i + k * stride);
+            if (!waited) {
+                ds4_grid_wait();
+                waited = true;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                for (int c = 0; c < MC; ++c) {
+                    if (c < n_cols) {
+                        const typename T::X xv =
+                            T::ldx(x + (ds4_size)c * x_stride + (ds4_size)(i + k * stride) * T::EPV);
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r][k], xv);
+                    }
+                }
+            }
+        }
+        ds4_grid_wait();
+        for (; i < nvec; i += stride) {
+            uint4 a[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) a[r] = ds4_ldg(w[r] + i);
+#pragma unroll
+            for (int c = 0; c < MC; ++c) {
+                if (c < n_cols) {
+                    const typename T::X xv = T::ldx(x + (ds4_size)c * x_stride + (ds4_size)i * T::EPV);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r], xv);
+                }
+            }
+        }
+    }
+    for (int c = 0; c < max(1, min(n_cols, MC)); ++c) {
+        ds4_finish_rows<R>(acc[c], y + (ds4_size)c * y_stride, row0, n_out, wpr, ok);
+        __syncthreads();  // part_sums are rewritten by the next column
+    }
 }
 
 // Split-layout Q8_0 rows (Ds4Q8S): a warp computes R rows; each lane takes 16-code vectors
@@ -1149,9 +1226,6 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W,
 // the default DS4_Q8Q_UNITS=1), so a batched row equals the row computed alone. x holds M rows of n_in floats x_stride apart, y M rows of n_out floats
 // y_stride apart. Shared memory holds the M quantized inputs: M * n_in <= DS4_Q8M_CODES.
 // ---------------------------------------------------------------------------------------
-#ifndef DS4_Q8M_COLS
-#define DS4_Q8M_COLS 8
-#endif
 #define DS4_Q8M_CODES 32768
 extern "C" __device__ const int ds4_gemvq_cols_max[2] = {DS4_Q8M_COLS, DS4_Q8M_CODES};
 
@@ -1422,6 +1496,17 @@ DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
 
 DS4_GEMV_ENTRY(f32, ds4_gemv_plain, Ds4F32, DS4_MINB_PLAIN)
 DS4_GEMV_ENTRY(f16, ds4_gemv_plain, Ds4F16, DS4_MINB_PLAIN)
+// Several columns (batched decode): y[c * y_stride + r] = row r · x[c * x_stride ..] for
+// c < n_cols <= DS4_Q8M_COLS; grid and warps per row as ds4_gemv_<t>.
+#define DS4_GEMV_COLS_ENTRY(NAME, FMT)                                                          \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, 2)                          \
+        ds4_gemv_cols_##NAME(const ds4_u8* __restrict__ W, const float* __restrict__ x,        \
+                             ds4_size x_stride, float* __restrict__ y, ds4_size y_stride,      \
+                             int n_in, int n_out, int n_cols, int wpr) {                       \
+        ds4_gemv_plain_cols<FMT>(W, x, x_stride, y, y_stride, n_in, n_out, n_cols, wpr);       \
+    }
+DS4_GEMV_COLS_ENTRY(f32, Ds4F32)
+DS4_GEMV_COLS_ENTRY(f16, Ds4F16)
 // The register-staged Q8_0 engine by default: on the H200 (2026-12-04, ds4-gpu-check
 // graphs) it read 1024->32768 in 15.2 us and 4096->8192 in 13.3 us against the cp.async
 // ring's 17.6 / 16.9 us (4 stages; 3 or 5 stages, or 4 rows x 2 stages, no better), so

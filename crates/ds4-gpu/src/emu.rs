@@ -624,6 +624,87 @@ mod tests {
         }
     }
 
+    /// The several-column F32/F16 GEMVs (`ds4_gemv_cols_<t>`, batched decode): for 1 to 8
+    /// columns with padded strides, under the one-token launch (several warps per row and
+    /// one), every column's outputs are bit-for-bit the one-token GEMV's on that column.
+    #[test]
+    fn plain_columns_equal_one_token_each() {
+        use crate::kernels::{gemv_launch, GemvType};
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0x6C8E_9CF5_7093_2BD5);
+        for (ty, name) in [(GemvType::F16, "f16"), (GemvType::F32, "f32")] {
+            for (n_in, n_out, cols) in [
+                (4096usize, 21usize, 8usize),
+                (1024, 64, 3),
+                (256, 7, 2),
+                (16384, 24, 5),
+            ] {
+                let vals: Vec<f32> = (0..n_in * n_out)
+                    .map(|_| (next() % 2001) as f32 / 4000.0 - 0.25)
+                    .collect();
+                let w: Vec<u8> = match ty {
+                    GemvType::F16 => vals
+                        .iter()
+                        .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
+                        .collect(),
+                    _ => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                };
+                let (xs, ys) = (n_in + 8, n_out + 3);
+                let x: Vec<f32> = (0..cols * xs)
+                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                for target in [1u64, 1 << 20] {
+                    let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
+                        .unwrap();
+                    let mut y = vec![f32::NAN; cols * ys];
+                    let (mut wp, mut xp, mut yp) =
+                        (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
+                    let (mut xstr, mut ystr) = (xs as u64, ys as u64);
+                    let (mut ni, mut no, mut nc, mut wpr) =
+                        (n_in as i32, n_out as i32, cols as i32, l.wpr as i32);
+                    let mut params: Vec<*mut c_void> = vec![
+                        (&mut wp as *mut u64).cast(),
+                        (&mut xp as *mut u64).cast(),
+                        (&mut xstr as *mut u64).cast(),
+                        (&mut yp as *mut u64).cast(),
+                        (&mut ystr as *mut u64).cast(),
+                        (&mut ni as *mut i32).cast(),
+                        (&mut no as *mut i32).cast(),
+                        (&mut nc as *mut i32).cast(),
+                        (&mut wpr as *mut i32).cast(),
+                    ];
+                    let kname = format!("ds4_gemv_cols_{name}");
+                    // SAFETY: w holds n_out rows of n_in values, x cols rows of xs floats, y
+                    // cols rows of ys floats; the parameters are the entry point's, in order.
+                    unsafe { k.launch(&kname, (l.grid_x, 1, 1), l.block, &mut params) }.unwrap();
+                    for c in 0..cols {
+                        let xc = &x[c * xs..c * xs + n_in];
+                        let alone = run_gemv(
+                            &k,
+                            &format!("ds4_gemv_{name}"),
+                            l.grid_x,
+                            l.block,
+                            &w,
+                            xc,
+                            n_out,
+                            l.wpr,
+                        );
+                        for (r, v) in alone.iter().enumerate() {
+                            assert_eq!(
+                                y[c * ys + r].to_bits(),
+                                v.to_bits(),
+                                "{name} {n_in}x{n_out} col {c} row {r} wpr {}: {} vs {v}",
+                                l.wpr,
+                                y[c * ys + r]
+                            );
+                        }
+                        assert!(y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()));
+                    }
+                }
+            }
+        }
+    }
+
     /// The persistent int8-activation GEMV (`ds4_gemvq_quant`): with fewer blocks than row
     /// steps (each block walks several, prefetching the next step's first chunk) and with
     /// the full grid, the outputs equal the CPU's int8-activation dot products of the same

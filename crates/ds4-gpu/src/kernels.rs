@@ -530,6 +530,7 @@ mod tests {
         let engines = [
             "ds4_gemv_quant<",
             "ds4_gemv_plain<",
+            "ds4_gemv_plain_cols<",
             "ds4_gemvq_quant<",
             "ENGINE<",
         ];

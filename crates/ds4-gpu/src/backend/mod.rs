@@ -218,6 +218,8 @@ pub(crate) struct GemvSet<D: GpuApi> {
     /// each matrix once for all its tokens), its most columns, and the most codes
     /// (columns x inputs) its shared memory holds (`ds4_gemvq_cols_max`).
     pub(crate) q8_cols: D::Function,
+    /// The several-column F32 and F16 GEMVs (`ds4_gemv_cols_f32`, `_f16`).
+    pub(crate) plain_cols: [D::Function; 2],
     pub(crate) q8_cols_max: usize,
     pub(crate) q8_cols_codes: usize,
     configs: Vec<GemvConfig>,
@@ -279,6 +281,10 @@ impl<D: GpuApi> GemvSet<D> {
         let sms = u64::from(dev.multiprocessors().max(1));
         let q8_generic = dev.function(&module, "ds4_gemvq_generic")?;
         let q8_cols = dev.function(&module, "ds4_gemv_cols_q_q8_0")?;
+        let plain_cols = [
+            dev.function(&module, "ds4_gemv_cols_f32")?,
+            dev.function(&module, "ds4_gemv_cols_f16")?,
+        ];
         let [cols_max, cols_codes] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_max")?;
         let [max_in, _] = dev.read_i32x2_global(&module, "ds4_gemvq_max_in")?;
         Ok(GemvSet {
@@ -289,6 +295,7 @@ impl<D: GpuApi> GemvSet<D> {
             q8_generic,
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             q8_cols,
+            plain_cols,
             q8_cols_max: usize::try_from(cols_max).unwrap_or(0),
             q8_cols_codes: usize::try_from(cols_codes).unwrap_or(0),
             configs,

@@ -190,6 +190,9 @@ impl<D: GpuApi> GpuBackend<D> {
                 }
             }
         }
+        if m.n_tok <= self.gemv.q8_cols_max && self.mm_plain_cols(m, op)? {
+            return Ok(());
+        }
         let ty = Arg::I32(m.ty.code() as i32);
         if m.n_tok < self.panel_from_tokens {
             return self.launch(
@@ -416,6 +419,53 @@ impl<D: GpuApi> GpuBackend<D> {
             )?;
             t += n;
         }
+        Ok(true)
+    }
+
+    /// Queues `m` (a few tokens of an F32 or F16 matrix: batched decode) through the
+    /// several-column plain GEMV, the one-token launch's grid and warps per row, so each
+    /// token's row is summed as the one-token GEMV sums it; false when it does not apply.
+    fn mm_plain_cols(&mut self, m: Mm, op: &'static str) -> BResult<bool> {
+        let idx = match m.ty {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            _ => return Ok(false),
+        };
+        let Ok(gty) = GemvType::from_ggml(m.ty) else {
+            return Ok(false);
+        };
+        let Ok(l) = self.gemv.launch_for(gty, m.cols, m.n_rows) else {
+            return Ok(false);
+        };
+        let wbase = m.w + (m.row0 * m.row_bytes) as u64;
+        if l.row_bytes as usize != m.row_bytes
+            || !wbase.is_multiple_of(16)
+            || !m.x.is_multiple_of(16)
+            || !(4 * m.x_stride).is_multiple_of(16)
+        {
+            return Ok(false);
+        }
+        self.launch_fn(
+            &self.gemv.plain_cols[idx],
+            if idx == 0 {
+                "gemv_cols_f32"
+            } else {
+                "gemv_cols_f16"
+            },
+            (l.grid_x, 1, 1),
+            l.block,
+            &[
+                Arg::Ptr(wbase),
+                Arg::Ptr(m.x),
+                u(m.x_stride),
+                Arg::Ptr(m.y),
+                u(m.y_stride),
+                i32a(op, "cols", m.cols)?,
+                i32a(op, "rows", m.n_rows)?,
+                i32a(op, "tokens", m.n_tok)?,
+                Arg::I32(l.wpr as i32),
+            ],
+        )?;
         Ok(true)
     }
 

@@ -1459,6 +1459,17 @@ extern "C" __global__ void ds4_gather_rows(const float* x, const int* src, int n
     }
 }
 
+// xs[j] = x[j / k] for rows of d: each token's input repeated for its k selections (the
+// grouped experts' per-selection inputs at batched decode, with no index list to upload).
+extern "C" __global__ void ds4_repeat_rows(const float* x, int k, int n, int d, float* xs) {
+    ds4_grid_wait();
+    const ds4_size total = (ds4_size)n * d;
+    DS4_GRID_STRIDE(e, total) {
+        const ds4_size j = e / d;
+        xs[e] = x[(j / k) * d + (e % d)];
+    }
+}
+
 // h[j] = weights[slot[j]] * swiglu(g[j], u[j]) over rows of f.
 extern "C" __global__ void ds4_moe_act(const float* g, const float* u, const float* weights,
                                        const int* slot, int n, int f, float clamp, float* h) {

@@ -624,6 +624,33 @@ mod tests {
         }
     }
 
+    /// `ds4_repeat_rows` gives selection j its token's row j / k.
+    #[test]
+    fn repeat_rows_gives_each_selection_its_token() {
+        let k = EmuKernels::build().unwrap();
+        let (toks, sel_per_tok, d) = (3usize, 6usize, 40usize);
+        let x: Vec<f32> = (0..toks * d).map(|i| i as f32).collect();
+        let mut out = vec![f32::NAN; toks * sel_per_tok * d];
+        let (mut xp, mut op) = (x.as_ptr() as u64, out.as_mut_ptr() as u64);
+        let (mut kk, mut n, mut dd) = (sel_per_tok as i32, (toks * sel_per_tok) as i32, d as i32);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut xp as *mut u64).cast(),
+            (&mut kk as *mut i32).cast(),
+            (&mut n as *mut i32).cast(),
+            (&mut dd as *mut i32).cast(),
+            (&mut op as *mut u64).cast(),
+        ];
+        // SAFETY: x holds toks rows of d, out toks * k rows of d; the kernel's parameters.
+        unsafe { k.launch("ds4_repeat_rows", (2, 1, 1), 256, &mut params) }.unwrap();
+        for j in 0..toks * sel_per_tok {
+            assert_eq!(
+                &out[j * d..(j + 1) * d],
+                &x[(j / sel_per_tok) * d..(j / sel_per_tok + 1) * d],
+                "selection {j}"
+            );
+        }
+    }
+
     /// The several-column F32/F16 GEMVs (`ds4_gemv_cols_<t>`, batched decode): for 1 to 8
     /// columns with padded strides, under the one-token launch (several warps per row and
     /// one), every column's outputs are bit-for-bit the one-token GEMV's on that column.

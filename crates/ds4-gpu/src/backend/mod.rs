@@ -538,6 +538,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_embed",
     "ds4_hc_pre",
     "ds4_hc_pre_regs",
+    "ds4_repeat_rows",
     "ds4_hc_post",
     "ds4_hc_head",
     "ds4_compressor",

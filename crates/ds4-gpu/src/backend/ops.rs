@@ -1277,16 +1277,15 @@ impl<D: GpuApi> GpuBackend<D> {
             let (xsrc, per_sel) = if t == 1 {
                 (xp, false)
             } else {
-                let src: Vec<i32> = (0..n_sel).map(|j| (j / k) as i32).collect();
-                let srcp = self.upload_scratch_i32("moe_src", &src)?;
+                // Each token's x once per selection, on the device (no host index list).
                 let xs = self.scratch("moe_xs", 4 * n_sel * d)?;
                 self.launch(
-                    "ds4_gather_rows",
+                    "ds4_repeat_rows",
                     (grid_for(n_sel * d), 1, 1),
                     256,
                     &[
                         Arg::Ptr(xp),
-                        Arg::Ptr(srcp),
+                        i32a(OP, "k", k)?,
                         i32a(OP, "selections", n_sel)?,
                         i32a(OP, "dim", d)?,
                         Arg::Ptr(xs),

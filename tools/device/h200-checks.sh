@@ -17,7 +17,8 @@
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
 #   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
-#   batch      batched decode aggregate tok/s at 1, 2, 4, 8, 16 sequences
+#   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
+#              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
 #   numeric    logits of the fast paths (tiles off/experts/all) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
 set -uo pipefail
@@ -91,7 +92,14 @@ if ! skip bench; then
     grep -E "^[0-9]+,|rror" "$OUT/bench_tiles.log"
 fi
 if ! skip batch; then
-    step batch
+    step batch; models
+    # Correctness first: batched rows against the same rows decoded alone (tiny models and,
+    # with int8 activations, a 4-layer real-dimension model where the several-column GEMVs run).
+    ds4-engine-check batch "$work"/m-*.gguf --tiny 2 --act-q8 > "$OUT/batch_check.log" 2>&1
+    ds4-convert synthetic --quiet --layout q2 --layers 4 \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4b.gguf" >/dev/null
+    ds4-engine-check batch "$work/syn4b.gguf" --tiny 0 --tokens 20 --act-q8 >> "$OUT/batch_check.log" 2>&1
+    grep -E "cuda|PASSED|FAIL|failed" "$OUT/batch_check.log" | head -12
     timeout 400 ds4-bench --synthetic q2 --frontiers 512 --decode 16 --batch 1,2,4,8,16 > "$OUT/batch.log" 2>&1
     grep -E "^batch|rror" "$OUT/batch.log"
 fi

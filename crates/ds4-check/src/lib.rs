@@ -1,6 +1,7 @@
 //! Checking backends against each other, kept apart from the backends themselves so that
 //! a backend crate carries no test tooling and depends on no sibling backend.
 //!
+//! * [`batch`]: batched decode rows against the same rows decoded alone.
 //! * [`mirror`]: [`mirror::Mirror`], a `Backend` that runs every op on a reference backend
 //!   and on a candidate backend and compares them op by op (the CPU reference against
 //!   CUDA or HIP on a GPU machine; the CPU against itself or a perturbed copy in tests).
@@ -11,6 +12,7 @@
 //! * `ds4-engine-check` (binary): the op mirror on real and random models, whole-model
 //!   logit parity, and the official-mode reference on the GPU.
 
+pub mod batch;
 pub mod mirror;
 pub mod parity;
 pub mod refcheck;

@@ -382,3 +382,44 @@ fn emulated_tile_kernels_decode_every_type() {
         }
     }
 }
+
+/// Batched decode on the GPU path (emulated kernels): with int8 activations (the fast
+/// default) every sequence's batched logits row is bit-for-bit the row it gets decoded
+/// alone (the several-column GEMVs sum each column as the one-token kernels do); with f32
+/// activations the multi-token matmuls take other kernels, so rows agree within 1e-6. No
+/// greedy token may differ either way (`ds4_check::batch`; what `ds4-server --parallel`
+/// relies on). The CPU engine is bit-for-bit in both.
+#[test]
+fn emulated_batched_decode_equals_decoding_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    for (recipe, act_q8) in [(TypeRecipe::Q2, true), (TypeRecipe::Q4, false)] {
+        let file = model_file_with(dir.path(), recipe);
+        let m = machine("strix-halo-stock");
+        let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+        gpu.set_activation_q8(act_q8).unwrap();
+        let mut rng = ds4_engine::Rng::new(11);
+        let r =
+            ds4_check::batch::batch_vs_alone(&file, NumericMode::Exact, Box::new(gpu), 9, &mut rng)
+                .unwrap();
+        assert!(
+            fake.kernel_errors().is_empty(),
+            "{:?}",
+            fake.kernel_errors()
+        );
+        let ok = if act_q8 { r.exact } else { r.worst <= 1e-6 };
+        assert!(
+            ok && r.greedy == 0,
+            "{recipe:?} act_q8 {act_q8}: batched vs alone {r:?}"
+        );
+        let mut cpu = CpuBackend::new(1).unwrap();
+        cpu.set_activation_q8(act_q8).unwrap();
+        let mut rng = ds4_engine::Rng::new(11);
+        let r =
+            ds4_check::batch::batch_vs_alone(&file, NumericMode::Exact, Box::new(cpu), 9, &mut rng)
+                .unwrap();
+        assert!(
+            r.exact && r.greedy == 0,
+            "cpu {recipe:?} act_q8 {act_q8}: {r:?}"
+        );
+    }
+}

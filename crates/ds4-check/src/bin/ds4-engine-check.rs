@@ -11,6 +11,11 @@
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode where
 //!   the model allows it (the reordered bound of `ds4_check::refcheck`, pooled over the run's
 //!   official-mode paths, each with its own tokens, at least 100 of them: `ds4_check::parity`).
+//! * `batch [MODELS] [--tiny N] [--tokens T] [--seed S] [--act-q8]` — batched decode
+//!   (`Engine::eval_batch`, 4 sequences of different prompt lengths, 6 steps) against the
+//!   same sequences decoded alone, on the CPU engine and the CUDA engine when a device
+//!   answers: no greedy token may differ and every row must be within 1e-6 (bit-for-bit
+//!   equality is reported). What `ds4-server --parallel` will rely on (issue 22).
 //! * `reference [FIXTURES_DIR] [--cpu-only] [--act-q8] [--control NAME|all]... [--paths P,..] [--only FIX]...
 //!   [--seed S] [--dump FILE]` — official mode against the official-mode reference logits of
 //!   the tiny fixtures (`tests/fixtures/tiny-*/official.safetensors`, written by
@@ -739,13 +744,66 @@ fn reference_paths(
     Ok(out)
 }
 
+/// `batch`: batched decode rows against the same rows decoded alone, on the CPU engine and
+/// (when a device answers) the CUDA engine. Passes when no greedy token differs and every
+/// row is within 1e-6 of its alone twin; says whether they were bit-for-bit equal.
+fn batch(a: &Args) -> Result<()> {
+    let mut rng = Rng::new(a.seed);
+    let mut failed = Vec::new();
+    println!("batch: seed {}", a.seed);
+    let gpu_ok = cuda().is_ok();
+    if !gpu_ok {
+        println!("no CUDA device answered: CPU engine only");
+    }
+    for (label, file) in models(a)? {
+        for mode in modes(&file)? {
+            for gpu in [false, true] {
+                if gpu && !gpu_ok {
+                    continue;
+                }
+                let mut be: Box<dyn ds4_engine::Backend> = if gpu {
+                    Box::new(cuda()?)
+                } else {
+                    Box::new(CpuBackend::new(0)?)
+                };
+                be.set_activation_q8(a.act_q8)?;
+                let ds4_check::batch::BatchVsAlone {
+                    worst,
+                    exact,
+                    greedy,
+                } = ds4_check::batch::batch_vs_alone(&file, mode, be, a.tokens, &mut rng)?;
+                let ok = worst <= 1e-6 && greedy == 0;
+                println!(
+                    "{label} · {mode} · {}: batched vs alone max rel {worst:.2e}, bit-exact {}, greedy differences {greedy}{}",
+                    if gpu { "cuda" } else { "cpu" },
+                    if exact { "yes" } else { "no" },
+                    if ok { "" } else { " FAIL" }
+                );
+                if !ok {
+                    failed.push(format!(
+                        "{label} {mode} {}",
+                        if gpu { "cuda" } else { "cpu" }
+                    ));
+                }
+            }
+        }
+    }
+    if failed.is_empty() {
+        println!("\nBATCH: ALL PASSED");
+        Ok(())
+    } else {
+        bail!("batch failed: {}", failed.join(", "))
+    }
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let rest = || parse(args.get(1..).unwrap_or(&[]));
     match args.first().map(String::as_str) {
         Some("ops") => ops(&rest()?),
         Some("parity") => parity(&rest()?),
+        Some("batch") => batch(&rest()?),
         Some("reference") => reference(&parse_reference(args.get(1..).unwrap_or(&[]))?),
-        _ => bail!("usage: ds4-engine-check (ops|parity) [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]\n       ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]"),
+        _ => bail!("usage: ds4-engine-check (ops|parity|batch) [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]\n       ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]"),
     }
 }

@@ -166,6 +166,17 @@ fn modes(file: &GgufFile) -> Result<Vec<NumericMode>> {
     Ok(m)
 }
 
+/// A fresh CUDA (`gpu`) or CPU engine backend with the given activation mode.
+fn engine_backend(gpu: bool, act_q8: bool) -> Result<Box<dyn ds4_engine::Backend>> {
+    let mut be: Box<dyn ds4_engine::Backend> = if gpu {
+        Box::new(cuda()?)
+    } else {
+        Box::new(CpuBackend::new(0)?)
+    };
+    be.set_activation_q8(act_q8)?;
+    Ok(be)
+}
+
 fn cuda() -> Result<CudaBackend> {
     cuda_with(PrefillTiles::Off)
 }
@@ -260,13 +271,7 @@ fn paths(
 ) -> Result<[Vec<f32>; 3]> {
     let mut out: [Vec<f32>; 3] = Default::default();
     for (i, o) in out.iter_mut().enumerate() {
-        let mut be: Box<dyn ds4_engine::Backend> = if gpu {
-            Box::new(cuda()?)
-        } else {
-            Box::new(CpuBackend::new(0)?)
-        };
-        be.set_activation_q8(act_q8)?;
-        *o = parity::eval_path(file, mode, &toks[i], i, be)?;
+        *o = parity::eval_path(file, mode, &toks[i], i, engine_backend(gpu, act_q8)?)?;
     }
     Ok(out)
 }
@@ -761,12 +766,7 @@ fn batch(a: &Args) -> Result<()> {
                 if gpu && !gpu_ok {
                     continue;
                 }
-                let mut be: Box<dyn ds4_engine::Backend> = if gpu {
-                    Box::new(cuda()?)
-                } else {
-                    Box::new(CpuBackend::new(0)?)
-                };
-                be.set_activation_q8(a.act_q8)?;
+                let be = engine_backend(gpu, a.act_q8)?;
                 let ds4_check::batch::BatchVsAlone {
                     worst,
                     exact,

@@ -13,7 +13,7 @@ use ds4_placement::MemKind;
 use super::launch::{grid_for, Arg};
 use super::{gerr, GpuBackend, PrefillTiles};
 use crate::api::{DeviceBuffer, GpuApi};
-use crate::kernels::GemvType;
+use crate::kernels::{GemvLaunch, GemvType};
 
 /// f32 elements of one dequantized weight panel (256 MiB).
 const PANEL_ELEMS: usize = 64 << 20;
@@ -92,6 +92,19 @@ struct Mm {
     y_stride: usize,
     /// Int8 activations (the op's rule: act_q8 and one token in the op).
     q8: bool,
+}
+
+impl Mm {
+    /// The first weight row of `self` when a several-column GEMV launched as `l` can read
+    /// it: rows of the launch's size, weights, x and every token's x 16-byte aligned.
+    fn columns_base(&self, l: &GemvLaunch) -> Option<u64> {
+        let wbase = self.w + (self.row0 * self.row_bytes) as u64;
+        (l.row_bytes as usize == self.row_bytes
+            && wbase.is_multiple_of(16)
+            && self.x.is_multiple_of(16)
+            && (4 * self.x_stride).is_multiple_of(16))
+        .then_some(wbase)
+    }
 }
 
 /// Forward passes of at most this many tokens (decode, batched decode) launch their kernels
@@ -389,14 +402,9 @@ impl<D: GpuApi> GpuBackend<D> {
         let Ok(l) = self.gemv.q8_launch(GemvType::Q8_0, m.cols, m.n_rows, 1) else {
             return Ok(false);
         };
-        let wbase = m.w + (m.row0 * m.row_bytes) as u64;
-        if l.row_bytes as usize != m.row_bytes
-            || !wbase.is_multiple_of(16)
-            || !m.x.is_multiple_of(16)
-            || !(4 * m.x_stride).is_multiple_of(16)
-        {
+        let Some(wbase) = m.columns_base(&l) else {
             return Ok(false);
-        }
+        };
         let mut t = 0;
         while t < m.n_tok {
             let n = per.min(m.n_tok - t);
@@ -437,14 +445,9 @@ impl<D: GpuApi> GpuBackend<D> {
         let Ok(l) = self.gemv.launch_for(gty, m.cols, m.n_rows) else {
             return Ok(false);
         };
-        let wbase = m.w + (m.row0 * m.row_bytes) as u64;
-        if l.row_bytes as usize != m.row_bytes
-            || !wbase.is_multiple_of(16)
-            || !m.x.is_multiple_of(16)
-            || !(4 * m.x_stride).is_multiple_of(16)
-        {
+        let Some(wbase) = m.columns_base(&l) else {
             return Ok(false);
-        }
+        };
         self.launch_fn(
             &self.gemv.plain_cols[idx],
             if idx == 0 {

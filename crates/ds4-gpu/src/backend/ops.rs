@@ -203,7 +203,13 @@ impl<D: GpuApi> GpuBackend<D> {
                 }
             }
         }
-        if m.n_tok <= self.gemv.q8_cols_max && self.mm_plain_cols(m, op)? {
+        // Batched decode only for now: the several-column GEMV has been checked in the
+        // kernel emulation, not yet on a GPU, so short prompt evaluations keep their kernel.
+        if self.decode_rows > 1
+            && m.n_tok <= self.decode_rows
+            && m.n_tok <= self.gemv.q8_cols_max
+            && self.mm_plain_cols(m, op)?
+        {
             return Ok(());
         }
         let ty = Arg::I32(m.ty.code() as i32);

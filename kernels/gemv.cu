@@ -1110,6 +1110,19 @@ struct Ds4Q8Sx {
     static constexpr int UNITS = DS4_Q8Q_UNITS;
 };
 
+// Σ of 32 int8 weight codes (lo, hi) times 32 int8 activation codes (xa, xb): eight dp4a in
+// code order (exact integer sums, as the CPU's q8act).
+__device__ __forceinline__ int ds4_dot32_i8(uint4 lo, uint4 hi, uint4 xa, uint4 xb) {
+    int is = ds4_dp4a((int)lo.x, (int)xa.x, 0);
+    is = ds4_dp4a((int)lo.y, (int)xa.y, is);
+    is = ds4_dp4a((int)lo.z, (int)xa.z, is);
+    is = ds4_dp4a((int)lo.w, (int)xa.w, is);
+    is = ds4_dp4a((int)hi.x, (int)xb.x, is);
+    is = ds4_dp4a((int)hi.y, (int)xb.y, is);
+    is = ds4_dp4a((int)hi.z, (int)xb.z, is);
+    return ds4_dp4a((int)hi.w, (int)xb.w, is);
+}
+
 template <int R, int U>
 struct Ds4Q8Item {
     uint4 lo[R][U], hi[R][U];
@@ -1173,15 +1186,7 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W,
                 const float dx = xd[u];
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const uint4 a = b.lo[r][k], c = b.hi[r][k];
-                    int is = ds4_dp4a((int)a.x, (int)xa.x, 0);
-                    is = ds4_dp4a((int)a.y, (int)xa.y, is);
-                    is = ds4_dp4a((int)a.z, (int)xa.z, is);
-                    is = ds4_dp4a((int)a.w, (int)xa.w, is);
-                    is = ds4_dp4a((int)c.x, (int)xb.x, is);
-                    is = ds4_dp4a((int)c.y, (int)xb.y, is);
-                    is = ds4_dp4a((int)c.z, (int)xb.z, is);
-                    is = ds4_dp4a((int)c.w, (int)xb.w, is);
+                    const int is = ds4_dot32_i8(b.lo[r][k], b.hi[r][k], xa, xb);
                     acc[r] += (ds4_h2f(b.sc[r][k]) * dx) * (float)is;
                 }
             }
@@ -1285,15 +1290,7 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
                     const float dx = xd[c * (n_in / 32) + u];
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
-                        const uint4 a = b.lo[r][0], h = b.hi[r][0];
-                        int is = ds4_dp4a((int)a.x, (int)xa.x, 0);
-                        is = ds4_dp4a((int)a.y, (int)xa.y, is);
-                        is = ds4_dp4a((int)a.z, (int)xa.z, is);
-                        is = ds4_dp4a((int)a.w, (int)xa.w, is);
-                        is = ds4_dp4a((int)h.x, (int)xb.x, is);
-                        is = ds4_dp4a((int)h.y, (int)xb.y, is);
-                        is = ds4_dp4a((int)h.z, (int)xb.z, is);
-                        is = ds4_dp4a((int)h.w, (int)xb.w, is);
+                        const int is = ds4_dot32_i8(b.lo[r][0], b.hi[r][0], xa, xb);
                         acc[c][r] += (ds4_h2f(b.sc[r][0]) * dx) * (float)is;
                     }
                 }

@@ -347,6 +347,42 @@ mod tests {
         y
     }
 
+    /// Runs a several-column GEMV (`ds4_gemv_cols_<t>`) over `grid_x` blocks: x holds `cols`
+    /// rows of `x_stride` floats, the result `cols` rows of `y_stride` floats starting as NaN.
+    #[allow(clippy::too_many_arguments)]
+    fn run_gemv_cols(
+        k: &EmuKernels,
+        name: &str,
+        grid_x: u32,
+        block: u32,
+        w: &[u8],
+        (x, x_stride): (&[f32], usize),
+        (n_in, n_out, cols, y_stride): (usize, usize, usize, usize),
+        wpr: u32,
+    ) -> Vec<f32> {
+        let mut y = vec![f32::NAN; cols * y_stride];
+        let (mut wp, mut xp, mut yp) =
+            (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
+        let (mut xs, mut ys) = (x_stride as u64, y_stride as u64);
+        let (mut ni, mut no, mut nc, mut wpr) =
+            (n_in as i32, n_out as i32, cols as i32, wpr as i32);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut wp as *mut u64).cast(),
+            (&mut xp as *mut u64).cast(),
+            (&mut xs as *mut u64).cast(),
+            (&mut yp as *mut u64).cast(),
+            (&mut ys as *mut u64).cast(),
+            (&mut ni as *mut i32).cast(),
+            (&mut no as *mut i32).cast(),
+            (&mut nc as *mut i32).cast(),
+            (&mut wpr as *mut i32).cast(),
+        ];
+        // SAFETY: callers pass n_out rows of n_in values in the kernel's layout, x of cols
+        // rows of x_stride floats; y is sized here; the parameters are the entry point's.
+        unsafe { k.launch(name, (grid_x, 1, 1), block, &mut params) }.unwrap();
+        y
+    }
+
     #[test]
     fn kernel_names_read_the_marker() {
         let t = "extern \"C\" __ds4emu_kernel__ void ds4_a(int x) {}\n\
@@ -578,32 +614,16 @@ mod tests {
                     })
                     .collect();
                 for grid_x in [1, 3, l.grid_x] {
-                    let mut y = vec![f32::NAN; cols * ys];
-                    let (mut wp, mut xp, mut yp) = (
-                        split.as_ptr() as u64,
-                        x.as_ptr() as u64,
-                        y.as_mut_ptr() as u64,
+                    let y = run_gemv_cols(
+                        &k,
+                        "ds4_gemv_cols_q_q8_0",
+                        grid_x,
+                        l.block,
+                        &split,
+                        (&x, xs),
+                        (n_in, n_out, cols, ys),
+                        l.wpr,
                     );
-                    let (mut xstr, mut ystr) = (xs as u64, ys as u64);
-                    let (mut ni, mut no, mut nc, mut wpr) =
-                        (n_in as i32, n_out as i32, cols as i32, l.wpr as i32);
-                    let mut params: Vec<*mut c_void> = vec![
-                        (&mut wp as *mut u64).cast(),
-                        (&mut xp as *mut u64).cast(),
-                        (&mut xstr as *mut u64).cast(),
-                        (&mut yp as *mut u64).cast(),
-                        (&mut ystr as *mut u64).cast(),
-                        (&mut ni as *mut i32).cast(),
-                        (&mut no as *mut i32).cast(),
-                        (&mut nc as *mut i32).cast(),
-                        (&mut wpr as *mut i32).cast(),
-                    ];
-                    // SAFETY: split holds n_out rows of n_in values, x cols rows of xs floats,
-                    // y cols rows of ys floats; the parameters are the entry point's, in order.
-                    unsafe {
-                        k.launch("ds4_gemv_cols_q_q8_0", (grid_x, 1, 1), l.block, &mut params)
-                    }
-                    .unwrap();
                     for (c, want) in alone.iter().enumerate() {
                         for (r, v) in want.iter().enumerate() {
                             assert_eq!(
@@ -683,27 +703,16 @@ mod tests {
                 for target in [1u64, 1 << 20] {
                     let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
                         .unwrap();
-                    let mut y = vec![f32::NAN; cols * ys];
-                    let (mut wp, mut xp, mut yp) =
-                        (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
-                    let (mut xstr, mut ystr) = (xs as u64, ys as u64);
-                    let (mut ni, mut no, mut nc, mut wpr) =
-                        (n_in as i32, n_out as i32, cols as i32, l.wpr as i32);
-                    let mut params: Vec<*mut c_void> = vec![
-                        (&mut wp as *mut u64).cast(),
-                        (&mut xp as *mut u64).cast(),
-                        (&mut xstr as *mut u64).cast(),
-                        (&mut yp as *mut u64).cast(),
-                        (&mut ystr as *mut u64).cast(),
-                        (&mut ni as *mut i32).cast(),
-                        (&mut no as *mut i32).cast(),
-                        (&mut nc as *mut i32).cast(),
-                        (&mut wpr as *mut i32).cast(),
-                    ];
-                    let kname = format!("ds4_gemv_cols_{name}");
-                    // SAFETY: w holds n_out rows of n_in values, x cols rows of xs floats, y
-                    // cols rows of ys floats; the parameters are the entry point's, in order.
-                    unsafe { k.launch(&kname, (l.grid_x, 1, 1), l.block, &mut params) }.unwrap();
+                    let y = run_gemv_cols(
+                        &k,
+                        &format!("ds4_gemv_cols_{name}"),
+                        l.grid_x,
+                        l.block,
+                        &w,
+                        (&x, xs),
+                        (n_in, n_out, cols, ys),
+                        l.wpr,
+                    );
                     for c in 0..cols {
                         let xc = &x[c * xs..c * xs + n_in];
                         let alone = run_gemv(

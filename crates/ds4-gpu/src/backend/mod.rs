@@ -215,12 +215,13 @@ pub(crate) struct GemvSet<D: GpuApi> {
     /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
     pub(crate) q8_max_in: usize,
     /// The several-column int8 Q8_0 GEMV (`ds4_gemv_cols_q_q8_0`: batched decode reads
-    /// each matrix once for all its tokens), its most columns, and the most codes
-    /// (columns x inputs) its shared memory holds (`ds4_gemvq_cols_max`).
+    /// each matrix once for all its tokens).
     pub(crate) q8_cols: D::Function,
     /// The several-column F32 and F16 GEMVs (`ds4_gemv_cols_f32`, `_f16`).
     pub(crate) plain_cols: [D::Function; 2],
-    pub(crate) q8_cols_max: usize,
+    /// Most columns of every several-column GEMV, and the most codes (columns x inputs)
+    /// the Q8_0 one's shared memory holds (`ds4_gemvq_cols_max`).
+    pub(crate) cols_max: usize,
     pub(crate) q8_cols_codes: usize,
     configs: Vec<GemvConfig>,
     target_warps: u64,
@@ -296,7 +297,7 @@ impl<D: GpuApi> GemvSet<D> {
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             q8_cols,
             plain_cols,
-            q8_cols_max: usize::try_from(cols_max).unwrap_or(0),
+            cols_max: usize::try_from(cols_max).unwrap_or(0),
             q8_cols_codes: usize::try_from(cols_codes).unwrap_or(0),
             configs,
             target_warps: sms * WARPS_PER_SM_TARGET,

@@ -207,7 +207,7 @@ impl<D: GpuApi> GpuBackend<D> {
         // kernel emulation, not yet on a GPU, so short prompt evaluations keep their kernel.
         if self.decode_rows > 1
             && m.n_tok <= self.decode_rows
-            && m.n_tok <= self.gemv.q8_cols_max
+            && m.n_tok <= self.gemv.cols_max
             && self.mm_plain_cols(m, op)?
         {
             return Ok(());
@@ -391,7 +391,7 @@ impl<D: GpuApi> GpuBackend<D> {
     /// One-token matmul with int8 activations: the staged kernel when rows are 16-byte
     /// aligned, else the any-alignment one.
     /// Queues `m` (several decode rows of a Q8_0 matrix) through the several-column int8
-    /// GEMV in groups of at most `q8_cols_max` tokens; false (nothing queued) when the
+    /// GEMV in groups of at most `cols_max` tokens; false (nothing queued) when the
     /// shape or alignment does not suit it. The warps per row are the one-token launch's,
     /// so every row is summed exactly as [`Self::mm_q8`] sums it alone.
     fn mm_q8_cols(&mut self, m: Mm, op: &'static str) -> BResult<bool> {
@@ -400,7 +400,7 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let per = self
             .gemv
-            .q8_cols_max
+            .cols_max
             .min(self.gemv.q8_cols_codes / m.cols.max(1));
         if per < 2 {
             return Ok(false);

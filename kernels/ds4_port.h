@@ -238,6 +238,9 @@ template <int N> __device__ __forceinline__ void ds4_cp_wait() {}
 __device__ __forceinline__ int ds4_shfl_xor_i(int v, int lane_mask) {
     return __float_as_int(ds4_shfl_xor(__int_as_float(v), lane_mask));
 }
+__device__ __forceinline__ int ds4_shfl_up_i(int v, int delta) {
+    return __float_as_int(ds4_shfl_up(__int_as_float(v), delta));
+}
 
 // Sum of v over the 32 lanes of a logical warp; every lane receives the total.
 __device__ __forceinline__ float ds4_warp_sum(float v) {

@@ -587,7 +587,43 @@ __device__ __forceinline__ float ds4_lanes_sum(float v, int first, int step, int
     return s;
 }
 
+// ds4_sinkhorn_warp for the model's 4 x 4 matrix: the same operations in the same order,
+// straight-line (no per-width predicates or divergent divisions on the dependent chain).
+// Lanes 16..31 mirror lanes 0..15 and their results are dropped. The general version's
+// predicated 8-wide sums and branches made the Sinkhorn ~8 µs per call at decode, most of
+// the fused HCPre's coefficient block (ncu on the H200).
+__device__ void ds4_sinkhorn_warp4(float* z, int iters, float eps) {
+    const int k = threadIdx.x & (DS4_WARP - 1);
+    const int e = k & 15, i = e >> 2, j = e & 3;
+    float v = z[e];
+    const float r0 = ds4_shfl_idx(v, i * 4), r1 = ds4_shfl_idx(v, i * 4 + 1);
+    const float r2 = ds4_shfl_idx(v, i * 4 + 2), r3 = ds4_shfl_idx(v, i * 4 + 3);
+    const float m = fmaxf(fmaxf(fmaxf(r0, r1), r2), r3);
+    float s = expf(r0 - m);
+    s += expf(r1 - m);
+    s += expf(r2 - m);
+    s += expf(r3 - m);
+    v = expf(v - m) / s + eps;
+    const int n_it = iters > 0 ? iters : 1;
+    for (int it = 0; it < n_it; it++) {
+        if (it > 0) {
+            const float a = ds4_shfl_idx(v, i * 4), b = ds4_shfl_idx(v, i * 4 + 1);
+            const float c = ds4_shfl_idx(v, i * 4 + 2), d = ds4_shfl_idx(v, i * 4 + 3);
+            v = v / (((a + b) + c) + d + eps);
+        }
+        const float a = ds4_shfl_idx(v, j), b = ds4_shfl_idx(v, j + 4);
+        const float c = ds4_shfl_idx(v, j + 8), d = ds4_shfl_idx(v, j + 12);
+        v = v / (((a + b) + c) + d + eps);
+    }
+    if (k < 16) z[k] = v;
+    ds4_syncwarp();
+}
+
 __device__ void ds4_sinkhorn_warp(float* z, int n, int iters, float eps) {
+    if (n == 4) {
+        ds4_sinkhorn_warp4(z, iters, eps);
+        return;
+    }
     const int k = threadIdx.x & (DS4_WARP - 1);
     const bool own = k < n * n;
     const int i = own ? k / n : 0;
@@ -828,6 +864,237 @@ ds4_hc_pre_regs(const float* mix, const float* x, const float* base, const float
     }
 }
 
+// HCPre with its mixing matmul, for decode-sized passes (docs/gpu.md §11). The unfused pair
+// was a 16384 -> 24 GEMV on 12 blocks followed by a one-block HCPre: ~19 µs per call (ncu on
+// the H200, caches flushed), 86 calls per token. Here `ds4_hc_mix_part_*` spreads the
+// matmul over ceil(d / 64) blocks (each: 64 columns of every stream, all 2n+n² outputs, and
+// that slice's share of the streams' Gram matrix in double); `ds4_hc_mix_apply` has every
+// block reduce the same partials in the same order (so all agree bit for bit), then the
+// column blocks write y and its RMSNorm while one extra block writes mix, post and comb.
+// Sums are in a fixed order (deterministic), not the CPU's.
+#define DS4_HCM_COLS 64
+#define DS4_HCM_WARPS 8
+#define DS4_HCM_N 4
+#define DS4_HCM_MAXO 3
+#define DS4_HCM_G (DS4_HCM_N * (DS4_HCM_N + 1) / 2)
+#define DS4_HCM_APPLY 256
+#define DS4_HCM_PARTS 64
+
+// Weights are immutable: plain loads, issued before the wait (docs/gpu.md §6).
+__device__ __forceinline__ void ds4_hc_w2(const ds4_u16* p, float& a, float& b) {
+    const ds4_u32 v = *reinterpret_cast<const ds4_u32*>(p);
+    a = ds4_h2f((ds4_u16)(v & 0xffffu));
+    b = ds4_h2f((ds4_u16)(v >> 16));
+}
+__device__ __forceinline__ void ds4_hc_w2(const float* p, float& a, float& b) {
+    a = p[0];
+    b = p[1];
+}
+
+// This warp's rows of φ for the block's columns (outputs warp, warp + 8, warp + 16).
+template <class W>
+__device__ __forceinline__ void ds4_hc_mix_weights(const W* fn, int n, int d, int nm,
+                                                   float (&w)[DS4_HCM_MAXO][DS4_HCM_N][2]) {
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+    const int c = blockIdx.x * DS4_HCM_COLS + 2 * lane;
+    const ds4_size nd = (ds4_size)n * d;
+#pragma unroll
+    for (int k = 0; k < DS4_HCM_MAXO; k++) {
+        const int o = warp + k * DS4_HCM_WARPS;
+#pragma unroll
+        for (int s = 0; s < DS4_HCM_N; s++) {
+            w[k][s][0] = 0.0f;
+            w[k][s][1] = 0.0f;
+            if (c < d && o < nm && s < n)
+                ds4_hc_w2(fn + (ds4_size)o * nd + (ds4_size)s * d + c, w[k][s][0], w[k][s][1]);
+        }
+    }
+}
+
+// The block's partial mix (all nm outputs) and partial Gram matrix, after the wait.
+__device__ __forceinline__ void ds4_hc_mix_sums(const float (&w)[DS4_HCM_MAXO][DS4_HCM_N][2],
+                                                const float* x, int n, int d, int nm,
+                                                float* partf, double* partd) {
+    const int g = blockIdx.x, t = blockIdx.y, nb = gridDim.x;
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+    const int c = g * DS4_HCM_COLS + 2 * lane;
+    const float* xt = x + (ds4_size)t * n * d;
+    float xv[DS4_HCM_N][2];
+#pragma unroll
+    for (int s = 0; s < DS4_HCM_N; s++) {
+        const bool ok = c < d && s < n;
+        xv[s][0] = ok ? ds4_ld_act(xt + (ds4_size)s * d + c) : 0.0f;
+        xv[s][1] = ok ? ds4_ld_act(xt + (ds4_size)s * d + c + 1) : 0.0f;
+    }
+    const ds4_size slot = (ds4_size)t * nb + g;
+#pragma unroll
+    for (int k = 0; k < DS4_HCM_MAXO; k++) {
+        const int o = warp + k * DS4_HCM_WARPS;  // warp-uniform
+        if (o < nm) {
+            float a = 0.0f;
+#pragma unroll
+            for (int s = 0; s < DS4_HCM_N; s++) {
+                a += w[k][s][0] * xv[s][0];
+                a += w[k][s][1] * xv[s][1];
+            }
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor(a, m);
+            if (lane == 0) partf[slot * nm + o] = a;
+        }
+    }
+    int q = 0;
+#pragma unroll
+    for (int s = 0; s < DS4_HCM_N; s++)
+#pragma unroll
+        for (int u = s; u < DS4_HCM_N; u++, q++) {
+            if (q % DS4_HCM_WARPS != warp) continue;  // warp-uniform
+            double a = (double)xv[s][0] * (double)xv[u][0] + (double)xv[s][1] * (double)xv[u][1];
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor_d(a, m);
+            if (lane == 0) partd[slot * DS4_HCM_G + q] = a;
+        }
+}
+
+// Grid (ceil(d / 64), T), 256 threads; n <= 4, 2n+n² <= 24, d even. partf [T][G][nm],
+// partd [T][G][10] (Gram entries s <= u in row-major order; entries of absent streams 0).
+extern "C" __global__ void __launch_bounds__(DS4_HCM_WARPS * DS4_WARP)
+ds4_hc_mix_part_f16(const ds4_u16* fn, const float* x, int n, int d, int nm, float* partf,
+                    double* partd) {
+    float w[DS4_HCM_MAXO][DS4_HCM_N][2];
+    ds4_hc_mix_weights(fn, n, d, nm, w);
+    ds4_grid_wait();
+    ds4_hc_mix_sums(w, x, n, d, nm, partf, partd);
+}
+extern "C" __global__ void __launch_bounds__(DS4_HCM_WARPS * DS4_WARP)
+ds4_hc_mix_part_f32(const float* fn, const float* x, int n, int d, int nm, float* partf,
+                    double* partd) {
+    float w[DS4_HCM_MAXO][DS4_HCM_N][2];
+    ds4_hc_mix_weights(fn, n, d, nm, w);
+    ds4_grid_wait();
+    ds4_hc_mix_sums(w, x, n, d, nm, partf, partd);
+}
+
+// Grid (ceil(d / 256) + 1, T), 256 threads, nb <= DS4_HCM_PARTS partials per token. The
+// last block writes mix [T][nm], post and comb (Sinkhorn by one warp, ds4_sinkhorn_warp);
+// the others y (and normed = rms_norm(y) * norm_w when normed is non-null) for 256 columns.
+// Every block first copies the token's partials into shared memory with all loads in
+// flight at once, then sums them there (one warp per sum, a fixed order).
+extern "C" __global__ void __launch_bounds__(DS4_HCM_APPLY)
+ds4_hc_mix_apply(const float* partf, const double* partd, int nb, const float* x,
+                 const float* base, const float* scale, int n, int d, int nm, int iters,
+                 float hc_eps, float rms_eps, float* mix, float* y, float* post, float* comb,
+                 const float* norm_w, float* normed) {
+    constexpr int NM = 2 * DS4_HCM_N + DS4_HCM_N * DS4_HCM_N;
+    constexpr int FPT = (DS4_HCM_PARTS * NM + DS4_HCM_APPLY - 1) / DS4_HCM_APPLY;
+    constexpr int DPT = (DS4_HCM_PARTS * DS4_HCM_G + DS4_HCM_APPLY - 1) / DS4_HCM_APPLY;
+    __shared__ float spf[DS4_HCM_PARTS * NM];
+    __shared__ double spd[DS4_HCM_PARTS * DS4_HCM_G];
+    __shared__ float smix[NM];
+    __shared__ double sg[DS4_HCM_G];
+    __shared__ float z[DS4_HC_MAX * DS4_HC_MAX];
+    const int t = blockIdx.y, tid = threadIdx.x;
+    const bool coef = blockIdx.x == gridDim.x - 1;
+    const int lane = tid & (DS4_WARP - 1), warp = tid / DS4_WARP;
+    const int i = blockIdx.x * DS4_HCM_APPLY + tid;
+    const bool col = !coef && i < d;
+    const float gw = (col && norm_w) ? norm_w[i] : 0.0f;
+    ds4_grid_wait();
+    const ds4_size nd = (ds4_size)n * d;
+    float xv[DS4_HCM_N];
+#pragma unroll
+    for (int s = 0; s < DS4_HCM_N; s++)
+        xv[s] = (col && s < n) ? ds4_ld_act(x + (ds4_size)t * nd + (ds4_size)s * d + i) : 0.0f;
+    {
+        const float* pf = partf + (ds4_size)t * nb * nm;
+        const double* pd = partd + (ds4_size)t * nb * DS4_HCM_G;
+        float fv[FPT];
+        double dv[DPT];
+#pragma unroll
+        for (int j = 0; j < FPT; j++) {
+            const int e = tid + j * DS4_HCM_APPLY;
+            fv[j] = e < nb * nm ? ds4_ld_act(pf + e) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < DPT; j++) {
+            const int e = tid + j * DS4_HCM_APPLY;
+            dv[j] = e < nb * DS4_HCM_G ? ds4_ld_act(pd + e) : 0.0;
+        }
+#pragma unroll
+        for (int j = 0; j < FPT; j++) {
+            const int e = tid + j * DS4_HCM_APPLY;
+            if (e < nb * nm) spf[e] = fv[j];
+        }
+#pragma unroll
+        for (int j = 0; j < DPT; j++) {
+            const int e = tid + j * DS4_HCM_APPLY;
+            if (e < nb * DS4_HCM_G) spd[e] = dv[j];
+        }
+    }
+    __syncthreads();
+    // The same code (and order) in every block, so the column blocks' pre weights match the
+    // coefficient block's mix.
+    const int nf = coef ? nm : n;
+    for (int q = warp; q < nf + DS4_HCM_G; q += DS4_HCM_WARPS) {
+        if (q < nf) {
+            float a = 0.0f;
+            for (int k = lane; k < nb; k += DS4_WARP) a += spf[k * nm + q];
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor(a, m);
+            if (lane == 0) smix[q] = a;
+        } else {
+            double a = 0.0;
+            for (int k = lane; k < nb; k += DS4_WARP) a += spd[k * DS4_HCM_G + (q - nf)];
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor_d(a, m);
+            if (lane == 0) sg[q - nf] = a;
+        }
+    }
+    __syncthreads();
+    double trace = 0.0;
+    {
+        int q = 0;
+#pragma unroll
+        for (int s = 0; s < DS4_HCM_N; s++)
+#pragma unroll
+            for (int u = s; u < DS4_HCM_N; u++, q++)
+                if (u == s) trace += sg[q];
+    }
+    const float rho = (float)(1.0 / sqrt(trace / (double)nd + (double)rms_eps));
+    if (coef) {
+        if (tid < nm) mix[(ds4_size)t * nm + tid] = smix[tid];
+        if (warp != 0) return;
+        if (lane < n)
+            post[(ds4_size)t * n + lane] =
+                2.0f * ds4_sigmoid(scale[1] * (smix[n + lane] * rho) + base[n + lane]);
+        if (lane < n * n) z[lane] = scale[2] * (smix[2 * n + lane] * rho) + base[2 * n + lane];
+        ds4_syncwarp();
+        ds4_sinkhorn_warp(z, n, iters, hc_eps);
+        if (lane < n * n) comb[(ds4_size)t * n * n + lane] = z[lane];
+        return;
+    }
+    float pre[DS4_HCM_N];
+#pragma unroll
+    for (int s = 0; s < DS4_HCM_N; s++)
+        pre[s] = s < n ? ds4_sigmoid(scale[0] * (smix[s] * rho) + base[s]) + hc_eps : 0.0f;
+    float a = 0.0f;
+#pragma unroll
+    for (int s = 0; s < DS4_HCM_N; s++)
+        if (s < n) a += pre[s] * xv[s];
+    if (col) y[(ds4_size)t * d + i] = a;
+    if (normed && col) {
+        // |y|^2 = sum_s,u pre_s pre_u G[s][u] (off-diagonal entries twice), as ds4_hc_pre_regs.
+        double yy = 0.0;
+        int q = 0;
+#pragma unroll
+        for (int s = 0; s < DS4_HCM_N; s++)
+#pragma unroll
+            for (int u = s; u < DS4_HCM_N; u++, q++)
+                yy += (u == s ? 1.0 : 2.0) * (double)pre[s] * (double)pre[u] * sg[q];
+        const float sc = (float)(1.0 / sqrt(yy / (double)d + (double)rms_eps));
+        normed[(ds4_size)t * d + i] = norm_w ? (a * sc) * gw : a * sc;
+    }
+}
+
 // HCPost in place: X'_j[e] = post_j f[e] + sum_i comb[i][j] X_i[e]; one thread per (t, e).
 // With f2 non-null, f += f2 first (written back: the residual add before HCPost fused in).
 extern "C" __global__ void ds4_hc_post(float* x, float* f, const float* f2, const float* post,
@@ -936,69 +1203,112 @@ ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4
 
 // scores[t][r] for r < n_p(t). A block (8 warps) takes DS4_IDX_ROWS rows of one query; q
 // of the query is staged once per block in shared memory with a padded row stride
-// (dim + 1: lane h reading head h's element i hits bank (h + i) mod 32, conflict-free).
-// Each warp scores its rows one at a time with one lane per head; each head's dot product
-// and the weighted sum over heads use the CPU reference's exact order (8 interleaved
-// partial sums folded left, then heads in order) with unfused multiplies and adds, so the
-// scores — and the top-k chosen from them — equal the CPU's bit for bit.
+// (dim + 1: lane h reading head h's element i hits bank (h + i) mod 32, conflict-free), and
+// so are the block's rows when they fit (DS4_IDX_KS values): read from global memory
+// inside the dot loop, every step of a row had waited for an L2 round trip (ncu on the
+// H200: 31.7 µs for 513 rows at decode). Each warp scores its rows with one lane per head,
+// then one thread per row sums the heads. Each head's dot product and the weighted sum over
+// heads use the CPU reference's exact order (8 interleaved partial sums folded left, then
+// heads in order) with unfused multiplies and adds, so the scores — and the top-k chosen
+// from them — equal the CPU's bit for bit.
 // q is [T, heads*dim], w [T, heads]; heads <= 64, heads*dim <= 8192, dim % 8 == 0.
 #define DS4_IDX_ROWS 16
+#define DS4_IDX_KS 2048
+__device__ __forceinline__ float ds4_idx_dot(const float* qh, const float* k, int dim, bool shared_k) {
+    float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int i = 0; i < dim; i += 8) {
+        const float4 k0 = shared_k ? *(const float4*)(k + i) : ds4_ld_act((const float4*)(k + i));
+        const float4 k1 =
+            shared_k ? *(const float4*)(k + i + 4) : ds4_ld_act((const float4*)(k + i + 4));
+        a[0] = __fadd_rn(a[0], __fmul_rn(qh[i + 0], k0.x));
+        a[1] = __fadd_rn(a[1], __fmul_rn(qh[i + 1], k0.y));
+        a[2] = __fadd_rn(a[2], __fmul_rn(qh[i + 2], k0.z));
+        a[3] = __fadd_rn(a[3], __fmul_rn(qh[i + 3], k0.w));
+        a[4] = __fadd_rn(a[4], __fmul_rn(qh[i + 4], k1.x));
+        a[5] = __fadd_rn(a[5], __fmul_rn(qh[i + 5], k1.y));
+        a[6] = __fadd_rn(a[6], __fmul_rn(qh[i + 6], k1.z));
+        a[7] = __fadd_rn(a[7], __fmul_rn(qh[i + 7], k1.w));
+    }
+    float d = a[0];
+#pragma unroll
+    for (int l = 1; l < 8; l++) d = __fadd_rn(d, a[l]);
+    return d;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads, int dim,
                    float wscale, ds4_size pos0, int ratio, int n_cols, float* scores) {
     ds4_grid_wait();
     __shared__ float qs[8192 + 64];
     __shared__ float ws[64];
-    __shared__ float dsh[8][64];
+    __shared__ __align__(16) float ks[DS4_IDX_KS];
+    __shared__ float dsh[DS4_IDX_ROWS][64];
     const int t = blockIdx.y;
     const ds4_size n_p = (pos0 + t + 1) / ratio;
     const int ld = dim + 1;
-    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) {
-        qs[(i / dim) * ld + i % dim] = q[(ds4_size)t * heads * dim + i];
+    const ds4_size r0 = (ds4_size)blockIdx.x * DS4_IDX_ROWS;
+    // Rows this block scores (the rest of its DS4_IDX_ROWS are past n_cols or n_p).
+    const ds4_size r_end = r0 + DS4_IDX_ROWS < (ds4_size)n_cols ? r0 + DS4_IDX_ROWS : (ds4_size)n_cols;
+    const int nr = r_end > r0 ? (int)((r_end < n_p ? r_end : (n_p > r0 ? n_p : r0)) - r0) : 0;
+    const bool shared_k = DS4_IDX_ROWS * dim <= DS4_IDX_KS;
+    // Every load in flight before the first store: a loop that stores each value as it
+    // arrives waits for one L2 round trip per step (the staging had cost most of the 31.7 µs).
+    {
+        constexpr int QPT = 8192 / 256, KPT = DS4_IDX_KS / 4 / 256;
+        const float* qt = q + (ds4_size)t * heads * dim;
+        const int nq = heads * dim, nk4 = shared_k ? nr * dim / 4 : 0;
+        float qv[QPT];
+        float4 kv[KPT];
+#pragma unroll
+        for (int j = 0; j < QPT; j++) {
+            const int e = threadIdx.x + j * 256;
+            qv[j] = e < nq ? ds4_ld_act(qt + e) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < KPT; j++) {
+            const int e = threadIdx.x + j * 256;
+            if (e < nk4) kv[j] = ds4_ld_act((const float4*)(rows + r0 * dim) + e);
+        }
+        // Head h = e / dim and column c = e % dim, advanced without a division per value.
+        const int step_h = 256 / dim, step_c = 256 % dim;
+        int h = threadIdx.x / dim, c = threadIdx.x % dim;
+#pragma unroll
+        for (int j = 0; j < QPT; j++) {
+            if (threadIdx.x + j * 256 < nq) qs[h * ld + c] = qv[j];
+            h += step_h;
+            c += step_c;
+            if (c >= dim) {
+                c -= dim;
+                h++;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < KPT; j++) {
+            const int e = threadIdx.x + j * 256;
+            if (e < nk4) ((float4*)ks)[e] = kv[j];
+        }
     }
     for (int i = threadIdx.x; i < heads; i += blockDim.x) {
         ws[i] = __fmul_rn(w[(ds4_size)t * heads + i], wscale);
     }
     __syncthreads();
     const int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
-    const ds4_size r0 = (ds4_size)blockIdx.x * DS4_IDX_ROWS;
-    for (int ri = warp; ri < DS4_IDX_ROWS; ri += blockDim.x / DS4_WARP) {
-        const ds4_size r = r0 + ri;
-        if (r >= (ds4_size)n_cols) break;
-        if (r >= n_p) {
-            if (lane == 0) scores[(ds4_size)t * n_cols + r] = -__int_as_float(0x7f800000);
-            continue;
-        }
-        const float* k = rows + r * dim;
-        for (int h = lane; h < heads; h += DS4_WARP) {
-            const float* qh = qs + h * ld;
-            float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            for (int i = 0; i < dim; i += 8) {
-                const float4 k0 = ds4_ld_act((const float4*)(k + i));
-                const float4 k1 = ds4_ld_act((const float4*)(k + i + 4));
-                a[0] = __fadd_rn(a[0], __fmul_rn(qh[i + 0], k0.x));
-                a[1] = __fadd_rn(a[1], __fmul_rn(qh[i + 1], k0.y));
-                a[2] = __fadd_rn(a[2], __fmul_rn(qh[i + 2], k0.z));
-                a[3] = __fadd_rn(a[3], __fmul_rn(qh[i + 3], k0.w));
-                a[4] = __fadd_rn(a[4], __fmul_rn(qh[i + 4], k1.x));
-                a[5] = __fadd_rn(a[5], __fmul_rn(qh[i + 5], k1.y));
-                a[6] = __fadd_rn(a[6], __fmul_rn(qh[i + 6], k1.z));
-                a[7] = __fadd_rn(a[7], __fmul_rn(qh[i + 7], k1.w));
-            }
-            float d = a[0];
-#pragma unroll
-            for (int l = 1; l < 8; l++) d = __fadd_rn(d, a[l]);
-            dsh[warp][h] = d;
-        }
-        ds4_syncwarp();
-        if (lane == 0) {
-            float acc = 0.0f;
+    for (int ri = warp; ri < nr; ri += blockDim.x / DS4_WARP) {
+        const float* k = shared_k ? ks + ri * dim : rows + (r0 + ri) * dim;
+        for (int h = lane; h < heads; h += DS4_WARP) dsh[ri][h] = ds4_idx_dot(qs + h * ld, k, dim, shared_k);
+    }
+    __syncthreads();
+    const int ri = threadIdx.x;
+    if (ri < DS4_IDX_ROWS && r0 + ri < (ds4_size)n_cols) {
+        float acc = -__int_as_float(0x7f800000);
+        if (ri < nr) {
+            acc = 0.0f;
             for (int h = 0; h < heads; h++) {
-                acc = __fadd_rn(acc, __fmul_rn(ws[h], fmaxf(dsh[warp][h], 0.0f)));
+                acc = __fadd_rn(acc, __fmul_rn(ws[h], fmaxf(dsh[ri][h], 0.0f)));
             }
-            scores[(ds4_size)t * n_cols + r] = acc;
         }
-        ds4_syncwarp();
+        scores[(ds4_size)t * n_cols + r0 + ri] = acc;
     }
 }
 
@@ -1015,17 +1325,32 @@ __device__ __forceinline__ ds4_u32 ds4_key(float f) {
 // and two block scans (of its "== K" and of its selected counts) give each segment its
 // place, so the output comes out in index order with the first need_eq ties.
 #define DS4_TOPK_THREADS 1024
+static_assert(DS4_TOPK_THREADS == DS4_WARP * DS4_WARP, "the scan's second level is one warp");
+// Exclusive prefix sum over the block's 1024 threads (sh holds >= 32 ints): a shuffle scan in
+// each warp, one over the 32 warp totals, three barriers (integer sums: any order is exact).
+// The Hillis-Steele scan in shared memory it replaces took 22 barriers; six scans per call
+// made the decode top-k barrier-bound (ncu on the H200: 10.8 µs for 513 scores).
 __device__ int ds4_scan_excl_1024(int v, int* sh) {
-    const int tid = threadIdx.x;
-    sh[tid] = v;
-    __syncthreads();
-    for (int o = 1; o < DS4_TOPK_THREADS; o *= 2) {
-        const int add = tid >= o ? sh[tid - o] : 0;
-        __syncthreads();
-        sh[tid] += add;
-        __syncthreads();
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < DS4_WARP; o <<= 1) {
+        const int y = ds4_shfl_up_i(x, o);
+        if (lane >= o) x += y;
     }
-    const int r = sh[tid] - v;
+    if (lane == DS4_WARP - 1) sh[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = sh[lane];
+#pragma unroll
+        for (int o = 1; o < DS4_WARP; o <<= 1) {
+            const int y = ds4_shfl_up_i(w, o);
+            if (lane >= o) w += y;
+        }
+        sh[lane] = w;
+    }
+    __syncthreads();
+    const int r = x - v + (warp > 0 ? sh[warp - 1] : 0);
     __syncthreads();
     return r;
 }

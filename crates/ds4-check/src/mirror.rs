@@ -69,7 +69,8 @@ impl OpRule {
         let tiled = match self.tiles {
             PrefillTiles::Off => false,
             PrefillTiles::Experts => op == "moe",
-            PrefillTiles::All => op.starts_with("matmul") || op == "moe",
+            // The fused HCPre runs its mixing matmul through the tiles in prefill passes.
+            PrefillTiles::All => op.starts_with("matmul") || op == "moe" || op == "hc_mix_pre_norm",
         };
         if tiled {
             tol = tol.max(Self::TOL_TILES);
@@ -593,6 +594,62 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             |b| {
                 let ((m, x, bs, sc), w, (y, p, cb, o)) = g;
                 b.hc_pre_norm(m, x, bs, sc, a, w, y, p, cb, o)
+            },
+        )
+    }
+    fn hc_mix_pre_norm(
+        &mut self,
+        fn_: Weight,
+        x: Slice,
+        mix: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        let c = (
+            (
+                self.cw(fn_),
+                self.c(x),
+                self.c(mix),
+                self.cw(base),
+                self.cw(scale),
+            ),
+            self.cw(norm),
+            (self.c(y), self.c(post), self.c(comb), self.c(out)),
+        );
+        let g = (
+            (
+                self.gw(fn_),
+                self.g(x),
+                self.g(mix),
+                self.gw(base),
+                self.gw(scale),
+            ),
+            self.gw(norm),
+            (self.g(y), self.g(post), self.g(comb), self.g(out)),
+        );
+        let (n, t) = (a.n_hc, a.n_tok);
+        self.run(
+            "hc_mix_pre_norm",
+            &[
+                Out::W(mix.sub(0, t * (2 * n + n * n))),
+                Out::W(y.sub(0, t * a.dim)),
+                Out::W(post.sub(0, t * n)),
+                Out::W(comb.sub(0, t * n * n)),
+                Out::W(out.sub(0, t * a.dim)),
+            ],
+            |b| {
+                let ((f, x, m, bs, sc), w, (y, p, cb, o)) = c;
+                b.hc_mix_pre_norm(f, x, m, bs, sc, a, w, y, p, cb, o)
+            },
+            |b| {
+                let ((f, x, m, bs, sc), w, (y, p, cb, o)) = g;
+                b.hc_mix_pre_norm(f, x, m, bs, sc, a, w, y, p, cb, o)
             },
         )
     }

@@ -618,6 +618,28 @@ pub trait Backend: Send {
         self.hc_pre(mix, x, base, scale, args, y, post, comb)?;
         self.rms_norm(y, Some(norm), args.n_tok, args.dim, args.rms_eps, out)
     }
+    /// The sublayer's mixing matmul `mix = fn_·x` then [`Backend::hc_pre_norm`]: one op so a
+    /// device can spread the few-row matmul over many blocks and fold the streams' sums of
+    /// squares into it (docs/forward.md §4.1; the GPU's version: docs/gpu.md §11). `mix` is
+    /// written too (`[T, 2n+n²]`), as by the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_mix_pre_norm(
+        &mut self,
+        fn_: Weight,
+        x: Slice,
+        mix: Slice,
+        base: Weight,
+        scale: Weight,
+        args: HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        self.matmul(fn_, 0, x, args.n_tok, mix)?;
+        self.hc_pre_norm(mix, x, base, scale, args, norm, y, post, comb, out)
+    }
     /// Head preparation in place on `x` (`rope.n_rows · rope.n_heads` rows of
     /// `rope.head_dim`): RMSNorm (times `w` if given), RoPE, then — with `fp8_dims = Some(n)`
     /// — the FP8 round trip of the first `n` dims of every row.

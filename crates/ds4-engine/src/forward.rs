@@ -267,9 +267,8 @@ pub(crate) fn forward(
             AttnKind::Csa => "attn.csa",
             AttnKind::Hca(_) => "attn.hca",
         });
-        be.matmul(lw.hc_attn.fn_, 0, x, t, mix)?;
-        let (hb, hs) = (lw.hc_attn.base, lw.hc_attn.scale);
-        be.hc_pre_norm(mix, x, hb, hs, hc, lw.attn_norm, y, post, comb, a)?;
+        let (hf, hb, hs) = (lw.hc_attn.fn_, lw.hc_attn.base, lw.hc_attn.scale);
+        be.hc_mix_pre_norm(hf, x, mix, hb, hs, hc, lw.attn_norm, y, post, comb, a)?;
 
         let cq_all = s.cq.rows(0, t, hp.q_lora_rank);
         be.matmul(lw.q_a, 0, a, t, cq_all)?;
@@ -377,9 +376,8 @@ pub(crate) fn forward(
         } else {
             "moe.topk"
         });
-        be.matmul(lw.hc_ffn.fn_, 0, x, t, mix)?;
-        let (hb, hs) = (lw.hc_ffn.base, lw.hc_ffn.scale);
-        be.hc_pre_norm(mix, x, hb, hs, hc, lw.ffn_norm, y, post, comb, a)?;
+        let (hf, hb, hs) = (lw.hc_ffn.fn_, lw.hc_ffn.base, lw.hc_ffn.scale);
+        be.hc_mix_pre_norm(hf, x, mix, hb, hs, hc, lw.ffn_norm, y, post, comb, a)?;
         let k = hp.n_expert_used;
         let rl = s.rl.rows(0, t, hp.n_expert);
         be.matmul(lw.router, 0, a, t, rl)?;

@@ -222,3 +222,6 @@ static inline float ds4_warp_sum(float v) {
 static inline int ds4_shfl_xor_i(int v, int lane_mask) {
     return __float_as_int(ds4_shfl_xor(__int_as_float(v), lane_mask));
 }
+static inline int ds4_shfl_up_i(int v, int delta) {
+    return __float_as_int(ds4_shfl_up(__int_as_float(v), delta));
+}

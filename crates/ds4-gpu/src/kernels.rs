@@ -635,6 +635,31 @@ mod tests {
         assert_eq!(HC_REGS_THREADS as usize, ct + 32);
     }
 
+    /// The host's launch of the fused HCPre (`op_hc_mix_pre`) follows the kernels' constants:
+    /// columns per partial block, block size, streams held in registers, Gram entries, and
+    /// enough register outputs per warp for 2n+n² mix rows.
+    #[test]
+    fn hc_mix_limits_match_the_kernel() {
+        use crate::backend::ops::{
+            HC_MIX_COLS, HC_MIX_GRAM, HC_MIX_MAX_PARTS, HC_MIX_THREADS, HC_REGS_MAX_STREAMS,
+        };
+        let (warps, maxo, n) = (8usize, 3usize, HC_REGS_MAX_STREAMS);
+        for d in [
+            format!("#define DS4_HCM_COLS {HC_MIX_COLS}"),
+            format!("#define DS4_HCM_WARPS {warps}"),
+            format!("#define DS4_HCM_N {n}"),
+            format!("#define DS4_HCM_MAXO {maxo}"),
+            format!("#define DS4_HCM_APPLY {HC_MIX_THREADS}"),
+            format!("#define DS4_HCM_PARTS {HC_MIX_MAX_PARTS}"),
+        ] {
+            assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+        }
+        assert_eq!(HC_MIX_THREADS as usize, warps * 32);
+        assert_eq!(HC_MIX_COLS, 2 * 32, "two columns per lane");
+        assert_eq!(HC_MIX_GRAM, n * (n + 1) / 2);
+        assert!(warps * maxo >= 2 * n + n * n);
+    }
+
     /// The host's limit on Q8_0 row width is the split kernel's shared-memory row.
     #[test]
     fn q8_split_limit_matches_the_kernel() {

@@ -539,6 +539,9 @@ const OP_KERNELS: &[&str] = &[
     "ds4_embed",
     "ds4_hc_pre",
     "ds4_hc_pre_regs",
+    "ds4_hc_mix_part_f16",
+    "ds4_hc_mix_part_f32",
+    "ds4_hc_mix_apply",
     "ds4_repeat_rows",
     "ds4_hc_post",
     "ds4_hc_head",
@@ -1616,6 +1619,29 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         out: Slice,
     ) -> BResult<()> {
         validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
+        self.op_hc_pre(mix, x, base, scale, args, y, post, comb, Some((norm, out)))
+    }
+
+    fn hc_mix_pre_norm(
+        &mut self,
+        fn_: Weight,
+        x: Slice,
+        mix: Slice,
+        base: Weight,
+        scale: Weight,
+        args: ds4_engine::backend::HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        validate::matmul(fn_, 0, x, args.n_tok, mix)?;
+        validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
+        if self.op_hc_mix_pre(fn_, x, mix, base, scale, args, y, post, comb, (norm, out))? {
+            return Ok(());
+        }
+        self.op_matmul(fn_, 0, x, args.n_tok, mix)?;
         self.op_hc_pre(mix, x, base, scale, args, y, post, comb, Some((norm, out)))
     }
 

@@ -117,6 +117,15 @@ pub(crate) const HC_REGS_MAX_STREAMS: usize = 4;
 pub(crate) const HC_REGS_MAX_DIM: usize = 512 * 8;
 pub(crate) const HC_REGS_THREADS: u32 = 512 + 32;
 
+/// `ds4_hc_mix_part` / `ds4_hc_mix_apply` (kernels/ops.cu): columns of each stream per
+/// partial block (DS4_HCM_COLS), Gram entries per partial (DS4_HCM_G) and the block size
+/// of both kernels (DS4_HCM_WARPS x 32 = DS4_HCM_APPLY).
+pub(crate) const HC_MIX_COLS: usize = 64;
+pub(crate) const HC_MIX_GRAM: usize = 10;
+pub(crate) const HC_MIX_THREADS: u32 = 256;
+/// Most partial blocks per token `ds4_hc_mix_apply` stages (DS4_HCM_PARTS): width ≤ 64 × 64.
+pub(crate) const HC_MIX_MAX_PARTS: usize = 64;
+
 fn i32a(op: &'static str, what: &str, v: usize) -> BResult<Arg> {
     i32::try_from(v)
         .map(Arg::I32)
@@ -858,6 +867,90 @@ impl<D: GpuApi> GpuBackend<D> {
             return self.launch("ds4_hc_pre_regs", (g32(t), 1, 1), HC_REGS_THREADS, &args);
         }
         self.launch("ds4_hc_pre", (g32(t), 1, 1), row_threads(t), &args)
+    }
+
+    /// The mixing matmul and HCPre + RMSNorm in two kernels (`ds4_hc_mix_part`,
+    /// `ds4_hc_mix_apply`; docs/gpu.md §11) for decode-sized passes of the model's shape;
+    /// `Ok(false)` (nothing launched) where they do not apply, for the caller's two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn op_hc_mix_pre(
+        &mut self,
+        fn_: Weight,
+        x: Slice,
+        mix: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        (norm, out): (Weight, Slice),
+    ) -> BResult<bool> {
+        const OP: &str = "hc_mix_pre_norm";
+        let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
+        let nm = 2 * n + n * n;
+        let gw = self.weight(fn_, OP)?;
+        let kernel = match gw.info.ty {
+            GgmlType::F16 => "ds4_hc_mix_part_f16",
+            GgmlType::F32 => "ds4_hc_mix_part_f32",
+            _ => return Ok(false),
+        };
+        let fits = t > 0
+            && t <= OVERLAP_MAX_TOKENS
+            && (1..=HC_REGS_MAX_STREAMS).contains(&n)
+            && d.is_multiple_of(2)
+            && fn_.info.rows() == nm
+            && fn_.info.cols() == n * d;
+        if !fits {
+            return Ok(false);
+        }
+        let wp = self.wraw(fn_, OP)?;
+        if !wp.is_multiple_of(8) {
+            return Ok(false);
+        }
+        let nb = d.div_ceil(HC_MIX_COLS);
+        if nb > HC_MIX_MAX_PARTS {
+            return Ok(false);
+        }
+        let (fbytes, dbytes) = (t * nb * nm * 4, t * nb * HC_MIX_GRAM * 8);
+        let foff = dbytes.next_multiple_of(8);
+        let part = self.scratch("hc_mix", foff + fbytes)?;
+        let (pd, pf) = (part, part + foff as u64);
+        let (xp, nb32) = (self.fptr(x, OP)?, i32a(OP, "blocks", nb)?);
+        let dims = [
+            i32a(OP, "streams", n)?,
+            i32a(OP, "dim", d)?,
+            i32a(OP, "mix", nm)?,
+        ];
+        let mut args = vec![Arg::Ptr(wp), Arg::Ptr(xp)];
+        args.extend(dims);
+        args.extend([Arg::Ptr(pf), Arg::Ptr(pd)]);
+        self.launch(kernel, (g32(nb), g32(t), 1), HC_MIX_THREADS, &args)?;
+        let (bp, sp) = (self.wvec(base, OP, nm)?, self.wvec(scale, OP, 3)?);
+        let (nw, np) = (self.wvec(norm, OP, d)?, self.fptr(out.sub(0, t * d), OP)?);
+        let args = [
+            Arg::Ptr(pf),
+            Arg::Ptr(pd),
+            nb32,
+            Arg::Ptr(xp),
+            Arg::Ptr(bp),
+            Arg::Ptr(sp),
+            dims[0],
+            dims[1],
+            dims[2],
+            i32a(OP, "iterations", a.sinkhorn_iters)?,
+            Arg::F32(a.hc_eps),
+            Arg::F32(a.rms_eps),
+            Arg::Ptr(self.fptr(mix, OP)?),
+            Arg::Ptr(self.fptr(y, OP)?),
+            Arg::Ptr(self.fptr(post, OP)?),
+            Arg::Ptr(self.fptr(comb, OP)?),
+            Arg::Ptr(nw),
+            Arg::Ptr(np),
+        ];
+        let grid = g32(d.div_ceil(HC_MIX_THREADS as usize) + 1);
+        self.launch("ds4_hc_mix_apply", (grid, g32(t), 1), HC_MIX_THREADS, &args)?;
+        Ok(true)
     }
 
     /// HCPost; with `f2 = Some(s)`, `f += s` first in the same kernel.

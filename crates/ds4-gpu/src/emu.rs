@@ -744,7 +744,8 @@ mod tests {
     /// The persistent int8-activation GEMV (`ds4_gemvq_quant`): with fewer blocks than row
     /// steps (each block walks several, prefetching the next step's first chunk) and with
     /// the full grid, the outputs equal the CPU's int8-activation dot products of the same
-    /// rows, for one and several chunks per row and several warps per row.
+    /// rows, for one and several chunks per row and several warps per row, for Q2_K (units
+    /// of 16 values) and IQ2_XXS (units of one 32-value group, the CPU's term exactly).
     #[test]
     fn persistent_int8_gemv_matches_the_cpu() {
         use crate::kernels::{gemv_launch, GemvType};
@@ -752,39 +753,54 @@ mod tests {
         use ds4_gguf::GgmlType;
         let k = EmuKernels::build().unwrap();
         let mut next = xorshift(0x2545_F491_4F6C_DD1D);
-        for (n_in, n_out) in [(4096usize, 70usize), (2048, 33), (8192, 9)] {
-            let ty = GemvType::Q2K;
-            let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
-            let mut w = vec![0u8; n_out * rb];
-            for b in w.iter_mut() {
-                *b = next() as u8;
-            }
-            for blk in w.chunks_exact_mut(84) {
-                let d = half::f16::from_f32(0.01 + (next() % 100) as f32 * 1e-4);
-                let m = half::f16::from_f32(0.005 + (next() % 100) as f32 * 1e-4);
-                blk[80..82].copy_from_slice(&d.to_bits().to_le_bytes());
-                blk[82..84].copy_from_slice(&m.to_bits().to_le_bytes());
-            }
-            let x: Vec<f32> = (0..n_in)
-                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
-                .collect();
-            let mut xq = ActQ8::default();
-            xq.quantize(&x).unwrap();
-            let want: Vec<f32> = w
-                .chunks_exact(rb)
-                .map(|row| dot(GgmlType::Q2K, row, &xq).unwrap())
-                .collect();
-            for target in [1u64, 1 << 20] {
-                let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
-                    .unwrap();
-                for grid_x in [1, 2, l.grid_x] {
-                    let y = run_gemv(&k, "ds4_gemv_q_q2_k", grid_x, l.block, &w, &x, n_out, l.wpr);
-                    for (r, (g, c)) in y.iter().zip(&want).enumerate() {
-                        assert!(
-                            (g - c).abs() <= 1e-5 * (1.0 + c.abs()),
-                            "{n_in}x{n_out} wpr {} grid {grid_x}: row {r}: {g} vs {c}",
-                            l.wpr
-                        );
+        let cases = [
+            (GemvType::Q2K, GgmlType::Q2K, "ds4_gemv_q_q2_k"),
+            (GemvType::Iq2Xxs, GgmlType::Iq2Xxs, "ds4_gemv_q_iq2_xxs"),
+        ];
+        for (ty, gty, kernel) in cases {
+            for (n_in, n_out) in [(4096usize, 70usize), (2048, 33), (8192, 9)] {
+                let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+                let mut w = vec![0u8; n_out * rb];
+                for b in w.iter_mut() {
+                    *b = next() as u8;
+                }
+                // Random codes; the f16 block scales set to small finite values.
+                let d = |next: &mut dyn FnMut() -> u64, base: f32| {
+                    half::f16::from_f32(base + (next() % 100) as f32 * 1e-4)
+                        .to_bits()
+                        .to_le_bytes()
+                };
+                if gty == GgmlType::Q2K {
+                    for blk in w.chunks_exact_mut(84) {
+                        blk[80..82].copy_from_slice(&d(&mut next, 0.01));
+                        blk[82..84].copy_from_slice(&d(&mut next, 0.005));
+                    }
+                } else {
+                    for blk in w.chunks_exact_mut(66) {
+                        blk[0..2].copy_from_slice(&d(&mut next, 0.01));
+                    }
+                }
+                let x: Vec<f32> = (0..n_in)
+                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let mut xq = ActQ8::default();
+                xq.quantize(&x).unwrap();
+                let want: Vec<f32> = w
+                    .chunks_exact(rb)
+                    .map(|row| dot(gty, row, &xq).unwrap())
+                    .collect();
+                for target in [1u64, 1 << 20] {
+                    let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
+                        .unwrap();
+                    for grid_x in [1, 2, l.grid_x] {
+                        let y = run_gemv(&k, kernel, grid_x, l.block, &w, &x, n_out, l.wpr);
+                        for (r, (g, c)) in y.iter().zip(&want).enumerate() {
+                            assert!(
+                                g.is_finite() && (g - c).abs() <= 1e-5 * (1.0 + c.abs()),
+                                "{kernel} {n_in}x{n_out} wpr {} grid {grid_x}: row {r}: {g} vs {c}",
+                                l.wpr
+                            );
+                        }
                     }
                 }
             }

@@ -949,27 +949,38 @@ struct Ds4Q4Kx : Ds4Q4K {
 
 // IQ2_XXS unit with int8 activations: one 32-value group (4 grid entries sharing the
 // group's scale), the CPU's q8act term (db · dx) · Σ ±grid · q_x exactly. One unit per entry
-// (8 values) had spent ~4 instructions per weight on decoding (the routed gate/up GEMV
-// issue-bound: ncu 31.8 µs for 26 MB on the H200): here the group's scale, index and sign
-// words are read once per 32 values, and each sign pattern is a byte mask from a 128-entry
-// table built in the prologue instead of two multiplies per entry. A grid byte (8, 25 or
-// 43, never 0) takes its sign as (g ^ m) + (m & 1) per byte with m = 0xFF to negate:
-// 255 - g + 1 = 256 - g stays inside the byte, so one 32-bit add does four bytes.
+// (8 values) read the group's scale and sign word once per 8 values (the routed gate/up
+// GEMV issue-bound: ncu 31.8 µs for 26 MB on the H200); here once per 32. A grid byte (8,
+// 25 or 43, never 0) takes its sign as (g ^ m) + (m & 1) per byte with m = 0xFF to negate:
+// 255 - g + 1 = 256 - g stays inside the byte, so one 32-bit add does four bytes. The byte
+// masks come from the 7-bit sign index either through the 128-byte sign table and two
+// multiplies (default: that table sits in 32 banks, conflict-free) or, with
+// -DDS4_IQ2_MASK_TABLE=1, from a 128-entry table of 64-bit masks (measured slower: 35.9 µs
+// against 31.8, random 64-bit shared loads conflict).
+#ifndef DS4_IQ2_MASK_TABLE
+#define DS4_IQ2_MASK_TABLE 0
+#endif
+// Four sign bits (bit e: negate byte e) to the byte mask 0x00/0xFF per byte: the multiply
+// by 1 + 2^7 + 2^14 + 2^21 moves bit e to bit 8e with no two partial products meeting.
+__device__ __forceinline__ ds4_u32 ds4_sign_mask4(ds4_u32 bits4) {
+    return ((bits4 * 0x00204081u) & 0x01010101u) * 0xffu;
+}
 struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
     static constexpr int UPB = 8;
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u64 grid[256];
-        __shared__ ds4_u64 smask[128];
+        __shared__ ds4_u8 signs[128];
+        __shared__ ds4_u64 smask[DS4_IQ2_MASK_TABLE ? 128 : 1];
         for (int i = threadIdx.x; i < 256; i += DS4_GEMV_THREADS) grid[i] = ds4_iq2xxs_grid[i];
         for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS) {
             const ds4_u32 sg = ds4_iq2xxs_ksigns[i];
-            ds4_u64 m = 0;
-            for (int e = 0; e < 8; e++)
-                if ((sg >> e) & 1u) m |= (ds4_u64)0xffu << (8 * e);
-            smask[i] = m;
+            signs[i] = (ds4_u8)sg;
+            if (DS4_IQ2_MASK_TABLE)
+                smask[i] = (ds4_u64)ds4_sign_mask4(sg & 15u) |
+                           ((ds4_u64)ds4_sign_mask4(sg >> 4) << 32);
         }
         __syncthreads();
-        return Ds4Tables{grid, nullptr, smask};
+        return Ds4Tables{grid, signs, smask};
     }
     template <int R, int CB>
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables tb,
@@ -992,9 +1003,18 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const ds4_u64 gv = tb.grid[(aux >> (8 * k)) & 255u];
-                const ds4_u64 m = tb.smask[(w1 >> (7 * k)) & 127u];
+                const ds4_u32 si = (w1 >> (7 * k)) & 127u;
+                ds4_u32 mlo, mhi;
+                if (DS4_IQ2_MASK_TABLE) {
+                    const ds4_u64 m = tb.smask[si];
+                    mlo = (ds4_u32)m;
+                    mhi = (ds4_u32)(m >> 32);
+                } else {
+                    const ds4_u32 sg = tb.signs[si];
+                    mlo = ds4_sign_mask4(sg & 15u);
+                    mhi = ds4_sign_mask4(sg >> 4);
+                }
                 const ds4_u32 glo = (ds4_u32)gv, ghi = (ds4_u32)(gv >> 32);
-                const ds4_u32 mlo = (ds4_u32)m, mhi = (ds4_u32)(m >> 32);
                 const int vlo = (int)((glo ^ mlo) + (mlo & 0x01010101u));
                 const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
                 is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));

@@ -660,6 +660,19 @@ mod tests {
         assert!(warps * maxo >= 2 * n + n * n);
     }
 
+    /// The host sends the router to `ds4_router_warp` only within its register arrays: 32
+    /// lanes of DS4_RW_PER_LANE experts, one selection per lane, a warp per token.
+    #[test]
+    fn router_warp_limits_match_the_kernel() {
+        use crate::backend::ops::{ROUTER_WARP_MAX_EXPERTS, ROUTER_WARP_MAX_K, ROUTER_WARP_TOKENS};
+        let per_lane = ROUTER_WARP_MAX_EXPERTS / 32;
+        let d = format!("#define DS4_RW_PER_LANE {per_lane}");
+        assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+        assert_eq!(ROUTER_WARP_MAX_EXPERTS, 32 * per_lane);
+        assert_eq!(ROUTER_WARP_MAX_K, 32);
+        assert_eq!(ROUTER_WARP_TOKENS, 256 / 32);
+    }
+
     /// The host's limit on Q8_0 row width is the split kernel's shared-memory row.
     #[test]
     fn q8_split_limit_matches_the_kernel() {

@@ -126,6 +126,12 @@ pub(crate) const HC_MIX_THREADS: u32 = 256;
 /// Most partial blocks per token `ds4_hc_mix_apply` stages (DS4_HCM_PARTS): width ≤ 64 × 64.
 pub(crate) const HC_MIX_MAX_PARTS: usize = 64;
 
+/// `ds4_router_warp` (kernels/ops.cu): experts per token it holds (32 lanes x
+/// DS4_RW_PER_LANE), most selections (one per lane) and tokens per 256-thread block.
+pub(crate) const ROUTER_WARP_MAX_EXPERTS: usize = 256;
+pub(crate) const ROUTER_WARP_MAX_K: usize = 32;
+pub(crate) const ROUTER_WARP_TOKENS: usize = 8;
+
 fn i32a(op: &'static str, what: &str, v: usize) -> BResult<Arg> {
     i32::try_from(v)
         .map(Arg::I32)
@@ -1283,7 +1289,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 self.iptr(tokens, OP)?,
             ),
         };
-        let args = [
+        let mut args = vec![
             Arg::Ptr(self.fptr(logits, OP)?),
             i32a(OP, "experts", e)?,
             i32a(OP, "k", k)?,
@@ -1297,6 +1303,12 @@ impl<D: GpuApi> GpuBackend<D> {
             Arg::Ptr(self.fptr(weights, OP)?),
             Arg::Ptr(self.fault_ptr()),
         ];
+        // One warp per token where the experts fit its registers (`ds4_router_warp`).
+        if e <= ROUTER_WARP_MAX_EXPERTS && k <= ROUTER_WARP_MAX_K {
+            args.insert(1, i32a(OP, "tokens", t)?);
+            let grid = g32(t.div_ceil(ROUTER_WARP_TOKENS));
+            return self.launch("ds4_router_warp", (grid, 1, 1), 256, &args);
+        }
         self.launch("ds4_router", (g32(t), 1, 1), 256, &args)
     }
 
@@ -1364,17 +1376,6 @@ impl<D: GpuApi> GpuBackend<D> {
             && self.grouped_ok(gty, d, f, upp)
             && self.grouped_ok(dty, f, d, dp);
         if grouped {
-            self.launch(
-                "ds4_check_ids",
-                (1, 1, 1),
-                256,
-                &[
-                    Arg::Ptr(ip),
-                    i32a(OP, "selections", n_sel)?,
-                    i32a(OP, "experts", ne)?,
-                    Arg::Ptr(self.fault_ptr()),
-                ],
-            )?;
             // Inputs per selection: the token's x (shared when there is one token).
             let (xsrc, per_sel) = if t == 1 {
                 (xp, false)
@@ -1422,6 +1423,10 @@ impl<D: GpuApi> GpuBackend<D> {
                     i32a(OP, "ff", f)?,
                     Arg::F32(a.clamp),
                     Arg::Ptr(sh),
+                    // The id range check rides along (the grouped GEMVs read the ids).
+                    Arg::Ptr(ip),
+                    i32a(OP, "experts", ne)?,
+                    Arg::Ptr(self.fault_ptr()),
                 ],
             )?;
             self.grouped(
@@ -1514,6 +1519,9 @@ impl<D: GpuApi> GpuBackend<D> {
                     i32a(OP, "ff", f)?,
                     Arg::F32(a.clamp),
                     Arg::Ptr(sh),
+                    Arg::Ptr(0),
+                    Arg::I32(0),
+                    Arg::Ptr(0),
                 ],
             )?;
             let ob = self.scratch("moe_ob", 4 * n_sel * d)?;

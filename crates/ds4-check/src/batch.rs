@@ -20,7 +20,7 @@ pub struct BatchVsAlone {
     pub greedy: usize,
 }
 
-/// Sequences and decode steps of [`batch_vs_alone`].
+/// Default sequences and the decode steps of [`batch_vs_alone`].
 pub const SEQS: usize = 4;
 pub const STEPS: usize = 6;
 
@@ -30,7 +30,8 @@ fn random_tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Decodes [`SEQS`] sequences with random prompts of `prompt` + {0, 3, 7, 1} tokens, token by
+/// Decodes `seqs` sequences with random prompts of `prompt` + {0, 3, 7, 1, 5, 2, 6, 4} (then
+/// again) tokens, token by
 /// token alone for [`STEPS`] greedy steps, then again as batched steps with the tokens of
 /// the alone run (so the two stay aligned), and compares every batched row with its twin.
 pub fn batch_vs_alone(
@@ -38,18 +39,21 @@ pub fn batch_vs_alone(
     mode: NumericMode,
     be: Box<dyn Backend>,
     prompt: usize,
+    seqs: usize,
     rng: &mut Rng,
 ) -> Result<BatchVsAlone, EngineError> {
     let cfg = EngineConfig {
         mode: Some(mode),
         ctx: prompt + 16 + STEPS,
-        prefill_chunk: 16,
+        // A batched step takes at most a chunk's worth of states.
+        prefill_chunk: seqs.max(16),
     };
     let mut eng = Engine::load(file.clone(), be, cfg)?;
     let vocab = eng.hparams().n_vocab;
-    let prompts: Vec<Vec<u32>> = [0usize, 3, 7, 1]
+    let prompts: Vec<Vec<u32>> = [0usize, 3, 7, 1, 5, 2, 6, 4]
         .iter()
-        .take(SEQS)
+        .cycle()
+        .take(seqs)
         .map(|extra| random_tokens(rng, prompt + extra, vocab))
         .collect();
     let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();

@@ -398,9 +398,15 @@ fn emulated_batched_decode_equals_decoding_alone() {
         let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
         gpu.set_activation_q8(act_q8).unwrap();
         let mut rng = ds4_engine::Rng::new(11);
-        let r =
-            ds4_check::batch::batch_vs_alone(&file, NumericMode::Exact, Box::new(gpu), 9, &mut rng)
-                .unwrap();
+        let r = ds4_check::batch::batch_vs_alone(
+            &file,
+            NumericMode::Exact,
+            Box::new(gpu),
+            9,
+            ds4_check::batch::SEQS,
+            &mut rng,
+        )
+        .unwrap();
         assert!(
             fake.kernel_errors().is_empty(),
             "{:?}",
@@ -414,9 +420,15 @@ fn emulated_batched_decode_equals_decoding_alone() {
         let mut cpu = CpuBackend::new(1).unwrap();
         cpu.set_activation_q8(act_q8).unwrap();
         let mut rng = ds4_engine::Rng::new(11);
-        let r =
-            ds4_check::batch::batch_vs_alone(&file, NumericMode::Exact, Box::new(cpu), 9, &mut rng)
-                .unwrap();
+        let r = ds4_check::batch::batch_vs_alone(
+            &file,
+            NumericMode::Exact,
+            Box::new(cpu),
+            9,
+            ds4_check::batch::SEQS,
+            &mut rng,
+        )
+        .unwrap();
         assert!(
             r.exact && r.greedy == 0,
             "cpu {recipe:?} act_q8 {act_q8}: {r:?}"

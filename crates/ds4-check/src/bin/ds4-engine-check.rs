@@ -11,8 +11,8 @@
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode where
 //!   the model allows it (the reordered bound of `ds4_check::refcheck`, pooled over the run's
 //!   official-mode paths, each with its own tokens, at least 100 of them: `ds4_check::parity`).
-//! * `batch [MODELS] [--tiny N] [--tokens T] [--seed S] [--act-q8]` — batched decode
-//!   (`Engine::eval_batch`, 4 sequences of different prompt lengths, 6 steps) against the
+//! * `batch [MODELS] [--tiny N] [--tokens T] [--seed S] [--act-q8] [--seqs N]` — batched decode
+//!   (`Engine::eval_batch`, N (default 4) sequences of different prompt lengths, 6 steps) against the
 //!   same sequences decoded alone, on the CPU engine and the CUDA engine when a device
 //!   answers: no greedy token may differ and every row must be within 1e-6 (bit-for-bit
 //!   equality is reported). What `ds4-server --parallel` will rely on (issue 22).
@@ -56,6 +56,8 @@ struct Args {
     act_q8: bool,
     /// `ops`: which multi-token matmuls the GPU runs on quantized half-precision tiles.
     tiles: PrefillTiles,
+    /// `batch`: sequences decoded together.
+    seqs: usize,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -67,6 +69,7 @@ fn parse(args: &[String]) -> Result<Args> {
         chunk: 0,
         act_q8: false,
         tiles: PrefillTiles::Off,
+        seqs: ds4_check::batch::SEQS,
         seed: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -84,6 +87,12 @@ fn parse(args: &[String]) -> Result<Args> {
             "--tokens" => a.tokens = v(i)?.parse()?,
             "--seed" => a.seed = v(i)?.parse()?,
             "--chunk" => a.chunk = v(i)?.parse()?,
+            "--seqs" => {
+                a.seqs = v(i)?.parse()?;
+                if a.seqs == 0 {
+                    bail!("--seqs must be at least 1");
+                }
+            }
             "--tiles" => {
                 a.tiles = PrefillTiles::parse(v(i)?).with_context(|| {
                     format!("--tiles {:?}: use off, experts or all", args[i + 1])
@@ -771,7 +780,7 @@ fn batch(a: &Args) -> Result<()> {
                     worst,
                     exact,
                     greedy,
-                } = ds4_check::batch::batch_vs_alone(&file, mode, be, a.tokens, &mut rng)?;
+                } = ds4_check::batch::batch_vs_alone(&file, mode, be, a.tokens, a.seqs, &mut rng)?;
                 let ok = worst <= 1e-6 && greedy == 0;
                 println!(
                     "{label} · {mode} · {}: batched vs alone max rel {worst:.2e}, bit-exact {}, greedy differences {greedy}{}",

@@ -102,6 +102,14 @@ impl Slots {
         self.engine.config().ctx
     }
 
+    /// KV bytes one slot holds at the engine's context (as the placement planner counts
+    /// them, docs/forward.md §8).
+    pub fn kv_bytes_per_slot(&self) -> u64 {
+        let hp = self.engine.hparams();
+        ds4_model::kv::kv_bytes_per_token_x(hp, self.ctx() as u64)
+            + ds4_model::kv::kv_fixed_bytes(hp)
+    }
+
     /// Most slots one batched decode step takes ([`Slots::decode`] splits larger sets).
     pub fn batch_max(&self) -> usize {
         self.engine.config().prefill_chunk.max(1)

@@ -28,9 +28,12 @@ pub mod live;
 pub mod model;
 pub mod prepare;
 pub mod request;
+mod reuse;
+mod sched;
 pub mod script;
 pub mod stats;
 pub mod toolmem;
+mod turn;
 pub mod worker;
 
 use std::future::Future;

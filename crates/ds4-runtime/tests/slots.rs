@@ -16,6 +16,7 @@ fn opts() -> LoadOptions {
         backend: BackendChoice::Cpu,
         mode: None,
         ctx: 128,
+        kv_states: 3,
         prefill_chunk: 16,
         threads: 1,
         placement: Default::default(),

@@ -2,8 +2,9 @@
 //! to others, must hold exactly what a lone `Conversation` on the same prompt holds (logits
 //! bit for bit, on the CPU), and a slot's checkpoint must resume in a conversation.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
+use std::sync::OnceLock;
 
 use ds4_engine::{argmax, Sampler, SamplerConfig};
 use ds4_runtime::load::{load, BackendChoice, LoadOptions, Precision};
@@ -140,4 +141,42 @@ fn stepped_generation_matches_generate_with() {
     assert_eq!(got.tokens, want.tokens);
     assert_eq!((got.stop, want.stop), (GenStop::Length, GenStop::Length));
     assert_eq!(slots.live(1), c.live());
+}
+
+/// The server's step pattern: one slot's prompt evaluated in pieces while another is
+/// emptied, decoded alone, then batched with a slot whose prompt was evaluated between its
+/// steps; the first slot stays bit for bit what a lone conversation holds.
+#[test]
+fn prefill_pieces_between_decode_steps_leave_other_slots_alone() {
+    let eng = engine;
+    let mut slots = Slots::new(eng(), 3).unwrap();
+    let p0 = prompt(38, 1);
+    let p1 = prompt(30, 2);
+    let mut c0 = Conversation::new(eng()).unwrap();
+    for piece in p0.chunks(16) {
+        c0.prefill(piece).unwrap();
+    }
+    // slot 0 piece, reset slot 1, slot0 pieces
+    slots.prefill(0, &p0[..16]).unwrap();
+    slots.reset(1).unwrap();
+    slots.prefill(0, &p0[16..32]).unwrap();
+    slots.prefill(0, &p0[32..]).unwrap();
+    assert_eq!(slots.logits(0), c0.logits(), "after prefill");
+    let t = argmax(slots.logits(0).unwrap());
+    slots.decode(&[(0, t)]).unwrap();
+    c0.advance(t).unwrap();
+    assert_eq!(slots.logits(0), c0.logits(), "after decode 1");
+    slots.prefill(1, &p1[..16]).unwrap();
+    let t = argmax(slots.logits(0).unwrap());
+    slots.decode(&[(0, t)]).unwrap();
+    c0.advance(t).unwrap();
+    assert_eq!(slots.logits(0), c0.logits(), "after prefill of 1 + decode");
+    slots.prefill(1, &p1[16..]).unwrap();
+    for step in 0..10 {
+        let t = argmax(slots.logits(0).unwrap());
+        let t1 = argmax(slots.logits(1).unwrap());
+        slots.decode(&[(0, t), (1, t1)]).unwrap();
+        c0.advance(t).unwrap();
+        assert_eq!(slots.logits(0), c0.logits(), "batched step {step}");
+    }
 }

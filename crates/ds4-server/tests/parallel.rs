@@ -1,0 +1,273 @@
+//! `--parallel N`: several conversations served at once by one engine, their tokens decoded
+//! together in batched steps and prompts evaluated a piece per step between them. Each
+//! request must get exactly what it gets alone on a one-slot server (greedy: the same text;
+//! seeded sampling: the same samples), whatever runs beside it, arrives during it or is
+//! cancelled in the middle of it.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use ds4_server::ServerConfig;
+use serde_json::{json, Value};
+
+/// Both servers of a comparison run the same settings but the slot count: prompts are
+/// evaluated in the same pieces, so the only difference is what runs beside a request.
+fn cfg(parallel: usize) -> ServerConfig {
+    ServerConfig {
+        parallel,
+        prefill_per_step: 16,
+        // Keeps the streams overlapping on a fast machine (outputs do not depend on it).
+        token_delay: Some(Duration::from_millis(2)),
+        ..ServerConfig::default()
+    }
+}
+
+/// A completion request on the real (random-weight) tiny model: greedy without a seed,
+/// else sampled at temperature 0.9 with that seed.
+fn completion(prompt: &str, max_tokens: u64, seed: Option<u64>) -> Value {
+    // Without thinking: in a thinking mode the client's sampling knobs are ignored.
+    let mut b = json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true, "think": false,
+        "stream_options": {"include_usage": true}});
+    match seed {
+        None => b["temperature"] = json!(0),
+        Some(s) => {
+            b["temperature"] = json!(0.9);
+            b["seed"] = json!(s);
+        }
+    }
+    b
+}
+
+/// Text and usage of a finished completions stream.
+#[derive(Debug, Clone, PartialEq)]
+struct Got {
+    text: String,
+    finish: Value,
+    completion_tokens: Value,
+    prompt_tokens: Value,
+}
+
+fn collect(evs: &[SseEvent]) -> Got {
+    let mut g = Got {
+        text: String::new(),
+        finish: Value::Null,
+        completion_tokens: Value::Null,
+        prompt_tokens: Value::Null,
+    };
+    assert_eq!(evs.last().map(|e| e.data.as_str()), Some("[DONE]"));
+    for e in &evs[..evs.len() - 1] {
+        let v = e.json();
+        assert!(v.get("error").is_none(), "stream error: {v}");
+        if let Some(c) = v["choices"].get(0) {
+            g.text.push_str(c["text"].as_str().unwrap_or(""));
+            if !c["finish_reason"].is_null() {
+                g.finish = c["finish_reason"].clone();
+            }
+        }
+        if !v["usage"].is_null() {
+            g.completion_tokens = v["usage"]["completion_tokens"].clone();
+            g.prompt_tokens = v["usage"]["prompt_tokens"].clone();
+        }
+    }
+    g
+}
+
+async fn run_alone(a: SocketAddr, body: &Value) -> Got {
+    let sse = Sse::open(a, "/v1/completions", body).await;
+    assert_eq!(sse.status, 200);
+    collect(&sse.all().await)
+}
+
+/// The requests of the comparisons: prompts of 1 to ~200 tokens (several prefill pieces
+/// of 16), outputs of 5 to 48 tokens, greedy and seeded.
+fn requests() -> Vec<Value> {
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(4);
+    vec![
+        completion("Once upon a time", 40, None),
+        completion("x", 12, Some(7)),
+        completion(&long, 30, None),
+        completion("1, 2, 3, 4, 5,", 48, Some(99)),
+        completion(&format!("{long} and then"), 5, Some(3)),
+        completion("Dear diary, today", 25, None),
+    ]
+}
+
+async fn references(reqs: &[Value]) -> Vec<Got> {
+    let one = start(cfg(1)).await;
+    let mut out = Vec::new();
+    for r in reqs {
+        out.push(run_alone(one.addr, r).await);
+    }
+    one.shutdown().await.unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_get_what_they_get_alone() {
+    let reqs = requests();
+    let want = references(&reqs).await;
+    for w in &want {
+        assert!(
+            !w.text.is_empty() && w.completion_tokens.as_u64() > Some(0),
+            "{w:?}"
+        );
+    }
+
+    let srv = start(cfg(3)).await;
+    let a = srv.addr;
+    // 0 and 1 arrive together; 2 and 3 (the long prompt) arrive while they decode; the
+    // rest queue until a slot frees (three slots for six requests).
+    let mut first = Sse::open(a, "/v1/completions", &reqs[0]).await;
+    let mut second = Sse::open(a, "/v1/completions", &reqs[1]).await;
+    let mut head0 = vec![first.next().await.expect("a first chunk")];
+    let head1 = vec![second.next().await.expect("a first chunk")];
+    wait_stats(a, |s| s["running"] == 2).await;
+    let mut later = Vec::new();
+    for r in &reqs[2..] {
+        let r = r.clone();
+        later.push(tokio::spawn(async move { run_alone(a, &r).await }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    head0.push(first.next().await.expect("more of stream 0"));
+    let mut evs0 = head0;
+    evs0.extend(first.all().await);
+    let mut evs1 = head1;
+    evs1.extend(second.all().await);
+    let mut got = vec![collect(&evs0), collect(&evs1)];
+    for h in later {
+        got.push(h.await.unwrap());
+    }
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i} differs from the same request alone");
+    }
+    let s = stats(a).await;
+    assert_eq!(s["requests"], 6);
+    assert_eq!(
+        (s["running"].clone(), s["queued"].clone()),
+        (json!(0), json!(0))
+    );
+    srv.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_stream_leaves_the_others_intact() {
+    let reqs = vec![
+        completion("Once upon a time", 40, None),
+        completion("It was a dark and stormy night", 60, Some(5)),
+        completion("1, 2, 3, 4, 5,", 40, Some(11)),
+    ];
+    let want = references(&reqs).await;
+    let srv = start(cfg(3)).await;
+    let a = srv.addr;
+    let mut streams = Vec::new();
+    for r in &reqs {
+        streams.push(Sse::open(a, "/v1/completions", r).await);
+    }
+    wait_stats(a, |s| s["running"] == 3).await;
+    // The middle one goes away after a few chunks, while the other two decode.
+    let mut middle = streams.remove(1);
+    for _ in 0..4 {
+        middle.next().await.expect("a chunk before cancelling");
+    }
+    drop(middle);
+    wait_stats(a, |s| s["cancelled"] == 1).await;
+    let mut got = Vec::new();
+    for s in streams {
+        got.push(collect(&s.all().await));
+    }
+    assert_eq!(got[0], want[0]);
+    assert_eq!(got[1], want[2]);
+    // The freed slot serves the next request as if nothing had happened there.
+    assert_eq!(run_alone(a, &reqs[1]).await, want[1]);
+    let s = wait_stats(a, |s| s["running"] == 0).await;
+    assert_eq!(s["cancelled"], 1);
+    srv.shutdown().await.unwrap();
+}
+
+/// The loopback load test's parallel variant (BENCHMARKS.md "ds4-server load test"): 16
+/// streaming clients on four slots, mixed prompt and answer lengths, every fourth client
+/// hanging up mid-stream. Each client's answer is forced and distinct (the engine still
+/// evaluates every token), so a lost, duplicated or misrouted token shows as a wrong text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_streaming_clients_on_four_slots() {
+    const CLIENTS: usize = 16;
+    let answer = |k: usize| -> String {
+        (0..(3 + 5 * (k % 7)))
+            .map(|i| format!("c{k}w{i} "))
+            .collect::<String>()
+    };
+    let rules: Vec<Value> = (0..CLIENTS)
+        .map(|k| json!({"when": format!("[client{k}]"), "output": answer(k)}))
+        .collect();
+    let script = ds4_server::Script::from_json(&Value::Array(rules).to_string()).unwrap();
+    let srv = start(ServerConfig {
+        parallel: 4,
+        prefill_per_step: 16,
+        token_delay: Some(Duration::from_millis(1)),
+        script: Some(std::sync::Arc::new(script)),
+        ..ServerConfig::default()
+    })
+    .await;
+    let a = srv.addr;
+    let mut handles = Vec::new();
+    for k in 0..CLIENTS {
+        handles.push(tokio::spawn(async move {
+            let filler = "lorem ipsum ".repeat(k * 3);
+            let body = json!({
+                "messages": [{"role": "user", "content": format!("{filler}[client{k}]")}],
+                "think": false, "stream": true, "max_tokens": 400,
+                "stream_options": {"include_usage": true}
+            });
+            tokio::time::sleep(Duration::from_millis(10 * (k as u64 % 5))).await;
+            let mut sse = Sse::open(a, "/v1/chat/completions", &body).await;
+            assert_eq!(sse.status, 200, "client {k}");
+            if k % 4 == 3 {
+                // Hang up after the role chunk and two deltas.
+                for _ in 0..3 {
+                    sse.next().await.expect("chunks before hanging up");
+                }
+                return None;
+            }
+            let evs = sse.all().await;
+            assert_eq!(evs.last().map(|e| e.data.as_str()), Some("[DONE]"));
+            let mut text = String::new();
+            let mut usage = Value::Null;
+            for e in &evs[..evs.len() - 1] {
+                let v = e.json();
+                assert!(v.get("error").is_none(), "client {k}: {v}");
+                if let Some(c) = v["choices"].get(0) {
+                    text.push_str(c["delta"]["content"].as_str().unwrap_or(""));
+                }
+                if !v["usage"].is_null() {
+                    usage = v["usage"].clone();
+                }
+            }
+            Some((k, text, usage))
+        }));
+    }
+    let mut done = 0;
+    for h in handles {
+        if let Some((k, text, usage)) = h.await.unwrap() {
+            assert_eq!(
+                text,
+                answer(k),
+                "client {k} got another client's tokens or lost some"
+            );
+            assert!(
+                usage["completion_tokens"].as_u64().unwrap() > 0,
+                "client {k}"
+            );
+            done += 1;
+        }
+    }
+    assert_eq!(done, CLIENTS - CLIENTS / 4);
+    let s = wait_stats(a, |s| s["running"] == 0 && s["queued"] == 0).await;
+    assert_eq!(s["requests"], CLIENTS as u64);
+    assert_eq!(s["worker_panics"], 0);
+    // A hung-up client is cancelled unless its short answer was already complete.
+    assert!(s["cancelled"].as_u64().unwrap() <= (CLIENTS / 4) as u64);
+    srv.shutdown().await.unwrap();
+}

@@ -10,10 +10,27 @@ use ds4_engine::{argmax, Sampler, SamplerConfig};
 use ds4_runtime::load::{load, BackendChoice, LoadOptions, Precision};
 use ds4_runtime::{Conversation, GenLimits, GenState, GenStop, Pick, Slots, SlotsError, Steer};
 
+/// The tiny-hca16 fixture (every attention kind, 2 MB) converted once per test binary.
+fn tiny_gguf() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-hca16");
+        let dir = tempfile::tempdir().unwrap().keep();
+        let src = dir.join("hf");
+        std::fs::create_dir_all(&src).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture.join(f), src.join(f)).unwrap();
+        }
+        let out = dir.join("tiny.gguf");
+        let opts = ds4_convert::HfOptions::new("f32").unwrap();
+        ds4_convert::convert_hf(&src, &out, &opts, &mut ds4_convert::NoProgress).unwrap();
+        out
+    })
+}
+
 fn opts() -> LoadOptions {
     LoadOptions {
-        model: Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/demo/ds4-demo.gguf"),
+        model: tiny_gguf().to_path_buf(),
         backend: BackendChoice::Cpu,
         mode: None,
         ctx: 128,

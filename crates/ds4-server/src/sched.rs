@@ -103,6 +103,14 @@ pub(crate) fn engine_err(e: impl std::fmt::Display) -> ApiError {
     ApiError::internal(e.to_string())
 }
 
+/// Prompt tokens a task has still to evaluate (`None`: it is generating).
+fn remaining(t: &Task<'_>) -> Option<usize> {
+    match &t.phase {
+        Phase::Prefill { tokens, done, .. } => Some(tokens.len() - done),
+        Phase::Decode(_) => None,
+    }
+}
+
 /// The startup error of slots that do not fit, naming the remedy.
 fn slots_error(e: SlotsError, parallel: usize) -> ServerError {
     match e {
@@ -398,13 +406,19 @@ impl Worker {
     }
 
     /// One scheduler step: one prefill piece of the oldest evaluating job, then one batched
-    /// decode step of every generating slot.
+    /// decode step of every generating slot. A job whose prompt is wholly reused starts
+    /// generating at once (it has no piece to wait for).
     fn step<'t>(&mut self, tasks: &mut [Option<Task<'t>>], tok: &'t Tokenizer) {
+        for (i, entry) in tasks.iter_mut().enumerate() {
+            if entry.as_ref().is_some_and(|t| remaining(t) == Some(0)) {
+                self.prefill_step(i, entry, tok);
+            }
+        }
         let oldest = tasks
             .iter()
             .enumerate()
             .filter_map(|(i, t)| t.as_ref().map(|t| (i, t)))
-            .filter(|(_, t)| matches!(t.phase, Phase::Prefill { .. }))
+            .filter(|(_, t)| remaining(t).is_some())
             .min_by_key(|(_, t)| t.seq)
             .map(|(i, _)| i);
         if let Some(i) = oldest {
@@ -594,5 +608,32 @@ impl Worker {
             &task.job,
             JobEvent::Done(Box::new(outcome)),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_that_do_not_fit_name_the_remedy() {
+        let e = SlotsError::Alloc {
+            slot: 3,
+            slots: 4,
+            ctx: 32768,
+            source: ds4_engine::EngineError::Config("out of device memory".into()),
+        };
+        let msg = slots_error(e, 4).to_string();
+        for want in [
+            "slot 3 of 4",
+            "out of device memory",
+            "--parallel 4",
+            "lower --parallel",
+        ] {
+            assert!(msg.contains(want), "{want:?} missing from {msg:?}");
+        }
+        assert!(slots_error(SlotsError::Zero, 0)
+            .to_string()
+            .contains("--parallel"));
     }
 }

@@ -187,10 +187,17 @@ async fn a_cancelled_stream_leaves_the_others_intact() {
     srv.shutdown().await.unwrap();
 }
 
+/// A tool call of client `k`: its own command and timeout, streamed as argument fragments.
+fn tool_answer(k: usize) -> String {
+    DSML.replace("ls -la &amp; pwd", &format!("echo client{k}"))
+        .replace(">10<", &format!(">{k}<"))
+}
+
 /// The loopback load test's parallel variant (BENCHMARKS.md "ds4-server load test"): 16
 /// streaming clients on four slots, mixed prompt and answer lengths, every fourth client
-/// hanging up mid-stream. Each client's answer is forced and distinct (the engine still
-/// evaluates every token), so a lost, duplicated or misrouted token shows as a wrong text.
+/// hanging up mid-stream, four answering with a streamed tool call. Each client's answer is
+/// forced and distinct (the engine still evaluates every token), so a lost, duplicated or
+/// misrouted token shows as a wrong text or wrong tool arguments.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_streaming_clients_on_four_slots() {
     const CLIENTS: usize = 16;
@@ -199,8 +206,16 @@ async fn sixteen_streaming_clients_on_four_slots() {
             .map(|i| format!("c{k}w{i} "))
             .collect::<String>()
     };
+    let tools = |k: usize| k % 4 == 1;
     let rules: Vec<Value> = (0..CLIENTS)
-        .map(|k| json!({"when": format!("[client{k}]"), "output": answer(k)}))
+        .map(|k| {
+            let output = if tools(k) {
+                format!("{}{}", answer(k), tool_answer(k))
+            } else {
+                answer(k)
+            };
+            json!({"when": format!("[client{k}]"), "output": output})
+        })
         .collect();
     let script = ds4_server::Script::from_json(&Value::Array(rules).to_string()).unwrap();
     let srv = start(ServerConfig {
@@ -216,11 +231,14 @@ async fn sixteen_streaming_clients_on_four_slots() {
     for k in 0..CLIENTS {
         handles.push(tokio::spawn(async move {
             let filler = "lorem ipsum ".repeat(k * 3);
-            let body = json!({
+            let mut body = json!({
                 "messages": [{"role": "user", "content": format!("{filler}[client{k}]")}],
                 "think": false, "stream": true, "max_tokens": 400,
                 "stream_options": {"include_usage": true}
             });
+            if tools(k) {
+                body["tools"] = json!([bash_tool()]);
+            }
             tokio::time::sleep(Duration::from_millis(10 * (k as u64 % 5))).await;
             let mut sse = Sse::open(a, "/v1/chat/completions", &body).await;
             assert_eq!(sse.status, 200, "client {k}");
@@ -234,16 +252,37 @@ async fn sixteen_streaming_clients_on_four_slots() {
             let evs = sse.all().await;
             assert_eq!(evs.last().map(|e| e.data.as_str()), Some("[DONE]"));
             let mut text = String::new();
+            let mut args = String::new();
+            let mut finish = Value::Null;
             let mut usage = Value::Null;
             for e in &evs[..evs.len() - 1] {
                 let v = e.json();
                 assert!(v.get("error").is_none(), "client {k}: {v}");
                 if let Some(c) = v["choices"].get(0) {
                     text.push_str(c["delta"]["content"].as_str().unwrap_or(""));
+                    if let Some(tc) = c["delta"]["tool_calls"].get(0) {
+                        args.push_str(tc["function"]["arguments"].as_str().unwrap_or(""));
+                    }
+                    if !c["finish_reason"].is_null() {
+                        finish = c["finish_reason"].clone();
+                    }
                 }
                 if !v["usage"].is_null() {
                     usage = v["usage"].clone();
                 }
+            }
+            if tools(k) {
+                assert_eq!(finish, "tool_calls", "client {k}");
+                let parsed: Value = serde_json::from_str(&args)
+                    .unwrap_or_else(|e| panic!("client {k}: {args}: {e}"));
+                assert_eq!(
+                    parsed,
+                    json!({"command": format!("echo client{k}"), "timeout": k}),
+                    "client {k}"
+                );
+            } else {
+                assert_eq!(finish, "stop", "client {k}");
+                assert!(args.is_empty(), "client {k}: {args}");
             }
             Some((k, text, usage))
         }));
@@ -251,9 +290,10 @@ async fn sixteen_streaming_clients_on_four_slots() {
     let mut done = 0;
     for h in handles {
         if let Some((k, text, usage)) = h.await.unwrap() {
+            // Before a tool call the text's trailing whitespace belongs to the DSML block.
             assert_eq!(
-                text,
-                answer(k),
+                text.trim_end(),
+                answer(k).trim_end(),
                 "client {k} got another client's tokens or lost some"
             );
             assert!(

@@ -185,6 +185,13 @@ pub(crate) fn send(stats: &Stats, cfg: &ServerConfig, job: &Job, ev: JobEvent) {
     // Back-pressure: events are waiting and the client has taken none for the stall
     // timeout (its socket stopped draining). Cancel instead of generating into buffers.
     let waiting = job.events.max_capacity() - job.events.capacity();
+    if waiting <= 1 {
+        // Nothing was waiting: the client had taken everything, so its stall clock starts
+        // now. A long stretch without events (a prompt evaluated between other slots'
+        // steps, a tool call's structure before its name) is not a stall.
+        job.taken_ms
+            .store(crate::limits::now_ms(), Ordering::Relaxed);
+    }
     if job.deltas && waiting > 1 && !job.cancel.load(Ordering::Relaxed) {
         let idle = crate::limits::now_ms().saturating_sub(job.taken_ms.load(Ordering::Relaxed));
         if idle > cfg.stall_timeout.as_millis() as u64 {

@@ -195,18 +195,18 @@ fn tool_answer(k: usize) -> String {
 
 /// The loopback load test's parallel variant (BENCHMARKS.md "ds4-server load test"): 16
 /// streaming clients on four slots, mixed prompt and answer lengths, every fourth client
-/// hanging up mid-stream, four answering with a streamed tool call. Each client's answer is
+/// hanging up mid-stream, two answering with a streamed tool call. Each client's answer is
 /// forced and distinct (the engine still evaluates every token), so a lost, duplicated or
 /// misrouted token shows as a wrong text or wrong tool arguments.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_streaming_clients_on_four_slots() {
     const CLIENTS: usize = 16;
     let answer = |k: usize| -> String {
-        (0..(3 + 5 * (k % 7)))
+        (0..(2 + 3 * (k % 5)))
             .map(|i| format!("c{k}w{i} "))
             .collect::<String>()
     };
-    let tools = |k: usize| k % 4 == 1;
+    let tools = |k: usize| k % 8 == 1;
     let rules: Vec<Value> = (0..CLIENTS)
         .map(|k| {
             let output = if tools(k) {
@@ -220,8 +220,6 @@ async fn sixteen_streaming_clients_on_four_slots() {
     let script = ds4_server::Script::from_json(&Value::Array(rules).to_string()).unwrap();
     let srv = start(ServerConfig {
         parallel: 4,
-        prefill_per_step: 16,
-        token_delay: Some(Duration::from_millis(1)),
         script: Some(std::sync::Arc::new(script)),
         ..ServerConfig::default()
     })
@@ -230,7 +228,7 @@ async fn sixteen_streaming_clients_on_four_slots() {
     let mut handles = Vec::new();
     for k in 0..CLIENTS {
         handles.push(tokio::spawn(async move {
-            let filler = "lorem ipsum ".repeat(k * 3);
+            let filler = "lorem ipsum ".repeat(k * 2);
             let mut body = json!({
                 "messages": [{"role": "user", "content": format!("{filler}[client{k}]")}],
                 "think": false, "stream": true, "max_tokens": 400,
@@ -272,7 +270,7 @@ async fn sixteen_streaming_clients_on_four_slots() {
                 }
             }
             if tools(k) {
-                assert_eq!(finish, "tool_calls", "client {k}");
+                assert_eq!(finish, "tool_calls", "client {k}: {text:?} {args:?}");
                 let parsed: Value = serde_json::from_str(&args)
                     .unwrap_or_else(|e| panic!("client {k}: {args}: {e}"));
                 assert_eq!(
@@ -309,5 +307,31 @@ async fn sixteen_streaming_clients_on_four_slots() {
     assert_eq!(s["worker_panics"], 0);
     // A hung-up client is cancelled unless its short answer was already complete.
     assert!(s["cancelled"].as_u64().unwrap() <= (CLIENTS / 4) as u64);
+    srv.shutdown().await.unwrap();
+}
+
+/// A client that keeps up is never taken for stalled, however long the model goes without
+/// an event (here a tool call's structure, forced one slow token at a time, before the
+/// call's name is known): the stall clock starts when an event waits, not at the last one
+/// taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_silent_stretch_is_not_a_stall() {
+    let srv = start(ServerConfig {
+        parallel: 2,
+        stall_timeout: Duration::from_millis(250),
+        token_delay: Some(Duration::from_millis(100)),
+        ..scripted()
+    })
+    .await;
+    let body = json!({"messages":[{"role":"user","content":"[tool] list"}],"tools":[bash_tool()],
+        "think":false,"stream":true});
+    let evs = Sse::open(srv.addr, "/v1/chat/completions", &body)
+        .await
+        .all()
+        .await;
+    let d = datas(&evs);
+    let last: Value = serde_json::from_str(&d[d.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{d:?}");
+    assert_eq!(stats(srv.addr).await["stalled"], 0);
     srv.shutdown().await.unwrap();
 }

@@ -193,6 +193,7 @@ impl Worker {
             prefill_per_step = piece,
             "KV slots allocated"
         );
+        stats.slots.store(parallel as u64, Ordering::Relaxed);
         let eos = tok.markers().eos;
         Ok(Worker {
             memo: (0..parallel).map(|_| SlotMemo::default()).collect(),
@@ -256,17 +257,19 @@ impl Worker {
                 seq += 1;
                 let events = job.events.clone();
                 let idle: Vec<usize> = (0..tasks.len()).filter(|&i| tasks[i].is_none()).collect();
+                // Running from the moment it leaves the queue (`/health` never shows a taken
+                // job as neither queued nor running).
+                Stats::add(&self.stats.running, 1);
                 let r = catch_unwind(AssertUnwindSafe(|| self.start(job, seq, &idle)));
                 match r {
-                    Ok(Ok((slot, task))) => {
-                        Stats::add(&self.stats.running, 1);
-                        tasks[slot] = Some(task);
-                    }
+                    Ok(Ok((slot, task))) => tasks[slot] = Some(task),
                     Ok(Err(e)) => {
+                        Stats::sub(&self.stats.running, 1);
                         let _ = events.try_send(JobEvent::Failed(e));
                         self.publish();
                     }
                     Err(_) => {
+                        Stats::sub(&self.stats.running, 1);
                         self.panicked(&mut tasks);
                         let _ =
                             events.try_send(JobEvent::Failed(ApiError::internal("internal error")));

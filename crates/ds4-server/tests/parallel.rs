@@ -144,6 +144,7 @@ async fn concurrent_requests_get_what_they_get_alone() {
         assert_eq!(g, w, "request {i} differs from the same request alone");
     }
     let s = stats(a).await;
+    assert_eq!(s["slots"], 3);
     assert_eq!(s["requests"], 6);
     assert_eq!(
         (s["running"].clone(), s["queued"].clone()),

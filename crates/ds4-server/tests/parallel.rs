@@ -336,3 +336,67 @@ async fn a_long_silent_stretch_is_not_a_stall() {
     assert_eq!(stats(srv.addr).await["stalled"], 0);
     srv.shutdown().await.unwrap();
 }
+
+/// Two conversations alternating on two slots: each follow-up lands in the slot that holds
+/// its conversation and reuses all of it (prompt and answer), which only the live state can
+/// give (the one turn snapshot holds the other conversation's prompt by then; on one slot
+/// the follow-ups are cold).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_conversation_keeps_its_slot() {
+    let srv = start(ServerConfig {
+        parallel: 2,
+        ..scripted()
+    })
+    .await;
+    let a = srv.addr;
+    let turn = |user: &str, history: &[(&str, &str)]| {
+        let mut msgs: Vec<Value> = Vec::new();
+        for (u, asst) in history {
+            msgs.push(json!({"role": "user", "content": u}));
+            msgs.push(json!({"role": "assistant", "content": asst}));
+        }
+        msgs.push(json!({"role": "user", "content": user}));
+        json!({"messages": msgs, "think": false})
+    };
+    let usage = |v: &Value| {
+        (
+            v["usage"]["prompt_tokens"].as_u64().unwrap(),
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        )
+    };
+    let first_a = post(a, "/v1/chat/completions", &turn("[plain] alpha", &[]))
+        .await
+        .json();
+    let first_b = post(
+        a,
+        "/v1/chat/completions",
+        &turn("[plain] beta, a longer opening", &[]),
+    )
+    .await
+    .json();
+    let answer = "The answer is 42.";
+    assert_eq!(first_a["choices"][0]["message"]["content"], answer);
+    for (first, user) in [
+        (&first_a, "[plain] alpha"),
+        (&first_b, "[plain] beta, a longer opening"),
+    ] {
+        let (prompt, _) = usage(first);
+        let next = post(
+            a,
+            "/v1/chat/completions",
+            &turn("[plain] and then?", &[(user, answer)]),
+        )
+        .await
+        .json();
+        let (_, cached) = usage(&next);
+        assert!(
+            cached > prompt,
+            "{user}: reused {cached} of a {prompt}-token first turn"
+        );
+    }
+    let s = stats(a).await;
+    assert_eq!(s["snapshot_hits"], 0);
+    srv.shutdown().await.unwrap();
+}

@@ -400,3 +400,56 @@ async fn each_conversation_keeps_its_slot() {
     assert_eq!(s["snapshot_hits"], 0);
     srv.shutdown().await.unwrap();
 }
+
+/// The disk KV cache with two slots: both live states are checkpointed at shutdown, and after
+/// a restart each conversation's next turn is restored from its own checkpoint into the slot
+/// it lands in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_slot_is_checkpointed_and_restored() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = || ServerConfig {
+        parallel: 2,
+        disk: Some(ds4_server::DiskCacheConfig {
+            min_tokens: 8,
+            continued_interval_tokens: 0,
+            boundary_trim_tokens: 0,
+            boundary_align_tokens: 0,
+            budget_bytes: 256 << 20,
+            ..ds4_server::DiskCacheConfig::new(dir.path())
+        }),
+        snapshot_slots: 0,
+        ..scripted()
+    };
+    let system = json!({"role":"system","content":"You are a terse assistant."});
+    let first = |q: &str| json!({"think":false,"messages":[system,{"role":"user","content":q}]});
+    let second = |q: &str| {
+        json!({"think":false,"messages":[system,{"role":"user","content":q},
+            {"role":"assistant","content":"The answer is 42."},{"role":"user","content":"[plain] more"}]})
+    };
+    let questions = ["[plain] first question", "[plain] another, longer question"];
+    let srv = start(cfg()).await;
+    let mut lengths = Vec::new();
+    for q in questions {
+        let v = post(srv.addr, "/v1/chat/completions", &first(q))
+            .await
+            .json();
+        lengths.push(
+            v["usage"]["prompt_tokens"].as_u64().unwrap()
+                + v["usage"]["completion_tokens"].as_u64().unwrap(),
+        );
+    }
+    srv.shutdown().await.unwrap();
+
+    let srv = start(cfg()).await;
+    for (q, live) in questions.iter().zip(lengths) {
+        let v = post(srv.addr, "/v1/chat/completions", &second(q))
+            .await
+            .json();
+        assert_eq!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"], live,
+            "{q}: {v}"
+        );
+    }
+    assert_eq!(stats(srv.addr).await["disk_hits"], 2);
+    srv.shutdown().await.unwrap();
+}

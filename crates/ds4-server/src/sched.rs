@@ -410,11 +410,17 @@ impl Worker {
 
     /// One scheduler step: one prefill piece of the oldest evaluating job, then one batched
     /// decode step of every generating slot. A job whose prompt is wholly reused starts
-    /// generating at once (it has no piece to wait for).
+    /// generating at once (it has no piece to wait for); a job still evaluating its prompt
+    /// whose client went away frees its slot at once, not at its next piece.
     fn step<'t>(&mut self, tasks: &mut [Option<Task<'t>>], tok: &'t Tokenizer) {
         for (i, entry) in tasks.iter_mut().enumerate() {
-            if entry.as_ref().is_some_and(|t| remaining(t) == Some(0)) {
-                self.prefill_step(i, entry, tok);
+            match entry.as_ref().and_then(remaining) {
+                Some(0) => self.prefill_step(i, entry, tok),
+                Some(_) if entry.as_ref().is_some_and(|t| self.stopping(&t.job)) => {
+                    Stats::add(&self.stats.cancelled, 1);
+                    self.end(entry);
+                }
+                _ => {}
             }
         }
         let oldest = tasks

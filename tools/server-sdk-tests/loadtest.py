@@ -2,7 +2,12 @@
 ds4-server; every answer must be a 200 with the expected forced text. Prints p50/p99
 latency and the server's RSS before and after (pass its pid).
 
-usage: loadtest.py URL SERVER_PID [N=200] [C=16]
+With `stream` (the variant for a `--parallel` server): every request streams, prompts and
+forced answers have mixed lengths, and every fourth client hangs up after three chunks;
+every other stream must reassemble to exactly its answer (no lost, repeated or foreign
+tokens).
+
+usage: loadtest.py URL SERVER_PID [N=200] [C=16] [stream]
 """
 
 import http.client
@@ -12,6 +17,44 @@ import sys
 import threading
 import time
 import urllib.parse
+
+ANSWERS = {
+    "[plain]": "The answer is 42.",
+    "[count]": "one two three four five six seven eight nine ten eleven twelve thirteen "
+               "fourteen fifteen sixteen seventeen eighteen nineteen twenty.",
+}
+
+
+def stream_request(conn, i):
+    """One streaming request; returns None when it hung up on purpose, else raises on a
+    wrong answer."""
+    marker = "[count]" if i % 2 else "[plain]"
+    filler = "lorem ipsum " * (i % 7 * 10)
+    body = json.dumps({"model": "deepseek-v4-flash", "think": False, "stream": True,
+                       "messages": [{"role": "user", "content": f"{filler}{marker} request {i}"}]})
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"{r.status} {r.read()[:200]!r}")
+    text, chunks, done = "", 0, False
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        v = json.loads(data)
+        if "error" in v:
+            raise RuntimeError(f"stream error {v}")
+        chunks += 1
+        if i % 4 == 3 and chunks == 3:
+            return None
+        text += v["choices"][0]["delta"].get("content") or ""
+    if not done or text != ANSWERS[marker]:
+        raise RuntimeError(f"answer {text!r} (complete: {done})")
+    return text
 
 
 def rss_kib(pid):
@@ -26,6 +69,7 @@ def main():
     url, pid = sys.argv[1], int(sys.argv[2])
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 200
     c = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+    stream = len(sys.argv) > 5 and sys.argv[5] == "stream"
     u = urllib.parse.urlparse(url)
     lat, errors, lock = [], [], threading.Lock()
     todo = list(range(n))
@@ -41,6 +85,12 @@ def main():
             t0 = time.perf_counter()
             try:
                 conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+                if stream:
+                    stream_request(conn, i)
+                    conn.close()
+                    with lock:
+                        lat.append(time.perf_counter() - t0)
+                    continue
                 conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 data = r.read()
@@ -66,7 +116,7 @@ def main():
     after = rss_kib(pid)
     lat.sort()
     p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")  # noqa: E731
-    print(f"requests={n} clients={c} ok={len(lat)} errors={len(errors)} wall_s={wall:.2f} "
+    print(f"{'streaming ' if stream else ''}requests={n} clients={c} ok={len(lat)} errors={len(errors)} wall_s={wall:.2f} "
           f"p50_ms={p(0.50):.1f} p99_ms={p(0.99):.1f} mean_ms={statistics.fmean(lat) * 1000 if lat else 0:.1f} "
           f"rss_before_kib={before} rss_after_kib={after}")
     for e in errors[:10]:

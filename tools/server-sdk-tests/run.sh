@@ -9,7 +9,8 @@
 # Env: CARGO_TARGET_DIR (default <repo>/target), PROFILE (release|debug, default release),
 #      SDK_VENV (reuse a venv dir; default: a fresh one in the temp dir),
 #      DS4_SERVER_BIN / DS4_CONVERT_BIN (skip the cargo build), KEEP=1 (keep the temp dir),
-#      LOAD_N / LOAD_C (load test: requests and concurrent clients, default 200 / 16).
+#      LOAD_N / LOAD_C (load test: requests and concurrent clients, default 200 / 16),
+#      LOAD_PARALLEL (slots of the second server, which runs the streaming load test; default 4).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -91,6 +92,32 @@ if [[ $rc -ne 0 ]]; then
     echo "server exited with $rc"; tail -20 "$WORK/server.log"; fail=1
 else
     echo "   server exited cleanly"
+fi
+
+step "parallel load test: ds4-server --parallel ${LOAD_PARALLEL:-4}, ${LOAD_N:-200} streaming requests from ${LOAD_C:-16} clients, every fourth hanging up"
+"$SERVER_BIN" -m "$WORK/tiny.gguf" -c 4096 --host 127.0.0.1 --port 0 -t 2 --parallel "${LOAD_PARALLEL:-4}" \
+    --test-script "$HERE/script.json" >"$WORK/server-parallel.log" 2>&1 &
+SERVER_PID=$!
+URL=""
+for _ in $(seq 1 600); do
+    kill -0 "$SERVER_PID" 2>/dev/null || break
+    URL="$(sed -n 's/.*listening on \(http:[^ ]*\).*/\1/p' "$WORK/server-parallel.log" | head -1)"
+    [[ -n "$URL" ]] && break
+    sleep 0.1
+done
+if [[ -z "$URL" ]]; then
+    cat "$WORK/server-parallel.log"; echo "parallel server did not start"; fail=1
+else
+    if ! "$VENV/bin/python" "$HERE/loadtest.py" "$URL" "$SERVER_PID" "${LOAD_N:-200}" "${LOAD_C:-16}" stream; then
+        fail=1
+    fi
+    kill -TERM "$SERVER_PID"
+    rc=0
+    wait "$SERVER_PID" || rc=$?
+    SERVER_PID=""
+    if [[ $rc -ne 0 ]]; then
+        echo "parallel server exited with $rc"; tail -20 "$WORK/server-parallel.log"; fail=1
+    fi
 fi
 
 if [[ $fail -ne 0 ]]; then

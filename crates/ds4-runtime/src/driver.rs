@@ -406,58 +406,35 @@ impl Conversation {
         cancel: &AtomicBool,
         steer: &mut dyn Steer,
     ) -> Result<GenOutcome, DriverError> {
-        let t0 = Instant::now();
+        let mut gen = GenState::new(limits);
         let GenLimits {
             max_tokens,
-            eos,
             ignore_eos,
             feed_all,
+            ..
         } = limits;
         let mut logits = self.last_logits.take().ok_or(DriverError::NoLogits)?;
-        let mut out = Vec::new();
-        // Greedy decoding asks the backend for the argmax: one integer per token crosses
-        // back instead of the logits row (not with ignore_eos, which edits the row, nor when
+        // Greedy decoding asks the backend for the argmax: one integer crosses back
+        // instead of the logits row (not with ignore_eos, which edits the row, nor when
         // the logits must be kept).
         let device_argmax = sampler.is_greedy() && !ignore_eos && !feed_all;
         let mut next: Option<u32> = None;
         let stop = loop {
-            if out.len() >= max_tokens {
-                break GenStop::Length;
-            }
-            if cancel.load(Ordering::Relaxed) {
-                break GenStop::Interrupted;
-            }
-            if steer.halt() {
-                break GenStop::Halted;
-            }
-            if ignore_eos {
-                if let Some(l) = logits.get_mut(eos as usize) {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
-            let at_hand = next.is_none().then_some(&logits[..]);
-            let tok = match steer.choose(out.len(), at_hand).or(next.take()) {
-                Some(t) => t,
-                None => match sampler.sample(&logits, &[]) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        if feed_all {
-                            self.last_logits = Some(logits);
-                        }
-                        return Err(e.into());
+            let (tok, flow) = match gen.pick(&mut logits, next.take(), sampler, cancel, steer) {
+                Ok(Pick::Stop(stop)) => break stop,
+                Ok(Pick::Feed { tok, flow }) => (tok, flow),
+                Err(e) => {
+                    if feed_all {
+                        self.last_logits = Some(logits);
                     }
-                },
+                    return Err(e);
+                }
             };
-            out.push(tok);
-            if tok == eos {
-                break GenStop::Eos;
-            }
-            let flow = steer.token(tok);
             if !feed_all {
                 if flow == Flow::Stop {
                     break GenStop::Halted;
                 }
-                if out.len() >= max_tokens {
+                if gen.tokens().len() >= max_tokens {
                     break GenStop::Length;
                 }
                 if cancel.load(Ordering::Relaxed) {
@@ -482,10 +459,96 @@ impl Conversation {
             // Every emitted token but an EOS was fed: these are the logits after the state.
             self.last_logits = Some(logits);
         }
-        Ok(GenOutcome {
-            tokens: out,
+        Ok(gen.finish(stop))
+    }
+}
+
+/// What one step of the generation loop decided ([`GenState::pick`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// The generation ends here (nothing more is fed).
+    Stop(GenStop),
+    /// Feed `tok` to the state; after the feed, [`Flow::Stop`] ends the generation with
+    /// [`GenStop::Halted`].
+    Feed { tok: u32, flow: Flow },
+}
+
+/// The per-step decisions of one generation, apart from feeding the state: the checks
+/// before a step (limit, cancel, [`Steer::halt`]), the token (the steer's choice, else the
+/// sampler's), EOS, and the steer's verdict on the token. [`Conversation::generate_with`]
+/// feeds its one state with it; a scheduler that feeds several states in one batched step
+/// (`crate::slots`) uses the same decisions, so the two loops cannot drift apart.
+#[derive(Debug)]
+pub struct GenState {
+    limits: GenLimits,
+    out: Vec<u32>,
+    t0: Instant,
+}
+
+impl GenState {
+    pub fn new(limits: GenLimits) -> GenState {
+        GenState {
+            limits,
+            out: Vec::new(),
+            t0: Instant::now(),
+        }
+    }
+
+    /// Tokens chosen so far (an EOS included).
+    pub fn tokens(&self) -> &[u32] {
+        &self.out
+    }
+
+    /// Decides the next step from `logits`, the distribution after the state (`next`: the
+    /// token the backend already picked, when it computed the argmax instead of the row).
+    /// `ignore_eos` masks EOS in `logits`. A sampler error leaves the step undone.
+    pub fn pick(
+        &mut self,
+        logits: &mut [f32],
+        next: Option<u32>,
+        sampler: &mut Sampler,
+        cancel: &AtomicBool,
+        steer: &mut dyn Steer,
+    ) -> Result<Pick, DriverError> {
+        let GenLimits {
+            max_tokens,
+            eos,
+            ignore_eos,
+            ..
+        } = self.limits;
+        if self.out.len() >= max_tokens {
+            return Ok(Pick::Stop(GenStop::Length));
+        }
+        if cancel.load(Ordering::Relaxed) {
+            return Ok(Pick::Stop(GenStop::Interrupted));
+        }
+        if steer.halt() {
+            return Ok(Pick::Stop(GenStop::Halted));
+        }
+        if ignore_eos {
+            if let Some(l) = logits.get_mut(eos as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        let at_hand = next.is_none().then_some(&*logits);
+        let tok = match steer.choose(self.out.len(), at_hand).or(next) {
+            Some(t) => t,
+            None => sampler.sample(logits, &[])?,
+        };
+        self.out.push(tok);
+        if tok == eos {
+            return Ok(Pick::Stop(GenStop::Eos));
+        }
+        let flow = steer.token(tok);
+        Ok(Pick::Feed { tok, flow })
+    }
+
+    /// The generation's outcome, ended by `stop`.
+    pub fn finish(self, stop: GenStop) -> GenOutcome {
+        GenOutcome {
+            tokens: self.out,
             stop,
-            secs: t0.elapsed().as_secs_f64(),
-        })
+            secs: self.t0.elapsed().as_secs_f64(),
+        }
     }
 }

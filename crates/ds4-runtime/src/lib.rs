@@ -6,6 +6,8 @@
 //! - [`plan`]: the planner's view of a model file (also what `ds4 plan` prints);
 //! - [`driver`]: the conversation driver — the live session, its logits, prefix reuse,
 //!   step-wise generation, checkpoints;
+//! - [`slots`]: several conversations on one engine, decoded in batched steps (the
+//!   server's `--parallel N`);
 //! - [`checkpoint`]: the one payload format of disk checkpoints, read by both binaries.
 
 pub mod checkpoint;
@@ -13,9 +15,12 @@ pub mod driver;
 pub mod error;
 pub mod load;
 pub mod plan;
+pub mod slots;
 
 pub use checkpoint::{Checkpoint, CheckpointError, Format};
 pub use driver::{
-    continuation, Conversation, DriverError, Flow, GenLimits, GenOutcome, GenStop, Steer, SyncStats,
+    continuation, Conversation, DriverError, Flow, GenLimits, GenOutcome, GenState, GenStop, Pick,
+    Steer, SyncStats,
 };
 pub use error::{error_chain, LoadError};
+pub use slots::{Slots, SlotsError};

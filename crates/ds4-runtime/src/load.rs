@@ -330,6 +330,9 @@ pub struct LoadOptions {
     pub backend: BackendChoice,
     pub mode: Option<ModeChoice>,
     pub ctx: usize,
+    /// KV states of `ctx` tokens the caller will allocate (the server's `--parallel`; 1
+    /// otherwise): the placement plan budgets all of them.
+    pub kv_states: usize,
     pub prefill_chunk: usize,
     pub threads: usize,
     pub placement: ds4_placement::CliOverrides,
@@ -359,6 +362,8 @@ pub fn model_id(file: &GgufFile) -> Result<[u8; 32], LoadError> {
 pub struct PlacementRequest<'a> {
     pub model: &'a Path,
     pub ctx: usize,
+    /// KV states of `ctx` tokens to budget.
+    pub kv_states: usize,
     pub prefill_chunk: usize,
     pub overrides: ds4_placement::CliOverrides,
 }
@@ -375,6 +380,7 @@ pub fn placement_plan(
         source: crate::plan::Source::File(req.model.to_path_buf()),
         mtp: None,
         ctx: req.ctx as u64,
+        kv_states: req.kv_states as u64,
         prefill_chunk: req.prefill_chunk as u64,
         machine: None,
         device: resolved.plan_device(),
@@ -479,6 +485,7 @@ fn build_engine_logged(
     let req = PlacementRequest {
         model: &opts.model,
         ctx,
+        kv_states: opts.kv_states,
         prefill_chunk: opts.prefill_chunk,
         overrides: opts.placement.clone(),
     };

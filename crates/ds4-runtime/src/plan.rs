@@ -24,6 +24,8 @@ pub struct PlanArgs {
     /// `Some(None)`: the published MTP layout (synthetic); `Some(Some(f))`: an MTP file.
     pub mtp: Option<Option<PathBuf>>,
     pub ctx: u64,
+    /// KV states of `ctx` tokens each to budget (the server's `--parallel`; 1 otherwise).
+    pub kv_states: u64,
     pub prefill_chunk: u64,
     pub machine: Option<PathBuf>,
     /// The GPU this machine would run on, as probed by the caller
@@ -138,7 +140,13 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Plan
     };
     let result = plan_inventory(&hparams, &inventory, &host, &device, args, env)?;
     Ok(Planned {
-        description: format!("{label} on {machine_desc}, ctx {}", args.ctx),
+        description: match args.kv_states {
+            0 | 1 => format!("{label} on {machine_desc}, ctx {}", args.ctx),
+            n => format!(
+                "{label} on {machine_desc}, {n} KV states of ctx {}",
+                args.ctx
+            ),
+        },
         result,
     })
 }
@@ -155,12 +163,14 @@ pub fn plan_inventory(
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Result<ds4_placement::Plan, ds4_placement::Refusal>, LoadError> {
     let overrides = resolve_overrides(&args.overrides, env).map_err(LoadError::Override)?;
+    // N states of `ctx` tokens: N times the per-token growth and the fixed part.
+    let states = args.kv_states.max(1);
     let mut request = Request::new(
         args.ctx,
-        kv::kv_growth_per_token(hparams),
+        kv::kv_growth_per_token(hparams).saturating_mul(states),
         kv::scratch_estimate(hparams, args.ctx, args.prefill_chunk),
     );
-    request.kv_fixed_bytes = kv::kv_fixed_bytes(hparams);
+    request.kv_fixed_bytes = kv::kv_fixed_bytes(hparams).saturating_mul(states);
     request.prefill_chunk = args.prefill_chunk;
     request.overrides = overrides;
     request.routed_experts = u32::try_from(hparams.n_expert)
@@ -204,5 +214,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `kv_states` budgets that many KV states of the context (the server's `--parallel`).
+    #[test]
+    fn kv_states_multiply_the_kv_budget() {
+        let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/demo/ds4-demo.gguf");
+        let kv = |kv_states: u64| {
+            let args = PlanArgs {
+                source: Source::File(model.clone()),
+                mtp: None,
+                ctx: 4096,
+                kv_states,
+                prefill_chunk: 64,
+                machine: None,
+                device: None,
+                overrides: CliOverrides::default(),
+            };
+            let planned = run(&args, |_| None).unwrap();
+            let plan = planned.result.unwrap();
+            (
+                plan.ledger.host.kv + plan.ledger.device.kv,
+                planned.description,
+            )
+        };
+        let (one, d1) = kv(1);
+        let (three, d3) = kv(3);
+        assert!(one > 0);
+        assert_eq!(three, 3 * one);
+        assert!(
+            !d1.contains("KV states") && d3.contains("3 KV states"),
+            "{d1} / {d3}"
+        );
     }
 }

@@ -74,7 +74,7 @@ impl DiskCacheConfig {
 pub struct ServerConfig {
     /// Default (and maximum) output tokens when the client sets no smaller limit (`-n`).
     pub max_tokens: usize,
-    /// Requests that may wait for the worker; one more can be running. Full ⇒ 429.
+    /// Requests that may wait for the worker; `parallel` more can be running. Full ⇒ 429.
     pub queue_capacity: usize,
     /// Seconds in the `Retry-After` of a 429.
     pub retry_after_secs: u64,
@@ -116,6 +116,12 @@ pub struct ServerConfig {
     /// tokens (ds4's behaviour). Off by default: only the renderer emits control tokens, so
     /// content cannot forge turns.
     pub content_special_tokens: bool,
+    /// Conversations served at once (`--parallel`): one KV state ("slot") each, decoded
+    /// together in batched steps (docs/server.md §9). 1 serves one request at a time.
+    pub parallel: usize,
+    /// Most prompt tokens evaluated per scheduler step, between two batched decode steps of
+    /// the running streams (`--prefill-chunk-per-step`); 0 = the engine's prefill chunk.
+    pub prefill_per_step: usize,
     /// In-memory KV snapshots kept at turn boundaries (0 disables).
     pub snapshot_slots: usize,
     /// Snapshots bigger than this are not kept.
@@ -131,7 +137,8 @@ pub struct ServerConfig {
     pub keep_alive: Duration,
     /// Test hook: forced model outputs (see [`Script`]). Not a user feature.
     pub script: Option<Arc<Script>>,
-    /// Test hook: sleep this long after every generated token.
+    /// Test hook: sleep this long after every decode step (one token of every running
+    /// stream).
     pub token_delay: Option<Duration>,
     /// Test hook: a generation request whose body contains this string panics inside its
     /// handler (the panic-containment test). Not a user feature.
@@ -157,6 +164,8 @@ impl Default for ServerConfig {
             stall_timeout: Duration::from_secs(2),
             send_buffer_bytes: 128 << 10,
             content_special_tokens: false,
+            parallel: 1,
+            prefill_per_step: 0,
             snapshot_slots: 1,
             snapshot_max_bytes: 1 << 30,
             disk: None,

@@ -1,10 +1,13 @@
-//! `ds4-server`: an OpenAI- and Anthropic-compatible HTTP API over one ds4 engine session.
+//! `ds4-server`: an OpenAI- and Anthropic-compatible HTTP API over one ds4 engine and its
+//! `--parallel N` KV slots.
 //!
 //! ```text
 //! HTTP (axum) → endpoints::family(ep): parse (request) → prepare (render, exact DSML, tokenize)
-//!   → bounded queue (429 when full) → worker thread (one ds4_runtime Conversation)
-//!       reuse: tool binding | live prefix | thinking-visible | turn snapshot | disk | cold
-//!       prefill suffix (+ cold/continued disk saves) → decode + sample → OutputStream
+//!   → bounded queue (429 when full) → scheduler thread (sched: ds4_runtime Slots, one
+//!     engine, N KV states) → the idle slot that reuses most (reuse):
+//!       tool binding | live prefix | thinking-visible | turn snapshot | disk | cold
+//!     each step: one prefill piece (+ cold/continued disk saves), then one batched decode
+//!     step of every generating slot (turn: pick + sample per slot) → OutputStream
 //!   → JobEvents → the family's EventStream (emit) → SSE / JSON body
 //! ```
 //!
@@ -28,9 +31,12 @@ pub mod live;
 pub mod model;
 pub mod prepare;
 pub mod request;
+mod reuse;
+mod sched;
 pub mod script;
 pub mod stats;
 pub mod toolmem;
+mod turn;
 pub mod worker;
 
 use std::future::Future;
@@ -59,7 +65,8 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts the worker (creating the session and opening the disk cache) and binds `addr`.
+    /// Starts the scheduler (allocating the `cfg.parallel` KV slots and opening the disk
+    /// cache) and binds `addr`.
     pub async fn bind(
         addr: SocketAddr,
         cfg: ServerConfig,

@@ -44,6 +44,7 @@ impl ModelOptions {
             backend,
             mode: self.mode.map(ModeChoice::from),
             ctx: self.ctx,
+            kv_states: 1,
             prefill_chunk: self.prefill_chunk,
             threads: self.threads,
             placement: Default::default(),

@@ -9,10 +9,12 @@ use crate::json_out::Obj;
 pub struct Stats {
     /// Generation requests accepted into the queue.
     pub requests: AtomicU64,
-    /// Requests waiting for the worker right now.
+    /// Requests waiting for a slot right now.
     pub queued: AtomicU64,
-    /// 1 while the worker runs a job.
+    /// Jobs in slots right now (at most `slots`).
     pub running: AtomicU64,
+    /// KV slots (`--parallel`), set at startup.
+    pub slots: AtomicU64,
     /// 429 answers.
     pub rejected_busy: AtomicU64,
     /// Prompt tokens evaluated (not reused).
@@ -67,6 +69,7 @@ impl Stats {
             .num("requests", g(&self.requests))
             .num("queued", g(&self.queued))
             .num("running", g(&self.running))
+            .num("slots", g(&self.slots))
             .num("rejected_busy", g(&self.rejected_busy))
             .num("prefilled_tokens", g(&self.prefilled_tokens))
             .num("cached_tokens", g(&self.cached_tokens))

@@ -177,6 +177,7 @@ fn e2e(args: &Args) -> Result<()> {
         backend: args.backend,
         mode,
         ctx: args.ctx,
+        kv_states: 1,
         prefill_chunk: args.prefill_chunk.max(1),
         threads: args.threads,
         placement: CliOverrides {
@@ -336,6 +337,7 @@ fn main() -> Result<()> {
         source: ds4_cli::plan::Source::File(std::path::PathBuf::from(&label)),
         mtp: None,
         ctx: ctx as u64,
+        kv_states: 1,
         prefill_chunk: args.prefill_chunk as u64,
         machine: None,
         device: Some((facts.clone(), "CUDA device 0".into())),

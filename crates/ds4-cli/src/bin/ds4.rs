@@ -68,6 +68,7 @@ impl ModelArgs {
             backend: self.backend,
             mode: self.mode,
             ctx,
+            kv_states: 1,
             prefill_chunk: self.prefill_chunk.max(1),
             threads: self.threads,
             placement: self.placement.to_overrides(),
@@ -495,6 +496,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 source,
                 mtp,
                 ctx,
+                kv_states: 1,
                 prefill_chunk,
                 device: if machine.is_none() {
                     ds4_cli::load::probe_device(backend, false)?.plan_device()

@@ -19,9 +19,18 @@ struct Args {
     /// Model GGUF.
     #[arg(short = 'm', long, default_value = "ds4flash.gguf")]
     model: PathBuf,
-    /// Context size of the single session (allocated at startup).
+    /// Context size of each slot (allocated at startup).
     #[arg(short = 'c', long, default_value_t = 32768)]
     ctx: usize,
+    /// Conversations served at once: N KV states of the whole context ("slots") on one
+    /// engine, their tokens decoded together in batched steps (default 1, or DS4_PARALLEL).
+    #[arg(long, value_name = "N")]
+    parallel: Option<usize>,
+    /// Most prompt tokens evaluated per scheduler step between two decode steps of the
+    /// running streams (0 = the prefill chunk): smaller keeps streams smoother while a
+    /// long prompt is evaluated, larger evaluates it faster.
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    prefill_chunk_per_step: usize,
     /// Default and maximum output tokens per request.
     #[arg(short = 'n', long = "tokens", default_value_t = 393_216)]
     tokens: usize,
@@ -94,7 +103,7 @@ struct Args {
     /// tokens (ds4's behaviour; lets content forge turns). Off: they are plain text.
     #[arg(long)]
     content_special_tokens: bool,
-    /// Requests that may wait while one runs; more get 429.
+    /// Requests that may wait while the slots are busy; more get 429.
     #[arg(long, default_value_t = 32)]
     queue: usize,
     /// Largest request body in bytes.
@@ -158,6 +167,24 @@ or try the server on the small random-weight demo model: -m tests/fixtures/demo/
     }
 }
 
+/// The slot count from --parallel, else DS4_PARALLEL, else 1.
+fn parallel(a: &Args) -> Result<usize> {
+    let (n, from) = match (a.parallel, std::env::var("DS4_PARALLEL")) {
+        (Some(n), _) => (n, "--parallel".to_string()),
+        (None, Ok(v)) => (
+            v.trim()
+                .parse()
+                .with_context(|| format!("DS4_PARALLEL={v:?} is not a number"))?,
+            "DS4_PARALLEL".to_string(),
+        ),
+        (None, Err(_)) => (1, String::new()),
+    };
+    if n == 0 {
+        bail!("{from} must be at least 1");
+    }
+    Ok(n)
+}
+
 /// The API key from --api-key, --api-key-file or DS4_API_KEY (in that order); an empty one
 /// is refused (it would accept an empty `x-api-key:` header).
 fn api_key(a: &Args) -> Result<Option<String>> {
@@ -205,6 +232,7 @@ fn main() -> Result<()> {
         .transpose()
         .context("--mode")?;
     let addr = host_addr(&a.host, a.port)?;
+    let parallel = parallel(&a)?;
     let disk = match &a.kv_disk_dir {
         None => None,
         Some(dir) => {
@@ -249,6 +277,8 @@ fn main() -> Result<()> {
         stall_timeout: Duration::from_millis(a.stall_timeout_ms.max(1)),
         content_special_tokens: a.content_special_tokens,
         send_buffer_bytes: a.send_buffer_kib << 10,
+        parallel,
+        prefill_per_step: a.prefill_chunk_per_step,
         snapshot_slots: a.snapshot_slots,
         disk,
         exact_dsml_replay: !a.disable_exact_dsml_tool_replay,
@@ -265,6 +295,7 @@ fn main() -> Result<()> {
         backend: a.backend,
         report_placement: true,
         precision,
+        kv_states: parallel,
         ..ModelOptions {
             ctx: a.ctx,
             threads: a.threads,
@@ -274,13 +305,21 @@ fn main() -> Result<()> {
         .load_options(&a.model, a.backend)
     };
     let model: LoadedModel = ds4_runtime::load::load(&opts, &mut std::io::stderr())
-        .with_context(|| format!("loading {}", a.model.display()))?
+        .with_context(|| match parallel {
+            1 => format!("loading {}", a.model.display()),
+            n => format!(
+                "loading {} for --parallel {n} ({n} KV states of {} tokens; lower --parallel or -c/--ctx if they do not fit)",
+                a.model.display(),
+                a.ctx
+            ),
+        })?
         .into();
     tracing::info!(
         model = %model.name,
         backend = %model.engine.backend_name(),
         mode = %model.engine.mode(),
         ctx = a.ctx,
+        parallel,
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );

@@ -1,0 +1,199 @@
+//! `Slots`: several conversations on one engine. Each slot, decoded in batched steps next
+//! to others, must hold exactly what a lone `Conversation` on the same prompt holds (logits
+//! bit for bit, on the CPU), and a slot's checkpoint must resume in a conversation.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::OnceLock;
+
+use ds4_engine::{argmax, Sampler, SamplerConfig};
+use ds4_runtime::load::{load, BackendChoice, LoadOptions, Precision};
+use ds4_runtime::{Conversation, GenLimits, GenState, GenStop, Pick, Slots, SlotsError, Steer};
+
+/// The tiny-hca16 fixture (every attention kind, 2 MB) converted once per test binary.
+fn tiny_gguf() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-hca16");
+        let dir = tempfile::tempdir().unwrap().keep();
+        let src = dir.join("hf");
+        std::fs::create_dir_all(&src).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture.join(f), src.join(f)).unwrap();
+        }
+        let out = dir.join("tiny.gguf");
+        let opts = ds4_convert::HfOptions::new("f32").unwrap();
+        ds4_convert::convert_hf(&src, &out, &opts, &mut ds4_convert::NoProgress).unwrap();
+        out
+    })
+}
+
+fn opts() -> LoadOptions {
+    LoadOptions {
+        model: tiny_gguf().to_path_buf(),
+        backend: BackendChoice::Cpu,
+        mode: None,
+        ctx: 128,
+        kv_states: 3,
+        prefill_chunk: 16,
+        threads: 1,
+        placement: Default::default(),
+        report_placement: false,
+        precision: Precision::default(),
+    }
+}
+
+fn engine() -> ds4_engine::Engine {
+    load(&opts(), &mut std::io::sink()).unwrap().engine
+}
+
+fn prompt(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 7 + seed * 13 + 1) % 200)
+        .collect()
+}
+
+#[test]
+fn batched_slots_match_lone_conversations() {
+    let mut slots = Slots::new(engine(), 3).unwrap();
+    assert_eq!(slots.len(), 3);
+    let prompts = [prompt(5, 1), prompt(23, 2), prompt(40, 3)];
+    let mut alone: Vec<Conversation> = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        slots.prefill(i, p).unwrap();
+        let mut c = Conversation::new(engine()).unwrap();
+        c.prefill(p).unwrap();
+        assert_eq!(slots.logits(i), c.logits());
+        alone.push(c);
+    }
+    for step in 0..5 {
+        // Slot 1 sits out step 2: a batch of a subset, in a shuffled order.
+        let mut feeds: Vec<(usize, u32)> = (0..3)
+            .rev()
+            .filter(|&i| step != 2 || i != 1)
+            .map(|i| (i, argmax(slots.logits(i).unwrap())))
+            .collect();
+        if step == 4 {
+            feeds.truncate(1);
+        }
+        slots.decode(&feeds).unwrap();
+        for &(i, t) in &feeds {
+            alone[i].advance(t).unwrap();
+            assert_eq!(slots.logits(i), alone[i].logits(), "slot {i}, step {step}");
+            assert_eq!(slots.live(i), alone[i].live());
+        }
+    }
+    // A slot named twice is refused before anything runs.
+    assert!(slots.decode(&[(0, 1), (0, 2)]).is_err());
+    assert_eq!(slots.live(0), alone[0].live());
+
+    // A slot's checkpoint resumes in a conversation, and the reverse.
+    let payload = slots.checkpoint(2).unwrap();
+    let mut c = Conversation::new(engine()).unwrap();
+    c.resume(&payload, slots.live(2)).unwrap();
+    assert_eq!(c.logits(), slots.logits(2));
+    let payload = alone[0].checkpoint().unwrap();
+    slots.resume(1, &payload, alone[0].live()).unwrap();
+    assert_eq!(slots.live(1), alone[0].live());
+    assert_eq!(slots.logits(1), alone[0].logits());
+    // Wrong tokens: refused, and the slot is left empty.
+    assert!(slots.resume(1, &payload, &[1, 2, 3]).is_err());
+    assert_eq!(slots.pos(1), 0);
+    slots.reset(0).unwrap();
+    assert_eq!((slots.pos(0), slots.logits(0)), (0, None));
+    assert!(matches!(Slots::new(engine(), 0), Err(SlotsError::Zero)));
+}
+
+struct Plain;
+impl Steer for Plain {
+    fn token(&mut self, _: u32) -> ds4_runtime::Flow {
+        ds4_runtime::Flow::Continue
+    }
+}
+
+/// A generation stepped by hand over a slot (as the server's scheduler does) samples what
+/// `Conversation::generate_with` samples with the same seed.
+#[test]
+fn stepped_generation_matches_generate_with() {
+    let cfg = SamplerConfig {
+        temperature: 1.0,
+        seed: 7,
+        ..SamplerConfig::default()
+    };
+    let limits = GenLimits {
+        max_tokens: 12,
+        eos: 100_000,
+        ignore_eos: false,
+        feed_all: true,
+    };
+    let p = prompt(19, 4);
+    let mut c = Conversation::new(engine()).unwrap();
+    c.prefill(&p).unwrap();
+    let never = AtomicBool::new(false);
+    let want = c
+        .generate_with(
+            &mut Sampler::new(cfg.clone()).unwrap(),
+            limits,
+            &never,
+            &mut Plain,
+        )
+        .unwrap();
+
+    let mut slots = Slots::new(engine(), 2).unwrap();
+    slots.prefill(1, &p).unwrap();
+    let mut sampler = Sampler::new(cfg).unwrap();
+    let mut g = GenState::new(limits);
+    let stop = loop {
+        let mut l = slots.take_logits(1).unwrap();
+        let pick = g
+            .pick(&mut l, None, &mut sampler, &never, &mut Plain)
+            .unwrap();
+        slots.put_logits(1, l);
+        match pick {
+            Pick::Stop(s) => break s,
+            Pick::Feed { tok, .. } => slots.decode(&[(1, tok)]).unwrap(),
+        }
+    };
+    let got = g.finish(stop);
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!((got.stop, want.stop), (GenStop::Length, GenStop::Length));
+    assert_eq!(slots.live(1), c.live());
+}
+
+/// The server's step pattern: one slot's prompt evaluated in pieces while another is
+/// emptied, decoded alone, then batched with a slot whose prompt was evaluated between its
+/// steps; the first slot stays bit for bit what a lone conversation holds.
+#[test]
+fn prefill_pieces_between_decode_steps_leave_other_slots_alone() {
+    let eng = engine;
+    let mut slots = Slots::new(eng(), 3).unwrap();
+    let p0 = prompt(38, 1);
+    let p1 = prompt(30, 2);
+    let mut c0 = Conversation::new(eng()).unwrap();
+    for piece in p0.chunks(16) {
+        c0.prefill(piece).unwrap();
+    }
+    // slot 0 piece, reset slot 1, slot0 pieces
+    slots.prefill(0, &p0[..16]).unwrap();
+    slots.reset(1).unwrap();
+    slots.prefill(0, &p0[16..32]).unwrap();
+    slots.prefill(0, &p0[32..]).unwrap();
+    assert_eq!(slots.logits(0), c0.logits(), "after prefill");
+    let t = argmax(slots.logits(0).unwrap());
+    slots.decode(&[(0, t)]).unwrap();
+    c0.advance(t).unwrap();
+    assert_eq!(slots.logits(0), c0.logits(), "after decode 1");
+    slots.prefill(1, &p1[..16]).unwrap();
+    let t = argmax(slots.logits(0).unwrap());
+    slots.decode(&[(0, t)]).unwrap();
+    c0.advance(t).unwrap();
+    assert_eq!(slots.logits(0), c0.logits(), "after prefill of 1 + decode");
+    slots.prefill(1, &p1[16..]).unwrap();
+    for step in 0..10 {
+        let t = argmax(slots.logits(0).unwrap());
+        let t1 = argmax(slots.logits(1).unwrap());
+        slots.decode(&[(0, t), (1, t1)]).unwrap();
+        c0.advance(t).unwrap();
+        assert_eq!(slots.logits(0), c0.logits(), "batched step {step}");
+    }
+}

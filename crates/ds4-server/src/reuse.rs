@@ -1,0 +1,368 @@
+//! Prefix reuse (docs/server.md §9, §11): which slot a job lands in, and the cheapest way
+//! to bring that slot to the job's prompt — its tool binding, its live tokens, its
+//! thinking-visible text, an in-memory turn snapshot, a disk checkpoint, or a cold
+//! prefill — plus the disk checkpoints written from a slot.
+//!
+//! Per slot: the live tokens and logits, the thinking-visible text, the `continued`
+//! schedule. Shared by the slots: the turn snapshots and the disk store (either restores
+//! into whichever slot a job lands in), and the one tool binding (the latest clean turn's).
+
+use std::sync::Arc;
+
+use ds4_kvstore::{KvStore, StoreOutcome};
+use ds4_runtime::checkpoint::Format;
+
+use crate::config::DiskCacheConfig;
+use crate::diskcache::continuation;
+use crate::error::ApiError;
+use crate::prepare::Prepared;
+use crate::sched::{engine_err, lock, Worker};
+use crate::stats::Stats;
+use crate::worker::Job;
+
+pub(crate) struct MemSnapshot {
+    pub tokens: Vec<u32>,
+    pub snap: ds4_engine::Snapshot,
+    pub logits: Vec<f32>,
+}
+
+/// After a tool-less thinking answer the client replays it without the reasoning; this
+/// remembers the text it will send, so the live state (which has the reasoning) still counts
+/// as its prefix (docs/server.md §9 `thinking-visible`).
+pub(crate) struct Visible {
+    pub text: String,
+    pub live_len: usize,
+}
+
+pub(crate) struct Disk {
+    pub store: KvStore,
+    pub cfg: DiskCacheConfig,
+}
+
+/// What a prompt reuses: (reused tokens, tokens still to evaluate, where the reuse came
+/// from).
+type Reuse = (usize, Vec<u32>, &'static str);
+
+impl Worker {
+    /// The idle slot for `job`: the one holding its tool binding when the job continues it,
+    /// else the one whose live tokens give the longest reusable prefix, else the least
+    /// recently used one. Some slot is idle when this is called.
+    pub(crate) fn place(&self, job: &Job, idle: &[usize]) -> usize {
+        if let (Some(t), Some((s, b))) = (job.prepared.live_tail.as_ref(), &self.binding) {
+            if idle.contains(s) && b.frontier == self.slots.pos(*s) && t.matches(job.endpoint, b) {
+                return *s;
+            }
+        }
+        let p = &job.prepared;
+        let reusable = |i: usize| -> usize {
+            let n = self.slots.pos(i);
+            if n == 0 {
+                return 0;
+            }
+            let live = continuation(&self.tok, self.slots.live(i), p)
+                .is_some_and(|s| !s.is_empty() || self.slots.logits(i).is_some());
+            let visible = self.memo[i].visible.as_ref().is_some_and(|v| {
+                v.live_len == n && p.text.len() > v.text.len() && p.text.starts_with(&v.text)
+            });
+            if live || visible {
+                n
+            } else {
+                0
+            }
+        };
+        let best = idle
+            .iter()
+            .map(|&i| (reusable(i), i))
+            .filter(|&(n, _)| n > 0)
+            .max_by_key(|&(n, i)| (n, std::cmp::Reverse(i)));
+        match best {
+            Some((_, i)) => i,
+            None => idle
+                .iter()
+                .copied()
+                .min_by_key(|&i| (self.memo[i].used, i))
+                .unwrap_or(0),
+        }
+    }
+
+    /// A tool-output continuation (docs/server.md §9 steps 2–3): when the job's tail answers the
+    /// binding slot `i` ends with, the live tokens are reused and only the tail's suffix is
+    /// evaluated. Consumes the binding.
+    pub(crate) fn live_tail(&mut self, i: usize, job: &Job) -> Option<Reuse> {
+        let t = job.prepared.live_tail.as_ref()?;
+        let (s, b) = self.binding.as_ref()?;
+        let live_len = self.slots.pos(i);
+        if *s != i
+            || b.frontier != live_len
+            || live_len == 0
+            || self.slots.logits(i).is_none()
+            || !t.matches(job.endpoint, b)
+        {
+            return None;
+        }
+        self.binding = None;
+        self.memo[i].visible = None;
+        Some((live_len, t.suffix_tokens.clone(), t.source()))
+    }
+
+    /// Picks how to reach the prompt and puts slot `i` there.
+    pub(crate) fn reuse(&mut self, i: usize, p: &Prepared) -> Result<Reuse, ApiError> {
+        let live_len = self.slots.pos(i);
+        if live_len > 0 {
+            if let Some(s) = continuation(&self.tok, self.slots.live(i), p) {
+                if !s.is_empty() || self.slots.logits(i).is_some() {
+                    return Ok((live_len, s, "live"));
+                }
+            }
+            if let Some(v) = &self.memo[i].visible {
+                if v.live_len == live_len
+                    && p.text.len() > v.text.len()
+                    && p.text.starts_with(&v.text)
+                {
+                    let s = p
+                        .suffix_tokens(&self.tok, v.text.len())
+                        .map_err(engine_err)?;
+                    return Ok((live_len, s, "thinking-visible"));
+                }
+            }
+        }
+        for k in (0..self.snapshots.len()).rev() {
+            let m = &self.snapshots[k];
+            if let Some(s) = continuation(&self.tok, &m.tokens, p) {
+                self.slots
+                    .restore(i, &m.snap, Some(m.logits.clone()))
+                    .map_err(engine_err)?;
+                self.memo[i].visible = None;
+                let n = m.tokens.len();
+                self.memo[i].frontier = self.memo[i].frontier.min(n);
+                Stats::add(&self.stats.snapshot_hits, 1);
+                return Ok((n, s, "snapshot"));
+            }
+        }
+        if let Some(hit) = self.disk_lookup(p) {
+            self.disk_save(i, "evict");
+            if let Some(r) = self.disk_load(i, &hit.0, hit.1) {
+                return Ok(r);
+            }
+        }
+        if live_len > 0 {
+            self.disk_save(i, "evict");
+        }
+        self.slots.reset(i).map_err(engine_err)?;
+        self.memo[i].visible = None;
+        self.memo[i].frontier = 0;
+        Ok((0, p.tokens.clone(), "cold"))
+    }
+
+    /// The longest usable disk entry that prefixes the prompt: (name, continuation).
+    fn disk_lookup(&self, p: &Prepared) -> Option<(String, Vec<u32>)> {
+        let d = self.disk.as_ref()?;
+        let sc = d.store.config();
+        let mut best: Option<(usize, String, Vec<u32>)> = None;
+        for e in d.store.entries() {
+            if e.tokens.len() < d.cfg.min_tokens.max(1) || e.mode != sc.mode || e.ctx > sc.ctx {
+                continue;
+            }
+            if best.as_ref().is_some_and(|b| b.0 >= e.tokens.len()) {
+                continue;
+            }
+            if let Some(s) = continuation(&self.tok, &e.tokens, p) {
+                best = Some((e.tokens.len(), e.name.clone(), s));
+            }
+        }
+        best.map(|(_, n, s)| (n, s))
+    }
+
+    fn disk_load(&mut self, i: usize, name: &str, suffix: Vec<u32>) -> Option<Reuse> {
+        let d = self.disk.as_mut()?;
+        let loaded = match d.store.load(name) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(entry = name, error = %e, "disk KV entry not loaded");
+                Stats::add(&self.stats.disk_rejected, 1);
+                return None;
+            }
+        };
+        // Without stored logits the entry can only serve a prompt that goes on after it.
+        // `Err(None)`: restored fine but not usable for this prompt; `Err(Some(why))`: broken.
+        let resumed = match self.slots.resume(i, &loaded.payload, &loaded.tokens) {
+            Ok(_) if suffix.is_empty() && self.slots.logits(i).is_none() => Err(None),
+            Ok(format) => Ok(format),
+            Err(e) => Err(Some(e.to_string())),
+        };
+        match resumed {
+            Ok(format) => {
+                self.memo[i].visible = None;
+                self.memo[i].frontier = loaded.tokens.len();
+                if self.cfg.exact_dsml_replay {
+                    let mut tm = lock(&self.toolmem);
+                    for (id, block) in &loaded.tool_map {
+                        tm.insert(id, Arc::from(block.as_str()));
+                    }
+                }
+                Stats::add(&self.stats.disk_hits, 1);
+                tracing::info!(
+                    slot = i,
+                    entry = name,
+                    tokens = loaded.tokens.len(),
+                    "disk KV hit"
+                );
+                if format.is_legacy() {
+                    self.migrate(i, name, &loaded, format);
+                }
+                Some((loaded.tokens.len(), suffix, "disk"))
+            }
+            Err(None) => {
+                // A usable entry for a longer prompt: kept.
+                tracing::info!(entry = name, "disk KV entry has no logits for this prompt");
+                let _ = self.slots.reset(i);
+                None
+            }
+            Err(Some(why)) => {
+                tracing::warn!(entry = name, reason = %why, "disk KV entry unusable; removed");
+                if let Some(d) = self.disk.as_mut() {
+                    let _ = d.store.remove(name);
+                }
+                Stats::add(&self.stats.disk_rejected, 1);
+                None
+            }
+        }
+    }
+
+    /// Rewrites an entry written in a legacy payload format (by an older `ds4` or
+    /// `ds4-server`) in the current one, keeping its tokens and tool map. Slot `i` holds
+    /// exactly the entry's tokens here.
+    fn migrate(&mut self, i: usize, name: &str, loaded: &ds4_kvstore::Loaded, from: Format) {
+        let payload = match self.slots.checkpoint(i) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(entry = name, error = %e, "legacy disk KV entry not migrated");
+                return;
+            }
+        };
+        let Some(d) = &mut self.disk else { return };
+        match d.store.store(&loaded.tokens, &payload, &loaded.tool_map) {
+            Ok(StoreOutcome::Stored { .. }) => {
+                tracing::info!(entry = name, from = from.name(), "disk KV entry migrated")
+            }
+            Ok(StoreOutcome::SkippedTooLarge { .. }) => {
+                tracing::warn!(
+                    entry = name,
+                    "legacy disk KV entry not migrated: over the budget"
+                )
+            }
+            Err(e) => {
+                tracing::warn!(entry = name, error = %e, "legacy disk KV entry not migrated")
+            }
+        }
+    }
+
+    /// Saves slot `i`'s state as a disk checkpoint (if enabled and long enough).
+    pub(crate) fn disk_save(&mut self, i: usize, reason: &str) {
+        let n = self.slots.pos(i);
+        let Some(d) = &self.disk else { return };
+        if n == 0 || n < d.cfg.min_tokens {
+            return;
+        }
+        // Server checkpoints always carry the logits: a prompt that ends exactly at one
+        // then starts sampling at once.
+        if self.slots.logits(i).is_none() {
+            return;
+        }
+        let payload = match self.slots.checkpoint(i) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot snapshot for the disk cache");
+                return;
+            }
+        };
+        let tool_map = if self.cfg.exact_dsml_replay {
+            let text = self
+                .tok
+                .decode_lossy(self.slots.live(i))
+                .unwrap_or_default();
+            lock(&self.toolmem).blocks_in(&text)
+        } else {
+            Default::default()
+        };
+        let tokens = self.slots.live(i).to_vec();
+        let Some(d) = &mut self.disk else { return };
+        match d.store.store(&tokens, &payload, &tool_map) {
+            Ok(StoreOutcome::Stored { name, evicted }) => {
+                self.memo[i].frontier = n;
+                Stats::add(&self.stats.disk_stores, 1);
+                tracing::info!(reason, slot = i, tokens = n, entry = %name, evicted = evicted.len(), "disk KV checkpoint saved");
+            }
+            Ok(StoreOutcome::SkippedTooLarge { needed, budget }) => {
+                tracing::warn!(
+                    reason,
+                    needed,
+                    budget,
+                    "disk KV checkpoint larger than the budget; skipped"
+                );
+            }
+            Err(e) => tracing::warn!(reason, error = %e, "disk KV checkpoint failed"),
+        }
+    }
+
+    /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`): the shared system/tools prefix
+    /// (up to the last `⟨U⟩` before the first `⟨A⟩`), else the trimmed, aligned length.
+    pub(crate) fn cold_boundary(&self, tokens: &[u32]) -> Option<usize> {
+        let d = self.disk.as_ref()?;
+        let len = tokens.len();
+        if d.cfg.cold_max_tokens == 0
+            || len < d.cfg.min_tokens.max(1)
+            || len > d.cfg.cold_max_tokens
+        {
+            return None;
+        }
+        let m = self.tok.markers();
+        let first_a = tokens.iter().position(|&t| t == m.assistant).unwrap_or(len);
+        if let Some(u) = tokens[..first_a].iter().rposition(|&t| t == m.user) {
+            if u >= d.cfg.min_tokens.max(1) {
+                return Some(u);
+            }
+        }
+        let mut b = len.saturating_sub(d.cfg.boundary_trim_tokens);
+        if let Some(q) = b.checked_div(d.cfg.boundary_align_tokens) {
+            b = q * d.cfg.boundary_align_tokens;
+        }
+        Some(if b >= d.cfg.min_tokens.max(1) { b } else { len })
+    }
+
+    /// Slot `i`'s next `continued` checkpoint position (docs/server.md §11), if any.
+    pub(crate) fn next_continued(&self, i: usize) -> Option<usize> {
+        let d = self.disk.as_ref()?;
+        let step = d.cfg.continued_step();
+        (step > 0).then(|| self.memo[i].frontier + step)
+    }
+
+    /// Keeps an in-memory snapshot of slot `i` at the end of its prompt.
+    pub(crate) fn turn_snapshot(&mut self, i: usize) {
+        if self.cfg.snapshot_slots == 0 {
+            return;
+        }
+        let Some(logits) = self.slots.logits(i).map(<[f32]>::to_vec) else {
+            return;
+        };
+        let tokens = self.slots.live(i).to_vec();
+        if self.snapshots.back().is_some_and(|s| s.tokens == tokens) {
+            return;
+        }
+        match self.slots.snapshot(i) {
+            Ok(snap) if snap.as_bytes().len() <= self.cfg.snapshot_max_bytes => {
+                self.snapshots.retain(|s| s.tokens != tokens);
+                self.snapshots.push_back(MemSnapshot {
+                    tokens,
+                    snap,
+                    logits,
+                });
+                while self.snapshots.len() > self.cfg.snapshot_slots {
+                    self.snapshots.pop_front();
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "turn snapshot failed"),
+        }
+    }
+}

@@ -1,0 +1,648 @@
+//! The scheduler (docs/server.md §9): one thread that owns the engine and its KV slots
+//! (`--parallel N`, [`ds4_runtime::Slots`]) and serves up to N jobs at once.
+//!
+//! A job is taken off the queue only when a slot is idle, and lands in the idle slot that
+//! reuses most of its prompt ([`crate::reuse`]). Then every step runs:
+//! 1. at most one prefill piece (`--prefill-chunk-per-step` tokens, cut at disk-checkpoint
+//!    boundaries) of the oldest job still evaluating its prompt, so a long prompt delays the
+//!    running streams by one piece per token instead of stalling them;
+//! 2. one batched decode step: every generating slot picks its next token
+//!    ([`crate::turn`]) and all of them are fed in one forward pass.
+//!
+//! With one slot this is the single worker it replaced: the prompt is evaluated in pieces,
+//! then tokens are decoded one by one, with the same reuse, checkpoints and events.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use ds4_chat::Tokenizer;
+use ds4_kvstore::{KvStore, Mode, StoreConfig};
+use ds4_runtime::{Pick, Slots, SlotsError};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TryRecvError;
+
+use crate::config::ServerConfig;
+use crate::diskcache;
+use crate::error::{ApiError, ServerError};
+use crate::live::{self, ToolBinding};
+use crate::reuse::{Disk, MemSnapshot, Visible};
+use crate::stats::Stats;
+use crate::toolmem::ToolMemory;
+use crate::turn::Gen;
+use crate::worker::{send, Job, JobEvent, Usage};
+
+/// What a slot remembers between jobs, besides its KV state.
+#[derive(Default)]
+pub(crate) struct SlotMemo {
+    /// The thinking-visible text of its last answer (docs/server.md §9).
+    pub visible: Option<Visible>,
+    /// Live length at the slot's last disk save or load (the `continued` schedule counts
+    /// from it).
+    pub frontier: usize,
+    /// When a job last landed here (least recently used slots are reused first).
+    pub used: u64,
+}
+
+/// A job in a slot.
+pub(crate) struct Task<'t> {
+    pub job: Job,
+    pub t0: Instant,
+    /// Start order (the oldest prompt is evaluated first).
+    pub seq: u64,
+    pub usage0: Usage,
+    pub source: &'static str,
+    pub phase: Phase<'t>,
+}
+
+pub(crate) enum Phase<'t> {
+    /// Evaluating `tokens[done..]` after the slot's state.
+    Prefill {
+        tokens: Vec<u32>,
+        done: usize,
+        /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`).
+        cold_at: Option<usize>,
+    },
+    Decode(Box<Gen<'t>>),
+}
+
+/// The scheduler's state: the slots and everything tied to their live KV.
+pub struct Worker {
+    pub(crate) slots: Slots,
+    pub(crate) memo: Vec<SlotMemo>,
+    pub(crate) tok: Arc<Tokenizer>,
+    pub(crate) eos: u32,
+    pub(crate) ctx: usize,
+    /// Most prompt tokens evaluated per step.
+    pub(crate) piece: usize,
+    /// In-memory turn snapshots, shared by the slots (any slot can restore one).
+    pub(crate) snapshots: VecDeque<MemSnapshot>,
+    pub(crate) disk: Option<Disk>,
+    pub(crate) toolmem: Arc<Mutex<ToolMemory>>,
+    /// What a slot's live state ends with after a clean Responses/Messages turn
+    /// (docs/server.md §9): the latest such turn only; `None` once anything else touched
+    /// that slot's state.
+    pub(crate) binding: Option<(usize, ToolBinding)>,
+    /// Where handlers read `binding`. Published only when a job ends, so a request
+    /// planned while another job runs still sees the binding it was accepted with, and the
+    /// worker answers 409 if that job moved the live state (docs/server.md §8).
+    published: Arc<Mutex<Option<ToolBinding>>>,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) cfg: Arc<ServerConfig>,
+    pub(crate) shutdown: Arc<AtomicBool>,
+    clock: u64,
+}
+
+pub(crate) fn lock(m: &Mutex<ToolMemory>) -> std::sync::MutexGuard<'_, ToolMemory> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn engine_err(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+/// Prompt tokens a task has still to evaluate (`None`: it is generating).
+fn remaining(t: &Task<'_>) -> Option<usize> {
+    match &t.phase {
+        Phase::Prefill { tokens, done, .. } => Some(tokens.len() - done),
+        Phase::Decode(_) => None,
+    }
+}
+
+/// The startup error of slots that do not fit, naming the remedy.
+fn slots_error(e: SlotsError, parallel: usize) -> ServerError {
+    match e {
+        SlotsError::Zero => ServerError::Config("--parallel must be at least 1".into()),
+        SlotsError::Alloc { .. } => ServerError::Model(format!(
+            "{e}; --parallel {parallel} needs {parallel} KV states of the whole context: lower --parallel (or -c/--ctx)"
+        )),
+    }
+}
+
+impl Worker {
+    /// Allocates the slots (`cfg.parallel` KV states of the engine's context) and opens the
+    /// disk cache (evicting it to its budget). Tool maps saved with disk entries are loaded
+    /// into tool memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        engine: ds4_engine::Engine,
+        tok: Arc<Tokenizer>,
+        identity: [u8; 32],
+        cfg: Arc<ServerConfig>,
+        toolmem: Arc<Mutex<ToolMemory>>,
+        published: Arc<Mutex<Option<ToolBinding>>>,
+        stats: Arc<Stats>,
+        shutdown: Arc<AtomicBool>,
+    ) -> Result<Worker, ServerError> {
+        let ctx = engine.config().ctx;
+        // One prefill chunk per piece by default: a cancel is noticed after at most one
+        // chunk, and running streams wait at most one chunk per token.
+        let chunk = engine.config().prefill_chunk.max(1);
+        let piece = match cfg.prefill_per_step {
+            0 => chunk,
+            n => n,
+        };
+        let mode = match engine.mode() {
+            ds4_engine::NumericMode::Exact => Mode::Exact,
+            ds4_engine::NumericMode::Official => Mode::Official,
+        };
+        let disk = match &cfg.disk {
+            None => None,
+            Some(d) => {
+                d.validate().map_err(ServerError::Config)?;
+                let (store, rejected) = KvStore::open(StoreConfig {
+                    dir: d.dir.clone(),
+                    budget_bytes: d.budget_bytes,
+                    model_id: identity,
+                    mode,
+                    ctx: ctx as u64,
+                })?;
+                for r in &rejected {
+                    tracing::warn!(entry = %r.name, reason = %r.reason, "disk KV entry removed");
+                }
+                Stats::add(&stats.disk_rejected, rejected.len() as u64);
+                if cfg.exact_dsml_replay {
+                    let maps = diskcache::read_tool_maps(&d.dir);
+                    let mut tm = lock(&toolmem);
+                    for (id, block) in maps {
+                        tm.insert(&id, Arc::from(block.as_str()));
+                    }
+                }
+                tracing::info!(
+                    dir = %d.dir.display(),
+                    entries = store.entries().len(),
+                    bytes = store.total_bytes(),
+                    "disk KV cache open"
+                );
+                Some(Disk {
+                    store,
+                    cfg: d.clone(),
+                })
+            }
+        };
+        let parallel = cfg.parallel;
+        let slots = Slots::new(engine, parallel).map_err(|e| slots_error(e, parallel))?;
+        let kv = slots.kv_bytes_per_slot();
+        tracing::info!(
+            slots = parallel,
+            ctx,
+            kv_bytes_per_slot = kv,
+            kv_mib_total = (kv.saturating_mul(parallel as u64)) as f64 / (1u64 << 20) as f64,
+            prefill_per_step = piece,
+            "KV slots allocated"
+        );
+        stats.slots.store(parallel as u64, Ordering::Relaxed);
+        let eos = tok.markers().eos;
+        Ok(Worker {
+            memo: (0..parallel).map(|_| SlotMemo::default()).collect(),
+            slots,
+            tok,
+            eos,
+            ctx,
+            piece,
+            snapshots: VecDeque::new(),
+            disk,
+            toolmem,
+            binding: None,
+            published,
+            stats,
+            cfg,
+            shutdown,
+            clock: 0,
+        })
+    }
+
+    /// Runs jobs until the queue closes and the running ones end, then saves a `shutdown`
+    /// checkpoint of every slot.
+    pub fn run(mut self, mut rx: mpsc::Receiver<Job>) {
+        let tok = self.tok.clone();
+        let mut tasks: Vec<Option<Task<'_>>> = (0..self.slots.len()).map(|_| None).collect();
+        let mut closed = false;
+        let mut seq = 0u64;
+        loop {
+            // Take jobs while a slot is idle: blocking when nothing runs.
+            while !closed && tasks.iter().any(Option::is_none) {
+                let busy = tasks.iter().any(Option::is_some);
+                let job = if busy {
+                    match rx.try_recv() {
+                        Ok(j) => j,
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => {
+                            closed = true;
+                            break;
+                        }
+                    }
+                } else {
+                    match rx.blocking_recv() {
+                        Some(j) => j,
+                        None => {
+                            closed = true;
+                            break;
+                        }
+                    }
+                };
+                Stats::sub(&self.stats.queued, 1);
+                if job.events.is_closed() || job.cancel.load(Ordering::Relaxed) {
+                    Stats::add(&self.stats.cancelled, 1);
+                    continue;
+                }
+                if self.shutdown.load(Ordering::Relaxed) {
+                    let _ = job
+                        .events
+                        .try_send(JobEvent::Failed(ApiError::shutting_down()));
+                    continue;
+                }
+                seq += 1;
+                let events = job.events.clone();
+                let idle: Vec<usize> = (0..tasks.len()).filter(|&i| tasks[i].is_none()).collect();
+                // Running from the moment it leaves the queue (`/health` never shows a taken
+                // job as neither queued nor running).
+                Stats::add(&self.stats.running, 1);
+                let r = catch_unwind(AssertUnwindSafe(|| self.start(job, seq, &idle)));
+                match r {
+                    Ok(Ok((slot, task))) => tasks[slot] = Some(task),
+                    Ok(Err(e)) => {
+                        Stats::sub(&self.stats.running, 1);
+                        let _ = events.try_send(JobEvent::Failed(e));
+                        self.publish();
+                    }
+                    Err(_) => {
+                        Stats::sub(&self.stats.running, 1);
+                        self.panicked(&mut tasks);
+                        let _ =
+                            events.try_send(JobEvent::Failed(ApiError::internal("internal error")));
+                    }
+                }
+            }
+            if tasks.iter().all(Option::is_none) {
+                if closed {
+                    break;
+                }
+                continue;
+            }
+            let r = catch_unwind(AssertUnwindSafe(|| self.step(&mut tasks, &tok)));
+            if r.is_err() {
+                self.panicked(&mut tasks);
+            }
+        }
+        for i in 0..self.slots.len() {
+            self.disk_save(i, "shutdown");
+        }
+    }
+
+    /// A panic inside a step: every running job fails and every slot is discarded (their
+    /// states may be half-updated).
+    fn panicked(&mut self, tasks: &mut [Option<Task<'_>>]) {
+        Stats::add(&self.stats.worker_panics, 1);
+        tracing::error!("the worker panicked; the live states were discarded");
+        for (i, t) in tasks.iter_mut().enumerate() {
+            if let Some(t) = t.take() {
+                Stats::sub(&self.stats.running, 1);
+                let _ = t
+                    .job
+                    .events
+                    .try_send(JobEvent::Failed(ApiError::internal("internal error")));
+            }
+            self.discard_live(i);
+        }
+        self.publish();
+    }
+
+    /// Makes the binding visible to handlers. Called when a job ends (before its `Done` is
+    /// sent, so a client that answers a tool call at once finds it).
+    pub(crate) fn publish(&self) {
+        *self.published.lock().unwrap_or_else(|p| p.into_inner()) =
+            self.binding.as_ref().map(|(_, b)| b.clone());
+    }
+
+    /// Forgets slot `i`'s state and everything derived from it.
+    pub(crate) fn discard_live(&mut self, i: usize) {
+        let _ = self.slots.reset(i);
+        self.memo[i].visible = None;
+        if self.binding.as_ref().is_some_and(|(s, _)| *s == i) {
+            self.binding = None;
+        }
+        self.snapshots.clear();
+    }
+
+    pub(crate) fn stopping(&self, job: &Job) -> bool {
+        job.cancel.load(Ordering::Relaxed)
+            || job.events.is_closed()
+            || self.shutdown.load(Ordering::Relaxed)
+    }
+
+    /// Places a job: picks its slot, brings the slot to the longest reusable prefix of the
+    /// prompt and tells the client what is reused. The prompt's rest is evaluated by the
+    /// following steps.
+    fn start<'t>(
+        &mut self,
+        job: Job,
+        seq: u64,
+        idle: &[usize],
+    ) -> Result<(usize, Task<'t>), ApiError> {
+        let t0 = Instant::now();
+        // Time in the queue is not the client's stall.
+        job.taken_ms
+            .store(crate::limits::now_ms(), Ordering::Relaxed);
+        let slot = self.place(&job, idle);
+        self.clock += 1;
+        self.memo[slot].used = self.clock;
+        let (cached, suffix, source) = match self.live_tail(slot, &job) {
+            Some(r) => r,
+            // Only the live state could serve it, and it moved since the request was
+            // accepted: nothing was touched, so the binding (if any) stays.
+            None => match job.prepared.live_tail.as_ref().filter(|t| t.required) {
+                Some(t) => return Err(live::conflict(&t.continuation)),
+                None => {
+                    if self.binding.as_ref().is_some_and(|(s, _)| *s == slot) {
+                        self.binding = None;
+                    }
+                    self.reuse(slot, &job.prepared)?
+                }
+            },
+        };
+        let usage0 = Usage {
+            prompt_tokens: cached + suffix.len(),
+            cached_tokens: cached,
+            completion_tokens: 0,
+        };
+        if usage0.prompt_tokens >= self.ctx {
+            return Err(ApiError::context_overflow(
+                usage0.prompt_tokens,
+                self.ctx,
+                job.prompt_param,
+            ));
+        }
+        tracing::debug!(slot, source, cached, prefill = suffix.len(), "prompt");
+        send(
+            &self.stats,
+            &self.cfg,
+            &job,
+            JobEvent::Started {
+                usage: usage0,
+                source,
+            },
+        );
+        Stats::add(&self.stats.cached_tokens, cached as u64);
+        let cold_at = if cached == 0 {
+            self.cold_boundary(&suffix)
+        } else {
+            None
+        };
+        Ok((
+            slot,
+            Task {
+                job,
+                t0,
+                seq,
+                usage0,
+                source,
+                phase: Phase::Prefill {
+                    tokens: suffix,
+                    done: 0,
+                    cold_at,
+                },
+            },
+        ))
+    }
+
+    /// One scheduler step: one prefill piece of the oldest evaluating job, then one batched
+    /// decode step of every generating slot. A job whose prompt is wholly reused starts
+    /// generating at once (it has no piece to wait for); a job still evaluating its prompt
+    /// whose client went away frees its slot at once, not at its next piece.
+    fn step<'t>(&mut self, tasks: &mut [Option<Task<'t>>], tok: &'t Tokenizer) {
+        for (i, entry) in tasks.iter_mut().enumerate() {
+            match entry.as_ref().and_then(remaining) {
+                Some(0) => self.prefill_step(i, entry, tok),
+                Some(_) if entry.as_ref().is_some_and(|t| self.stopping(&t.job)) => {
+                    Stats::add(&self.stats.cancelled, 1);
+                    self.end(entry);
+                }
+                _ => {}
+            }
+        }
+        let oldest = tasks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| t.as_ref().map(|t| (i, t)))
+            .filter(|(_, t)| remaining(t).is_some())
+            .min_by_key(|(_, t)| t.seq)
+            .map(|(i, _)| i);
+        if let Some(i) = oldest {
+            self.prefill_step(i, &mut tasks[i], tok);
+        }
+        self.decode_step(tasks);
+    }
+
+    /// Evaluates the next piece of slot `i`'s prompt (cut so disk checkpoints land exactly
+    /// at their boundaries); at the prompt's end the generation starts. A cancelled or
+    /// failed job leaves its slot.
+    fn prefill_step<'t>(&mut self, i: usize, slot: &mut Option<Task<'t>>, tok: &'t Tokenizer) {
+        let Some(task) = slot.as_mut() else { return };
+        let Phase::Prefill {
+            tokens,
+            done,
+            cold_at,
+        } = &mut task.phase
+        else {
+            return;
+        };
+        if *done < tokens.len() {
+            if self.stopping(&task.job) {
+                Stats::add(&self.stats.cancelled, 1);
+                self.end(slot);
+                return;
+            }
+            let pos = self.slots.pos(i);
+            let mut end = tokens.len().min(*done + self.piece);
+            for b in [*cold_at, self.next_continued(i)].into_iter().flatten() {
+                if b > pos && b < pos + (end - *done) {
+                    end = *done + (b - pos);
+                }
+            }
+            if let Err(e) = self.slots.prefill(i, &tokens[*done..end]) {
+                // The state is unchanged or partial; nothing after it can be trusted.
+                self.discard_live(i);
+                send(
+                    &self.stats,
+                    &self.cfg,
+                    &task.job,
+                    JobEvent::Failed(ApiError::internal(e.to_string())),
+                );
+                self.end(slot);
+                return;
+            }
+            Stats::add(&self.stats.prefilled_tokens, (end - *done) as u64);
+            *done = end;
+            let pos = self.slots.pos(i);
+            if *cold_at == Some(pos) {
+                self.disk_save(i, "cold");
+            } else if self.next_continued(i) == Some(pos) {
+                self.disk_save(i, "continued");
+            }
+            if *done < tokens.len() {
+                return;
+            }
+        }
+        let t_prefill = task.t0.elapsed();
+        self.turn_snapshot(i);
+        let limit = task
+            .job
+            .max_tokens
+            .map_or(self.cfg.max_tokens, |m| m.min(usize::MAX as u64) as usize)
+            .min(self.cfg.max_tokens)
+            .min(self.ctx - task.usage0.prompt_tokens);
+        match Gen::new(&task.job, tok, self.eos, limit, t_prefill) {
+            Ok(g) => task.phase = Phase::Decode(Box::new(g)),
+            Err(e) => {
+                send(&self.stats, &self.cfg, &task.job, JobEvent::Failed(e));
+                self.end(slot);
+            }
+        }
+    }
+
+    /// One token for every generating slot: each picks its token, then all are fed in one
+    /// batched forward step; slots whose generation ended are finished.
+    fn decode_step(&mut self, tasks: &mut [Option<Task<'_>>]) {
+        let mut feeds = Vec::new();
+        let mut flows = Vec::new();
+        for (i, entry) in tasks.iter_mut().enumerate() {
+            let Some(task) = entry.as_mut() else {
+                continue;
+            };
+            let Phase::Decode(gen) = &mut task.phase else {
+                continue;
+            };
+            let picked = match self.slots.take_logits(i) {
+                None => Err(ds4_runtime::DriverError::NoLogits),
+                Some(mut l) => {
+                    let r = gen.pick(&task.job, &mut l, &self.stats, &self.cfg, &self.shutdown);
+                    self.slots.put_logits(i, l);
+                    r
+                }
+            };
+            match picked {
+                Ok(Pick::Feed { tok, flow }) => {
+                    feeds.push((i, tok));
+                    flows.push(flow);
+                }
+                Ok(Pick::Stop(stop)) => self.finish(i, entry, Ok(stop)),
+                Err(e) => self.finish(i, entry, Err(e)),
+            }
+        }
+        if feeds.is_empty() {
+            return;
+        }
+        if let Err(e) = self.slots.decode(&feeds) {
+            let why = e.to_string();
+            for &(i, _) in &feeds {
+                self.finish(
+                    i,
+                    &mut tasks[i],
+                    Err(ds4_runtime::DriverError::Engine(
+                        ds4_engine::EngineError::Config(why.clone()),
+                    )),
+                );
+            }
+            return;
+        }
+        for (&(i, _), flow) in feeds.iter().zip(flows) {
+            if flow == ds4_runtime::Flow::Stop {
+                self.finish(i, &mut tasks[i], Ok(ds4_runtime::GenStop::Halted));
+                continue;
+            }
+            let Some(Task {
+                phase: Phase::Decode(gen),
+                ..
+            }) = tasks[i].as_ref()
+            else {
+                continue;
+            };
+            if self.next_continued(i) == Some(self.slots.pos(i)) && !gen.in_tool_call() {
+                self.disk_save(i, "continued");
+            }
+        }
+        if let Some(d) = self.cfg.token_delay {
+            if tasks.iter().any(Option::is_some) {
+                std::thread::sleep(d);
+            }
+        }
+    }
+
+    /// Empties a task's slot (the job ended without an outcome).
+    pub(crate) fn end(&mut self, slot: &mut Option<Task<'_>>) {
+        if slot.take().is_some() {
+            Stats::sub(&self.stats.running, 1);
+            self.publish();
+        }
+    }
+
+    /// Finishes slot `i`'s generation (`ran`: how it stopped, or the error that stopped
+    /// it), sends the outcome and frees the slot.
+    fn finish(
+        &mut self,
+        i: usize,
+        slot: &mut Option<Task<'_>>,
+        ran: Result<ds4_runtime::GenStop, ds4_runtime::DriverError>,
+    ) {
+        let Some(task) = slot.take() else { return };
+        Stats::sub(&self.stats.running, 1);
+        let Phase::Decode(gen) = task.phase else {
+            self.publish();
+            return;
+        };
+        let (mut outcome, t_prefill) = self.conclude(i, &task.job, *gen, ran);
+        let usage0 = task.usage0;
+        outcome.usage = Usage {
+            completion_tokens: outcome.usage.completion_tokens,
+            ..usage0
+        };
+        tracing::info!(
+            endpoint = ?task.job.endpoint,
+            slot = i,
+            source = task.source,
+            prompt = usage0.prompt_tokens,
+            cached = usage0.cached_tokens,
+            generated = outcome.usage.completion_tokens,
+            finish = outcome.output.finish.as_str(),
+            prefill_ms = t_prefill.as_millis() as u64,
+            total_ms = task.t0.elapsed().as_millis() as u64,
+            "request done"
+        );
+        send(
+            &self.stats,
+            &self.cfg,
+            &task.job,
+            JobEvent::Done(Box::new(outcome)),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_that_do_not_fit_name_the_remedy() {
+        let e = SlotsError::Alloc {
+            slot: 3,
+            slots: 4,
+            ctx: 32768,
+            source: ds4_engine::EngineError::Config("out of device memory".into()),
+        };
+        let msg = slots_error(e, 4).to_string();
+        for want in [
+            "slot 3 of 4",
+            "out of device memory",
+            "--parallel 4",
+            "lower --parallel",
+        ] {
+            assert!(msg.contains(want), "{want:?} missing from {msg:?}");
+        }
+        assert!(slots_error(SlotsError::Zero, 0)
+            .to_string()
+            .contains("--parallel"));
+    }
+}

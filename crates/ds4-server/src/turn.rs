@@ -1,0 +1,315 @@
+//! One slot's generation (docs/server.md §9): the runtime's per-step decisions
+//! ([`ds4_runtime::GenState::pick`], the loop `Conversation::generate_with` runs too),
+//! steered per token by the server — the forced or greedy token, the streamed text (stop
+//! sequences, tool calls, deltas to the client) — and, when it ends, the outcome and the
+//! bookkeeping that lets the next request reuse the slot.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ds4_chat::stream::{EndCause, FinalOutput, Halt, OutputStream, StreamOptions};
+use ds4_chat::tokenizer::{THINK_CLOSE_TEXT, THINK_OPEN_TEXT};
+use ds4_chat::Tokenizer;
+use ds4_engine::{argmax, EngineError, Sampler};
+use ds4_runtime::{DriverError, Flow, GenLimits, GenState, GenStop, Pick, Steer};
+
+use crate::config::ServerConfig;
+use crate::error::ApiError;
+use crate::live::ToolBinding;
+use crate::reuse::Visible;
+use crate::sched::{engine_err, lock, Worker};
+use crate::stats::Stats;
+use crate::worker::{emit, random_id, Job, Outcome, Usage};
+
+/// Why [`Steering::halt`] ended a generation.
+enum Halted {
+    /// The client went away.
+    Cancelled,
+    /// The server is stopping.
+    Shutdown,
+}
+
+/// A slot's generation in progress.
+pub(crate) struct Gen<'t> {
+    sampler: Sampler,
+    state: GenState,
+    stream: OutputStream,
+    dec: ds4_chat::StreamDecoder<'t>,
+    forced: Option<Vec<u32>>,
+    /// Tool-call ids, in call order, assigned when a call is announced.
+    ids: Vec<String>,
+    /// Tokens emitted so far (EOS excluded).
+    stream_tokens: usize,
+    halted: Option<Halted>,
+    eos: u32,
+    /// Time from the job's start to its first token.
+    t_prefill: Duration,
+}
+
+/// What the runtime's step asks the server about one slot's token.
+struct Steering<'a, 't> {
+    job: &'a Job,
+    eos: u32,
+    stream: &'a mut OutputStream,
+    dec: &'a mut ds4_chat::StreamDecoder<'t>,
+    forced: &'a Option<Vec<u32>>,
+    ids: &'a mut Vec<String>,
+    stream_tokens: &'a mut usize,
+    halted: &'a mut Option<Halted>,
+    stats: &'a Stats,
+    cfg: &'a ServerConfig,
+    shutdown: &'a AtomicBool,
+}
+
+impl<'t> Gen<'t> {
+    /// A generation of at most `limit` tokens for `job`.
+    pub fn new(
+        job: &Job,
+        tok: &'t Tokenizer,
+        eos: u32,
+        limit: usize,
+        t_prefill: Duration,
+    ) -> Result<Gen<'t>, ApiError> {
+        let p = &job.prepared;
+        let sampler =
+            Sampler::new(job.sampling.clone()).map_err(|e| ApiError::bad(e.to_string()))?;
+        let forced = match &job.forced {
+            Some(t) => Some(tok.encode_chat(t).map_err(engine_err)?),
+            None => None,
+        };
+        Ok(Gen {
+            sampler,
+            state: GenState::new(GenLimits {
+                max_tokens: limit,
+                eos,
+                ignore_eos: false,
+                feed_all: true,
+            }),
+            stream: OutputStream::new(StreamOptions {
+                thinking: p.thinking,
+                tools: p.tools,
+                stop: job.stop.clone(),
+            }),
+            dec: tok.stream_decoder(),
+            forced,
+            ids: Vec::new(),
+            stream_tokens: 0,
+            halted: None,
+            eos,
+            t_prefill,
+        })
+    }
+
+    /// Decides this step from the logits after the slot's state (emitting the token's
+    /// text to the client).
+    pub fn pick(
+        &mut self,
+        job: &Job,
+        logits: &mut [f32],
+        stats: &Stats,
+        cfg: &ServerConfig,
+        shutdown: &AtomicBool,
+    ) -> Result<Pick, DriverError> {
+        let mut steer = Steering {
+            job,
+            eos: self.eos,
+            stream: &mut self.stream,
+            dec: &mut self.dec,
+            forced: &self.forced,
+            ids: &mut self.ids,
+            stream_tokens: &mut self.stream_tokens,
+            halted: &mut self.halted,
+            stats,
+            cfg,
+            shutdown,
+        };
+        self.state
+            .pick(logits, None, &mut self.sampler, &job.cancel, &mut steer)
+    }
+
+    /// Inside a tool call (no `continued` checkpoint is cut there).
+    pub fn in_tool_call(&self) -> bool {
+        self.stream.dsml_state().in_tool_call()
+    }
+}
+
+impl Steer for Steering<'_, '_> {
+    fn halt(&mut self) -> bool {
+        if self.job.cancel.load(Ordering::Relaxed) || self.job.events.is_closed() {
+            *self.halted = Some(Halted::Cancelled);
+        } else if self.shutdown.load(Ordering::Relaxed) {
+            *self.halted = Some(Halted::Shutdown);
+        }
+        self.halted.is_some()
+    }
+
+    fn choose(&mut self, step: usize, logits: Option<&[f32]>) -> Option<u32> {
+        if let Some(f) = self.forced {
+            return Some(f.get(step).copied().unwrap_or(self.eos));
+        }
+        // Inside a tool call's structure (names, keys) the most likely token is taken, so
+        // the sampler's randomness cannot break the DSML (docs/chat.md).
+        let st = self.stream.dsml_state();
+        if st.in_tool_call() && !st.uses_payload_sampling() {
+            return logits.map(argmax);
+        }
+        None
+    }
+
+    fn token(&mut self, t: u32) -> Flow {
+        *self.stream_tokens += 1;
+        let text = self.dec.push(t).unwrap_or_default();
+        let evs = self.stream.push(&text);
+        emit(self.stats, self.cfg, self.job, self.ids, evs);
+        Stats::add(&self.stats.generated_tokens, 1);
+        if self.stream.halted().is_some() {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        }
+    }
+}
+
+impl Worker {
+    /// Ends slot `i`'s generation: the final text, tool-call ids and the slot's bookkeeping
+    /// (tool binding, exact DSML, thinking-visible). Returns the outcome (usage: only the
+    /// completion tokens) and the time to the first token.
+    pub(crate) fn conclude(
+        &mut self,
+        i: usize,
+        job: &Job,
+        gen: Gen<'_>,
+        ran: Result<GenStop, DriverError>,
+    ) -> (Outcome, Duration) {
+        let p = &job.prepared;
+        let Gen {
+            state,
+            mut stream,
+            mut dec,
+            mut ids,
+            stream_tokens,
+            mut halted,
+            t_prefill,
+            ..
+        } = gen;
+        let mut cancelled = false;
+        let (generated, cause) = match ran {
+            Ok(stop) => {
+                let g = state.finish(stop);
+                let n = g.tokens.len() - usize::from(g.stop == GenStop::Eos);
+                let cause = match g.stop {
+                    GenStop::Eos => EndCause::Eos,
+                    GenStop::Length => EndCause::Length,
+                    GenStop::Interrupted => {
+                        cancelled = true;
+                        EndCause::Error("cancelled".into())
+                    }
+                    GenStop::Halted => match halted.take() {
+                        // A stop sequence (or complete tool calls) ended the text.
+                        None => EndCause::Eos,
+                        Some(Halted::Cancelled) => {
+                            cancelled = true;
+                            EndCause::Error("cancelled".into())
+                        }
+                        Some(Halted::Shutdown) => EndCause::Error("shutdown requested".into()),
+                    },
+                };
+                (n, cause)
+            }
+            Err(e) => {
+                let n = stream_tokens;
+                if !matches!(
+                    e,
+                    DriverError::NoLogits | DriverError::Engine(EngineError::Sampler(_))
+                ) {
+                    // The state is partial; nothing after it can be trusted.
+                    self.discard_live(i);
+                }
+                (n, EndCause::Error(e.to_string()))
+            }
+        };
+        if cancelled {
+            Stats::add(&self.stats.cancelled, 1);
+        }
+        let rest = dec.finish();
+        if !rest.is_empty() {
+            let evs = stream.push(&rest);
+            emit(&self.stats, &self.cfg, job, &mut ids, evs);
+        }
+        let stop_hit = stream.halted() == Some(Halt::StopSequence);
+        let reasoning_closed = !p.thinking || stream.text().contains(THINK_CLOSE_TEXT);
+        let (evs, output) = stream.finish(cause);
+        emit(&self.stats, &self.cfg, job, &mut ids, evs);
+        while ids.len() < output.message.tool_calls.len() {
+            ids.push(random_id(job.tool_id_prefix, 32));
+        }
+        ids.truncate(output.message.tool_calls.len());
+        self.remember(i, job, &output, &ids, stop_hit || cancelled);
+        self.publish();
+        let outcome = Outcome {
+            output,
+            tool_ids: ids,
+            usage: Usage {
+                completion_tokens: generated,
+                ..Usage::default()
+            },
+            reasoning_closed,
+        };
+        (outcome, t_prefill)
+    }
+
+    /// Bookkeeping after a turn in slot `i`: exact DSML for the call ids, the tool
+    /// binding, the thinking-visible text.
+    fn remember(&mut self, i: usize, job: &Job, out: &FinalOutput, ids: &[String], tainted: bool) {
+        if self.cfg.exact_dsml_replay && !ids.is_empty() {
+            if let Some(raw) = &out.message.raw_dsml {
+                let block: Arc<str> = Arc::from(raw.as_str());
+                let mut tm = lock(&self.toolmem);
+                for id in ids {
+                    tm.insert(id, block.clone());
+                }
+            }
+        }
+        self.memo[i].visible = None;
+        let p = &job.prepared;
+        let clean = !tainted && out.finish == ds4_chat::stream::FinishReason::Stop;
+        // A turn that ended by itself (EOS or complete tool calls) can be continued with
+        // tool outputs or, on Responses, a `previous_response_id`.
+        let ended = !tainted
+            && matches!(
+                out.finish,
+                ds4_chat::stream::FinishReason::Stop | ds4_chat::stream::FinishReason::ToolCalls
+            );
+        let pos = self.slots.pos(i);
+        if ended && job.continuation.is_some() && pos > 0 {
+            // The latest turn's binding replaces any other slot's (only the latest
+            // response can be continued).
+            self.binding = Some((
+                i,
+                ToolBinding {
+                    endpoint: job.endpoint,
+                    response_id: job.response_id.clone(),
+                    call_ids: ids.to_vec(),
+                    tools: p.tools,
+                    frontier: pos,
+                },
+            ));
+        } else if self.binding.as_ref().is_some_and(|(s, _)| *s == i) {
+            self.binding = None;
+        }
+        if clean
+            && p.thinking
+            && !p.tool_context
+            && out.message.tool_calls.is_empty()
+            && out.message.reasoning.is_some()
+        {
+            if let Some(prefix) = p.text.strip_suffix(THINK_OPEN_TEXT) {
+                self.memo[i].visible = Some(Visible {
+                    text: format!("{prefix}{THINK_CLOSE_TEXT}{}", out.message.content),
+                    live_len: pos,
+                });
+            }
+        }
+    }
+}

@@ -220,11 +220,7 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         // Batched decode only for now: the several-column GEMV has been checked in the
         // kernel emulation, not yet on a GPU, so short prompt evaluations keep their kernel.
-        if self.decode_rows > 1
-            && m.n_tok <= self.decode_rows
-            && m.n_tok <= self.gemv.cols_max
-            && self.mm_plain_cols(m, op)?
-        {
+        if self.decode_rows > 1 && m.n_tok <= self.decode_rows && self.mm_plain_cols(m, op)? {
             return Ok(());
         }
         let ty = Arg::I32(m.ty.code() as i32);
@@ -451,9 +447,11 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(true)
     }
 
-    /// Queues `m` (a few tokens of an F32 or F16 matrix: batched decode) through the
-    /// several-column plain GEMV, the one-token launch's grid and warps per row, so each
-    /// token's row is summed as the one-token GEMV sums it; false when it does not apply.
+    /// Queues `m` (decode rows of an F32 or F16 matrix: batched decode) through the
+    /// several-column plain GEMV in groups of at most `cols_max` tokens, the one-token
+    /// launch's grid and warps per row, so each token's row is summed as the one-token GEMV
+    /// sums it; false when it does not apply. (Wider steps had gone to the generic matmul,
+    /// whose other summation order broke batched-equals-alone at 16 sequences on the H200.)
     fn mm_plain_cols(&mut self, m: Mm, op: &'static str) -> BResult<bool> {
         let idx = match m.ty {
             GgmlType::F32 => 0,
@@ -469,27 +467,36 @@ impl<D: GpuApi> GpuBackend<D> {
         let Some(wbase) = m.columns_base(&l) else {
             return Ok(false);
         };
-        self.launch_fn(
-            &self.gemv.plain_cols[idx],
-            if idx == 0 {
-                "gemv_cols_f32"
-            } else {
-                "gemv_cols_f16"
-            },
-            (l.grid_x, 1, 1),
-            l.block,
-            &[
-                Arg::Ptr(wbase),
-                Arg::Ptr(m.x),
-                u(m.x_stride),
-                Arg::Ptr(m.y),
-                u(m.y_stride),
-                i32a(op, "cols", m.cols)?,
-                i32a(op, "rows", m.n_rows)?,
-                i32a(op, "tokens", m.n_tok)?,
-                Arg::I32(l.wpr as i32),
-            ],
-        )?;
+        let per = self.gemv.cols_max;
+        if per == 0 {
+            return Ok(false);
+        }
+        let mut t = 0;
+        while t < m.n_tok {
+            let n = per.min(m.n_tok - t);
+            self.launch_fn(
+                &self.gemv.plain_cols[idx],
+                if idx == 0 {
+                    "gemv_cols_f32"
+                } else {
+                    "gemv_cols_f16"
+                },
+                (l.grid_x, 1, 1),
+                l.block,
+                &[
+                    Arg::Ptr(wbase),
+                    Arg::Ptr(m.x + (4 * t * m.x_stride) as u64),
+                    u(m.x_stride),
+                    Arg::Ptr(m.y + (4 * t * m.y_stride) as u64),
+                    u(m.y_stride),
+                    i32a(op, "cols", m.cols)?,
+                    i32a(op, "rows", m.n_rows)?,
+                    i32a(op, "tokens", n)?,
+                    Arg::I32(l.wpr as i32),
+                ],
+            )?;
+            t += n;
+        }
         Ok(true)
     }
 

@@ -10,7 +10,8 @@
 #      SDK_VENV (reuse a venv dir; default: a fresh one in the temp dir),
 #      DS4_SERVER_BIN / DS4_CONVERT_BIN (skip the cargo build), KEEP=1 (keep the temp dir),
 #      LOAD_N / LOAD_C (load test: requests and concurrent clients, default 200 / 16),
-#      LOAD_PARALLEL (slots of the second server, which runs the streaming load test; default 4).
+#      LOAD_PARALLEL (slots of the second server, which runs the streaming load test; default 4),
+#      SDK_PARALLEL (slots of the server the SDK tests run against; default 1).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -56,7 +57,7 @@ cp "$ROOT/tests/fixtures/tiny-hca16/config.json" "$ROOT/tests/fixtures/tiny-hca1
 
 step "starting ds4-server"
 "$SERVER_BIN" -m "$WORK/tiny.gguf" -c 4096 --host 127.0.0.1 --port 0 -t 2 \
-    --test-script "$HERE/script.json" >"$WORK/server.log" 2>&1 &
+    --parallel "${SDK_PARALLEL:-1}" --test-script "$HERE/script.json" >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 URL=""
 for _ in $(seq 1 600); do

@@ -736,6 +736,51 @@ ds4_hc_pre(const float* mix, const float* x, const float* base, const float* sca
     }
 }
 
+// Shared by the decode HCPre kernels (ds4_hc_pre_regs, ds4_hc_mix_apply), which hold the
+// streams' Gram matrix G[s][u] = <X_s, X_u> as its upper triangle in row-major order
+// (N(N+1)/2 doubles, N = 4).
+// The streams' RMS factor rho = 1 / sqrt(trace(G) / (n d) + eps).
+template <int N>
+__device__ __forceinline__ float ds4_hc_gram_rho(const double* g, ds4_size nd, float rms_eps) {
+    double trace = 0.0;
+    int q = 0;
+#pragma unroll
+    for (int s = 0; s < N; s++)
+#pragma unroll
+        for (int u = s; u < N; u++, q++)
+            if (u == s) trace += g[q];
+    return (float)(1.0 / sqrt(trace / (double)nd + (double)rms_eps));
+}
+
+// The RMSNorm factor of y = sum_s pre_s X_s from G: |y|^2 = sum_s,u pre_s pre_u G[s][u]
+// (off-diagonal entries twice), so the output's norm needs no second reduction.
+template <int N>
+__device__ __forceinline__ float ds4_hc_gram_norm(const float (&pre)[N], const double* g, int d,
+                                                  float rms_eps) {
+    double yy = 0.0;
+    int q = 0;
+#pragma unroll
+    for (int s = 0; s < N; s++)
+#pragma unroll
+        for (int u = s; u < N; u++, q++)
+            yy += (u == s ? 1.0 : 2.0) * (double)pre[s] * (double)pre[u] * g[q];
+    return (float)(1.0 / sqrt(yy / (double)d + (double)rms_eps));
+}
+
+// One warp: post = 2 sigmoid(scale1 m_post rho + base) and comb = Sinkhorn(scale2 m_comb rho
+// + base) of one token from its raw mix m; z is the warp's n*n shared scratch.
+__device__ __forceinline__ void ds4_hc_post_comb_warp(const float* m, float rho, const float* base,
+                                                      const float* scale, int n, int iters,
+                                                      float hc_eps, float* z, float* post_t,
+                                                      float* comb_t) {
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    if (lane < n) post_t[lane] = 2.0f * ds4_sigmoid(scale[1] * (m[n + lane] * rho) + base[n + lane]);
+    if (lane < n * n) z[lane] = scale[2] * (m[2 * n + lane] * rho) + base[2 * n + lane];
+    ds4_syncwarp();
+    ds4_sinkhorn_warp(z, n, iters, hc_eps);
+    if (lane < n * n) comb_t[lane] = z[lane];
+}
+
 // HCPre for the model's shape (n <= 4 streams, d <= 4096), one block per token with every
 // value held in registers, for decode latency: the general kernel above takes a global
 // round trip and a block reduction for the streams' RMS, a second trip for the mix and a
@@ -807,26 +852,12 @@ ds4_hc_pre_regs(const float* mix, const float* x, const float* base, const float
         gsum[k] = a;
     }
     __syncthreads();
-    double trace = 0.0;
-    {
-        int q = 0;
-#pragma unroll
-        for (int s = 0; s < DS4_HCR_N; s++)
-#pragma unroll
-            for (int u = s; u < DS4_HCR_N; u++, q++)
-                if (u == s) trace += gsum[q];
-    }
-    const float rho = (float)(1.0 / sqrt(trace / (double)(n * d) + (double)rms_eps));
+    const float rho = ds4_hc_gram_rho<DS4_HCR_N>(gsum, (ds4_size)(n * d), rms_eps);
     const float* m = mix + (ds4_size)t * (2 * n + n * n);
     if (!comp) {
         // The extra warp: post, and comb by Sinkhorn, beside the mix.
-        if (lane < n)
-            post[(ds4_size)t * n + lane] =
-                2.0f * ds4_sigmoid(scale[1] * (m[n + lane] * rho) + base[n + lane]);
-        if (lane < n * n) z[lane] = scale[2] * (m[2 * n + lane] * rho) + base[2 * n + lane];
-        ds4_syncwarp();
-        ds4_sinkhorn_warp(z, n, iters, hc_eps);
-        if (lane < n * n) comb[(ds4_size)t * n * n + lane] = z[lane];
+        ds4_hc_post_comb_warp(m, rho, base, scale, n, iters, hc_eps, z, post + (ds4_size)t * n,
+                              comb + (ds4_size)t * n * n);
         return;
     }
     float pre[DS4_HCR_N];
@@ -846,15 +877,7 @@ ds4_hc_pre_regs(const float* mix, const float* x, const float* base, const float
         if (i < d) yt[i] = a;
     }
     if (normed) {
-        // |y|^2 = sum_s,u pre_s pre_u G[s][u] (off-diagonal entries twice).
-        double yy = 0.0;
-        int q = 0;
-#pragma unroll
-        for (int s = 0; s < DS4_HCR_N; s++)
-#pragma unroll
-            for (int u = s; u < DS4_HCR_N; u++, q++)
-                yy += (u == s ? 1.0 : 2.0) * (double)pre[s] * (double)pre[u] * gsum[q];
-        const float sc = (float)(1.0 / sqrt(yy / (double)d + (double)rms_eps));
+        const float sc = ds4_hc_gram_norm<DS4_HCR_N>(pre, gsum, d, rms_eps);
         float* nt = normed + (ds4_size)t * d;
 #pragma unroll
         for (int j = 0; j < DS4_HCR_J; j++) {
@@ -1050,26 +1073,12 @@ ds4_hc_mix_apply(const float* partf, const double* partd, int nb, const float* x
         }
     }
     __syncthreads();
-    double trace = 0.0;
-    {
-        int q = 0;
-#pragma unroll
-        for (int s = 0; s < DS4_HCM_N; s++)
-#pragma unroll
-            for (int u = s; u < DS4_HCM_N; u++, q++)
-                if (u == s) trace += sg[q];
-    }
-    const float rho = (float)(1.0 / sqrt(trace / (double)nd + (double)rms_eps));
+    const float rho = ds4_hc_gram_rho<DS4_HCM_N>(sg, nd, rms_eps);
     if (coef) {
         if (tid < nm) mix[(ds4_size)t * nm + tid] = smix[tid];
         if (warp != 0) return;
-        if (lane < n)
-            post[(ds4_size)t * n + lane] =
-                2.0f * ds4_sigmoid(scale[1] * (smix[n + lane] * rho) + base[n + lane]);
-        if (lane < n * n) z[lane] = scale[2] * (smix[2 * n + lane] * rho) + base[2 * n + lane];
-        ds4_syncwarp();
-        ds4_sinkhorn_warp(z, n, iters, hc_eps);
-        if (lane < n * n) comb[(ds4_size)t * n * n + lane] = z[lane];
+        ds4_hc_post_comb_warp(smix, rho, base, scale, n, iters, hc_eps, z, post + (ds4_size)t * n,
+                              comb + (ds4_size)t * n * n);
         return;
     }
     float pre[DS4_HCM_N];
@@ -1082,15 +1091,7 @@ ds4_hc_mix_apply(const float* partf, const double* partd, int nb, const float* x
         if (s < n) a += pre[s] * xv[s];
     if (col) y[(ds4_size)t * d + i] = a;
     if (normed && col) {
-        // |y|^2 = sum_s,u pre_s pre_u G[s][u] (off-diagonal entries twice), as ds4_hc_pre_regs.
-        double yy = 0.0;
-        int q = 0;
-#pragma unroll
-        for (int s = 0; s < DS4_HCM_N; s++)
-#pragma unroll
-            for (int u = s; u < DS4_HCM_N; u++, q++)
-                yy += (u == s ? 1.0 : 2.0) * (double)pre[s] * (double)pre[u] * sg[q];
-        const float sc = (float)(1.0 / sqrt(yy / (double)d + (double)rms_eps));
+        const float sc = ds4_hc_gram_norm<DS4_HCM_N>(pre, sg, d, rms_eps);
         normed[(ds4_size)t * d + i] = norm_w ? (a * sc) * gw : a * sc;
     }
 }

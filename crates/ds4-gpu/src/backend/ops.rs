@@ -76,6 +76,14 @@ struct MoeTiles {
     n_exp: usize,
 }
 
+/// Which several-column GEMV [`GpuBackend::launch_column_groups`] launches: Q8_0 on int8
+/// activations, or the plain one (0: F32, 1: F16).
+#[derive(Debug, Clone, Copy)]
+enum ColumnsKernel {
+    Q8_0,
+    Plain(usize),
+}
+
 /// A matmul over rows `row0..row0+n_rows` of a quantized matrix at `w` (device address).
 #[derive(Debug, Clone, Copy)]
 struct Mm {
@@ -422,28 +430,8 @@ impl<D: GpuApi> GpuBackend<D> {
         let Some(wbase) = m.columns_base(&l) else {
             return Ok(false);
         };
-        let mut t = 0;
-        while t < m.n_tok {
-            let n = per.min(m.n_tok - t);
-            self.launch_fn(
-                &self.gemv.q8_cols,
-                "gemvq_cols_q8_0",
-                (self.gemv.q8_grid_x(l.grid_x, 1), 1, 1),
-                l.block,
-                &[
-                    Arg::Ptr(wbase),
-                    Arg::Ptr(m.x + (4 * t * m.x_stride) as u64),
-                    u(m.x_stride),
-                    Arg::Ptr(m.y + (4 * t * m.y_stride) as u64),
-                    u(m.y_stride),
-                    i32a(op, "cols", m.cols)?,
-                    i32a(op, "rows", m.n_rows)?,
-                    i32a(op, "tokens", n)?,
-                    Arg::I32(l.wpr as i32),
-                ],
-            )?;
-            t += n;
-        }
+        let grid = self.gemv.q8_grid_x(l.grid_x, 1);
+        self.launch_column_groups(ColumnsKernel::Q8_0, grid, &l, wbase, m, per, op)?;
         Ok(true)
     }
 
@@ -471,17 +459,35 @@ impl<D: GpuApi> GpuBackend<D> {
         if per == 0 {
             return Ok(false);
         }
+        self.launch_column_groups(ColumnsKernel::Plain(idx), l.grid_x, &l, wbase, m, per, op)?;
+        Ok(true)
+    }
+
+    /// Launches `m`'s tokens through a several-column GEMV in groups of at most `per`
+    /// (both several-column kernels take the same arguments).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_column_groups(
+        &self,
+        k: ColumnsKernel,
+        grid_x: u32,
+        l: &GemvLaunch,
+        wbase: u64,
+        m: Mm,
+        per: usize,
+        op: &'static str,
+    ) -> BResult<()> {
+        let (f, label) = match k {
+            ColumnsKernel::Q8_0 => (&self.gemv.q8_cols, "gemvq_cols_q8_0"),
+            ColumnsKernel::Plain(0) => (&self.gemv.plain_cols[0], "gemv_cols_f32"),
+            ColumnsKernel::Plain(i) => (&self.gemv.plain_cols[i], "gemv_cols_f16"),
+        };
         let mut t = 0;
         while t < m.n_tok {
             let n = per.min(m.n_tok - t);
             self.launch_fn(
-                &self.gemv.plain_cols[idx],
-                if idx == 0 {
-                    "gemv_cols_f32"
-                } else {
-                    "gemv_cols_f16"
-                },
-                (l.grid_x, 1, 1),
+                f,
+                label,
+                (grid_x, 1, 1),
                 l.block,
                 &[
                     Arg::Ptr(wbase),
@@ -497,7 +503,7 @@ impl<D: GpuApi> GpuBackend<D> {
             )?;
             t += n;
         }
-        Ok(true)
+        Ok(())
     }
 
     fn mm_q8(&mut self, m: Mm, op: &'static str) -> BResult<()> {

@@ -327,10 +327,17 @@ ds4_rms_norm(const float* x, const float* w, float* out, int width, float eps) {
     ds4_rms_norm_row(x + base, w, out + base, width, eps, sh);
 }
 
+// Position of row r: row_pos[r] when given (a batched decode step: one row per sequence,
+// each at its own position), else pos0 + r * pos_step.
+__device__ __forceinline__ ds4_size ds4_row_pos(const int* row_pos, ds4_size r, ds4_size pos0,
+                                                ds4_size pos_step) {
+    return row_pos ? (ds4_size)row_pos[r] : pos0 + r * pos_step;
+}
+
 // RoPE: one thread per (row, head, pair). freqs[j], j < rope_dim/2.
 extern "C" __global__ void ds4_rope(float* x, const float* freqs, int n_rows, int n_heads,
                                     int head_dim, int rope_dim, ds4_size pos0, ds4_size pos_step,
-                                    int inverse) {
+                                    const int* row_pos, int inverse) {
     ds4_grid_wait();
     const int half = rope_dim / 2;
     const ds4_size n = (ds4_size)n_rows * n_heads * half;
@@ -338,7 +345,7 @@ extern "C" __global__ void ds4_rope(float* x, const float* freqs, int n_rows, in
         const int j = (int)(e % half);
         const ds4_size rh = e / half;
         const ds4_size r = rh / n_heads;
-        const ds4_size p = pos0 + r * pos_step;
+        const ds4_size p = ds4_row_pos(row_pos, r, pos0, pos_step);
         const double ang = (double)((float)p * freqs[j]);
         const float c = (float)cos(ang);
         float s = (float)sin(ang);
@@ -428,7 +435,7 @@ extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims
 // (block barriers between them), so the result equals the three kernels run in turn.
 extern "C" __global__ void __launch_bounds__(256)
 ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs, int n_heads,
-              int rope_dim, ds4_size pos0, ds4_size pos_step, int fp8_dims) {
+              int rope_dim, ds4_size pos0, ds4_size pos_step, const int* row_pos, int fp8_dims) {
     ds4_grid_wait();
     __shared__ double sh[256];
     const ds4_size row = blockIdx.x;
@@ -436,7 +443,7 @@ ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs
     ds4_rms_norm_row(xr, w, xr, width, eps, sh);
     __syncthreads();
     const int half = rope_dim / 2;
-    const ds4_size p = pos0 + (row / n_heads) * pos_step;
+    const ds4_size p = ds4_row_pos(row_pos, row / n_heads, pos0, pos_step);
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
         const double ang = (double)((float)p * freqs[j]);
         const float c = (float)cos(ang);

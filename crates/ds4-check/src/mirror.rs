@@ -204,6 +204,19 @@ impl<R: Backend, C: Backend> Mirror<R, C> {
     fn gi(&self, b: IBuf) -> IBuf {
         self.ib(b).map(|p| p.1).unwrap_or(b)
     }
+    /// `a` for each backend (its row positions, if any, are a buffer of each).
+    fn rope_args(&self, a: RopeArgs) -> (RopeArgs, RopeArgs) {
+        (
+            RopeArgs {
+                row_pos: a.row_pos.map(|p| self.ci(p)),
+                ..a
+            },
+            RopeArgs {
+                row_pos: a.row_pos.map(|p| self.gi(p)),
+                ..a
+            },
+        )
+    }
     fn cw(&self, w: Weight) -> Weight {
         self.w(w).map(|p| p.0).unwrap_or(w)
     }
@@ -439,9 +452,10 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
     }
     fn rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
         let (cx, gx) = (self.c(x), self.g(x));
+        let (ca, ga) = self.rope_args(a);
         let o = x.sub(0, a.n_rows * a.n_heads * a.head_dim);
         let name = if a.inverse { "rope_inverse" } else { "rope" };
-        self.run(name, &[Out::Rw(o)], |b| b.rope(cx, a), |b| b.rope(gx, a))
+        self.run(name, &[Out::Rw(o)], |b| b.rope(cx, ca), |b| b.rope(gx, ga))
     }
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
         let (cx, gx, co, go) = (self.c(x), self.g(x), self.ci(out), self.gi(out));
@@ -663,12 +677,13 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
     ) -> BResult<()> {
         let (cw, gw) = (w.map(|w| self.cw(w)), w.map(|w| self.gw(w)));
         let (cx, gx) = (self.c(x), self.g(x));
+        let (cr, gr) = self.rope_args(rope);
         let n = rope.n_rows * rope.n_heads * rope.head_dim;
         self.run(
             "norm_rope",
             &[Out::Rw(x.sub(0, n))],
-            |b| b.norm_rope(cx, cw, eps, rope, fp8_dims),
-            |b| b.norm_rope(gx, gw, eps, rope, fp8_dims),
+            |b| b.norm_rope(cx, cw, eps, cr, fp8_dims),
+            |b| b.norm_rope(gx, gw, eps, gr, fp8_dims),
         )
     }
     fn matmul_pair(

@@ -182,14 +182,15 @@ pub fn rms_norm_row(x: &mut [f32], w: Option<&[f32]>, eps: f32) {
     }
 }
 
-/// In-place RoPE over `x` (`n_rows` rows of `n_heads · head_dim`).
-pub fn rope(par: Par, x: &mut [f32], a: &RopeArgs) {
+/// In-place RoPE over `x` (`n_rows` rows of `n_heads · head_dim`), row `r` at position
+/// `pos[r]` (the caller resolves [`RopeArgs::pos0`]/`pos_step` or `row_pos`).
+pub fn rope(par: Par, x: &mut [f32], a: &RopeArgs, pos: &[usize]) {
     let freqs = rope_freqs(&a.freq);
     let rd = a.freq.rope_dim;
     let off = a.head_dim - rd;
     let row_w = a.n_heads * a.head_dim;
     rows_mut(par, &mut x[..a.n_rows * row_w], row_w, |r, row| {
-        let p = a.pos0 + r * a.pos_step;
+        let p = pos[r];
         let cs: Vec<(f32, f32)> = freqs
             .iter()
             .map(|&w| {

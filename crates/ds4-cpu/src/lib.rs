@@ -349,9 +349,21 @@ impl Backend for CpuBackend {
         if a.n_rows == 0 || a.n_heads == 0 {
             return Ok(());
         }
+        let pos: Vec<usize> = match a.row_pos {
+            None => (0..a.n_rows).map(|r| a.pos0 + r * a.pos_step).collect(),
+            Some(p) => self.iview(p, OP)?[..a.n_rows]
+                .iter()
+                .map(|&v| {
+                    usize::try_from(v).map_err(|_| BackendError::Invalid {
+                        op: OP,
+                        problem: format!("row position {v}"),
+                    })
+                })
+                .collect::<BResult<_>>()?,
+        };
         let work = 8 * a.n_rows * a.n_heads * a.freq.rope_dim;
         self.with_out(x, OP, work, |_, xv, par| {
-            kernels::rope(par, xv, &a);
+            kernels::rope(par, xv, &a, &pos);
             Ok(())
         })
     }

@@ -281,6 +281,7 @@ fn rope_rotates_interleaved_tail_pairs_and_inverts() {
         pos_step: 4,
         freq,
         inverse: false,
+        row_pos: None,
     };
     let w = rope_freqs(&freq);
     let mut want: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
@@ -318,6 +319,77 @@ fn rope_rotates_interleaved_tail_pairs_and_inverts() {
     .unwrap();
     let back: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
     assert_close(&get(&mut b, x), &back, 1e-5, "inverse");
+}
+
+/// Rows at positions read from a buffer (a batched decode step: one row per sequence) are
+/// rotated exactly as each row alone at its position; a negative position is an error.
+#[test]
+fn rope_with_row_positions_equals_each_row_at_its_position() {
+    let mut rng = Rng::new(5);
+    let (rows, heads, hd, rd) = (4, 3, 16, 8);
+    let xv = randn(&mut rng, rows * heads * hd, 1.0);
+    let freq = RopeFreq {
+        base: 10000.0,
+        yarn: None,
+        rope_dim: rd,
+    };
+    let positions = [17i32, 3, 4096, 0];
+    let mut b = be(2);
+    let pos = b.alloc_i32(rows).unwrap();
+    b.upload_i32(pos, 0, &positions).unwrap();
+    for inverse in [false, true] {
+        let args = RopeArgs {
+            n_rows: rows,
+            n_heads: heads,
+            head_dim: hd,
+            pos0: 999,
+            pos_step: 7,
+            freq,
+            inverse,
+            row_pos: Some(pos),
+        };
+        let x = put(&mut b, &xv);
+        b.rope(x.all(), args).unwrap();
+        let got = get(&mut b, x);
+        let w = heads * hd;
+        for (r, &p) in positions.iter().enumerate() {
+            let one = put(&mut b, &xv[r * w..(r + 1) * w]);
+            let alone = RopeArgs {
+                n_rows: 1,
+                pos0: p as usize,
+                row_pos: None,
+                ..args
+            };
+            b.rope(one.all(), alone).unwrap();
+            assert_eq!(got[r * w..(r + 1) * w], get(&mut b, one)[..], "row {r}");
+        }
+    }
+    b.upload_i32(pos, 0, &[1, -2, 3, 4]).unwrap();
+    let x = put(&mut b, &xv);
+    let bad = RopeArgs {
+        n_rows: rows,
+        n_heads: heads,
+        head_dim: hd,
+        pos0: 0,
+        pos_step: 1,
+        freq,
+        inverse: false,
+        row_pos: Some(pos),
+    };
+    let e = b.rope(x.all(), bad).unwrap_err();
+    assert!(e.to_string().contains("-2"), "{e}");
+    // Fewer positions than rows is a shape error.
+    let short = b.alloc_i32(2).unwrap();
+    let e = b
+        .rope(
+            x.all(),
+            RopeArgs {
+                row_pos: Some(short),
+                ..bad
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(e, BackendError::Shape { .. }), "{e}");
 }
 
 /// All finite E4M3-FN magnitudes with their codes.

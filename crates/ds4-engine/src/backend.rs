@@ -225,12 +225,16 @@ pub struct RopeArgs {
     /// Heads per row; a row is `n_heads * head_dim` values.
     pub n_heads: usize,
     pub head_dim: usize,
-    /// Row `r` is rotated at position `pos0 + r * pos_step`.
+    /// Row `r` is rotated at position `pos0 + r * pos_step` …
     pub pos0: usize,
     pub pos_step: usize,
     pub freq: RopeFreq,
     /// Rotate by `-p·ω` (the output de-rotation, docs/forward.md §5.7).
     pub inverse: bool,
+    /// … unless this is set: then row `r` is at position `row_pos[r]` (`pos0`, `pos_step`
+    /// unused). A batched decode step's rows belong to different sequences, each at its
+    /// own position, and one launch rotates them all (docs/forward.md §3 "Batched decode").
+    pub row_pos: Option<IBuf>,
 }
 
 /// Constants of the mHC ops (docs/forward.md §4).

@@ -12,7 +12,7 @@ use crate::backend::{
     RouterArgs, Routing,
 };
 use crate::config::NumericMode;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::state::{CompState, KvState};
 use crate::weights::{CompressorWeights, ModelWeights};
 
@@ -29,6 +29,8 @@ pub enum Want {
 pub(crate) struct Scratch {
     pub logit_rows: usize,
     tokens: IBuf,
+    /// Each row's position in a batched decode step (one row per sequence).
+    pos: IBuf,
     x: Buf,
     mix: Buf,
     y: Buf,
@@ -40,6 +42,10 @@ pub(crate) struct Scratch {
     kv: Buf,
     cu: Buf,
     cz: Buf,
+    /// The indexer compressor's projections (apart from `cu`/`cz`: both compressors'
+    /// matmuls run over every row of a step before the per-sequence ops).
+    icu: Buf,
+    icz: Buf,
     iq: Buf,
     iw: Buf,
     sel: IBuf,
@@ -68,11 +74,13 @@ impl Scratch {
     ) -> Result<Scratch> {
         let d = hp.n_embd;
         let n = hp.hc_mult;
-        let proj = (2 * hp.head_dim).max(2 * hp.indexer_head_dim);
+        let proj = 2 * hp.head_dim;
+        let iproj = (2 * hp.indexer_head_dim).max(1);
         let k_sel = hp.indexer_top_k.max(1);
         Ok(Scratch {
             logit_rows,
             tokens: be.alloc_i32(cap)?,
+            pos: be.alloc_i32(cap)?,
             x: be.alloc(cap * n * d)?,
             mix: be.alloc(cap * hp.hc_mix())?,
             y: be.alloc(cap * d)?,
@@ -84,6 +92,8 @@ impl Scratch {
             kv: be.alloc(cap * hp.head_dim)?,
             cu: be.alloc(cap * proj)?,
             cz: be.alloc(cap * proj)?,
+            icu: be.alloc(cap * iproj)?,
+            icz: be.alloc(cap * iproj)?,
             iq: be.alloc(cap * (hp.indexer_heads * hp.indexer_head_dim).max(1))?,
             iw: be.alloc(cap * hp.indexer_heads.max(1))?,
             sel: be.alloc_i32(cap * k_sel)?,
@@ -116,6 +126,8 @@ impl Scratch {
             self.kv,
             self.cu,
             self.cz,
+            self.icu,
+            self.icz,
             self.iq,
             self.iw,
             self.o,
@@ -132,7 +144,7 @@ impl Scratch {
         ] {
             be.free(b);
         }
-        for b in [self.tokens, self.sel, self.eids, self.argmax] {
+        for b in [self.tokens, self.pos, self.sel, self.eids, self.argmax] {
             be.free_i32(b);
         }
     }
@@ -228,6 +240,23 @@ pub(crate) fn forward(
         .flat_map(|q| q.tokens.iter().map(|&x| x as i32))
         .collect();
     be.upload_i32(s.tokens, 0, &ids)?;
+    // A batched step's rows are at their own sequences' positions: RoPE reads them from
+    // the device (one launch for all rows); a single sequence's rows are consecutive.
+    let row_pos = if batched {
+        let pos: Vec<i32> = spans
+            .iter()
+            .map(|&(_, _, p)| {
+                i32::try_from(p).map_err(|_| {
+                    EngineError::Config(format!("position {p} beyond the 32-bit rows of RoPE"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        be.upload_i32(s.pos, 0, &pos)?;
+        Some(s.pos)
+    } else {
+        None
+    };
+    let pos_first = spans[0].2;
 
     let x = s.x.rows(0, t, xw);
     let hc = HcArgs {
@@ -259,7 +288,14 @@ pub(crate) fn forward(
                 pos_step: step,
                 freq,
                 inverse: false,
+                row_pos: None,
             };
+        // Every row of the step at its own position (see `row_pos`).
+        let rope_step = |n_heads: usize, inverse: bool| RopeArgs {
+            inverse,
+            row_pos,
+            ..rope(t, n_heads, hd, pos_first, 1)
+        };
 
         // ---- attention sublayer (docs/forward.md §5) ----
         be.annotate(match hp.attn_kind(il) {
@@ -278,19 +314,54 @@ pub(crate) fn forward(
         let kv_all = s.kv.rows(0, t, hd);
         be.matmul(lw.kv, 0, a, t, kv_all)?;
         let o_all = s.o.rows(0, t, nh * hd);
+        be.norm_rope(q_all, None, eps, rope_step(nh, false), None)?;
+        let kv_fp8 = official.then_some(nope);
+        be.norm_rope(kv_all, Some(lw.kv_norm), eps, rope_step(1, false), kv_fp8)?;
+
+        // The compressors' and the indexer's matmuls read only the rows, not positions or
+        // caches: they run once over every row of the step (each weight read once for all
+        // sequences), the position-dependent ops after them per sequence.
+        let ls0 = seqs[0].state.layers[il];
+        let comp_proj = match (ls0.comp, lw.comp.as_ref()) {
+            (Some(cs), Some(cw)) => {
+                let pw = cs.chunk_args(0, t).proj_width();
+                let (cu, cz) = (s.cu.rows(0, t, pw), s.cz.rows(0, t, pw));
+                be.matmul_pair(cw.kv, cw.gate, a, t, cu, cz)?;
+                Some((cu, cz))
+            }
+            _ => None,
+        };
+        let (ih, id) = (hp.indexer_heads, hp.indexer_head_dim);
+        let iq_all = s.iq.rows(0, t, ih * id);
+        let iw_all = s.iw.rows(0, t, ih);
+        let index_proj = match (ls0.index, lw.indexer.as_ref()) {
+            (Some(is), Some(iw)) if comp_proj.is_some() => {
+                let pw = is.chunk_args(0, t).proj_width();
+                let (cu, cz) = (s.icu.rows(0, t, pw), s.icz.rows(0, t, pw));
+                be.matmul_pair(iw.comp.kv, iw.comp.gate, a, t, cu, cz)?;
+                // Scores are only needed once some query sees more rows than it may pick.
+                if spans
+                    .iter()
+                    .any(|&(_, n, p0)| (p0 + n) / is.ratio > hp.indexer_top_k)
+                {
+                    be.matmul(iw.q_b, 0, cq_all, t, iq_all)?;
+                    be.matmul(iw.proj, 0, a, t, iw_all)?;
+                }
+                Some((cu, cz))
+            }
+            _ => None,
+        };
 
         for (seq, &(r0, t, pos0)) in seqs.iter().zip(&spans) {
             let ls = seq.state.layers[il];
             let rows = |x: crate::backend::Slice, width: usize| x.sub(r0 * width, t * width);
-            let (a, cq) = (rows(a, dm), rows(cq_all, hp.q_lora_rank));
             let (q, kv) = (rows(q_all, nh * hd), rows(kv_all, hd));
-            be.norm_rope(q, None, eps, rope(t, nh, hd, pos0, 1), None)?;
-            let kv_fp8 = official.then_some(nope);
-            be.norm_rope(kv, Some(lw.kv_norm), eps, rope(t, 1, hd, pos0, 1), kv_fp8)?;
 
             let mut comp = CompSel::None;
-            if let (Some(cs), Some(cw)) = (ls.comp, lw.comp.as_ref()) {
-                compress(be, s, a, cs, cw, pos0, t, eps, |be, rows, n, w0| {
+            if let (Some(cs), Some(cw), Some((cu, cz))) = (ls.comp, lw.comp.as_ref(), comp_proj) {
+                let pw = cs.chunk_args(pos0, t).proj_width();
+                let (cu, cz) = (rows(cu, pw), rows(cz, pw));
+                compress(be, cu, cz, cs, cw, pos0, t, eps, |be, rows, n, w0| {
                     be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
                     if official {
                         be.qat_fp8(rows, n, hd, nope)?;
@@ -301,26 +372,34 @@ pub(crate) fn forward(
                     rows: cs.rows.all(),
                     ratio: cs.ratio,
                 };
-                if let (Some(is), Some(iw)) = (ls.index, lw.indexer.as_ref()) {
-                    let id = hp.indexer_head_dim;
-                    compress(be, s, a, is, &iw.comp, pos0, t, eps, |be, rows, n, w0| {
-                        be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
-                        if official {
-                            be.qat_hadamard_fp4(rows, n, id)?;
-                        }
-                        Ok(())
-                    })?;
-                    let ih = hp.indexer_heads;
-                    let iq = s.iq.rows(0, t, ih * id);
-                    let iwt = s.iw.rows(0, t, ih);
-                    // Scores are only needed once some query sees more rows than it may pick.
+                if let (Some(is), Some(iw), Some((icu, icz))) =
+                    (ls.index, lw.indexer.as_ref(), index_proj)
+                {
+                    let pw = is.chunk_args(pos0, t).proj_width();
+                    let (icu, icz) = (rows(icu, pw), rows(icz, pw));
+                    compress(
+                        be,
+                        icu,
+                        icz,
+                        is,
+                        &iw.comp,
+                        pos0,
+                        t,
+                        eps,
+                        |be, rows, n, w0| {
+                            be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
+                            if official {
+                                be.qat_hadamard_fp4(rows, n, id)?;
+                            }
+                            Ok(())
+                        },
+                    )?;
+                    let (iq, iwt) = (rows(iq_all, ih * id), rows(iw_all, ih));
                     if (pos0 + t) / is.ratio > hp.indexer_top_k {
-                        be.matmul(iw.q_b, 0, cq, t, iq)?;
                         be.rope(iq, rope(t, ih, id, pos0, 1))?;
                         if official {
                             be.qat_hadamard_fp4(iq, t * ih, id)?;
                         }
-                        be.matmul(iw.proj, 0, a, t, iwt)?;
                     }
                     let args = IndexerArgs {
                         pos0,
@@ -357,14 +436,8 @@ pub(crate) fn forward(
                 out: o,
             })?;
             be.ring_store(ls.ring.all(), kv, pos0, t, hp.sliding_window)?;
-            be.rope(
-                o,
-                RopeArgs {
-                    inverse: true,
-                    ..rope(t, nh, hd, pos0, 1)
-                },
-            )?;
         }
+        be.rope(o_all, rope_step(nh, true))?;
         let low = s.low.rows(0, t, hp.o_groups * hp.o_lora_rank);
         be.matmul_grouped(lw.out_a, hp.o_groups, o_all, t, low)?;
         be.matmul(lw.out_b, 0, low, t, f)?;
@@ -449,13 +522,16 @@ pub(crate) fn forward(
     Ok(())
 }
 
-/// Feeds a chunk to one compressor and finishes the rows it emits: RMSNorm with the
-/// compressor's weight, then `finish` (RoPE at the window's first position, QAT).
+/// Feeds a chunk's projections `u`, `z` (rows of
+/// [`crate::backend::CompressorArgs::proj_width`], computed
+/// by the caller over the whole step) to one compressor and finishes the rows it emits:
+/// RMSNorm with the compressor's weight, then `finish` (RoPE at the window's first
+/// position, QAT).
 #[allow(clippy::too_many_arguments)]
 fn compress(
     be: &mut dyn Backend,
-    s: &Scratch,
-    a: crate::backend::Slice,
+    u: crate::backend::Slice,
+    z: crate::backend::Slice,
     cs: CompState,
     cw: &CompressorWeights,
     pos0: usize,
@@ -464,10 +540,7 @@ fn compress(
     finish: impl Fn(&mut dyn Backend, crate::backend::Slice, usize, usize) -> Result<()>,
 ) -> Result<()> {
     let args = cs.chunk_args(pos0, t);
-    let pw = args.proj_width();
-    let (cu, cz) = (s.cu.rows(0, t, pw), s.cz.rows(0, t, pw));
-    be.matmul_pair(cw.kv, cw.gate, a, t, cu, cz)?;
-    be.compressor(cs.acc.all(), cu, cz, cw.ape, args, cs.rows.all())?;
+    be.compressor(cs.acc.all(), u, z, cw.ape, args, cs.rows.all())?;
     let (w0, w1) = (cs.rows_at(pos0), cs.rows_at(pos0 + t));
     if w1 > w0 {
         let n = w1 - w0;

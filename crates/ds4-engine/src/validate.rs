@@ -251,6 +251,9 @@ pub fn rope(x: Slice, a: &RopeArgs) -> BResult<()> {
             format!("rope dim {rd} vs head dim {}", a.head_dim),
         ));
     }
+    if let Some(p) = a.row_pos {
+        need_i(p, a.n_rows, OP, "row positions")?;
+    }
     need(x, a.n_rows * a.n_heads * a.head_dim, OP, "input")
 }
 
@@ -395,6 +398,9 @@ pub fn norm_rope(
     }
     if let Some(w) = w {
         vector(w, width, OP, "weight")?;
+    }
+    if let Some(p) = rope.row_pos {
+        need_i(p, rope.n_rows, OP, "row positions")?;
     }
     need(x, rows * width, OP, "input")
 }

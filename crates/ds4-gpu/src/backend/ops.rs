@@ -710,6 +710,11 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(self.freqs[&key].device_address())
     }
 
+    /// The device address of `a.row_pos` (0: positions from `pos0`/`pos_step`).
+    fn row_pos_ptr(&self, a: &RopeArgs, op: &'static str) -> BResult<u64> {
+        a.row_pos.map_or(Ok(0), |p| self.iptr(p, op))
+    }
+
     pub(super) fn op_rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
         const OP: &str = "rope";
         let rd = a.freq.rope_dim;
@@ -719,6 +724,7 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let fp = self.freqs_ptr(&a)?;
         let xp = self.fptr(x, OP)?;
+        let pp = self.row_pos_ptr(&a, OP)?;
         self.launch(
             "ds4_rope",
             (grid_for(n), 1, 1),
@@ -732,6 +738,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 i32a(OP, "rope dim", rd)?,
                 u(a.pos0),
                 u(a.pos_step),
+                Arg::Ptr(pp),
                 Arg::I32(i32::from(a.inverse)),
             ],
         )
@@ -1830,6 +1837,7 @@ impl<D: GpuApi> GpuBackend<D> {
         };
         let fp = self.freqs_ptr(&a)?;
         let xp = self.fptr(x, OP)?;
+        let pp = self.row_pos_ptr(&a, OP)?;
         self.launch(
             "ds4_norm_rope",
             (g32(rows), 1, 1),
@@ -1844,6 +1852,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 i32a(OP, "rope dim", rd)?,
                 u(a.pos0),
                 u(a.pos_step),
+                Arg::Ptr(pp),
                 i32a(OP, "fp8 dims", n8)?,
             ],
         )

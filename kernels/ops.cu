@@ -1527,15 +1527,16 @@ ds4_attention(const float* q, const float* kv, const float* ring, const float* c
 // block writes its partial (max m, sum s, unnormalised output acc[hd]) to `part`; the sink
 // and the normalisation are applied by ds4_attention_combine in split order (fixed order:
 // deterministic). Same key enumeration and fault rules as ds4_attention.
-extern "C" __global__ void __launch_bounds__(128)
-ds4_attention_split(const float* q, const float* kv, const float* ring, const float* crows,
-                    const int* idx, ds4_size pos0, int n_head, int hd, int window,
-                    int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale,
-                    int kps, float* part, int* fault) {
-    ds4_grid_wait();
+//
+// The block's work is a device function so the batched form (ds4_attention_split_seqs: one
+// launch for one token of each of several sequences) runs exactly the same code.
+__device__ void ds4_att_split_block(const float* q, const float* kv, const float* ring,
+                                    const float* crows, const int* idx, ds4_size pos0, int th,
+                                    int n_head, int hd, int window, int comp_mode, int ratio,
+                                    int k_sel, ds4_size n_crows, float scale, int kps, int split,
+                                    float* pp, int* fault) {
     __shared__ float m_sh[DS4_ATT_WARPS], s_sh[DS4_ATT_WARPS];
     __shared__ float o_sh[DS4_ATT_WARPS][DS4_ATT_MAXV * DS4_WARP];
-    const int th = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     const int t = th / n_head;
     const int warp = threadIdx.x / DS4_WARP, lane = threadIdx.x % DS4_WARP;
     const ds4_size p = pos0 + t;
@@ -1608,7 +1609,6 @@ ds4_attention_split(const float* q, const float* kv, const float* ring, const fl
         f[w] = s_sh[w] > 0.0f ? expf(m_sh[w] - mm) : 0.0f;
         st += s_sh[w] * f[w];
     }
-    float* pp = part + ((ds4_size)th * n_splits + split) * (ds4_size)(hd + 2);
     if (threadIdx.x == 0) {
         pp[0] = mm;
         pp[1] = st;
@@ -1620,21 +1620,29 @@ ds4_attention_split(const float* q, const float* kv, const float* ring, const fl
     }
 }
 
+extern "C" __global__ void __launch_bounds__(128)
+ds4_attention_split(const float* q, const float* kv, const float* ring, const float* crows,
+                    const int* idx, ds4_size pos0, int n_head, int hd, int window,
+                    int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale,
+                    int kps, float* part, int* fault) {
+    ds4_grid_wait();
+    const int th = blockIdx.x, split = blockIdx.y;
+    float* pp = part + ((ds4_size)th * gridDim.y + split) * (ds4_size)(hd + 2);
+    ds4_att_split_block(q, kv, ring, crows, idx, pos0, th, n_head, hd, window, comp_mode, ratio,
+                        k_sel, n_crows, scale, kps, split, pp, fault);
+}
+
 // Combines ds4_attention_split's partials of one (token, head) with the sink, in split
 // order, and writes the normalised output. The per-split weights exp(m_i - max) are
 // computed once into shared memory (n_splits <= DS4_ATT_MAX_SPLITS, checked by the host),
 // then every thread sums its output dims over the splits in index order.
 #define DS4_ATT_MAX_SPLITS 1024
-extern "C" __global__ void __launch_bounds__(256)
-ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd, int n_splits,
-                      float* out) {
-    ds4_grid_wait();
+__device__ void ds4_att_combine_block(const float* pp, float sink, int hd, int n_splits,
+                                      float* out) {
     __shared__ float wsh[DS4_ATT_MAX_SPLITS];
     __shared__ float msh[DS4_ATT_MAX_SPLITS], ssh[DS4_ATT_MAX_SPLITS];
     __shared__ float s_mm, s_inv;
-    const int th = blockIdx.x, h = th % n_head;
     const ds4_size stride = (ds4_size)(hd + 2);
-    const float* pp = part + (ds4_size)th * n_splits * stride;
     // Every split's (m, s) in one parallel round trip; the serial max and denominator then
     // walk shared memory in split order (thread 0 used to chain 2 x n_splits global loads:
     // 15.6 µs per CSA layer at 20 splits, ncu on the H200).
@@ -1644,7 +1652,7 @@ ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd,
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        float mm = sinks[h];
+        float mm = sink;
         for (int i = 0; i < n_splits; i++) {
             if (ssh[i] > 0.0f) mm = fmaxf(mm, msh[i]);
         }
@@ -1656,7 +1664,7 @@ ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd,
         wsh[i] = ssh[i] > 0.0f ? expf(msh[i] - mm) : 0.0f;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float denom = expf(sinks[h] - mm);
+        float denom = expf(sink - mm);
         for (int i = 0; i < n_splits; i++) denom += ssh[i] * wsh[i];
         s_inv = denom;
     }
@@ -1677,8 +1685,59 @@ ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd,
         for (; i < n_splits; i++) {
             if (wsh[i] != 0.0f) o += pp[i * stride + 2 + dd] * wsh[i];
         }
-        out[(ds4_size)th * hd + dd] = o / denom;
+        out[dd] = o / denom;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd, int n_splits,
+                      float* out) {
+    ds4_grid_wait();
+    const int th = blockIdx.x;
+    ds4_att_combine_block(part + (ds4_size)th * n_splits * (ds4_size)(hd + 2),
+                          sinks[th % n_head], hd, n_splits, out + (ds4_size)th * hd);
+}
+
+// One token of each of up to DS4_ATT_SEQS sequences (a batched decode step) in one launch
+// of each attention kernel: row s of q / kv / out is sequence s, and what differs per
+// sequence (its cache rows, position, indexer selection, key splits) comes by value in
+// `ds4_att_seqs`. Block x = s * n_head + head; blocks beyond a sequence's own number of
+// splits return at once, so every (sequence, head) runs the splits and the combine it runs
+// when decoded alone, with the same code (same results bit for bit). Partials of block x
+// sit at part + (x * max_splits + split) * (hd + 2).
+#define DS4_ATT_SEQS 16
+struct ds4_att_seqs {
+    const float* ring[DS4_ATT_SEQS];
+    const float* crows[DS4_ATT_SEQS];
+    const int* idx[DS4_ATT_SEQS];
+    ds4_size pos0[DS4_ATT_SEQS];
+    ds4_size n_crows[DS4_ATT_SEQS];
+    int kps[DS4_ATT_SEQS];
+    int splits[DS4_ATT_SEQS];
+};
+
+extern "C" __global__ void __launch_bounds__(128)
+ds4_attention_split_seqs(const float* q, const float* kv, ds4_att_seqs sq, int n_head, int hd,
+                         int window, int comp_mode, int ratio, int k_sel, float scale,
+                         int max_splits, float* part, int* fault) {
+    ds4_grid_wait();
+    const int s = blockIdx.x / n_head, split = blockIdx.y;
+    if (split >= sq.splits[s]) return;
+    const int th = blockIdx.x % n_head;
+    float* pp = part + ((ds4_size)blockIdx.x * max_splits + split) * (ds4_size)(hd + 2);
+    ds4_att_split_block(q + (ds4_size)s * n_head * hd, kv + (ds4_size)s * hd, sq.ring[s],
+                        sq.crows[s], sq.idx[s], sq.pos0[s], th, n_head, hd, window, comp_mode,
+                        ratio, k_sel, sq.n_crows[s], scale, sq.kps[s], split, pp, fault);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+ds4_attention_combine_seqs(const float* part, const float* sinks, ds4_att_seqs sq, int n_head,
+                           int hd, int max_splits, float* out) {
+    ds4_grid_wait();
+    const int s = blockIdx.x / n_head;
+    ds4_att_combine_block(part + (ds4_size)blockIdx.x * max_splits * (ds4_size)(hd + 2),
+                          sinks[blockIdx.x % n_head], hd, sq.splits[s],
+                          out + (ds4_size)blockIdx.x * hd);
 }
 
 // Ring store: rows of the chunk's last min(n_tok, window) tokens into slot p % window.

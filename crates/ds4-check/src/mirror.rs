@@ -204,6 +204,38 @@ impl<R: Backend, C: Backend> Mirror<R, C> {
     fn gi(&self, b: IBuf) -> IBuf {
         self.ib(b).map(|p| p.1).unwrap_or(b)
     }
+    /// `a` for one backend (`cpu`: the reference), every handle mapped.
+    fn attn_args(&self, a: AttnArgs, cpu: bool) -> AttnArgs {
+        let m = self;
+        let s = |x: Slice| if cpu { m.c(x) } else { m.g(x) };
+        let comp = match a.comp {
+            CompSel::None => CompSel::None,
+            CompSel::All { rows, ratio } => CompSel::All {
+                rows: s(rows),
+                ratio,
+            },
+            CompSel::Top {
+                rows,
+                ratio,
+                idx,
+                k,
+            } => CompSel::Top {
+                rows: s(rows),
+                ratio,
+                idx: if cpu { m.ci(idx) } else { m.gi(idx) },
+                k,
+            },
+        };
+        AttnArgs {
+            q: s(a.q),
+            kv: s(a.kv),
+            ring: s(a.ring),
+            comp,
+            sinks: if cpu { m.cw(a.sinks) } else { m.gw(a.sinks) },
+            out: s(a.out),
+            ..a
+        }
+    }
     /// `a` for each backend (its row positions, if any, are a buffer of each).
     fn rope_args(&self, a: RopeArgs) -> (RopeArgs, RopeArgs) {
         (
@@ -814,43 +846,27 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
         )
     }
     fn attention(&mut self, a: AttnArgs) -> BResult<()> {
-        let map = |m: &Self, cpu: bool| -> AttnArgs {
-            let s = |x: Slice| if cpu { m.c(x) } else { m.g(x) };
-            let comp = match a.comp {
-                CompSel::None => CompSel::None,
-                CompSel::All { rows, ratio } => CompSel::All {
-                    rows: s(rows),
-                    ratio,
-                },
-                CompSel::Top {
-                    rows,
-                    ratio,
-                    idx,
-                    k,
-                } => CompSel::Top {
-                    rows: s(rows),
-                    ratio,
-                    idx: if cpu { m.ci(idx) } else { m.gi(idx) },
-                    k,
-                },
-            };
-            AttnArgs {
-                q: s(a.q),
-                kv: s(a.kv),
-                ring: s(a.ring),
-                comp,
-                sinks: if cpu { m.cw(a.sinks) } else { m.gw(a.sinks) },
-                out: s(a.out),
-                ..a
-            }
-        };
-        let (ca, ga) = (map(self, true), map(self, false));
+        let (ca, ga) = (self.attn_args(a, true), self.attn_args(a, false));
         let o = a.out.sub(0, a.n_tok * a.n_head * a.head_dim);
         self.run(
             "attention",
             &[Out::W(o)],
             |b| b.attention(ca),
             |b| b.attention(ga),
+        )
+    }
+    fn attention_batch(&mut self, args: &[AttnArgs]) -> BResult<()> {
+        let ca: Vec<AttnArgs> = args.iter().map(|&a| self.attn_args(a, true)).collect();
+        let ga: Vec<AttnArgs> = args.iter().map(|&a| self.attn_args(a, false)).collect();
+        let outs: Vec<Out> = args
+            .iter()
+            .map(|a| Out::W(a.out.sub(0, a.n_tok * a.n_head * a.head_dim)))
+            .collect();
+        self.run(
+            "attention_batch",
+            &outs,
+            |b| b.attention_batch(&ca),
+            |b| b.attention_batch(&ga),
         )
     }
     fn ring_store(

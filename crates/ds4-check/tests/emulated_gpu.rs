@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::{Arc, OnceLock};
 
-use common::{machine, model_file_with};
+use common::{machine, model_file_from, model_file_with};
 use ds4_check::mirror::{Mirror, OpRule, OpStat};
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Backend, Engine, EngineConfig, Logits, NumericMode};
@@ -410,7 +410,7 @@ fn emulated_batched_decode_equals_decoding_alone() {
             NumericMode::Exact,
             Box::new(gpu),
             9,
-            ds4_check::batch::SEQS,
+            seqs,
             &mut rng,
         )
         .unwrap();
@@ -432,7 +432,7 @@ fn emulated_batched_decode_equals_decoding_alone() {
             NumericMode::Exact,
             Box::new(cpu),
             9,
-            ds4_check::batch::SEQS,
+            seqs,
             &mut rng,
         )
         .unwrap();
@@ -441,4 +441,46 @@ fn emulated_batched_decode_equals_decoding_alone() {
             "cpu {recipe:?} act_q8 {act_q8}: {r:?}"
         );
     }
+}
+
+/// Batched attention: once a query's keys (window rows + compressed rows) need more than one
+/// split, a batched decode step runs every sequence's split-key attention in one launch of
+/// `ds4_attention_split_seqs` / `ds4_attention_combine_seqs`, each sequence with the splits
+/// it has alone, and every batched logits row is bit for bit the row decoded alone.
+#[test]
+fn emulated_batched_split_attention_equals_decoding_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    // A 40-row window: at 40+ tokens a sliding query sees 40 keys and a CSA query 43,
+    // more than one 32-key split.
+    let h = ds4_model::HParams {
+        sliding_window: 40,
+        ..common::tiny_hparams()
+    };
+    let file = model_file_from(dir.path(), h, TypeRecipe::Q2);
+    let m = machine("strix-halo-stock");
+    let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+    gpu.set_activation_q8(true).unwrap();
+    let mut rng = ds4_engine::Rng::new(12);
+    let r =
+        ds4_check::batch::batch_vs_alone(&file, NumericMode::Exact, Box::new(gpu), 40, 3, &mut rng)
+            .unwrap();
+    assert!(
+        fake.kernel_errors().is_empty(),
+        "{:?}",
+        fake.kernel_errors()
+    );
+    let count = |k: &str| fake.launches().iter().filter(|l| l.0 == k).count();
+    // Two layers per batched step, STEPS steps.
+    let steps = ds4_check::batch::STEPS;
+    assert_eq!(
+        count("ds4_attention_split_seqs"),
+        2 * steps,
+        "batched launches"
+    );
+    assert_eq!(
+        count("ds4_attention_combine_seqs"),
+        2 * steps,
+        "batched combines"
+    );
+    assert!(r.exact && r.greedy == 0, "batched vs alone {r:?}");
 }

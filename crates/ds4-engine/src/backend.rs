@@ -550,6 +550,12 @@ pub trait Backend: Send {
     ) -> BResult<()>;
     /// Sink attention over window rows and compressed rows (docs/forward.md §5.2, §5.4, §5.6).
     fn attention(&mut self, args: AttnArgs) -> BResult<()>;
+    /// [`Backend::attention`] for each of `args` in turn: one token of each of several
+    /// sequences (a batched decode step, docs/forward.md §3 "Batched decode"); a device may
+    /// run them in one launch. Each output must equal that call alone, bit for bit.
+    fn attention_batch(&mut self, args: &[AttnArgs]) -> BResult<()> {
+        args.iter().try_for_each(|&a| self.attention(a))
+    }
     /// Stores the chunk's KV rows `kv [T, dim]` of positions `pos0..` into the ring
     /// (`[window, dim]`, slot `p % window`); only the last `window` rows matter.
     fn ring_store(

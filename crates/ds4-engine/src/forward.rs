@@ -24,6 +24,10 @@ pub enum Want {
     All,
 }
 
+/// Sequences of a batched decode step whose attention runs as one op
+/// ([`Backend::attention_batch`]).
+const BATCH_SELS: usize = 64;
+
 /// Activation buffers for chunks of up to `cap` tokens, allocated once per engine.
 #[derive(Debug)]
 pub(crate) struct Scratch {
@@ -49,6 +53,9 @@ pub(crate) struct Scratch {
     iq: Buf,
     iw: Buf,
     sel: IBuf,
+    /// One indexer selection per sequence of a batched decode step (up to this many
+    /// sequences; beyond, their attention runs one sequence at a time through `sel`).
+    sels: Vec<IBuf>,
     o: Buf,
     low: Buf,
     f: Buf,
@@ -97,6 +104,9 @@ impl Scratch {
             iq: be.alloc(cap * (hp.indexer_heads * hp.indexer_head_dim).max(1))?,
             iw: be.alloc(cap * hp.indexer_heads.max(1))?,
             sel: be.alloc_i32(cap * k_sel)?,
+            sels: (0..BATCH_SELS.min(cap))
+                .map(|_| be.alloc_i32(k_sel))
+                .collect::<std::result::Result<_, _>>()?,
             o: be.alloc(cap * hp.n_head * hp.head_dim)?,
             low: be.alloc(cap * hp.o_groups * hp.o_lora_rank)?,
             f: be.alloc(cap * d)?,
@@ -145,6 +155,9 @@ impl Scratch {
             be.free(b);
         }
         for b in [self.tokens, self.pos, self.sel, self.eids, self.argmax] {
+            be.free_i32(b);
+        }
+        for b in self.sels {
             be.free_i32(b);
         }
     }
@@ -352,8 +365,13 @@ pub(crate) fn forward(
             _ => None,
         };
 
-        for (seq, &(r0, t, pos0)) in seqs.iter().zip(&spans) {
+        // A batched step's attention runs as one op over all sequences (each with its own
+        // indexer selection buffer), then the ring stores; alone, one after the other.
+        let batch_attn = batched && seqs.len() <= s.sels.len();
+        let mut attn: Vec<AttnArgs> = Vec::with_capacity(if batch_attn { seqs.len() } else { 0 });
+        for (i, (seq, &(r0, t, pos0))) in seqs.iter().zip(&spans).enumerate() {
             let ls = seq.state.layers[il];
+            let sel = if batch_attn { s.sels[i] } else { s.sel };
             let rows = |x: crate::backend::Slice, width: usize| x.sub(r0 * width, t * width);
             let (q, kv) = (rows(q_all, nh * hd), rows(kv_all, hd));
 
@@ -410,18 +428,18 @@ pub(crate) fn forward(
                         top_k: hp.indexer_top_k,
                         weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
                     };
-                    be.indexer_topk(iq, iwt, is.rows.all(), args, s.sel)?;
+                    be.indexer_topk(iq, iwt, is.rows.all(), args, sel)?;
                     comp = CompSel::Top {
                         rows: cs.rows.all(),
                         ratio: cs.ratio,
-                        idx: s.sel,
+                        idx: sel,
                         k: hp.indexer_top_k,
                     };
                 }
             }
 
             let o = rows(o_all, nh * hd);
-            be.attention(AttnArgs {
+            let args = AttnArgs {
                 q,
                 kv,
                 ring: ls.ring.all(),
@@ -434,8 +452,20 @@ pub(crate) fn forward(
                 window: hp.sliding_window,
                 scale: (1.0 / (hd as f64).sqrt()) as f32,
                 out: o,
-            })?;
-            be.ring_store(ls.ring.all(), kv, pos0, t, hp.sliding_window)?;
+            };
+            if batch_attn {
+                attn.push(args);
+            } else {
+                be.attention(args)?;
+                be.ring_store(ls.ring.all(), kv, pos0, t, hp.sliding_window)?;
+            }
+        }
+        if batch_attn {
+            be.attention_batch(&attn)?;
+            for (a, seq) in attn.iter().zip(seqs.iter()) {
+                let ring = seq.state.layers[il].ring.all();
+                be.ring_store(ring, a.kv, a.pos0, a.n_tok, hp.sliding_window)?;
+            }
         }
         be.rope(o_all, rope_step(nh, true))?;
         let low = s.low.rows(0, t, hp.o_groups * hp.o_lora_rank);

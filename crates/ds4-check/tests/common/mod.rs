@@ -38,7 +38,11 @@ pub fn model_file(dir: &std::path::Path) -> Arc<GgufFile> {
 /// fit the grouped expert GEMV at these widths, IQ2_XXS does not: its 256-element rows are
 /// not 16-byte multiples).
 pub fn model_file_with(dir: &std::path::Path, recipe: TypeRecipe) -> Arc<GgufFile> {
-    let h = tiny_hparams();
+    model_file_from(dir, tiny_hparams(), recipe)
+}
+
+/// A synthetic model of `h` with `recipe`'s types, written to `dir/tiny.gguf`.
+pub fn model_file_from(dir: &std::path::Path, h: HParams, recipe: TypeRecipe) -> Arc<GgufFile> {
     let tok = placeholder_tokenizer(h.n_vocab);
     let m = SyntheticModel::from_hparams(h, recipe, 7, &tok).unwrap();
     let (bytes, _) = m

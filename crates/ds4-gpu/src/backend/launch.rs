@@ -40,6 +40,24 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch_fn(f, name, grid, block, args)
     }
 
+    /// [`Self::launch`] of a kernel that also takes a struct by value: its bytes, `blob`
+    /// (laid out as the kernel's struct, 8-byte aligned), are parameter number `blob_at`.
+    pub(crate) fn launch_blob(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        blob_at: usize,
+        blob: &[u64],
+    ) -> BResult<()> {
+        let f = self.funcs.get(name).ok_or(BackendError::Invalid {
+            op: "launch",
+            problem: format!("kernel {name} is not loaded"),
+        })?;
+        self.launch_params(f, name, grid, block, args, Some((blob_at, blob)))
+    }
+
     pub(crate) fn launch_fn(
         &self,
         f: &D::Function,
@@ -47,6 +65,18 @@ impl<D: GpuApi> GpuBackend<D> {
         grid: (u32, u32, u32),
         block: u32,
         args: &[Arg],
+    ) -> BResult<()> {
+        self.launch_params(f, name, grid, block, args, None)
+    }
+
+    fn launch_params(
+        &self,
+        f: &D::Function,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &[Arg],
+        blob: Option<(usize, &[u64])>,
     ) -> BResult<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
@@ -66,6 +96,12 @@ impl<D: GpuApi> GpuBackend<D> {
             .iter_mut()
             .map(|v| (v as *mut u64).cast::<c_void>())
             .collect();
+        // The driver reads the struct's size in bytes from this pointer; `blob_store`
+        // outlives the call like `store`.
+        let mut blob_store: Vec<u64> = blob.map(|(_, b)| b.to_vec()).unwrap_or_default();
+        if let Some((at, _)) = blob {
+            params.insert(at, blob_store.as_mut_ptr().cast::<c_void>());
+        }
         self.mark_launch(name)?;
         self.launches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -75,7 +111,8 @@ impl<D: GpuApi> GpuBackend<D> {
         });
         // SAFETY: `args` follow the kernel's parameter list (types and order), and the op
         // methods checked every pointer and count against live buffers of this device
-        // before calling (see the launch contract above); `store` outlives the call.
+        // before calling (see the launch contract above), a blob is the kernel's struct
+        // parameter at its place; `store` and `blob_store` outlive the call.
         unsafe { self.dev.launch(f, grid, block, &mut params) }.map_err(gerr(name))?;
         if let (Some(p), Some(t0)) = (&self.profile, t0) {
             let _ = self.dev.synchronize();

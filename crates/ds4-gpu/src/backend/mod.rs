@@ -559,6 +559,8 @@ const OP_KERNELS: &[&str] = &[
     "ds4_argmax",
     "ds4_attention_split",
     "ds4_attention_combine",
+    "ds4_attention_split_seqs",
+    "ds4_attention_combine_seqs",
     "ds4_norm_rope",
     "ds4_q8_0_split",
 ];
@@ -1736,6 +1738,13 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn attention(&mut self, args: ds4_engine::backend::AttnArgs) -> BResult<()> {
         validate::attention(&args)?;
         self.op_attention(args)
+    }
+
+    fn attention_batch(&mut self, args: &[ds4_engine::backend::AttnArgs]) -> BResult<()> {
+        for a in args {
+            validate::attention(a)?;
+        }
+        self.op_attention_batch(args)
     }
 
     fn ring_store(

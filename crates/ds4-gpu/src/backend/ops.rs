@@ -40,6 +40,25 @@ const ATT_KEYS_PER_SPLIT: usize = 32;
 const ATT_MAX_SPLITS: usize = 1024;
 /// Below this many (token, head) blocks attention splits the keys over blocks too.
 const ATT_SPLIT_BELOW_BLOCKS: usize = 1024;
+/// Sequences of one batched attention launch (`DS4_ATT_SEQS` in ops.cu).
+const ATT_SEQS: usize = 16;
+/// Most partial-result bytes of one batched attention launch (beyond: one sequence at a
+/// time, each with its own, smaller partials).
+const ATT_BATCH_PART_BYTES: usize = 256 << 20;
+
+/// See [`GpuBackend::att_plan`].
+struct AttPlan {
+    mode: i32,
+    crows: u64,
+    ratio: usize,
+    idx: u64,
+    k_sel: usize,
+    n_crows: usize,
+    kps: usize,
+    splits: usize,
+    /// Whether this call alone runs the split-key kernels (else `ds4_attention`).
+    split: bool,
+}
 
 /// One tile GEMM launch (`ds4_mm_tiles`): device addresses, shapes, and the groups (routed
 /// experts at `offs`, or one group of `n_tok` tokens when `offs` is 0).
@@ -1146,7 +1165,9 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch("ds4_topk_select", (g32(t), 1, 1), 1024, &args)
     }
 
-    pub(super) fn op_attention(&mut self, a: AttnArgs) -> BResult<()> {
+    /// What the attention kernels take for `a` besides its slices: the compressed-row
+    /// mode and pointers, and the split of every (token, head)'s keys over blocks.
+    fn att_plan(&self, a: &AttnArgs) -> BResult<AttPlan> {
         const OP: &str = "attention";
         let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
         if hd > ATT_MAX_HD {
@@ -1154,9 +1175,6 @@ impl<D: GpuApi> GpuBackend<D> {
                 op: OP,
                 problem: format!("head dim {hd} (at most {ATT_MAX_HD})"),
             });
-        }
-        if t * nh == 0 {
-            return Ok(());
         }
         let last = a.pos0 + t;
         let (mode, crows, ratio, idx, k_sel, n_crows) = match a.comp {
@@ -1176,7 +1194,6 @@ impl<D: GpuApi> GpuBackend<D> {
                 rows.len / hd,
             ),
         };
-        let sinks = self.wvec(a.sinks, OP, nh)?;
         // Few tokens: split every (token, head)'s keys over blocks (flash decoding).
         let n_keys = win.min(last)
             + match a.comp {
@@ -1186,30 +1203,51 @@ impl<D: GpuApi> GpuBackend<D> {
             };
         let kps = ATT_KEYS_PER_SPLIT.max(n_keys.div_ceil(ATT_MAX_SPLITS));
         let splits = n_keys.div_ceil(kps);
-        if t * nh < ATT_SPLIT_BELOW_BLOCKS && splits > 1 {
-            let part = self.scratch("att_part", 4 * t * nh * splits * (hd + 2))?;
+        Ok(AttPlan {
+            mode,
+            crows,
+            ratio,
+            idx,
+            k_sel,
+            n_crows,
+            kps,
+            splits,
+            split: t * nh < ATT_SPLIT_BELOW_BLOCKS && splits > 1,
+        })
+    }
+
+    pub(super) fn op_attention(&mut self, a: AttnArgs) -> BResult<()> {
+        const OP: &str = "attention";
+        let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
+        let pl = self.att_plan(&a)?;
+        if t * nh == 0 {
+            return Ok(());
+        }
+        let sinks = self.wvec(a.sinks, OP, nh)?;
+        if pl.split {
+            let part = self.scratch("att_part", 4 * t * nh * pl.splits * (hd + 2))?;
             let args = [
                 Arg::Ptr(self.fptr(a.q, OP)?),
                 Arg::Ptr(self.fptr(a.kv, OP)?),
                 Arg::Ptr(self.fptr(a.ring, OP)?),
-                Arg::Ptr(crows),
-                Arg::Ptr(idx),
+                Arg::Ptr(pl.crows),
+                Arg::Ptr(pl.idx),
                 u(a.pos0),
                 i32a(OP, "heads", nh)?,
                 i32a(OP, "head dim", hd)?,
                 i32a(OP, "window", win)?,
-                Arg::I32(mode),
-                i32a(OP, "ratio", ratio)?,
-                i32a(OP, "k", k_sel)?,
-                u(n_crows),
+                Arg::I32(pl.mode),
+                i32a(OP, "ratio", pl.ratio)?,
+                i32a(OP, "k", pl.k_sel)?,
+                u(pl.n_crows),
                 Arg::F32(a.scale),
-                i32a(OP, "keys per split", kps)?,
+                i32a(OP, "keys per split", pl.kps)?,
                 Arg::Ptr(part),
                 Arg::Ptr(self.fault_ptr()),
             ];
             self.launch(
                 "ds4_attention_split",
-                (g32(t * nh), g32(splits), 1),
+                (g32(t * nh), g32(pl.splits), 1),
                 128,
                 &args,
             )?;
@@ -1222,7 +1260,7 @@ impl<D: GpuApi> GpuBackend<D> {
                     Arg::Ptr(sinks),
                     i32a(OP, "heads", nh)?,
                     i32a(OP, "head dim", hd)?,
-                    i32a(OP, "splits", splits)?,
+                    i32a(OP, "splits", pl.splits)?,
                     Arg::Ptr(self.fptr(a.out, OP)?),
                 ],
             );
@@ -1231,22 +1269,143 @@ impl<D: GpuApi> GpuBackend<D> {
             Arg::Ptr(self.fptr(a.q, OP)?),
             Arg::Ptr(self.fptr(a.kv, OP)?),
             Arg::Ptr(self.fptr(a.ring, OP)?),
-            Arg::Ptr(crows),
-            Arg::Ptr(idx),
+            Arg::Ptr(pl.crows),
+            Arg::Ptr(pl.idx),
             Arg::Ptr(sinks),
             u(a.pos0),
             i32a(OP, "heads", nh)?,
             i32a(OP, "head dim", hd)?,
             i32a(OP, "window", win)?,
-            Arg::I32(mode),
-            i32a(OP, "ratio", ratio)?,
-            i32a(OP, "k", k_sel)?,
-            u(n_crows),
+            Arg::I32(pl.mode),
+            i32a(OP, "ratio", pl.ratio)?,
+            i32a(OP, "k", pl.k_sel)?,
+            u(pl.n_crows),
             Arg::F32(a.scale),
             Arg::Ptr(self.fptr(a.out, OP)?),
             Arg::Ptr(self.fault_ptr()),
         ];
         self.launch("ds4_attention", (g32(t * nh), 1, 1), 128, &args)
+    }
+
+    /// One token of each of several sequences (a batched decode step): groups of up to
+    /// ATT_SEQS sequences whose rows of q, kv and out follow each other in one buffer each
+    /// and that share every shape and the sinks run as one `ds4_attention_split_seqs` +
+    /// one `ds4_attention_combine_seqs` launch (each sequence with the splits it has alone:
+    /// the same results bit for bit); anything else runs one sequence at a time.
+    pub(super) fn op_attention_batch(&mut self, args: &[AttnArgs]) -> BResult<()> {
+        const OP: &str = "attention";
+        for group in args.chunks(ATT_SEQS) {
+            let plans = group
+                .iter()
+                .map(|a| self.att_plan(a))
+                .collect::<BResult<Vec<_>>>()?;
+            if !self.att_batchable(group, &plans) {
+                for &a in group {
+                    self.op_attention(a)?;
+                }
+                continue;
+            }
+            let a0 = group[0];
+            let (n, nh, hd) = (group.len(), a0.n_head, a0.head_dim);
+            let max_splits = plans.iter().map(|p| p.splits).max().unwrap_or(1);
+            // Per-sequence arguments, laid out as `ds4_att_seqs` in ops.cu: ring, crows,
+            // idx, pos0, n_crows (8 bytes each), then kps and splits (4 bytes each).
+            let mut blob = vec![0u64; 5 * ATT_SEQS + ATT_SEQS];
+            for (i, (a, p)) in group.iter().zip(&plans).enumerate() {
+                blob[i] = self.fptr(a.ring, OP)?;
+                blob[ATT_SEQS + i] = p.crows;
+                blob[2 * ATT_SEQS + i] = p.idx;
+                blob[3 * ATT_SEQS + i] = a.pos0 as u64;
+                blob[4 * ATT_SEQS + i] = p.n_crows as u64;
+            }
+            let ints: Vec<u32> = plans
+                .iter()
+                .map(|p| p.kps)
+                .chain((n..ATT_SEQS).map(|_| 0))
+                .chain(plans.iter().map(|p| p.splits))
+                .chain((n..ATT_SEQS).map(|_| 0))
+                .map(|v| u32::try_from(v).unwrap_or(u32::MAX))
+                .collect();
+            for (j, pair) in ints.chunks_exact(2).enumerate() {
+                blob[5 * ATT_SEQS + j] = u64::from(pair[0]) | (u64::from(pair[1]) << 32);
+            }
+            let part = self.scratch("att_part", 4 * n * nh * max_splits * (hd + 2))?;
+            let sinks = self.wvec(a0.sinks, OP, nh)?;
+            let p0 = &plans[0];
+            self.launch_blob(
+                "ds4_attention_split_seqs",
+                (g32(n * nh), g32(max_splits), 1),
+                128,
+                &[
+                    Arg::Ptr(self.fptr(a0.q, OP)?),
+                    Arg::Ptr(self.fptr(a0.kv, OP)?),
+                    i32a(OP, "heads", nh)?,
+                    i32a(OP, "head dim", hd)?,
+                    i32a(OP, "window", a0.window)?,
+                    Arg::I32(p0.mode),
+                    i32a(OP, "ratio", p0.ratio)?,
+                    i32a(OP, "k", p0.k_sel)?,
+                    Arg::F32(a0.scale),
+                    i32a(OP, "splits", max_splits)?,
+                    Arg::Ptr(part),
+                    Arg::Ptr(self.fault_ptr()),
+                ],
+                2,
+                &blob,
+            )?;
+            self.launch_blob(
+                "ds4_attention_combine_seqs",
+                (g32(n * nh), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(part),
+                    Arg::Ptr(sinks),
+                    i32a(OP, "heads", nh)?,
+                    i32a(OP, "head dim", hd)?,
+                    i32a(OP, "splits", max_splits)?,
+                    Arg::Ptr(self.fptr(a0.out, OP)?),
+                ],
+                2,
+                &blob,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Whether `group` can run as one batched launch (see [`Self::op_attention_batch`]):
+    /// at least two sequences, one token each, each on the split path alone, the same
+    /// shapes, sinks and compressed-row mode, rows following each other, and partials
+    /// within [`ATT_BATCH_PART_BYTES`].
+    fn att_batchable(&self, group: &[AttnArgs], plans: &[AttPlan]) -> bool {
+        let (a0, p0) = (&group[0], &plans[0]);
+        let (nh, hd) = (a0.n_head, a0.head_dim);
+        let next = |s: Slice, i: usize, w: usize, first: Slice| {
+            s.buf == first.buf && s.off == first.off + i * w && s.len >= w
+        };
+        let max_splits = plans.iter().map(|p| p.splits).max().unwrap_or(0);
+        // The launch writes every output row while reading every q and kv row.
+        let span = |first: Slice, w: usize| Slice {
+            len: group.len() * w,
+            ..first
+        };
+        let outs = span(a0.out, nh * hd);
+        group.len() >= 2
+            && !outs.overlaps(span(a0.q, nh * hd))
+            && !outs.overlaps(span(a0.kv, hd))
+            && 4 * group.len() * nh * max_splits * (hd + 2) <= ATT_BATCH_PART_BYTES
+            && group.iter().zip(plans).enumerate().all(|(i, (a, p))| {
+                a.n_tok == 1
+                    && p.split
+                    && a.n_head == nh
+                    && a.head_dim == hd
+                    && a.window == a0.window
+                    && a.scale.to_bits() == a0.scale.to_bits()
+                    && a.sinks == a0.sinks
+                    && (p.mode, p.ratio, p.k_sel) == (p0.mode, p0.ratio, p0.k_sel)
+                    && next(a.q, i, nh * hd, a0.q)
+                    && next(a.kv, i, hd, a0.kv)
+                    && next(a.out, i, nh * hd, a0.out)
+            })
     }
 
     pub(super) fn op_ring_store(

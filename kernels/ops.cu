@@ -120,6 +120,31 @@ extern "C" __global__ void ds4_dequant_rows(const ds4_u8* w, int ty, ds4_size ro
     }
 }
 
+// The same for Q8_0 rows in the split layout, the prefill panels' common case: one thread
+// per 16 codes (one 16-byte load and its block's scale) writing 16 floats (four 16-byte
+// stores), the row from blockIdx.x and the column run from blockIdx.y, so no per-element
+// 64-bit index arithmetic. Each value is the same product as ds4_elem's. The host checks
+// that rows, codes and cols are 16-byte / 16-value aligned.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_dequant_q8_rows(const ds4_u8* w, ds4_size row_bytes, ds4_size row0, int cols, float* out) {
+    ds4_grid_wait();
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 16;
+    if (c >= cols) return;
+    const ds4_u8* row = w + (row0 + blockIdx.x) * row_bytes;
+    const uint4 q = *(const uint4*)(row + c);
+    const float d = ds4_h2f(ds4_b16(row + cols + 2 * (c / 32)));
+    const ds4_u32 qw[4] = {q.x, q.y, q.z, q.w};
+    float* o = out + (ds4_size)blockIdx.x * cols + c;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        const ds4_u32 v = qw[u];
+        *(float4*)(o + 4 * u) = make_float4(d * (float)(ds4_i8)(v & 0xff),
+                                            d * (float)(ds4_i8)((v >> 8) & 0xff),
+                                            d * (float)(ds4_i8)((v >> 16) & 0xff),
+                                            d * (float)(ds4_i8)(v >> 24));
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Dense f32 GEMM for prefill: C[t][r] = sum_c X[t][c] * W[r][c] (both row-major, K = cols
 // contiguous), one 64x64 tile of C per block, 4x4 outputs per thread, K in steps of 16.

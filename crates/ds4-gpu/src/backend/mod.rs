@@ -526,6 +526,7 @@ pub(crate) const Q8_SPLIT_MAX_IN: usize = 32768;
 
 const OP_KERNELS: &[&str] = &[
     "ds4_dequant_rows",
+    "ds4_dequant_q8_rows",
     "ds4_gemm_nt",
     "ds4_matmul_generic",
     "ds4_fill",

@@ -278,22 +278,42 @@ impl<D: GpuApi> GpuBackend<D> {
         let panel_rows = (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows);
         let panel = self.scratch("panel", 4 * panel_rows * m.cols)?;
         let mut r = 0;
+        // Q8_0 (split layout) rows with 16-byte aligned code runs take the vectorised kernel.
+        let q8_fast = m.ty == GgmlType::Q8_0
+            && m.cols.is_multiple_of(32)
+            && m.row_bytes.is_multiple_of(16)
+            && (m.w + (m.row0 * m.row_bytes) as u64).is_multiple_of(16);
         while r < m.n_rows {
             let n = panel_rows.min(m.n_rows - r);
-            self.launch(
-                "ds4_dequant_rows",
-                (grid_for(n * m.cols), 1, 1),
-                256,
-                &[
-                    Arg::Ptr(m.w),
-                    ty,
-                    u(m.row_bytes),
-                    u(m.row0 + r),
-                    i32a(op, "rows", n)?,
-                    i32a(op, "cols", m.cols)?,
-                    Arg::Ptr(panel),
-                ],
-            )?;
+            if q8_fast {
+                self.launch(
+                    "ds4_dequant_q8_rows",
+                    (g32(n), g32(m.cols.div_ceil(16 * 256)), 1),
+                    256,
+                    &[
+                        Arg::Ptr(m.w),
+                        u(m.row_bytes),
+                        u(m.row0 + r),
+                        i32a(op, "cols", m.cols)?,
+                        Arg::Ptr(panel),
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    "ds4_dequant_rows",
+                    (grid_for(n * m.cols), 1, 1),
+                    256,
+                    &[
+                        Arg::Ptr(m.w),
+                        ty,
+                        u(m.row_bytes),
+                        u(m.row0 + r),
+                        i32a(op, "rows", n)?,
+                        i32a(op, "cols", m.cols)?,
+                        Arg::Ptr(panel),
+                    ],
+                )?;
+            }
             if let Some(cb) = &self.cublas {
                 // SAFETY: x holds n_tok rows of x_stride (checked by the op), the panel
                 // n rows of cols, y n_tok rows of y_stride from column r; all device

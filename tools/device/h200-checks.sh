@@ -19,6 +19,8 @@
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
 #              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
+#   server     ds4-server --parallel 16 on a sparse full-size q2 file: aggregate tok/s and
+#              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py)
 #   numeric    logits of the fast paths (tiles off/experts/all) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
 set -uo pipefail
@@ -99,9 +101,30 @@ if ! skip batch; then
     ds4-convert synthetic --quiet --layout q2 --layers 4 \
         --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4b.gguf" >/dev/null
     ds4-engine-check batch "$work/syn4b.gguf" --tiny 0 --tokens 20 --act-q8 >> "$OUT/batch_check.log" 2>&1
+    # Longer prompts: every query sees more than one 32-key split, so the batched attention
+    # launches (ds4_attention_split_seqs) run; 16 sequences also cross the 8-token GEMV groups.
+    ds4-engine-check batch "$work/syn4b.gguf" --tiny 0 --tokens 200 --act-q8 --seqs 16 --gpu-only >> "$OUT/batch_check.log" 2>&1
     grep -E "cuda|PASSED|FAIL|failed" "$OUT/batch_check.log" | head -12
     timeout 400 ds4-bench --synthetic q2 --frontiers 512 --decode 16 --batch 1,2,4,8,16 > "$OUT/batch.log" 2>&1
     grep -E "^batch|rror" "$OUT/batch.log"
+fi
+if ! skip server; then
+    step server
+    timeout 200 ds4-convert synthetic --quiet --layout q2 --sparse-experts \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/q2.gguf" > "$OUT/server_conv.log" 2>&1
+    ds4-server -m "$work/q2.gguf" -c 4096 --backend cuda --parallel 16 --port 8090 > "$OUT/server.log" 2>&1 &
+    sp=$!
+    for i in $(seq 1 120); do
+        python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8090/v1/models',timeout=2)" 2>/dev/null && break
+        sleep 1
+    done
+    echo "server ready after ${i}s"
+    for c in 1 2 4 8 16; do
+        timeout 90 python3 "$R/tools/server-sdk-tests/throughput.py" http://127.0.0.1:8090 $c 64 >> "$OUT/throughput.log" 2>&1
+    done
+    cat "$OUT/throughput.log"
+    kill $sp; wait $sp 2>/dev/null
+    rm -f "$work/q2.gguf"
 fi
 if ! skip numeric; then
     step numeric; models

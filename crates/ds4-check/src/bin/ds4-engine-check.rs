@@ -11,7 +11,7 @@
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode where
 //!   the model allows it (the reordered bound of `ds4_check::refcheck`, pooled over the run's
 //!   official-mode paths, each with its own tokens, at least 100 of them: `ds4_check::parity`).
-//! * `batch [MODELS] [--tiny N] [--tokens T] [--seed S] [--act-q8] [--seqs N]` — batched decode
+//! * `batch [MODELS] [--tiny N] [--tokens T] [--seed S] [--act-q8] [--seqs N] [--gpu-only]` — batched decode
 //!   (`Engine::eval_batch`, N (default 4) sequences of different prompt lengths, 6 steps) against the
 //!   same sequences decoded alone, on the CPU engine and the CUDA engine when a device
 //!   answers: no greedy token may differ and every row must be within 1e-6 (bit-for-bit
@@ -58,6 +58,9 @@ struct Args {
     tiles: PrefillTiles,
     /// `batch`: sequences decoded together.
     seqs: usize,
+    /// `batch`: the GPU engine only (long prompts of real-dimension models take the CPU
+    /// engine minutes).
+    gpu_only: bool,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
@@ -70,6 +73,7 @@ fn parse(args: &[String]) -> Result<Args> {
         act_q8: false,
         tiles: PrefillTiles::Off,
         seqs: ds4_check::batch::SEQS,
+        gpu_only: false,
         seed: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -87,6 +91,11 @@ fn parse(args: &[String]) -> Result<Args> {
             "--tokens" => a.tokens = v(i)?.parse()?,
             "--seed" => a.seed = v(i)?.parse()?,
             "--chunk" => a.chunk = v(i)?.parse()?,
+            "--gpu-only" => {
+                a.gpu_only = true;
+                i += 1;
+                continue;
+            }
             "--seqs" => {
                 a.seqs = v(i)?.parse()?;
                 if a.seqs == 0 {
@@ -772,7 +781,7 @@ fn batch(a: &Args) -> Result<()> {
     for (label, file) in models(a)? {
         for mode in modes(&file)? {
             for gpu in [false, true] {
-                if gpu && !gpu_ok {
+                if (gpu && !gpu_ok) || (!gpu && a.gpu_only) {
                     continue;
                 }
                 let be = engine_backend(gpu, a.act_q8)?;

@@ -1176,10 +1176,9 @@ ds4_hc_head(const float* mix, const float* x, const float* base, const float* sc
 // Compressor (docs/forward.md §5.3): one block walks the chunk's tokens in order (the accumulator is a
 // sequential state); threads split the feature dims. acc = [u slots | z slots].
 // ---------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(256)
-ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4_size pos0,
-               int n_tok, int m, int c, int overlap, float* rows, ds4_size cap) {
-    ds4_grid_wait();
+__device__ void ds4_compressor_block(float* acc, const float* u, const float* z, const float* ape,
+                                     ds4_size pos0, int n_tok, int m, int c, int overlap,
+                                     float* rows, ds4_size cap) {
     const int pw = overlap ? 2 * c : c;
     const int slots = overlap ? 2 * m : m;
     float* au = acc;
@@ -1230,6 +1229,33 @@ ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256)
+ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4_size pos0,
+               int n_tok, int m, int c, int overlap, float* rows, ds4_size cap) {
+    ds4_grid_wait();
+    ds4_compressor_block(acc, u, z, ape, pos0, n_tok, m, c, overlap, rows, cap);
+}
+
+// One token of each of up to DS4_SEQS sequences (a batched decode step): block s runs
+// sequence s's compressor (its accumulator, rows and position by value in ds4_comp_seqs;
+// row s of u / z), the same code as alone.
+#define DS4_SEQS 16
+struct ds4_comp_seqs {
+    float* acc[DS4_SEQS];
+    float* rows[DS4_SEQS];
+    ds4_size pos0[DS4_SEQS];
+    ds4_size cap[DS4_SEQS];
+};
+extern "C" __global__ void __launch_bounds__(256)
+ds4_compressor_seqs(const float* u, const float* z, const float* ape, ds4_comp_seqs sq, int m,
+                    int c, int overlap) {
+    ds4_grid_wait();
+    const int s = blockIdx.x;
+    const ds4_size pw = overlap ? 2 * c : c;
+    ds4_compressor_block(sq.acc[s], u + s * pw, z + s * pw, ape, sq.pos0[s], 1, m, c, overlap,
+                         sq.rows[s], sq.cap[s]);
+}
+
 // ---------------------------------------------------------------------------------------
 // Lightning indexer (docs/forward.md §5.5).
 // ---------------------------------------------------------------------------------------
@@ -1269,18 +1295,16 @@ __device__ __forceinline__ float ds4_idx_dot(const float* qh, const float* k, in
     return d;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads, int dim,
-                   float wscale, ds4_size pos0, int ratio, int n_cols, float* scores) {
-    ds4_grid_wait();
+__device__ void ds4_idx_scores_block(const float* q, const float* w, const float* rows, int heads,
+                                     int dim, float wscale, ds4_size pos0, int ratio,
+                                     int n_cols, float* scores, int t, int bx) {
     __shared__ float qs[8192 + 64];
     __shared__ float ws[64];
     __shared__ __align__(16) float ks[DS4_IDX_KS];
     __shared__ float dsh[DS4_IDX_ROWS][64];
-    const int t = blockIdx.y;
     const ds4_size n_p = (pos0 + t + 1) / ratio;
     const int ld = dim + 1;
-    const ds4_size r0 = (ds4_size)blockIdx.x * DS4_IDX_ROWS;
+    const ds4_size r0 = (ds4_size)bx * DS4_IDX_ROWS;
     // Rows this block scores (the rest of its DS4_IDX_ROWS are past n_cols or n_p).
     const ds4_size r_end = r0 + DS4_IDX_ROWS < (ds4_size)n_cols ? r0 + DS4_IDX_ROWS : (ds4_size)n_cols;
     const int nr = r_end > r0 ? (int)((r_end < n_p ? r_end : (n_p > r0 ? n_p : r0)) - r0) : 0;
@@ -1345,6 +1369,14 @@ ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads,
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256)
+ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads, int dim,
+                   float wscale, ds4_size pos0, int ratio, int n_cols, float* scores) {
+    ds4_grid_wait();
+    ds4_idx_scores_block(q, w, rows, heads, dim, wscale, pos0, ratio, n_cols, scores, blockIdx.y,
+                         blockIdx.x);
+}
+
 // Order-preserving map of f32 to u32 (the order of f32::total_cmp).
 __device__ __forceinline__ ds4_u32 ds4_key(float f) {
     const ds4_u32 u = __float_as_uint(f);
@@ -1388,14 +1420,13 @@ __device__ int ds4_scan_excl_1024(int v, int* sh) {
     return r;
 }
 
-extern "C" __global__ void __launch_bounds__(DS4_TOPK_THREADS)
-ds4_topk_select(const float* scores, int n_cols, ds4_size pos0, int ratio, int k, int* out) {
-    ds4_grid_wait();
+__device__ void ds4_topk_block(const float* scores, int n_cols, ds4_size pos0, int ratio, int k,
+                               int* out, int t) {
     __shared__ int sh[DS4_TOPK_THREADS];
     __shared__ int hist[256];
     __shared__ ds4_u32 s_prefix;
     __shared__ int s_rank;
-    const int t = blockIdx.x, tid = threadIdx.x;
+    const int tid = threadIdx.x;
     const int n_p = (int)((pos0 + t + 1) / ratio);
     int* o = out + (ds4_size)t * k;
     for (int i = tid; i < k; i += blockDim.x) o[i] = -1;
@@ -1450,6 +1481,40 @@ ds4_topk_select(const float* scores, int n_cols, ds4_size pos0, int ratio, int k
         }
         if (sel && w < k) o[w++] = i;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(DS4_TOPK_THREADS)
+ds4_topk_select(const float* scores, int n_cols, ds4_size pos0, int ratio, int k, int* out) {
+    ds4_grid_wait();
+    ds4_topk_block(scores, n_cols, pos0, ratio, k, out, blockIdx.x);
+}
+
+// The indexer of one token of each of up to DS4_SEQS sequences (a batched decode step): what
+// differs per sequence comes by value (its compressed rows, score row, selection, position,
+// visible rows; a null score row = all its rows fit the top-k, as ds4_indexer_topk's host
+// skips the scores); row s of q / w is sequence s. Same code as alone.
+struct ds4_idx_seqs {
+    const float* rows[DS4_SEQS];
+    float* scores[DS4_SEQS];
+    int* out[DS4_SEQS];
+    ds4_size pos0[DS4_SEQS];
+    int n_cols[DS4_SEQS];
+};
+extern "C" __global__ void __launch_bounds__(256)
+ds4_indexer_scores_seqs(const float* q, const float* w, ds4_idx_seqs sq, int heads, int dim,
+                        float wscale, int ratio) {
+    ds4_grid_wait();
+    const int s = blockIdx.y;
+    if (!sq.scores[s] || (int)blockIdx.x * DS4_IDX_ROWS >= sq.n_cols[s]) return;
+    ds4_idx_scores_block(q + (ds4_size)s * heads * dim, w + (ds4_size)s * heads, sq.rows[s],
+                         heads, dim, wscale, sq.pos0[s], ratio, sq.n_cols[s], sq.scores[s], 0,
+                         blockIdx.x);
+}
+extern "C" __global__ void __launch_bounds__(DS4_TOPK_THREADS)
+ds4_topk_select_seqs(ds4_idx_seqs sq, int ratio, int k) {
+    ds4_grid_wait();
+    const int s = blockIdx.x;
+    ds4_topk_block(sq.scores[s], sq.n_cols[s], sq.pos0[s], ratio, k, sq.out[s], 0);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1730,7 +1795,7 @@ ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd,
 // splits return at once, so every (sequence, head) runs the splits and the combine it runs
 // when decoded alone, with the same code (same results bit for bit). Partials of block x
 // sit at part + (x * max_splits + split) * (hd + 2).
-#define DS4_ATT_SEQS 16
+#define DS4_ATT_SEQS DS4_SEQS
 struct ds4_att_seqs {
     const float* ring[DS4_ATT_SEQS];
     const float* crows[DS4_ATT_SEQS];
@@ -1776,6 +1841,21 @@ extern "C" __global__ void ds4_ring_store(float* ring, const float* kv, ds4_size
         const int i = (int)(e % d);
         ring[((pos0 + ti) % window) * d + i] = kv[(ds4_size)ti * d + i];
     }
+}
+
+// The ring stores of one token of each of up to DS4_SEQS sequences (row s of kv into
+// sequence s's ring at its position): the same copies as alone, one launch.
+struct ds4_ring_seqs {
+    float* ring[DS4_SEQS];
+    ds4_size pos0[DS4_SEQS];
+};
+extern "C" __global__ void ds4_ring_store_seqs(const float* kv, ds4_ring_seqs sq, int window,
+                                               int d) {
+    ds4_grid_wait();
+    const int s = blockIdx.y;
+    float* dst = sq.ring[s] + (sq.pos0[s] % window) * (ds4_size)d;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x)
+        dst[i] = kv[(ds4_size)s * d + i];
 }
 
 // ---------------------------------------------------------------------------------------

@@ -443,15 +443,15 @@ fn emulated_batched_decode_equals_decoding_alone() {
     }
 }
 
-/// Batched attention: once a query's keys (window rows + compressed rows) need more than one
-/// split, a batched decode step runs every sequence's split-key attention in one launch of
-/// `ds4_attention_split_seqs` / `ds4_attention_combine_seqs`, each sequence with the splits
-/// it has alone, and every batched logits row is bit for bit the row decoded alone.
+/// Batched per-sequence ops: once a query's keys (window rows + compressed rows) need more
+/// than one split, a batched decode step runs every sequence's compressors, indexer, split-key
+/// attention and ring store in one launch each (`ds4_*_seqs`), each sequence with the code
+/// it runs alone, and every batched logits row is bit for bit the row decoded alone.
 #[test]
-fn emulated_batched_split_attention_equals_decoding_alone() {
+fn emulated_batched_sequence_ops_equal_decoding_alone() {
     let dir = tempfile::tempdir().unwrap();
     // A 40-row window: at 40+ tokens a sliding query sees 40 keys and a CSA query 43,
-    // more than one 32-key split.
+    // more than one 32-key split; the CSA layer's indexer scores (more rows than its top-k).
     let h = ds4_model::HParams {
         sliding_window: 40,
         ..common::tiny_hparams()
@@ -470,17 +470,17 @@ fn emulated_batched_split_attention_equals_decoding_alone() {
         fake.kernel_errors()
     );
     let count = |k: &str| fake.launches().iter().filter(|l| l.0 == k).count();
-    // Two layers per batched step, STEPS steps.
+    // Per batched step: two layers (sliding, CSA with the indexer).
     let steps = ds4_check::batch::STEPS;
-    assert_eq!(
-        count("ds4_attention_split_seqs"),
-        2 * steps,
-        "batched launches"
-    );
-    assert_eq!(
-        count("ds4_attention_combine_seqs"),
-        2 * steps,
-        "batched combines"
-    );
+    for (kernel, per_step) in [
+        ("ds4_attention_split_seqs", 2),
+        ("ds4_attention_combine_seqs", 2),
+        ("ds4_ring_store_seqs", 2),
+        ("ds4_compressor_seqs", 2),
+        ("ds4_indexer_scores_seqs", 1),
+        ("ds4_topk_select_seqs", 1),
+    ] {
+        assert_eq!(count(kernel), per_step * steps, "{kernel} launches");
+    }
     assert!(r.exact && r.greedy == 0, "batched vs alone {r:?}");
 }

@@ -250,6 +250,38 @@ pub struct HcArgs {
     pub rms_eps: f32,
 }
 
+/// One [`Backend::compressor`] call of a batched decode step ([`Backend::compressor_batch`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CompressorCall {
+    pub acc: Slice,
+    pub u: Slice,
+    pub z: Slice,
+    pub ape: Weight,
+    pub args: CompressorArgs,
+    pub rows: Slice,
+}
+
+/// One [`Backend::indexer_topk`] call of a batched decode step
+/// ([`Backend::indexer_topk_batch`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IndexerCall {
+    pub q: Slice,
+    pub w: Slice,
+    pub rows: Slice,
+    pub args: IndexerArgs,
+    pub out: IBuf,
+}
+
+/// One [`Backend::ring_store`] call of a batched decode step ([`Backend::ring_store_batch`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RingStoreCall {
+    pub ring: Slice,
+    pub kv: Slice,
+    pub pos0: usize,
+    pub n_tok: usize,
+    pub window: usize,
+}
+
 /// Arguments of [`Backend::compressor`] (docs/forward.md §5.3): feed `n_tok` tokens at positions
 /// `pos0..` into the accumulator and pool every window that completes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -548,6 +580,21 @@ pub trait Backend: Send {
         args: IndexerArgs,
         out: IBuf,
     ) -> BResult<()>;
+    /// [`Backend::compressor`] for each of `calls` in turn (one token of each of several
+    /// sequences, docs/forward.md §3 "Batched decode"); a device may run them in one launch.
+    /// Each call's results must equal that call alone, bit for bit.
+    fn compressor_batch(&mut self, calls: &[CompressorCall]) -> BResult<()> {
+        calls
+            .iter()
+            .try_for_each(|c| self.compressor(c.acc, c.u, c.z, c.ape, c.args, c.rows))
+    }
+    /// [`Backend::indexer_topk`] for each of `calls` in turn (as
+    /// [`Backend::compressor_batch`]).
+    fn indexer_topk_batch(&mut self, calls: &[IndexerCall]) -> BResult<()> {
+        calls
+            .iter()
+            .try_for_each(|c| self.indexer_topk(c.q, c.w, c.rows, c.args, c.out))
+    }
     /// Sink attention over window rows and compressed rows (docs/forward.md §5.2, §5.4, §5.6).
     fn attention(&mut self, args: AttnArgs) -> BResult<()>;
     /// [`Backend::attention`] for each of `args` in turn: one token of each of several
@@ -566,6 +613,13 @@ pub trait Backend: Send {
         n_tok: usize,
         window: usize,
     ) -> BResult<()>;
+    /// [`Backend::ring_store`] for each of `calls` in turn (as
+    /// [`Backend::compressor_batch`]).
+    fn ring_store_batch(&mut self, calls: &[RingStoreCall]) -> BResult<()> {
+        calls
+            .iter()
+            .try_for_each(|c| self.ring_store(c.ring, c.kv, c.pos0, c.n_tok, c.window))
+    }
     /// Router (docs/forward.md §6 steps 1–3): `logits [T, E]` → expert ids `[T, k]` and weights `[T, k]`.
     fn router(
         &mut self,

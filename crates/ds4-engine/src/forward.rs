@@ -8,8 +8,8 @@
 use ds4_model::{AttnKind, HParams};
 
 use crate::backend::{
-    AttnArgs, Backend, Buf, CompSel, HcArgs, IBuf, IndexerArgs, MoeArgs, RopeArgs, RopeFreq,
-    RouterArgs, Routing,
+    AttnArgs, Backend, Buf, CompSel, CompressorCall, HcArgs, IBuf, IndexerArgs, IndexerCall,
+    MoeArgs, RingStoreCall, RopeArgs, RopeFreq, RouterArgs, Routing, Slice,
 };
 use crate::config::NumericMode;
 use crate::error::{EngineError, Result};
@@ -365,106 +365,166 @@ pub(crate) fn forward(
             _ => None,
         };
 
-        // A batched step's attention runs as one op over all sequences (each with its own
-        // indexer selection buffer), then the ring stores; alone, one after the other.
-        let batch_attn = batched && seqs.len() <= s.sels.len();
-        let mut attn: Vec<AttnArgs> = Vec::with_capacity(if batch_attn { seqs.len() } else { 0 });
-        for (i, (seq, &(r0, t, pos0))) in seqs.iter().zip(&spans).enumerate() {
-            let ls = seq.state.layers[il];
-            let sel = if batch_attn { s.sels[i] } else { s.sel };
-            let rows = |x: crate::backend::Slice, width: usize| x.sub(r0 * width, t * width);
-            let (q, kv) = (rows(q_all, nh * hd), rows(kv_all, hd));
-
-            let mut comp = CompSel::None;
-            if let (Some(cs), Some(cw), Some((cu, cz))) = (ls.comp, lw.comp.as_ref(), comp_proj) {
-                let pw = cs.chunk_args(pos0, t).proj_width();
-                let (cu, cz) = (rows(cu, pw), rows(cz, pw));
-                compress(be, cu, cz, cs, cw, pos0, t, eps, |be, rows, n, w0| {
-                    be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
-                    if official {
-                        be.qat_fp8(rows, n, hd, nope)?;
-                    }
-                    Ok(())
-                })?;
-                comp = CompSel::All {
-                    rows: cs.rows.all(),
-                    ratio: cs.ratio,
-                };
-                if let (Some(is), Some(iw), Some((icu, icz))) =
-                    (ls.index, lw.indexer.as_ref(), index_proj)
-                {
-                    let pw = is.chunk_args(pos0, t).proj_width();
-                    let (icu, icz) = (rows(icu, pw), rows(icz, pw));
-                    compress(
-                        be,
-                        icu,
-                        icz,
-                        is,
-                        &iw.comp,
-                        pos0,
-                        t,
-                        eps,
-                        |be, rows, n, w0| {
-                            be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
-                            if official {
-                                be.qat_hadamard_fp4(rows, n, id)?;
-                            }
-                            Ok(())
-                        },
-                    )?;
-                    let (iq, iwt) = (rows(iq_all, ih * id), rows(iw_all, ih));
+        // The ops that read a sequence's caches, in phases; in a batched step each phase is
+        // one batch op over a group of sequences (one launch each on a device, each
+        // sequence with its own indexer selection buffer): compressor state updates, then
+        // the rows they emitted finished, the indexer's the same, its top-k, attention and
+        // the ring stores.
+        let group_len = if batched { s.sels.len() } else { 1 };
+        let sel_of = |i: usize| if batched { s.sels[i] } else { s.sel };
+        let seq_rows = |x: Slice, width: usize, (r0, t, _): (usize, usize, usize)| {
+            x.sub(r0 * width, t * width)
+        };
+        let no_state =
+            || EngineError::Config(format!("layer {il}: a sequence has no compressor state"));
+        for (g, group) in spans.chunks(group_len).enumerate() {
+            let gseqs = &seqs[g * group_len..g * group_len + group.len()];
+            let mut comp = vec![CompSel::None; group.len()];
+            if let (Some((cu, cz)), Some(cw)) = (comp_proj, lw.comp.as_ref()) {
+                let states = gseqs
+                    .iter()
+                    .map(|q| q.state.layers[il].comp.ok_or_else(no_state))
+                    .collect::<Result<Vec<_>>>()?;
+                let calls: Vec<CompressorCall> = states
+                    .iter()
+                    .zip(group)
+                    .map(|(cs, &sp)| {
+                        let args = cs.chunk_args(sp.2, sp.1);
+                        let pw = args.proj_width();
+                        CompressorCall {
+                            acc: cs.acc.all(),
+                            u: seq_rows(cu, pw, sp),
+                            z: seq_rows(cz, pw, sp),
+                            ape: cw.ape,
+                            args,
+                            rows: cs.rows.all(),
+                        }
+                    })
+                    .collect();
+                compressors(be, &calls, batched)?;
+                for (i, (cs, &(_, t, pos0))) in states.iter().zip(group).enumerate() {
+                    finish_rows(be, *cs, cw, pos0, t, eps, |be, rows, n, w0| {
+                        be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
+                        if official {
+                            be.qat_fp8(rows, n, hd, nope)?;
+                        }
+                        Ok(())
+                    })?;
+                    comp[i] = CompSel::All {
+                        rows: cs.rows.all(),
+                        ratio: cs.ratio,
+                    };
+                }
+            }
+            if let (Some((icu, icz)), Some(iw)) = (index_proj, lw.indexer.as_ref()) {
+                let states = gseqs
+                    .iter()
+                    .map(|q| q.state.layers[il].index.ok_or_else(no_state))
+                    .collect::<Result<Vec<_>>>()?;
+                let calls: Vec<CompressorCall> = states
+                    .iter()
+                    .zip(group)
+                    .map(|(is, &sp)| {
+                        let args = is.chunk_args(sp.2, sp.1);
+                        let pw = args.proj_width();
+                        CompressorCall {
+                            acc: is.acc.all(),
+                            u: seq_rows(icu, pw, sp),
+                            z: seq_rows(icz, pw, sp),
+                            ape: iw.comp.ape,
+                            args,
+                            rows: is.rows.all(),
+                        }
+                    })
+                    .collect();
+                compressors(be, &calls, batched)?;
+                let mut calls = Vec::with_capacity(group.len());
+                for (i, (is, &sp)) in states.iter().zip(group).enumerate() {
+                    let (_, t, pos0) = sp;
+                    finish_rows(be, *is, &iw.comp, pos0, t, eps, |be, rows, n, w0| {
+                        be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
+                        if official {
+                            be.qat_hadamard_fp4(rows, n, id)?;
+                        }
+                        Ok(())
+                    })?;
+                    let (iq, iwt) = (seq_rows(iq_all, ih * id, sp), seq_rows(iw_all, ih, sp));
                     if (pos0 + t) / is.ratio > hp.indexer_top_k {
                         be.rope(iq, rope(t, ih, id, pos0, 1))?;
                         if official {
                             be.qat_hadamard_fp4(iq, t * ih, id)?;
                         }
                     }
-                    let args = IndexerArgs {
-                        pos0,
-                        n_tok: t,
-                        ratio: is.ratio,
-                        n_heads: ih,
-                        head_dim: id,
-                        top_k: hp.indexer_top_k,
-                        weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
-                    };
-                    be.indexer_topk(iq, iwt, is.rows.all(), args, sel)?;
-                    comp = CompSel::Top {
-                        rows: cs.rows.all(),
-                        ratio: cs.ratio,
-                        idx: sel,
-                        k: hp.indexer_top_k,
-                    };
+                    let sel = sel_of(g * group_len + i);
+                    calls.push(IndexerCall {
+                        q: iq,
+                        w: iwt,
+                        rows: is.rows.all(),
+                        args: IndexerArgs {
+                            pos0,
+                            n_tok: t,
+                            ratio: is.ratio,
+                            n_heads: ih,
+                            head_dim: id,
+                            top_k: hp.indexer_top_k,
+                            weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
+                        },
+                        out: sel,
+                    });
+                    if let CompSel::All { rows, ratio } = comp[i] {
+                        comp[i] = CompSel::Top {
+                            rows,
+                            ratio,
+                            idx: sel,
+                            k: hp.indexer_top_k,
+                        };
+                    }
+                }
+                if batched {
+                    be.indexer_topk_batch(&calls)?;
+                } else {
+                    for c in &calls {
+                        be.indexer_topk(c.q, c.w, c.rows, c.args, c.out)?;
+                    }
                 }
             }
-
-            let o = rows(o_all, nh * hd);
-            let args = AttnArgs {
-                q,
-                kv,
-                ring: ls.ring.all(),
-                comp,
-                sinks: lw.sinks,
-                pos0,
-                n_tok: t,
-                n_head: nh,
-                head_dim: hd,
-                window: hp.sliding_window,
-                scale: (1.0 / (hd as f64).sqrt()) as f32,
-                out: o,
-            };
-            if batch_attn {
-                attn.push(args);
+            let attn: Vec<AttnArgs> = gseqs
+                .iter()
+                .zip(group)
+                .zip(&comp)
+                .map(|((seq, &sp), &comp)| AttnArgs {
+                    q: seq_rows(q_all, nh * hd, sp),
+                    kv: seq_rows(kv_all, hd, sp),
+                    ring: seq.state.layers[il].ring.all(),
+                    comp,
+                    sinks: lw.sinks,
+                    pos0: sp.2,
+                    n_tok: sp.1,
+                    n_head: nh,
+                    head_dim: hd,
+                    window: hp.sliding_window,
+                    scale: (1.0 / (hd as f64).sqrt()) as f32,
+                    out: seq_rows(o_all, nh * hd, sp),
+                })
+                .collect();
+            let stores: Vec<RingStoreCall> = attn
+                .iter()
+                .map(|a| RingStoreCall {
+                    ring: a.ring,
+                    kv: a.kv,
+                    pos0: a.pos0,
+                    n_tok: a.n_tok,
+                    window: a.window,
+                })
+                .collect();
+            if batched {
+                be.attention_batch(&attn)?;
+                be.ring_store_batch(&stores)?;
             } else {
-                be.attention(args)?;
-                be.ring_store(ls.ring.all(), kv, pos0, t, hp.sliding_window)?;
-            }
-        }
-        if batch_attn {
-            be.attention_batch(&attn)?;
-            for (a, seq) in attn.iter().zip(seqs.iter()) {
-                let ring = seq.state.layers[il].ring.all();
-                be.ring_store(ring, a.kv, a.pos0, a.n_tok, hp.sliding_window)?;
+                for (a, r) in attn.iter().zip(&stores) {
+                    be.attention(*a)?;
+                    be.ring_store(r.ring, r.kv, r.pos0, r.n_tok, r.window)?;
+                }
             }
         }
         be.rope(o_all, rope_step(nh, true))?;
@@ -552,25 +612,31 @@ pub(crate) fn forward(
     Ok(())
 }
 
-/// Feeds a chunk's projections `u`, `z` (rows of
-/// [`crate::backend::CompressorArgs::proj_width`], computed
-/// by the caller over the whole step) to one compressor and finishes the rows it emits:
-/// RMSNorm with the compressor's weight, then `finish` (RoPE at the window's first
-/// position, QAT).
+/// The compressor calls of a step: one batch op for a batched step's sequences, else the
+/// plain op.
+fn compressors(be: &mut dyn Backend, calls: &[CompressorCall], batched: bool) -> Result<()> {
+    if batched {
+        be.compressor_batch(calls)?;
+    } else {
+        for c in calls {
+            be.compressor(c.acc, c.u, c.z, c.ape, c.args, c.rows)?;
+        }
+    }
+    Ok(())
+}
+
+/// Finishes the rows a compressor emitted for a chunk of `t` tokens at `pos0`: RMSNorm with
+/// the compressor's weight, then `finish` (RoPE at the window's first position, QAT).
 #[allow(clippy::too_many_arguments)]
-fn compress(
+fn finish_rows(
     be: &mut dyn Backend,
-    u: crate::backend::Slice,
-    z: crate::backend::Slice,
     cs: CompState,
     cw: &CompressorWeights,
     pos0: usize,
     t: usize,
     eps: f32,
-    finish: impl Fn(&mut dyn Backend, crate::backend::Slice, usize, usize) -> Result<()>,
+    finish: impl Fn(&mut dyn Backend, Slice, usize, usize) -> Result<()>,
 ) -> Result<()> {
-    let args = cs.chunk_args(pos0, t);
-    be.compressor(cs.acc.all(), u, z, cw.ape, args, cs.rows.all())?;
     let (w0, w1) = (cs.rows_at(pos0), cs.rows_at(pos0 + t));
     if w1 > w0 {
         let n = w1 - w0;

@@ -561,6 +561,10 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_split",
     "ds4_attention_combine",
     "ds4_attention_split_seqs",
+    "ds4_compressor_seqs",
+    "ds4_indexer_scores_seqs",
+    "ds4_topk_select_seqs",
+    "ds4_ring_store_seqs",
     "ds4_attention_combine_seqs",
     "ds4_norm_rope",
     "ds4_q8_0_split",
@@ -1739,6 +1743,27 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn attention(&mut self, args: ds4_engine::backend::AttnArgs) -> BResult<()> {
         validate::attention(&args)?;
         self.op_attention(args)
+    }
+
+    fn compressor_batch(&mut self, calls: &[ds4_engine::backend::CompressorCall]) -> BResult<()> {
+        for c in calls {
+            validate::compressor(c.acc, c.u, c.z, c.ape, &c.args, c.rows)?;
+        }
+        self.op_compressor_batch(calls)
+    }
+
+    fn indexer_topk_batch(&mut self, calls: &[ds4_engine::backend::IndexerCall]) -> BResult<()> {
+        for c in calls {
+            validate::indexer_topk(c.q, c.w, c.rows, &c.args, c.out)?;
+        }
+        self.op_indexer_topk_batch(calls)
+    }
+
+    fn ring_store_batch(&mut self, calls: &[ds4_engine::backend::RingStoreCall]) -> BResult<()> {
+        for c in calls {
+            validate::ring_store(c.ring, c.kv, c.n_tok, c.window)?;
+        }
+        self.op_ring_store_batch(calls)
     }
 
     fn attention_batch(&mut self, args: &[ds4_engine::backend::AttnArgs]) -> BResult<()> {

@@ -3,8 +3,8 @@
 //! is only what the kernels add: handle lookups and their capacity limits.
 
 use ds4_engine::backend::{
-    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, HcArgs, IBuf, IndexerArgs, MoeArgs,
-    RopeArgs, RouterArgs, Routing, Slice, Weight,
+    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, CompressorCall, HcArgs, IBuf,
+    IndexerArgs, IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RouterArgs, Routing, Slice, Weight,
 };
 use ds4_engine::numerics::rope_freqs;
 use ds4_gguf::GgmlType;
@@ -45,6 +45,16 @@ const ATT_SEQS: usize = 16;
 /// Most partial-result bytes of one batched attention launch (beyond: one sequence at a
 /// time, each with its own, smaller partials).
 const ATT_BATCH_PART_BYTES: usize = 256 << 20;
+
+/// Whether `s` is row `i` (of `w` values) after `first` in the same buffer.
+fn rows_follow(s: Slice, i: usize, w: usize, first: Slice) -> bool {
+    s.buf == first.buf && s.off == first.off + i * w && s.len >= w
+}
+
+/// Whether no two of `slices` share an element (a batched launch writes them all at once).
+fn pairwise_disjoint(slices: &[Slice]) -> bool {
+    (0..slices.len()).all(|i| (0..i).all(|j| !slices[i].overlaps(slices[j])))
+}
 
 /// See [`GpuBackend::att_plan`].
 struct AttPlan {
@@ -1123,6 +1133,217 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch("ds4_compressor", (1, 1, 1), 256, &args)
     }
 
+    /// One token of each of up to ATT_SEQS sequences' compressors in one
+    /// `ds4_compressor_seqs` launch when their u / z rows follow each other and they share
+    /// the compressor (the same code per sequence as alone); else one call at a time.
+    pub(super) fn op_compressor_batch(&mut self, calls: &[CompressorCall]) -> BResult<()> {
+        const OP: &str = "compressor";
+        for group in calls.chunks(ATT_SEQS) {
+            let c0 = group[0];
+            let pw = c0.args.proj_width();
+            let mut own: Vec<Slice> = Vec::new();
+            for c in group {
+                own.push(c.acc);
+                own.push(c.rows);
+            }
+            let batchable = group.len() >= 2
+                && group.iter().enumerate().all(|(i, c)| {
+                    c.args.n_tok == 1
+                        && (c.args.ratio, c.args.width, c.args.overlap)
+                            == (c0.args.ratio, c0.args.width, c0.args.overlap)
+                        && c.ape == c0.ape
+                        && rows_follow(c.u, i, pw, c0.u)
+                        && rows_follow(c.z, i, pw, c0.z)
+                })
+                && pairwise_disjoint(&own);
+            if !batchable {
+                for c in group {
+                    self.op_compressor(c.acc, c.u, c.z, c.ape, c.args, c.rows)?;
+                }
+                continue;
+            }
+            // `ds4_comp_seqs`: acc, rows (pointers), pos0, cap.
+            let mut blob = vec![0u64; 4 * ATT_SEQS];
+            for (i, c) in group.iter().enumerate() {
+                blob[i] = self.fptr(c.acc, OP)?;
+                blob[ATT_SEQS + i] = self.fptr(c.rows, OP)?;
+                blob[2 * ATT_SEQS + i] = c.args.pos0 as u64;
+                blob[3 * ATT_SEQS + i] = (c.rows.len / c.args.width) as u64;
+            }
+            let apep = self.wvec(c0.ape, OP, c0.args.ratio * pw)?;
+            self.launch_blob(
+                "ds4_compressor_seqs",
+                (g32(group.len()), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(self.fptr(c0.u, OP)?),
+                    Arg::Ptr(self.fptr(c0.z, OP)?),
+                    Arg::Ptr(apep),
+                    i32a(OP, "ratio", c0.args.ratio)?,
+                    i32a(OP, "width", c0.args.width)?,
+                    Arg::I32(i32::from(c0.args.overlap)),
+                ],
+                3,
+                &blob,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One token of each of up to ATT_SEQS sequences' indexers in one
+    /// `ds4_indexer_scores_seqs` + one `ds4_topk_select_seqs` launch when their q / w rows
+    /// follow each other and they share the shapes (the same code per sequence as alone);
+    /// else one call at a time.
+    pub(super) fn op_indexer_topk_batch(&mut self, calls: &[IndexerCall]) -> BResult<()> {
+        const OP: &str = "indexer_topk";
+        for group in calls.chunks(ATT_SEQS) {
+            let c0 = group[0];
+            let (nh, hd, k) = (c0.args.n_heads, c0.args.head_dim, c0.args.top_k);
+            let batchable = group.len() >= 2
+                && group.iter().enumerate().all(|(i, c)| {
+                    c.args.n_tok == 1
+                        && (c.args.ratio, c.args.n_heads, c.args.head_dim, c.args.top_k)
+                            == (c0.args.ratio, nh, hd, k)
+                        && c.args.weight_scale.to_bits() == c0.args.weight_scale.to_bits()
+                        && rows_follow(c.q, i, nh * hd, c0.q)
+                        && rows_follow(c.w, i, nh, c0.w)
+                })
+                && (0..group.len()).all(|i| (0..i).all(|j| group[i].out.id() != group[j].out.id()));
+            if !batchable {
+                for c in group {
+                    self.op_indexer_topk(c.q, c.w, c.rows, c.args, c.out)?;
+                }
+                continue;
+            }
+            let n_last: Vec<usize> = group
+                .iter()
+                .map(|c| (c.args.pos0 + 1) / c.args.ratio)
+                .collect();
+            let scoring: Vec<bool> = n_last.iter().map(|&n| n > k).collect();
+            if scoring.iter().any(|&s| s) && (nh * hd > 8192 || nh > 64 || !hd.is_multiple_of(8)) {
+                return Err(BackendError::Invalid {
+                    op: OP,
+                    problem: format!(
+                        "{nh} heads of {hd} (at most 64 heads, 8192 values, dims a multiple of 8)"
+                    ),
+                });
+            }
+            for (c, &sc) in group.iter().zip(&scoring) {
+                if sc && !self.fptr(c.rows, OP)?.is_multiple_of(16) {
+                    return Err(BackendError::Invalid {
+                        op: OP,
+                        problem: "indexer rows must start 16-byte aligned".into(),
+                    });
+                }
+            }
+            let total: usize = n_last
+                .iter()
+                .zip(&scoring)
+                .map(|(&n, &s)| if s { n } else { 0 })
+                .sum();
+            let sp = self.scratch("scores", 4 * total.max(1))?;
+            // `ds4_idx_seqs`: rows, scores, out (pointers), pos0, then n_cols (4 bytes each).
+            let mut blob = vec![0u64; 4 * ATT_SEQS + ATT_SEQS / 2];
+            let mut at = 0u64;
+            for (i, c) in group.iter().enumerate() {
+                blob[i] = self.fptr(c.rows, OP)?;
+                if scoring[i] {
+                    blob[ATT_SEQS + i] = sp + at;
+                    at += 4 * n_last[i] as u64;
+                }
+                blob[2 * ATT_SEQS + i] = self.iptr(c.out, OP)?;
+                blob[3 * ATT_SEQS + i] = c.args.pos0 as u64;
+            }
+            for (i, &n) in n_last.iter().enumerate() {
+                let v = u64::from(u32::try_from(n).map_err(|_| BackendError::Invalid {
+                    op: OP,
+                    problem: format!("{n} compressed rows"),
+                })?);
+                blob[4 * ATT_SEQS + i / 2] |= v << (32 * (i % 2));
+            }
+            let max_rows = n_last
+                .iter()
+                .zip(&scoring)
+                .map(|(&n, &s)| if s { n } else { 0 })
+                .max()
+                .unwrap_or(0);
+            if max_rows > 0 {
+                self.launch_blob(
+                    "ds4_indexer_scores_seqs",
+                    (
+                        g32(max_rows.div_ceil(IDX_ROWS_PER_BLOCK)),
+                        g32(group.len()),
+                        1,
+                    ),
+                    256,
+                    &[
+                        Arg::Ptr(self.fptr(c0.q, OP)?),
+                        Arg::Ptr(self.fptr(c0.w, OP)?),
+                        i32a(OP, "heads", nh)?,
+                        i32a(OP, "head dim", hd)?,
+                        Arg::F32(c0.args.weight_scale),
+                        i32a(OP, "ratio", c0.args.ratio)?,
+                    ],
+                    2,
+                    &blob,
+                )?;
+            }
+            self.launch_blob(
+                "ds4_topk_select_seqs",
+                (g32(group.len()), 1, 1),
+                1024,
+                &[i32a(OP, "ratio", c0.args.ratio)?, i32a(OP, "top k", k)?],
+                0,
+                &blob,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One token of each of up to ATT_SEQS sequences' ring stores in one
+    /// `ds4_ring_store_seqs` launch when their kv rows follow each other; else one call at
+    /// a time.
+    pub(super) fn op_ring_store_batch(&mut self, calls: &[RingStoreCall]) -> BResult<()> {
+        const OP: &str = "ring_store";
+        for group in calls.chunks(ATT_SEQS) {
+            let c0 = group[0];
+            let d = c0.ring.len / c0.window.max(1);
+            let rings: Vec<Slice> = group.iter().map(|c| c.ring).collect();
+            let batchable = group.len() >= 2
+                && group.iter().enumerate().all(|(i, c)| {
+                    c.n_tok == 1
+                        && c.window == c0.window
+                        && c.ring.len == c0.ring.len
+                        && rows_follow(c.kv, i, d, c0.kv)
+                })
+                && pairwise_disjoint(&rings);
+            if !batchable || d == 0 {
+                for c in group {
+                    self.op_ring_store(c.ring, c.kv, c.pos0, c.n_tok, c.window)?;
+                }
+                continue;
+            }
+            let mut blob = vec![0u64; 2 * ATT_SEQS];
+            for (i, c) in group.iter().enumerate() {
+                blob[i] = self.fptr(c.ring, OP)?;
+                blob[ATT_SEQS + i] = c.pos0 as u64;
+            }
+            self.launch_blob(
+                "ds4_ring_store_seqs",
+                (g32(d.div_ceil(256)), g32(group.len()), 1),
+                256,
+                &[
+                    Arg::Ptr(self.fptr(c0.kv, OP)?),
+                    i32a(OP, "window", c0.window)?,
+                    i32a(OP, "dim", d)?,
+                ],
+                1,
+                &blob,
+            )?;
+        }
+        Ok(())
+    }
+
     pub(super) fn op_indexer_topk(
         &mut self,
         q: Slice,
@@ -1399,9 +1620,6 @@ impl<D: GpuApi> GpuBackend<D> {
     fn att_batchable(&self, group: &[AttnArgs], plans: &[AttPlan]) -> bool {
         let (a0, p0) = (&group[0], &plans[0]);
         let (nh, hd) = (a0.n_head, a0.head_dim);
-        let next = |s: Slice, i: usize, w: usize, first: Slice| {
-            s.buf == first.buf && s.off == first.off + i * w && s.len >= w
-        };
         let max_splits = plans.iter().map(|p| p.splits).max().unwrap_or(0);
         // The launch writes every output row while reading every q and kv row.
         let span = |first: Slice, w: usize| Slice {
@@ -1422,9 +1640,9 @@ impl<D: GpuApi> GpuBackend<D> {
                     && a.scale.to_bits() == a0.scale.to_bits()
                     && a.sinks == a0.sinks
                     && (p.mode, p.ratio, p.k_sel) == (p0.mode, p0.ratio, p0.k_sel)
-                    && next(a.q, i, nh * hd, a0.q)
-                    && next(a.kv, i, hd, a0.kv)
-                    && next(a.out, i, nh * hd, a0.out)
+                    && rows_follow(a.q, i, nh * hd, a0.q)
+                    && rows_follow(a.kv, i, hd, a0.kv)
+                    && rows_follow(a.out, i, nh * hd, a0.out)
             })
     }
 

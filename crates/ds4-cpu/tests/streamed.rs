@@ -1,0 +1,205 @@
+//! Streamed routed experts (docs/placement.md §8): with the experts read from the file
+//! into a cache smaller than one layer's experts, prefill (more distinct experts than
+//! slots, so the chunk is split into runs) and decode give the all-resident logits bit
+//! for bit, with int8 decode activations off and on.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use ds4_cpu::CpuBackend;
+use ds4_engine::{
+    Backend, Engine, EngineConfig, EngineError, ExpertPlacement, Logits, NumericMode, StreamError,
+    StreamStats,
+};
+use ds4_gguf::GgufFile;
+use ds4_model::layout::TypeRecipe;
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut r = ds4_engine::Rng::new(seed);
+    (0..n)
+        .map(|_| (r.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// The logits of a prefill of `toks` (all rows), then of decoding them one by one (all
+/// rows), and the streaming counters after both.
+struct Run {
+    prefill: Vec<f32>,
+    decode: Vec<f32>,
+    /// After the prefill, and after both.
+    prefill_stats: Option<StreamStats>,
+    stats: Option<StreamStats>,
+}
+
+fn run(
+    file: &Arc<GgufFile>,
+    experts: ExpertPlacement,
+    q8: bool,
+    chunk: usize,
+    toks: &[u32],
+) -> Run {
+    let cfg = EngineConfig {
+        mode: Some(NumericMode::Exact),
+        ctx: 256,
+        prefill_chunk: chunk,
+    };
+    let mut be = CpuBackend::new(2).unwrap();
+    be.set_activation_q8(q8).unwrap();
+    let mut e = Engine::load_with(Arc::clone(file), Box::new(be), cfg, experts).unwrap();
+    let mut st = e.new_state().unwrap();
+    let prefill = e.eval(&mut st, toks, Logits::All, None).unwrap();
+    let prefill_stats = e.expert_stats();
+    e.free_state(st);
+    let mut st = e.new_state().unwrap();
+    let mut decode = Vec::new();
+    for &t in toks {
+        decode.extend(e.eval(&mut st, &[t], Logits::Last, None).unwrap());
+    }
+    e.free_state(st);
+    Run {
+        prefill,
+        decode,
+        prefill_stats,
+        stats: e.expert_stats(),
+    }
+}
+
+/// The same bytes as a file on disk (so the engine streams with `pread`).
+fn on_disk(file: &GgufFile, dir: &Path, name: &str) -> Arc<GgufFile> {
+    let p = dir.join(name);
+    std::fs::write(&p, file.bytes()).unwrap();
+    Arc::new(GgufFile::open(&p).unwrap())
+}
+
+fn check_identical(file: &Arc<GgufFile>, slots: usize, toks: &[u32], what: &str) {
+    let n_expert = spec_of(file).hparams.n_expert;
+    assert!(
+        slots < n_expert,
+        "{what}: the cache must be smaller than a layer"
+    );
+    for q8 in [false, true] {
+        let resident = run(file, ExpertPlacement::Resident, q8, 64, toks);
+        assert!(resident.stats.is_none());
+        assert!(resident.prefill.iter().all(|v| v.is_finite()));
+        let streamed = run(file, ExpertPlacement::Streamed { slots }, q8, 64, toks);
+        assert!(
+            resident.prefill == streamed.prefill,
+            "{what} q8={q8}: streamed prefill differs (max rel {:e})",
+            max_rel(&streamed.prefill, &resident.prefill, 1.0)
+        );
+        assert!(
+            resident.decode == streamed.decode,
+            "{what} q8={q8}: streamed decode differs (max rel {:e})",
+            max_rel(&streamed.decode, &resident.decode, 1.0)
+        );
+        let s = streamed.stats.expect("streamed stats");
+        let k = 2 * toks.len() as u64 * n_layers(file) as u64 * k_used(file) as u64;
+        assert_eq!(
+            s.lookups, k,
+            "{what}: one lookup per token, layer and expert"
+        );
+        assert_eq!(s.hits + s.misses, s.lookups);
+        assert!(
+            s.misses > slots as u64,
+            "{what}: the cache must have evicted"
+        );
+        assert!(s.hits > 0, "{what}: some lookups must hit");
+        assert_eq!(s.bytes_read, s.misses * s.slot_bytes);
+        // Every layer's prefill needed more distinct experts than slots: two runs or more
+        // per layer (and in a chunk of 64 tokens, all in one chunk).
+        let p = streamed.prefill_stats.expect("streamed stats");
+        assert!(
+            p.runs >= 2 * n_layers(file) as u64,
+            "{what}: {} runs",
+            p.runs
+        );
+    }
+}
+
+fn spec_of(file: &GgufFile) -> ds4_model::ModelSpec {
+    ds4_model::ModelSpec::from_header(file.header(), ds4_model::Strictness::Auto).unwrap()
+}
+fn n_layers(file: &GgufFile) -> usize {
+    spec_of(file).hparams.n_layer
+}
+fn k_used(file: &GgufFile) -> usize {
+    spec_of(file).hparams.n_expert_used
+}
+
+#[test]
+fn streamed_experts_give_the_resident_logits_on_tiny_models() {
+    let dir = tempfile::tempdir().unwrap();
+    // f32 experts, read from memory and from a file (pread).
+    let mem = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 5);
+    let toks = tokens(40, 97, 3);
+    // 8 experts, 2 per token: 6 slots is the smallest cache (three tokens' experts).
+    check_identical(&mem, 6, &toks, "tiny f32 in memory");
+    let disk = on_disk(&mem, dir.path(), "tiny.gguf");
+    check_identical(&disk, 7, &toks, "tiny f32 on disk");
+    // q2 experts (IQ2_XXS gate/up, Q2_K down) on disk.
+    let q2 = synthetic_model(&quant_hparams(), &TypeRecipe::Q2, 9);
+    let q2 = on_disk(&q2, dir.path(), "q2.gguf");
+    check_identical(&q2, 6, &tokens(30, 97, 4), "tiny q2 on disk");
+    // Prefills of many lengths, int8 activations on: wherever the greedy split would
+    // leave a one-token run (computed as decode under the int8 rule), it must not.
+    for n in 5..=24 {
+        let toks = tokens(n, 97, 100 + n as u64);
+        let cfg = |chunk| EngineConfig {
+            mode: Some(NumericMode::Exact),
+            ctx: 64,
+            prefill_chunk: chunk,
+        };
+        let prefill = |experts| {
+            let mut be = CpuBackend::new(2).unwrap();
+            be.set_activation_q8(true).unwrap();
+            let mut e = Engine::load_with(Arc::clone(&q2), Box::new(be), cfg(64), experts).unwrap();
+            let mut st = e.new_state().unwrap();
+            e.eval(&mut st, &toks, Logits::All, None).unwrap()
+        };
+        assert!(
+            prefill(ExpertPlacement::Resident) == prefill(ExpertPlacement::Streamed { slots: 6 }),
+            "q2 prefill of {n} tokens differs"
+        );
+    }
+}
+
+#[test]
+fn a_cache_below_three_tokens_of_experts_is_refused_and_a_changed_file_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 5);
+    let cfg = EngineConfig {
+        mode: Some(NumericMode::Exact),
+        ctx: 64,
+        prefill_chunk: 16,
+    };
+    let be = Box::new(CpuBackend::new(1).unwrap());
+    let err = Engine::load_with(
+        Arc::clone(&mem),
+        be,
+        cfg.clone(),
+        ExpertPlacement::Streamed { slots: 5 },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::Stream(StreamError::TooSmall { slots: 5, min: 6 })
+        ),
+        "{err}"
+    );
+    // A file that shrank after it was opened: a clear error at load, not a panic later.
+    let p = dir.path().join("m.gguf");
+    std::fs::write(&p, mem.bytes()).unwrap();
+    let file = Arc::new(GgufFile::open(&p).unwrap());
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_len(mem.bytes().len() as u64 - 4096).unwrap();
+    let be = Box::new(CpuBackend::new(1).unwrap());
+    let err = Engine::load_with(file, be, cfg, ExpertPlacement::Streamed { slots: 6 }).unwrap_err();
+    assert!(
+        matches!(err, EngineError::Stream(StreamError::FileChanged { .. })),
+        "{err}"
+    );
+}

@@ -48,7 +48,7 @@
 //!   ∝ `1 / (1 + r)^S`.
 //!
 //! `S = 0` (the default) writes exactly the bytes of a model without the option.
-//! The skew changes only which experts are chosen (docs/placement.md §8 uses it to
+//! The skew changes only which experts are chosen (docs/placement.md §9 uses it to
 //! measure the expert cache's hit rate).
 
 use std::io::Write;

@@ -361,7 +361,9 @@ fn router_skew_favours_few_experts_and_zero_changes_nothing() {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
-    let (lo, hi) = b.iter().fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+    let (lo, hi) = b
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
     assert!(hi <= 0.01 && hi >= -0.01, "rank 0 keeps its draw: {hi}");
     assert!((lo - (-0.5 * 64f32.ln())).abs() <= 0.011, "rank 63: {lo}");
     // Hash layer: distinct experts per token, and the most drawn expert far above the

@@ -15,7 +15,7 @@ enum Bytes {
         start: usize,
         len: usize,
     },
-    /// Owned bytes: the slot pools of streamed experts (docs/placement.md §8).
+    /// Owned bytes: the slot pools of streamed experts (docs/placement.md §9).
     Owned(Vec<u8>),
 }
 

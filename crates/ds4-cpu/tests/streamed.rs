@@ -1,4 +1,4 @@
-//! Streamed routed experts (docs/placement.md §8): with the experts read from the file
+//! Streamed routed experts (docs/placement.md §9): with the experts read from the file
 //! into a cache smaller than one layer's experts, prefill (more distinct experts than
 //! slots, so the chunk is split into runs) and decode give the all-resident logits bit
 //! for bit, with int8 decode activations off and on.
@@ -202,4 +202,82 @@ fn a_cache_below_three_tokens_of_experts_is_refused_and_a_changed_file_reported(
         matches!(err, EngineError::Stream(StreamError::FileChanged { .. })),
         "{err}"
     );
+}
+
+/// The real expert shapes and types: Flash dims (4096 hidden, 2048 expert width, 6 of the
+/// experts per token, IQ2_XXS gate/up and Q2_K down as in ds4's q2), 4 layers (3 hash-routed,
+/// 1 top-k). Smaller than the real model only where a CPU unit test needs it: 32 experts per
+/// layer instead of 256 (a 1.3 GB file instead of 7.6 GB) and a 1024-token vocabulary. The
+/// cache holds 18 units (three tokens' experts), fewer than one layer's 32 experts, and the
+/// router is skewed (`--router-skew 0.3`) as in the benchmark files.
+#[test]
+fn streamed_experts_give_the_resident_logits_at_real_expert_dims() {
+    real_dims(32);
+}
+
+/// [`streamed_experts_give_the_resident_logits_at_real_expert_dims`] with all 256 experts
+/// of the real model: a 7.6 GB temporary file and a few minutes, so run on request
+/// (`cargo test --release -p ds4-cpu --test streamed -- --ignored`).
+#[test]
+#[ignore = "writes a 7.6 GB file; run with --ignored"]
+fn streamed_experts_give_the_resident_logits_with_all_256_experts() {
+    real_dims(256);
+}
+
+fn real_dims(n_expert: usize) {
+    use ds4_convert::synthetic::{flash_hparams, SyntheticModel};
+    let mut h = flash_hparams(4).unwrap();
+    h.n_expert = n_expert;
+    h.n_vocab = 1024;
+    assert_eq!((h.n_embd, h.expert_ff, h.n_expert_used), (4096, 2048, 6));
+    let tok = ds4_convert::tokenizer::generated_tokenizer(h.n_vocab);
+    let m = SyntheticModel::from_hparams(h, TypeRecipe::Q2, 1, &tok)
+        .unwrap()
+        .with_router_skew(0.3)
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flash4.gguf");
+    let f = std::fs::File::create(&path).unwrap();
+    m.write_to(std::io::BufWriter::new(f), &mut ds4_convert::NoProgress)
+        .unwrap();
+    let file = Arc::new(GgufFile::open(&path).unwrap());
+    let spec = spec_of(&file);
+    let gate = spec
+        .layer_tensor(0, ds4_model::LayerTensor::GateExps)
+        .unwrap();
+    let down = spec
+        .layer_tensor(0, ds4_model::LayerTensor::DownExps)
+        .unwrap();
+    assert_eq!(
+        (gate.ty, down.ty),
+        (ds4_gguf::GgmlType::Iq2Xxs, ds4_gguf::GgmlType::Q2K)
+    );
+    // 12 tokens: prefill needs more distinct experts per layer than the 18 slots.
+    let toks = tokens(12, 1024, 8);
+    let q8 = true; // the default precision (int8 decode activations)
+    let resident = run(&file, ExpertPlacement::Resident, q8, 64, &toks);
+    assert!(resident.prefill.iter().all(|v| v.is_finite()));
+    let streamed = run(
+        &file,
+        ExpertPlacement::Streamed { slots: 18 },
+        q8,
+        64,
+        &toks,
+    );
+    assert!(
+        resident.prefill == streamed.prefill,
+        "prefill differs (max rel {:e})",
+        max_rel(&streamed.prefill, &resident.prefill, 1.0)
+    );
+    assert!(
+        resident.decode == streamed.decode,
+        "decode differs (max rel {:e})",
+        max_rel(&streamed.decode, &resident.decode, 1.0)
+    );
+    let p = streamed.prefill_stats.unwrap();
+    assert!(p.runs > 4, "the prefill was split: {} runs", p.runs);
+    let s = streamed.stats.unwrap();
+    assert_eq!(s.lookups, 2 * 12 * 4 * 6);
+    assert!(s.misses > 18 && s.hits > 0);
+    assert_eq!(s.bytes_read, s.misses * s.slot_bytes);
 }

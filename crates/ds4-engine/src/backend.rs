@@ -434,7 +434,7 @@ pub trait Backend: Send {
     }
 
     /// A zero-filled weight of `info` that no file backs: the slot pools of streamed
-    /// routed experts (docs/placement.md §8), filled matrix by matrix with
+    /// routed experts (docs/placement.md §9), filled matrix by matrix with
     /// [`Backend::write_weight_mat`]. The default refuses (the backend cannot stream).
     fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
         let _ = info;

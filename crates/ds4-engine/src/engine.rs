@@ -73,7 +73,7 @@ impl Engine {
 
     /// [`Engine::load`] with routed experts placed as `experts` says: with
     /// [`ExpertPlacement::Streamed`] they stay in the file and are read on demand into a
-    /// cache of that many units (docs/placement.md §8); logits do not change.
+    /// cache of that many units (docs/placement.md §9); logits do not change.
     pub fn load_with(
         file: Arc<GgufFile>,
         mut backend: Box<dyn Backend>,

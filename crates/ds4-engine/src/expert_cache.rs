@@ -1,5 +1,5 @@
 //! Which (layer, expert) units sit in which slot of a streamed-expert cache, and how a
-//! chunk's tokens are split so that each run's experts fit (docs/placement.md §8
+//! chunk's tokens are split so that each run's experts fit (docs/placement.md §9
 //! "Streamed routed experts").
 //!
 //! Pure bookkeeping: no I/O and no backend here ([`crate::expert_stream`] does the reads

@@ -1,5 +1,5 @@
 //! Routed experts streamed from the model file into a fixed pool of slots
-//! (docs/placement.md §8 "Streamed routed experts").
+//! (docs/placement.md §9 "Streamed routed experts").
 //!
 //! Each routed role (gate, up, down) has one pool weight on the backend: the layer
 //! tensors' type, columns and rows, with `slots` matrices instead of `n_expert`. The

@@ -162,7 +162,7 @@ pub(crate) struct Model<'a> {
     pub w: &'a ModelWeights,
     pub mode: NumericMode,
     /// Streamed routed experts: the layers' routed weights are its slot pools and the
-    /// router's ids go through its cache (docs/placement.md §8).
+    /// router's ids go through its cache (docs/placement.md §9).
     pub stream: Option<&'a mut ExpertStream>,
 }
 

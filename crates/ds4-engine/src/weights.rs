@@ -87,7 +87,7 @@ impl ModelWeights {
 
     /// [`ModelWeights::load`]; with `routed = Some([gate, up, down])` the layers' routed
     /// tensors are not loaded and every layer gets these weights instead (the slot pools
-    /// of streamed experts, docs/placement.md §8).
+    /// of streamed experts, docs/placement.md §9).
     pub fn load_with(
         backend: &mut dyn Backend,
         file: &Arc<GgufFile>,

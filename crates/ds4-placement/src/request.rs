@@ -283,7 +283,7 @@ pub const OVERRIDE_TABLE: &[OverrideDoc] = &[
         env: "DS4_EXPERT_CACHE_GIB",
         values: "GiB (0 = as large as fits)",
         default: "0",
-        effect: "caps the expert cache of a streamed plan (docs/placement.md §8); below the plan's minimum the plan is refused",
+        effect: "caps the expert cache of a streamed plan (docs/placement.md §9); below the plan's minimum the plan is refused",
     },
 ];
 

@@ -416,7 +416,7 @@ pub fn planned_backend(
 }
 
 /// How a plan places routed experts in the engine: resident, or streamed through a cache
-/// of the plan's `cache_slots` units (docs/placement.md §8). The plan's optional host tier
+/// of the plan's `cache_slots` units (docs/placement.md §9). The plan's optional host tier
 /// is not built by this engine (said in the log).
 pub fn expert_placement(plan: &ds4_placement::Plan) -> ExpertPlacement {
     match &plan.stream {

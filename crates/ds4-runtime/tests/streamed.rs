@@ -1,4 +1,4 @@
-//! Streamed routed experts through the runtime (docs/placement.md §8): `--experts stream`
+//! Streamed routed experts through the runtime (docs/placement.md §9): `--experts stream`
 //! loads an engine whose expert cache is the plan's, and on every committed tiny fixture a
 //! cache of three tokens' experts (smaller than all the model's experts, and than one
 //! layer's where the fixture has more than that) gives the resident logits bit for bit.
@@ -71,7 +71,10 @@ fn experts_stream_loads_the_plans_cache_and_changes_no_logit() {
     let mut resident = load(&opts(&model, None), &mut std::io::sink())
         .unwrap()
         .engine;
-    assert!(resident.expert_stats().is_none(), "auto keeps a tiny model resident");
+    assert!(
+        resident.expert_stats().is_none(),
+        "auto keeps a tiny model resident"
+    );
     let mut streamed = load(&opts(&model, Some("stream")), &mut std::io::sink())
         .unwrap()
         .engine;

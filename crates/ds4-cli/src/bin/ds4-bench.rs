@@ -64,7 +64,7 @@ struct Args {
     #[arg(long)]
     device_mem_limit_gib: Option<String>,
     /// Routed experts: auto (the planner's choice), resident, or stream (read from the
-    /// model file through an expert cache, docs/placement.md §8; needs -m FILE). Streamed
+    /// model file through an expert cache, docs/placement.md §9; needs -m FILE). Streamed
     /// runs print the cache's hit rate and the disk reads per frontier.
     #[arg(long)]
     experts: Option<String>,

@@ -1167,7 +1167,7 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// [`ds4_engine::Backend::alloc_weight`]: a zero-filled matrix weight in its own
-    /// allocation (the slot pools of streamed experts, docs/placement.md §8).
+    /// allocation (the slot pools of streamed experts, docs/placement.md §9).
     fn alloc_pool(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
         let werr = |problem: String| BackendError::Weight {
             name: name.to_string(),

@@ -281,3 +281,73 @@ fn real_dims(n_expert: usize) {
     assert!(s.misses > 18 && s.hits > 0);
     assert_eq!(s.bytes_read, s.misses * s.slot_bytes);
 }
+
+/// A model file cut short while the engine runs: the read of a missing expert fails with
+/// an error naming the tensor (no panic), and no slot is left claiming the unit it failed
+/// to read: once the file is whole again the engine gives the resident logits.
+#[test]
+fn a_short_read_is_an_error_and_leaves_no_stale_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 5);
+    // The same tensors with a routed one moved to the end of the file, so cutting the
+    // file's tail touches nothing the CPU backend maps.
+    let mut header = model.header().clone();
+    let i = header
+        .tensors
+        .iter()
+        .position(|t| t.name == "blk.5.ffn_down_exps.weight")
+        .unwrap();
+    let moved = header.tensors.remove(i);
+    header.tensors.push(moved);
+    let mut w = ds4_gguf::GgufWriter::new(Vec::new(), header.clone()).unwrap();
+    for t in &header.tensors {
+        w.write_tensor(model.tensor_bytes(&t.name).unwrap().1)
+            .unwrap();
+    }
+    let mem = GgufFile::from_bytes(w.finish().unwrap().0).unwrap();
+    let last = mem
+        .header()
+        .tensors
+        .iter()
+        .max_by_key(|t| t.offset)
+        .unwrap()
+        .clone();
+    assert_eq!(last.name, "blk.5.ffn_down_exps.weight");
+    let p = dir.path().join("m.gguf");
+    std::fs::write(&p, mem.bytes()).unwrap();
+    let file = Arc::new(GgufFile::open(&p).unwrap());
+    let cfg = EngineConfig {
+        mode: Some(NumericMode::Exact),
+        ctx: 64,
+        prefill_chunk: 16,
+    };
+    let be = Box::new(CpuBackend::new(1).unwrap());
+    // A slot for every unit (6 layers × 8 experts): nothing is evicted, so a unit the
+    // failed read left claimed would be met again with a slot that does not hold it.
+    let slots = 48;
+    let mut e = Engine::load_with(file, be, cfg, ExpertPlacement::Streamed { slots }).unwrap();
+    // Cut the last expert's bytes of the last tensor.
+    let bytes_per_expert = last.n_bytes().unwrap() / last.dims[2];
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_len(mem.bytes().len() as u64 - bytes_per_expert)
+        .unwrap();
+    let mut st = e.new_state().unwrap();
+    let toks = tokens(40, 97, 3);
+    let err = e.eval(&mut st, &toks, Logits::Last, None).unwrap_err();
+    match &err {
+        EngineError::Stream(StreamError::Read { tensor, .. }) => assert_eq!(tensor, &last.name),
+        other => panic!("expected a read error, got {other}"),
+    }
+    e.free_state(st);
+    // The file whole again: a fresh state gives the resident logits, so no slot was left
+    // claiming a unit it does not hold.
+    std::fs::write(&p, mem.bytes()).unwrap();
+    let mut st = e.new_state().unwrap();
+    let got = e.eval(&mut st, &toks, Logits::All, None).unwrap();
+    let mem = Arc::new(mem);
+    let want = run(&mem, ExpertPlacement::Resident, false, 16, &toks).prefill;
+    assert!(
+        got == want,
+        "after a failed read the streamed logits differ"
+    );
+}

@@ -154,6 +154,9 @@ impl std::fmt::Debug for ExpertStream {
     }
 }
 
+/// Most threads reading one call's missed units at once.
+const READERS: usize = 8;
+
 const ROLES: [LayerTensor; 3] = [
     LayerTensor::GateExps,
     LayerTensor::UpExps,
@@ -358,50 +361,102 @@ impl ExpertStream {
     }
 
     /// Acquires `units` in the cache, filling the slots of misses from the file; returns
-    /// the slot of every entry. A failed fill forgets the unit, so a later call rereads it.
+    /// the slot of every entry. The misses are read in parallel (up to [`READERS`]
+    /// threads: a disk serves several requests at once far faster than one after another),
+    /// then written to the pools in order. A failed read or write forgets the call's
+    /// missed units, so a later call rereads them.
     fn make_resident(&mut self, be: &mut dyn Backend, units: &[Unit]) -> Result<Vec<i32>> {
         let access = self.cache.acquire(units).map_err(StreamError::from)?;
         self.stats.lookups += units.len() as u64;
+        let mut misses: Vec<(Unit, usize)> = Vec::new();
         for (&u, a) in units.iter().zip(&access) {
             match *a {
                 Access::Hit(_) => self.stats.hits += 1,
-                Access::Miss { slot, .. } => {
-                    self.stats.misses += 1;
-                    if let Err(e) = self.fill(be, u, slot as usize) {
-                        self.cache.forget(u);
-                        return Err(e);
-                    }
-                }
+                Access::Miss { slot, .. } => misses.push((u, slot as usize)),
             }
+        }
+        self.stats.misses += misses.len() as u64;
+        if let Err(e) = self.fill(be, &misses) {
+            for &(u, _) in &misses {
+                self.cache.forget(u);
+            }
+            return Err(e);
         }
         Ok(access.iter().map(|a| a.slot() as i32).collect())
     }
 
-    /// Reads unit `u`'s three slices and stores them in slot `slot` of the pools.
-    fn fill(&mut self, be: &mut dyn Backend, u: Unit, slot: usize) -> Result<()> {
-        let src = &self.layers[u.layer as usize];
-        for (ri, (name, base, len)) in src.roles.iter().enumerate() {
-            let offset = base + u64::from(u.expert) * *len as u64;
-            if self.staging.len() < *len {
-                self.staging.resize(*len, 0);
-            }
-            let buf = &mut self.staging[..*len];
-            let t0 = Instant::now();
-            self.reader
-                .read(offset, buf)
-                .map_err(|source| StreamError::Read {
-                    tensor: name.clone(),
-                    expert: u.expert,
-                    offset,
-                    len: *len,
-                    source,
-                })?;
-            let t1 = Instant::now();
-            be.write_weight_mat(self.pools[ri], slot, buf)?;
-            self.stats.read_secs += (t1 - t0).as_secs_f64();
-            self.stats.write_secs += t1.elapsed().as_secs_f64();
-            self.stats.bytes_read += *len as u64;
+    /// Reads the units of `misses` (unit, slot) and stores them in their slots.
+    fn fill(&mut self, be: &mut dyn Backend, misses: &[(Unit, usize)]) -> Result<()> {
+        if misses.is_empty() {
+            return Ok(());
         }
+        let slot_bytes = self.stats.slot_bytes as usize;
+        if self.staging.len() < misses.len() * slot_bytes {
+            self.staging.resize(misses.len() * slot_bytes, 0);
+        }
+        let t0 = Instant::now();
+        {
+            let (layers, reader) = (&self.layers, &self.reader);
+            let bufs: Vec<&mut [u8]> = self.staging.chunks_mut(slot_bytes).collect();
+            let mut jobs: Vec<(&(Unit, usize), &mut [u8])> = misses.iter().zip(bufs).collect();
+            let read_one = |(u, _): &(Unit, usize), buf: &mut [u8]| -> Result<()> {
+                let src = &layers[u.layer as usize];
+                let mut at = 0;
+                for (name, base, len) in &src.roles {
+                    let offset = base + u64::from(u.expert) * *len as u64;
+                    reader
+                        .read(offset, &mut buf[at..at + len])
+                        .map_err(|source| StreamError::Read {
+                            tensor: name.clone(),
+                            expert: u.expert,
+                            offset,
+                            len: *len,
+                            source,
+                        })?;
+                    at += len;
+                }
+                Ok(())
+            };
+            if jobs.len() == 1 {
+                let (m, buf) = jobs.pop().expect("one job");
+                read_one(m, buf)?;
+            } else {
+                let per = jobs.len().div_ceil(READERS);
+                let results: Vec<Result<()>> = std::thread::scope(|sc| {
+                    let handles: Vec<_> = jobs
+                        .chunks_mut(per)
+                        .map(|chunk| {
+                            sc.spawn(|| chunk.iter_mut().try_for_each(|(m, buf)| read_one(m, buf)))
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| {
+                            h.join().unwrap_or_else(|_| {
+                                Err(StreamError::Layout {
+                                    tensor: "expert reader".into(),
+                                    problem: "a reader thread panicked".into(),
+                                }
+                                .into())
+                            })
+                        })
+                        .collect()
+                });
+                results.into_iter().collect::<Result<()>>()?;
+            }
+        }
+        let t1 = Instant::now();
+        for (i, &(u, slot)) in misses.iter().enumerate() {
+            let buf = &self.staging[i * slot_bytes..(i + 1) * slot_bytes];
+            let mut at = 0;
+            for (ri, (_, _, len)) in self.layers[u.layer as usize].roles.iter().enumerate() {
+                be.write_weight_mat(self.pools[ri], slot, &buf[at..at + len])?;
+                at += len;
+            }
+            self.stats.bytes_read += at as u64;
+        }
+        self.stats.read_secs += (t1 - t0).as_secs_f64();
+        self.stats.write_secs += t1.elapsed().as_secs_f64();
         Ok(())
     }
 }

@@ -299,7 +299,7 @@ impl SyntheticModel {
     /// `rank[e]`), for the router skew.
     fn expert_ranks(&self, hash: u64, n: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..n).collect();
-        let mut rng = Rng(mix64(self.seed ^ hash ^ 0x5EED_0F_2A4C));
+        let mut rng = Rng(mix64(self.seed ^ hash ^ 0x005E_ED0F_2A4C));
         for i in (1..n).rev() {
             order.swap(i, rng.below(i as u64 + 1) as usize);
         }

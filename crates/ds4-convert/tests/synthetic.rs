@@ -364,7 +364,7 @@ fn router_skew_favours_few_experts_and_zero_changes_nothing() {
     let (lo, hi) = b
         .iter()
         .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
-    assert!(hi <= 0.01 && hi >= -0.01, "rank 0 keeps its draw: {hi}");
+    assert!((-0.01..=0.01).contains(&hi), "rank 0 keeps its draw: {hi}");
     assert!((lo - (-0.5 * 64f32.ln())).abs() <= 0.011, "rank 63: {lo}");
     // Hash layer: distinct experts per token, and the most drawn expert far above the
     // least drawn one (uniform draws of 2000×6 would give about 188 ± 14 each).

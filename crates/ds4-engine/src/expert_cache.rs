@@ -291,7 +291,7 @@ mod tests {
         let ids = vec![1, 2, 1, 2, 2, 1, 3, 1];
         assert_eq!(split_runs(&ids, 2, 3, 2).unwrap(), vec![0..4]);
         // Every run's distinct experts fit; the runs cover every token once.
-        let ids: Vec<i32> = (0..50).map(|i| (i * 7919 % 13) as i32).collect();
+        let ids: Vec<i32> = (0..50).map(|i| i * 7919 % 13).collect();
         for slots in [6, 7, 9, 13] {
             let runs = split_runs(&ids, 2, slots, 2).unwrap();
             assert_eq!(runs.first().unwrap().start, 0);

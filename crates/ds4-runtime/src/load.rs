@@ -475,6 +475,14 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError
         engine.backend_name(),
         engine.config().ctx
     )?;
+    if let Some(s) = engine.expert_stats() {
+        writeln!(
+            log,
+            "ds4: routed experts streamed from the file through a cache of {} units ({:.2} GiB; docs/placement.md §9)",
+            s.slots,
+            (s.slot_bytes * s.slots as u64) as f64 / (1u64 << 30) as f64
+        )?;
+    }
     if let Some(note) = ds4_model::layout::random_weights_note(file.header()) {
         writeln!(log, "ds4: NOTE: {note}")?;
     }

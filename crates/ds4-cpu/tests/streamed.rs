@@ -351,3 +351,51 @@ fn a_short_read_is_an_error_and_leaves_no_stale_unit() {
         "after a failed read the streamed logits differ"
     );
 }
+
+/// Batched decode (`Engine::eval_batch`) with streamed experts: 6 sequences of 2 experts
+/// each need up to 12 distinct experts per layer, more than the 6 slots, so a step runs in
+/// several `moe` calls of decode rows; every sequence still gets the logits it gets in a
+/// resident batched step, and the resident batched step equals decoding alone (tested in
+/// batch.rs).
+#[test]
+fn batched_decode_with_streamed_experts_matches_resident() {
+    let file = synthetic_model(&quant_hparams(), &TypeRecipe::Q2, 9);
+    let steps = |experts| {
+        let cfg = EngineConfig {
+            mode: Some(NumericMode::Exact),
+            ctx: 64,
+            prefill_chunk: 16,
+        };
+        let mut be = CpuBackend::new(2).unwrap();
+        be.set_activation_q8(true).unwrap();
+        let mut e = Engine::load_with(Arc::clone(&file), Box::new(be), cfg, experts).unwrap();
+        let mut states: Vec<_> = (0..6)
+            .map(|i| {
+                let mut st = e.new_state().unwrap();
+                e.eval(
+                    &mut st,
+                    &tokens(3 + i, 97, 50 + i as u64),
+                    Logits::Last,
+                    None,
+                )
+                .unwrap();
+                st
+            })
+            .collect();
+        e.reset_expert_stats();
+        let mut out = Vec::new();
+        for step in 0..4u64 {
+            let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+            out.extend(e.eval_batch(&mut refs, &tokens(6, 97, 900 + step)).unwrap());
+        }
+        (out, e.expert_stats())
+    };
+    let (want, _) = steps(ExpertPlacement::Resident);
+    let (got, stats) = steps(ExpertPlacement::Streamed { slots: 6 });
+    assert!(got == want, "streamed batched decode differs");
+    let s = stats.unwrap();
+    // 4 steps of 4 layers: steps that fit in one call per layer would make 16 calls;
+    // more means steps were split.
+    assert!(s.runs > 4 * 4, "{} moe calls", s.runs);
+    assert_eq!(s.lookups, 4 * 4 * 6 * 2);
+}

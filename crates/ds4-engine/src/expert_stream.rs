@@ -255,7 +255,10 @@ impl ExpertStream {
         };
         let mut pools = Vec::with_capacity(3);
         for (ri, role) in ROLES.iter().enumerate() {
-            let (ty, cols, rows) = shapes[ri].expect("at least one layer");
+            let (ty, cols, rows) = shapes[ri].ok_or_else(|| StreamError::Layout {
+                tensor: role.name(0),
+                problem: "the model has no layers to stream".into(),
+            })?;
             let info = WeightInfo {
                 ty,
                 dims: [cols, rows, slots],

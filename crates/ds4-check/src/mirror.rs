@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, CompressorCall, HcArgs,
     IBuf, IndexerArgs, IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RouterArgs, Routing, Slice,
-    Weight, WeightUse,
+    Weight, WeightInfo, WeightUse,
 };
 use ds4_gguf::GgufFile;
 
@@ -421,6 +421,17 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
                 Weight::new((self.weights.len() - 1) as u32, c.info)
             })
             .collect())
+    }
+    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
+        let c = self.reference.alloc_weight(name, info)?;
+        let g = self.candidate.alloc_weight(name, info)?;
+        self.weights.push((c, g));
+        Ok(Weight::new((self.weights.len() - 1) as u32, c.info))
+    }
+    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
+        let (cw, gw) = (self.cw(w), self.gw(w));
+        self.reference.write_weight_mat(cw, mat, raw)?;
+        self.candidate.write_weight_mat(gw, mat, raw)
     }
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         let (cw, gw, cx, gx, cy, gy) = (

@@ -191,6 +191,19 @@ pub fn status_line(sync: &SyncStats, generated: &GenOutcome, live: usize, ctx: u
     )
 }
 
+/// What the streamed-expert cache did over a run (docs/placement.md §9).
+pub fn expert_line(s: &ds4_engine::StreamStats) -> String {
+    format!(
+        "ds4: experts: {} lookups, hit rate {:.1} % · read {:.2} GB from the file in {:.2} s ({:.2} GB/s) · slot writes {:.2} s",
+        s.lookups,
+        100.0 * s.hit_rate(),
+        s.bytes_read as f64 / 1e9,
+        s.read_secs,
+        s.read_bytes_per_s() / 1e9,
+        s.write_secs
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -174,6 +174,9 @@ pub fn one_shot(
         writeln!(log, "ds4: interrupted")?;
     }
     writeln!(log, "{}", status_line(&sync, &gen, live, ctx))?;
+    if let Some(st) = runner.engine().expert_stats() {
+        writeln!(log, "{}", crate::chat::expert_line(&st))?;
+    }
     Ok(OneShotStats {
         end: if interrupted {
             OneShotEnd::Interrupted

@@ -227,5 +227,26 @@ fn plan_streams_experts_where_nothing_resident_fits() {
             "resident",
         ]);
         assert_eq!(o.status.code(), Some(3), "{machine}");
+        // The cache capped by --expert-cache-gib (606 whole units of 6.75 MiB in 4 GiB);
+        // below the minimum (3.70 GiB) refused.
+        let capped = |gib: &str| {
+            ds4(&[
+                "plan",
+                "--synthetic",
+                "q2",
+                "--machine",
+                &m,
+                "--expert-cache-gib",
+                gib,
+            ])
+        };
+        let o = capped("4");
+        assert_eq!(o.status.code(), Some(0), "{machine}: {}", stdout(&o));
+        assert!(
+            stdout(&o).contains("cache 3.99 GiB") && stdout(&o).contains("(606 units)"),
+            "{machine}: {}",
+            stdout(&o)
+        );
+        assert_eq!(capped("1").status.code(), Some(3), "{machine}");
     }
 }

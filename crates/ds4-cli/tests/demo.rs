@@ -172,6 +172,45 @@ fn demo_runs_the_whole_path_and_says_its_weights_are_random() {
     assert!(!want.is_empty());
     // `ds4 -p` ends the answer with a line break.
     assert_eq!(text(&o.stdout), format!("{want}\n"));
+    assert!(
+        !err.contains("ds4: experts:"),
+        "resident experts report no cache: {err}"
+    );
+
+    // Routed experts streamed from the file (docs/placement.md §9): the same text, and the
+    // cache's report.
+    let o = ds4_cmd()
+        .args([
+            "-m",
+            DEMO,
+            "-p",
+            "Hello",
+            "-n",
+            &n.to_string(),
+            "--temp",
+            "0",
+            "--nothink",
+            "--system",
+            "",
+            "--backend",
+            "cpu",
+            "-q",
+            "--experts",
+            "stream",
+        ])
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("routed experts streamed from the file"),
+        "{err}"
+    );
+    assert!(
+        err.contains("ds4: experts: ") && err.contains("hit rate"),
+        "{err}"
+    );
+    assert_eq!(text(&o.stdout), format!("{want}\n"));
 }
 
 #[test]

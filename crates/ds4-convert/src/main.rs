@@ -79,6 +79,11 @@ enum Cmd {
         /// there, valid blocks): the full-size q2 file then takes ~4 GB of disk.
         #[arg(long)]
         sparse_experts: bool,
+        /// Zipf-like router skew S >= 0 (0: every expert equally likely): each layer
+        /// favours its experts of low (random) rank r, the top-k bias lowered by
+        /// S·ln(1+r) and hash-layer experts drawn ∝ 1/(1+r)^S (synthetic.rs "Router skew").
+        #[arg(long, default_value_t = 0.0)]
+        router_skew: f32,
         /// Embed this HF tokenizer.json.
         #[arg(long, conflicts_with = "vocab_gguf")]
         tokenizer: Option<PathBuf>,
@@ -201,6 +206,7 @@ fn main() -> Result<()> {
             seed,
             dry_run,
             sparse_experts,
+            router_skew,
             tokenizer,
             vocab_gguf,
             out,
@@ -223,6 +229,7 @@ fn main() -> Result<()> {
                 Some(t) => SyntheticModel::with_tokenizer(recipe, layers, seed, t)?,
                 None => SyntheticModel::new(recipe, layers, seed)?,
             };
+            let model = model.with_router_skew(router_skew)?;
             let size = model.file_size();
             let head = ds4_gguf::encode_header(model.header())?.len();
             println!(

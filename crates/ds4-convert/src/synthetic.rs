@@ -34,6 +34,22 @@
 //!   residual: over 86 sublayers its RMS grows roughly like √86, never exponentially.
 //!
 //! Uniform (not Gaussian) draws are used for plain floats: same variance, no tails, cheaper.
+//!
+//! # Router skew (`--router-skew S`)
+//! By default every expert is equally likely (uniform bias, uniform `tid2eid`), the worst
+//! case for an expert cache. Real routers are skewed, so with
+//! [`SyntheticModel::with_router_skew`] each layer ranks its experts in its own random order
+//! (seeded by the tensor name) and favours low ranks, Zipf-like:
+//! * top-k layers: the selection bias of the expert of rank `r` is lowered by
+//!   `S · ln(1 + r)` (on top of the ±0.01 draw). Router scores `sqrtsoftplus(logit)` of
+//!   these random weights spread over about one unit, so `S` ≈ 0.1–0.5 gives a realistic
+//!   to strong skew;
+//! * hash layers: each token's `tid2eid` experts are drawn (distinct) with probability
+//!   ∝ `1 / (1 + r)^S`.
+//!
+//! `S = 0` (the default) writes exactly the bytes of a model without the option.
+//! The skew changes only which experts are chosen (docs/placement.md §9 uses it to
+//! measure the expert cache's hit rate).
 
 use std::io::Write;
 
@@ -115,6 +131,8 @@ enum Role {
     Matrix(f32),
     /// tid2eid: `ne0` distinct expert ids below the bound per row.
     ExpertIds(u64),
+    /// The top-k selection bias: uniform ±0.01 (lowered by the router skew).
+    RouterBias,
 }
 
 fn role_of(name: &str, ne0: u64, n_expert: u64) -> Role {
@@ -123,7 +141,7 @@ fn role_of(name: &str, ne0: u64, n_expert: u64) -> Role {
         Some(N::Global(G::TokenEmbd)) => return Role::Matrix(1.0),
         Some(N::Layer(_, L::Tid2Eid)) => return Role::ExpertIds(n_expert),
         Some(N::Layer(_, L::AttnSinks)) => return Role::Range(-0.5, 0.5),
-        Some(N::Layer(_, L::RouterBias)) => return Role::Range(-0.01, 0.01),
+        Some(N::Layer(_, L::RouterBias)) => return Role::RouterBias,
         _ => {}
     }
     // Families by spelling: every norm weight, HC base/scale, compressor position bias.
@@ -172,6 +190,8 @@ pub struct SyntheticModel {
     data_offset: u64,
     file_size: u64,
     iq2_ms: f32,
+    /// Zipf-like router skew (module docs); 0 = uniform.
+    router_skew: f32,
 }
 
 impl SyntheticModel {
@@ -255,7 +275,39 @@ impl SyntheticModel {
             data_offset,
             file_size,
             iq2_ms: iq2_grid_mean_square(),
+            router_skew: 0.0,
         })
+    }
+
+    /// The same model with a Zipf-like router skew `s` (module docs "Router skew"):
+    /// `s` must be finite and at least 0; 0 is the uniform default.
+    pub fn with_router_skew(mut self, s: f32) -> Result<SyntheticModel> {
+        if !(s.is_finite() && s >= 0.0) {
+            return Err(ConvertError::Usage(format!(
+                "--router-skew {s}: expected a finite number >= 0"
+            )));
+        }
+        self.router_skew = s;
+        Ok(self)
+    }
+
+    pub fn router_skew(&self) -> f32 {
+        self.router_skew
+    }
+
+    /// Rank of every expert of the tensor with name hash `hash` (a random permutation:
+    /// `rank[e]`), for the router skew.
+    fn expert_ranks(&self, hash: u64, n: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..n).collect();
+        let mut rng = Rng(mix64(self.seed ^ hash ^ 0x005E_ED0F_2A4C));
+        for i in (1..n).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let mut rank = vec![0; n];
+        for (r, &e) in order.iter().enumerate() {
+            rank[e] = r;
+        }
+        rank
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -344,6 +396,33 @@ impl SyntheticModel {
                 return Err(format!("cannot draw {ne0} distinct experts of {n}"));
             }
             let mut picked: Vec<u64> = Vec::with_capacity(ne0);
+            if self.router_skew > 0.0 {
+                // Zipf-like over this layer's ranks: P(rank r) ∝ 1/(1+r)^S, distinct.
+                let rank = self.expert_ranks(g.hash, n as usize);
+                let w: Vec<f64> = rank
+                    .iter()
+                    .map(|&r| (1.0 + r as f64).powf(-f64::from(self.router_skew)))
+                    .collect();
+                while picked.len() < ne0 {
+                    let total: f64 = (0..n as usize)
+                        .filter(|e| !picked.contains(&(*e as u64)))
+                        .map(|e| w[e])
+                        .sum();
+                    let mut x = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+                    let mut choice = None;
+                    for (e, &we) in w.iter().enumerate() {
+                        if picked.contains(&(e as u64)) {
+                            continue;
+                        }
+                        choice = Some(e as u64);
+                        if x < we {
+                            break;
+                        }
+                        x -= we;
+                    }
+                    picked.push(choice.ok_or("no expert left to draw")?);
+                }
+            }
             while picked.len() < ne0 {
                 let e = rng.below(n);
                 if !picked.contains(&e) {
@@ -363,6 +442,12 @@ impl SyntheticModel {
             (ty, role) => {
                 let mut vals = vec![0f32; ne0];
                 plain_values(rng, role, &mut vals);
+                if role == Role::RouterBias && self.router_skew > 0.0 {
+                    let rank = self.expert_ranks(g.hash, ne0);
+                    for (v, r) in vals.iter_mut().zip(rank) {
+                        *v -= self.router_skew * (1.0 + r as f32).ln();
+                    }
+                }
                 match ty {
                     GgmlType::F32 => {
                         for (o, v) in out.chunks_exact_mut(4).zip(&vals) {
@@ -508,6 +593,7 @@ fn plain_values(rng: &mut Rng, role: Role, out: &mut [f32]) {
         // Uniform on [-a, a] has RMS a/√3.
         Role::Matrix(s) => (-s * 3f32.sqrt(), s * 3f32.sqrt()),
         Role::ExpertIds(_) => (0.0, 0.0),
+        Role::RouterBias => (-0.01, 0.01),
     };
     let (mid, half) = ((lo + hi) * 0.5, (hi - lo) * 0.5);
     let mut it = out.chunks_exact_mut(2);

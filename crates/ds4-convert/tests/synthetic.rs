@@ -314,3 +314,76 @@ fn sparse_experts_file_has_holes_that_read_as_zero_blocks() {
         }
     }
 }
+
+/// `--router-skew`: 0 writes exactly the default bytes; S > 0 lowers each top-k layer's
+/// bias by S·ln(1+rank) over a per-layer random ranking and draws the hash layers'
+/// experts Zipf-like, so a few experts dominate (what an expert cache meets in practice).
+#[test]
+fn router_skew_favours_few_experts_and_zero_changes_nothing() {
+    let mut h = flash_hparams(4).unwrap();
+    h.n_embd = 256;
+    h.n_vocab = 2000;
+    h.n_head = 4;
+    h.head_dim = 64;
+    h.rope_dim = 16;
+    h.q_lora_rank = 64;
+    h.o_groups = 2;
+    h.o_lora_rank = 32;
+    h.n_expert = 64;
+    h.n_expert_used = 6;
+    h.expert_ff = 256;
+    h.indexer_heads = 4;
+    h.indexer_head_dim = 32;
+    h.indexer_top_k = 4;
+    let tok = ds4_convert::tokenizer::generated_tokenizer(2000);
+    let model = |s: f32| {
+        SyntheticModel::from_hparams(h.clone(), TypeRecipe::F32, 3, &tok)
+            .unwrap()
+            .with_router_skew(s)
+            .unwrap()
+    };
+    let tensor = |m: &SyntheticModel, name: &str| {
+        let i = m.tensor_index(name).unwrap();
+        let mut b = vec![0u8; m.header().tensors[i].n_bytes().unwrap() as usize];
+        m.fill_tensor(i, &mut b).unwrap();
+        b
+    };
+    let (plain, zero, skewed) = (model(0.0), model(0.0), model(0.5));
+    let bias = "blk.3.exp_probs_b.bias";
+    let hash = "blk.0.ffn_gate_tid2eid.weight";
+    assert!(plain.tensor_index(bias).is_some() && plain.tensor_index(hash).is_some());
+    for name in [bias, hash] {
+        assert_eq!(tensor(&plain, name), tensor(&zero, name), "{name}");
+        assert_ne!(tensor(&plain, name), tensor(&skewed, name), "{name}");
+    }
+    // The bias: spread S·ln(64) ≈ 2.1 instead of 0.02, the ±0.01 draw on top.
+    let b: Vec<f32> = tensor(&skewed, bias)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let (lo, hi) = b
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+    assert!((-0.01..=0.01).contains(&hi), "rank 0 keeps its draw: {hi}");
+    assert!((lo - (-0.5 * 64f32.ln())).abs() <= 0.011, "rank 63: {lo}");
+    // Hash layer: distinct experts per token, and the most drawn expert far above the
+    // least drawn one (uniform draws of 2000×6 would give about 188 ± 14 each).
+    let ids: Vec<i32> = tensor(&skewed, hash)
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let mut count = vec![0usize; 64];
+    for row in ids.chunks(6) {
+        let mut r = row.to_vec();
+        r.sort_unstable();
+        r.dedup();
+        assert_eq!(r.len(), 6, "distinct experts per token");
+        for &e in row {
+            count[e as usize] += 1;
+        }
+    }
+    let (min, max) = (count.iter().min().unwrap(), count.iter().max().unwrap());
+    assert!(*max > 4 * *min, "counts {min}..{max}");
+    assert!(model(0.0).with_router_skew(-1.0).is_err());
+    assert!(model(0.0).with_router_skew(f32::NAN).is_err());
+}

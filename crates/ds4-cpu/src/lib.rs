@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, HcArgs, IBuf,
-    IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightUse,
+    IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
 };
 use ds4_engine::validate;
 use ds4_gguf::GgufFile;
@@ -254,6 +254,24 @@ impl Backend for CpuBackend {
         let info = w.info;
         self.weights.push(w);
         Ok(Weight::new(id, info))
+    }
+
+    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
+        let bytes = validate::alloc_weight(name, info)?;
+        let w = CpuWeight::zeroed(name, info, bytes)?;
+        let id = u32::try_from(self.weights.len()).map_err(|_| BackendError::Weight {
+            name: name.into(),
+            problem: "too many weights".into(),
+        })?;
+        self.weights.push(w);
+        Ok(Weight::new(id, info))
+    }
+
+    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
+        const OP: &str = "write_weight_mat";
+        validate::write_weight_mat(w, mat, raw.len())?;
+        self.weight(w, OP)?;
+        self.weights[w.id() as usize].write_mat(mat, raw)
     }
 
     fn set_activation_q8(&mut self, on: bool) -> BResult<()> {

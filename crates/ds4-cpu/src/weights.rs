@@ -6,14 +6,24 @@ use std::sync::Arc;
 use ds4_engine::backend::{BResult, BackendError, WeightInfo, WeightUse};
 use ds4_gguf::{GgmlType, GgufFile};
 
+/// Where a weight's bytes live.
+#[derive(Debug)]
+enum Bytes {
+    /// Absolute byte range `start .. start + len` of the file image (zero copy).
+    Mapped {
+        file: Arc<GgufFile>,
+        start: usize,
+        len: usize,
+    },
+    /// Owned bytes: the slot pools of streamed experts (docs/placement.md §9).
+    Owned(Vec<u8>),
+}
+
 #[derive(Debug)]
 pub(crate) struct CpuWeight {
     pub name: String,
     pub info: WeightInfo,
-    file: Arc<GgufFile>,
-    /// Absolute byte range of the payload in the file image.
-    start: usize,
-    len: usize,
+    data: Bytes,
     row_bytes: usize,
     /// Widened copy for `WeightUse::Vector`.
     pub f32: Option<Vec<f32>>,
@@ -83,16 +93,61 @@ impl CpuWeight {
         Ok(CpuWeight {
             name: name.to_string(),
             info: WeightInfo { ty, dims },
-            file: Arc::clone(file),
-            start,
-            len: data.len(),
+            data: Bytes::Mapped {
+                file: Arc::clone(file),
+                start,
+                len: data.len(),
+            },
             row_bytes,
             f32,
         })
     }
 
+    /// A zero-filled matrix weight of `info` (validated by the caller), owned.
+    pub fn zeroed(name: &str, info: WeightInfo, bytes: usize) -> BResult<CpuWeight> {
+        if !MATRIX_TYPES.contains(&info.ty) {
+            return Err(BackendError::Weight {
+                name: name.to_string(),
+                problem: format!("type {} is not supported for Matrix use", info.ty),
+            });
+        }
+        let row_bytes = bytes / (info.rows() * info.mats());
+        let mut v = Vec::new();
+        v.try_reserve_exact(bytes)
+            .map_err(|e| BackendError::Alloc {
+                elems: bytes,
+                problem: e.to_string(),
+            })?;
+        v.resize(bytes, 0);
+        Ok(CpuWeight {
+            name: name.to_string(),
+            info,
+            data: Bytes::Owned(v),
+            row_bytes,
+            f32: None,
+        })
+    }
+
+    /// Replaces matrix `mat`'s bytes (`raw` checked by the caller); only owned weights.
+    pub fn write_mat(&mut self, mat: usize, raw: &[u8]) -> BResult<()> {
+        let n = raw.len();
+        match &mut self.data {
+            Bytes::Owned(v) => {
+                v[mat * n..(mat + 1) * n].copy_from_slice(raw);
+                Ok(())
+            }
+            Bytes::Mapped { .. } => Err(BackendError::Weight {
+                name: self.name.clone(),
+                problem: "a weight mapped from the file cannot be written".into(),
+            }),
+        }
+    }
+
     pub fn bytes(&self) -> &[u8] {
-        &self.file.bytes()[self.start..self.start + self.len]
+        match &self.data {
+            Bytes::Mapped { file, start, len } => &file.bytes()[*start..*start + *len],
+            Bytes::Owned(v) => v,
+        }
     }
 
     /// Row `r` of matrix `mat` (caller checked bounds).

@@ -469,6 +469,31 @@ pub trait Backend: Send {
             .collect()
     }
 
+    /// A zero-filled weight of `info` that no file backs: the slot pools of streamed
+    /// routed experts (docs/placement.md §9), filled matrix by matrix with
+    /// [`Backend::write_weight_mat`]. The default refuses (the backend cannot stream).
+    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
+        let _ = info;
+        Err(BackendError::Weight {
+            name: name.to_string(),
+            problem: format!("backend {} cannot hold streamed experts", self.name()),
+        })
+    }
+
+    /// Stores `raw`, one matrix's bytes exactly as the GGUF file holds them (`rows` rows
+    /// of the type's row size), as matrix `mat` of `w` (a weight from
+    /// [`Backend::alloc_weight`]). Ops issued afterwards see the new bytes; the caller
+    /// must not overwrite a matrix an earlier op still reads (the engine downloads the
+    /// router's ids, a synchronisation, before it writes). The backend stores them as its
+    /// load path would (e.g. repacked), so ops give what they give on a loaded weight.
+    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
+        let _ = (w, mat, raw);
+        Err(BackendError::Invalid {
+            op: "write_weight_mat",
+            problem: format!("backend {} cannot hold streamed experts", self.name()),
+        })
+    }
+
     // ---- dense algebra ------------------------------------------------------------------
 
     /// `y[t] = W[mat] · x[t]` for `t < n_tok`; `x` is `[T, cols]`, `y` is `[T, rows]`.

@@ -9,6 +9,7 @@ use ds4_model::{HParams, ModelSpec, Strictness};
 use crate::backend::Backend;
 use crate::config::{EngineConfig, NumericMode};
 use crate::error::{EngineError, Result};
+use crate::expert_stream::{ExpertPlacement, ExpertStream, StreamStats};
 use crate::forward::{forward, forward_chunk, Model, Scratch, Seq, Want};
 use crate::state::{fnv1a, KvState, Snapshot};
 use crate::weights::ModelWeights;
@@ -33,6 +34,8 @@ pub struct Engine {
     config: EngineConfig,
     scratch: Option<Scratch>,
     fingerprint: u64,
+    /// Routed experts streamed from the file ([`ExpertPlacement::Streamed`]).
+    stream: Option<ExpertStream>,
     _file: Arc<GgufFile>,
 }
 
@@ -62,8 +65,20 @@ impl Engine {
     /// every weight onto `backend`.
     pub fn load(
         file: Arc<GgufFile>,
+        backend: Box<dyn Backend>,
+        config: EngineConfig,
+    ) -> Result<Engine> {
+        Engine::load_with(file, backend, config, ExpertPlacement::Resident)
+    }
+
+    /// [`Engine::load`] with routed experts placed as `experts` says: with
+    /// [`ExpertPlacement::Streamed`] they stay in the file and are read on demand into a
+    /// cache of that many units (docs/placement.md §9); logits do not change.
+    pub fn load_with(
+        file: Arc<GgufFile>,
         mut backend: Box<dyn Backend>,
         config: EngineConfig,
+        experts: ExpertPlacement,
     ) -> Result<Engine> {
         if config.prefill_chunk == 0 {
             return Err(EngineError::Config("prefill chunk must be positive".into()));
@@ -85,7 +100,14 @@ impl Engine {
                 });
             }
         }
-        let weights = ModelWeights::load(backend.as_mut(), &file, &spec)?;
+        let stream = match experts {
+            ExpertPlacement::Resident => None,
+            ExpertPlacement::Streamed { slots } => {
+                Some(ExpertStream::new(backend.as_mut(), &file, &spec, slots)?)
+            }
+        };
+        let routed = stream.as_ref().map(ExpertStream::pools);
+        let weights = ModelWeights::load_with(backend.as_mut(), &file, &spec, routed)?;
         let fingerprint = fnv1a(format!("{:?}|{}", spec.hparams, mode).as_bytes());
         Ok(Engine {
             backend,
@@ -95,6 +117,7 @@ impl Engine {
             config,
             scratch: None,
             fingerprint,
+            stream,
             _file: file,
         })
     }
@@ -162,6 +185,18 @@ impl Engine {
             ));
         }
         Ok(())
+    }
+
+    /// What streaming routed experts has done so far (`None`: experts are resident).
+    pub fn expert_stats(&self) -> Option<StreamStats> {
+        self.stream.as_ref().map(ExpertStream::stats)
+    }
+
+    /// Zeroes the streaming counters (the cache keeps its contents).
+    pub fn reset_expert_stats(&mut self) {
+        if let Some(s) = self.stream.as_mut() {
+            s.reset_stats();
+        }
     }
 
     /// The backend, for instrumentation ([`Backend::counters`], profiling).
@@ -234,10 +269,11 @@ impl Engine {
         }
         self.ensure_scratch(n)?;
         let scratch = self.scratch.as_ref().expect("scratch allocated above");
-        let model = Model {
+        let mut model = Model {
             hp: &self.spec.hparams,
             w: &self.weights,
             mode: self.mode,
+            stream: self.stream.as_mut(),
         };
         let mut seqs: Vec<Seq> = states
             .iter_mut()
@@ -250,7 +286,7 @@ impl Engine {
         self.backend.set_decode_rows(n)?;
         let r = forward(
             self.backend.as_mut(),
-            &model,
+            &mut model,
             scratch,
             &mut seqs,
             Want::Last,
@@ -360,10 +396,11 @@ impl Engine {
         self.ensure_scratch(logit_rows)?;
         let hp = &self.spec.hparams;
         let scratch = self.scratch.as_ref().expect("scratch allocated above");
-        let model = Model {
+        let mut model = Model {
             hp,
             w: &self.weights,
             mode: self.mode,
+            stream: self.stream.as_mut(),
         };
         let n_chunks = tokens.len().div_ceil(cap);
         for (ci, chunk) in tokens.chunks(cap).enumerate() {
@@ -373,7 +410,7 @@ impl Engine {
                 Logits::Last if last => Want::Last,
                 _ => Want::None,
             };
-            forward_chunk(self.backend.as_mut(), &model, scratch, state, chunk, w)?;
+            forward_chunk(self.backend.as_mut(), &mut model, scratch, state, chunk, w)?;
             let rows = match w {
                 Want::None => 0,
                 Want::Last => 1,

@@ -33,6 +33,8 @@ pub enum EngineError {
     Sampler(String),
     #[error("nothing to decode: the token list is empty")]
     Empty,
+    #[error("streamed experts: {0}")]
+    Stream(#[from] crate::expert_stream::StreamError),
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

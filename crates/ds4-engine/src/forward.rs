@@ -13,6 +13,7 @@ use crate::backend::{
 };
 use crate::config::NumericMode;
 use crate::error::{EngineError, Result};
+use crate::expert_stream::ExpertStream;
 use crate::state::{CompState, KvState};
 use crate::weights::{CompressorWeights, ModelWeights};
 
@@ -185,6 +186,9 @@ pub(crate) struct Model<'a> {
     pub hp: &'a HParams,
     pub w: &'a ModelWeights,
     pub mode: NumericMode,
+    /// Streamed routed experts: the layers' routed weights are its slot pools and the
+    /// router's ids go through its cache (docs/placement.md §9).
+    pub stream: Option<&'a mut ExpertStream>,
 }
 
 /// One sequence's part of a forward call: its state and the tokens that follow it.
@@ -198,7 +202,7 @@ pub(crate) struct Seq<'a> {
 /// (`[rows, n_vocab]`, rows = 1 for `Last`, `T` for `All`).
 pub(crate) fn forward_chunk(
     be: &mut dyn Backend,
-    m: &Model,
+    m: &mut Model,
     s: &Scratch,
     st: &mut KvState,
     toks: &[u32],
@@ -224,7 +228,7 @@ pub(crate) fn forward_chunk(
 /// The caller checks sizes, ids and contexts.
 pub(crate) fn forward(
     be: &mut dyn Backend,
-    m: &Model,
+    m: &mut Model,
     s: &Scratch,
     seqs: &mut [Seq],
     want: Want,
@@ -290,7 +294,8 @@ pub(crate) fn forward(
     be.annotate("embed");
     be.embed(m.w.tok_embd, s.tokens, t, n_hc, x)?;
 
-    for (il, lw) in m.w.layers.iter().enumerate() {
+    let weights = m.w;
+    for (il, lw) in weights.layers.iter().enumerate() {
         let freq = layer_rope(hp, il);
         let rope =
             |n_rows: usize, n_heads: usize, head_dim: usize, p0: usize, step: usize| RopeArgs {
@@ -567,16 +572,27 @@ pub(crate) fn forward(
             ew,
         )?;
         let clamp = hp.swiglu_clamp[il];
-        be.moe(
-            a,
-            s.eids,
-            ew,
-            lw.gate_exps,
-            lw.up_exps,
-            lw.down_exps,
-            MoeArgs { n_tok: t, k, clamp },
-            f,
-        )?;
+        let margs = MoeArgs { n_tok: t, k, clamp };
+        match m.stream.as_deref_mut() {
+            None => be.moe(
+                a,
+                s.eids,
+                ew,
+                lw.gate_exps,
+                lw.up_exps,
+                lw.down_exps,
+                margs,
+                f,
+            )?,
+            Some(stream) => {
+                // A prefill is never cut into one-token runs: the int8-activation rule
+                // treats a call of at most the decode rows as decode
+                // (Backend::set_activation_q8); a batched decode step's rows are all
+                // decode rows, so any run of them is computed as in the whole step.
+                let min_run = if batched { 1 } else { 2 };
+                stream.moe(be, il, a, s.eids, ew, margs, f, min_run)?
+            }
+        }
         let ff = hp.expert_ff;
         let (sg, su, sh) = (
             s.sg.rows(0, t, ff),

@@ -17,6 +17,8 @@ pub mod backend;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod expert_cache;
+pub mod expert_stream;
 pub mod forward;
 pub mod numerics;
 pub mod sampler;
@@ -31,6 +33,7 @@ pub use backend::{
 pub use config::{EngineConfig, NumericMode, DEFAULT_PREFILL_CHUNK};
 pub use engine::{Engine, Logits};
 pub use error::{EngineError, Result};
+pub use expert_stream::{ExpertPlacement, StreamError, StreamStats};
 pub use sampler::{argmax, Rng, Sampler, SamplerConfig};
 pub use session::{Generation, Session, StopConditions, StopReason};
 pub use state::{KvState, Snapshot};

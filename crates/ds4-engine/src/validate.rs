@@ -184,6 +184,47 @@ pub fn fill(dst: Slice) -> BResult<()> {
 
 // ---- dense algebra ---------------------------------------------------------------------
 
+/// [`crate::Backend::alloc_weight`]: a matrix type and three positive dims.
+pub fn alloc_weight(name: &str, info: crate::backend::WeightInfo) -> BResult<usize> {
+    let bad = |problem: String| BackendError::Weight {
+        name: name.to_string(),
+        problem,
+    };
+    if info.ty == GgmlType::I32 || info.dims.contains(&0) {
+        return Err(bad(format!("cannot allocate {} {:?}", info.ty, info.dims)));
+    }
+    let row = info.ty.row_bytes(info.cols() as u64).ok_or_else(|| {
+        bad(format!(
+            "type {} cannot hold rows of {}",
+            info.ty,
+            info.cols()
+        ))
+    })?;
+    usize::try_from(row)
+        .ok()
+        .and_then(|r| r.checked_mul(info.rows())?.checked_mul(info.mats()))
+        .ok_or_else(|| bad("size overflows".into()))
+}
+
+/// [`crate::Backend::write_weight_mat`]: `mat` exists and `raw` is one matrix's bytes.
+/// Returns the matrix's byte size.
+pub fn write_weight_mat(w: Weight, mat: usize, raw_len: usize) -> BResult<usize> {
+    const OP: &str = "write_weight_mat";
+    let (cols, rows, mats) = (w.info.cols(), w.info.rows(), w.info.mats());
+    if mat >= mats {
+        return Err(invalid(OP, format!("matrix {mat} of {mats}")));
+    }
+    let bytes = w
+        .info
+        .ty
+        .row_bytes(cols as u64)
+        .and_then(|r| usize::try_from(r).ok())
+        .and_then(|r| r.checked_mul(rows))
+        .ok_or_else(|| invalid(OP, format!("type {} rows of {cols}", w.info.ty)))?;
+    shape(OP, "matrix bytes", bytes, raw_len)?;
+    Ok(bytes)
+}
+
 pub fn matmul(w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
     const OP: &str = "matmul";
     let (cols, rows, mats) = (w.info.cols(), w.info.rows(), w.info.mats());

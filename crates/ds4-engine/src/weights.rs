@@ -82,6 +82,18 @@ impl ModelWeights {
         file: &Arc<GgufFile>,
         spec: &ModelSpec,
     ) -> Result<ModelWeights> {
+        Self::load_with(backend, file, spec, None)
+    }
+
+    /// [`ModelWeights::load`]; with `routed = Some([gate, up, down])` the layers' routed
+    /// tensors are not loaded and every layer gets these weights instead (the slot pools
+    /// of streamed experts, docs/placement.md §9).
+    pub fn load_with(
+        backend: &mut dyn Backend,
+        file: &Arc<GgufFile>,
+        spec: &ModelSpec,
+        routed: Option<[Weight; 3]>,
+    ) -> Result<ModelWeights> {
         // Pass 1: the names in the order the model is assembled (placeholder weights).
         let mut list: Vec<(String, WeightUse)> = Vec::new();
         let placeholder = Weight::new(
@@ -91,7 +103,7 @@ impl ModelWeights {
                 dims: [1, 1, 1],
             },
         );
-        Self::assemble(spec, &mut |name, usage| {
+        Self::assemble(spec, routed, &mut |name, usage| {
             if spec.tensor(&name).is_none() {
                 return Err(EngineError::MissingTensor { name });
             }
@@ -109,7 +121,7 @@ impl ModelWeights {
         }
         // Pass 2: the same walk, handing out the loaded weights in order.
         let mut next = loaded.into_iter().zip(list);
-        Self::assemble(spec, &mut |name, _| match next.next() {
+        Self::assemble(spec, routed, &mut |name, _| match next.next() {
             Some((w, (n, _))) if n == name => Ok(w),
             _ => Err(EngineError::MissingTensor { name }),
         })
@@ -118,6 +130,7 @@ impl ModelWeights {
     /// Builds the model's weight structure, asking `get` for each tensor in a fixed order.
     fn assemble(
         spec: &ModelSpec,
+        routed: Option<[Weight; 3]>,
         get: &mut dyn FnMut(String, WeightUse) -> Result<Weight>,
     ) -> Result<ModelWeights> {
         use GlobalTensor as G;
@@ -197,9 +210,18 @@ impl ModelWeights {
                 router: get(L::RouterGate, M)?,
                 router_bias,
                 tid2eid,
-                gate_exps: get(L::GateExps, M)?,
-                up_exps: get(L::UpExps, M)?,
-                down_exps: get(L::DownExps, M)?,
+                gate_exps: match routed {
+                    Some(p) => p[0],
+                    None => get(L::GateExps, M)?,
+                },
+                up_exps: match routed {
+                    Some(p) => p[1],
+                    None => get(L::UpExps, M)?,
+                },
+                down_exps: match routed {
+                    Some(p) => p[2],
+                    None => get(L::DownExps, M)?,
+                },
                 gate_sh: get(L::GateShexp, M)?,
                 up_sh: get(L::UpShexp, M)?,
                 down_sh: get(L::DownShexp, M)?,

@@ -51,7 +51,9 @@
 //! allows) rests on two assumptions it states: the disk's read rate (measured when the
 //! request carries one, else the policy's) and a hit rate equal to the cached share of
 //! all units (uniform routing). [`plan::ExpertStream`] says what an expert cache may
-//! rely on. `--experts resident` never streams.
+//! rely on. `--experts resident` never streams. `--expert-cache-gib N` caps the cache
+//! (refused below the minimum; a capped cache gets no host tier). The engine runs such a
+//! plan with an LRU cache of `cache_slots` units (docs/placement.md §9).
 //!
 //! # Arenas
 //! A tensor of at least 256 MiB gets its own allocation of exactly its size (rounded

@@ -1178,7 +1178,23 @@ fn streamed_plan(
                 || x <= min_cache
                 || l.host.headroom() >= policy.optional_reserve)
     };
-    let cache = max_true(0, all_bytes, cache_fits) / slot * slot;
+    let cap = req.overrides.expert_cache.value.unwrap_or(u64::MAX);
+    let cache = max_true(0, all_bytes, cache_fits).min(cap) / slot * slot;
+    if cache < min_cache && cap < min_cache {
+        return Err(vec![FailedOption {
+            option: format!(
+                "{option}: a cache of at most {} (--expert-cache-gib)",
+                fmt_gib(cap)
+            ),
+            shortfalls: Vec::new(),
+            note: Some(format!(
+                "a streamed plan needs a cache of at least {} ({} for one token's experts + {} extra)",
+                fmt_gib(min_cache),
+                fmt_gib(per_token_bytes),
+                fmt_gib(min_cache - per_token_bytes)
+            )),
+        }]);
+    }
     if cache < min_cache {
         let l = ledger_for(&cx, &p.arenas, &with(min_cache, 0));
         return Err(vec![FailedOption {
@@ -1199,7 +1215,10 @@ fn streamed_plan(
         l.fits() && (x == 0 || l.host.headroom() >= policy.optional_reserve)
     };
     let tier = match tier_kind {
-        Some(_) if cache < all_bytes => max_true(0, all_bytes - cache, tier_fits) / slot * slot,
+        // A capped cache (--expert-cache-gib) is the whole cache: no second tier.
+        Some(_) if cache < all_bytes && cap == u64::MAX => {
+            max_true(0, all_bytes - cache, tier_fits) / slot * slot
+        }
         _ => 0,
     };
     let buffers = with(cache, tier);

@@ -164,6 +164,9 @@ pub struct Overrides {
     /// Resident or streamed routed experts.
     #[serde(default)]
     pub experts: Setting<ExpertsChoice>,
+    /// Largest expert cache of a streamed plan, in bytes; `None` = as large as fits.
+    #[serde(default)]
+    pub expert_cache: Setting<Option<u64>>,
 }
 
 impl Overrides {
@@ -191,6 +194,7 @@ pub struct CliOverrides {
     pub os_reserve_gib: Option<String>,
     pub device_mem_limit_gib: Option<String>,
     pub experts: Option<String>,
+    pub expert_cache_gib: Option<String>,
 }
 
 /// A flag or variable with a value the planner does not accept.
@@ -273,6 +277,13 @@ pub const OVERRIDE_TABLE: &[OverrideDoc] = &[
         values: "auto|resident|stream",
         default: "auto",
         effect: "routed experts resident, or streamed from the model file through an expert cache (auto: streamed only when nothing resident fits)",
+    },
+    OverrideDoc {
+        flag: "--expert-cache-gib",
+        env: "DS4_EXPERT_CACHE_GIB",
+        values: "GiB (0 = as large as fits)",
+        default: "0",
+        effect: "caps the expert cache of a streamed plan (docs/placement.md §9); below the plan's minimum the plan is refused",
     },
 ];
 
@@ -441,6 +452,13 @@ pub fn resolve_overrides(
             env,
         )?,
         experts: resolve_experts(cli.experts.as_deref(), env)?,
+        expert_cache: resolve_gib(
+            "--expert-cache-gib",
+            cli.expert_cache_gib.as_deref(),
+            "DS4_EXPERT_CACHE_GIB",
+            true,
+            env,
+        )?,
     })
 }
 

@@ -206,3 +206,41 @@ fn a_measured_read_rate_replaces_the_assumption() {
     assert_eq!(st.read_bytes_per_s, 7_000_000_000);
     assert!(p.render_text().contains("7.00 GB/s measured"));
 }
+
+#[test]
+fn the_expert_cache_cap_shrinks_the_cache_and_refuses_below_the_minimum() {
+    let inv = flash(Quant::Q2);
+    let capped = |gib: u64| {
+        let mut r = with_experts(streaming_request(4096), ExpertsChoice::Stream);
+        r.overrides.expert_cache = Setting::new(
+            Some(gib * GIB),
+            Source::Cli {
+                flag: "--expert-cache-gib".into(),
+                value: gib.to_string(),
+            },
+        );
+        r
+    };
+    // The H200 would cache every expert; capped at 8 GiB it caches at most that much.
+    let p = run("h200-128g", &inv, &capped(8)).unwrap();
+    check_streamed(&p, &inv, MemKind::Device);
+    let st = p.stream.as_ref().unwrap();
+    assert!(st.cache.bytes <= 8 * GIB && st.cache.bytes + st.slot_bytes > 8 * GIB);
+    assert_eq!(st.cache_slots, st.cache.bytes / st.slot_bytes);
+    assert!(st.assumed_hit_rate < 0.5);
+    // Below one token's experts plus the extra: refused, naming the minimum.
+    match run("h200-128g", &inv, &capped(1)) {
+        Err(Refusal::DoesNotFit(f)) => {
+            let s = f
+                .tried
+                .iter()
+                .find(|o| o.option.contains("--expert-cache-gib"))
+                .expect("the capped option is reported");
+            assert!(
+                s.note.as_deref().unwrap_or("").contains("at least"),
+                "{s:?}"
+            );
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}

@@ -72,12 +72,6 @@ pub enum LoadError {
         what: String,
         refusal: Box<ds4_placement::Refusal>,
     },
-    #[error(
-        "placement for {what}: the model fits only with routed experts streamed from the file \
-         (a {cache_gib:.1} GiB expert cache; `ds4 plan` shows the plan), and the engine cannot \
-         stream experts yet"
-    )]
-    NeedsStreaming { what: String, cache_gib: f64 },
     #[error("cannot load {}", .path.display())]
     Engine {
         path: PathBuf,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::error::{error_chain, LoadError};
 use ds4_chat::Tokenizer;
-use ds4_engine::{Backend, Engine, EngineConfig, NumericMode};
+use ds4_engine::{Backend, Engine, EngineConfig, ExpertPlacement, NumericMode};
 use ds4_gguf::GgufFile;
 
 /// `--backend`: which [`Backend`] runs the model.
@@ -393,12 +393,6 @@ pub fn placement_plan(
                 writeln!(log, "placement plan for {}", planned.description)?;
                 write!(log, "{}", plan.render_text())?;
             }
-            if let Some(st) = &plan.stream {
-                return Err(LoadError::NeedsStreaming {
-                    what: planned.description,
-                    cache_gib: st.cache.bytes as f64 / (1u64 << 30) as f64,
-                });
-            }
             Ok(plan)
         }
         Err(refusal) => Err(LoadError::Refused {
@@ -418,13 +412,45 @@ pub fn planned_backend(
     log: Option<&mut dyn Write>,
     precision: Precision,
 ) -> Result<Box<dyn Backend>, LoadError> {
+    Ok(planned_backend_and_experts(choice, threads, req, log, precision)?.0)
+}
+
+/// How a plan places routed experts in the engine: resident, or streamed through a cache
+/// of the plan's `cache_slots` units (docs/placement.md §9). The plan's optional host tier
+/// is not built by this engine (said in the log).
+pub fn expert_placement(plan: &ds4_placement::Plan) -> ExpertPlacement {
+    match &plan.stream {
+        None => ExpertPlacement::Resident,
+        Some(st) => {
+            if st.host_tier_slots > 0 {
+                tracing::warn!(
+                    "the plan's host tier of {} expert units is not used: this engine has one cache tier",
+                    st.host_tier_slots
+                );
+            }
+            ExpertPlacement::Streamed {
+                slots: usize::try_from(st.cache_slots).unwrap_or(usize::MAX),
+            }
+        }
+    }
+}
+
+/// [`planned_backend`], and how the engine must place the routed experts by the plan.
+pub fn planned_backend_and_experts(
+    choice: BackendChoice,
+    threads: usize,
+    req: &PlacementRequest<'_>,
+    log: Option<&mut dyn Write>,
+    precision: Precision,
+) -> Result<(Box<dyn Backend>, ExpertPlacement), LoadError> {
     let resolved = probe_device(choice, true)?;
     let plan = placement_plan(req, &resolved, log)?;
+    let experts = expert_placement(&plan);
     let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
     let mut be = make_planned_backend(resolved, choice, threads, gpu_plan, precision)?;
     be.set_activation_q8(precision.activation_q8())
         .map_err(LoadError::ActivationPrecision)?;
-    Ok(be)
+    Ok((be, experts))
 }
 
 /// Opens the model, builds the tokenizer and the engine, and prints the load report (model,
@@ -449,6 +475,14 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError
         engine.backend_name(),
         engine.config().ctx
     )?;
+    if let Some(s) = engine.expert_stats() {
+        writeln!(
+            log,
+            "ds4: routed experts streamed from the file through a cache of {} units ({:.2} GiB; docs/placement.md §9)",
+            s.slots,
+            (s.slot_bytes * s.slots as u64) as f64 / (1u64 << 30) as f64
+        )?;
+    }
     if let Some(note) = ds4_model::layout::random_weights_note(file.header()) {
         writeln!(log, "ds4: NOTE: {note}")?;
     }
@@ -490,13 +524,14 @@ fn build_engine_logged(
         overrides: opts.placement.clone(),
     };
     let log = log.filter(|_| opts.report_placement);
-    let backend = planned_backend(opts.backend, opts.threads, &req, log, opts.precision)?;
+    let (backend, experts) =
+        planned_backend_and_experts(opts.backend, opts.threads, &req, log, opts.precision)?;
     let cfg = EngineConfig {
         mode: opts.mode.map(NumericMode::from),
         ctx,
         prefill_chunk: opts.prefill_chunk,
     };
-    Engine::load(file.clone(), backend, cfg).map_err(|source| LoadError::Engine {
+    Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| LoadError::Engine {
         path: opts.model.clone(),
         source,
     })

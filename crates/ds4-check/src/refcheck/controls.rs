@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use ds4_engine::backend::{
     AttnArgs, BResult, Backend, Buf, CompressorArgs, HcArgs, IBuf, IndexerArgs, MoeArgs, RopeArgs,
-    RouterArgs, Routing, Slice, Weight, WeightUse,
+    RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
 };
 use ds4_engine::numerics::{e4m3_round, fp4_roundtrip, fp8_roundtrip};
 use ds4_engine::Rng;
@@ -298,6 +298,12 @@ impl Backend for Controlled {
         list: &[(String, WeightUse)],
     ) -> BResult<Vec<Weight>> {
         self.inner.load_weights(file, list)
+    }
+    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
+        self.inner.alloc_weight(name, info)
+    }
+    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
+        self.inner.write_weight_mat(w, mat, raw)
     }
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         self.inner.matmul(w, mat, x, n_tok, y)?;

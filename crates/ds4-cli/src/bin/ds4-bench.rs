@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use ds4_convert::SyntheticModel;
-use ds4_engine::{Engine, EngineConfig, Logits, NumericMode, Rng};
+use ds4_engine::{Engine, EngineConfig, ExpertPlacement, Logits, NumericMode, Rng, StreamStats};
 use ds4_gguf::GgufFile;
 use ds4_gpu::backend::{CudaBackend, CudaOptions, WeightSource};
 use ds4_gpu::cuda::CudaDevice;
@@ -63,6 +63,14 @@ struct Args {
     /// Pretend the device has at most this many GiB (placement tests of small-pool machines).
     #[arg(long)]
     device_mem_limit_gib: Option<String>,
+    /// Routed experts: auto (the planner's choice), resident, or stream (read from the
+    /// model file through an expert cache, docs/placement.md §9; needs -m FILE). Streamed
+    /// runs print the cache's hit rate and the disk reads per frontier.
+    #[arg(long)]
+    experts: Option<String>,
+    /// Largest expert cache of a streamed plan, GiB (default: as large as fits).
+    #[arg(long)]
+    expert_cache_gib: Option<String>,
     /// Write the CSV here too.
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
@@ -183,6 +191,8 @@ fn e2e(args: &Args) -> Result<()> {
         placement: CliOverrides {
             weights_mem: (args.weights_mem != "auto").then(|| args.weights_mem.clone()),
             device_mem_limit_gib: args.device_mem_limit_gib.clone(),
+            experts: args.experts.clone(),
+            expert_cache_gib: args.expert_cache_gib.clone(),
             ..Default::default()
         },
         report_placement: false,
@@ -344,6 +354,8 @@ fn main() -> Result<()> {
         overrides: CliOverrides {
             weights_mem: (args.weights_mem != "auto").then(|| args.weights_mem.clone()),
             device_mem_limit_gib: args.device_mem_limit_gib.clone(),
+            experts: args.experts.clone(),
+            expert_cache_gib: args.expert_cache_gib.clone(),
             ..Default::default()
         },
     };
@@ -405,7 +417,11 @@ fn main() -> Result<()> {
         prefill_chunk: args.prefill_chunk,
     };
     let t_load = Instant::now();
-    let mut eng = Engine::load(file.clone(), Box::new(be), cfg)?;
+    let experts = ds4_cli::load::expert_placement(&plan);
+    if experts != ExpertPlacement::Resident && args.model.is_none() {
+        bail!("streamed experts are read from a file: use -m FILE (ds4-convert synthetic --sparse-experts makes a full-size one)");
+    }
+    let mut eng = Engine::load_with(file.clone(), Box::new(be), cfg, experts)?;
     let load_s = t_load.elapsed().as_secs_f64();
     eprintln!(
         "loaded {label} in {load_s:.1} s ({:.1} s since start) · backend {} · mode {}",
@@ -431,6 +447,9 @@ fn main() -> Result<()> {
          kv_bytes,decode_limit_tok_s,decode_fraction_of_limit\n",
     );
     let mut last = Vec::new();
+    let mut stream_csv = String::from(
+        "frontier,phase,tokens,tok_s,lookups,hit_rate,misses_per_token,bytes_read,read_s,disk_gb_s,slot_write_s,moe_runs\n",
+    );
     if args.profile_prefill > 0 {
         profile_prefill(&mut eng, args.profile_prefill, args.seed)?;
     }
@@ -443,9 +462,14 @@ fn main() -> Result<()> {
         let toks: Vec<u32> = (0..n)
             .map(|_| (rng.next_f64() * hp.n_vocab as f64) as u32 % hp.n_vocab as u32)
             .collect();
+        eng.reset_expert_stats();
         let t0 = Instant::now();
         let mut logits = eng.eval(&mut st, &toks, Logits::Last, None)?;
         let pf = t0.elapsed().as_secs_f64();
+        if let Some(s) = eng.expert_stats() {
+            stream_csv += &stream_line(f, "prefill", n, pf, &s);
+        }
+        eng.reset_expert_stats();
         let mut next = ds4_engine::argmax(&logits) as u32;
         let c0 = eng.backend_mut().counters();
         let t1 = Instant::now();
@@ -453,6 +477,11 @@ fn main() -> Result<()> {
             next = eng.eval_argmax(&mut st, &[next])?;
         }
         let dc = t1.elapsed().as_secs_f64();
+        if let Some(s) = eng.expert_stats() {
+            let line = stream_line(f, "decode", args.decode, dc, &s);
+            eprint!("experts: {line}");
+            stream_csv += &line;
+        }
         let c1 = eng.backend_mut().counters();
         let per = args.decode.max(1) as f64;
         eprintln!(
@@ -488,6 +517,15 @@ fn main() -> Result<()> {
         )?;
     }
     print!("{csv}");
+    if let Some(s) = eng.expert_stats() {
+        println!(
+            "# streamed experts: {} slots of {:.2} MiB ({:.2} GiB cache)",
+            s.slots,
+            s.slot_bytes as f64 / (1u64 << 20) as f64,
+            (s.slot_bytes * s.slots as u64) as f64 / (1u64 << 30) as f64
+        );
+        print!("{stream_csv}");
+    }
     if args.checksum {
         let sum: f64 = last.iter().map(|&v| v as f64).sum();
         let am = ds4_engine::argmax(&last);
@@ -676,4 +714,22 @@ fn print_profile(
             1e3 * ms / (*c).max(1) as f64
         );
     }
+}
+
+/// One row of the streamed-experts CSV: `n` tokens in `secs`, and what the expert cache
+/// did meanwhile (hit rate, disk bytes and rate, time writing slots).
+fn stream_line(frontier: usize, phase: &str, n: usize, secs: f64, s: &StreamStats) -> String {
+    let rate = |x: f64| if secs > 0.0 { x / secs } else { 0.0 };
+    format!(
+        "{frontier},{phase},{n},{:.2},{},{:.4},{:.1},{},{:.3},{:.2},{:.3},{}\n",
+        rate(n as f64),
+        s.lookups,
+        s.hit_rate(),
+        s.misses as f64 / n.max(1) as f64,
+        s.bytes_read,
+        s.read_secs,
+        s.read_bytes_per_s() / 1e9,
+        s.write_secs,
+        s.runs
+    )
 }

@@ -176,6 +176,9 @@ struct PlacementFlags {
     /// expert cache; auto streams only when nothing resident fits).
     #[arg(long)]
     experts: Option<String>,
+    /// Largest expert cache of a streamed plan, GiB (0: as large as fits).
+    #[arg(long)]
+    expert_cache_gib: Option<String>,
 }
 
 impl PlacementFlags {
@@ -187,6 +190,7 @@ impl PlacementFlags {
             os_reserve_gib: self.os_reserve_gib.clone(),
             device_mem_limit_gib: self.device_mem_limit_gib.clone(),
             experts: self.experts.clone(),
+            expert_cache_gib: self.expert_cache_gib.clone(),
         }
     }
 }

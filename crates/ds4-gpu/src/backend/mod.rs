@@ -1152,9 +1152,14 @@ impl<D: GpuApi> GpuBackend<D> {
             None => return Ok(()),
         };
         let rows = w.info.dims[1] * w.info.dims[2];
-        let n = i32::try_from(w.info.dims[0]).map_err(|_| BackendError::Invalid {
+        self.split_q8_0_rows(ptr, rows, w.info.dims[0])
+    }
+
+    /// [`Self::split_q8_0`] of `rows` Q8_0 rows of `cols` values at device address `ptr`.
+    fn split_q8_0_rows(&self, ptr: u64, rows: usize, cols: usize) -> BResult<()> {
+        let n = i32::try_from(cols).map_err(|_| BackendError::Invalid {
             op: "load_weight",
-            problem: format!("{}: row of {} values", w.name, w.info.dims[0]),
+            problem: format!("Q8_0 row of {cols} values"),
         })?;
         self.launch(
             "ds4_q8_0_split",
@@ -1166,6 +1171,79 @@ impl<D: GpuApi> GpuBackend<D> {
                 launch::Arg::I32(n),
             ],
         )
+    }
+
+    /// [`ds4_engine::Backend::alloc_weight`]: a zero-filled matrix weight in its own
+    /// allocation (the slot pools of streamed experts, docs/placement.md §9).
+    fn alloc_pool(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
+        let werr = |problem: String| BackendError::Weight {
+            name: name.to_string(),
+            problem,
+        };
+        let bytes = validate::alloc_weight(name, info)?;
+        if !matches!(
+            info.ty,
+            GgmlType::F32
+                | GgmlType::F16
+                | GgmlType::Bf16
+                | GgmlType::Q8_0
+                | GgmlType::Q2K
+                | GgmlType::Q4K
+                | GgmlType::Iq2Xxs
+        ) || (info.ty == GgmlType::Q8_0 && info.cols() > Q8_SPLIT_MAX_IN)
+        {
+            return Err(werr(format!(
+                "type {} [{}] is not supported",
+                info.ty,
+                info.cols()
+            )));
+        }
+        let row_bytes = bytes / (info.rows() * info.mats());
+        let mut b = self
+            .dev
+            .alloc_weights(bytes.max(16))
+            .map_err(|e| werr(e.to_string()))?;
+        b.fill_u32(0).map_err(|e| werr(e.to_string()))?;
+        let kind = b.kind();
+        self.loaded.add(kind, bytes as u64);
+        let id = u32::try_from(self.weights.len()).map_err(|_| werr("too many weights".into()))?;
+        self.weights.push(GpuWeight {
+            name: name.to_string(),
+            info,
+            row_bytes,
+            storage: Some(Storage::Own(b)),
+            vector: None,
+            kind,
+        });
+        Ok(Weight::new(id, info))
+    }
+
+    /// [`ds4_engine::Backend::write_weight_mat`]: waits for queued work (an op still
+    /// reading the slot), copies the bytes, then repacks them as the load path does
+    /// (Q8_0: the split layout, docs/gpu.md §7).
+    fn write_pool_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
+        const OP: &str = "write_weight_mat";
+        let bytes = validate::write_weight_mat(w, mat, raw.len())?;
+        self.weight(w, OP)?;
+        self.sync()?;
+        let offset = mat * bytes;
+        let gw = &mut self.weights[w.id() as usize];
+        let ptr = match &mut gw.storage {
+            Some(Storage::Own(b)) => {
+                b.write(offset, raw).map_err(gerr(OP))?;
+                b.device_address() + offset as u64
+            }
+            _ => {
+                return Err(BackendError::Invalid {
+                    op: OP,
+                    problem: format!("weight {} is not a slot pool", gw.name),
+                })
+            }
+        };
+        if w.info.ty == GgmlType::Q8_0 {
+            self.split_q8_0_rows(ptr, w.info.rows(), w.info.cols())?;
+        }
+        Ok(())
     }
 
     /// Allocates weight `name` and, unless `defer`, copies its bytes. Deferred matrices
@@ -1475,6 +1553,14 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         list: &[(String, WeightUse)],
     ) -> BResult<Vec<Weight>> {
         self.load_batch(file, list)
+    }
+
+    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
+        self.alloc_pool(name, info)
+    }
+
+    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
+        self.write_pool_mat(w, mat, raw)
     }
 
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {

@@ -21,6 +21,9 @@
 #              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
 #   server     ds4-server --parallel 16 on a sparse full-size q2 file: aggregate tok/s and
 #              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py)
+#   ncu        per-kernel device time of a 2-layer model's load, 2048-token prefill and one
+#              decode step under ncu (by kernel name; cuBLAS
+#              kernels included, tools/device/ncu-by-kernel.py): the prefill attribution
 #   numeric    logits of the fast paths (tiles off/experts/all) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
 set -uo pipefail
@@ -125,6 +128,13 @@ if ! skip server; then
     cat "$OUT/throughput.log"
     kill $sp; wait $sp 2>/dev/null
     rm -f "$work/q2.gguf"
+fi
+if ! skip ncu; then
+    step ncu
+    timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 1 \
+        > "$OUT/ncu_prefill.csv" 2> "$OUT/ncu_prefill.err"
+    python3 "$R/tools/device/ncu-by-kernel.py" "$OUT/ncu_prefill.csv" 25
 fi
 if ! skip numeric; then
     step numeric; models

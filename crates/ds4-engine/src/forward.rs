@@ -375,7 +375,7 @@ pub(crate) fn forward(
         // sequence with its own indexer selection buffer): compressor state updates, then
         // the rows they emitted finished, the indexer's the same, its top-k, attention and
         // the ring stores.
-        let group_len = if batched { s.sels.len() } else { 1 };
+        let group_len = if batched { s.sels.len().max(1) } else { 1 };
         let sel_of = |i: usize| if batched { s.sels[i] } else { s.sel };
         let seq_rows = |x: Slice, width: usize, (r0, t, _): (usize, usize, usize)| {
             x.sub(r0 * width, t * width)

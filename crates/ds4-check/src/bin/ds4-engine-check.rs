@@ -814,14 +814,24 @@ fn batch(a: &Args) -> Result<()> {
     }
 }
 
+/// The subcommands and their options (the module documentation says what each checks).
+const USAGE: &str = "usage: ds4-engine-check ops [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C] [--act-q8] [--tiles off|experts|all]
+       ds4-engine-check parity [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8]
+       ds4-engine-check batch [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8] [--seqs N] [--gpu-only]
+       ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--act-q8] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]";
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     let rest = || parse(args.get(1..).unwrap_or(&[]));
     match args.first().map(String::as_str) {
         Some("ops") => ops(&rest()?),
         Some("parity") => parity(&rest()?),
         Some("batch") => batch(&rest()?),
         Some("reference") => reference(&parse_reference(args.get(1..).unwrap_or(&[]))?),
-        _ => bail!("usage: ds4-engine-check (ops|parity|batch) [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S]\n       ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]"),
+        _ => bail!("{USAGE}"),
     }
 }

@@ -33,11 +33,14 @@ impl<D: GpuApi> GpuBackend<D> {
         block: u32,
         args: &[Arg],
     ) -> BResult<()> {
-        let f = self.funcs.get(name).ok_or(BackendError::Invalid {
+        self.launch_fn(self.kernel(name)?, name, grid, block, args)
+    }
+
+    fn kernel(&self, name: &'static str) -> BResult<&D::Function> {
+        self.funcs.get(name).ok_or(BackendError::Invalid {
             op: "launch",
             problem: format!("kernel {name} is not loaded"),
-        })?;
-        self.launch_fn(f, name, grid, block, args)
+        })
     }
 
     /// [`Self::launch`] of a kernel that also takes a struct by value: its bytes, `blob`
@@ -51,11 +54,7 @@ impl<D: GpuApi> GpuBackend<D> {
         blob_at: usize,
         blob: &[u64],
     ) -> BResult<()> {
-        let f = self.funcs.get(name).ok_or(BackendError::Invalid {
-            op: "launch",
-            problem: format!("kernel {name} is not loaded"),
-        })?;
-        self.launch_params(f, name, grid, block, args, Some((blob_at, blob)))
+        self.launch_params(self.kernel(name)?, name, grid, block, args, Some((blob_at, blob)))
     }
 
     pub(crate) fn launch_fn(

@@ -69,8 +69,13 @@ struct Run {
 /// sequences, mirrored; returns the
 /// per-op statistics and the emulation's refusals.
 fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
+    mirrored_on(r, common::tiny_hparams())
+}
+
+/// [`mirrored`] on a synthetic model of `h`.
+fn mirrored_on(r: &Run, h: ds4_model::HParams) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
-    let file = model_file_with(dir.path(), r.recipe);
+    let file = model_file_from(dir.path(), h, r.recipe);
     let m = machine("strix-halo-stock");
     let (fake, gpu) = emulated_backend(&m, dir.path(), r.mma, r.tiles);
     let mut mirror = Mirror::new(CpuBackend::new(1).unwrap(), gpu);
@@ -151,6 +156,45 @@ fn emulated_gpu_ops_match_the_cpu_exact() {
         mode: NumericMode::Exact,
         prompt: 40,
     });
+}
+
+/// Chunks of 10 (then 10, 10, 10): from the second chunk on a chunk starts inside a window,
+/// so `ds4_compressor_windows` pools windows whose first tokens are in the accumulator and
+/// `ds4_compressor_tail` rebuilds it (a CSA layer: ratio 4 with overlap, and its indexer's
+/// compressor; an HCA layer: ratio 8 without); the mirror compares rows and accumulator
+/// with the CPU's sequential compressor.
+#[test]
+fn emulated_prefill_compressor_windows_match_the_cpu() {
+    let h = ds4_model::HParams {
+        n_layer: 2,
+        hash_layer_count: 1,
+        swiglu_clamp: vec![10.0; 2],
+        compress_ratios: vec![4, 8],
+        ..common::tiny_hparams()
+    };
+    let (stats, errors) = mirrored_on(
+        &Run {
+            mma: true,
+            recipe: TypeRecipe::Q2,
+            tiles: PrefillTiles::Off,
+            act_q8: false,
+            chunk: 10,
+            mode: NumericMode::Exact,
+            prompt: 40,
+        },
+        h,
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+    let comp = stats
+        .iter()
+        .find(|(op, _)| *op == "compressor")
+        .map(|(_, s)| s.clone())
+        .expect("the compressor ran");
+    // The parallel kernels reproduce the sequential arithmetic: no tolerance needed.
+    assert!(
+        comp.calls > 0 && comp.max_rel == 0.0 && comp.nan == 0,
+        "{comp:?}"
+    );
 }
 
 #[test]

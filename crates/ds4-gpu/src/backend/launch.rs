@@ -54,7 +54,14 @@ impl<D: GpuApi> GpuBackend<D> {
         blob_at: usize,
         blob: &[u64],
     ) -> BResult<()> {
-        self.launch_params(self.kernel(name)?, name, grid, block, args, Some((blob_at, blob)))
+        self.launch_params(
+            self.kernel(name)?,
+            name,
+            grid,
+            block,
+            args,
+            Some((blob_at, blob)),
+        )
     }
 
     pub(crate) fn launch_fn(

@@ -562,6 +562,8 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_combine",
     "ds4_attention_split_seqs",
     "ds4_compressor_seqs",
+    "ds4_compressor_windows",
+    "ds4_compressor_tail",
     "ds4_indexer_scores_seqs",
     "ds4_topk_select_seqs",
     "ds4_ring_store_seqs",

@@ -40,6 +40,13 @@ const ATT_KEYS_PER_SPLIT: usize = 32;
 const ATT_MAX_SPLITS: usize = 1024;
 /// Below this many (token, head) blocks attention splits the keys over blocks too.
 const ATT_SPLIT_BELOW_BLOCKS: usize = 1024;
+/// Chunks of at least this many tokens run the compressor in parallel over their completed
+/// windows (`ds4_compressor_windows` + `ds4_compressor_tail`) instead of one block walking
+/// the tokens (`ds4_compressor`); both give the same bits.
+const COMP_WINDOWS_FROM: usize = 8;
+/// Widest overlapping window the tail kernel holds in registers
+/// (`DS4_COMP_MAX_OVERLAP_M` in ops.cu).
+const COMP_MAX_OVERLAP_M: usize = 8;
 /// Sequences of one batched attention launch (`DS4_ATT_SEQS` in ops.cu).
 const ATT_SEQS: usize = 16;
 /// Most partial-result bytes of one batched attention launch (beyond: one sequence at a
@@ -1117,6 +1124,44 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         let apep = self.wvec(ape, OP, a.ratio * pw)?;
+        if a.n_tok >= COMP_WINDOWS_FROM && (!a.overlap || a.ratio <= COMP_MAX_OVERLAP_M) {
+            // Every completed window pooled at once, then the accumulator's final state.
+            let (accp, up, zp) = (self.fptr(acc, OP)?, self.fptr(uu, OP)?, self.fptr(z, OP)?);
+            let n_win = (a.pos0 + a.n_tok) / a.ratio - a.pos0 / a.ratio;
+            self.launch(
+                "ds4_compressor_windows",
+                (g32(n_win), g32(a.width.div_ceil(256)), 1),
+                256,
+                &[
+                    Arg::Ptr(accp),
+                    Arg::Ptr(up),
+                    Arg::Ptr(zp),
+                    Arg::Ptr(apep),
+                    u(a.pos0),
+                    i32a(OP, "ratio", a.ratio)?,
+                    i32a(OP, "width", a.width)?,
+                    Arg::I32(i32::from(a.overlap)),
+                    Arg::Ptr(self.fptr(rows, OP)?),
+                    u(cap),
+                ],
+            )?;
+            return self.launch(
+                "ds4_compressor_tail",
+                (g32(pw.div_ceil(256)), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(accp),
+                    Arg::Ptr(up),
+                    Arg::Ptr(zp),
+                    Arg::Ptr(apep),
+                    u(a.pos0),
+                    i32a(OP, "tokens", a.n_tok)?,
+                    i32a(OP, "ratio", a.ratio)?,
+                    i32a(OP, "width", a.width)?,
+                    Arg::I32(i32::from(a.overlap)),
+                ],
+            );
+        }
         let args = [
             Arg::Ptr(self.fptr(acc, OP)?),
             Arg::Ptr(self.fptr(uu, OP)?),

@@ -24,6 +24,10 @@
 #   ncu        per-kernel device time of a 2-layer model's load, 2048-token prefill and one
 #              decode step under ncu (by kernel name; cuBLAS
 #              kernels included, tools/device/ncu-by-kernel.py): the prefill attribution
+#   stream     streamed routed experts (issue 23): a sparse full-size q2 file with a skewed
+#              router, resident against 8 / 24 GiB expert caches (engine overheads: holes
+#              read as zeros), then a dense 12-layer file after dropping the page cache
+#              (disk reads); hit rate, GB read and GB/s per run
 #   numeric    logits of the fast paths (tiles off/experts/all) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
 set -uo pipefail
@@ -135,6 +139,30 @@ if ! skip ncu; then
         ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 1 \
         > "$OUT/ncu_prefill.csv" 2> "$OUT/ncu_prefill.err"
     python3 "$R/tools/device/ncu-by-kernel.py" "$OUT/ncu_prefill.csv" 25
+fi
+if ! skip stream; then
+    step stream
+    f="$work/q2s.gguf"
+    timeout 200 ds4-convert synthetic --quiet --layout q2 --sparse-experts --router-skew 0.3 \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" > "$OUT/stream.log" 2>&1
+    for c in resident 8 24; do
+        if [ $c = resident ]; then a=(--experts resident); else a=(--experts stream --expert-cache-gib $c); fi
+        echo "cache $c:"
+        timeout 300 ds4-bench -m "$f" "${a[@]}" --frontiers 2048 --decode 32 --checksum >> "$OUT/stream.log" 2>&1
+        tail -n 4 "$OUT/stream.log"
+    done
+    rm -f "$f"
+    # Real disk reads: a dense 12-layer file (routed experts written), page cache dropped.
+    f="$work/q2d.gguf"
+    timeout 400 ds4-convert synthetic --quiet --layout q2 --layers 12 --router-skew 0.3 \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" >> "$OUT/stream.log" 2>&1
+    for c in 4 8; do
+        sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(page cache not dropped)"
+        echo "dense 12 layers, cache $c GiB, cold:"
+        timeout 300 ds4-bench -m "$f" --experts stream --expert-cache-gib $c --frontiers 2048 --decode 32 >> "$OUT/stream.log" 2>&1
+        tail -n 4 "$OUT/stream.log"
+    done
+    rm -f "$f"
 fi
 if ! skip numeric; then
     step numeric; models

@@ -364,6 +364,16 @@ pub(crate) fn forward(
                 {
                     be.matmul(iw.q_b, 0, cq_all, t, iq_all)?;
                     be.matmul(iw.proj, 0, a, t, iw_all)?;
+                    // Every row at its own position (rows of sequences that need no scores
+                    // are rotated too and never read).
+                    let iq_rope = RopeArgs {
+                        row_pos,
+                        ..rope(t, ih, id, pos_first, 1)
+                    };
+                    be.rope(iq_all, iq_rope)?;
+                    if official {
+                        be.qat_hadamard_fp4(iq_all, t * ih, id)?;
+                    }
                 }
                 Some((cu, cz))
             }
@@ -454,12 +464,6 @@ pub(crate) fn forward(
                         Ok(())
                     })?;
                     let (iq, iwt) = (seq_rows(iq_all, ih * id, sp), seq_rows(iw_all, ih, sp));
-                    if (pos0 + t) / is.ratio > hp.indexer_top_k {
-                        be.rope(iq, rope(t, ih, id, pos0, 1))?;
-                        if official {
-                            be.qat_hadamard_fp4(iq, t * ih, id)?;
-                        }
-                    }
                     let sel = sel_of(g * group_len + i);
                     calls.push(IndexerCall {
                         q: iq,

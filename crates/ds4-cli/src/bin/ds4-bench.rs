@@ -635,8 +635,8 @@ fn batch_decode(
 }
 
 /// One prefill of `n` random tokens in a fresh state with device-time attribution on,
-/// printed per chunk-token (cuBLAS GEMMs are not launches of ours: their time falls to
-/// the launch queued before them, the panel's dequantization).
+/// printed per chunk-token (cuBLAS GEMMs are not launches of ours: the backend marks them
+/// as `cublas_gemm_nt`, so their time is not charged to the panel's dequantization).
 fn profile_prefill(eng: &mut Engine, n: usize, seed: u64) -> Result<()> {
     if !eng.backend_mut().set_profiling(true)? {
         eprintln!("profile: this backend has no device-time attribution");

@@ -332,6 +332,9 @@ impl<D: GpuApi> GpuBackend<D> {
                 )?;
             }
             if let Some(cb) = &self.cublas {
+                // The device-time profile charges what follows to the GEMM, not to the
+                // panel's dequantization before it.
+                self.mark_launch("cublas_gemm_nt")?;
                 // SAFETY: x holds n_tok rows of x_stride (checked by the op), the panel
                 // n rows of cols, y n_tok rows of y_stride from column r; all device
                 // memory of this context, alive until the stream drains.

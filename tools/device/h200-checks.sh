@@ -20,7 +20,8 @@
 #   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
 #              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
 #   server     ds4-server --parallel 16 on a sparse full-size q2 file: aggregate tok/s and
-#              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py)
+#              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py),
+#              then a ~16k-token prompt arriving while 7 streams decode (prefill interference)
 #   ncu        per-kernel device time of a 2-layer model's load, 2048-token prefill and one
 #              decode step under ncu (by kernel name; cuBLAS
 #              kernels included, tools/device/ncu-by-kernel.py): the prefill attribution
@@ -119,7 +120,7 @@ if ! skip server; then
     step server
     timeout 200 ds4-convert synthetic --quiet --layout q2 --sparse-experts \
         --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/q2.gguf" > "$OUT/server_conv.log" 2>&1
-    ds4-server -m "$work/q2.gguf" -c 4096 --backend cuda --parallel 16 --port 8090 > "$OUT/server.log" 2>&1 &
+    ds4-server -m "$work/q2.gguf" -c 20480 --backend cuda --parallel 16 --port 8090 > "$OUT/server.log" 2>&1 &
     sp=$!
     for i in $(seq 1 120); do
         python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8090/v1/models',timeout=2)" 2>/dev/null && break
@@ -129,6 +130,9 @@ if ! skip server; then
     for c in 1 2 4 8 16; do
         timeout 90 python3 "$R/tools/server-sdk-tests/throughput.py" http://127.0.0.1:8090 $c 64 >> "$OUT/throughput.log" 2>&1
     done
+    # Prefill interference: a ~16k-token prompt arriving while 7 streams decode.
+    timeout 240 python3 "$R/tools/server-sdk-tests/throughput.py" http://127.0.0.1:8090 7 128 20 \
+        --long-prompt-words 8000 --long-after 1 >> "$OUT/throughput.log" 2>&1
     cat "$OUT/throughput.log"
     kill $sp; wait $sp 2>/dev/null
     rm -f "$work/q2.gguf"

@@ -5,7 +5,13 @@ tokens per second (the server's usage counts over the wall time from the first r
 to the last end) and the per-stream inter-token latency (gaps between content chunks,
 p50 and p99 over all streams, the first chunk of each stream excluded).
 
-usage: throughput.py URL C [MAX_TOKENS=64] [PROMPT_WORDS=20]
+With --long-prompt-words N [--long-after S] (issue 22's prefill interference): S seconds
+(default 1) after the C streams start, one more request with an N-word prompt and one
+output token arrives; prints its time to the first token (its prefill, as the running
+streams see it) and the streams' largest inter-token gap while it was being served, against
+their p50 gap.
+
+usage: throughput.py URL C [MAX_TOKENS=64] [PROMPT_WORDS=20] [--long-prompt-words N] [--long-after S]
 """
 
 import http.client
@@ -19,7 +25,7 @@ import urllib.parse
 
 def one_stream(url, i, max_tokens, words, out):
     u = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=1200)
     prompt = " ".join(f"word{(i * 7 + j) % 97}" for j in range(words))
     body = json.dumps({
         "model": "deepseek-v4-flash",
@@ -54,28 +60,54 @@ def one_stream(url, i, max_tokens, words, out):
 
 
 def main():
-    url, c = sys.argv[1], int(sys.argv[2])
-    max_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-    words = int(sys.argv[4]) if len(sys.argv) > 4 else 20
-    out = [None] * c
+    args = sys.argv[1:]
+    opts = {}
+    for flag in ("--long-prompt-words", "--long-after"):
+        if flag in args:
+            k = args.index(flag)
+            if k + 1 >= len(args):
+                sys.exit(f"{flag} needs a value")
+            opts[flag] = float(args[k + 1])
+            del args[k:k + 2]
+    if len(args) < 2:
+        sys.exit(__doc__)
+    url, c = args[0], int(args[1])
+    max_tokens = int(args[2]) if len(args) > 2 else 64
+    words = int(args[3]) if len(args) > 3 else 20
+    long_words = int(opts.get("--long-prompt-words", 0))
+    out = [None] * (c + 1)
     threads = [threading.Thread(target=one_stream, args=(url, i, max_tokens, words, out))
                for i in range(c)]
     for t in threads:
         t.start()
+    if long_words:
+        time.sleep(opts.get("--long-after", 1.0))
+        lt = threading.Thread(target=one_stream, args=(url, c, 1, long_words, out))
+        lt.start()
+        lt.join()
     for t in threads:
         t.join()
-    if any(o is None for o in out):
-        sys.exit(f"{sum(o is None for o in out)} of {c} streams failed")
-    start = min(o[0] for o in out)
-    end = max(o[1] for o in out)
-    tokens = sum((o[3] or {}).get("completion_tokens", 0) for o in out)
-    gaps = [b - a for o in out for a, b in zip(o[2][1:], o[2][2:])]
-    gaps.sort()
+    failed = sum(o is None for o in out[:c]) + (1 if long_words and out[c] is None else 0)
+    if failed:
+        sys.exit(f"{failed} of {c + (1 if long_words else 0)} requests failed")
+    streams = out[:c]
+    start = min(o[0] for o in streams)
+    end = max(o[1] for o in streams)
+    tokens = sum((o[3] or {}).get("completion_tokens", 0) for o in streams)
+    gaps = sorted(b - a for o in streams for a, b in zip(o[2][1:], o[2][2:]))
     p = lambda q: 1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else float("nan")
     print(f"clients {c}: {tokens} tokens in {end - start:.2f} s · aggregate "
           f"{tokens / (end - start):.1f} tok/s · per stream {tokens / c / (end - start):.1f} tok/s"
           f" · inter-token p50 {p(0.5):.1f} ms p99 {p(0.99):.1f} ms"
           f" · mean gap {1000 * statistics.fmean(gaps) if gaps else float('nan'):.1f} ms")
+    if long_words:
+        t0, t1, stamps, usage = out[c]
+        ttft = (stamps[0] if stamps else t1) - t0
+        during = [b - a for o in streams for a, b in zip(o[2][1:], o[2][2:]) if b > t0 and a < t1]
+        worst = 1000 * max(during) if during else float("nan")
+        print(f"long prompt: {(usage or {}).get('prompt_tokens', '?')} tokens, first token after "
+              f"{1000 * ttft:.0f} ms · streams' largest gap while it ran {worst:.1f} ms "
+              f"({len(during)} gaps) against p50 {p(0.5):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -400,23 +400,7 @@ pub(crate) fn forward(
                     .iter()
                     .map(|q| q.state.layers[il].comp.ok_or_else(no_state))
                     .collect::<Result<Vec<_>>>()?;
-                let calls: Vec<CompressorCall> = states
-                    .iter()
-                    .zip(group)
-                    .map(|(cs, &sp)| {
-                        let args = cs.chunk_args(sp.2, sp.1);
-                        let pw = args.proj_width();
-                        CompressorCall {
-                            acc: cs.acc.all(),
-                            u: seq_rows(cu, pw, sp),
-                            z: seq_rows(cz, pw, sp),
-                            ape: cw.ape,
-                            args,
-                            rows: cs.rows.all(),
-                        }
-                    })
-                    .collect();
-                compressors(be, &calls, batched)?;
+                compressors(be, &states, group, (cu, cz), cw.ape, batched)?;
                 for (i, (cs, &(_, t, pos0))) in states.iter().zip(group).enumerate() {
                     finish_rows(be, *cs, cw, pos0, t, eps, |be, rows, n, w0| {
                         be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
@@ -436,23 +420,7 @@ pub(crate) fn forward(
                     .iter()
                     .map(|q| q.state.layers[il].index.ok_or_else(no_state))
                     .collect::<Result<Vec<_>>>()?;
-                let calls: Vec<CompressorCall> = states
-                    .iter()
-                    .zip(group)
-                    .map(|(is, &sp)| {
-                        let args = is.chunk_args(sp.2, sp.1);
-                        let pw = args.proj_width();
-                        CompressorCall {
-                            acc: is.acc.all(),
-                            u: seq_rows(icu, pw, sp),
-                            z: seq_rows(icz, pw, sp),
-                            ape: iw.comp.ape,
-                            args,
-                            rows: is.rows.all(),
-                        }
-                    })
-                    .collect();
-                compressors(be, &calls, batched)?;
+                compressors(be, &states, group, (icu, icz), iw.comp.ape, batched)?;
                 let mut calls = Vec::with_capacity(group.len());
                 for (i, (is, &sp)) in states.iter().zip(group).enumerate() {
                     let (_, t, pos0) = sp;
@@ -632,13 +600,37 @@ pub(crate) fn forward(
     Ok(())
 }
 
-/// The compressor calls of a step: one batch op for a batched step's sequences, else the
-/// plain op.
-fn compressors(be: &mut dyn Backend, calls: &[CompressorCall], batched: bool) -> Result<()> {
+/// Feeds each sequence of a group its rows of the step's projections `(u, z)` (computed
+/// over the whole step) through its compressor: one batch op for a batched step's
+/// sequences, else the plain op. `spans` are the sequences' (first row, rows, position).
+fn compressors(
+    be: &mut dyn Backend,
+    states: &[CompState],
+    spans: &[(usize, usize, usize)],
+    (u, z): (Slice, Slice),
+    ape: crate::backend::Weight,
+    batched: bool,
+) -> Result<()> {
+    let calls: Vec<CompressorCall> = states
+        .iter()
+        .zip(spans)
+        .map(|(cs, &(r0, t, pos0))| {
+            let args = cs.chunk_args(pos0, t);
+            let pw = args.proj_width();
+            CompressorCall {
+                acc: cs.acc.all(),
+                u: u.sub(r0 * pw, t * pw),
+                z: z.sub(r0 * pw, t * pw),
+                ape,
+                args,
+                rows: cs.rows.all(),
+            }
+        })
+        .collect();
     if batched {
-        be.compressor_batch(calls)?;
+        be.compressor_batch(&calls)?;
     } else {
-        for c in calls {
+        for c in &calls {
             be.compressor(c.acc, c.u, c.z, c.ape, c.args, c.rows)?;
         }
     }

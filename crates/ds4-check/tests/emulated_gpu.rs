@@ -528,9 +528,14 @@ fn emulated_streamed_experts_match_resident() {
     };
     let (rp, rd, none, vocab) = run(ExpertPlacement::Resident);
     assert!(none.is_none());
-    let (sp, sd, stats, _) = run(ExpertPlacement::Streamed { slots: 6 });
+    let (sp, sd, stats, _) = run(ExpertPlacement::streamed(6));
     let s = stats.unwrap();
     assert!(s.misses > 6 && s.hits > 0, "{s:?}");
+    // The next layer's router ran on the device and its ids came back (read-ahead).
+    assert!(
+        s.predicted > 0 && s.predicted_right <= s.predicted && s.readahead_reads > 0,
+        "{s:?}"
+    );
     assert!(rd == sd, "streamed decode differs on the GPU backend");
     let worst = rp
         .iter()

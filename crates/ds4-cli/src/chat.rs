@@ -193,13 +193,26 @@ pub fn status_line(sync: &SyncStats, generated: &GenOutcome, live: usize, ctx: u
 
 /// What the streamed-expert cache did over a run (docs/placement.md §9).
 pub fn expert_line(s: &ds4_engine::StreamStats) -> String {
+    let pct = |a: u64, b: u64| {
+        if b == 0 {
+            0.0
+        } else {
+            100.0 * a as f64 / b as f64
+        }
+    };
     format!(
-        "ds4: experts: {} lookups, hit rate {:.1} % · read {:.2} GB from the file in {:.2} s ({:.2} GB/s) · slot writes {:.2} s",
+        "ds4: experts: {} lookups, cache hit rate {:.1} %, {:.1} % of misses in the host tier · \
+         read {:.2} GB from the file ({} units, {} read ahead, {} of those used; prediction \
+         {:.1} % right) · waited {:.2} s for reads · slot writes {:.2} s",
         s.lookups,
         100.0 * s.hit_rate(),
+        pct(s.host_hits, s.misses),
         s.bytes_read as f64 / 1e9,
+        s.reads,
+        s.readahead_reads,
+        s.readahead_used,
+        100.0 * s.prediction_accuracy(),
         s.read_secs,
-        s.read_bytes_per_s() / 1e9,
         s.write_secs
     )
 }

@@ -84,7 +84,7 @@ fn check_identical(file: &Arc<GgufFile>, slots: usize, toks: &[u32], what: &str)
         let resident = run(file, ExpertPlacement::Resident, q8, 64, toks);
         assert!(resident.stats.is_none());
         assert!(resident.prefill.iter().all(|v| v.is_finite()));
-        let streamed = run(file, ExpertPlacement::Streamed { slots }, q8, 64, toks);
+        let streamed = run(file, ExpertPlacement::streamed(slots), q8, 64, toks);
         assert!(
             resident.prefill == streamed.prefill,
             "{what} q8={q8}: streamed prefill differs (max rel {:e})",
@@ -107,7 +107,7 @@ fn check_identical(file: &Arc<GgufFile>, slots: usize, toks: &[u32], what: &str)
             "{what}: the cache must have evicted"
         );
         assert!(s.hits > 0, "{what}: some lookups must hit");
-        assert_eq!(s.bytes_read, s.misses * s.slot_bytes);
+        check_read_counts(&s, what);
         // Every layer's prefill needed more distinct experts than slots: two runs or more
         // per layer (and in a chunk of 64 tokens, all in one chunk).
         let p = streamed.prefill_stats.expect("streamed stats");
@@ -160,7 +160,7 @@ fn streamed_experts_give_the_resident_logits_on_tiny_models() {
             e.eval(&mut st, &toks, Logits::All, None).unwrap()
         };
         assert!(
-            prefill(ExpertPlacement::Resident) == prefill(ExpertPlacement::Streamed { slots: 6 }),
+            prefill(ExpertPlacement::Resident) == prefill(ExpertPlacement::streamed(6)),
             "q2 prefill of {n} tokens differs"
         );
     }
@@ -180,7 +180,7 @@ fn a_cache_below_three_tokens_of_experts_is_refused_and_a_changed_file_reported(
         Arc::clone(&mem),
         be,
         cfg.clone(),
-        ExpertPlacement::Streamed { slots: 5 },
+        ExpertPlacement::streamed(5),
     )
     .unwrap_err();
     assert!(
@@ -197,7 +197,7 @@ fn a_cache_below_three_tokens_of_experts_is_refused_and_a_changed_file_reported(
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.set_len(mem.bytes().len() as u64 - 4096).unwrap();
     let be = Box::new(CpuBackend::new(1).unwrap());
-    let err = Engine::load_with(file, be, cfg, ExpertPlacement::Streamed { slots: 6 }).unwrap_err();
+    let err = Engine::load_with(file, be, cfg, ExpertPlacement::streamed(6)).unwrap_err();
     assert!(
         matches!(err, EngineError::Stream(StreamError::FileChanged { .. })),
         "{err}"
@@ -257,13 +257,7 @@ fn real_dims(n_expert: usize) {
     let q8 = true; // the default precision (int8 decode activations)
     let resident = run(&file, ExpertPlacement::Resident, q8, 64, &toks);
     assert!(resident.prefill.iter().all(|v| v.is_finite()));
-    let streamed = run(
-        &file,
-        ExpertPlacement::Streamed { slots: 18 },
-        q8,
-        64,
-        &toks,
-    );
+    let streamed = run(&file, ExpertPlacement::streamed(18), q8, 64, &toks);
     assert!(
         resident.prefill == streamed.prefill,
         "prefill differs (max rel {:e})",
@@ -279,7 +273,76 @@ fn real_dims(n_expert: usize) {
     let s = streamed.stats.unwrap();
     assert_eq!(s.lookups, 2 * 12 * 4 * 6);
     assert!(s.misses > 18 && s.hits > 0);
-    assert_eq!(s.bytes_read, s.misses * s.slot_bytes);
+    check_read_counts(&s, "real dims");
+}
+
+/// The counters of the two tiers agree: every miss the host tier did not hold was read
+/// (and waited for), and the only other reads are read-ahead.
+fn check_read_counts(s: &StreamStats, what: &str) {
+    assert_eq!(s.bytes_read, s.reads * s.slot_bytes, "{what}");
+    assert!(s.host_hits <= s.misses, "{what}: {s:?}");
+    assert!(s.reads >= s.misses - s.host_hits, "{what}: {s:?}");
+    assert!(
+        s.reads <= s.misses - s.host_hits + s.readahead_reads,
+        "{what}: {s:?}"
+    );
+    assert!(s.readahead_used <= s.readahead_reads, "{what}: {s:?}");
+    assert!(s.predicted_right <= s.predicted, "{what}: {s:?}");
+}
+
+/// Read-ahead (docs/placement.md §9): the next layer's router run on this layer's input
+/// names the units to read while the layer computes. On a model whose layers are all
+/// hash-routed the prediction is exact (a hash layer's experts depend only on the token),
+/// so every predicted entry is right and decode misses are served by read-ahead; the
+/// logits are the resident ones with read-ahead on and off.
+#[test]
+fn readahead_predicts_hash_layers_exactly_and_changes_no_logit() {
+    let mut hp = tiny_hparams();
+    hp.hash_layer_count = hp.n_layer;
+    let file = synthetic_model(&hp, &TypeRecipe::F32, 21);
+    let dir = tempfile::tempdir().unwrap();
+    let file = on_disk(&file, dir.path(), "hash.gguf");
+    let toks = tokens(24, 97, 5);
+    let resident = run(&file, ExpertPlacement::Resident, false, 64, &toks);
+    let cfg = |readahead| {
+        ExpertPlacement::Streamed(ds4_engine::StreamConfig {
+            slots: 6,
+            host_slots: 0,
+            readahead,
+        })
+    };
+    let on = run(&file, cfg(true), false, 64, &toks);
+    let off = run(&file, cfg(false), false, 64, &toks);
+    for (r, name) in [(&on, "on"), (&off, "off")] {
+        assert!(
+            r.prefill == resident.prefill,
+            "read-ahead {name}: prefill differs"
+        );
+        assert!(
+            r.decode == resident.decode,
+            "read-ahead {name}: decode differs"
+        );
+    }
+    let (s_on, s_off) = (on.stats.unwrap(), off.stats.unwrap());
+    check_read_counts(&s_on, "read-ahead on");
+    check_read_counts(&s_off, "read-ahead off");
+    assert_eq!(s_off.predicted + s_off.readahead_reads, 0, "{s_off:?}");
+    // Decode: one prediction per token for every layer after the first.
+    let p = s_on.predicted - on.prefill_stats.unwrap().predicted;
+    let k = k_used(&file) as u64;
+    assert_eq!(
+        p,
+        toks.len() as u64 * (hp.n_layer as u64 - 1) * k,
+        "{s_on:?}"
+    );
+    assert_eq!(
+        s_on.predicted_right, s_on.predicted,
+        "hash layers are predicted exactly"
+    );
+    assert!(
+        s_on.readahead_reads > 0 && s_on.readahead_used > 0,
+        "{s_on:?}"
+    );
 }
 
 /// A model file cut short while the engine runs: the read of a missing expert fails with
@@ -325,7 +388,7 @@ fn a_short_read_is_an_error_and_leaves_no_stale_unit() {
     // A slot for every unit (6 layers × 8 experts): nothing is evicted, so a unit the
     // failed read left claimed would be met again with a slot that does not hold it.
     let slots = 48;
-    let mut e = Engine::load_with(file, be, cfg, ExpertPlacement::Streamed { slots }).unwrap();
+    let mut e = Engine::load_with(file, be, cfg, ExpertPlacement::streamed(slots)).unwrap();
     // Cut the last expert's bytes of the last tensor.
     let bytes_per_expert = last.n_bytes().unwrap() / last.dims[2];
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
@@ -391,7 +454,7 @@ fn batched_decode_with_streamed_experts_matches_resident() {
         (out, e.expert_stats())
     };
     let (want, _) = steps(ExpertPlacement::Resident);
-    let (got, stats) = steps(ExpertPlacement::Streamed { slots: 6 });
+    let (got, stats) = steps(ExpertPlacement::streamed(6));
     assert!(got == want, "streamed batched decode differs");
     let s = stats.unwrap();
     // 4 steps of 4 layers: steps that fit in one call per layer would make 16 calls;

@@ -102,8 +102,8 @@ impl Engine {
         }
         let stream = match experts {
             ExpertPlacement::Resident => None,
-            ExpertPlacement::Streamed { slots } => {
-                Some(ExpertStream::new(backend.as_mut(), &file, &spec, slots)?)
+            ExpertPlacement::Streamed(cfg) => {
+                Some(ExpertStream::new(backend.as_mut(), &file, &spec, cfg)?)
             }
         };
         let routed = stream.as_ref().map(ExpertStream::pools);
@@ -434,6 +434,9 @@ impl Drop for Engine {
     fn drop(&mut self) {
         if let Some(s) = self.scratch.take() {
             s.free(self.backend.as_mut());
+        }
+        if let Some(st) = self.stream.as_mut() {
+            st.free(self.backend.as_mut());
         }
     }
 }

@@ -10,18 +10,25 @@
 //! the order of a token's experts are untouched, and a slot holds the exact bytes of the
 //! file's matrix, so the result is the resident run's, bit for bit, on a backend whose
 //! `moe` of a token does not depend on the other tokens of the call (the CPU backend).
+//!
+//! Reads go through a host tier ([`crate::expert_host`]) whose reader threads also fetch
+//! the next layer's *predicted* units while the current layer computes: before a layer's
+//! `moe`, [`ExpertStream::predict`] runs the next layer's router on this layer's input
+//! (exact for hash-routed layers, whose experts depend only on the token), and `moe`
+//! starts reading what that prediction names after the layer's own reads are queued.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Instant;
 
 use ds4_gguf::{GgmlType, GgufFile};
 use ds4_model::{LayerTensor, ModelSpec};
 
-use crate::backend::{Backend, IBuf, MoeArgs, Slice, Weight, WeightInfo};
+use crate::backend::{Backend, Buf, IBuf, MoeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo};
 use crate::error::{EngineError, Result};
 use crate::expert_cache::{split_runs, Access, CacheError, ExpertCache, Unit};
+use crate::expert_host::{HostTier, LayerSource, Reader, Source};
+use crate::weights::LayerWeights;
 
 /// How routed experts are placed when an engine is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -29,9 +36,41 @@ pub enum ExpertPlacement {
     /// Every routed tensor loaded whole, like every other weight.
     #[default]
     Resident,
-    /// Routed tensors stay in the file; a cache of this many (layer, expert) units.
-    Streamed { slots: usize },
+    /// Routed tensors stay in the file and are read into an expert cache.
+    Streamed(StreamConfig),
 }
+
+impl ExpertPlacement {
+    /// Streamed through a cache of `slots` units, the smallest host tier, read-ahead on.
+    pub fn streamed(slots: usize) -> ExpertPlacement {
+        ExpertPlacement::Streamed(StreamConfig {
+            slots,
+            host_slots: 0,
+            readahead: true,
+        })
+    }
+}
+
+/// Sizes and switches of a streamed engine (docs/placement.md §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamConfig {
+    /// Units in the cache the `moe` reads from (device memory on a discrete GPU).
+    pub slots: usize,
+    /// Units in the host tier; raised to [`MIN_HOST_SLOTS`] (the tier holds every read
+    /// in flight, so it always exists).
+    pub host_slots: usize,
+    /// Read the next layer's predicted experts while a layer computes.
+    pub readahead: bool,
+}
+
+/// Smallest host tier: room for a decode layer's reads plus the next layer's read-ahead
+/// at the largest prediction ([`PREDICT_ROWS`] tokens would need more; read-ahead then
+/// takes the first units that fit).
+pub const MIN_HOST_SLOTS: usize = 32;
+
+/// Calls of at most this many tokens predict the next layer's experts (decode steps and
+/// batched decode); a longer prefill chunk touches most experts of a layer anyway.
+pub const PREDICT_ROWS: usize = 16;
 
 /// Why streaming failed (reported inside [`EngineError::Stream`]).
 #[derive(Debug, thiserror::Error)]
@@ -71,10 +110,22 @@ pub struct StreamStats {
     /// (layer, expert) lookups (one per token and chosen expert, repeats in a run counted).
     pub lookups: u64,
     pub hits: u64,
-    /// Units read from the file.
+    /// Units the cache had to be given (from the host tier or the file).
     pub misses: u64,
+    /// Of the misses, those found in the host tier (already read, or on their way).
+    pub host_hits: u64,
+    /// Units read from the file (demand and read-ahead) and their bytes.
+    pub reads: u64,
     pub bytes_read: u64,
-    /// Seconds spent in file reads, and in writing slots on the backend.
+    /// Units the read-ahead asked for, and how many of them a miss then used.
+    pub readahead_reads: u64,
+    pub readahead_used: u64,
+    /// Predicted (layer, expert) entries, and how many the router then chose.
+    pub predicted: u64,
+    pub predicted_right: u64,
+    /// Host tier units.
+    pub host_slots: usize,
+    /// Seconds spent waiting for reads, and in writing slots on the backend.
     pub read_secs: f64,
     pub write_secs: f64,
     /// `moe` calls (more than one per layer when a chunk's experts did not fit at once).
@@ -89,47 +140,12 @@ impl StreamStats {
             self.hits as f64 / self.lookups as f64
         }
     }
-    /// Bytes per second of the file reads alone.
-    pub fn read_bytes_per_s(&self) -> f64 {
-        if self.read_secs > 0.0 {
-            self.bytes_read as f64 / self.read_secs
-        } else {
+    /// Fraction of predicted entries the router then chose.
+    pub fn prediction_accuracy(&self) -> f64 {
+        if self.predicted == 0 {
             0.0
-        }
-    }
-}
-
-/// Where the three tensors of one layer lie in the file.
-#[derive(Debug, Clone)]
-struct LayerSource {
-    /// `[gate, up, down]`: (tensor name, absolute offset of expert 0, bytes per expert).
-    roles: [(String, u64, usize); 3],
-    n_expert: u32,
-}
-
-/// Reads expert slices: `pread` on the file when it has a path, else the in-memory image.
-enum Reader {
-    File(File),
-    Memory(Arc<GgufFile>),
-}
-
-impl Reader {
-    fn read(&self, at: u64, out: &mut [u8]) -> std::io::Result<()> {
-        match self {
-            Reader::File(f) => f.read_exact_at(out, at),
-            Reader::Memory(g) => {
-                let b = g.bytes();
-                let src = usize::try_from(at)
-                    .ok()
-                    .and_then(|s| b.get(s..s.checked_add(out.len())?));
-                match src {
-                    Some(s) => {
-                        out.copy_from_slice(s);
-                        Ok(())
-                    }
-                    None => Err(std::io::ErrorKind::UnexpectedEof.into()),
-                }
-            }
+        } else {
+            self.predicted_right as f64 / self.predicted as f64
         }
     }
 }
@@ -138,11 +154,24 @@ impl Reader {
 pub struct ExpertStream {
     /// `[gate, up, down]` pool weights (`slots` matrices each).
     pools: [Weight; 3],
-    layers: Vec<LayerSource>,
+    source: Arc<Source>,
     cache: ExpertCache,
-    reader: Reader,
-    staging: Vec<u8>,
+    host: HostTier,
+    /// Device buffers of the next layer's predicted routing, when read-ahead is on.
+    predict: Option<Prediction>,
     stats: StreamStats,
+}
+
+/// Where [`ExpertStream::predict`] leaves the next layer's predicted experts.
+#[derive(Debug)]
+struct Prediction {
+    logits: Buf,
+    ids: IBuf,
+    weights: Buf,
+    /// The layer and token count of the prediction made for the coming `moe`, if any.
+    pending: Option<(usize, usize)>,
+    /// The last prediction on the host (layer, ids), scored when that layer's router runs.
+    scored: Option<(usize, Vec<i32>)>,
 }
 
 impl std::fmt::Debug for ExpertStream {
@@ -153,9 +182,6 @@ impl std::fmt::Debug for ExpertStream {
             .finish()
     }
 }
-
-/// Most threads reading one call's missed units at once.
-const READERS: usize = 8;
 
 const ROLES: [LayerTensor; 3] = [
     LayerTensor::GateExps,
@@ -170,8 +196,9 @@ impl ExpertStream {
         be: &mut dyn Backend,
         file: &Arc<GgufFile>,
         spec: &ModelSpec,
-        slots: usize,
+        cfg: StreamConfig,
     ) -> Result<ExpertStream> {
+        let slots = cfg.slots;
         let hp = &spec.hparams;
         let min = 3 * hp.n_expert_used;
         if slots < min {
@@ -269,20 +296,39 @@ impl ExpertStream {
         let slot_bytes = layers
             .first()
             .map_or(0, |l| l.roles.iter().map(|r| r.2 as u64).sum());
+        let host_slots = cfg.host_slots.max(MIN_HOST_SLOTS);
+        let gib = |units: usize| (slot_bytes * units as u64) as f64 / (1u64 << 30) as f64;
         tracing::info!(
-            "streamed experts: {slots} slots of {:.2} MiB ({:.2} GiB)",
+            "streamed experts: {slots} slots of {:.2} MiB ({:.2} GiB), host tier {host_slots} units ({:.2} GiB), read-ahead {}",
             slot_bytes as f64 / (1u64 << 20) as f64,
-            (slot_bytes * slots as u64) as f64 / (1u64 << 30) as f64
+            gib(slots),
+            gib(host_slots),
+            if cfg.readahead { "on" } else { "off" }
         );
+        let source = Arc::new(Source { layers, reader });
+        let host = HostTier::new(Arc::clone(&source), host_slots, slot_bytes as usize)?;
+        let predict = if cfg.readahead {
+            let rows = PREDICT_ROWS;
+            Some(Prediction {
+                logits: be.alloc(rows * hp.n_expert)?,
+                ids: be.alloc_i32(rows * hp.n_expert_used)?,
+                weights: be.alloc(rows * hp.n_expert_used)?,
+                pending: None,
+                scored: None,
+            })
+        } else {
+            None
+        };
         Ok(ExpertStream {
             pools: pools.try_into().expect("three pools"),
-            layers,
+            source,
             cache,
-            reader,
-            staging: Vec::new(),
+            host,
+            predict,
             stats: StreamStats {
                 slots,
                 slot_bytes,
+                host_slots,
                 ..StreamStats::default()
             },
         })
@@ -294,15 +340,71 @@ impl ExpertStream {
     }
 
     pub fn stats(&self) -> StreamStats {
-        self.stats
+        let h = self.host.stats;
+        StreamStats {
+            reads: h.reads,
+            bytes_read: h.bytes_read,
+            readahead_reads: h.readahead_reads,
+            readahead_used: h.readahead_used,
+            ..self.stats
+        }
     }
 
     pub fn reset_stats(&mut self) {
         self.stats = StreamStats {
             slots: self.stats.slots,
             slot_bytes: self.stats.slot_bytes,
+            host_slots: self.stats.host_slots,
             ..StreamStats::default()
         };
+        self.host.stats = Default::default();
+    }
+
+    /// Frees the prediction buffers on `be` (the pools are freed with the weights).
+    pub fn free(&mut self, be: &mut dyn Backend) {
+        if let Some(p) = self.predict.take() {
+            be.free(p.logits);
+            be.free(p.weights);
+            be.free_i32(p.ids);
+        }
+    }
+
+    /// Predicts layer `next`'s experts for the `n_tok` rows of `a` (this layer's routed
+    /// input) by running `next`'s router on it, so the coming [`Self::moe`] can start
+    /// reading them. Hash-routed layers are predicted exactly (their experts depend only
+    /// on `tokens`); a top-k layer's prediction is a guess from the previous layer's
+    /// activations, which change little from one layer to the next. Does nothing when
+    /// read-ahead is off or the call has more than [`PREDICT_ROWS`] tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn predict(
+        &mut self,
+        be: &mut dyn Backend,
+        next: usize,
+        lw: &LayerWeights,
+        a: Slice,
+        tokens: IBuf,
+        args: RouterArgs,
+    ) -> Result<()> {
+        let Some(p) = self.predict.as_mut() else {
+            return Ok(());
+        };
+        p.pending = None;
+        let t = args.n_tok;
+        if t == 0 || t > PREDICT_ROWS {
+            return Ok(());
+        }
+        let logits = p.logits.rows(0, t, args.n_expert);
+        be.matmul(lw.router, 0, a, t, logits)?;
+        let routing = match lw.tid2eid {
+            Some(table) => Routing::Hash { table, tokens },
+            None => Routing::TopK {
+                bias: lw.router_bias,
+            },
+        };
+        let weights = p.weights.rows(0, t, args.k);
+        be.router(logits, routing, args, p.ids, weights)?;
+        p.pending = Some((next, t));
+        Ok(())
     }
 
     /// Layer `layer`'s routed experts over `n_tok` tokens: like [`Backend::moe`] with the
@@ -325,7 +427,7 @@ impl ExpertStream {
         let width = x.len.checked_div(t).unwrap_or(0);
         let mut host = vec![0i32; t * k];
         be.download_i32(ids, 0, &mut host)?;
-        let n_expert = self.layers.get(layer).map_or(0, |l| l.n_expert);
+        let n_expert = self.source.layers.get(layer).map_or(0, |l| l.n_expert);
         if let Some(&bad) = host.iter().find(|&&e| e < 0 || e as u32 >= n_expert) {
             return Err(crate::backend::BackendError::Invalid {
                 op: "moe",
@@ -333,6 +435,7 @@ impl ExpertStream {
             }
             .into());
         }
+        let mut readahead = self.take_prediction(be, layer, &host, k)?;
         let runs =
             split_runs(&host, k, self.cache.n_slots(), min_run).map_err(StreamError::from)?;
         let [gate, up, down] = self.pools;
@@ -344,7 +447,7 @@ impl ExpertStream {
                     expert: e as u32,
                 })
                 .collect();
-            let slots = self.make_resident(be, &units)?;
+            let slots = self.make_resident(be, &units, std::mem::take(&mut readahead))?;
             be.upload_i32(ids, 0, &slots)?;
             let n = r.len();
             let rows = |s: Slice, w: usize| s.sub(r.start * w, n * w);
@@ -363,12 +466,61 @@ impl ExpertStream {
         Ok(())
     }
 
-    /// Acquires `units` in the cache, filling the slots of misses from the file; returns
-    /// the slot of every entry. The misses are read in parallel (up to [`READERS`]
-    /// threads: a disk serves several requests at once far faster than one after another),
-    /// then written to the pools in order. A failed read or write forgets the call's
-    /// missed units, so a later call rereads them.
-    fn make_resident(&mut self, be: &mut dyn Backend, units: &[Unit]) -> Result<Vec<i32>> {
+    /// Scores the prediction made for `layer` against its router's `ids`, and returns the
+    /// units of the prediction [`Self::predict`] just made for the next layer that neither
+    /// cache tier holds (the read-ahead of this call).
+    fn take_prediction(
+        &mut self,
+        be: &mut dyn Backend,
+        layer: usize,
+        ids: &[i32],
+        k: usize,
+    ) -> Result<Vec<Unit>> {
+        let Some(p) = self.predict.as_mut() else {
+            return Ok(Vec::new());
+        };
+        if let Some((l, guess)) = p.scored.take() {
+            if l == layer && guess.len() == ids.len() {
+                for (g, row) in guess.chunks(k.max(1)).zip(ids.chunks(k.max(1))) {
+                    self.stats.predicted += g.len() as u64;
+                    self.stats.predicted_right +=
+                        g.iter().filter(|e| row.contains(e)).count() as u64;
+                }
+            }
+        }
+        let Some((next, t)) = p.pending.take() else {
+            return Ok(Vec::new());
+        };
+        let mut guess = vec![0i32; t * k];
+        be.download_i32(p.ids, 0, &mut guess)?;
+        let n_expert = self.source.layers.get(next).map_or(0, |l| l.n_expert);
+        let mut units: Vec<Unit> = Vec::new();
+        for &e in &guess {
+            if e < 0 || e as u32 >= n_expert {
+                continue;
+            }
+            let u = Unit {
+                layer: next as u32,
+                expert: e as u32,
+            };
+            if self.cache.slot_of(u).is_none() && !self.host.contains(u) && !units.contains(&u) {
+                units.push(u);
+            }
+        }
+        p.scored = Some((next, guess));
+        Ok(units)
+    }
+
+    /// Acquires `units` in the cache, filling the slots of misses through the host tier;
+    /// returns the slot of every entry. The misses' reads are queued first, then
+    /// `readahead`'s, so the reader threads serve this layer before the next. A failed
+    /// read or write forgets the call's missed units, so a later call rereads them.
+    fn make_resident(
+        &mut self,
+        be: &mut dyn Backend,
+        units: &[Unit],
+        readahead: Vec<Unit>,
+    ) -> Result<Vec<i32>> {
         let access = self.cache.acquire(units).map_err(StreamError::from)?;
         self.stats.lookups += units.len() as u64;
         let mut misses: Vec<(Unit, usize)> = Vec::new();
@@ -379,7 +531,7 @@ impl ExpertStream {
             }
         }
         self.stats.misses += misses.len() as u64;
-        if let Err(e) = self.fill(be, &misses) {
+        if let Err(e) = self.fill(be, &misses, readahead) {
             for &(u, _) in &misses {
                 self.cache.forget(u);
             }
@@ -388,78 +540,50 @@ impl ExpertStream {
         Ok(access.iter().map(|a| a.slot() as i32).collect())
     }
 
-    /// Reads the units of `misses` (unit, slot) and stores them in their slots.
-    fn fill(&mut self, be: &mut dyn Backend, misses: &[(Unit, usize)]) -> Result<()> {
-        if misses.is_empty() {
-            return Ok(());
-        }
-        let slot_bytes = self.stats.slot_bytes as usize;
-        if self.staging.len() < misses.len() * slot_bytes {
-            self.staging.resize(misses.len() * slot_bytes, 0);
-        }
-        let t0 = Instant::now();
-        {
-            let (layers, reader) = (&self.layers, &self.reader);
-            let bufs: Vec<&mut [u8]> = self.staging.chunks_mut(slot_bytes).collect();
-            let mut jobs: Vec<(&(Unit, usize), &mut [u8])> = misses.iter().zip(bufs).collect();
-            let read_one = |(u, _): &(Unit, usize), buf: &mut [u8]| -> Result<()> {
-                let src = &layers[u.layer as usize];
+    /// Brings the units of `misses` (unit, cache slot) into the host tier and writes them
+    /// to their slots, in chunks of half the tier; the read-ahead is queued behind the
+    /// last chunk's reads, in the room that chunk leaves.
+    fn fill(
+        &mut self,
+        be: &mut dyn Backend,
+        misses: &[(Unit, usize)],
+        readahead: Vec<Unit>,
+    ) -> Result<()> {
+        let n_host = self.host.n_slots();
+        let chunk = (n_host / 2).max(1);
+        let n_chunks = misses.len().div_ceil(chunk);
+        let mut readahead = Some(readahead);
+        for (ci, ch) in misses.chunks(chunk).enumerate() {
+            let units: Vec<Unit> = ch.iter().map(|m| m.0).collect();
+            let held = units.iter().filter(|&&u| self.host.contains(u)).count();
+            self.stats.host_hits += held as u64;
+            self.host.request(&units, false, n_host)?;
+            // Behind the last chunk's reads: no later chunk of this call can evict it.
+            if ci + 1 == n_chunks {
+                if let Some(ra) = readahead.take() {
+                    self.host.request(&ra, true, n_host - units.len())?;
+                }
+            }
+            for &(u, slot) in ch {
+                let t0 = Instant::now();
+                let bytes = self.host.wait(u)?;
+                let t1 = Instant::now();
                 let mut at = 0;
-                for (name, base, len) in &src.roles {
-                    let offset = base + u64::from(u.expert) * *len as u64;
-                    reader
-                        .read(offset, &mut buf[at..at + len])
-                        .map_err(|source| StreamError::Read {
-                            tensor: name.clone(),
-                            expert: u.expert,
-                            offset,
-                            len: *len,
-                            source,
-                        })?;
+                for (ri, (_, _, len)) in self.source.layers[u.layer as usize]
+                    .roles
+                    .iter()
+                    .enumerate()
+                {
+                    be.write_weight_mat(self.pools[ri], slot, &bytes[at..at + len])?;
                     at += len;
                 }
-                Ok(())
-            };
-            if jobs.len() == 1 {
-                let (m, buf) = jobs.pop().expect("one job");
-                read_one(m, buf)?;
-            } else {
-                let per = jobs.len().div_ceil(READERS);
-                let results: Vec<Result<()>> = std::thread::scope(|sc| {
-                    let handles: Vec<_> = jobs
-                        .chunks_mut(per)
-                        .map(|chunk| {
-                            sc.spawn(|| chunk.iter_mut().try_for_each(|(m, buf)| read_one(m, buf)))
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .map(|h| {
-                            h.join().unwrap_or_else(|_| {
-                                Err(StreamError::Layout {
-                                    tensor: "expert reader".into(),
-                                    problem: "a reader thread panicked".into(),
-                                }
-                                .into())
-                            })
-                        })
-                        .collect()
-                });
-                results.into_iter().collect::<Result<()>>()?;
+                self.stats.read_secs += (t1 - t0).as_secs_f64();
+                self.stats.write_secs += t1.elapsed().as_secs_f64();
             }
         }
-        let t1 = Instant::now();
-        for (i, &(u, slot)) in misses.iter().enumerate() {
-            let buf = &self.staging[i * slot_bytes..(i + 1) * slot_bytes];
-            let mut at = 0;
-            for (ri, (_, _, len)) in self.layers[u.layer as usize].roles.iter().enumerate() {
-                be.write_weight_mat(self.pools[ri], slot, &buf[at..at + len])?;
-                at += len;
-            }
-            self.stats.bytes_read += at as u64;
+        if let Some(ra) = readahead {
+            self.host.request(&ra, true, n_host)?;
         }
-        self.stats.read_secs += (t1 - t0).as_secs_f64();
-        self.stats.write_secs += t1.elapsed().as_secs_f64();
         Ok(())
     }
 }

@@ -562,6 +562,15 @@ pub(crate) fn forward(
                 // (Backend::set_activation_q8); a batched decode step's rows are all
                 // decode rows, so any run of them is computed as in the whole step.
                 let min_run = if batched { 1 } else { 2 };
+                if let Some(next) = m.w.layers.get(il + 1) {
+                    let rargs = RouterArgs {
+                        n_tok: t,
+                        n_expert: hp.n_expert,
+                        k,
+                        scale: hp.expert_weights_scale,
+                    };
+                    stream.predict(be, il + 1, next, a, s.tokens, rargs)?;
+                }
                 stream.moe(be, il, a, s.eids, ew, margs, f, min_run)?
             }
         }

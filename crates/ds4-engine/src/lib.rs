@@ -18,6 +18,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod expert_cache;
+mod expert_host;
 pub mod expert_stream;
 pub mod forward;
 pub mod numerics;
@@ -33,7 +34,9 @@ pub use backend::{
 pub use config::{EngineConfig, NumericMode, DEFAULT_PREFILL_CHUNK};
 pub use engine::{Engine, Logits};
 pub use error::{EngineError, Result};
-pub use expert_stream::{ExpertPlacement, StreamError, StreamStats};
+pub use expert_stream::{
+    ExpertPlacement, StreamConfig, StreamError, StreamStats, MIN_HOST_SLOTS, PREDICT_ROWS,
+};
 pub use sampler::{argmax, Rng, Sampler, SamplerConfig};
 pub use session::{Generation, Session, StopConditions, StopReason};
 pub use state::{KvState, Snapshot};

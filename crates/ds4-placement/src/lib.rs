@@ -53,7 +53,9 @@
 //! all units (uniform routing). [`plan::ExpertStream`] says what an expert cache may
 //! rely on. `--experts resident` never streams. `--expert-cache-gib N` caps the cache
 //! (refused below the minimum; a capped cache gets no host tier). The engine runs such a
-//! plan with an LRU cache of `cache_slots` units (docs/placement.md §9).
+//! plan with an LRU cache of `cache_slots` units behind a host tier of `host_tier_slots`
+//! (at least the engine's minimum, which holds its reads in flight), reading the next
+//! layer's predicted experts ahead (docs/placement.md §9).
 //!
 //! # Arenas
 //! A tensor of at least 256 MiB gets its own allocation of exactly its size (rounded

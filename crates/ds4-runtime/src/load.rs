@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::error::{error_chain, LoadError};
 use ds4_chat::Tokenizer;
-use ds4_engine::{Backend, Engine, EngineConfig, ExpertPlacement, NumericMode};
+use ds4_engine::{Backend, Engine, EngineConfig, ExpertPlacement, NumericMode, StreamConfig};
 use ds4_gguf::GgufFile;
 
 /// `--backend`: which [`Backend`] runs the model.
@@ -416,23 +416,26 @@ pub fn planned_backend(
 }
 
 /// How a plan places routed experts in the engine: resident, or streamed through a cache
-/// of the plan's `cache_slots` units (docs/placement.md §9). The plan's optional host tier
-/// is not built by this engine (said in the log).
+/// of the plan's `cache_slots` units and a host tier of its `host_tier_slots`
+/// (docs/placement.md §9). Read-ahead of the next layer's predicted experts is on unless
+/// `DS4_EXPERT_READAHEAD=0` (for measuring what it does).
 pub fn expert_placement(plan: &ds4_placement::Plan) -> ExpertPlacement {
     match &plan.stream {
         None => ExpertPlacement::Resident,
-        Some(st) => {
-            if st.host_tier_slots > 0 {
-                tracing::warn!(
-                    "the plan's host tier of {} expert units is not used: this engine has one cache tier",
-                    st.host_tier_slots
-                );
-            }
-            ExpertPlacement::Streamed {
-                slots: usize::try_from(st.cache_slots).unwrap_or(usize::MAX),
-            }
-        }
+        Some(st) => ExpertPlacement::Streamed(StreamConfig {
+            slots: usize::try_from(st.cache_slots).unwrap_or(usize::MAX),
+            host_slots: usize::try_from(st.host_tier_slots).unwrap_or(usize::MAX),
+            readahead: readahead_from_env(std::env::var("DS4_EXPERT_READAHEAD").ok().as_deref()),
+        }),
     }
+}
+
+/// `DS4_EXPERT_READAHEAD`: unset or anything but `0`/`off`/`false` means on.
+fn readahead_from_env(v: Option<&str>) -> bool {
+    !matches!(
+        v.map(|s| s.trim().to_ascii_lowercase()).as_deref(),
+        Some("0" | "off" | "false")
+    )
 }
 
 /// [`planned_backend`], and how the engine must place the routed experts by the plan.
@@ -542,6 +545,16 @@ mod tests {
     use super::*;
     use ds4_gpu::cuda::GemmPrecision;
     use std::ffi::OsStr;
+
+    #[test]
+    fn readahead_is_on_unless_turned_off() {
+        assert!(readahead_from_env(None));
+        assert!(readahead_from_env(Some("1")));
+        assert!(readahead_from_env(Some("yes")));
+        for off in ["0", "off", " OFF ", "false"] {
+            assert!(!readahead_from_env(Some(off)), "{off}");
+        }
+    }
 
     #[test]
     fn prefill_tiles_fast_by_default_off_for_quality() {

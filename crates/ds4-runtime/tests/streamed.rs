@@ -114,7 +114,7 @@ fn a_cache_of_three_tokens_experts_matches_resident_on_every_fixture() {
         let hp = resident.hparams().clone();
         let slots = 3 * hp.n_expert_used;
         assert!(slots < hp.n_layer * hp.n_expert, "{name}");
-        let mut streamed = engine(ExpertPlacement::Streamed { slots });
+        let mut streamed = engine(ExpertPlacement::streamed(slots));
         let toks = prompt(40, hp.n_vocab, 2);
         let (rp, rd) = logits(&mut resident, &toks);
         let (sp, sd) = logits(&mut streamed, &toks);
@@ -123,6 +123,12 @@ fn a_cache_of_three_tokens_experts_matches_resident_on_every_fixture() {
         assert!(rd == sd, "{name}: streamed decode differs");
         let s = streamed.expert_stats().unwrap();
         assert!(s.misses > slots as u64, "{name}: the cache evicted");
-        assert_eq!(s.bytes_read, s.misses * s.slot_bytes, "{name}");
+        // Reads: the misses the host tier did not hold, and read-ahead.
+        assert_eq!(s.bytes_read, s.reads * s.slot_bytes, "{name}");
+        assert!(s.reads >= s.misses - s.host_hits, "{name}: {s:?}");
+        assert!(
+            s.reads <= s.misses - s.host_hits + s.readahead_reads,
+            "{name}: {s:?}"
+        );
     }
 }

@@ -448,7 +448,9 @@ fn main() -> Result<()> {
     );
     let mut last = Vec::new();
     let mut stream_csv = String::from(
-        "frontier,phase,tokens,tok_s,lookups,hit_rate,misses_per_token,bytes_read,read_s,disk_gb_s,slot_write_s,moe_runs\n",
+        "frontier,phase,tokens,tok_s,lookups,hit_rate,misses_per_token,host_hits,reads_per_token,\
+         readahead_reads,readahead_used,prediction_accuracy,bytes_read,read_gb_s,wait_s,\
+         slot_write_s,moe_runs\n",
     );
     if args.profile_prefill > 0 {
         profile_prefill(&mut eng, args.profile_prefill, args.seed)?;
@@ -478,9 +480,8 @@ fn main() -> Result<()> {
         }
         let dc = t1.elapsed().as_secs_f64();
         if let Some(s) = eng.expert_stats() {
-            let line = stream_line(f, "decode", args.decode, dc, &s);
-            eprint!("experts: {line}");
-            stream_csv += &line;
+            eprintln!("{}", ds4_cli::chat::expert_line(&s));
+            stream_csv += &stream_line(f, "decode", args.decode, dc, &s);
         }
         let c1 = eng.backend_mut().counters();
         let per = args.decode.max(1) as f64;
@@ -717,18 +718,27 @@ fn print_profile(
 }
 
 /// One row of the streamed-experts CSV: `n` tokens in `secs`, and what the expert cache
-/// did meanwhile (hit rate, disk bytes and rate, time writing slots).
+/// did meanwhile: device-cache hit rate, misses the host tier held, file reads (demand and
+/// read-ahead) and how much read-ahead was used, the prediction's accuracy, the bytes read
+/// over the phase's wall time (`read_gb_s`), the time the forward pass waited for reads
+/// (`wait_s`) and spent writing slots.
 fn stream_line(frontier: usize, phase: &str, n: usize, secs: f64, s: &StreamStats) -> String {
     let rate = |x: f64| if secs > 0.0 { x / secs } else { 0.0 };
+    let per_tok = |x: u64| x as f64 / n.max(1) as f64;
     format!(
-        "{frontier},{phase},{n},{:.2},{},{:.4},{:.1},{},{:.3},{:.2},{:.3},{}\n",
+        "{frontier},{phase},{n},{:.2},{},{:.4},{:.1},{},{:.1},{},{},{:.4},{},{:.2},{:.3},{:.3},{}\n",
         rate(n as f64),
         s.lookups,
         s.hit_rate(),
-        s.misses as f64 / n.max(1) as f64,
+        per_tok(s.misses),
+        s.host_hits,
+        per_tok(s.reads),
+        s.readahead_reads,
+        s.readahead_used,
+        s.prediction_accuracy(),
         s.bytes_read,
+        rate(s.bytes_read as f64) / 1e9,
         s.read_secs,
-        s.read_bytes_per_s() / 1e9,
         s.write_secs,
         s.runs
     )

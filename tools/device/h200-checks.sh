@@ -161,10 +161,13 @@ if ! skip stream; then
     timeout 400 ds4-convert synthetic --quiet --layout q2 --layers 12 --router-skew 0.3 \
         --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" >> "$OUT/stream.log" 2>&1
     for c in 4 8; do
-        sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(page cache not dropped)"
-        echo "dense 12 layers, cache $c GiB, cold:"
-        timeout 300 ds4-bench -m "$f" --experts stream --expert-cache-gib $c --frontiers 2048 --decode 32 >> "$OUT/stream.log" 2>&1
-        tail -n 4 "$OUT/stream.log"
+        for ra in 1 0; do
+            sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(page cache not dropped)"
+            echo "dense 12 layers, cache $c GiB, cold, DS4_EXPERT_READAHEAD=$ra:"
+            DS4_EXPERT_READAHEAD=$ra timeout 300 ds4-bench -m "$f" --experts stream --expert-cache-gib $c \
+                --frontiers 2048 --decode 32 >> "$OUT/stream.log" 2>&1
+            tail -n 4 "$OUT/stream.log"
+        done
     done
     rm -f "$f"
 fi

@@ -1341,7 +1341,7 @@ fn find_remedies(
 
     // Overrides that block an automatic plan.
     type Reset = fn(&mut Request);
-    let resets: [(&Source, Reset); 5] = [
+    let resets: [(&Source, Reset); 6] = [
         (&o.weights.source, |r| {
             r.overrides.weights = Setting::default()
         }),
@@ -1354,6 +1354,10 @@ fn find_remedies(
         }),
         (&o.os_reserve.source, |r| {
             r.overrides.os_reserve = Setting::default()
+        }),
+        // A cap below the streamed plan's minimum cache.
+        (&o.expert_cache.source, |r| {
+            r.overrides.expert_cache = Setting::default()
         }),
     ];
     for (src, reset) in resets {

@@ -240,6 +240,13 @@ fn the_expert_cache_cap_shrinks_the_cache_and_refuses_below_the_minimum() {
                 s.note.as_deref().unwrap_or("").contains("at least"),
                 "{s:?}"
             );
+            // The remedy names the cap, not "a machine with more memory".
+            assert!(
+                f.remedies.iter().any(|r| matches!(r,
+                    ds4_placement::Remedy::DropOverride { setting } if setting.contains("--expert-cache-gib"))),
+                "{:?}",
+                f.remedies
+            );
         }
         other => panic!("expected a refusal, got {other:?}"),
     }

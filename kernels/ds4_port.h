@@ -189,6 +189,10 @@ __device__ __forceinline__ void ds4_ldmatrix_x4(ds4_u32* r, const ds4_u16* p) {
 
 #endif
 
+// Dynamic shared memory: `bytes` (at most) sized at launch, so a kernel may use more than
+// the 48 KB of static shared memory (the host raises the function's limit first).
+#define DS4_DYN_SHARED(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+
 // Programmatic dependent launch (docs/gpu.md, "Overlapped launches"). On sm_90 the host may
 // launch a kernel while the previous one in the stream is still running; the kernel must
 // then call ds4_grid_wait() before it reads anything an earlier kernel wrote or writes

@@ -2233,3 +2233,272 @@ ds4_argmax(const float* x, int n, int* out) {
         out[0] = (x0 != x0 || si[0] == 0x7fffffff) ? 0 : si[0];
     }
 }
+
+// ---- Prefill attention on the tensor cores (docs/gpu.md §14) ----
+//
+// The single-query kernels above give every (token, head) its own block, so the 64 heads of
+// a token each read the token's keys (up to 640 rows of 2 KB) from L2: at 2048 tokens a CSA
+// layer reads ~170 GB. Attention is multi-query (one key/value row serves every head), so
+// here one block takes one token and 64 heads: the token's keys are read once into shared
+// memory as halves, S = Q·Kᵀ (64 heads × 32 keys per tile) and O += P·V run as half-
+// precision mma with f32 accumulation, with the online softmax between them and the sink
+// applied at the end. Same key enumeration, fault rule and sink algebra as ds4_attention;
+// the numeric class of the prefill tiles (half operands), so only the fast precision uses
+// it. Head dim 512 and heads in groups of 64 (DeepSeek V4 Flash); 16 warps: for S warp w
+// computes the 16 × 8 piece (heads 16 (w / 4), keys 8 (w % 4)); for O it owns the 64 heads
+// × 32 dims from 32 w.
+#define DS4_AMMA_HD 512
+#define DS4_AMMA_HEADS 64
+#define DS4_AMMA_KT 32
+#define DS4_AMMA_WARPS 16
+#define DS4_AMMA_QLD (DS4_AMMA_HD + 8)  // halves per Q / K row (+16 bytes: no bank conflicts)
+#define DS4_AMMA_VLD (DS4_AMMA_KT + 8)  // halves per Vᵀ / P row
+#define DS4_AMMA_SLD (DS4_AMMA_KT + 1)  // floats per S row
+#define DS4_AMMA_HALVES                                                                    \
+    (DS4_AMMA_HEADS * DS4_AMMA_QLD + DS4_AMMA_KT * DS4_AMMA_QLD + DS4_AMMA_HD * DS4_AMMA_VLD + \
+     DS4_AMMA_HEADS * DS4_AMMA_VLD)
+#define DS4_AMMA_SMEM (2 * DS4_AMMA_HALVES + 4 * (DS4_AMMA_HEADS * DS4_AMMA_SLD + 3 * DS4_AMMA_HEADS + DS4_AMMA_KT))
+
+// Key j of token t (position p) in ds4_attention's order: window rows, then compressed rows
+// (all visible ones, or the token's top-k selection). Null for a skipped selection entry
+// (negative, or out of range: then the fault bit is set by `report`).
+__device__ __forceinline__ const float* ds4_amma_key(const float* kv, const float* ring,
+                                                    const float* crows, const int* idx,
+                                                    ds4_size pos0, ds4_size lo, int n_win,
+                                                    int t, int j, int window, int comp_mode,
+                                                    int k_sel, ds4_size n_vis, ds4_size n_crows,
+                                                    bool report, int* fault) {
+    if (j < n_win) {
+        const ds4_size pos = lo + j;
+        return pos < pos0 ? ring + (pos % window) * DS4_AMMA_HD : kv + (pos - pos0) * DS4_AMMA_HD;
+    }
+    if (comp_mode == 1) return crows + (ds4_size)(j - n_win) * DS4_AMMA_HD;
+    const int r = idx[(ds4_size)t * k_sel + (j - n_win)];
+    if (r < 0) return nullptr;
+    if ((ds4_size)r >= n_vis || (ds4_size)r >= n_crows) {
+        if (report) ds4_fault(fault, DS4_FAULT_ROW);
+        return nullptr;
+    }
+    return crows + (ds4_size)r * DS4_AMMA_HD;
+}
+
+extern "C" __global__ void __launch_bounds__(DS4_AMMA_WARPS * DS4_WARP)
+ds4_attention_mma(const float* q, const float* kv, const float* ring, const float* crows,
+                  const int* idx, const float* sinks, ds4_size pos0, int n_head, int window,
+                  int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale, float* out,
+                  int* fault) {
+    ds4_grid_wait();
+    DS4_DYN_SHARED(smem, DS4_AMMA_SMEM);
+    ds4_u16* qs = (ds4_u16*)smem;
+    ds4_u16* ks = qs + DS4_AMMA_HEADS * DS4_AMMA_QLD;
+    ds4_u16* vt = ks + DS4_AMMA_KT * DS4_AMMA_QLD;
+    ds4_u16* ps = vt + DS4_AMMA_HD * DS4_AMMA_VLD;
+    float* ss = (float*)(ps + DS4_AMMA_HEADS * DS4_AMMA_VLD);
+    float* row_m = ss + DS4_AMMA_HEADS * DS4_AMMA_SLD;
+    float* row_l = row_m + DS4_AMMA_HEADS;
+    float* row_c = row_l + DS4_AMMA_HEADS;
+    int* kval = (int*)(row_c + DS4_AMMA_HEADS);
+
+    const int t = blockIdx.x, h0 = blockIdx.y * DS4_AMMA_HEADS;
+    const int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    const int g = lane >> 2, t4 = lane & 3;
+    const float ninf = -__int_as_float(0x7f800000);
+    const ds4_size p = pos0 + t;
+    const ds4_size lo = p + 1 > (ds4_size)window ? p + 1 - window : 0;
+    const int n_win = (int)(p - lo + 1);
+    int n_comp = 0;
+    if (comp_mode == 1) n_comp = (int)((p + 1) / ratio);
+    if (comp_mode == 2) n_comp = k_sel;
+    const ds4_size n_vis = comp_mode != 0 ? (p + 1) / ratio : 0;
+    const int n_keys = n_win + n_comp;
+
+    // This block's 64 query rows as halves.
+    const float* qb = q + ((ds4_size)t * n_head + h0) * DS4_AMMA_HD;
+    for (int i = tid; i < DS4_AMMA_HEADS * DS4_AMMA_HD / 4; i += DS4_AMMA_WARPS * DS4_WARP) {
+        const float4 v = ((const float4*)qb)[i];
+        const int r = (i * 4) / DS4_AMMA_HD, c = (i * 4) % DS4_AMMA_HD;
+        ds4_u32* dst = (ds4_u32*)(qs + r * DS4_AMMA_QLD + c);
+        dst[0] = ds4_f2h2(v.x, v.y);
+        dst[1] = ds4_f2h2(v.z, v.w);
+    }
+    if (tid < DS4_AMMA_HEADS) {
+        row_m[tid] = ninf;
+        row_l[tid] = 0.0f;
+    }
+    float acc[4][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int nj = 0; nj < 4; nj++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mi][nj][e] = 0.0f;
+
+    for (int k0 = 0; k0 < n_keys; k0 += DS4_AMMA_KT) {
+        __syncthreads();  // the previous tile's readers are done (and Q is in place)
+        {
+            // Warp w converts dims 32 w.. of all 32 keys (lane = key): K rows as halves and
+            // the transpose (Vᵀ), whose stores then fall on consecutive halves of one row.
+            const int key = lane, seg = warp;
+            const int j = k0 + key;
+            const float* kp = j < n_keys
+                                  ? ds4_amma_key(kv, ring, crows, idx, pos0, lo, n_win, t, j,
+                                                 window, comp_mode, k_sel, n_vis, n_crows,
+                                                 seg == 0 && blockIdx.y == 0, fault)
+                                  : nullptr;
+            ds4_u32* krow = (ds4_u32*)(ks + key * DS4_AMMA_QLD + seg * 32);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (kp) v = ((const float4*)(kp + seg * 32))[i];
+                const ds4_u32 lo2 = ds4_f2h2(v.x, v.y), hi2 = ds4_f2h2(v.z, v.w);
+                krow[2 * i] = lo2;
+                krow[2 * i + 1] = hi2;
+                const int d = seg * 32 + 4 * i;
+                vt[(d + 0) * DS4_AMMA_VLD + key] = (ds4_u16)(lo2 & 0xffff);
+                vt[(d + 1) * DS4_AMMA_VLD + key] = (ds4_u16)(lo2 >> 16);
+                vt[(d + 2) * DS4_AMMA_VLD + key] = (ds4_u16)(hi2 & 0xffff);
+                vt[(d + 3) * DS4_AMMA_VLD + key] = (ds4_u16)(hi2 >> 16);
+            }
+            if (seg == 0) kval[key] = kp != nullptr;
+        }
+        __syncthreads();
+        {
+            // S piece of this warp: heads 16 mi.., keys 8 ni.. of the tile.
+            const int mi = warp >> 2, ni = warp & 3;
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if defined(DS4_HAS_MMA)
+            const int piece = lane >> 3;
+            const int ar = 16 * mi + (lane & 7) + (piece & 1) * 8, ac = (piece >> 1) * 8;
+            const ds4_u16* brow = ks + (8 * ni + g) * DS4_AMMA_QLD + 2 * t4;
+            for (int kk = 0; kk < DS4_AMMA_HD; kk += 16) {
+                ds4_u32 a[4], b[2];
+                ds4_ldmatrix_x4(a, qs + ar * DS4_AMMA_QLD + kk + ac);
+                b[0] = *(const ds4_u32*)(brow + kk);
+                b[1] = *(const ds4_u32*)(brow + kk + 8);
+                ds4_mma_16816(c, a, b);
+            }
+#else
+            for (int e = 0; e < 4; e++) {
+                const int r = 16 * mi + g + (e >> 1) * 8, col = 8 * ni + 2 * t4 + (e & 1);
+                float sum = 0.0f;
+                for (int d = 0; d < DS4_AMMA_HD; d++)
+                    sum += ds4_h2f(qs[r * DS4_AMMA_QLD + d]) * ds4_h2f(ks[col * DS4_AMMA_QLD + d]);
+                c[e] = sum;
+            }
+#endif
+            for (int e = 0; e < 4; e++) {
+                const int r = 16 * mi + g + (e >> 1) * 8, col = 8 * ni + 2 * t4 + (e & 1);
+                ss[r * DS4_AMMA_SLD + col] = c[e] * scale;
+            }
+        }
+        __syncthreads();
+        {
+            // Online softmax: 8 threads per head row, 4 keys each; P rounded to halves
+            // before it is summed, so numerator and denominator use the same values.
+            const int row = tid >> 3, part = tid & 7;
+            float sv[4];
+            bool ok[4];
+            float mt = ninf;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int key = part * 4 + i;
+                ok[i] = k0 + key < n_keys && kval[key] != 0;
+                sv[i] = ok[i] ? ss[row * DS4_AMMA_SLD + key] : ninf;
+                mt = fmaxf(mt, sv[i]);
+            }
+            mt = fmaxf(mt, ds4_shfl_xor(mt, 1));
+            mt = fmaxf(mt, ds4_shfl_xor(mt, 2));
+            mt = fmaxf(mt, ds4_shfl_xor(mt, 4));
+            const float mo = row_m[row];
+            const float mn = fmaxf(mo, mt);
+            const bool any = mn != ninf;
+            const float corr = any ? expf(mo - mn) : 1.0f;
+            float sum = 0.0f;
+            ds4_u16 ph[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                ph[i] = ds4_f2h(ok[i] && any ? expf(sv[i] - mn) : 0.0f);
+                sum += ds4_h2f(ph[i]);
+            }
+            ds4_u32* prow = (ds4_u32*)(ps + row * DS4_AMMA_VLD + part * 4);
+            prow[0] = (ds4_u32)ph[0] | ((ds4_u32)ph[1] << 16);
+            prow[1] = (ds4_u32)ph[2] | ((ds4_u32)ph[3] << 16);
+            sum += ds4_shfl_xor(sum, 1);
+            sum += ds4_shfl_xor(sum, 2);
+            sum += ds4_shfl_xor(sum, 4);
+            if (part == 0) {
+                row_m[row] = mn;
+                row_l[row] = row_l[row] * corr + sum;
+                row_c[row] = corr;
+            }
+        }
+        __syncthreads();
+        {
+            // O += P·V for this warp's 32 dims, after the rows' rescale.
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++) {
+                const float c0 = row_c[16 * mi + g], c1 = row_c[16 * mi + g + 8];
+#pragma unroll
+                for (int nj = 0; nj < 4; nj++) {
+                    acc[mi][nj][0] *= c0;
+                    acc[mi][nj][1] *= c0;
+                    acc[mi][nj][2] *= c1;
+                    acc[mi][nj][3] *= c1;
+                }
+            }
+#if defined(DS4_HAS_MMA)
+            const int piece = lane >> 3;
+#pragma unroll
+            for (int kk = 0; kk < DS4_AMMA_KT; kk += 16) {
+#pragma unroll
+                for (int mi = 0; mi < 4; mi++) {
+                    ds4_u32 a[4];
+                    const int ar = 16 * mi + (lane & 7) + (piece & 1) * 8, ac = (piece >> 1) * 8;
+                    ds4_ldmatrix_x4(a, ps + ar * DS4_AMMA_VLD + kk + ac);
+#pragma unroll
+                    for (int nj = 0; nj < 4; nj++) {
+                        const ds4_u16* brow = vt + (32 * warp + 8 * nj + g) * DS4_AMMA_VLD + kk + 2 * t4;
+                        ds4_u32 b[2];
+                        b[0] = *(const ds4_u32*)brow;
+                        b[1] = *(const ds4_u32*)(brow + 8);
+                        ds4_mma_16816(acc[mi][nj], a, b);
+                    }
+                }
+            }
+#else
+            for (int mi = 0; mi < 4; mi++)
+                for (int nj = 0; nj < 4; nj++)
+                    for (int e = 0; e < 4; e++) {
+                        const int r = 16 * mi + g + (e >> 1) * 8;
+                        const int d = 32 * warp + 8 * nj + 2 * t4 + (e & 1);
+                        float sum = acc[mi][nj][e];
+                        for (int key = 0; key < DS4_AMMA_KT; key++)
+                            sum += ds4_h2f(ps[r * DS4_AMMA_VLD + key]) * ds4_h2f(vt[d * DS4_AMMA_VLD + key]);
+                        acc[mi][nj][e] = sum;
+                    }
+#endif
+        }
+    }
+    __syncthreads();
+    // The sink joins the denominator: out = O · f / (l · f + exp(sink − M)), M = max(m, sink).
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = 16 * mi + g + half * 8;
+            const float m = row_m[r], l = row_l[r], sink = sinks[h0 + r];
+            const float mm = fmaxf(m, sink);
+            const float f = l > 0.0f ? expf(m - mm) : 0.0f;
+            const float w = f / (l * f + expf(sink - mm));
+            float* orow = out + ((ds4_size)t * n_head + h0 + r) * DS4_AMMA_HD + 32 * warp + 2 * t4;
+#pragma unroll
+            for (int nj = 0; nj < 4; nj++) {
+                orow[8 * nj] = acc[mi][nj][2 * half] * w;
+                orow[8 * nj + 1] = acc[mi][nj][2 * half + 1] * w;
+            }
+        }
+    }
+}
+
+// Dynamic shared memory of ds4_attention_mma (bytes), read by the host at load.
+extern "C" __device__ const int ds4_attention_mma_smem[2] = {DS4_AMMA_SMEM, DS4_AMMA_HEADS};

@@ -12,6 +12,9 @@
 # Steps (skip any with SKIP="name name"):
 #   ops        op mirror on the fixtures + random tiny models, f32 and int8 activations
 #   tiles      op mirror with prefill tiles (experts, all), tiny and 4-layer real dims
+#   attn       tensor-core prefill attention (DS4_PREFILL_ATTN=mma, docs/gpu.md §14): op mirror
+#              on the 4-layer real-dimension model, then 4-layer prefill profiles and the
+#              full-size bench at 2k / 32k with it off and on
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
@@ -63,6 +66,23 @@ if ! skip tiles; then
     ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 --chunk 40 --tiles all > "$OUT/tiles_a.log" 2>&1; tail -1 "$OUT/tiles_a.log"
     ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles all > "$OUT/tiles_4l.log" 2>&1
     grep -E "moe|matmul|FAIL" "$OUT/tiles_4l.log" | head -8; tail -1 "$OUT/tiles_4l.log"
+fi
+if ! skip attn; then
+    step attn
+    DS4_PREFILL_ATTN=mma ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 \
+        > "$OUT/attn_ops.log" 2>&1
+    grep -E "attention|FAIL" "$OUT/attn_ops.log" | head -6; tail -1 "$OUT/attn_ops.log"
+    for a in warp mma; do
+        DS4_PREFILL_ATTN=$a timeout 200 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 --decode 4 \
+            --profile-prefill 2048 > "$OUT/attn_prefill_$a.log" 2>&1
+        echo "attention $a:"; grep -E "^2048,|profile prefill" "$OUT/attn_prefill_$a.log"
+        grep -A12 "by kernel" "$OUT/attn_prefill_$a.log" | head -12
+    done
+    for a in warp mma; do
+        DS4_PREFILL_ATTN=$a timeout 300 ds4-bench --synthetic q2 --frontiers 2048,32768 --decode 16 \
+            > "$OUT/attn_bench_$a.log" 2>&1
+        echo "attention $a:"; grep -E "^[0-9]+,|rror" "$OUT/attn_bench_$a.log"
+    done
 fi
 if ! skip reference; then
     step reference
@@ -185,6 +205,10 @@ if ! skip numeric; then
             DS4_PREFILL_TILES=$t ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-$t.npy" > /dev/null 2>> "$OUT/numeric.log"
             python3 "$R/tools/logits/compare_logits.py" "$work/$m-$t.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
         done
+        # The tensor-core attention on top of the fast default (tiles for the experts).
+        DS4_PREFILL_ATTN=mma ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-attn.npy" > /dev/null 2>> "$OUT/numeric.log"
+        echo "experts + DS4_PREFILL_ATTN=mma:" | tee -a "$OUT/numeric.log"
+        python3 "$R/tools/logits/compare_logits.py" "$work/$m-attn.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
     done
 fi
 

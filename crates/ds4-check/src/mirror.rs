@@ -36,6 +36,8 @@ pub struct OpRule {
     pub act_q8: bool,
     /// Which multi-token matmuls the GPU ran on half-precision tiles.
     pub tiles: ds4_gpu::backend::PrefillTiles,
+    /// Multi-token attention on half operands (`ds4_attention_mma`, `DS4_PREFILL_ATTN=mma`).
+    pub attn_half: bool,
 }
 
 impl OpRule {
@@ -73,7 +75,7 @@ impl OpRule {
             // The fused HCPre runs its mixing matmul through the tiles in prefill passes.
             PrefillTiles::All => op.starts_with("matmul") || op == "moe" || op == "hc_mix_pre_norm",
         };
-        if tiled {
+        if tiled || (self.attn_half && op == "attention") {
             tol = tol.max(Self::TOL_TILES);
         }
         tol

@@ -126,6 +126,7 @@ fn check(r: Run) {
         mode: r.mode,
         act_q8: r.act_q8,
         tiles: r.tiles,
+        attn_half: false,
     };
     let bad: Vec<String> = stats
         .iter()
@@ -645,4 +646,138 @@ fn emulated_batched_sequence_ops_equal_decoding_alone() {
         assert_eq!(count(kernel), per_step * steps, "{kernel} launches");
     }
     assert!(r.exact && r.greedy == 0, "batched vs alone {r:?}");
+}
+
+/// `ds4_attention_mma` (docs/gpu.md §14), the tensor-core prefill attention, against the
+/// CPU backend's f32 attention at the real head shape (64 heads of 512), with the kernels'
+/// tensor-core path and their plain path (HIP's): a sliding-only layer, an HCA layer (all
+/// visible compressed rows) and a CSA layer (a top-k selection padded with −1), on a chunk
+/// that starts after the window filled (ring rows of earlier positions), two or three key
+/// tiles of 32 per token, and selections padded with −1. Its operands are halves (the
+/// prefill tiles' class), so the bound is relative to the output's scale.
+#[test]
+fn emulated_tensor_core_attention_matches_the_cpu() {
+    use ds4_engine::backend::{AttnArgs, CompSel};
+    // Windows of 48 keys plus up to 20 compressed rows: two or three key tiles of 32, so
+    // the online softmax rescales across tiles.
+    let (nh, hd, window, ratio, k_sel) = (64usize, 512usize, 48usize, 4usize, 8usize);
+    let (pos0, t) = (60usize, 20usize);
+    let n_crows = (pos0 + t) / ratio;
+    let mut rng = ds4_engine::Rng::new(91);
+    let mut rand =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect() };
+    let q = rand(t * nh * hd);
+    let kv = rand(t * hd);
+    let ring = rand(window * hd);
+    let crows = rand(n_crows * hd);
+    let sinks = rand(nh);
+    // The sinks as a one-tensor GGUF image (backends load vectors from files).
+    let sink_file = {
+        let header = ds4_gguf::Header {
+            metadata: Vec::new(),
+            tensors: vec![ds4_gguf::TensorInfo {
+                name: "sinks".into(),
+                dims: vec![nh as u64],
+                ty: ds4_gguf::GgmlType::F32,
+                offset: 0,
+            }],
+        };
+        let mut w = ds4_gguf::GgufWriter::new(Vec::new(), header).unwrap();
+        let raw: Vec<u8> = sinks.iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.write_tensor(&raw).unwrap();
+        Arc::new(ds4_gguf::GgufFile::from_bytes(w.finish().unwrap().0).unwrap())
+    };
+    // Ascending visible rows, −1 where a token sees fewer than k.
+    let mut sel = Vec::new();
+    for i in 0..t {
+        let vis = (pos0 + i + 1) / ratio;
+        let mut rows: Vec<i32> = (0..vis as i32)
+            .filter(|r| (r * 7 + i as i32) % 3 != 0)
+            .collect();
+        rows.truncate(if i % 2 == 0 { 3 } else { k_sel });
+        rows.resize(k_sel, -1);
+        sel.extend(rows);
+    }
+    let run = |be: &mut dyn Backend, mode: usize| -> Vec<f32> {
+        let up = |be: &mut dyn Backend, v: &[f32]| {
+            let b = be.alloc(v.len()).unwrap();
+            be.upload(b.slice(0, v.len()), v).unwrap();
+            b.slice(0, v.len())
+        };
+        let (qs, kvs, rs, cs) = (up(be, &q), up(be, &kv), up(be, &ring), up(be, &crows));
+        let idx = be.alloc_i32(sel.len()).unwrap();
+        be.upload_i32(idx, 0, &sel).unwrap();
+        let sw = be
+            .load_weight(&sink_file, "sinks", ds4_engine::backend::WeightUse::Vector)
+            .unwrap();
+        let out = be.alloc(t * nh * hd).unwrap();
+        let comp = match mode {
+            0 => CompSel::None,
+            1 => CompSel::All { rows: cs, ratio },
+            _ => CompSel::Top {
+                rows: cs,
+                ratio,
+                idx,
+                k: k_sel,
+            },
+        };
+        be.attention(AttnArgs {
+            q: qs,
+            kv: kvs,
+            ring: rs,
+            comp,
+            sinks: sw,
+            pos0,
+            n_tok: t,
+            n_head: nh,
+            head_dim: hd,
+            window,
+            scale: 1.0 / (hd as f32).sqrt(),
+            out: out.slice(0, t * nh * hd),
+        })
+        .unwrap();
+        let mut o = vec![0.0f32; t * nh * hd];
+        be.download(out.slice(0, o.len()), &mut o).unwrap();
+        o
+    };
+    let m = machine("strix-halo-stock");
+    for mma in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let (fake, mut gpu) = emulated_backend(&m, dir.path(), mma, PrefillTiles::Off);
+        gpu.set_prefill_attention_mma(true);
+        let mut cpu = CpuBackend::new(2).unwrap();
+        for mode in 0..3 {
+            let want = run(&mut cpu, mode);
+            let got = run(&mut gpu, mode);
+            let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| {
+                    if g.is_nan() {
+                        f32::INFINITY
+                    } else {
+                        (g - w).abs()
+                    }
+                })
+                .fold(0.0f32, f32::max);
+            eprintln!("mma={mma} mode {mode}: max |Δ| {worst:.3e}, outputs up to {scale:.3e}");
+            assert!(scale > 0.05, "mode {mode}: the reference is all but zero");
+            assert!(
+                worst <= 2e-3 * scale,
+                "mma={mma} mode {mode}: max |Δ| {worst:e} against outputs up to {scale:e}"
+            );
+        }
+        let ran = fake
+            .launches()
+            .iter()
+            .filter(|l| l.0 == "ds4_attention_mma")
+            .count();
+        assert_eq!(ran, 3, "mma={mma}: the tensor-core kernel took every call");
+        assert!(
+            fake.kernel_errors().is_empty(),
+            "{:?}",
+            fake.kernel_errors()
+        );
+    }
 }

@@ -126,6 +126,8 @@ static inline float ds4_shfl_up(float v, int delta) {
 }
 
 static inline void ds4_syncwarp() { ds4emu_warp_barrier(); }
+// Dynamic shared memory: a block's static array of the kernel's largest size.
+#define DS4_DYN_SHARED(name, bytes) static __attribute__((aligned(16))) unsigned char name[bytes]
 // Programmatic dependent launch: kernels run one after another here, nothing to wait for.
 static inline void ds4_grid_wait() {}
 

@@ -102,6 +102,34 @@ pub trait GpuApi: Send + Sync + Sized {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()>;
+    /// Most dynamic shared memory one block may be given ([`Self::launch_smem`]); 0 when
+    /// the runtime does not implement it.
+    fn max_dynamic_smem(&self) -> u32 {
+        0
+    }
+    /// [`Self::launch`] with `smem` bytes of dynamic shared memory. Runtimes that do not
+    /// implement it refuse any non-zero amount (the backend then keeps kernels that need
+    /// none).
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    unsafe fn launch_smem(
+        &self,
+        f: &Self::Function,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if smem != 0 {
+            return Err(crate::error::GpuError::BadArgument {
+                op: "launch",
+                detail: format!("{smem} bytes of dynamic shared memory: not on this runtime"),
+            });
+        }
+        // SAFETY: the caller upholds this method's contract, which is `launch`'s.
+        unsafe { self.launch(f, grid, block, params) }
+    }
     /// Whether later launches may overlap the kernel before them (CUDA's programmatic
     /// dependent launch, docs/gpu.md §6). The backend turns it on for decode-sized forward
     /// passes and off for prefill, where it measured slower. Runtimes without it ignore

@@ -36,6 +36,19 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch_fn(self.kernel(name)?, name, grid, block, args)
     }
 
+    /// [`Self::launch`] with `smem` bytes of dynamic shared memory (at most
+    /// `GpuApi::max_dynamic_smem`, checked by the caller's choice of kernel).
+    pub(crate) fn launch_smem(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> BResult<()> {
+        self.launch_params(self.kernel(name)?, name, grid, (block, smem), args, None)
+    }
+
     fn kernel(&self, name: &'static str) -> BResult<&D::Function> {
         self.funcs.get(name).ok_or(BackendError::Invalid {
             op: "launch",
@@ -58,7 +71,7 @@ impl<D: GpuApi> GpuBackend<D> {
             self.kernel(name)?,
             name,
             grid,
-            block,
+            (block, 0),
             args,
             Some((blob_at, blob)),
         )
@@ -72,7 +85,7 @@ impl<D: GpuApi> GpuBackend<D> {
         block: u32,
         args: &[Arg],
     ) -> BResult<()> {
-        self.launch_params(f, name, grid, block, args, None)
+        self.launch_params(f, name, grid, (block, 0), args, None)
     }
 
     fn launch_params(
@@ -80,7 +93,7 @@ impl<D: GpuApi> GpuBackend<D> {
         f: &D::Function,
         name: &'static str,
         grid: (u32, u32, u32),
-        block: u32,
+        (block, smem): (u32, u32),
         args: &[Arg],
         blob: Option<(usize, &[u64])>,
     ) -> BResult<()> {
@@ -119,7 +132,7 @@ impl<D: GpuApi> GpuBackend<D> {
         // methods checked every pointer and count against live buffers of this device
         // before calling (see the launch contract above), a blob is the kernel's struct
         // parameter at its place; `store` and `blob_store` outlive the call.
-        unsafe { self.dev.launch(f, grid, block, &mut params) }.map_err(gerr(name))?;
+        unsafe { self.dev.launch_smem(f, grid, block, smem, &mut params) }.map_err(gerr(name))?;
         if let (Some(p), Some(t0)) = (&self.profile, t0) {
             let _ = self.dev.synchronize();
             let mut p = p.lock().unwrap_or_else(|e| e.into_inner());

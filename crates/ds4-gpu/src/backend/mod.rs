@@ -432,6 +432,12 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) tiles_wide: bool,
     /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
     pub(crate) decode_rows: usize,
+    /// Multi-token attention on the tensor cores (`ds4_attention_mma`) where the shapes
+    /// and the device allow it; `DS4_PREFILL_ATTN=mma` (docs/gpu.md §14).
+    pub(crate) attn_mma: bool,
+    /// Dynamic shared memory `ds4_attention_mma` declares, and what the device allows.
+    pub(crate) amma_smem: u32,
+    pub(crate) max_dyn_smem: u32,
 }
 
 /// Upload slots of [`HostIo`]: a decode step queues one upload and waits once, so two
@@ -570,6 +576,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_combine_seqs",
     "ds4_norm_rope",
     "ds4_q8_0_split",
+    "ds4_attention_mma",
 ];
 
 /// Every kernel of `tiles.cu` the backend launches.
@@ -650,6 +657,8 @@ impl<D: GpuApi> GpuBackend<D> {
         for name in OP_KERNELS {
             funcs.insert(*name, dev.function(&module, name)?);
         }
+        let [amma_smem, _] = dev.read_i32x2_global(&module, "ds4_attention_mma_smem")?;
+        let amma_smem = u32::try_from(amma_smem).unwrap_or(u32::MAX);
         let tiles_module = dev.load_module(&TILES, &opts.cache, &[])?;
         for name in TILE_KERNELS {
             funcs.insert(*name, dev.function(&tiles_module, name)?);
@@ -708,7 +717,12 @@ impl<D: GpuApi> GpuBackend<D> {
                 Some("0" | "off" | "false" | "no")
             ),
             decode_rows: 1,
+            attn_mma: std::env::var("DS4_PREFILL_ATTN")
+                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
+            amma_smem,
+            max_dyn_smem: 0,
         };
+        be.max_dyn_smem = be.dev.max_dynamic_smem();
         if let Some(plan) = opts.plan {
             be.allocate_plan(&plan)?;
         }
@@ -782,6 +796,12 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// Waits for all queued work (for timing) and reports any device fault.
+    /// Multi-token attention on the tensor cores where it applies (`DS4_PREFILL_ATTN=mma`
+    /// at construction; docs/gpu.md §14).
+    pub fn set_prefill_attention_mma(&mut self, on: bool) {
+        self.attn_mma = on;
+    }
+
     pub fn sync(&mut self) -> BResult<()> {
         let queued = self.queue_fault("sync")?;
         self.syncs.fetch_add(1, Relaxed);

@@ -47,6 +47,11 @@ const COMP_WINDOWS_FROM: usize = 8;
 /// Widest overlapping window the tail kernel holds in registers
 /// (`DS4_COMP_MAX_OVERLAP_M` in ops.cu).
 const COMP_MAX_OVERLAP_M: usize = 8;
+/// Head dim and heads per block of the tensor-core attention (`DS4_AMMA_HD`,
+/// `DS4_AMMA_HEADS` in ops.cu), and its threads.
+const AMMA_HD: usize = 512;
+const AMMA_HEADS: usize = 64;
+const AMMA_THREADS: u32 = 512;
 /// Sequences of one batched attention launch (`DS4_ATT_SEQS` in ops.cu).
 const ATT_SEQS: usize = 16;
 /// Most partial-result bytes of one batched attention launch (beyond: one sequence at a
@@ -1505,6 +1510,32 @@ impl<D: GpuApi> GpuBackend<D> {
         })
     }
 
+    /// Whether `ds4_attention_mma` runs this multi-token call (docs/gpu.md §14): switched
+    /// on, 512-dim heads in groups of 64, the device gives a block the kernel's shared
+    /// memory, and every row the kernel reads with 16-byte loads is 16-byte aligned.
+    fn att_mma_ok(&self, a: &AttnArgs) -> BResult<bool> {
+        const OP: &str = "attention";
+        if !self.attn_mma
+            || a.head_dim != AMMA_HD
+            || !a.n_head.is_multiple_of(AMMA_HEADS)
+            || self.amma_smem > self.max_dyn_smem
+        {
+            return Ok(false);
+        }
+        let mut ptrs = vec![
+            self.fptr(a.q, OP)?,
+            self.fptr(a.kv, OP)?,
+            self.fptr(a.ring, OP)?,
+        ];
+        match a.comp {
+            CompSel::None => {}
+            CompSel::All { rows, .. } | CompSel::Top { rows, .. } => {
+                ptrs.push(self.fptr(rows, OP)?)
+            }
+        }
+        Ok(ptrs.iter().all(|p| p % 16 == 0))
+    }
+
     pub(super) fn op_attention(&mut self, a: AttnArgs) -> BResult<()> {
         const OP: &str = "attention";
         let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
@@ -1513,6 +1544,33 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         let sinks = self.wvec(a.sinks, OP, nh)?;
+        if !pl.split && self.att_mma_ok(&a)? {
+            let args = [
+                Arg::Ptr(self.fptr(a.q, OP)?),
+                Arg::Ptr(self.fptr(a.kv, OP)?),
+                Arg::Ptr(self.fptr(a.ring, OP)?),
+                Arg::Ptr(pl.crows),
+                Arg::Ptr(pl.idx),
+                Arg::Ptr(sinks),
+                u(a.pos0),
+                i32a(OP, "heads", nh)?,
+                i32a(OP, "window", win)?,
+                Arg::I32(pl.mode),
+                i32a(OP, "ratio", pl.ratio)?,
+                i32a(OP, "k", pl.k_sel)?,
+                u(pl.n_crows),
+                Arg::F32(a.scale),
+                Arg::Ptr(self.fptr(a.out, OP)?),
+                Arg::Ptr(self.fault_ptr()),
+            ];
+            return self.launch_smem(
+                "ds4_attention_mma",
+                (g32(t), g32(nh / AMMA_HEADS), 1),
+                AMMA_THREADS,
+                self.amma_smem,
+                &args,
+            );
+        }
         if pl.split {
             let part = self.scratch("att_part", 4 * t * nh * pl.splits * (hd + 2))?;
             let args = [

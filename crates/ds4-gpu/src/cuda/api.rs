@@ -91,6 +91,20 @@ impl GpuApi for CudaDevice {
         // SAFETY: the caller upholds CudaFunction::launch's contract (this trait's).
         unsafe { f.launch(grid, block, params) }
     }
+    fn max_dynamic_smem(&self) -> u32 {
+        u32::try_from(self.info().max_shared_per_block_optin).unwrap_or(u32::MAX)
+    }
+    unsafe fn launch_smem(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: as `launch`.
+        unsafe { f.launch_smem(grid, block, smem, params) }
+    }
     fn set_overlapped_launches(&self, on: bool) {
         self.ctx
             .pdl_now

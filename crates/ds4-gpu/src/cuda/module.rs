@@ -431,8 +431,39 @@ impl CudaFunction {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        // SAFETY: the caller upholds this function's contract, which is launch_smem's.
+        unsafe { self.launch_smem(grid, block, 0, params) }
+    }
+
+    /// [`Self::launch`] with `smem` bytes of dynamic shared memory; above the 48 KiB every
+    /// kernel may take, the function's limit is raised first (the device must have them:
+    /// the caller checks against the device's opt-in maximum).
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    pub(crate) unsafe fn launch_smem(
+        &self,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         let ctx = &self.module.ctx;
         ctx.bind()?;
+        if smem > 48 * 1024 {
+            // SAFETY: valid function handle of the bound context; a plain attribute write.
+            check(
+                unsafe {
+                    sys::cuFuncSetAttribute(
+                        self.func,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as c_int,
+                    )
+                },
+                "cuFuncSetAttribute",
+                || format!("allowing {} {smem} bytes of shared memory", self.name),
+            )?;
+        }
         let what = || {
             format!(
                 "launching {} with grid {grid:?} x {block} threads",
@@ -453,7 +484,7 @@ impl CudaFunction {
                 blockDimX: block,
                 blockDimY: 1,
                 blockDimZ: 1,
-                sharedMemBytes: 0,
+                sharedMemBytes: smem,
                 hStream: ctx.stream,
                 attrs: &mut attr,
                 numAttrs: 1,
@@ -474,8 +505,9 @@ impl CudaFunction {
                 what,
             );
         }
-        // SAFETY: per the function contract; no dynamic shared memory; `params` stays
-        // borrowed for the call and the driver copies the argument values at launch.
+        // SAFETY: per the function contract; `smem` bytes of dynamic shared memory were
+        // allowed above; `params` stays borrowed for the call and the driver copies the
+        // argument values at launch.
         check(
             unsafe {
                 sys::cuLaunchKernel(
@@ -486,7 +518,7 @@ impl CudaFunction {
                     block,
                     1,
                     1,
-                    0,
+                    smem,
                     ctx.stream,
                     params.as_mut_ptr(),
                     std::ptr::null_mut(),

@@ -898,6 +898,30 @@ impl GpuApi for HipDevice {
             i32::from_le_bytes([raw[4], raw[5], raw[6], raw[7]]),
         ])
     }
+    fn max_dynamic_smem(&self) -> u32 {
+        self.calls.dynamic_smem_limit()
+    }
+    unsafe fn launch_smem(
+        &self,
+        f: &HipFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if smem > self.calls.dynamic_smem_limit() {
+            return Err(GpuError::BadArgument {
+                op: "launch",
+                detail: format!(
+                    "{} with {smem} bytes of dynamic shared memory: not on this runtime",
+                    f.name
+                ),
+            });
+        }
+        // SAFETY: the caller upholds this trait method's contract; a runtime whose limit
+        // is non-zero (the test fake) gives every block the memory it declares.
+        unsafe { self.launch(f, grid, block, params) }
+    }
     unsafe fn launch(
         &self,
         f: &HipFunction,

@@ -511,6 +511,11 @@ impl HipCalls for FakeHip {
         drop(s);
         Ok((a, 8))
     }
+    /// The emulated kernels give every block its kernel's largest dynamic shared memory
+    /// as a static array, so any amount may be asked for.
+    fn dynamic_smem_limit(&self) -> u32 {
+        u32::MAX
+    }
     unsafe fn launch(
         &self,
         function: usize,

@@ -529,6 +529,11 @@ pub trait HipCalls: Send + Sync {
     ) -> c_int;
     /// `hipDeviceSynchronize`.
     fn synchronize(&self) -> c_int;
+    /// Dynamic shared memory `launch` may be asked for; the real runtime's launch passes
+    /// none, so 0.
+    fn dynamic_smem_limit(&self) -> u32 {
+        0
+    }
 }
 
 /// `value` when the runtime call returned `hipSuccess`, else its error code.

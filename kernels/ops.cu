@@ -2282,12 +2282,15 @@ __device__ __forceinline__ const float* ds4_amma_key(const float* kv, const floa
     return crows + (ds4_size)r * DS4_AMMA_HD;
 }
 
-extern "C" __global__ void __launch_bounds__(DS4_AMMA_WARPS * DS4_WARP)
-ds4_attention_mma(const float* q, const float* kv, const float* ring, const float* crows,
-                  const int* idx, const float* sinks, ds4_size pos0, int n_head, int window,
-                  int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale, float* out,
-                  int* fault) {
-    ds4_grid_wait();
+// One block's work: token t, heads h0..h0+63. Without `part`, all the token's keys and the
+// normalised output with the sink; with it, keys split*kps .. (split+1)*kps only and the
+// unnormalised partial (max m, sum l, O) at part + ((t·n_head + h)·n_splits + split)·(hd+2),
+// the layout ds4_attention_combine reads (which applies the sink).
+__device__ void ds4_amma_block(const float* q, const float* kv, const float* ring,
+                               const float* crows, const int* idx, const float* sinks,
+                               ds4_size pos0, int n_head, int window, int comp_mode, int ratio,
+                               int k_sel, ds4_size n_crows, float scale, float* out, float* part,
+                               int n_splits, int split, int kps, int t, int h0, int* fault) {
     DS4_DYN_SHARED(smem, DS4_AMMA_SMEM);
     ds4_u16* qs = (ds4_u16*)smem;
     ds4_u16* ks = qs + DS4_AMMA_HEADS * DS4_AMMA_QLD;
@@ -2299,7 +2302,6 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
     float* row_c = row_l + DS4_AMMA_HEADS;
     int* kval = (int*)(row_c + DS4_AMMA_HEADS);
 
-    const int t = blockIdx.x, h0 = blockIdx.y * DS4_AMMA_HEADS;
     const int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
     const int g = lane >> 2, t4 = lane & 3;
     const float ninf = -__int_as_float(0x7f800000);
@@ -2310,7 +2312,9 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
     if (comp_mode == 1) n_comp = (int)((p + 1) / ratio);
     if (comp_mode == 2) n_comp = k_sel;
     const ds4_size n_vis = comp_mode != 0 ? (p + 1) / ratio : 0;
-    const int n_keys = n_win + n_comp;
+    const int n_all = n_win + n_comp;
+    const int k_first = part ? split * kps : 0;
+    const int n_keys = part ? min(n_all, k_first + kps) : n_all;
 
     // This block's 64 query rows as halves.
     const float* qb = q + ((ds4_size)t * n_head + h0) * DS4_AMMA_HD;
@@ -2333,7 +2337,7 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[mi][nj][e] = 0.0f;
 
-    for (int k0 = 0; k0 < n_keys; k0 += DS4_AMMA_KT) {
+    for (int k0 = k_first; k0 < n_keys; k0 += DS4_AMMA_KT) {
         __syncthreads();  // the previous tile's readers are done (and Q is in place)
         {
             // Warp w converts dims 32 w.. of all 32 keys (lane = key): K rows as halves and
@@ -2343,7 +2347,7 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
             const float* kp = j < n_keys
                                   ? ds4_amma_key(kv, ring, crows, idx, pos0, lo, n_win, t, j,
                                                  window, comp_mode, k_sel, n_vis, n_crows,
-                                                 seg == 0 && blockIdx.y == 0, fault)
+                                                 seg == 0 && h0 == 0, fault)
                                   : nullptr;
             ds4_u32* krow = (ds4_u32*)(ks + key * DS4_AMMA_QLD + seg * 32);
 #pragma unroll
@@ -2480,6 +2484,28 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
         }
     }
     __syncthreads();
+    if (part) {
+        for (int r = tid; r < DS4_AMMA_HEADS; r += DS4_AMMA_WARPS * DS4_WARP) {
+            float* pp = part + (((ds4_size)t * n_head + h0 + r) * n_splits + split) * (DS4_AMMA_HD + 2);
+            pp[0] = row_m[r];
+            pp[1] = row_l[r];
+        }
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++) {
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int r = 16 * mi + g + half * 8;
+                float* pp = part + (((ds4_size)t * n_head + h0 + r) * n_splits + split) * (DS4_AMMA_HD + 2) +
+                            2 + 32 * warp + 2 * t4;
+#pragma unroll
+                for (int nj = 0; nj < 4; nj++) {
+                    pp[8 * nj] = acc[mi][nj][2 * half];
+                    pp[8 * nj + 1] = acc[mi][nj][2 * half + 1];
+                }
+            }
+        }
+        return;
+    }
     // The sink joins the denominator: out = O · f / (l · f + exp(sink − M)), M = max(m, sink).
 #pragma unroll
     for (int mi = 0; mi < 4; mi++) {
@@ -2498,6 +2524,31 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(DS4_AMMA_WARPS * DS4_WARP)
+ds4_attention_mma(const float* q, const float* kv, const float* ring, const float* crows,
+                  const int* idx, const float* sinks, ds4_size pos0, int n_head, int window,
+                  int comp_mode, int ratio, int k_sel, ds4_size n_crows, float scale, float* out,
+                  int* fault) {
+    ds4_grid_wait();
+    ds4_amma_block(q, kv, ring, crows, idx, sinks, pos0, n_head, window, comp_mode, ratio, k_sel,
+                   n_crows, scale, out, nullptr, 1, 0, 0, blockIdx.x, blockIdx.y * DS4_AMMA_HEADS,
+                   fault);
+}
+
+// Few tokens (decode): the keys of a token split over blocks too (grid: tokens × splits ×
+// head groups), each writing ds4_attention_split's partial layout for ds4_attention_combine.
+// Split `split` takes keys split·kps .. (split+1)·kps, kps a multiple of DS4_AMMA_KT.
+extern "C" __global__ void __launch_bounds__(DS4_AMMA_WARPS * DS4_WARP)
+ds4_attention_mma_split(const float* q, const float* kv, const float* ring, const float* crows,
+                        const int* idx, ds4_size pos0, int n_head, int window, int comp_mode,
+                        int ratio, int k_sel, ds4_size n_crows, float scale, int kps, float* part,
+                        int* fault) {
+    ds4_grid_wait();
+    ds4_amma_block(q, kv, ring, crows, idx, nullptr, pos0, n_head, window, comp_mode, ratio, k_sel,
+                   n_crows, scale, nullptr, part, gridDim.y, blockIdx.y, kps, blockIdx.x,
+                   blockIdx.z * DS4_AMMA_HEADS, fault);
 }
 
 // Dynamic shared memory of ds4_attention_mma (bytes), read by the host at load.

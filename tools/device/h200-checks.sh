@@ -12,9 +12,10 @@
 # Steps (skip any with SKIP="name name"):
 #   ops        op mirror on the fixtures + random tiny models, f32 and int8 activations
 #   tiles      op mirror with prefill tiles (experts, all), tiny and 4-layer real dims
-#   attn       tensor-core prefill attention (DS4_PREFILL_ATTN=mma, docs/gpu.md §14): op mirror
-#              on the 4-layer real-dimension model, then 4-layer prefill profiles and the
-#              full-size bench at 2k / 32k with it off and on
+#   attn       tensor-core attention (DS4_PREFILL_ATTN=mma, DS4_DECODE_ATTN=mma, docs/gpu.md
+#              §14): op mirror on the 4-layer real-dimension model (prefill chunks, then
+#              8-token chunks: split-key path), 4-layer prefill profiles and the full-size
+#              bench at 2k / 32k with both off and on
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
@@ -78,10 +79,13 @@ if ! skip attn; then
         echo "attention $a:"; grep -E "^2048,|profile prefill" "$OUT/attn_prefill_$a.log"
         grep -A12 "by kernel" "$OUT/attn_prefill_$a.log" | head -12
     done
+    DS4_DECODE_ATTN=mma ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 \
+        > "$OUT/attn_ops_decode.log" 2>&1
+    grep -E "attention|FAIL" "$OUT/attn_ops_decode.log" | head -6; tail -1 "$OUT/attn_ops_decode.log"
     for a in warp mma; do
-        DS4_PREFILL_ATTN=$a timeout 300 ds4-bench --synthetic q2 --frontiers 2048,32768 --decode 16 \
-            > "$OUT/attn_bench_$a.log" 2>&1
-        echo "attention $a:"; grep -E "^[0-9]+,|rror" "$OUT/attn_bench_$a.log"
+        DS4_PREFILL_ATTN=$a DS4_DECODE_ATTN=$a timeout 300 ds4-bench --synthetic q2 \
+            --frontiers 2048,32768 --decode 16 > "$OUT/attn_bench_$a.log" 2>&1
+        echo "attention $a (prefill and decode):"; grep -E "^[0-9]+,|rror" "$OUT/attn_bench_$a.log"
     done
 fi
 if ! skip reference; then

@@ -36,7 +36,8 @@ pub struct OpRule {
     pub act_q8: bool,
     /// Which multi-token matmuls the GPU ran on half-precision tiles.
     pub tiles: ds4_gpu::backend::PrefillTiles,
-    /// Multi-token attention on half operands (`ds4_attention_mma`, `DS4_PREFILL_ATTN=mma`).
+    /// Attention on half operands (`ds4_attention_mma[_split]`, `DS4_PREFILL_ATTN=mma`,
+    /// `DS4_DECODE_ATTN=mma`).
     pub attn_half: bool,
 }
 

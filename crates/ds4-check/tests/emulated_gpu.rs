@@ -698,13 +698,16 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
         rows.resize(k_sel, -1);
         sel.extend(rows);
     }
-    let run = |be: &mut dyn Backend, mode: usize| -> Vec<f32> {
+    // `n` tokens from `pos0` (their rows of q, kv and the selection are the first `n`).
+    let run = |be: &mut dyn Backend, mode: usize, pos0: usize, n: usize| -> Vec<f32> {
+        let t = n;
         let up = |be: &mut dyn Backend, v: &[f32]| {
             let b = be.alloc(v.len()).unwrap();
             be.upload(b.slice(0, v.len()), v).unwrap();
             b.slice(0, v.len())
         };
-        let (qs, kvs, rs, cs) = (up(be, &q), up(be, &kv), up(be, &ring), up(be, &crows));
+        let (qs, kvs) = (up(be, &q[..t * nh * hd]), up(be, &kv[..t * hd]));
+        let (rs, cs) = (up(be, &ring), up(be, &crows));
         let idx = be.alloc_i32(sel.len()).unwrap();
         be.upload_i32(idx, 0, &sel).unwrap();
         let sw = be
@@ -745,10 +748,16 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
         let dir = tempfile::tempdir().unwrap();
         let (fake, mut gpu) = emulated_backend(&m, dir.path(), mma, PrefillTiles::Off);
         gpu.set_prefill_attention_mma(true);
+        gpu.set_decode_attention_mma(true);
         let mut cpu = CpuBackend::new(2).unwrap();
-        for mode in 0..3 {
-            let want = run(&mut cpu, mode);
-            let got = run(&mut gpu, mode);
+        // A prefill chunk (ds4_attention_mma), then 4 decode-sized rows at 76..79
+        // (ds4_attention_mma_split: up to 68 keys, so two splits and the combine).
+        for (mode, pos0, n) in (0..3)
+            .map(|m| (m, pos0, t))
+            .chain((0..3).map(|m| (m, 76, 4)))
+        {
+            let want = run(&mut cpu, mode, pos0, n);
+            let got = run(&mut gpu, mode, pos0, n);
             let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
             let worst = got
                 .iter()
@@ -761,19 +770,28 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
                     }
                 })
                 .fold(0.0f32, f32::max);
-            eprintln!("mma={mma} mode {mode}: max |Δ| {worst:.3e}, outputs up to {scale:.3e}");
+            eprintln!(
+                "mma={mma} mode {mode} ({n} tokens): max |Δ| {worst:.3e}, outputs up to {scale:.3e}"
+            );
             assert!(scale > 0.05, "mode {mode}: the reference is all but zero");
             assert!(
                 worst <= 2e-3 * scale,
                 "mma={mma} mode {mode}: max |Δ| {worst:e} against outputs up to {scale:e}"
             );
         }
-        let ran = fake
-            .launches()
-            .iter()
-            .filter(|l| l.0 == "ds4_attention_mma")
-            .count();
-        assert_eq!(ran, 3, "mma={mma}: the tensor-core kernel took every call");
+        let ran = |k: &str| fake.launches().iter().filter(|l| l.0 == k).count();
+        assert_eq!(ran("ds4_attention_mma"), 3, "mma={mma}: every prefill call");
+        assert_eq!(
+            ran("ds4_attention_mma_split"),
+            3,
+            "mma={mma}: every decode call"
+        );
+        assert!(
+            fake.launches()
+                .iter()
+                .any(|l| l.0 == "ds4_attention_mma_split" && l.1 .1 == 2),
+            "mma={mma}: a decode call split its keys"
+        );
         assert!(
             fake.kernel_errors().is_empty(),
             "{:?}",

@@ -243,8 +243,9 @@ fn ops(a: &Args) -> Result<()> {
                 mode,
                 act_q8: a.act_q8,
                 tiles: a.tiles,
-                attn_half: std::env::var("DS4_PREFILL_ATTN")
-                    .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
+                attn_half: ["DS4_PREFILL_ATTN", "DS4_DECODE_ATTN"]
+                    .iter()
+                    .any(|k| std::env::var(k).is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma"))),
             };
             println!(
                 "\n{label} · {mode} · prefill {} tokens in chunks of {chunk} + 4 decode · {:.1} s",

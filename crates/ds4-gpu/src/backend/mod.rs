@@ -435,6 +435,9 @@ pub struct GpuBackend<D: GpuApi> {
     /// Multi-token attention on the tensor cores (`ds4_attention_mma`) where the shapes
     /// and the device allow it; `DS4_PREFILL_ATTN=mma` (docs/gpu.md §14).
     pub(crate) attn_mma: bool,
+    /// The same for few-token calls (decode), split over blocks and combined;
+    /// `DS4_DECODE_ATTN=mma`.
+    pub(crate) attn_mma_decode: bool,
     /// Dynamic shared memory `ds4_attention_mma` declares, and what the device allows.
     pub(crate) amma_smem: u32,
     pub(crate) max_dyn_smem: u32,
@@ -577,6 +580,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_norm_rope",
     "ds4_q8_0_split",
     "ds4_attention_mma",
+    "ds4_attention_mma_split",
 ];
 
 /// Every kernel of `tiles.cu` the backend launches.
@@ -719,6 +723,8 @@ impl<D: GpuApi> GpuBackend<D> {
             decode_rows: 1,
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
+            attn_mma_decode: std::env::var("DS4_DECODE_ATTN")
+                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
             amma_smem,
             max_dyn_smem: 0,
         };
@@ -800,6 +806,12 @@ impl<D: GpuApi> GpuBackend<D> {
     /// at construction; docs/gpu.md §14).
     pub fn set_prefill_attention_mma(&mut self, on: bool) {
         self.attn_mma = on;
+    }
+
+    /// The tensor-core attention for few-token calls too, keys split over blocks
+    /// (`DS4_DECODE_ATTN=mma` at construction; docs/gpu.md §14).
+    pub fn set_decode_attention_mma(&mut self, on: bool) {
+        self.attn_mma_decode = on;
     }
 
     pub fn sync(&mut self) -> BResult<()> {

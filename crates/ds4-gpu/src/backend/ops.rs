@@ -52,6 +52,10 @@ const COMP_MAX_OVERLAP_M: usize = 8;
 const AMMA_HD: usize = 512;
 const AMMA_HEADS: usize = 64;
 const AMMA_THREADS: u32 = 512;
+/// Fewest keys per split of the tensor-core decode attention: each block loads its 64
+/// query rows and writes 64 partial rows whatever its keys, so splits of one 32-key tile
+/// would mostly move partials.
+const AMMA_MIN_KEYS_PER_SPLIT: usize = 64;
 /// Sequences of one batched attention launch (`DS4_ATT_SEQS` in ops.cu).
 const ATT_SEQS: usize = 16;
 /// Most partial-result bytes of one batched attention launch (beyond: one sequence at a
@@ -80,6 +84,8 @@ struct AttPlan {
     splits: usize,
     /// Whether this call alone runs the split-key kernels (else `ds4_attention`).
     split: bool,
+    /// Keys of the call's last token (the most of any of its tokens).
+    n_keys: usize,
 }
 
 /// One tile GEMM launch (`ds4_mm_tiles`): device addresses, shapes, and the groups (routed
@@ -1507,16 +1513,17 @@ impl<D: GpuApi> GpuBackend<D> {
             kps,
             splits,
             split: t * nh < ATT_SPLIT_BELOW_BLOCKS && splits > 1,
+            n_keys,
         })
     }
 
-    /// Whether `ds4_attention_mma` runs this multi-token call (docs/gpu.md §14): switched
-    /// on, 512-dim heads in groups of 64, the device gives a block the kernel's shared
-    /// memory, and every row the kernel reads with 16-byte loads is 16-byte aligned.
+    /// Whether the tensor-core attention can run this call (docs/gpu.md §14): 512-dim heads
+    /// in groups of 64, the device gives a block the kernel's shared memory, and every row
+    /// the kernel reads with 16-byte loads is 16-byte aligned. (Whether it is switched on
+    /// is the caller's test: `attn_mma` for prefill, `attn_mma_decode` for the split path.)
     fn att_mma_ok(&self, a: &AttnArgs) -> BResult<bool> {
         const OP: &str = "attention";
-        if !self.attn_mma
-            || a.head_dim != AMMA_HD
+        if a.head_dim != AMMA_HD
             || !a.n_head.is_multiple_of(AMMA_HEADS)
             || self.amma_smem > self.max_dyn_smem
         {
@@ -1544,7 +1551,7 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         let sinks = self.wvec(a.sinks, OP, nh)?;
-        if !pl.split && self.att_mma_ok(&a)? {
+        if !pl.split && self.attn_mma && self.att_mma_ok(&a)? {
             let args = [
                 Arg::Ptr(self.fptr(a.q, OP)?),
                 Arg::Ptr(self.fptr(a.kv, OP)?),
@@ -1569,6 +1576,52 @@ impl<D: GpuApi> GpuBackend<D> {
                 AMMA_THREADS,
                 self.amma_smem,
                 &args,
+            );
+        }
+        if pl.split && self.attn_mma_decode && self.att_mma_ok(&a)? {
+            // Keys in whole 32-key tiles per split; the combine is the single-query one.
+            let kps = AMMA_MIN_KEYS_PER_SPLIT
+                .max(pl.n_keys.div_ceil(ATT_MAX_SPLITS))
+                .next_multiple_of(32);
+            let splits = pl.n_keys.div_ceil(kps).max(1);
+            let part = self.scratch("att_part", 4 * t * nh * splits * (hd + 2))?;
+            let args = [
+                Arg::Ptr(self.fptr(a.q, OP)?),
+                Arg::Ptr(self.fptr(a.kv, OP)?),
+                Arg::Ptr(self.fptr(a.ring, OP)?),
+                Arg::Ptr(pl.crows),
+                Arg::Ptr(pl.idx),
+                u(a.pos0),
+                i32a(OP, "heads", nh)?,
+                i32a(OP, "window", win)?,
+                Arg::I32(pl.mode),
+                i32a(OP, "ratio", pl.ratio)?,
+                i32a(OP, "k", pl.k_sel)?,
+                u(pl.n_crows),
+                Arg::F32(a.scale),
+                i32a(OP, "keys per split", kps)?,
+                Arg::Ptr(part),
+                Arg::Ptr(self.fault_ptr()),
+            ];
+            self.launch_smem(
+                "ds4_attention_mma_split",
+                (g32(t), g32(splits), g32(nh / AMMA_HEADS)),
+                AMMA_THREADS,
+                self.amma_smem,
+                &args,
+            )?;
+            return self.launch(
+                "ds4_attention_combine",
+                (g32(t * nh), 1, 1),
+                256,
+                &[
+                    Arg::Ptr(part),
+                    Arg::Ptr(sinks),
+                    i32a(OP, "heads", nh)?,
+                    i32a(OP, "head dim", hd)?,
+                    i32a(OP, "splits", splits)?,
+                    Arg::Ptr(self.fptr(a.out, OP)?),
+                ],
             );
         }
         if pl.split {

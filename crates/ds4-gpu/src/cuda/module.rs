@@ -240,6 +240,9 @@ pub struct CudaFunction {
     pub(crate) module: Arc<ModuleInner>,
     pub(crate) func: sys::CUfunction,
     pub name: String,
+    /// Dynamic shared memory the function's limit was raised to (0: the default 48 KiB;
+    /// shared by clones: the limit belongs to the driver's function).
+    smem_allowed: Arc<std::sync::atomic::AtomicU32>,
 }
 
 // SAFETY: function handles are immutable and context-scoped; launches bind the context.
@@ -357,6 +360,7 @@ impl CudaModule {
             module: self.inner.clone(),
             func,
             name: name.to_string(),
+            smem_allowed: Arc::new(std::sync::atomic::AtomicU32::new(0)),
         })
     }
 }
@@ -450,7 +454,8 @@ impl CudaFunction {
     ) -> Result<()> {
         let ctx = &self.module.ctx;
         ctx.bind()?;
-        if smem > 48 * 1024 {
+        use std::sync::atomic::Ordering;
+        if smem > 48 * 1024 && smem > self.smem_allowed.load(Ordering::Relaxed) {
             // SAFETY: valid function handle of the bound context; a plain attribute write.
             check(
                 unsafe {
@@ -463,6 +468,7 @@ impl CudaFunction {
                 "cuFuncSetAttribute",
                 || format!("allowing {} {smem} bytes of shared memory", self.name),
             )?;
+            self.smem_allowed.fetch_max(smem, Ordering::Relaxed);
         }
         let what = || {
             format!(

@@ -2282,15 +2282,19 @@ __device__ __forceinline__ const float* ds4_amma_key(const float* kv, const floa
     return crows + (ds4_size)r * DS4_AMMA_HD;
 }
 
-// One block's work: token t, heads h0..h0+63. Without `part`, all the token's keys and the
-// normalised output with the sink; with it, keys split*kps .. (split+1)*kps only and the
-// unnormalised partial (max m, sum l, O) at part + ((t·n_head + h)·n_splits + split)·(hd+2),
-// the layout ds4_attention_combine reads (which applies the sink).
+// One block's work: token t of the chunk (its keys, position and selection), heads
+// h0..h0+63, reading q and writing out / part at row `row` (= t, except in the batched
+// decode kernel, where row s is sequence s and t is 0 of that sequence's one-token chunk).
+// Without `part`, all the token's keys and the normalised output with the sink; with it,
+// keys split*kps .. (split+1)*kps only and the unnormalised partial (max m, sum l, O) at
+// part + ((row·n_head + h)·n_splits + split)·(hd+2), the layout ds4_attention_combine reads
+// (which applies the sink).
 __device__ void ds4_amma_block(const float* q, const float* kv, const float* ring,
                                const float* crows, const int* idx, const float* sinks,
                                ds4_size pos0, int n_head, int window, int comp_mode, int ratio,
                                int k_sel, ds4_size n_crows, float scale, float* out, float* part,
-                               int n_splits, int split, int kps, int t, int h0, int* fault) {
+                               int n_splits, int split, int kps, int t, int row, int h0,
+                               int* fault) {
     DS4_DYN_SHARED(smem, DS4_AMMA_SMEM);
     ds4_u16* qs = (ds4_u16*)smem;
     ds4_u16* ks = qs + DS4_AMMA_HEADS * DS4_AMMA_QLD;
@@ -2317,7 +2321,7 @@ __device__ void ds4_amma_block(const float* q, const float* kv, const float* rin
     const int n_keys = part ? min(n_all, k_first + kps) : n_all;
 
     // This block's 64 query rows as halves.
-    const float* qb = q + ((ds4_size)t * n_head + h0) * DS4_AMMA_HD;
+    const float* qb = q + ((ds4_size)row * n_head + h0) * DS4_AMMA_HD;
     for (int i = tid; i < DS4_AMMA_HEADS * DS4_AMMA_HD / 4; i += DS4_AMMA_WARPS * DS4_WARP) {
         const float4 v = ((const float4*)qb)[i];
         const int r = (i * 4) / DS4_AMMA_HD, c = (i * 4) % DS4_AMMA_HD;
@@ -2486,7 +2490,7 @@ __device__ void ds4_amma_block(const float* q, const float* kv, const float* rin
     __syncthreads();
     if (part) {
         for (int r = tid; r < DS4_AMMA_HEADS; r += DS4_AMMA_WARPS * DS4_WARP) {
-            float* pp = part + (((ds4_size)t * n_head + h0 + r) * n_splits + split) * (DS4_AMMA_HD + 2);
+            float* pp = part + (((ds4_size)row * n_head + h0 + r) * n_splits + split) * (DS4_AMMA_HD + 2);
             pp[0] = row_m[r];
             pp[1] = row_l[r];
         }
@@ -2495,7 +2499,7 @@ __device__ void ds4_amma_block(const float* q, const float* kv, const float* rin
 #pragma unroll
             for (int half = 0; half < 2; half++) {
                 const int r = 16 * mi + g + half * 8;
-                float* pp = part + (((ds4_size)t * n_head + h0 + r) * n_splits + split) * (DS4_AMMA_HD + 2) +
+                float* pp = part + (((ds4_size)row * n_head + h0 + r) * n_splits + split) * (DS4_AMMA_HD + 2) +
                             2 + 32 * warp + 2 * t4;
 #pragma unroll
                 for (int nj = 0; nj < 4; nj++) {
@@ -2516,7 +2520,7 @@ __device__ void ds4_amma_block(const float* q, const float* kv, const float* rin
             const float mm = fmaxf(m, sink);
             const float f = l > 0.0f ? expf(m - mm) : 0.0f;
             const float w = f / (l * f + expf(sink - mm));
-            float* orow = out + ((ds4_size)t * n_head + h0 + r) * DS4_AMMA_HD + 32 * warp + 2 * t4;
+            float* orow = out + ((ds4_size)row * n_head + h0 + r) * DS4_AMMA_HD + 32 * warp + 2 * t4;
 #pragma unroll
             for (int nj = 0; nj < 4; nj++) {
                 orow[8 * nj] = acc[mi][nj][2 * half] * w;
@@ -2533,8 +2537,8 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
                   int* fault) {
     ds4_grid_wait();
     ds4_amma_block(q, kv, ring, crows, idx, sinks, pos0, n_head, window, comp_mode, ratio, k_sel,
-                   n_crows, scale, out, nullptr, 1, 0, 0, blockIdx.x, blockIdx.y * DS4_AMMA_HEADS,
-                   fault);
+                   n_crows, scale, out, nullptr, 1, 0, 0, blockIdx.x, blockIdx.x,
+                   blockIdx.y * DS4_AMMA_HEADS, fault);
 }
 
 // Few tokens (decode): the keys of a token split over blocks too (grid: tokens × splits ×
@@ -2547,8 +2551,26 @@ ds4_attention_mma_split(const float* q, const float* kv, const float* ring, cons
                         int* fault) {
     ds4_grid_wait();
     ds4_amma_block(q, kv, ring, crows, idx, nullptr, pos0, n_head, window, comp_mode, ratio, k_sel,
-                   n_crows, scale, nullptr, part, gridDim.y, blockIdx.y, kps, blockIdx.x,
+                   n_crows, scale, nullptr, part, gridDim.y, blockIdx.y, kps, blockIdx.x, blockIdx.x,
                    blockIdx.z * DS4_AMMA_HEADS, fault);
+}
+
+// One token of each of up to DS4_ATT_SEQS sequences (a batched decode step): grid
+// sequences × max splits × head groups, per-sequence cache rows, position, selection and
+// splits in `sq` (as ds4_attention_split_seqs); blocks past a sequence's own splits return
+// at once, and ds4_attention_combine_seqs combines each sequence over its own splits, so a
+// sequence gets what ds4_attention_mma_split gives it decoded alone.
+extern "C" __global__ void __launch_bounds__(DS4_AMMA_WARPS * DS4_WARP)
+ds4_attention_mma_split_seqs(const float* q, const float* kv, ds4_att_seqs sq, int n_head,
+                             int window, int comp_mode, int ratio, int k_sel, float scale,
+                             int max_splits, float* part, int* fault) {
+    ds4_grid_wait();
+    const int s = blockIdx.x, split = blockIdx.y;
+    if (split >= sq.splits[s]) return;
+    ds4_amma_block(q, kv + (ds4_size)s * DS4_AMMA_HD, sq.ring[s], sq.crows[s], sq.idx[s], nullptr,
+                   sq.pos0[s], n_head, window, comp_mode, ratio, k_sel, sq.n_crows[s], scale,
+                   nullptr, part, max_splits, split, sq.kps[s], 0, s, blockIdx.z * DS4_AMMA_HEADS,
+                   fault);
 }
 
 // Dynamic shared memory of ds4_attention_mma (bytes), read by the host at load.

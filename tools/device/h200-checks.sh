@@ -82,6 +82,18 @@ if ! skip attn; then
     DS4_DECODE_ATTN=mma ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 \
         > "$OUT/attn_ops_decode.log" 2>&1
     grep -E "attention|FAIL" "$OUT/attn_ops_decode.log" | head -6; tail -1 "$OUT/attn_ops_decode.log"
+    # Batched decode rows against decoding alone with the tensor-core kernels (bit-exact:
+    # ds4_attention_mma_split_seqs runs each sequence's splits as ds4_attention_mma_split).
+    ds4-convert synthetic --quiet --layout q2 --layers 4 \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4a.gguf" >/dev/null
+    DS4_DECODE_ATTN=mma ds4-engine-check batch "$work/syn4a.gguf" --tiny 0 --tokens 200 --act-q8 \
+        --seqs 16 --gpu-only > "$OUT/attn_batch_check.log" 2>&1
+    grep -E "cuda|PASSED|FAIL|failed" "$OUT/attn_batch_check.log" | head -6
+    for a in warp mma; do
+        DS4_DECODE_ATTN=$a timeout 300 ds4-bench --synthetic q2 --frontiers 512 --decode 16 \
+            --batch 1,8,16 > "$OUT/attn_batch_$a.log" 2>&1
+        echo "decode attention $a:"; grep -E "^batch|rror" "$OUT/attn_batch_$a.log"
+    done
     for a in warp mma; do
         DS4_PREFILL_ATTN=$a DS4_DECODE_ATTN=$a timeout 300 ds4-bench --synthetic q2 \
             --frontiers 2048,32768 --decode 16 > "$OUT/attn_bench_$a.log" 2>&1

@@ -743,21 +743,84 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
         be.download(out.slice(0, o.len()), &mut o).unwrap();
         o
     };
+    // A batched decode step: sequence i has q / kv / out row i, its own ring (rotated
+    // copies), selection row i and position.
+    let pos = [76usize, 70, 79];
+    let run_batch = |be: &mut dyn Backend, mode: usize| -> Vec<f32> {
+        let n = pos.len();
+        let up = |be: &mut dyn Backend, v: &[f32]| {
+            let b = be.alloc(v.len()).unwrap();
+            be.upload(b.slice(0, v.len()), v).unwrap();
+            b.slice(0, v.len())
+        };
+        let (qs, kvs, cs) = (
+            up(be, &q[..n * nh * hd]),
+            up(be, &kv[..n * hd]),
+            up(be, &crows),
+        );
+        let sw = be
+            .load_weight(&sink_file, "sinks", ds4_engine::backend::WeightUse::Vector)
+            .unwrap();
+        let out = be.alloc(n * nh * hd).unwrap();
+        let mut args = Vec::new();
+        for (i, &p0) in pos.iter().enumerate() {
+            let mut r = ring.clone();
+            r.rotate_left(i * 7 * hd);
+            let rs = up(be, &r);
+            let idx = be.alloc_i32(k_sel).unwrap();
+            be.upload_i32(idx, 0, &sel[i * k_sel..(i + 1) * k_sel])
+                .unwrap();
+            let comp = match mode {
+                0 => CompSel::None,
+                1 => CompSel::All { rows: cs, ratio },
+                _ => CompSel::Top {
+                    rows: cs,
+                    ratio,
+                    idx,
+                    k: k_sel,
+                },
+            };
+            args.push(AttnArgs {
+                q: qs.sub(i * nh * hd, nh * hd),
+                kv: kvs.sub(i * hd, hd),
+                ring: rs,
+                comp,
+                sinks: sw,
+                pos0: p0,
+                n_tok: 1,
+                n_head: nh,
+                head_dim: hd,
+                window,
+                scale: 1.0 / (hd as f32).sqrt(),
+                out: out.slice(i * nh * hd, nh * hd),
+            });
+        }
+        be.attention_batch(&args).unwrap();
+        let mut o = vec![0.0f32; n * nh * hd];
+        be.download(out.slice(0, o.len()), &mut o).unwrap();
+        o
+    };
     let m = machine("strix-halo-stock");
     for mma in [true, false] {
         let dir = tempfile::tempdir().unwrap();
         let (fake, mut gpu) = emulated_backend(&m, dir.path(), mma, PrefillTiles::Off);
         gpu.set_prefill_attention_mma(true);
+
         gpu.set_decode_attention_mma(true);
         let mut cpu = CpuBackend::new(2).unwrap();
         // A prefill chunk (ds4_attention_mma), then 4 decode-sized rows at 76..79
         // (ds4_attention_mma_split: up to 68 keys, so two splits and the combine).
-        for (mode, pos0, n) in (0..3)
+        // ... and a batched step of 3 sequences (ds4_attention_mma_split_seqs; n = 0).
+        let calls = (0..3)
             .map(|m| (m, pos0, t))
             .chain((0..3).map(|m| (m, 76, 4)))
-        {
-            let want = run(&mut cpu, mode, pos0, n);
-            let got = run(&mut gpu, mode, pos0, n);
+            .chain((0..3).map(|m| (m, 0, 0)));
+        for (mode, pos0, n) in calls {
+            let (want, got) = if n == 0 {
+                (run_batch(&mut cpu, mode), run_batch(&mut gpu, mode))
+            } else {
+                (run(&mut cpu, mode, pos0, n), run(&mut gpu, mode, pos0, n))
+            };
             let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
             let worst = got
                 .iter()
@@ -771,7 +834,7 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
                 })
                 .fold(0.0f32, f32::max);
             eprintln!(
-                "mma={mma} mode {mode} ({n} tokens): max |Δ| {worst:.3e}, outputs up to {scale:.3e}"
+                "mma={mma} mode {mode} ({n} tokens; 0: the batched step): max |Δ| {worst:.3e}, outputs up to {scale:.3e}"
             );
             assert!(scale > 0.05, "mode {mode}: the reference is all but zero");
             assert!(
@@ -785,6 +848,11 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
             ran("ds4_attention_mma_split"),
             3,
             "mma={mma}: every decode call"
+        );
+        assert_eq!(
+            ran("ds4_attention_mma_split_seqs"),
+            3,
+            "mma={mma}: every batched step"
         );
         assert!(
             fake.launches()

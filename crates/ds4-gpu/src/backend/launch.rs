@@ -77,6 +77,28 @@ impl<D: GpuApi> GpuBackend<D> {
         )
     }
 
+    /// [`Self::launch_blob`] with `smem` bytes of dynamic shared memory.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_blob_smem(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+        blob_at: usize,
+        blob: &[u64],
+    ) -> BResult<()> {
+        self.launch_params(
+            self.kernel(name)?,
+            name,
+            grid,
+            (block, smem),
+            args,
+            Some((blob_at, blob)),
+        )
+    }
+
     pub(crate) fn launch_fn(
         &self,
         f: &D::Function,

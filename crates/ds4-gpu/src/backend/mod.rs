@@ -581,6 +581,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_q8_0_split",
     "ds4_attention_mma",
     "ds4_attention_mma_split",
+    "ds4_attention_mma_split_seqs",
 ];
 
 /// Every kernel of `tiles.cu` the backend launches.

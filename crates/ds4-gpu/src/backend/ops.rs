@@ -62,6 +62,15 @@ const ATT_SEQS: usize = 16;
 /// time, each with its own, smaller partials).
 const ATT_BATCH_PART_BYTES: usize = 256 << 20;
 
+/// Keys per split and splits of the tensor-core decode attention over `n_keys` keys: whole
+/// 32-key tiles, at least [`AMMA_MIN_KEYS_PER_SPLIT`], at most [`ATT_MAX_SPLITS`] splits.
+fn amma_splits(n_keys: usize) -> (usize, usize) {
+    let kps = AMMA_MIN_KEYS_PER_SPLIT
+        .max(n_keys.div_ceil(ATT_MAX_SPLITS))
+        .next_multiple_of(32);
+    (kps, n_keys.div_ceil(kps).max(1))
+}
+
 /// Whether `s` is row `i` (of `w` values) after `first` in the same buffer.
 fn rows_follow(s: Slice, i: usize, w: usize, first: Slice) -> bool {
     s.buf == first.buf && s.off == first.off + i * w && s.len >= w
@@ -1579,11 +1588,8 @@ impl<D: GpuApi> GpuBackend<D> {
             );
         }
         if pl.split && self.attn_mma_decode && self.att_mma_ok(&a)? {
-            // Keys in whole 32-key tiles per split; the combine is the single-query one.
-            let kps = AMMA_MIN_KEYS_PER_SPLIT
-                .max(pl.n_keys.div_ceil(ATT_MAX_SPLITS))
-                .next_multiple_of(32);
-            let splits = pl.n_keys.div_ceil(kps).max(1);
+            // The combine is the single-query one.
+            let (kps, splits) = amma_splits(pl.n_keys);
             let part = self.scratch("att_part", 4 * t * nh * splits * (hd + 2))?;
             let args = [
                 Arg::Ptr(self.fptr(a.q, OP)?),
@@ -1707,6 +1713,22 @@ impl<D: GpuApi> GpuBackend<D> {
             }
             let a0 = group[0];
             let (n, nh, hd) = (group.len(), a0.n_head, a0.head_dim);
+            // The tensor-core kernel splits differently (whole tiles of keys).
+            let mut mma = self.attn_mma_decode;
+            for a in group {
+                mma = mma && self.att_mma_ok(a)?;
+            }
+            let plans: Vec<AttPlan> = plans
+                .into_iter()
+                .map(|p| {
+                    if mma {
+                        let (kps, splits) = amma_splits(p.n_keys);
+                        AttPlan { kps, splits, ..p }
+                    } else {
+                        p
+                    }
+                })
+                .collect();
             let max_splits = plans.iter().map(|p| p.splits).max().unwrap_or(1);
             // Per-sequence arguments, laid out as `ds4_att_seqs` in ops.cu: ring, crows,
             // idx, pos0, n_crows (8 bytes each), then kps and splits (4 bytes each).
@@ -1732,27 +1754,51 @@ impl<D: GpuApi> GpuBackend<D> {
             let part = self.scratch("att_part", 4 * n * nh * max_splits * (hd + 2))?;
             let sinks = self.wvec(a0.sinks, OP, nh)?;
             let p0 = &plans[0];
-            self.launch_blob(
-                "ds4_attention_split_seqs",
-                (g32(n * nh), g32(max_splits), 1),
-                128,
-                &[
-                    Arg::Ptr(self.fptr(a0.q, OP)?),
-                    Arg::Ptr(self.fptr(a0.kv, OP)?),
-                    i32a(OP, "heads", nh)?,
-                    i32a(OP, "head dim", hd)?,
-                    i32a(OP, "window", a0.window)?,
-                    Arg::I32(p0.mode),
-                    i32a(OP, "ratio", p0.ratio)?,
-                    i32a(OP, "k", p0.k_sel)?,
-                    Arg::F32(a0.scale),
-                    i32a(OP, "splits", max_splits)?,
-                    Arg::Ptr(part),
-                    Arg::Ptr(self.fault_ptr()),
-                ],
-                2,
-                &blob,
-            )?;
+            if mma {
+                self.launch_blob_smem(
+                    "ds4_attention_mma_split_seqs",
+                    (g32(n), g32(max_splits), g32(nh / AMMA_HEADS)),
+                    AMMA_THREADS,
+                    self.amma_smem,
+                    &[
+                        Arg::Ptr(self.fptr(a0.q, OP)?),
+                        Arg::Ptr(self.fptr(a0.kv, OP)?),
+                        i32a(OP, "heads", nh)?,
+                        i32a(OP, "window", a0.window)?,
+                        Arg::I32(p0.mode),
+                        i32a(OP, "ratio", p0.ratio)?,
+                        i32a(OP, "k", p0.k_sel)?,
+                        Arg::F32(a0.scale),
+                        i32a(OP, "splits", max_splits)?,
+                        Arg::Ptr(part),
+                        Arg::Ptr(self.fault_ptr()),
+                    ],
+                    2,
+                    &blob,
+                )?;
+            } else {
+                self.launch_blob(
+                    "ds4_attention_split_seqs",
+                    (g32(n * nh), g32(max_splits), 1),
+                    128,
+                    &[
+                        Arg::Ptr(self.fptr(a0.q, OP)?),
+                        Arg::Ptr(self.fptr(a0.kv, OP)?),
+                        i32a(OP, "heads", nh)?,
+                        i32a(OP, "head dim", hd)?,
+                        i32a(OP, "window", a0.window)?,
+                        Arg::I32(p0.mode),
+                        i32a(OP, "ratio", p0.ratio)?,
+                        i32a(OP, "k", p0.k_sel)?,
+                        Arg::F32(a0.scale),
+                        i32a(OP, "splits", max_splits)?,
+                        Arg::Ptr(part),
+                        Arg::Ptr(self.fault_ptr()),
+                    ],
+                    2,
+                    &blob,
+                )?;
+            }
             self.launch_blob(
                 "ds4_attention_combine_seqs",
                 (g32(n * nh), 1, 1),

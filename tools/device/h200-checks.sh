@@ -14,8 +14,10 @@
 #   tiles      op mirror with prefill tiles (experts, all), tiny and 4-layer real dims
 #   attn       tensor-core attention (DS4_PREFILL_ATTN=mma, DS4_DECODE_ATTN=mma, docs/gpu.md
 #              §14): op mirror on the 4-layer real-dimension model (prefill chunks, then
-#              8-token chunks: split-key path), 4-layer prefill profiles and the full-size
-#              bench at 2k / 32k with both off and on
+#              8-token chunks: split-key path), batched rows against alone, 4-layer prefill
+#              profiles with it off and on
+#   attnbench  the same switches off and on: batch sweep (1, 8, 16 sequences) and the
+#              full-size bench at 2k / 32k
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
@@ -89,6 +91,9 @@ if ! skip attn; then
     DS4_DECODE_ATTN=mma ds4-engine-check batch "$work/syn4a.gguf" --tiny 0 --tokens 200 --act-q8 \
         --seqs 16 --gpu-only > "$OUT/attn_batch_check.log" 2>&1
     grep -E "cuda|PASSED|FAIL|failed" "$OUT/attn_batch_check.log" | head -6
+fi
+if ! skip attnbench; then
+    step attnbench
     for a in warp mma; do
         DS4_DECODE_ATTN=$a timeout 300 ds4-bench --synthetic q2 --frontiers 512 --decode 16 \
             --batch 1,8,16 > "$OUT/attn_batch_$a.log" 2>&1

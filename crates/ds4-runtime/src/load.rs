@@ -222,12 +222,14 @@ pub fn make_planned_backend(
     match resolved {
         Resolved::Cpu => cpu(),
         Resolved::Cuda { dev, .. } => {
-            let be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
+            let mut be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
                 .map_err(gpu("starting the CUDA backend"))?;
+            keep_f32_attention(&mut be, precision);
             Ok(Box::new(be))
         }
         Resolved::Rocm { dev, .. } => match ds4_gpu::backend::HipBackend::on_device(dev, opts) {
-            Ok(be) => {
+            Ok(mut be) => {
+                keep_f32_attention(&mut be, precision);
                 for f in be.alloc_fallbacks() {
                     eprintln!("ds4: rocm: {f}");
                 }
@@ -239,6 +241,19 @@ pub fn make_planned_backend(
             }
             Err(e) => Err(gpu("starting the ROCm backend")(e)),
         },
+    }
+}
+
+/// `--quality` keeps the f32 attention kernels even when `DS4_PREFILL_ATTN` /
+/// `DS4_DECODE_ATTN` ask for the half-precision tensor-core ones (docs/gpu.md §14), as it
+/// keeps the f32 panels whatever `DS4_PREFILL_TILES` says.
+fn keep_f32_attention<D: ds4_gpu::api::GpuApi>(
+    be: &mut ds4_gpu::backend::GpuBackend<D>,
+    precision: Precision,
+) {
+    if precision == Precision::Quality {
+        be.set_prefill_attention_mma(false);
+        be.set_decode_attention_mma(false);
     }
 }
 

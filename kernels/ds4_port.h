@@ -56,6 +56,8 @@ __device__ __forceinline__ float ds4_h2f(ds4_u16 h) {
 // Read-only global loads: plain loads on AMD (the compiler picks scalar/vector caches).
 template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return *p; }
 template <class T> __device__ __forceinline__ T ds4_ld_act(const T* p) { return *p; }
+// A hint that *p is read soon (ds4_prefetch_l1 on CUDA); nothing here.
+__device__ __forceinline__ void ds4_prefetch_l1(const void* p) { (void)p; }
 
 // f32 to IEEE binary16 bits, round to nearest even (through clang's _Float16).
 __device__ __forceinline__ ds4_u16 ds4_f2h(float f) {
@@ -125,6 +127,11 @@ template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return __l
 // which with overlapped launches read the previous kernel's output before it was written
 // (found on the H200 as nondeterministic decode at real dimensions, docs/gpu.md §6).
 template <class T> __device__ __forceinline__ T ds4_ld_act(const T* p) { return __ldcg(p); }
+// Start bringing the 128-byte line of p into L1 (a hint: no register, no wait), so a load
+// issued later finds it there instead of paying the L2 round trip.
+__device__ __forceinline__ void ds4_prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
 
 // f32 to IEEE binary16 bits, round to nearest even (inline PTX, as ds4_h2f).
 __device__ __forceinline__ ds4_u16 ds4_f2h(float f) {

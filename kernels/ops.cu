@@ -2375,16 +2375,25 @@ __device__ void ds4_amma_block(const float* q, const float* kv, const float* rin
             const int mi = warp >> 2, ni = warp & 3;
             float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #if defined(DS4_HAS_MMA)
+            // Two accumulation chains (even and odd k steps): each mma waits for the one
+            // before it on the same accumulator, so one chain of 32 would be latency-bound.
+            float c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const int piece = lane >> 3;
             const int ar = 16 * mi + (lane & 7) + (piece & 1) * 8, ac = (piece >> 1) * 8;
             const ds4_u16* brow = ks + (8 * ni + g) * DS4_AMMA_QLD + 2 * t4;
-            for (int kk = 0; kk < DS4_AMMA_HD; kk += 16) {
-                ds4_u32 a[4], b[2];
+#pragma unroll 4
+            for (int kk = 0; kk < DS4_AMMA_HD; kk += 32) {
+                ds4_u32 a[4], b[2], a2[4], b2[2];
                 ds4_ldmatrix_x4(a, qs + ar * DS4_AMMA_QLD + kk + ac);
+                ds4_ldmatrix_x4(a2, qs + ar * DS4_AMMA_QLD + kk + 16 + ac);
                 b[0] = *(const ds4_u32*)(brow + kk);
                 b[1] = *(const ds4_u32*)(brow + kk + 8);
+                b2[0] = *(const ds4_u32*)(brow + kk + 16);
+                b2[1] = *(const ds4_u32*)(brow + kk + 24);
                 ds4_mma_16816(c, a, b);
+                ds4_mma_16816(c2, a2, b2);
             }
+            for (int e = 0; e < 4; e++) c[e] += c2[e];
 #else
             for (int e = 0; e < 4; e++) {
                 const int r = 16 * mi + g + (e >> 1) * 8, col = 8 * ni + 2 * t4 + (e & 1);
@@ -2441,6 +2450,17 @@ __device__ void ds4_amma_block(const float* q, const float* kv, const float* rin
             }
         }
         __syncthreads();
+        if (k0 + DS4_AMMA_KT < n_keys) {
+            // The next tile's rows toward L1 while this one's O update runs: lane = key,
+            // warp = its 128-byte piece, as the load above.
+            const int j = k0 + DS4_AMMA_KT + lane;
+            const float* kp = j < n_keys
+                                  ? ds4_amma_key(kv, ring, crows, idx, pos0, lo, n_win, t, j,
+                                                 window, comp_mode, k_sel, n_vis, n_crows, false,
+                                                 fault)
+                                  : nullptr;
+            if (kp) ds4_prefetch_l1(kp + warp * 32);
+        }
         {
             // O += P·V for this warp's 32 dims, after the rows' rescale.
 #pragma unroll

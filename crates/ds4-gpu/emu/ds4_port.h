@@ -146,6 +146,7 @@ static inline ds4_u16 ds4_f2h(float f) {
 
 template <class T> static inline T ds4_ldg(const T* p) { return *p; }
 template <class T> static inline T ds4_ld_act(const T* p) { return *p; }
+static inline void ds4_prefetch_l1(const void*) {}
 
 static inline ds4_u32 ds4_f2h2(float lo, float hi) {
     return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);

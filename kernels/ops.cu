@@ -2595,3 +2595,129 @@ ds4_attention_mma_split_seqs(const float* q, const float* kv, ds4_att_seqs sq, i
 
 // Dynamic shared memory of ds4_attention_mma (bytes), read by the host at load.
 extern "C" __device__ const int ds4_attention_mma_smem[2] = {DS4_AMMA_SMEM, DS4_AMMA_HEADS};
+
+// ---- Lightning-indexer scores of a prefill chunk on the tensor cores (docs/gpu.md §15) ----
+//
+// scores[t][r] = Σ_h w[t][h]·wscale · relu(q[t][h]·rows[r]) for the visible rows r < n_p(t),
+// −inf for the others below n_cols (as ds4_indexer_scores, which keeps the CPU's exact
+// summation order for decode). A block takes 4 tokens (M = 4 × 64 heads = 256 query rows,
+// as halves in shared memory once) and 512 rows in tiles of 64: S = Q·Kᵀ with
+// mma.m16n8k16 (warp w: token w / 4, heads 16 (w % 4).., all 64 rows of the tile), then
+// the weighted relu summed over its 16 heads by a fixed shuffle tree, and the four warps of
+// a token in order. 64 heads of 128 dims (DeepSeek V4 Flash); 16 warps.
+#define DS4_IMMA_HEADS 64
+#define DS4_IMMA_DIM 128
+#define DS4_IMMA_TOK 4
+#define DS4_IMMA_RT 64    // rows per tile
+#define DS4_IMMA_ROWS 512 // rows per block
+#define DS4_IMMA_LD (DS4_IMMA_DIM + 8)
+#define DS4_IMMA_SMEM                                                                          \
+    (2 * (DS4_IMMA_TOK * DS4_IMMA_HEADS * DS4_IMMA_LD + DS4_IMMA_RT * DS4_IMMA_LD) +           \
+     4 * (16 * DS4_IMMA_RT + DS4_IMMA_TOK * DS4_IMMA_HEADS))
+
+extern "C" __global__ void __launch_bounds__(512)
+ds4_indexer_scores_mma(const float* q, const float* w, const float* rows, float wscale,
+                       ds4_size pos0, int ratio, int n_tok, int n_cols, float* scores) {
+    ds4_grid_wait();
+    DS4_DYN_SHARED(ismem, DS4_IMMA_SMEM);  // its own name: HIP links all dynamic shared arrays
+    ds4_u16* qs = (ds4_u16*)ismem;
+    ds4_u16* ks = qs + DS4_IMMA_TOK * DS4_IMMA_HEADS * DS4_IMMA_LD;
+    float* part = (float*)(ks + DS4_IMMA_RT * DS4_IMMA_LD);
+    float* ws = part + 16 * DS4_IMMA_RT;
+    const int tid = threadIdx.x, warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int t0 = blockIdx.x * DS4_IMMA_TOK;
+    const int nt = min(DS4_IMMA_TOK, n_tok - t0);
+    const int rb = blockIdx.y * DS4_IMMA_ROWS;
+    // Query rows (tokens past the chunk: zeros) and head weights.
+    for (int i = tid; i < DS4_IMMA_TOK * DS4_IMMA_HEADS * DS4_IMMA_DIM / 4; i += 512) {
+        const int r = (i * 4) / DS4_IMMA_DIM, c = (i * 4) % DS4_IMMA_DIM;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r / DS4_IMMA_HEADS < nt)
+            v = ds4_ld_act((const float4*)(q + (ds4_size)t0 * DS4_IMMA_HEADS * DS4_IMMA_DIM) + i);
+        ds4_u32* dst = (ds4_u32*)(qs + r * DS4_IMMA_LD + c);
+        dst[0] = ds4_f2h2(v.x, v.y);
+        dst[1] = ds4_f2h2(v.z, v.w);
+    }
+    if (tid < DS4_IMMA_TOK * DS4_IMMA_HEADS) {
+        const int tt = tid / DS4_IMMA_HEADS;
+        ws[tid] = tt < nt ? __fmul_rn(w[(ds4_size)(t0 + tt) * DS4_IMMA_HEADS + tid % DS4_IMMA_HEADS], wscale)
+                          : 0.0f;
+    }
+    const int tw = warp >> 2, hb = (warp & 3) * 16;
+    for (int r0 = rb; r0 < rb + DS4_IMMA_ROWS && r0 < n_cols; r0 += DS4_IMMA_RT) {
+        __syncthreads();  // the previous tile's readers are done (and q, ws are in place)
+        for (int i = tid; i < DS4_IMMA_RT * DS4_IMMA_DIM / 4; i += 512) {
+            const int r = (i * 4) / DS4_IMMA_DIM, c = (i * 4) % DS4_IMMA_DIM;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r0 + r < n_cols) v = ds4_ld_act((const float4*)(rows + (ds4_size)(r0 + r) * DS4_IMMA_DIM + c));
+            ds4_u32* dst = (ds4_u32*)(ks + r * DS4_IMMA_LD + c);
+            dst[0] = ds4_f2h2(v.x, v.y);
+            dst[1] = ds4_f2h2(v.z, v.w);
+        }
+        __syncthreads();
+        float c[8][4];
+#pragma unroll
+        for (int nj = 0; nj < 8; nj++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) c[nj][e] = 0.0f;
+        const int qr = tw * DS4_IMMA_HEADS + hb;
+#if defined(DS4_HAS_MMA)
+        const int piece = lane >> 3;
+        const int ar = qr + (lane & 7) + (piece & 1) * 8, ac = (piece >> 1) * 8;
+#pragma unroll 1
+        for (int kk = 0; kk < DS4_IMMA_DIM; kk += 16) {
+            ds4_u32 a[4];
+            ds4_ldmatrix_x4(a, qs + ar * DS4_IMMA_LD + kk + ac);
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++) {
+                const ds4_u16* brow = ks + (8 * nj + g) * DS4_IMMA_LD + kk + 2 * t4;
+                ds4_u32 b[2];
+                b[0] = *(const ds4_u32*)brow;
+                b[1] = *(const ds4_u32*)(brow + 8);
+                ds4_mma_16816(c[nj], a, b);
+            }
+        }
+#else
+        for (int nj = 0; nj < 8; nj++)
+            for (int e = 0; e < 4; e++) {
+                const int h = qr + g + (e >> 1) * 8, col = 8 * nj + 2 * t4 + (e & 1);
+                float sum = 0.0f;
+                for (int d = 0; d < DS4_IMMA_DIM; d++)
+                    sum += ds4_h2f(qs[h * DS4_IMMA_LD + d]) * ds4_h2f(ks[col * DS4_IMMA_LD + d]);
+                c[nj][e] = sum;
+            }
+#endif
+        // Weighted relu over this warp's 16 heads: heads g and g + 8 in each lane, then a
+        // fixed tree over g (lane bits 2..4).
+        const float w0 = ws[tw * DS4_IMMA_HEADS + hb + g], w1 = ws[tw * DS4_IMMA_HEADS + hb + g + 8];
+#pragma unroll
+        for (int nj = 0; nj < 8; nj++) {
+            float s0 = __fadd_rn(__fmul_rn(w0, fmaxf(c[nj][0], 0.0f)), __fmul_rn(w1, fmaxf(c[nj][2], 0.0f)));
+            float s1 = __fadd_rn(__fmul_rn(w0, fmaxf(c[nj][1], 0.0f)), __fmul_rn(w1, fmaxf(c[nj][3], 0.0f)));
+#pragma unroll
+            for (int m = 4; m < 32; m <<= 1) {
+                s0 = __fadd_rn(s0, ds4_shfl_xor(s0, m));
+                s1 = __fadd_rn(s1, ds4_shfl_xor(s1, m));
+            }
+            if (g == 0) {
+                part[warp * DS4_IMMA_RT + 8 * nj + 2 * t4] = s0;
+                part[warp * DS4_IMMA_RT + 8 * nj + 2 * t4 + 1] = s1;
+            }
+        }
+        __syncthreads();
+        if (tid < DS4_IMMA_TOK * DS4_IMMA_RT) {
+            const int tt = tid / DS4_IMMA_RT, r = tid % DS4_IMMA_RT;
+            if (tt < nt && r0 + r < n_cols) {
+                const ds4_size n_p = (pos0 + t0 + tt + 1) / ratio;
+                float s = part[(4 * tt) * DS4_IMMA_RT + r];
+                for (int i = 1; i < 4; i++) s = __fadd_rn(s, part[(4 * tt + i) * DS4_IMMA_RT + r]);
+                scores[(ds4_size)(t0 + tt) * n_cols + r0 + r] =
+                    (ds4_size)(r0 + r) < n_p ? s : -__int_as_float(0x7f800000);
+            }
+        }
+    }
+}
+
+// Dynamic shared memory of ds4_indexer_scores_mma (bytes), read by the host at load.
+extern "C" __device__ const int ds4_indexer_scores_mma_smem[2] = {DS4_IMMA_SMEM, DS4_IMMA_TOK};

@@ -17,7 +17,7 @@
 #              8-token chunks: split-key path), batched rows against alone, 4-layer prefill
 #              profiles with it off and on
 #   attnbench  the same switches off and on: batch sweep (1, 8, 16 sequences) and the
-#              full-size bench at 2k / 32k
+#              full-size bench at 2k / 32k (with DS4_PREFILL_INDEXER too, docs/gpu.md §15)
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
@@ -75,6 +75,11 @@ if ! skip attn; then
     DS4_PREFILL_ATTN=mma ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 \
         > "$OUT/attn_ops.log" 2>&1
     grep -E "attention|FAIL" "$OUT/attn_ops.log" | head -6; tail -1 "$OUT/attn_ops.log"
+    # The tensor-core indexer scores once more than 512 rows are compressed (> 2048 tokens);
+    # layer 2 is the first CSA layer.
+    DS4_PREFILL_INDEXER=mma ds4-engine-check ops --tiny 0 --flash-layers 3 --tokens 2300 --chunk 2300 \
+        > "$OUT/idx_ops.log" 2>&1
+    grep -E "indexer|FAIL" "$OUT/idx_ops.log" | head -6; tail -1 "$OUT/idx_ops.log"
     for a in warp mma; do
         DS4_PREFILL_ATTN=$a timeout 200 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 --decode 4 \
             --profile-prefill 2048 > "$OUT/attn_prefill_$a.log" 2>&1
@@ -100,9 +105,9 @@ if ! skip attnbench; then
         echo "decode attention $a:"; grep -E "^batch|rror" "$OUT/attn_batch_$a.log"
     done
     for a in warp mma; do
-        DS4_PREFILL_ATTN=$a DS4_DECODE_ATTN=$a timeout 300 ds4-bench --synthetic q2 \
+        DS4_PREFILL_ATTN=$a DS4_DECODE_ATTN=$a DS4_PREFILL_INDEXER=$a timeout 300 ds4-bench --synthetic q2 \
             --frontiers 2048,32768 --decode 16 > "$OUT/attn_bench_$a.log" 2>&1
-        echo "attention $a (prefill and decode):"; grep -E "^[0-9]+,|rror" "$OUT/attn_bench_$a.log"
+        echo "attention and indexer $a (prefill and decode):"; grep -E "^[0-9]+,|rror" "$OUT/attn_bench_$a.log"
     done
 fi
 if ! skip reference; then

@@ -867,3 +867,104 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
         );
     }
 }
+
+/// `ds4_indexer_scores_mma` (docs/gpu.md §15), the prefill indexer scores on the tensor
+/// cores, through `indexer_topk` against the CPU (64 heads of 128, a 20-token chunk over
+/// 600 compressed rows, top 8), tensor-core and plain paths. With quarter-integer queries, rows
+/// and weights and a power-of-two weight scale every product and sum is exact in both
+/// implementations, so the scores are equal and so must the selections be (ties go to the
+/// lower row on both sides); with random values half-precision operands may reorder near
+/// ties, which the op mirror allows, so few entries may differ.
+#[test]
+fn emulated_tensor_core_indexer_matches_the_cpu() {
+    use ds4_engine::backend::IndexerArgs;
+    // 595 to 600 visible rows: two blocks of rows, the first with 8 tiles of 64, the second
+    // with a partial one.
+    let (nh, hd, t, pos0, ratio, k) = (64usize, 128usize, 20usize, 2380usize, 4usize, 8usize);
+    let n_rows = (pos0 + t) / ratio;
+    let mut rng = ds4_engine::Rng::new(17);
+    let mut quarters = |n: usize, span: i64| -> Vec<f32> {
+        (0..n)
+            .map(|_| ((rng.next_u64() % (2 * span as u64 + 1)) as i64 - span) as f32 / 4.0)
+            .collect()
+    };
+    let exact = (
+        quarters(t * nh * hd, 8),
+        quarters(t * nh, 4),
+        quarters(n_rows * hd, 8),
+    );
+    let mut rng2 = ds4_engine::Rng::new(29);
+    let mut rand =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng2.next_f64() as f32 * 2.0 - 1.0).collect() };
+    let random = (rand(t * nh * hd), rand(t * nh), rand(n_rows * hd));
+    let run = |be: &mut dyn Backend, data: &(Vec<f32>, Vec<f32>, Vec<f32>), scale: f32| {
+        let up = |be: &mut dyn Backend, v: &[f32]| {
+            let b = be.alloc(v.len()).unwrap();
+            be.upload(b.slice(0, v.len()), v).unwrap();
+            b.slice(0, v.len())
+        };
+        let (q, w, rows) = (up(be, &data.0), up(be, &data.1), up(be, &data.2));
+        let out = be.alloc_i32(t * k).unwrap();
+        let args = IndexerArgs {
+            pos0,
+            n_tok: t,
+            ratio,
+            n_heads: nh,
+            head_dim: hd,
+            top_k: k,
+            weight_scale: scale,
+        };
+        be.indexer_topk(q, w, rows, args, out).unwrap();
+        let mut sel = vec![0i32; t * k];
+        be.download_i32(out, 0, &mut sel).unwrap();
+        sel
+    };
+    let m = machine("strix-halo-stock");
+    for mma in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let (fake, mut gpu) = emulated_backend(&m, dir.path(), mma, PrefillTiles::Off);
+        gpu.set_prefill_indexer_mma(true);
+        let mut cpu = CpuBackend::new(2).unwrap();
+        let want = run(&mut cpu, &exact, 0.125);
+        assert!(
+            want.iter().all(|&r| r >= 0 && (r as usize) < n_rows),
+            "{want:?}"
+        );
+        assert_eq!(
+            run(&mut gpu, &exact, 0.125),
+            want,
+            "mma={mma}: exact inputs"
+        );
+        let scale = 1.0 / ((hd * nh) as f32).sqrt();
+        let (want, got) = (run(&mut cpu, &random, scale), run(&mut gpu, &random, scale));
+        // Compare as sets per token (both are ascending).
+        let differ: usize = want
+            .chunks(k)
+            .zip(got.chunks(k))
+            .map(|(a, b)| a.iter().filter(|r| !b.contains(r)).count())
+            .sum();
+        eprintln!(
+            "mma={mma}: random inputs, {differ} of {} selected rows differ",
+            t * k
+        );
+        assert!(
+            differ * 20 <= t * k,
+            "mma={mma}: {differ} of {} differ",
+            t * k
+        );
+        let ran = fake
+            .launches()
+            .iter()
+            .filter(|l| l.0 == "ds4_indexer_scores_mma")
+            .count();
+        assert_eq!(
+            ran, 2,
+            "mma={mma}: the tensor-core kernel scored both calls"
+        );
+        assert!(
+            fake.kernel_errors().is_empty(),
+            "{:?}",
+            fake.kernel_errors()
+        );
+    }
+}

@@ -254,6 +254,7 @@ fn keep_f32_attention<D: ds4_gpu::api::GpuApi>(
     if precision == Precision::Quality {
         be.set_prefill_attention_mma(false);
         be.set_decode_attention_mma(false);
+        be.set_prefill_indexer_mma(false);
     }
 }
 

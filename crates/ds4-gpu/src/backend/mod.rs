@@ -438,6 +438,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// The same for few-token calls (decode), split over blocks and combined;
     /// `DS4_DECODE_ATTN=mma`.
     pub(crate) attn_mma_decode: bool,
+    /// Prefill indexer scores on the tensor cores (`ds4_indexer_scores_mma`);
+    /// `DS4_PREFILL_INDEXER=mma` (docs/gpu.md §15).
+    pub(crate) idx_mma: bool,
+    pub(crate) imma_smem: u32,
     /// Dynamic shared memory `ds4_attention_mma` declares, and what the device allows.
     pub(crate) amma_smem: u32,
     pub(crate) max_dyn_smem: u32,
@@ -582,6 +586,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_mma",
     "ds4_attention_mma_split",
     "ds4_attention_mma_split_seqs",
+    "ds4_indexer_scores_mma",
 ];
 
 /// Every kernel of `tiles.cu` the backend launches.
@@ -664,6 +669,8 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let [amma_smem, _] = dev.read_i32x2_global(&module, "ds4_attention_mma_smem")?;
         let amma_smem = u32::try_from(amma_smem).unwrap_or(u32::MAX);
+        let [imma_smem, _] = dev.read_i32x2_global(&module, "ds4_indexer_scores_mma_smem")?;
+        let imma_smem = u32::try_from(imma_smem).unwrap_or(u32::MAX);
         let tiles_module = dev.load_module(&TILES, &opts.cache, &[])?;
         for name in TILE_KERNELS {
             funcs.insert(*name, dev.function(&tiles_module, name)?);
@@ -726,6 +733,9 @@ impl<D: GpuApi> GpuBackend<D> {
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
             attn_mma_decode: std::env::var("DS4_DECODE_ATTN")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
+            idx_mma: std::env::var("DS4_PREFILL_INDEXER")
+                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
+            imma_smem,
             amma_smem,
             max_dyn_smem: 0,
         };
@@ -807,6 +817,12 @@ impl<D: GpuApi> GpuBackend<D> {
     /// at construction; docs/gpu.md §14).
     pub fn set_prefill_attention_mma(&mut self, on: bool) {
         self.attn_mma = on;
+    }
+
+    /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
+    /// construction; docs/gpu.md §15).
+    pub fn set_prefill_indexer_mma(&mut self, on: bool) {
+        self.idx_mma = on;
     }
 
     /// The tensor-core attention for few-token calls too, keys split over blocks

@@ -47,6 +47,13 @@ const COMP_WINDOWS_FROM: usize = 8;
 /// Widest overlapping window the tail kernel holds in registers
 /// (`DS4_COMP_MAX_OVERLAP_M` in ops.cu).
 const COMP_MAX_OVERLAP_M: usize = 8;
+/// The tensor-core indexer scores (`DS4_IMMA_*` in ops.cu): 64 heads of 128 dims, 4 tokens
+/// and 512 rows per block; only for prefill chunks (decode keeps the exact-order kernel).
+const IMMA_HEADS: usize = 64;
+const IMMA_DIM: usize = 128;
+const IMMA_TOKENS: usize = 4;
+const IMMA_ROWS: usize = 512;
+const IMMA_MIN_TOKENS: usize = 16;
 /// Head dim and heads per block of the tensor-core attention (`DS4_AMMA_HD`,
 /// `DS4_AMMA_HEADS` in ops.cu), and its threads.
 const AMMA_HD: usize = 512;
@@ -1444,24 +1451,54 @@ impl<D: GpuApi> GpuBackend<D> {
                 });
             }
             sp = self.scratch("scores", 4 * t * n_last)?;
-            let args = [
-                Arg::Ptr(self.fptr(q, OP)?),
-                Arg::Ptr(self.fptr(w, OP)?),
-                Arg::Ptr(self.fptr(rows, OP)?),
-                i32a(OP, "heads", nh)?,
-                i32a(OP, "head dim", hd)?,
-                Arg::F32(a.weight_scale),
-                u(a.pos0),
-                i32a(OP, "ratio", a.ratio)?,
-                i32a(OP, "rows", n_last)?,
-                Arg::Ptr(sp),
-            ];
-            self.launch(
-                "ds4_indexer_scores",
-                (g32(n_last.div_ceil(IDX_ROWS_PER_BLOCK)), g32(t), 1),
-                256,
-                &args,
-            )?;
+            if self.idx_mma
+                && t >= IMMA_MIN_TOKENS
+                && (nh, hd) == (IMMA_HEADS, IMMA_DIM)
+                && self.imma_smem <= self.max_dyn_smem
+                && self.fptr(q, OP)?.is_multiple_of(16)
+            {
+                let args = [
+                    Arg::Ptr(self.fptr(q, OP)?),
+                    Arg::Ptr(self.fptr(w, OP)?),
+                    Arg::Ptr(self.fptr(rows, OP)?),
+                    Arg::F32(a.weight_scale),
+                    u(a.pos0),
+                    i32a(OP, "ratio", a.ratio)?,
+                    i32a(OP, "tokens", t)?,
+                    i32a(OP, "rows", n_last)?,
+                    Arg::Ptr(sp),
+                ];
+                self.launch_smem(
+                    "ds4_indexer_scores_mma",
+                    (
+                        g32(t.div_ceil(IMMA_TOKENS)),
+                        g32(n_last.div_ceil(IMMA_ROWS)),
+                        1,
+                    ),
+                    512,
+                    self.imma_smem,
+                    &args,
+                )?;
+            } else {
+                let args = [
+                    Arg::Ptr(self.fptr(q, OP)?),
+                    Arg::Ptr(self.fptr(w, OP)?),
+                    Arg::Ptr(self.fptr(rows, OP)?),
+                    i32a(OP, "heads", nh)?,
+                    i32a(OP, "head dim", hd)?,
+                    Arg::F32(a.weight_scale),
+                    u(a.pos0),
+                    i32a(OP, "ratio", a.ratio)?,
+                    i32a(OP, "rows", n_last)?,
+                    Arg::Ptr(sp),
+                ];
+                self.launch(
+                    "ds4_indexer_scores",
+                    (g32(n_last.div_ceil(IDX_ROWS_PER_BLOCK)), g32(t), 1),
+                    256,
+                    &args,
+                )?;
+            }
         }
         let args = [
             Arg::Ptr(sp),

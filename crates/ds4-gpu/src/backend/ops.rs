@@ -1589,33 +1589,52 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(ptrs.iter().all(|p| p % 16 == 0))
     }
 
+    /// The leading arguments every attention kernel of one call shares, in their order:
+    /// q, kv, ring, compressed rows, selection, the sinks (kernels that normalise), the
+    /// first position, heads, the head dim (the single-query kernels; the tensor-core ones
+    /// fix it at 512), window, row mode, ratio, k, rows and scale.
+    fn att_args(
+        &self,
+        a: &AttnArgs,
+        pl: &AttPlan,
+        sinks: Option<u64>,
+        with_head_dim: bool,
+    ) -> BResult<Vec<Arg>> {
+        const OP: &str = "attention";
+        let mut v = vec![
+            Arg::Ptr(self.fptr(a.q, OP)?),
+            Arg::Ptr(self.fptr(a.kv, OP)?),
+            Arg::Ptr(self.fptr(a.ring, OP)?),
+            Arg::Ptr(pl.crows),
+            Arg::Ptr(pl.idx),
+        ];
+        v.extend(sinks.map(Arg::Ptr));
+        v.extend([u(a.pos0), i32a(OP, "heads", a.n_head)?]);
+        if with_head_dim {
+            v.push(i32a(OP, "head dim", a.head_dim)?);
+        }
+        v.extend([
+            i32a(OP, "window", a.window)?,
+            Arg::I32(pl.mode),
+            i32a(OP, "ratio", pl.ratio)?,
+            i32a(OP, "k", pl.k_sel)?,
+            u(pl.n_crows),
+            Arg::F32(a.scale),
+        ]);
+        Ok(v)
+    }
+
     pub(super) fn op_attention(&mut self, a: AttnArgs) -> BResult<()> {
         const OP: &str = "attention";
-        let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
+        let (t, nh, hd) = (a.n_tok, a.n_head, a.head_dim);
         let pl = self.att_plan(&a)?;
         if t * nh == 0 {
             return Ok(());
         }
         let sinks = self.wvec(a.sinks, OP, nh)?;
         if !pl.split && self.attn_mma && self.att_mma_ok(&a)? {
-            let args = [
-                Arg::Ptr(self.fptr(a.q, OP)?),
-                Arg::Ptr(self.fptr(a.kv, OP)?),
-                Arg::Ptr(self.fptr(a.ring, OP)?),
-                Arg::Ptr(pl.crows),
-                Arg::Ptr(pl.idx),
-                Arg::Ptr(sinks),
-                u(a.pos0),
-                i32a(OP, "heads", nh)?,
-                i32a(OP, "window", win)?,
-                Arg::I32(pl.mode),
-                i32a(OP, "ratio", pl.ratio)?,
-                i32a(OP, "k", pl.k_sel)?,
-                u(pl.n_crows),
-                Arg::F32(a.scale),
-                Arg::Ptr(self.fptr(a.out, OP)?),
-                Arg::Ptr(self.fault_ptr()),
-            ];
+            let mut args = self.att_args(&a, &pl, Some(sinks), false)?;
+            args.extend([Arg::Ptr(self.fptr(a.out, OP)?), Arg::Ptr(self.fault_ptr())]);
             return self.launch_smem(
                 "ds4_attention_mma",
                 (g32(t), g32(nh / AMMA_HEADS), 1),
@@ -1628,24 +1647,12 @@ impl<D: GpuApi> GpuBackend<D> {
             // The combine is the single-query one.
             let (kps, splits) = amma_splits(pl.n_keys);
             let part = self.scratch("att_part", 4 * t * nh * splits * (hd + 2))?;
-            let args = [
-                Arg::Ptr(self.fptr(a.q, OP)?),
-                Arg::Ptr(self.fptr(a.kv, OP)?),
-                Arg::Ptr(self.fptr(a.ring, OP)?),
-                Arg::Ptr(pl.crows),
-                Arg::Ptr(pl.idx),
-                u(a.pos0),
-                i32a(OP, "heads", nh)?,
-                i32a(OP, "window", win)?,
-                Arg::I32(pl.mode),
-                i32a(OP, "ratio", pl.ratio)?,
-                i32a(OP, "k", pl.k_sel)?,
-                u(pl.n_crows),
-                Arg::F32(a.scale),
+            let mut args = self.att_args(&a, &pl, None, false)?;
+            args.extend([
                 i32a(OP, "keys per split", kps)?,
                 Arg::Ptr(part),
                 Arg::Ptr(self.fault_ptr()),
-            ];
+            ]);
             self.launch_smem(
                 "ds4_attention_mma_split",
                 (g32(t), g32(splits), g32(nh / AMMA_HEADS)),
@@ -1669,25 +1676,12 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         if pl.split {
             let part = self.scratch("att_part", 4 * t * nh * pl.splits * (hd + 2))?;
-            let args = [
-                Arg::Ptr(self.fptr(a.q, OP)?),
-                Arg::Ptr(self.fptr(a.kv, OP)?),
-                Arg::Ptr(self.fptr(a.ring, OP)?),
-                Arg::Ptr(pl.crows),
-                Arg::Ptr(pl.idx),
-                u(a.pos0),
-                i32a(OP, "heads", nh)?,
-                i32a(OP, "head dim", hd)?,
-                i32a(OP, "window", win)?,
-                Arg::I32(pl.mode),
-                i32a(OP, "ratio", pl.ratio)?,
-                i32a(OP, "k", pl.k_sel)?,
-                u(pl.n_crows),
-                Arg::F32(a.scale),
+            let mut args = self.att_args(&a, &pl, None, true)?;
+            args.extend([
                 i32a(OP, "keys per split", pl.kps)?,
                 Arg::Ptr(part),
                 Arg::Ptr(self.fault_ptr()),
-            ];
+            ]);
             self.launch(
                 "ds4_attention_split",
                 (g32(t * nh), g32(pl.splits), 1),
@@ -1708,25 +1702,8 @@ impl<D: GpuApi> GpuBackend<D> {
                 ],
             );
         }
-        let args = [
-            Arg::Ptr(self.fptr(a.q, OP)?),
-            Arg::Ptr(self.fptr(a.kv, OP)?),
-            Arg::Ptr(self.fptr(a.ring, OP)?),
-            Arg::Ptr(pl.crows),
-            Arg::Ptr(pl.idx),
-            Arg::Ptr(sinks),
-            u(a.pos0),
-            i32a(OP, "heads", nh)?,
-            i32a(OP, "head dim", hd)?,
-            i32a(OP, "window", win)?,
-            Arg::I32(pl.mode),
-            i32a(OP, "ratio", pl.ratio)?,
-            i32a(OP, "k", pl.k_sel)?,
-            u(pl.n_crows),
-            Arg::F32(a.scale),
-            Arg::Ptr(self.fptr(a.out, OP)?),
-            Arg::Ptr(self.fault_ptr()),
-        ];
+        let mut args = self.att_args(&a, &pl, Some(sinks), true)?;
+        args.extend([Arg::Ptr(self.fptr(a.out, OP)?), Arg::Ptr(self.fault_ptr())]);
         self.launch("ds4_attention", (g32(t * nh), 1, 1), 128, &args)
     }
 

@@ -67,14 +67,7 @@ impl<D: GpuApi> GpuBackend<D> {
         blob_at: usize,
         blob: &[u64],
     ) -> BResult<()> {
-        self.launch_params(
-            self.kernel(name)?,
-            name,
-            grid,
-            (block, 0),
-            args,
-            Some((blob_at, blob)),
-        )
+        self.launch_blob_smem(name, grid, block, 0, args, blob_at, blob)
     }
 
     /// [`Self::launch_blob`] with `smem` bytes of dynamic shared memory.

@@ -1768,51 +1768,35 @@ impl<D: GpuApi> GpuBackend<D> {
             let part = self.scratch("att_part", 4 * n * nh * max_splits * (hd + 2))?;
             let sinks = self.wvec(a0.sinks, OP, nh)?;
             let p0 = &plans[0];
-            if mma {
-                self.launch_blob_smem(
+            // The two kernels take the same arguments but the head dim (the tensor-core one
+            // fixes it at 512) and launch differently.
+            let mut args = vec![
+                Arg::Ptr(self.fptr(a0.q, OP)?),
+                Arg::Ptr(self.fptr(a0.kv, OP)?),
+                i32a(OP, "heads", nh)?,
+                i32a(OP, "window", a0.window)?,
+                Arg::I32(p0.mode),
+                i32a(OP, "ratio", p0.ratio)?,
+                i32a(OP, "k", p0.k_sel)?,
+                Arg::F32(a0.scale),
+                i32a(OP, "splits", max_splits)?,
+                Arg::Ptr(part),
+                Arg::Ptr(self.fault_ptr()),
+            ];
+            let (name, grid, threads, smem) = if mma {
+                let grid = (g32(n), g32(max_splits), g32(nh / AMMA_HEADS));
+                (
                     "ds4_attention_mma_split_seqs",
-                    (g32(n), g32(max_splits), g32(nh / AMMA_HEADS)),
+                    grid,
                     AMMA_THREADS,
                     self.amma_smem,
-                    &[
-                        Arg::Ptr(self.fptr(a0.q, OP)?),
-                        Arg::Ptr(self.fptr(a0.kv, OP)?),
-                        i32a(OP, "heads", nh)?,
-                        i32a(OP, "window", a0.window)?,
-                        Arg::I32(p0.mode),
-                        i32a(OP, "ratio", p0.ratio)?,
-                        i32a(OP, "k", p0.k_sel)?,
-                        Arg::F32(a0.scale),
-                        i32a(OP, "splits", max_splits)?,
-                        Arg::Ptr(part),
-                        Arg::Ptr(self.fault_ptr()),
-                    ],
-                    2,
-                    &blob,
-                )?;
+                )
             } else {
-                self.launch_blob(
-                    "ds4_attention_split_seqs",
-                    (g32(n * nh), g32(max_splits), 1),
-                    128,
-                    &[
-                        Arg::Ptr(self.fptr(a0.q, OP)?),
-                        Arg::Ptr(self.fptr(a0.kv, OP)?),
-                        i32a(OP, "heads", nh)?,
-                        i32a(OP, "head dim", hd)?,
-                        i32a(OP, "window", a0.window)?,
-                        Arg::I32(p0.mode),
-                        i32a(OP, "ratio", p0.ratio)?,
-                        i32a(OP, "k", p0.k_sel)?,
-                        Arg::F32(a0.scale),
-                        i32a(OP, "splits", max_splits)?,
-                        Arg::Ptr(part),
-                        Arg::Ptr(self.fault_ptr()),
-                    ],
-                    2,
-                    &blob,
-                )?;
-            }
+                args.insert(3, i32a(OP, "head dim", hd)?);
+                let grid = (g32(n * nh), g32(max_splits), 1);
+                ("ds4_attention_split_seqs", grid, 128, 0)
+            };
+            self.launch_blob_smem(name, grid, threads, smem, &args, 2, &blob)?;
             self.launch_blob(
                 "ds4_attention_combine_seqs",
                 (g32(n * nh), 1, 1),

@@ -224,12 +224,12 @@ pub fn make_planned_backend(
         Resolved::Cuda { dev, .. } => {
             let mut be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
                 .map_err(gpu("starting the CUDA backend"))?;
-            keep_f32_attention(&mut be, precision);
+            apply_tensor_core_attention(&mut be, tensor_core_attention_from_env(precision));
             Ok(Box::new(be))
         }
         Resolved::Rocm { dev, .. } => match ds4_gpu::backend::HipBackend::on_device(dev, opts) {
             Ok(mut be) => {
-                keep_f32_attention(&mut be, precision);
+                apply_tensor_core_attention(&mut be, tensor_core_attention_from_env(precision));
                 for f in be.alloc_fallbacks() {
                     eprintln!("ds4: rocm: {f}");
                 }
@@ -244,18 +244,77 @@ pub fn make_planned_backend(
     }
 }
 
-/// `--quality` keeps the f32 attention kernels even when `DS4_PREFILL_ATTN` /
-/// `DS4_DECODE_ATTN` ask for the half-precision tensor-core ones (docs/gpu.md §14), as it
-/// keeps the f32 panels whatever `DS4_PREFILL_TILES` says.
-fn keep_f32_attention<D: ds4_gpu::api::GpuApi>(
-    be: &mut ds4_gpu::backend::GpuBackend<D>,
-    precision: Precision,
-) {
-    if precision == Precision::Quality {
-        be.set_prefill_attention_mma(false);
-        be.set_decode_attention_mma(false);
-        be.set_prefill_indexer_mma(false);
+/// Which attention kernels run on the tensor cores (half-precision operands, f32
+/// accumulation; docs/gpu.md §14, §15). The fast default takes the prefill attention and
+/// the prefill indexer scores there (measured on the H200: prefill 2k 1996 -> 3396 tok/s,
+/// 32k 1155 -> 3407, BENCHMARKS.md) and keeps decode on the single-query split kernels
+/// (the tensor-core split measured slower at one token); `--quality` keeps the f32
+/// kernels everywhere, as it keeps the f32 panels whatever `DS4_PREFILL_TILES` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorCoreAttention {
+    /// `ds4_attention_mma` for multi-token chunks (`DS4_PREFILL_ATTN=mma|warp`).
+    pub prefill: bool,
+    /// `ds4_indexer_scores_mma` for multi-token chunks (`DS4_PREFILL_INDEXER=mma|warp`).
+    pub indexer: bool,
+    /// `ds4_attention_mma_split` for decode steps (`DS4_DECODE_ATTN=mma|warp`).
+    pub decode: bool,
+}
+
+/// Environment switches of [`TensorCoreAttention`] (prefill, indexer, decode).
+pub const ATTENTION_ENVS: [&str; 3] =
+    ["DS4_PREFILL_ATTN", "DS4_PREFILL_INDEXER", "DS4_DECODE_ATTN"];
+
+/// One switch: `mma` on, `warp` / `off` / `0` the f32 kernels, unset the default; anything
+/// else warns and keeps the default.
+fn attention_switch(name: &str, env: Option<&str>, default: bool) -> bool {
+    match env.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("") => default,
+        Some("mma" | "on" | "1") => true,
+        Some("warp" | "off" | "0" | "f32") => false,
+        Some(other) => {
+            tracing::warn!("{name}={other:?}: use mma or warp; using the default");
+            default
+        }
     }
+}
+
+/// The attention kernels for `precision` and the values of [`ATTENTION_ENVS`].
+pub fn tensor_core_attention_for(
+    precision: Precision,
+    env: [Option<&str>; 3],
+) -> TensorCoreAttention {
+    if precision == Precision::Quality {
+        return TensorCoreAttention {
+            prefill: false,
+            indexer: false,
+            decode: false,
+        };
+    }
+    TensorCoreAttention {
+        prefill: attention_switch(ATTENTION_ENVS[0], env[0], true),
+        indexer: attention_switch(ATTENTION_ENVS[1], env[1], true),
+        decode: attention_switch(ATTENTION_ENVS[2], env[2], false),
+    }
+}
+
+/// [`tensor_core_attention_for`] with the process environment.
+pub fn tensor_core_attention_from_env(precision: Precision) -> TensorCoreAttention {
+    let vals = ATTENTION_ENVS.map(|k| std::env::var(k).ok());
+    tensor_core_attention_for(
+        precision,
+        [vals[0].as_deref(), vals[1].as_deref(), vals[2].as_deref()],
+    )
+}
+
+/// Sets the attention kernels of `t` on a GPU backend (which still falls back to the f32
+/// kernels where a shape or the device's shared memory does not allow them).
+pub fn apply_tensor_core_attention<D: ds4_gpu::api::GpuApi>(
+    be: &mut ds4_gpu::backend::GpuBackend<D>,
+    t: TensorCoreAttention,
+) {
+    be.set_prefill_attention_mma(t.prefill);
+    be.set_prefill_indexer_mma(t.indexer);
+    be.set_decode_attention_mma(t.decode);
 }
 
 /// `DS4_PREFILL_TILES=off|experts|all`: which multi-token matmuls run on quantized
@@ -569,6 +628,22 @@ mod tests {
         assert!(readahead_from_env(Some("yes")));
         for off in ["0", "off", " OFF ", "false"] {
             assert!(!readahead_from_env(Some(off)), "{off}");
+        }
+    }
+
+    #[test]
+    fn tensor_core_attention_fast_by_default_off_for_quality() {
+        let t = tensor_core_attention_for(Precision::Fast, [None, None, None]);
+        assert!(t.prefill && t.indexer && !t.decode, "{t:?}");
+        let t =
+            tensor_core_attention_for(Precision::Fast, [Some("warp"), Some(" OFF "), Some("mma")]);
+        assert!(!t.prefill && !t.indexer && t.decode, "{t:?}");
+        let t =
+            tensor_core_attention_for(Precision::Fast, [Some("bogus"), Some("0"), Some("bogus")]);
+        assert!(t.prefill && !t.indexer && !t.decode, "{t:?}");
+        for env in [[None, None, None], [Some("mma"), Some("mma"), Some("mma")]] {
+            let t = tensor_core_attention_for(Precision::Quality, env);
+            assert!(!t.prefill && !t.indexer && !t.decode, "{t:?}");
         }
     }
 

@@ -395,6 +395,18 @@ fn main() -> Result<()> {
     eprintln!("prefill tiles: {}", args.tiles);
     ds4_engine::Backend::set_activation_q8(&mut be, act_q8)?;
     eprintln!("one-token activations: {}", args.act);
+    // The attention kernels `ds4` runs by default (or as DS4_PREFILL_ATTN /
+    // DS4_PREFILL_INDEXER / DS4_DECODE_ATTN say).
+    let attn =
+        ds4_runtime::load::tensor_core_attention_from_env(ds4_runtime::load::Precision::Fast);
+    ds4_runtime::load::apply_tensor_core_attention(&mut be, attn);
+    let kind = |on: bool| if on { "mma" } else { "warp" };
+    eprintln!(
+        "attention: prefill {}, indexer {}, decode {}",
+        kind(attn.prefill),
+        kind(attn.indexer),
+        kind(attn.decode)
+    );
     eprintln!(
         "prefill GEMM: {}",
         match be.cublas_path() {

@@ -39,6 +39,8 @@ pub struct OpRule {
     /// Attention on half operands (`ds4_attention_mma[_split]`, `DS4_PREFILL_ATTN=mma`,
     /// `DS4_DECODE_ATTN=mma`).
     pub attn_half: bool,
+    /// Dense multi-token matmuls through cuBLAS's f16 GEMM (`DS4_DENSE_GEMM=f16`).
+    pub dense_half: bool,
 }
 
 impl OpRule {
@@ -76,7 +78,9 @@ impl OpRule {
             // The fused HCPre runs its mixing matmul through the tiles in prefill passes.
             PrefillTiles::All => op.starts_with("matmul") || op == "moe" || op == "hc_mix_pre_norm",
         };
-        if tiled || (self.attn_half && op == "attention") {
+        let dense_half =
+            self.dense_half && (op.starts_with("matmul") || op == "moe" || op == "hc_mix_pre_norm");
+        if tiled || dense_half || (self.attn_half && op == "attention") {
             tol = tol.max(Self::TOL_TILES);
         }
         tol

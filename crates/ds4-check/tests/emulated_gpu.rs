@@ -127,6 +127,7 @@ fn check(r: Run) {
         act_q8: r.act_q8,
         tiles: r.tiles,
         attn_half: false,
+        dense_half: false,
     };
     let bad: Vec<String> = stats
         .iter()
@@ -426,6 +427,62 @@ fn emulated_tile_kernels_decode_every_type() {
             }
         }
     }
+}
+
+/// `ds4_dequant_q8_rows_h` (the f16 panel of the dense f16 GEMM, docs/gpu.md §16) directly:
+/// every value of random split-layout Q8_0 rows equals the CPU dequantizer's value rounded
+/// once to half, bit for bit, including the partial last column block of the grid; rows
+/// outside the launch stay untouched.
+#[test]
+fn emulated_q8_half_panel_equals_the_dequantizer() {
+    use ds4_gguf::quant::{dequantize, f16, quantize_matrix};
+    use ds4_gguf::types::GgmlType;
+    use std::ffi::c_void;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rnd = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 40) as f32 / (1u64 << 24) as f32 * 6.0 - 3.0
+    };
+    let k = kernels(true);
+    // 4352 values: one full 4096-value block of the grid's y dimension and a partial one.
+    let (n_rows, cols, row0, n) = (7usize, 4352usize, 2usize, 4usize);
+    let src: Vec<f32> = (0..n_rows * cols).map(|_| rnd()).collect();
+    let mut wq = quantize_matrix(GgmlType::Q8_0, &src, cols, None).unwrap();
+    let row_bytes = wq.len() / n_rows;
+    assert_eq!(row_bytes % 16, 0);
+    let mut wf = vec![0f32; n_rows * cols];
+    dequantize(GgmlType::Q8_0, &wq, &mut wf).unwrap();
+    ds4_gpu::kernels::q8_0_split_rows(&mut wq, cols).unwrap();
+    let wbuf = aligned(&wq);
+    let sentinel = 0x7e00u16; // a NaN: an unwritten value fails
+    let mut out = vec![sentinel; (n + 1) * cols];
+    let (mut w, mut rb, mut r0, mut nc, mut o) = (
+        wbuf.as_ptr() as u64,
+        row_bytes as u64,
+        row0 as u64,
+        cols as i32,
+        out.as_mut_ptr() as u64,
+    );
+    let mut params: Vec<*mut c_void> = vec![
+        (&mut w as *mut u64).cast(),
+        (&mut rb as *mut u64).cast(),
+        (&mut r0 as *mut u64).cast(),
+        (&mut nc as *mut i32).cast(),
+        (&mut o as *mut u64).cast(),
+    ];
+    let grid = (n as u32, cols.div_ceil(16 * 256) as u32, 1);
+    // SAFETY: w holds n_rows rows of row_bytes (row0 + n <= n_rows), out n + 1 rows of cols
+    // halves; the parameters are ds4_dequant_q8_rows_h's in order.
+    unsafe { k.launch("ds4_dequant_q8_rows_h", grid, 256, &mut params) }.unwrap();
+    for r in 0..n {
+        for c in 0..cols {
+            let want = f16::f32_to_f16(wf[(row0 + r) * cols + c]);
+            assert_eq!(out[r * cols + c], want, "row {r} col {c}");
+        }
+    }
+    assert!(out[n * cols..].iter().all(|&h| h == sentinel), "wrote past its rows");
 }
 
 /// Batched decode on the GPU path (emulated kernels): with int8 activations (the fast

@@ -246,6 +246,8 @@ fn ops(a: &Args) -> Result<()> {
                 attn_half: ["DS4_PREFILL_ATTN", "DS4_DECODE_ATTN"]
                     .iter()
                     .any(|k| std::env::var(k).is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma"))),
+                dense_half: std::env::var("DS4_DENSE_GEMM")
+                    .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             };
             println!(
                 "\n{label} · {mode} · prefill {} tokens in chunks of {chunk} + 4 decode · {:.1} s",

@@ -432,6 +432,10 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) tiles_wide: bool,
     /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
     pub(crate) decode_rows: usize,
+    /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
+    /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
+    /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
+    pub(crate) dense_half: bool,
     /// Multi-token attention on the tensor cores (`ds4_attention_mma`) where the shapes
     /// and the device allow it; `DS4_PREFILL_ATTN=mma` (docs/gpu.md §14).
     pub(crate) attn_mma: bool,
@@ -540,6 +544,7 @@ pub(crate) const Q8_SPLIT_MAX_IN: usize = 32768;
 const OP_KERNELS: &[&str] = &[
     "ds4_dequant_rows",
     "ds4_dequant_q8_rows",
+    "ds4_dequant_q8_rows_h",
     "ds4_gemm_nt",
     "ds4_matmul_generic",
     "ds4_fill",
@@ -729,6 +734,8 @@ impl<D: GpuApi> GpuBackend<D> {
                 Some("0" | "off" | "false" | "no")
             ),
             decode_rows: 1,
+            dense_half: std::env::var("DS4_DENSE_GEMM")
+                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
             attn_mma_decode: std::env::var("DS4_DECODE_ATTN")
@@ -817,6 +824,13 @@ impl<D: GpuApi> GpuBackend<D> {
     /// at construction; docs/gpu.md §14).
     pub fn set_prefill_attention_mma(&mut self, on: bool) {
         self.attn_mma = on;
+    }
+
+    /// Dense multi-token matmuls (Q8_0, F16 weights) through cuBLAS's f16 GEMM
+    /// (`DS4_DENSE_GEMM=f16` at construction; docs/gpu.md §16). Needs cuBLAS with
+    /// `cublasGemmEx`; without it the f32 panels stay.
+    pub fn set_dense_gemm_half(&mut self, on: bool) {
+        self.dense_half = on;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at

@@ -318,15 +318,22 @@ impl<D: GpuApi> GpuBackend<D> {
         if self.tiles == PrefillTiles::All && self.tiles_ok(m.ty, m.cols, m.w, m.row_bytes) {
             return self.mm_tiles(m, op);
         }
-        // Dequantized panels of rows, then the f32 GEMM.
-        let panel_rows = (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows);
-        let panel = self.scratch("panel", 4 * panel_rows * m.cols)?;
-        let mut r = 0;
         // Q8_0 (split layout) rows with 16-byte aligned code runs take the vectorised kernel.
         let q8_fast = m.ty == GgmlType::Q8_0
             && m.cols.is_multiple_of(32)
             && m.row_bytes.is_multiple_of(16)
             && (m.w + (m.row0 * m.row_bytes) as u64).is_multiple_of(16);
+        let f16_rows = m.ty == GgmlType::F16 && m.row_bytes == 2 * m.cols;
+        if self.dense_half
+            && (q8_fast || f16_rows)
+            && self.cublas.as_ref().is_some_and(|c| c.has_half())
+        {
+            return self.mm_dense_half(m, op);
+        }
+        // Dequantized panels of rows, then the f32 GEMM.
+        let panel_rows = (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows);
+        let panel = self.scratch("panel", 4 * panel_rows * m.cols)?;
+        let mut r = 0;
         while r < m.n_rows {
             let n = panel_rows.min(m.n_rows - r);
             if q8_fast {
@@ -398,6 +405,85 @@ impl<D: GpuApi> GpuBackend<D> {
                     i32a(op, "cols", m.cols)?,
                 ],
             )?;
+            r += n;
+        }
+        Ok(())
+    }
+
+    /// A dense multi-token matmul through cuBLAS's f16 GEMM (docs/gpu.md §16): the
+    /// activations as halves once, then per panel of rows the Q8_0 rows decoded to halves
+    /// (F16 weights are used where they lie) and one `cublasGemmEx` with f32 accumulation.
+    /// The caller has checked the weight type, the layout and that cuBLAS has GemmEx.
+    fn mm_dense_half(&mut self, m: Mm, op: &'static str) -> BResult<()> {
+        let xh = self.scratch("dense_xh", 2 * m.n_tok * m.cols)?;
+        self.launch(
+            "ds4_to_half",
+            (grid_for(m.n_tok * m.cols), 1, 1),
+            256,
+            &[
+                Arg::Ptr(m.x),
+                u(m.x_stride),
+                i32a(op, "tokens", m.n_tok)?,
+                i32a(op, "cols", m.cols)?,
+                Arg::Ptr(xh),
+            ],
+        )?;
+        let direct = m.ty == GgmlType::F16;
+        let panel_rows = if direct {
+            m.n_rows
+        } else {
+            (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows)
+        };
+        let panel = if direct {
+            0
+        } else {
+            self.scratch("panel", 2 * panel_rows * m.cols)?
+        };
+        let mut r = 0;
+        while r < m.n_rows {
+            let n = panel_rows.min(m.n_rows - r);
+            let w = if direct {
+                m.w + (m.row0 * m.row_bytes) as u64
+            } else {
+                self.launch(
+                    "ds4_dequant_q8_rows_h",
+                    (g32(n), g32(m.cols.div_ceil(16 * 256)), 1),
+                    256,
+                    &[
+                        Arg::Ptr(m.w),
+                        u(m.row_bytes),
+                        u(m.row0 + r),
+                        i32a(op, "cols", m.cols)?,
+                        Arg::Ptr(panel),
+                    ],
+                )?;
+                panel
+            };
+            self.mark_launch("cublas_gemm_nt_f16")?;
+            let cb = self.cublas.as_ref().ok_or_else(|| {
+                gerr(op)(crate::error::GpuError::BadArgument {
+                    op: "dense f16 GEMM",
+                    detail: "no cuBLAS".into(),
+                })
+            })?;
+            // SAFETY: xh holds n_tok rows of cols halves (written above), w n rows of cols
+            // halves (the panel just decoded, or the F16 tensor's rows from row0 + r), y
+            // n_tok rows of y_stride f32 from column r; all device memory of this
+            // context, alive until the stream drains.
+            unsafe {
+                cb.gemm_nt_half(
+                    xh,
+                    m.cols,
+                    w,
+                    m.cols,
+                    m.y + 4 * r as u64,
+                    m.y_stride,
+                    m.n_tok,
+                    n,
+                    m.cols,
+                )
+            }
+            .map_err(gerr(op))?;
             r += n;
         }
         Ok(())

@@ -35,7 +35,8 @@
 #              router, resident against 8 / 24 GiB expert caches (engine overheads: holes
 #              read as zeros), then a dense 12-layer file after dropping the page cache
 #              (disk reads); hit rate, GB read and GB/s per run
-#   numeric    logits of the fast paths (tiles off/experts/all) against --quality, on a
+#   numeric    logits of the fast paths (tiles off/experts/all, f32 attention, f16 dense
+#              GEMM) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
 set -uo pipefail
 BIN="${BIN:-$PWD/bin}"
@@ -231,10 +232,14 @@ if ! skip numeric; then
             DS4_PREFILL_TILES=$t ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-$t.npy" > /dev/null 2>> "$OUT/numeric.log"
             python3 "$R/tools/logits/compare_logits.py" "$work/$m-$t.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
         done
-        # The tensor-core attention on top of the fast default (tiles for the experts).
-        DS4_PREFILL_ATTN=mma ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-attn.npy" > /dev/null 2>> "$OUT/numeric.log"
-        echo "experts + DS4_PREFILL_ATTN=mma:" | tee -a "$OUT/numeric.log"
-        python3 "$R/tools/logits/compare_logits.py" "$work/$m-attn.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
+        # The f32 attention kernels against the default's tensor-core ones, and the dense
+        # matrices through the f16 GEMM (docs/gpu.md §14, §16).
+        DS4_PREFILL_ATTN=warp DS4_PREFILL_INDEXER=warp ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-warp.npy" > /dev/null 2>> "$OUT/numeric.log"
+        echo "experts + DS4_PREFILL_ATTN=warp:" | tee -a "$OUT/numeric.log"
+        python3 "$R/tools/logits/compare_logits.py" "$work/$m-warp.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
+        DS4_DENSE_GEMM=f16 ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-f16.npy" > /dev/null 2>> "$OUT/numeric.log"
+        echo "experts + DS4_DENSE_GEMM=f16:" | tee -a "$OUT/numeric.log"
+        python3 "$R/tools/logits/compare_logits.py" "$work/$m-f16.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
     done
 fi
 

@@ -482,7 +482,10 @@ fn emulated_q8_half_panel_equals_the_dequantizer() {
             assert_eq!(out[r * cols + c], want, "row {r} col {c}");
         }
     }
-    assert!(out[n * cols..].iter().all(|&h| h == sentinel), "wrote past its rows");
+    assert!(
+        out[n * cols..].iter().all(|&h| h == sentinel),
+        "wrote past its rows"
+    );
 }
 
 /// Batched decode on the GPU path (emulated kernels): with int8 activations (the fast

@@ -120,7 +120,20 @@ extern "C" __global__ void ds4_dequant_rows(const ds4_u8* w, int ty, ds4_size ro
     }
 }
 
-// The same for Q8_0 rows in the split layout, the prefill panels' common case: one thread
+// 16 codes of a split-layout Q8_0 row (codes, then one f16 scale per 32) from value c
+// (a multiple of 16) as four words, and their block's scale.
+__device__ __forceinline__ float ds4_q8s_load16(const ds4_u8* w, ds4_size row_bytes, ds4_size r,
+                                                int cols, int c, ds4_u32 qw[4]) {
+    const ds4_u8* row = w + r * row_bytes;
+    const uint4 q = *(const uint4*)(row + c);
+    qw[0] = q.x;
+    qw[1] = q.y;
+    qw[2] = q.z;
+    qw[3] = q.w;
+    return ds4_h2f(ds4_b16(row + cols + 2 * (c / 32)));
+}
+
+// ds4_dequant_rows for Q8_0 rows in the split layout, the prefill panels' common case: one thread
 // per 16 codes (one 16-byte load and its block's scale) writing 16 floats (four 16-byte
 // stores), the row from blockIdx.x and the column run from blockIdx.y, so no per-element
 // 64-bit index arithmetic. Each value is the same product as ds4_elem's. The host checks
@@ -130,10 +143,8 @@ ds4_dequant_q8_rows(const ds4_u8* w, ds4_size row_bytes, ds4_size row0, int cols
     ds4_grid_wait();
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 16;
     if (c >= cols) return;
-    const ds4_u8* row = w + (row0 + blockIdx.x) * row_bytes;
-    const uint4 q = *(const uint4*)(row + c);
-    const float d = ds4_h2f(ds4_b16(row + cols + 2 * (c / 32)));
-    const ds4_u32 qw[4] = {q.x, q.y, q.z, q.w};
+    ds4_u32 qw[4];
+    const float d = ds4_q8s_load16(w, row_bytes, row0 + blockIdx.x, cols, c, qw);
     float* o = out + (ds4_size)blockIdx.x * cols + c;
 #pragma unroll
     for (int u = 0; u < 4; u++) {
@@ -152,10 +163,8 @@ ds4_dequant_q8_rows_h(const ds4_u8* w, ds4_size row_bytes, ds4_size row0, int co
     ds4_grid_wait();
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 16;
     if (c >= cols) return;
-    const ds4_u8* row = w + (row0 + blockIdx.x) * row_bytes;
-    const uint4 q = *(const uint4*)(row + c);
-    const float d = ds4_h2f(ds4_b16(row + cols + 2 * (c / 32)));
-    const ds4_u32 qw[4] = {q.x, q.y, q.z, q.w};
+    ds4_u32 qw[4];
+    const float d = ds4_q8s_load16(w, row_bytes, row0 + blockIdx.x, cols, c, qw);
     ds4_u32 h[8];
 #pragma unroll
     for (int u = 0; u < 4; u++) {

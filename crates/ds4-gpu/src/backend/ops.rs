@@ -410,12 +410,10 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(())
     }
 
-    /// A dense multi-token matmul through cuBLAS's f16 GEMM (docs/gpu.md §16): the
-    /// activations as halves once, then per panel of rows the Q8_0 rows decoded to halves
-    /// (F16 weights are used where they lie) and one `cublasGemmEx` with f32 accumulation.
-    /// The caller has checked the weight type, the layout and that cuBLAS has GemmEx.
-    fn mm_dense_half(&mut self, m: Mm, op: &'static str) -> BResult<()> {
-        let xh = self.scratch("dense_xh", 2 * m.n_tok * m.cols)?;
+    /// The matmul's activations (n_tok rows of cols, row stride x_stride) as contiguous
+    /// halves in scratch, for the tile kernels and the f16 GEMM.
+    fn x_as_half(&mut self, m: &Mm, op: &'static str) -> BResult<u64> {
+        let xh = self.scratch("tiles_xd", 2 * m.n_tok * m.cols)?;
         self.launch(
             "ds4_to_half",
             (grid_for(m.n_tok * m.cols), 1, 1),
@@ -428,6 +426,15 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(xh),
             ],
         )?;
+        Ok(xh)
+    }
+
+    /// A dense multi-token matmul through cuBLAS's f16 GEMM (docs/gpu.md §16): the
+    /// activations as halves once, then per panel of rows the Q8_0 rows decoded to halves
+    /// (F16 weights are used where they lie) and one `cublasGemmEx` with f32 accumulation.
+    /// The caller has checked the weight type, the layout and that cuBLAS has GemmEx.
+    fn mm_dense_half(&mut self, m: Mm, op: &'static str) -> BResult<()> {
+        let xh = self.x_as_half(&m, op)?;
         let direct = m.ty == GgmlType::F16;
         let panel_rows = if direct {
             m.n_rows
@@ -540,19 +547,7 @@ impl<D: GpuApi> GpuBackend<D> {
 
     /// A dense multi-token matmul on tiles: the activations as halves, then one launch.
     fn mm_tiles(&mut self, m: Mm, op: &'static str) -> BResult<()> {
-        let xh = self.scratch("tiles_xd", 2 * m.n_tok * m.cols)?;
-        self.launch(
-            "ds4_to_half",
-            (grid_for(m.n_tok * m.cols), 1, 1),
-            256,
-            &[
-                Arg::Ptr(m.x),
-                u(m.x_stride),
-                i32a(op, "tokens", m.n_tok)?,
-                i32a(op, "cols", m.cols)?,
-                Arg::Ptr(xh),
-            ],
-        )?;
+        let xh = self.x_as_half(&m, op)?;
         // More than one token tile of 64: blocks of 128 tokens (half the weight decoding).
         let wide = self.tiles_wide && m.n_tok > TILE_TOKENS;
         let tokens = if wide { WIDE_TOKENS } else { TILE_TOKENS };

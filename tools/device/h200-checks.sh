@@ -18,6 +18,10 @@
 #              profiles with it off and on
 #   attnbench  the same switches off and on: batch sweep (1, 8, 16 sequences) and the
 #              full-size bench at 2k / 32k (with DS4_PREFILL_INDEXER too, docs/gpu.md §15)
+#   dense      dense prefill matmuls (docs/gpu.md §16): 4-layer prefill profiles with the
+#              TF32 panels (default), DS4_DENSE_GEMM=f16 and --tiles all; the full-size
+#              bench with f16; the op mirror with f16; ncu kernel names/times of the
+#              default prefill (are cuBLAS's TF32 calls on tensor cores?)
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
@@ -110,6 +114,26 @@ if ! skip attnbench; then
             --frontiers 2048,32768 --decode 16 > "$OUT/attn_bench_$a.log" 2>&1
         echo "attention and indexer $a (prefill and decode):"; grep -E "^[0-9]+,|rror" "$OUT/attn_bench_$a.log"
     done
+fi
+if ! skip dense; then
+    step dense
+    for v in tf32 f16 all; do
+        t=experts; [ $v = all ] && t=all
+        DS4_DENSE_GEMM=${v/all/tf32} timeout 150 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 \
+            --decode 4 --tiles $t --profile-prefill 2048 > "$OUT/dense_pf_$v.log" 2>&1
+        echo "dense $v:"; grep -E "^2048,|profile prefill|rror" "$OUT/dense_pf_$v.log"
+        grep -A10 "by kernel" "$OUT/dense_pf_$v.log" | head -10
+    done
+    DS4_DENSE_GEMM=f16 timeout 200 ds4-bench --synthetic q2 --frontiers 2048,32768 --decode 8 \
+        > "$OUT/dense_bench_f16.log" 2>&1
+    echo "full size, f16:"; grep -E "^[0-9]+,|rror" "$OUT/dense_bench_f16.log"
+    DS4_DENSE_GEMM=f16 timeout 200 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 \
+        > "$OUT/dense_ops_f16.log" 2>&1
+    grep -E "FAIL|ALL PASSED" "$OUT/dense_ops_f16.log" | tail -3
+    timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 1 \
+        > "$OUT/dense_ncu.csv" 2> "$OUT/dense_ncu.err"
+    python3 "$R/tools/device/ncu-by-kernel.py" "$OUT/dense_ncu.csv" 30
 fi
 if ! skip reference; then
     step reference

@@ -225,6 +225,10 @@ pub fn make_planned_backend(
             let mut be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
                 .map_err(gpu("starting the CUDA backend"))?;
             apply_tensor_core_attention(&mut be, tensor_core_attention_from_env(precision));
+            be.set_dense_gemm_half(dense_gemm_half_for(
+                precision,
+                std::env::var(DENSE_GEMM_ENV).ok().as_deref(),
+            ));
             Ok(Box::new(be))
         }
         Resolved::Rocm { dev, .. } => match ds4_gpu::backend::HipBackend::on_device(dev, opts) {
@@ -315,6 +319,28 @@ pub fn apply_tensor_core_attention<D: ds4_gpu::api::GpuApi>(
     be.set_prefill_attention_mma(t.prefill);
     be.set_prefill_indexer_mma(t.indexer);
     be.set_decode_attention_mma(t.decode);
+}
+
+/// `DS4_DENSE_GEMM=f16|tf32`: the dense prefill matmuls (Q8_0 and F16 weights) through
+/// cuBLAS's f16 GEMM (docs/gpu.md §16) or f32 panels with TF32 products. Opt-in until the
+/// H200 has measured it (speed and the logits against `--quality`); `--quality` always
+/// keeps the f32 panels and the pedantic f32 GEMM, whatever the variable says.
+pub const DENSE_GEMM_ENV: &str = "DS4_DENSE_GEMM";
+
+/// Whether the dense prefill matmuls take the f16 GEMM, for `precision` and the value of
+/// [`DENSE_GEMM_ENV`] (if set).
+pub fn dense_gemm_half_for(precision: Precision, env: Option<&str>) -> bool {
+    if precision == Precision::Quality {
+        return false;
+    }
+    match env.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        Some("f16") => true,
+        None | Some("") | Some("tf32" | "f32" | "off") => false,
+        Some(other) => {
+            tracing::warn!("{DENSE_GEMM_ENV}={other:?}: use f16 or tf32; using tf32");
+            false
+        }
+    }
 }
 
 /// `DS4_PREFILL_TILES=off|experts|all`: which multi-token matmuls run on quantized
@@ -644,6 +670,17 @@ mod tests {
         for env in [[None, None, None], [Some("mma"), Some("mma"), Some("mma")]] {
             let t = tensor_core_attention_for(Precision::Quality, env);
             assert!(!t.prefill && !t.indexer && !t.decode, "{t:?}");
+        }
+    }
+
+    #[test]
+    fn dense_gemm_half_opt_in_and_never_for_quality() {
+        assert!(!dense_gemm_half_for(Precision::Fast, None));
+        assert!(dense_gemm_half_for(Precision::Fast, Some(" F16 ")));
+        assert!(!dense_gemm_half_for(Precision::Fast, Some("tf32")));
+        assert!(!dense_gemm_half_for(Precision::Fast, Some("bogus")));
+        for env in [None, Some("f16")] {
+            assert!(!dense_gemm_half_for(Precision::Quality, env));
         }
     }
 

@@ -400,6 +400,21 @@ fn main() -> Result<()> {
     let attn =
         ds4_runtime::load::tensor_core_attention_from_env(ds4_runtime::load::Precision::Fast);
     ds4_runtime::load::apply_tensor_core_attention(&mut be, attn);
+    let dense_half = ds4_runtime::load::dense_gemm_half_for(
+        ds4_runtime::load::Precision::Fast,
+        std::env::var(ds4_runtime::load::DENSE_GEMM_ENV)
+            .ok()
+            .as_deref(),
+    ) && args.gemm == "tf32";
+    be.set_dense_gemm_half(dense_half);
+    eprintln!(
+        "dense prefill GEMM: {}",
+        if dense_half {
+            "cuBLAS f16"
+        } else {
+            "panels + --gemm"
+        }
+    );
     let kind = |on: bool| if on { "mma" } else { "warp" };
     eprintln!(
         "attention: prefill {}, indexer {}, decode {}",

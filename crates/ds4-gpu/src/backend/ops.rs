@@ -337,18 +337,7 @@ impl<D: GpuApi> GpuBackend<D> {
         while r < m.n_rows {
             let n = panel_rows.min(m.n_rows - r);
             if q8_fast {
-                self.launch(
-                    "ds4_dequant_q8_rows",
-                    (g32(n), g32(m.cols.div_ceil(16 * 256)), 1),
-                    256,
-                    &[
-                        Arg::Ptr(m.w),
-                        u(m.row_bytes),
-                        u(m.row0 + r),
-                        i32a(op, "cols", m.cols)?,
-                        Arg::Ptr(panel),
-                    ],
-                )?;
+                self.q8_panel("ds4_dequant_q8_rows", &m, r, n, panel, op)?;
             } else {
                 self.launch(
                     "ds4_dequant_rows",
@@ -410,6 +399,31 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(())
     }
 
+    /// Rows `r..r + n` of a split-layout Q8_0 matmul decoded into `panel` by `kernel`
+    /// (`ds4_dequant_q8_rows`: f32, `ds4_dequant_q8_rows_h`: f16; one thread per 16 codes).
+    fn q8_panel(
+        &self,
+        kernel: &'static str,
+        m: &Mm,
+        r: usize,
+        n: usize,
+        panel: u64,
+        op: &'static str,
+    ) -> BResult<()> {
+        self.launch(
+            kernel,
+            (g32(n), g32(m.cols.div_ceil(16 * 256)), 1),
+            256,
+            &[
+                Arg::Ptr(m.w),
+                u(m.row_bytes),
+                u(m.row0 + r),
+                i32a(op, "cols", m.cols)?,
+                Arg::Ptr(panel),
+            ],
+        )
+    }
+
     /// The matmul's activations (n_tok rows of cols, row stride x_stride) as contiguous
     /// halves in scratch, for the tile kernels and the f16 GEMM.
     fn x_as_half(&mut self, m: &Mm, op: &'static str) -> BResult<u64> {
@@ -452,18 +466,7 @@ impl<D: GpuApi> GpuBackend<D> {
             let w = if direct {
                 m.w + (m.row0 * m.row_bytes) as u64
             } else {
-                self.launch(
-                    "ds4_dequant_q8_rows_h",
-                    (g32(n), g32(m.cols.div_ceil(16 * 256)), 1),
-                    256,
-                    &[
-                        Arg::Ptr(m.w),
-                        u(m.row_bytes),
-                        u(m.row0 + r),
-                        i32a(op, "cols", m.cols)?,
-                        Arg::Ptr(panel),
-                    ],
-                )?;
+                self.q8_panel("ds4_dequant_q8_rows_h", &m, r, n, panel, op)?;
                 panel
             };
             self.mark_launch("cublas_gemm_nt_f16")?;

@@ -460,6 +460,12 @@ impl<D: GpuApi> GpuBackend<D> {
         } else {
             self.scratch("panel", 2 * panel_rows * m.cols)?
         };
+        let cb = self.cublas.as_ref().ok_or_else(|| {
+            gerr(op)(crate::error::GpuError::BadArgument {
+                op: "dense f16 GEMM",
+                detail: "no cuBLAS".into(),
+            })
+        })?;
         let mut r = 0;
         while r < m.n_rows {
             let n = panel_rows.min(m.n_rows - r);
@@ -470,12 +476,6 @@ impl<D: GpuApi> GpuBackend<D> {
                 panel
             };
             self.mark_launch("cublas_gemm_nt_f16")?;
-            let cb = self.cublas.as_ref().ok_or_else(|| {
-                gerr(op)(crate::error::GpuError::BadArgument {
-                    op: "dense f16 GEMM",
-                    detail: "no cuBLAS".into(),
-                })
-            })?;
             // SAFETY: xh holds n_tok rows of cols halves (written above), w n rows of cols
             // halves (the panel just decoded, or the F16 tensor's rows from row0 + r), y
             // n_tok rows of y_stride f32 from column r; all device memory of this

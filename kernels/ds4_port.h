@@ -150,11 +150,15 @@ __device__ __forceinline__ float ds4_shfl_idx(float v, int src) {
 }
 
 // Two f32 to two IEEE binary16 in one register (`lo` in bits 0..15), round to nearest
-// even: one cvt.rn.f16x2.f32 (sm_80 and later), the same bits as two ds4_f2h.
+// even: one cvt.rn.f16x2.f32 on sm_80 and later, two ds4_f2h (the same bits) before.
 __device__ __forceinline__ ds4_u32 ds4_f2h2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     ds4_u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+#else
+    return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
+#endif
 }
 
 // Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).
@@ -165,6 +169,9 @@ __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) { return __dp4a(a, 
 // PTX m16n8k16 fragment layouts (g = lane / 4, t = lane % 4): a[0] = A[g][2t..2t+1],
 // a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]; b[0] = B[2t..2t+1][g],
 // b[1] = B[2t+8..][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1].
+// Only sm_80 and later have this shape; older GPUs (Volta, Turing, Pascal) compile the
+// kernels' plain-FMA fallbacks instead, which read the same fragment elements.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define DS4_HAS_MMA 1
 __device__ __forceinline__ void ds4_mma_16816(float* c, const ds4_u32* a, const ds4_u32* b) {
     asm volatile(
@@ -193,6 +200,7 @@ __device__ __forceinline__ void ds4_ldmatrix_x4(ds4_u32* r, const ds4_u16* p) {
                  : "r"(ds4_smem_addr(p))
                  : "memory");
 }
+#endif  // __CUDA_ARCH__ >= 800
 
 #endif
 

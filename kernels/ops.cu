@@ -998,20 +998,74 @@ __device__ __forceinline__ void ds4_hc_mix_weights(const W* fn, int n, int d, in
     }
 }
 
-// The block's partial mix (all nm outputs) and partial Gram matrix, after the wait.
+// The previous sublayer's HCPost (docs/gpu.md §11), when the part kernel applies it: its
+// output f (+ f2, written back to f, as ds4_hc_post does) and its post / comb coefficients.
+struct Ds4HcPrev {
+    float* f;
+    const float* f2;
+    const float* post;
+    const float* comb;
+};
+
+// The block's partial mix (all nm outputs) and partial Gram matrix, after the wait. With
+// prev.f non-null, the previous sublayer's HCPost first turns the block's columns of x into
+// the new residual streams (ds4_hc_post's expressions, so the same values), written back by
+// warp 0 once every warp has read the old ones; the sums then use the new values.
 __device__ __forceinline__ void ds4_hc_mix_sums(const float (&w)[DS4_HCM_MAXO][DS4_HCM_N][2],
-                                                const float* x, int n, int d, int nm,
-                                                float* partf, double* partd) {
+                                                float* x, int n, int d, int nm,
+                                                float* partf, double* partd,
+                                                const Ds4HcPrev& prev) {
     const int g = blockIdx.x, t = blockIdx.y, nb = gridDim.x;
     const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
     const int c = g * DS4_HCM_COLS + 2 * lane;
-    const float* xt = x + (ds4_size)t * n * d;
+    float* xt = x + (ds4_size)t * n * d;
     float xv[DS4_HCM_N][2];
 #pragma unroll
     for (int s = 0; s < DS4_HCM_N; s++) {
         const bool ok = c < d && s < n;
         xv[s][0] = ok ? ds4_ld_act(xt + (ds4_size)s * d + c) : 0.0f;
         xv[s][1] = ok ? ds4_ld_act(xt + (ds4_size)s * d + c + 1) : 0.0f;
+    }
+    if (prev.f) {
+        const bool ok = c < d;
+        const float* pt = prev.post + (ds4_size)t * n;
+        const float* cb = prev.comb + (ds4_size)t * n * n;
+        float fv[2];
+        float nv[DS4_HCM_N][2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const ds4_size fi = (ds4_size)t * d + c + e;
+            fv[e] = ok ? ds4_ld_act(prev.f + fi) : 0.0f;
+            if (prev.f2) fv[e] = fv[e] + (ok ? ds4_ld_act(prev.f2 + fi) : 0.0f);
+#pragma unroll
+            for (int j = 0; j < DS4_HCM_N; j++) {
+                nv[j][e] = 0.0f;
+                if (j >= n) continue;
+                float acc = 0.0f;
+#pragma unroll
+                for (int i = 0; i < DS4_HCM_N; i++)
+                    if (i < n) acc += ds4_ld_act(cb + i * n + j) * xv[i][e];
+                nv[j][e] = ds4_ld_act(pt + j) * fv[e] + acc;
+            }
+        }
+        __syncthreads();  // every warp holds the old columns before warp 0 rewrites them
+        if (warp == 0 && ok) {
+#pragma unroll
+            for (int s = 0; s < DS4_HCM_N; s++) {
+                if (s >= n) continue;
+                xt[(ds4_size)s * d + c] = nv[s][0];
+                xt[(ds4_size)s * d + c + 1] = nv[s][1];
+            }
+            if (prev.f2) {
+                prev.f[(ds4_size)t * d + c] = fv[0];
+                prev.f[(ds4_size)t * d + c + 1] = fv[1];
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < DS4_HCM_N; s++) {
+            xv[s][0] = nv[s][0];
+            xv[s][1] = nv[s][1];
+        }
     }
     const ds4_size slot = (ds4_size)t * nb + g;
 #pragma unroll
@@ -1044,21 +1098,23 @@ __device__ __forceinline__ void ds4_hc_mix_sums(const float (&w)[DS4_HCM_MAXO][D
 
 // Grid (ceil(d / 64), T), 256 threads; n <= 4, 2n+n² <= 24, d even. partf [T][G][nm],
 // partd [T][G][10] (Gram entries s <= u in row-major order; entries of absent streams 0).
+// f null: x as it is; else the previous sublayer's HCPost is applied first (Ds4HcPrev; f2
+// may be null), x and f updated in place.
 extern "C" __global__ void __launch_bounds__(DS4_HCM_WARPS * DS4_WARP)
-ds4_hc_mix_part_f16(const ds4_u16* fn, const float* x, int n, int d, int nm, float* partf,
-                    double* partd) {
+ds4_hc_mix_part_f16(const ds4_u16* fn, float* x, int n, int d, int nm, float* partf,
+                    double* partd, float* f, const float* f2, const float* post, const float* comb) {
     float w[DS4_HCM_MAXO][DS4_HCM_N][2];
     ds4_hc_mix_weights(fn, n, d, nm, w);
     ds4_grid_wait();
-    ds4_hc_mix_sums(w, x, n, d, nm, partf, partd);
+    ds4_hc_mix_sums(w, x, n, d, nm, partf, partd, Ds4HcPrev{f, f2, post, comb});
 }
 extern "C" __global__ void __launch_bounds__(DS4_HCM_WARPS * DS4_WARP)
-ds4_hc_mix_part_f32(const float* fn, const float* x, int n, int d, int nm, float* partf,
-                    double* partd) {
+ds4_hc_mix_part_f32(const float* fn, float* x, int n, int d, int nm, float* partf,
+                    double* partd, float* f, const float* f2, const float* post, const float* comb) {
     float w[DS4_HCM_MAXO][DS4_HCM_N][2];
     ds4_hc_mix_weights(fn, n, d, nm, w);
     ds4_grid_wait();
-    ds4_hc_mix_sums(w, x, n, d, nm, partf, partd);
+    ds4_hc_mix_sums(w, x, n, d, nm, partf, partd, Ds4HcPrev{f, f2, post, comb});
 }
 
 // Grid (ceil(d / 256) + 1, T), 256 threads, nb <= DS4_HCM_PARTS partials per token. The

@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 
 use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, CompressorCall, HcArgs,
-    IBuf, IndexerArgs, IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RouterArgs, Routing, Slice,
-    Weight, WeightInfo, WeightUse,
+    HcPost, IBuf, IndexerArgs, IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RouterArgs, Routing,
+    Slice, Weight, WeightInfo, WeightUse,
 };
 use ds4_gguf::GgufFile;
 
@@ -72,14 +72,14 @@ impl OpRule {
         if self.act_q8 && op == "moe" {
             tol = tol.max(Self::TOL_Q8_REQUANT);
         }
+        // The fused HCPre runs its mixing matmul as a matmul in prefill passes.
+        let hc_mix = op == "hc_mix_pre_norm" || op == "hc_post_mix_pre_norm";
         let tiled = match self.tiles {
             PrefillTiles::Off => false,
             PrefillTiles::Experts => op == "moe",
-            // The fused HCPre runs its mixing matmul through the tiles in prefill passes.
-            PrefillTiles::All => op.starts_with("matmul") || op == "moe" || op == "hc_mix_pre_norm",
+            PrefillTiles::All => op.starts_with("matmul") || op == "moe" || hc_mix,
         };
-        let dense_half =
-            self.dense_half && (op.starts_with("matmul") || op == "moe" || op == "hc_mix_pre_norm");
+        let dense_half = self.dense_half && (op.starts_with("matmul") || op == "moe" || hc_mix);
         if tiled || dense_half || (self.attn_half && op == "attention") {
             tol = tol.max(Self::TOL_TILES);
         }
@@ -715,6 +715,64 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             |b| {
                 let ((f, x, m, bs, sc), w, (y, p, cb, o)) = g;
                 b.hc_mix_pre_norm(f, x, m, bs, sc, a, w, y, p, cb, o)
+            },
+        )
+    }
+    fn hc_post_mix_pre_norm(
+        &mut self,
+        prev: HcPost,
+        fn_: Weight,
+        x: Slice,
+        mix: Slice,
+        base: Weight,
+        scale: Weight,
+        a: HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        let side = |m: &Self, cpu: bool| {
+            let s = |x: Slice| if cpu { m.c(x) } else { m.g(x) };
+            let w = |x: Weight| if cpu { m.cw(x) } else { m.gw(x) };
+            let p = HcPost {
+                f: s(prev.f),
+                f2: prev.f2.map(s),
+                post: s(prev.post),
+                comb: s(prev.comb),
+            };
+            (
+                p,
+                (w(fn_), s(x), s(mix), w(base), w(scale)),
+                w(norm),
+                (s(y), s(post), s(comb), s(out)),
+            )
+        };
+        let (c, g) = (side(self, true), side(self, false));
+        let (n, t) = (a.n_hc, a.n_tok);
+        let mut outs = vec![
+            Out::Rw(x.sub(0, t * n * a.dim)),
+            Out::W(mix.sub(0, t * (2 * n + n * n))),
+            Out::W(y.sub(0, t * a.dim)),
+            // Read as the previous sublayer's coefficients before they are rewritten.
+            Out::Rw(post.sub(0, t * n)),
+            Out::Rw(comb.sub(0, t * n * n)),
+            Out::W(out.sub(0, t * a.dim)),
+        ];
+        if prev.f2.is_some() {
+            outs.push(Out::Rw(prev.f.sub(0, t * a.dim)));
+        }
+        self.run(
+            "hc_post_mix_pre_norm",
+            &outs,
+            |b| {
+                let (p, (f, x, m, bs, sc), w, (y, po, cb, o)) = c;
+                b.hc_post_mix_pre_norm(p, f, x, m, bs, sc, a, w, y, po, cb, o)
+            },
+            |b| {
+                let (p, (f, x, m, bs, sc), w, (y, po, cb, o)) = g;
+                b.hc_post_mix_pre_norm(p, f, x, m, bs, sc, a, w, y, po, cb, o)
             },
         )
     }

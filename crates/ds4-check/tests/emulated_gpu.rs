@@ -116,7 +116,15 @@ fn check(r: Run) {
             s.calls, s.max_rel, s.nan, s.int_mismatches
         );
     }
-    for op in ["matmul", "attention", "moe", "router", "hc_post", "argmax"] {
+    for op in [
+        "matmul",
+        "attention",
+        "moe",
+        "router",
+        "hc_post_mix_pre_norm",
+        "hc_post_add",
+        "argmax",
+    ] {
         assert!(
             stats.iter().any(|(o, s)| *o == op && s.calls > 0),
             "{op} never ran"
@@ -546,6 +554,61 @@ fn emulated_batched_decode_equals_decoding_alone() {
             "cpu {recipe:?} act_q8 {act_q8}: {r:?}"
         );
     }
+}
+
+/// The HCPost folded into the next sublayer's mixing-matmul kernel (docs/gpu.md §11) writes
+/// the residual streams and the sums exactly as the separate `ds4_hc_post` launch did: a
+/// prefill (chunks of 9: decode-sized passes, so the fused kernels run) and decode steps
+/// give bit-identical logits with the fusion on and off, and the fused run launches two
+/// kernels fewer per layer and token.
+#[test]
+fn emulated_fused_hc_post_equals_the_separate_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file_with(dir.path(), TypeRecipe::Q2);
+    let run = |fuse: bool| {
+        let m = machine("strix-halo-stock");
+        let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+        gpu.set_fuse_hc_post(fuse);
+        gpu.set_activation_q8(true).unwrap();
+        let cfg = EngineConfig {
+            mode: Some(NumericMode::Official),
+            ctx: 128,
+            prefill_chunk: 9,
+        };
+        let mut eng = Engine::load(file.clone(), Box::new(gpu), cfg).unwrap();
+        let vocab = eng.hparams().n_vocab as u32;
+        let toks: Vec<u32> = (0..24u32).map(|i| (i * 53 + 7) % vocab).collect();
+        let mut st = eng.new_state().unwrap();
+        let mut rows = eng.eval(&mut st, &toks[..20], Logits::All, None).unwrap();
+        let before = eng.backend_mut().counters().launches;
+        for t in &toks[20..] {
+            rows.extend(
+                eng.eval(&mut st, std::slice::from_ref(t), Logits::Last, None)
+                    .unwrap(),
+            );
+        }
+        let launches = eng.backend_mut().counters().launches - before;
+        let layers = eng.hparams().n_layer as u64;
+        assert!(
+            fake.kernel_errors().is_empty(),
+            "{:?}",
+            fake.kernel_errors()
+        );
+        (rows, launches, layers)
+    };
+    let (fused, fused_launches, layers) = run(true);
+    let (plain, plain_launches, _) = run(false);
+    assert!(fused.iter().all(|v| v.is_finite()));
+    assert_eq!(fused.len(), plain.len());
+    let differ = fused
+        .iter()
+        .zip(&plain)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(differ, 0, "{differ} logits differ with the HCPost fused");
+    // 4 decode steps; per layer two HCPost launches fewer, except the last layer's
+    // second, which is applied before the head either way.
+    assert_eq!(plain_launches - fused_launches, 4 * (2 * layers - 1));
 }
 
 /// Streamed routed experts on the GPU backend (docs/placement.md §9): slot pools written

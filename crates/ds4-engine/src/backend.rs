@@ -250,6 +250,17 @@ pub struct HcArgs {
     pub rms_eps: f32,
 }
 
+/// The HCPost of a finished sublayer, applied by [`Backend::hc_post_mix_pre_norm`] just before
+/// the next sublayer's HCPre: the sublayer's output `f` (plus `f2`, the shared expert's
+/// output, after an MoE sublayer) and the `post` / `comb` coefficients of its own HCPre.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HcPost {
+    pub f: Slice,
+    pub f2: Option<Slice>,
+    pub post: Slice,
+    pub comb: Slice,
+}
+
 /// One [`Backend::compressor`] call of a batched decode step ([`Backend::compressor_batch`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CompressorCall {
@@ -728,6 +739,35 @@ pub trait Backend: Send {
     ) -> BResult<()> {
         self.matmul(fn_, 0, x, args.n_tok, mix)?;
         self.hc_pre_norm(mix, x, base, scale, args, norm, y, post, comb, out)
+    }
+    /// The previous sublayer's HCPost on `x` ([`Backend::hc_post`], or
+    /// [`Backend::hc_post_add`] when `prev.f2` is given), then this sublayer's
+    /// [`Backend::hc_mix_pre_norm`] on the updated `x`. One op because the HCPost is
+    /// elementwise along the hidden dimension: a device can apply it to the columns each
+    /// block of the mixing matmul reads anyway, and save the launch and the pass over `x`
+    /// (docs/gpu.md §11). `prev.post` / `prev.comb` may be the very buffers this op's
+    /// HCPre writes as `post` / `comb`: they are read before they are overwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_post_mix_pre_norm(
+        &mut self,
+        prev: HcPost,
+        fn_: Weight,
+        x: Slice,
+        mix: Slice,
+        base: Weight,
+        scale: Weight,
+        args: HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        match prev.f2 {
+            Some(f2) => self.hc_post_add(x, prev.f, f2, prev.post, prev.comb, args)?,
+            None => self.hc_post(x, prev.f, prev.post, prev.comb, args)?,
+        }
+        self.hc_mix_pre_norm(fn_, x, mix, base, scale, args, norm, y, post, comb, out)
     }
     /// Head preparation in place on `x` (`rope.n_rows · rope.n_heads` rows of
     /// `rope.head_dim`): RMSNorm (times `w` if given), RoPE, then — with `fp8_dims = Some(n)`

@@ -8,8 +8,8 @@
 use ds4_model::{AttnKind, HParams};
 
 use crate::backend::{
-    AttnArgs, Backend, Buf, CompSel, CompressorCall, HcArgs, IBuf, IndexerArgs, IndexerCall,
-    MoeArgs, RingStoreCall, RopeArgs, RopeFreq, RouterArgs, Routing, Slice,
+    AttnArgs, Backend, Buf, CompSel, CompressorCall, HcArgs, HcPost, IBuf, IndexerArgs,
+    IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RopeFreq, RouterArgs, Routing, Slice, Weight,
 };
 use crate::config::NumericMode;
 use crate::error::{EngineError, Result};
@@ -294,6 +294,10 @@ pub(crate) fn forward(
     be.annotate("embed");
     be.embed(m.w.tok_embd, s.tokens, t, n_hc, x)?;
 
+    // The HCPost of the sublayer just finished waits for the next sublayer's HCPre, which
+    // applies it on the way (Backend::hc_post_mix_pre_norm); the last one is applied
+    // before the head.
+    let mut pending: Option<HcPost> = None;
     let weights = m.w;
     for (il, lw) in weights.layers.iter().enumerate() {
         let freq = layer_rope(hp, il);
@@ -322,7 +326,19 @@ pub(crate) fn forward(
             AttnKind::Hca(_) => "attn.hca",
         });
         let (hf, hb, hs) = (lw.hc_attn.fn_, lw.hc_attn.base, lw.hc_attn.scale);
-        be.hc_mix_pre_norm(hf, x, mix, hb, hs, hc, lw.attn_norm, y, post, comb, a)?;
+        hc_enter(
+            be,
+            pending.take(),
+            (hf, hb, hs),
+            x,
+            mix,
+            hc,
+            lw.attn_norm,
+            y,
+            post,
+            comb,
+            a,
+        )?;
 
         let cq_all = s.cq.rows(0, t, hp.q_lora_rank);
         be.matmul(lw.q_a, 0, a, t, cq_all)?;
@@ -508,7 +524,12 @@ pub(crate) fn forward(
         let low = s.low.rows(0, t, hp.o_groups * hp.o_lora_rank);
         be.matmul_grouped(lw.out_a, hp.o_groups, o_all, t, low)?;
         be.matmul(lw.out_b, 0, low, t, f)?;
-        be.hc_post(x, f, post, comb, hc)?;
+        pending = Some(HcPost {
+            f,
+            f2: None,
+            post,
+            comb,
+        });
 
         // ---- MoE sublayer (docs/forward.md §6) ----
         be.annotate(if lw.tid2eid.is_some() {
@@ -517,7 +538,19 @@ pub(crate) fn forward(
             "moe.topk"
         });
         let (hf, hb, hs) = (lw.hc_ffn.fn_, lw.hc_ffn.base, lw.hc_ffn.scale);
-        be.hc_mix_pre_norm(hf, x, mix, hb, hs, hc, lw.ffn_norm, y, post, comb, a)?;
+        hc_enter(
+            be,
+            pending.take(),
+            (hf, hb, hs),
+            x,
+            mix,
+            hc,
+            lw.ffn_norm,
+            y,
+            post,
+            comb,
+            a,
+        )?;
         let k = hp.n_expert_used;
         let rl = s.rl.rows(0, t, hp.n_expert);
         be.matmul(lw.router, 0, a, t, rl)?;
@@ -584,7 +617,27 @@ pub(crate) fn forward(
         be.swiglu(sg, su, clamp, sh)?;
         let sf = s.sf.rows(0, t, dm);
         be.matmul(lw.down_sh, 0, sh, t, sf)?;
-        be.hc_post_add(x, f, sf, post, comb, hc)?;
+        pending = Some(HcPost {
+            f,
+            f2: Some(sf),
+            post,
+            comb,
+        });
+    }
+    match pending {
+        Some(HcPost {
+            f,
+            f2: Some(f2),
+            post,
+            comb,
+        }) => be.hc_post_add(x, f, f2, post, comb, hc)?,
+        Some(HcPost {
+            f,
+            f2: None,
+            post,
+            comb,
+        }) => be.hc_post(x, f, post, comb, hc)?,
+        None => {}
     }
     for q in seqs.iter_mut() {
         q.state.tokens.extend_from_slice(q.tokens);
@@ -606,6 +659,31 @@ pub(crate) fn forward(
     be.hc_head(hmix, xs, m.w.head_hc.base, m.w.head_hc.scale, hc1, hy)?;
     be.rms_norm(hy, Some(m.w.output_norm), nt, dm, eps, hy)?;
     be.matmul(m.w.output, 0, hy, nt, s.logits.rows(0, nt, hp.n_vocab))?;
+    Ok(())
+}
+
+/// A sublayer's HCPre (mixing matmul, HCPre, input RMSNorm), with the previous sublayer's
+/// HCPost folded in when there is one.
+#[allow(clippy::too_many_arguments)]
+fn hc_enter(
+    be: &mut dyn Backend,
+    prev: Option<HcPost>,
+    (fn_, base, scale): (Weight, Weight, Weight),
+    x: Slice,
+    mix: Slice,
+    hc: HcArgs,
+    norm: Weight,
+    y: Slice,
+    post: Slice,
+    comb: Slice,
+    out: Slice,
+) -> Result<()> {
+    match prev {
+        Some(p) => {
+            be.hc_post_mix_pre_norm(p, fn_, x, mix, base, scale, hc, norm, y, post, comb, out)?
+        }
+        None => be.hc_mix_pre_norm(fn_, x, mix, base, scale, hc, norm, y, post, comb, out)?,
+    }
     Ok(())
 }
 

@@ -29,7 +29,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use ds4_engine::backend::{
-    BResult, BackendError, Buf, Counters, IBuf, ProfileRow, Slice, Weight, WeightInfo, WeightUse,
+    BResult, BackendError, Buf, Counters, HcPost, IBuf, ProfileRow, Slice, Weight, WeightInfo,
+    WeightUse,
 };
 use ds4_engine::validate;
 use ds4_gguf::{GgmlType, GgufFile};
@@ -432,6 +433,10 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) tiles_wide: bool,
     /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
     pub(crate) decode_rows: usize,
+    /// A sublayer's HCPost applied inside the next sublayer's mixing-matmul kernel
+    /// ([`ds4_engine::Backend::hc_post_mix_pre_norm`], docs/gpu.md §11); `DS4_FUSE_HC_POST=0`
+    /// launches it on its own, for A/B runs (the values are the same either way).
+    pub(crate) fuse_hc_post: bool,
     /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
@@ -734,6 +739,13 @@ impl<D: GpuApi> GpuBackend<D> {
                 Some("0" | "off" | "false" | "no")
             ),
             decode_rows: 1,
+            fuse_hc_post: !matches!(
+                std::env::var("DS4_FUSE_HC_POST")
+                    .ok()
+                    .as_deref()
+                    .map(str::trim),
+                Some("0" | "off" | "false" | "no")
+            ),
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
@@ -831,6 +843,13 @@ impl<D: GpuApi> GpuBackend<D> {
     /// `cublasGemmEx`; without it the f32 panels stay.
     pub fn set_dense_gemm_half(&mut self, on: bool) {
         self.dense_half = on;
+    }
+
+    /// Whether a sublayer's HCPost rides in the next mixing-matmul kernel (the default;
+    /// `DS4_FUSE_HC_POST=0` at construction turns it off). Either way the values are the
+    /// same; the switch is for A/B timing and for the test that checks that.
+    pub fn set_fuse_hc_post(&mut self, on: bool) {
+        self.fuse_hc_post = on;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
@@ -1796,7 +1815,67 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::matmul(fn_, 0, x, args.n_tok, mix)?;
         validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
-        if self.op_hc_mix_pre(fn_, x, mix, base, scale, args, y, post, comb, (norm, out))? {
+        if self.op_hc_mix_pre(
+            None,
+            fn_,
+            x,
+            mix,
+            base,
+            scale,
+            args,
+            y,
+            post,
+            comb,
+            (norm, out),
+        )? {
+            return Ok(());
+        }
+        self.op_matmul(fn_, 0, x, args.n_tok, mix)?;
+        self.op_hc_pre(mix, x, base, scale, args, y, post, comb, Some((norm, out)))
+    }
+
+    fn hc_post_mix_pre_norm(
+        &mut self,
+        prev: HcPost,
+        fn_: Weight,
+        x: Slice,
+        mix: Slice,
+        base: Weight,
+        scale: Weight,
+        args: ds4_engine::backend::HcArgs,
+        norm: Weight,
+        y: Slice,
+        post: Slice,
+        comb: Slice,
+        out: Slice,
+    ) -> BResult<()> {
+        match prev.f2 {
+            Some(f2) => validate::hc_post_add(x, prev.f, f2, prev.post, prev.comb, &args)?,
+            None => validate::hc_post(x, prev.f, prev.post, prev.comb, &args)?,
+        }
+        validate::matmul(fn_, 0, x, args.n_tok, mix)?;
+        validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
+        if self.fuse_hc_post {
+            let a = (base, scale);
+            let no = (norm, out);
+            if self.op_hc_mix_pre(Some(prev), fn_, x, mix, a.0, a.1, args, y, post, comb, no)? {
+                return Ok(());
+            }
+        }
+        self.op_hc_post(x, prev.f, prev.f2, prev.post, prev.comb, args)?;
+        if self.op_hc_mix_pre(
+            None,
+            fn_,
+            x,
+            mix,
+            base,
+            scale,
+            args,
+            y,
+            post,
+            comb,
+            (norm, out),
+        )? {
             return Ok(());
         }
         self.op_matmul(fn_, 0, x, args.n_tok, mix)?;

@@ -3,7 +3,7 @@
 //! is only what the kernels add: handle lookups and their capacity limits.
 
 use ds4_engine::backend::{
-    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, CompressorCall, HcArgs, IBuf,
+    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, CompressorCall, HcArgs, HcPost, IBuf,
     IndexerArgs, IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RouterArgs, Routing, Slice, Weight,
 };
 use ds4_engine::numerics::rope_freqs;
@@ -1068,9 +1068,12 @@ impl<D: GpuApi> GpuBackend<D> {
     /// The mixing matmul and HCPre + RMSNorm in two kernels (`ds4_hc_mix_part`,
     /// `ds4_hc_mix_apply`; docs/gpu.md §11) for decode-sized passes of the model's shape;
     /// `Ok(false)` (nothing launched) where they do not apply, for the caller's two ops.
+    /// With `prev`, the part kernel first applies the previous sublayer's HCPost to the
+    /// columns it reads (one launch and one pass over `x` fewer).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn op_hc_mix_pre(
         &mut self,
+        prev: Option<HcPost>,
         fn_: Weight,
         x: Slice,
         mix: Slice,
@@ -1118,9 +1121,22 @@ impl<D: GpuApi> GpuBackend<D> {
             i32a(OP, "dim", d)?,
             i32a(OP, "mix", nm)?,
         ];
+        let prev_ptrs = match prev {
+            Some(p) => [
+                self.fptr(p.f, OP)?,
+                match p.f2 {
+                    Some(f2) => self.fptr(f2, OP)?,
+                    None => 0,
+                },
+                self.fptr(p.post, OP)?,
+                self.fptr(p.comb, OP)?,
+            ],
+            None => [0; 4],
+        };
         let mut args = vec![Arg::Ptr(wp), Arg::Ptr(xp)];
         args.extend(dims);
         args.extend([Arg::Ptr(pf), Arg::Ptr(pd)]);
+        args.extend(prev_ptrs.map(Arg::Ptr));
         self.launch(kernel, (g32(nb), g32(t), 1), HC_MIX_THREADS, &args)?;
         let (bp, sp) = (self.wvec(base, OP, nm)?, self.wvec(scale, OP, 3)?);
         let (nw, np) = (self.wvec(norm, OP, d)?, self.fptr(out.sub(0, t * d), OP)?);

@@ -485,22 +485,17 @@ extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims
     }
 }
 
-// Head preparation in one pass, one block (256 threads) per row (row r = token r/n_heads):
-// ds4_rms_norm's arithmetic (times w if given), then ds4_rope's rotation of the last
-// rope_dim dims at position pos0 + (r / n_heads)·pos_step, then (fp8_dims > 0) ds4_qat_fp8's
-// round trip of the first fp8_dims dims. Each stage reads what the previous one wrote
-// (block barriers between them), so the result equals the three kernels run in turn.
-extern "C" __global__ void __launch_bounds__(256)
-ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs, int n_heads,
-              int rope_dim, ds4_size pos0, ds4_size pos_step, const int* row_pos, int fp8_dims) {
-    ds4_grid_wait();
-    __shared__ double sh[256];
-    const ds4_size row = blockIdx.x;
-    float* xr = x + row * width;
+// Head preparation of one row by one block (256 threads): ds4_rms_norm's arithmetic (times
+// w if given), then ds4_rope's rotation of the last rope_dim dims at position p, then
+// (fp8_dims > 0) ds4_qat_fp8's round trip of the first fp8_dims dims. Each stage reads what
+// the previous one wrote (block barriers between them), so the result equals the three
+// kernels run in turn.
+__device__ __forceinline__ void ds4_norm_rope_row(float* xr, const float* w, int width, float eps,
+                                                  const float* freqs, int rope_dim, ds4_size p,
+                                                  int fp8_dims, double* sh) {
     ds4_rms_norm_row(xr, w, xr, width, eps, sh);
     __syncthreads();
     const int half = rope_dim / 2;
-    const ds4_size p = ds4_row_pos(row_pos, row / n_heads, pos0, pos_step);
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
         const double ang = (double)((float)p * freqs[j]);
         const float c = (float)cos(ang);
@@ -529,6 +524,34 @@ ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs
         if (i0 < len) v[i0] = sc * ds4_e4m3_round(fminf(fmaxf(a0 / sc, -448.0f), 448.0f));
         if (i1 < len) v[i1] = sc * ds4_e4m3_round(fminf(fmaxf(a1 / sc, -448.0f), 448.0f));
     }
+}
+
+// Head preparation in one pass, one block (256 threads) per row (row r = token r/n_heads,
+// at position pos0 + (r / n_heads)·pos_step, or row_pos[r / n_heads]): ds4_norm_rope_row.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs, int n_heads,
+              int rope_dim, ds4_size pos0, ds4_size pos_step, const int* row_pos, int fp8_dims) {
+    ds4_grid_wait();
+    __shared__ double sh[256];
+    const ds4_size row = blockIdx.x;
+    const ds4_size p = ds4_row_pos(row_pos, row / n_heads, pos0, pos_step);
+    ds4_norm_rope_row(x + row * width, w, width, eps, freqs, rope_dim, p, fp8_dims, sh);
+}
+
+// Two ds4_norm_rope calls of one width, eps and rotation (the query heads and the KV row of
+// an attention layer) in one launch: blocks [0, rows_a) take x_a's rows (n_heads_a heads per
+// token), the rest x_b's.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_norm_rope2(float* xa, const float* wa, int heads_a, int fp8_a, int rows_a, float* xb,
+               const float* wb, int heads_b, int fp8_b, int width, float eps, const float* freqs,
+               int rope_dim, ds4_size pos0, ds4_size pos_step, const int* row_pos) {
+    ds4_grid_wait();
+    __shared__ double sh[256];
+    const bool first = (int)blockIdx.x < rows_a;
+    const ds4_size row = first ? blockIdx.x : blockIdx.x - rows_a;
+    const ds4_size p = ds4_row_pos(row_pos, row / (first ? heads_a : heads_b), pos0, pos_step);
+    ds4_norm_rope_row((first ? xa : xb) + row * width, first ? wa : wb, width, eps, freqs, rope_dim,
+                      p, first ? fp8_a : fp8_b, sh);
 }
 
 // One block (256 threads) per row of `width` (a power of two, <= 4096): normalised

@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 
 use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, CompressorCall, HcArgs,
-    HcPost, IBuf, IndexerArgs, IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RouterArgs, Routing,
-    Slice, Weight, WeightInfo, WeightUse,
+    HcPost, IBuf, IndexerArgs, IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs,
+    RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
 };
 use ds4_gguf::GgufFile;
 
@@ -793,6 +793,26 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             &[Out::Rw(x.sub(0, n))],
             |b| b.norm_rope(cx, cw, eps, cr, fp8_dims),
             |b| b.norm_rope(gx, gw, eps, gr, fp8_dims),
+        )
+    }
+    fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
+        let side = |m: &Self, x: NormRopeCall, cpu: bool| {
+            let (ca, ga) = m.rope_args(x.rope);
+            NormRopeCall {
+                x: if cpu { m.c(x.x) } else { m.g(x.x) },
+                w: x.w.map(|w| if cpu { m.cw(w) } else { m.gw(w) }),
+                rope: if cpu { ca } else { ga },
+                ..x
+            }
+        };
+        let (ca, cb) = (side(self, a, true), side(self, b, true));
+        let (ga, gb) = (side(self, a, false), side(self, b, false));
+        let n = |x: NormRopeCall| x.rope.n_rows * x.rope.n_heads * x.rope.head_dim;
+        self.run(
+            "norm_rope_pair",
+            &[Out::Rw(a.x.sub(0, n(a))), Out::Rw(b.x.sub(0, n(b)))],
+            |r| r.norm_rope_pair(ca, cb),
+            |g| g.norm_rope_pair(ga, gb),
         )
     }
     fn matmul_pair(

@@ -556,19 +556,20 @@ fn emulated_batched_decode_equals_decoding_alone() {
     }
 }
 
-/// The HCPost folded into the next sublayer's mixing-matmul kernel (docs/gpu.md §11) writes
-/// the residual streams and the sums exactly as the separate `ds4_hc_post` launch did: a
-/// prefill (chunks of 9: decode-sized passes, so the fused kernels run) and decode steps
-/// give bit-identical logits with the fusion on and off, and the fused run launches two
+/// Launch fusions that must not change a value: the HCPost folded into the next sublayer's
+/// mixing-matmul kernel (docs/gpu.md §11) and the query/KV head preparation in one launch.
+/// A prefill (chunks of 9: decode-sized passes, so the fused kernels run) and decode steps
+/// give bit-identical logits with the fusions on and off, and the fused run launches three
 /// kernels fewer per layer and token.
 #[test]
-fn emulated_fused_hc_post_equals_the_separate_launch() {
+fn emulated_fused_launches_equal_the_separate_ones() {
     let dir = tempfile::tempdir().unwrap();
     let file = model_file_with(dir.path(), TypeRecipe::Q2);
     let run = |fuse: bool| {
         let m = machine("strix-halo-stock");
         let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
         gpu.set_fuse_hc_post(fuse);
+        gpu.set_fuse_norm_rope(fuse);
         gpu.set_activation_q8(true).unwrap();
         let cfg = EngineConfig {
             mode: Some(NumericMode::Official),
@@ -605,10 +606,10 @@ fn emulated_fused_hc_post_equals_the_separate_launch() {
         .zip(&plain)
         .filter(|(a, b)| a.to_bits() != b.to_bits())
         .count();
-    assert_eq!(differ, 0, "{differ} logits differ with the HCPost fused");
-    // 4 decode steps; per layer two HCPost launches fewer, except the last layer's
-    // second, which is applied before the head either way.
-    assert_eq!(plain_launches - fused_launches, 4 * (2 * layers - 1));
+    assert_eq!(differ, 0, "{differ} logits differ with the launches fused");
+    // 4 decode steps; per layer two HCPost launches fewer (except the last layer's second,
+    // which is applied before the head either way) and one head preparation.
+    assert_eq!(plain_launches - fused_launches, 4 * (3 * layers - 1));
 }
 
 /// Streamed routed experts on the GPU backend (docs/placement.md §9): slot pools written

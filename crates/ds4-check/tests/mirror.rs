@@ -68,6 +68,7 @@ fn the_cpu_mirrored_against_itself_agrees_on_every_op() {
         "router",
         "hc_post_mix_pre_norm",
         "hc_post_add",
+        "norm_rope_pair",
         "swiglu",
         "argmax",
     ] {

@@ -261,6 +261,16 @@ pub struct HcPost {
     pub comb: Slice,
 }
 
+/// One [`Backend::norm_rope`] call, for [`Backend::norm_rope_pair`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormRopeCall {
+    pub x: Slice,
+    pub w: Option<Weight>,
+    pub eps: f32,
+    pub rope: RopeArgs,
+    pub fp8_dims: Option<usize>,
+}
+
 /// One [`Backend::compressor`] call of a batched decode step ([`Backend::compressor_batch`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CompressorCall {
@@ -788,6 +798,13 @@ pub trait Backend: Send {
             Some(n) => self.qat_fp8(x, rows, width, n),
             None => Ok(()),
         }
+    }
+
+    /// Two [`Backend::norm_rope`] calls on disjoint rows (the attention's query heads and its
+    /// KV row): one op so a device can prepare both in one launch.
+    fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
+        self.norm_rope(a.x, a.w, a.eps, a.rope, a.fp8_dims)?;
+        self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
     }
 
     /// `f += f2` (the shared expert's output onto the routed experts'), then

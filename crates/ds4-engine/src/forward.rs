@@ -9,7 +9,8 @@ use ds4_model::{AttnKind, HParams};
 
 use crate::backend::{
     AttnArgs, Backend, Buf, CompSel, CompressorCall, HcArgs, HcPost, IBuf, IndexerArgs,
-    IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RopeFreq, RouterArgs, Routing, Slice, Weight,
+    IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs, RopeFreq, RouterArgs, Routing,
+    Slice, Weight,
 };
 use crate::config::NumericMode;
 use crate::error::{EngineError, Result};
@@ -348,9 +349,22 @@ pub(crate) fn forward(
         let kv_all = s.kv.rows(0, t, hd);
         be.matmul(lw.kv, 0, a, t, kv_all)?;
         let o_all = s.o.rows(0, t, nh * hd);
-        be.norm_rope(q_all, None, eps, rope_step(nh, false), None)?;
-        let kv_fp8 = official.then_some(nope);
-        be.norm_rope(kv_all, Some(lw.kv_norm), eps, rope_step(1, false), kv_fp8)?;
+        be.norm_rope_pair(
+            NormRopeCall {
+                x: q_all,
+                w: None,
+                eps,
+                rope: rope_step(nh, false),
+                fp8_dims: None,
+            },
+            NormRopeCall {
+                x: kv_all,
+                w: Some(lw.kv_norm),
+                eps,
+                rope: rope_step(1, false),
+                fp8_dims: official.then_some(nope),
+            },
+        )?;
 
         // The compressors' and the indexer's matmuls read only the rows, not positions or
         // caches: they run once over every row of the step (each weight read once for all

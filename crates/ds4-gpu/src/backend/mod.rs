@@ -29,8 +29,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use ds4_engine::backend::{
-    BResult, BackendError, Buf, Counters, HcPost, IBuf, ProfileRow, Slice, Weight, WeightInfo,
-    WeightUse,
+    BResult, BackendError, Buf, Counters, HcPost, IBuf, NormRopeCall, ProfileRow, Slice, Weight,
+    WeightInfo, WeightUse,
 };
 use ds4_engine::validate;
 use ds4_gguf::{GgmlType, GgufFile};
@@ -437,6 +437,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// ([`ds4_engine::Backend::hc_post_mix_pre_norm`], docs/gpu.md §11); `DS4_FUSE_HC_POST=0`
     /// launches it on its own, for A/B runs (the values are the same either way).
     pub(crate) fuse_hc_post: bool,
+    /// The query heads' and the KV row's head preparation in one launch
+    /// ([`ds4_engine::Backend::norm_rope_pair`]); `DS4_FUSE_NORM_ROPE=0` launches them one
+    /// by one, for A/B runs (the values are the same either way).
+    pub(crate) fuse_norm_rope: bool,
     /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
@@ -541,6 +545,15 @@ impl<D: GpuApi> std::fmt::Debug for GpuBackend<D> {
     }
 }
 
+/// Whether a switch that is on by default stays on: everything but `0`, `off`, `false`,
+/// `no` (or unset) in the environment variable `name`.
+fn env_on(name: &str) -> bool {
+    !matches!(
+        std::env::var(name).ok().as_deref().map(str::trim),
+        Some("0" | "off" | "false" | "no")
+    )
+}
+
 /// Every kernel of `ops.cu` the backend launches.
 /// Widest Q8_0 row the in-place split kernel takes (`DS4_Q8S_MAX_IN` in ops.cu; DeepSeek V4
 /// Flash's widest Q8_0 row is 8192).
@@ -592,6 +605,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_ring_store_seqs",
     "ds4_attention_combine_seqs",
     "ds4_norm_rope",
+    "ds4_norm_rope2",
     "ds4_q8_0_split",
     "ds4_attention_mma",
     "ds4_attention_mma_split",
@@ -731,21 +745,10 @@ impl<D: GpuApi> GpuBackend<D> {
             syncs: Default::default(),
             act_q8: false,
             tiles: opts.prefill_tiles,
-            tiles_wide: !matches!(
-                std::env::var("DS4_TILES_WIDE")
-                    .ok()
-                    .as_deref()
-                    .map(str::trim),
-                Some("0" | "off" | "false" | "no")
-            ),
+            tiles_wide: env_on("DS4_TILES_WIDE"),
             decode_rows: 1,
-            fuse_hc_post: !matches!(
-                std::env::var("DS4_FUSE_HC_POST")
-                    .ok()
-                    .as_deref()
-                    .map(str::trim),
-                Some("0" | "off" | "false" | "no")
-            ),
+            fuse_hc_post: env_on("DS4_FUSE_HC_POST"),
+            fuse_norm_rope: env_on("DS4_FUSE_NORM_ROPE"),
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
@@ -850,6 +853,13 @@ impl<D: GpuApi> GpuBackend<D> {
     /// same; the switch is for A/B timing and for the test that checks that.
     pub fn set_fuse_hc_post(&mut self, on: bool) {
         self.fuse_hc_post = on;
+    }
+
+    /// Whether the query heads' and the KV row's head preparation share one launch (the
+    /// default; `DS4_FUSE_NORM_ROPE=0` at construction turns it off). The values are the
+    /// same either way.
+    pub fn set_fuse_norm_rope(&mut self, on: bool) {
+        self.fuse_norm_rope = on;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
@@ -1892,6 +1902,12 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::norm_rope(x, w, &rope, fp8_dims)?;
         self.op_norm_rope(x, w, eps, rope, fp8_dims)
+    }
+
+    fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
+        validate::norm_rope(a.x, a.w, &a.rope, a.fp8_dims)?;
+        validate::norm_rope(b.x, b.w, &b.rope, b.fp8_dims)?;
+        self.op_norm_rope_pair(a, b)
     }
 
     fn matmul_pair(

@@ -4,7 +4,8 @@
 
 use ds4_engine::backend::{
     AttnArgs, BResult, BackendError, CompSel, CompressorArgs, CompressorCall, HcArgs, HcPost, IBuf,
-    IndexerArgs, IndexerCall, MoeArgs, RingStoreCall, RopeArgs, RouterArgs, Routing, Slice, Weight,
+    IndexerArgs, IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs, RouterArgs, Routing,
+    Slice, Weight,
 };
 use ds4_engine::numerics::rope_freqs;
 use ds4_gguf::GgmlType;
@@ -2554,6 +2555,66 @@ impl<D: GpuApi> GpuBackend<D> {
                 u(a.pos_step),
                 Arg::Ptr(pp),
                 i32a(OP, "fp8 dims", n8)?,
+            ],
+        )
+    }
+
+    /// Two head preparations in one launch (`ds4_norm_rope2`) when they share the width,
+    /// eps and rotation (positions, frequencies) and differ only in their heads, weight and
+    /// FP8 dims — the attention's query heads and KV row; otherwise two launches.
+    pub(super) fn op_norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
+        const OP: &str = "norm_rope";
+        let same_rotation = RopeArgs {
+            n_heads: a.rope.n_heads,
+            ..b.rope
+        } == a.rope;
+        let (rows_a, rows_b) = (
+            a.rope.n_rows * a.rope.n_heads,
+            b.rope.n_rows * b.rope.n_heads,
+        );
+        // Rows of one buffer go one call after the other (they could overlap).
+        if !self.fuse_norm_rope
+            || a.x.buf.id() == b.x.buf.id()
+            || !same_rotation
+            || a.eps.to_bits() != b.eps.to_bits()
+            || a.rope.inverse
+            || rows_a == 0
+            || rows_b == 0
+            || a.rope.head_dim == 0
+        {
+            self.op_norm_rope(a.x, a.w, a.eps, a.rope, a.fp8_dims)?;
+            return self.op_norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims);
+        }
+        let width = a.rope.head_dim;
+        let wptr = |be: &mut Self, w: Option<Weight>| match w {
+            Some(w) => be.wvec(w, OP, width),
+            None => Ok(0),
+        };
+        let (wa, wb) = (wptr(self, a.w)?, wptr(self, b.w)?);
+        let fp = self.freqs_ptr(&a.rope)?;
+        let (xa, xb) = (self.fptr(a.x, OP)?, self.fptr(b.x, OP)?);
+        let pp = self.row_pos_ptr(&a.rope, OP)?;
+        self.launch(
+            "ds4_norm_rope2",
+            (g32(rows_a + rows_b), 1, 1),
+            256,
+            &[
+                Arg::Ptr(xa),
+                Arg::Ptr(wa),
+                i32a(OP, "heads", a.rope.n_heads)?,
+                i32a(OP, "fp8 dims", a.fp8_dims.unwrap_or(0))?,
+                i32a(OP, "rows", rows_a)?,
+                Arg::Ptr(xb),
+                Arg::Ptr(wb),
+                i32a(OP, "heads", b.rope.n_heads)?,
+                i32a(OP, "fp8 dims", b.fp8_dims.unwrap_or(0))?,
+                i32a(OP, "width", width)?,
+                Arg::F32(a.eps),
+                Arg::Ptr(fp),
+                i32a(OP, "rope dim", a.rope.freq.rope_dim)?,
+                u(a.rope.pos0),
+                u(a.rope.pos_step),
+                Arg::Ptr(pp),
             ],
         )
     }

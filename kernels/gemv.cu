@@ -83,6 +83,23 @@ __device__ __forceinline__ float4 ds4_ld_x4(const float* p) {
     return ds4_ld_act((const float4*)p);
 }
 
+// A GEMV's input vector where it is not a plain array: SwiGLU of a gate and an up row times a
+// route weight, w · ds4_swiglu1(g, u, c) — ops.cu's ds4_moe_act (and, with w = 1, ds4_swiglu:
+// 1 · v is v) — computed while the input is quantized, so the activation never makes a
+// round trip through memory and its launch disappears (docs/gpu.md §17).
+struct Ds4XSwiglu {
+    const float* g;
+    const float* u;
+    float c;
+    float w;
+};
+__device__ __forceinline__ float4 ds4_xin4(const float* x, int i) { return ds4_ld_x4(x + i); }
+__device__ __forceinline__ float4 ds4_xin4(const Ds4XSwiglu& s, int i) {
+    const float4 g = ds4_ld_x4(s.g + i), u = ds4_ld_x4(s.u + i);
+    return make_float4(s.w * ds4_swiglu1(g.x, u.x, s.c), s.w * ds4_swiglu1(g.y, u.y, s.c),
+                       s.w * ds4_swiglu1(g.z, u.z, s.c), s.w * ds4_swiglu1(g.w, u.w, s.c));
+}
+
 // Lookup tables a format needs in shared memory (IQ2_XXS only).
 struct Ds4Tables {
     const ds4_u64* grid;
@@ -836,8 +853,10 @@ __device__ __forceinline__ void ds4_quantize_x(const float* __restrict__ x, int 
 // The same quantization, fast: x 16-byte aligned. Each thread owns 4 consecutive values of
 // every 1024 (8 threads per block of 32) and issues all its loads before any arithmetic,
 // so the whole prologue costs about one trip to L2 instead of one per block of 32.
-__device__ __forceinline__ void ds4_quantize_x4(const float* __restrict__ x, int n, ds4_i8* q,
-                                                float* d, int* s16) {
+// x: a 16-byte aligned float array, or a Ds4XSwiglu (g and u 16-byte aligned).
+template <class XIn>
+__device__ __forceinline__ void ds4_quantize_x4(const XIn& x, int n, ds4_i8* q, float* d,
+                                                int* s16) {
     constexpr int MAXIT = DS4_Q8_MAX_IN / (4 * DS4_GEMV_THREADS);
     const int t = threadIdx.x;
     const int lane = t & (DS4_WARP - 1);
@@ -845,7 +864,7 @@ __device__ __forceinline__ void ds4_quantize_x4(const float* __restrict__ x, int
 #pragma unroll
     for (int it = 0; it < MAXIT; ++it) {
         const int i = 4 * (t + it * DS4_GEMV_THREADS);
-        v[it] = i < n ? ds4_ld_x4(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[it] = i < n ? ds4_xin4(x, i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int it = 0; it < MAXIT; ++it) {
@@ -1033,9 +1052,8 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
 // latency of one step hides behind the arithmetic of the previous one. Every row is still
 // summed by one warp in a fixed order (deterministic, and the same sums as one block per
 // step).
-template <class T>
-__device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W,
-                                                const float* __restrict__ x,
+template <class T, class XIn>
+__device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, const XIn& x,
                                                 float* __restrict__ y, int n_in, int n_out,
                                                 int wpr, bool ok) {
     constexpr int R = T::ROWS;
@@ -1171,9 +1189,8 @@ struct Ds4Q8Item {
     ds4_u16 sc[R][U];
 };
 
-template <class T>
-__device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W,
-                                              const float* __restrict__ x,
+template <class T, class XIn>
+__device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W, const XIn& x,
                                               float* __restrict__ y, int n_in, int n_out,
                                               int wpr, bool ok) {
     constexpr int R = T::ROWS, U = T::UNITS;
@@ -1570,3 +1587,38 @@ DS4_GEMV_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
+
+// The same with the input computed from SwiGLU on the way (Ds4XSwiglu, docs/gpu.md §17):
+// ds4_gemv_swiglu_q_<t>(W, g, u, c, y, n_in, n_out, wpr): y = W · swiglu(g, u, c) (the shared
+// expert's down projection); ds4_gemv_grouped_swiglu_q_<t>(W, expert_bytes, ids, n_experts,
+// g, u, route_w, c, y, n_in, n_out, wpr, fault): selection s = blockIdx.y, expert ids[s]:
+// y[s·n_out ..] = that expert's W · (route_w[s] · swiglu(g[s·n_in ..], u[s·n_in ..], c)) (the
+// routed experts' down projection after ds4_moe_act, whose id check it takes over: a bad id
+// gives NaN rows and sets the fault bit). g, u 16-byte aligned, n_in a multiple of 32.
+#define DS4_GEMV_SWIGLU_ENTRY(NAME, ENGINE, FMT, MINB)                                           \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                     \
+        ds4_gemv_swiglu_##NAME(const ds4_u8* __restrict__ W, const float* g, const float* u,   \
+                               float c, float* __restrict__ y, int n_in, int n_out, int wpr) { \
+        ENGINE<FMT>(W, Ds4XSwiglu{g, u, c, 1.0f}, y, n_in, n_out, wpr, true);                \
+    }                                                                                         \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                     \
+        ds4_gemv_grouped_swiglu_##NAME(                                                       \
+            const ds4_u8* __restrict__ W0, ds4_size expert_bytes, const ds4_i32* __restrict__ ids, \
+            int n_experts, const float* g, const float* u, const float* route_w, float c,     \
+            float* __restrict__ y0, int n_in, int n_out, int wpr, int* fault) {                \
+        ds4_grid_wait(); /* ids, g, u and the route weights come from earlier kernels */      \
+        const int sel = blockIdx.y;                                                           \
+        const int id = ids[sel];                                                              \
+        const bool ok = id >= 0 && id < n_experts;                                            \
+        if (!ok && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(fault, DS4_GEMV_FAULT_EXPERT); \
+        const ds4_u8* W = W0 + (ok ? (ds4_size)id * expert_bytes : 0);                       \
+        const ds4_size off = (ds4_size)sel * n_in;                                            \
+        const Ds4XSwiglu xin{g + off, u + off, c, ds4_ld_act(route_w + sel)};                 \
+        ENGINE<FMT>(W, xin, y0 + (ds4_size)sel * n_out, n_in, n_out, wpr, ok);               \
+    }
+// ops.cu's DS4_FAULT_EXPERT (the bit ds4_moe_act sets for a bad expert id).
+#define DS4_GEMV_FAULT_EXPERT 2
+DS4_GEMV_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
+DS4_GEMV_SWIGLU_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
+DS4_GEMV_SWIGLU_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
+DS4_GEMV_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)

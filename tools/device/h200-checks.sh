@@ -142,8 +142,8 @@ if ! skip fuse; then
     step fuse
     timeout 200 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 \
         > "$OUT/fuse_ops.log" 2>&1
-    grep -E "hc_post_mix|norm_rope_pair|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -5
-    for v in on DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE; do
+    grep -E "hc_post_mix|norm_rope_pair|swiglu_matmul|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -6
+    for v in on DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE DS4_FUSE_SWIGLU; do
         if [ $v = on ]; then envs=(); else envs=("$v=0"); fi
         env "${envs[@]}" timeout 200 ds4-bench --synthetic q2 --frontiers 2048,32768 --decode 16 \
             > "$OUT/fuse_bench_$v.log" 2>&1

@@ -72,14 +72,18 @@ impl OpRule {
         if self.act_q8 && op == "moe" {
             tol = tol.max(Self::TOL_Q8_REQUANT);
         }
-        // The fused HCPre runs its mixing matmul as a matmul in prefill passes.
-        let hc_mix = op == "hc_mix_pre_norm" || op == "hc_post_mix_pre_norm";
+        // Ops that end in (or are) a dense matmul: the fused HCPre runs its mixing matmul
+        // as a matmul in prefill passes, `swiglu_matmul` is the shared expert's down.
+        let dense = op.starts_with("matmul")
+            || op == "swiglu_matmul"
+            || op == "hc_mix_pre_norm"
+            || op == "hc_post_mix_pre_norm";
         let tiled = match self.tiles {
             PrefillTiles::Off => false,
             PrefillTiles::Experts => op == "moe",
-            PrefillTiles::All => op.starts_with("matmul") || op == "moe" || hc_mix,
+            PrefillTiles::All => dense || op == "moe",
         };
-        let dense_half = self.dense_half && (op.starts_with("matmul") || op == "moe" || hc_mix);
+        let dense_half = self.dense_half && (dense || op == "moe");
         if tiled || dense_half || (self.attn_half && op == "attention") {
             tol = tol.max(Self::TOL_TILES);
         }
@@ -793,6 +797,26 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             &[Out::Rw(x.sub(0, n))],
             |b| b.norm_rope(cx, cw, eps, cr, fp8_dims),
             |b| b.norm_rope(gx, gw, eps, gr, fp8_dims),
+        )
+    }
+    fn swiglu_matmul(
+        &mut self,
+        gate: Slice,
+        up: Slice,
+        clamp: f32,
+        h: Slice,
+        w: Weight,
+        n_tok: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        let c = (self.c(gate), self.c(up), self.c(h), self.cw(w), self.c(out));
+        let g = (self.g(gate), self.g(up), self.g(h), self.gw(w), self.g(out));
+        // `h` is scratch the candidate may leave unwritten: only `out` is compared.
+        self.run(
+            "swiglu_matmul",
+            &[Out::W(out.sub(0, n_tok * w.info.rows()))],
+            |b| b.swiglu_matmul(c.0, c.1, clamp, c.2, c.3, n_tok, c.4),
+            |b| b.swiglu_matmul(g.0, g.1, clamp, g.2, g.3, n_tok, g.4),
         )
     }
     fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {

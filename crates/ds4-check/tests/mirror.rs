@@ -69,7 +69,7 @@ fn the_cpu_mirrored_against_itself_agrees_on_every_op() {
         "hc_post_mix_pre_norm",
         "hc_post_add",
         "norm_rope_pair",
-        "swiglu",
+        "swiglu_matmul",
         "argmax",
     ] {
         assert!(stats.get(op).is_some_and(|s| s.calls > 0), "{op} never ran");
@@ -88,11 +88,14 @@ fn a_candidate_wrong_at_one_op_is_named_at_that_op() {
     };
     let m = Mirror::new(CpuBackend::new(1).unwrap(), skewed);
     let stats = snapshot(&drive(m));
-    let sw = &stats["swiglu"];
+    // The shared expert's SwiGLU runs inside the mirrored `swiglu_matmul` op: the skew
+    // (half the activation's magnitude on one value) reaches its output through the down
+    // projection, diluted but far above every tolerance.
+    let sw = &stats["swiglu_matmul"];
     assert!(sw.calls > 0);
-    assert!(sw.max_rel >= 0.4, "swiglu error {} not caught", sw.max_rel);
+    assert!(sw.max_rel >= 0.05, "swiglu error {} not caught", sw.max_rel);
     // The mirror resyncs the candidate after every op, so the error stays where it was made.
-    for (op, s) in stats.iter().filter(|(op, _)| **op != "swiglu") {
+    for (op, s) in stats.iter().filter(|(op, _)| **op != "swiglu_matmul") {
         assert_eq!(s.max_rel, 0.0, "{op}");
         assert_eq!(s.int_mismatches, 0, "{op}");
     }

@@ -807,6 +807,25 @@ pub trait Backend: Send {
         self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
     }
 
+    /// `h = swiglu(gate, up, clamp)` ([`Backend::swiglu`]), then `out = W·h` for `n_tok`
+    /// rows ([`Backend::matmul`] of matrix 0): the shared expert's activation and down
+    /// projection. `h` is scratch: a backend that computes SwiGLU inside the matmul's
+    /// input stage may leave it unwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_matmul(
+        &mut self,
+        gate: Slice,
+        up: Slice,
+        clamp: f32,
+        h: Slice,
+        w: Weight,
+        n_tok: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        self.swiglu(gate, up, clamp, h)?;
+        self.matmul(w, 0, h, n_tok, out)
+    }
+
     /// `f += f2` (the shared expert's output onto the routed experts'), then
     /// [`Backend::hc_post`] with the sum.
     fn hc_post_add(

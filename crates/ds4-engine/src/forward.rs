@@ -628,9 +628,8 @@ pub(crate) fn forward(
             s.sh.rows(0, t, ff),
         );
         be.matmul_pair(lw.gate_sh, lw.up_sh, a, t, sg, su)?;
-        be.swiglu(sg, su, clamp, sh)?;
         let sf = s.sf.rows(0, t, dm);
-        be.matmul(lw.down_sh, 0, sh, t, sf)?;
+        be.swiglu_matmul(sg, su, clamp, sh, lw.down_sh, t, sf)?;
         pending = Some(HcPost {
             f,
             f2: Some(sf),

@@ -211,6 +211,9 @@ pub(crate) struct GemvSet<D: GpuApi> {
     grouped: Vec<D::Function>,
     /// Int8-activation entry points (plain, grouped) per type; `None` for F32/F16.
     q8: Vec<Option<(D::Function, D::Function)>>,
+    /// The same with the input computed by SwiGLU on the way (`ds4_gemv_swiglu_q_<t>`,
+    /// `ds4_gemv_grouped_swiglu_q_<t>`; docs/gpu.md §17).
+    q8_swiglu: Vec<Option<(D::Function, D::Function)>>,
     /// The any-alignment int8-activation GEMV (`ds4_gemvq_generic`).
     pub(crate) q8_generic: D::Function,
     /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
@@ -262,15 +265,20 @@ impl<D: GpuApi> GemvSet<D> {
         let mut grouped = Vec::new();
         let mut configs = Vec::new();
         let mut q8 = Vec::new();
+        let mut q8_swiglu = Vec::new();
         for t in GemvType::ALL {
-            q8.push(if !ds4_gguf::quant::q8act::applies(t.ggml()) {
-                None
-            } else {
-                Some((
-                    dev.function(&module, &format!("ds4_gemv_q_{}", t.suffix()))?,
-                    dev.function(&module, &format!("ds4_gemv_grouped_q_{}", t.suffix()))?,
-                ))
-            });
+            let pair = |plain: &str, grouped: &str| -> Result<_, GpuError> {
+                Ok(if !ds4_gguf::quant::q8act::applies(t.ggml()) {
+                    None
+                } else {
+                    Some((
+                        dev.function(&module, &format!("{plain}{}", t.suffix()))?,
+                        dev.function(&module, &format!("{grouped}{}", t.suffix()))?,
+                    ))
+                })
+            };
+            q8.push(pair("ds4_gemv_q_", "ds4_gemv_grouped_q_")?);
+            q8_swiglu.push(pair("ds4_gemv_swiglu_q_", "ds4_gemv_grouped_swiglu_q_")?);
             plain.push(dev.function(&module, &format!("ds4_gemv_{}", t.suffix()))?);
             grouped.push(dev.function(&module, &format!("ds4_gemv_grouped_{}", t.suffix()))?);
             let [rows, cb] =
@@ -294,6 +302,7 @@ impl<D: GpuApi> GemvSet<D> {
             plain,
             grouped,
             q8,
+            q8_swiglu,
             q8_generic,
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             q8_cols,
@@ -325,6 +334,11 @@ impl<D: GpuApi> GemvSet<D> {
     /// The int8-activation (plain, grouped) entry points of `ty`, if it has them.
     pub(crate) fn q8_functions(&self, ty: GemvType) -> Option<&(D::Function, D::Function)> {
         self.q8[gemv_index(ty)].as_ref()
+    }
+
+    /// The SwiGLU-input int8-activation (plain, grouped) entry points of `ty`.
+    pub(crate) fn q8_swiglu_functions(&self, ty: GemvType) -> Option<&(D::Function, D::Function)> {
+        self.q8_swiglu[gemv_index(ty)].as_ref()
     }
 
     pub(crate) fn launch_for(
@@ -441,6 +455,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// ([`ds4_engine::Backend::norm_rope_pair`]); `DS4_FUSE_NORM_ROPE=0` launches them one
     /// by one, for A/B runs (the values are the same either way).
     pub(crate) fuse_norm_rope: bool,
+    /// SwiGLU computed inside the down projection's input quantization (routed experts:
+    /// instead of `ds4_moe_act`; the shared expert: [`ds4_engine::Backend::swiglu_matmul`])
+    /// for int8-activation decode rows; `DS4_FUSE_SWIGLU=0` launches it separately.
+    pub(crate) fuse_swiglu: bool,
     /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
@@ -749,6 +767,7 @@ impl<D: GpuApi> GpuBackend<D> {
             decode_rows: 1,
             fuse_hc_post: env_on("DS4_FUSE_HC_POST"),
             fuse_norm_rope: env_on("DS4_FUSE_NORM_ROPE"),
+            fuse_swiglu: env_on("DS4_FUSE_SWIGLU"),
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
@@ -860,6 +879,13 @@ impl<D: GpuApi> GpuBackend<D> {
     /// same either way.
     pub fn set_fuse_norm_rope(&mut self, on: bool) {
         self.fuse_norm_rope = on;
+    }
+
+    /// Whether SwiGLU rides in the down projections' input quantization at decode (the
+    /// default; `DS4_FUSE_SWIGLU=0` at construction turns it off). The values are the same
+    /// either way.
+    pub fn set_fuse_swiglu(&mut self, on: bool) {
+        self.fuse_swiglu = on;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
@@ -1873,23 +1899,9 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
             }
         }
         self.op_hc_post(x, prev.f, prev.f2, prev.post, prev.comb, args)?;
-        if self.op_hc_mix_pre(
-            None,
-            fn_,
-            x,
-            mix,
-            base,
-            scale,
-            args,
-            y,
-            post,
-            comb,
-            (norm, out),
-        )? {
-            return Ok(());
-        }
-        self.op_matmul(fn_, 0, x, args.n_tok, mix)?;
-        self.op_hc_pre(mix, x, base, scale, args, y, post, comb, Some((norm, out)))
+        ds4_engine::Backend::hc_mix_pre_norm(
+            self, fn_, x, mix, base, scale, args, norm, y, post, comb, out,
+        )
     }
 
     fn norm_rope(
@@ -1902,6 +1914,29 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::norm_rope(x, w, &rope, fp8_dims)?;
         self.op_norm_rope(x, w, eps, rope, fp8_dims)
+    }
+
+    fn swiglu_matmul(
+        &mut self,
+        gate: Slice,
+        up: Slice,
+        clamp: f32,
+        h: Slice,
+        w: Weight,
+        n_tok: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        validate::swiglu(gate, up, h)?;
+        validate::matmul(w, 0, h, n_tok, out)?;
+        if self.fuse_swiglu
+            && n_tok == 1
+            && self.q8_rows(1)
+            && self.op_swiglu_gemv(gate, up, clamp, w, out)?
+        {
+            return Ok(());
+        }
+        ds4_engine::Backend::swiglu(self, gate, up, clamp, h)?;
+        self.op_matmul(w, 0, h, n_tok, out)
     }
 
     fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {

@@ -730,6 +730,69 @@ impl<D: GpuApi> GpuBackend<D> {
         )
     }
 
+    /// One decode row of `out = W · swiglu(gate, up, clamp)` through the int8 GEMV that
+    /// computes SwiGLU while it quantizes its input (`ds4_gemv_swiglu_q_<t>`, docs/gpu.md
+    /// §17); `Ok(false)` (nothing launched) where the type, shape or alignment does not
+    /// allow it. The caller has validated the shapes and checked the int8 rule.
+    pub(super) fn op_swiglu_gemv(
+        &mut self,
+        gate: Slice,
+        up: Slice,
+        clamp: f32,
+        w: Weight,
+        out: Slice,
+    ) -> BResult<bool> {
+        const OP: &str = "swiglu_matmul";
+        let (cols, rows) = (w.info.cols(), w.info.rows());
+        let gw = self.weight(w, OP)?;
+        let (ty, row_bytes) = (gw.info.ty, gw.row_bytes);
+        let Ok(gt) = GemvType::from_ggml(ty) else {
+            return Ok(false);
+        };
+        if !ds4_gguf::quant::q8act::applies(ty)
+            || cols > self.gemv.q8_max_in
+            || !cols.is_multiple_of(32)
+        {
+            return Ok(false);
+        }
+        let (Ok(l), Some((f, _))) = (
+            self.gemv.q8_launch(gt, cols, rows, 1),
+            self.gemv.q8_swiglu_functions(gt),
+        ) else {
+            return Ok(false);
+        };
+        let wp = self.wraw(w, OP)?;
+        let (gp, up_, yp) = (
+            self.fptr(gate, OP)?,
+            self.fptr(up, OP)?,
+            self.fptr(out, OP)?,
+        );
+        if l.row_bytes as usize != row_bytes
+            || !wp.is_multiple_of(16)
+            || !gp.is_multiple_of(16)
+            || !up_.is_multiple_of(16)
+        {
+            return Ok(false);
+        }
+        self.launch_fn(
+            f,
+            gt.label_q8(false),
+            (self.gemv.q8_grid_x(l.grid_x, 1), 1, 1),
+            l.block,
+            &[
+                Arg::Ptr(wp),
+                Arg::Ptr(gp),
+                Arg::Ptr(up_),
+                Arg::F32(clamp),
+                Arg::Ptr(yp),
+                i32a(OP, "cols", cols)?,
+                i32a(OP, "rows", rows)?,
+                Arg::I32(l.wpr as i32),
+            ],
+        )?;
+        Ok(true)
+    }
+
     pub(super) fn op_matmul(
         &mut self,
         w: Weight,
@@ -2134,6 +2197,12 @@ impl<D: GpuApi> GpuBackend<D> {
                 f,
                 self.q8_rows(t),
             )?;
+            if self.fuse_swiglu && self.q8_rows(t) {
+                let (sg_, su_) = ((sg, su), (wp, a.clamp));
+                if self.grouped_swiglu(dty, dp, drb * d, (ip, ne), sg_, su_, so, n_sel, f, d)? {
+                    return self.sum_slots(so, t, k, d, op_);
+                }
+            }
             self.launch(
                 "ds4_moe_act",
                 (grid_for(n_sel * f), 1, 1),
@@ -2281,18 +2350,83 @@ impl<D: GpuApi> GpuBackend<D> {
                 ],
             )?;
         }
+        self.sum_slots(so, t, k, d, op_)
+    }
+
+    /// `out[t] = Σ_s per_slot[t·k + s]` in slot order (rows of d).
+    fn sum_slots(&self, per_slot: u64, t: usize, k: usize, d: usize, out: u64) -> BResult<()> {
+        const OP: &str = "moe";
         self.launch(
             "ds4_sum_slots",
             (grid_for(t * d), 1, 1),
             256,
             &[
-                Arg::Ptr(so),
+                Arg::Ptr(per_slot),
                 i32a(OP, "tokens", t)?,
                 i32a(OP, "k", k)?,
                 i32a(OP, "dim", d)?,
-                Arg::Ptr(op_),
+                Arg::Ptr(out),
             ],
         )
+    }
+
+    /// The routed experts' down projection with `ds4_moe_act` folded into its input
+    /// quantization (`ds4_gemv_grouped_swiglu_q_<t>`, docs/gpu.md §17): selection s reads
+    /// `route_w[s] · swiglu(g[s], u[s], clamp)`. `Ok(false)` (nothing launched) where the
+    /// type, shape or alignment does not allow it.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_swiglu(
+        &self,
+        ty: GgmlType,
+        w: u64,
+        expert_bytes: usize,
+        (ids, n_experts): (u64, usize),
+        (g, u_): (u64, u64),
+        (route_w, clamp): (u64, f32),
+        y: u64,
+        n_sel: usize,
+        n_in: usize,
+        n_out: usize,
+    ) -> BResult<bool> {
+        const OP: &str = "moe";
+        let Ok(gt) = GemvType::from_ggml(ty) else {
+            return Ok(false);
+        };
+        let Some((_, f)) = self.gemv.q8_swiglu_functions(gt) else {
+            return Ok(false);
+        };
+        let Ok(l) = self.gemv.q8_launch(gt, n_in, n_out, n_sel as u64) else {
+            return Ok(false);
+        };
+        if n_in > self.gemv.q8_max_in
+            || !n_in.is_multiple_of(32)
+            || !g.is_multiple_of(16)
+            || !u_.is_multiple_of(16)
+        {
+            return Ok(false);
+        }
+        self.launch_fn(
+            f,
+            gt.label_q8(true),
+            (self.gemv.q8_grid_x(l.grid_x, g32(n_sel)), g32(n_sel), 1),
+            l.block,
+            &[
+                Arg::Ptr(w),
+                u(expert_bytes),
+                Arg::Ptr(ids),
+                i32a(OP, "experts", n_experts)?,
+                Arg::Ptr(g),
+                Arg::Ptr(u_),
+                Arg::Ptr(route_w),
+                Arg::F32(clamp),
+                Arg::Ptr(y),
+                i32a(OP, "n_in", n_in)?,
+                i32a(OP, "n_out", n_out)?,
+                Arg::I32(l.wpr as i32),
+                Arg::Ptr(self.fault_ptr()),
+            ],
+        )?;
+        Ok(true)
     }
 
     /// Routed experts on tiles: selections grouped by expert on the device, gate and up

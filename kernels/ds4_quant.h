@@ -1,4 +1,5 @@
-// ds4_quant.h: block-format pieces shared by the kernel files (included after ds4_port.h).
+// ds4_quant.h: block-format pieces and block reductions shared by the kernel files (included
+// after ds4_port.h).
 #pragma once
 
 // GGML type ids (the GGUF numbering).
@@ -38,4 +39,101 @@ __device__ __forceinline__ float ds4_sigmoid(float x) { return 1.0f / (1.0f + ex
 __device__ __forceinline__ float ds4_silu(float x) { return x * ds4_sigmoid(x); }
 __device__ __forceinline__ float ds4_swiglu1(float g, float u, float c) {
     return ds4_silu(fminf(g, c)) * fminf(fmaxf(u, -c), c);
+}
+
+// ---------------------------------------------------------------------------------------
+// Block reductions (RMSNorm's sum of squares), shared so that every kernel that normalizes
+// a row — ops.cu's ds4_rms_norm and the GEMVs that normalize their own input — sums in the
+// same order and gets the same scale.
+// ---------------------------------------------------------------------------------------
+// v of lane (this lane ^ m), for doubles (two 32-bit shuffles).
+__device__ __forceinline__ double ds4_shfl_xor_d(double v, int m) {
+    const long long b = __double_as_longlong(v);
+    const int lo = ds4_shfl_xor_i((int)(b & 0xffffffffLL), m);
+    const int hi = ds4_shfl_xor_i((int)(b >> 32), m);
+    return __longlong_as_double(((long long)hi << 32) | (long long)(unsigned)lo);
+}
+
+// Sum of v over the block (blockDim.x a multiple of 32, at most 1024; sh holds >= 33
+// doubles): a shuffle tree in each warp, then one over the warps' sums, in a fixed order
+// (deterministic). Two barriers instead of one per halving step: at decode the block
+// reductions of hc_pre / rms_norm were barrier-bound (ncu on the H200).
+__device__ __forceinline__ double ds4_block_sum_d(double v, double* sh) {
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+    const int nw = blockDim.x / DS4_WARP;
+#pragma unroll
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += ds4_shfl_xor_d(v, m);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        double r = lane < nw ? sh[lane] : 0.0;
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) r += ds4_shfl_xor_d(r, m);
+        if (lane == 0) sh[DS4_WARP] = r;
+    }
+    __syncthreads();
+    const double r = sh[DS4_WARP];
+    __syncthreads();
+    return r;
+}
+
+// (mean(x^2) + eps)^(-1/2) of n values, the sum in double (as the CPU reference).
+// At decode one block reads the whole row, so the loop is bound by memory latency: eight
+// independent partial sums keep eight loads in flight per thread instead of one.
+__device__ __forceinline__ float ds4_rms_scale(const float* x, int n, float eps, double* sh) {
+    const int bd = blockDim.x;
+    double p[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    int i = threadIdx.x;
+    for (; i + 7 * bd < n; i += 8 * bd) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = x[i + u * bd];
+#pragma unroll
+        for (int u = 0; u < 8; u++) p[u] += (double)v[u] * (double)v[u];
+    }
+    for (; i < n; i += bd) p[0] += (double)x[i] * (double)x[i];
+    double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    ss = ds4_block_sum_d(ss, sh);
+    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+}
+
+// ds4_rms_scale exactly as a block of 1024 threads computes it (the decode launch of
+// ds4_rms_norm: one row, 1024 threads), by a block of fewer threads (blockDim.x dividing
+// 1024): each thread takes the partial sums of the virtual threads t, t + B, ... of that
+// block, each virtual warp's shuffle tree runs on the real warp holding the same lanes, and
+// the 32 warp sums are combined as ds4_block_sum_d combines them. Same pairs, same order,
+// so the same scale bit for bit (a GEMV that normalizes its own input then matches the
+// separate launch it replaces). sh holds >= 33 doubles.
+__device__ __forceinline__ float ds4_rms_scale_as1024(const float* x, int n, float eps,
+                                                         double* sh) {
+    constexpr int V = 1024;
+    const int B = blockDim.x, J = V / B;
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+    for (int j = 0; j < J; j++) {
+        double p[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+        int i = threadIdx.x + j * B;
+        for (; i + 7 * V < n; i += 8 * V) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = x[i + u * V];
+#pragma unroll
+            for (int u = 0; u < 8; u++) p[u] += (double)v[u] * (double)v[u];
+        }
+        for (; i < n; i += V) p[0] += (double)x[i] * (double)x[i];
+        double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) ss += ds4_shfl_xor_d(ss, m);
+        if (lane == 0) sh[warp + j * (B / DS4_WARP)] = ss;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        double r = sh[lane];
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) r += ds4_shfl_xor_d(r, m);
+        if (lane == 0) sh[DS4_WARP] = r;
+    }
+    __syncthreads();
+    const double ss = sh[DS4_WARP];
+    __syncthreads();
+    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
 }

@@ -93,7 +93,38 @@ struct Ds4XSwiglu {
     float c;
     float w;
 };
+// RMSNorm of x times the norm weight w, computed by the GEMV's block itself: the scale by
+// ds4_rms_scale_as1024 (ds4_quant.h: bit for bit what ds4_rms_norm's one-row decode launch
+// of 1024 threads computes) over the n inputs, then each value as ds4_rms_norm_row writes
+// it, (x · s) · w (docs/gpu.md §17).
+struct Ds4XNorm {
+    const float* x;
+    const float* w;
+    float eps;
+    float* h;  // non-null: the normalized vector is written here too (one block does it)
+    float s;   // set by ds4_xin_begin
+};
+// Whatever an input needs from the whole vector before its values can be formed (all
+// threads of the block call it; it may synchronize them).
+__device__ __forceinline__ const float* ds4_xin_begin(const float* x, int) { return x; }
+__device__ __forceinline__ Ds4XSwiglu ds4_xin_begin(const Ds4XSwiglu& x, int) { return x; }
+__device__ __forceinline__ Ds4XNorm ds4_xin_begin(const Ds4XNorm& x, int n) {
+    __shared__ double red[DS4_WARP + 1];
+    Ds4XNorm r = x;
+    r.s = ds4_rms_scale_as1024(x.x, n, x.eps, red);
+    return r;
+}
+// Keeps the formed input values i..i+3 where the input asks for it (Ds4XNorm's h).
+__device__ __forceinline__ void ds4_xin_keep(const float*, int, float4) {}
+__device__ __forceinline__ void ds4_xin_keep(const Ds4XSwiglu&, int, float4) {}
+__device__ __forceinline__ void ds4_xin_keep(const Ds4XNorm& x, int i, float4 v) {
+    if (x.h) *(float4*)(x.h + i) = v;
+}
 __device__ __forceinline__ float4 ds4_xin4(const float* x, int i) { return ds4_ld_x4(x + i); }
+__device__ __forceinline__ float4 ds4_xin4(const Ds4XNorm& x, int i) {
+    const float4 v = ds4_ld_x4(x.x + i), g = ds4_ld_x4(x.w + i);
+    return make_float4((v.x * x.s) * g.x, (v.y * x.s) * g.y, (v.z * x.s) * g.z, (v.w * x.s) * g.w);
+}
 __device__ __forceinline__ float4 ds4_xin4(const Ds4XSwiglu& s, int i) {
     const float4 g = ds4_ld_x4(s.g + i), u = ds4_ld_x4(s.u + i);
     return make_float4(s.w * ds4_swiglu1(g.x, u.x, s.c), s.w * ds4_swiglu1(g.y, u.y, s.c),
@@ -855,16 +886,22 @@ __device__ __forceinline__ void ds4_quantize_x(const float* __restrict__ x, int 
 // so the whole prologue costs about one trip to L2 instead of one per block of 32.
 // x: a 16-byte aligned float array, or a Ds4XSwiglu (g and u 16-byte aligned).
 template <class XIn>
-__device__ __forceinline__ void ds4_quantize_x4(const XIn& x, int n, ds4_i8* q, float* d,
+__device__ __forceinline__ void ds4_quantize_x4(const XIn& xin, int n, ds4_i8* q, float* d,
                                                 int* s16) {
     constexpr int MAXIT = DS4_Q8_MAX_IN / (4 * DS4_GEMV_THREADS);
     const int t = threadIdx.x;
     const int lane = t & (DS4_WARP - 1);
+    const auto x = ds4_xin_begin(xin, n);
     float4 v[MAXIT];
 #pragma unroll
     for (int it = 0; it < MAXIT; ++it) {
         const int i = 4 * (t + it * DS4_GEMV_THREADS);
         v[it] = i < n ? ds4_xin4(x, i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int it = 0; it < MAXIT; ++it) {
+        const int i = 4 * (t + it * DS4_GEMV_THREADS);
+        if (i < n) ds4_xin_keep(x, i, v[it]);
     }
 #pragma unroll
     for (int it = 0; it < MAXIT; ++it) {
@@ -1600,7 +1637,8 @@ DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
         ds4_gemv_swiglu_##NAME(const ds4_u8* __restrict__ W, const float* g, const float* u,   \
                                float c, float* __restrict__ y, int n_in, int n_out, int wpr) { \
         ENGINE<FMT>(W, Ds4XSwiglu{g, u, c, 1.0f}, y, n_in, n_out, wpr, true);                \
-    }                                                                                         \
+    }
+#define DS4_GEMV_GROUPED_SWIGLU_ENTRY(NAME, ENGINE, FMT, MINB)                                   \
     extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                     \
         ds4_gemv_grouped_swiglu_##NAME(                                                       \
             const ds4_u8* __restrict__ W0, ds4_size expert_bytes, const ds4_i32* __restrict__ ids, \
@@ -1618,7 +1656,25 @@ DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
     }
 // ops.cu's DS4_FAULT_EXPERT (the bit ds4_moe_act sets for a bad expert id).
 #define DS4_GEMV_FAULT_EXPERT 2
+// The shared expert's down projection is Q8_0 in every ds4 layout; the routed experts' down
+// is Q2_K, Q4_K or IQ2_XXS. (Each entry point costs NVRTC compile time at first start.)
 DS4_GEMV_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
-DS4_GEMV_SWIGLU_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
-DS4_GEMV_SWIGLU_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
-DS4_GEMV_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
+DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
+DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
+DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
+DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
+
+// ds4_gemv_rmsnorm_q_<t>(W, x, norm_w, eps, y, n_in, n_out, wpr, h): y = W · (rms_norm(x) ·
+// norm_w) (Ds4XNorm; the query path's low-rank norm before q_b), and block 0 writes the
+// normalized vector to h (for the indexer's up-projection, which reads it later); x, norm_w
+// and h 16-byte aligned, n_in a multiple of 32.
+#define DS4_GEMV_RMSNORM_ENTRY(NAME, ENGINE, FMT, MINB)                                          \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                     \
+        ds4_gemv_rmsnorm_##NAME(const ds4_u8* __restrict__ W, const float* x, const float* nw, \
+                                float eps, float* __restrict__ y, int n_in, int n_out, int wpr, \
+                                float* h) {                                                   \
+        const Ds4XNorm xin{x, nw, eps, blockIdx.x == 0 ? h : nullptr, 0.0f};                  \
+        ENGINE<FMT>(W, xin, y, n_in, n_out, wpr, true);                                       \
+    }
+// q_b is Q8_0 in every ds4 layout.
+DS4_GEMV_RMSNORM_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)

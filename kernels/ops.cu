@@ -295,56 +295,8 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float c, f
 // ---------------------------------------------------------------------------------------
 // Block reductions (256 threads).
 // ---------------------------------------------------------------------------------------
-// v of lane (this lane ^ m), for doubles (two 32-bit shuffles).
-__device__ __forceinline__ double ds4_shfl_xor_d(double v, int m) {
-    const long long b = __double_as_longlong(v);
-    const int lo = ds4_shfl_xor_i((int)(b & 0xffffffffLL), m);
-    const int hi = ds4_shfl_xor_i((int)(b >> 32), m);
-    return __longlong_as_double(((long long)hi << 32) | (long long)(unsigned)lo);
-}
-
-// Sum of v over the block (blockDim.x a multiple of 32, at most 1024; sh holds >= 33
-// doubles): a shuffle tree in each warp, then one over the warps' sums, in a fixed order
-// (deterministic). Two barriers instead of one per halving step: at decode the block
-// reductions of hc_pre / rms_norm were barrier-bound (ncu on the H200).
-__device__ double ds4_block_sum_d(double v, double* sh) {
-    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
-    const int nw = blockDim.x / DS4_WARP;
-#pragma unroll
-    for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += ds4_shfl_xor_d(v, m);
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        double r = lane < nw ? sh[lane] : 0.0;
-#pragma unroll
-        for (int m = DS4_WARP / 2; m > 0; m >>= 1) r += ds4_shfl_xor_d(r, m);
-        if (lane == 0) sh[DS4_WARP] = r;
-    }
-    __syncthreads();
-    const double r = sh[DS4_WARP];
-    __syncthreads();
-    return r;
-}
-
-// (mean(x^2) + eps)^(-1/2) of n values, the sum in double (as the CPU reference).
-// At decode one block reads the whole row, so the loop is bound by memory latency: eight
-// independent partial sums keep eight loads in flight per thread instead of one.
-__device__ float ds4_rms_scale(const float* x, int n, float eps, double* sh) {
-    const int bd = blockDim.x;
-    double p[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-    int i = threadIdx.x;
-    for (; i + 7 * bd < n; i += 8 * bd) {
-        float v[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) v[u] = x[i + u * bd];
-#pragma unroll
-        for (int u = 0; u < 8; u++) p[u] += (double)v[u] * (double)v[u];
-    }
-    for (; i < n; i += bd) p[0] += (double)x[i] * (double)x[i];
-    double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-    ss = ds4_block_sum_d(ss, sh);
-    return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
-}
+// ds4_shfl_xor_d, ds4_block_sum_d and ds4_rms_scale live in ds4_quant.h (the GEMVs that
+// normalize their input use them too).
 
 // RMSNorm of one row by the whole block (out may be x: in place).
 __device__ void ds4_rms_norm_row(const float* x, const float* w, float* out, int width,

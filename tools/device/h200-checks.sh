@@ -24,7 +24,7 @@
 #              default prefill (are cuBLAS's TF32 calls on tensor cores?)
 #   fuse       decode launch fusions (docs/gpu.md §17): the op mirror on the 4-layer
 #              real-dimension model (decode-sized chunks, so the fused kernels run), then the
-#              full-size bench at 2k / 32k with all fusions on (default) and with each off
+#              full-size bench's decode at 2k with all fusions on (default) and with each off
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
@@ -142,10 +142,10 @@ if ! skip fuse; then
     step fuse
     timeout 200 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 \
         > "$OUT/fuse_ops.log" 2>&1
-    grep -E "hc_post_mix|norm_rope_pair|swiglu_matmul|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -6
-    for v in on DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE DS4_FUSE_SWIGLU; do
+    grep -E "hc_post_mix|norm_rope_pair|rms_norm_matmul|swiglu_matmul|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -7
+    for v in on DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE DS4_FUSE_RMS_MATMUL DS4_FUSE_SWIGLU; do
         if [ $v = on ]; then envs=(); else envs=("$v=0"); fi
-        env "${envs[@]}" timeout 200 ds4-bench --synthetic q2 --frontiers 2048,32768 --decode 16 \
+        env "${envs[@]}" timeout 120 ds4-bench --synthetic q2 --frontiers 2048 --decode 32 \
             > "$OUT/fuse_bench_$v.log" 2>&1
         echo "fusions ($v off unless 'on'):"; grep -E "^[0-9]+,|launches|rror" "$OUT/fuse_bench_$v.log"
     done

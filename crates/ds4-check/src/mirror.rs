@@ -73,9 +73,11 @@ impl OpRule {
             tol = tol.max(Self::TOL_Q8_REQUANT);
         }
         // Ops that end in (or are) a dense matmul: the fused HCPre runs its mixing matmul
-        // as a matmul in prefill passes, `swiglu_matmul` is the shared expert's down.
+        // as a matmul in prefill passes, `swiglu_matmul` is the shared expert's down,
+        // `rms_norm_matmul` the query's up-projection.
         let dense = op.starts_with("matmul")
             || op == "swiglu_matmul"
+            || op == "rms_norm_matmul"
             || op == "hc_mix_pre_norm"
             || op == "hc_post_mix_pre_norm";
         let tiled = match self.tiles {
@@ -797,6 +799,28 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             &[Out::Rw(x.sub(0, n))],
             |b| b.norm_rope(cx, cw, eps, cr, fp8_dims),
             |b| b.norm_rope(gx, gw, eps, gr, fp8_dims),
+        )
+    }
+    fn rms_norm_matmul(
+        &mut self,
+        x: Slice,
+        norm: Weight,
+        eps: f32,
+        h: Slice,
+        w: Weight,
+        n_tok: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        let c = (self.c(x), self.cw(norm), self.c(h), self.cw(w), self.c(out));
+        let g = (self.g(x), self.gw(norm), self.g(h), self.gw(w), self.g(out));
+        self.run(
+            "rms_norm_matmul",
+            &[
+                Out::W(h.sub(0, n_tok * w.info.cols())),
+                Out::W(out.sub(0, n_tok * w.info.rows())),
+            ],
+            |b| b.rms_norm_matmul(c.0, c.1, eps, c.2, c.3, n_tok, c.4),
+            |b| b.rms_norm_matmul(g.0, g.1, eps, g.2, g.3, n_tok, g.4),
         )
     }
     fn swiglu_matmul(

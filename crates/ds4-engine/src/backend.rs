@@ -807,6 +807,25 @@ pub trait Backend: Send {
         self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
     }
 
+    /// `h = rms_norm(x)·norm` ([`Backend::rms_norm`] of `n_tok` rows as wide as `W`'s input),
+    /// then `out = W·h` ([`Backend::matmul`] of matrix 0): the query path's low-rank norm
+    /// before its up-projection, in one op so a device can normalize inside the matmul's
+    /// input stage (it must still write `h`: the indexer's up-projection reads it).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul(
+        &mut self,
+        x: Slice,
+        norm: Weight,
+        eps: f32,
+        h: Slice,
+        w: Weight,
+        n_tok: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        self.rms_norm(x, Some(norm), n_tok, w.info.cols(), eps, h)?;
+        self.matmul(w, 0, h, n_tok, out)
+    }
+
     /// `h = swiglu(gate, up, clamp)` ([`Backend::swiglu`]), then `out = W·h` for `n_tok`
     /// rows ([`Backend::matmul`] of matrix 0): the shared expert's activation and down
     /// projection. `h` is scratch: a backend that computes SwiGLU inside the matmul's

@@ -44,6 +44,7 @@ pub(crate) struct Scratch {
     comb: Buf,
     a: Buf,
     cq: Buf,
+    cqn: Buf,
     q: Buf,
     kv: Buf,
     cu: Buf,
@@ -97,6 +98,7 @@ impl Scratch {
             comb: be.alloc(cap * n * n)?,
             a: be.alloc(cap * d)?,
             cq: be.alloc(cap * hp.q_lora_rank)?,
+            cqn: be.alloc(cap * hp.q_lora_rank)?,
             q: be.alloc(cap * hp.n_head * hp.head_dim)?,
             kv: be.alloc(cap * hp.head_dim)?,
             cu: be.alloc(cap * proj)?,
@@ -134,6 +136,7 @@ impl Scratch {
             self.comb,
             self.a,
             self.cq,
+            self.cqn,
             self.q,
             self.kv,
             self.cu,
@@ -341,11 +344,13 @@ pub(crate) fn forward(
             a,
         )?;
 
+        // The low-rank query, then its norm (into cqn) and q_b in one op
+        // (Backend::rms_norm_matmul); the indexer's up-projection reads cqn below.
         let cq_all = s.cq.rows(0, t, hp.q_lora_rank);
         be.matmul(lw.q_a, 0, a, t, cq_all)?;
-        be.rms_norm(cq_all, Some(lw.q_a_norm), t, hp.q_lora_rank, eps, cq_all)?;
+        let cqn = s.cqn.rows(0, t, hp.q_lora_rank);
         let q_all = s.q.rows(0, t, nh * hd);
-        be.matmul(lw.q_b, 0, cq_all, t, q_all)?;
+        be.rms_norm_matmul(cq_all, lw.q_a_norm, eps, cqn, lw.q_b, t, q_all)?;
         let kv_all = s.kv.rows(0, t, hd);
         be.matmul(lw.kv, 0, a, t, kv_all)?;
         let o_all = s.o.rows(0, t, nh * hd);
@@ -392,7 +397,7 @@ pub(crate) fn forward(
                     .iter()
                     .any(|&(_, n, p0)| (p0 + n) / is.ratio > hp.indexer_top_k)
                 {
-                    be.matmul(iw.q_b, 0, cq_all, t, iq_all)?;
+                    be.matmul(iw.q_b, 0, cqn, t, iq_all)?;
                     be.matmul(iw.proj, 0, a, t, iw_all)?;
                     // Every row at its own position (rows of sequences that need no scores
                     // are rotated too and never read).

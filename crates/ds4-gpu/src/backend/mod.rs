@@ -211,9 +211,14 @@ pub(crate) struct GemvSet<D: GpuApi> {
     grouped: Vec<D::Function>,
     /// Int8-activation entry points (plain, grouped) per type; `None` for F32/F16.
     q8: Vec<Option<(D::Function, D::Function)>>,
-    /// The same with the input computed by SwiGLU on the way (`ds4_gemv_swiglu_q_<t>`,
-    /// `ds4_gemv_grouped_swiglu_q_<t>`; docs/gpu.md §17).
-    q8_swiglu: Vec<Option<(D::Function, D::Function)>>,
+    /// The same with the input computed by SwiGLU on the way (docs/gpu.md §17): plain
+    /// (`ds4_gemv_swiglu_q_q8_0`, Q8_0 only: the shared expert's down) and grouped
+    /// (`ds4_gemv_grouped_swiglu_q_<t>`, every int8-activation type: the routed experts').
+    q8_swiglu: Vec<Option<D::Function>>,
+    q8_grouped_swiglu: Vec<Option<D::Function>>,
+    /// Int8-activation GEMVs that RMS-normalize their input first (`ds4_gemv_rmsnorm_q_q8_0`,
+    /// Q8_0 only: q_b).
+    q8_rmsnorm: Vec<Option<D::Function>>,
     /// The any-alignment int8-activation GEMV (`ds4_gemvq_generic`).
     pub(crate) q8_generic: D::Function,
     /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
@@ -266,19 +271,25 @@ impl<D: GpuApi> GemvSet<D> {
         let mut configs = Vec::new();
         let mut q8 = Vec::new();
         let mut q8_swiglu = Vec::new();
+        let mut q8_grouped_swiglu = Vec::new();
+        let mut q8_rmsnorm = Vec::new();
         for t in GemvType::ALL {
-            let pair = |plain: &str, grouped: &str| -> Result<_, GpuError> {
-                Ok(if !ds4_gguf::quant::q8act::applies(t.ggml()) {
-                    None
-                } else {
-                    Some((
-                        dev.function(&module, &format!("{plain}{}", t.suffix()))?,
-                        dev.function(&module, &format!("{grouped}{}", t.suffix()))?,
-                    ))
-                })
+            let int8 = ds4_gguf::quant::q8act::applies(t.ggml());
+            // `prefix<t>` where `when`, else none.
+            let get = |prefix: &str, when: bool| -> Result<_, GpuError> {
+                when.then(|| dev.function(&module, &format!("{prefix}{}", t.suffix())))
+                    .transpose()
             };
-            q8.push(pair("ds4_gemv_q_", "ds4_gemv_grouped_q_")?);
-            q8_swiglu.push(pair("ds4_gemv_swiglu_q_", "ds4_gemv_grouped_swiglu_q_")?);
+            q8.push(
+                match (get("ds4_gemv_q_", int8)?, get("ds4_gemv_grouped_q_", int8)?) {
+                    (Some(p), Some(g)) => Some((p, g)),
+                    _ => None,
+                },
+            );
+            let q8_0 = t == GemvType::Q8_0;
+            q8_swiglu.push(get("ds4_gemv_swiglu_q_", q8_0)?);
+            q8_grouped_swiglu.push(get("ds4_gemv_grouped_swiglu_q_", int8)?);
+            q8_rmsnorm.push(get("ds4_gemv_rmsnorm_q_", q8_0)?);
             plain.push(dev.function(&module, &format!("ds4_gemv_{}", t.suffix()))?);
             grouped.push(dev.function(&module, &format!("ds4_gemv_grouped_{}", t.suffix()))?);
             let [rows, cb] =
@@ -303,6 +314,8 @@ impl<D: GpuApi> GemvSet<D> {
             grouped,
             q8,
             q8_swiglu,
+            q8_grouped_swiglu,
+            q8_rmsnorm,
             q8_generic,
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             q8_cols,
@@ -336,9 +349,19 @@ impl<D: GpuApi> GemvSet<D> {
         self.q8[gemv_index(ty)].as_ref()
     }
 
-    /// The SwiGLU-input int8-activation (plain, grouped) entry points of `ty`.
-    pub(crate) fn q8_swiglu_functions(&self, ty: GemvType) -> Option<&(D::Function, D::Function)> {
+    /// The int8-activation GEMV of `ty` that RMS-normalizes its input first.
+    pub(crate) fn q8_rmsnorm_function(&self, ty: GemvType) -> Option<&D::Function> {
+        self.q8_rmsnorm[gemv_index(ty)].as_ref()
+    }
+
+    /// The SwiGLU-input int8-activation GEMV of `ty` (one row).
+    pub(crate) fn q8_swiglu_function(&self, ty: GemvType) -> Option<&D::Function> {
         self.q8_swiglu[gemv_index(ty)].as_ref()
+    }
+
+    /// The SwiGLU-input int8-activation grouped (routed experts) GEMV of `ty`.
+    pub(crate) fn q8_grouped_swiglu_function(&self, ty: GemvType) -> Option<&D::Function> {
+        self.q8_grouped_swiglu[gemv_index(ty)].as_ref()
     }
 
     pub(crate) fn launch_for(
@@ -459,6 +482,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// instead of `ds4_moe_act`; the shared expert: [`ds4_engine::Backend::swiglu_matmul`])
     /// for int8-activation decode rows; `DS4_FUSE_SWIGLU=0` launches it separately.
     pub(crate) fuse_swiglu: bool,
+    /// The query path's RMSNorm computed inside the up-projections' input quantization
+    /// ([`ds4_engine::Backend::rms_norm_matmul`]) for an int8-activation decode row;
+    /// `DS4_FUSE_RMS_MATMUL=0` launches it separately.
+    pub(crate) fuse_rms_matmul: bool,
     /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
@@ -768,6 +795,7 @@ impl<D: GpuApi> GpuBackend<D> {
             fuse_hc_post: env_on("DS4_FUSE_HC_POST"),
             fuse_norm_rope: env_on("DS4_FUSE_NORM_ROPE"),
             fuse_swiglu: env_on("DS4_FUSE_SWIGLU"),
+            fuse_rms_matmul: env_on("DS4_FUSE_RMS_MATMUL"),
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
@@ -886,6 +914,13 @@ impl<D: GpuApi> GpuBackend<D> {
     /// either way.
     pub fn set_fuse_swiglu(&mut self, on: bool) {
         self.fuse_swiglu = on;
+    }
+
+    /// Whether the query path's RMSNorm rides in the up-projections' input quantization at
+    /// decode (the default; `DS4_FUSE_RMS_MATMUL=0` at construction turns it off). The
+    /// values are the same either way.
+    pub fn set_fuse_rms_matmul(&mut self, on: bool) {
+        self.fuse_rms_matmul = on;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
@@ -1914,6 +1949,30 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::norm_rope(x, w, &rope, fp8_dims)?;
         self.op_norm_rope(x, w, eps, rope, fp8_dims)
+    }
+
+    fn rms_norm_matmul(
+        &mut self,
+        x: Slice,
+        norm: Weight,
+        eps: f32,
+        h: Slice,
+        w: Weight,
+        n_tok: usize,
+        out: Slice,
+    ) -> BResult<()> {
+        let width = w.info.cols();
+        validate::rms_norm(x, Some(norm), n_tok, width, h)?;
+        validate::matmul(w, 0, h, n_tok, out)?;
+        if self.fuse_rms_matmul
+            && n_tok == 1
+            && self.q8_rows(1)
+            && self.op_rms_norm_gemv(x, norm, eps, h, w, out)?
+        {
+            return Ok(());
+        }
+        ds4_engine::Backend::rms_norm(self, x, Some(norm), n_tok, width, eps, h)?;
+        self.op_matmul(w, 0, h, n_tok, out)
     }
 
     fn swiglu_matmul(

@@ -743,8 +743,56 @@ impl<D: GpuApi> GpuBackend<D> {
         out: Slice,
     ) -> BResult<bool> {
         const OP: &str = "swiglu_matmul";
+        let (gp, up_) = (self.fptr(gate, OP)?, self.fptr(up, OP)?);
+        self.input_stage_gemv(OP, w, out, [gp, up_], Arg::F32(clamp), None, |g, t| {
+            g.q8_swiglu_function(t)
+        })
+    }
+
+    /// One decode row of `out = W · (rms_norm(x) · norm)` through the int8 GEMV that
+    /// normalizes its input itself (`ds4_gemv_rmsnorm_q_<t>`, docs/gpu.md §17: the same
+    /// scale as the one-row `ds4_rms_norm` launch, bit for bit), the normalized row also
+    /// written to `h`; `Ok(false)` where it does not apply. The caller has validated the
+    /// shapes and checked the int8 rule.
+    pub(super) fn op_rms_norm_gemv(
+        &mut self,
+        x: Slice,
+        norm: Weight,
+        eps: f32,
+        h: Slice,
+        w: Weight,
+        out: Slice,
+    ) -> BResult<bool> {
+        const OP: &str = "rms_norm_matmul";
+        let xp = self.fptr(x, OP)?;
+        let np = self.wvec(norm, OP, w.info.cols())?;
+        let hp = self.fptr(h, OP)?;
+        if !hp.is_multiple_of(16) {
+            return Ok(false);
+        }
+        self.input_stage_gemv(OP, w, out, [xp, np], Arg::F32(eps), Some(hp), |g, t| {
+            g.q8_rmsnorm_function(t)
+        })
+    }
+
+    /// Launches a one-row int8 GEMV whose input stage forms the input from two vectors
+    /// `inputs` and a constant (`(W, in0, in1, constant, y, n_in, n_out, wpr[, tail])`),
+    /// picked by `pick`; `Ok(false)` (nothing launched) where the weight type has no such
+    /// kernel, the input is too wide or not a multiple of 32, or a pointer is not 16-byte
+    /// aligned.
+    #[allow(clippy::too_many_arguments)]
+    fn input_stage_gemv(
+        &mut self,
+        op: &'static str,
+        w: Weight,
+        out: Slice,
+        inputs: [u64; 2],
+        constant: Arg,
+        tail: Option<u64>,
+        pick: impl for<'a> Fn(&'a super::GemvSet<D>, GemvType) -> Option<&'a D::Function>,
+    ) -> BResult<bool> {
         let (cols, rows) = (w.info.cols(), w.info.rows());
-        let gw = self.weight(w, OP)?;
+        let gw = self.weight(w, op)?;
         let (ty, row_bytes) = (gw.info.ty, gw.row_bytes);
         let Ok(gt) = GemvType::from_ggml(ty) else {
             return Ok(false);
@@ -755,41 +803,31 @@ impl<D: GpuApi> GpuBackend<D> {
         {
             return Ok(false);
         }
-        let (Ok(l), Some((f, _))) = (
-            self.gemv.q8_launch(gt, cols, rows, 1),
-            self.gemv.q8_swiglu_functions(gt),
-        ) else {
+        let (Ok(l), Some(f)) = (self.gemv.q8_launch(gt, cols, rows, 1), pick(&self.gemv, gt))
+        else {
             return Ok(false);
         };
-        let wp = self.wraw(w, OP)?;
-        let (gp, up_, yp) = (
-            self.fptr(gate, OP)?,
-            self.fptr(up, OP)?,
-            self.fptr(out, OP)?,
-        );
+        let wp = self.wraw(w, op)?;
+        let yp = self.fptr(out, op)?;
         if l.row_bytes as usize != row_bytes
             || !wp.is_multiple_of(16)
-            || !gp.is_multiple_of(16)
-            || !up_.is_multiple_of(16)
+            || inputs.iter().any(|p| !p.is_multiple_of(16))
         {
             return Ok(false);
         }
-        self.launch_fn(
-            f,
-            gt.label_q8(false),
-            (self.gemv.q8_grid_x(l.grid_x, 1), 1, 1),
-            l.block,
-            &[
-                Arg::Ptr(wp),
-                Arg::Ptr(gp),
-                Arg::Ptr(up_),
-                Arg::F32(clamp),
-                Arg::Ptr(yp),
-                i32a(OP, "cols", cols)?,
-                i32a(OP, "rows", rows)?,
-                Arg::I32(l.wpr as i32),
-            ],
-        )?;
+        let mut args = vec![
+            Arg::Ptr(wp),
+            Arg::Ptr(inputs[0]),
+            Arg::Ptr(inputs[1]),
+            constant,
+            Arg::Ptr(yp),
+            i32a(op, "cols", cols)?,
+            i32a(op, "rows", rows)?,
+            Arg::I32(l.wpr as i32),
+        ];
+        args.extend(tail.map(Arg::Ptr));
+        let grid = (self.gemv.q8_grid_x(l.grid_x, 1), 1, 1);
+        self.launch_fn(f, gt.label_q8(false), grid, l.block, &args)?;
         Ok(true)
     }
 
@@ -2392,7 +2430,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let Ok(gt) = GemvType::from_ggml(ty) else {
             return Ok(false);
         };
-        let Some((_, f)) = self.gemv.q8_swiglu_functions(gt) else {
+        let Some(f) = self.gemv.q8_grouped_swiglu_function(gt) else {
             return Ok(false);
         };
         let Ok(l) = self.gemv.q8_launch(gt, n_in, n_out, n_sel as u64) else {

@@ -114,9 +114,44 @@ __device__ __forceinline__ Ds4XNorm ds4_xin_begin(const Ds4XNorm& x, int n) {
     r.s = ds4_rms_scale_as1024(x.x, n, x.eps, red);
     return r;
 }
+// Heads of head_dim values whose last rope_dim dims are rotated at position p on the way
+// in: ops.cu's ds4_rope expressions (the angle in double from (float)p · freq, the sine
+// negated for the inverse rotation), so the values are those the separate launch writes
+// (the attention output's de-rotation before out_a, docs/gpu.md §17). head_dim - rope_dim
+// a multiple of 4, so a float4 never straddles the rotated part's edge.
+struct Ds4XRope {
+    const float* x;
+    const float* freqs;
+    int head_dim;
+    int rope_dim;
+    float p;
+    int inverse;
+};
+__device__ __forceinline__ Ds4XRope ds4_xin_begin(const Ds4XRope& x, int) { return x; }
+__device__ __forceinline__ void ds4_rope_pair(const Ds4XRope& x, int j, float& u, float& v) {
+    const double ang = (double)(x.p * x.freqs[j]);
+    const float c = (float)cos(ang);
+    float s = (float)sin(ang);
+    if (x.inverse) s = -s;
+    const float a = u, b = v;
+    u = a * c - b * s;
+    v = a * s + b * c;
+}
+__device__ __forceinline__ float4 ds4_xin4(const Ds4XRope& x, int i) {
+    float4 v = ds4_ld_x4(x.x + i);
+    const int d = i % x.head_dim, r0 = x.head_dim - x.rope_dim;
+    if (d >= r0) {
+        const int j = (d - r0) / 2;
+        ds4_rope_pair(x, j, v.x, v.y);
+        ds4_rope_pair(x, j + 1, v.z, v.w);
+    }
+    return v;
+}
+
 // Keeps the formed input values i..i+3 where the input asks for it (Ds4XNorm's h).
 __device__ __forceinline__ void ds4_xin_keep(const float*, int, float4) {}
 __device__ __forceinline__ void ds4_xin_keep(const Ds4XSwiglu&, int, float4) {}
+__device__ __forceinline__ void ds4_xin_keep(const Ds4XRope&, int, float4) {}
 __device__ __forceinline__ void ds4_xin_keep(const Ds4XNorm& x, int i, float4 v) {
     if (x.h) *(float4*)(x.h + i) = v;
 }
@@ -1678,3 +1713,19 @@ DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_I
     }
 // q_b is Q8_0 in every ds4 layout.
 DS4_GEMV_RMSNORM_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
+
+// ds4_gemv_grouped_rope_q_q8_0(W, group_bytes, x, freqs, head_dim, rope_dim, p, inverse, y,
+// n_in, n_out, wpr): out_a, one group per blockIdx.y: y[g·n_out ..] = group g's rows ·
+// (x[g·n_in ..] with every head's last rope_dim dims rotated at position p: Ds4XRope);
+// n_in a multiple of head_dim (groups start at head boundaries), x 16-byte aligned. out_a is
+// Q8_0 in every ds4 layout.
+extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
+    ds4_gemv_grouped_rope_q_q8_0(const ds4_u8* __restrict__ W0, ds4_size group_bytes,
+                                 const float* x, const float* freqs, int head_dim, int rope_dim,
+                                 float p, int inverse, float* __restrict__ y0, int n_in, int n_out,
+                                 int wpr) {
+    const int g = blockIdx.y;
+    const Ds4XRope xin{x + (ds4_size)g * n_in, freqs, head_dim, rope_dim, p, inverse};
+    ds4_gemvq_q8s<Ds4Q8Sx>(W0 + (ds4_size)g * group_bytes, xin, y0 + (ds4_size)g * n_out, n_in,
+                           n_out, wpr, true);
+}

@@ -142,12 +142,17 @@ if ! skip fuse; then
     step fuse
     timeout 200 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 \
         > "$OUT/fuse_ops.log" 2>&1
-    grep -E "hc_post_mix|norm_rope_pair|rms_norm_matmul|swiglu_matmul|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -7
-    for v in on DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE DS4_FUSE_RMS_MATMUL DS4_FUSE_SWIGLU; do
-        if [ $v = on ]; then envs=(); else envs=("$v=0"); fi
+    grep -E "hc_post_mix|norm_rope_pair|_matmul|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -8
+    all=(DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE DS4_FUSE_RMS_MATMUL DS4_FUSE_ROPE_MATMUL DS4_FUSE_SWIGLU)
+    for v in on all "${all[@]}"; do
+        case $v in
+            on) envs=() ;;
+            all) envs=("${all[@]/%/=0}") ;;
+            *) envs=("$v=0") ;;
+        esac
         env "${envs[@]}" timeout 120 ds4-bench --synthetic q2 --frontiers 2048 --decode 32 \
             > "$OUT/fuse_bench_$v.log" 2>&1
-        echo "fusions ($v off unless 'on'):"; grep -E "^[0-9]+,|launches|rror" "$OUT/fuse_bench_$v.log"
+        echo "fusions (off: $v; on: all on):"; grep -E "^[0-9]+,|launches|rror" "$OUT/fuse_bench_$v.log"
     done
 fi
 if ! skip reference; then

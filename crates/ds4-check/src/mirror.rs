@@ -74,10 +74,11 @@ impl OpRule {
         }
         // Ops that end in (or are) a dense matmul: the fused HCPre runs its mixing matmul
         // as a matmul in prefill passes, `swiglu_matmul` is the shared expert's down,
-        // `rms_norm_matmul` the query's up-projection.
+        // `rms_norm_matmul` the query's up-projection, `rope_matmul_grouped` out_a.
         let dense = op.starts_with("matmul")
             || op == "swiglu_matmul"
             || op == "rms_norm_matmul"
+            || op == "rope_matmul_grouped"
             || op == "hc_mix_pre_norm"
             || op == "hc_post_mix_pre_norm";
         let tiled = match self.tiles {
@@ -799,6 +800,27 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             &[Out::Rw(x.sub(0, n))],
             |b| b.norm_rope(cx, cw, eps, cr, fp8_dims),
             |b| b.norm_rope(gx, gw, eps, gr, fp8_dims),
+        )
+    }
+    fn rope_matmul_grouped(
+        &mut self,
+        x: Slice,
+        rope: RopeArgs,
+        w: Weight,
+        groups: usize,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        let (cr, gr) = self.rope_args(rope);
+        let c = (self.c(x), self.cw(w), self.c(y));
+        let g = (self.g(x), self.gw(w), self.g(y));
+        // `x` is scratch afterwards (the candidate may rotate it in registers only): only
+        // `y` is compared.
+        self.run(
+            "rope_matmul_grouped",
+            &[Out::W(y.sub(0, n_tok * w.info.rows()))],
+            |b| b.rope_matmul_grouped(c.0, cr, c.1, groups, n_tok, c.2),
+            |b| b.rope_matmul_grouped(g.0, gr, g.1, groups, n_tok, g.2),
         )
     }
     fn rms_norm_matmul(

@@ -566,13 +566,15 @@ fn emulated_fused_launches_equal_the_separate_ones() {
     // q2's IQ2_XXS experts are too narrow here for the grouped GEMVs (the routed down
     // projection then takes the host-grouped path, without the SwiGLU fusion); q4's Q4_K
     // experts take them, so the routed experts' `ds4_moe_act` is folded too.
-    // A query rank of 256: Q8_0 rows of 272 bytes, 16-byte multiples, so q_b takes the int8
-    // GEMV that normalizes its own input (64 takes the any-alignment kernel).
+    // Inputs of 256 values give Q8_0 rows of 272 bytes, 16-byte multiples, so the int8 GEMVs
+    // that form their own input run (narrower rows take the any-alignment kernel): a query
+    // rank of 256 for q_b, 8 heads of 64 in 2 groups for out_a.
     let h = ds4_model::HParams {
         q_lora_rank: 256,
+        n_head: 8,
         ..common::tiny_hparams()
     };
-    for (recipe, per_layer) in [(TypeRecipe::Q2, 5), (TypeRecipe::Q4, 6)] {
+    for (recipe, per_layer) in [(TypeRecipe::Q2, 6), (TypeRecipe::Q4, 7)] {
         let dir = tempfile::tempdir().unwrap();
         let file = model_file_from(dir.path(), h.clone(), recipe);
         let run = |fuse: bool| {
@@ -582,6 +584,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
             gpu.set_fuse_norm_rope(fuse);
             gpu.set_fuse_swiglu(fuse);
             gpu.set_fuse_rms_matmul(fuse);
+            gpu.set_fuse_rope_matmul(fuse);
             gpu.set_activation_q8(true).unwrap();
             let cfg = EngineConfig {
                 mode: Some(NumericMode::Official),
@@ -624,8 +627,8 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         );
         // 4 decode steps; per layer two HCPost launches fewer (except the last layer's
         // second, which is applied before the head either way), one head preparation, the
-        // query's RMSNorm, the shared expert's SwiGLU and (q4) the routed experts'
-        // `ds4_moe_act`.
+        // query's RMSNorm, the output's de-rotation, the shared expert's SwiGLU and (q4)
+        // the routed experts' `ds4_moe_act`.
         assert_eq!(
             plain_launches - fused_launches,
             4 * (per_layer * layers - 1),

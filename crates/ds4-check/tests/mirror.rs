@@ -70,6 +70,7 @@ fn the_cpu_mirrored_against_itself_agrees_on_every_op() {
         "hc_post_add",
         "norm_rope_pair",
         "rms_norm_matmul",
+        "rope_matmul_grouped",
         "swiglu_matmul",
         "argmax",
     ] {

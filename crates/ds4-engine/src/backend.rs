@@ -807,6 +807,22 @@ pub trait Backend: Send {
         self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
     }
 
+    /// [`Backend::rope`] of `x` with `rope`, then [`Backend::matmul_grouped`] of the rotated
+    /// `x`: the attention output's de-rotation before `out_a`, in one op so a device can
+    /// rotate inside the matmul's input stage. `x` is scratch afterwards (rotated or not).
+    fn rope_matmul_grouped(
+        &mut self,
+        x: Slice,
+        rope: RopeArgs,
+        w: Weight,
+        groups: usize,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        self.rope(x, rope)?;
+        self.matmul_grouped(w, groups, x, n_tok, y)
+    }
+
     /// `h = rms_norm(x)·norm` ([`Backend::rms_norm`] of `n_tok` rows as wide as `W`'s input),
     /// then `out = W·h` ([`Backend::matmul`] of matrix 0): the query path's low-rank norm
     /// before its up-projection, in one op so a device can normalize inside the matmul's

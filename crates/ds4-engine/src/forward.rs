@@ -539,9 +539,8 @@ pub(crate) fn forward(
                 }
             }
         }
-        be.rope(o_all, rope_step(nh, true))?;
         let low = s.low.rows(0, t, hp.o_groups * hp.o_lora_rank);
-        be.matmul_grouped(lw.out_a, hp.o_groups, o_all, t, low)?;
+        be.rope_matmul_grouped(o_all, rope_step(nh, true), lw.out_a, hp.o_groups, t, low)?;
         be.matmul(lw.out_b, 0, low, t, f)?;
         pending = Some(HcPost {
             f,

@@ -219,6 +219,9 @@ pub(crate) struct GemvSet<D: GpuApi> {
     /// Int8-activation GEMVs that RMS-normalize their input first (`ds4_gemv_rmsnorm_q_q8_0`,
     /// Q8_0 only: q_b).
     q8_rmsnorm: Vec<Option<D::Function>>,
+    /// The grouped int8 GEMV that de-rotates its input first (`ds4_gemv_grouped_rope_q_q8_0`:
+    /// `out_a`).
+    pub(crate) q8_grouped_rope: D::Function,
     /// The any-alignment int8-activation GEMV (`ds4_gemvq_generic`).
     pub(crate) q8_generic: D::Function,
     /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
@@ -301,6 +304,7 @@ impl<D: GpuApi> GemvSet<D> {
         }
         let sms = u64::from(dev.multiprocessors().max(1));
         let q8_generic = dev.function(&module, "ds4_gemvq_generic")?;
+        let q8_grouped_rope = dev.function(&module, "ds4_gemv_grouped_rope_q_q8_0")?;
         let q8_cols = dev.function(&module, "ds4_gemv_cols_q_q8_0")?;
         let plain_cols = [
             dev.function(&module, "ds4_gemv_cols_f32")?,
@@ -316,6 +320,7 @@ impl<D: GpuApi> GemvSet<D> {
             q8_swiglu,
             q8_grouped_swiglu,
             q8_rmsnorm,
+            q8_grouped_rope,
             q8_generic,
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             q8_cols,
@@ -486,6 +491,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// ([`ds4_engine::Backend::rms_norm_matmul`]) for an int8-activation decode row;
     /// `DS4_FUSE_RMS_MATMUL=0` launches it separately.
     pub(crate) fuse_rms_matmul: bool,
+    /// The attention output's de-rotation computed inside `out_a`'s input quantization
+    /// ([`ds4_engine::Backend::rope_matmul_grouped`]) for an int8-activation decode row;
+    /// `DS4_FUSE_ROPE_MATMUL=0` launches it separately.
+    pub(crate) fuse_rope_matmul: bool,
     /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
@@ -796,6 +805,7 @@ impl<D: GpuApi> GpuBackend<D> {
             fuse_norm_rope: env_on("DS4_FUSE_NORM_ROPE"),
             fuse_swiglu: env_on("DS4_FUSE_SWIGLU"),
             fuse_rms_matmul: env_on("DS4_FUSE_RMS_MATMUL"),
+            fuse_rope_matmul: env_on("DS4_FUSE_ROPE_MATMUL"),
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
@@ -921,6 +931,12 @@ impl<D: GpuApi> GpuBackend<D> {
     /// values are the same either way.
     pub fn set_fuse_rms_matmul(&mut self, on: bool) {
         self.fuse_rms_matmul = on;
+    }
+
+    /// Whether the attention output's de-rotation rides in `out_a`'s input quantization at
+    /// decode (the default; `DS4_FUSE_ROPE_MATMUL=0` at construction turns it off).
+    pub fn set_fuse_rope_matmul(&mut self, on: bool) {
+        self.fuse_rope_matmul = on;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
@@ -1949,6 +1965,28 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::norm_rope(x, w, &rope, fp8_dims)?;
         self.op_norm_rope(x, w, eps, rope, fp8_dims)
+    }
+
+    fn rope_matmul_grouped(
+        &mut self,
+        x: Slice,
+        rope: ds4_engine::backend::RopeArgs,
+        w: Weight,
+        groups: usize,
+        n_tok: usize,
+        y: Slice,
+    ) -> BResult<()> {
+        validate::rope(x, &rope)?;
+        validate::matmul_grouped(w, groups, x, n_tok, y)?;
+        if self.fuse_rope_matmul
+            && n_tok == 1
+            && self.q8_rows(1)
+            && self.op_rope_grouped_gemv(x, rope, w, groups, y)?
+        {
+            return Ok(());
+        }
+        self.op_rope(x, rope)?;
+        self.op_matmul_grouped(w, groups, x, n_tok, y)
     }
 
     fn rms_norm_matmul(

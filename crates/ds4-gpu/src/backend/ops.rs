@@ -775,6 +775,74 @@ impl<D: GpuApi> GpuBackend<D> {
         })
     }
 
+    /// One decode row of `out_a` with the attention output's de-rotation in its input
+    /// stage (`ds4_gemv_grouped_rope_q_q8_0`, docs/gpu.md §17): all groups in one launch as
+    /// `op_matmul_grouped`'s one-token path, each block rotating its heads on the way in;
+    /// `Ok(false)` (nothing launched) where the weight is not Q8_0 in a grouped-GEMV shape,
+    /// a group does not start at a head, or a pointer is misaligned.
+    pub(super) fn op_rope_grouped_gemv(
+        &mut self,
+        x: Slice,
+        a: RopeArgs,
+        w: Weight,
+        groups: usize,
+        y: Slice,
+    ) -> BResult<bool> {
+        const OP: &str = "rope_matmul_grouped";
+        let (cols, rows) = (w.info.cols(), w.info.rows());
+        let r = rows / groups.max(1);
+        let gw = self.weight(w, OP)?;
+        let (ty, row_bytes) = (gw.info.ty, gw.row_bytes);
+        let (hd, rd) = (a.head_dim, a.freq.rope_dim);
+        let wp = self.wraw(w, OP)?;
+        let (xp, yp) = (self.fptr(x, OP)?, self.fptr(y, OP)?);
+        let shape_ok = ty == GgmlType::Q8_0
+            && groups > 0
+            && a.n_rows == 1
+            && a.row_pos.is_none()
+            && hd > 0
+            && a.n_heads * hd == groups * cols
+            && cols.is_multiple_of(hd)
+            && (hd - rd).is_multiple_of(4)
+            && rd.is_multiple_of(4)
+            && cols <= self.gemv.q8_max_in
+            && cols.is_multiple_of(32)
+            && self.grouped_ok(ty, cols, r, wp)
+            && xp.is_multiple_of(16);
+        if !shape_ok {
+            return Ok(false);
+        }
+        let Ok(l) = self.gemv.q8_launch(GemvType::Q8_0, cols, r, groups as u64) else {
+            return Ok(false);
+        };
+        if l.row_bytes as usize != row_bytes {
+            return Ok(false);
+        }
+        let fp = self.freqs_ptr(&a)?;
+        let grid = (self.gemv.q8_grid_x(l.grid_x, g32(groups)), g32(groups), 1);
+        self.launch_fn(
+            &self.gemv.q8_grouped_rope,
+            GemvType::Q8_0.label_q8(true),
+            grid,
+            l.block,
+            &[
+                Arg::Ptr(wp),
+                u(r * row_bytes),
+                Arg::Ptr(xp),
+                Arg::Ptr(fp),
+                i32a(OP, "head dim", hd)?,
+                i32a(OP, "rope dim", rd)?,
+                Arg::F32(a.pos0 as f32),
+                Arg::I32(i32::from(a.inverse)),
+                Arg::Ptr(yp),
+                i32a(OP, "n_in", cols)?,
+                i32a(OP, "n_out", r)?,
+                Arg::I32(l.wpr as i32),
+            ],
+        )?;
+        Ok(true)
+    }
+
     /// Launches a one-row int8 GEMV whose input stage forms the input from two vectors
     /// `inputs` and a constant (`(W, in0, in1, constant, y, n_in, n_out, wpr[, tail])`),
     /// picked by `pick`; `Ok(false)` (nothing launched) where the weight type has no such

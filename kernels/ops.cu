@@ -1299,6 +1299,21 @@ ds4_compressor(float* acc, const float* u, const float* z, const float* ape, ds4
     ds4_compressor_block(acc, u, z, ape, pos0, n_tok, m, c, overlap, rows, cap);
 }
 
+// Two independent compressors (a CSA layer's and its indexer's, one sequence) in one launch:
+// block 0 runs the first, block 1 the second, each ds4_compressor's code.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_compressor2(float* acc, const float* u, const float* z, const float* ape, ds4_size pos0,
+                int n_tok, int m, int c, int overlap, float* rows, ds4_size cap, float* acc_b,
+                const float* u_b, const float* z_b, const float* ape_b, ds4_size pos0_b,
+                int n_tok_b, int m_b, int c_b, int overlap_b, float* rows_b, ds4_size cap_b) {
+    ds4_grid_wait();
+    if (blockIdx.x == 0)
+        ds4_compressor_block(acc, u, z, ape, pos0, n_tok, m, c, overlap, rows, cap);
+    else
+        ds4_compressor_block(acc_b, u_b, z_b, ape_b, pos0_b, n_tok_b, m_b, c_b, overlap_b, rows_b,
+                             cap_b);
+}
+
 // One token of each of up to DS4_SEQS sequences (a batched decode step): block s runs
 // sequence s's compressor (its accumulator, rows and position by value in ds4_comp_seqs;
 // row s of u / z), the same code as alone.

@@ -995,6 +995,32 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             |b| b.compressor(g.0, g.1, g.2, g.3, a, g.4),
         )
     }
+    fn compressor_pair(&mut self, a: CompressorCall, b: CompressorCall) -> BResult<()> {
+        let side = |m: &Self, x: CompressorCall, cpu: bool| {
+            let s = |v: Slice| if cpu { m.c(v) } else { m.g(v) };
+            CompressorCall {
+                acc: s(x.acc),
+                u: s(x.u),
+                z: s(x.z),
+                ape: if cpu { m.cw(x.ape) } else { m.gw(x.ape) },
+                rows: s(x.rows),
+                ..x
+            }
+        };
+        let (ca, cb) = (side(self, a, true), side(self, b, true));
+        let (ga, gb) = (side(self, a, false), side(self, b, false));
+        self.run(
+            "compressor_pair",
+            &[
+                Out::Rw(a.acc),
+                Out::Rw(a.rows),
+                Out::Rw(b.acc),
+                Out::Rw(b.rows),
+            ],
+            |r| r.compressor_pair(ca, cb),
+            |g| g.compressor_pair(ga, gb),
+        )
+    }
     fn indexer_topk(
         &mut self,
         q: Slice,

@@ -585,6 +585,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
             gpu.set_fuse_swiglu(fuse);
             gpu.set_fuse_rms_matmul(fuse);
             gpu.set_fuse_rope_matmul(fuse);
+            gpu.set_fuse_compressors(fuse);
             gpu.set_activation_q8(true).unwrap();
             let cfg = EngineConfig {
                 mode: Some(NumericMode::Official),
@@ -628,10 +629,14 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         // 4 decode steps; per layer two HCPost launches fewer (except the last layer's
         // second, which is applied before the head either way), one head preparation, the
         // query's RMSNorm, the output's de-rotation, the shared expert's SwiGLU and (q4)
-        // the routed experts' `ds4_moe_act`.
+        // the routed experts' `ds4_moe_act`; per CSA layer one compressor launch.
+        let csa = (0..layers as usize)
+            .filter(|&il| h.attn_kind(il) == ds4_model::AttnKind::Csa)
+            .count() as u64;
+        assert!(csa > 0);
         assert_eq!(
             plain_launches - fused_launches,
-            4 * (per_layer * layers - 1),
+            4 * (per_layer * layers - 1 + csa),
             "{recipe:?}"
         );
     }

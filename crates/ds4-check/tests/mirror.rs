@@ -71,6 +71,7 @@ fn the_cpu_mirrored_against_itself_agrees_on_every_op() {
         "norm_rope_pair",
         "rms_norm_matmul",
         "rope_matmul_grouped",
+        "compressor_pair",
         "swiglu_matmul",
         "argmax",
     ] {

@@ -800,6 +800,13 @@ pub trait Backend: Send {
         }
     }
 
+    /// Two independent [`Backend::compressor`] calls (a CSA layer's compressor and its
+    /// indexer's), in one op so a device can run both in one launch.
+    fn compressor_pair(&mut self, a: CompressorCall, b: CompressorCall) -> BResult<()> {
+        self.compressor(a.acc, a.u, a.z, a.ape, a.args, a.rows)?;
+        self.compressor(b.acc, b.u, b.z, b.ape, b.args, b.rows)
+    }
+
     /// Two [`Backend::norm_rope`] calls on disjoint rows (the attention's query heads and its
     /// KV row): one op so a device can prepare both in one launch.
     fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {

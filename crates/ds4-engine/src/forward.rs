@@ -430,12 +430,32 @@ pub(crate) fn forward(
         for (g, group) in spans.chunks(group_len).enumerate() {
             let gseqs = &seqs[g * group_len..g * group_len + group.len()];
             let mut comp = vec![CompSel::None; group.len()];
+            // One sequence with both compressors (a CSA layer): their updates are independent,
+            // so they go first as one op (Backend::compressor_pair), then each one's rows are
+            // finished.
+            let ls = gseqs[0].state.layers[il];
+            let paired = match (comp_proj, lw.comp.as_ref(), ls.comp) {
+                (Some(cp), Some(cw), Some(cs)) if !batched => {
+                    match (index_proj, lw.indexer.as_ref(), ls.index) {
+                        (Some(ip), Some(iw), Some(is)) => {
+                            let a = compressor_call(&cs, group[0], cp, cw.ape);
+                            let b = compressor_call(&is, group[0], ip, iw.comp.ape);
+                            be.compressor_pair(a, b)?;
+                            true
+                        }
+                        _ => false,
+                    }
+                }
+                _ => false,
+            };
             if let (Some((cu, cz)), Some(cw)) = (comp_proj, lw.comp.as_ref()) {
                 let states = gseqs
                     .iter()
                     .map(|q| q.state.layers[il].comp.ok_or_else(no_state))
                     .collect::<Result<Vec<_>>>()?;
-                compressors(be, &states, group, (cu, cz), cw.ape, batched)?;
+                if !paired {
+                    compressors(be, &states, group, (cu, cz), cw.ape, batched)?;
+                }
                 for (i, (cs, &(_, t, pos0))) in states.iter().zip(group).enumerate() {
                     finish_rows(be, *cs, cw, pos0, t, eps, |be, rows, n, w0| {
                         be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
@@ -455,7 +475,9 @@ pub(crate) fn forward(
                     .iter()
                     .map(|q| q.state.layers[il].index.ok_or_else(no_state))
                     .collect::<Result<Vec<_>>>()?;
-                compressors(be, &states, group, (icu, icz), iw.comp.ape, batched)?;
+                if !paired {
+                    compressors(be, &states, group, (icu, icz), iw.comp.ape, batched)?;
+                }
                 let mut calls = Vec::with_capacity(group.len());
                 for (i, (is, &sp)) in states.iter().zip(group).enumerate() {
                     let (_, t, pos0) = sp;
@@ -718,18 +740,7 @@ fn compressors(
     let calls: Vec<CompressorCall> = states
         .iter()
         .zip(spans)
-        .map(|(cs, &(r0, t, pos0))| {
-            let args = cs.chunk_args(pos0, t);
-            let pw = args.proj_width();
-            CompressorCall {
-                acc: cs.acc.all(),
-                u: u.sub(r0 * pw, t * pw),
-                z: z.sub(r0 * pw, t * pw),
-                ape,
-                args,
-                rows: cs.rows.all(),
-            }
-        })
+        .map(|(cs, &sp)| compressor_call(cs, sp, (u, z), ape))
         .collect();
     if batched {
         be.compressor_batch(&calls)?;
@@ -739,6 +750,26 @@ fn compressors(
         }
     }
     Ok(())
+}
+
+/// The compressor call of one sequence (first row `r0`, `t` rows at `pos0`) over the step's
+/// projections `(u, z)`.
+fn compressor_call(
+    cs: &CompState,
+    (r0, t, pos0): (usize, usize, usize),
+    (u, z): (Slice, Slice),
+    ape: Weight,
+) -> CompressorCall {
+    let args = cs.chunk_args(pos0, t);
+    let pw = args.proj_width();
+    CompressorCall {
+        acc: cs.acc.all(),
+        u: u.sub(r0 * pw, t * pw),
+        z: z.sub(r0 * pw, t * pw),
+        ape,
+        args,
+        rows: cs.rows.all(),
+    }
 }
 
 /// Finishes the rows a compressor emitted for a chunk of `t` tokens at `pos0`: RMSNorm with

@@ -495,6 +495,9 @@ pub struct GpuBackend<D: GpuApi> {
     /// ([`ds4_engine::Backend::rope_matmul_grouped`]) for an int8-activation decode row;
     /// `DS4_FUSE_ROPE_MATMUL=0` launches it separately.
     pub(crate) fuse_rope_matmul: bool,
+    /// A CSA layer's two compressors in one launch ([`ds4_engine::Backend::compressor_pair`]);
+    /// `DS4_FUSE_COMPRESSORS=0` launches them one by one.
+    pub(crate) fuse_compressors: bool,
     /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
@@ -652,6 +655,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_combine",
     "ds4_attention_split_seqs",
     "ds4_compressor_seqs",
+    "ds4_compressor2",
     "ds4_compressor_windows",
     "ds4_compressor_tail",
     "ds4_indexer_scores_seqs",
@@ -806,6 +810,7 @@ impl<D: GpuApi> GpuBackend<D> {
             fuse_swiglu: env_on("DS4_FUSE_SWIGLU"),
             fuse_rms_matmul: env_on("DS4_FUSE_RMS_MATMUL"),
             fuse_rope_matmul: env_on("DS4_FUSE_ROPE_MATMUL"),
+            fuse_compressors: env_on("DS4_FUSE_COMPRESSORS"),
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
@@ -937,6 +942,12 @@ impl<D: GpuApi> GpuBackend<D> {
     /// decode (the default; `DS4_FUSE_ROPE_MATMUL=0` at construction turns it off).
     pub fn set_fuse_rope_matmul(&mut self, on: bool) {
         self.fuse_rope_matmul = on;
+    }
+
+    /// Whether a CSA layer's two compressors share one launch (the default;
+    /// `DS4_FUSE_COMPRESSORS=0` at construction turns it off).
+    pub fn set_fuse_compressors(&mut self, on: bool) {
+        self.fuse_compressors = on;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
@@ -1965,6 +1976,17 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::norm_rope(x, w, &rope, fp8_dims)?;
         self.op_norm_rope(x, w, eps, rope, fp8_dims)
+    }
+
+    fn compressor_pair(
+        &mut self,
+        a: ds4_engine::backend::CompressorCall,
+        b: ds4_engine::backend::CompressorCall,
+    ) -> BResult<()> {
+        for c in [&a, &b] {
+            validate::compressor(c.acc, c.u, c.z, c.ape, &c.args, c.rows)?;
+        }
+        self.op_compressor_pair(a, b)
     }
 
     fn rope_matmul_grouped(

@@ -1478,6 +1478,49 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch("ds4_compressor", (1, 1, 1), 256, &args)
     }
 
+    /// Two independent compressors in one `ds4_compressor2` launch (block 0 the first, block
+    /// 1 the second: each `ds4_compressor`'s code) when both take the sequential kernel and
+    /// their states are separate buffers; else one call after the other.
+    pub(super) fn op_compressor_pair(
+        &mut self,
+        a: CompressorCall,
+        b: CompressorCall,
+    ) -> BResult<()> {
+        const OP: &str = "compressor";
+        let sequential = |c: &CompressorCall| {
+            c.args.n_tok > 0
+                && !(c.args.n_tok >= COMP_WINDOWS_FROM
+                    && (!c.args.overlap || c.args.ratio <= COMP_MAX_OVERLAP_M))
+        };
+        if !self.fuse_compressors
+            || !sequential(&a)
+            || !sequential(&b)
+            || !pairwise_disjoint(&[a.acc, a.rows, b.acc, b.rows])
+        {
+            self.op_compressor(a.acc, a.u, a.z, a.ape, a.args, a.rows)?;
+            return self.op_compressor(b.acc, b.u, b.z, b.ape, b.args, b.rows);
+        }
+        let mut args = Vec::with_capacity(22);
+        for c in [a, b] {
+            let pw = c.args.proj_width();
+            let apep = self.wvec(c.ape, OP, c.args.ratio * pw)?;
+            args.extend([
+                Arg::Ptr(self.fptr(c.acc, OP)?),
+                Arg::Ptr(self.fptr(c.u, OP)?),
+                Arg::Ptr(self.fptr(c.z, OP)?),
+                Arg::Ptr(apep),
+                u(c.args.pos0),
+                i32a(OP, "tokens", c.args.n_tok)?,
+                i32a(OP, "ratio", c.args.ratio)?,
+                i32a(OP, "width", c.args.width)?,
+                Arg::I32(i32::from(c.args.overlap)),
+                Arg::Ptr(self.fptr(c.rows, OP)?),
+                u(c.rows.len / c.args.width),
+            ]);
+        }
+        self.launch("ds4_compressor2", (2, 1, 1), 256, &args)
+    }
+
     /// One token of each of up to ATT_SEQS sequences' compressors in one
     /// `ds4_compressor_seqs` launch when their u / z rows follow each other and they share
     /// the compressor (the same code per sequence as alone); else one call at a time.

@@ -580,12 +580,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         let run = |fuse: bool| {
             let m = machine("strix-halo-stock");
             let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
-            gpu.set_fuse_hc_post(fuse);
-            gpu.set_fuse_norm_rope(fuse);
-            gpu.set_fuse_swiglu(fuse);
-            gpu.set_fuse_rms_matmul(fuse);
-            gpu.set_fuse_rope_matmul(fuse);
-            gpu.set_fuse_compressors(fuse);
+            gpu.set_decode_fusions(ds4_gpu::backend::DecodeFusions::all(fuse));
             gpu.set_activation_q8(true).unwrap();
             let cfg = EngineConfig {
                 mode: Some(NumericMode::Official),

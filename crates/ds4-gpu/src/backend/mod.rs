@@ -475,29 +475,9 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) tiles_wide: bool,
     /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
     pub(crate) decode_rows: usize,
-    /// A sublayer's HCPost applied inside the next sublayer's mixing-matmul kernel
-    /// ([`ds4_engine::Backend::hc_post_mix_pre_norm`], docs/gpu.md §11); `DS4_FUSE_HC_POST=0`
-    /// launches it on its own, for A/B runs (the values are the same either way).
-    pub(crate) fuse_hc_post: bool,
-    /// The query heads' and the KV row's head preparation in one launch
-    /// ([`ds4_engine::Backend::norm_rope_pair`]); `DS4_FUSE_NORM_ROPE=0` launches them one
-    /// by one, for A/B runs (the values are the same either way).
-    pub(crate) fuse_norm_rope: bool,
-    /// SwiGLU computed inside the down projection's input quantization (routed experts:
-    /// instead of `ds4_moe_act`; the shared expert: [`ds4_engine::Backend::swiglu_matmul`])
-    /// for int8-activation decode rows; `DS4_FUSE_SWIGLU=0` launches it separately.
-    pub(crate) fuse_swiglu: bool,
-    /// The query path's RMSNorm computed inside the up-projections' input quantization
-    /// ([`ds4_engine::Backend::rms_norm_matmul`]) for an int8-activation decode row;
-    /// `DS4_FUSE_RMS_MATMUL=0` launches it separately.
-    pub(crate) fuse_rms_matmul: bool,
-    /// The attention output's de-rotation computed inside `out_a`'s input quantization
-    /// ([`ds4_engine::Backend::rope_matmul_grouped`]) for an int8-activation decode row;
-    /// `DS4_FUSE_ROPE_MATMUL=0` launches it separately.
-    pub(crate) fuse_rope_matmul: bool,
-    /// A CSA layer's two compressors in one launch ([`ds4_engine::Backend::compressor_pair`]);
-    /// `DS4_FUSE_COMPRESSORS=0` launches them one by one.
-    pub(crate) fuse_compressors: bool,
+    /// Which decode launch fusions run (docs/gpu.md §17); each computes the same values as
+    /// the launches it replaces, the switches are for A/B timing.
+    pub(crate) fusions: DecodeFusions,
     /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
@@ -599,6 +579,49 @@ impl<D: GpuApi> std::fmt::Debug for GpuBackend<D> {
             .field("device", &self.dev.device_name())
             .field("weights", &self.weights.len())
             .finish()
+    }
+}
+
+/// The decode launch fusions (docs/gpu.md §17), each on unless its environment variable is
+/// `0`/`off`/`false`/`no` at construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeFusions {
+    /// HCPost inside the next mixing-matmul kernel (`DS4_FUSE_HC_POST`).
+    pub hc_post: bool,
+    /// Query heads and KV row prepared in one launch (`DS4_FUSE_NORM_ROPE`).
+    pub norm_rope: bool,
+    /// SwiGLU in the down projections' input stage (`DS4_FUSE_SWIGLU`).
+    pub swiglu: bool,
+    /// The query's RMSNorm in q_b's input stage (`DS4_FUSE_RMS_MATMUL`).
+    pub rms_matmul: bool,
+    /// The output de-rotation in out_a's input stage (`DS4_FUSE_ROPE_MATMUL`).
+    pub rope_matmul: bool,
+    /// A CSA layer's two compressors in one launch (`DS4_FUSE_COMPRESSORS`).
+    pub compressors: bool,
+}
+
+impl DecodeFusions {
+    /// Every fusion on (`on`) or off.
+    pub fn all(on: bool) -> DecodeFusions {
+        DecodeFusions {
+            hc_post: on,
+            norm_rope: on,
+            swiglu: on,
+            rms_matmul: on,
+            rope_matmul: on,
+            compressors: on,
+        }
+    }
+
+    pub fn from_env() -> DecodeFusions {
+        DecodeFusions {
+            hc_post: env_on("DS4_FUSE_HC_POST"),
+            norm_rope: env_on("DS4_FUSE_NORM_ROPE"),
+            swiglu: env_on("DS4_FUSE_SWIGLU"),
+            rms_matmul: env_on("DS4_FUSE_RMS_MATMUL"),
+            rope_matmul: env_on("DS4_FUSE_ROPE_MATMUL"),
+            compressors: env_on("DS4_FUSE_COMPRESSORS"),
+        }
     }
 }
 
@@ -805,12 +828,7 @@ impl<D: GpuApi> GpuBackend<D> {
             tiles: opts.prefill_tiles,
             tiles_wide: env_on("DS4_TILES_WIDE"),
             decode_rows: 1,
-            fuse_hc_post: env_on("DS4_FUSE_HC_POST"),
-            fuse_norm_rope: env_on("DS4_FUSE_NORM_ROPE"),
-            fuse_swiglu: env_on("DS4_FUSE_SWIGLU"),
-            fuse_rms_matmul: env_on("DS4_FUSE_RMS_MATMUL"),
-            fuse_rope_matmul: env_on("DS4_FUSE_ROPE_MATMUL"),
-            fuse_compressors: env_on("DS4_FUSE_COMPRESSORS"),
+            fusions: DecodeFusions::from_env(),
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")
@@ -910,44 +928,10 @@ impl<D: GpuApi> GpuBackend<D> {
         self.dense_half = on;
     }
 
-    /// Whether a sublayer's HCPost rides in the next mixing-matmul kernel (the default;
-    /// `DS4_FUSE_HC_POST=0` at construction turns it off). Either way the values are the
-    /// same; the switch is for A/B timing and for the test that checks that.
-    pub fn set_fuse_hc_post(&mut self, on: bool) {
-        self.fuse_hc_post = on;
-    }
-
-    /// Whether the query heads' and the KV row's head preparation share one launch (the
-    /// default; `DS4_FUSE_NORM_ROPE=0` at construction turns it off). The values are the
-    /// same either way.
-    pub fn set_fuse_norm_rope(&mut self, on: bool) {
-        self.fuse_norm_rope = on;
-    }
-
-    /// Whether SwiGLU rides in the down projections' input quantization at decode (the
-    /// default; `DS4_FUSE_SWIGLU=0` at construction turns it off). The values are the same
-    /// either way.
-    pub fn set_fuse_swiglu(&mut self, on: bool) {
-        self.fuse_swiglu = on;
-    }
-
-    /// Whether the query path's RMSNorm rides in the up-projections' input quantization at
-    /// decode (the default; `DS4_FUSE_RMS_MATMUL=0` at construction turns it off). The
-    /// values are the same either way.
-    pub fn set_fuse_rms_matmul(&mut self, on: bool) {
-        self.fuse_rms_matmul = on;
-    }
-
-    /// Whether the attention output's de-rotation rides in `out_a`'s input quantization at
-    /// decode (the default; `DS4_FUSE_ROPE_MATMUL=0` at construction turns it off).
-    pub fn set_fuse_rope_matmul(&mut self, on: bool) {
-        self.fuse_rope_matmul = on;
-    }
-
-    /// Whether a CSA layer's two compressors share one launch (the default;
-    /// `DS4_FUSE_COMPRESSORS=0` at construction turns it off).
-    pub fn set_fuse_compressors(&mut self, on: bool) {
-        self.fuse_compressors = on;
+    /// Which decode launch fusions run (default: [`DecodeFusions::from_env`], all on unless
+    /// a `DS4_FUSE_*` variable says `0`). The values are the same either way.
+    pub fn set_decode_fusions(&mut self, f: DecodeFusions) {
+        self.fusions = f;
     }
 
     /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
@@ -1953,7 +1937,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         }
         validate::matmul(fn_, 0, x, args.n_tok, mix)?;
         validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
-        if self.fuse_hc_post {
+        if self.fusions.hc_post {
             let a = (base, scale);
             let no = (norm, out);
             if self.op_hc_mix_pre(Some(prev), fn_, x, mix, a.0, a.1, args, y, post, comb, no)? {
@@ -2000,7 +1984,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::rope(x, &rope)?;
         validate::matmul_grouped(w, groups, x, n_tok, y)?;
-        if self.fuse_rope_matmul
+        if self.fusions.rope_matmul
             && n_tok == 1
             && self.q8_rows(1)
             && self.op_rope_grouped_gemv(x, rope, w, groups, y)?
@@ -2024,7 +2008,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         let width = w.info.cols();
         validate::rms_norm(x, Some(norm), n_tok, width, h)?;
         validate::matmul(w, 0, h, n_tok, out)?;
-        if self.fuse_rms_matmul
+        if self.fusions.rms_matmul
             && n_tok == 1
             && self.q8_rows(1)
             && self.op_rms_norm_gemv(x, norm, eps, h, w, out)?
@@ -2047,7 +2031,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::swiglu(gate, up, h)?;
         validate::matmul(w, 0, h, n_tok, out)?;
-        if self.fuse_swiglu
+        if self.fusions.swiglu
             && n_tok == 1
             && self.q8_rows(1)
             && self.op_swiglu_gemv(gate, up, clamp, w, out)?

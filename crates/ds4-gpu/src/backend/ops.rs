@@ -1492,7 +1492,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 && !(c.args.n_tok >= COMP_WINDOWS_FROM
                     && (!c.args.overlap || c.args.ratio <= COMP_MAX_OVERLAP_M))
         };
-        if !self.fuse_compressors
+        if !self.fusions.compressors
             || !sequential(&a)
             || !sequential(&b)
             || !pairwise_disjoint(&[a.acc, a.rows, b.acc, b.rows])
@@ -2346,7 +2346,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 f,
                 self.q8_rows(t),
             )?;
-            if self.fuse_swiglu && self.q8_rows(t) {
+            if self.fusions.swiglu && self.q8_rows(t) {
                 let (sg_, su_) = ((sg, su), (wp, a.clamp));
                 if self.grouped_swiglu(dty, dp, drb * d, (ip, ne), sg_, su_, so, n_sel, f, d)? {
                     return self.sum_slots(so, t, k, d, op_);
@@ -2856,7 +2856,7 @@ impl<D: GpuApi> GpuBackend<D> {
             b.rope.n_rows * b.rope.n_heads,
         );
         // Rows of one buffer go one call after the other (they could overlap).
-        if !self.fuse_norm_rope
+        if !self.fusions.norm_rope
             || a.x.buf.id() == b.x.buf.id()
             || !same_rotation
             || a.eps.to_bits() != b.eps.to_bits()

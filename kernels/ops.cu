@@ -2312,6 +2312,80 @@ ds4_argmax(const float* x, int n, int* out) {
     }
 }
 
+// ---- Sampling band (docs/server.md §6) ----
+//
+// The values of a logits row within `span` of its maximum, for a min-p sampler that needs no
+// more: out = [max bits, threshold bits, count, first NaN or -1, first +inf or -1, 0, 0, 0]
+// then up to `cap` (index, value bits) pairs in index order (ds4_engine::sampler::band_words
+// is the definition). Index `exclude` (-1: none) counts as -inf. One block: a strided pass for
+// the maximum and the first NaN / +inf (max and min are exact in any order), then every
+// thread takes a contiguous segment and a block scan of the segments' counts places its
+// items, so the order is the index order.
+#define DS4_BAND_THREADS 1024
+static_assert(DS4_BAND_THREADS == DS4_WARP * DS4_WARP, "the scan's second level is one warp");
+extern "C" __global__ void __launch_bounds__(DS4_BAND_THREADS)
+ds4_logit_band(const float* x, int n, float span, int exclude, int cap, int* out) {
+    ds4_grid_wait();
+    __shared__ int sh[DS4_BAND_THREADS];
+    __shared__ float smax[DS4_BAND_THREADS];
+    __shared__ int snan[DS4_BAND_THREADS], sinf[DS4_BAND_THREADS];
+    const int tid = threadIdx.x;
+    const float inf = __int_as_float(0x7f800000);
+    float m = -inf;
+    int fn = 0x7fffffff, fi = 0x7fffffff;
+    for (int i = tid; i < n; i += DS4_BAND_THREADS) {
+        if (i == exclude) continue;
+        const float v = x[i];
+        if (v != v) {
+            fn = min(fn, i);
+        } else {
+            m = v > m ? v : m;
+            if (v == inf) fi = min(fi, i);
+        }
+    }
+    smax[tid] = m;
+    snan[tid] = fn;
+    sinf[tid] = fi;
+    __syncthreads();
+    for (int s = DS4_BAND_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            smax[tid] = smax[tid + s] > smax[tid] ? smax[tid + s] : smax[tid];
+            snan[tid] = min(snan[tid], snan[tid + s]);
+            sinf[tid] = min(sinf[tid], sinf[tid + s]);
+        }
+        __syncthreads();
+    }
+    const float mx = smax[0] == 0.0f ? 0.0f : smax[0];  // a zero maximum is +0 (either zero may win)
+    const float thr = mx - span;
+    const int seg = (n + DS4_BAND_THREADS - 1) / DS4_BAND_THREADS;
+    const int a = min(tid * seg, n), b = min(a + seg, n);
+    int c = 0;
+    for (int i = a; i < b; i++) c += (i != exclude && x[i] >= thr) ? 1 : 0;
+    const int base = ds4_scan_excl_1024(c, sh);
+    int w = base;
+    for (int i = a; i < b && w < cap; i++) {
+        const float v = x[i];
+        if (i != exclude && v >= thr) {
+            out[8 + 2 * w] = i;
+            out[9 + 2 * w] = __float_as_int(v);
+            w++;
+        }
+    }
+    if (tid == DS4_BAND_THREADS - 1) sh[0] = base + c;  // the scan's last use of sh is past
+    __syncthreads();
+    const int count = sh[0];
+    // The unused item slots are zeros, as the definition writes them.
+    for (int j = min(count, cap) * 2 + tid; j < 2 * cap; j += DS4_BAND_THREADS) out[8 + j] = 0;
+    if (tid == 0) {
+        out[0] = __float_as_int(mx);
+        out[1] = __float_as_int(thr);
+        out[2] = count;
+        out[3] = snan[0] == 0x7fffffff ? -1 : snan[0];
+        out[4] = sinf[0] == 0x7fffffff ? -1 : sinf[0];
+        out[5] = out[6] = out[7] = 0;
+    }
+}
+
 // ---- Prefill attention on the tensor cores (docs/gpu.md §14) ----
 //
 // The single-query kernels above give every (token, head) its own block, so the 64 heads of

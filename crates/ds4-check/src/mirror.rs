@@ -524,6 +524,15 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             |b| b.argmax(gx, go),
         )
     }
+    fn logit_band(&mut self, x: Slice, span: f32, exclude: Option<u32>, out: IBuf) -> BResult<()> {
+        let (cx, gx, co, go) = (self.c(x), self.g(x), self.ci(out), self.gi(out));
+        self.run(
+            "logit_band",
+            &[Out::I(out, out.len())],
+            |b| b.logit_band(cx, span, exclude, co),
+            |b| b.logit_band(gx, span, exclude, go),
+        )
+    }
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
         let (ca, ga, cx, gx) = (self.c(acc), self.g(acc), self.c(x), self.g(x));
         self.run("add", &[Out::Rw(acc)], |b| b.add(ca, cx), |b| b.add(ga, gx))

@@ -97,6 +97,7 @@ fn mirrored_on(r: &Run, h: ds4_model::HParams) -> (Vec<(&'static str, OpStat)>, 
             .unwrap();
     }
     eng.eval_argmax(&mut st, &toks[..1]).unwrap();
+    eng.eval_band(&mut st, &toks[1..2], 3.0, Some(3)).unwrap();
     // A batched decode step of two sequences (decode rows: int8 row by row when on).
     let mut st2 = eng.new_state().unwrap();
     eng.eval(&mut st2, &toks[..3], Logits::Last, None).unwrap();
@@ -124,6 +125,7 @@ fn check(r: Run) {
         "hc_post_mix_pre_norm",
         "hc_post_add",
         "argmax",
+        "logit_band",
     ] {
         assert!(
             stats.iter().any(|(o, s)| *o == op && s.calls > 0),
@@ -494,6 +496,75 @@ fn emulated_q8_half_panel_equals_the_dequantizer() {
         out[n * cols..].iter().all(|&h| h == sentinel),
         "wrote past its rows"
     );
+}
+
+/// The sampling band kernel writes exactly the words of its definition
+/// (`ds4_engine::sampler::band_words`) on fresh random rows: NaNs, infinities, ±0 maxima,
+/// an excluded index, bands over the capacity, rows shorter and longer than the block.
+#[test]
+fn emulated_logit_band_equals_its_definition() {
+    use ds4_engine::sampler::{band_words, BAND_HEAD};
+    use std::ffi::c_void;
+    let mut seed = 0x2545_f491_4f6c_dd1du64 ^ std::process::id() as u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let k = kernels(true);
+    let mut runs = 0;
+    for case in 0..14u64 {
+        let n = [5usize, 1023, 1024, 3000, 129_280][case as usize % 5];
+        let cap = [4usize, 64, 1024][case as usize % 3];
+        let mut x: Vec<f32> = (0..n)
+            .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 12.0 - 6.0)
+            .collect();
+        match case % 7 {
+            1 => x[n / 3] = f32::NAN,
+            2 => {
+                x[n - 1] = f32::INFINITY;
+                x[n / 2] = f32::INFINITY;
+            }
+            3 => x.iter_mut().for_each(|v| *v = -v.abs() - 1.0),
+            4 => {
+                x.iter_mut().for_each(|v| *v = -v.abs() - 1.0);
+                x[n / 2] = -0.0;
+                x[n / 4] = 0.0;
+            }
+            5 => x.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+            _ => {}
+        }
+        let span = [0.5f32, 3.0, 40.0][case as usize % 3];
+        let exclude = (case % 2 == 1).then(|| (next() % n as u64) as u32);
+        let want = band_words(&x, span, exclude, cap);
+        let mut out = vec![0x5a5a_5a5au32 as i32; BAND_HEAD + 2 * cap];
+        let (mut xp, mut nn, mut sp, mut ex, mut cp, mut op) = (
+            x.as_ptr() as u64,
+            n as i32,
+            span,
+            exclude.map_or(-1, |e| e as i32),
+            cap as i32,
+            out.as_mut_ptr() as u64,
+        );
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut xp as *mut u64).cast(),
+            (&mut nn as *mut i32).cast(),
+            (&mut sp as *mut f32).cast(),
+            (&mut ex as *mut i32).cast(),
+            (&mut cp as *mut i32).cast(),
+            (&mut op as *mut u64).cast(),
+        ];
+        // SAFETY: x holds n floats, out BAND_HEAD + 2 cap ints; the parameters are
+        // ds4_logit_band's in order.
+        unsafe { k.launch("ds4_logit_band", (1, 1, 1), 1024, &mut params) }.unwrap();
+        assert_eq!(
+            out, want,
+            "case {case}: n {n} cap {cap} span {span} exclude {exclude:?}"
+        );
+        runs += 1;
+    }
+    assert_eq!(runs, 14);
 }
 
 /// Batched decode on the GPU path (emulated kernels): with int8 activations (the fast

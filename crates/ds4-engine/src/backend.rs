@@ -896,6 +896,19 @@ pub trait Backend: Send {
         let i = crate::sampler::argmax(&v);
         self.upload_i32(out, 0, &[i as i32])
     }
+    /// The sampling band of the logits row `x` into `out` ([`crate::sampler::band_words`]
+    /// defines the words: a header, then up to `(out.len() - BAND_HEAD) / 2` items of
+    /// every value `>= max(x) - span` in index order; index `exclude` counts as -inf).
+    /// A min-p sampler then reads back a few hundred bytes instead of the row
+    /// ([`crate::Engine::eval_band`]).
+    fn logit_band(&mut self, x: Slice, span: f32, exclude: Option<u32>, out: IBuf) -> BResult<()> {
+        crate::validate::logit_band(x, span, out)?;
+        let mut v = vec![0f32; x.len];
+        self.download(x, &mut v)?;
+        let cap = (out.len() - crate::sampler::BAND_HEAD) / 2;
+        let words = crate::sampler::band_words(&v, span, exclude, cap);
+        self.upload_i32(out, 0, &words)
+    }
     /// Names the section of the forward pass the following ops belong to (layer kinds),
     /// for [`Backend::take_profile`]. No effect unless profiling is on.
     fn annotate(&mut self, _tag: &'static str) {}

@@ -217,6 +217,50 @@ impl Engine {
         Ok(id[0] as u32)
     }
 
+    /// Runs `tokens` like [`Engine::eval`] and returns the sampling band of the last logits
+    /// row ([`crate::sampler::LogitBand`]: the values within `span` of its maximum, index
+    /// `exclude` masked), computed by the backend: a min-p sampler reads back a few hundred
+    /// bytes instead of the row. If the band is short for the draw, the row is still in the
+    /// scratch: [`Engine::last_logits_into`].
+    pub fn eval_band(
+        &mut self,
+        state: &mut KvState,
+        tokens: &[u32],
+        span: f32,
+        exclude: Option<u32>,
+    ) -> Result<crate::sampler::LogitBand> {
+        use crate::sampler::{LogitBand, BAND_CAP, BAND_FIRST_READ, BAND_HEAD};
+        self.eval_inner(state, tokens, Logits::Last, None, None)?;
+        let s = self.scratch.as_ref().expect("eval allocated the scratch");
+        let (logits, out) = (s.logits.rows(0, 1, self.spec.hparams.n_vocab), s.band);
+        self.backend.logit_band(logits, span, exclude, out)?;
+        let mut words = vec![0i32; BAND_HEAD + 2 * BAND_FIRST_READ];
+        self.backend.download_i32(out, 0, &mut words)?;
+        let count = usize::try_from(words[2]).unwrap_or(0);
+        if count > BAND_FIRST_READ && count <= BAND_CAP {
+            let have = words.len();
+            words.resize(BAND_HEAD + 2 * count, 0);
+            self.backend.download_i32(out, have, &mut words[have..])?;
+        }
+        LogitBand::from_words(&words).ok_or_else(|| {
+            EngineError::Backend(crate::backend::BackendError::Invalid {
+                op: "logit_band",
+                problem: format!("the backend wrote a band header with count {}", words[2]),
+            })
+        })
+    }
+
+    /// The logits row the last [`Engine::eval_band`] or [`Engine::eval_argmax`] left in
+    /// the scratch, into `out` (cleared first).
+    pub fn last_logits_into(&mut self, out: &mut Vec<f32>) -> Result<()> {
+        let v = self.spec.hparams.n_vocab;
+        let s = self.scratch.as_ref().ok_or(EngineError::Empty)?;
+        out.clear();
+        out.resize(v, 0.0);
+        self.backend.download(s.logits.rows(0, 1, v), out)?;
+        Ok(())
+    }
+
     /// One batched decode step: token `tokens[i]` appended to `states[i]` for every `i`, in
     /// one forward pass (weights read once for all rows); returns one logits row per state,
     /// `[states, n_vocab]`. Each state's row equals what [`Engine::eval`] of its token

@@ -73,6 +73,8 @@ pub(crate) struct Scratch {
     pub logits: Buf,
     /// One i32: the greedy token of the last logits row ([`Backend::argmax`]).
     pub argmax: IBuf,
+    /// The sampling band of the last logits row ([`Backend::logit_band`]).
+    pub band: IBuf,
 }
 
 impl Scratch {
@@ -124,6 +126,7 @@ impl Scratch {
             hmix: be.alloc(cap * n)?,
             logits: be.alloc(logit_rows.max(1) * hp.n_vocab)?,
             argmax: be.alloc_i32(1)?,
+            band: be.alloc_i32(crate::sampler::BAND_HEAD + 2 * crate::sampler::BAND_CAP)?,
         })
     }
 
@@ -159,7 +162,14 @@ impl Scratch {
         ] {
             be.free(b);
         }
-        for b in [self.tokens, self.pos, self.sel, self.eids, self.argmax] {
+        for b in [
+            self.tokens,
+            self.pos,
+            self.sel,
+            self.eids,
+            self.argmax,
+            self.band,
+        ] {
             be.free_i32(b);
         }
         for b in self.sels {

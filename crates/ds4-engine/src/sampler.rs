@@ -9,7 +9,10 @@
 
 use crate::error::{EngineError, Result};
 
+mod band;
 mod fast;
+
+pub use band::{band_words, LogitBand, BAND_CAP, BAND_FIRST_READ, BAND_HEAD};
 
 /// Sampling parameters. The defaults are greedy decoding.
 #[derive(Debug, Clone, PartialEq)]
@@ -271,8 +274,7 @@ impl Sampler {
         // * otherwise a guessed threshold holding the mass the walks need, checked
         //   afterwards (a walk that runs off its end starts again with every token).
         let min_p_cut = if cfg.min_p > 0.0 {
-            let c = top + temp * (cfg.min_p as f64).ln();
-            round_down(c - 1e-6 * (1.0 + c.abs()))
+            min_p_cut(top, temp, cfg.min_p)
         } else {
             f32::NEG_INFINITY
         };
@@ -285,6 +287,17 @@ impl Sampler {
             if let Some(t) = fast::sample(fast, l, top32, cfg, u, min_p_cut) {
                 return Ok(t);
             }
+        }
+        if top_k == 0 && !need_z && cfg.min_p > 0.0 {
+            // Min-p alone: the draw depends only on the logits at or above the cut (the
+            // same walk as `sample_band`'s).
+            if min_p_cut == f32::NEG_INFINITY {
+                keys.clear();
+                keys.extend(l.iter().enumerate().map(|(i, &x)| key(x, i)));
+            } else {
+                collect_at_least(l, min_p_cut, keys, usize::MAX);
+            }
+            return Ok(walk_min_p(keys, top, inv_t, cfg.min_p, u));
         }
         let mut vocab_mass = f64::NAN;
         let (cut, mut z, complete) = if top_k > 0 {
@@ -413,6 +426,102 @@ impl Sampler {
             return Ok(id(keys[keep - 1]));
         }
     }
+}
+
+impl Sampler {
+    /// [`Sampler::sample`] from a [`LogitBand`] of the row instead of the row: the same
+    /// token, the same errors, one uniform draw. `Ok(None)` (nothing drawn) when these
+    /// settings need more than a band ([`SamplerConfig::band_span`]) or this band is short
+    /// (its threshold above the exact cut, or items cut off by its capacity): then sample
+    /// the full row.
+    pub fn sample_band(&mut self, band: &LogitBand) -> Result<Option<u32>> {
+        if let Some(i) = band.first_nan {
+            return Err(EngineError::Sampler(format!("logit {i} is NaN")));
+        }
+        let cfg = &self.cfg;
+        if cfg.band_span().is_none() {
+            return Ok(None);
+        }
+        let top32 = band.max;
+        if top32 == f32::INFINITY {
+            let i = band.first_pos_inf.unwrap_or(0);
+            return Err(EngineError::Sampler(format!("logit {i} is +inf")));
+        }
+        if top32 == f32::NEG_INFINITY {
+            return Err(EngineError::Sampler("every logit is -inf".into()));
+        }
+        let (top, temp) = (top32 as f64, cfg.temperature as f64);
+        let cut = min_p_cut(top, temp, cfg.min_p);
+        let reaches = band.threshold <= cut; // false for a NaN threshold too
+        if !reaches || !band.is_complete() {
+            return Ok(None);
+        }
+        let u = self.rng.next_f64();
+        let keys = &mut self.keys;
+        keys.clear();
+        keys.extend(
+            band.items
+                .iter()
+                .filter(|&&(_, x)| x >= cut)
+                .map(|&(i, x)| key(x, i as usize)),
+        );
+        if keys.is_empty() {
+            // The band lacks its own maximum: not a band of one row.
+            return Err(EngineError::Sampler(
+                "a logits band without its maximum".into(),
+            ));
+        }
+        Ok(Some(walk_min_p(keys, top, 1.0 / temp, cfg.min_p, u)))
+    }
+}
+
+/// The min-p cut of [`Sampler::sample`]: `max + T·ln(min_p)` with a little slack, as an
+/// f32 at or below it (the exact probability test of [`walk_min_p`] decides).
+fn min_p_cut(top: f64, temp: f64, min_p: f32) -> f32 {
+    let c = top + temp * (min_p as f64).ln();
+    round_down(c - 1e-6 * (1.0 + c.abs()))
+}
+
+/// The value of a candidate's sort key ([`key`] inverted): the logit's exact bits.
+fn key_value(k: u64) -> f32 {
+    let o = (k >> 32) as u32;
+    f32::from_bits(if o >> 31 == 1 { o & 0x7fff_ffff } else { !o })
+}
+
+/// The min-p draw (top-k and top-p off) over `keys`, every candidate at or above the cut
+/// in index order: keep the sorted prefix with probability >= min_p · p_max, then walk it
+/// with the uniform `u` against its mass. What [`Sampler::sample`]'s general walk does for
+/// these settings, shared with [`Sampler::sample_band`] so both give the same token.
+fn walk_min_p(keys: &mut [u64], top: f64, inv_t: f64, min_p: f32, u: f64) -> u32 {
+    let e = |k: u64| ((key_value(k) as f64 - top) * inv_t).exp();
+    let n_keys = keys.len();
+    let mut sorted = 0usize;
+    if n_keys <= SORT_WHOLE {
+        ensure_sorted(keys, &mut sorted, n_keys);
+    }
+    ensure_sorted(keys, &mut sorted, 1);
+    let floor = min_p as f64 * e(keys[0]);
+    let mut m = 0;
+    while m < n_keys {
+        ensure_sorted(keys, &mut sorted, m + 1);
+        if e(keys[m]) < floor {
+            break;
+        }
+        m += 1;
+    }
+    let keep = m.max(1);
+    let total: f64 = keys[..keep].iter().map(|&k| e(k)).sum();
+    let mut r = u * total;
+    for i in 0..keep {
+        ensure_sorted(keys, &mut sorted, i + 1);
+        let v = e(keys[i]);
+        if r < v {
+            return id(keys[i]);
+        }
+        r -= v;
+    }
+    ensure_sorted(keys, &mut sorted, keep);
+    id(keys[keep - 1])
 }
 
 /// The largest f32 at or below `c` (so `x >= result` keeps every `x >= c`).
@@ -1180,5 +1289,100 @@ mod tests {
             with_nan[n - 1] = f32::NAN;
             assert!(scan(&with_nan).1, "n {n}");
         }
+    }
+
+    /// The band path against the row path: same token stream for the same seed (ties,
+    /// -0.0, -inf rows, excluded indices, flat rows whose band overflows its capacity and
+    /// falls back), and declining never consumes a draw.
+    #[test]
+    fn band_draws_the_rows_token() {
+        let mut rng = Rng::new(77);
+        let mut declined = 0;
+        let mut drawn = 0;
+        for (case, &(n, shape, temperature, min_p)) in [
+            (2000usize, 0u64, 1.0f32, 0.05f32),
+            (2000, 1, 0.7, 0.1),
+            (2000, 2, 1.0, 0.3),
+            (2000, 3, 1.3, 0.05),
+            (5000, 4, 1.0, 0.05),
+            (3000, 0, 1.0, 0.001),
+            (3000, 0, 4.0, 0.05),
+            (129_280, 4, 1.0, 0.05),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let cfg = SamplerConfig {
+                temperature,
+                min_p,
+                seed: 1000 + case as u64,
+                ..SamplerConfig::default()
+            };
+            let span = cfg.band_span().unwrap();
+            let (mut by_row, mut by_band) = (
+                Sampler::new(cfg.clone()).unwrap(),
+                Sampler::new(cfg).unwrap(),
+            );
+            for step in 0..24 {
+                let mut l = random_logits(&mut rng, n, shape);
+                let exclude = (step % 3 == 0).then_some((step * 131 % n) as u32);
+                let cap = if step % 4 == 1 { 8 } else { BAND_CAP };
+                let band = LogitBand::from_words(&band_words(&l, span, exclude, cap)).unwrap();
+                if let Some(e) = exclude {
+                    l[e as usize] = f32::NEG_INFINITY;
+                }
+                let want = by_row.sample(&l, &[]).unwrap();
+                let got = match by_band.sample_band(&band).unwrap() {
+                    Some(t) => {
+                        drawn += 1;
+                        t
+                    }
+                    None => {
+                        declined += 1;
+                        by_band.sample(&l, &[]).unwrap()
+                    }
+                };
+                assert_eq!(got, want, "case {case} step {step}");
+            }
+        }
+        // Both outcomes ran (flat rows and capacity 8 overflow; peaked rows fit).
+        assert!(
+            drawn > 50 && declined > 10,
+            "drawn {drawn} declined {declined}"
+        );
+    }
+
+    #[test]
+    fn band_errors_match_the_rows() {
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            min_p: 0.05,
+            ..SamplerConfig::default()
+        };
+        let span = cfg.band_span().unwrap();
+        let mut s = Sampler::new(cfg.clone()).unwrap();
+        for l in [
+            vec![1.0f32, f32::NAN, 2.0, f32::NAN],
+            vec![1.0, f32::INFINITY, 2.0, f32::INFINITY],
+            vec![f32::NEG_INFINITY; 5],
+        ] {
+            let band = LogitBand::from_words(&band_words(&l, span, None, 16)).unwrap();
+            let want = s.sample(&l, &[]).unwrap_err().to_string();
+            let got = s.sample_band(&band).unwrap_err().to_string();
+            assert_eq!(got, want);
+        }
+        // Settings that need the whole row decline without drawing.
+        let mut greedyish = Sampler::new(SamplerConfig { top_p: 0.9, ..cfg }).unwrap();
+        let band = LogitBand::from_words(&band_words(&[1.0, 2.0], span, None, 16)).unwrap();
+        assert_eq!(greedyish.sample_band(&band).unwrap(), None);
+        // A band that does not hold its own maximum is refused by name.
+        let mut broken = band.clone();
+        broken.items.clear();
+        broken.count = 0;
+        assert!(s
+            .sample_band(&broken)
+            .unwrap_err()
+            .to_string()
+            .contains("maximum"));
     }
 }

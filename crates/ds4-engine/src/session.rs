@@ -131,6 +131,24 @@ impl Session {
         e.eval_argmax(s, &[token])
     }
 
+    /// Feeds `token` and returns the sampling band of the next logits
+    /// ([`Engine::eval_band`]); when the band is short for the draw,
+    /// [`Session::last_logits_into`] fetches the row.
+    pub fn decode_band(
+        &mut self,
+        token: u32,
+        span: f32,
+        exclude: Option<u32>,
+    ) -> Result<crate::sampler::LogitBand> {
+        let (e, s) = self.st();
+        e.eval_band(s, &[token], span, exclude)
+    }
+
+    /// The logits row of the last [`Session::decode_band`] or [`Session::decode_argmax`].
+    pub fn last_logits_into(&mut self, logits: &mut Vec<f32>) -> Result<()> {
+        self.engine.last_logits_into(logits)
+    }
+
     pub fn decode_into(&mut self, token: u32, logits: &mut Vec<f32>) -> Result<()> {
         let (e, s) = self.st();
         e.eval_into(s, &[token], Logits::Last, None, logits)

@@ -693,6 +693,28 @@ pub fn argmax(x: Slice, out: IBuf) -> BResult<()> {
     Ok(())
 }
 
+pub fn logit_band(x: Slice, span: f32, out: IBuf) -> BResult<()> {
+    const OP: &str = "logit_band";
+    in_range(x, OP)?;
+    if x.len == 0 || x.len > i32::MAX as usize {
+        return Err(invalid(OP, format!("{} values", x.len)));
+    }
+    if out.len() < crate::sampler::BAND_HEAD {
+        return Err(invalid(
+            OP,
+            format!(
+                "{} words cannot hold the {}-word header",
+                out.len(),
+                crate::sampler::BAND_HEAD
+            ),
+        ));
+    }
+    if span.is_nan() || span < 0.0 {
+        return Err(invalid(OP, format!("span {span} must be >= 0")));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -418,6 +418,15 @@ impl Conversation {
         // instead of the logits row (not with ignore_eos, which edits the row, nor when
         // the logits must be kept).
         let device_argmax = sampler.is_greedy() && !ignore_eos && !feed_all;
+        // A min-p sampler draws from the band of logits near the maximum: the backend finds
+        // it and a few hundred bytes cross back (the EOS mask applied there); a band short
+        // for the draw brings the row after all (docs/server.md §6).
+        let band_span = if device_argmax || feed_all {
+            None
+        } else {
+            sampler.config().band_span()
+        };
+        let mask = ignore_eos.then_some(limits.eos);
         let mut next: Option<u32> = None;
         let stop = loop {
             let (tok, flow) = match gen.pick(&mut logits, next.take(), sampler, cancel, steer) {
@@ -443,6 +452,12 @@ impl Conversation {
             }
             if device_argmax {
                 next = Some(self.session.decode_argmax(tok)?);
+            } else if let Some(span) = band_span {
+                let band = self.session.decode_band(tok, span, mask)?;
+                next = sampler.sample_band(&band)?;
+                if next.is_none() {
+                    self.session.last_logits_into(&mut logits)?;
+                }
             } else {
                 self.session.decode_into(tok, &mut logits)?;
             }

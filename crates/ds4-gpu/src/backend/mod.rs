@@ -674,6 +674,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_scatter_rows",
     "ds4_sum_slots",
     "ds4_argmax",
+    "ds4_logit_band",
     "ds4_attention_split",
     "ds4_attention_combine",
     "ds4_attention_split_seqs",
@@ -1732,6 +1733,11 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
         validate::argmax(x, out)?;
         self.op_argmax(x, out)
+    }
+
+    fn logit_band(&mut self, x: Slice, span: f32, exclude: Option<u32>, out: IBuf) -> BResult<()> {
+        validate::logit_band(x, span, out)?;
+        self.op_logit_band(x, span, exclude, out)
     }
 
     fn annotate(&mut self, tag: &'static str) {

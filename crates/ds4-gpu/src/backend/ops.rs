@@ -2801,6 +2801,35 @@ impl<D: GpuApi> GpuBackend<D> {
         )
     }
 
+    pub(super) fn op_logit_band(
+        &mut self,
+        x: Slice,
+        span: f32,
+        exclude: Option<u32>,
+        out: IBuf,
+    ) -> BResult<()> {
+        const OP: &str = "logit_band";
+        let cap = (out.len() - ds4_engine::sampler::BAND_HEAD) / 2;
+        // An index past the row excludes nothing (the definition's reading).
+        let ex = exclude
+            .filter(|&e| (e as usize) < x.len)
+            .map_or(-1, |e| e as i32);
+        let (xp, op_) = (self.fptr(x, OP)?, self.iptr(out, OP)?);
+        self.launch(
+            "ds4_logit_band",
+            (1, 1, 1),
+            1024,
+            &[
+                Arg::Ptr(xp),
+                i32a(OP, "values", x.len)?,
+                Arg::F32(span),
+                Arg::I32(ex),
+                i32a(OP, "capacity", cap)?,
+                Arg::Ptr(op_),
+            ],
+        )
+    }
+
     pub(super) fn op_norm_rope(
         &mut self,
         x: Slice,

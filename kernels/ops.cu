@@ -496,14 +496,22 @@ ds4_norm_rope(float* x, const float* w, int width, float eps, const float* freqs
 extern "C" __global__ void __launch_bounds__(256)
 ds4_norm_rope2(float* xa, const float* wa, int heads_a, int fp8_a, int rows_a, float* xb,
                const float* wb, int heads_b, int fp8_b, int width, float eps, const float* freqs,
-               int rope_dim, ds4_size pos0, ds4_size pos_step, const int* row_pos) {
+               int rope_dim, ds4_size pos0, ds4_size pos_step, const int* row_pos, float* ring_b,
+               ds4_size slot) {
     ds4_grid_wait();
     __shared__ double sh[256];
     const bool first = (int)blockIdx.x < rows_a;
     const ds4_size row = first ? blockIdx.x : blockIdx.x - rows_a;
     const ds4_size p = ds4_row_pos(row_pos, row / (first ? heads_a : heads_b), pos0, pos_step);
-    ds4_norm_rope_row((first ? xa : xb) + row * width, first ? wa : wb, width, eps, freqs, rope_dim,
-                      p, first ? fp8_a : fp8_b, sh);
+    float* const x = (first ? xa : xb) + row * width;
+    ds4_norm_rope_row(x, first ? wa : wb, width, eps, freqs, rope_dim, p, first ? fp8_a : fp8_b,
+                      sh);
+    // A one-token step's KV row (b's only row) also goes to its window ring slot: what
+    // ds4_ring_store would copy after the attention, which never reads this slot.
+    if (!first && ring_b) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < width; i += blockDim.x) ring_b[slot * width + i] = x[i];
+    }
 }
 
 // One block (256 threads) per row of `width` (a power of two, <= 4096): normalised

@@ -894,6 +894,44 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             |g| g.norm_rope_pair(ga, gb),
         )
     }
+    fn norm_rope_pair_store(
+        &mut self,
+        a: NormRopeCall,
+        b: NormRopeCall,
+        store: RingStoreCall,
+    ) -> BResult<()> {
+        let side = |m: &Self, x: NormRopeCall, cpu: bool| {
+            let (ca, ga) = m.rope_args(x.rope);
+            NormRopeCall {
+                x: if cpu { m.c(x.x) } else { m.g(x.x) },
+                w: x.w.map(|w| if cpu { m.cw(w) } else { m.gw(w) }),
+                rope: if cpu { ca } else { ga },
+                ..x
+            }
+        };
+        let st = |m: &Self, cpu: bool| RingStoreCall {
+            ring: if cpu {
+                m.c(store.ring)
+            } else {
+                m.g(store.ring)
+            },
+            kv: if cpu { m.c(store.kv) } else { m.g(store.kv) },
+            ..store
+        };
+        let (ca, cb, cs) = (side(self, a, true), side(self, b, true), st(self, true));
+        let (ga, gb, gs) = (side(self, a, false), side(self, b, false), st(self, false));
+        let n = |x: NormRopeCall| x.rope.n_rows * x.rope.n_heads * x.rope.head_dim;
+        self.run(
+            "norm_rope_pair_store",
+            &[
+                Out::Rw(a.x.sub(0, n(a))),
+                Out::Rw(b.x.sub(0, n(b))),
+                Out::Rw(store.ring),
+            ],
+            |r| r.norm_rope_pair_store(ca, cb, cs),
+            |g| g.norm_rope_pair_store(ga, gb, gs),
+        )
+    }
     fn matmul_pair(
         &mut self,
         wa: Weight,

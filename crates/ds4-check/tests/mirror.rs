@@ -40,6 +40,7 @@ fn drive<R: Backend + 'static, C: Backend + 'static>(mirror: Mirror<R, C>) -> St
             .unwrap();
     }
     eng.eval_argmax(&mut st, &toks[..1]).unwrap();
+    eng.eval_band(&mut st, &toks[1..2], 2.0, None).unwrap();
     stats
 }
 
@@ -69,11 +70,13 @@ fn the_cpu_mirrored_against_itself_agrees_on_every_op() {
         "hc_post_mix_pre_norm",
         "hc_post_add",
         "norm_rope_pair",
+        "norm_rope_pair_store",
         "rms_norm_matmul",
         "rope_matmul_grouped",
         "compressor_pair",
         "swiglu_matmul",
         "argmax",
+        "logit_band",
     ] {
         assert!(stats.get(op).is_some_and(|s| s.calls > 0), "{op} never ran");
     }

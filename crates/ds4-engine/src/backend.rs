@@ -814,6 +814,21 @@ pub trait Backend: Send {
         self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
     }
 
+    /// [`Backend::norm_rope_pair`], then [`Backend::ring_store`] of `store` (whose `kv` is
+    /// `b.x`): a one-token step's KV row prepared and put in its window ring in one op, so a
+    /// device can store the row from the kernel that finishes it. Only for one-token steps,
+    /// whose attention never reads the slot being written (it holds the position a window
+    /// back, outside the window: docs/forward.md §5.2), so the store may precede it.
+    fn norm_rope_pair_store(
+        &mut self,
+        a: NormRopeCall,
+        b: NormRopeCall,
+        store: RingStoreCall,
+    ) -> BResult<()> {
+        self.norm_rope_pair(a, b)?;
+        self.ring_store(store.ring, store.kv, store.pos0, store.n_tok, store.window)
+    }
+
     /// [`Backend::rope`] of `x` with `rope`, then [`Backend::matmul_grouped`] of the rotated
     /// `x`: the attention output's de-rotation before `out_a`, in one op so a device can
     /// rotate inside the matmul's input stage. `x` is scratch afterwards (rotated or not).

@@ -364,22 +364,36 @@ pub(crate) fn forward(
         let kv_all = s.kv.rows(0, t, hd);
         be.matmul(lw.kv, 0, a, t, kv_all)?;
         let o_all = s.o.rows(0, t, nh * hd);
-        be.norm_rope_pair(
-            NormRopeCall {
-                x: q_all,
-                w: None,
-                eps,
-                rope: rope_step(nh, false),
-                fp8_dims: None,
-            },
-            NormRopeCall {
-                x: kv_all,
-                w: Some(lw.kv_norm),
-                eps,
-                rope: rope_step(1, false),
-                fp8_dims: official.then_some(nope),
-            },
-        )?;
+        let q_call = NormRopeCall {
+            x: q_all,
+            w: None,
+            eps,
+            rope: rope_step(nh, false),
+            fp8_dims: None,
+        };
+        let kv_call = NormRopeCall {
+            x: kv_all,
+            w: Some(lw.kv_norm),
+            eps,
+            rope: rope_step(1, false),
+            fp8_dims: official.then_some(nope),
+        };
+        // A one-token step stores its KV row in the ring right away (its attention never
+        // reads that slot); longer chunks store after their attention, which still reads
+        // the slots their rows would overwrite.
+        let store_early = !batched && t == 1;
+        if store_early {
+            let store = RingStoreCall {
+                ring: seqs[0].state.layers[il].ring.all(),
+                kv: kv_all,
+                pos0: spans[0].2,
+                n_tok: 1,
+                window: hp.sliding_window,
+            };
+            be.norm_rope_pair_store(q_call, kv_call, store)?;
+        } else {
+            be.norm_rope_pair(q_call, kv_call)?;
+        }
 
         // The compressors' and the indexer's matmuls read only the rows, not positions or
         // caches: they run once over every row of the step (each weight read once for all
@@ -567,7 +581,9 @@ pub(crate) fn forward(
             } else {
                 for (a, r) in attn.iter().zip(&stores) {
                     be.attention(*a)?;
-                    be.ring_store(r.ring, r.kv, r.pos0, r.n_tok, r.window)?;
+                    if !store_early {
+                        be.ring_store(r.ring, r.kv, r.pos0, r.n_tok, r.window)?;
+                    }
                 }
             }
         }

@@ -598,6 +598,9 @@ pub struct DecodeFusions {
     pub rope_matmul: bool,
     /// A CSA layer's two compressors in one launch (`DS4_FUSE_COMPRESSORS`).
     pub compressors: bool,
+    /// A one-token step's KV row stored in the window ring by the kernel that prepares it
+    /// (`DS4_FUSE_RING_STORE`).
+    pub ring_store: bool,
 }
 
 impl DecodeFusions {
@@ -610,6 +613,7 @@ impl DecodeFusions {
             rms_matmul: on,
             rope_matmul: on,
             compressors: on,
+            ring_store: on,
         }
     }
 
@@ -621,6 +625,7 @@ impl DecodeFusions {
             rms_matmul: env_on("DS4_FUSE_RMS_MATMUL"),
             rope_matmul: env_on("DS4_FUSE_ROPE_MATMUL"),
             compressors: env_on("DS4_FUSE_COMPRESSORS"),
+            ring_store: env_on("DS4_FUSE_RING_STORE"),
         }
     }
 }
@@ -2051,7 +2056,29 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
         validate::norm_rope(a.x, a.w, &a.rope, a.fp8_dims)?;
         validate::norm_rope(b.x, b.w, &b.rope, b.fp8_dims)?;
-        self.op_norm_rope_pair(a, b)
+        self.op_norm_rope_pair(a, b, None)
+    }
+
+    fn norm_rope_pair_store(
+        &mut self,
+        a: NormRopeCall,
+        b: NormRopeCall,
+        store: ds4_engine::backend::RingStoreCall,
+    ) -> BResult<()> {
+        validate::norm_rope(a.x, a.w, &a.rope, a.fp8_dims)?;
+        validate::norm_rope(b.x, b.w, &b.rope, b.fp8_dims)?;
+        validate::ring_store(store.ring, store.kv, store.n_tok, store.window)?;
+        // The fused store writes b's rows, so `store` must name exactly those.
+        let one_row = store.n_tok == 1
+            && b.rope.n_rows * b.rope.n_heads == 1
+            && store.kv == b.x.sub(0, store.kv.len)
+            && store.kv.len == b.rope.head_dim
+            && store.ring.len == store.window * b.rope.head_dim;
+        if self.fusions.ring_store && one_row {
+            return self.op_norm_rope_pair(a, b, Some(store));
+        }
+        self.op_norm_rope_pair(a, b, None)?;
+        self.op_ring_store(store.ring, store.kv, store.pos0, store.n_tok, store.window)
     }
 
     fn matmul_pair(

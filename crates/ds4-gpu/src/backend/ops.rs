@@ -2874,7 +2874,14 @@ impl<D: GpuApi> GpuBackend<D> {
     /// Two head preparations in one launch (`ds4_norm_rope2`) when they share the width,
     /// eps and rotation (positions, frequencies) and differ only in their heads, weight and
     /// FP8 dims — the attention's query heads and KV row; otherwise two launches.
-    pub(super) fn op_norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
+    /// `store`: b's one row also goes to its window ring (checked by the caller), from the
+    /// block that finishes it; without the paired launch, a ring-store launch after it.
+    pub(super) fn op_norm_rope_pair(
+        &mut self,
+        a: NormRopeCall,
+        b: NormRopeCall,
+        store: Option<RingStoreCall>,
+    ) -> BResult<()> {
         const OP: &str = "norm_rope";
         let same_rotation = RopeArgs {
             n_heads: a.rope.n_heads,
@@ -2895,9 +2902,17 @@ impl<D: GpuApi> GpuBackend<D> {
             || a.rope.head_dim == 0
         {
             self.op_norm_rope(a.x, a.w, a.eps, a.rope, a.fp8_dims)?;
-            return self.op_norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims);
+            self.op_norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)?;
+            if let Some(c) = store {
+                self.op_ring_store(c.ring, c.kv, c.pos0, c.n_tok, c.window)?;
+            }
+            return Ok(());
         }
         let width = a.rope.head_dim;
+        let (ring, slot) = match store {
+            Some(c) => (self.fptr(c.ring, OP)?, (c.pos0 % c.window) as u64),
+            None => (0, 0),
+        };
         let wptr = |be: &mut Self, w: Option<Weight>| match w {
             Some(w) => be.wvec(w, OP, width),
             None => Ok(0),
@@ -2927,6 +2942,8 @@ impl<D: GpuApi> GpuBackend<D> {
                 u(a.rope.pos0),
                 u(a.rope.pos_step),
                 Arg::Ptr(pp),
+                Arg::Ptr(ring),
+                Arg::U64(slot),
             ],
         )
     }

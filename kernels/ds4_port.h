@@ -253,6 +253,10 @@ __device__ __forceinline__ void ds4_cp_wait_all() {}
 template <int N> __device__ __forceinline__ void ds4_cp_wait() {}
 #endif
 
+// A device-wide memory fence: a block's global writes before it are seen by any block that
+// sees its writes after it (the "last block finishes" pattern: write, fence, count).
+__device__ __forceinline__ void ds4_fence() { __threadfence(); }
+
 // Integer shuffle through the float one (bit pattern preserved).
 __device__ __forceinline__ int ds4_shfl_xor_i(int v, int lane_mask) {
     return __float_as_int(ds4_shfl_xor(__int_as_float(v), lane_mask));

@@ -1936,9 +1936,11 @@ __device__ void ds4_att_combine_block(const float* pp, float sink, int hd, int n
     // Every split's (m, s) in one parallel round trip; the serial max and denominator then
     // walk shared memory in split order (thread 0 used to chain 2 x n_splits global loads:
     // 15.6 µs per CSA layer at 20 splits, ncu on the H200).
+    // Partials through ds4_ld_act (coherent at L2): in ds4_attention_split_combine other
+    // blocks wrote them during this kernel.
     for (int i = threadIdx.x; i < n_splits; i += blockDim.x) {
-        msh[i] = pp[i * stride];
-        ssh[i] = pp[i * stride + 1];
+        msh[i] = ds4_ld_act(pp + i * stride);
+        ssh[i] = ds4_ld_act(pp + i * stride + 1);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -1967,13 +1969,13 @@ __device__ void ds4_att_combine_block(const float* pp, float sink, int hd, int n
         for (; i + 4 <= n_splits; i += 4) {
             float v[4];
 #pragma unroll
-            for (int u = 0; u < 4; u++) v[u] = pp[(i + u) * stride + 2 + dd];
+            for (int u = 0; u < 4; u++) v[u] = ds4_ld_act(pp + (i + u) * stride + 2 + dd);
 #pragma unroll
             for (int u = 0; u < 4; u++)
                 if (wsh[i + u] != 0.0f) o += v[u] * wsh[i + u];
         }
         for (; i < n_splits; i++) {
-            if (wsh[i] != 0.0f) o += pp[i * stride + 2 + dd] * wsh[i];
+            if (wsh[i] != 0.0f) o += ds4_ld_act(pp + i * stride + 2 + dd) * wsh[i];
         }
         out[dd] = o / denom;
     }
@@ -1986,6 +1988,38 @@ ds4_attention_combine(const float* part, const float* sinks, int n_head, int hd,
     const int th = blockIdx.x;
     ds4_att_combine_block(part + (ds4_size)th * n_splits * (ds4_size)(hd + 2),
                           sinks[th % n_head], hd, n_splits, out + (ds4_size)th * hd);
+}
+
+// ds4_attention_split and ds4_attention_combine in one launch (docs/gpu.md §17): every split
+// block writes its partial, fences, and counts itself in counters[th]; the block that
+// completes the count for its (token, head) resets the counter for the next launch and
+// runs the combine over all the partials (the same code and order as the separate
+// launch, so the same values whichever block comes last). counters: one zeroed int per
+// (token, head), left zeroed.
+extern "C" __global__ void __launch_bounds__(128)
+ds4_attention_split_combine(const float* q, const float* kv, const float* ring,
+                            const float* crows, const int* idx, ds4_size pos0, int n_head,
+                            int hd, int window, int comp_mode, int ratio, int k_sel,
+                            ds4_size n_crows, float scale, int kps, float* part, int* fault,
+                            const float* sinks, float* out, int* counters) {
+    ds4_grid_wait();
+    __shared__ int s_last;
+    const int th = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    float* p0 = part + (ds4_size)th * n_splits * (ds4_size)(hd + 2);
+    ds4_att_split_block(q, kv, ring, crows, idx, pos0, th, n_head, hd, window, comp_mode, ratio,
+                        k_sel, n_crows, scale, kps, split, p0 + (ds4_size)split * (hd + 2),
+                        fault);
+    ds4_fence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(counters + th, 1);
+        s_last = done == n_splits - 1;
+        if (s_last) counters[th] = 0;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    ds4_fence();
+    ds4_att_combine_block(p0, sinks[th % n_head], hd, n_splits, out + (ds4_size)th * hd);
 }
 
 // One token of each of up to DS4_ATT_SEQS sequences (a batched decode step) in one launch

@@ -640,12 +640,15 @@ fn emulated_fused_launches_equal_the_separate_ones() {
     // Inputs of 256 values give Q8_0 rows of 272 bytes, 16-byte multiples, so the int8 GEMVs
     // that form their own input run (narrower rows take the any-alignment kernel): a query
     // rank of 256 for q_b, 8 heads of 64 in 2 groups for out_a.
+    // A 40-row window: the decode steps' attention sees more than 32 keys and takes the
+    // split-key path (with its fused combine).
     let h = ds4_model::HParams {
         q_lora_rank: 256,
         n_head: 8,
+        sliding_window: 40,
         ..common::tiny_hparams()
     };
-    for (recipe, per_layer) in [(TypeRecipe::Q2, 7), (TypeRecipe::Q4, 8)] {
+    for (recipe, per_layer) in [(TypeRecipe::Q2, 8), (TypeRecipe::Q4, 9)] {
         let dir = tempfile::tempdir().unwrap();
         let file = model_file_from(dir.path(), h.clone(), recipe);
         let run = |fuse: bool| {
@@ -660,11 +663,12 @@ fn emulated_fused_launches_equal_the_separate_ones() {
             };
             let mut eng = Engine::load(file.clone(), Box::new(gpu), cfg).unwrap();
             let vocab = eng.hparams().n_vocab as u32;
-            let toks: Vec<u32> = (0..24u32).map(|i| (i * 53 + 7) % vocab).collect();
+            // 40 prompt tokens fill the window.
+            let toks: Vec<u32> = (0..44u32).map(|i| (i * 53 + 7) % vocab).collect();
             let mut st = eng.new_state().unwrap();
-            let mut rows = eng.eval(&mut st, &toks[..20], Logits::All, None).unwrap();
+            let mut rows = eng.eval(&mut st, &toks[..40], Logits::All, None).unwrap();
             let before = eng.backend_mut().counters().launches;
-            for t in &toks[20..] {
+            for t in &toks[40..] {
                 rows.extend(
                     eng.eval(&mut st, std::slice::from_ref(t), Logits::Last, None)
                         .unwrap(),
@@ -694,6 +698,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         );
         // 4 decode steps; per layer two HCPost launches fewer (except the last layer's
         // second, which is applied before the head either way), the KV row's ring store,
+        // the attention's combine,
         // one head preparation, the
         // query's RMSNorm, the output's de-rotation, the shared expert's SwiGLU and (q4)
         // the routed experts' `ds4_moe_act`; per CSA layer one compressor launch.

@@ -601,6 +601,9 @@ pub struct DecodeFusions {
     /// A one-token step's KV row stored in the window ring by the kernel that prepares it
     /// (`DS4_FUSE_RING_STORE`).
     pub ring_store: bool,
+    /// Split-key attention's combine run by each head's last split block
+    /// (`DS4_FUSE_ATT_COMBINE`).
+    pub att_combine: bool,
 }
 
 impl DecodeFusions {
@@ -614,6 +617,7 @@ impl DecodeFusions {
             rope_matmul: on,
             compressors: on,
             ring_store: on,
+            att_combine: on,
         }
     }
 
@@ -626,6 +630,7 @@ impl DecodeFusions {
             rope_matmul: env_on("DS4_FUSE_ROPE_MATMUL"),
             compressors: env_on("DS4_FUSE_COMPRESSORS"),
             ring_store: env_on("DS4_FUSE_RING_STORE"),
+            att_combine: env_on("DS4_FUSE_ATT_COMBINE"),
         }
     }
 }
@@ -682,6 +687,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_logit_band",
     "ds4_attention_split",
     "ds4_attention_combine",
+    "ds4_attention_split_combine",
     "ds4_attention_split_seqs",
     "ds4_compressor_seqs",
     "ds4_compressor2",
@@ -1204,6 +1210,11 @@ impl<D: GpuApi> GpuBackend<D> {
             self.scratch.insert(name, b);
         }
         Ok(self.scratch[name].device_address())
+    }
+
+    /// Whether scratch `name` exists (its contents survive until it grows).
+    pub(crate) fn has_scratch(&self, name: &'static str) -> bool {
+        self.scratch.contains_key(name)
     }
 
     /// Copies `src` into scratch `name` (i32 values) and returns its address.

@@ -1995,6 +1995,24 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(part),
                 Arg::Ptr(self.fault_ptr()),
             ]);
+            if self.fusions.att_combine {
+                // One zeroed counter per (token, head); the kernel leaves them zeroed.
+                if !self.has_scratch("att_count") {
+                    self.upload_scratch_i32("att_count", &[0; ATT_SPLIT_BELOW_BLOCKS])?;
+                }
+                let counters = self.scratch("att_count", 4 * ATT_SPLIT_BELOW_BLOCKS)?;
+                args.extend([
+                    Arg::Ptr(sinks),
+                    Arg::Ptr(self.fptr(a.out, OP)?),
+                    Arg::Ptr(counters),
+                ]);
+                return self.launch(
+                    "ds4_attention_split_combine",
+                    (g32(t * nh), g32(pl.splits), 1),
+                    128,
+                    &args,
+                );
+            }
             self.launch(
                 "ds4_attention_split",
                 (g32(t * nh), g32(pl.splits), 1),

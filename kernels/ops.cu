@@ -343,6 +343,18 @@ __device__ __forceinline__ ds4_size ds4_row_pos(const int* row_pos, ds4_size r, 
     return row_pos ? (ds4_size)row_pos[r] : pos0 + r * pos_step;
 }
 
+// The rotation of one RoPE pair t[0], t[1] by position p and frequency `freq` (inverse:
+// the opposite angle): ds4_rope's expressions, shared with ds4_rope_qat_hfp4.
+__device__ __forceinline__ void ds4_rope_pair(float* t, ds4_size p, float freq, int inverse) {
+    const double ang = (double)((float)p * freq);
+    const float c = (float)cos(ang);
+    float s = (float)sin(ang);
+    if (inverse) s = -s;
+    const float u = t[0], v = t[1];
+    t[0] = u * c - v * s;
+    t[1] = u * s + v * c;
+}
+
 // RoPE: one thread per (row, head, pair). freqs[j], j < rope_dim/2.
 extern "C" __global__ void ds4_rope(float* x, const float* freqs, int n_rows, int n_heads,
                                     int head_dim, int rope_dim, ds4_size pos0, ds4_size pos_step,
@@ -355,14 +367,7 @@ extern "C" __global__ void ds4_rope(float* x, const float* freqs, int n_rows, in
         const ds4_size rh = e / half;
         const ds4_size r = rh / n_heads;
         const ds4_size p = ds4_row_pos(row_pos, r, pos0, pos_step);
-        const double ang = (double)((float)p * freqs[j]);
-        const float c = (float)cos(ang);
-        float s = (float)sin(ang);
-        if (inverse) s = -s;
-        float* t = x + rh * head_dim + (head_dim - rope_dim) + 2 * j;
-        const float u = t[0], v = t[1];
-        t[0] = u * c - v * s;
-        t[1] = u * s + v * c;
+        ds4_rope_pair(x + rh * head_dim + (head_dim - rope_dim) + 2 * j, p, freqs[j], inverse);
     }
 }
 
@@ -514,15 +519,9 @@ ds4_norm_rope2(float* xa, const float* wa, int heads_a, int fp8_a, int rows_a, f
     }
 }
 
-// One block (256 threads) per row of `width` (a power of two, <= 4096): normalised
-// Walsh-Hadamard transform in shared memory, then FP4 in blocks of 32.
-extern "C" __global__ void __launch_bounds__(256)
-ds4_qat_hfp4(float* x, int width, float norm) {
-    ds4_grid_wait();
-    __shared__ float v[4096];
-    float* row = x + (ds4_size)blockIdx.x * width;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) v[i] = row[i];
-    __syncthreads();
+// The Hadamard FP4 simulation of one row already in shared memory (v, width <= 4096): the
+// normalised Walsh-Hadamard transform in place, then FP4 in blocks of 32, written to row.
+__device__ __forceinline__ void ds4_hfp4_shared(float* row, float* v, int width, float norm) {
     for (int h = 1; h < width; h *= 2) {
         for (int p = threadIdx.x; p < width / 2; p += blockDim.x) {
             const int i = (p / h) * 2 * h + (p % h);
@@ -547,6 +546,35 @@ ds4_qat_hfp4(float* x, int width, float norm) {
         const float s = ds4_pow2_ceil(amax * (1.0f / 6.0f));
         row[32 * b + lane] = s * ds4_e2m1_round(fminf(fmaxf(q / s, -6.0f), 6.0f));
     }
+}
+
+// One block (256 threads) per row of `width` (a power of two, <= 4096): normalised
+// Walsh-Hadamard transform in shared memory, then FP4 in blocks of 32.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_qat_hfp4(float* x, int width, float norm) {
+    ds4_grid_wait();
+    __shared__ float v[4096];
+    float* row = x + (ds4_size)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) v[i] = row[i];
+    __syncthreads();
+    ds4_hfp4_shared(row, v, width, norm);
+}
+
+// ds4_rope of a row's last rope_dim dims, then ds4_qat_hfp4 of the row, in one block per row
+// (row r·n_heads + h at position ds4_row_pos(r)): the indexer's query heads (docs/gpu.md §17).
+extern "C" __global__ void __launch_bounds__(256)
+ds4_rope_qat_hfp4(float* x, int width, float norm, const float* freqs, int n_heads,
+                  int rope_dim, ds4_size pos0, ds4_size pos_step, const int* row_pos) {
+    ds4_grid_wait();
+    __shared__ float v[4096];
+    float* row = x + (ds4_size)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) v[i] = row[i];
+    __syncthreads();
+    const ds4_size p = ds4_row_pos(row_pos, blockIdx.x / n_heads, pos0, pos_step);
+    for (int j = threadIdx.x; j < rope_dim / 2; j += blockDim.x)
+        ds4_rope_pair(v + (width - rope_dim) + 2 * j, p, freqs[j], 0);
+    __syncthreads();
+    ds4_hfp4_shared(row, v, width, norm);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -571,6 +571,22 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             |b| b.qat_hadamard_fp4(gx, rows, width),
         )
     }
+    fn rope_qat_hadamard_fp4(
+        &mut self,
+        x: Slice,
+        rope: RopeArgs,
+        rows: usize,
+        width: usize,
+    ) -> BResult<()> {
+        let (cx, gx) = (self.c(x), self.g(x));
+        let (ca, ga) = self.rope_args(rope);
+        self.run(
+            "rope_qat_hadamard_fp4",
+            &[Out::Rw(x.sub(0, rows * width))],
+            |b| b.rope_qat_hadamard_fp4(cx, ca, rows, width),
+            |b| b.rope_qat_hadamard_fp4(gx, ga, rows, width),
+        )
+    }
     fn embed(
         &mut self,
         table: Weight,

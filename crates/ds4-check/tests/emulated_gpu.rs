@@ -698,7 +698,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         );
         // 4 decode steps; per layer two HCPost launches fewer (except the last layer's
         // second, which is applied before the head either way), the KV row's ring store,
-        // the attention's combine,
+        // the attention's combine, (per CSA layer) the indexer query's RoPE,
         // one head preparation, the
         // query's RMSNorm, the output's de-rotation, the shared expert's SwiGLU and (q4)
         // the routed experts' `ds4_moe_act`; per CSA layer one compressor launch.
@@ -708,7 +708,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         assert!(csa > 0);
         assert_eq!(
             plain_launches - fused_launches,
-            4 * (per_layer * layers - 1 + csa),
+            4 * (per_layer * layers - 1 + 2 * csa),
             "{recipe:?}"
         );
     }

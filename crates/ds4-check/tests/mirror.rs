@@ -71,6 +71,7 @@ fn the_cpu_mirrored_against_itself_agrees_on_every_op() {
         "hc_post_add",
         "norm_rope_pair",
         "norm_rope_pair_store",
+        "rope_qat_hadamard_fp4",
         "rms_norm_matmul",
         "rope_matmul_grouped",
         "compressor_pair",

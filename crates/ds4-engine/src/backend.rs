@@ -814,6 +814,20 @@ pub trait Backend: Send {
         self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
     }
 
+    /// [`Backend::rope`] of `x` with `rope`, then [`Backend::qat_hadamard_fp4`] of its
+    /// `rows` rows of `width` (= the head dim): the indexer's query heads in official mode,
+    /// in one op so a device can rotate a row in the block that transforms it.
+    fn rope_qat_hadamard_fp4(
+        &mut self,
+        x: Slice,
+        rope: RopeArgs,
+        rows: usize,
+        width: usize,
+    ) -> BResult<()> {
+        self.rope(x, rope)?;
+        self.qat_hadamard_fp4(x, rows, width)
+    }
+
     /// [`Backend::norm_rope_pair`], then [`Backend::ring_store`] of `store` (whose `kv` is
     /// `b.x`): a one-token step's KV row prepared and put in its window ring in one op, so a
     /// device can store the row from the kernel that finishes it. Only for one-token steps,

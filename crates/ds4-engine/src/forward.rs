@@ -429,9 +429,10 @@ pub(crate) fn forward(
                         row_pos,
                         ..rope(t, ih, id, pos_first, 1)
                     };
-                    be.rope(iq_all, iq_rope)?;
                     if official {
-                        be.qat_hadamard_fp4(iq_all, t * ih, id)?;
+                        be.rope_qat_hadamard_fp4(iq_all, iq_rope, t * ih, id)?;
+                    } else {
+                        be.rope(iq_all, iq_rope)?;
                     }
                 }
                 Some((cu, cz))

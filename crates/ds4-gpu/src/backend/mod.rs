@@ -604,6 +604,8 @@ pub struct DecodeFusions {
     /// Split-key attention's combine run by each head's last split block
     /// (`DS4_FUSE_ATT_COMBINE`).
     pub att_combine: bool,
+    /// The indexer query's RoPE in its Hadamard FP4 kernel (`DS4_FUSE_ROPE_QAT`).
+    pub rope_qat: bool,
 }
 
 impl DecodeFusions {
@@ -618,6 +620,7 @@ impl DecodeFusions {
             compressors: on,
             ring_store: on,
             att_combine: on,
+            rope_qat: on,
         }
     }
 
@@ -631,6 +634,7 @@ impl DecodeFusions {
             compressors: env_on("DS4_FUSE_COMPRESSORS"),
             ring_store: env_on("DS4_FUSE_RING_STORE"),
             att_combine: env_on("DS4_FUSE_ATT_COMBINE"),
+            rope_qat: env_on("DS4_FUSE_ROPE_QAT"),
         }
     }
 }
@@ -688,6 +692,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_split",
     "ds4_attention_combine",
     "ds4_attention_split_combine",
+    "ds4_rope_qat_hfp4",
     "ds4_attention_split_seqs",
     "ds4_compressor_seqs",
     "ds4_compressor2",
@@ -1857,6 +1862,18 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
         validate::qat_hadamard_fp4(x, rows, width)?;
         self.op_qat_hfp4(x, rows, width)
+    }
+
+    fn rope_qat_hadamard_fp4(
+        &mut self,
+        x: Slice,
+        rope: ds4_engine::backend::RopeArgs,
+        rows: usize,
+        width: usize,
+    ) -> BResult<()> {
+        validate::rope(x, &rope)?;
+        validate::qat_hadamard_fp4(x, rows, width)?;
+        self.op_rope_qat_hfp4(x, rope, rows, width)
     }
 
     fn embed(

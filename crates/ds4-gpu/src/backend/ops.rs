@@ -1138,6 +1138,55 @@ impl<D: GpuApi> GpuBackend<D> {
         )
     }
 
+    /// One block per row: RoPE, then the Hadamard FP4 simulation, when the rows are the
+    /// rotated heads (one row per head, width = head dim, forward rotation); else the two
+    /// launches.
+    pub(super) fn op_rope_qat_hfp4(
+        &mut self,
+        x: Slice,
+        a: RopeArgs,
+        rows: usize,
+        width: usize,
+    ) -> BResult<()> {
+        const OP: &str = "qat_hadamard_fp4";
+        let rd = a.freq.rope_dim;
+        let fits = self.fusions.rope_qat
+            && !a.inverse
+            && a.head_dim == width
+            && a.n_rows * a.n_heads == rows
+            && rd <= width
+            && rd.is_multiple_of(2)
+            && width.is_power_of_two()
+            && (32..=4096).contains(&width);
+        if !fits {
+            self.op_rope(x, a)?;
+            return self.op_qat_hfp4(x, rows, width);
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let norm = (1.0 / (width as f64).sqrt()) as f32;
+        let fp = self.freqs_ptr(&a)?;
+        let xp = self.fptr(x, OP)?;
+        let pp = self.row_pos_ptr(&a, OP)?;
+        self.launch(
+            "ds4_rope_qat_hfp4",
+            (g32(rows), 1, 1),
+            256,
+            &[
+                Arg::Ptr(xp),
+                i32a(OP, "width", width)?,
+                Arg::F32(norm),
+                Arg::Ptr(fp),
+                i32a(OP, "heads", a.n_heads)?,
+                i32a(OP, "rope dim", rd)?,
+                u(a.pos0),
+                u(a.pos_step),
+                Arg::Ptr(pp),
+            ],
+        )
+    }
+
     pub(super) fn op_embed(
         &mut self,
         table: Weight,

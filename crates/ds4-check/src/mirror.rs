@@ -252,6 +252,24 @@ impl<R: Backend, C: Backend> Mirror<R, C> {
         }
     }
     /// `a` for each backend (its row positions, if any, are a buffer of each).
+    /// A [`NormRopeCall`] on the reference's and on the candidate's buffers.
+    fn norm_rope_sides(&self, x: NormRopeCall) -> (NormRopeCall, NormRopeCall) {
+        let (ca, ga) = self.rope_args(x.rope);
+        let c = NormRopeCall {
+            x: self.c(x.x),
+            w: x.w.map(|w| self.cw(w)),
+            rope: ca,
+            ..x
+        };
+        let g = NormRopeCall {
+            x: self.g(x.x),
+            w: x.w.map(|w| self.gw(w)),
+            rope: ga,
+            ..x
+        };
+        (c, g)
+    }
+
     fn rope_args(&self, a: RopeArgs) -> (RopeArgs, RopeArgs) {
         (
             RopeArgs {
@@ -891,17 +909,7 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
         )
     }
     fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
-        let side = |m: &Self, x: NormRopeCall, cpu: bool| {
-            let (ca, ga) = m.rope_args(x.rope);
-            NormRopeCall {
-                x: if cpu { m.c(x.x) } else { m.g(x.x) },
-                w: x.w.map(|w| if cpu { m.cw(w) } else { m.gw(w) }),
-                rope: if cpu { ca } else { ga },
-                ..x
-            }
-        };
-        let (ca, cb) = (side(self, a, true), side(self, b, true));
-        let (ga, gb) = (side(self, a, false), side(self, b, false));
+        let ((ca, ga), (cb, gb)) = (self.norm_rope_sides(a), self.norm_rope_sides(b));
         let n = |x: NormRopeCall| x.rope.n_rows * x.rope.n_heads * x.rope.head_dim;
         self.run(
             "norm_rope_pair",
@@ -916,26 +924,17 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
         b: NormRopeCall,
         store: RingStoreCall,
     ) -> BResult<()> {
-        let side = |m: &Self, x: NormRopeCall, cpu: bool| {
-            let (ca, ga) = m.rope_args(x.rope);
-            NormRopeCall {
-                x: if cpu { m.c(x.x) } else { m.g(x.x) },
-                w: x.w.map(|w| if cpu { m.cw(w) } else { m.gw(w) }),
-                rope: if cpu { ca } else { ga },
-                ..x
-            }
-        };
-        let st = |m: &Self, cpu: bool| RingStoreCall {
-            ring: if cpu {
-                m.c(store.ring)
-            } else {
-                m.g(store.ring)
-            },
-            kv: if cpu { m.c(store.kv) } else { m.g(store.kv) },
+        let ((ca, ga), (cb, gb)) = (self.norm_rope_sides(a), self.norm_rope_sides(b));
+        let cs = RingStoreCall {
+            ring: self.c(store.ring),
+            kv: self.c(store.kv),
             ..store
         };
-        let (ca, cb, cs) = (side(self, a, true), side(self, b, true), st(self, true));
-        let (ga, gb, gs) = (side(self, a, false), side(self, b, false), st(self, false));
+        let gs = RingStoreCall {
+            ring: self.g(store.ring),
+            kv: self.g(store.kv),
+            ..store
+        };
         let n = |x: NormRopeCall| x.rope.n_rows * x.rope.n_heads * x.rope.head_dim;
         self.run(
             "norm_rope_pair_store",

@@ -421,7 +421,9 @@ impl Conversation {
         // A min-p sampler draws from the band of logits near the maximum: the backend finds
         // it and a few hundred bytes cross back (the EOS mask applied there); a band short
         // for the draw brings the row after all (docs/server.md §6).
-        let band_span = if device_argmax || feed_all {
+        // DS4_SAMPLE_BAND=0 reads the row every token (for A/B timing).
+        let band_on = crate::load::switch_on(std::env::var("DS4_SAMPLE_BAND").ok().as_deref());
+        let band_span = if device_argmax || feed_all || !band_on {
             None
         } else {
             sampler.config().band_span()

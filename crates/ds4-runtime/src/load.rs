@@ -532,6 +532,11 @@ pub fn expert_placement(plan: &ds4_placement::Plan) -> ExpertPlacement {
 }
 
 /// `DS4_EXPERT_READAHEAD`: unset or anything but `0`/`off`/`false` means on.
+/// Whether a switch that is on by default stays on: everything but `0`, `off`, `false`.
+pub(crate) fn switch_on(v: Option<&str>) -> bool {
+    readahead_from_env(v)
+}
+
 fn readahead_from_env(v: Option<&str>) -> bool {
     !matches!(
         v.map(|s| s.trim().to_ascii_lowercase()).as_deref(),

@@ -137,3 +137,89 @@ __device__ __forceinline__ float ds4_rms_scale_as1024(const float* x, int n, flo
     __syncthreads();
     return (float)(1.0 / sqrt(ss / (double)n + (double)eps));
 }
+
+// Fault bits (crates/ds4-gpu/src/backend/fault.rs names them).
+#ifndef DS4_FAULT_TOKEN
+#define DS4_FAULT_TOKEN 1
+#define DS4_FAULT_EXPERT 2
+#define DS4_FAULT_ROW 4
+#define DS4_FAULT_TYPE 8
+#endif
+__device__ __forceinline__ void ds4_fault(int* fault, int bit) { atomicOr(fault, bit); }
+
+// Order-preserving map of f32 to u32 (the order of f32::total_cmp).
+__device__ __forceinline__ ds4_u32 ds4_key(float f) {
+    const ds4_u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float ds4_sqrtsoftplus(float x) {
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    return sqrtf(sp);
+}
+
+// The router of one token t (docs/forward.md §6 steps 1-3) by one warp (`lane` its lane),
+// for n_expert <= 256 and k <= 32: mode 0 picks the top k of sqrt(softplus(l)) + bias, mode 1
+// reads the hash table's row of the token; weights are the picks' sqrt(softplus(l))
+// normalised and scaled. The logits row l is read through ds4_ld_act (in the fused router
+// GEMV, ds4_gemv_router_f16, other blocks wrote it during the same kernel).
+#define DS4_RW_PER_LANE 8
+__device__ __forceinline__ void ds4_router_token(const float* l, int t, int n_expert, int k,
+                                                 float rscale, int mode, const float* bias,
+                                                 const ds4_u8* table, int table_rows,
+                                                 const int* tokens, int* ids, float* weights,
+                                                 int* fault, int lane) {
+    int mine = -1;
+    if (mode == 0) {
+        ds4_u32 key[DS4_RW_PER_LANE];
+        ds4_u32 live = 0;
+#pragma unroll
+        for (int j = 0; j < DS4_RW_PER_LANE; j++) {
+            const int e = lane + DS4_WARP * j;
+            key[j] = 0;
+            if (e < n_expert) {
+                key[j] = ds4_key(ds4_sqrtsoftplus(ds4_ld_act(l + e)) + (bias ? bias[e] : 0.0f));
+                live |= 1u << j;
+            }
+        }
+        for (int r = 0; r < k; r++) {
+            ds4_u32 best = 0;
+            int besti = -1;
+#pragma unroll
+            for (int j = 0; j < DS4_RW_PER_LANE; j++) {
+                if (((live >> j) & 1u) && (besti < 0 || key[j] > best)) {
+                    best = key[j];
+                    besti = lane + DS4_WARP * j;
+                }
+            }
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1) {
+                const ds4_u32 ov = (ds4_u32)ds4_shfl_xor_i((int)best, m);
+                const int oi = ds4_shfl_xor_i(besti, m);
+                if (oi >= 0 && (besti < 0 || ov > best || (ov == best && oi < besti))) {
+                    best = ov;
+                    besti = oi;
+                }
+            }
+            if (lane == r) mine = besti;
+            if (besti >= 0 && (besti & (DS4_WARP - 1)) == lane) live &= ~(1u << (besti / DS4_WARP));
+        }
+    } else if (lane < k) {
+        const int tok = tokens[t];
+        int e = -1;
+        if (tok >= 0 && tok < table_rows) e = (int)ds4_b32(table + ((ds4_size)tok * k + lane) * 4);
+        else ds4_fault(fault, DS4_FAULT_TOKEN);
+        if (e < 0 || e >= n_expert) {
+            ds4_fault(fault, DS4_FAULT_EXPERT);
+            e = 0;
+        }
+        mine = e;
+    }
+    const float pi = lane < k ? ds4_sqrtsoftplus(ds4_ld_act(l + mine)) : 0.0f;
+    float sum = 0.0f;
+    for (int r = 0; r < k; r++) sum += ds4_shfl_idx(pi, r);
+    if (lane < k) {
+        weights[(ds4_size)t * k + lane] = sum > 0.0f ? pi / sum * rscale : 0.0f;
+        ids[(ds4_size)t * k + lane] = mine;
+    }
+}

@@ -1624,6 +1624,32 @@ DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
 
 DS4_GEMV_ENTRY(f32, ds4_gemv_plain, Ds4F32, DS4_MINB_PLAIN)
 DS4_GEMV_ENTRY(f16, ds4_gemv_plain, Ds4F16, DS4_MINB_PLAIN)
+
+// The router's matmul and the router for one token in one launch (docs/gpu.md §17): the F16
+// GEMV of ds4_gemv_f16 writes the logits row y, then every block fences and counts itself in
+// *counter; the block that completes the count resets it for the next launch and runs the
+// router (ds4_router_token, what ds4_router_warp runs) on y with its first warp.
+extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)
+    ds4_gemv_router_f16(const ds4_u8* __restrict__ W, const float* __restrict__ x, float* y,
+                        int n_in, int n_out, int wpr, int k, float rscale, int mode,
+                        const float* bias, const ds4_u8* table, int table_rows,
+                        const int* tokens, int* ids, float* weights, int* fault, int* counter) {
+    ds4_gemv_plain<Ds4F16>(W, x, y, n_in, n_out, wpr, true);
+    __shared__ int s_last;
+    ds4_fence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(counter, 1);
+        s_last = done == (int)gridDim.x - 1;
+        if (s_last) *counter = 0;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    ds4_fence();
+    if (threadIdx.x < DS4_WARP)
+        ds4_router_token(y, 0, n_out, k, rscale, mode, bias, table, table_rows, tokens, ids,
+                         weights, fault, threadIdx.x);
+}
 // Several columns (batched decode): y[c * y_stride + r] = row r · x[c * x_stride ..] for
 // c < n_cols <= DS4_Q8M_COLS; grid and warps per row as ds4_gemv_<t>.
 #define DS4_GEMV_COLS_ENTRY(NAME, FMT)                                                          \

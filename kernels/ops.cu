@@ -14,16 +14,11 @@
 #include "ds4_iq2xxs_tables.h"
 #include "ds4_quant.h"
 
-// Fault bits (crates/ds4-gpu/src/backend/fault.rs names them).
-#define DS4_FAULT_TOKEN 1
-#define DS4_FAULT_EXPERT 2
-#define DS4_FAULT_ROW 4
-#define DS4_FAULT_TYPE 8
+// Fault bits and ds4_fault: ds4_quant.h.
 
 
 #define DS4_NAN __int_as_float(0x7fc00000)
 
-__device__ __forceinline__ void ds4_fault(int* fault, int bit) { atomicOr(fault, bit); }
 
 // ---------------------------------------------------------------------------------------
 // Element access of every weight format (byte loads only: blocks are not aligned).
@@ -281,10 +276,6 @@ extern "C" __global__ void ds4_add(float* acc, const float* x, ds4_size n) {
     DS4_GRID_STRIDE(i, n) acc[i] += x[i];
 }
 
-__device__ __forceinline__ float ds4_sqrtsoftplus(float x) {
-    const float sp = x > 20.0f ? x : log1pf(expf(x));
-    return sqrtf(sp);
-}
 
 extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float c, float* out,
                                       ds4_size n) {
@@ -1605,11 +1596,6 @@ ds4_indexer_scores(const float* q, const float* w, const float* rows, int heads,
                          blockIdx.x);
 }
 
-// Order-preserving map of f32 to u32 (the order of f32::total_cmp).
-__device__ __forceinline__ ds4_u32 ds4_key(float f) {
-    const ds4_u32 u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 
 // Top-k per query (one block of DS4_TOPK_THREADS each): the k largest scores (ties: lower
 // index), written ascending to out[t][0..k], padded with -1. Queries with n_p <= k take all
@@ -2210,8 +2196,8 @@ ds4_router(const float* logits, int n_expert, int k, float rscale, int mode, con
 // lane ends with the same winner). The block version's k rounds of 8-step shared-memory
 // tree reductions, with thread 0 finishing alone, took 6.7-9.6 µs per decode token (ncu on
 // the H200). Lane r keeps round r's expert; the weights' sum runs over r in order on every
-// lane, as the CPU (and the block version) add them.
-#define DS4_RW_PER_LANE 8
+// lane, as the CPU (and the block version) add them. The warp's work is ds4_router_token
+// (ds4_quant.h), which the fused router GEMV also runs.
 extern "C" __global__ void __launch_bounds__(256)
 ds4_router_warp(const float* logits, int n_tok, int n_expert, int k, float rscale, int mode,
                 const float* bias, const ds4_u8* table, int table_rows, const int* tokens,
@@ -2220,60 +2206,8 @@ ds4_router_warp(const float* logits, int n_tok, int n_expert, int k, float rscal
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int t = blockIdx.x * (256 / DS4_WARP) + threadIdx.x / DS4_WARP;
     if (t >= n_tok) return;  // warp-uniform
-    const float* l = logits + (ds4_size)t * n_expert;
-    int mine = -1;
-    if (mode == 0) {
-        ds4_u32 key[DS4_RW_PER_LANE];
-        ds4_u32 live = 0;
-#pragma unroll
-        for (int j = 0; j < DS4_RW_PER_LANE; j++) {
-            const int e = lane + DS4_WARP * j;
-            key[j] = 0;
-            if (e < n_expert) {
-                key[j] = ds4_key(ds4_sqrtsoftplus(l[e]) + (bias ? bias[e] : 0.0f));
-                live |= 1u << j;
-            }
-        }
-        for (int r = 0; r < k; r++) {
-            ds4_u32 best = 0;
-            int besti = -1;
-#pragma unroll
-            for (int j = 0; j < DS4_RW_PER_LANE; j++) {
-                if (((live >> j) & 1u) && (besti < 0 || key[j] > best)) {
-                    best = key[j];
-                    besti = lane + DS4_WARP * j;
-                }
-            }
-#pragma unroll
-            for (int m = DS4_WARP / 2; m > 0; m >>= 1) {
-                const ds4_u32 ov = (ds4_u32)ds4_shfl_xor_i((int)best, m);
-                const int oi = ds4_shfl_xor_i(besti, m);
-                if (oi >= 0 && (besti < 0 || ov > best || (ov == best && oi < besti))) {
-                    best = ov;
-                    besti = oi;
-                }
-            }
-            if (lane == r) mine = besti;
-            if (besti >= 0 && (besti & (DS4_WARP - 1)) == lane) live &= ~(1u << (besti / DS4_WARP));
-        }
-    } else if (lane < k) {
-        const int tok = tokens[t];
-        int e = -1;
-        if (tok >= 0 && tok < table_rows) e = (int)ds4_b32(table + ((ds4_size)tok * k + lane) * 4);
-        else ds4_fault(fault, DS4_FAULT_TOKEN);
-        if (e < 0 || e >= n_expert) {
-            ds4_fault(fault, DS4_FAULT_EXPERT);
-            e = 0;
-        }
-        mine = e;
-    }
-    const float pi = lane < k ? ds4_sqrtsoftplus(l[mine]) : 0.0f;
-    float sum = 0.0f;
-    for (int r = 0; r < k; r++) sum += ds4_shfl_idx(pi, r);
-    if (lane < k) {
-        weights[(ds4_size)t * k + lane] = sum > 0.0f ? pi / sum * rscale : 0.0f;
-        ids[(ds4_size)t * k + lane] = mine;
-    }
+    ds4_router_token(logits + (ds4_size)t * n_expert, t, n_expert, k, rscale, mode, bias, table,
+                     table_rows, tokens, ids, weights, fault, lane);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ if ! skip fuse; then
     grep -E "hc_post_mix|norm_rope_pair|_matmul|compressor_pair|logit_band|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -11
     all=(DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE DS4_FUSE_RMS_MATMUL DS4_FUSE_ROPE_MATMUL DS4_FUSE_SWIGLU
         DS4_FUSE_COMPRESSORS DS4_FUSE_RING_STORE DS4_FUSE_ATT_COMBINE
-        DS4_FUSE_ROPE_QAT)
+        DS4_FUSE_ROPE_QAT DS4_FUSE_ROUTER)
     for v in on all "${all[@]}"; do
         case $v in
             on) envs=() ;;

@@ -1242,6 +1242,24 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             |b| b.router(g.0, gr, a, g.1, g.2),
         )
     }
+    /// Mirrored as its two ops, each compared and resynchronised: run fused, the device
+    /// would route on its own logits, and an expert pair within the matmul's rounding of a
+    /// tie could pick differently from the CPU without either being wrong. The fused
+    /// kernel equals the two launches bit for bit (`emulated_fused_launches_equal_the_separate_ones`).
+    #[allow(clippy::too_many_arguments)]
+    fn router_matmul(
+        &mut self,
+        w: Weight,
+        x: Slice,
+        logits: Slice,
+        routing: Routing,
+        a: RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        self.matmul(w, 0, x, a.n_tok, logits)?;
+        self.router(logits, routing, a, ids, weights)
+    }
     fn moe(
         &mut self,
         x: Slice,

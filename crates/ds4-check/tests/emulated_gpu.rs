@@ -648,7 +648,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         sliding_window: 40,
         ..common::tiny_hparams()
     };
-    for (recipe, per_layer) in [(TypeRecipe::Q2, 8), (TypeRecipe::Q4, 9)] {
+    for (recipe, per_layer) in [(TypeRecipe::Q2, 9), (TypeRecipe::Q4, 10)] {
         let dir = tempfile::tempdir().unwrap();
         let file = model_file_from(dir.path(), h.clone(), recipe);
         let run = |fuse: bool| {
@@ -698,7 +698,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         );
         // 4 decode steps; per layer two HCPost launches fewer (except the last layer's
         // second, which is applied before the head either way), the KV row's ring store,
-        // the attention's combine, (per CSA layer) the indexer query's RoPE,
+        // the attention's combine, the router, (per CSA layer) the indexer query's RoPE,
         // one head preparation, the
         // query's RMSNorm, the output's de-rotation, the shared expert's SwiGLU and (q4)
         // the routed experts' `ds4_moe_act`; per CSA layer one compressor launch.

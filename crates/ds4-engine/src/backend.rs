@@ -814,6 +814,24 @@ pub trait Backend: Send {
         self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
     }
 
+    /// [`Backend::matmul`] of `w` (matrix 0) over `args.n_tok` rows of `x` into `logits`,
+    /// then [`Backend::router`] of them: the router's projection and the routing in one op,
+    /// so a device can route in the kernel that finishes the logits.
+    #[allow(clippy::too_many_arguments)]
+    fn router_matmul(
+        &mut self,
+        w: Weight,
+        x: Slice,
+        logits: Slice,
+        routing: Routing,
+        args: RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        self.matmul(w, 0, x, args.n_tok, logits)?;
+        self.router(logits, routing, args, ids, weights)
+    }
+
     /// [`Backend::rope`] of `x` with `rope`, then [`Backend::qat_hadamard_fp4`] of its
     /// `rows` rows of `width` (= the head dim): the indexer's query heads in official mode,
     /// in one op so a device can rotate a row in the block that transforms it.

@@ -620,7 +620,6 @@ pub(crate) fn forward(
         )?;
         let k = hp.n_expert_used;
         let rl = s.rl.rows(0, t, hp.n_expert);
-        be.matmul(lw.router, 0, a, t, rl)?;
         let routing = match lw.tid2eid {
             Some(table) => Routing::Hash {
                 table,
@@ -631,7 +630,9 @@ pub(crate) fn forward(
             },
         };
         let ew = s.ew.rows(0, t, k);
-        be.router(
+        be.router_matmul(
+            lw.router,
+            a,
             rl,
             routing,
             RouterArgs {

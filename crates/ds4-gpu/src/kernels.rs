@@ -661,14 +661,15 @@ mod tests {
         assert!(warps * maxo >= 2 * n + n * n);
     }
 
-    /// The host sends the router to `ds4_router_warp` only within its register arrays: 32
-    /// lanes of DS4_RW_PER_LANE experts, one selection per lane, a warp per token.
+    /// The host sends the router to `ds4_router_token` (`ds4_router_warp`, the fused router
+    /// GEMV) only within its register arrays: 32 lanes of DS4_RW_PER_LANE experts, one
+    /// selection per lane, a warp per token.
     #[test]
     fn router_warp_limits_match_the_kernel() {
         use crate::backend::ops::{ROUTER_WARP_MAX_EXPERTS, ROUTER_WARP_MAX_K, ROUTER_WARP_TOKENS};
         let per_lane = ROUTER_WARP_MAX_EXPERTS / 32;
         let d = format!("#define DS4_RW_PER_LANE {per_lane}");
-        assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+        assert!(QUANT_H.1.contains(&d), "ds4_quant.h lacks `{d}`");
         assert_eq!(ROUTER_WARP_MAX_EXPERTS, 32 * per_lane);
         assert_eq!(ROUTER_WARP_MAX_K, 32);
         assert_eq!(ROUTER_WARP_TOKENS, 256 / 32);

@@ -224,6 +224,8 @@ pub(crate) struct GemvSet<D: GpuApi> {
     pub(crate) q8_grouped_rope: D::Function,
     /// The any-alignment int8-activation GEMV (`ds4_gemvq_generic`).
     pub(crate) q8_generic: D::Function,
+    /// The F16 GEMV whose last block runs the router (`ds4_gemv_router_f16`).
+    pub(crate) f16_router: D::Function,
     /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
     pub(crate) q8_max_in: usize,
     /// The several-column int8 Q8_0 GEMV (`ds4_gemv_cols_q_q8_0`: batched decode reads
@@ -304,6 +306,7 @@ impl<D: GpuApi> GemvSet<D> {
         }
         let sms = u64::from(dev.multiprocessors().max(1));
         let q8_generic = dev.function(&module, "ds4_gemvq_generic")?;
+        let f16_router = dev.function(&module, "ds4_gemv_router_f16")?;
         let q8_grouped_rope = dev.function(&module, "ds4_gemv_grouped_rope_q_q8_0")?;
         let q8_cols = dev.function(&module, "ds4_gemv_cols_q_q8_0")?;
         let plain_cols = [
@@ -322,6 +325,7 @@ impl<D: GpuApi> GemvSet<D> {
             q8_rmsnorm,
             q8_grouped_rope,
             q8_generic,
+            f16_router,
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             q8_cols,
             plain_cols,
@@ -606,6 +610,8 @@ pub struct DecodeFusions {
     pub att_combine: bool,
     /// The indexer query's RoPE in its Hadamard FP4 kernel (`DS4_FUSE_ROPE_QAT`).
     pub rope_qat: bool,
+    /// The router run by the last block of its matmul (`DS4_FUSE_ROUTER`).
+    pub router: bool,
 }
 
 impl DecodeFusions {
@@ -621,6 +627,7 @@ impl DecodeFusions {
             ring_store: on,
             att_combine: on,
             rope_qat: on,
+            router: on,
         }
     }
 
@@ -635,6 +642,7 @@ impl DecodeFusions {
             ring_store: env_on("DS4_FUSE_RING_STORE"),
             att_combine: env_on("DS4_FUSE_ATT_COMBINE"),
             rope_qat: env_on("DS4_FUSE_ROPE_QAT"),
+            router: env_on("DS4_FUSE_ROUTER"),
         }
     }
 }
@@ -2240,6 +2248,21 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::router(logits, &routing, &args, ids, weights)?;
         self.op_router(logits, routing, args, ids, weights)
+    }
+
+    fn router_matmul(
+        &mut self,
+        w: Weight,
+        x: Slice,
+        logits: Slice,
+        routing: ds4_engine::backend::Routing,
+        args: ds4_engine::backend::RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        validate::matmul(w, 0, x, args.n_tok, logits)?;
+        validate::router(logits, &routing, &args, ids, weights)?;
+        self.op_router_matmul(w, x, logits, routing, args, ids, weights)
     }
 
     fn moe(

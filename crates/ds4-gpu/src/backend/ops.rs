@@ -2254,6 +2254,93 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch("ds4_ring_store", (grid_for(n), 1, 1), 256, &args)
     }
 
+    /// The router's matmul and the router: for one token of an F16 matrix that the plain
+    /// GEMV takes, one launch (`ds4_gemv_router_f16`: its last block routes); else the two.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn op_router_matmul(
+        &mut self,
+        w: Weight,
+        x: Slice,
+        logits: Slice,
+        routing: Routing,
+        a: RouterArgs,
+        ids: IBuf,
+        weights: Slice,
+    ) -> BResult<()> {
+        const OP: &str = "router";
+        let (cols, rows) = (w.info.cols(), w.info.rows());
+        let gw = self.weight(w, OP)?;
+        let (ty, row_bytes) = (gw.info.ty, gw.row_bytes);
+        let wp = self.wraw(w, OP)?;
+        let xp = self.fptr(x, OP)?;
+        let launch = self
+            .gemv
+            .launch_for(GemvType::F16, cols, rows)
+            .ok()
+            .filter(|l| l.row_bytes as usize == row_bytes);
+        let fits = self.fusions.router
+            && a.n_tok == 1
+            && ty == GgmlType::F16
+            && rows == a.n_expert
+            && a.k >= 1
+            && a.k <= a.n_expert
+            && a.n_expert <= ROUTER_WARP_MAX_EXPERTS
+            && a.k <= ROUTER_WARP_MAX_K
+            && wp.is_multiple_of(16)
+            && xp.is_multiple_of(16);
+        let Some(l) = launch.filter(|_| fits) else {
+            self.op_matmul(w, 0, x, a.n_tok, logits)?;
+            return self.op_router(logits, routing, a, ids, weights);
+        };
+        let (mode, bias, table, table_rows, toks) = match routing {
+            Routing::TopK { bias } => {
+                let b = match bias {
+                    Some(b) => self.wvec(b, OP, a.n_expert)?,
+                    None => 0,
+                };
+                (0, b, 0u64, 0usize, 0u64)
+            }
+            Routing::Hash { table, tokens } => (
+                1,
+                0,
+                self.wraw(table, OP)?,
+                table.info.rows(),
+                self.iptr(tokens, OP)?,
+            ),
+        };
+        // One zeroed counter; the kernel leaves it zeroed.
+        if !self.has_scratch("router_count") {
+            self.upload_scratch_i32("router_count", &[0])?;
+        }
+        let counter = self.scratch("router_count", 4)?;
+        let args = [
+            Arg::Ptr(wp),
+            Arg::Ptr(xp),
+            Arg::Ptr(self.fptr(logits, OP)?),
+            i32a(OP, "cols", cols)?,
+            i32a(OP, "rows", rows)?,
+            Arg::I32(l.wpr as i32),
+            i32a(OP, "k", a.k)?,
+            Arg::F32(a.scale),
+            Arg::I32(mode),
+            Arg::Ptr(bias),
+            Arg::Ptr(table),
+            i32a(OP, "table rows", table_rows)?,
+            Arg::Ptr(toks),
+            Arg::Ptr(self.iptr(ids, OP)?),
+            Arg::Ptr(self.fptr(weights, OP)?),
+            Arg::Ptr(self.fault_ptr()),
+            Arg::Ptr(counter),
+        ];
+        self.launch_fn(
+            &self.gemv.f16_router,
+            "ds4_gemv_router_f16",
+            (l.grid_x, 1, 1),
+            l.block,
+            &args,
+        )
+    }
+
     pub(super) fn op_router(
         &mut self,
         logits: Slice,

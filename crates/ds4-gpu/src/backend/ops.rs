@@ -2292,22 +2292,7 @@ impl<D: GpuApi> GpuBackend<D> {
             self.op_matmul(w, 0, x, a.n_tok, logits)?;
             return self.op_router(logits, routing, a, ids, weights);
         };
-        let (mode, bias, table, table_rows, toks) = match routing {
-            Routing::TopK { bias } => {
-                let b = match bias {
-                    Some(b) => self.wvec(b, OP, a.n_expert)?,
-                    None => 0,
-                };
-                (0, b, 0u64, 0usize, 0u64)
-            }
-            Routing::Hash { table, tokens } => (
-                1,
-                0,
-                self.wraw(table, OP)?,
-                table.info.rows(),
-                self.iptr(tokens, OP)?,
-            ),
-        };
+        let (mode, bias, table, table_rows, toks) = self.routing_args(routing, a.n_expert)?;
         // One zeroed counter; the kernel leaves it zeroed.
         if !self.has_scratch("router_count") {
             self.upload_scratch_i32("router_count", &[0])?;
@@ -2341,6 +2326,28 @@ impl<D: GpuApi> GpuBackend<D> {
         )
     }
 
+    /// The router kernels' routing arguments: (mode 0 top-k / 1 hash, bias, hash table,
+    /// its rows, token ids), null pointers where a mode has none.
+    fn routing_args(&mut self, routing: Routing, e: usize) -> BResult<(i32, u64, u64, usize, u64)> {
+        const OP: &str = "router";
+        Ok(match routing {
+            Routing::TopK { bias } => {
+                let b = match bias {
+                    Some(b) => self.wvec(b, OP, e)?,
+                    None => 0,
+                };
+                (0, b, 0, 0, 0)
+            }
+            Routing::Hash { table, tokens } => (
+                1,
+                0,
+                self.wraw(table, OP)?,
+                table.info.rows(),
+                self.iptr(tokens, OP)?,
+            ),
+        })
+    }
+
     pub(super) fn op_router(
         &mut self,
         logits: Slice,
@@ -2360,22 +2367,7 @@ impl<D: GpuApi> GpuBackend<D> {
         if t == 0 {
             return Ok(());
         }
-        let (mode, bias, table, table_rows, toks) = match routing {
-            Routing::TopK { bias } => {
-                let b = match bias {
-                    Some(b) => self.wvec(b, OP, e)?,
-                    None => 0,
-                };
-                (0, b, 0u64, 0usize, 0u64)
-            }
-            Routing::Hash { table, tokens } => (
-                1,
-                0,
-                self.wraw(table, OP)?,
-                table.info.rows(),
-                self.iptr(tokens, OP)?,
-            ),
-        };
+        let (mode, bias, table, table_rows, toks) = self.routing_args(routing, e)?;
         let mut args = vec![
             Arg::Ptr(self.fptr(logits, OP)?),
             i32a(OP, "experts", e)?,

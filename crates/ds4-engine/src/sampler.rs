@@ -312,8 +312,9 @@ impl Sampler {
             // z is over the whole top-k set, so min-p may cut first only without top-p.
             let cut = if need_z { cut } else { cut.max(min_p_cut) };
             (cut, 1.0, true)
-        } else if need_z || cfg.min_p == 0.0 {
-            // z (or, for plain temperature sampling, the total mass) over the vocabulary.
+        } else {
+            // Top-k off and not min-p alone (that returned above): top-p or plain
+            // temperature sampling. z (or the total mass) over the vocabulary.
             let z: f64 = l.iter().map(|&x| ((x as f64 - top) * inv_t).exp()).sum();
             vocab_mass = z;
             if cfg.min_p > 0.0 {
@@ -332,8 +333,6 @@ impl Sampler {
                 };
                 (cut, if need_z { z } else { 1.0 }, cut == f32::NEG_INFINITY)
             }
-        } else {
-            (min_p_cut, 1.0, true)
         };
         let mut cut = cut;
         let mut complete = complete;

@@ -526,18 +526,15 @@ pub fn expert_placement(plan: &ds4_placement::Plan) -> ExpertPlacement {
         Some(st) => ExpertPlacement::Streamed(StreamConfig {
             slots: usize::try_from(st.cache_slots).unwrap_or(usize::MAX),
             host_slots: usize::try_from(st.host_tier_slots).unwrap_or(usize::MAX),
-            readahead: readahead_from_env(std::env::var("DS4_EXPERT_READAHEAD").ok().as_deref()),
+            readahead: switch_on(std::env::var("DS4_EXPERT_READAHEAD").ok().as_deref()),
         }),
     }
 }
 
 /// `DS4_EXPERT_READAHEAD`: unset or anything but `0`/`off`/`false` means on.
-/// Whether a switch that is on by default stays on: everything but `0`, `off`, `false`.
+/// Whether a switch that is on by default (`DS4_EXPERT_READAHEAD`, `DS4_SAMPLE_BAND`) stays
+/// on: everything but `0`, `off`, `false`.
 pub(crate) fn switch_on(v: Option<&str>) -> bool {
-    readahead_from_env(v)
-}
-
-fn readahead_from_env(v: Option<&str>) -> bool {
     !matches!(
         v.map(|s| s.trim().to_ascii_lowercase()).as_deref(),
         Some("0" | "off" | "false")
@@ -654,11 +651,11 @@ mod tests {
 
     #[test]
     fn readahead_is_on_unless_turned_off() {
-        assert!(readahead_from_env(None));
-        assert!(readahead_from_env(Some("1")));
-        assert!(readahead_from_env(Some("yes")));
+        assert!(switch_on(None));
+        assert!(switch_on(Some("1")));
+        assert!(switch_on(Some("yes")));
         for off in ["0", "off", " OFF ", "false"] {
-            assert!(!readahead_from_env(Some(off)), "{off}");
+            assert!(!switch_on(Some(off)), "{off}");
         }
     }
 

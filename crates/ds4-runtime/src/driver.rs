@@ -17,6 +17,7 @@ use ds4_engine::{Engine, EngineError, Sampler, Session, Snapshot};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, Format};
+use crate::step::{band_fits_mask, Left, SessionStep, StepLogits};
 
 /// Why a driver operation failed.
 #[derive(Debug, Error)]
@@ -129,6 +130,13 @@ pub trait Steer {
     /// decoding without [`GenLimits::feed_all`]). `None` lets the sampler choose.
     fn choose(&mut self, _step: usize, _logits: Option<&[f32]>) -> Option<u32> {
         None
+    }
+
+    /// Whether [`Steer::choose`] needs the logits row at step `step`. The driver hands
+    /// `choose` the row whenever it is on the host anyway; when the backend left only a
+    /// band or its argmax, the row is fetched for `choose` only if this says so.
+    fn wants_row(&mut self, _step: usize) -> bool {
+        false
     }
 
     /// An emitted token (never EOS), before it is fed to the state. [`Flow::Stop`] ends the
@@ -429,9 +437,16 @@ impl Conversation {
             sampler.config().band_span()
         };
         let mask = ignore_eos.then_some(limits.eos);
-        let mut next: Option<u32> = None;
+        // What the last step left: the row in `logits`, or the argmax / band with the row
+        // in the backend's scratch (fetched by the pick only when needed).
+        let mut left = Left::Row;
         let stop = loop {
-            let (tok, flow) = match gen.pick(&mut logits, next.take(), sampler, cancel, steer) {
+            let mut dist = SessionStep {
+                left: &mut left,
+                row: &mut logits,
+                session: &mut self.session,
+            };
+            let (tok, flow) = match gen.pick(&mut dist, sampler, cancel, steer) {
                 Ok(Pick::Stop(stop)) => break stop,
                 Ok(Pick::Feed { tok, flow }) => (tok, flow),
                 Err(e) => {
@@ -452,17 +467,14 @@ impl Conversation {
                     break GenStop::Interrupted;
                 }
             }
-            if device_argmax {
-                next = Some(self.session.decode_argmax(tok)?);
+            left = if device_argmax {
+                Left::Picked(self.session.decode_argmax(tok)?)
             } else if let Some(span) = band_span {
-                let band = self.session.decode_band(tok, span, mask)?;
-                next = sampler.sample_band(&band)?;
-                if next.is_none() {
-                    self.session.last_logits_into(&mut logits)?;
-                }
+                Left::Band(self.session.decode_band(tok, span, mask)?)
             } else {
                 self.session.decode_into(tok, &mut logits)?;
-            }
+                Left::Row
+            };
             if flow == Flow::Stop {
                 break GenStop::Halted;
             }
@@ -516,13 +528,13 @@ impl GenState {
         &self.out
     }
 
-    /// Decides the next step from `logits`, the distribution after the state (`next`: the
-    /// token the backend already picked, when it computed the argmax instead of the row).
-    /// `ignore_eos` masks EOS in `logits`. A sampler error leaves the step undone.
+    /// Decides the next step from `dist`, the distribution after the state: the steer's
+    /// token, else the backend's pick, else the sampler's draw (from the band when it
+    /// stands for the row, else from the row, fetched only then). `ignore_eos` masks EOS
+    /// in the row. A sampler error leaves the step undone.
     pub fn pick(
         &mut self,
-        logits: &mut [f32],
-        next: Option<u32>,
+        dist: &mut dyn StepLogits,
         sampler: &mut Sampler,
         cancel: &AtomicBool,
         steer: &mut dyn Steer,
@@ -542,15 +554,27 @@ impl GenState {
         if steer.halt() {
             return Ok(Pick::Stop(GenStop::Halted));
         }
-        if ignore_eos {
-            if let Some(l) = logits.get_mut(eos as usize) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-        let at_hand = next.is_none().then_some(&*logits);
-        let tok = match steer.choose(self.out.len(), at_hand).or(next) {
+        let mask = ignore_eos.then_some(eos);
+        let step = self.out.len();
+        let picked = dist.picked();
+        let on_host = picked.is_none() && dist.band().is_none();
+        let chosen = if on_host || steer.wants_row(step) {
+            steer.choose(step, Some(masked_row(dist, mask)?))
+        } else {
+            steer.choose(step, None)
+        };
+        let tok = match chosen.or(picked) {
             Some(t) => t,
-            None => sampler.sample(logits, &[])?,
+            None => {
+                let drawn = match dist.band() {
+                    Some(b) if band_fits_mask(b, mask) => sampler.sample_band(b)?,
+                    _ => None,
+                };
+                match drawn {
+                    Some(t) => t,
+                    None => sampler.sample(masked_row(dist, mask)?, &[])?,
+                }
+            }
         };
         self.out.push(tok);
         if tok == eos {
@@ -568,4 +592,13 @@ impl GenState {
             secs: self.t0.elapsed().as_secs_f64(),
         }
     }
+}
+
+/// `dist`'s row with EOS masked (`mask`): what the row path samples.
+fn masked_row(dist: &mut dyn StepLogits, mask: Option<u32>) -> Result<&mut [f32], DriverError> {
+    let row = dist.row()?;
+    if let Some(l) = mask.and_then(|eos| row.get_mut(eos as usize)) {
+        *l = f32::NEG_INFINITY;
+    }
+    Ok(row)
 }

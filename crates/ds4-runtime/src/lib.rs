@@ -16,6 +16,7 @@ pub mod error;
 pub mod load;
 pub mod plan;
 pub mod slots;
+pub mod step;
 
 pub use checkpoint::{Checkpoint, CheckpointError, Format};
 pub use driver::{
@@ -24,3 +25,4 @@ pub use driver::{
 };
 pub use error::{error_chain, LoadError};
 pub use slots::{Slots, SlotsError};
+pub use step::StepLogits;

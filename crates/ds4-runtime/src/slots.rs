@@ -8,11 +8,13 @@
 //! snapshot, restore, checkpoint, resume) with the same meaning, so the payloads and
 //! snapshots of either restore into the other.
 
+use ds4_engine::sampler::LogitBand;
 use ds4_engine::{Engine, EngineError, KvState, Logits, Snapshot};
 use thiserror::Error;
 
 use crate::checkpoint::{self, Format};
 use crate::driver::DriverError;
+use crate::step::StepLogits;
 
 /// Why the slots could not be created.
 #[derive(Debug, Error)]
@@ -31,10 +33,32 @@ pub enum SlotsError {
     },
 }
 
+/// What a slot knows of the logits after its state.
+enum After {
+    Unknown,
+    Row(Vec<f32>),
+    /// The band of the row near its maximum; the row itself is in the engine's scratch
+    /// (only ever for the slot [`Slots::banded`] names).
+    Band(LogitBand),
+}
+
 struct Slot {
     state: KvState,
-    /// Logits after the state's tokens, when known.
-    logits: Option<Vec<f32>>,
+    after: After,
+    /// A row buffer kept while the slot holds a band, so the next fetch does not allocate.
+    spare: Vec<f32>,
+    /// Band width of this slot's lone decode steps ([`Slots::set_band`]).
+    band_span: Option<f32>,
+}
+
+impl Slot {
+    /// Takes the row buffer out (the stale row or the spare), leaving nothing known.
+    fn take_buf(&mut self) -> Vec<f32> {
+        match std::mem::replace(&mut self.after, After::Unknown) {
+            After::Row(v) => v,
+            _ => std::mem::take(&mut self.spare),
+        }
+    }
 }
 
 /// One engine and its slots. Slot indices are `0..len()`; an index out of range is a
@@ -42,6 +66,11 @@ struct Slot {
 pub struct Slots {
     engine: Engine,
     slots: Vec<Slot>,
+    /// The slot whose logits row is the engine's scratch row (it holds [`After::Band`]).
+    /// Every other engine call fetches that row first ([`Slots::settle`]).
+    banded: Option<usize>,
+    /// `DS4_SAMPLE_BAND` (on unless `0`): whether [`Slots::set_band`] takes effect.
+    band_on: bool,
 }
 
 impl std::fmt::Debug for Slots {
@@ -66,7 +95,9 @@ impl Slots {
             match engine.new_state() {
                 Ok(state) => slots.push(Slot {
                     state,
-                    logits: None,
+                    after: After::Unknown,
+                    spare: Vec::new(),
+                    band_span: None,
                 }),
                 Err(source) => {
                     for s in slots {
@@ -81,7 +112,13 @@ impl Slots {
                 }
             }
         }
-        Ok(Slots { engine, slots })
+        let band_on = crate::load::switch_on(std::env::var("DS4_SAMPLE_BAND").ok().as_deref());
+        Ok(Slots {
+            engine,
+            slots,
+            banded: None,
+            band_on,
+        })
     }
 
     pub fn engine(&self) -> &Engine {
@@ -124,41 +161,89 @@ impl Slots {
         self.slots[i].state.pos()
     }
 
-    /// The logits after slot `i`'s tokens, when known.
-    pub fn logits(&self, i: usize) -> Option<&[f32]> {
-        self.slots[i].logits.as_deref()
+    /// Whether the logits after slot `i`'s tokens are known (on the host or, for the last
+    /// lone-decoded slot, as a band with the row in the engine).
+    pub fn has_logits(&self, i: usize) -> bool {
+        !matches!(self.slots[i].after, After::Unknown)
     }
 
-    /// Takes slot `i`'s logits out (a generation step edits them in place); give them back
-    /// with [`Slots::put_logits`].
-    pub fn take_logits(&mut self, i: usize) -> Option<Vec<f32>> {
-        self.slots[i].logits.take()
+    /// The logits row after slot `i`'s tokens, when known (fetched from the engine when the
+    /// slot holds a band).
+    pub fn logits(&mut self, i: usize) -> Result<Option<&[f32]>, DriverError> {
+        if self.banded == Some(i) {
+            self.settle()?;
+        }
+        Ok(match &self.slots[i].after {
+            After::Row(v) => Some(v),
+            _ => None,
+        })
     }
 
-    pub fn put_logits(&mut self, i: usize, logits: Vec<f32>) {
-        self.slots[i].logits = Some(logits);
+    /// Slot `i`'s distribution for a generation step ([`crate::GenState::pick`]; the pick
+    /// may edit the row in place), `None` when its logits are unknown.
+    pub fn step(&mut self, i: usize) -> Option<SlotStep<'_>> {
+        self.has_logits(i).then_some(SlotStep { slots: self, i })
+    }
+
+    /// Lone decode steps of slot `i` leave the band of width `span` near the row's maximum
+    /// instead of fetching the row (`None`: the row). A generation sets it from its
+    /// sampler ([`ds4_engine::SamplerConfig::band_span`]); batched steps always fetch rows.
+    /// Off under `DS4_SAMPLE_BAND=0`.
+    pub fn set_band(&mut self, i: usize, span: Option<f32>) {
+        self.slots[i].band_span = span.filter(|_| self.band_on);
+    }
+
+    /// Fetches the banded slot's row from the engine (before anything else uses the
+    /// engine). On failure that slot's logits are forgotten.
+    fn settle(&mut self) -> Result<(), DriverError> {
+        let Some(i) = self.banded.take() else {
+            return Ok(());
+        };
+        let s = &mut self.slots[i];
+        let mut buf = s.take_buf();
+        self.engine.last_logits_into(&mut buf)?;
+        s.after = After::Row(buf);
+        Ok(())
+    }
+
+    /// Forgets slot `i`'s logits (keeping its buffer).
+    fn forget(&mut self, i: usize) {
+        if self.banded == Some(i) {
+            self.banded = None;
+        }
+        let s = &mut self.slots[i];
+        s.spare = s.take_buf();
     }
 
     /// Empties slot `i`.
     pub fn reset(&mut self, i: usize) -> Result<(), DriverError> {
-        let s = &mut self.slots[i];
-        s.logits = None;
-        self.engine.reset_state(&mut s.state)?;
+        self.forget(i);
+        self.settle()?;
+        self.engine.reset_state(&mut self.slots[i].state)?;
         Ok(())
     }
 
     /// Evaluates `tokens` after slot `i`'s state and keeps the logits. On an engine error
     /// the state is partial and the logits are forgotten.
     pub fn prefill(&mut self, i: usize, tokens: &[u32]) -> Result<(), DriverError> {
+        self.forget(i);
+        self.settle()?;
         let s = &mut self.slots[i];
-        let mut buf = s.logits.take().unwrap_or_default();
-        self.engine
-            .eval_into(&mut s.state, tokens, Logits::Last, None, &mut buf)?;
-        s.logits = Some(buf);
-        Ok(())
+        let mut buf = s.take_buf();
+        let r = self
+            .engine
+            .eval_into(&mut s.state, tokens, Logits::Last, None, &mut buf);
+        s.after = if r.is_ok() {
+            After::Row(buf)
+        } else {
+            s.spare = buf;
+            After::Unknown
+        };
+        Ok(r?)
     }
 
     pub fn snapshot(&mut self, i: usize) -> Result<Snapshot, DriverError> {
+        self.settle()?;
         Ok(self.engine.snapshot(&self.slots[i].state)?)
     }
 
@@ -169,17 +254,20 @@ impl Slots {
         snap: &Snapshot,
         logits: Option<Vec<f32>>,
     ) -> Result<(), DriverError> {
+        self.forget(i);
+        self.settle()?;
         let s = &mut self.slots[i];
-        s.logits = None;
         self.engine.restore(&mut s.state, snap)?;
-        s.logits = logits;
+        if let Some(l) = logits {
+            s.after = After::Row(l);
+        }
         Ok(())
     }
 
     /// Slot `i` as a checkpoint payload (as [`crate::Conversation::checkpoint`]).
     pub fn checkpoint(&mut self, i: usize) -> Result<Vec<u8>, DriverError> {
         let snap = self.snapshot(i)?;
-        Ok(checkpoint::encode(self.logits(i), snap.as_bytes()))
+        Ok(checkpoint::encode(self.logits(i)?, snap.as_bytes()))
     }
 
     /// Restores a checkpoint payload into slot `i`, whose state must then hold exactly
@@ -208,17 +296,35 @@ impl Slots {
 
     /// One decode step for several slots: `feeds[k] = (slot, token)` appends `token` to
     /// `slot` and keeps the logits after it. The slots must be distinct. One slot runs the
-    /// plain decode; more run batched forward steps of at most [`Slots::batch_max`] slots,
-    /// whose rows equal the plain decode's ([`Engine::eval_batch`]). On an engine error the
-    /// logits of every slot of the failed step are forgotten (their states may be partial).
+    /// plain decode (leaving a band when [`Slots::set_band`] asked for one); more run
+    /// batched forward steps of at most [`Slots::batch_max`] slots, whose rows equal the
+    /// plain decode's ([`Engine::eval_batch`]). On an engine error the logits of every slot
+    /// of the failed step are forgotten (their states may be partial).
     pub fn decode(&mut self, feeds: &[(usize, u32)]) -> Result<(), DriverError> {
+        for &(i, _) in feeds {
+            if i < self.slots.len() {
+                self.forget(i);
+            }
+        }
+        self.settle()?;
         if let [(i, tok)] = feeds {
             let s = &mut self.slots[*i];
-            let mut buf = s.logits.take().unwrap_or_default();
-            self.engine
-                .eval_into(&mut s.state, &[*tok], Logits::Last, None, &mut buf)?;
-            s.logits = Some(buf);
-            return Ok(());
+            if let Some(span) = s.band_span {
+                let band = self.engine.eval_band(&mut s.state, &[*tok], span, None)?;
+                s.after = After::Band(band);
+                self.banded = Some(*i);
+                return Ok(());
+            }
+            let mut buf = s.take_buf();
+            let r = self
+                .engine
+                .eval_into(&mut s.state, &[*tok], Logits::Last, None, &mut buf);
+            if r.is_ok() {
+                s.after = After::Row(buf);
+            } else {
+                s.spare = buf;
+            }
+            return Ok(r?);
         }
         let n_vocab = self.engine.hparams().n_vocab;
         for group in feeds.chunks(self.batch_max()) {
@@ -245,18 +351,46 @@ impl Slots {
                     .ok_or(DriverError::Engine(EngineError::Config(
                         "a batched decode step names a slot that does not exist".into(),
                     )))?;
-                let (_, Slot { state, logits }) = picked.swap_remove(at);
-                *logits = None;
-                states.push(state);
+                let (_, slot) = picked.swap_remove(at);
+                states.push(&mut slot.state);
                 tokens.push(tok);
             }
             let rows = self.engine.eval_batch(&mut states, &tokens)?;
             drop((states, picked));
             for (&(i, _), row) in group.iter().zip(rows.chunks(n_vocab)) {
-                self.slots[i].logits = Some(row.to_vec());
+                let s = &mut self.slots[i];
+                let mut buf = std::mem::take(&mut s.spare);
+                buf.clear();
+                buf.extend_from_slice(row);
+                s.after = After::Row(buf);
             }
         }
         Ok(())
+    }
+}
+
+/// Slot `i`'s distribution for one generation step ([`Slots::step`]).
+pub struct SlotStep<'a> {
+    slots: &'a mut Slots,
+    i: usize,
+}
+
+impl StepLogits for SlotStep<'_> {
+    fn band(&self) -> Option<&LogitBand> {
+        match &self.slots.slots[self.i].after {
+            After::Band(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    fn row(&mut self) -> Result<&mut [f32], DriverError> {
+        if self.slots.banded == Some(self.i) {
+            self.slots.settle()?;
+        }
+        match &mut self.slots.slots[self.i].after {
+            After::Row(v) => Ok(v),
+            _ => Err(DriverError::NoLogits),
+        }
     }
 }
 

@@ -8,7 +8,9 @@ use std::sync::OnceLock;
 
 use ds4_engine::{argmax, Sampler, SamplerConfig};
 use ds4_runtime::load::{load, BackendChoice, LoadOptions, Precision};
-use ds4_runtime::{Conversation, GenLimits, GenState, GenStop, Pick, Slots, SlotsError, Steer};
+use ds4_runtime::{
+    Conversation, GenLimits, GenState, GenStop, Pick, Slots, SlotsError, Steer, StepLogits,
+};
 
 /// The tiny-hca16 fixture (every attention kind, 2 MB) converted once per test binary.
 fn tiny_gguf() -> &'static Path {
@@ -63,7 +65,7 @@ fn batched_slots_match_lone_conversations() {
         slots.prefill(i, p).unwrap();
         let mut c = Conversation::new(engine()).unwrap();
         c.prefill(p).unwrap();
-        assert_eq!(slots.logits(i), c.logits());
+        assert_eq!(slots.logits(i).unwrap(), c.logits());
         alone.push(c);
     }
     for step in 0..5 {
@@ -71,7 +73,7 @@ fn batched_slots_match_lone_conversations() {
         let mut feeds: Vec<(usize, u32)> = (0..3)
             .rev()
             .filter(|&i| step != 2 || i != 1)
-            .map(|i| (i, argmax(slots.logits(i).unwrap())))
+            .map(|i| (i, argmax(slots.logits(i).unwrap().unwrap())))
             .collect();
         if step == 4 {
             feeds.truncate(1);
@@ -79,7 +81,11 @@ fn batched_slots_match_lone_conversations() {
         slots.decode(&feeds).unwrap();
         for &(i, t) in &feeds {
             alone[i].advance(t).unwrap();
-            assert_eq!(slots.logits(i), alone[i].logits(), "slot {i}, step {step}");
+            assert_eq!(
+                slots.logits(i).unwrap(),
+                alone[i].logits(),
+                "slot {i}, step {step}"
+            );
             assert_eq!(slots.live(i), alone[i].live());
         }
     }
@@ -91,16 +97,16 @@ fn batched_slots_match_lone_conversations() {
     let payload = slots.checkpoint(2).unwrap();
     let mut c = Conversation::new(engine()).unwrap();
     c.resume(&payload, slots.live(2)).unwrap();
-    assert_eq!(c.logits(), slots.logits(2));
+    assert_eq!(c.logits(), slots.logits(2).unwrap());
     let payload = alone[0].checkpoint().unwrap();
     slots.resume(1, &payload, alone[0].live()).unwrap();
     assert_eq!(slots.live(1), alone[0].live());
-    assert_eq!(slots.logits(1), alone[0].logits());
+    assert_eq!(slots.logits(1).unwrap(), alone[0].logits());
     // Wrong tokens: refused, and the slot is left empty.
     assert!(slots.resume(1, &payload, &[1, 2, 3]).is_err());
     assert_eq!(slots.pos(1), 0);
     slots.reset(0).unwrap();
-    assert_eq!((slots.pos(0), slots.logits(0)), (0, None));
+    assert_eq!((slots.pos(0), slots.logits(0).unwrap()), (0, None));
     assert!(matches!(Slots::new(engine(), 0), Err(SlotsError::Zero)));
 }
 
@@ -144,11 +150,14 @@ fn stepped_generation_matches_generate_with() {
     let mut sampler = Sampler::new(cfg).unwrap();
     let mut g = GenState::new(limits);
     let stop = loop {
-        let mut l = slots.take_logits(1).unwrap();
         let pick = g
-            .pick(&mut l, None, &mut sampler, &never, &mut Plain)
+            .pick(
+                &mut slots.step(1).unwrap(),
+                &mut sampler,
+                &never,
+                &mut Plain,
+            )
             .unwrap();
-        slots.put_logits(1, l);
         match pick {
             Pick::Stop(s) => break s,
             Pick::Feed { tok, .. } => slots.decode(&[(1, tok)]).unwrap(),
@@ -178,23 +187,27 @@ fn prefill_pieces_between_decode_steps_leave_other_slots_alone() {
     slots.reset(1).unwrap();
     slots.prefill(0, &p0[16..32]).unwrap();
     slots.prefill(0, &p0[32..]).unwrap();
-    assert_eq!(slots.logits(0), c0.logits(), "after prefill");
-    let t = argmax(slots.logits(0).unwrap());
+    assert_eq!(slots.logits(0).unwrap(), c0.logits(), "after prefill");
+    let t = argmax(slots.logits(0).unwrap().unwrap());
     slots.decode(&[(0, t)]).unwrap();
     c0.advance(t).unwrap();
-    assert_eq!(slots.logits(0), c0.logits(), "after decode 1");
+    assert_eq!(slots.logits(0).unwrap(), c0.logits(), "after decode 1");
     slots.prefill(1, &p1[..16]).unwrap();
-    let t = argmax(slots.logits(0).unwrap());
+    let t = argmax(slots.logits(0).unwrap().unwrap());
     slots.decode(&[(0, t)]).unwrap();
     c0.advance(t).unwrap();
-    assert_eq!(slots.logits(0), c0.logits(), "after prefill of 1 + decode");
+    assert_eq!(
+        slots.logits(0).unwrap(),
+        c0.logits(),
+        "after prefill of 1 + decode"
+    );
     slots.prefill(1, &p1[16..]).unwrap();
     for step in 0..10 {
-        let t = argmax(slots.logits(0).unwrap());
-        let t1 = argmax(slots.logits(1).unwrap());
+        let t = argmax(slots.logits(0).unwrap().unwrap());
+        let t1 = argmax(slots.logits(1).unwrap().unwrap());
         slots.decode(&[(0, t), (1, t1)]).unwrap();
         c0.advance(t).unwrap();
-        assert_eq!(slots.logits(0), c0.logits(), "batched step {step}");
+        assert_eq!(slots.logits(0).unwrap(), c0.logits(), "batched step {step}");
     }
 }
 
@@ -243,4 +256,108 @@ fn banded_generation_matches_the_row_path() {
         );
         assert!(!band.is_empty());
     }
+}
+
+/// A steer that takes the greedy token at every third step (as the server does inside a
+/// tool call's structure) and records whether it saw the row there.
+struct EveryThird {
+    saw_row: Vec<bool>,
+}
+impl Steer for EveryThird {
+    fn wants_row(&mut self, step: usize) -> bool {
+        step % 3 == 2
+    }
+    fn choose(&mut self, step: usize, logits: Option<&[f32]>) -> Option<u32> {
+        if step % 3 == 2 {
+            self.saw_row.push(logits.is_some());
+            return logits.map(argmax);
+        }
+        None
+    }
+    fn token(&mut self, _: u32) -> ds4_runtime::Flow {
+        ds4_runtime::Flow::Continue
+    }
+}
+
+/// The server's lone decode steps leave a band (`Slots::set_band`) instead of the row:
+/// stepped over a slot with the band on, a min-p generation emits what the row path emits
+/// with the same seed, the steer's greedy steps still see the row, and the row fetched
+/// later (checkpoint, another slot's prefill in between) is the row path's row.
+#[test]
+fn banded_slot_steps_match_the_row_steps() {
+    let p = prompt(21, 6);
+    let never = AtomicBool::new(false);
+    let cfg = SamplerConfig {
+        temperature: 1.0,
+        min_p: 0.05,
+        seed: 5,
+        ..SamplerConfig::default()
+    };
+    let span = cfg.band_span();
+    assert!(span.is_some());
+    let limits = GenLimits {
+        max_tokens: 14,
+        eos: 100_000,
+        ignore_eos: false,
+        feed_all: true,
+    };
+    let run = |banded: bool| {
+        let mut slots = Slots::new(engine(), 2).unwrap();
+        slots.prefill(0, &p).unwrap();
+        slots.set_band(0, if banded { span } else { None });
+        let mut sampler = Sampler::new(cfg.clone()).unwrap();
+        let mut g = GenState::new(limits);
+        let mut steer = EveryThird {
+            saw_row: Vec::new(),
+        };
+        let mut bands = 0;
+        let mut rows = Vec::new();
+        let stop = loop {
+            bands += usize::from(slots.step(0).unwrap().band().is_some());
+            let pick = g
+                .pick(
+                    &mut slots.step(0).unwrap(),
+                    &mut sampler,
+                    &never,
+                    &mut steer,
+                )
+                .unwrap();
+            match pick {
+                Pick::Stop(s) => break s,
+                Pick::Feed { tok, .. } => slots.decode(&[(0, tok)]).unwrap(),
+            }
+            let step = g.tokens().len();
+            assert!(slots.has_logits(0));
+            if step == 5 {
+                // Another slot's prompt between two steps fetches this slot's row first.
+                slots.prefill(1, &prompt(9, 2)).unwrap();
+            }
+            if step == 7 {
+                let payload = slots.checkpoint(0).unwrap();
+                rows.push(payload);
+                rows.push(
+                    slots
+                        .logits(0)
+                        .unwrap()
+                        .unwrap()
+                        .iter()
+                        .flat_map(|x| x.to_le_bytes())
+                        .collect(),
+                );
+            }
+        };
+        assert_eq!(stop, GenStop::Length);
+        assert!(steer.saw_row.iter().all(|&s| s), "{:?}", steer.saw_row);
+        assert!(!steer.saw_row.is_empty());
+        (g.finish(stop).tokens, bands, rows, slots.live(0).to_vec())
+    };
+    let (band_toks, bands, band_rows, band_live) = run(true);
+    let (row_toks, no_bands, row_rows, row_live) = run(false);
+    assert_eq!(band_toks, row_toks);
+    assert_eq!(band_live, row_live);
+    assert_eq!(band_rows, row_rows, "checkpoint and row after step 7");
+    assert_eq!(no_bands, 0);
+    // 15 picks (the last one stops): all but the first (the prompt's row) and the two after
+    // the prefill of slot 1 and the checkpoint (both fetched the row) met a band.
+    assert_eq!(bands, 12);
 }

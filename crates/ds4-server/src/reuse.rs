@@ -60,7 +60,7 @@ impl Worker {
                 return 0;
             }
             let live = continuation(&self.tok, self.slots.live(i), p)
-                .is_some_and(|s| !s.is_empty() || self.slots.logits(i).is_some());
+                .is_some_and(|s| !s.is_empty() || self.slots.has_logits(i));
             let visible = self.memo[i].visible.as_ref().is_some_and(|v| {
                 v.live_len == n && p.text.len() > v.text.len() && p.text.starts_with(&v.text)
             });
@@ -95,7 +95,7 @@ impl Worker {
         if *s != i
             || b.frontier != live_len
             || live_len == 0
-            || self.slots.logits(i).is_none()
+            || !self.slots.has_logits(i)
             || !t.matches(job.endpoint, b)
         {
             return None;
@@ -110,7 +110,7 @@ impl Worker {
         let live_len = self.slots.pos(i);
         if live_len > 0 {
             if let Some(s) = continuation(&self.tok, self.slots.live(i), p) {
-                if !s.is_empty() || self.slots.logits(i).is_some() {
+                if !s.is_empty() || self.slots.has_logits(i) {
                     return Ok((live_len, s, "live"));
                 }
             }
@@ -186,7 +186,7 @@ impl Worker {
         // Without stored logits the entry can only serve a prompt that goes on after it.
         // `Err(None)`: restored fine but not usable for this prompt; `Err(Some(why))`: broken.
         let resumed = match self.slots.resume(i, &loaded.payload, &loaded.tokens) {
-            Ok(_) if suffix.is_empty() && self.slots.logits(i).is_none() => Err(None),
+            Ok(_) if suffix.is_empty() && !self.slots.has_logits(i) => Err(None),
             Ok(format) => Ok(format),
             Err(e) => Err(Some(e.to_string())),
         };
@@ -266,7 +266,7 @@ impl Worker {
         }
         // Server checkpoints always carry the logits: a prompt that ends exactly at one
         // then starts sampling at once.
-        if self.slots.logits(i).is_none() {
+        if !self.slots.has_logits(i) {
             return;
         }
         let payload = match self.slots.checkpoint(i) {
@@ -342,8 +342,13 @@ impl Worker {
         if self.cfg.snapshot_slots == 0 {
             return;
         }
-        let Some(logits) = self.slots.logits(i).map(<[f32]>::to_vec) else {
-            return;
+        let logits = match self.slots.logits(i) {
+            Ok(Some(l)) => l.to_vec(),
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "turn snapshot: the logits could not be read");
+                return;
+            }
         };
         let tokens = self.slots.live(i).to_vec();
         if self.snapshots.back().is_some_and(|s| s.tokens == tokens) {

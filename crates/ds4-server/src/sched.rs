@@ -495,7 +495,12 @@ impl Worker {
             .min(self.cfg.max_tokens)
             .min(self.ctx - task.usage0.prompt_tokens);
         match Gen::new(&task.job, tok, self.eos, limit, t_prefill) {
-            Ok(g) => task.phase = Phase::Decode(Box::new(g)),
+            Ok(g) => {
+                // A default min-p draw needs only the logits near the maximum: lone decode
+                // steps leave that band and the row stays on the device (docs/server.md §6).
+                self.slots.set_band(i, g.band_span());
+                task.phase = Phase::Decode(Box::new(g));
+            }
             Err(e) => {
                 send(&self.stats, &self.cfg, &task.job, JobEvent::Failed(e));
                 self.end(slot);
@@ -515,13 +520,9 @@ impl Worker {
             let Phase::Decode(gen) = &mut task.phase else {
                 continue;
             };
-            let picked = match self.slots.take_logits(i) {
+            let picked = match self.slots.step(i) {
                 None => Err(ds4_runtime::DriverError::NoLogits),
-                Some(mut l) => {
-                    let r = gen.pick(&task.job, &mut l, &self.stats, &self.cfg, &self.shutdown);
-                    self.slots.put_logits(i, l);
-                    r
-                }
+                Some(mut d) => gen.pick(&task.job, &mut d, &self.stats, &self.cfg, &self.shutdown),
             };
             match picked {
                 Ok(Pick::Feed { tok, flow }) => {

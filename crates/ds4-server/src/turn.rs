@@ -12,7 +12,7 @@ use ds4_chat::stream::{EndCause, FinalOutput, Halt, OutputStream, StreamOptions}
 use ds4_chat::tokenizer::{THINK_CLOSE_TEXT, THINK_OPEN_TEXT};
 use ds4_chat::Tokenizer;
 use ds4_engine::{argmax, EngineError, Sampler};
-use ds4_runtime::{DriverError, Flow, GenLimits, GenState, GenStop, Pick, Steer};
+use ds4_runtime::{DriverError, Flow, GenLimits, GenState, GenStop, Pick, Steer, StepLogits};
 
 use crate::config::ServerConfig;
 use crate::error::ApiError;
@@ -101,12 +101,18 @@ impl<'t> Gen<'t> {
         })
     }
 
-    /// Decides this step from the logits after the slot's state (emitting the token's
-    /// text to the client).
+    /// The band width of this generation's lone decode steps ([`ds4_runtime::Slots::set_band`]):
+    /// the sampler's, when its draw depends only on the logits near the maximum.
+    pub fn band_span(&self) -> Option<f32> {
+        self.sampler.config().band_span()
+    }
+
+    /// Decides this step from the distribution after the slot's state (emitting the
+    /// token's text to the client).
     pub fn pick(
         &mut self,
         job: &Job,
-        logits: &mut [f32],
+        dist: &mut dyn StepLogits,
         stats: &Stats,
         cfg: &ServerConfig,
         shutdown: &AtomicBool,
@@ -125,12 +131,20 @@ impl<'t> Gen<'t> {
             shutdown,
         };
         self.state
-            .pick(logits, None, &mut self.sampler, &job.cancel, &mut steer)
+            .pick(dist, &mut self.sampler, &job.cancel, &mut steer)
     }
 
     /// Inside a tool call (no `continued` checkpoint is cut there).
     pub fn in_tool_call(&self) -> bool {
         self.stream.dsml_state().in_tool_call()
+    }
+}
+
+impl Steering<'_, '_> {
+    /// Inside a tool call's structure, where the greedy token is taken.
+    fn structured(&self) -> bool {
+        let st = self.stream.dsml_state();
+        st.in_tool_call() && !st.uses_payload_sampling()
     }
 }
 
@@ -150,11 +164,14 @@ impl Steer for Steering<'_, '_> {
         }
         // Inside a tool call's structure (names, keys) the most likely token is taken, so
         // the sampler's randomness cannot break the DSML (docs/chat.md).
-        let st = self.stream.dsml_state();
-        if st.in_tool_call() && !st.uses_payload_sampling() {
+        if self.structured() {
             return logits.map(argmax);
         }
         None
+    }
+
+    fn wants_row(&mut self, _step: usize) -> bool {
+        self.forced.is_none() && self.structured()
     }
 
     fn token(&mut self, t: u32) -> Flow {

@@ -572,7 +572,8 @@ impl GenState {
                 };
                 match drawn {
                     Some(t) => t,
-                    None => sampler.sample(masked_row(dist, mask)?, &[])?,
+                    // The tokens generated so far feed a repetition penalty.
+                    None => sampler.sample(masked_row(dist, mask)?, &self.out)?,
                 }
             }
         };

@@ -361,3 +361,38 @@ fn banded_slot_steps_match_the_row_steps() {
     // the prefill of slot 1 and the checkpoint (both fetched the row) met a band.
     assert_eq!(bands, 12);
 }
+
+/// A repetition penalty sees the tokens generated so far: greedy decoding of the tiny
+/// model repeats tokens within 24 steps, and with a strong penalty it does not.
+#[test]
+fn the_repetition_penalty_sees_the_generated_tokens() {
+    let p = prompt(13, 8);
+    let never = AtomicBool::new(false);
+    let run = |repeat_penalty: f32| {
+        let mut c = Conversation::new(engine()).unwrap();
+        c.prefill(&p).unwrap();
+        let cfg = SamplerConfig {
+            temperature: 0.0,
+            repeat_penalty,
+            repeat_window: 64,
+            ..SamplerConfig::default()
+        };
+        let limits = GenLimits {
+            max_tokens: 24,
+            eos: 100_000,
+            ignore_eos: false,
+            feed_all: false,
+        };
+        c.generate_with(&mut Sampler::new(cfg).unwrap(), limits, &never, &mut Plain)
+            .unwrap()
+            .tokens
+    };
+    let distinct = |t: &[u32]| t.iter().collect::<std::collections::HashSet<_>>().len();
+    let plain = run(1.0);
+    assert!(
+        distinct(&plain) < plain.len(),
+        "greedy never repeats: {plain:?}"
+    );
+    let penalised = run(1e4);
+    assert_eq!(distinct(&penalised), penalised.len(), "{penalised:?}");
+}

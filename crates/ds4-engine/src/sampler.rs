@@ -441,6 +441,25 @@ impl Sampler {
         if cfg.band_span().is_none() {
             return Ok(None);
         }
+        if cfg.is_greedy() {
+            // `sample` takes the lowest index holding the maximum: the band's first item
+            // when the band holds every value equal to it (a complete band whose threshold
+            // is the maximum itself or below).
+            let reaches = band.threshold <= band.max;
+            return Ok(match band.items.first() {
+                // (An all -inf row leaves it to the row: with an excluded index the row's
+                // first -inf may be that index.)
+                Some(&(i, x))
+                    if reaches
+                        && band.is_complete()
+                        && x == band.max
+                        && band.max > f32::NEG_INFINITY =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            });
+        }
         let top32 = band.max;
         if top32 == f32::INFINITY {
             let i = band.first_pos_inf.unwrap_or(0);
@@ -1307,6 +1326,10 @@ mod tests {
             (3000, 0, 1.0, 0.001),
             (3000, 0, 4.0, 0.05),
             (129_280, 4, 1.0, 0.05),
+            // Greedy (span 0): quantized values tie at the maximum; ±0; peaked.
+            (2000, 2, 0.0, 0.05),
+            (2000, 3, 0.0, 0.05),
+            (129_280, 4, 0.0, 0.05),
         ]
         .iter()
         .enumerate()
@@ -1348,6 +1371,52 @@ mod tests {
         assert!(
             drawn > 50 && declined > 10,
             "drawn {drawn} declined {declined}"
+        );
+    }
+
+    /// Greedy decoding from a band (span 0) takes the token `sample` takes on the rows the
+    /// argmax finds awkward: ties, ±0 and ±inf maxima, an excluded first index.
+    #[test]
+    fn greedy_band_takes_the_rows_argmax() {
+        let cfg = SamplerConfig {
+            temperature: 0.0,
+            ..SamplerConfig::default()
+        };
+        assert_eq!(cfg.band_span(), Some(0.0));
+        let mut s = Sampler::new(cfg).unwrap();
+        let inf = f32::INFINITY;
+        let mut drawn = 0;
+        for (l, exclude) in [
+            (vec![1.0f32, 3.0, 2.0, 3.0], None),
+            (vec![1.0f32, 3.0, 2.0, 3.0], Some(1)),
+            (vec![-1.0f32, -0.0, 0.0, -2.0], None),
+            (vec![-1.0f32, 0.0, -0.0, -2.0], None),
+            (vec![1.0f32, inf, 2.0, inf], None),
+            (vec![f32::NEG_INFINITY; 4], None),
+            (vec![f32::NEG_INFINITY; 4], Some(0)),
+            (vec![f32::NEG_INFINITY, -inf, 5.0], Some(2)),
+        ] {
+            let band = LogitBand::from_words(&band_words(&l, 0.0, exclude, 16)).unwrap();
+            let mut masked = l.clone();
+            if let Some(e) = exclude {
+                masked[e as usize] = f32::NEG_INFINITY;
+            }
+            let want = s.sample(&masked, &[]).unwrap();
+            let got = match s.sample_band(&band).unwrap() {
+                Some(t) => {
+                    drawn += 1;
+                    t
+                }
+                None => s.sample(&masked, &[]).unwrap(),
+            };
+            assert_eq!(got, want, "{l:?} exclude {exclude:?}");
+        }
+        assert_eq!(drawn, 5);
+        let nan = [1.0, f32::NAN, 2.0];
+        let band = LogitBand::from_words(&band_words(&nan, 0.0, None, 16)).unwrap();
+        assert_eq!(
+            s.sample_band(&band).unwrap_err().to_string(),
+            s.sample(&nan, &[]).unwrap_err().to_string()
         );
     }
 

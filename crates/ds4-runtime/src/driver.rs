@@ -422,20 +422,19 @@ impl Conversation {
             ..
         } = limits;
         let mut logits = self.last_logits.take().ok_or(DriverError::NoLogits)?;
-        // Greedy decoding asks the backend for the argmax: one integer crosses back
-        // instead of the logits row (not with ignore_eos, which edits the row, nor when
-        // the logits must be kept).
-        let device_argmax = sampler.is_greedy() && !ignore_eos && !feed_all;
-        // A min-p sampler draws from the band of logits near the maximum: the backend finds
-        // it and a few hundred bytes cross back (the EOS mask applied there); a band short
-        // for the draw brings the row after all (docs/server.md §6).
-        // DS4_SAMPLE_BAND=0 reads the row every token (for A/B timing).
+        // The sampler's draw needs only the band of logits near the maximum (greedy: the
+        // values equal to it; min-p: those within T·ln(1/min_p)): the backend finds it and
+        // a few hundred bytes cross back (the EOS mask applied there); a band short for the
+        // draw brings the row after all (docs/server.md §6). Not when the logits must be
+        // kept (feed_all). DS4_SAMPLE_BAND=0 reads the row every token (for A/B timing),
+        // or asks the backend for the argmax alone when decoding greedily.
         let band_on = crate::load::switch_on(std::env::var("DS4_SAMPLE_BAND").ok().as_deref());
-        let band_span = if device_argmax || feed_all || !band_on {
+        let band_span = if feed_all || !band_on {
             None
         } else {
             sampler.config().band_span()
         };
+        let device_argmax = !band_on && sampler.is_greedy() && !ignore_eos && !feed_all;
         let mask = ignore_eos.then_some(limits.eos);
         // What the last step left: the row in `logits`, or the argmax / band with the row
         // in the backend's scratch (fetched by the pick only when needed).

@@ -222,6 +222,7 @@ fn banded_generation_matches_the_row_path() {
         (0.05f32, 1.0f32, false),
         (0.2, 0.8, true),
         (0.01, 1.5, true),
+        (0.05, 0.0, true),
     ] {
         let cfg = SamplerConfig {
             temperature,
@@ -285,10 +286,17 @@ impl Steer for EveryThird {
 /// later (checkpoint, another slot's prefill in between) is the row path's row.
 #[test]
 fn banded_slot_steps_match_the_row_steps() {
+    // Min-p (the server's default) and greedy (temperature 0: a span-0 band).
+    for temperature in [1.0f32, 0.0] {
+        banded_slot_steps_match(temperature);
+    }
+}
+
+fn banded_slot_steps_match(temperature: f32) {
     let p = prompt(21, 6);
     let never = AtomicBool::new(false);
     let cfg = SamplerConfig {
-        temperature: 1.0,
+        temperature,
         min_p: 0.05,
         seed: 5,
         ..SamplerConfig::default()

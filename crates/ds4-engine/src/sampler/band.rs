@@ -125,11 +125,16 @@ pub fn band_words(x: &[f32], span: f32, exclude: Option<u32>, cap: usize) -> Vec
 
 impl SamplerConfig {
     /// The band a draw with these settings needs, as `span` below the maximum, when it needs
-    /// only a band: temperature > 0, min-p on, top-k and top-p off, no repetition penalty.
-    /// `None` otherwise (the draw needs the whole row). The margin (1 % plus 1e-3) keeps
-    /// the band's f32 threshold below the exact f64 cut for logits up to ~1e3 in size;
-    /// beyond that [`crate::Sampler::sample_band`] finds the band short and declines.
+    /// only a band: greedy decoding (span 0: the values equal to the maximum, the first of
+    /// which is the token), or temperature > 0 with min-p on, top-k and top-p off and no
+    /// repetition penalty. `None` otherwise (the draw needs the whole row). The margin (1 %
+    /// plus 1e-3) keeps the band's f32 threshold below the exact f64 cut for logits up to
+    /// ~1e3 in size; beyond that [`crate::Sampler::sample_band`] finds the band short and
+    /// declines.
     pub fn band_span(&self) -> Option<f32> {
+        if self.is_greedy() {
+            return Some(0.0);
+        }
         let eligible = self.temperature > 0.0
             && self.min_p > 0.0
             && self.top_k == 0
@@ -181,7 +186,7 @@ mod tests {
     }
 
     #[test]
-    fn only_min_p_settings_have_a_band() {
+    fn only_min_p_and_greedy_settings_have_a_band() {
         let c = SamplerConfig {
             temperature: 1.0,
             min_p: 0.05,
@@ -189,10 +194,15 @@ mod tests {
         };
         let s = c.band_span().unwrap();
         assert!(s > -(0.05f32.ln()) && s < 3.1, "{s}");
+        let greedy = SamplerConfig {
+            temperature: 0.0,
+            ..c.clone()
+        };
+        assert_eq!(greedy.band_span(), Some(0.0));
         for off in [
             SamplerConfig {
-                temperature: 0.0,
-                ..c.clone()
+                repeat_penalty: 1.1,
+                ..greedy
             },
             SamplerConfig {
                 min_p: 0.0,

@@ -514,7 +514,7 @@ fn emulated_logit_band_equals_its_definition() {
     };
     let k = kernels(true);
     let mut runs = 0;
-    for case in 0..14u64 {
+    for case in 0..16u64 {
         let n = [5usize, 1023, 1024, 3000, 129_280][case as usize % 5];
         let cap = [4usize, 64, 1024][case as usize % 3];
         let mut x: Vec<f32> = (0..n)
@@ -533,9 +533,11 @@ fn emulated_logit_band_equals_its_definition() {
                 x[n / 4] = 0.0;
             }
             5 => x.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+            // Values on a grid of 0.5: ties at the maximum (greedy's span-0 band).
+            0 => x.iter_mut().for_each(|v| *v = (*v * 2.0).floor() * 0.5),
             _ => {}
         }
-        let span = [0.5f32, 3.0, 40.0][case as usize % 3];
+        let span = [0.5f32, 3.0, 40.0, 0.0][case as usize % 4];
         let exclude = (case % 2 == 1).then(|| (next() % n as u64) as u32);
         let want = band_words(&x, span, exclude, cap);
         let mut out = vec![0x5a5a_5a5au32 as i32; BAND_HEAD + 2 * cap];
@@ -564,7 +566,7 @@ fn emulated_logit_band_equals_its_definition() {
         );
         runs += 1;
     }
-    assert_eq!(runs, 14);
+    assert_eq!(runs, 16);
 }
 
 /// Batched decode on the GPU path (emulated kernels): with int8 activations (the fast

@@ -440,6 +440,17 @@ pub struct ProfileRow {
     pub ms: f64,
 }
 
+/// What a forward pass recorded as a device graph costs ([`Backend::end_capture_replay`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GraphTiming {
+    /// Nodes of the graph (kernel launches and copies).
+    pub nodes: usize,
+    /// Host time to end the recording and instantiate the graph.
+    pub instantiate_ms: f64,
+    /// Device time per replay (events around the timed replays).
+    pub replay_ms: f64,
+}
+
 /// An execution device. Object safe: the engine holds a `Box<dyn Backend>`.
 ///
 /// Determinism contract: for fixed inputs an op's output must not depend on the number of
@@ -967,6 +978,23 @@ pub trait Backend: Send {
     /// device time it covers in milliseconds.
     fn take_profile(&mut self) -> BResult<Option<(Vec<ProfileRow>, f64)>> {
         Ok(None)
+    }
+    /// Starts recording the work the following ops queue into a device graph instead of
+    /// running it (CUDA graphs; docs/gpu.md §18). `Ok(false)` where the backend has none:
+    /// the ops then run as usual. While recording, an op that would wait for the device or
+    /// allocate fails.
+    fn begin_capture(&mut self) -> BResult<bool> {
+        Ok(false)
+    }
+    /// Ends the recording [`Backend::begin_capture`] started, instantiates the graph,
+    /// replays it once untimed and `replays` times timed, waits, and destroys it. With
+    /// `replays` 0 it only ends the recording (after a failed op). The buffers the recorded
+    /// ops named must still be allocated.
+    fn end_capture_replay(&mut self, _replays: usize) -> BResult<GraphTiming> {
+        Err(BackendError::Invalid {
+            op: "end_capture_replay",
+            problem: format!("the {} backend records no graphs", self.name()),
+        })
     }
     /// Launch and synchronisation counts so far.
     fn counters(&self) -> Counters {

@@ -217,6 +217,30 @@ impl Engine {
         Ok(id[0] as u32)
     }
 
+    /// Times one decode step of `state` as a device graph (docs/gpu.md §18): decodes
+    /// `token` once as usual (so every scratch buffer exists at this size), records a second
+    /// step's launches into a graph and replays that graph `replays` times. `None` where
+    /// the backend records no graphs. A measurement probe, not a decode: the replays write
+    /// the same position again and again, and the state has advanced by two tokens whose
+    /// rows hold whatever the replays left, so the state should be reset afterwards.
+    pub fn probe_graph(
+        &mut self,
+        state: &mut KvState,
+        token: u32,
+        replays: usize,
+    ) -> Result<Option<crate::backend::GraphTiming>> {
+        self.eval_inner(state, &[token], Logits::Last, None, None)?;
+        if !self.backend.begin_capture()? {
+            return Ok(None);
+        }
+        let recorded = self.eval_inner(state, &[token], Logits::Last, None, None);
+        let timing = self
+            .backend
+            .end_capture_replay(if recorded.is_ok() { replays } else { 0 });
+        recorded?;
+        Ok(Some(timing?))
+    }
+
     /// Runs `tokens` like [`Engine::eval`] and returns the sampling band of the last logits
     /// row ([`crate::sampler::LogitBand`]: the values within `span` of its maximum, index
     /// `exclude` masked), computed by the backend: a min-p sampler reads back a few hundred

@@ -144,6 +144,20 @@ pub trait GpuApi: Send + Sync + Sized {
     /// Milliseconds between two recorded events (waits for `b`).
     fn event_ms(&self, a: &Self::Event, b: &Self::Event) -> Result<f32>;
 
+    /// Starts recording the work queued on the kernels' stream into a graph instead of
+    /// running it; `Ok(false)` where the runtime has no graphs (nothing recorded).
+    fn begin_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+    /// Ends the recording, instantiates the graph, replays it once untimed and `replays`
+    /// times between two timing events, waits, and destroys it (`replays` 0: only ends it).
+    fn end_capture_replay(&self, _replays: usize) -> Result<ds4_engine::GraphTiming> {
+        Err(crate::error::GpuError::BadArgument {
+            op: "end_capture_replay",
+            detail: format!("the {} runtime records no graphs", self.runtime()),
+        })
+    }
+
     // ---- load pipeline ----------------------------------------------------------------
 
     /// An event used only for ordering (the load pipeline recycles a staging buffer once

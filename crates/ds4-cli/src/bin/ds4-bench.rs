@@ -95,6 +95,12 @@ struct Args {
     /// time goes by section and kernel. 0: off.
     #[arg(long, default_value_t = 0)]
     profile: usize,
+    /// After each frontier's decode, record one decode step as a CUDA graph and replay it
+    /// this many times: the device time per replayed step beside the decode's (what one
+    /// graph per step would save, docs/gpu.md §18). The replays rewrite one position, so
+    /// the state afterwards is only good for timing. 0: off.
+    #[arg(long, default_value_t = 0)]
+    graph_probe: usize,
     /// After the frontiers: batched decode (one forward pass for several sequences) at
     /// each of these batch sizes, comma separated (e.g. 1,2,4,8): every sequence gets a
     /// --batch-prompt-token prompt, then --decode steps; prints aggregate tok/s and the
@@ -519,6 +525,20 @@ fn main() -> Result<()> {
         );
         if args.profile > 0 {
             profile_decode(&mut eng, &mut st, &mut next, args.profile, f)?;
+        }
+        if args.graph_probe > 0 {
+            match eng.probe_graph(&mut st, next, args.graph_probe)? {
+                Some(g) => eprintln!(
+                    "graph probe @{f}: {} nodes, instantiated in {:.1} ms; {:.3} ms per \
+                     replayed step ({:.2} tok/s) against {:.3} ms per decoded token",
+                    g.nodes,
+                    g.instantiate_ms,
+                    g.replay_ms,
+                    1e3 / g.replay_ms.max(1e-9),
+                    1e3 * dc / args.decode.max(1) as f64
+                ),
+                None => eprintln!("graph probe: this backend records no graphs"),
+            }
         }
         logits = eng.eval(&mut st, &[next], Logits::Last, None)?;
         let kv = ds4_model::kv::kv_fixed_bytes(&hp)

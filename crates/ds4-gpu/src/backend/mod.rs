@@ -1800,6 +1800,16 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         self.take_timeline()
     }
 
+    fn begin_capture(&mut self) -> BResult<bool> {
+        self.dev.begin_capture().map_err(gerr("begin_capture"))
+    }
+
+    fn end_capture_replay(&mut self, replays: usize) -> BResult<ds4_engine::GraphTiming> {
+        self.dev
+            .end_capture_replay(replays)
+            .map_err(gerr("end_capture_replay"))
+    }
+
     fn counters(&self) -> Counters {
         Counters {
             launches: self.launches.load(Relaxed),

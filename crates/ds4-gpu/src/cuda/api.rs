@@ -122,6 +122,13 @@ impl GpuApi for CudaDevice {
     fn event_ms(&self, a: &Self::Event, b: &Self::Event) -> Result<f32> {
         a.elapsed_ms(b)
     }
+    fn begin_capture(&self) -> Result<bool> {
+        CudaDevice::begin_capture(self)?;
+        Ok(true)
+    }
+    fn end_capture_replay(&self, replays: usize) -> Result<ds4_engine::GraphTiming> {
+        CudaDevice::end_capture_replay(self, replays)
+    }
     fn copy_event(&self) -> Result<Self::Event> {
         self.ordering_event()
     }

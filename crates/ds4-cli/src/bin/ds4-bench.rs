@@ -527,8 +527,9 @@ fn main() -> Result<()> {
             profile_decode(&mut eng, &mut st, &mut next, args.profile, f)?;
         }
         if args.graph_probe > 0 {
-            match eng.probe_graph(&mut st, next, args.graph_probe)? {
-                Some(g) => eprintln!(
+            // A failed probe is reported, not fatal: the frontiers go on.
+            match eng.probe_graph(&mut st, next, args.graph_probe) {
+                Ok(Some(g)) => eprintln!(
                     "graph probe @{f}: {} nodes, instantiated in {:.1} ms; {:.3} ms per \
                      replayed step ({:.2} tok/s) against {:.3} ms per decoded token",
                     g.nodes,
@@ -537,7 +538,8 @@ fn main() -> Result<()> {
                     1e3 / g.replay_ms.max(1e-9),
                     1e3 * dc / args.decode.max(1) as f64
                 ),
-                None => eprintln!("graph probe: this backend records no graphs"),
+                Ok(None) => eprintln!("graph probe: this backend records no graphs"),
+                Err(e) => eprintln!("graph probe @{f} failed: {e}"),
             }
         }
         logits = eng.eval(&mut st, &[next], Logits::Last, None)?;

@@ -35,6 +35,11 @@
 #   server     ds4-server --parallel 16 on a sparse full-size q2 file: aggregate tok/s and
 #              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py),
 #              then a ~16k-token prompt arriving while 7 streams decode (prefill interference)
+#   userpath   what users run beside the bench, on one sparse file (USER_LAYERS layers,
+#              default 43; 36 fits an 80 GB H100 without host-resident experts): the bench
+#              on the file, `ds4-bench --e2e` (the CLI's path) with and without the sampling
+#              band, ds4-server answering tools/server-sdk-tests/gen_speed.py with and
+#              without it (its "request done" lines: prefill_ms, decode_ms, total_ms)
 #   ncu        per-kernel device time of a 2-layer model's load, 2048-token prefill and one
 #              decode step under ncu (by kernel name; cuBLAS
 #              kernels included, tools/device/ncu-by-kernel.py): the prefill attribution
@@ -229,6 +234,34 @@ if ! skip server; then
     cat "$OUT/throughput.log"
     kill $sp; wait $sp 2>/dev/null
     rm -f "$work/q2.gguf"
+fi
+if ! skip userpath; then
+    step userpath
+    f="$work/user.gguf"
+    timeout 200 ds4-convert synthetic --quiet --layout q2 --layers "${USER_LAYERS:-43}" --sparse-experts \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" > "$OUT/userpath.log" 2>&1
+    timeout 120 ds4-bench -m "$f" --frontiers 2048 --decode 64 >> "$OUT/userpath.log" 2>&1
+    echo "bench: $(grep -E '^2048,' "$OUT/userpath.log" | head -1)"
+    for band in 1 0; do
+        DS4_SAMPLE_BAND=$band timeout 120 ds4-bench --e2e -m "$f" --backend cuda --ctx 4096 -n 100 \
+            --prompt-words 1500 > "$OUT/userpath_e2e$band.log" 2>&1
+        echo "e2e (band $band): $(tail -n 1 "$OUT/userpath_e2e$band.log")"
+    done
+    for band in 1 0; do
+        DS4_SAMPLE_BAND=$band ds4-server -m "$f" --backend cuda --ctx 4096 --port 8094 \
+            > "$OUT/userpath_srv$band.log" 2>&1 &
+        sp=$!
+        for i in $(seq 1 150); do
+            python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8094/v1/models',timeout=2)" 2>/dev/null && break
+            sleep 1
+        done
+        timeout 200 python3 "$R/tools/server-sdk-tests/gen_speed.py" http://127.0.0.1:8094 4 750 100
+        kill $sp; wait $sp 2>/dev/null
+        echo "server (band $band):"
+        sed 's/\x1b\[[0-9;]*m//g' "$OUT/userpath_srv$band.log" | grep 'request done' \
+            | grep -oE 'prompt=[0-9]+|generated=[0-9]+|prefill_ms=[0-9]+|decode_ms=[0-9]+|total_ms=[0-9]+' | paste -sd' '
+    done
+    rm -f "$f"
 fi
 if ! skip ncu; then
     step ncu

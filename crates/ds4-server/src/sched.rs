@@ -55,6 +55,10 @@ pub(crate) struct Task<'t> {
     pub usage0: Usage,
     pub source: &'static str,
     pub phase: Phase<'t>,
+    /// Time spent in the decode steps that fed this job's tokens (the whole step when
+    /// batched), for the "request done" line: what the rest of the generation's wall time
+    /// spent outside the engine.
+    pub decode_time: std::time::Duration,
 }
 
 pub(crate) enum Phase<'t> {
@@ -399,6 +403,7 @@ impl Worker {
                 seq,
                 usage0,
                 source,
+                decode_time: std::time::Duration::ZERO,
                 phase: Phase::Prefill {
                     tokens: suffix,
                     done: 0,
@@ -536,7 +541,15 @@ impl Worker {
         if feeds.is_empty() {
             return;
         }
-        if let Err(e) = self.slots.decode(&feeds) {
+        let t_step = Instant::now();
+        let fed = self.slots.decode(&feeds);
+        let step = t_step.elapsed();
+        for &(i, _) in &feeds {
+            if let Some(t) = tasks[i].as_mut() {
+                t.decode_time += step;
+            }
+        }
+        if let Err(e) = fed {
             let why = e.to_string();
             for &(i, _) in &feeds {
                 self.finish(
@@ -609,6 +622,7 @@ impl Worker {
             generated = outcome.usage.completion_tokens,
             finish = outcome.output.finish.as_str(),
             prefill_ms = t_prefill.as_millis() as u64,
+            decode_ms = task.decode_time.as_millis() as u64,
             total_ms = task.t0.elapsed().as_millis() as u64,
             "request done"
         );

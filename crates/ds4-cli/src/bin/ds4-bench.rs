@@ -101,6 +101,13 @@ struct Args {
     /// the state afterwards is only good for timing. 0: off.
     #[arg(long, default_value_t = 0)]
     graph_probe: usize,
+    /// Before anything is timed, prefill this many tokens once (then empty the state), so
+    /// the timed prefills do not carry the process's first-use costs (kernels loaded on
+    /// first launch, cuBLAS's first calls): the first prefill of a 4-layer model measured 3x
+    /// slower than the next one on an H100. Default: the first frontier's size, at most one
+    /// prefill chunk; 0: off (`--e2e` always measures the user's cold first prompt).
+    #[arg(long)]
+    warmup: Option<usize>,
     /// After the frontiers: batched decode (one forward pass for several sequences) at
     /// each of these batch sizes, comma separated (e.g. 1,2,4,8): every sequence gets a
     /// --batch-prompt-token prompt, then --decode steps; prints aggregate tok/s and the
@@ -475,6 +482,24 @@ fn main() -> Result<()> {
     let hp = eng.hparams().clone();
     let mut rng = Rng::new(args.seed ^ 0x5eed);
     let mut st = eng.new_state()?;
+    let first = args.frontiers.first().copied().unwrap_or(0);
+    let warmup = args
+        .warmup
+        .unwrap_or(first.min(args.prefill_chunk.max(1)))
+        .min(eng.config().ctx);
+    if warmup > 0 {
+        let mut wrng = Rng::new(args.seed ^ 0x3a3a);
+        let toks: Vec<u32> = (0..warmup)
+            .map(|_| (wrng.next_f64() * hp.n_vocab as f64) as u32 % hp.n_vocab as u32)
+            .collect();
+        let t = Instant::now();
+        eng.eval(&mut st, &toks, Logits::Last, None)?;
+        eng.reset_state(&mut st)?;
+        eprintln!(
+            "warm-up prefill of {warmup} tokens (not counted): {:.3} s",
+            t.elapsed().as_secs_f64()
+        );
+    }
     let mut csv = String::from(
         "frontier,prefill_tokens,prefill_s,prefill_tok_s,decode_tokens,decode_s,decode_tok_s,\
          kv_bytes,decode_limit_tok_s,decode_fraction_of_limit\n",

@@ -105,7 +105,8 @@ struct Args {
     /// the timed prefills do not carry the process's first-use costs (kernels loaded on
     /// first launch, cuBLAS's first calls): the first prefill of a 4-layer model measured 3x
     /// slower than the next one on an H100. Default: the first frontier's size, at most one
-    /// prefill chunk; 0: off (`--e2e` always measures the user's cold first prompt).
+    /// prefill chunk (0 with streamed experts, whose cache it would fill); 0: off (`--e2e`
+    /// always measures the user's cold first prompt).
     #[arg(long)]
     warmup: Option<usize>,
     /// After the frontiers: batched decode (one forward pass for several sequences) at
@@ -483,10 +484,14 @@ fn main() -> Result<()> {
     let mut rng = Rng::new(args.seed ^ 0x5eed);
     let mut st = eng.new_state()?;
     let first = args.frontiers.first().copied().unwrap_or(0);
-    let warmup = args
-        .warmup
-        .unwrap_or(first.min(args.prefill_chunk.max(1)))
-        .min(eng.config().ctx);
+    // Not by default with streamed experts: a warm-up would fill the expert cache, and
+    // the first frontier's hit rate is part of what that bench reports.
+    let default_warmup = if eng.expert_stats().is_some() {
+        0
+    } else {
+        first.min(args.prefill_chunk.max(1))
+    };
+    let warmup = args.warmup.unwrap_or(default_warmup).min(eng.config().ctx);
     if warmup > 0 {
         let mut wrng = Rng::new(args.seed ^ 0x3a3a);
         let toks: Vec<u32> = (0..warmup)

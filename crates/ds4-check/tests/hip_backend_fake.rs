@@ -170,6 +170,19 @@ fn a_decode_step_waits_for_the_device_once() {
     // Per step: the token-id upload and the fault word's copy, both queued.
     assert_eq!(fake.async_copies() - a0, 2 * steps);
     assert!(c1.launches - c0.launches >= steps * 10, "{c0:?} {c1:?}");
+    // The time blocked in those waits is counted too (a device still busy for 3 ms).
+    fake.set_wait_delay(Some(std::time::Duration::from_millis(3)));
+    let t = std::time::Instant::now();
+    for _ in 0..4 {
+        next = eng.eval_argmax(&mut st, &[next]).unwrap();
+    }
+    let wall_ns = t.elapsed().as_nanos() as u64;
+    fake.set_wait_delay(None);
+    let waited = eng.backend_mut().counters().wait_ns - c1.wait_ns;
+    assert!(
+        (12_000_000..=wall_ns).contains(&waited),
+        "waited {waited} ns of {wall_ns}"
+    );
 }
 
 /// A fault a kernel reports during a decode step (here the embedding's "token id outside

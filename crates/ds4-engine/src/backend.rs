@@ -428,6 +428,9 @@ pub struct Counters {
     pub launches: u64,
     /// Host waits for the device (explicit synchronisations and blocking copies back).
     pub syncs: u64,
+    /// Host time blocked in those waits, nanoseconds: near a token's time when the device
+    /// is the bottleneck, near zero when issuing the launches is.
+    pub wait_ns: u64,
 }
 
 /// One row of a device-time attribution: the time the device spent on launches of

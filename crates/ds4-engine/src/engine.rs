@@ -200,6 +200,11 @@ impl Engine {
     }
 
     /// The backend, for instrumentation ([`Backend::counters`], profiling).
+    /// The backend's launch and host-wait counters ([`crate::Counters`]).
+    pub fn counters(&self) -> crate::Counters {
+        self.backend.counters()
+    }
+
     pub fn backend_mut(&mut self) -> &mut dyn Backend {
         self.backend.as_mut()
     }

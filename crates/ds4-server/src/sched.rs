@@ -59,6 +59,9 @@ pub(crate) struct Task<'t> {
     /// batched), for the "request done" line: what the rest of the generation's wall time
     /// spent outside the engine.
     pub decode_time: std::time::Duration,
+    /// Host time blocked waiting for the device within those steps ([`ds4_engine::Counters`]):
+    /// near `decode_time` when the device is the bottleneck, small when issuing launches is.
+    pub wait_ns: u64,
 }
 
 pub(crate) enum Phase<'t> {
@@ -404,6 +407,7 @@ impl Worker {
                 usage0,
                 source,
                 decode_time: std::time::Duration::ZERO,
+                wait_ns: 0,
                 phase: Phase::Prefill {
                     tokens: suffix,
                     done: 0,
@@ -541,12 +545,14 @@ impl Worker {
         if feeds.is_empty() {
             return;
         }
-        let t_step = Instant::now();
+        let (t_step, w0) = (Instant::now(), self.slots.engine().counters().wait_ns);
         let fed = self.slots.decode(&feeds);
         let step = t_step.elapsed();
+        let waited = self.slots.engine().counters().wait_ns.saturating_sub(w0);
         for &(i, _) in &feeds {
             if let Some(t) = tasks[i].as_mut() {
                 t.decode_time += step;
+                t.wait_ns += waited;
             }
         }
         if let Err(e) = fed {
@@ -623,6 +629,7 @@ impl Worker {
             finish = outcome.output.finish.as_str(),
             prefill_ms = t_prefill.as_millis() as u64,
             decode_ms = task.decode_time.as_millis() as u64,
+            decode_wait_ms = task.wait_ns / 1_000_000,
             total_ms = task.t0.elapsed().as_millis() as u64,
             "request done"
         );

@@ -549,9 +549,12 @@ fn main() -> Result<()> {
         let c1 = eng.backend_mut().counters();
         let per = args.decode.max(1) as f64;
         eprintln!(
-            "decode @{f}: {:.1} launches, {:.1} host syncs per token",
+            "decode @{f}: {:.1} launches, {:.1} host syncs per token, {:.3} ms of {:.3} per \
+             token waiting for the device",
             (c1.launches - c0.launches) as f64 / per,
-            (c1.syncs - c0.syncs) as f64 / per
+            (c1.syncs - c0.syncs) as f64 / per,
+            (c1.wait_ns - c0.wait_ns) as f64 * 1e-6 / per,
+            1e3 * dc / per
         );
         if args.profile > 0 {
             profile_decode(&mut eng, &mut st, &mut next, args.profile, f)?;

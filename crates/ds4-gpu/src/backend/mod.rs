@@ -470,6 +470,8 @@ pub struct GpuBackend<D: GpuApi> {
     /// Kernel launches and host waits so far.
     pub(crate) launches: std::sync::atomic::AtomicU64,
     pub(crate) syncs: std::sync::atomic::AtomicU64,
+    /// Host time blocked in those waits, nanoseconds ([`Counters::wait_ns`]).
+    pub(crate) wait_ns: std::sync::atomic::AtomicU64,
     /// Int8 activations for one-token matmuls ([`ds4_engine::Backend::set_activation_q8`]).
     pub(crate) act_q8: bool,
     /// Multi-token matmuls on quantized tiles ([`CudaOptions::prefill_tiles`]).
@@ -849,6 +851,7 @@ impl<D: GpuApi> GpuBackend<D> {
             tag: "",
             launches: Default::default(),
             syncs: Default::default(),
+            wait_ns: Default::default(),
             act_q8: false,
             tiles: opts.prefill_tiles,
             tiles_wide: env_on("DS4_TILES_WIDE"),
@@ -973,8 +976,7 @@ impl<D: GpuApi> GpuBackend<D> {
 
     pub fn sync(&mut self) -> BResult<()> {
         let queued = self.queue_fault("sync")?;
-        self.syncs.fetch_add(1, Relaxed);
-        self.dev.synchronize().map_err(gerr("sync"))?;
+        host_wait(&self.syncs, &self.wait_ns, || self.dev.synchronize()).map_err(gerr("sync"))?;
         self.waited();
         self.fault_after_wait(queued, "sync")
     }
@@ -1021,8 +1023,8 @@ impl<D: GpuApi> GpuBackend<D> {
             }
             _ => {
                 let mut b = [0u8; 4];
-                self.syncs.fetch_add(1, Relaxed);
-                self.fault.read(0, &mut b).map_err(gerr(op))?;
+                host_wait(&self.syncs, &self.wait_ns, || self.fault.read(0, &mut b))
+                    .map_err(gerr(op))?;
                 self.waited();
                 u32::from_le_bytes(b)
             }
@@ -1626,8 +1628,8 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         self.fptr(dst, "upload")?;
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.bufs[dst.buf.id() as usize].as_mut().expect("checked");
-        self.syncs.fetch_add(1, Relaxed);
-        b.write(4 * dst.off, &bytes).map_err(gerr("upload"))?;
+        host_wait(&self.syncs, &self.wait_ns, || b.write(4 * dst.off, &bytes))
+            .map_err(gerr("upload"))?;
         if !bytes.is_empty() {
             self.waited();
         }
@@ -1644,8 +1646,10 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         let queued = self.queue_fault("download")?;
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.bufs[src.buf.id() as usize].as_ref().expect("checked");
-        self.syncs.fetch_add(1, Relaxed);
-        b.read(4 * src.off, &mut bytes).map_err(gerr("download"))?;
+        host_wait(&self.syncs, &self.wait_ns, || {
+            b.read(4 * src.off, &mut bytes)
+        })
+        .map_err(gerr("download"))?;
         self.waited();
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -1661,8 +1665,8 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         if n > 0 && n <= IO_SLOT_BYTES && self.io.is_some() {
             // Through a ring slot and a queued copy (see `HostIo`): no host wait.
             if self.io.as_ref().is_some_and(|io| io.queued == IO_SLOTS) {
-                self.syncs.fetch_add(1, Relaxed);
-                self.dev.synchronize().map_err(gerr(OP))?;
+                host_wait(&self.syncs, &self.wait_ns, || self.dev.synchronize())
+                    .map_err(gerr(OP))?;
                 self.waited();
             }
             let io = self.io.as_mut().expect("checked");
@@ -1690,8 +1694,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         }
         let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
         let b = self.ibufs[dst.id() as usize].as_mut().expect("checked");
-        self.syncs.fetch_add(1, Relaxed);
-        b.write(4 * off, &bytes).map_err(gerr(OP))?;
+        host_wait(&self.syncs, &self.wait_ns, || b.write(4 * off, &bytes)).map_err(gerr(OP))?;
         if !bytes.is_empty() {
             self.waited();
         }
@@ -1709,8 +1712,8 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         let queued = self.queue_fault("download_i32")?;
         let mut bytes = vec![0u8; 4 * dst.len()];
         let b = self.ibufs[src.id() as usize].as_ref().expect("checked");
-        self.syncs.fetch_add(1, Relaxed);
-        b.read(4 * off, &mut bytes).map_err(gerr("download_i32"))?;
+        host_wait(&self.syncs, &self.wait_ns, || b.read(4 * off, &mut bytes))
+            .map_err(gerr("download_i32"))?;
         self.waited();
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
             *d = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -1814,6 +1817,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         Counters {
             launches: self.launches.load(Relaxed),
             syncs: self.syncs.load(Relaxed),
+            wait_ns: self.wait_ns.load(Relaxed),
         }
     }
 
@@ -2306,4 +2310,22 @@ mod tests {
         assert!(e.to_string().contains("--use_fast_math"), "{e}");
         assert!(gemv_defines(Some("-D")).is_err());
     }
+}
+
+/// Runs a blocking host wait for the device (a synchronisation or a copy back), counting
+/// it in `syncs` and its duration in `wait_ns`: with the launch count this tells whether a
+/// token's time is the device's (long waits) or the host's (short waits).
+fn host_wait<T>(
+    syncs: &std::sync::atomic::AtomicU64,
+    wait_ns: &std::sync::atomic::AtomicU64,
+    f: impl FnOnce() -> T,
+) -> T {
+    syncs.fetch_add(1, Relaxed);
+    let t = std::time::Instant::now();
+    let r = f();
+    wait_ns.fetch_add(
+        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        Relaxed,
+    );
+    r
 }

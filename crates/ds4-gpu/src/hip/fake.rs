@@ -109,6 +109,8 @@ struct State {
     host_waits: u64,
     /// `hipMemcpyAsync` calls (no wait).
     async_copies: u64,
+    /// How long each host wait lasts ([`FakeHip::set_wait_delay`]): a device still busy.
+    wait_delay: Option<std::time::Duration>,
     /// A "kernel" that reports a device fault: when `.0` launches, parameter `.1` is read
     /// as a device address and `.2` is ORed into the word there.
     kernel_fault: Option<(String, usize, u32)>,
@@ -181,6 +183,20 @@ impl FakeHip {
     }
 
     /// Launches so far: (kernel, grid, block, parameter count).
+    /// Makes every host wait (synchronisation, synchronous copy) last `d`, as if the device
+    /// were still busy (tests of the host-wait accounting).
+    pub fn set_wait_delay(&self, d: Option<std::time::Duration>) {
+        self.st().wait_delay = d;
+    }
+
+    /// Sleeps for the configured wait delay, outside the state lock.
+    fn wait_like_a_device(&self) {
+        let d = self.st().wait_delay;
+        if let Some(d) = d {
+            std::thread::sleep(d);
+        }
+    }
+
     /// Calls so far after which the host waited for the device (see `State::host_waits`).
     pub fn host_waits(&self) -> u64 {
         self.st().host_waits
@@ -420,6 +436,7 @@ impl HipCalls for FakeHip {
             return HIP_ERROR_INVALID_VALUE;
         }
         self.st().host_waits += 1;
+        self.wait_like_a_device();
         // SAFETY: src..src+len lies inside a live boxed allocation of this fake (checked).
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         0
@@ -565,6 +582,7 @@ impl HipCalls for FakeHip {
     }
     fn synchronize(&self) -> c_int {
         self.st().host_waits += 1;
+        self.wait_like_a_device();
         0
     }
 }

@@ -2295,23 +2295,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::gemv_defines;
-
-    #[test]
-    fn gemv_defines_accept_only_define_options() {
-        assert!(gemv_defines(None).unwrap().is_empty());
-        assert_eq!(
-            gemv_defines(Some(" -DDS4_Q8Q_UNITS=1  -DX ")).unwrap(),
-            vec!["-DDS4_Q8Q_UNITS=1".to_string(), "-DX".to_string()]
-        );
-        let e = gemv_defines(Some("-DA --use_fast_math")).unwrap_err();
-        assert!(e.to_string().contains("--use_fast_math"), "{e}");
-        assert!(gemv_defines(Some("-D")).is_err());
-    }
-}
-
 /// Runs a blocking host wait for the device (a synchronisation or a copy back), counting
 /// it in `syncs` and its duration in `wait_ns`: with the launch count this tells whether a
 /// token's time is the device's (long waits) or the host's (short waits).
@@ -2328,4 +2311,21 @@ fn host_wait<T>(
         Relaxed,
     );
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_defines;
+
+    #[test]
+    fn gemv_defines_accept_only_define_options() {
+        assert!(gemv_defines(None).unwrap().is_empty());
+        assert_eq!(
+            gemv_defines(Some(" -DDS4_Q8Q_UNITS=1  -DX ")).unwrap(),
+            vec!["-DDS4_Q8Q_UNITS=1".to_string(), "-DX".to_string()]
+        );
+        let e = gemv_defines(Some("-DA --use_fast_math")).unwrap_err();
+        assert!(e.to_string().contains("--use_fast_math"), "{e}");
+        assert!(gemv_defines(Some("-D")).is_err());
+    }
 }

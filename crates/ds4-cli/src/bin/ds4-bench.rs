@@ -483,7 +483,7 @@ fn main() -> Result<()> {
     let hp = eng.hparams().clone();
     let mut rng = Rng::new(args.seed ^ 0x5eed);
     let mut st = eng.new_state()?;
-    let first = args.frontiers.first().copied().unwrap_or(0);
+    let first = frontiers[0];
     // Not by default with streamed experts: a warm-up would fill the expert cache, and
     // the first frontier's hit rate is part of what that bench reports.
     let default_warmup = if eng.expert_stats().is_some() {

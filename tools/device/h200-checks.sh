@@ -39,7 +39,9 @@
 #              default 43; 36 fits an 80 GB H100 without host-resident experts): the bench
 #              on the file, `ds4-bench --e2e` (the CLI's path) with and without the sampling
 #              band, ds4-server answering tools/server-sdk-tests/gen_speed.py with and
-#              without it (its "request done" lines: prefill_ms, decode_ms, total_ms)
+#              without it and without the turn snapshot (its "request done" lines:
+#              prefill_ms, decode_ms, decode_wait_ms, snapshot_ms, total_ms); the bench's
+#              --snapshot line (the turn snapshot's size and time at 2k)
 #   ncu        per-kernel device time of a 2-layer model's load, 2048-token prefill and one
 #              decode step under ncu (by kernel name; cuBLAS
 #              kernels included, tools/device/ncu-by-kernel.py): the prefill attribution
@@ -240,16 +242,19 @@ if ! skip userpath; then
     f="$work/user.gguf"
     timeout 200 ds4-convert synthetic --quiet --layout q2 --layers "${USER_LAYERS:-43}" --sparse-experts \
         --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" > "$OUT/userpath.log" 2>&1
-    timeout 120 ds4-bench -m "$f" --frontiers 2048 --decode 64 >> "$OUT/userpath.log" 2>&1
+    timeout 120 ds4-bench -m "$f" --frontiers 2048 --decode 64 --snapshot >> "$OUT/userpath.log" 2>&1
+    grep "^snapshot @" "$OUT/userpath.log"
     echo "bench: $(grep -E '^2048,' "$OUT/userpath.log" | head -1)"
     for band in 1 0; do
         DS4_SAMPLE_BAND=$band timeout 120 ds4-bench --e2e -m "$f" --backend cuda --ctx 4096 -n 100 \
             --prompt-words 1500 > "$OUT/userpath_e2e$band.log" 2>&1
         echo "e2e (band $band): $(tail -n 1 "$OUT/userpath_e2e$band.log")"
     done
-    for band in 1 0; do
+    # band on/off with the default turn snapshot, then band on without it (--snapshot-slots 0)
+    for run in 1:1 0:1 1:0; do
+        band=${run%:*} snaps=${run#*:}
         DS4_SAMPLE_BAND=$band ds4-server -m "$f" --backend cuda --ctx 4096 --port 8094 \
-            > "$OUT/userpath_srv$band.log" 2>&1 &
+            --snapshot-slots "$snaps" > "$OUT/userpath_srv$band$snaps.log" 2>&1 &
         sp=$!
         for i in $(seq 1 150); do
             python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8094/v1/models',timeout=2)" 2>/dev/null && break
@@ -257,9 +262,9 @@ if ! skip userpath; then
         done
         timeout 200 python3 "$R/tools/server-sdk-tests/gen_speed.py" http://127.0.0.1:8094 4 750 100
         kill $sp; wait $sp 2>/dev/null
-        echo "server (band $band):"
-        sed 's/\x1b\[[0-9;]*m//g' "$OUT/userpath_srv$band.log" | grep 'request done' \
-            | grep -oE 'prompt=[0-9]+|generated=[0-9]+|prefill_ms=[0-9]+|decode_ms=[0-9]+|total_ms=[0-9]+' | paste -sd' '
+        echo "server (band $band, snapshot slots $snaps):"
+        sed 's/\x1b\[[0-9;]*m//g' "$OUT/userpath_srv$band$snaps.log" | grep 'request done' \
+            | grep -oE 'prompt=[0-9]+|generated=[0-9]+|prefill_ms=[0-9]+|decode_ms=[0-9]+|decode_wait_ms=[0-9]+|snapshot_ms=[0-9]+|total_ms=[0-9]+' | paste -sd' '
     done
     rm -f "$f"
 fi

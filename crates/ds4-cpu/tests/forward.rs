@@ -158,6 +158,26 @@ fn snapshot_restore_continues_bitwise() {
         exact.restore(&snap),
         Err(EngineError::Snapshot(_))
     ));
+
+    // Version 1 (older builds: an FNV-1a 64 trailer instead of CRC-32) still restores, to
+    // the same state; its corruption is still caught; an unknown version is named.
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2);
+    let mut v1 = bytes[..bytes.len() - 4].to_vec();
+    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let sum = ds4_engine::state::fnv1a(&v1);
+    v1.extend_from_slice(&sum.to_le_bytes());
+    b.restore(&Snapshot::from_bytes(v1.clone())).unwrap();
+    assert_eq!(b.pos(), 37);
+    assert_eq!(b.decode(toks[37]).unwrap(), cont_a[..97].to_vec());
+    let mut bad1 = v1.clone();
+    bad1[200] ^= 4;
+    let e = b.restore(&Snapshot::from_bytes(bad1)).unwrap_err();
+    assert!(e.to_string().contains("checksum"), "{e}");
+    let mut v9 = bytes.clone();
+    v9[8..12].copy_from_slice(&9u32.to_le_bytes());
+    let e = b.restore(&Snapshot::from_bytes(v9)).unwrap_err();
+    assert!(e.to_string().contains("version 9"), "{e}");
+    assert_eq!(b.pos(), 38);
 }
 
 #[test]

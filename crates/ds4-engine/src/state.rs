@@ -163,9 +163,22 @@ impl KvState {
         Ok(())
     }
 
-    /// Serialises the state (only the rows in use).
+    /// Serialises the state (only the rows in use). The size is known before anything is
+    /// downloaded, so the bytes are written once into one allocation; values are copied in
+    /// bulk and the checksum is CRC-32 (the server snapshots every prompt before its first
+    /// decoded token, so this sits on the time to the first token: docs/forward.md §8.3).
     pub(crate) fn snapshot(&self, be: &mut dyn Backend) -> Result<Snapshot> {
-        let mut w = Vec::new();
+        let pos = self.pos();
+        let mut slices = Vec::new();
+        for l in &self.layers {
+            slices.push(l.ring.all());
+            for c in [l.comp, l.index].into_iter().flatten() {
+                slices.push(c.acc.all());
+                slices.push(c.rows.rows(0, c.rows_at(pos), c.width));
+            }
+        }
+        let values: usize = slices.iter().map(|s| s.len).sum();
+        let mut w = Vec::with_capacity(SNAPSHOT_HEAD + 4 * (self.tokens.len() + values) + 4);
         w.extend_from_slice(SNAPSHOT_MAGIC);
         w.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
         w.extend_from_slice(&self.fingerprint.to_le_bytes());
@@ -174,24 +187,17 @@ impl KvState {
         for t in &self.tokens {
             w.extend_from_slice(&t.to_le_bytes());
         }
-        let pos = self.pos();
         let mut tmp = Vec::new();
-        let mut put = |be: &mut dyn Backend, s: crate::backend::Slice, w: &mut Vec<u8>| {
+        for s in slices {
             tmp.resize(s.len, 0f32);
             be.download(s, &mut tmp)?;
-            for v in &tmp {
-                w.extend_from_slice(&v.to_le_bytes());
-            }
-            Ok::<(), EngineError>(())
-        };
-        for l in &self.layers {
-            put(be, l.ring.all(), &mut w)?;
-            for c in [l.comp, l.index].into_iter().flatten() {
-                put(be, c.acc.all(), &mut w)?;
-                put(be, c.rows.rows(0, c.rows_at(pos), c.width), &mut w)?;
+            let at = w.len();
+            w.resize(at + 4 * tmp.len(), 0);
+            for (b, v) in w[at..].chunks_exact_mut(4).zip(&tmp) {
+                b.copy_from_slice(&v.to_le_bytes());
             }
         }
-        let sum = fnv1a(&w);
+        let sum = crc32fast::hash(&w);
         w.extend_from_slice(&sum.to_le_bytes());
         Ok(Snapshot { bytes: w })
     }
@@ -200,28 +206,39 @@ impl KvState {
     pub(crate) fn restore(&mut self, be: &mut dyn Backend, snap: &Snapshot) -> Result<()> {
         let b = &snap.bytes;
         let bad = |m: String| EngineError::Snapshot(m);
-        let head = SNAPSHOT_MAGIC.len() + 4 + 8 + 8 + 4;
-        if b.len() < head + 8 {
+        if b.len() < SNAPSHOT_HEAD + 4 {
             return Err(bad(format!("{} bytes is too short", b.len())));
         }
-        let (body, sum) = b.split_at(b.len() - 8);
-        let sum = u64::from_le_bytes(sum.try_into().expect("8 bytes"));
-        if &body[..SNAPSHOT_MAGIC.len()] != SNAPSHOT_MAGIC {
+        if &b[..SNAPSHOT_MAGIC.len()] != SNAPSHOT_MAGIC {
             return Err(bad("not a ds4 KV snapshot (bad magic)".into()));
         }
-        if fnv1a(body) != sum {
-            return Err(bad("checksum mismatch (corrupted snapshot)".into()));
+        let at = SNAPSHOT_MAGIC.len();
+        let version = u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+        // Version 1 (FNV-1a 64 trailer) is still read: snapshots and checkpoints on disk
+        // from older builds keep working.
+        let body = match version {
+            1 if b.len() >= SNAPSHOT_HEAD + 8 => {
+                let (body, sum) = b.split_at(b.len() - 8);
+                (fnv1a(body) == u64::from_le_bytes(sum.try_into().expect("8 bytes")))
+                    .then_some(body)
+            }
+            SNAPSHOT_VERSION => {
+                let (body, sum) = b.split_at(b.len() - 4);
+                (crc32fast::hash(body) == u32::from_le_bytes(sum.try_into().expect("4 bytes")))
+                    .then_some(body)
+            }
+            1 => return Err(bad(format!("{} bytes is too short", b.len()))),
+            _ => {
+                return Err(bad(format!(
+                    "version {version}, this build reads 1 and {SNAPSHOT_VERSION}"
+                )))
+            }
         }
+        .ok_or_else(|| bad("checksum mismatch (corrupted snapshot)".into()))?;
         let mut r = Reader {
             b: body,
-            at: SNAPSHOT_MAGIC.len(),
+            at: at + 4,
         };
-        let version = r.u32()?;
-        if version != SNAPSHOT_VERSION {
-            return Err(bad(format!(
-                "version {version}, this build reads {SNAPSHOT_VERSION}"
-            )));
-        }
         let fp = r.u64()?;
         if fp != self.fingerprint {
             return Err(bad(format!(
@@ -281,11 +298,15 @@ impl KvState {
 }
 
 const SNAPSHOT_MAGIC: &[u8; 8] = b"DS4KVST\0";
-const SNAPSHOT_VERSION: u32 = 1;
+/// The version [`KvState::snapshot`] writes; version 1 differs only in its trailer.
+const SNAPSHOT_VERSION: u32 = 2;
+/// Magic, version, fingerprint, token count, layer count.
+const SNAPSHOT_HEAD: usize = 8 + 4 + 8 + 8 + 4;
 
 /// A serialised [`KvState`]: `magic, version, model fingerprint, token count, layer count,
 /// tokens, then per layer the ring, and per compressor its accumulator and used rows (all
-/// little-endian f32), then an FNV-1a 64 checksum of everything before it`.
+/// little-endian f32), then a checksum of everything before it` — CRC-32 (IEEE, 4 bytes)
+/// in version 2, FNV-1a 64 (8 bytes) in version 1, which restore still accepts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
     bytes: Vec<u8>,

@@ -62,6 +62,9 @@ pub(crate) struct Task<'t> {
     /// Host time blocked waiting for the device within those steps ([`ds4_engine::Counters`]):
     /// near `decode_time` when the device is the bottleneck, small when issuing launches is.
     pub wait_ns: u64,
+    /// Time spent keeping the prompt's state for reuse (the turn snapshot) between the
+    /// prompt's end and the first decoded token.
+    pub snapshot_time: std::time::Duration,
 }
 
 pub(crate) enum Phase<'t> {
@@ -408,6 +411,7 @@ impl Worker {
                 source,
                 decode_time: std::time::Duration::ZERO,
                 wait_ns: 0,
+                snapshot_time: std::time::Duration::ZERO,
                 phase: Phase::Prefill {
                     tokens: suffix,
                     done: 0,
@@ -496,7 +500,9 @@ impl Worker {
             }
         }
         let t_prefill = task.t0.elapsed();
+        let t_snap = Instant::now();
         self.turn_snapshot(i);
+        task.snapshot_time = t_snap.elapsed();
         let limit = task
             .job
             .max_tokens
@@ -630,6 +636,7 @@ impl Worker {
             prefill_ms = t_prefill.as_millis() as u64,
             decode_ms = task.decode_time.as_millis() as u64,
             decode_wait_ms = task.wait_ns / 1_000_000,
+            snapshot_ms = task.snapshot_time.as_millis() as u64,
             total_ms = task.t0.elapsed().as_millis() as u64,
             "request done"
         );

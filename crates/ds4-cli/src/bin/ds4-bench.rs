@@ -101,6 +101,11 @@ struct Args {
     /// the state afterwards is only good for timing. 0: off.
     #[arg(long, default_value_t = 0)]
     graph_probe: usize,
+    /// After each frontier's decode, serialise the state (what `ds4-server` does to every
+    /// prompt before its first token, to reuse it later) and restore it, printing the size
+    /// and both times.
+    #[arg(long)]
+    snapshot: bool,
     /// Before anything is timed, prefill this many tokens once (then empty the state), so
     /// the timed prefills do not carry the process's first-use costs (kernels loaded on
     /// first launch, cuBLAS's first calls): the first prefill of a 4-layer model measured 3x
@@ -574,6 +579,20 @@ fn main() -> Result<()> {
                 Ok(None) => eprintln!("graph probe: this backend records no graphs"),
                 Err(e) => eprintln!("graph probe @{f} failed: {e}"),
             }
+        }
+        if args.snapshot {
+            let t = Instant::now();
+            let snap = eng.snapshot(&st)?;
+            let taken = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            eng.restore(&mut st, &snap)?;
+            eprintln!(
+                "snapshot @{}: {:.1} MB taken in {:.1} ms, restored in {:.1} ms",
+                st.pos(),
+                snap.as_bytes().len() as f64 * 1e-6,
+                1e3 * taken,
+                1e3 * t.elapsed().as_secs_f64()
+            );
         }
         logits = eng.eval(&mut st, &[next], Logits::Last, None)?;
         let kv = ds4_model::kv::kv_fixed_bytes(&hp)

@@ -169,8 +169,15 @@ impl Engine {
     }
 
     pub fn snapshot(&mut self, state: &KvState) -> Result<Snapshot> {
+        self.snapshot_into(state, Vec::new())
+    }
+
+    /// [`Engine::snapshot`] written into `buf`'s allocation (for instance the bytes of a
+    /// snapshot being replaced, [`Snapshot::into_bytes`]): a caller that snapshots every
+    /// prompt does not fault in a fresh buffer each time.
+    pub fn snapshot_into(&mut self, state: &KvState, buf: Vec<u8>) -> Result<Snapshot> {
         self.check_state(state)?;
-        state.snapshot(self.backend.as_mut())
+        state.snapshot(self.backend.as_mut(), buf)
     }
 
     pub fn restore(&mut self, state: &mut KvState, snap: &Snapshot) -> Result<()> {

@@ -167,7 +167,9 @@ impl KvState {
     /// downloaded, so the bytes are written once into one allocation; values are copied in
     /// bulk and the checksum is CRC-32 (the server snapshots every prompt before its first
     /// decoded token, so this sits on the time to the first token: docs/forward.md §8.3).
-    pub(crate) fn snapshot(&self, be: &mut dyn Backend) -> Result<Snapshot> {
+    /// `buf`'s allocation is reused (a snapshot about to be dropped: its pages are already
+    /// mapped, which saves faulting in tens of MB again).
+    pub(crate) fn snapshot(&self, be: &mut dyn Backend, buf: Vec<u8>) -> Result<Snapshot> {
         let pos = self.pos();
         let mut slices = Vec::new();
         for l in &self.layers {
@@ -178,7 +180,9 @@ impl KvState {
             }
         }
         let values: usize = slices.iter().map(|s| s.len).sum();
-        let mut w = Vec::with_capacity(SNAPSHOT_HEAD + 4 * (self.tokens.len() + values) + 4);
+        let mut w = buf;
+        w.clear();
+        w.reserve(SNAPSHOT_HEAD + 4 * (self.tokens.len() + values) + 4);
         w.extend_from_slice(SNAPSHOT_MAGIC);
         w.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
         w.extend_from_slice(&self.fingerprint.to_le_bytes());

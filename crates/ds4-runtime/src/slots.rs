@@ -243,8 +243,13 @@ impl Slots {
     }
 
     pub fn snapshot(&mut self, i: usize) -> Result<Snapshot, DriverError> {
+        self.snapshot_into(i, Vec::new())
+    }
+
+    /// [`Slots::snapshot`] written into `buf`'s allocation ([`Engine::snapshot_into`]).
+    pub fn snapshot_into(&mut self, i: usize, buf: Vec<u8>) -> Result<Snapshot, DriverError> {
         self.settle()?;
-        Ok(self.engine.snapshot(&self.slots[i].state)?)
+        Ok(self.engine.snapshot_into(&self.slots[i].state, buf)?)
     }
 
     /// Replaces slot `i`'s state with a snapshot; `logits` are the ones after it, if known.

@@ -404,3 +404,26 @@ fn the_repetition_penalty_sees_the_generated_tokens() {
     let penalised = run(1e4);
     assert_eq!(distinct(&penalised), penalised.len(), "{penalised:?}");
 }
+
+/// The server's turn snapshot writes into the buffer of the snapshot it replaces: the bytes
+/// must equal a fresh snapshot's whatever that buffer held (longer, other state), and
+/// restore to the same continuation.
+#[test]
+fn a_snapshot_into_a_reused_buffer_equals_a_fresh_one() {
+    let mut slots = Slots::new(engine(), 2).unwrap();
+    slots.prefill(0, &prompt(70, 1)).unwrap();
+    slots.prefill(1, &prompt(23, 2)).unwrap();
+    let long = slots.snapshot(0).unwrap().into_bytes();
+    let fresh = slots.snapshot(1).unwrap();
+    let mut junk = long.clone();
+    junk.iter_mut().for_each(|b| *b ^= 0x5a);
+    let reused = slots.snapshot_into(1, junk).unwrap();
+    assert!(long.len() > fresh.as_bytes().len());
+    assert!(reused.as_bytes() == fresh.as_bytes());
+    slots.restore(0, &reused, None).unwrap();
+    assert_eq!(slots.live(0), slots.live(1));
+    slots.decode(&[(0, 5)]).unwrap();
+    slots.decode(&[(1, 5)]).unwrap();
+    let a = slots.logits(0).unwrap().unwrap().to_vec();
+    assert!(a == slots.logits(1).unwrap().unwrap());
+}

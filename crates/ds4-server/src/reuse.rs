@@ -337,24 +337,42 @@ impl Worker {
         (step > 0).then(|| self.memo[i].frontier + step)
     }
 
-    /// Keeps an in-memory snapshot of slot `i` at the end of its prompt.
+    /// Keeps an in-memory snapshot of slot `i` at the end of its prompt. This runs between
+    /// the prompt and its first token, so it reuses the buffers of the snapshot it will push
+    /// out (the oldest, when all `--snapshot-slots` are taken): that one is dropped first,
+    /// even if the new one then fails.
     pub(crate) fn turn_snapshot(&mut self, i: usize) {
-        if self.cfg.snapshot_slots == 0 {
+        if self.cfg.snapshot_slots == 0 || !self.slots.has_logits(i) {
             return;
         }
-        let logits = match self.slots.logits(i) {
-            Ok(Some(l)) => l.to_vec(),
+        if self
+            .snapshots
+            .back()
+            .is_some_and(|s| s.tokens == self.slots.live(i))
+        {
+            return;
+        }
+        let (buf, mut logits) = match self.snapshots.len() >= self.cfg.snapshot_slots {
+            true => self
+                .snapshots
+                .pop_front()
+                .map(|s| (s.snap.into_bytes(), s.logits))
+                .unwrap_or_default(),
+            false => Default::default(),
+        };
+        match self.slots.logits(i) {
+            Ok(Some(l)) => {
+                logits.clear();
+                logits.extend_from_slice(l);
+            }
             Ok(None) => return,
             Err(e) => {
                 tracing::warn!(error = %e, "turn snapshot: the logits could not be read");
                 return;
             }
-        };
-        let tokens = self.slots.live(i).to_vec();
-        if self.snapshots.back().is_some_and(|s| s.tokens == tokens) {
-            return;
         }
-        match self.slots.snapshot(i) {
+        let tokens = self.slots.live(i).to_vec();
+        match self.slots.snapshot_into(i, buf) {
             Ok(snap) if snap.as_bytes().len() <= self.cfg.snapshot_max_bytes => {
                 self.snapshots.retain(|s| s.tokens != tokens);
                 self.snapshots.push_back(MemSnapshot {

@@ -45,6 +45,9 @@
 #   ncu        per-kernel device time of a 2-layer model's load, 2048-token prefill and one
 #              decode step under ncu (by kernel name; cuBLAS
 #              kernels included, tools/device/ncu-by-kernel.py): the prefill attribution
+#   ncudeep    ncu sections (speed of light, occupancy, warp stalls, memory, pipes) of the
+#              prefill expert tiles and the decode GEMVs on a 2-layer model: why they run
+#              at the speed they do (the next kernel work's starting point)
 #   stream     streamed routed experts (issue 23): a sparse full-size q2 file with a skewed
 #              router, resident against 8 / 24 GiB expert caches (engine overheads: holes
 #              read as zeros), then a dense 12-layer file after dropping the page cache
@@ -274,6 +277,26 @@ if ! skip ncu; then
         ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 1 \
         > "$OUT/ncu_prefill.csv" 2> "$OUT/ncu_prefill.err"
     python3 "$R/tools/device/ncu-by-kernel.py" "$OUT/ncu_prefill.csv" 25
+fi
+if ! skip ncudeep; then
+    step ncudeep
+    # Why the two largest kernel families run where they do (issue 21: the routed-expert
+    # tiles, 50 % of a 2k prefill window; issue 20: the grouped int8 GEMVs at 28-33 % of
+    # bandwidth): speed of light, occupancy, warp stall reasons, memory and pipe use of the
+    # first launches of each, on a 2-layer model (one 2048-token prefill, 2 decode steps).
+    for k in 'regex:^ds4_mm_tiles' 'regex:^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_' \
+             'regex:^ds4_gemv_q_q8_0$|^ds4_gemv_rmsnorm_q_q8_0$'; do
+        n=$(echo "$k" | tr -dc 'a-z0-9_' | cut -c1-24)
+        timeout 300 ncu --clock-control none --kernel-name "$k" --launch-count 6 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats \
+            --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+            --section ComputeWorkloadAnalysis --csv --page details \
+            ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 2 --warmup 0 \
+            > "$OUT/ncudeep_$n.csv" 2> "$OUT/ncudeep_$n.err"
+        echo "$k: $(grep -c . "$OUT/ncudeep_$n.csv") lines"
+        grep -E '"(Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput|Issue Slots Busy|No Eligible|Block Limit Registers|Block Limit Shared Mem)"' \
+            "$OUT/ncudeep_$n.csv" | awk -F'","' '{print $5 " | " $(NF-2) " = " $NF}' | head -40
+    done
 fi
 if ! skip stream; then
     step stream

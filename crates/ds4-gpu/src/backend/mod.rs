@@ -1626,7 +1626,13 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
         validate::upload(dst, src.len())?;
         self.fptr(dst, "upload")?;
-        let bytes: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Device buffers hold little-endian f32: on a little-endian host the values' own
+        // bytes go (no copy: a KV snapshot restores tens of MB through here).
+        let bytes: std::borrow::Cow<[u8]> = if cfg!(target_endian = "little") {
+            bytemuck::cast_slice(src).into()
+        } else {
+            src.iter().flat_map(|v| v.to_le_bytes()).collect()
+        };
         let b = self.bufs[dst.buf.id() as usize].as_mut().expect("checked");
         host_wait(&self.syncs, &self.wait_ns, || b.write(4 * dst.off, &bytes))
             .map_err(gerr("upload"))?;
@@ -1644,15 +1650,18 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
             return self.fault_after_wait(false, "download");
         }
         let queued = self.queue_fault("download")?;
-        let mut bytes = vec![0u8; 4 * dst.len()];
+        // Straight into `dst`'s bytes (no staging buffer to fault in and convert from: the
+        // logits row every token, a KV snapshot's tens of MB), then from little-endian.
         let b = self.bufs[src.buf.id() as usize].as_ref().expect("checked");
         host_wait(&self.syncs, &self.wait_ns, || {
-            b.read(4 * src.off, &mut bytes)
+            b.read(4 * src.off, bytemuck::cast_slice_mut(dst))
         })
         .map_err(gerr("download"))?;
         self.waited();
-        for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        if cfg!(target_endian = "big") {
+            for d in dst.iter_mut() {
+                *d = f32::from_bits(u32::from_le(d.to_bits()));
+            }
         }
         self.fault_after_wait(queued, "download")
     }

@@ -104,6 +104,20 @@ __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
 #endif
 }
 
+// As the CUDA versions below: two binary16 products (the exact f32 product rounded once,
+// which is the IEEE half product), and a byte select from y:x.
+__device__ __forceinline__ ds4_u32 ds4_hmul2(ds4_u32 a, ds4_u32 b) {
+    const float lo = ds4_h2f((ds4_u16)(a & 0xffffu)) * ds4_h2f((ds4_u16)(b & 0xffffu));
+    const float hi = ds4_h2f((ds4_u16)(a >> 16)) * ds4_h2f((ds4_u16)(b >> 16));
+    return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
+}
+__device__ __forceinline__ ds4_u32 ds4_byte_perm(ds4_u32 x, ds4_u32 y, ds4_u32 s) {
+    const ds4_u64 v = ((ds4_u64)y << 32) | x;
+    ds4_u32 r = 0;
+    for (int i = 0; i < 4; i++) r |= (ds4_u32)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+    return r;
+}
+
 #else  // CUDA (NVRTC)
 
 __device__ __forceinline__ float ds4_shfl_xor(float v, int lane_mask) {
@@ -163,6 +177,20 @@ __device__ __forceinline__ ds4_u32 ds4_f2h2(float lo, float hi) {
 
 // Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).
 __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+
+// Two IEEE binary16 products in one register (each half times the same half of b), round
+// to nearest even, subnormals kept: one mul.rn.f16x2.
+__device__ __forceinline__ ds4_u32 ds4_hmul2(ds4_u32 a, ds4_u32 b) {
+    ds4_u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// Byte i of the result = byte (s >> 4i) & 7 of the eight bytes y:x (x = bytes 0..3): one
+// prmt. (The selector's sign-replicate bit 3 is never set here.)
+__device__ __forceinline__ ds4_u32 ds4_byte_perm(ds4_u32 x, ds4_u32 y, ds4_u32 s) {
+    return __byte_perm(x, y, s);
+}
 
 // Tensor-core product (sm_80 and later): c += A * B for one 16x16 half tile A (row-major
 // fragment a[4]) and one 16x8 half tile B (column fragment b[2]), f32 accumulator c[4]; the

@@ -486,6 +486,80 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const TW& raw, int 
     }
 }
 
+// The routed experts' types (IQ2_XXS gate/up, Q2_K down) decode straight into halves, with
+// about half the instructions per weight of the f32 decode above and its conversions (the
+// decode's issue slots, not the MMAs, were what bounded these kernels), each 8-value piece
+// stored as soon as it is made (no array of the whole piece in registers). The halves are
+// the same bits: tests/emulated_gpu.rs `emulated_tile_decode_is_the_dequantizer_rounded_once`.
+// -DDS4_TILES_HALF_DECODE=0 (DS4_TILES_DEFINES) keeps the f32 decode, for A/B measurements.
+#ifndef DS4_TILES_HALF_DECODE
+#define DS4_TILES_HALF_DECODE 1
+#endif
+#if DS4_TILES_HALF_DECODE
+
+// IQ2_XXS: a lattice point's eight values come as halves from ds4_iq2xxs_grid_h, take
+// their signs as half sign bits (ds4_iq2xxs_signs_h), are multiplied by (2 ls + 1) / 8 —
+// exact: at most 43 x 31 = 1333 < 2^11 — and then by d: the one rounding, of the exact
+// value d (0.5 + ls) 0.25 grid that ds4_wdec computes in f32 (22 bits) and rounds once.
+template <int N>
+__device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xxs<N>& t, int kg, bool ok,
+                                                int row, int koff) {
+    const ds4_u32 a1 = t.h[2] | (t.h[3] << 16);
+    const ds4_u32 s = ds4_f2h((float)(2 * (a1 >> 28) + 1) * 0.125f);
+    const ds4_u32 s2 = s | (s << 16), d2 = (t.d & 0xffffu) * 0x10001u;
+    const int l0 = ds4_piece_off<N>(kg) / 8;
+#pragma unroll
+    for (int q = 0; q < N / 8; q++) {
+        const int l = l0 + q;
+        const ds4_u32 g2 = l < 2 ? t.h[0] : t.h[1];
+        const ds4_u32 gi = (l & 1) ? g2 >> 8 : g2 & 0xff;
+        const uint4 gv = ds4_ldg((const uint4*)ds4_iq2xxs_grid_h + gi);
+        const uint4 sm = ds4_ldg((const uint4*)ds4_iq2xxs_signs_h + ((a1 >> (7 * l)) & 127));
+        uint4 o;
+        o.x = ok ? ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2), d2) : 0u;
+        o.y = ok ? ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2), d2) : 0u;
+        o.z = ok ? ds4_hmul2(ds4_hmul2(gv.z ^ sm.z, s2), d2) : 0u;
+        o.w = ok ? ds4_hmul2(ds4_hmul2(gv.w ^ sm.w, s2), d2) : 0u;
+        *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
+    }
+}
+
+// Q2_K: a scale byte's 16 weights take one of four values (q = 0..3). Each is
+// d sc q - dmin m with both products exact in f32 (11 + 4 + 2 and 11 + 4 significant
+// bits), so it is rounded once whatever the compiler contracts — ds4_wdec's value — then
+// once to half. The four halves sit in two words; a pair of weights picks its two halves
+// with one byte permute whose selector (nibbles 2q, 2q + 1 per half) is 34 q + 0x10 per
+// byte once the 2-bit fields are spread one per byte.
+template <int N>
+__device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N>& t, int kg, bool ok,
+                                                int row, int koff) {
+    const int g = (kg % 128) / 32, w0 = ds4_piece_off<N>(kg) / 4;
+    const float d = ds4_h2f((ds4_u16)(t.dm & 0xffff)), dmin = ds4_h2f((ds4_u16)(t.dm >> 16));
+    ds4_u32 lut[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const ds4_u8 sc = (ds4_u8)(j ? t.s >> 8 : t.s & 0xff);
+        const float a = d * (float)(sc & 0xF), b = dmin * (float)(sc >> 4);
+        lut[j][0] = ds4_pack_h2(a * 0.0f - b, a * 1.0f - b);
+        lut[j][1] = ds4_pack_h2(a * 2.0f - b, a * 3.0f - b);
+    }
+#pragma unroll
+    for (int q = 0; q < N / 8; q++) {
+        // Words 2q and 2q + 1: 8 values, all under one scale byte (4 words per byte).
+        const int j = w0 + 2 * q < 4 ? 0 : 1;
+        const ds4_u32 qa = (t.q[2 * q] >> (2 * g)) & 0x03030303u;
+        const ds4_u32 qb = (t.q[2 * q + 1] >> (2 * g)) & 0x03030303u;
+        const ds4_u32 lo = lut[j][0], hi = lut[j][1];
+        uint4 o;
+        o.x = ok ? ds4_byte_perm(lo, hi, 34u * (qa & 0xffffu) + 0x1010u) : 0u;
+        o.y = ok ? ds4_byte_perm(lo, hi, 34u * (qa >> 16) + 0x1010u) : 0u;
+        o.z = ok ? ds4_byte_perm(lo, hi, 34u * (qb & 0xffffu) + 0x1010u) : 0u;
+        o.w = ok ? ds4_byte_perm(lo, hi, 34u * (qb >> 16) + 0x1010u) : 0u;
+        *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
+    }
+}
+#endif
+
 // A call per weight type rather than seven inlined bodies in one function: ptxas then
 // allocates registers per type (inlined, the sm_90 wide kernel spilled ~400 bytes that
 // no single type needs). One call per block.

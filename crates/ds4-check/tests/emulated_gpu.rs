@@ -329,6 +329,64 @@ fn aligned(bytes: &[u8]) -> Vec<u128> {
     v
 }
 
+/// One `ds4_mm_tiles` / `ds4_mm_tiles_wide` launch over one group (no expert offsets).
+struct Tiles {
+    kernel: &'static str,
+    rows: usize,
+    split: u32,
+    ty: ds4_gguf::types::GgmlType,
+    n_rows: usize,
+    cols: usize,
+    n_tok: usize,
+}
+
+impl Tiles {
+    /// y[p][r] for the weights `w` (n_rows rows of row_bytes) and half activations `x`
+    /// (n_tok rows of cols); NaN where the kernel wrote nothing.
+    fn run(&self, k: &EmuKernels, w: &[u128], row_bytes: usize, x: &[u128]) -> Vec<f32> {
+        use std::ffi::c_void;
+        assert!(
+            w.len() * 16 >= self.n_rows * row_bytes && x.len() * 16 >= self.n_tok * self.cols * 2
+        );
+        let mut y = vec![f32::NAN; self.n_tok * self.n_rows];
+        let (mut wp, mut w2, mut mat, mut tyc, mut rb) = (
+            w.as_ptr() as u64,
+            0u64,
+            0u64,
+            self.ty.code() as i32,
+            row_bytes as u64,
+        );
+        let (mut nr, mut nc, mut xp, mut offs, mut nt) = (
+            self.n_rows as i32,
+            self.cols as i32,
+            x.as_ptr() as u64,
+            0u64,
+            self.n_tok as i32,
+        );
+        let (mut yp, mut y2, mut ys) = (y.as_mut_ptr() as u64, 0u64, self.n_rows as u64);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut wp as *mut u64).cast(),
+            (&mut w2 as *mut u64).cast(),
+            (&mut mat as *mut u64).cast(),
+            (&mut tyc as *mut i32).cast(),
+            (&mut rb as *mut u64).cast(),
+            (&mut nr as *mut i32).cast(),
+            (&mut nc as *mut i32).cast(),
+            (&mut xp as *mut u64).cast(),
+            (&mut offs as *mut u64).cast(),
+            (&mut nt as *mut i32).cast(),
+            (&mut yp as *mut u64).cast(),
+            (&mut y2 as *mut u64).cast(),
+            (&mut ys as *mut u64).cast(),
+        ];
+        let grid = (self.n_rows.div_ceil(self.rows) as u32, 1, self.split);
+        // SAFETY: w holds n_rows rows of row_bytes, x n_tok rows of cols halves (asserted
+        // above), y n_tok rows of n_rows floats; the parameters are ds4_mm_tiles' in order.
+        unsafe { k.launch(self.kernel, grid, 256, &mut params) }.unwrap();
+        y
+    }
+}
+
 /// `ds4_mm_tiles` and `ds4_mm_tiles_wide` directly, for every weight type the host sends
 /// them, on shapes with ragged edges everywhere: rows past the last full row tile, a token
 /// count past the last full token tile with fewer token-tile blocks than tiles (the block's
@@ -339,7 +397,6 @@ fn aligned(bytes: &[u8]) -> Vec<u128> {
 fn emulated_tile_kernels_decode_every_type() {
     use ds4_gguf::quant::{dequantize, f16, quantize_matrix};
     use ds4_gguf::types::GgmlType;
-    use std::ffi::c_void;
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut rnd = move || {
         seed ^= seed << 13;
@@ -379,45 +436,20 @@ fn emulated_tile_kernels_decode_every_type() {
                 ("ds4_mm_tiles", 128, 64, 2u32),
                 ("ds4_mm_tiles_wide", 64, 128, 1),
             ] {
-                let mut y = vec![f32::NAN; n_tok * n_rows];
-                let (mut w, mut w2, mut mat, mut tyc, mut rb) = (
-                    wbuf.as_ptr() as u64,
-                    0u64,
-                    0u64,
-                    ty.code() as i32,
-                    row_bytes as u64,
-                );
-                let (mut nr, mut nc, mut x, mut offs, mut nt) = (
-                    n_rows as i32,
-                    cols as i32,
-                    xbuf.as_ptr() as u64,
-                    0u64,
-                    n_tok as i32,
-                );
-                let (mut yp, mut y2, mut ys) = (y.as_mut_ptr() as u64, 0u64, n_rows as u64);
-                let mut params: Vec<*mut c_void> = vec![
-                    (&mut w as *mut u64).cast(),
-                    (&mut w2 as *mut u64).cast(),
-                    (&mut mat as *mut u64).cast(),
-                    (&mut tyc as *mut i32).cast(),
-                    (&mut rb as *mut u64).cast(),
-                    (&mut nr as *mut i32).cast(),
-                    (&mut nc as *mut i32).cast(),
-                    (&mut x as *mut u64).cast(),
-                    (&mut offs as *mut u64).cast(),
-                    (&mut nt as *mut i32).cast(),
-                    (&mut yp as *mut u64).cast(),
-                    (&mut y2 as *mut u64).cast(),
-                    (&mut ys as *mut u64).cast(),
-                ];
-                let grid = (n_rows.div_ceil(rows) as u32, 1, split);
                 assert!(
                     n_tok.div_ceil(tokens) as u32 > split,
                     "the token loop must run"
                 );
-                // SAFETY: w holds n_rows rows of row_bytes, x n_tok rows of cols halves, y
-                // n_tok rows of n_rows floats; the parameters are ds4_mm_tiles' in order.
-                unsafe { k.launch(kernel, grid, 256, &mut params) }.unwrap();
+                let t = Tiles {
+                    kernel,
+                    rows,
+                    split,
+                    ty,
+                    n_rows,
+                    cols,
+                    n_tok,
+                };
+                let y = t.run(&k, &wbuf, row_bytes, &xbuf);
                 for p in 0..n_tok {
                     for r in 0..n_rows {
                         let (mut s, mut mag) = (0f64, 0f64);
@@ -431,6 +463,97 @@ fn emulated_tile_kernels_decode_every_type() {
                         assert!(
                             (got - s).abs() <= 1e-5 * mag + 1e-6,
                             "{kernel} {ty:?} mma {mma}: y[{p}][{r}] = {got}, expected {s}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The tiles' decode is exact: with one-hot activations (token p = unit vector p) the
+/// output is the decoded weight matrix itself, which must equal the CPU dequantizer's f32
+/// values rounded once to half, bit for bit (as values: -0 = +0), for every weight type,
+/// both tile shapes (the wide one decodes 16-value pieces from the middle of 32-value
+/// groups) and both MMA paths. The block scales are replaced by random halves from
+/// subnormal to 2^6 (the values stay finite halves), so the half decode of IQ2_XXS and Q2_K
+/// (`ds4_wdec_h`, kernels/tiles.cu) is checked where a second rounding would show.
+#[test]
+fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
+    use ds4_gguf::quant::{dequantize, f16, quantize_matrix};
+    use ds4_gguf::types::GgmlType;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // A random half: sign, exponent 0 (subnormal) ..= 20 (below 2^6, so that every
+    // decoded value stays a finite half), random mantissa.
+    let mut scale = move || -> u16 {
+        let r = next();
+        ((r & 1) << 15) as u16 | (((r >> 1) % 21) << 10) as u16 | ((r >> 8) & 0x3ff) as u16
+    };
+    let (n_rows, cols) = (40usize, 256usize);
+    let n_tok = cols;
+    let mut xh = vec![0u16; n_tok * cols];
+    for p in 0..n_tok {
+        xh[p * cols + p] = f16::f32_to_f16(1.0);
+    }
+    let xb: Vec<u8> = xh.iter().flat_map(|h| h.to_le_bytes()).collect();
+    let xbuf = aligned(&xb);
+    for mma in [true, false] {
+        let k = kernels(mma);
+        for (ty, scales) in [
+            (GgmlType::Iq2Xxs, &[0usize][..]),
+            (GgmlType::Q2K, &[80, 82][..]),
+            (GgmlType::Q4K, &[0, 2][..]),
+            (GgmlType::Q8_0, &[][..]),
+            (GgmlType::F16, &[][..]),
+        ] {
+            let src: Vec<f32> = (0..n_rows * cols)
+                .map(|i| ((i * 7919 % 1013) as f32 / 506.5 - 1.0) * 0.7)
+                .collect();
+            let mut wq = quantize_matrix(ty, &src, cols, None).unwrap();
+            let row_bytes = wq.len() / n_rows;
+            let block = ty.block_bytes().unwrap() as usize;
+            for b in wq.chunks_exact_mut(block) {
+                for &at in scales {
+                    b[at..at + 2].copy_from_slice(&scale().to_le_bytes());
+                }
+            }
+            let mut wf = vec![0f32; n_rows * cols];
+            dequantize(ty, &wq, &mut wf).unwrap();
+            assert!(wf
+                .iter()
+                .all(|&v| f16::f16_to_f32(f16::f32_to_f16(v)).is_finite()));
+            if ty == GgmlType::Q8_0 {
+                ds4_gpu::kernels::q8_0_split_rows(&mut wq, cols).unwrap();
+            }
+            let wbuf = aligned(&wq);
+            for (kernel, rows, split) in [("ds4_mm_tiles", 128, 2u32), ("ds4_mm_tiles_wide", 64, 1)]
+            {
+                let t = Tiles {
+                    kernel,
+                    rows,
+                    split,
+                    ty,
+                    n_rows,
+                    cols,
+                    n_tok,
+                };
+                let y = t.run(&k, &wbuf, row_bytes, &xbuf);
+                for p in 0..n_tok {
+                    for r in 0..n_rows {
+                        let want = f16::f16_to_f32(f16::f32_to_f16(wf[r * cols + p]));
+                        let got = y[p * n_rows + r];
+                        assert!(
+                            got == want,
+                            "{kernel} {ty:?} mma {mma}: weight [{r}][{p}] decoded as {got:e}, \
+                             the dequantizer's value rounded to half is {want:e} \
+                             (f32 {:e})",
+                            wf[r * cols + p]
                         );
                     }
                 }

@@ -152,6 +152,22 @@ static inline ds4_u32 ds4_f2h2(float lo, float hi) {
     return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
 }
 
+// The IEEE binary16 product of each half: the exact f32 product of two halves rounded
+// once (mul.rn.f16x2).
+static inline ds4_u32 ds4_hmul2(ds4_u32 a, ds4_u32 b) {
+    const float lo = ds4_h2f((ds4_u16)(a & 0xffffu)) * ds4_h2f((ds4_u16)(b & 0xffffu));
+    const float hi = ds4_h2f((ds4_u16)(a >> 16)) * ds4_h2f((ds4_u16)(b >> 16));
+    return (ds4_u32)ds4_f2h(lo) | ((ds4_u32)ds4_f2h(hi) << 16);
+}
+
+// prmt without the sign-replicate mode: byte i = byte (s >> 4i) & 7 of y:x.
+static inline ds4_u32 ds4_byte_perm(ds4_u32 x, ds4_u32 y, ds4_u32 s) {
+    const ds4_u64 v = ((ds4_u64)y << 32) | x;
+    ds4_u32 r = 0;
+    for (int i = 0; i < 4; i++) r |= (ds4_u32)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+    return r;
+}
+
 static inline int ds4_dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(ds4_i8)((a >> (8 * i)) & 0xff) * (int)(ds4_i8)((b >> (8 * i)) & 0xff);
     return c;

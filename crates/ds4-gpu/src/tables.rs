@@ -37,7 +37,43 @@ pub fn iq2xxs_header() -> String {
         let _ = write!(s, "{lead}0x{sign:02x}{sep}");
     }
     s.push_str("};\n");
+    s.push_str(
+        "\n// The lattice as halves for the prefill tiles' decode (kernels/tiles.cu): entry k is\n\
+         // four words, word j = half(value 2j) | half(value 2j + 1) << 16.\n\
+         __device__ __align__(16) const ds4_u32 ds4_iq2xxs_grid_h[1024] = {\n",
+    );
+    let words: Vec<u32> = GRID.iter().flat_map(half_words).collect();
+    push_words(&mut s, &words);
+    s.push_str(
+        "};\n\n\
+         // The signs as half sign bits: entry i is four words, word j has bit 15 set when\n\
+         // value 2j of the sub-group is negative and bit 31 when value 2j + 1 is.\n\
+         __device__ __align__(16) const ds4_u32 ds4_iq2xxs_signs_h[512] = {\n",
+    );
+    let words: Vec<u32> = KSIGNS.iter().flat_map(|&b| sign_words(b)).collect();
+    push_words(&mut s, &words);
+    s.push_str("};\n");
     s
+}
+
+/// The 8 lattice values of one point as four words of two halves (low half first).
+fn half_words(point: &[u8; 8]) -> [u32; 4] {
+    let h = |v: u8| u32::from(half::f16::from_f32(f32::from(v)).to_bits());
+    std::array::from_fn(|j| h(point[2 * j]) | h(point[2 * j + 1]) << 16)
+}
+
+/// A sign byte (bit j: value j negative) as four words of half sign-bit masks.
+fn sign_words(signs: u8) -> [u32; 4] {
+    let bit = |j: usize| u32::from(signs >> j & 1);
+    std::array::from_fn(|j| bit(2 * j) << 15 | bit(2 * j + 1) << 31)
+}
+
+fn push_words(s: &mut String, words: &[u32]) {
+    for (k, w) in words.iter().enumerate() {
+        let sep = if k % 8 == 7 { ",\n" } else { ", " };
+        let lead = if k % 8 == 0 { "    " } else { "" };
+        let _ = write!(s, "{lead}0x{w:08x}u{sep}");
+    }
 }
 
 #[cfg(test)]
@@ -73,5 +109,40 @@ mod tests {
         }
         assert!(h.contains("ds4_iq2xxs_ksigns[128]"));
         assert_eq!(KSIGNS[1], 0x81, "sign table as expected by the kernel");
+    }
+
+    /// The half tables, read back from the header text: every value of every lattice
+    /// point as a half, negated under its sign bit, equals the signed value.
+    #[test]
+    fn half_tables_are_the_lattice_and_signs() {
+        let h = iq2xxs_header();
+        let table = |name: &str| -> Vec<u32> {
+            let body = h.split(name).nth(1).unwrap().split("};").next().unwrap();
+            body.split("0x")
+                .skip(1)
+                .map(|t| u32::from_str_radix(&t[..8], 16).unwrap())
+                .collect()
+        };
+        let (grid, signs) = (table("ds4_iq2xxs_grid_h"), table("ds4_iq2xxs_signs_h"));
+        assert_eq!((grid.len(), signs.len()), (1024, 512));
+        for (k, point) in GRID.iter().enumerate() {
+            for (i, &sb) in KSIGNS.iter().enumerate() {
+                for j in 0..8 {
+                    let w = grid[4 * k + j / 2] ^ signs[4 * i + j / 2];
+                    let bits = (w >> (16 * (j % 2))) as u16;
+                    let neg = sb >> j & 1 == 1;
+                    let want = if neg {
+                        -f32::from(point[j])
+                    } else {
+                        f32::from(point[j])
+                    };
+                    assert_eq!(
+                        half::f16::from_bits(bits).to_f32(),
+                        want,
+                        "point {k} signs {i} value {j}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -248,14 +248,14 @@ fn gemv_index(ty: GemvType) -> usize {
 
 /// Extra `-D` options for gemv.cu from `DS4_GEMV_DEFINES` (space-separated, e.g.
 /// `-DDS4_Q8Q_UNITS=1`): the tuning knobs at the top of the file, measured in the whole
-/// engine without a rebuild (docs/gpu.md §8). Anything that is not a `-D` option is an
-/// error, so a typo cannot silently measure the default.
-fn gemv_defines(var: Option<&str>) -> Result<Vec<String>, GpuError> {
+/// engine without a rebuild (docs/gpu.md §8); tiles.cu's from `DS4_TILES_DEFINES`. Anything
+/// that is not a `-D` option is an error, so a typo cannot silently measure the default.
+fn kernel_defines(env: &'static str, var: Option<&str>) -> Result<Vec<String>, GpuError> {
     let mut out = Vec::new();
     for opt in var.unwrap_or("").split_whitespace() {
         if !opt.starts_with("-D") || opt.len() < 3 {
             return Err(GpuError::BadArgument {
-                op: "DS4_GEMV_DEFINES",
+                op: env,
                 detail: format!("{opt:?} is not a -DNAME or -DNAME=VALUE option"),
             });
         }
@@ -266,7 +266,10 @@ fn gemv_defines(var: Option<&str>) -> Result<Vec<String>, GpuError> {
 
 impl<D: GpuApi> GemvSet<D> {
     fn load(dev: &D, cache: &KernelCache) -> Result<Self, GpuError> {
-        let extra = gemv_defines(std::env::var("DS4_GEMV_DEFINES").ok().as_deref())?;
+        let extra = kernel_defines(
+            "DS4_GEMV_DEFINES",
+            std::env::var("DS4_GEMV_DEFINES").ok().as_deref(),
+        )?;
         if !extra.is_empty() {
             tracing::info!(?extra, "gemv.cu compiled with DS4_GEMV_DEFINES");
         }
@@ -803,7 +806,14 @@ impl<D: GpuApi> GpuBackend<D> {
         let amma_smem = u32::try_from(amma_smem).unwrap_or(u32::MAX);
         let [imma_smem, _] = dev.read_i32x2_global(&module, "ds4_indexer_scores_mma_smem")?;
         let imma_smem = u32::try_from(imma_smem).unwrap_or(u32::MAX);
-        let tiles_module = dev.load_module(&TILES, &opts.cache, &[])?;
+        let tiles_extra = kernel_defines(
+            "DS4_TILES_DEFINES",
+            std::env::var("DS4_TILES_DEFINES").ok().as_deref(),
+        )?;
+        if !tiles_extra.is_empty() {
+            tracing::info!(extra = ?tiles_extra, "tiles.cu compiled with DS4_TILES_DEFINES");
+        }
+        let tiles_module = dev.load_module(&TILES, &opts.cache, &tiles_extra)?;
         for name in TILE_KERNELS {
             funcs.insert(*name, dev.function(&tiles_module, name)?);
         }
@@ -2324,17 +2334,19 @@ fn host_wait<T>(
 
 #[cfg(test)]
 mod tests {
-    use super::gemv_defines;
+    use super::kernel_defines;
 
     #[test]
-    fn gemv_defines_accept_only_define_options() {
-        assert!(gemv_defines(None).unwrap().is_empty());
+    fn kernel_defines_accept_only_define_options() {
+        let defs = |v| kernel_defines("DS4_TILES_DEFINES", v);
+        assert!(defs(None).unwrap().is_empty());
         assert_eq!(
-            gemv_defines(Some(" -DDS4_Q8Q_UNITS=1  -DX ")).unwrap(),
+            defs(Some(" -DDS4_Q8Q_UNITS=1  -DX ")).unwrap(),
             vec!["-DDS4_Q8Q_UNITS=1".to_string(), "-DX".to_string()]
         );
-        let e = gemv_defines(Some("-DA --use_fast_math")).unwrap_err();
+        let e = defs(Some("-DA --use_fast_math")).unwrap_err();
         assert!(e.to_string().contains("--use_fast_math"), "{e}");
-        assert!(gemv_defines(Some("-D")).is_err());
+        assert!(e.to_string().contains("DS4_TILES_DEFINES"), "{e}");
+        assert!(defs(Some("-D")).is_err());
     }
 }

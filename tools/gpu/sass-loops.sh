@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Static instruction counts of the prefill tile kernels' loops on a machine without a GPU:
+# compile kernels/tiles.cu with NVRTC for ARCH (default sm_90) through the engine's own
+# compile function, disassemble it with cuobjdump (both from PyPI wheels), and print each
+# tensor-core loop's instruction mix (tools/gpu/sass-loops.py), once with the defaults and
+# once with the -D options given (e.g. -DDS4_TILES_HALF_DECODE=0), for before/after reading.
+#
+# Usage: tools/gpu/sass-loops.sh [ARCH] [-DNAME=VALUE ...]
+# Env:   NVRTC_VENV (reuse this venv; default: a fresh one in a temp dir), FUNC (default
+#        ds4_mm_tiles).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+arch="${1:-sm_90}"
+shift || true
+work="$(mktemp -d "${TMPDIR:-/tmp}/ds4-sass.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+venv="${NVRTC_VENV:-$work/venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    -r "$here/nvrtc-requirements.txt" nvidia-cuda-cuobjdump
+lib="$(find "$venv" -name 'libnvrtc.so.*' ! -name '*builtins*' | sort | head -n 1)"
+cuobjdump="$(find "$venv" -name cuobjdump -type f | head -n 1)"
+mkdir -p "$work/lib"
+ln -s "$lib" "$work/lib/libnvrtc.so"
+(cd "$root" && cargo build -q --release --locked -p ds4-gpu --bin ds4-gpu-check)
+bin="${CARGO_TARGET_DIR:-$root/target}/release/ds4-gpu-check"
+run() {
+    local out="$work/cubin$1"
+    shift
+    LD_LIBRARY_PATH="$work/lib:$(dirname "$lib")" "$bin" compile --arch "$arch" --out "$out" "$@" >/dev/null
+    "$cuobjdump" -sass "$out/tiles.$arch.cubin" > "$out.sass"
+    python3 "$here/sass-loops.py" "$out.sass" "${FUNC:-ds4_mm_tiles}"
+}
+echo "== defaults"
+run 0
+if [ $# -gt 0 ]; then
+    echo "== $*"
+    run 1 "$@"
+fi

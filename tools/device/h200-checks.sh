@@ -28,7 +28,8 @@
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
-#   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution
+#   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution, then the
+#              routed experts' half decode against the f32 decode (4 layers and full size)
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
 #              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
@@ -195,6 +196,20 @@ if ! skip prefill; then
             --profile-prefill 2048 > "$OUT/prefill_$t.log" 2>&1
         echo "tiles $t:"; grep -E "^2048,|profile prefill" "$OUT/prefill_$t.log"
         grep -A12 "by kernel" "$OUT/prefill_$t.log" | head -12
+    done
+    # The routed experts' half decode (docs/gpu.md §4) against the f32 decode, same binary,
+    # alternating: 4-layer profile, then the full-size 2k prefill.
+    for rep in 1 2; do
+        for d in 1 0; do
+            DS4_TILES_DEFINES="-DDS4_TILES_HALF_DECODE=$d" timeout 200 ds4-bench --synthetic q2 \
+                --layers 4 --frontiers 2048 --decode 4 --profile-prefill 2048 \
+                > "$OUT/prefill_hdec$d.$rep.log" 2>&1
+            echo "half decode $d (4 layers, run $rep): $(grep -E '^2048,' "$OUT/prefill_hdec$d.$rep.log")"
+            grep -E "ds4_mm_tiles" "$OUT/prefill_hdec$d.$rep.log" | head -2
+            DS4_TILES_DEFINES="-DDS4_TILES_HALF_DECODE=$d" timeout 300 ds4-bench --synthetic q2 \
+                --frontiers 2048 --decode 8 > "$OUT/prefill_hdec_full$d.$rep.log" 2>&1
+            echo "half decode $d (full size, run $rep): $(grep -E '^2048,' "$OUT/prefill_hdec_full$d.$rep.log")"
+        done
     done
 fi
 if ! skip bench; then

@@ -4,7 +4,7 @@ loop around it); prints its length and the count of the opcodes that matter for 
 kernels (MMAs, shared loads, global loads, spills, decode arithmetic). Used by
 tools/gpu/sass-loops.sh; stdlib only.
 
-usage: sass-loops.py SASS.txt FUNCTION
+usage: sass-loops.py SASS.txt FUNCTION [--all]   (--all: every loop, not only HMMA loops)
 """
 import re, sys, collections
 txt=open(sys.argv[1]).read().split('\n')
@@ -33,8 +33,8 @@ for k,(a,b) in enumerate(ins):
         if t < a and t in addr_idx:
             body=ins[addr_idx[t]:k+1]
             ops=collections.Counter(re.sub(r'^@!?U?P\w+\s+','',x[1]).split()[0].split('.')[0] for x in body)
-            if ops['HMMA']>0:
+            if ops['HMMA']>0 or '--all' in sys.argv:
                 loops.append((t,a,len(body),ops))
 for t,a,n,ops in loops:
-    keys=['HMMA','LDSM','LDS','STS','LDG','LDGSTS','STL','LDL','HMUL2','PRMT','FMUL','FFMA','FADD','F2FP','I2F','LOP3','SHF','IMAD','IADD3','BAR','LEA','SEL','ISETP']
+    keys=['HMMA','IDP','DP4A','LDSM','LDS','STS','LDG','LDGSTS','STL','LDL','HMUL2','PRMT','FMUL','FFMA','FADD','F2FP','I2F','LOP3','SHF','IMAD','IADD3','BAR','LEA','SEL','ISETP']
     print(f"loop {t:#x}-{a:#x}: {n} instr; "+", ".join(f"{k} {ops[k]}" for k in keys if ops[k]))

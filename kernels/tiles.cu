@@ -508,6 +508,11 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xx
     const ds4_u32 s = ds4_f2h((float)(2 * (a1 >> 28) + 1) * 0.125f);
     const ds4_u32 s2 = s | (s << 16), d2 = (t.d & 0xffffu) * 0x10001u;
     const int l0 = ds4_piece_off<N>(kg) / 8;
+    if (!ok) {
+#pragma unroll
+        for (int q = 0; q < N / 8; q++) *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = make_uint4(0u, 0u, 0u, 0u);
+        return;
+    }
 #pragma unroll
     for (int q = 0; q < N / 8; q++) {
         const int l = l0 + q;
@@ -516,10 +521,10 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xx
         const uint4 gv = ds4_ldg((const uint4*)ds4_iq2xxs_grid_h + gi);
         const uint4 sm = ds4_ldg((const uint4*)ds4_iq2xxs_signs_h + ((a1 >> (7 * l)) & 127));
         uint4 o;
-        o.x = ok ? ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2), d2) : 0u;
-        o.y = ok ? ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2), d2) : 0u;
-        o.z = ok ? ds4_hmul2(ds4_hmul2(gv.z ^ sm.z, s2), d2) : 0u;
-        o.w = ok ? ds4_hmul2(ds4_hmul2(gv.w ^ sm.w, s2), d2) : 0u;
+        o.x = ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2), d2);
+        o.y = ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2), d2);
+        o.z = ds4_hmul2(ds4_hmul2(gv.z ^ sm.z, s2), d2);
+        o.w = ds4_hmul2(ds4_hmul2(gv.w ^ sm.w, s2), d2);
         *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
     }
 }
@@ -527,9 +532,11 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xx
 // Q2_K: a scale byte's 16 weights take one of four values (q = 0..3). Each is
 // d sc q - dmin m with both products exact in f32 (11 + 4 + 2 and 11 + 4 significant
 // bits), so it is rounded once whatever the compiler contracts — ds4_wdec's value — then
-// once to half. The four halves sit in two words; a pair of weights picks its two halves
-// with one byte permute whose selector (nibbles 2q, 2q + 1 per half) is 34 q + 0x10 per
-// byte once the 2-bit fields are spread one per byte.
+// once to half. The four halves are kept as two words, the low bytes of values 0..3 in one
+// and the high bytes in the other, so that value q's half is bytes q and q + 4: with the
+// 2-bit fields of four weights spread one per byte (x), x * 0x11 + 0x40404040 holds the
+// byte-permute selectors of the first pair in its low 16 bits and of the second pair in its
+// high 16 bits — one multiply for four weights.
 template <int N>
 __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N>& t, int kg, bool ok,
                                                 int row, int koff) {
@@ -540,21 +547,28 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
     for (int j = 0; j < 2; j++) {
         const ds4_u8 sc = (ds4_u8)(j ? t.s >> 8 : t.s & 0xff);
         const float a = d * (float)(sc & 0xF), b = dmin * (float)(sc >> 4);
-        lut[j][0] = ds4_pack_h2(a * 0.0f - b, a * 1.0f - b);
-        lut[j][1] = ds4_pack_h2(a * 2.0f - b, a * 3.0f - b);
+        const ds4_u32 v01 = ds4_pack_h2(a * 0.0f - b, a * 1.0f - b);
+        const ds4_u32 v23 = ds4_pack_h2(a * 2.0f - b, a * 3.0f - b);
+        lut[j][0] = ds4_byte_perm(v01, v23, 0x6420);  // low bytes of values 0, 1, 2, 3
+        lut[j][1] = ds4_byte_perm(v01, v23, 0x7531);  // their high bytes
+    }
+    if (!ok) {
+#pragma unroll
+        for (int q = 0; q < N / 8; q++) *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = make_uint4(0u, 0u, 0u, 0u);
+        return;
     }
 #pragma unroll
     for (int q = 0; q < N / 8; q++) {
         // Words 2q and 2q + 1: 8 values, all under one scale byte (4 words per byte).
         const int j = w0 + 2 * q < 4 ? 0 : 1;
-        const ds4_u32 qa = (t.q[2 * q] >> (2 * g)) & 0x03030303u;
-        const ds4_u32 qb = (t.q[2 * q + 1] >> (2 * g)) & 0x03030303u;
+        const ds4_u32 sa = ((t.q[2 * q] >> (2 * g)) & 0x03030303u) * 0x11u + 0x40404040u;
+        const ds4_u32 sb = ((t.q[2 * q + 1] >> (2 * g)) & 0x03030303u) * 0x11u + 0x40404040u;
         const ds4_u32 lo = lut[j][0], hi = lut[j][1];
         uint4 o;
-        o.x = ok ? ds4_byte_perm(lo, hi, 34u * (qa & 0xffffu) + 0x1010u) : 0u;
-        o.y = ok ? ds4_byte_perm(lo, hi, 34u * (qa >> 16) + 0x1010u) : 0u;
-        o.z = ok ? ds4_byte_perm(lo, hi, 34u * (qb & 0xffffu) + 0x1010u) : 0u;
-        o.w = ok ? ds4_byte_perm(lo, hi, 34u * (qb >> 16) + 0x1010u) : 0u;
+        o.x = ds4_byte_perm(lo, hi, sa);
+        o.y = ds4_byte_perm(lo, hi, sa >> 16);
+        o.z = ds4_byte_perm(lo, hi, sb);
+        o.w = ds4_byte_perm(lo, hi, sb >> 16);
         *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
     }
 }

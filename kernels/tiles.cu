@@ -391,15 +391,17 @@ extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, co
 
 // Block shapes (both: 8 warps, acc[8][4] per thread, 128 registers, and both stages of both
 // tiles (TR + TT) x 64 halves x 2 = 48 KB):
-//   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warp tiles 16 x 64 (8 x 1 warps),
-//                      32 weights decoded per thread per K step
+//   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warp tiles 32 x 32 (4 x 2 warps;
+//                      16 x 64, 8 x 1, with -DDS4_TILES_WM=16), 32 weights decoded per
+//                      thread per K step
 //   ds4_mm_tiles_wide: TR  64 rows x TT 128 tokens, warp tiles 32 x 32 (2 x 4 warps),
 //                      16 weights decoded per thread per K step
 // The wide shape decodes each weight once per 128 tokens instead of 64 (half the decode
 // work per MMA). Its 32 x 32 warp tiles read 2 KB of fragments from shared memory per k16
 // for their 8 MMAs, against 2.5 KB for 16 x 64 (shared-memory bandwidth, more than the
-// tensor cores, bounds the MMA loop); the narrow kernel keeps 16 x 64, where 32 x 32 made
-// ptxas spill ~100 bytes in the Q2_K / Q4_K / IQ2_XXS bodies at 128 registers.
+// tensor cores, bounds the MMA loop). The narrow kernel used 16 x 64 while 32 x 32 made
+// ptxas spill ~100 bytes in the Q2_K / Q4_K / IQ2_XXS bodies at 128 registers (f32
+// decode); see DS4_TILES_WM.
 
 // acc += (this warp's WM rows of ws, from row wr) x (its 8 NJ tokens of xs, from token
 // wt)^T over one K step, NJ = 128 / WM: acc[NJ mi + nj] is the 16 x 8 piece of rows
@@ -574,6 +576,15 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
 }
 #endif
 
+// Warp tile rows of ds4_mm_tiles: 32 (32 x 32 warp tiles, as the wide kernel) reads 20 %
+// fewer fragment bytes from shared memory per MMA than 16 (16 x 64). 16 was kept while the
+// f32 decode made ptxas spill 90-140 B with 32; with the half decode of the experts' types
+// the sm_90 K loop holds no local-memory access with 32 (IQ2_XXS 303 -> 283 instructions,
+// 20 -> 16 ldmatrix per warp and step). DS4_TILES_DEFINES=-DDS4_TILES_WM=16 for the A/B.
+#ifndef DS4_TILES_WM
+#define DS4_TILES_WM 32
+#endif
+
 // A call per weight type rather than seven inlined bodies in one function: ptxas then
 // allocates registers per type (inlined, the sm_90 wide kernel spilled ~400 bytes that
 // no single type needs). One call per block.
@@ -597,7 +608,7 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
     constexpr int N = TR * DS4_TK / 256, TPR = DS4_TK / N;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Warp tile: WM rows from wr, 8 NJ tokens from wt (TR / WM warps along the rows).
-    constexpr int WM = TR == 128 ? 16 : 32, NJ = 128 / WM, WR = TR / WM;
+    constexpr int WM = TR == 128 ? DS4_TILES_WM : 32, NJ = 128 / WM, WR = TR / WM;
     const int wr = (WR == 8 ? warp : warp % WR) * WM, wt = WR == 8 ? 0 : (warp / WR) * 8 * NJ;
     const int r0 = blockIdx.x * TR;
     // This thread decodes N values of row r0 + drl per K step, from K offset koff.

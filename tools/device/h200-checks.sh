@@ -197,18 +197,20 @@ if ! skip prefill; then
         echo "tiles $t:"; grep -E "^2048,|profile prefill" "$OUT/prefill_$t.log"
         grep -A12 "by kernel" "$OUT/prefill_$t.log" | head -12
     done
-    # The routed experts' half decode (docs/gpu.md §4) against the f32 decode, same binary,
-    # alternating: 4-layer profile, then the full-size 2k prefill.
+    # The expert tiles of 2026-12-05 (docs/gpu.md §4): default (half decode, 32 x 32 warp
+    # tiles), half decode with 16 x 64, and the previous kernel (f32 decode, 16 x 64); same
+    # binary, alternating: 4-layer profile, then the full-size 2k prefill.
     for rep in 1 2; do
-        for d in 1 0; do
-            DS4_TILES_DEFINES="-DDS4_TILES_HALF_DECODE=$d" timeout 200 ds4-bench --synthetic q2 \
+        for v in new:"" wm16:"-DDS4_TILES_WM=16" old:"-DDS4_TILES_HALF_DECODE=0 -DDS4_TILES_WM=16"; do
+            n=${v%%:*} defs=${v#*:}
+            DS4_TILES_DEFINES="$defs" timeout 200 ds4-bench --synthetic q2 \
                 --layers 4 --frontiers 2048 --decode 4 --profile-prefill 2048 \
-                > "$OUT/prefill_hdec$d.$rep.log" 2>&1
-            echo "half decode $d (4 layers, run $rep): $(grep -E '^2048,' "$OUT/prefill_hdec$d.$rep.log")"
-            grep -E "ds4_mm_tiles" "$OUT/prefill_hdec$d.$rep.log" | head -2
-            DS4_TILES_DEFINES="-DDS4_TILES_HALF_DECODE=$d" timeout 300 ds4-bench --synthetic q2 \
-                --frontiers 2048 --decode 8 > "$OUT/prefill_hdec_full$d.$rep.log" 2>&1
-            echo "half decode $d (full size, run $rep): $(grep -E '^2048,' "$OUT/prefill_hdec_full$d.$rep.log")"
+                > "$OUT/prefill_$n.$rep.log" 2>&1
+            echo "tiles $n (4 layers, run $rep): $(grep -E '^2048,' "$OUT/prefill_$n.$rep.log")"
+            grep -E "ds4_mm_tiles" "$OUT/prefill_$n.$rep.log" | head -2
+            DS4_TILES_DEFINES="$defs" timeout 300 ds4-bench --synthetic q2 \
+                --frontiers 2048 --decode 8 > "$OUT/prefill_full_$n.$rep.log" 2>&1
+            echo "tiles $n (full size, run $rep): $(grep -E '^2048,' "$OUT/prefill_full_$n.$rep.log")"
         done
     done
 fi

@@ -499,6 +499,13 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const TW& raw, int 
 #endif
 #if DS4_TILES_HALF_DECODE
 
+// The zeros of a piece past the matrix (its row or K position), on a branch: the decoders
+// below do no decode work for it.
+template <int N> __device__ __forceinline__ void ds4_tiles_zero(ds4_u16* ws, int row, int koff) {
+#pragma unroll
+    for (int q = 0; q < N / 8; q++) *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // IQ2_XXS: a lattice point's eight values come as halves from ds4_iq2xxs_grid_h, take
 // their signs as half sign bits (ds4_iq2xxs_signs_h), are multiplied by (2 ls + 1) / 8 —
 // exact: at most 43 x 31 = 1333 < 2^11 — and then by d: the one rounding, of the exact
@@ -506,15 +513,11 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const TW& raw, int 
 template <int N>
 __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xxs<N>& t, int kg, bool ok,
                                                 int row, int koff) {
+    if (!ok) return ds4_tiles_zero<N>(ws, row, koff);
     const ds4_u32 a1 = t.h[2] | (t.h[3] << 16);
     const ds4_u32 s = ds4_f2h((float)(2 * (a1 >> 28) + 1) * 0.125f);
     const ds4_u32 s2 = s | (s << 16), d2 = (t.d & 0xffffu) * 0x10001u;
     const int l0 = ds4_piece_off<N>(kg) / 8;
-    if (!ok) {
-#pragma unroll
-        for (int q = 0; q < N / 8; q++) *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = make_uint4(0u, 0u, 0u, 0u);
-        return;
-    }
 #pragma unroll
     for (int q = 0; q < N / 8; q++) {
         const int l = l0 + q;
@@ -542,6 +545,7 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xx
 template <int N>
 __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N>& t, int kg, bool ok,
                                                 int row, int koff) {
+    if (!ok) return ds4_tiles_zero<N>(ws, row, koff);
     const int g = (kg % 128) / 32, w0 = ds4_piece_off<N>(kg) / 4;
     const float d = ds4_h2f((ds4_u16)(t.dm & 0xffff)), dmin = ds4_h2f((ds4_u16)(t.dm >> 16));
     ds4_u32 lut[2][2];
@@ -553,11 +557,6 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
         const ds4_u32 v23 = ds4_pack_h2(a * 2.0f - b, a * 3.0f - b);
         lut[j][0] = ds4_byte_perm(v01, v23, 0x6420);  // low bytes of values 0, 1, 2, 3
         lut[j][1] = ds4_byte_perm(v01, v23, 0x7531);  // their high bytes
-    }
-    if (!ok) {
-#pragma unroll
-        for (int q = 0; q < N / 8; q++) *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = make_uint4(0u, 0u, 0u, 0u);
-        return;
     }
 #pragma unroll
     for (int q = 0; q < N / 8; q++) {

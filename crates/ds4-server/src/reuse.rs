@@ -352,14 +352,12 @@ impl Worker {
         {
             return;
         }
-        let (buf, mut logits) = match self.snapshots.len() >= self.cfg.snapshot_slots {
-            true => self
-                .snapshots
-                .pop_front()
-                .map(|s| (s.snap.into_bytes(), s.logits))
-                .unwrap_or_default(),
-            false => Default::default(),
-        };
+        let full = self.snapshots.len() >= self.cfg.snapshot_slots;
+        let (buf, mut logits) = full
+            .then(|| self.snapshots.pop_front())
+            .flatten()
+            .map(|s| (s.snap.into_bytes(), s.logits))
+            .unwrap_or_default();
         match self.slots.logits(i) {
             Ok(Some(l)) => {
                 logits.clear();

@@ -102,8 +102,8 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     graph_probe: usize,
     /// After each frontier's decode, serialise the state (what `ds4-server` does to every
-    /// prompt before its first token, to reuse it later) and restore it, printing the size
-    /// and both times.
+    /// prompt before its first token, to reuse it later) into a fresh buffer and into that
+    /// one's again, then restore it, printing the size and the three times.
     #[arg(long)]
     snapshot: bool,
     /// Before anything is timed, prefill this many tokens once (then empty the state), so

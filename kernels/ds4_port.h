@@ -272,6 +272,24 @@ __device__ __forceinline__ void ds4_cp_wait_all() { asm volatile("cp.async.wait_
 template <int N> __device__ __forceinline__ void ds4_cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+// Shared-memory addresses as 32-bit offsets (ds4_saddr): a kernel converts a shared array's
+// pointer once (ds4_saddr_of) and does its per-fragment address arithmetic on the offset.
+// Pointer arithmetic on a generic pointer that is only converted at each ldmatrix costs a
+// 64-bit add and a move per instruction (three per ldmatrix in the sm_90 tile loops, where
+// the function receives its tiles as generic pointers); an offset is one add, or none when
+// ptxas folds it into the instruction's address. Elsewhere ds4_saddr is a generic address.
+typedef ds4_u32 ds4_saddr;
+__device__ __forceinline__ ds4_saddr ds4_saddr_of(const void* p) { return ds4_smem_addr(p); }
+__device__ __forceinline__ void ds4_ldmatrix_x4_at(ds4_u32* r, ds4_saddr a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+__device__ __forceinline__ void ds4_cp_async16_at(ds4_saddr dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
 #else
 __device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src, bool valid) {
     *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0, 0, 0, 0);
@@ -279,6 +297,11 @@ __device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src, bool 
 __device__ __forceinline__ void ds4_cp_commit() {}
 __device__ __forceinline__ void ds4_cp_wait_all() {}
 template <int N> __device__ __forceinline__ void ds4_cp_wait() {}
+typedef ds4_size ds4_saddr;
+__device__ __forceinline__ ds4_saddr ds4_saddr_of(const void* p) { return (ds4_saddr)p; }
+__device__ __forceinline__ void ds4_cp_async16_at(ds4_saddr dst, const void* src, bool valid) {
+    ds4_cp_async16((void*)dst, src, valid);
+}
 #endif
 
 // A device-wide memory fence: a block's global writes before it are seen by any block that

@@ -64,7 +64,7 @@ __device__ __forceinline__ float ds4_i8f(ds4_u32 v) {
 //
 // Where a piece of N values at k0 starts inside its group of 32 (0 for whole groups, known
 // at compile time then).
-template <int N> __device__ __forceinline__ int ds4_piece_off(int k0) { return N == 32 ? 0 : k0 % 32; }
+template <int N> __device__ __forceinline__ int ds4_piece_off(int k0) { return N == 32 ? 0 : (int)((unsigned)k0 % 32u); }
 
 // F32, F16, BF16 rows: 16-byte aligned (the host checks), so whole 16-byte loads; a
 // byte-wise load would keep every byte in its own register across the MMAs.
@@ -133,7 +133,7 @@ template <int N> struct ds4_tw_q8_0 {
     ds4_u32 d;
 };
 template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_q8_0<N>& t, const ds4_u8* row, int k0, int cols) {
-    t.d = ds4_ldg((const ds4_u16*)(row + cols) + k0 / 32);
+    t.d = ds4_ldg((const ds4_u16*)(row + cols) + (unsigned)k0 / 32u);
     const ds4_u16* qs = (const ds4_u16*)(row + k0);
 #pragma unroll
     for (int i = 0; i < N / 2; i++) t.q[i] = ds4_ldg(qs + i);
@@ -157,8 +157,9 @@ template <int N> struct ds4_tw_q2_k {
     ds4_u32 s;   // the two scale bytes
 };
 template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_q2_k<N>& t, const ds4_u8* row, int k0, int) {
-    const ds4_u8* b = row + (ds4_size)(k0 / 256) * 84;
-    const int j0 = k0 % 256, n = j0 / 128, g = (j0 % 128) / 32;
+    const ds4_u8* b = row + (ds4_size)((unsigned)k0 / 256u) * 84;
+    const unsigned j0 = (unsigned)k0 % 256u;
+    const int n = (int)(j0 / 128u), g = (int)((j0 % 128u) / 32u);
     const ds4_u32* qs = (const ds4_u32*)(b + 16 + n * 32 + ds4_piece_off<N>(k0));
 #pragma unroll
     for (int w = 0; w < N / 4; w++) t.q[w] = ds4_ldg(qs + w);
@@ -166,7 +167,7 @@ template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_q2_k<N>& t, co
     t.s = ds4_ldg((const ds4_u16*)(b + n * 8 + 2 * g));
 }
 template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q2_k<N>& t, int k0, float* v) {
-    const int g = (k0 % 128) / 32, w0 = ds4_piece_off<N>(k0) / 4;
+    const int g = (int)(((unsigned)k0 % 128u) / 32u), w0 = ds4_piece_off<N>(k0) / 4;
     const float d = ds4_h2f((ds4_u16)(t.dm & 0xffff)), dmin = ds4_h2f((ds4_u16)(t.dm >> 16));
     const ds4_u8 s0 = (ds4_u8)(t.s & 0xff), s1 = (ds4_u8)(t.s >> 8);
 #pragma unroll
@@ -188,8 +189,8 @@ template <int N> struct ds4_tw_q4_k {
     ds4_u32 s[3];  // the 12 packed scale bytes
 };
 template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_q4_k<N>& t, const ds4_u8* row, int k0, int) {
-    const ds4_u8* b = row + (ds4_size)(k0 / 256) * 144;
-    const int c = (k0 % 256) / 64;
+    const ds4_u8* b = row + (ds4_size)((unsigned)k0 / 256u) * 144;
+    const int c = (int)(((unsigned)k0 % 256u) / 64u);
     const ds4_u32* qs = (const ds4_u32*)(b + 16 + c * 32 + ds4_piece_off<N>(k0));
 #pragma unroll
     for (int w = 0; w < N / 4; w++) t.q[w] = ds4_ldg(qs + w);
@@ -203,7 +204,7 @@ __device__ __forceinline__ int ds4_q4k_sbyte(const ds4_u32* s, int i) {
     return (int)((w >> (8 * (i & 3))) & 0xff);
 }
 template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_q4_k<N>& t, int k0, float* v) {
-    const int j0 = k0 % 256, c = j0 / 64, hi = (j0 % 64) >= 32 ? 1 : 0;
+    const int j0 = (int)((unsigned)k0 % 256u), c = j0 / 64, hi = (j0 % 64) >= 32 ? 1 : 0;
     const int j = 2 * c + hi;
     // ds4_q4k_scale_min (ds4_quant.h) on the bytes in registers.
     int sc, m;
@@ -235,8 +236,8 @@ template <int N> struct ds4_tw_iq2_xxs {
     ds4_u32 d;
 };
 template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_iq2_xxs<N>& t, const ds4_u8* row, int k0, int) {
-    const ds4_u8* b = row + (ds4_size)(k0 / 256) * 66;
-    const ds4_u16* q = (const ds4_u16*)(b + 2 + ((k0 % 256) / 32) * 8);
+    const ds4_u8* b = row + (ds4_size)((unsigned)k0 / 256u) * 66;
+    const ds4_u16* q = (const ds4_u16*)(b + 2 + (((unsigned)k0 % 256u) / 32u) * 8);
 #pragma unroll
     for (int i = 0; i < 4; i++) t.h[i] = ds4_ldg(q + i);
     t.d = ds4_ldg((const ds4_u16*)b);
@@ -406,9 +407,11 @@ extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, co
 // acc += (this warp's WM rows of ws, from row wr) x (its 8 NJ tokens of xs, from token
 // wt)^T over one K step, NJ = 128 / WM: acc[NJ mi + nj] is the 16 x 8 piece of rows
 // wr + 16 mi, tokens wt + 8 nj.
+// ws and xs are the stages' shared-memory addresses (ds4_saddr: 32-bit offsets on the GPU,
+// so each fragment address is one add on a per-lane offset; docs/gpu.md §4).
 template <int WM>
-__device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws, const ds4_u16* xs,
-                                              int wr, int wt, int lane) {
+__device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], ds4_saddr ws, ds4_saddr xs, int wr, int wt,
+                                              int lane) {
     constexpr int MI = WM / 16, NJ = 8 / MI;
 #if defined(DS4_HAS_MMA)
     // ldmatrix addresses: lane l gives row l % 8 of 8x8 piece l / 8. A pieces: rows +0/+8
@@ -422,11 +425,11 @@ __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws
     for (int ks = 0; ks < DS4_TK; ks += 16) {
         ds4_u32 a[MI][4];
 #pragma unroll
-        for (int mi = 0; mi < MI; mi++) ds4_ldmatrix_x4(a[mi], ws + ds4_tsw(ar + 16 * mi, ks + ac));
+        for (int mi = 0; mi < MI; mi++) ds4_ldmatrix_x4_at(a[mi], ws + 2 * ds4_tsw(ar + 16 * mi, ks + ac));
 #pragma unroll
         for (int jj = 0; jj < NJ / 2; jj++) {
             ds4_u32 b[4];
-            ds4_ldmatrix_x4(b, xs + ds4_tsw(br + 16 * jj, ks + bc));
+            ds4_ldmatrix_x4_at(b, xs + 2 * ds4_tsw(br + 16 * jj, ks + bc));
 #pragma unroll
             for (int mi = 0; mi < MI; mi++) {
                 ds4_mma_16816(acc[NJ * mi + 2 * jj], a[mi], b);
@@ -435,7 +438,10 @@ __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws
         }
     }
 #else
-    // The same fragment elements as the tensor-core path, by plain FMAs.
+    // The same fragment elements as the tensor-core path, by plain FMAs (ds4_saddr is a
+    // generic address here).
+    const ds4_u16* const wsp = (const ds4_u16*)ws;
+    const ds4_u16* const xsp = (const ds4_u16*)xs;
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int ks = 0; ks < DS4_TK; ks += 16) {
@@ -447,7 +453,7 @@ __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws
                 const int tt = wt + 8 * (j % NJ) + 2 * t4 + (q & 1);
                 float s = acc[j][q];
                 for (int kk = 0; kk < 16; kk++)
-                    s += ds4_h2f(ws[ds4_tsw(rr, ks + kk)]) * ds4_h2f(xs[ds4_tsw(tt, ks + kk)]);
+                    s += ds4_h2f(wsp[ds4_tsw(rr, ks + kk)]) * ds4_h2f(xsp[ds4_tsw(tt, ks + kk)]);
                 acc[j][q] = s;
             }
         }
@@ -460,13 +466,13 @@ __device__ __forceinline__ void ds4_tiles_mma(float (*acc)[4], const ds4_u16* ws
 // ..); `src[q]` is this thread's piece q at K 0, null past the group's tokens. Pieces past
 // the tokens or `cols` are zeros.
 template <int TT>
-__device__ __forceinline__ void ds4_tiles_x(ds4_u16* xs, const ds4_u16* const* src, const ds4_u16* x,
+__device__ __forceinline__ void ds4_tiles_x(ds4_saddr xs, const ds4_u16* const* src, const ds4_u16* x,
                                             int cols, int k0, int tid) {
 #pragma unroll
     for (int q = 0; q < TT / 32; q++) {
         const int e = tid + 256 * q, part = e & 7;
         const bool ok = src[q] != nullptr && k0 + part * 8 < cols;
-        ds4_cp_async16(xs + ds4_tsw(e >> 3, part * 8), ok ? src[q] + k0 : x, ok);
+        ds4_cp_async16_at(xs + 2 * ds4_tsw(e >> 3, part * 8), ok ? src[q] + k0 : x, ok);
     }
 }
 
@@ -546,7 +552,7 @@ template <int N>
 __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N>& t, int kg, bool ok,
                                                 int row, int koff) {
     if (!ok) return ds4_tiles_zero<N>(ws, row, koff);
-    const int g = (kg % 128) / 32, w0 = ds4_piece_off<N>(kg) / 4;
+    const int g = (int)(((unsigned)kg % 128u) / 32u), w0 = ds4_piece_off<N>(kg) / 4;
     const float d = ds4_h2f((ds4_u16)(t.dm & 0xffff)), dmin = ds4_h2f((ds4_u16)(t.dm >> 16));
     ds4_u32 lut[2][2];
 #pragma unroll
@@ -593,6 +599,29 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
 #define DS4_TILES_NOINLINE __noinline__
 #endif
 
+// One K step of ds4_tiles_run: the MMAs of stage ST while step kn's raw weights and x tile
+// are in flight, then the weights decoded into stage ST ^ 1 (`wnext`). ST is a template
+// argument (the caller runs the steps in pairs) so that each fragment address is a
+// per-lane register plus a constant, with no per-step address arithmetic.
+template <class TW, int TR, int TT, int WM, int ST>
+__device__ __forceinline__ void ds4_tiles_kstep(float (*acc)[4], const ds4_u8* drow, const ds4_u16* const* xsrc,
+                                                const ds4_u16* x, int cols, int kn, int koff, int drl,
+                                                bool row_ok, ds4_u16* wnext, ds4_saddr wsa, ds4_saddr xsa,
+                                                int wr, int wt, int tid) {
+    constexpr int N = TR * DS4_TK / 256, WS_BYTES = TR * DS4_TK * 2, XS_BYTES = TT * DS4_TK * 2;
+    const int kg = kn + koff;
+    TW raw;
+    ds4_wload(raw, drow, min(kg, cols - N), cols);
+    ds4_tiles_x<TT>(xsa + (ST ^ 1) * XS_BYTES, xsrc, x, cols, kn, tid);
+    ds4_cp_commit();
+    ds4_tiles_mma<WM>(acc, wsa + ST * WS_BYTES, xsa + ST * XS_BYTES, wr, wt, tid & 31);
+    ds4_tiles_store<N>(wnext, raw, kg, row_ok && kg < cols, drl, koff);
+    ds4_cp_wait_all();
+    // Stage ST ^ 1 is complete for every thread, and every warp is done with stage ST
+    // (which the next step overwrites).
+    __syncthreads();
+}
+
 // The body of ds4_mm_tiles for one weight type TW<N> and block shape TR x TT. Two shared
 // stages: while the tensor cores multiply stage s, the raw weights of the next K step are
 // in flight into registers and its x tile into stage s ^ 1 (cp.async); after the MMAs the
@@ -616,6 +645,9 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
     const bool row_ok = dr < n_rows;
     const ds4_u8* drow = wm + (ds4_size)(row_ok ? dr : 0) * row_bytes;
     const int g = lane >> 2, t4 = lane & 3;
+    // The stages' shared addresses for the fragment loads and the x copies.
+    constexpr int WS_BYTES = TR * DS4_TK * 2, XS_BYTES = TT * DS4_TK * 2;
+    const ds4_saddr wsa = ds4_saddr_of(ws[0]), xsa = ds4_saddr_of(xs[0]);
     for (int t0 = lo + (int)blockIdx.z * TT; t0 < hi; t0 += (int)gridDim.z * TT) {
         float acc[8][4];
 #pragma unroll
@@ -634,28 +666,29 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
             // valid address: the K offset is clamped to the last piece of the row.
             TW raw;
             ds4_wload(raw, drow, min(koff, cols - N), cols);
-            ds4_tiles_x<TT>(xs[0], xsrc, x, cols, 0, tid);
+            ds4_tiles_x<TT>(xsa, xsrc, x, cols, 0, tid);
             ds4_cp_commit();
             ds4_tiles_store<N>(ws[0], raw, koff, row_ok && koff < cols, drl, koff);
             ds4_cp_wait_all();
             __syncthreads();
         }
-        int st = 0;
-        for (int k0 = 0; k0 + DS4_TK < cols; k0 += DS4_TK) {
-            const int kn = k0 + DS4_TK, kg = kn + koff;
-            TW raw;
-            ds4_wload(raw, drow, min(kg, cols - N), cols);
-            ds4_tiles_x<TT>(xs[st ^ 1], xsrc, x, cols, kn, tid);
-            ds4_cp_commit();
-            ds4_tiles_mma<WM>(acc, ws[st], xs[st], wr, wt, lane);
-            ds4_tiles_store<N>(ws[st ^ 1], raw, kg, row_ok && kg < cols, drl, koff);
-            ds4_cp_wait_all();
-            // Stage st ^ 1 is complete for every thread, and every warp is done with stage
-            // st (which the next step overwrites).
-            __syncthreads();
-            st ^= 1;
+        int k0 = 0;
+        for (;;) {
+            if (k0 + DS4_TK >= cols) {
+                ds4_tiles_mma<WM>(acc, wsa, xsa, wr, wt, lane);
+                break;
+            }
+            ds4_tiles_kstep<TW, TR, TT, WM, 0>(acc, drow, xsrc, x, cols, k0 + DS4_TK, koff, drl, row_ok,
+                                               ws[1], wsa, xsa, wr, wt, tid);
+            k0 += DS4_TK;
+            if (k0 + DS4_TK >= cols) {
+                ds4_tiles_mma<WM>(acc, wsa + WS_BYTES, xsa + XS_BYTES, wr, wt, lane);
+                break;
+            }
+            ds4_tiles_kstep<TW, TR, TT, WM, 1>(acc, drow, xsrc, x, cols, k0 + DS4_TK, koff, drl, row_ok,
+                                               ws[0], wsa, xsa, wr, wt, tid);
+            k0 += DS4_TK;
         }
-        ds4_tiles_mma<WM>(acc, ws[st], xs[st], wr, wt, lane);
         // Fragment q of piece j: row wr + 16 (j / NJ) + g (+8 for q >= 2), token
         // wt + 8 (j % NJ) + 2t4 (+1 for odd q).
 #pragma unroll

@@ -29,7 +29,9 @@
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
 #   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution, then the
-#              routed experts' half decode against the f32 decode (4 layers and full size)
+#              routed experts' half decode against the f32 decode (4 layers and full size;
+#              PREFILL_AB picks the variants, default "new wm16 old"; "oldbin" runs
+#              the ds4-bench of an earlier build in $OLD_BIN)
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
 #              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
@@ -191,7 +193,7 @@ if ! skip parity; then
 fi
 if ! skip prefill; then
     step prefill
-    for t in off experts all; do
+    for t in ${PREFILL_MODES-off experts all}; do
         timeout 200 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 --decode 4 --tiles $t \
             --profile-prefill 2048 > "$OUT/prefill_$t.log" 2>&1
         echo "tiles $t:"; grep -E "^2048,|profile prefill" "$OUT/prefill_$t.log"
@@ -201,14 +203,21 @@ if ! skip prefill; then
     # tiles), half decode with 16 x 64, and the previous kernel (f32 decode, 16 x 64); same
     # binary, alternating: 4-layer profile, then the full-size 2k prefill.
     for rep in 1 2; do
-        for v in new:"" wm16:"-DDS4_TILES_WM=16" old:"-DDS4_TILES_HALF_DECODE=0 -DDS4_TILES_WM=16"; do
-            n=${v%%:*} defs=${v#*:}
-            DS4_TILES_DEFINES="$defs" timeout 200 ds4-bench --synthetic q2 \
+        for n in ${PREFILL_AB:-new wm16 old}; do
+            bench=ds4-bench
+            case $n in
+                new) defs="" ;;
+                wm16) defs="-DDS4_TILES_WM=16" ;;
+                old) defs="-DDS4_TILES_HALF_DECODE=0 -DDS4_TILES_WM=16" ;;
+                # an earlier build's ds4-bench in $OLD_BIN, its own defaults
+                oldbin) defs=""; bench="$OLD_BIN/ds4-bench" ;;
+            esac
+            DS4_TILES_DEFINES="$defs" timeout 200 $bench --synthetic q2 \
                 --layers 4 --frontiers 2048 --decode 4 --profile-prefill 2048 \
                 > "$OUT/prefill_$n.$rep.log" 2>&1
             echo "tiles $n (4 layers, run $rep): $(grep -E '^2048,' "$OUT/prefill_$n.$rep.log")"
             grep -E "ds4_mm_tiles" "$OUT/prefill_$n.$rep.log" | head -2
-            DS4_TILES_DEFINES="$defs" timeout 300 ds4-bench --synthetic q2 \
+            DS4_TILES_DEFINES="$defs" timeout 300 $bench --synthetic q2 \
                 --frontiers 2048 --decode 8 > "$OUT/prefill_full_$n.$rep.log" 2>&1
             echo "tiles $n (full size, run $rep): $(grep -E '^2048,' "$OUT/prefill_full_$n.$rep.log")"
         done

@@ -232,6 +232,14 @@ static inline void ds4_cp_commit() {}
 static inline void ds4_cp_wait_all() {}
 template <int N> static inline void ds4_cp_wait() {}
 
+// kernels/ds4_port.h's shared-memory offsets: here the generic address itself.
+typedef uintptr_t ds4_saddr;
+static inline ds4_saddr ds4_saddr_of(const void* p) { return (ds4_saddr)p; }
+static inline void ds4_cp_async16_at(ds4_saddr dst, const void* src, bool valid) {
+    ds4_cp_async16((void*)dst, src, valid);
+}
+static inline void ds4_ldmatrix_x4_at(ds4_u32* r, ds4_saddr a) { ds4_ldmatrix_x4(r, (const ds4_u16*)a); }
+
 // Sum of v over the 32 lanes of a logical warp; every lane receives the total.
 static inline float ds4_warp_sum(float v) {
     for (int m = DS4_WARP / 2; m > 0; m >>= 1) v += ds4_shfl_xor(v, m);

@@ -310,13 +310,17 @@ if ! skip ncudeep; then
     # tiles, 50 % of a 2k prefill window; issue 20: the grouped int8 GEMVs at 28-33 % of
     # bandwidth): speed of light, occupancy, warp stall reasons, memory and pipe use of the
     # first launches of each, on a 2-layer model (one 2048-token prefill, 2 decode steps).
-    for k in 'regex:^ds4_mm_tiles' 'regex:^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_' \
-             'regex:^ds4_gemv_q_q8_0$|^ds4_gemv_rmsnorm_q_q8_0$'; do
+    # NCUDEEP_ONLY=tiles: the tiles alone.
+    ks=('regex:^ds4_mm_tiles' 'regex:^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_'
+        'regex:^ds4_gemv_q_q8_0$|^ds4_gemv_rmsnorm_q_q8_0$')
+    [ "${NCUDEEP_ONLY:-}" = tiles ] && ks=('regex:^ds4_mm_tiles')
+    for k in "${ks[@]}"; do
         n=$(echo "$k" | tr -dc 'a-z0-9_' | cut -c1-24)
         timeout 300 ncu --clock-control none --kernel-name "$k" --launch-count 6 \
             --section SpeedOfLight --section Occupancy --section LaunchStats \
             --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-            --section ComputeWorkloadAnalysis --csv --page details \
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+            --section InstructionStats --csv --page details \
             ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 2 --warmup 0 \
             > "$OUT/ncudeep_$n.csv" 2> "$OUT/ncudeep_$n.err"
         echo "$k: $(grep -c . "$OUT/ncudeep_$n.csv") lines"

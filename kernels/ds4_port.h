@@ -290,6 +290,12 @@ __device__ __forceinline__ void ds4_cp_async16_at(ds4_saddr dst, const void* src
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
+// 16 bytes from shared memory at `a` (16-byte aligned).
+__device__ __forceinline__ uint4 ds4_lds128(ds4_saddr a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
 #else
 __device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src, bool valid) {
     *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0, 0, 0, 0);
@@ -302,6 +308,7 @@ __device__ __forceinline__ ds4_saddr ds4_saddr_of(const void* p) { return (ds4_s
 __device__ __forceinline__ void ds4_cp_async16_at(ds4_saddr dst, const void* src, bool valid) {
     ds4_cp_async16((void*)dst, src, valid);
 }
+__device__ __forceinline__ uint4 ds4_lds128(ds4_saddr a) { return *(const uint4*)a; }
 #endif
 
 // A device-wide memory fence: a block's global writes before it are seen by any block that

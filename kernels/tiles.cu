@@ -480,7 +480,7 @@ __device__ __forceinline__ void ds4_tiles_x(ds4_saddr xs, const ds4_u16* const* 
 // where the row or the K position is past the matrix.
 template <int N, class TW>
 __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const TW& raw, int kg, bool ok, int row,
-                                                int koff) {
+                                                int koff, ds4_saddr) {
     float v[N];
     ds4_wdec(raw, kg, v);
 #pragma unroll
@@ -492,6 +492,36 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const TW& raw, int 
         o.w = ok ? ds4_pack_h2(v[8 * q + 6], v[8 * q + 7]) : 0u;
         *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
     }
+}
+
+// The IQ2_XXS decode's two tables (6 KB) in shared memory instead of global memory
+// (-DDS4_TILES_SMEM_TABLES=1 via DS4_TILES_DEFINES; off by default until the H200 has
+// measured it). Each thread gathers 16 random 16-byte table entries per K step; through
+// L1 a warp's gather of 32 random lines takes about one wavefront per distinct line, from
+// shared memory a few bank-conflict replays. Both kernels then take their tiles from
+// dynamic shared memory: the 48 KB of stages, then the lattice table, then the signs
+// (DS4_TILES_SMEM bytes; the host reads the size from ds4_mm_tiles_smem).
+#ifndef DS4_TILES_SMEM_TABLES
+#define DS4_TILES_SMEM_TABLES 0
+#endif
+#define DS4_TILES_STAGES_BYTES (2 * (128 + 64) * DS4_TK * 2)
+#define DS4_TILES_GRID_BYTES (1024 * 4)
+#if DS4_TILES_SMEM_TABLES
+#define DS4_TILES_SMEM (DS4_TILES_STAGES_BYTES + DS4_TILES_GRID_BYTES + 512 * 4)
+#else
+#define DS4_TILES_SMEM 0
+#endif
+// Dynamic shared memory the two tile kernels take (0: static only), and unused.
+extern "C" __device__ const int ds4_mm_tiles_smem[2] = {DS4_TILES_SMEM, 0};
+
+// Copies both tables into the shared memory after the stages and returns their address;
+// the block's first barrier (ds4_tiles_run, before any decode) publishes them.
+__device__ __forceinline__ ds4_saddr ds4_tiles_tables(unsigned char* sm) {
+    uint4* t = (uint4*)(sm + DS4_TILES_STAGES_BYTES);
+    const uint4* g = (const uint4*)ds4_iq2xxs_grid_h;
+    const uint4* sg = (const uint4*)ds4_iq2xxs_signs_h;
+    for (int i = threadIdx.x; i < 256 + 128; i += blockDim.x) t[i] = i < 256 ? g[i] : sg[i - 256];
+    return ds4_saddr_of(sm + DS4_TILES_STAGES_BYTES);
 }
 
 // The routed experts' types (IQ2_XXS gate/up, Q2_K down) decode straight into halves, with
@@ -518,7 +548,7 @@ template <int N> __device__ __forceinline__ void ds4_tiles_zero(ds4_u16* ws, int
 // value d (0.5 + ls) 0.25 grid that ds4_wdec computes in f32 (22 bits) and rounds once.
 template <int N>
 __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xxs<N>& t, int kg, bool ok,
-                                                int row, int koff) {
+                                                int row, int koff, ds4_saddr tab) {
     if (!ok) return ds4_tiles_zero<N>(ws, row, koff);
     const ds4_u32 a1 = t.h[2] | (t.h[3] << 16);
     const ds4_u32 s = ds4_f2h((float)(2 * (a1 >> 28) + 1) * 0.125f);
@@ -529,8 +559,14 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xx
         const int l = l0 + q;
         const ds4_u32 g2 = l < 2 ? t.h[0] : t.h[1];
         const ds4_u32 gi = (l & 1) ? g2 >> 8 : g2 & 0xff;
+#if DS4_TILES_SMEM_TABLES
+        const uint4 gv = ds4_lds128(tab + 16 * gi);
+        const uint4 sm = ds4_lds128(tab + DS4_TILES_GRID_BYTES + 16 * ((a1 >> (7 * l)) & 127));
+#else
+        (void)tab;
         const uint4 gv = ds4_ldg((const uint4*)ds4_iq2xxs_grid_h + gi);
         const uint4 sm = ds4_ldg((const uint4*)ds4_iq2xxs_signs_h + ((a1 >> (7 * l)) & 127));
+#endif
         uint4 o;
         o.x = ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2), d2);
         o.y = ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2), d2);
@@ -550,7 +586,7 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xx
 // high 16 bits — one multiply for four weights.
 template <int N>
 __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N>& t, int kg, bool ok,
-                                                int row, int koff) {
+                                                int row, int koff, ds4_saddr) {
     if (!ok) return ds4_tiles_zero<N>(ws, row, koff);
     const int g = (int)(((unsigned)kg % 128u) / 32u), w0 = ds4_piece_off<N>(kg) / 4;
     const float d = ds4_h2f((ds4_u16)(t.dm & 0xffff)), dmin = ds4_h2f((ds4_u16)(t.dm >> 16));
@@ -607,7 +643,7 @@ template <class TW, int TR, int TT, int WM, int ST>
 __device__ __forceinline__ void ds4_tiles_kstep(float (*acc)[4], const ds4_u8* drow, const ds4_u16* const* xsrc,
                                                 const ds4_u16* x, int cols, int kn, int koff, int drl,
                                                 bool row_ok, ds4_u16* wnext, ds4_saddr wsa, ds4_saddr xsa,
-                                                int wr, int wt, int tid) {
+                                                ds4_saddr tab, int wr, int wt, int tid) {
     constexpr int N = TR * DS4_TK / 256, WS_BYTES = TR * DS4_TK * 2, XS_BYTES = TT * DS4_TK * 2;
     const int kg = kn + koff;
     TW raw;
@@ -615,7 +651,7 @@ __device__ __forceinline__ void ds4_tiles_kstep(float (*acc)[4], const ds4_u8* d
     ds4_tiles_x<TT>(xsa + (ST ^ 1) * XS_BYTES, xsrc, x, cols, kn, tid);
     ds4_cp_commit();
     ds4_tiles_mma<WM>(acc, wsa + ST * WS_BYTES, xsa + ST * XS_BYTES, wr, wt, tid & 31);
-    ds4_tiles_store<N>(wnext, raw, kg, row_ok && kg < cols, drl, koff);
+    ds4_tiles_store<N>(wnext, raw, kg, row_ok && kg < cols, drl, koff, tab);
     ds4_cp_wait_all();
     // Stage ST ^ 1 is complete for every thread, and every warp is done with stage ST
     // (which the next step overwrites).
@@ -631,7 +667,7 @@ template <class TW, int TR, int TT>
 __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_bytes, int n_rows, int cols,
                                               const ds4_u16* x, int lo, int hi, float* ym,
                                               ds4_size y_stride, ds4_u16 (*ws)[TR * DS4_TK],
-                                              ds4_u16 (*xs)[TT * DS4_TK]) {
+                                              ds4_u16 (*xs)[TT * DS4_TK], ds4_saddr tab) {
     // Weights decoded per thread per K step, and threads per row.
     constexpr int N = TR * DS4_TK / 256, TPR = DS4_TK / N;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -668,7 +704,7 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
             ds4_wload(raw, drow, min(koff, cols - N), cols);
             ds4_tiles_x<TT>(xsa, xsrc, x, cols, 0, tid);
             ds4_cp_commit();
-            ds4_tiles_store<N>(ws[0], raw, koff, row_ok && koff < cols, drl, koff);
+            ds4_tiles_store<N>(ws[0], raw, koff, row_ok && koff < cols, drl, koff, tab);
             ds4_cp_wait_all();
             __syncthreads();
         }
@@ -679,14 +715,14 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
                 break;
             }
             ds4_tiles_kstep<TW, TR, TT, WM, 0>(acc, drow, xsrc, x, cols, k0 + DS4_TK, koff, drl, row_ok,
-                                               ws[1], wsa, xsa, wr, wt, tid);
+                                               ws[1], wsa, xsa, tab, wr, wt, tid);
             k0 += DS4_TK;
             if (k0 + DS4_TK >= cols) {
                 ds4_tiles_mma<WM>(acc, wsa + WS_BYTES, xsa + XS_BYTES, wr, wt, lane);
                 break;
             }
             ds4_tiles_kstep<TW, TR, TT, WM, 1>(acc, drow, xsrc, x, cols, k0 + DS4_TK, koff, drl, row_ok,
-                                               ws[0], wsa, xsa, wr, wt, tid);
+                                               ws[0], wsa, xsa, tab, wr, wt, tid);
             k0 += DS4_TK;
         }
         // Fragment q of piece j: row wr + 16 (j / NJ) + g (+8 for q >= 2), token
@@ -709,7 +745,8 @@ __device__ __forceinline__ void ds4_tiles_block(const ds4_u8* w, const ds4_u8* w
                                                 int ty, ds4_size row_bytes, int n_rows, int cols,
                                                 const ds4_u16* x, const int* offs, int n_tok, float* y,
                                                 float* y2, ds4_size y_stride,
-                                                ds4_u16 (*ws)[TR * DS4_TK], ds4_u16 (*xs)[TT * DS4_TK]) {
+                                                ds4_u16 (*ws)[TR * DS4_TK], ds4_u16 (*xs)[TT * DS4_TK],
+                                                ds4_saddr tab) {
     constexpr int N = TR * DS4_TK / 256;
     const int n_groups = w2 ? (int)gridDim.y / 2 : (int)gridDim.y;
     const int second = (int)blockIdx.y >= n_groups ? 1 : 0;
@@ -719,7 +756,7 @@ __device__ __forceinline__ void ds4_tiles_block(const ds4_u8* w, const ds4_u8* w
     const int lo = offs ? offs[grp] : 0, hi = offs ? offs[grp + 1] : n_tok;
     if (lo >= hi) return;
 #define DS4_TILES_RUN(T) \
-    ds4_tiles_run<T<N>, TR, TT>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, ws, xs)
+    ds4_tiles_run<T<N>, TR, TT>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, ws, xs, tab)
     switch (ty) {
     case DS4_T_F32: DS4_TILES_RUN(ds4_tw_f32); break;
     case DS4_T_F16: DS4_TILES_RUN(ds4_tw_f16); break;
@@ -746,10 +783,18 @@ ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_
              int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
              float* y2, ds4_size y_stride) {
     ds4_grid_wait();
+#if DS4_TILES_SMEM_TABLES
+    DS4_DYN_SHARED(tsm, DS4_TILES_SMEM);
+    ds4_u16(*ws)[128 * DS4_TK] = (ds4_u16(*)[128 * DS4_TK])tsm;
+    ds4_u16(*xs)[64 * DS4_TK] = (ds4_u16(*)[64 * DS4_TK])(tsm + 2 * 128 * DS4_TK * 2);
+    const ds4_saddr tab = ds4_tiles_tables(tsm);
+#else
     __shared__ __align__(16) ds4_u16 ws[2][128 * DS4_TK];
     __shared__ __align__(16) ds4_u16 xs[2][64 * DS4_TK];
+    const ds4_saddr tab = 0;
+#endif
     ds4_tiles_block<128, 64>(w, w2, mat_bytes, ty, row_bytes, n_rows, cols, x, offs, n_tok, y, y2,
-                             y_stride, ws, xs);
+                             y_stride, ws, xs, tab);
 }
 
 // ds4_mm_tiles with blocks of 64 rows x 128 tokens: grid = (row tiles of 64, groups [x2],
@@ -759,8 +804,16 @@ ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty,
                   int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
                   float* y2, ds4_size y_stride) {
     ds4_grid_wait();
+#if DS4_TILES_SMEM_TABLES
+    DS4_DYN_SHARED(tsmw, DS4_TILES_SMEM);
+    ds4_u16(*ws)[64 * DS4_TK] = (ds4_u16(*)[64 * DS4_TK])tsmw;
+    ds4_u16(*xs)[128 * DS4_TK] = (ds4_u16(*)[128 * DS4_TK])(tsmw + 2 * 64 * DS4_TK * 2);
+    const ds4_saddr tab = ds4_tiles_tables(tsmw);
+#else
     __shared__ __align__(16) ds4_u16 ws[2][64 * DS4_TK];
     __shared__ __align__(16) ds4_u16 xs[2][128 * DS4_TK];
+    const ds4_saddr tab = 0;
+#endif
     ds4_tiles_block<64, 128>(w, w2, mat_bytes, ty, row_bytes, n_rows, cols, x, offs, n_tok, y, y2,
-                             y_stride, ws, xs);
+                             y_stride, ws, xs, tab);
 }

@@ -209,6 +209,7 @@ if ! skip prefill; then
                 new) defs="" ;;
                 wm16) defs="-DDS4_TILES_WM=16" ;;
                 old) defs="-DDS4_TILES_HALF_DECODE=0 -DDS4_TILES_WM=16" ;;
+                smemtab) defs="-DDS4_TILES_SMEM_TABLES=1" ;;
                 # an earlier build's ds4-bench in $OLD_BIN, its own defaults
                 oldbin) defs=""; bench="$OLD_BIN/ds4-bench" ;;
             esac

@@ -239,6 +239,11 @@ static inline void ds4_cp_async16_at(ds4_saddr dst, const void* src, bool valid)
     ds4_cp_async16((void*)dst, src, valid);
 }
 static inline void ds4_ldmatrix_x4_at(ds4_u32* r, ds4_saddr a) { ds4_ldmatrix_x4(r, (const ds4_u16*)a); }
+static inline uint4 ds4_lds128(ds4_saddr a) {
+    uint4 v;
+    memcpy(&v, (const void*)a, sizeof v);
+    return v;
+}
 
 // Sum of v over the 32 lanes of a logical warp; every lane receives the total.
 static inline float ds4_warp_sum(float v) {

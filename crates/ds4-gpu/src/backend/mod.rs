@@ -503,6 +503,9 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) imma_smem: u32,
     /// Dynamic shared memory `ds4_attention_mma` declares, and what the device allows.
     pub(crate) amma_smem: u32,
+    /// Dynamic shared memory of the tile kernels (0: static only; non-zero when tiles.cu
+    /// is built with `-DDS4_TILES_SMEM_TABLES=1`, docs/gpu.md §4).
+    pub(crate) tiles_smem: u32,
     pub(crate) max_dyn_smem: u32,
 }
 
@@ -817,6 +820,8 @@ impl<D: GpuApi> GpuBackend<D> {
         for name in TILE_KERNELS {
             funcs.insert(*name, dev.function(&tiles_module, name)?);
         }
+        let [tiles_smem, _] = dev.read_i32x2_global(&tiles_module, "ds4_mm_tiles_smem")?;
+        let tiles_smem = u32::try_from(tiles_smem).unwrap_or(u32::MAX);
         let mut fault = dev.alloc(MemKind::Device, 4)?;
         fault.fill_u32(0)?;
         let io = match dev.alloc(MemKind::PinnedHost, HOST_IO_BYTES) {
@@ -877,6 +882,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
             imma_smem,
             amma_smem,
+            tiles_smem,
             max_dyn_smem: 0,
         };
         be.max_dyn_smem = be.dev.max_dynamic_smem();

@@ -527,10 +527,20 @@ impl<D: GpuApi> GpuBackend<D> {
         } else {
             ("ds4_mm_tiles", TILE_ROWS)
         };
-        self.launch(
+        if self.tiles_smem > self.max_dyn_smem {
+            return Err(BackendError::Invalid {
+                op,
+                problem: format!(
+                    "{kernel} was built for {} bytes of shared memory; this device allows {}",
+                    self.tiles_smem, self.max_dyn_smem
+                ),
+            });
+        }
+        self.launch_smem(
             kernel,
             (g32(t.n_rows.div_ceil(rows)), g32(groups), t.split),
             256,
+            self.tiles_smem,
             &[
                 Arg::Ptr(t.w),
                 Arg::Ptr(t.w2),

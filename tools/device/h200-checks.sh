@@ -202,7 +202,9 @@ if ! skip prefill; then
     # The expert tiles of 2026-12-05 (docs/gpu.md §4): default (half decode, 32 x 32 warp
     # tiles), half decode with 16 x 64, and the previous kernel (f32 decode, 16 x 64); same
     # binary, alternating: 4-layer profile, then the full-size 2k prefill.
-    for rep in 1 2; do
+    # PREFILL_REPS (default "1 2"); PREFILL_FULL: the variants that also run the full-size
+    # model (default all of PREFILL_AB).
+    for rep in ${PREFILL_REPS:-1 2}; do
         for n in ${PREFILL_AB:-new wm16 old}; do
             bench=ds4-bench
             case $n in
@@ -218,6 +220,7 @@ if ! skip prefill; then
                 > "$OUT/prefill_$n.$rep.log" 2>&1
             echo "tiles $n (4 layers, run $rep): $(grep -E '^2048,' "$OUT/prefill_$n.$rep.log")"
             grep -E "ds4_mm_tiles" "$OUT/prefill_$n.$rep.log" | head -2
+            [[ " ${PREFILL_FULL:-${PREFILL_AB:-new wm16 old}} " == *" $n "* ]] || continue
             DS4_TILES_DEFINES="$defs" timeout 300 $bench --synthetic q2 \
                 --frontiers 2048 --decode 8 > "$OUT/prefill_full_$n.$rep.log" 2>&1
             echo "tiles $n (full size, run $rep): $(grep -E '^2048,' "$OUT/prefill_full_$n.$rep.log")"

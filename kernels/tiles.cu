@@ -516,12 +516,12 @@ extern "C" __device__ const int ds4_mm_tiles_smem[2] = {DS4_TILES_SMEM, 0};
 
 // Copies both tables into the shared memory after the stages and returns their address;
 // the block's first barrier (ds4_tiles_run, before any decode) publishes them.
-__device__ __forceinline__ ds4_saddr ds4_tiles_tables(unsigned char* sm) {
-    uint4* t = (uint4*)(sm + DS4_TILES_STAGES_BYTES);
+__device__ __forceinline__ ds4_saddr ds4_tiles_tables(unsigned char* sm, int at) {
+    uint4* t = (uint4*)(sm + at);
     const uint4* g = (const uint4*)ds4_iq2xxs_grid_h;
     const uint4* sg = (const uint4*)ds4_iq2xxs_signs_h;
     for (int i = threadIdx.x; i < 256 + 128; i += blockDim.x) t[i] = i < 256 ? g[i] : sg[i - 256];
-    return ds4_saddr_of(sm + DS4_TILES_STAGES_BYTES);
+    return ds4_saddr_of(sm + at);
 }
 
 // The routed experts' types (IQ2_XXS gate/up, Q2_K down) decode straight into halves, with
@@ -787,7 +787,7 @@ ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_
     DS4_DYN_SHARED(tsm, DS4_TILES_SMEM);
     ds4_u16(*ws)[128 * DS4_TK] = (ds4_u16(*)[128 * DS4_TK])tsm;
     ds4_u16(*xs)[64 * DS4_TK] = (ds4_u16(*)[64 * DS4_TK])(tsm + 2 * 128 * DS4_TK * 2);
-    const ds4_saddr tab = ds4_tiles_tables(tsm);
+    const ds4_saddr tab = ds4_tiles_tables(tsm, DS4_TILES_STAGES_BYTES);
 #else
     __shared__ __align__(16) ds4_u16 ws[2][128 * DS4_TK];
     __shared__ __align__(16) ds4_u16 xs[2][64 * DS4_TK];
@@ -808,7 +808,7 @@ ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty,
     DS4_DYN_SHARED(tsmw, DS4_TILES_SMEM);
     ds4_u16(*ws)[64 * DS4_TK] = (ds4_u16(*)[64 * DS4_TK])tsmw;
     ds4_u16(*xs)[128 * DS4_TK] = (ds4_u16(*)[128 * DS4_TK])(tsmw + 2 * 64 * DS4_TK * 2);
-    const ds4_saddr tab = ds4_tiles_tables(tsmw);
+    const ds4_saddr tab = ds4_tiles_tables(tsmw, DS4_TILES_STAGES_BYTES);
 #else
     __shared__ __align__(16) ds4_u16 ws[2][64 * DS4_TK];
     __shared__ __align__(16) ds4_u16 xs[2][128 * DS4_TK];
@@ -816,4 +816,223 @@ ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty,
 #endif
     ds4_tiles_block<64, 128>(w, w2, mat_bytes, ty, row_bytes, n_rows, cols, x, offs, n_tok, y, y2,
                              y_stride, ws, xs, tab);
+}
+
+// ---- Register tiles: IQ2_XXS weights decoded straight into the mma A fragments ----
+//
+// ds4_mm_tiles stores every decoded weight into shared memory and reads it back with
+// ldmatrix: per 128 rows and K step, 16 KB stored and 64 KB of fragments read, all on the
+// SM's one L1 / shared-memory data path (crates/ds4-gpu/NOTES.md, 2026-12-06). Here each
+// warp decodes its own 32 rows into registers that are already the A fragments. The sum
+// over K takes the K positions in any order applied to both operands; the order used gives
+// lane (g, t) of every k16 MMA four consecutive values of one IQ2_XXS lattice group, so a
+// decoded group (four words of two halves) is two MMAs' A registers, and the activations
+// come from shared memory as one 16-byte load per lane, 8 tokens and group: for k16 step
+// (sb, grp, h) of a 256-value block, fragment positions 2t + e and 2t + 8 + e (e = 0, 1)
+// are block positions 32 (2t + sb) + 8 grp + 4 h + e and + 2 + e. Each lane thus decodes
+// sub-blocks 2t and 2t + 1 of its rows' blocks (its raw loads are its own), and the output
+// is the same sum of the same products in another order.
+//
+// Block: 256 threads; 256 rows (warp w: rows 32 w .. 32 w + 31, lane (g, t): rows g, g + 8,
+// g + 16, g + 24) x one token tile of 64; K in blocks of 256 (cols a multiple of 256).
+// Dynamic shared memory: two stages of the x tile (64 tokens x 256 halves, 32 KB each),
+// then the two IQ2_XXS tables (6 KB).
+#define DS4_RT_ROWS 256
+#define DS4_RT_XS_BYTES (64 * 256 * 2)
+#define DS4_RT_SMEM (2 * DS4_RT_XS_BYTES + DS4_TILES_GRID_BYTES + 512 * 4)
+// Dynamic shared memory and rows per block of ds4_mm_rtiles.
+extern "C" __device__ const int ds4_mm_rtiles_smem[2] = {DS4_RT_SMEM, DS4_RT_ROWS};
+
+// Byte offset of chunk c (16 bytes, c = 0..31) of token row p in an x stage. Lanes (g, t)
+// of a quarter warp read chunks 8 t + j of rows g and g + 1 (same j): the XOR with t and
+// with bit 0 of the row spreads them over the eight 16-byte bank groups.
+__device__ __forceinline__ ds4_u32 ds4_rt_xoff(int p, int c) {
+    return (ds4_u32)(p * 512 + ((c ^ ((c >> 3) & 3) ^ ((p & 1) << 2)) << 4));
+}
+
+// The m16n8k16 product on targets without the instruction (HIP, NVIDIA before sm_80, the
+// emulation's no-MMA build): the same fragment layouts (ds4_port.h), each lane gathering
+// its outputs' row of A and column of B by shuffles; f32 sums in k order.
+__device__ __forceinline__ void ds4_mma_16816_shfl(float* c, const ds4_u32* a, const ds4_u32* b) {
+    const int lane = (int)(threadIdx.x % DS4_WARP), g = lane >> 2, t = lane & 3;
+    float out[4] = {c[0], c[1], c[2], c[3]};
+#pragma unroll
+    for (int k = 0; k < 16; k++) {
+        const int hi = k & 1, src = (k % 8) / 2, kr = k >= 8 ? 1 : 0;
+        // A[g][k] and A[g + 8][k]: lane 4 g + src, registers 2 kr and 2 kr + 1.
+        const ds4_u32 a0 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)a[2 * kr]), 4 * g + src));
+        const ds4_u32 a1 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)a[2 * kr + 1]), 4 * g + src));
+        // B[k][2 t] and B[k][2 t + 1]: lanes 4 (2 t) + src and 4 (2 t + 1) + src, register kr.
+        const ds4_u32 b0 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)b[kr]), 8 * t + src));
+        const ds4_u32 b1 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)b[kr]), 8 * t + 4 + src));
+        const float ar0 = ds4_h2f((ds4_u16)(hi ? a0 >> 16 : a0 & 0xffff));
+        const float ar1 = ds4_h2f((ds4_u16)(hi ? a1 >> 16 : a1 & 0xffff));
+        const float bc0 = ds4_h2f((ds4_u16)(hi ? b0 >> 16 : b0 & 0xffff));
+        const float bc1 = ds4_h2f((ds4_u16)(hi ? b1 >> 16 : b1 & 0xffff));
+        out[0] += ar0 * bc0;
+        out[1] += ar0 * bc1;
+        out[2] += ar1 * bc0;
+        out[3] += ar1 * bc1;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; q++) c[q] = out[q];
+}
+#if defined(DS4_HAS_MMA)
+#define DS4_RT_MMA ds4_mma_16816
+#else
+#define DS4_RT_MMA ds4_mma_16816_shfl
+#endif
+
+// One lane's raw bytes of one K block: per row i, d and, for sub-blocks 2t and 2t + 1,
+// the grid index word and the signs / scale word.
+struct ds4_rt_raw {
+    ds4_u32 d[4];
+    ds4_u32 idx[4][2], aux[4][2];
+};
+
+__device__ __forceinline__ void ds4_rt_load(ds4_rt_raw& r, const ds4_u8* const* rowp, int kb, int t) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const ds4_u8* b = rowp[i] + (ds4_size)kb * 66;
+        r.d[i] = ds4_ldg((const ds4_u16*)b);
+#pragma unroll
+        for (int sb = 0; sb < 2; sb++) {
+            const ds4_u16* q = (const ds4_u16*)(b + 2 + 8 * (2 * t + sb));
+            r.idx[i][sb] = (ds4_u32)ds4_ldg(q) | ((ds4_u32)ds4_ldg(q + 1) << 16);
+            r.aux[i][sb] = (ds4_u32)ds4_ldg(q + 2) | ((ds4_u32)ds4_ldg(q + 3) << 16);
+        }
+    }
+}
+
+// The MMAs of one K block from x stage `xs` (the same decode as ds4_tiles_store's, group
+// by group). Rows past the matrix (ok[i] false) decode as zeros.
+__device__ __forceinline__ void ds4_rt_block(float (*acc)[8][4], const ds4_rt_raw& r, const bool* ok,
+                                             ds4_saddr xs, ds4_saddr tab, int g, int t) {
+#pragma unroll
+    for (int sb = 0; sb < 2; sb++) {
+        ds4_u32 s2[4], d2[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const ds4_u32 s = ds4_f2h((float)(2 * (r.aux[i][sb] >> 28) + 1) * 0.125f);
+            s2[i] = s | (s << 16);
+            d2[i] = ok[i] ? (r.d[i] & 0xffffu) * 0x10001u : 0u;
+        }
+#pragma unroll
+        for (int grp = 0; grp < 4; grp++) {
+            ds4_u32 w[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const ds4_u32 gi = (r.idx[i][sb] >> (8 * grp)) & 0xff;
+                const ds4_u32 si = (r.aux[i][sb] >> (7 * grp)) & 127;
+                const uint4 gv = ds4_lds128(tab + 16 * gi);
+                const uint4 sm = ds4_lds128(tab + DS4_TILES_GRID_BYTES + 16 * si);
+                w[i][0] = ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2[i]), d2[i]);
+                w[i][1] = ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2[i]), d2[i]);
+                w[i][2] = ds4_hmul2(ds4_hmul2(gv.z ^ sm.z, s2[i]), d2[i]);
+                w[i][3] = ds4_hmul2(ds4_hmul2(gv.w ^ sm.w, s2[i]), d2[i]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++) {
+                const uint4 xb = ds4_lds128(xs + ds4_rt_xoff(8 * nj + g, 8 * t + 4 * sb + grp));
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const ds4_u32 b[2] = {h ? xb.z : xb.x, h ? xb.w : xb.y};
+#pragma unroll
+                    for (int mi = 0; mi < 2; mi++) {
+                        const ds4_u32 a[4] = {w[2 * mi][2 * h], w[2 * mi + 1][2 * h], w[2 * mi][2 * h + 1],
+                                              w[2 * mi + 1][2 * h + 1]};
+                        DS4_RT_MMA(acc[mi][nj], a, b);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Y[p][r] = sum_k W_g[r][k] X[p][k] as ds4_mm_tiles (same arguments and grid: row tiles of
+// DS4_RT_ROWS, groups [x2], token-tile stride), for IQ2_XXS weights only (any other type:
+// NaN) with cols a multiple of 256 (the host checks both). __launch_bounds__(256, 1): up to
+// 255 registers (64 accumulators, a block of raw weights in flight beside the one in use).
+extern "C" __global__ void __launch_bounds__(256, 1)
+ds4_mm_rtiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_size row_bytes,
+              int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
+              float* y2, ds4_size y_stride) {
+    ds4_grid_wait();
+    DS4_DYN_SHARED(rsm, DS4_RT_SMEM);
+    const ds4_saddr tab = ds4_tiles_tables(rsm, 2 * DS4_RT_XS_BYTES);
+    const int n_groups = w2 ? (int)gridDim.y / 2 : (int)gridDim.y;
+    const int second = (int)blockIdx.y >= n_groups ? 1 : 0;
+    const int grp = (int)blockIdx.y - second * n_groups;
+    const ds4_u8* wm = (second ? w2 : w) + (ds4_size)grp * mat_bytes;
+    float* ym = second ? y2 : y;
+    const int lo = offs ? offs[grp] : 0, hi = offs ? offs[grp + 1] : n_tok;
+    if (lo >= hi) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int rw = (int)blockIdx.x * DS4_RT_ROWS + warp * 32;
+    const ds4_u8* rowp[4];
+    bool ok[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = rw + g + 8 * i;
+        ok[i] = r < n_rows && ty == DS4_T_IQ2_XXS;
+        rowp[i] = wm + (ds4_size)(r < n_rows ? r : 0) * row_bytes;
+    }
+    const ds4_saddr xsa = ds4_saddr_of(rsm);
+    const int nkb = cols / 256;
+    // This thread's x chunks per K block: chunk c = tid % 32 of token rows 8 q + tid / 32.
+    const int xc = tid & 31;
+    for (int t0 = lo + (int)blockIdx.z * 64; t0 < hi; t0 += (int)gridDim.z * 64) {
+        float acc[2][8][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[mi][nj][q] = 0.0f;
+        __syncthreads();  // the previous token tile is done with both stages
+        ds4_rt_raw raw;
+        ds4_rt_load(raw, rowp, 0, t);
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const int p = 8 * q + (tid >> 5);
+            const bool v = t0 + p < hi;
+            ds4_cp_async16_at(xsa + ds4_rt_xoff(p, xc), v ? x + (ds4_size)(t0 + p) * cols + xc * 8 : x, v);
+        }
+        ds4_cp_commit();
+        for (int kb = 0; kb < nkb; kb++) {
+            const int st = kb & 1;
+            ds4_rt_raw nxt = raw;
+            if (kb + 1 < nkb) {
+                ds4_rt_load(nxt, rowp, kb + 1, t);
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const int p = 8 * q + (tid >> 5);
+                    const bool v = t0 + p < hi;
+                    ds4_cp_async16_at(xsa + (st ^ 1) * DS4_RT_XS_BYTES + ds4_rt_xoff(p, xc),
+                                      v ? x + (ds4_size)(t0 + p) * cols + (ds4_size)(kb + 1) * 256 + xc * 8 : x,
+                                      v);
+                }
+            }
+            ds4_cp_commit();
+            ds4_cp_wait<1>();  // stage st has landed (only the copies just issued may be in flight)
+            __syncthreads();
+            ds4_rt_block(acc, raw, ok, xsa + st * DS4_RT_XS_BYTES, tab, g, t);
+            __syncthreads();  // every warp is done with stage st before the next block refills it
+            raw = nxt;
+        }
+        // acc[mi][nj][q]: row rw + 16 mi + g (+ 8 for q >= 2), token t0 + 8 nj + 2 t (+ 1 for odd q).
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++) {
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int r = rw + 16 * mi + g + (q >> 1) * 8;
+                    const int p = t0 + 8 * nj + 2 * t + (q & 1);
+                    const float v = ty == DS4_T_IQ2_XXS ? acc[mi][nj][q] : __int_as_float(0x7fc00000);
+                    if (r < n_rows && p < hi) ym[(ds4_size)p * y_stride + r] = v;
+                }
+            }
+        }
+    }
 }

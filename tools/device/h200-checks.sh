@@ -90,6 +90,10 @@ if ! skip tiles; then
     ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 --chunk 40 --tiles all > "$OUT/tiles_a.log" 2>&1; tail -1 "$OUT/tiles_a.log"
     ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles all > "$OUT/tiles_4l.log" 2>&1
     grep -E "moe|matmul|FAIL" "$OUT/tiles_4l.log" | head -8; tail -1 "$OUT/tiles_4l.log"
+    # ds4_mm_rtiles (DS4_RTILES=1) on the real-dimension experts (IQ2_XXS gate/up).
+    DS4_RTILES=1 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles experts \
+        > "$OUT/tiles_4l_rt.log" 2>&1
+    grep -E "moe|FAIL" "$OUT/tiles_4l_rt.log" | head -4; tail -1 "$OUT/tiles_4l_rt.log"
 fi
 if ! skip attn; then
     step attn
@@ -206,22 +210,24 @@ if ! skip prefill; then
     # model (default all of PREFILL_AB).
     for rep in ${PREFILL_REPS:-1 2}; do
         for n in ${PREFILL_AB:-new wm16 old}; do
-            bench=ds4-bench
+            bench=ds4-bench rt=0
             case $n in
                 new) defs="" ;;
                 wm16) defs="-DDS4_TILES_WM=16" ;;
                 old) defs="-DDS4_TILES_HALF_DECODE=0 -DDS4_TILES_WM=16" ;;
                 smemtab) defs="-DDS4_TILES_SMEM_TABLES=1" ;;
+                # IQ2_XXS experts decoded into the MMA registers (ds4_mm_rtiles)
+                rtiles) defs=""; rt=1 ;;
                 # an earlier build's ds4-bench in $OLD_BIN, its own defaults
                 oldbin) defs=""; bench="$OLD_BIN/ds4-bench" ;;
             esac
-            DS4_TILES_DEFINES="$defs" timeout 200 $bench --synthetic q2 \
+            DS4_RTILES=$rt DS4_TILES_DEFINES="$defs" timeout 200 $bench --synthetic q2 \
                 --layers 4 --frontiers 2048 --decode 4 --profile-prefill 2048 \
                 > "$OUT/prefill_$n.$rep.log" 2>&1
             echo "tiles $n (4 layers, run $rep): $(grep -E '^2048,' "$OUT/prefill_$n.$rep.log")"
-            grep -E "ds4_mm_tiles" "$OUT/prefill_$n.$rep.log" | head -2
+            grep -E "ds4_mm_r?tiles" "$OUT/prefill_$n.$rep.log" | head -3
             [[ " ${PREFILL_FULL:-${PREFILL_AB:-new wm16 old}} " == *" $n "* ]] || continue
-            DS4_TILES_DEFINES="$defs" timeout 300 $bench --synthetic q2 \
+            DS4_RTILES=$rt DS4_TILES_DEFINES="$defs" timeout 300 $bench --synthetic q2 \
                 --frontiers 2048 --decode 8 > "$OUT/prefill_full_$n.$rep.log" 2>&1
             echo "tiles $n (full size, run $rep): $(grep -E '^2048,' "$OUT/prefill_full_$n.$rep.log")"
         done
@@ -317,7 +323,7 @@ if ! skip ncudeep; then
     # NCUDEEP_ONLY=tiles: the tiles alone.
     ks=('regex:^ds4_mm_tiles' 'regex:^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_'
         'regex:^ds4_gemv_q_q8_0$|^ds4_gemv_rmsnorm_q_q8_0$')
-    [ "${NCUDEEP_ONLY:-}" = tiles ] && ks=('regex:^ds4_mm_tiles')
+    [ "${NCUDEEP_ONLY:-}" = tiles ] && ks=("regex:^ds4_mm_r?tiles")
     for k in "${ks[@]}"; do
         n=$(echo "$k" | tr -dc 'a-z0-9_' | cut -c1-24)
         timeout 300 ncu --clock-control none --kernel-name "$k" --launch-count 6 \

@@ -506,6 +506,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// Dynamic shared memory of the tile kernels (0: static only; non-zero when tiles.cu
     /// is built with `-DDS4_TILES_SMEM_TABLES=1`, docs/gpu.md §4).
     pub(crate) tiles_smem: u32,
+    /// Routed IQ2_XXS experts on `ds4_mm_rtiles` (`DS4_RTILES=1`; docs/gpu.md §4).
+    pub(crate) rtiles: bool,
+    /// Dynamic shared memory of `ds4_mm_rtiles`.
+    pub(crate) rtiles_smem: u32,
     pub(crate) max_dyn_smem: u32,
 }
 
@@ -736,6 +740,7 @@ const TILE_KERNELS: &[&str] = &[
     "ds4_moe_sum_sorted",
     "ds4_mm_tiles",
     "ds4_mm_tiles_wide",
+    "ds4_mm_rtiles",
 ];
 
 /// A GPU-layer error as a backend error of `op`.
@@ -822,6 +827,8 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let [tiles_smem, _] = dev.read_i32x2_global(&tiles_module, "ds4_mm_tiles_smem")?;
         let tiles_smem = u32::try_from(tiles_smem).unwrap_or(u32::MAX);
+        let [rtiles_smem, _] = dev.read_i32x2_global(&tiles_module, "ds4_mm_rtiles_smem")?;
+        let rtiles_smem = u32::try_from(rtiles_smem).unwrap_or(u32::MAX);
         let mut fault = dev.alloc(MemKind::Device, 4)?;
         fault.fill_u32(0)?;
         let io = match dev.alloc(MemKind::PinnedHost, HOST_IO_BYTES) {
@@ -883,6 +890,8 @@ impl<D: GpuApi> GpuBackend<D> {
             imma_smem,
             amma_smem,
             tiles_smem,
+            rtiles: std::env::var("DS4_RTILES").is_ok_and(|v| v.trim() == "1"),
+            rtiles_smem,
             max_dyn_smem: 0,
         };
         be.max_dyn_smem = be.dev.max_dynamic_smem();

@@ -26,6 +26,8 @@ const TILE_TOKENS: usize = 64;
 /// The same for `ds4_mm_tiles_wide` (dense matmuls of more than TILE_TOKENS tokens: each
 /// weight decoded once per 128 tokens).
 const WIDE_ROWS: usize = 64;
+/// Output rows of one `ds4_mm_rtiles` block (tiles.cu DS4_RT_ROWS; its tokens: TILE_TOKENS).
+const RTILE_ROWS: usize = 256;
 const WIDE_TOKENS: usize = 128;
 /// Most blocks per (row tile, group) that split a group's token tiles (`gridDim.z`).
 const TILE_MAX_SPLIT: usize = 4;
@@ -126,6 +128,9 @@ struct TileMm {
     y_stride: usize,
     /// `ds4_mm_tiles_wide` (blocks of WIDE_ROWS x WIDE_TOKENS) instead of `ds4_mm_tiles`.
     wide: bool,
+    /// `ds4_mm_rtiles` (IQ2_XXS decoded into the MMA registers, blocks of RTILE_ROWS rows;
+    /// see [`GpuBackend::rtiles_for`]).
+    regs: bool,
 }
 
 /// The routing side of a routed-expert op on tiles (device addresses and counts).
@@ -518,21 +523,37 @@ impl<D: GpuApi> GpuBackend<D> {
             && row_bytes.is_multiple_of(align as usize)
     }
 
+    /// Whether a routed-expert matmul takes `ds4_mm_rtiles` (tiles.cu: IQ2_XXS decoded
+    /// straight into the MMA registers; `DS4_RTILES=1`, off until the H200 has measured
+    /// it): IQ2_XXS rows of a multiple of 256 values, 2-byte aligned, and the device
+    /// allowing the kernel's shared memory.
+    fn rtiles_for(&self, ty: GgmlType, cols: usize, row_bytes: usize, w: u64, w2: u64) -> bool {
+        self.rtiles
+            && ty == GgmlType::Iq2Xxs
+            && cols.is_multiple_of(256)
+            && row_bytes.is_multiple_of(2)
+            && w.is_multiple_of(2)
+            && w2.is_multiple_of(2)
+            && self.rtiles_smem <= self.max_dyn_smem
+    }
+
     /// One `ds4_mm_tiles` launch: `y = W·x` for every group (see tiles.cu), with a second
     /// matrix of the same shape when `t.w2`/`t.y2` are set.
     fn launch_tiles(&mut self, t: TileMm, op: &'static str) -> BResult<()> {
         let groups = t.groups * if t.w2 != 0 { 2 } else { 1 };
-        let (kernel, rows) = if t.wide {
-            ("ds4_mm_tiles_wide", WIDE_ROWS)
+        let (kernel, rows, smem) = if t.regs {
+            ("ds4_mm_rtiles", RTILE_ROWS, self.rtiles_smem)
+        } else if t.wide {
+            ("ds4_mm_tiles_wide", WIDE_ROWS, self.tiles_smem)
         } else {
-            ("ds4_mm_tiles", TILE_ROWS)
+            ("ds4_mm_tiles", TILE_ROWS, self.tiles_smem)
         };
-        if self.tiles_smem > self.max_dyn_smem {
+        if smem > self.max_dyn_smem {
             return Err(BackendError::Invalid {
                 op,
                 problem: format!(
-                    "{kernel} was built for {} bytes of shared memory; this device allows {}",
-                    self.tiles_smem, self.max_dyn_smem
+                    "{kernel} was built for {smem} bytes of shared memory; this device allows {}",
+                    self.max_dyn_smem
                 ),
             });
         }
@@ -540,7 +561,7 @@ impl<D: GpuApi> GpuBackend<D> {
             kernel,
             (g32(t.n_rows.div_ceil(rows)), g32(groups), t.split),
             256,
-            self.tiles_smem,
+            smem,
             &[
                 Arg::Ptr(t.w),
                 Arg::Ptr(t.w2),
@@ -583,6 +604,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 y2: 0,
                 y_stride: m.y_stride,
                 wide,
+                regs: false,
             },
             op,
         )
@@ -2800,6 +2822,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 y2: su,
                 y_stride: f,
                 wide: false,
+                regs: self.rtiles_for(gty, d, grb, gp, upp),
             },
             OP,
         )?;
@@ -2838,6 +2861,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 y2: 0,
                 y_stride: d,
                 wide: false,
+                regs: false,
             },
             OP,
         )?;

@@ -19,6 +19,9 @@
 #include <hip/hip_runtime.h>
 #endif
 
+// A device member function (the CPU emulation's port defines it without `static`).
+#define DS4_METHOD __device__ __forceinline__
+
 typedef unsigned char ds4_u8;
 typedef signed char ds4_i8;
 typedef unsigned short ds4_u16;

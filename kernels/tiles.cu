@@ -883,66 +883,186 @@ __device__ __forceinline__ void ds4_mma_16816_shfl(float* c, const ds4_u32* a, c
 #define DS4_RT_MMA ds4_mma_16816_shfl
 #endif
 
-// One lane's raw bytes of one K block: per row i, d and, for sub-blocks 2t and 2t + 1,
-// the grid index word and the signs / scale word.
-struct ds4_rt_raw {
+// The decoders of ds4_mm_rtiles: `load` fetches one lane's raw bytes of K block kb for its
+// four rows, `group` decodes lattice group q (block positions 64 t + 8 q .. + 7) of row i
+// into four words of two halves — the values ds4_tiles_store makes for those positions.
+// IQ2_XXS: lane t's sub-blocks 2t and 2t + 1 (group q: sub-block 2t + q / 4, group q % 4):
+// per row d, then per sub-block its grid index word and its signs / scale word.
+struct ds4_rt_iq2 {
     ds4_u32 d[4];
     ds4_u32 idx[4][2], aux[4][2];
+    DS4_METHOD void load(const ds4_u8* const* rowp, int kb, int t) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const ds4_u8* b = rowp[i] + (ds4_size)kb * 66;
+            d[i] = ds4_ldg((const ds4_u16*)b);
+#pragma unroll
+            for (int sb = 0; sb < 2; sb++) {
+                const ds4_u16* q = (const ds4_u16*)(b + 2 + 8 * (2 * t + sb));
+                idx[i][sb] = (ds4_u32)ds4_ldg(q) | ((ds4_u32)ds4_ldg(q + 1) << 16);
+                aux[i][sb] = (ds4_u32)ds4_ldg(q + 2) | ((ds4_u32)ds4_ldg(q + 3) << 16);
+            }
+        }
+    }
+    DS4_METHOD void prep(int) {}
+    DS4_METHOD void group(int i, int q, bool ok, ds4_saddr tab, int, ds4_u32* w) const {
+        const int sb = q >> 2, grp = q & 3;
+        const ds4_u32 s = ds4_f2h((float)(2 * (aux[i][sb] >> 28) + 1) * 0.125f);
+        const ds4_u32 s2 = s | (s << 16), d2 = ok ? (d[i] & 0xffffu) * 0x10001u : 0u;
+        const ds4_u32 gi = (idx[i][sb] >> (8 * grp)) & 0xff;
+        const ds4_u32 si = (aux[i][sb] >> (7 * grp)) & 127;
+        const uint4 gv = ds4_lds128(tab + 16 * gi);
+        const uint4 sm = ds4_lds128(tab + DS4_TILES_GRID_BYTES + 16 * si);
+        w[0] = ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2), d2);
+        w[1] = ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2), d2);
+        w[2] = ds4_hmul2(ds4_hmul2(gv.z ^ sm.z, s2), d2);
+        w[3] = ds4_hmul2(ds4_hmul2(gv.w ^ sm.w, s2), d2);
+    }
 };
 
-__device__ __forceinline__ void ds4_rt_load(ds4_rt_raw& r, const ds4_u8* const* rowp, int kb, int t) {
+// Q2_K (block of 84 bytes, 4-byte aligned rows): lane t's positions 64 t .. 64 t + 63 lie
+// in half n = t / 2 (its 32 qs bytes, 2-bit fields 2 (t % 2) and 2 (t % 2) + 1), under
+// scale bytes 4 t .. 4 t + 3; group q: field 2 (t % 2) + q / 4 of qs bytes 8 (q % 4) .. + 7,
+// scale byte 4 t + q / 2. The four values a scale byte allows, as in ds4_tiles_store.
+// `prep` keeps only the lane's two fields, words 2j and 2j + 1 in one (low and high
+// nibbles), so a block in use holds half the qs registers of one in flight.
+struct ds4_rt_q2k {
+    ds4_u32 qs[4][8], sc[4], dm[4];
+    DS4_METHOD void load(const ds4_u8* const* rowp, int kb, int t) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const ds4_u8* b = rowp[i] + (ds4_size)kb * 66;
-        r.d[i] = ds4_ldg((const ds4_u16*)b);
+        for (int i = 0; i < 4; i++) {
+            const ds4_u8* b = rowp[i] + (ds4_size)kb * 84;
+            const ds4_u32* q = (const ds4_u32*)(b + 16 + 32 * (t >> 1));
 #pragma unroll
-        for (int sb = 0; sb < 2; sb++) {
-            const ds4_u16* q = (const ds4_u16*)(b + 2 + 8 * (2 * t + sb));
-            r.idx[i][sb] = (ds4_u32)ds4_ldg(q) | ((ds4_u32)ds4_ldg(q + 1) << 16);
-            r.aux[i][sb] = (ds4_u32)ds4_ldg(q + 2) | ((ds4_u32)ds4_ldg(q + 3) << 16);
+            for (int j = 0; j < 8; j++) qs[i][j] = ds4_ldg(q + j);
+            sc[i] = ds4_ldg((const ds4_u32*)(b + 4 * t));
+            dm[i] = ds4_ldg((const ds4_u32*)(b + 80));
+        }
+    }
+    DS4_METHOD void prep(int t) {
+        const int sh = 4 * (t & 1);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                qs[i][j] = ((qs[i][2 * j] >> sh) & 0x0f0f0f0fu) | (((qs[i][2 * j + 1] >> sh) & 0x0f0f0f0fu) << 4);
+    }
+    DS4_METHOD void group(int i, int q, bool ok, ds4_saddr, int, ds4_u32* w) const {
+        const ds4_u32 sc8 = (sc[i] >> (8 * (q >> 1))) & 0xff;
+        const float d = ds4_h2f((ds4_u16)(dm[i] & 0xffff)), dmin = ds4_h2f((ds4_u16)(dm[i] >> 16));
+        const float a = d * (float)(sc8 & 0xF), b = dmin * (float)(sc8 >> 4);
+        const ds4_u32 v01 = ds4_pack_h2(a * 0.0f - b, a * 1.0f - b);
+        const ds4_u32 v23 = ds4_pack_h2(a * 2.0f - b, a * 3.0f - b);
+        const ds4_u32 lo = ok ? ds4_byte_perm(v01, v23, 0x6420) : 0u;
+        const ds4_u32 hi = ok ? ds4_byte_perm(v01, v23, 0x7531) : 0u;
+        const int sh = 2 * (q >> 2);
+        const ds4_u32 sa = ((qs[i][q & 3] >> sh) & 0x03030303u) * 0x11u + 0x40404040u;
+        const ds4_u32 sbb = ((qs[i][q & 3] >> (sh + 4)) & 0x03030303u) * 0x11u + 0x40404040u;
+        w[0] = ds4_byte_perm(lo, hi, sa);
+        w[1] = ds4_byte_perm(lo, hi, sa >> 16);
+        w[2] = ds4_byte_perm(lo, hi, sbb);
+        w[3] = ds4_byte_perm(lo, hi, sbb >> 16);
+    }
+};
+
+// The MMAs of one K block from x stage `xs`: for each group q, the four rows' decoded words
+// (A fragments of both m16 tiles), then per 8 tokens one 16-byte load of the activations
+// (B fragments of two k16 steps) and four MMAs.
+template <class D>
+__device__ __forceinline__ void ds4_rt_block(float (*acc)[8][4], const D& r, const bool* ok, ds4_saddr xs,
+                                             ds4_saddr tab, int g, int t) {
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+        ds4_u32 w[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.group(i, q, ok[i], tab, t, w[i]);
+#pragma unroll
+        for (int nj = 0; nj < 8; nj++) {
+            const uint4 xb = ds4_lds128(xs + ds4_rt_xoff(8 * nj + g, 8 * t + q));
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const ds4_u32 b[2] = {h ? xb.z : xb.x, h ? xb.w : xb.y};
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    const ds4_u32 a[4] = {w[2 * mi][2 * h], w[2 * mi + 1][2 * h], w[2 * mi][2 * h + 1],
+                                          w[2 * mi + 1][2 * h + 1]};
+                    DS4_RT_MMA(acc[mi][nj], a, b);
+                }
+            }
         }
     }
 }
 
-// The MMAs of one K block from x stage `xs` (the same decode as ds4_tiles_store's, group
-// by group). Rows past the matrix (ok[i] false) decode as zeros.
-__device__ __forceinline__ void ds4_rt_block(float (*acc)[8][4], const ds4_rt_raw& r, const bool* ok,
-                                             ds4_saddr xs, ds4_saddr tab, int g, int t) {
+// The token loop of ds4_mm_rtiles for decoder D (rows rw .. rw + 31 of this warp; `bad`:
+// an unsupported type, every output NaN).
+template <class D>
+__device__ DS4_TILES_NOINLINE void ds4_rt_run(const ds4_u8* wm, ds4_size row_bytes, int n_rows, int cols,
+                                           const ds4_u16* x, int lo, int hi, float* ym, ds4_size y_stride,
+                                           ds4_saddr xsa, ds4_saddr tab, bool bad) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int rw = (int)blockIdx.x * DS4_RT_ROWS + warp * 32;
+    const ds4_u8* rowp[4];
+    bool ok[4];
 #pragma unroll
-    for (int sb = 0; sb < 2; sb++) {
-        ds4_u32 s2[4], d2[4];
+    for (int i = 0; i < 4; i++) {
+        const int r = rw + g + 8 * i;
+        ok[i] = r < n_rows;
+        rowp[i] = wm + (ds4_size)(r < n_rows ? r : 0) * row_bytes;
+    }
+    const int nkb = cols / 256;
+    // This thread's x chunks per K block: chunk c = tid % 32 of token rows 8 q + tid / 32.
+    const int xc = tid & 31;
+    for (int t0 = lo + (int)blockIdx.z * 64; t0 < hi; t0 += (int)gridDim.z * 64) {
+        float acc[2][8][4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const ds4_u32 s = ds4_f2h((float)(2 * (r.aux[i][sb] >> 28) + 1) * 0.125f);
-            s2[i] = s | (s << 16);
-            d2[i] = ok[i] ? (r.d[i] & 0xffffu) * 0x10001u : 0u;
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[mi][nj][q] = 0.0f;
+        __syncthreads();  // the previous token tile is done with both stages (and the tables are in)
+        D raw;
+        raw.load(rowp, 0, t);
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const int p = 8 * q + (tid >> 5);
+            const bool v = t0 + p < hi;
+            ds4_cp_async16_at(xsa + ds4_rt_xoff(p, xc), v ? x + (ds4_size)(t0 + p) * cols + xc * 8 : x, v);
         }
+        ds4_cp_commit();
+        for (int kb = 0; kb < nkb; kb++) {
+            const int st = kb & 1;
+            D nxt = raw;
+            if (kb + 1 < nkb) {
+                nxt.load(rowp, kb + 1, t);
 #pragma unroll
-        for (int grp = 0; grp < 4; grp++) {
-            ds4_u32 w[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const ds4_u32 gi = (r.idx[i][sb] >> (8 * grp)) & 0xff;
-                const ds4_u32 si = (r.aux[i][sb] >> (7 * grp)) & 127;
-                const uint4 gv = ds4_lds128(tab + 16 * gi);
-                const uint4 sm = ds4_lds128(tab + DS4_TILES_GRID_BYTES + 16 * si);
-                w[i][0] = ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2[i]), d2[i]);
-                w[i][1] = ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2[i]), d2[i]);
-                w[i][2] = ds4_hmul2(ds4_hmul2(gv.z ^ sm.z, s2[i]), d2[i]);
-                w[i][3] = ds4_hmul2(ds4_hmul2(gv.w ^ sm.w, s2[i]), d2[i]);
+                for (int q = 0; q < 8; q++) {
+                    const int p = 8 * q + (tid >> 5);
+                    const bool v = t0 + p < hi;
+                    ds4_cp_async16_at(xsa + (st ^ 1) * DS4_RT_XS_BYTES + ds4_rt_xoff(p, xc),
+                                      v ? x + (ds4_size)(t0 + p) * cols + (ds4_size)(kb + 1) * 256 + xc * 8 : x,
+                                      v);
+                }
             }
+            ds4_cp_commit();
+            ds4_cp_wait<1>();  // stage st has landed (only the copies just issued may be in flight)
+            __syncthreads();
+            raw.prep(t);
+            ds4_rt_block<D>(acc, raw, ok, xsa + st * DS4_RT_XS_BYTES, tab, g, t);
+            __syncthreads();  // every warp is done with stage st before the next block refills it
+            raw = nxt;
+        }
+        // acc[mi][nj][q]: row rw + 16 mi + g (+ 8 for q >= 2), token t0 + 8 nj + 2 t (+ 1 for odd q).
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++) {
 #pragma unroll
             for (int nj = 0; nj < 8; nj++) {
-                const uint4 xb = ds4_lds128(xs + ds4_rt_xoff(8 * nj + g, 8 * t + 4 * sb + grp));
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const ds4_u32 b[2] = {h ? xb.z : xb.x, h ? xb.w : xb.y};
-#pragma unroll
-                    for (int mi = 0; mi < 2; mi++) {
-                        const ds4_u32 a[4] = {w[2 * mi][2 * h], w[2 * mi + 1][2 * h], w[2 * mi][2 * h + 1],
-                                              w[2 * mi + 1][2 * h + 1]};
-                        DS4_RT_MMA(acc[mi][nj], a, b);
-                    }
+                for (int q = 0; q < 4; q++) {
+                    const int r = rw + 16 * mi + g + (q >> 1) * 8;
+                    const int p = t0 + 8 * nj + 2 * t + (q & 1);
+                    const float v = bad ? __int_as_float(0x7fc00000) : acc[mi][nj][q];
+                    if (r < n_rows && p < hi) ym[(ds4_size)p * y_stride + r] = v;
                 }
             }
         }
@@ -950,9 +1070,10 @@ __device__ __forceinline__ void ds4_rt_block(float (*acc)[8][4], const ds4_rt_ra
 }
 
 // Y[p][r] = sum_k W_g[r][k] X[p][k] as ds4_mm_tiles (same arguments and grid: row tiles of
-// DS4_RT_ROWS, groups [x2], token-tile stride), for IQ2_XXS weights only (any other type:
-// NaN) with cols a multiple of 256 (the host checks both). __launch_bounds__(256, 1): up to
-// 255 registers (64 accumulators, a block of raw weights in flight beside the one in use).
+// DS4_RT_ROWS, groups [x2], token-tile stride), for IQ2_XXS and Q2_K weights (any other
+// type: NaN) with cols a multiple of 256 (the host checks both). __launch_bounds__(256, 1):
+// up to 255 registers (64 accumulators, a block of raw weights in flight beside the one in
+// use).
 extern "C" __global__ void __launch_bounds__(256, 1)
 ds4_mm_rtiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_size row_bytes,
               int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
@@ -967,72 +1088,10 @@ ds4_mm_rtiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4
     float* ym = second ? y2 : y;
     const int lo = offs ? offs[grp] : 0, hi = offs ? offs[grp + 1] : n_tok;
     if (lo >= hi) return;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int rw = (int)blockIdx.x * DS4_RT_ROWS + warp * 32;
-    const ds4_u8* rowp[4];
-    bool ok[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int r = rw + g + 8 * i;
-        ok[i] = r < n_rows && ty == DS4_T_IQ2_XXS;
-        rowp[i] = wm + (ds4_size)(r < n_rows ? r : 0) * row_bytes;
-    }
     const ds4_saddr xsa = ds4_saddr_of(rsm);
-    const int nkb = cols / 256;
-    // This thread's x chunks per K block: chunk c = tid % 32 of token rows 8 q + tid / 32.
-    const int xc = tid & 31;
-    for (int t0 = lo + (int)blockIdx.z * 64; t0 < hi; t0 += (int)gridDim.z * 64) {
-        float acc[2][8][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-            for (int nj = 0; nj < 8; nj++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) acc[mi][nj][q] = 0.0f;
-        __syncthreads();  // the previous token tile is done with both stages
-        ds4_rt_raw raw;
-        ds4_rt_load(raw, rowp, 0, t);
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            const int p = 8 * q + (tid >> 5);
-            const bool v = t0 + p < hi;
-            ds4_cp_async16_at(xsa + ds4_rt_xoff(p, xc), v ? x + (ds4_size)(t0 + p) * cols + xc * 8 : x, v);
-        }
-        ds4_cp_commit();
-        for (int kb = 0; kb < nkb; kb++) {
-            const int st = kb & 1;
-            ds4_rt_raw nxt = raw;
-            if (kb + 1 < nkb) {
-                ds4_rt_load(nxt, rowp, kb + 1, t);
-#pragma unroll
-                for (int q = 0; q < 8; q++) {
-                    const int p = 8 * q + (tid >> 5);
-                    const bool v = t0 + p < hi;
-                    ds4_cp_async16_at(xsa + (st ^ 1) * DS4_RT_XS_BYTES + ds4_rt_xoff(p, xc),
-                                      v ? x + (ds4_size)(t0 + p) * cols + (ds4_size)(kb + 1) * 256 + xc * 8 : x,
-                                      v);
-                }
-            }
-            ds4_cp_commit();
-            ds4_cp_wait<1>();  // stage st has landed (only the copies just issued may be in flight)
-            __syncthreads();
-            ds4_rt_block(acc, raw, ok, xsa + st * DS4_RT_XS_BYTES, tab, g, t);
-            __syncthreads();  // every warp is done with stage st before the next block refills it
-            raw = nxt;
-        }
-        // acc[mi][nj][q]: row rw + 16 mi + g (+ 8 for q >= 2), token t0 + 8 nj + 2 t (+ 1 for odd q).
-#pragma unroll
-        for (int mi = 0; mi < 2; mi++) {
-#pragma unroll
-            for (int nj = 0; nj < 8; nj++) {
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const int r = rw + 16 * mi + g + (q >> 1) * 8;
-                    const int p = t0 + 8 * nj + 2 * t + (q & 1);
-                    const float v = ty == DS4_T_IQ2_XXS ? acc[mi][nj][q] : __int_as_float(0x7fc00000);
-                    if (r < n_rows && p < hi) ym[(ds4_size)p * y_stride + r] = v;
-                }
-            }
-        }
-    }
+    if (ty == DS4_T_Q2_K)
+        ds4_rt_run<ds4_rt_q2k>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, xsa, tab, false);
+    else
+        ds4_rt_run<ds4_rt_iq2>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, xsa, tab,
+                               ty != DS4_T_IQ2_XXS);
 }

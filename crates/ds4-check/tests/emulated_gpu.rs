@@ -445,9 +445,14 @@ fn emulated_tile_kernels_decode_every_type() {
             let xh: Vec<u16> = (0..n_tok * cols).map(|_| f16::f32_to_f16(rnd())).collect();
             let xb: Vec<u8> = xh.iter().flat_map(|h| h.to_le_bytes()).collect();
             let (wbuf, xbuf) = (aligned(&wq), aligned(&xb));
-            // ds4_mm_rtiles takes IQ2_XXS only (K blocks of 256: two here, so both stages).
+            // ds4_mm_rtiles takes IQ2_XXS and Q2_K (K blocks of 256: two here, so both
+            // stages).
             let rt = [("ds4_mm_rtiles", 256, 64, 1u32)];
-            let rt = if ty == GgmlType::Iq2Xxs { &rt[..] } else { &[] };
+            let rt = if matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K) {
+                &rt[..]
+            } else {
+                &[]
+            };
             for (kernel, rows, tokens, split) in [
                 ("ds4_mm_tiles", 128, 64, 2u32),
                 ("ds4_mm_tiles_wide", 64, 128, 1),
@@ -556,7 +561,11 @@ fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
             }
             let wbuf = aligned(&wq);
             let rt = [("ds4_mm_rtiles", 256, 2u32)];
-            let rt = if ty == GgmlType::Iq2Xxs { &rt[..] } else { &[] };
+            let rt = if matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K) {
+                &rt[..]
+            } else {
+                &[]
+            };
             for (kernel, rows, split) in [("ds4_mm_tiles", 128, 2u32), ("ds4_mm_tiles_wide", 64, 1)]
                 .iter()
                 .chain(rt)

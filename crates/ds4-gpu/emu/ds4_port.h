@@ -33,6 +33,8 @@ typedef unsigned long long ds4_size;
 #endif
 #define __host__
 #define __forceinline__ static inline
+// A device member function (kernels/ds4_port.h): no `static` on a method.
+#define DS4_METHOD inline
 #define __shared__ static
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))

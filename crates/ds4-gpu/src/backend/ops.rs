@@ -523,17 +523,21 @@ impl<D: GpuApi> GpuBackend<D> {
             && row_bytes.is_multiple_of(align as usize)
     }
 
-    /// Whether a routed-expert matmul takes `ds4_mm_rtiles` (tiles.cu: IQ2_XXS decoded
+    /// Whether a routed-expert matmul takes `ds4_mm_rtiles` (tiles.cu: the weights decoded
     /// straight into the MMA registers; `DS4_RTILES=1`, off until the H200 has measured
-    /// it): IQ2_XXS rows of a multiple of 256 values, 2-byte aligned, and the device
-    /// allowing the kernel's shared memory.
+    /// it): IQ2_XXS (rows 2-byte aligned) or Q2_K (4-byte aligned) rows of a multiple of
+    /// 256 values, and the device allowing the kernel's shared memory.
     fn rtiles_for(&self, ty: GgmlType, cols: usize, row_bytes: usize, w: u64, w2: u64) -> bool {
+        let align: u64 = match ty {
+            GgmlType::Iq2Xxs => 2,
+            GgmlType::Q2K => 4,
+            _ => return false,
+        };
         self.rtiles
-            && ty == GgmlType::Iq2Xxs
             && cols.is_multiple_of(256)
-            && row_bytes.is_multiple_of(2)
-            && w.is_multiple_of(2)
-            && w2.is_multiple_of(2)
+            && (row_bytes as u64).is_multiple_of(align)
+            && w.is_multiple_of(align)
+            && w2.is_multiple_of(align)
             && self.rtiles_smem <= self.max_dyn_smem
     }
 
@@ -2861,7 +2865,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 y2: 0,
                 y_stride: d,
                 wide: false,
-                regs: false,
+                regs: self.rtiles_for(dty, f, drb, dp, 0),
             },
             OP,
         )?;

@@ -534,6 +534,7 @@ impl<D: GpuApi> GpuBackend<D> {
             _ => return false,
         };
         self.rtiles
+            && cols >= 256
             && cols.is_multiple_of(256)
             && (row_bytes as u64).is_multiple_of(align)
             && w.is_multiple_of(align)

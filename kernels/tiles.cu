@@ -850,38 +850,7 @@ __device__ __forceinline__ ds4_u32 ds4_rt_xoff(int p, int c) {
     return (ds4_u32)(p * 512 + ((c ^ ((c >> 3) & 3) ^ ((p & 1) << 2)) << 4));
 }
 
-// The m16n8k16 product on targets without the instruction (HIP, NVIDIA before sm_80, the
-// emulation's no-MMA build): the same fragment layouts (ds4_port.h), each lane gathering
-// its outputs' row of A and column of B by shuffles; f32 sums in k order.
-__device__ __forceinline__ void ds4_mma_16816_shfl(float* c, const ds4_u32* a, const ds4_u32* b) {
-    const int lane = (int)(threadIdx.x % DS4_WARP), g = lane >> 2, t = lane & 3;
-    float out[4] = {c[0], c[1], c[2], c[3]};
-#pragma unroll
-    for (int k = 0; k < 16; k++) {
-        const int hi = k & 1, src = (k % 8) / 2, kr = k >= 8 ? 1 : 0;
-        // A[g][k] and A[g + 8][k]: lane 4 g + src, registers 2 kr and 2 kr + 1.
-        const ds4_u32 a0 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)a[2 * kr]), 4 * g + src));
-        const ds4_u32 a1 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)a[2 * kr + 1]), 4 * g + src));
-        // B[k][2 t] and B[k][2 t + 1]: lanes 4 (2 t) + src and 4 (2 t + 1) + src, register kr.
-        const ds4_u32 b0 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)b[kr]), 8 * t + src));
-        const ds4_u32 b1 = (ds4_u32)__float_as_int(ds4_shfl_idx(__int_as_float((int)b[kr]), 8 * t + 4 + src));
-        const float ar0 = ds4_h2f((ds4_u16)(hi ? a0 >> 16 : a0 & 0xffff));
-        const float ar1 = ds4_h2f((ds4_u16)(hi ? a1 >> 16 : a1 & 0xffff));
-        const float bc0 = ds4_h2f((ds4_u16)(hi ? b0 >> 16 : b0 & 0xffff));
-        const float bc1 = ds4_h2f((ds4_u16)(hi ? b1 >> 16 : b1 & 0xffff));
-        out[0] += ar0 * bc0;
-        out[1] += ar0 * bc1;
-        out[2] += ar1 * bc0;
-        out[3] += ar1 * bc1;
-    }
-#pragma unroll
-    for (int q = 0; q < 4; q++) c[q] = out[q];
-}
 #if defined(DS4_HAS_MMA)
-#define DS4_RT_MMA ds4_mma_16816
-#else
-#define DS4_RT_MMA ds4_mma_16816_shfl
-#endif
 
 // The decoders of ds4_mm_rtiles: `load` fetches one lane's raw bytes of K block kb for its
 // four rows, `group` decodes lattice group q (block positions 64 t + 8 q .. + 7) of row i
@@ -986,7 +955,7 @@ __device__ __forceinline__ void ds4_rt_block(float (*acc)[8][4], const D& r, con
                 for (int mi = 0; mi < 2; mi++) {
                     const ds4_u32 a[4] = {w[2 * mi][2 * h], w[2 * mi + 1][2 * h], w[2 * mi][2 * h + 1],
                                           w[2 * mi + 1][2 * h + 1]};
-                    DS4_RT_MMA(acc[mi][nj], a, b);
+                    ds4_mma_16816(acc[mi][nj], a, b);
                 }
             }
         }
@@ -1095,3 +1064,19 @@ ds4_mm_rtiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4
         ds4_rt_run<ds4_rt_iq2>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, xsa, tab,
                                ty != DS4_T_IQ2_XXS);
 }
+#else
+// Targets without mma.sync (HIP, NVIDIA before sm_80): a stub, every output it covers NaN.
+// The host never launches it there (it needs more shared memory than those devices allow
+// a block, and the tensor cores); unrolled over shuffles it cost NVRTC minutes per build.
+extern "C" __global__ void __launch_bounds__(256, 1)
+ds4_mm_rtiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_size row_bytes,
+              int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
+              float* y2, ds4_size y_stride) {
+    ds4_grid_wait();
+    (void)w; (void)w2; (void)mat_bytes; (void)ty; (void)row_bytes; (void)cols; (void)x; (void)offs;
+    (void)y2;
+    const ds4_size total = (ds4_size)n_tok * y_stride;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && n_rows > 0)
+        for (ds4_size e = threadIdx.x; e < total; e += blockDim.x) y[e] = __int_as_float(0x7fc00000);
+}
+#endif  // DS4_HAS_MMA

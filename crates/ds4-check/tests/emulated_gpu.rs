@@ -446,9 +446,9 @@ fn emulated_tile_kernels_decode_every_type() {
             let xb: Vec<u8> = xh.iter().flat_map(|h| h.to_le_bytes()).collect();
             let (wbuf, xbuf) = (aligned(&wq), aligned(&xb));
             // ds4_mm_rtiles takes IQ2_XXS and Q2_K (K blocks of 256: two here, so both
-            // stages).
+            // stages), on targets with the MMA instruction only.
             let rt = [("ds4_mm_rtiles", 256, 64, 1u32)];
-            let rt = if matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K) {
+            let rt = if mma && matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K) {
                 &rt[..]
             } else {
                 &[]
@@ -561,7 +561,7 @@ fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
             }
             let wbuf = aligned(&wq);
             let rt = [("ds4_mm_rtiles", 256, 2u32)];
-            let rt = if matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K) {
+            let rt = if mma != "fma" && matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K) {
                 &rt[..]
             } else {
                 &[]

@@ -739,6 +739,26 @@ __device__ DS4_TILES_NOINLINE void ds4_tiles_run(const ds4_u8* wm, ds4_size row_
     }
 }
 
+// This block's group of a tile launch (blockIdx.y: the group, in the upper half of gridDim.y
+// for the second matrix): its matrix, its outputs and its tokens lo .. hi.
+struct ds4_tiles_grp {
+    const ds4_u8* wm;
+    float* ym;
+    int lo, hi;
+};
+__device__ __forceinline__ ds4_tiles_grp ds4_tiles_group(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes,
+                                                         const int* offs, int n_tok, float* y, float* y2) {
+    const int n_groups = w2 ? (int)gridDim.y / 2 : (int)gridDim.y;
+    const int second = (int)blockIdx.y >= n_groups ? 1 : 0;
+    const int grp = (int)blockIdx.y - second * n_groups;
+    ds4_tiles_grp r;
+    r.wm = (second ? w2 : w) + (ds4_size)grp * mat_bytes;
+    r.ym = second ? y2 : y;
+    r.lo = offs ? offs[grp] : 0;
+    r.hi = offs ? offs[grp + 1] : n_tok;
+    return r;
+}
+
 // The shared part of both kernels: this block's group and matrix, then the body for `ty`.
 template <int TR, int TT>
 __device__ __forceinline__ void ds4_tiles_block(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes,
@@ -748,15 +768,10 @@ __device__ __forceinline__ void ds4_tiles_block(const ds4_u8* w, const ds4_u8* w
                                                 ds4_u16 (*ws)[TR * DS4_TK], ds4_u16 (*xs)[TT * DS4_TK],
                                                 ds4_saddr tab) {
     constexpr int N = TR * DS4_TK / 256;
-    const int n_groups = w2 ? (int)gridDim.y / 2 : (int)gridDim.y;
-    const int second = (int)blockIdx.y >= n_groups ? 1 : 0;
-    const int grp = (int)blockIdx.y - second * n_groups;
-    const ds4_u8* wm = (second ? w2 : w) + (ds4_size)grp * mat_bytes;
-    float* ym = second ? y2 : y;
-    const int lo = offs ? offs[grp] : 0, hi = offs ? offs[grp + 1] : n_tok;
-    if (lo >= hi) return;
+    const ds4_tiles_grp gr = ds4_tiles_group(w, w2, mat_bytes, offs, n_tok, y, y2);
+    if (gr.lo >= gr.hi) return;
 #define DS4_TILES_RUN(T) \
-    ds4_tiles_run<T<N>, TR, TT>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, ws, xs, tab)
+    ds4_tiles_run<T<N>, TR, TT>(gr.wm, row_bytes, n_rows, cols, x, gr.lo, gr.hi, gr.ym, y_stride, ws, xs, tab)
     switch (ty) {
     case DS4_T_F32: DS4_TILES_RUN(ds4_tw_f32); break;
     case DS4_T_F16: DS4_TILES_RUN(ds4_tw_f16); break;
@@ -962,6 +977,20 @@ __device__ __forceinline__ void ds4_rt_block(float (*acc)[8][4], const D& r, con
     }
 }
 
+// Starts the copy of K block kb of tokens t0 .. t0 + 63 (zeros from hi on) into the x stage
+// at `xs`: this thread's chunks c = tid % 32 of token rows 8 q + tid / 32.
+__device__ __forceinline__ void ds4_rt_x(ds4_saddr xs, const ds4_u16* x, int t0, int hi, int cols, int kb,
+                                         int tid) {
+    const int c = tid & 31;
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+        const int p = 8 * q + (tid >> 5);
+        const bool v = t0 + p < hi;
+        ds4_cp_async16_at(xs + ds4_rt_xoff(p, c), v ? x + (ds4_size)(t0 + p) * cols + (ds4_size)kb * 256 + c * 8 : x,
+                          v);
+    }
+}
+
 // The token loop of ds4_mm_rtiles for decoder D (rows rw .. rw + 31 of this warp; `bad`:
 // an unsupported type, every output NaN).
 template <class D>
@@ -979,8 +1008,6 @@ __device__ DS4_TILES_NOINLINE void ds4_rt_run(const ds4_u8* wm, ds4_size row_byt
         rowp[i] = wm + (ds4_size)(r < n_rows ? r : 0) * row_bytes;
     }
     const int nkb = cols / 256;
-    // This thread's x chunks per K block: chunk c = tid % 32 of token rows 8 q + tid / 32.
-    const int xc = tid & 31;
     for (int t0 = lo + (int)blockIdx.z * 64; t0 < hi; t0 += (int)gridDim.z * 64) {
         float acc[2][8][4];
 #pragma unroll
@@ -992,26 +1019,14 @@ __device__ DS4_TILES_NOINLINE void ds4_rt_run(const ds4_u8* wm, ds4_size row_byt
         __syncthreads();  // the previous token tile is done with both stages (and the tables are in)
         D raw;
         raw.load(rowp, 0, t);
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            const int p = 8 * q + (tid >> 5);
-            const bool v = t0 + p < hi;
-            ds4_cp_async16_at(xsa + ds4_rt_xoff(p, xc), v ? x + (ds4_size)(t0 + p) * cols + xc * 8 : x, v);
-        }
+        ds4_rt_x(xsa, x, t0, hi, cols, 0, tid);
         ds4_cp_commit();
         for (int kb = 0; kb < nkb; kb++) {
             const int st = kb & 1;
             D nxt = raw;
             if (kb + 1 < nkb) {
                 nxt.load(rowp, kb + 1, t);
-#pragma unroll
-                for (int q = 0; q < 8; q++) {
-                    const int p = 8 * q + (tid >> 5);
-                    const bool v = t0 + p < hi;
-                    ds4_cp_async16_at(xsa + (st ^ 1) * DS4_RT_XS_BYTES + ds4_rt_xoff(p, xc),
-                                      v ? x + (ds4_size)(t0 + p) * cols + (ds4_size)(kb + 1) * 256 + xc * 8 : x,
-                                      v);
-                }
+                ds4_rt_x(xsa + (st ^ 1) * DS4_RT_XS_BYTES, x, t0, hi, cols, kb + 1, tid);
             }
             ds4_cp_commit();
             ds4_cp_wait<1>();  // stage st has landed (only the copies just issued may be in flight)
@@ -1050,18 +1065,14 @@ ds4_mm_rtiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4
     ds4_grid_wait();
     DS4_DYN_SHARED(rsm, DS4_RT_SMEM);
     const ds4_saddr tab = ds4_tiles_tables(rsm, 2 * DS4_RT_XS_BYTES);
-    const int n_groups = w2 ? (int)gridDim.y / 2 : (int)gridDim.y;
-    const int second = (int)blockIdx.y >= n_groups ? 1 : 0;
-    const int grp = (int)blockIdx.y - second * n_groups;
-    const ds4_u8* wm = (second ? w2 : w) + (ds4_size)grp * mat_bytes;
-    float* ym = second ? y2 : y;
-    const int lo = offs ? offs[grp] : 0, hi = offs ? offs[grp + 1] : n_tok;
-    if (lo >= hi) return;
+    const ds4_tiles_grp gr = ds4_tiles_group(w, w2, mat_bytes, offs, n_tok, y, y2);
+    if (gr.lo >= gr.hi) return;
     const ds4_saddr xsa = ds4_saddr_of(rsm);
     if (ty == DS4_T_Q2_K)
-        ds4_rt_run<ds4_rt_q2k>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, xsa, tab, false);
+        ds4_rt_run<ds4_rt_q2k>(gr.wm, row_bytes, n_rows, cols, x, gr.lo, gr.hi, gr.ym, y_stride, xsa, tab,
+                               false);
     else
-        ds4_rt_run<ds4_rt_iq2>(wm, row_bytes, n_rows, cols, x, lo, hi, ym, y_stride, xsa, tab,
+        ds4_rt_run<ds4_rt_iq2>(gr.wm, row_bytes, n_rows, cols, x, gr.lo, gr.hi, gr.ym, y_stride, xsa, tab,
                                ty != DS4_T_IQ2_XXS);
 }
 #else

@@ -525,20 +525,15 @@ impl<D: GpuApi> GpuBackend<D> {
 
     /// Whether a routed-expert matmul takes `ds4_mm_rtiles` (tiles.cu: the weights decoded
     /// straight into the MMA registers; `DS4_RTILES=1`, off until the H200 has measured
-    /// it): IQ2_XXS (rows 2-byte aligned) or Q2_K (4-byte aligned) rows of a multiple of
-    /// 256 values, and the device allowing the kernel's shared memory.
+    /// it): IQ2_XXS or Q2_K rows of a multiple of 256 values, aligned as [`Self::tiles_ok`]
+    /// asks, and the device allowing the kernel's shared memory.
     fn rtiles_for(&self, ty: GgmlType, cols: usize, row_bytes: usize, w: u64, w2: u64) -> bool {
-        let align: u64 = match ty {
-            GgmlType::Iq2Xxs => 2,
-            GgmlType::Q2K => 4,
-            _ => return false,
-        };
         self.rtiles
+            && matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K)
             && cols >= 256
             && cols.is_multiple_of(256)
-            && (row_bytes as u64).is_multiple_of(align)
-            && w.is_multiple_of(align)
-            && w2.is_multiple_of(align)
+            && self.tiles_ok(ty, cols, w, row_bytes)
+            && (w2 == 0 || self.tiles_ok(ty, cols, w2, row_bytes))
             && self.rtiles_smem <= self.max_dyn_smem
     }
 

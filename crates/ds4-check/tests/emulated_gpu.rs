@@ -877,7 +877,8 @@ fn emulated_fused_launches_equal_the_separate_ones() {
 }
 
 /// Streamed routed experts on the GPU backend (docs/placement.md §9): slot pools written
-/// with `write_weight_mat`, a cache of 6 units for 8 experts per layer. Decode (one token,
+/// by queued copies out of the host tier's page-locked buffers, a cache of 6 units for 8
+/// experts per layer. Decode (one token,
 /// one `moe` run, the same kernels on the same bytes) gives the resident logits bit for
 /// bit; a prefill split into runs of other sizes may choose other multi-token kernels, so
 /// it is held to a tolerance and the same greedy tokens.
@@ -920,6 +921,12 @@ fn emulated_streamed_experts_match_resident() {
     let (sp, sd, stats, _) = run(ExpertPlacement::streamed(6));
     let s = stats.unwrap();
     assert!(s.misses > 6 && s.hits > 0, "{s:?}");
+    // The host tier's buffers are page-locked, so the slots were written by queued
+    // copies out of them (host_slabs.rs), not by waiting copies.
+    assert!(
+        s.host_buffers > 0 && s.host_pinned == s.host_buffers,
+        "{s:?}"
+    );
     // The next layer's router ran on the device and its ids came back (read-ahead).
     assert!(
         s.predicted > 0 && s.predicted_right <= s.predicted && s.readahead_reads > 0,

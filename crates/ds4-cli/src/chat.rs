@@ -203,7 +203,8 @@ pub fn expert_line(s: &ds4_engine::StreamStats) -> String {
     format!(
         "ds4: experts: {} lookups, cache hit rate {:.1} %, {:.1} % of misses in the host tier · \
          read {:.2} GB from the file ({} units, {} read ahead, {} of those used; prediction \
-         {:.1} % right) · waited {:.2} s for reads · slot writes {:.2} s",
+         {:.1} % right) · waited {:.2} s for reads · slot writes {:.2} s · host buffers {} \
+         ({} page-locked)",
         s.lookups,
         100.0 * s.hit_rate(),
         pct(s.host_hits, s.misses),
@@ -213,7 +214,9 @@ pub fn expert_line(s: &ds4_engine::StreamStats) -> String {
         s.readahead_used,
         100.0 * s.prediction_accuracy(),
         s.read_secs,
-        s.write_secs
+        s.write_secs,
+        s.host_buffers,
+        s.host_pinned
     )
 }
 

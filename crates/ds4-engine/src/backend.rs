@@ -61,6 +61,20 @@ pub enum BackendError {
 
 pub type BResult<T> = Result<T, BackendError>;
 
+/// The error of a [`SlabMat`] whose range lies outside its slab.
+pub fn slab_range_error(m: &SlabMat, len: usize) -> BackendError {
+    BackendError::Invalid {
+        op: "write_weight_mats",
+        problem: format!(
+            "matrix {} of weight #{}: bytes {}..{} lie outside a slab of {len}",
+            m.mat,
+            m.weight.id(),
+            m.range.start,
+            m.range.end
+        ),
+    }
+}
+
 /// Handle to a backend-owned buffer of `len` f32 values (zero-initialised at allocation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Buf {
@@ -193,6 +207,51 @@ impl Weight {
     pub fn id(self) -> u32 {
         self.id
     }
+}
+
+/// Host memory that streamed expert reads land in (docs/placement.md §9): a reader thread
+/// fills it from the model file, then [`Backend::write_weight_mats`] stores its matrices.
+/// The default is ordinary heap memory ([`HeapSlab`]); a GPU backend hands out
+/// page-locked memory instead, which its copy engine reads directly and asynchronously
+/// (no staging copy, no host wait per matrix).
+pub trait HostSlab: Send + std::any::Any {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// Whether the memory is page-locked (reports and tests).
+    fn pinned(&self) -> bool {
+        false
+    }
+}
+
+/// Ordinary heap memory as a [`HostSlab`] (zeroed lazily by the allocator).
+#[derive(Debug)]
+pub struct HeapSlab(Box<[u8]>);
+
+impl HeapSlab {
+    pub fn zeroed(bytes: usize) -> HeapSlab {
+        HeapSlab(vec![0u8; bytes].into_boxed_slice())
+    }
+}
+
+impl HostSlab for HeapSlab {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+/// Slabs a backend hands back, with the tags they were stored with.
+pub type TaggedSlabs = Vec<(u64, Box<dyn HostSlab>)>;
+
+/// One matrix of a [`HostSlab`] for [`Backend::write_weight_mats`]: bytes `range` of the
+/// slab become matrix `mat` of `weight`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlabMat {
+    pub weight: Weight,
+    pub mat: usize,
+    pub range: std::ops::Range<usize>,
 }
 
 /// How the forward pass reads a weight, so a backend can choose a storage form
@@ -527,6 +586,44 @@ pub trait Backend: Send {
             op: "write_weight_mat",
             problem: format!("backend {} cannot hold streamed experts", self.name()),
         })
+    }
+
+    /// Host memory of `bytes` for streamed expert reads. The default is heap memory; a GPU
+    /// backend returns page-locked memory when the system grants it (heap memory when not:
+    /// then its writes copy and wait, as [`Backend::write_weight_mat`] does).
+    fn alloc_host_slab(&mut self, bytes: usize) -> BResult<Box<dyn HostSlab>> {
+        Ok(Box::new(HeapSlab::zeroed(bytes)))
+    }
+
+    /// Stores matrices of `slab` as [`Backend::write_weight_mat`] would (same ordering
+    /// rule: ops issued afterwards see the new bytes), and gives the slab back when done
+    /// with it. A backend that queues asynchronous copies out of the slab keeps it until
+    /// they have completed and returns `None`: [`Backend::reclaim_host_slabs`] hands it
+    /// back later with `tag`, so the caller cannot refill memory a copy still reads. The
+    /// default writes each matrix with `write_weight_mat` and returns the slab at once.
+    fn write_weight_mats(
+        &mut self,
+        slab: Box<dyn HostSlab>,
+        tag: u64,
+        mats: &[SlabMat],
+    ) -> BResult<Option<Box<dyn HostSlab>>> {
+        let _ = tag;
+        for m in mats {
+            let raw = slab
+                .bytes()
+                .get(m.range.clone())
+                .ok_or_else(|| slab_range_error(m, slab.bytes().len()))?;
+            self.write_weight_mat(m.weight, m.mat, raw)?;
+        }
+        Ok(Some(slab))
+    }
+
+    /// The slabs kept by [`Backend::write_weight_mats`] whose copies have completed, with
+    /// their tags; with `wait`, first waits until every one has (then all come back). The
+    /// default keeps none.
+    fn reclaim_host_slabs(&mut self, wait: bool) -> BResult<TaggedSlabs> {
+        let _ = wait;
+        Ok(Vec::new())
     }
 
     // ---- dense algebra ------------------------------------------------------------------

@@ -10,6 +10,13 @@
 //! waits ([`HostTier::wait`]) for a unit it actually needs. Bookkeeping is the same LRU
 //! as the device cache ([`ExpertCache`]); a slot whose read is still in flight has lent
 //! its buffer to a reader thread and is never reused before the buffer comes back.
+//!
+//! The buffers come from the backend ([`Backend::alloc_host_slab`]): page-locked memory on
+//! a GPU, so the readers' `pread`s land where the copy engine reads from, and a unit
+//! reaches its device slot as queued asynchronous copies ([`Backend::write_weight_mats`])
+//! instead of a host wait and a staging copy per matrix. While such copies are in flight
+//! the backend holds the buffer; the tier takes it back ([`Backend::reclaim_host_slabs`])
+//! before it lets a reader refill it.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -19,6 +26,7 @@ use std::thread::JoinHandle;
 
 use ds4_gguf::GgufFile;
 
+use crate::backend::{Backend, HostSlab, SlabMat, TaggedSlabs};
 use crate::expert_cache::{Access, ExpertCache, Unit};
 use crate::expert_stream::StreamError;
 
@@ -105,15 +113,45 @@ struct Job {
     unit: Unit,
     slot: u32,
     gen: u64,
-    buf: Box<[u8]>,
+    buf: Box<dyn HostSlab>,
 }
 
 struct Done {
     unit: Unit,
     slot: u32,
     gen: u64,
-    buf: Box<[u8]>,
+    buf: Box<dyn HostSlab>,
     result: Result<(), StreamError>,
+}
+
+/// What the tier needs from a backend: memory for its slots, and stores that may keep a
+/// slot's memory for a while ([`Backend`]'s slab methods; tests give a backend-free one).
+pub(crate) trait SlabStore {
+    fn alloc_slab(&mut self, bytes: usize) -> Result<Box<dyn HostSlab>, StreamError>;
+    fn store(
+        &mut self,
+        slab: Box<dyn HostSlab>,
+        tag: u64,
+        mats: &[SlabMat],
+    ) -> Result<Option<Box<dyn HostSlab>>, StreamError>;
+    fn reclaim(&mut self, wait: bool) -> Result<TaggedSlabs, StreamError>;
+}
+
+impl SlabStore for dyn Backend + '_ {
+    fn alloc_slab(&mut self, bytes: usize) -> Result<Box<dyn HostSlab>, StreamError> {
+        Ok(self.alloc_host_slab(bytes)?)
+    }
+    fn store(
+        &mut self,
+        slab: Box<dyn HostSlab>,
+        tag: u64,
+        mats: &[SlabMat],
+    ) -> Result<Option<Box<dyn HostSlab>>, StreamError> {
+        Ok(self.write_weight_mats(slab, tag, mats)?)
+    }
+    fn reclaim(&mut self, wait: bool) -> Result<TaggedSlabs, StreamError> {
+        Ok(self.reclaim_host_slabs(wait)?)
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -135,15 +173,20 @@ pub(crate) struct HostStats {
     pub readahead_reads: u64,
     /// Read-ahead units that a device miss then used.
     pub readahead_used: u64,
+    /// Slot buffers allocated, and how many of them are page-locked.
+    pub buffers: u64,
+    pub pinned: u64,
 }
 
 /// Units in host memory and the reader threads that fill them.
 pub(crate) struct HostTier {
     lru: ExpertCache,
-    /// `None` while the slot's buffer is with a reader thread (or was never allocated:
-    /// see `allocated`).
-    bufs: Vec<Option<Box<[u8]>>>,
+    /// `None` while the slot's buffer is with a reader thread or the backend (or was never
+    /// allocated: see `allocated`).
+    bufs: Vec<Option<Box<dyn HostSlab>>>,
     allocated: Vec<bool>,
+    /// The slot's buffer is with the backend (copies out of it may be in flight).
+    lent: Vec<bool>,
     state: Vec<SlotState>,
     slot_bytes: usize,
     jobs: Option<Sender<Job>>,
@@ -194,6 +237,7 @@ impl HostTier {
             lru,
             bufs: (0..slots).map(|_| None).collect(),
             allocated: vec![false; slots],
+            lent: vec![false; slots],
             state: vec![SlotState::default(); slots],
             slot_bytes,
             jobs: Some(job_tx),
@@ -217,8 +261,9 @@ impl HostTier {
     /// than the tier holds) as wanted now, so no later request evicts them before older
     /// units, and starts reading those that are neither here nor on their way. Returns
     /// how many reads started. `readahead` marks the reads as speculative (statistics).
-    pub fn request(
+    pub fn request<S: SlabStore + ?Sized>(
         &mut self,
+        st: &mut S,
         units: &[Unit],
         readahead: bool,
         limit: usize,
@@ -239,15 +284,21 @@ impl HostTier {
             let Access::Miss { slot, .. } = *a else {
                 continue;
             };
-            let buf = self.take_buffer(slot)?;
-            let st = &mut self.state[slot as usize];
-            st.gen += 1;
-            st.ready = false;
-            st.readahead = readahead;
+            let buf = match self.take_buffer(st, slot) {
+                Ok(b) => b,
+                Err(e) => {
+                    self.lru.forget(u);
+                    return Err(e);
+                }
+            };
+            let state = &mut self.state[slot as usize];
+            state.gen += 1;
+            state.ready = false;
+            state.readahead = readahead;
             let job = Job {
                 unit: u,
                 slot,
-                gen: st.gen,
+                gen: state.gen,
                 buf,
             };
             let sent = self.jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok());
@@ -266,10 +317,65 @@ impl HostTier {
 
     /// Waits until `u` is here (reading it now if it is neither here nor on its way) and
     /// returns its bytes (gate, up, down slices in that order).
-    pub fn wait(&mut self, u: Unit) -> Result<&[u8], StreamError> {
+    pub fn wait<S: SlabStore + ?Sized>(
+        &mut self,
+        st: &mut S,
+        u: Unit,
+    ) -> Result<&[u8], StreamError> {
+        let s = self.ready_slot(st, u)?;
+        Ok(self.bufs[s].as_deref().ok_or_else(reader_gone)?.bytes())
+    }
+
+    /// Waits until `u` is here, then stores its `mats` (ranges of its bytes) on the
+    /// backend, which may keep the buffer while its copies run.
+    pub fn store<S: SlabStore + ?Sized>(
+        &mut self,
+        st: &mut S,
+        u: Unit,
+        mats: &[SlabMat],
+    ) -> Result<(), StreamError> {
+        let s = self.ready_slot(st, u)?;
+        let slab = self.bufs[s].take().ok_or_else(reader_gone)?;
+        match st.store(slab, s as u64, mats) {
+            Ok(Some(slab)) => self.bufs[s] = Some(slab),
+            Ok(None) => self.lent[s] = true,
+            Err(e) => {
+                // The buffer went with the failed store: the slot starts over.
+                self.allocated[s] = false;
+                self.state[s].ready = false;
+                self.lru.forget(u);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes back the buffers the backend has finished with (all of them, waiting, with
+    /// `wait`).
+    pub fn reclaim<S: SlabStore + ?Sized>(
+        &mut self,
+        st: &mut S,
+        wait: bool,
+    ) -> Result<(), StreamError> {
+        for (tag, slab) in st.reclaim(wait)? {
+            let s = usize::try_from(tag).unwrap_or(usize::MAX);
+            if self.lent.get(s) == Some(&true) {
+                self.lent[s] = false;
+                self.bufs[s] = Some(slab);
+            }
+        }
+        Ok(())
+    }
+
+    /// The slot of `u` once its bytes are here and its buffer is back in the tier.
+    fn ready_slot<S: SlabStore + ?Sized>(
+        &mut self,
+        st: &mut S,
+        u: Unit,
+    ) -> Result<usize, StreamError> {
         loop {
             let Some(slot) = self.lru.slot_of(u) else {
-                self.request(&[u], false, 1)?;
+                self.request(st, &[u], false, 1)?;
                 continue;
             };
             let s = slot as usize;
@@ -279,7 +385,8 @@ impl HostTier {
                 if std::mem::take(&mut self.state[s].readahead) {
                     self.stats.readahead_used += 1;
                 }
-                return self.bufs[s].as_deref().ok_or_else(reader_gone);
+                self.back(st, s)?;
+                return Ok(s);
             }
             let done = self.recv()?;
             if let Err(e) = self.collect(done) {
@@ -292,13 +399,49 @@ impl HostTier {
         }
     }
 
-    /// The buffer of `slot`, waiting for its read in flight to come back first.
-    fn take_buffer(&mut self, slot: u32) -> Result<Box<[u8]>, StreamError> {
+    /// Brings slot `s`'s buffer back from the backend if it is lent.
+    fn back<S: SlabStore + ?Sized>(&mut self, st: &mut S, s: usize) -> Result<(), StreamError> {
+        if self.lent[s] {
+            self.reclaim(st, false)?;
+        }
+        if self.lent[s] {
+            self.reclaim(st, true)?;
+        }
+        if self.lent[s] {
+            return Err(StreamError::Layout {
+                tensor: "expert host tier".into(),
+                problem: "the backend did not give a slot's buffer back after waiting".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The buffer of `slot`, waiting for its read in flight or its copies to come back
+    /// first.
+    fn take_buffer<S: SlabStore + ?Sized>(
+        &mut self,
+        st: &mut S,
+        slot: u32,
+    ) -> Result<Box<dyn HostSlab>, StreamError> {
         let s = slot as usize;
         if !self.allocated[s] {
+            let slab = st.alloc_slab(self.slot_bytes)?;
+            if slab.bytes().len() != self.slot_bytes {
+                return Err(StreamError::Layout {
+                    tensor: "expert host tier".into(),
+                    problem: format!(
+                        "the backend gave {} bytes for a slot of {}",
+                        slab.bytes().len(),
+                        self.slot_bytes
+                    ),
+                });
+            }
+            self.stats.buffers += 1;
+            self.stats.pinned += u64::from(slab.pinned());
             self.allocated[s] = true;
-            return Ok(vec![0u8; self.slot_bytes].into_boxed_slice());
+            return Ok(slab);
         }
+        self.back(st, s)?;
         while self.bufs[s].is_none() {
             let done = self.recv()?;
             if let Err(e) = self.collect(done) {
@@ -375,7 +518,7 @@ fn reader_loop(jobs: &Mutex<Receiver<Job>>, done: &Sender<Done>, src: &Source) {
             gen,
             mut buf,
         } = job;
-        let result = src.read_unit(unit, &mut buf);
+        let result = src.read_unit(unit, buf.bytes_mut());
         let sent = done.send(Done {
             unit,
             slot,
@@ -392,6 +535,7 @@ fn reader_loop(jobs: &Mutex<Receiver<Job>>, done: &Sender<Done>, src: &Source) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ds4_gguf::GgmlType;
 
     /// A file of 2 layers × 4 experts whose every byte names its unit and place, and the
     /// source describing it (roles of 3, 5 and 2 bytes per expert).
@@ -432,27 +576,124 @@ mod tests {
         Unit { layer, expert }
     }
 
+    /// A backend stand-in: heap buffers; with `keep`, every stored buffer stays "in
+    /// flight" until a waiting reclaim, as a GPU's queued copies would hold it.
+    #[derive(Default)]
+    struct Store {
+        keep: bool,
+        held: Vec<(u64, Box<dyn HostSlab>)>,
+        /// (tag, bytes of each matrix) of every store.
+        stored: Vec<(u64, Vec<Vec<u8>>)>,
+        allocs: usize,
+    }
+
+    impl SlabStore for Store {
+        fn alloc_slab(&mut self, bytes: usize) -> Result<Box<dyn HostSlab>, StreamError> {
+            self.allocs += 1;
+            Ok(Box::new(crate::backend::HeapSlab::zeroed(bytes)))
+        }
+        fn store(
+            &mut self,
+            slab: Box<dyn HostSlab>,
+            tag: u64,
+            mats: &[SlabMat],
+        ) -> Result<Option<Box<dyn HostSlab>>, StreamError> {
+            let m = mats
+                .iter()
+                .map(|m| slab.bytes()[m.range.clone()].to_vec())
+                .collect();
+            self.stored.push((tag, m));
+            if self.keep {
+                self.held.push((tag, slab));
+                return Ok(None);
+            }
+            Ok(Some(slab))
+        }
+        fn reclaim(&mut self, wait: bool) -> Result<TaggedSlabs, StreamError> {
+            Ok(if wait {
+                std::mem::take(&mut self.held)
+            } else {
+                Vec::new()
+            })
+        }
+    }
+
+    fn mats(w: crate::backend::Weight) -> Vec<SlabMat> {
+        [0..3, 3..8, 8..10]
+            .into_iter()
+            .map(|range| SlabMat {
+                weight: w,
+                mat: 0,
+                range,
+            })
+            .collect()
+    }
+
+    /// Stored units whose buffers the backend keeps (copies in flight) are taken back
+    /// before their slots are refilled or read again: every store and every later read
+    /// sees the unit's own bytes, and the tier never allocates more buffers than slots.
+    #[test]
+    fn buffers_lent_to_the_backend_come_back_before_reuse() {
+        let (src, path) = source("lent");
+        let mut t = HostTier::new(src, 3, 10).unwrap();
+        let mut st = Store {
+            keep: true,
+            ..Store::default()
+        };
+        let w = crate::backend::Weight::new(
+            0,
+            crate::backend::WeightInfo {
+                ty: GgmlType::F32,
+                dims: [1, 1, 1],
+            },
+        );
+        let order: Vec<Unit> = (0..4)
+            .flat_map(|e| [u(0, e), u(1, 3 - e)])
+            .chain([u(0, 0), u(1, 3), u(0, 0)])
+            .collect();
+        for &x in &order {
+            t.store(&mut st, x, &mats(w)).unwrap();
+            let (_, m) = st.stored.last().unwrap();
+            assert_eq!(m.concat(), want(x), "{x:?}");
+            assert!(!st.held.is_empty());
+        }
+        // Every slot's buffer is with the backend or back; a read of a held unit waits.
+        assert_eq!(t.wait(&mut st, u(0, 0)).unwrap(), want(u(0, 0)).as_slice());
+        assert!(
+            st.allocs <= 3 && t.stats.buffers == st.allocs as u64,
+            "{}",
+            st.allocs
+        );
+        assert_eq!(t.stats.pinned, 0);
+        t.reclaim(&mut st, true).unwrap();
+        assert!(st.held.is_empty());
+        drop(t);
+        std::fs::remove_file(path).unwrap();
+    }
+
     #[test]
     fn units_come_back_exact_through_eviction_of_reads_in_flight() {
         let (src, path) = source("evict");
         let mut t = HostTier::new(src, 3, 10).unwrap();
+        let st = &mut Store::default();
         // Five read-ahead units into three slots: only the first three start.
         let all: Vec<Unit> = (0..4).map(|e| u(1, e)).chain([u(0, 2)]).collect();
-        assert_eq!(t.request(&all, true, usize::MAX).unwrap(), 3);
+        assert_eq!(t.request(st, &all, true, usize::MAX).unwrap(), 3);
         assert!(t.contains(u(1, 0)) && !t.contains(u(1, 3)));
         // Two more units evict the two oldest while their reads may still be in flight.
         assert_eq!(
-            t.request(&[u(0, 0), u(0, 1)], false, usize::MAX).unwrap(),
+            t.request(st, &[u(0, 0), u(0, 1)], false, usize::MAX)
+                .unwrap(),
             2
         );
         for x in [u(0, 0), u(0, 1), u(1, 3), u(1, 2)] {
-            assert_eq!(t.wait(x).unwrap(), want(x).as_slice(), "{x:?}");
+            assert_eq!(t.wait(st, x).unwrap(), want(x).as_slice(), "{x:?}");
         }
         // A unit already here starts no read; a limit of 1 takes only the first unit.
-        assert_eq!(t.request(&[u(1, 2)], false, usize::MAX).unwrap(), 0);
-        assert_eq!(t.request(&[u(0, 3), u(1, 1)], false, 1).unwrap(), 1);
+        assert_eq!(t.request(st, &[u(1, 2)], false, usize::MAX).unwrap(), 0);
+        assert_eq!(t.request(st, &[u(0, 3), u(1, 1)], false, 1).unwrap(), 1);
         assert!(t.contains(u(0, 3)) && !t.contains(u(1, 1)));
-        assert_eq!(t.wait(u(0, 3)).unwrap(), want(u(0, 3)).as_slice());
+        assert_eq!(t.wait(st, u(0, 3)).unwrap(), want(u(0, 3)).as_slice());
         assert_eq!(t.stats.bytes_read, t.stats.reads * 10);
         assert_eq!(t.stats.readahead_reads, 3);
         assert!(t.stats.readahead_used <= 1, "{:?}", t.stats);
@@ -464,6 +705,7 @@ mod tests {
     fn a_failed_read_is_the_waiters_error_and_the_unit_is_forgotten() {
         let (src, path) = source("fail");
         let mut t = HostTier::new(src, 4, 10).unwrap();
+        let st = &mut Store::default();
         // Cut the file inside layer 1's last role: its experts 2 and 3 cannot be read.
         let len = std::fs::metadata(&path).unwrap().len();
         std::fs::OpenOptions::new()
@@ -472,17 +714,18 @@ mod tests {
             .unwrap()
             .set_len(len - 3)
             .unwrap();
-        t.request(&[u(1, 3), u(1, 0)], true, usize::MAX).unwrap();
-        match t.wait(u(1, 3)) {
+        t.request(st, &[u(1, 3), u(1, 0)], true, usize::MAX)
+            .unwrap();
+        match t.wait(st, u(1, 3)) {
             Err(StreamError::Read { tensor, expert, .. }) => {
                 assert_eq!((tensor.as_str(), expert), ("blk.1.role2", 3))
             }
             other => panic!("expected a read error, got {other:?}"),
         }
         assert!(!t.contains(u(1, 3)));
-        assert_eq!(t.wait(u(1, 0)).unwrap(), want(u(1, 0)).as_slice());
+        assert_eq!(t.wait(st, u(1, 0)).unwrap(), want(u(1, 0)).as_slice());
         // Waiting again reads again (and fails again): nothing stale was kept.
-        assert!(matches!(t.wait(u(1, 3)), Err(StreamError::Read { .. })));
+        assert!(matches!(t.wait(st, u(1, 3)), Err(StreamError::Read { .. })));
         drop(t);
         std::fs::remove_file(path).unwrap();
     }

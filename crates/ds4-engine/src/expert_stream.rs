@@ -24,10 +24,12 @@ use std::time::Instant;
 use ds4_gguf::{GgmlType, GgufFile};
 use ds4_model::{LayerTensor, ModelSpec};
 
-use crate::backend::{Backend, Buf, IBuf, MoeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo};
+use crate::backend::{
+    Backend, Buf, IBuf, MoeArgs, RouterArgs, Routing, SlabMat, Slice, Weight, WeightInfo,
+};
 use crate::error::{EngineError, Result};
 use crate::expert_cache::{split_runs, Access, CacheError, ExpertCache, Unit};
-use crate::expert_host::{HostTier, LayerSource, Reader, Source};
+use crate::expert_host::{HostStats, HostTier, LayerSource, Reader, Source};
 use crate::weights::LayerWeights;
 
 /// How routed experts are placed when an engine is loaded.
@@ -98,6 +100,8 @@ pub enum StreamError {
     TooSmall { slots: usize, min: usize },
     #[error("expert cache: {0}")]
     Cache(#[from] CacheError),
+    #[error("host memory of streamed experts: {0}")]
+    Backend(#[from] crate::backend::BackendError),
 }
 
 /// What streaming has done since the engine was loaded.
@@ -125,6 +129,10 @@ pub struct StreamStats {
     pub predicted_right: u64,
     /// Host tier units.
     pub host_slots: usize,
+    /// Host tier buffers allocated so far, and how many of them are page-locked (the
+    /// backend's copy engine reads those without a staging copy or a host wait).
+    pub host_buffers: u64,
+    pub host_pinned: u64,
     /// Seconds spent waiting for reads, and in writing slots on the backend.
     pub read_secs: f64,
     pub write_secs: f64,
@@ -346,6 +354,8 @@ impl ExpertStream {
             bytes_read: h.bytes_read,
             readahead_reads: h.readahead_reads,
             readahead_used: h.readahead_used,
+            host_buffers: h.buffers,
+            host_pinned: h.pinned,
             ..self.stats
         }
     }
@@ -357,11 +367,21 @@ impl ExpertStream {
             host_slots: self.stats.host_slots,
             ..StreamStats::default()
         };
-        self.host.stats = Default::default();
+        // Allocation counts describe the tier, not a measured phase: they stay.
+        let h = self.host.stats;
+        self.host.stats = HostStats {
+            buffers: h.buffers,
+            pinned: h.pinned,
+            ..HostStats::default()
+        };
     }
 
-    /// Frees the prediction buffers on `be` (the pools are freed with the weights).
+    /// Frees the prediction buffers on `be` (the pools are freed with the weights) and
+    /// takes back the host buffers `be` still holds, so they are freed with the tier.
     pub fn free(&mut self, be: &mut dyn Backend) {
+        if let Err(e) = self.host.reclaim(be, true) {
+            tracing::warn!("streamed experts: host buffers not taken back: {e}");
+        }
         if let Some(p) = self.predict.take() {
             be.free(p.logits);
             be.free(p.weights);
@@ -550,6 +570,9 @@ impl ExpertStream {
         readahead: Vec<Unit>,
     ) -> Result<()> {
         let n_host = self.host.n_slots();
+        // Buffers whose copies have completed (the router's ids came back since: a host
+        // wait) return to the tier before any is needed.
+        self.host.reclaim(be, false)?;
         let chunk = (n_host / 2).max(1);
         let n_chunks = misses.len().div_ceil(chunk);
         let mut readahead = Some(readahead);
@@ -557,32 +580,38 @@ impl ExpertStream {
             let units: Vec<Unit> = ch.iter().map(|m| m.0).collect();
             let held = units.iter().filter(|&&u| self.host.contains(u)).count();
             self.stats.host_hits += held as u64;
-            self.host.request(&units, false, n_host)?;
+            self.host.request(be, &units, false, n_host)?;
             // Behind the last chunk's reads: no later chunk of this call can evict it.
             if ci + 1 == n_chunks {
                 if let Some(ra) = readahead.take() {
-                    self.host.request(&ra, true, n_host - units.len())?;
+                    self.host.request(be, &ra, true, n_host - units.len())?;
                 }
             }
             for &(u, slot) in ch {
                 let t0 = Instant::now();
-                let bytes = self.host.wait(u)?;
+                self.host.wait(be, u)?;
                 let t1 = Instant::now();
                 let mut at = 0;
+                let mut mats = Vec::with_capacity(3);
                 for (ri, (_, _, len)) in self.source.layers[u.layer as usize]
                     .roles
                     .iter()
                     .enumerate()
                 {
-                    be.write_weight_mat(self.pools[ri], slot, &bytes[at..at + len])?;
+                    mats.push(SlabMat {
+                        weight: self.pools[ri],
+                        mat: slot,
+                        range: at..at + len,
+                    });
                     at += len;
                 }
+                self.host.store(be, u, &mats)?;
                 self.stats.read_secs += (t1 - t0).as_secs_f64();
                 self.stats.write_secs += t1.elapsed().as_secs_f64();
             }
         }
         if let Some(ra) = readahead {
-            self.host.request(&ra, true, n_host)?;
+            self.host.request(be, &ra, true, n_host)?;
         }
         Ok(())
     }

@@ -52,7 +52,7 @@ pub trait DeviceBuffer: Send + Sync {
 
 /// A GPU runtime bound to one device.
 pub trait GpuApi: Send + Sync + Sized {
-    type Buffer: DeviceBuffer;
+    type Buffer: DeviceBuffer + 'static;
     type Module: Send + Sync;
     type Function: Send + Sync;
     /// A timing event on the device's stream (device-time attribution).

@@ -518,7 +518,7 @@ fn main() -> Result<()> {
     let mut stream_csv = String::from(
         "frontier,phase,tokens,tok_s,lookups,hit_rate,misses_per_token,host_hits,reads_per_token,\
          readahead_reads,readahead_used,prediction_accuracy,bytes_read,read_gb_s,wait_s,\
-         slot_write_s,moe_runs\n",
+         slot_write_s,moe_runs,host_buffers,host_pinned\n",
     );
     if args.profile_prefill > 0 {
         profile_prefill(&mut eng, args.profile_prefill, args.seed)?;
@@ -833,7 +833,7 @@ fn stream_line(frontier: usize, phase: &str, n: usize, secs: f64, s: &StreamStat
     let rate = |x: f64| if secs > 0.0 { x / secs } else { 0.0 };
     let per_tok = |x: u64| x as f64 / n.max(1) as f64;
     format!(
-        "{frontier},{phase},{n},{:.2},{},{:.4},{:.1},{},{:.1},{},{},{:.4},{},{:.2},{:.3},{:.3},{}\n",
+        "{frontier},{phase},{n},{:.2},{},{:.4},{:.1},{},{:.1},{},{},{:.4},{},{:.2},{:.3},{:.3},{},{},{}\n",
         rate(n as f64),
         s.lookups,
         s.hit_rate(),
@@ -847,6 +847,8 @@ fn stream_line(frontier: usize, phase: &str, n: usize, secs: f64, s: &StreamStat
         rate(s.bytes_read as f64) / 1e9,
         s.read_secs,
         s.write_secs,
-        s.runs
+        s.runs,
+        s.host_buffers,
+        s.host_pinned
     )
 }

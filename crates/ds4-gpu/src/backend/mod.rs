@@ -20,6 +20,7 @@
 //!   memory and a queued copy, and the fault word comes back in the same wait as the
 //!   argmax (see `HostIo`).
 
+mod host_slabs;
 mod launch;
 mod load_pipeline;
 pub(crate) mod ops;
@@ -29,8 +30,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use ds4_engine::backend::{
-    BResult, BackendError, Buf, Counters, HcPost, IBuf, NormRopeCall, ProfileRow, Slice, Weight,
-    WeightInfo, WeightUse,
+    BResult, BackendError, Buf, Counters, HcPost, HostSlab, IBuf, NormRopeCall, ProfileRow,
+    SlabMat, Slice, TaggedSlabs, Weight, WeightInfo, WeightUse,
 };
 use ds4_engine::validate;
 use ds4_gguf::{GgmlType, GgufFile};
@@ -457,6 +458,13 @@ pub struct GpuBackend<D: GpuApi> {
     /// Pinned host memory for the per-token traffic (`None` when pinned memory was
     /// refused: then every upload and fault check waits, as before).
     io: Option<HostIo<D::Buffer>>,
+    /// Host waits for the stream so far: a slab stored at count `n` is free once the
+    /// count has passed `n` (host_slabs.rs).
+    host_waits: u64,
+    /// Streamed experts' page-locked slabs whose queued copies may still read them.
+    lent_slabs: Vec<host_slabs::LentSlab<D::Buffer>>,
+    /// Whether slabs are still asked for in page-locked memory (until the first refusal).
+    slabs_pinned: bool,
     pub(crate) panel_from_tokens: usize,
     pub(crate) cublas: Option<Cublas>,
     loaded: LoadedBytes,
@@ -572,6 +580,12 @@ pub type HipBackend = GpuBackend<HipDevice>;
 
 impl<D: GpuApi> Drop for GpuBackend<D> {
     fn drop(&mut self) {
+        if !self.lent_slabs.is_empty() {
+            // Their copies must have completed before the slabs' memory is freed.
+            if let Err(e) = self.dev.synchronize() {
+                tracing::warn!("waiting for streamed experts' copies at shutdown: {e}");
+            }
+        }
         if let Some(p) = &self.profile {
             let p = p.lock().unwrap_or_else(|e| e.into_inner());
             let mut v: Vec<_> = p.iter().collect();
@@ -857,6 +871,9 @@ impl<D: GpuApi> GpuBackend<D> {
             actual: None,
             source: opts.source,
             staging: Vec::new(),
+            host_waits: 0,
+            lent_slabs: Vec::new(),
+            slabs_pinned: true,
             scratch: HashMap::new(),
             freqs: HashMap::new(),
             fault,
@@ -1008,6 +1025,7 @@ impl<D: GpuApi> GpuBackend<D> {
 
     /// Records that the host has just waited for the stream: every queued copy is done.
     fn waited(&mut self) {
+        self.host_waits += 1;
         if let Some(io) = &mut self.io {
             io.queued = 0;
         }
@@ -1794,6 +1812,23 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
 
     fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
         self.write_pool_mat(w, mat, raw)
+    }
+
+    fn alloc_host_slab(&mut self, bytes: usize) -> BResult<Box<dyn HostSlab>> {
+        self.alloc_slab(bytes)
+    }
+
+    fn write_weight_mats(
+        &mut self,
+        slab: Box<dyn HostSlab>,
+        tag: u64,
+        mats: &[SlabMat],
+    ) -> BResult<Option<Box<dyn HostSlab>>> {
+        self.write_slab_mats(slab, tag, mats)
+    }
+
+    fn reclaim_host_slabs(&mut self, wait: bool) -> BResult<TaggedSlabs> {
+        self.reclaim_slabs(wait)
     }
 
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {

@@ -73,12 +73,17 @@ done
 echo "   $URL (pid $SERVER_PID)"
 
 fail=0
-for s in openai_chat.py openai_completions.py openai_responses.py anthropic_messages.py; do
-    step "$s"
-    if ! (cd "$HERE" && DS4_SERVER_URL="$URL" timeout 600 "$VENV/bin/python" "$s"); then
-        fail=1
-    fi
-done
+# The four SDK check scripts against the server at $URL; $1 labels the steps.
+sdk_checks() {
+    local s
+    for s in openai_chat.py openai_completions.py openai_responses.py anthropic_messages.py; do
+        step "$s$1"
+        if ! (cd "$HERE" && DS4_SERVER_URL="$URL" timeout 600 "$VENV/bin/python" "$s"); then
+            fail=1
+        fi
+    done
+}
+sdk_checks ""
 
 step "load test: ${LOAD_N:-200} requests from ${LOAD_C:-16} concurrent clients"
 if ! "$VENV/bin/python" "$HERE/loadtest.py" "$URL" "$SERVER_PID" "${LOAD_N:-200}" "${LOAD_C:-16}"; then
@@ -112,12 +117,7 @@ if [[ -z "$URL" ]]; then
 else
     # The SDK checks again, now against slots that share the engine (issue 22 asks for
     # them to pass with --parallel 4), before the load test's hang-ups.
-    for s in openai_chat.py openai_completions.py openai_responses.py anthropic_messages.py; do
-        step "$s (--parallel ${LOAD_PARALLEL:-4})"
-        if ! (cd "$HERE" && DS4_SERVER_URL="$URL" timeout 600 "$VENV/bin/python" "$s"); then
-            fail=1
-        fi
-    done
+    sdk_checks " (--parallel ${LOAD_PARALLEL:-4})"
     step "streaming load test (--parallel ${LOAD_PARALLEL:-4})"
     if ! "$VENV/bin/python" "$HERE/loadtest.py" "$URL" "$SERVER_PID" "${LOAD_N:-200}" "${LOAD_C:-16}" stream; then
         fail=1

@@ -61,18 +61,20 @@ pub enum BackendError {
 
 pub type BResult<T> = Result<T, BackendError>;
 
-/// The error of a [`SlabMat`] whose range lies outside its slab.
-pub fn slab_range_error(m: &SlabMat, len: usize) -> BackendError {
-    BackendError::Invalid {
+/// The bytes of `m` in `slab`, or an error naming the range that lies outside it.
+pub fn slab_mat_bytes<'a>(slab: &'a dyn HostSlab, m: &SlabMat) -> BResult<&'a [u8]> {
+    let b = slab.bytes();
+    b.get(m.range.clone()).ok_or_else(|| BackendError::Invalid {
         op: "write_weight_mats",
         problem: format!(
-            "matrix {} of weight #{}: bytes {}..{} lie outside a slab of {len}",
+            "matrix {} of weight #{}: bytes {}..{} lie outside a slab of {}",
             m.mat,
             m.weight.id(),
             m.range.start,
-            m.range.end
+            m.range.end,
+            b.len()
         ),
-    }
+    })
 }
 
 /// Handle to a backend-owned buffer of `len` f32 values (zero-initialised at allocation).
@@ -609,11 +611,7 @@ pub trait Backend: Send {
     ) -> BResult<Option<Box<dyn HostSlab>>> {
         let _ = tag;
         for m in mats {
-            let raw = slab
-                .bytes()
-                .get(m.range.clone())
-                .ok_or_else(|| slab_range_error(m, slab.bytes().len()))?;
-            self.write_weight_mat(m.weight, m.mat, raw)?;
+            self.write_weight_mat(m.weight, m.mat, slab_mat_bytes(&*slab, m)?)?;
         }
         Ok(Some(slab))
     }

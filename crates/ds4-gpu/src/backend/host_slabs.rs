@@ -14,7 +14,7 @@ use std::any::Any;
 use std::ptr::NonNull;
 
 use ds4_engine::backend::{
-    slab_range_error, BResult, BackendError, HeapSlab, HostSlab, SlabMat, TaggedSlabs,
+    slab_mat_bytes, BResult, BackendError, HeapSlab, HostSlab, SlabMat, TaggedSlabs,
 };
 use ds4_engine::validate;
 use ds4_gguf::GgmlType;
@@ -104,11 +104,7 @@ impl<D: GpuApi> GpuBackend<D> {
         const OP: &str = "write_weight_mats";
         if !(&*slab as &dyn Any).is::<PinnedSlab<D::Buffer>>() {
             for m in mats {
-                let raw = slab
-                    .bytes()
-                    .get(m.range.clone())
-                    .ok_or_else(|| slab_range_error(m, slab.bytes().len()))?;
-                self.write_pool_mat(m.weight, m.mat, raw)?;
+                self.write_pool_mat(m.weight, m.mat, slab_mat_bytes(&*slab, m)?)?;
             }
             return Ok(Some(slab));
         }
@@ -123,10 +119,8 @@ impl<D: GpuApi> GpuBackend<D> {
         // the slab's memory to the allocator at once.
         let mut copies = Vec::with_capacity(mats.len());
         for m in mats {
-            if m.range.start > m.range.end || m.range.end > slab.len {
-                return Err(slab_range_error(m, slab.len));
-            }
-            let bytes = validate::write_weight_mat(m.weight, m.mat, m.range.len())?;
+            let raw = slab_mat_bytes(&*slab, m)?;
+            let bytes = validate::write_weight_mat(m.weight, m.mat, raw.len())?;
             let gw = self.weight(m.weight, OP)?;
             if !matches!(gw.storage, Some(Storage::Own(_))) {
                 return Err(BackendError::Invalid {

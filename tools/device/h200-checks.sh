@@ -51,10 +51,11 @@
 #   ncudeep    ncu sections (speed of light, occupancy, warp stalls, memory, pipes) of the
 #              prefill expert tiles and the decode GEMVs on a 2-layer model: why they run
 #              at the speed they do (the next kernel work's starting point)
-#   stream     streamed routed experts (issue 23): a sparse full-size q2 file with a skewed
-#              router, resident against 8 / 24 GiB expert caches (engine overheads: holes
-#              read as zeros), then a dense 12-layer file after dropping the page cache
-#              (disk reads); hit rate, GB read and GB/s per run
+#   stream     streamed routed experts (issue 23), uniform and skewed routers (STREAM_SKEWS):
+#              a sparse full-size q2 file, resident against STREAM_CACHES GiB expert caches
+#              (engine overheads: holes read as zeros), then a dense STREAM_DENSE_LAYERS-layer
+#              file after dropping the page cache (disk reads, STREAM_DENSE_CACHES GiB); hit
+#              rate, GB read, GB/s and page-locked host buffers per run
 #   numeric    logits of the fast paths (tiles off/experts/all, f32 attention, f16 dense
 #              GEMM) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
@@ -340,30 +341,43 @@ if ! skip ncudeep; then
 fi
 if ! skip stream; then
     step stream
-    f="$work/q2s.gguf"
-    timeout 200 ds4-convert synthetic --quiet --layout q2 --sparse-experts --router-skew 0.3 \
-        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" > "$OUT/stream.log" 2>&1
-    for c in resident 8 24; do
-        if [ $c = resident ]; then a=(--experts resident); else a=(--experts stream --expert-cache-gib $c); fi
-        echo "cache $c:"
-        timeout 300 ds4-bench -m "$f" "${a[@]}" --frontiers 2048 --decode 32 --checksum >> "$OUT/stream.log" 2>&1
-        tail -n 4 "$OUT/stream.log"
-    done
-    rm -f "$f"
-    # Real disk reads: a dense 12-layer file (routed experts written), page cache dropped.
-    f="$work/q2d.gguf"
-    timeout 400 ds4-convert synthetic --quiet --layout q2 --layers 12 --router-skew 0.3 \
-        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" >> "$OUT/stream.log" 2>&1
-    for c in 4 8; do
-        for ra in 1 0; do
-            sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(page cache not dropped)"
-            echo "dense 12 layers, cache $c GiB, cold, DS4_EXPERT_READAHEAD=$ra:"
-            DS4_EXPERT_READAHEAD=$ra timeout 300 ds4-bench -m "$f" --experts stream --expert-cache-gib $c \
-                --frontiers 2048 --decode 32 >> "$OUT/stream.log" 2>&1
+    # Issue 23's table: decode at 2k with capped expert caches, for uniform and skewed
+    # routing (STREAM_SKEWS, default "0 0.3": the synthetic router's Zipf-like bias), on a
+    # sparse full-size file (resident, then STREAM_CACHES GiB; holes read as zeros, so these
+    # rows are the engine's overheads and the PCIe copies, no disk), then a dense
+    # STREAM_DENSE_LAYERS-layer file (default 12) after dropping the page cache: real disk
+    # reads, STREAM_DENSE_CACHES GiB, read-ahead on and off at the first size.
+    for skew in ${STREAM_SKEWS-0 0.3}; do
+        f="$work/q2s.gguf"
+        timeout 200 ds4-convert synthetic --quiet --layout q2 --sparse-experts --router-skew $skew \
+            --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" >> "$OUT/stream.log" 2>&1
+        for c in resident ${STREAM_CACHES-8 16 32}; do
+            if [ $c = resident ]; then a=(--experts resident); else a=(--experts stream --expert-cache-gib $c); fi
+            echo "sparse full size, router skew $skew, cache $c:" | tee -a "$OUT/stream.log"
+            timeout 300 ds4-bench -m "$f" "${a[@]}" --frontiers 2048 --decode 32 --checksum >> "$OUT/stream.log" 2>&1
             tail -n 4 "$OUT/stream.log"
         done
+        rm -f "$f"
     done
-    rm -f "$f"
+    # Real disk reads: a dense file (routed experts written), page cache dropped.
+    for skew in ${STREAM_SKEWS-0 0.3}; do
+        f="$work/q2d.gguf"
+        timeout 400 ds4-convert synthetic --quiet --layout q2 --layers ${STREAM_DENSE_LAYERS:-12} \
+            --router-skew $skew --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$f" >> "$OUT/stream.log" 2>&1
+        first=1
+        for c in ${STREAM_DENSE_CACHES-4 8 16}; do
+            for ra in 1 0; do
+                [ $ra = 0 ] && [ $first = 0 ] && continue
+                sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(page cache not dropped)"
+                echo "dense ${STREAM_DENSE_LAYERS:-12} layers, router skew $skew, cache $c GiB, cold, DS4_EXPERT_READAHEAD=$ra:" | tee -a "$OUT/stream.log"
+                DS4_EXPERT_READAHEAD=$ra timeout 300 ds4-bench -m "$f" --experts stream --expert-cache-gib $c \
+                    --frontiers 2048 --decode 32 >> "$OUT/stream.log" 2>&1
+                tail -n 4 "$OUT/stream.log"
+            done
+            first=0
+        done
+        rm -f "$f"
+    done
 fi
 if ! skip numeric; then
     step numeric; models

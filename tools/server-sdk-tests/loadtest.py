@@ -1,6 +1,9 @@
 """Loopback load test (stdlib only): N requests from C concurrent clients against a running
 ds4-server; every answer must be a 200 with the expected forced text. Prints p50/p99
-latency and the server's RSS before and after (pass its pid).
+latency and the server's RSS before and after (pass its pid): the RSS is read after a
+warm-up round of 2·C requests (slot states, snapshot and staging buffers reach their
+steady size there) and after the N measured requests, and may grow by at most
+RSS_GROWTH_KIB (default 4096) or 5 %, whichever is larger: a per-request leak fails.
 
 With `stream` (the variant for a `--parallel` server): every request streams, prompts and
 forced answers have mixed lengths, and every fourth client hangs up after three chunks;
@@ -12,6 +15,7 @@ usage: loadtest.py URL SERVER_PID [N=200] [C=16] [stream]
 
 import http.client
 import json
+import os
 import statistics
 import sys
 import threading
@@ -72,7 +76,7 @@ def main():
     stream = len(sys.argv) > 5 and sys.argv[5] == "stream"
     u = urllib.parse.urlparse(url)
     lat, errors, lock = [], [], threading.Lock()
-    todo = list(range(n))
+    todo = []
 
     def client():
         while True:
@@ -105,23 +109,36 @@ def main():
             with lock:
                 lat.append(time.perf_counter() - t0)
 
+    def round_of(ids):
+        todo.extend(ids)
+        threads = [threading.Thread(target=client) for _ in range(c)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    # Warm-up: the same mix of requests (ids past the measured ones), not counted.
+    round_of(range(n, n + 2 * c))
+    warm_errors = list(errors)
+    errors.clear()
+    lat.clear()
     before = rss_kib(pid)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(c)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    round_of(range(n))
     wall = time.perf_counter() - t0
     after = rss_kib(pid)
+    allowed = max(int(os.environ.get("RSS_GROWTH_KIB", "4096")), before // 20)
+    grew = after - before > allowed
     lat.sort()
     p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")  # noqa: E731
     print(f"{'streaming ' if stream else ''}requests={n} clients={c} ok={len(lat)} errors={len(errors)} wall_s={wall:.2f} "
           f"p50_ms={p(0.50):.1f} p99_ms={p(0.99):.1f} mean_ms={statistics.fmean(lat) * 1000 if lat else 0:.1f} "
-          f"rss_before_kib={before} rss_after_kib={after}")
-    for e in errors[:10]:
+          f"rss_before_kib={before} rss_after_kib={after} rss_growth_allowed_kib={allowed}")
+    for e in (warm_errors + errors)[:10]:
         print("  ", e)
-    sys.exit(1 if errors or len(lat) != n else 0)
+    if grew:
+        print(f"   server memory grew by {after - before} KiB over {n} requests (allowed {allowed})")
+    sys.exit(1 if warm_errors or errors or len(lat) != n or grew or before < 0 else 0)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,15 @@ pub(crate) struct MemSnapshot {
     pub logits: Vec<f32>,
 }
 
+/// A turn snapshot between its halves ([`Worker::turn_begin`] at the end of a prompt,
+/// [`Worker::turn_finish`] once the first token has gone out): the prompt's tokens, its
+/// logits row, and the byte buffer the state will be written into.
+pub(crate) struct TurnSnap {
+    tokens: Vec<u32>,
+    buf: Vec<u8>,
+    logits: Vec<f32>,
+}
+
 /// After a tool-less thinking answer the client replays it without the reasoning; this
 /// remembers the text it will send, so the live state (which has the reasoning) still counts
 /// as its prefix (docs/server.md §9 `thinking-visible`).
@@ -337,20 +346,21 @@ impl Worker {
         (step > 0).then(|| self.memo[i].frontier + step)
     }
 
-    /// Keeps an in-memory snapshot of slot `i` at the end of its prompt. This runs between
-    /// the prompt and its first token, so it reuses the buffers of the snapshot it will push
-    /// out (the oldest, when all `--snapshot-slots` are taken): that one is dropped first,
-    /// even if the new one then fails.
-    pub(crate) fn turn_snapshot(&mut self, i: usize) {
+    /// The first half of the turn snapshot (docs/server.md §9): whether slot `i`'s state at
+    /// the end of its prompt is to be kept and, if so, its tokens and logits row, copied
+    /// before the first pick edits the row. It reuses the buffers of the snapshot it will
+    /// push out (the oldest, when all `--snapshot-slots` are taken): that one is dropped
+    /// here, even if the snapshot then fails.
+    pub(crate) fn turn_begin(&mut self, i: usize) -> Option<TurnSnap> {
         if self.cfg.snapshot_slots == 0 || !self.slots.has_logits(i) {
-            return;
+            return None;
         }
         if self
             .snapshots
             .back()
             .is_some_and(|s| s.tokens == self.slots.live(i))
         {
-            return;
+            return None;
         }
         let full = self.snapshots.len() >= self.cfg.snapshot_slots;
         let (buf, mut logits) = full
@@ -363,13 +373,31 @@ impl Worker {
                 logits.clear();
                 logits.extend_from_slice(l);
             }
-            Ok(None) => return,
+            Ok(None) => return None,
             Err(e) => {
                 tracing::warn!(error = %e, "turn snapshot: the logits could not be read");
-                return;
+                return None;
             }
         }
-        let tokens = self.slots.live(i).to_vec();
+        Some(TurnSnap {
+            tokens: self.slots.live(i).to_vec(),
+            buf,
+            logits,
+        })
+    }
+
+    /// The second half: slot `i`'s state (still the one at the end of its prompt: its
+    /// first token is picked and sent, not yet fed) into the kept snapshots.
+    pub(crate) fn turn_finish(&mut self, i: usize, t: TurnSnap) {
+        let TurnSnap {
+            tokens,
+            buf,
+            logits,
+        } = t;
+        if self.slots.live(i) != tokens.as_slice() {
+            tracing::warn!("turn snapshot: the slot moved on before its state was kept");
+            return;
+        }
         match self.slots.snapshot_into(i, buf) {
             Ok(snap) if snap.as_bytes().len() <= self.cfg.snapshot_max_bytes => {
                 self.snapshots.retain(|s| s.tokens != tokens);

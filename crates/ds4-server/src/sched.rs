@@ -62,9 +62,11 @@ pub(crate) struct Task<'t> {
     /// Host time blocked waiting for the device within those steps ([`ds4_engine::Counters`]):
     /// near `decode_time` when the device is the bottleneck, small when issuing launches is.
     pub wait_ns: u64,
-    /// Time spent keeping the prompt's state for reuse (the turn snapshot) between the
-    /// prompt's end and the first decoded token.
+    /// Time spent keeping the prompt's state for reuse (the turn snapshot): its logits row
+    /// at the prompt's end, its state once the first token has gone out.
     pub snapshot_time: std::time::Duration,
+    /// The turn snapshot's first half, waiting for the first token to go out.
+    pub turn: Option<crate::reuse::TurnSnap>,
 }
 
 pub(crate) enum Phase<'t> {
@@ -412,6 +414,7 @@ impl Worker {
                 decode_time: std::time::Duration::ZERO,
                 wait_ns: 0,
                 snapshot_time: std::time::Duration::ZERO,
+                turn: None,
                 phase: Phase::Prefill {
                     tokens: suffix,
                     done: 0,
@@ -500,8 +503,10 @@ impl Worker {
             }
         }
         let t_prefill = task.t0.elapsed();
+        // The turn snapshot's logits now (the first pick edits the row); its state after the
+        // first token has gone out (decode_step), so the snapshot does not delay it.
         let t_snap = Instant::now();
-        self.turn_snapshot(i);
+        task.turn = self.turn_begin(i);
         task.snapshot_time = t_snap.elapsed();
         let limit = task
             .job
@@ -539,6 +544,13 @@ impl Worker {
                 None => Err(ds4_runtime::DriverError::NoLogits),
                 Some(mut d) => gen.pick(&task.job, &mut d, &self.stats, &self.cfg, &self.shutdown),
             };
+            // The first token has gone out: the prompt's state, not yet fed anything, is
+            // kept now (before this step feeds it, or before the job ends).
+            if let Some(t) = task.turn.take() {
+                let t_snap = Instant::now();
+                self.turn_finish(i, t);
+                task.snapshot_time += t_snap.elapsed();
+            }
             match picked {
                 Ok(Pick::Feed { tok, flow }) => {
                     feeds.push((i, tok));

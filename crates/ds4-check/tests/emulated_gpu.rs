@@ -979,20 +979,64 @@ fn emulated_weight_pool_matrices_equal_loaded_weights() {
             .map(|i| ((i * 7919) % 97) as f32 / 48.0 - 1.0)
             .collect();
         gpu.upload(x.all(), &xs).unwrap();
-        let mut out = |w, mat| {
+        let out = |gpu: &mut HipBackend, w, mat| {
             let y = gpu.alloc(2 * rows).unwrap();
             gpu.matmul(w, mat, x.all(), 2, y.all()).unwrap();
             let mut v = vec![0f32; 2 * rows];
             gpu.download(y.all(), &mut v).unwrap();
             v
         };
-        let want = out(loaded, 0);
+        let want = out(&mut gpu, loaded, 0);
         assert!(want.iter().any(|v| *v != 0.0));
-        assert_eq!(out(pool, 1), want, "{ty}");
+        assert_eq!(out(&mut gpu, pool, 1), want, "{ty}");
         assert!(
-            out(pool, 2).iter().all(|v| *v == 0.0),
+            out(&mut gpu, pool, 2).iter().all(|v| *v == 0.0),
             "{ty}: unwritten slot"
         );
+
+        // The same bytes through a page-locked slab (the streamed experts' host tier): a
+        // queued copy into slot 2, the slab held by the backend until a host wait.
+        let slab_for = |gpu: &mut HipBackend| {
+            let mut slab = gpu.alloc_host_slab(one + 5).unwrap();
+            assert!(
+                slab.pinned(),
+                "{ty}: the fake runtime grants page-locked memory"
+            );
+            assert!(slab.bytes().iter().all(|b| *b == 0));
+            slab.bytes_mut()[5..].copy_from_slice(&bytes[..one]);
+            slab
+        };
+        let mat = |range| ds4_engine::SlabMat {
+            weight: pool,
+            mat: 2,
+            range,
+        };
+        // A range of the wrong length, or past the slab: refused, nothing queued or kept.
+        for r in [4..one + 5, 6..one + 6] {
+            let slab = slab_for(&mut gpu);
+            assert!(gpu.write_weight_mats(slab, 8, &[mat(r)]).is_err(), "{ty}");
+        }
+        let slab = slab_for(&mut gpu);
+        let kept = gpu.write_weight_mats(slab, 9, &[mat(5..one + 5)]).unwrap();
+        assert!(
+            kept.is_none(),
+            "{ty}: a pinned slab stays with its queued copy"
+        );
+        assert!(
+            gpu.reclaim_host_slabs(false).unwrap().is_empty(),
+            "{ty}: handed back before any host wait"
+        );
+        assert_eq!(
+            out(&mut gpu, pool, 2),
+            want,
+            "{ty}: slot written from the slab"
+        );
+        // `out` downloaded its result: a host wait, so the slab comes back, bytes intact.
+        let back = gpu.reclaim_host_slabs(false).unwrap();
+        assert_eq!(back.len(), 1, "{ty}");
+        assert_eq!(back[0].0, 9);
+        assert_eq!(&back[0].1.bytes()[5..], &bytes[..one]);
+        assert!(gpu.reclaim_host_slabs(true).unwrap().is_empty());
     }
     assert!(
         fake.kernel_errors().is_empty(),

@@ -855,8 +855,15 @@ ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty,
 #define DS4_RT_ROWS 256
 #define DS4_RT_XS_BYTES (64 * 256 * 2)
 #define DS4_RT_SMEM (2 * DS4_RT_XS_BYTES + DS4_TILES_GRID_BYTES + 512 * 4)
-// Dynamic shared memory and rows per block of ds4_mm_rtiles.
+// Dynamic shared memory and rows per block of ds4_mm_rtiles. Builds without mma.sync
+// (before sm_80, HIP) compile a stub that writes NaN and advertise 0 bytes: the host
+// (rtiles_for) reads that as "not in this build" and never launches it (a shared-memory
+// test alone would admit it on a Volta's 96 KB).
+#if defined(DS4_HAS_MMA)
 extern "C" __device__ const int ds4_mm_rtiles_smem[2] = {DS4_RT_SMEM, DS4_RT_ROWS};
+#else
+extern "C" __device__ const int ds4_mm_rtiles_smem[2] = {0, DS4_RT_ROWS};
+#endif
 
 // Byte offset of chunk c (16 bytes, c = 0..31) of token row p in an x stage. Lanes (g, t)
 // of a quarter warp read chunks 8 t + j of rows g and g + 1 (same j): the XOR with t and

@@ -91,8 +91,9 @@ if ! skip tiles; then
     ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 --chunk 40 --tiles all > "$OUT/tiles_a.log" 2>&1; tail -1 "$OUT/tiles_a.log"
     ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles all > "$OUT/tiles_4l.log" 2>&1
     grep -E "moe|matmul|FAIL" "$OUT/tiles_4l.log" | head -8; tail -1 "$OUT/tiles_4l.log"
-    # ds4_mm_rtiles (DS4_RTILES=1) on the real-dimension experts (IQ2_XXS gate/up).
-    DS4_RTILES=1 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles experts \
+    # ds4_mm_tiles (DS4_RTILES=0, the experts' kernel before ds4_mm_rtiles became the
+    # default) on the real-dimension experts.
+    DS4_RTILES=0 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles experts \
         > "$OUT/tiles_4l_rt.log" 2>&1
     grep -E "moe|FAIL" "$OUT/tiles_4l_rt.log" | head -4; tail -1 "$OUT/tiles_4l_rt.log"
 fi
@@ -204,7 +205,7 @@ if ! skip prefill; then
         echo "tiles $t:"; grep -E "^2048,|profile prefill" "$OUT/prefill_$t.log"
         grep -A12 "by kernel" "$OUT/prefill_$t.log" | head -12
     done
-    # The expert tiles of 2026-12-05 (docs/gpu.md §4): default (half decode, 32 x 32 warp
+    # The expert kernels (docs/gpu.md §4): "new" = ds4_mm_tiles (half decode, 32 x 32 warp
     # tiles), half decode with 16 x 64, and the previous kernel (f32 decode, 16 x 64); same
     # binary, alternating: 4-layer profile, then the full-size 2k prefill.
     # PREFILL_REPS (default "1 2"); PREFILL_FULL: the variants that also run the full-size
@@ -217,7 +218,7 @@ if ! skip prefill; then
                 wm16) defs="-DDS4_TILES_WM=16" ;;
                 old) defs="-DDS4_TILES_HALF_DECODE=0 -DDS4_TILES_WM=16" ;;
                 smemtab) defs="-DDS4_TILES_SMEM_TABLES=1" ;;
-                # IQ2_XXS experts decoded into the MMA registers (ds4_mm_rtiles)
+                # experts decoded into the MMA registers (ds4_mm_rtiles, the default)
                 rtiles) defs=""; rt=1 ;;
                 # an earlier build's ds4-bench in $OLD_BIN, its own defaults
                 oldbin) defs=""; bench="$OLD_BIN/ds4-bench" ;;

@@ -514,7 +514,8 @@ pub struct GpuBackend<D: GpuApi> {
     /// Dynamic shared memory of the tile kernels (0: static only; non-zero when tiles.cu
     /// is built with `-DDS4_TILES_SMEM_TABLES=1`, docs/gpu.md §4).
     pub(crate) tiles_smem: u32,
-    /// Routed IQ2_XXS experts on `ds4_mm_rtiles` (`DS4_RTILES=1`; docs/gpu.md §4).
+    /// Routed IQ2_XXS / Q2_K experts on `ds4_mm_rtiles` where the device has the shared
+    /// memory and `mma.sync` (the default; `DS4_RTILES=0` keeps `ds4_mm_tiles`, docs/gpu.md §4).
     pub(crate) rtiles: bool,
     /// Dynamic shared memory of `ds4_mm_rtiles`.
     pub(crate) rtiles_smem: u32,
@@ -907,7 +908,7 @@ impl<D: GpuApi> GpuBackend<D> {
             imma_smem,
             amma_smem,
             tiles_smem,
-            rtiles: std::env::var("DS4_RTILES").is_ok_and(|v| v.trim() == "1"),
+            rtiles: !std::env::var("DS4_RTILES").is_ok_and(|v| v.trim() == "0"),
             rtiles_smem,
             max_dyn_smem: 0,
         };

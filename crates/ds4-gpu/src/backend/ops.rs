@@ -528,7 +528,9 @@ impl<D: GpuApi> GpuBackend<D> {
     /// it): IQ2_XXS or Q2_K rows of a multiple of 256 values, aligned as [`Self::tiles_ok`]
     /// asks, and the device allowing the kernel's shared memory.
     fn rtiles_for(&self, ty: GgmlType, cols: usize, row_bytes: usize, w: u64, w2: u64) -> bool {
+        // 0 bytes: a build without mma.sync, whose ds4_mm_rtiles is a NaN stub (tiles.cu).
         self.rtiles
+            && self.rtiles_smem > 0
             && matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K)
             && cols >= 256
             && cols.is_multiple_of(256)

@@ -316,7 +316,9 @@ impl HostTier {
     }
 
     /// Waits until `u` is here (reading it now if it is neither here nor on its way) and
-    /// returns its bytes (gate, up, down slices in that order).
+    /// returns its bytes (gate, up, down slices in that order). For tests: the stream
+    /// hands the bytes to the backend with [`Self::store`].
+    #[cfg(test)]
     pub fn wait<S: SlabStore + ?Sized>(
         &mut self,
         st: &mut S,
@@ -327,14 +329,17 @@ impl HostTier {
     }
 
     /// Waits until `u` is here, then stores its `mats` (ranges of its bytes) on the
-    /// backend, which may keep the buffer while its copies run.
+    /// backend, which may keep the buffer while its copies run. Returns how long it waited
+    /// for the bytes (the read, statistics).
     pub fn store<S: SlabStore + ?Sized>(
         &mut self,
         st: &mut S,
         u: Unit,
         mats: &[SlabMat],
-    ) -> Result<(), StreamError> {
+    ) -> Result<std::time::Duration, StreamError> {
+        let t0 = std::time::Instant::now();
         let s = self.ready_slot(st, u)?;
+        let waited = t0.elapsed();
         let slab = self.bufs[s].take().ok_or_else(reader_gone)?;
         match st.store(slab, s as u64, mats) {
             Ok(Some(slab)) => self.bufs[s] = Some(slab),
@@ -347,7 +352,7 @@ impl HostTier {
                 return Err(e);
             }
         }
-        Ok(())
+        Ok(waited)
     }
 
     /// Takes back the buffers the backend has finished with (all of them, waiting, with

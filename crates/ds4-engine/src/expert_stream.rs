@@ -589,8 +589,6 @@ impl ExpertStream {
             }
             for &(u, slot) in ch {
                 let t0 = Instant::now();
-                self.host.wait(be, u)?;
-                let t1 = Instant::now();
                 let mut at = 0;
                 let mut mats = Vec::with_capacity(3);
                 for (ri, (_, _, len)) in self.source.layers[u.layer as usize]
@@ -605,9 +603,9 @@ impl ExpertStream {
                     });
                     at += len;
                 }
-                self.host.store(be, u, &mats)?;
-                self.stats.read_secs += (t1 - t0).as_secs_f64();
-                self.stats.write_secs += t1.elapsed().as_secs_f64();
+                let read = self.host.store(be, u, &mats)?;
+                self.stats.read_secs += read.as_secs_f64();
+                self.stats.write_secs += (t0.elapsed() - read).as_secs_f64();
             }
         }
         if let Some(ra) = readahead {

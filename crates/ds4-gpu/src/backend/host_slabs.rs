@@ -149,7 +149,10 @@ impl<D: GpuApi> GpuBackend<D> {
         const OP: &str = "write_weight_mats";
         for (w, offset, range) in copies {
             let Some(Storage::Own(dst)) = &self.weights[w.id() as usize].storage else {
-                unreachable!("checked by write_slab_mats");
+                return Err(BackendError::Invalid {
+                    op: OP,
+                    problem: format!("weight #{} is not a slot pool", w.id()),
+                });
             };
             // SAFETY: `slab` is pushed to `lent_slabs` right after this call and handed
             // back only after a later host wait for the stream, so its range stays

@@ -254,8 +254,11 @@ if ! skip batch; then
     # launches (ds4_attention_split_seqs) run; 16 sequences also cross the 8-token GEMV groups.
     ds4-engine-check batch "$work/syn4b.gguf" --tiny 0 --tokens 200 --act-q8 --seqs 16 --gpu-only >> "$OUT/batch_check.log" 2>&1
     grep -E "cuda|PASSED|FAIL|failed" "$OUT/batch_check.log" | head -12
-    timeout 400 ds4-bench --synthetic q2 --frontiers 512 --decode 16 --batch 1,2,4,8,16 > "$OUT/batch.log" 2>&1
-    grep -E "^batch|rror" "$OUT/batch.log"
+    # --profile: each batch size's device time per step by section and kernel (what an
+    # added sequence costs).
+    timeout 400 ds4-bench --synthetic q2 --frontiers 512 --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} \
+        --profile ${BATCH_PROFILE:-2} > "$OUT/batch.log" 2>&1
+    grep -E "^batch|^profile batch|rror" "$OUT/batch.log"
 fi
 if ! skip server; then
     step server
@@ -286,13 +289,17 @@ if ! skip userpath; then
     timeout 120 ds4-bench -m "$f" --frontiers 2048 --decode 64 --snapshot >> "$OUT/userpath.log" 2>&1
     grep "^snapshot @" "$OUT/userpath.log"
     echo "bench: $(grep -E '^2048,' "$OUT/userpath.log" | head -1)"
-    for band in 1 0; do
-        DS4_SAMPLE_BAND=$band timeout 120 ds4-bench --e2e -m "$f" --backend cuda --ctx 4096 -n 100 \
-            --prompt-words 1500 > "$OUT/userpath_e2e$band.log" 2>&1
-        echo "e2e (band $band): $(tail -n 1 "$OUT/userpath_e2e$band.log")"
+    # The CLI's path with its warm-up at load (default), without it, and without the band.
+    for run in 1:1 1:0 0:1; do
+        band=${run%:*} warm=${run#*:}
+        DS4_WARMUP=$warm DS4_SAMPLE_BAND=$band timeout 120 ds4-bench --e2e -m "$f" --backend cuda \
+            --ctx 4096 -n 100 --prompt-words 1500 > "$OUT/userpath_e2e$band$warm.log" 2>&1
+        echo "e2e (band $band, warm-up $warm): $(grep -E 'warm-up' "$OUT/userpath_e2e$band$warm.log" | tail -n 1)"
+        echo "    $(tail -n 1 "$OUT/userpath_e2e$band$warm.log")"
     done
-    # band on/off with the default turn snapshot, then band on without it (--snapshot-slots 0)
-    for run in 1:1 0:1 1:0; do
+    # band on/off with the default turn snapshot, then band on without it (--snapshot-slots 0);
+    # USER_SERVER_RUNS="1:1" runs the default alone.
+    for run in ${USER_SERVER_RUNS:-1:1 0:1 1:0}; do
         band=${run%:*} snaps=${run#*:}
         DS4_SAMPLE_BAND=$band ds4-server -m "$f" --backend cuda --ctx 4096 --port 8094 \
             --snapshot-slots "$snaps" > "$OUT/userpath_srv$band$snaps.log" 2>&1 &

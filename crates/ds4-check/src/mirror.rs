@@ -352,6 +352,9 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             self.candidate.name()
         )
     }
+    fn warms_up(&self) -> bool {
+        self.candidate.warms_up()
+    }
     fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
         self.reference.set_activation_q8(on)?;
         self.candidate.set_activation_q8(on)

@@ -739,14 +739,31 @@ fn emulated_logit_band_equals_its_definition() {
 fn emulated_batched_decode_equals_decoding_alone() {
     let dir = tempfile::tempdir().unwrap();
     // The third case is wider than the several-column GEMVs (8 tokens per launch): the
-    // F16/F32 matrices then run in groups, not through the generic matmul.
+    // F16/F32 matrices then run in groups, not through the generic matmul. The fourth has
+    // inputs of 2048 values (the hidden size, `out_a`'s groups): more than one part per
+    // row, so the GEMVs split rows over several warps, and a step whose launches chose
+    // another split than one token's would sum in another order (docs/gpu.md §10); at
+    // the tiny widths every launch takes one warp per row.
+    let wide = ds4_model::HParams {
+        n_embd: 2048,
+        n_head: 64,
+        o_groups: 2,
+        expert_ff: 1024,
+        ..common::tiny_hparams()
+    };
     let cases = [
-        (TypeRecipe::Q2, true, ds4_check::batch::SEQS),
-        (TypeRecipe::Q4, false, ds4_check::batch::SEQS),
-        (TypeRecipe::Q4, true, 10),
+        (TypeRecipe::Q2, true, ds4_check::batch::SEQS, None),
+        (TypeRecipe::Q4, false, ds4_check::batch::SEQS, None),
+        (TypeRecipe::Q4, true, 10, None),
+        // Short prompts: the emulation of this width is slow.
+        (TypeRecipe::Q2, true, 2, Some(wide)),
     ];
-    for (recipe, act_q8, seqs) in cases {
-        let file = model_file_with(dir.path(), recipe);
+    for (recipe, act_q8, seqs, h) in cases {
+        let prompt = if h.is_some() { 2 } else { 9 };
+        let file = match h {
+            Some(h) => model_file_from(dir.path(), h, recipe),
+            None => model_file_with(dir.path(), recipe),
+        };
         let m = machine("strix-halo-stock");
         let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
         gpu.set_activation_q8(act_q8).unwrap();
@@ -755,7 +772,7 @@ fn emulated_batched_decode_equals_decoding_alone() {
             &file,
             NumericMode::Exact,
             Box::new(gpu),
-            9,
+            prompt,
             seqs,
             &mut rng,
         )
@@ -777,7 +794,7 @@ fn emulated_batched_decode_equals_decoding_alone() {
             &file,
             NumericMode::Exact,
             Box::new(cpu),
-            9,
+            prompt,
             seqs,
             &mut rng,
         )
@@ -787,6 +804,65 @@ fn emulated_batched_decode_equals_decoding_alone() {
             "cpu {recipe:?} act_q8 {act_q8}: {r:?}"
         );
     }
+}
+
+/// The warm-up at load (`Engine::warm_up`: a prefill chunk and a decode step on a state of
+/// its own, then freed) leaves no trace: the same prompt and decode steps give bit-identical
+/// logits with and without it, and it frees every buffer it made beyond the backend's
+/// scratch. The CPU backend declines it (nothing ran).
+#[test]
+fn emulated_warm_up_changes_no_logit() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file_with(dir.path(), TypeRecipe::Q4);
+    let m = machine("strix-halo-stock");
+    let cfg = EngineConfig {
+        mode: Some(NumericMode::Exact),
+        ctx: 64,
+        prefill_chunk: 16,
+    };
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 31 + 5) % 97).collect();
+    let run = |warm: bool| -> (usize, Vec<f32>) {
+        let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+        gpu.set_activation_q8(true).unwrap();
+        let mut eng = Engine::load(file.clone(), Box::new(gpu), cfg.clone()).unwrap();
+        let ran = if warm { eng.warm_up(16).unwrap() } else { 0 };
+        let mut st = eng.new_state().unwrap();
+        let mut last = eng.eval(&mut st, &prompt, Logits::Last, None).unwrap();
+        let mut out = last.clone();
+        for _ in 0..3 {
+            let t = ds4_engine::argmax(&last);
+            last = eng.eval(&mut st, &[t], Logits::Last, None).unwrap();
+            out.extend_from_slice(&last);
+        }
+        assert!(
+            fake.kernel_errors().is_empty(),
+            "{:?}",
+            fake.kernel_errors()
+        );
+        (ran, out)
+    };
+    let (ran, warm) = run(true);
+    let (_, cold) = run(false);
+    // The chunk's 16 tokens and one decode step.
+    assert_eq!(ran, 17);
+    assert!(warm.iter().all(|v| v.is_finite()));
+    assert!(
+        warm.iter()
+            .zip(&cold)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the warm-up changed a logit"
+    );
+    // No state outlives a warm-up: a second one finds scratch of its size and leaves the
+    // same live allocations as the first.
+    let (fake, gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+    let mut eng = Engine::load(file.clone(), Box::new(gpu), cfg.clone()).unwrap();
+    eng.warm_up(16).unwrap();
+    let first = fake.live();
+    eng.warm_up(16).unwrap();
+    assert_eq!(fake.live(), first, "a warm-up left an allocation behind");
+    drop(eng);
+    let mut cpu = Engine::load(file.clone(), Box::new(CpuBackend::new(1).unwrap()), cfg).unwrap();
+    assert_eq!(cpu.warm_up(16).unwrap(), 0);
 }
 
 /// Launch fusions that must not change a value: the HCPost folded into the next sublayer's

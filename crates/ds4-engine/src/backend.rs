@@ -525,6 +525,14 @@ pub trait Backend: Send {
     /// Short name for logs ("cpu").
     fn name(&self) -> String;
 
+    /// Whether the first forward pass of a shape pays one-time costs that a warm-up pass
+    /// at load should take instead of the first request: a GPU's lazily loaded kernels and
+    /// library kernels, scratch buffers grown to the chunk size, pinned staging. False on
+    /// the CPU, where a chunk of a full-size model takes minutes and its scratch is cheap.
+    fn warms_up(&self) -> bool {
+        false
+    }
+
     // ---- memory -------------------------------------------------------------------------
 
     /// A zero-filled f32 buffer.

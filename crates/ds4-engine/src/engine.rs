@@ -157,6 +157,31 @@ impl Engine {
         )
     }
 
+    /// Runs one prefill chunk of `tokens` placeholder tokens and one decode step on a
+    /// state of their size, then frees it, when the backend has first-use costs
+    /// ([`Backend::warms_up`]) and experts are resident (a warm-up would fill a streamed
+    /// cache with experts of no prompt). Returns the tokens run (0: nothing ran). The
+    /// first request then runs at the speed of the ones after it (docs/gpu.md §19).
+    pub fn warm_up(&mut self, tokens: usize) -> Result<usize> {
+        let n = tokens
+            .min(self.config.prefill_chunk)
+            .min(self.config.ctx.saturating_sub(1));
+        if n == 0 || !self.backend.warms_up() || self.stream.is_some() {
+            return Ok(0);
+        }
+        let vocab = self.spec.hparams.n_vocab.max(1) as u64;
+        // Spread ids (any id of the vocabulary routes somewhere; their text is irrelevant).
+        let toks: Vec<u32> = (0..n as u64)
+            .map(|i| ((i * 7919 + 13) % vocab) as u32)
+            .collect();
+        let mut st = self.new_state_with_ctx(n + 1)?;
+        let run = self
+            .eval(&mut st, &toks, Logits::Last, None)
+            .and_then(|l| self.eval(&mut st, &[crate::argmax(&l)], Logits::Last, None));
+        self.free_state(st);
+        run.map(|_| n + 1)
+    }
+
     /// Returns a state's buffers to the backend.
     pub fn free_state(&mut self, state: KvState) {
         state.free(self.backend.as_mut());

@@ -441,6 +441,9 @@ pub struct LoadOptions {
     pub report_placement: bool,
     /// Prefill GEMM precision (CUDA).
     pub precision: Precision,
+    /// Run one prefill chunk and a decode step at load ([`Engine::warm_up`]) so the first
+    /// request does not pay the GPU's first-use costs (`--no-warmup`, `DS4_WARMUP=0`).
+    pub warmup: bool,
 }
 
 /// A model ready to run: the engine, its tokenizer, and what the store needs to know.
@@ -559,13 +562,19 @@ pub fn planned_backend_and_experts(
     Ok((be, experts))
 }
 
-/// Opens the model, builds the tokenizer and the engine, and prints the load report (model,
-/// mode, backend, context) to `log`.
+/// Whether to warm up at load: on unless the flag says no or `DS4_WARMUP` is off.
+pub fn warmup_wanted(no_warmup_flag: bool) -> bool {
+    !no_warmup_flag && switch_on(std::env::var("DS4_WARMUP").ok().as_deref())
+}
+
+/// Opens the model, builds the tokenizer and the engine, warms it up (when asked and the
+/// backend has first-use costs), and prints the load report (model, mode, backend, context,
+/// warm-up) to `log`.
 pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError> {
     let file = open_gguf(&opts.model)?;
     let tokenizer = Arc::new(tokenizer_from_gguf(&file)?);
     let model_id = model_id(&file)?;
-    let engine = build_engine_logged(&file, opts, opts.ctx, Some(log))?;
+    let mut engine = build_engine_logged(&file, opts, opts.ctx, Some(log))?;
     if engine.hparams().n_vocab != tokenizer.vocab_size() {
         return Err(LoadError::VocabMismatch {
             path: opts.model.clone(),
@@ -591,6 +600,23 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError
     }
     if let Some(note) = ds4_model::layout::random_weights_note(file.header()) {
         writeln!(log, "ds4: NOTE: {note}")?;
+    }
+    if opts.warmup {
+        let t = std::time::Instant::now();
+        let n = engine
+            .warm_up(opts.prefill_chunk)
+            .map_err(|source| LoadError::Engine {
+                path: opts.model.clone(),
+                source,
+            })?;
+        if n > 0 {
+            writeln!(
+                log,
+                "ds4: warm-up: a {}-token prefill and a decode step in {:.2} s (--no-warmup skips it)",
+                n - 1,
+                t.elapsed().as_secs_f64()
+            )?;
+        }
     }
     Ok(Loaded {
         engine,

@@ -42,6 +42,7 @@ fn opts() -> LoadOptions {
         placement: Default::default(),
         report_placement: false,
         precision: Precision::default(),
+        warmup: false,
     }
 }
 

@@ -41,6 +41,7 @@ fn opts(model: &Path, experts: Option<&str>) -> LoadOptions {
         },
         report_placement: false,
         precision: Precision::default(),
+        warmup: false,
     }
 }
 

@@ -50,6 +50,7 @@ impl ModelOptions {
             placement: Default::default(),
             report_placement: false,
             precision: Precision::default(),
+            warmup: false,
         }
     }
 }

@@ -254,6 +254,9 @@ impl Backend for Controlled {
     fn name(&self) -> String {
         format!("{}+{}", self.inner.name(), self.control)
     }
+    fn warms_up(&self) -> bool {
+        self.inner.warms_up()
+    }
     fn alloc(&mut self, len: usize) -> BResult<Buf> {
         self.inner.alloc(len)
     }

@@ -150,6 +150,9 @@ struct Args {
     /// --e2e: words of the generated prompt.
     #[arg(long, default_value_t = 1500)]
     prompt_words: usize,
+    /// --e2e: skip the CLI's warm-up at load (`ds4 --no-warmup`; also DS4_WARMUP=0).
+    #[arg(long)]
+    no_warmup: bool,
     /// --e2e: the pedantic f32 prefill GEMM (as `ds4 --quality`; also DS4_QUALITY=1).
     #[arg(long)]
     quality: bool,
@@ -216,6 +219,7 @@ fn e2e(args: &Args) -> Result<()> {
         },
         report_placement: false,
         precision,
+        warmup: ds4_runtime::load::warmup_wanted(args.no_warmup),
     };
     let t0 = Instant::now();
     let loaded = ds4_cli::load::load(&opts, &mut std::io::stderr())?;
@@ -622,6 +626,7 @@ fn main() -> Result<()> {
             args.decode.max(1),
             &mut rng,
             limit,
+            args.profile,
         )?;
     }
     print!("{csv}");
@@ -664,7 +669,7 @@ fn profile_decode(
     }
     eng.backend_mut().take_profile()?; // drop anything recorded before
     let mut wall = 0.0;
-    let mut rows: std::collections::HashMap<(&str, &str), (u64, f64)> = Default::default();
+    let mut rows = ProfileRows::default();
     let mut device = 0.0;
     for _ in 0..n {
         let t = Instant::now();
@@ -672,11 +677,7 @@ fn profile_decode(
         wall += t.elapsed().as_secs_f64() * 1e3;
         if let Some((r, ms)) = eng.backend_mut().take_profile()? {
             device += ms;
-            for x in r {
-                let e = rows.entry((x.tag, x.kernel)).or_insert((0, 0.0));
-                e.0 += x.launches;
-                e.1 += x.ms;
-            }
+            add_profile_rows(&mut rows, r);
         }
     }
     eng.backend_mut().set_profiling(false)?;
@@ -702,6 +703,7 @@ fn batch_decode(
     steps: usize,
     rng: &mut Rng,
     limit: f64,
+    profile: usize,
 ) -> Result<()> {
     if b == 0 {
         bail!("--batch sizes must be at least 1");
@@ -736,6 +738,29 @@ fn batch_decode(
         (c1.launches - c0.launches) as f64 / steps as f64,
         (c1.syncs - c0.syncs) as f64 / steps as f64
     );
+    // Then `profile` more steps with device-time attribution (what an added sequence costs).
+    if profile > 0 && eng.backend_mut().set_profiling(true)? {
+        eng.backend_mut().take_profile()?;
+        let (mut rows, mut device, mut wall) = (ProfileRows::default(), 0.0, 0.0);
+        for _ in 0..profile {
+            let t = Instant::now();
+            let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+            next = eng.eval_batch_argmax(&mut refs, &next)?;
+            wall += t.elapsed().as_secs_f64() * 1e3;
+            if let Some((r, ms)) = eng.backend_mut().take_profile()? {
+                device += ms;
+                add_profile_rows(&mut rows, r);
+            }
+        }
+        eng.backend_mut().set_profiling(false)?;
+        let per = profile as f64;
+        eprintln!(
+            "profile batch {b} ({profile} steps): device {:.3} ms/step, host wall {:.3} ms/step",
+            device / per,
+            wall / per
+        );
+        print_profile(&rows, per, device, "step");
+    }
     for st in states {
         eng.free_state(st);
     }
@@ -760,15 +785,11 @@ fn profile_prefill(eng: &mut Engine, n: usize, seed: u64) -> Result<()> {
     let t = Instant::now();
     eng.eval(&mut st, &toks, Logits::Last, None)?;
     let wall = t.elapsed().as_secs_f64() * 1e3;
-    let mut rows: std::collections::HashMap<(&str, &str), (u64, f64)> = Default::default();
+    let mut rows = ProfileRows::default();
     let mut device = 0.0;
     if let Some((r, ms)) = eng.backend_mut().take_profile()? {
         device = ms;
-        for x in r {
-            let e = rows.entry((x.tag, x.kernel)).or_insert((0, 0.0));
-            e.0 += x.launches;
-            e.1 += x.ms;
-        }
+        add_profile_rows(&mut rows, r);
     }
     eng.backend_mut().set_profiling(false)?;
     eprintln!(
@@ -780,13 +801,20 @@ fn profile_prefill(eng: &mut Engine, n: usize, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// Attribution rows summed by (section, kernel).
+type ProfileRows = std::collections::HashMap<(&'static str, &'static str), (u64, f64)>;
+
+/// Adds one pass's attribution to `rows`.
+fn add_profile_rows(rows: &mut ProfileRows, r: Vec<ds4_engine::backend::ProfileRow>) {
+    for x in r {
+        let e = rows.entry((x.tag, x.kernel)).or_insert((0, 0.0));
+        e.0 += x.launches;
+        e.1 += x.ms;
+    }
+}
+
 /// Prints attribution rows by section, by kernel and by pair, divided by `per`.
-fn print_profile(
-    rows: &std::collections::HashMap<(&str, &str), (u64, f64)>,
-    per: f64,
-    device: f64,
-    unit: &str,
-) {
+fn print_profile(rows: &ProfileRows, per: f64, device: f64, unit: &str) {
     let mut by_tag: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
     let mut by_kernel: std::collections::BTreeMap<&str, (u64, f64)> = Default::default();
     for (&(tag, kernel), &(c, ms)) in rows {

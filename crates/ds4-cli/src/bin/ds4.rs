@@ -57,6 +57,10 @@ struct ModelArgs {
     /// DS4_QUALITY=1). Slower prefill, logits closer to the f32 reference.
     #[arg(long)]
     quality: bool,
+    /// Skip the warm-up at load (one prefill chunk and a decode step on a GPU, so the first
+    /// prompt does not pay first-use costs; also DS4_WARMUP=0).
+    #[arg(long)]
+    no_warmup: bool,
     #[command(flatten)]
     placement: PlacementFlags,
 }
@@ -74,6 +78,7 @@ impl ModelArgs {
             placement: self.placement.to_overrides(),
             report_placement: report,
             precision: Precision::from_env(self.quality),
+            warmup: ds4_runtime::load::warmup_wanted(self.no_warmup),
         }
     }
 }

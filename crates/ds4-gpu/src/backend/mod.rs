@@ -1647,6 +1647,10 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         format!("{} ({})", self.dev.runtime(), self.dev.device_name())
     }
 
+    fn warms_up(&self) -> bool {
+        true
+    }
+
     fn alloc(&mut self, len: usize) -> BResult<Buf> {
         Ok(Buf::new(self.new_buf(len, "alloc", false)?, len))
     }

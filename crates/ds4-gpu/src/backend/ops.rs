@@ -169,6 +169,11 @@ struct Mm {
     y_stride: usize,
     /// Int8 activations (the op's rule: act_q8 and one token in the op).
     q8: bool,
+    /// Matrices the op's one-token launch runs side by side (1, or an op's groups or pair
+    /// taken by the grouped GEMV): the warps per row of every launch of this matmul come
+    /// from it, so a decode row sums exactly as that token's one-token launch sums it
+    /// (docs/gpu.md §10).
+    copies: u64,
 }
 
 impl Mm {
@@ -271,7 +276,10 @@ impl<D: GpuApi> GpuBackend<D> {
         if m.n_tok == 1 {
             if let Some(gty) = gty {
                 let wbase = m.w + (m.row0 * m.row_bytes) as u64;
-                if let Ok(l) = self.gemv.launch_for(gty, m.cols, m.n_rows) {
+                if let Ok(l) = self
+                    .gemv
+                    .launch_for_grouped(gty, m.cols, m.n_rows, m.copies)
+                {
                     if l.row_bytes as usize == m.row_bytes
                         && wbase.is_multiple_of(16)
                         && m.x.is_multiple_of(16)
@@ -629,7 +637,10 @@ impl<D: GpuApi> GpuBackend<D> {
         if per < 2 {
             return Ok(false);
         }
-        let Ok(l) = self.gemv.q8_launch(GemvType::Q8_0, m.cols, m.n_rows, 1) else {
+        let Ok(l) = self
+            .gemv
+            .q8_launch(GemvType::Q8_0, m.cols, m.n_rows, m.copies)
+        else {
             return Ok(false);
         };
         let Some(wbase) = m.columns_base(&l) else {
@@ -654,7 +665,10 @@ impl<D: GpuApi> GpuBackend<D> {
         let Ok(gty) = GemvType::from_ggml(m.ty) else {
             return Ok(false);
         };
-        let Ok(l) = self.gemv.launch_for(gty, m.cols, m.n_rows) else {
+        let Ok(l) = self
+            .gemv
+            .launch_for_grouped(gty, m.cols, m.n_rows, m.copies)
+        else {
             return Ok(false);
         };
         let Some(wbase) = m.columns_base(&l) else {
@@ -724,7 +738,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let gty = GemvType::from_ggml(m.ty).map_err(gerr(op))?;
         let wbase = m.w + (m.row0 * m.row_bytes) as u64;
         if let (Ok(l), Some((f, _))) = (
-            self.gemv.q8_launch(gty, m.cols, m.n_rows, 1),
+            self.gemv.q8_launch(gty, m.cols, m.n_rows, m.copies),
             self.gemv.q8_functions(gty),
         ) {
             if l.row_bytes as usize == m.row_bytes
@@ -941,6 +955,20 @@ impl<D: GpuApi> GpuBackend<D> {
         n_tok: usize,
         y: Slice,
     ) -> BResult<()> {
+        self.matmul_copies(w, mat, x, n_tok, y, 1)
+    }
+
+    /// [`Self::op_matmul`] with the warps per row of a one-token launch of `copies`
+    /// matrices side by side ([`Mm::copies`]).
+    fn matmul_copies(
+        &mut self,
+        w: Weight,
+        mat: usize,
+        x: Slice,
+        n_tok: usize,
+        y: Slice,
+        copies: u64,
+    ) -> BResult<()> {
         const OP: &str = "matmul";
         let (cols, rows) = (w.info.cols(), w.info.rows());
         let gw = self.weight(w, OP)?;
@@ -961,6 +989,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 y: yp,
                 y_stride: rows,
                 q8: self.q8_rows(n_tok),
+                copies,
             },
             OP,
         )
@@ -982,13 +1011,13 @@ impl<D: GpuApi> GpuBackend<D> {
         let wp = self.wraw(w, OP)?;
         let (xp, yp) = (self.fptr(x, OP)?, self.fptr(y, OP)?);
         // One token: all groups in one launch of the grouped GEMV (group g = "expert" g of
-        // r rows reading its own slice of x), instead of one launch per group.
-        if n_tok == 1
-            && groups <= IOTA_LEN
+        // r rows reading its own slice of x), instead of one launch per group. Several
+        // tokens (decode rows) run per group with that launch's warps per row.
+        let one_launch = groups <= IOTA_LEN
             && self.grouped_ok(ty, cols, r, wp)
             && xp.is_multiple_of(16)
-            && (4 * cols).is_multiple_of(16)
-        {
+            && (4 * cols).is_multiple_of(16);
+        if n_tok == 1 && one_launch {
             let ids = self.iota()?;
             return self.grouped(
                 ty,
@@ -999,12 +1028,13 @@ impl<D: GpuApi> GpuBackend<D> {
                 xp,
                 true,
                 (yp, None),
-                groups,
+                (groups, groups),
                 cols,
                 r,
                 self.act_q8,
             );
         }
+        let copies = if one_launch { groups as u64 } else { 1 };
         for g in 0..groups {
             self.mm(
                 Mm {
@@ -1020,6 +1050,7 @@ impl<D: GpuApi> GpuBackend<D> {
                     y: yp + (4 * g * r) as u64,
                     y_stride: rows,
                     q8: self.q8_rows(n_tok),
+                    copies,
                 },
                 OP,
             )?;
@@ -2521,14 +2552,25 @@ impl<D: GpuApi> GpuBackend<D> {
                 xsrc,
                 per_sel,
                 (sg, Some(su)),
-                n_sel,
+                (n_sel, k),
                 d,
                 f,
                 self.q8_rows(t),
             )?;
             if self.fusions.swiglu && self.q8_rows(t) {
                 let (sg_, su_) = ((sg, su), (wp, a.clamp));
-                if self.grouped_swiglu(dty, dp, drb * d, (ip, ne), sg_, su_, so, n_sel, f, d)? {
+                if self.grouped_swiglu(
+                    dty,
+                    dp,
+                    drb * d,
+                    (ip, ne),
+                    sg_,
+                    su_,
+                    so,
+                    (n_sel, k),
+                    f,
+                    d,
+                )? {
                     return self.sum_slots(so, t, k, d, op_);
                 }
             }
@@ -2560,7 +2602,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 sh,
                 true,
                 (so, None),
-                n_sel,
+                (n_sel, k),
                 f,
                 d,
                 self.q8_rows(t),
@@ -2623,6 +2665,7 @@ impl<D: GpuApi> GpuBackend<D> {
                             y: y + (4 * off * f) as u64,
                             y_stride: f,
                             q8: self.q8_rows(t),
+                            copies: 1,
                         },
                         OP,
                     )?;
@@ -2662,6 +2705,7 @@ impl<D: GpuApi> GpuBackend<D> {
                         y: ob + (4 * off * d) as u64,
                         y_stride: d,
                         q8: self.q8_rows(t),
+                        copies: 1,
                     },
                     OP,
                 )?;
@@ -2713,7 +2757,7 @@ impl<D: GpuApi> GpuBackend<D> {
         (g, u_): (u64, u64),
         (route_w, clamp): (u64, f32),
         y: u64,
-        n_sel: usize,
+        (n_sel, per_tok): (usize, usize),
         n_in: usize,
         n_out: usize,
     ) -> BResult<bool> {
@@ -2724,7 +2768,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let Some(f) = self.gemv.q8_grouped_swiglu_function(gt) else {
             return Ok(false);
         };
-        let Ok(l) = self.gemv.q8_launch(gt, n_in, n_out, n_sel as u64) else {
+        let Ok(l) = self.gemv.q8_launch(gt, n_in, n_out, per_tok.max(1) as u64) else {
             return Ok(false);
         };
         if n_in > self.gemv.q8_max_in
@@ -2912,7 +2956,7 @@ impl<D: GpuApi> GpuBackend<D> {
         x: u64,
         x_per_sel: bool,
         y: (u64, Option<u64>),
-        n_sel: usize,
+        (n_sel, per_tok): (usize, usize),
         n_in: usize,
         n_out: usize,
         q8: bool,
@@ -2925,7 +2969,9 @@ impl<D: GpuApi> GpuBackend<D> {
         } else {
             None
         };
-        let copies = (n_sel as u64) * u64::from(mats);
+        // Warps per row from one token's selections, never the step's: a decode row then
+        // sums as it does alone (docs/gpu.md §10).
+        let copies = (per_tok.max(1) as u64) * u64::from(mats);
         let l = if q8f.is_some() {
             self.gemv.q8_launch(g, n_in, n_out, copies)
         } else {
@@ -3143,7 +3189,7 @@ impl<D: GpuApi> GpuBackend<D> {
         yb: Slice,
     ) -> BResult<()> {
         const OP: &str = "matmul_pair";
-        if wa.info != wb.info || wa.info.mats() != 1 || n_tok != 1 {
+        if wa.info != wb.info || wa.info.mats() != 1 {
             self.op_matmul(wa, 0, x, n_tok, ya)?;
             return self.op_matmul(wb, 0, x, n_tok, yb);
         }
@@ -3158,6 +3204,11 @@ impl<D: GpuApi> GpuBackend<D> {
             self.op_matmul(wa, 0, x, n_tok, ya)?;
             return self.op_matmul(wb, 0, x, n_tok, yb);
         }
+        if n_tok != 1 {
+            // Decode rows: each token summed as its one-token pair launch sums it.
+            self.matmul_copies(wa, 0, x, n_tok, ya, 2)?;
+            return self.matmul_copies(wb, 0, x, n_tok, yb, 2);
+        }
         let (ap, bp) = (self.fptr(ya, OP)?, self.fptr(yb, OP)?);
         let ids = self.iota()?;
         self.grouped(
@@ -3169,7 +3220,7 @@ impl<D: GpuApi> GpuBackend<D> {
             xp,
             false,
             (ap, Some(bp)),
-            1,
+            (1, 1),
             cols,
             rows,
             self.act_q8,

@@ -46,6 +46,10 @@ struct Args {
     /// DS4_QUALITY=1).
     #[arg(long)]
     quality: bool,
+    /// Skip the warm-up at load (one prefill chunk and a decode step on a GPU, so the first
+    /// request does not pay first-use costs; also DS4_WARMUP=0).
+    #[arg(long)]
+    no_warmup: bool,
     /// Prefill chunk size in tokens (the same default as `ds4`).
     #[arg(long, default_value_t = ds4_engine::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
@@ -296,6 +300,7 @@ fn main() -> Result<()> {
         report_placement: true,
         precision,
         kv_states: parallel,
+        warmup: ds4_runtime::load::warmup_wanted(a.no_warmup),
         ..ModelOptions {
             ctx: a.ctx,
             threads: a.threads,

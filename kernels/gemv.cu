@@ -516,6 +516,57 @@ __device__ __forceinline__ void ds4_finish_rows(float (&acc)[R], float* __restri
     }
 }
 
+// ds4_finish_rows for columns c < n_cols of acc at once (the several-column GEMVs of a
+// batched decode step): each column's lane sums go through the same shuffle tree and its
+// warps' parts are added in the same order (so each column gets ds4_finish_rows's bits), with
+// one block barrier for all columns instead of one per column — at 8 columns the per-column
+// barriers had made the Q8_0 several-column kernel 4x the one-token kernel's time for 8x its
+// work (H100 profile, BENCHMARKS.md). The caller synchronises before the next step rewrites
+// the parts.
+template <int R, int MC>
+__device__ __forceinline__ void ds4_finish_cols(float (&acc)[MC][R], float* __restrict__ y,
+                                                ds4_size y_stride, int row0, int n_out, int wpr,
+                                                int n_cols) {
+    static_assert(MC * R <= DS4_WARP, "one lane per (column, row) adds the parts");
+    __shared__ float part_c[DS4_GEMV_WARPS][MC][R];
+    const int warp = threadIdx.x / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    const int part = warp % wpr;
+#pragma unroll
+    for (int c = 0; c < MC; ++c)
+        if (c < n_cols) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[c][r] = ds4_warp_sum(acc[c][r]);
+        }
+    if (wpr == 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int c = 0; c < MC; ++c)
+                if (c < n_cols) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        if (row0 + r < n_out) y[(ds4_size)c * y_stride + row0 + r] = acc[c][r];
+                }
+        }
+        return;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < MC; ++c)
+            if (c < n_cols) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) part_c[warp][c][r] = acc[c][r];
+            }
+    }
+    __syncthreads();
+    if (part == 0 && lane < n_cols * R) {
+        const int c = lane / R, r = lane % R;
+        float total = 0.f;
+        for (int p = 0; p < wpr; ++p) total += part_c[warp + p][c][r];
+        if (row0 + r < n_out) y[(ds4_size)c * y_stride + row0 + r] = total;
+    }
+}
+
 template <class T>
 __device__ __forceinline__ void ds4_gemv_quant(const ds4_u8* __restrict__ W,
                                                const float* __restrict__ x,
@@ -1428,16 +1479,12 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
             }
         }
         if (j % nit == nit - 1) {
-            const int row0 = row0_of(j);
+            ds4_finish_cols<R, MC>(acc, y, y_stride, row0_of(j), n_out, wpr, n_cols);
+            __syncthreads();  // the parts are rewritten by the next step
 #pragma unroll
-            for (int c = 0; c < MC; ++c) {
-                if (c < n_cols) {
-                    ds4_finish_rows<R>(acc[c], y + (ds4_size)c * y_stride, row0, n_out, wpr, true);
-                    __syncthreads();  // part_sums are rewritten by the next column
-                }
+            for (int c = 0; c < MC; ++c)
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[c][r] = 0.f;
-            }
         }
     };
     Ds4Q8Item<R, 1> b0, b1;

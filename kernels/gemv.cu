@@ -134,8 +134,10 @@ __device__ __forceinline__ void ds4_rope_pair(const Ds4XRope& x, int j, float& u
     float s = (float)sin(ang);
     if (x.inverse) s = -s;
     const float a = u, b = v;
-    u = a * c - b * s;
-    v = a * s + b * c;
+    // Rounded products, never contracted: the bits of ds4_rope's rotation (ops.cu) in any
+    // kernel that inlines it (a batched row equals the row decoded alone, docs/gpu.md §10).
+    u = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    v = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
 }
 __device__ __forceinline__ float4 ds4_xin4(const Ds4XRope& x, int i) {
     float4 v = ds4_ld_x4(x.x + i);
@@ -1410,20 +1412,43 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W, cons
 // Each weight unit is loaded once and multiplied with every column's codes, so M tokens
 // read the matrix once instead of M times; each column's sum is the one-token kernel's
 // (same unit terms, same per-lane order, same reduction, given the same warps per row and
-// the default DS4_Q8Q_UNITS=1), so a batched row equals the row computed alone. x holds M rows of n_in floats x_stride apart, y M rows of n_out floats
-// y_stride apart. Shared memory holds the M quantized inputs: M * n_in <= DS4_Q8M_CODES.
+// the default DS4_Q8Q_UNITS=1), so a batched row equals the row computed alone.
+//
+// The inputs arrive quantized (ds4_quantize_q8_rows, once per step: the one-token kernel's
+// ds4_quantize_x4, so the same codes): each block copies its columns' codes and scales into
+// shared memory instead of quantizing every column itself — with the quantization in each
+// block, a launch cost ~27 µs at 8 columns on the H100 whatever the matrix (BENCHMARKS.md).
+// Grid y = group g (matmul_grouped's out_a: matrix g at W0 + g·w_group_bytes, writing
+// y0 + g·n_out): column c of group g reads quantized row c·q_col + g (q_col = the groups).
+// y holds M rows y_stride apart. Shared memory holds M * n_in <= DS4_Q8M_CODES codes.
 // ---------------------------------------------------------------------------------------
 #define DS4_Q8M_CODES 32768
 extern "C" __device__ const int ds4_gemvq_cols_max[2] = {DS4_Q8M_COLS, DS4_Q8M_CODES};
 
+// One block (DS4_GEMV_THREADS) per row r of x (n_in values, rows x_stride floats apart; n_in
+// a multiple of 32, at most DS4_Q8_MAX_IN): its codes, 32-value scales and 16-code sums as
+// ds4_quantize_x4 makes them inside a GEMV block, at q + r·n_in, d + r·n_in/32, s16 + r·n_in/16.
+extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
+    ds4_quantize_q8_rows(const float* __restrict__ x, ds4_size x_stride, int n_in,
+                         ds4_i8* __restrict__ q, float* __restrict__ d, int* __restrict__ s16) {
+    ds4_grid_wait();
+    const ds4_size r = blockIdx.x;
+    if (n_in % 32 != 0 || n_in > DS4_Q8_MAX_IN) return;  // the host checks first
+    ds4_quantize_x4(x + r * x_stride, n_in, q + r * (ds4_size)n_in, d + r * (ds4_size)(n_in / 32),
+                    s16 + r * (ds4_size)(n_in / 16));
+}
+
 extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
-    ds4_gemv_cols_q_q8_0(const ds4_u8* __restrict__ W, const float* __restrict__ x,
-                         ds4_size x_stride, float* __restrict__ y, ds4_size y_stride, int n_in,
+    ds4_gemv_cols_q_q8_0(const ds4_u8* __restrict__ W0, ds4_size w_group_bytes,
+                         const ds4_i8* __restrict__ xq_g, const float* __restrict__ xd_g,
+                         int q_col, float* __restrict__ y0, ds4_size y_stride, int n_in,
                          int n_out, int n_cols, int wpr) {
     constexpr int R = Ds4Q8Sx::ROWS, MC = DS4_Q8M_COLS;
     __shared__ __align__(16) ds4_i8 xq[DS4_Q8M_CODES];
     __shared__ float xd[DS4_Q8M_CODES / 32];
-    __shared__ int xs[DS4_Q8M_CODES / 16];
+    const int g = blockIdx.y;
+    const ds4_u8* const W = W0 + (ds4_size)g * w_group_bytes;
+    float* const y = y0 + (ds4_size)g * n_out;
     const bool ok = n_in % 32 == 0 && n_in <= DS4_Q8_MAX_IN && n_cols >= 1 && n_cols <= MC &&
                     (ds4_size)n_cols * n_in <= DS4_Q8M_CODES;
     const int warp = threadIdx.x / DS4_WARP;
@@ -1491,9 +1516,18 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
     load(0, b0);
     ds4_grid_wait();  // only weights were read so far (docs/gpu.md §6)
     if (ok) {
-        for (int c = 0; c < n_cols; ++c)
-            ds4_quantize_x4(x + (ds4_size)c * x_stride, n_in, xq + (ds4_size)c * n_in,
-                            xd + c * (n_in / 32), xs + c * (n_in / 16));
+        // The columns' codes and scales, written by the previous launch (coherent loads).
+        const int v16 = n_in / 16, nb = n_in / 32;
+        for (int i = threadIdx.x; i < n_cols * v16; i += blockDim.x) {
+            const int c = i / v16, k = i % v16;
+            const ds4_size src = ((ds4_size)c * q_col + g) * v16 + k;
+            ((uint4*)xq)[i] = ds4_ld_act((const uint4*)xq_g + src);
+        }
+        for (int i = threadIdx.x; i < n_cols * nb; i += blockDim.x) {
+            const int c = i / nb, k = i % nb;
+            xd[i] = ds4_ld_act(xd_g + ((ds4_size)c * q_col + g) * nb + k);
+        }
+        __syncthreads();
     } else {
         // Unsupported shape: NaN rows (the host checks first), as the other engines.
         for (int s = 0; s < my_steps; ++s)

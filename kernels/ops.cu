@@ -342,8 +342,12 @@ __device__ __forceinline__ void ds4_rope_pair(float* t, ds4_size p, float freq, 
     float s = (float)sin(ang);
     if (inverse) s = -s;
     const float u = t[0], v = t[1];
-    t[0] = u * c - v * s;
-    t[1] = u * s + v * c;
+    // Rounded products, never contracted into FMAs: NVRTC contracts each kernel on its own,
+    // and this rotation is inlined into several (ds4_rope, the head preparation, the fused
+    // out_a input stage of gemv.cu), which must agree bit for bit (docs/gpu.md §10). The
+    // CPU's rotation rounds the same way.
+    t[0] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, s));
+    t[1] = __fadd_rn(__fmul_rn(u, s), __fmul_rn(v, c));
 }
 
 // RoPE: one thread per (row, head, pair). freqs[j], j < rope_dim/2.
@@ -450,8 +454,9 @@ __device__ __forceinline__ void ds4_norm_rope_row(float* xr, const float* w, int
         const float sn = (float)sin(ang);
         float* tp = xr + (width - rope_dim) + 2 * j;
         const float u = tp[0], v = tp[1];
-        tp[0] = u * c - v * sn;
-        tp[1] = u * sn + v * c;
+        // ds4_rope_pair's rounding (no contraction).
+        tp[0] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, sn));
+        tp[1] = __fadd_rn(__fmul_rn(u, sn), __fmul_rn(v, c));
     }
     if (fp8_dims <= 0) return;
     __syncthreads();

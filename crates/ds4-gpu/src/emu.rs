@@ -569,25 +569,102 @@ mod tests {
         }
     }
 
-    /// The several-column Q8_0 GEMV (`ds4_gemv_cols_q_q8_0`, batched decode): for 1 to 8
-    /// columns with padded strides, persistent grids of 1, 3 and the full grid, every
-    /// column's outputs are bit-for-bit the one-token kernel's on that column alone (the
-    /// host relies on it: a batched decode row equals the row decoded alone).
+    /// `ds4_quantize_q8_rows` over `rows` rows of `n_in` floats `row_stride` apart, then
+    /// `ds4_gemv_cols_q_q8_0` over `groups` matrices of `n_out` rows (`group_bytes` apart)
+    /// for `cols` tokens, outputs `y_stride` apart (NaN where nothing was written).
+    #[allow(clippy::too_many_arguments)]
+    fn run_q8_cols(
+        k: &EmuKernels,
+        grid_x: u32,
+        block: u32,
+        (w, group_bytes, groups): (&[u8], usize, usize),
+        (x, row_stride): (&[f32], usize),
+        (n_in, n_out, cols, y_stride): (usize, usize, usize, usize),
+        wpr: u32,
+    ) -> Vec<f32> {
+        let rows = cols * groups;
+        let mut q = vec![0u128; rows * n_in / 16];
+        let mut d = vec![0f32; rows * n_in / 32];
+        let mut s16 = vec![0i32; rows * n_in / 16];
+        let (mut xp, mut rs, mut ni) = (x.as_ptr() as u64, row_stride as u64, n_in as i32);
+        let (mut qp, mut dp, mut sp) = (
+            q.as_mut_ptr() as u64,
+            d.as_mut_ptr() as u64,
+            s16.as_mut_ptr() as u64,
+        );
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut xp as *mut u64).cast(),
+            (&mut rs as *mut u64).cast(),
+            (&mut ni as *mut i32).cast(),
+            (&mut qp as *mut u64).cast(),
+            (&mut dp as *mut u64).cast(),
+            (&mut sp as *mut u64).cast(),
+        ];
+        // SAFETY: x holds `rows` rows of n_in floats row_stride apart; q, d and s16 are sized
+        // for them here; the parameters are the entry point's.
+        unsafe {
+            k.launch(
+                "ds4_quantize_q8_rows",
+                (rows as u32, 1, 1),
+                block,
+                &mut params,
+            )
+        }
+        .unwrap();
+        let mut y = vec![f32::NAN; cols * y_stride];
+        let (mut wp, mut gb, mut yp) =
+            (w.as_ptr() as u64, group_bytes as u64, y.as_mut_ptr() as u64);
+        let (mut qc, mut ys) = (groups as i32, y_stride as u64);
+        let (mut no, mut nc, mut wpr) = (n_out as i32, cols as i32, wpr as i32);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut wp as *mut u64).cast(),
+            (&mut gb as *mut u64).cast(),
+            (&mut qp as *mut u64).cast(),
+            (&mut dp as *mut u64).cast(),
+            (&mut qc as *mut i32).cast(),
+            (&mut yp as *mut u64).cast(),
+            (&mut ys as *mut u64).cast(),
+            (&mut ni as *mut i32).cast(),
+            (&mut no as *mut i32).cast(),
+            (&mut nc as *mut i32).cast(),
+            (&mut wpr as *mut i32).cast(),
+        ];
+        let grid = (grid_x, groups as u32, 1);
+        // SAFETY: w holds `groups` matrices of n_out split-layout rows group_bytes apart, q / d
+        // the quantized rows made above, y cols rows of y_stride; the entry point's parameters.
+        unsafe { k.launch("ds4_gemv_cols_q_q8_0", grid, block, &mut params) }.unwrap();
+        y
+    }
+
+    /// The several-column Q8_0 GEMV (`ds4_gemv_cols_q_q8_0`, batched decode) on inputs
+    /// quantized once (`ds4_quantize_q8_rows`): for 1 to 8 columns with padded strides, one
+    /// matrix or two groups (grid y, `out_a`'s shape), persistent grids of 1, 3 and the full
+    /// grid, every column's outputs are bit-for-bit the one-token kernel's on that column
+    /// alone (the host relies on it: a batched decode row equals the row decoded alone).
     #[test]
     fn q8_0_columns_equal_one_token_each() {
         use crate::kernels::{gemv_launch, q8_0_split_rows, GemvConfig, GemvType};
         let k = EmuKernels::build().unwrap();
         let mut next = xorshift(0xA076_1D64_78BD_642F);
-        for (n_in, n_out, cols) in [
-            (4096usize, 21usize, 8usize),
-            (1024, 64, 3),
-            (8192, 5, 4),
-            (256, 7, 2),
+        for (n_in, n_out, cols, groups) in [
+            (4096usize, 21usize, 8usize, 1usize),
+            (1024, 64, 3, 1),
+            (8192, 5, 4, 1),
+            (256, 7, 2, 1),
+            (2048, 13, 5, 2),
         ] {
-            let (w, _) = random_q8_0(&mut next, n_in, n_out);
+            let (w, _) = random_q8_0(&mut next, n_in, n_out * groups);
             let mut split = w.clone();
             q8_0_split_rows(&mut split, n_in).unwrap();
-            let (xs, ys) = (n_in + 32, n_out + 3);
+            let group_bytes = n_out * n_in / 32 * 34;
+            // One matrix: padded rows; groups: each token's groups follow each other.
+            let xs = if groups == 1 {
+                n_in + 32
+            } else {
+                groups * n_in
+            };
+            let row_stride = if groups == 1 { xs } else { n_in };
+            let ys = groups * n_out + 3;
             let x: Vec<f32> = (0..cols * xs)
                 .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
                 .collect();
@@ -598,44 +675,52 @@ mod tests {
             for target in [1u64, 1 << 20] {
                 let l =
                     gemv_launch(GemvType::Q8_0, cfg, n_in as u64, n_out as u64, target).unwrap();
-                let alone: Vec<Vec<f32>> = (0..cols)
+                // alone[c][g]: column c through matrix g, one token.
+                let alone: Vec<Vec<Vec<f32>>> = (0..cols)
                     .map(|c| {
-                        let xc = &x[c * xs..c * xs + n_in];
-                        run_gemv(
-                            &k,
-                            "ds4_gemv_q_q8_0",
-                            l.grid_x,
-                            l.block,
-                            &split,
-                            xc,
-                            n_out,
-                            l.wpr,
-                        )
+                        (0..groups)
+                            .map(|g| {
+                                let x0 = c * xs + g * n_in;
+                                run_gemv(
+                                    &k,
+                                    "ds4_gemv_q_q8_0",
+                                    l.grid_x,
+                                    l.block,
+                                    &split[g * group_bytes..(g + 1) * group_bytes],
+                                    &x[x0..x0 + n_in],
+                                    n_out,
+                                    l.wpr,
+                                )
+                            })
+                            .collect()
                     })
                     .collect();
                 for grid_x in [1, 3, l.grid_x] {
-                    let y = run_gemv_cols(
+                    let y = run_q8_cols(
                         &k,
-                        "ds4_gemv_cols_q_q8_0",
                         grid_x,
                         l.block,
-                        &split,
-                        (&x, xs),
+                        (&split, group_bytes, groups),
+                        (&x, row_stride),
                         (n_in, n_out, cols, ys),
                         l.wpr,
                     );
-                    for (c, want) in alone.iter().enumerate() {
-                        for (r, v) in want.iter().enumerate() {
-                            assert_eq!(
-                                y[c * ys + r].to_bits(),
-                                v.to_bits(),
-                                "{n_in}x{n_out} col {c} row {r} wpr {} grid {grid_x}: {} vs {v}",
-                                l.wpr,
-                                y[c * ys + r]
-                            );
+                    for (c, per_group) in alone.iter().enumerate() {
+                        for (g, want) in per_group.iter().enumerate() {
+                            for (r, v) in want.iter().enumerate() {
+                                let got = y[c * ys + g * n_out + r];
+                                assert_eq!(
+                                    got.to_bits(),
+                                    v.to_bits(),
+                                    "{n_in}x{n_out} col {c} group {g} row {r} wpr {} grid {grid_x}: {got} vs {v}",
+                                    l.wpr
+                                );
+                            }
                         }
                         assert!(
-                            y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()),
+                            y[c * ys + groups * n_out..c * ys + ys]
+                                .iter()
+                                .all(|v| v.is_nan()),
                             "wrote past the rows"
                         );
                     }

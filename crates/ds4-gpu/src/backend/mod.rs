@@ -230,8 +230,10 @@ pub(crate) struct GemvSet<D: GpuApi> {
     /// Widest input the int8-activation kernels quantize (`ds4_gemvq_max_in`).
     pub(crate) q8_max_in: usize,
     /// The several-column int8 Q8_0 GEMV (`ds4_gemv_cols_q_q8_0`: batched decode reads
-    /// each matrix once for all its tokens).
+    /// each matrix once for all its tokens) and the quantization of its inputs, once per
+    /// matmul (`ds4_quantize_q8_rows`).
     pub(crate) q8_cols: D::Function,
+    pub(crate) q8_quantize_rows: D::Function,
     /// The several-column F32 and F16 GEMVs (`ds4_gemv_cols_f32`, `_f16`).
     pub(crate) plain_cols: [D::Function; 2],
     /// Most columns of every several-column GEMV, and the most codes (columns x inputs)
@@ -313,6 +315,7 @@ impl<D: GpuApi> GemvSet<D> {
         let f16_router = dev.function(&module, "ds4_gemv_router_f16")?;
         let q8_grouped_rope = dev.function(&module, "ds4_gemv_grouped_rope_q_q8_0")?;
         let q8_cols = dev.function(&module, "ds4_gemv_cols_q_q8_0")?;
+        let q8_quantize_rows = dev.function(&module, "ds4_quantize_q8_rows")?;
         let plain_cols = [
             dev.function(&module, "ds4_gemv_cols_f32")?,
             dev.function(&module, "ds4_gemv_cols_f16")?,
@@ -332,6 +335,7 @@ impl<D: GpuApi> GemvSet<D> {
             f16_router,
             q8_max_in: usize::try_from(max_in).unwrap_or(0),
             q8_cols,
+            q8_quantize_rows,
             plain_cols,
             cols_max: usize::try_from(cols_max).unwrap_or(0),
             q8_cols_codes: usize::try_from(cols_codes).unwrap_or(0),

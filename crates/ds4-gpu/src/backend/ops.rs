@@ -149,8 +149,24 @@ struct MoeTiles {
 /// activations, or the plain one (0: F32, 1: F16).
 #[derive(Debug, Clone, Copy)]
 enum ColumnsKernel {
-    Q8_0,
     Plain(usize),
+}
+
+/// Decode rows of a Q8_0 matrix (or of `groups` matrices of `n_out` rows, `group_bytes`
+/// apart, group g reading inputs g·n_in.. of each token and writing outputs g·n_out..) for
+/// the several-column kernel. Addresses are device addresses; strides are in floats.
+#[derive(Debug, Clone, Copy)]
+struct ColsQ8 {
+    w: u64,
+    group_bytes: usize,
+    groups: usize,
+    n_in: usize,
+    n_out: usize,
+    x: u64,
+    x_stride: usize,
+    n_tok: usize,
+    y: u64,
+    y_stride: usize,
 }
 
 /// A matmul over rows `row0..row0+n_rows` of a quantized matrix at `w` (device address).
@@ -620,21 +636,12 @@ impl<D: GpuApi> GpuBackend<D> {
         )
     }
 
-    /// One-token matmul with int8 activations: the staged kernel when rows are 16-byte
-    /// aligned, else the any-alignment one.
     /// Queues `m` (several decode rows of a Q8_0 matrix) through the several-column int8
     /// GEMV in groups of at most `cols_max` tokens; false (nothing queued) when the
     /// shape or alignment does not suit it. The warps per row are the one-token launch's,
     /// so every row is summed exactly as [`Self::mm_q8`] sums it alone.
     fn mm_q8_cols(&mut self, m: Mm, op: &'static str) -> BResult<bool> {
-        if m.ty != GgmlType::Q8_0 || m.cols > self.gemv.q8_max_in || !m.cols.is_multiple_of(32) {
-            return Ok(false);
-        }
-        let per = self
-            .gemv
-            .cols_max
-            .min(self.gemv.q8_cols_codes / m.cols.max(1));
-        if per < 2 {
+        if m.ty != GgmlType::Q8_0 {
             return Ok(false);
         }
         let Ok(l) = self
@@ -643,11 +650,93 @@ impl<D: GpuApi> GpuBackend<D> {
         else {
             return Ok(false);
         };
-        let Some(wbase) = m.columns_base(&l) else {
+        let Some(w) = m.columns_base(&l) else {
             return Ok(false);
         };
-        let grid = self.gemv.q8_grid_x(l.grid_x, 1);
-        self.launch_column_groups(ColumnsKernel::Q8_0, grid, &l, wbase, m, per, op)?;
+        let c = ColsQ8 {
+            w,
+            group_bytes: 0,
+            groups: 1,
+            n_in: m.cols,
+            n_out: m.n_rows,
+            x: m.x,
+            x_stride: m.x_stride,
+            n_tok: m.n_tok,
+            y: m.y,
+            y_stride: m.y_stride,
+        };
+        self.q8_cols(c, &l, op)
+    }
+
+    /// Queues `c` through `ds4_quantize_q8_rows` (every input row quantized once) and the
+    /// several-column Q8_0 GEMV in groups of at most `cols_max` tokens, launched as `l`
+    /// (the one-token launch's warps per row); false (nothing queued) when the shape does not
+    /// suit it: inputs wider than the kernel's shared memory takes for two tokens or not a
+    /// multiple of 32, or a group's inputs not following each other.
+    fn q8_cols(&mut self, c: ColsQ8, l: &GemvLaunch, op: &'static str) -> BResult<bool> {
+        let n_in = c.n_in;
+        let per = self
+            .gemv
+            .cols_max
+            .min(self.gemv.q8_cols_codes / n_in.max(1));
+        if per < 2
+            || n_in > self.gemv.q8_max_in
+            || !n_in.is_multiple_of(32)
+            || c.groups == 0
+            || (c.groups > 1 && c.x_stride != c.groups * n_in)
+        {
+            return Ok(false);
+        }
+        // Rows (token, group): contiguous when grouped, else x_stride apart.
+        let rows = c.n_tok * c.groups;
+        let row_stride = if c.groups > 1 { n_in } else { c.x_stride };
+        let q = self.scratch("q8c_codes", rows * n_in)?;
+        let d = self.scratch("q8c_scales", 4 * rows * (n_in / 32))?;
+        let s16 = self.scratch("q8c_sums", 4 * rows * (n_in / 16))?;
+        self.launch_fn(
+            &self.gemv.q8_quantize_rows,
+            "quantize_q8_rows",
+            (g32(rows), 1, 1),
+            l.block,
+            &[
+                Arg::Ptr(c.x),
+                u(row_stride),
+                i32a(op, "cols", n_in)?,
+                Arg::Ptr(q),
+                Arg::Ptr(d),
+                Arg::Ptr(s16),
+            ],
+        )?;
+        let grid = (
+            self.gemv.q8_grid_x(l.grid_x, g32(c.groups)),
+            g32(c.groups),
+            1,
+        );
+        let mut t = 0;
+        while t < c.n_tok {
+            let n = per.min(c.n_tok - t);
+            let first = t * c.groups;
+            self.launch_fn(
+                &self.gemv.q8_cols,
+                "gemvq_cols_q8_0",
+                grid,
+                l.block,
+                &[
+                    Arg::Ptr(c.w),
+                    u(c.group_bytes),
+                    Arg::Ptr(q + (first * n_in) as u64),
+                    Arg::Ptr(d + (4 * first * (n_in / 32)) as u64),
+                    i32a(op, "groups", c.groups)?,
+                    Arg::Ptr(c.y + (4 * t * c.y_stride) as u64),
+                    u(c.y_stride),
+                    i32a(op, "cols", n_in)?,
+                    i32a(op, "rows", c.n_out)?,
+                    i32a(op, "tokens", n)?,
+                    Arg::I32(l.wpr as i32),
+                ],
+            )?;
+            t += n;
+        }
         Ok(true)
     }
 
@@ -682,8 +771,7 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(true)
     }
 
-    /// Launches `m`'s tokens through a several-column GEMV in groups of at most `per`
-    /// (both several-column kernels take the same arguments).
+    /// Launches `m`'s tokens through a several-column plain GEMV in groups of at most `per`.
     #[allow(clippy::too_many_arguments)]
     fn launch_column_groups(
         &self,
@@ -696,7 +784,6 @@ impl<D: GpuApi> GpuBackend<D> {
         op: &'static str,
     ) -> BResult<()> {
         let (f, label) = match k {
-            ColumnsKernel::Q8_0 => (&self.gemv.q8_cols, "gemvq_cols_q8_0"),
             ColumnsKernel::Plain(0) => (&self.gemv.plain_cols[0], "gemv_cols_f32"),
             ColumnsKernel::Plain(i) => (&self.gemv.plain_cols[i], "gemv_cols_f16"),
         };
@@ -1035,6 +1122,29 @@ impl<D: GpuApi> GpuBackend<D> {
             );
         }
         let copies = if one_launch { groups as u64 } else { 1 };
+        // Decode rows of a Q8_0 out_a: every group in one several-column launch per 8 tokens
+        // (grid y = group) with that one-token launch's warps per row.
+        if n_tok > 1 && one_launch && self.q8_rows(n_tok) && ty == GgmlType::Q8_0 {
+            if let Ok(l) = self.gemv.q8_launch(GemvType::Q8_0, cols, r, copies) {
+                if l.row_bytes as usize == row_bytes && (r * row_bytes).is_multiple_of(16) {
+                    let c = ColsQ8 {
+                        w: wp,
+                        group_bytes: r * row_bytes,
+                        groups,
+                        n_in: cols,
+                        n_out: r,
+                        x: xp,
+                        x_stride: groups * cols,
+                        n_tok,
+                        y: yp,
+                        y_stride: rows,
+                    };
+                    if self.q8_cols(c, &l, OP)? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
         for g in 0..groups {
             self.mm(
                 Mm {

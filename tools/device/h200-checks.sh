@@ -256,7 +256,7 @@ if ! skip batch; then
     grep -E "cuda|PASSED|FAIL|failed" "$OUT/batch_check.log" | head -12
     # --profile: each batch size's device time per step by section and kernel (what an
     # added sequence costs).
-    timeout 400 ds4-bench --synthetic q2 --frontiers 512 --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} \
+    timeout 400 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} \
         --profile ${BATCH_PROFILE:-2} > "$OUT/batch.log" 2>&1
     grep -E "^batch|^profile batch|rror" "$OUT/batch.log"
 fi

@@ -667,20 +667,10 @@ fn profile_decode(
         eprintln!("profile: this backend has no device-time attribution");
         return Ok(());
     }
-    eng.backend_mut().take_profile()?; // drop anything recorded before
-    let mut wall = 0.0;
-    let mut rows = ProfileRows::default();
-    let mut device = 0.0;
-    for _ in 0..n {
-        let t = Instant::now();
+    let (rows, device, wall) = profiled_passes(eng, n, |eng| {
         *next = eng.eval_argmax(st, &[*next])?;
-        wall += t.elapsed().as_secs_f64() * 1e3;
-        if let Some((r, ms)) = eng.backend_mut().take_profile()? {
-            device += ms;
-            add_profile_rows(&mut rows, r);
-        }
-    }
-    eng.backend_mut().set_profiling(false)?;
+        Ok(())
+    })?;
     let per = n as f64;
     eprintln!(
         "profile @{frontier} ({n} tokens): device {:.3} ms/token, host wall {:.3} ms/token \
@@ -740,19 +730,11 @@ fn batch_decode(
     );
     // Then `profile` more steps with device-time attribution (what an added sequence costs).
     if profile > 0 && eng.backend_mut().set_profiling(true)? {
-        eng.backend_mut().take_profile()?;
-        let (mut rows, mut device, mut wall) = (ProfileRows::default(), 0.0, 0.0);
-        for _ in 0..profile {
-            let t = Instant::now();
+        let (rows, device, wall) = profiled_passes(eng, profile, |eng| {
             let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
             next = eng.eval_batch_argmax(&mut refs, &next)?;
-            wall += t.elapsed().as_secs_f64() * 1e3;
-            if let Some((r, ms)) = eng.backend_mut().take_profile()? {
-                device += ms;
-                add_profile_rows(&mut rows, r);
-            }
-        }
-        eng.backend_mut().set_profiling(false)?;
+            Ok(())
+        })?;
         let per = profile as f64;
         eprintln!(
             "profile batch {b} ({profile} steps): device {:.3} ms/step, host wall {:.3} ms/step",
@@ -803,6 +785,29 @@ fn profile_prefill(eng: &mut Engine, n: usize, seed: u64) -> Result<()> {
 
 /// Attribution rows summed by (section, kernel).
 type ProfileRows = std::collections::HashMap<(&'static str, &'static str), (u64, f64)>;
+
+/// Runs `pass` `n` times with attribution on (the caller turned it on), then turns it off:
+/// the rows summed by (section, kernel), the device milliseconds and the host's wall
+/// milliseconds of the passes.
+fn profiled_passes(
+    eng: &mut Engine,
+    n: usize,
+    mut pass: impl FnMut(&mut Engine) -> Result<()>,
+) -> Result<(ProfileRows, f64, f64)> {
+    eng.backend_mut().take_profile()?; // drop anything recorded before
+    let (mut rows, mut device, mut wall) = (ProfileRows::default(), 0.0, 0.0);
+    for _ in 0..n {
+        let t = Instant::now();
+        pass(eng)?;
+        wall += t.elapsed().as_secs_f64() * 1e3;
+        if let Some((r, ms)) = eng.backend_mut().take_profile()? {
+            device += ms;
+            add_profile_rows(&mut rows, r);
+        }
+    }
+    eng.backend_mut().set_profiling(false)?;
+    Ok((rows, device, wall))
+}
 
 /// Adds one pass's attribution to `rows`.
 fn add_profile_rows(rows: &mut ProfileRows, r: Vec<ds4_engine::backend::ProfileRow>) {

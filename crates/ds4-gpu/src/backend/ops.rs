@@ -145,13 +145,6 @@ struct MoeTiles {
     n_exp: usize,
 }
 
-/// Which several-column GEMV [`GpuBackend::launch_column_groups`] launches: Q8_0 on int8
-/// activations, or the plain one (0: F32, 1: F16).
-#[derive(Debug, Clone, Copy)]
-enum ColumnsKernel {
-    Plain(usize),
-}
-
 /// Decode rows of a Q8_0 matrix (or of `groups` matrices of `n_out` rows, `group_bytes`
 /// apart, group g reading inputs g·n_in.. of each token and writing outputs g·n_out..) for
 /// the several-column kernel. Addresses are device addresses; strides are in floats.
@@ -767,25 +760,26 @@ impl<D: GpuApi> GpuBackend<D> {
         if per == 0 {
             return Ok(false);
         }
-        self.launch_column_groups(ColumnsKernel::Plain(idx), l.grid_x, &l, wbase, m, per, op)?;
+        self.launch_column_groups(idx, &l, wbase, m, per, op)?;
         Ok(true)
     }
 
-    /// Launches `m`'s tokens through a several-column plain GEMV in groups of at most `per`.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches `m`'s tokens through the several-column plain GEMV `idx` (0: F32, 1: F16)
+    /// in groups of at most `per`, as `l`.
     fn launch_column_groups(
         &self,
-        k: ColumnsKernel,
-        grid_x: u32,
+        idx: usize,
         l: &GemvLaunch,
         wbase: u64,
         m: Mm,
         per: usize,
         op: &'static str,
     ) -> BResult<()> {
-        let (f, label) = match k {
-            ColumnsKernel::Plain(0) => (&self.gemv.plain_cols[0], "gemv_cols_f32"),
-            ColumnsKernel::Plain(i) => (&self.gemv.plain_cols[i], "gemv_cols_f16"),
+        let f = &self.gemv.plain_cols[idx];
+        let label = if idx == 0 {
+            "gemv_cols_f32"
+        } else {
+            "gemv_cols_f16"
         };
         let mut t = 0;
         while t < m.n_tok {
@@ -793,7 +787,7 @@ impl<D: GpuApi> GpuBackend<D> {
             self.launch_fn(
                 f,
                 label,
-                (grid_x, 1, 1),
+                (l.grid_x, 1, 1),
                 l.block,
                 &[
                     Arg::Ptr(wbase),

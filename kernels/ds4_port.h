@@ -238,6 +238,17 @@ __device__ __forceinline__ void ds4_ldmatrix_x4(ds4_u32* r, const ds4_u16* p) {
 // Dynamic shared memory: `bytes` (at most) sized at launch, so a kernel may use more than
 // the 48 KB of static shared memory (the host raises the function's limit first).
 #define DS4_DYN_SHARED(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+// Bytes of dynamic shared memory this launch was given (0 where the runtime gives none),
+// so that a kernel can fall back instead of reading past them.
+#if !defined(DS4_HIP) && defined(__CUDA_ARCH__)
+__device__ __forceinline__ unsigned ds4_dynamic_smem_bytes() {
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+#else
+__device__ __forceinline__ unsigned ds4_dynamic_smem_bytes() { return 0; }
+#endif
 
 // Programmatic dependent launch (docs/gpu.md, "Overlapped launches"). On sm_90 the host may
 // launch a kernel while the previous one in the stream is still running; the kernel must

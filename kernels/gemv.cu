@@ -174,6 +174,12 @@ struct Ds4Tables {
     const ds4_u8* signs;
     // IQ2_XXS sign patterns as byte masks (0xFF per negated byte), for the int8 unit.
     const ds4_u64* smask;
+    // Entry i of the grid is grid[i * gstride]: 1 for one shared table, the number of
+    // copies where every lane reads a copy of its own (the int8 unit, below).
+    int gstride = 1;
+    // False when the launch lacked the dynamic shared memory the tables need: the engine
+    // then reads no table and writes NaN rows (a missing size shows, never a wrong sum).
+    bool ok = true;
 };
 
 // The input vector quantized to int8 blocks (docs: int8 activations): per 32 values a
@@ -1096,35 +1102,82 @@ struct Ds4Q4Kx : Ds4Q4K {
 // (8 values) read the group's scale and sign word once per 8 values (the routed gate/up
 // GEMV issue-bound: ncu 31.8 µs for 26 MB on the H200); here once per 32. A grid byte (8,
 // 25 or 43, never 0) takes its sign as (g ^ m) + (m & 1) per byte with m = 0xFF to negate:
-// 255 - g + 1 = 256 - g stays inside the byte, so one 32-bit add does four bytes. The byte
-// masks come from the 7-bit sign index either through the 128-byte sign table and two
-// multiplies (default: that table sits in 32 banks, conflict-free) or, with
-// -DDS4_IQ2_MASK_TABLE=1, from a 128-entry table of 64-bit masks (measured slower: 35.9 µs
-// against 31.8, random 64-bit shared loads conflict).
-#ifndef DS4_IQ2_MASK_TABLE
-#define DS4_IQ2_MASK_TABLE 0
+// 255 - g + 1 = 256 - g stays inside the byte, so one 32-bit add does four bytes.
+//
+// Tables (docs/gpu.md §20). A warp's 32 grid lookups hit random entries of one 2 KB table:
+// a 64-bit shared load then replays over colliding bank pairs (≈ 6 wavefronts instead of
+// 2), and ncu put the routed gate/up GEMV's L1/shared pipe at 75 % busy with DRAM at 27 %
+// (H100, 2026-12-06). So each table is kept in C lane-private copies interleaved entry by
+// entry (entry e of copy c at e·C + c) and lane l reads copy l mod C: the 16 lanes of a
+// half-warp touch 16 different bank pairs whatever entries they want, and with C = 16 every
+// lookup is conflict-free. That also makes a 64-bit byte-mask table (128 sign patterns)
+// cheaper than forming the masks from the 128-byte sign table with two multiplies per four
+// bytes (in one shared copy it had measured slower: 35.9 µs against 31.8, conflicts). The
+// copies live in dynamic shared memory (48 KB with C = 16: grid, then masks), which the host
+// passes at launch (ds4_gemvq_iq2_smem); a launch given less reads no table and writes NaN
+// rows (one kernel body: a pointer chosen between a static and a dynamic table turned every
+// table load into a generic one). HIP keeps one static table (its runtime here passes no
+// dynamic shared memory); -DDS4_IQ2_GRID_COPIES=1 does the same on CUDA.
+#ifndef DS4_IQ2_GRID_COPIES
+#if defined(DS4_HIP)
+#define DS4_IQ2_GRID_COPIES 1
+#else
+#define DS4_IQ2_GRID_COPIES 16
 #endif
+#endif
+#ifndef DS4_IQ2_MASK_TABLE
+#define DS4_IQ2_MASK_TABLE (DS4_IQ2_GRID_COPIES > 1)
+#endif
+#define DS4_IQ2_GRID_SMEM \
+    (DS4_IQ2_GRID_COPIES > 1 ? (256 + (DS4_IQ2_MASK_TABLE ? 128 : 0)) * 8 * DS4_IQ2_GRID_COPIES : 0)
+static_assert((DS4_IQ2_GRID_COPIES & (DS4_IQ2_GRID_COPIES - 1)) == 0 &&
+                  DS4_IQ2_GRID_COPIES <= DS4_WARP,
+              "grid copies: a power of two, at most a warp");
+// {dynamic shared bytes the int8-activation IQ2_XXS GEMVs want, copies}, read by the host
+// after loading.
+extern "C" __device__ const int ds4_gemvq_iq2_smem[2] = {DS4_IQ2_GRID_SMEM, DS4_IQ2_GRID_COPIES};
 // Four sign bits (bit e: negate byte e) to the byte mask 0x00/0xFF per byte: the multiply
 // by 1 + 2^7 + 2^14 + 2^21 moves bit e to bit 8e with no two partial products meeting.
 __device__ __forceinline__ ds4_u32 ds4_sign_mask4(ds4_u32 bits4) {
     return ((bits4 * 0x00204081u) & 0x01010101u) * 0xffu;
 }
+__device__ __forceinline__ ds4_u64 ds4_sign_mask8(ds4_u32 sg) {
+    return (ds4_u64)ds4_sign_mask4(sg & 15u) | ((ds4_u64)ds4_sign_mask4(sg >> 4) << 32);
+}
 struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
     static constexpr int UPB = 8;
     __device__ static Ds4Tables prologue() {
-        __shared__ ds4_u64 grid[256];
         __shared__ ds4_u8 signs[128];
+#if DS4_IQ2_GRID_COPIES > 1
+        constexpr int C = DS4_IQ2_GRID_COPIES;
+        DS4_DYN_SHARED(ds4_iq2_tables, DS4_IQ2_GRID_SMEM);
+        ds4_u64* grid = (ds4_u64*)ds4_iq2_tables;
+        ds4_u64* smask = grid + 256 * C;
+        const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_GRID_SMEM;
+        if (given) {
+            for (int i = threadIdx.x; i < 256 * C; i += DS4_GEMV_THREADS)
+                grid[i] = ds4_iq2xxs_grid[i / C];
+            if (DS4_IQ2_MASK_TABLE)
+                for (int i = threadIdx.x; i < 128 * C; i += DS4_GEMV_THREADS)
+                    smask[i] = ds4_sign_mask8(ds4_iq2xxs_ksigns[i / C]);
+        }
+        for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS)
+            signs[i] = (ds4_u8)ds4_iq2xxs_ksigns[i];
+        __syncthreads();
+        const int c = threadIdx.x & (C - 1);
+        return Ds4Tables{grid + c, signs, smask + c, C, given};
+#else
+        __shared__ ds4_u64 grid[256];
         __shared__ ds4_u64 smask[DS4_IQ2_MASK_TABLE ? 128 : 1];
         for (int i = threadIdx.x; i < 256; i += DS4_GEMV_THREADS) grid[i] = ds4_iq2xxs_grid[i];
         for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS) {
             const ds4_u32 sg = ds4_iq2xxs_ksigns[i];
             signs[i] = (ds4_u8)sg;
-            if (DS4_IQ2_MASK_TABLE)
-                smask[i] = (ds4_u64)ds4_sign_mask4(sg & 15u) |
-                           ((ds4_u64)ds4_sign_mask4(sg >> 4) << 32);
+            if (DS4_IQ2_MASK_TABLE) smask[i] = ds4_sign_mask8(sg);
         }
         __syncthreads();
-        return Ds4Tables{grid, signs, smask};
+        return Ds4Tables{grid, signs, smask, 1};
+#endif
     }
     template <int R, int CB>
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables tb,
@@ -1144,13 +1197,16 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
             const ds4_u32 w1 = (ds4_u32)ds4_ld_w4(gp + 4);
             const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
             int is = 0;
+            // Entries are 8 · gstride bytes apart (this lane's copy, docs/gpu.md §20).
+            const unsigned es = 8u * (unsigned)tb.gstride;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const ds4_u64 gv = tb.grid[(aux >> (8 * k)) & 255u];
+                const ds4_u64 gv =
+                    *(const ds4_u64*)((const ds4_u8*)tb.grid + ((aux >> (8 * k)) & 255u) * es);
                 const ds4_u32 si = (w1 >> (7 * k)) & 127u;
                 ds4_u32 mlo, mhi;
                 if (DS4_IQ2_MASK_TABLE) {
-                    const ds4_u64 m = tb.smask[si];
+                    const ds4_u64 m = *(const ds4_u64*)((const ds4_u8*)tb.smask + si * es);
                     mlo = (ds4_u32)m;
                     mhi = (ds4_u32)(m >> 32);
                 } else {
@@ -1194,7 +1250,7 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, co
     int* const xs = xbuf.s16;
     const Ds4Tables tb = T::prologue();
     const bool fits = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
-    ok = ok && fits;
+    ok = ok && fits && tb.ok;
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int part = warp % wpr;

@@ -131,6 +131,8 @@ static inline float ds4_shfl_up(float v, int delta) {
 static inline void ds4_syncwarp() { ds4emu_warp_barrier(); }
 // Dynamic shared memory: a block's static array of the kernel's largest size.
 #define DS4_DYN_SHARED(name, bytes) static __attribute__((aligned(16))) unsigned char name[bytes]
+// Every dynamic shared array is its full static size here, whatever the launch asked.
+static inline unsigned ds4_dynamic_smem_bytes() { return 0xffffffffu; }
 // Programmatic dependent launch: kernels run one after another here, nothing to wait for.
 static inline void ds4_grid_wait() {}
 

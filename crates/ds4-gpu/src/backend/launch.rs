@@ -103,6 +103,18 @@ impl<D: GpuApi> GpuBackend<D> {
         self.launch_params(f, name, grid, (block, 0), args, None)
     }
 
+    /// [`Self::launch_fn`] with `smem` bytes of dynamic shared memory.
+    pub(crate) fn launch_fn_smem(
+        &self,
+        f: &D::Function,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        (block, smem): (u32, u32),
+        args: &[Arg],
+    ) -> BResult<()> {
+        self.launch_params(f, name, grid, (block, smem), args, None)
+    }
+
     fn launch_params(
         &self,
         f: &D::Function,

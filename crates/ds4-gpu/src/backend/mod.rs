@@ -243,6 +243,10 @@ pub(crate) struct GemvSet<D: GpuApi> {
     configs: Vec<GemvConfig>,
     target_warps: u64,
     sms: u64,
+    /// Dynamic shared memory of the int8-activation IQ2_XXS launches: the grid's
+    /// lane-private copies (`ds4_gemvq_iq2_smem`, docs/gpu.md §20); 0 where the runtime
+    /// gives none (the kernels then read one shared table).
+    iq2_smem: u32,
 }
 
 fn gemv_index(ty: GemvType) -> usize {
@@ -322,6 +326,11 @@ impl<D: GpuApi> GemvSet<D> {
         ];
         let [cols_max, cols_codes] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_max")?;
         let [max_in, _] = dev.read_i32x2_global(&module, "ds4_gemvq_max_in")?;
+        let [iq2_smem, _] = dev.read_i32x2_global(&module, "ds4_gemvq_iq2_smem")?;
+        let iq2_smem = u32::try_from(iq2_smem)
+            .ok()
+            .filter(|&b| b <= dev.max_dynamic_smem())
+            .unwrap_or(0);
         Ok(GemvSet {
             _module: module,
             plain,
@@ -342,6 +351,7 @@ impl<D: GpuApi> GemvSet<D> {
             configs,
             target_warps: sms * WARPS_PER_SM_TARGET,
             sms,
+            iq2_smem,
         })
     }
 
@@ -351,6 +361,15 @@ impl<D: GpuApi> GemvSet<D> {
     pub(crate) fn q8_grid_x(&self, full: u32, others: u32) -> u32 {
         let wave = (self.sms * Q8_RESIDENT_BLOCKS).div_ceil(u64::from(others.max(1)));
         full.min(u32::try_from(wave.max(1)).unwrap_or(u32::MAX))
+    }
+
+    /// Dynamic shared memory to launch the int8-activation GEMVs of `ty` with.
+    pub(crate) fn q8_smem(&self, ty: GemvType) -> u32 {
+        if ty == GemvType::Iq2Xxs {
+            self.iq2_smem
+        } else {
+            0
+        }
     }
 
     pub(crate) fn function(&self, ty: GemvType) -> &D::Function {

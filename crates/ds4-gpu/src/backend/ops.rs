@@ -826,11 +826,11 @@ impl<D: GpuApi> GpuBackend<D> {
                 && wbase.is_multiple_of(16)
                 && m.x.is_multiple_of(16)
             {
-                return self.launch_fn(
+                return self.launch_fn_smem(
                     f,
                     gty.label_q8(false),
                     (self.gemv.q8_grid_x(l.grid_x, 1), 1, 1),
-                    l.block,
+                    (l.block, self.gemv.q8_smem(gty)),
                     &[
                         Arg::Ptr(wbase),
                         Arg::Ptr(m.x),
@@ -2882,11 +2882,11 @@ impl<D: GpuApi> GpuBackend<D> {
         {
             return Ok(false);
         }
-        self.launch_fn(
+        self.launch_fn_smem(
             f,
             gt.label_q8(true),
             (self.gemv.q8_grid_x(l.grid_x, g32(n_sel)), g32(n_sel), 1),
-            l.block,
+            (l.block, self.gemv.q8_smem(gt)),
             &[
                 Arg::Ptr(w),
                 u(expert_bytes),
@@ -3091,20 +3091,21 @@ impl<D: GpuApi> GpuBackend<D> {
                 ),
             });
         }
-        let (f, label, grid_x) = match q8f {
+        let (f, label, grid_x, smem) = match q8f {
             Some((_, gf)) => (
                 gf,
                 g.label_q8(true),
                 self.gemv
                     .q8_grid_x(l.grid_x, g32(n_sel).saturating_mul(mats)),
+                self.gemv.q8_smem(g),
             ),
-            None => (self.gemv.grouped_function(g), g.label(true), l.grid_x),
+            None => (self.gemv.grouped_function(g), g.label(true), l.grid_x, 0),
         };
-        self.launch_fn(
+        self.launch_fn_smem(
             f,
             label,
             (grid_x, g32(n_sel), mats),
-            l.block,
+            (l.block, smem),
             &[
                 Arg::Ptr(w.0),
                 Arg::Ptr(w.1.unwrap_or(w.0)),

@@ -240,8 +240,8 @@ pub struct CudaFunction {
     pub(crate) module: Arc<ModuleInner>,
     pub(crate) func: sys::CUfunction,
     pub name: String,
-    /// Dynamic shared memory the function's limit was raised to (0: the default 48 KiB;
-    /// shared by clones: the limit belongs to the driver's function).
+    /// Dynamic shared memory the function's limit was raised to (0: never raised; shared
+    /// by clones: the limit belongs to the driver's function).
     smem_allowed: Arc<std::sync::atomic::AtomicU32>,
 }
 
@@ -439,9 +439,9 @@ impl CudaFunction {
         unsafe { self.launch_smem(grid, block, 0, params) }
     }
 
-    /// [`Self::launch`] with `smem` bytes of dynamic shared memory; above the 48 KiB every
-    /// kernel may take, the function's limit is raised first (the device must have them:
-    /// the caller checks against the device's opt-in maximum).
+    /// [`Self::launch`] with `smem` bytes of dynamic shared memory; the function's limit is
+    /// raised to it first (the device must have them: the caller checks against the
+    /// device's opt-in maximum).
     ///
     /// # Safety
     /// As [`Self::launch`].
@@ -455,7 +455,9 @@ impl CudaFunction {
         let ctx = &self.module.ctx;
         ctx.bind()?;
         use std::sync::atomic::Ordering;
-        if smem > 48 * 1024 && smem > self.smem_allowed.load(Ordering::Relaxed) {
+        // Static and dynamic shared memory together may not pass 48 KiB without the raise,
+        // so any dynamic amount above what was allowed raises it (once per size).
+        if smem > 0 && smem > self.smem_allowed.load(Ordering::Relaxed) {
             // SAFETY: valid function handle of the bound context; a plain attribute write.
             check(
                 unsafe {

@@ -515,6 +515,110 @@ ds4_norm_rope2(float* xa, const float* wa, int heads_a, int fp8_a, int rows_a, f
     }
 }
 
+// ds4_rms_scale as a block of 256 threads computes it, by one warp over a row in shared
+// memory: lane l takes the partial sums of the virtual threads l, l + 32, ..., l + 224 in the
+// block's loop order, each virtual warp's shuffle tree runs on the real lanes of the same
+// numbers, and the eight warp sums are combined as ds4_block_sum_d's second stage combines
+// them (lanes past the warp count add 0.0). Same pairs in the same order: the same scale bit
+// for bit, with no block barrier.
+__device__ __forceinline__ float ds4_rms_scale_warp_as256(const float* v, int n, float eps) {
+    constexpr int B = 256, J = B / DS4_WARP;
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+    double r = 0.0;
+#pragma unroll 1
+    for (int j = 0; j < J; j++) {
+        double p[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+        int i = lane + DS4_WARP * j;
+        for (; i + 7 * B < n; i += 8 * B) {
+            float x[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) x[u] = v[i + u * B];
+#pragma unroll
+            for (int u = 0; u < 8; u++) p[u] += (double)x[u] * (double)x[u];
+        }
+        for (; i < n; i += B) p[0] += (double)v[i] * (double)v[i];
+        double ss = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) ss += ds4_shfl_xor_d(ss, m);
+        if (lane == j) r = ss;
+    }
+#pragma unroll
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) r += ds4_shfl_xor_d(r, m);
+    return (float)(1.0 / sqrt(r / (double)n + (double)eps));
+}
+
+// Widest row ds4_norm_rope2_warps takes (its shared memory: one row per warp).
+#define DS4_NRW_MAX 1024
+extern "C" __device__ const int ds4_norm_rope_warps_max[2] = {DS4_NRW_MAX, 0};
+
+// ds4_norm_rope2 with one warp per row instead of a block (prefill: 2048 tokens give
+// 133,120 rows of 512). A block per row kept one row's work on 256 threads with four block
+// barriers and the rotation's double-precision sin/cos on one warp while seven waited: at
+// 2048 tokens the launch took ≈ 0.51 ms (H100, 5 % of a layer's prefill), ≈ 3× its memory
+// time. Here each warp copies its row into shared memory, normalizes it with the block
+// kernel's scale (ds4_rms_scale_warp_as256: the same bits), rotates, rounds through FP8 and
+// writes it back, synchronizing only itself: the same expressions in the same order as
+// ds4_norm_rope_row, so the same values bit for bit (docs/gpu.md §21). Rows r < rows_a are
+// x_a's, the rest up to rows x_b's; blocks of 256 threads take 8 rows; width <= DS4_NRW_MAX.
+extern "C" __global__ void __launch_bounds__(256)
+ds4_norm_rope2_warps(float* xa, const float* wa, int heads_a, int fp8_a, int rows_a, float* xb,
+                     const float* wb, int heads_b, int fp8_b, int width, float eps,
+                     const float* freqs, int rope_dim, ds4_size pos0, ds4_size pos_step,
+                     const int* row_pos, float* ring_b, ds4_size slot, int rows) {
+    ds4_grid_wait();
+    __shared__ __align__(16) float rows_sh[256 / DS4_WARP][DS4_NRW_MAX];
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+    const int r = (int)blockIdx.x * (256 / DS4_WARP) + warp;
+    if (r >= rows || width > DS4_NRW_MAX) return;  // no block barrier below
+    const bool first = r < rows_a;
+    const ds4_size row = first ? (ds4_size)r : (ds4_size)(r - rows_a);
+    const ds4_size p = ds4_row_pos(row_pos, row / (first ? heads_a : heads_b), pos0, pos_step);
+    float* const x = (first ? xa : xb) + row * width;
+    const float* const w = first ? wa : wb;
+    const int fp8_dims = first ? fp8_a : fp8_b;
+    float* const v = rows_sh[warp];
+    for (int i = lane; i < width; i += DS4_WARP) v[i] = x[i];
+    ds4_syncwarp();
+    // ds4_rms_norm_row: (x · s) · w.
+    const float s = ds4_rms_scale_warp_as256(v, width, eps);
+    for (int i = lane; i < width; i += DS4_WARP) {
+        const float a = v[i] * s;
+        v[i] = w ? a * w[i] : a;
+    }
+    ds4_syncwarp();
+    const int half = rope_dim / 2;
+    for (int j = lane; j < half; j += DS4_WARP) {
+        const double ang = (double)((float)p * freqs[j]);
+        const float c = (float)cos(ang);
+        const float sn = (float)sin(ang);
+        float* tp = v + (width - rope_dim) + 2 * j;
+        const float u = tp[0], q = tp[1];
+        tp[0] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(q, sn));
+        tp[1] = __fadd_rn(__fmul_rn(u, sn), __fmul_rn(q, c));
+    }
+    ds4_syncwarp();
+    const int n_blk = fp8_dims > 0 ? (fp8_dims + 63) / 64 : 0;
+    for (int b = 0; b < n_blk; b++) {
+        const int b0 = b * 64;
+        const int len = min(64, fp8_dims - b0);
+        float* q = v + b0;
+        const int i0 = lane, i1 = lane + DS4_WARP;
+        const float a0 = i0 < len ? q[i0] : 0.0f;
+        const float a1 = i1 < len ? q[i1] : 0.0f;
+        float amax = fmaxf(fabsf(a0), fabsf(a1));
+#pragma unroll
+        for (int m = DS4_WARP / 2; m > 0; m >>= 1) amax = fmaxf(amax, ds4_shfl_xor(amax, m));
+        amax = fmaxf(amax, 1e-4f);
+        const float sc = ds4_pow2_ceil(amax * (1.0f / 448.0f));
+        if (i0 < len) q[i0] = sc * ds4_e4m3_round(fminf(fmaxf(a0 / sc, -448.0f), 448.0f));
+        if (i1 < len) q[i1] = sc * ds4_e4m3_round(fminf(fmaxf(a1 / sc, -448.0f), 448.0f));
+    }
+    ds4_syncwarp();
+    for (int i = lane; i < width; i += DS4_WARP) x[i] = v[i];
+    if (!first && ring_b)
+        for (int i = lane; i < width; i += DS4_WARP) ring_b[slot * width + i] = v[i];
+}
+
 // The Hadamard FP4 simulation of one row already in shared memory (v, width <= 4096): the
 // normalised Walsh-Hadamard transform in place, then FP4 in blocks of 32, written to row.
 __device__ __forceinline__ void ds4_hfp4_shared(float* row, float* v, int width, float norm) {
@@ -1245,6 +1349,43 @@ extern "C" __global__ void ds4_hc_post(float* x, float* f, const float* f2, cons
             float acc = 0.0f;
             for (int i = 0; i < n; i++) acc += c[i * n + j] * old[i];
             xt[(ds4_size)j * d + i0] = post[t * n + j] * fv + acc;
+        }
+    }
+}
+
+// ds4_hc_post for n = DS4_HCM_N streams over a 2-D grid: x = dims in blocks of 256
+// threads, y = tokens (a grid stride past 65,535). The flat grid stride of ds4_hc_post
+// divides a 64-bit element index by d for every element and walks `old` through local
+// memory (n is a run-time count); here the token comes from the grid and the stream loops
+// are unrolled into registers. Per element the same expressions in the same order, so the
+// same values (docs/gpu.md §21); the prefill profile had ds4_hc_post at 187 µs per launch
+// for 2048 tokens (H100), ≈ 1.5× its memory time.
+extern "C" __device__ const int ds4_hc_post4_streams[2] = {DS4_HCM_N, 0};
+extern "C" __global__ void __launch_bounds__(256)
+ds4_hc_post4(float* x, float* f, const float* f2, const float* post, const float* comb,
+             int n_tok, int d) {
+    ds4_grid_wait();
+    constexpr int n = DS4_HCM_N;
+    const int i0 = (int)blockIdx.x * (int)blockDim.x + (int)threadIdx.x;
+    if (i0 >= d) return;
+    for (int t = blockIdx.y; t < n_tok; t += gridDim.y) {
+        float* xt = x + (ds4_size)t * n * d;
+        const float* c = comb + (ds4_size)t * n * n;
+        float old[n];
+#pragma unroll
+        for (int i = 0; i < n; i++) old[i] = xt[(ds4_size)i * d + i0];
+        const ds4_size fi = (ds4_size)t * d + i0;
+        float fv = f[fi];
+        if (f2) {
+            fv = fv + f2[fi];
+            f[fi] = fv;
+        }
+#pragma unroll
+        for (int j = 0; j < n; j++) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < n; i++) acc += c[i * n + j] * old[i];
+            xt[(ds4_size)j * d + i0] = post[(ds4_size)t * n + j] * fv + acc;
         }
     }
 }

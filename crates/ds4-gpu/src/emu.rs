@@ -891,4 +891,126 @@ mod tests {
             }
         }
     }
+
+    /// The head preparation with one warp per row (`ds4_norm_rope2_warps`) writes the same
+    /// bits as the block per row (`ds4_norm_rope2`) it replaces for prefill-sized launches:
+    /// query heads with and without a norm weight, a KV row with FP8 dims, positions from a
+    /// start and step or per row, widths of the real model and of the tiny ones. (The host
+    /// compiler contracts nothing; the GPU run compares whole prefills, docs/gpu.md §21.)
+    #[test]
+    fn norm_rope_warps_equal_a_block_per_row() {
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
+        let mut rnd = |scale: f32| ((next() % 20001) as f32 / 10000.0 - 1.0) * scale;
+        // (width, rope_dim, heads_a, fp8_a, fp8_b, tokens, weight a, per-row positions)
+        let cases = [
+            (512usize, 64usize, 8usize, 0i32, 448i32, 5usize, true, false),
+            (512, 64, 3, 448, 448, 4, false, true),
+            (96, 32, 4, 0, 64, 7, true, false),
+            (64, 16, 2, 32, 48, 3, true, true),
+            (1024, 64, 2, 0, 960, 2, true, false),
+        ];
+        for (width, rope_dim, heads_a, fp8_a, fp8_b, tokens, with_w, per_row) in cases {
+            let rows_a = heads_a * tokens;
+            let xa0: Vec<f32> = (0..rows_a * width).map(|_| rnd(3.0)).collect();
+            let xb0: Vec<f32> = (0..tokens * width).map(|_| rnd(3.0)).collect();
+            let wa: Vec<f32> = (0..width).map(|_| rnd(1.0) + 1.5).collect();
+            let wb: Vec<f32> = (0..width).map(|_| rnd(1.0) + 1.5).collect();
+            let freqs: Vec<f32> = (0..rope_dim / 2)
+                .map(|j| 10000f32.powf(-(2.0 * j as f32) / rope_dim as f32))
+                .collect();
+            let pos: Vec<i32> = (0..tokens as i32).map(|t| 3 * t + 11).collect();
+            let run = |name: &str, grid: u32| {
+                let (mut xa, mut xb) = (xa0.clone(), xb0.clone());
+                let mut v: Vec<u64> = vec![
+                    xa.as_mut_ptr() as u64,
+                    if with_w { wa.as_ptr() as u64 } else { 0 },
+                    heads_a as u64,
+                    fp8_a as u32 as u64,
+                    rows_a as u64,
+                    xb.as_mut_ptr() as u64,
+                    wb.as_ptr() as u64,
+                    1,
+                    fp8_b as u32 as u64,
+                    width as u64,
+                    u64::from(1e-6f32.to_bits()),
+                    freqs.as_ptr() as u64,
+                    rope_dim as u64,
+                    7,
+                    1,
+                    if per_row { pos.as_ptr() as u64 } else { 0 },
+                    0,
+                    0,
+                    (rows_a + tokens) as u64,
+                ];
+                if name == "ds4_norm_rope2" {
+                    v.pop();
+                }
+                let mut params: Vec<*mut c_void> =
+                    v.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+                // SAFETY: the parameters are the kernel's, in order (4-byte values in the low
+                // bytes of their slots); xa, xb hold rows_a and `tokens` rows of `width`, the
+                // weights `width`, freqs rope_dim / 2 and pos `tokens` values.
+                unsafe { k.launch(name, (grid, 1, 1), 256, &mut params) }.unwrap();
+                (xa, xb)
+            };
+            let rows = rows_a + tokens;
+            let (ba, bb) = run("ds4_norm_rope2", rows as u32);
+            let (wa_, wb_) = run("ds4_norm_rope2_warps", rows.div_ceil(8) as u32);
+            assert!(ba.iter().chain(&bb).all(|x| x.is_finite()), "width {width}");
+            assert_ne!(ba, xa0, "width {width}: the block kernel changed nothing");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&wa_), bits(&ba), "width {width}: query heads");
+            assert_eq!(bits(&wb_), bits(&bb), "width {width}: KV rows");
+        }
+    }
+
+    /// HCPost over the 2-D grid (`ds4_hc_post4`: tokens on y, streams unrolled) writes the
+    /// same bits as the flat grid-stride `ds4_hc_post`, with and without the fused residual
+    /// add, for a width that is not a multiple of the block (docs/gpu.md §21).
+    #[test]
+    fn hc_post4_equals_the_flat_kernel() {
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0xD1B5_4A32_D192_ED03);
+        let mut rnd = |scale: f32| ((next() % 20001) as f32 / 10000.0 - 1.0) * scale;
+        let n = 4usize;
+        for (t, d, fused) in [(5usize, 4096usize, true), (3, 96, false), (2, 300, true)] {
+            let x0: Vec<f32> = (0..t * n * d).map(|_| rnd(2.0)).collect();
+            let f0: Vec<f32> = (0..t * d).map(|_| rnd(1.0)).collect();
+            let f2: Vec<f32> = (0..t * d).map(|_| rnd(1.0)).collect();
+            let post: Vec<f32> = (0..t * n).map(|_| rnd(1.0) + 1.0).collect();
+            let comb: Vec<f32> = (0..t * n * n).map(|_| rnd(0.5) + 0.25).collect();
+            let run = |flat: bool| {
+                let (mut x, mut f) = (x0.clone(), f0.clone());
+                let mut v: Vec<u64> = vec![
+                    x.as_mut_ptr() as u64,
+                    f.as_mut_ptr() as u64,
+                    if fused { f2.as_ptr() as u64 } else { 0 },
+                    post.as_ptr() as u64,
+                    comb.as_ptr() as u64,
+                    t as u64,
+                    n as u64,
+                    d as u64,
+                ];
+                let (name, grid) = if flat {
+                    ("ds4_hc_post", ((t * d).div_ceil(256) as u32, 1, 1))
+                } else {
+                    v.remove(6);
+                    ("ds4_hc_post4", (d.div_ceil(256) as u32, t as u32, 1))
+                };
+                let mut params: Vec<*mut c_void> =
+                    v.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+                // SAFETY: the kernel's parameters in order; x holds t·n·d values, f and f2
+                // t·d, post t·n, comb t·n·n.
+                unsafe { k.launch(name, grid, 256, &mut params) }.unwrap();
+                (x, f)
+            };
+            let (xf, ff) = run(true);
+            let (x4, f4) = run(false);
+            assert_ne!(xf, x0, "{t}x{d}: the flat kernel changed nothing");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&x4), bits(&xf), "{t}x{d}: streams");
+            assert_eq!(bits(&f4), bits(&ff), "{t}x{d}: f");
+        }
+    }
 }

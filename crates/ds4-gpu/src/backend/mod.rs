@@ -522,6 +522,16 @@ pub struct GpuBackend<D: GpuApi> {
     /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
     /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
     pub(crate) dense_half: bool,
+    /// Fewest rows (heads x tokens) a paired head preparation needs to run one warp per row
+    /// (`ds4_norm_rope2_warps`, the same values as the block per row, docs/gpu.md §21);
+    /// `DS4_NORM_ROPE_WARPS`: `0` never, a number sets it (default 256: prefill chunks, not
+    /// a one-token step's 65 rows, which keep a block each on 65 multiprocessors).
+    pub(crate) norm_rope_warp_rows: usize,
+    /// Widest row `ds4_norm_rope2_warps` takes (`ds4_norm_rope_warps_max`).
+    pub(crate) norm_rope_warps_width: usize,
+    /// The stream count `ds4_hc_post4` is built for (0: off, `DS4_HC_POST4=0`; the same
+    /// values as `ds4_hc_post`, docs/gpu.md §21).
+    pub(crate) hc_post4: usize,
     /// Multi-token attention on the tensor cores (`ds4_attention_mma`) where the shapes
     /// and the device allow it; `DS4_PREFILL_ATTN=mma` (docs/gpu.md §14).
     pub(crate) attn_mma: bool,
@@ -697,6 +707,17 @@ impl DecodeFusions {
     }
 }
 
+/// `DS4_NORM_ROPE_WARPS` to the fewest rows that run `ds4_norm_rope2_warps`: unset or
+/// unreadable 256, `0` never, else the number.
+fn norm_rope_warp_rows(v: Option<String>) -> usize {
+    const DEFAULT: usize = 256;
+    match v.as_deref().map(str::trim) {
+        Some("0") => usize::MAX,
+        Some(n) => n.parse().unwrap_or(DEFAULT),
+        None => DEFAULT,
+    }
+}
+
 /// Whether a switch that is on by default stays on: everything but `0`, `off`, `false`,
 /// `no` (or unset) in the environment variable `name`.
 fn env_on(name: &str) -> bool {
@@ -762,6 +783,8 @@ const OP_KERNELS: &[&str] = &[
     "ds4_attention_combine_seqs",
     "ds4_norm_rope",
     "ds4_norm_rope2",
+    "ds4_norm_rope2_warps",
+    "ds4_hc_post4",
     "ds4_q8_0_split",
     "ds4_attention_mma",
     "ds4_attention_mma_split",
@@ -849,6 +872,8 @@ impl<D: GpuApi> GpuBackend<D> {
             funcs.insert(*name, dev.function(&module, name)?);
         }
         let [amma_smem, _] = dev.read_i32x2_global(&module, "ds4_attention_mma_smem")?;
+        let [nrw_max, _] = dev.read_i32x2_global(&module, "ds4_norm_rope_warps_max")?;
+        let [post4, _] = dev.read_i32x2_global(&module, "ds4_hc_post4_streams")?;
         let amma_smem = u32::try_from(amma_smem).unwrap_or(u32::MAX);
         let [imma_smem, _] = dev.read_i32x2_global(&module, "ds4_indexer_scores_mma_smem")?;
         let imma_smem = u32::try_from(imma_smem).unwrap_or(u32::MAX);
@@ -920,6 +945,13 @@ impl<D: GpuApi> GpuBackend<D> {
             tiles_wide: env_on("DS4_TILES_WIDE"),
             decode_rows: 1,
             fusions: DecodeFusions::from_env(),
+            norm_rope_warp_rows: norm_rope_warp_rows(std::env::var("DS4_NORM_ROPE_WARPS").ok()),
+            norm_rope_warps_width: usize::try_from(nrw_max).unwrap_or(0),
+            hc_post4: if env_on("DS4_HC_POST4") {
+                usize::try_from(post4).unwrap_or(0)
+            } else {
+                0
+            },
             dense_half: std::env::var("DS4_DENSE_GEMM")
                 .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
             attn_mma: std::env::var("DS4_PREFILL_ATTN")

@@ -1588,6 +1588,13 @@ impl<D: GpuApi> GpuBackend<D> {
             i32a(OP, "streams", n)?,
             i32a(OP, "dim", d)?,
         ];
+        if n == self.hc_post4 {
+            // Tokens on the grid's y (docs/gpu.md §21): no per-element division.
+            let mut args = args.to_vec();
+            args.remove(6);
+            let grid = (g32(d.div_ceil(256)), g32(t.min(65_535)), 1);
+            return self.launch("ds4_hc_post4", grid, 256, &args);
+        }
         self.launch("ds4_hc_post", (grid_for(t * d), 1, 1), 256, &args)
     }
 
@@ -3254,31 +3261,39 @@ impl<D: GpuApi> GpuBackend<D> {
         let fp = self.freqs_ptr(&a.rope)?;
         let (xa, xb) = (self.fptr(a.x, OP)?, self.fptr(b.x, OP)?);
         let pp = self.row_pos_ptr(&a.rope, OP)?;
-        self.launch(
-            "ds4_norm_rope2",
-            (g32(rows_a + rows_b), 1, 1),
-            256,
-            &[
-                Arg::Ptr(xa),
-                Arg::Ptr(wa),
-                i32a(OP, "heads", a.rope.n_heads)?,
-                i32a(OP, "fp8 dims", a.fp8_dims.unwrap_or(0))?,
-                i32a(OP, "rows", rows_a)?,
-                Arg::Ptr(xb),
-                Arg::Ptr(wb),
-                i32a(OP, "heads", b.rope.n_heads)?,
-                i32a(OP, "fp8 dims", b.fp8_dims.unwrap_or(0))?,
-                i32a(OP, "width", width)?,
-                Arg::F32(a.eps),
-                Arg::Ptr(fp),
-                i32a(OP, "rope dim", a.rope.freq.rope_dim)?,
-                u(a.rope.pos0),
-                u(a.rope.pos_step),
-                Arg::Ptr(pp),
-                Arg::Ptr(ring),
-                Arg::U64(slot),
-            ],
-        )
+        let rows = rows_a + rows_b;
+        // One warp per row for prefill-sized launches (docs/gpu.md §21), a block per row
+        // otherwise; the same values either way.
+        let warps = rows >= self.norm_rope_warp_rows && width <= self.norm_rope_warps_width;
+        let (name, grid) = if warps {
+            ("ds4_norm_rope2_warps", g32(rows.div_ceil(8)))
+        } else {
+            ("ds4_norm_rope2", g32(rows))
+        };
+        let mut args = vec![
+            Arg::Ptr(xa),
+            Arg::Ptr(wa),
+            i32a(OP, "heads", a.rope.n_heads)?,
+            i32a(OP, "fp8 dims", a.fp8_dims.unwrap_or(0))?,
+            i32a(OP, "rows", rows_a)?,
+            Arg::Ptr(xb),
+            Arg::Ptr(wb),
+            i32a(OP, "heads", b.rope.n_heads)?,
+            i32a(OP, "fp8 dims", b.fp8_dims.unwrap_or(0))?,
+            i32a(OP, "width", width)?,
+            Arg::F32(a.eps),
+            Arg::Ptr(fp),
+            i32a(OP, "rope dim", a.rope.freq.rope_dim)?,
+            u(a.rope.pos0),
+            u(a.rope.pos_step),
+            Arg::Ptr(pp),
+            Arg::Ptr(ring),
+            Arg::U64(slot),
+        ];
+        if warps {
+            args.push(i32a(OP, "rows", rows)?);
+        }
+        self.launch(name, (grid, 1, 1), 256, &args)
     }
 
     /// Two same-shaped matmuls on one input: one grouped-GEMV launch (matrix z of the grid

@@ -851,10 +851,28 @@ ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty,
 // Block: 256 threads; 256 rows (warp w: rows 32 w .. 32 w + 31, lane (g, t): rows g, g + 8,
 // g + 16, g + 24) x one token tile of 64; K in blocks of 256 (cols a multiple of 256).
 // Dynamic shared memory: two stages of the x tile (64 tokens x 256 halves, 32 KB each),
-// then the two IQ2_XXS tables (6 KB).
+// then the two IQ2_XXS tables (6 KB) in DS4_RT_COPIES lane-private copies.
+//
+// Table copies (docs/gpu.md §22): every lane gathers two random 16-byte entries (lattice
+// point, sign mask) per row and lattice group, as many shared-memory loads as the MMAs'
+// activation loads, and a 16-byte load serves a quarter-warp per wavefront only when its
+// eight lanes hit eight different 16-byte bank groups: random entries of one table took
+// about 11 wavefronts per warp load instead of 4 (8 balls in 8 bins). Entry e of copy c sits
+// at 16 (e C + c) and lane l reads copy l mod C: with C = 8 the quarter-warp's lanes always
+// fall in eight different bank groups (48 KB of tables, 112 KB per block); where a block
+// may not have that much (99 KB: sm_86/89/120-class parts) C = 4 halves the conflicts
+// (94 KB). -DDS4_RT_COPIES=1 (DS4_TILES_DEFINES) restores one copy for an A/B.
+#ifndef DS4_RT_COPIES
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 800 || (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200))
+#define DS4_RT_COPIES 8
+#else
+#define DS4_RT_COPIES 4
+#endif
+#endif
 #define DS4_RT_ROWS 256
 #define DS4_RT_XS_BYTES (64 * 256 * 2)
-#define DS4_RT_SMEM (2 * DS4_RT_XS_BYTES + DS4_TILES_GRID_BYTES + 512 * 4)
+#define DS4_RT_TAB_BYTES ((DS4_TILES_GRID_BYTES + 512 * 4) * DS4_RT_COPIES)
+#define DS4_RT_SMEM (2 * DS4_RT_XS_BYTES + DS4_RT_TAB_BYTES)
 // Dynamic shared memory and rows per block of ds4_mm_rtiles. Builds without mma.sync
 // (before sm_80, HIP) compile a stub that writes NaN and advertise 0 bytes: the host
 // (rtiles_for) reads that as "not in this build" and never launches it (a shared-memory
@@ -902,8 +920,9 @@ struct ds4_rt_iq2 {
         const ds4_u32 s2 = s | (s << 16), d2 = ok ? (d[i] & 0xffffu) * 0x10001u : 0u;
         const ds4_u32 gi = (idx[i][sb] >> (8 * grp)) & 0xff;
         const ds4_u32 si = (aux[i][sb] >> (7 * grp)) & 127;
-        const uint4 gv = ds4_lds128(tab + 16 * gi);
-        const uint4 sm = ds4_lds128(tab + DS4_TILES_GRID_BYTES + 16 * si);
+        // tab: this lane's copy (ds4_rt_tables); entries 16 C bytes apart.
+        const uint4 gv = ds4_lds128(tab + 16 * DS4_RT_COPIES * gi);
+        const uint4 sm = ds4_lds128(tab + DS4_TILES_GRID_BYTES * DS4_RT_COPIES + 16 * DS4_RT_COPIES * si);
         w[0] = ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2), d2);
         w[1] = ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2), d2);
         w[2] = ds4_hmul2(ds4_hmul2(gv.z ^ sm.z, s2), d2);
@@ -998,6 +1017,21 @@ __device__ __forceinline__ void ds4_rt_x(ds4_saddr xs, const ds4_u16* x, int t0,
     }
 }
 
+// Fills DS4_RT_COPIES interleaved copies of the lattice and sign tables at `at` (entry e
+// of copy c at 16 (e C + c); the lattice's 256 entries, then the signs' 128) and returns the
+// address of this thread's copy; the token loop's first barrier publishes them.
+__device__ __forceinline__ ds4_saddr ds4_rt_tables(unsigned char* sm, int at) {
+    constexpr int C = DS4_RT_COPIES;
+    uint4* tb = (uint4*)(sm + at);
+    const uint4* g = (const uint4*)ds4_iq2xxs_grid_h;
+    const uint4* sg = (const uint4*)ds4_iq2xxs_signs_h;
+    for (int i = threadIdx.x; i < (256 + 128) * C; i += blockDim.x) {
+        const int e = i / C;
+        tb[i] = e < 256 ? g[e] : sg[e - 256];
+    }
+    return ds4_saddr_of(sm + at) + 16 * (ds4_u32)(threadIdx.x & (C - 1));
+}
+
 // The token loop of ds4_mm_rtiles for decoder D (rows rw .. rw + 31 of this warp; `bad`:
 // an unsupported type, every output NaN).
 template <class D>
@@ -1071,7 +1105,7 @@ ds4_mm_rtiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4
               float* y2, ds4_size y_stride) {
     ds4_grid_wait();
     DS4_DYN_SHARED(rsm, DS4_RT_SMEM);
-    const ds4_saddr tab = ds4_tiles_tables(rsm, 2 * DS4_RT_XS_BYTES);
+    const ds4_saddr tab = ds4_rt_tables(rsm, 2 * DS4_RT_XS_BYTES);
     const ds4_tiles_grp gr = ds4_tiles_group(w, w2, mat_bytes, offs, n_tok, y, y2);
     if (gr.lo >= gr.hi) return;
     const ds4_saddr xsa = ds4_saddr_of(rsm);

@@ -44,7 +44,12 @@
 #define DS4_ROWS_Q8_0 2
 #define DS4_ROWS_Q2_K 2
 #define DS4_ROWS_Q4_K 2
+// -DDS4_IQ2_ROWS=n: IQ2_XXS alone (an A/B of the routed gate/up GEMV, docs/gpu.md §20).
+#ifdef DS4_IQ2_ROWS
+#define DS4_ROWS_IQ2_XXS DS4_IQ2_ROWS
+#else
 #define DS4_ROWS_IQ2_XXS 2
+#endif
 #endif
 #ifdef DS4_GEMV_MIN_BLOCKS
 #define DS4_MINB_PLAIN DS4_GEMV_MIN_BLOCKS

@@ -408,6 +408,38 @@ __device__ float ds4_e2m1_round(float x) {
     return copysignf(vals[best], x);
 }
 
+// FP8 (E4M3) round trip of one 64-value block v[0..len) by one warp, two values per lane:
+// the block's amax by a shuffle tree (a maximum: the same in any order), a power-of-two
+// scale, each value rounded. Every lane of the warp calls it.
+__device__ __forceinline__ void ds4_fp8_block_warp(float* v, int len, int lane) {
+    const int i0 = lane, i1 = lane + DS4_WARP;
+    const float a0 = i0 < len ? v[i0] : 0.0f;
+    const float a1 = i1 < len ? v[i1] : 0.0f;
+    float amax = fmaxf(fabsf(a0), fabsf(a1));
+#pragma unroll
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) amax = fmaxf(amax, ds4_shfl_xor(amax, m));
+    amax = fmaxf(amax, 1e-4f);
+    const float s = ds4_pow2_ceil(amax * (1.0f / 448.0f));
+    if (i0 < len) v[i0] = s * ds4_e4m3_round(fminf(fmaxf(a0 / s, -448.0f), 448.0f));
+    if (i1 < len) v[i1] = s * ds4_e4m3_round(fminf(fmaxf(a1 / s, -448.0f), 448.0f));
+}
+
+// RoPE of the pairs j = j0, j0 + step, ... (< rope_dim / 2) of the last rope_dim values of
+// the row xr (width values) at position p: ds4_rope_pair's expressions, the angle in double,
+// the products rounded (no contraction, so every kernel that inlines it agrees).
+__device__ __forceinline__ void ds4_rope_row_pairs(float* xr, int width, const float* freqs,
+                                                   int rope_dim, ds4_size p, int j0, int step) {
+    for (int j = j0; j < rope_dim / 2; j += step) {
+        const double ang = (double)((float)p * freqs[j]);
+        const float c = (float)cos(ang);
+        const float sn = (float)sin(ang);
+        float* tp = xr + (width - rope_dim) + 2 * j;
+        const float u = tp[0], v = tp[1];
+        tp[0] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, sn));
+        tp[1] = __fadd_rn(__fmul_rn(u, sn), __fmul_rn(v, c));
+    }
+}
+
 // One logical warp per 64-value block of the first n_dims of each row, two values per
 // lane. The block's amax is a maximum (exact in any order; fmaxf skips NaN as the serial
 // loop did), so results equal the one-thread-per-block form; loads are coalesced. The
@@ -422,18 +454,7 @@ extern "C" __global__ void ds4_qat_fp8(float* x, int rows, int width, int n_dims
          e += warps) {
         const ds4_size r = e / per_row;
         const int b0 = (int)(e % per_row) * 64;
-        const int len = min(64, n_dims - b0);
-        float* v = x + r * width + b0;
-        const int i0 = lane, i1 = lane + DS4_WARP;
-        const float a0 = i0 < len ? v[i0] : 0.0f;
-        const float a1 = i1 < len ? v[i1] : 0.0f;
-        float amax = fmaxf(fabsf(a0), fabsf(a1));
-#pragma unroll
-        for (int m = DS4_WARP / 2; m > 0; m >>= 1) amax = fmaxf(amax, ds4_shfl_xor(amax, m));
-        amax = fmaxf(amax, 1e-4f);
-        const float s = ds4_pow2_ceil(amax * (1.0f / 448.0f));
-        if (i0 < len) v[i0] = s * ds4_e4m3_round(fminf(fmaxf(a0 / s, -448.0f), 448.0f));
-        if (i1 < len) v[i1] = s * ds4_e4m3_round(fminf(fmaxf(a1 / s, -448.0f), 448.0f));
+        ds4_fp8_block_warp(x + r * width + b0, min(64, n_dims - b0), lane);
     }
 }
 
@@ -447,36 +468,13 @@ __device__ __forceinline__ void ds4_norm_rope_row(float* xr, const float* w, int
                                                   int fp8_dims, double* sh) {
     ds4_rms_norm_row(xr, w, xr, width, eps, sh);
     __syncthreads();
-    const int half = rope_dim / 2;
-    for (int j = threadIdx.x; j < half; j += blockDim.x) {
-        const double ang = (double)((float)p * freqs[j]);
-        const float c = (float)cos(ang);
-        const float sn = (float)sin(ang);
-        float* tp = xr + (width - rope_dim) + 2 * j;
-        const float u = tp[0], v = tp[1];
-        // ds4_rope_pair's rounding (no contraction).
-        tp[0] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, sn));
-        tp[1] = __fadd_rn(__fmul_rn(u, sn), __fmul_rn(v, c));
-    }
+    ds4_rope_row_pairs(xr, width, freqs, rope_dim, p, threadIdx.x, blockDim.x);
     if (fp8_dims <= 0) return;
     __syncthreads();
     const int lane = threadIdx.x % DS4_WARP, warp = threadIdx.x / DS4_WARP;
     const int n_blk = (fp8_dims + 63) / 64;
-    for (int b = warp; b < n_blk; b += blockDim.x / DS4_WARP) {
-        const int b0 = b * 64;
-        const int len = min(64, fp8_dims - b0);
-        float* v = xr + b0;
-        const int i0 = lane, i1 = lane + DS4_WARP;
-        const float a0 = i0 < len ? v[i0] : 0.0f;
-        const float a1 = i1 < len ? v[i1] : 0.0f;
-        float amax = fmaxf(fabsf(a0), fabsf(a1));
-#pragma unroll
-        for (int m = DS4_WARP / 2; m > 0; m >>= 1) amax = fmaxf(amax, ds4_shfl_xor(amax, m));
-        amax = fmaxf(amax, 1e-4f);
-        const float sc = ds4_pow2_ceil(amax * (1.0f / 448.0f));
-        if (i0 < len) v[i0] = sc * ds4_e4m3_round(fminf(fmaxf(a0 / sc, -448.0f), 448.0f));
-        if (i1 < len) v[i1] = sc * ds4_e4m3_round(fminf(fmaxf(a1 / sc, -448.0f), 448.0f));
-    }
+    for (int b = warp; b < n_blk; b += blockDim.x / DS4_WARP)
+        ds4_fp8_block_warp(xr + b * 64, min(64, fp8_dims - b * 64), lane);
 }
 
 // Head preparation in one pass, one block (256 threads) per row (row r = token r/n_heads,
@@ -586,33 +584,10 @@ ds4_norm_rope2_warps(float* xa, const float* wa, int heads_a, int fp8_a, int row
         v[i] = w ? a * w[i] : a;
     }
     ds4_syncwarp();
-    const int half = rope_dim / 2;
-    for (int j = lane; j < half; j += DS4_WARP) {
-        const double ang = (double)((float)p * freqs[j]);
-        const float c = (float)cos(ang);
-        const float sn = (float)sin(ang);
-        float* tp = v + (width - rope_dim) + 2 * j;
-        const float u = tp[0], q = tp[1];
-        tp[0] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(q, sn));
-        tp[1] = __fadd_rn(__fmul_rn(u, sn), __fmul_rn(q, c));
-    }
+    ds4_rope_row_pairs(v, width, freqs, rope_dim, p, lane, DS4_WARP);
     ds4_syncwarp();
     const int n_blk = fp8_dims > 0 ? (fp8_dims + 63) / 64 : 0;
-    for (int b = 0; b < n_blk; b++) {
-        const int b0 = b * 64;
-        const int len = min(64, fp8_dims - b0);
-        float* q = v + b0;
-        const int i0 = lane, i1 = lane + DS4_WARP;
-        const float a0 = i0 < len ? q[i0] : 0.0f;
-        const float a1 = i1 < len ? q[i1] : 0.0f;
-        float amax = fmaxf(fabsf(a0), fabsf(a1));
-#pragma unroll
-        for (int m = DS4_WARP / 2; m > 0; m >>= 1) amax = fmaxf(amax, ds4_shfl_xor(amax, m));
-        amax = fmaxf(amax, 1e-4f);
-        const float sc = ds4_pow2_ceil(amax * (1.0f / 448.0f));
-        if (i0 < len) q[i0] = sc * ds4_e4m3_round(fminf(fmaxf(a0 / sc, -448.0f), 448.0f));
-        if (i1 < len) q[i1] = sc * ds4_e4m3_round(fminf(fmaxf(a1 / sc, -448.0f), 448.0f));
-    }
+    for (int b = 0; b < n_blk; b++) ds4_fp8_block_warp(v + b * 64, min(64, fp8_dims - b * 64), lane);
     ds4_syncwarp();
     for (int i = lane; i < width; i += DS4_WARP) x[i] = v[i];
     if (!first && ring_b)

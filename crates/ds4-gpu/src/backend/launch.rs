@@ -100,7 +100,7 @@ impl<D: GpuApi> GpuBackend<D> {
         block: u32,
         args: &[Arg],
     ) -> BResult<()> {
-        self.launch_params(f, name, grid, (block, 0), args, None)
+        self.launch_fn_smem(f, name, grid, (block, 0), args)
     }
 
     /// [`Self::launch_fn`] with `smem` bytes of dynamic shared memory.

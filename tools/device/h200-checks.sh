@@ -59,6 +59,10 @@
 #   numeric    logits of the fast paths (tiles off/experts/all, f32 attention, f16 dense
 #              GEMM) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
+#   prefillab  issue 21's figures (PREFILL_LAYERS, default 43) at 2k / 32k with the defaults,
+#              then with the 2026-12-06 prefill kernels off (warp-per-row head preparation,
+#              2-D HCPost, lane-private tile tables: docs/gpu.md §21-§22), then the defaults
+#              again; whole-model logits with and without them (must be bit-identical)
 set -uo pipefail
 BIN="${BIN:-$PWD/bin}"
 OUT="${OUT:-$PWD/out}"
@@ -386,6 +390,33 @@ if ! skip stream; then
         done
         rm -f "$f"
     done
+fi
+if ! skip prefillab; then
+    step prefillab
+    for v in new old new; do
+        if [ $v = old ]; then
+            export DS4_NORM_ROPE_WARPS=0 DS4_HC_POST4=0 DS4_TILES_DEFINES=-DDS4_RT_COPIES=1
+        else
+            unset DS4_NORM_ROPE_WARPS DS4_HC_POST4 DS4_TILES_DEFINES
+        fi
+        timeout 300 ds4-bench --synthetic q2 --layers ${PREFILL_LAYERS:-43} --frontiers 2048,32768 \
+            --decode 8 > "$OUT/prefillab_$v.log" 2>&1
+        echo "$v: $(grep -E '^(2048|32768),' "$OUT/prefillab_$v.log" | tail -n 2 | paste -sd' ')"
+    done
+    ds4-convert synthetic --quiet --layout q2 --layers 4 \
+        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4p.gguf" >/dev/null
+    p="$(head -c 5000 "$R/README.md")"
+    for v in new old; do
+        if [ $v = old ]; then
+            export DS4_NORM_ROPE_WARPS=0 DS4_HC_POST4=0 DS4_TILES_DEFINES=-DDS4_RT_COPIES=1
+        fi
+        ds4 logits -m "$work/syn4p.gguf" --backend cuda --prompt "$p" --out "$work/pab_$v.npy" \
+            > /dev/null 2>> "$OUT/prefillab.log"
+    done
+    unset DS4_NORM_ROPE_WARPS DS4_HC_POST4 DS4_TILES_DEFINES
+    cmp -s "$work/pab_new.npy" "$work/pab_old.npy" && echo "PREFILL LOGITS BIT-IDENTICAL" \
+        || echo "PREFILL LOGITS DIFFER (FAIL)"
+    rm -f "$work/syn4p.gguf"
 fi
 if ! skip numeric; then
     step numeric; models

@@ -59,6 +59,10 @@
 #   numeric    logits of the fast paths (tiles off/experts/all, f32 attention, f16 dense
 #              GEMM) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
+#   ncubatch   ncu of the batched (8-sequence) step's GEMVs on a 2-layer model: duration, DRAM,
+#              L1, issue and the stall reasons per issued instruction of each launch of the
+#              several-column Q8_0 / F16 and the grouped IQ2_XXS kernels (the `--profile`
+#              split synchronizes around every launch and misplaces waiting; plan with these)
 #   prefillab  issue 21's figures (PREFILL_LAYERS, default 43) at 2k / 32k with the defaults,
 #              then with the 2026-12-06 prefill kernels off (warp-per-row head preparation,
 #              2-D HCPost, lane-private tile tables: docs/gpu.md §21-§22), then the defaults
@@ -389,6 +393,21 @@ if ! skip stream; then
             first=0
         done
         rm -f "$f"
+    done
+fi
+if ! skip ncubatch; then
+    step ncubatch
+    m=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+    m=$m,l1tex__throughput.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active
+    m=$m,launch__grid_size,launch__registers_per_thread
+    for r in barrier long_scoreboard short_scoreboard mio_throttle lg_throttle wait math_pipe_throttle; do
+        m=$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+    done
+    for k in ds4_gemv_cols_q_q8_0 ds4_gemv_cols_f16 ds4_gemv_grouped_q_iq2_xxs ds4_gemv_grouped_swiglu_q_q2_k; do
+        timeout 200 ncu --clock-control none --kernel-name "regex:^$k\$" --launch-count 40 --metrics "$m" \
+            --csv --page raw ds4-bench --synthetic q2 --layers 2 --frontiers 512 --decode 2 --batch 8 \
+            --warmup 0 > "$OUT/ncubatch_$k.csv" 2> "$OUT/ncubatch_$k.err"
+        echo "$k: $(($(wc -l < "$OUT/ncubatch_$k.csv") - 2)) launches profiled"
     done
 fi
 if ! skip prefillab; then

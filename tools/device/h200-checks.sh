@@ -267,6 +267,13 @@ if ! skip batch; then
     timeout 400 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} \
         --profile ${BATCH_PROFILE:-2} > "$OUT/batch.log" 2>&1
     grep -E "^batch|^profile batch|rror" "$OUT/batch.log"
+    # BATCH_COLS_SPLIT="16 48": the same sweep with DS4_COLS_SPLIT (docs/gpu.md §23) at each
+    # value, without the profile.
+    for cs in ${BATCH_COLS_SPLIT:-}; do
+        DS4_COLS_SPLIT=$cs timeout 400 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 \
+            --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} > "$OUT/batch_split$cs.log" 2>&1
+        echo "DS4_COLS_SPLIT=$cs:"; grep -E "^batch|rror" "$OUT/batch_split$cs.log"
+    done
 fi
 if ! skip server; then
     step server

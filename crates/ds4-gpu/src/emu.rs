@@ -821,9 +821,53 @@ mod tests {
                         }
                         assert!(y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()));
                     }
+                    // One column per grid y (ds4_gemv_colsplit_<t>): the same bits again.
+                    let split = run_gemv_colsplit(
+                        &k,
+                        &format!("ds4_gemv_colsplit_{name}"),
+                        (l.grid_x, l.block),
+                        &w,
+                        (&x, xs),
+                        (n_in, n_out, cols, ys),
+                        l.wpr,
+                    );
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&split), bits(&y), "{name} {n_in}x{n_out} colsplit");
                 }
             }
         }
+    }
+
+    /// `ds4_gemv_colsplit_<t>` over (grid_x, cols) blocks, parameters as run_gemv_cols's
+    /// without the column count; y starts as NaN.
+    fn run_gemv_colsplit(
+        k: &EmuKernels,
+        name: &str,
+        (grid_x, block): (u32, u32),
+        w: &[u8],
+        (x, x_stride): (&[f32], usize),
+        (n_in, n_out, cols, y_stride): (usize, usize, usize, usize),
+        wpr: u32,
+    ) -> Vec<f32> {
+        let mut y = vec![f32::NAN; cols * y_stride];
+        let (mut wp, mut xp, mut yp) =
+            (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
+        let (mut xs, mut ys) = (x_stride as u64, y_stride as u64);
+        let (mut ni, mut no, mut wpr) = (n_in as i32, n_out as i32, wpr as i32);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut wp as *mut u64).cast(),
+            (&mut xp as *mut u64).cast(),
+            (&mut xs as *mut u64).cast(),
+            (&mut yp as *mut u64).cast(),
+            (&mut ys as *mut u64).cast(),
+            (&mut ni as *mut i32).cast(),
+            (&mut no as *mut i32).cast(),
+            (&mut wpr as *mut i32).cast(),
+        ];
+        // SAFETY: as run_gemv_cols: n_out rows of n_in values, cols rows of x_stride floats
+        // of x, y sized here; the parameters are the entry point's.
+        unsafe { k.launch(name, (grid_x, cols as u32, 1), block, &mut params) }.unwrap();
+        y
     }
 
     /// The persistent int8-activation GEMV (`ds4_gemvq_quant`): with fewer blocks than row

@@ -236,6 +236,8 @@ pub(crate) struct GemvSet<D: GpuApi> {
     pub(crate) q8_quantize_rows: D::Function,
     /// The several-column F32 and F16 GEMVs (`ds4_gemv_cols_f32`, `_f16`).
     pub(crate) plain_cols: [D::Function; 2],
+    /// The same with one column per grid y (`ds4_gemv_colsplit_<t>`, docs/gpu.md §23).
+    pub(crate) plain_colsplit: [D::Function; 2],
     /// Most columns of every several-column GEMV, and the most codes (columns x inputs)
     /// the Q8_0 one's shared memory holds (`ds4_gemvq_cols_max`).
     pub(crate) cols_max: usize,
@@ -320,6 +322,10 @@ impl<D: GpuApi> GemvSet<D> {
         let q8_grouped_rope = dev.function(&module, "ds4_gemv_grouped_rope_q_q8_0")?;
         let q8_cols = dev.function(&module, "ds4_gemv_cols_q_q8_0")?;
         let q8_quantize_rows = dev.function(&module, "ds4_quantize_q8_rows")?;
+        let plain_colsplit = [
+            dev.function(&module, "ds4_gemv_colsplit_f32")?,
+            dev.function(&module, "ds4_gemv_colsplit_f16")?,
+        ];
         let plain_cols = [
             dev.function(&module, "ds4_gemv_cols_f32")?,
             dev.function(&module, "ds4_gemv_cols_f16")?,
@@ -346,6 +352,7 @@ impl<D: GpuApi> GemvSet<D> {
             q8_cols,
             q8_quantize_rows,
             plain_cols,
+            plain_colsplit,
             cols_max: usize::try_from(cols_max).unwrap_or(0),
             q8_cols_codes: usize::try_from(cols_codes).unwrap_or(0),
             configs,
@@ -527,6 +534,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// `DS4_NORM_ROPE_WARPS`: `0` never, a number sets it (default 256: prefill chunks, not
     /// a one-token step's 65 rows, which keep a block each on 65 multiprocessors).
     pub(crate) norm_rope_warp_rows: usize,
+    /// Batched F16/F32 matmuls whose one-token grid has fewer warps than this run one
+    /// column per grid y (`ds4_gemv_colsplit_<t>`, docs/gpu.md §23); 0 (the default until
+    /// measured): never. `DS4_COLS_SPLIT=n` sets it in warps per multiprocessor.
+    pub(crate) cols_split_warps: u64,
     /// Widest row `ds4_norm_rope2_warps` takes (`ds4_norm_rope_warps_max`).
     pub(crate) norm_rope_warps_width: usize,
     /// The stream count `ds4_hc_post4` is built for (0: off, `DS4_HC_POST4=0`; the same
@@ -873,6 +884,7 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let [amma_smem, _] = dev.read_i32x2_global(&module, "ds4_attention_mma_smem")?;
         let [nrw_max, _] = dev.read_i32x2_global(&module, "ds4_norm_rope_warps_max")?;
+        let sms = u64::from(dev.multiprocessors().max(1));
         let [post4, _] = dev.read_i32x2_global(&module, "ds4_hc_post4_streams")?;
         let amma_smem = u32::try_from(amma_smem).unwrap_or(u32::MAX);
         let [imma_smem, _] = dev.read_i32x2_global(&module, "ds4_indexer_scores_mma_smem")?;
@@ -947,6 +959,11 @@ impl<D: GpuApi> GpuBackend<D> {
             fusions: DecodeFusions::from_env(),
             norm_rope_warp_rows: norm_rope_warp_rows(std::env::var("DS4_NORM_ROPE_WARPS").ok()),
             norm_rope_warps_width: usize::try_from(nrw_max).unwrap_or(0),
+            cols_split_warps: std::env::var("DS4_COLS_SPLIT")
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+                .saturating_mul(sms),
             hc_post4: if env_on("DS4_HC_POST4") {
                 usize::try_from(post4).unwrap_or(0)
             } else {

@@ -312,6 +312,11 @@ if ! skip userpath; then
         echo "e2e (band $band, warm-up $warm): $(grep -E 'warm-up' "$OUT/userpath_e2e$band$warm.log" | tail -n 1)"
         echo "    $(tail -n 1 "$OUT/userpath_e2e$band$warm.log")"
     done
+    # Greedy (the bench's own decode): a synthetic model's flat logits overflow the default
+    # sampler's device band every token, so the sampled rate above is not a trained model's.
+    timeout 120 ds4-bench --e2e -m "$f" --backend cuda --ctx 4096 -n 100 --prompt-words 1500 --temp 0 \
+        > "$OUT/userpath_e2e_greedy.log" 2>&1
+    echo "e2e greedy (--temp 0): $(tail -n 1 "$OUT/userpath_e2e_greedy.log")"
     # band on/off with the default turn snapshot, then band on without it (--snapshot-slots 0);
     # USER_SERVER_RUNS="1:1" runs the default alone.
     for run in ${USER_SERVER_RUNS:-1:1 0:1 1:0}; do

@@ -150,6 +150,12 @@ struct Args {
     /// --e2e: words of the generated prompt.
     #[arg(long, default_value_t = 1500)]
     prompt_words: usize,
+    /// --e2e: sampling temperature (default: the CLI's; 0 = greedy, which the bench's own
+    /// decode is). A synthetic model's flat logits overflow the default sampler's device
+    /// band every token, so its sampled rate is not the one a trained model's would be
+    /// (BENCHMARKS.md); --temp 0 compares the CLI's loop with the bench's.
+    #[arg(long)]
+    temp: Option<f32>,
     /// --e2e: skip the CLI's warm-up at load (`ds4 --no-warmup`; also DS4_WARMUP=0).
     #[arg(long)]
     no_warmup: bool,
@@ -227,7 +233,13 @@ fn e2e(args: &Args) -> Result<()> {
     let settings = GenSettings {
         system: Some(ds4_chat::render::DEFAULT_SYSTEM.to_string()),
         thinking: ds4_chat::render::ThinkingMode::Think,
-        sampler: default_sampler(args.seed),
+        sampler: {
+            let mut c = default_sampler(args.seed);
+            if let Some(t) = args.temp {
+                c.temperature = t;
+            }
+            c
+        },
         max_tokens: args.tokens,
         ignore_eos: true,
         color: false,

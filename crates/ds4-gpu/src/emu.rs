@@ -349,12 +349,13 @@ mod tests {
 
     /// Runs a several-column GEMV (`ds4_gemv_cols_<t>`) over `grid_x` blocks: x holds `cols`
     /// rows of `x_stride` floats, the result `cols` rows of `y_stride` floats starting as NaN.
+    /// `split`: the one-column-per-grid-y form (`ds4_gemv_colsplit_<t>`: no column count
+    /// parameter, `cols` blocks along y).
     #[allow(clippy::too_many_arguments)]
     fn run_gemv_cols(
         k: &EmuKernels,
         name: &str,
-        grid_x: u32,
-        block: u32,
+        (grid_x, block, split): (u32, u32, bool),
         w: &[u8],
         (x, x_stride): (&[f32], usize),
         (n_in, n_out, cols, y_stride): (usize, usize, usize, usize),
@@ -377,9 +378,13 @@ mod tests {
             (&mut nc as *mut i32).cast(),
             (&mut wpr as *mut i32).cast(),
         ];
+        if split {
+            params.remove(7);
+        }
+        let grid = (grid_x, if split { cols as u32 } else { 1 }, 1);
         // SAFETY: callers pass n_out rows of n_in values in the kernel's layout, x of cols
         // rows of x_stride floats; y is sized here; the parameters are the entry point's.
-        unsafe { k.launch(name, (grid_x, 1, 1), block, &mut params) }.unwrap();
+        unsafe { k.launch(name, grid, block, &mut params) }.unwrap();
         y
     }
 
@@ -791,8 +796,7 @@ mod tests {
                     let y = run_gemv_cols(
                         &k,
                         &format!("ds4_gemv_cols_{name}"),
-                        l.grid_x,
-                        l.block,
+                        (l.grid_x, l.block, false),
                         &w,
                         (&x, xs),
                         (n_in, n_out, cols, ys),
@@ -822,10 +826,10 @@ mod tests {
                         assert!(y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()));
                     }
                     // One column per grid y (ds4_gemv_colsplit_<t>): the same bits again.
-                    let split = run_gemv_colsplit(
+                    let split = run_gemv_cols(
                         &k,
                         &format!("ds4_gemv_colsplit_{name}"),
-                        (l.grid_x, l.block),
+                        (l.grid_x, l.block, true),
                         &w,
                         (&x, xs),
                         (n_in, n_out, cols, ys),
@@ -836,38 +840,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// `ds4_gemv_colsplit_<t>` over (grid_x, cols) blocks, parameters as run_gemv_cols's
-    /// without the column count; y starts as NaN.
-    fn run_gemv_colsplit(
-        k: &EmuKernels,
-        name: &str,
-        (grid_x, block): (u32, u32),
-        w: &[u8],
-        (x, x_stride): (&[f32], usize),
-        (n_in, n_out, cols, y_stride): (usize, usize, usize, usize),
-        wpr: u32,
-    ) -> Vec<f32> {
-        let mut y = vec![f32::NAN; cols * y_stride];
-        let (mut wp, mut xp, mut yp) =
-            (w.as_ptr() as u64, x.as_ptr() as u64, y.as_mut_ptr() as u64);
-        let (mut xs, mut ys) = (x_stride as u64, y_stride as u64);
-        let (mut ni, mut no, mut wpr) = (n_in as i32, n_out as i32, wpr as i32);
-        let mut params: Vec<*mut c_void> = vec![
-            (&mut wp as *mut u64).cast(),
-            (&mut xp as *mut u64).cast(),
-            (&mut xs as *mut u64).cast(),
-            (&mut yp as *mut u64).cast(),
-            (&mut ys as *mut u64).cast(),
-            (&mut ni as *mut i32).cast(),
-            (&mut no as *mut i32).cast(),
-            (&mut wpr as *mut i32).cast(),
-        ];
-        // SAFETY: as run_gemv_cols: n_out rows of n_in values, cols rows of x_stride floats
-        // of x, y sized here; the parameters are the entry point's.
-        unsafe { k.launch(name, (grid_x, cols as u32, 1), block, &mut params) }.unwrap();
-        y
     }
 
     /// The persistent int8-activation GEMV (`ds4_gemvq_quant`): with fewer blocks than row

@@ -1603,23 +1603,22 @@ impl<D: GpuApi> GpuBackend<D> {
             Some(s) => self.fptr(s, OP)?,
             None => 0,
         };
-        let args = [
+        let mut args = vec![
             Arg::Ptr(self.fptr(x, OP)?),
             Arg::Ptr(self.fptr(f, OP)?),
             Arg::Ptr(f2p),
             Arg::Ptr(self.fptr(post, OP)?),
             Arg::Ptr(self.fptr(comb, OP)?),
             i32a(OP, "tokens", t)?,
-            i32a(OP, "streams", n)?,
-            i32a(OP, "dim", d)?,
         ];
         if n == self.hc_post4 {
-            // Tokens on the grid's y (docs/gpu.md §21): no per-element division.
-            let mut args = args.to_vec();
-            args.remove(6);
+            // Tokens on the grid's y (docs/gpu.md §21): no per-element division; the stream
+            // count is the kernel's own.
+            args.push(i32a(OP, "dim", d)?);
             let grid = (g32(d.div_ceil(256)), g32(t.min(65_535)), 1);
             return self.launch("ds4_hc_post4", grid, 256, &args);
         }
+        args.extend([i32a(OP, "streams", n)?, i32a(OP, "dim", d)?]);
         self.launch("ds4_hc_post", (grid_for(t * d), 1, 1), 256, &args)
     }
 

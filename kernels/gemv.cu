@@ -1486,6 +1486,25 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W, cons
 #define DS4_Q8M_CODES 32768
 extern "C" __device__ const int ds4_gemvq_cols_max[2] = {DS4_Q8M_COLS, DS4_Q8M_CODES};
 
+// Where a column's codes sit in shared memory (docs/gpu.md §24). Lane l of a warp reads unit
+// u = 32·k + l, 32 codes, as two 16-byte loads; with the codes in input order the lanes' loads
+// are 32 bytes apart, so each load instruction spans 1 KB and costs 8 shared wavefronts for
+// 512 useful bytes. Split (default): each run of 32 units keeps its units' first halves
+// together, then their second halves (a short last run of m units: halves m·16 bytes
+// apart), so the lanes of one load read 512 consecutive bytes (4 wavefronts). Offsets are in
+// 16-byte vectors from the column's start; -DDS4_Q8M_XSPLIT=0 keeps input order (A/B).
+#ifndef DS4_Q8M_XSPLIT
+#define DS4_Q8M_XSPLIT 1
+#endif
+__device__ __forceinline__ int ds4_q8m_vec(int u, int half, int nunits) {
+#if DS4_Q8M_XSPLIT
+    const int run = u >> 5, m = min(32, nunits - (run << 5));
+    return (run << 6) + half * m + (u & 31);
+#else
+    return 2 * u + half;
+#endif
+}
+
 // One block (DS4_GEMV_THREADS) per row r of x (n_in values, rows x_stride floats apart; n_in
 // a multiple of 32, at most DS4_Q8_MAX_IN): its codes, 32-value scales and 16-code sums as
 // ds4_quantize_x4 makes them inside a GEMV block, at q + r·n_in, d + r·n_in/32, s16 + r·n_in/16.
@@ -1549,12 +1568,13 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
     auto compute = [&](int j, const Ds4Q8Item<R, 1>& b) {
         const int u = part * DS4_WARP + lane + (j % nit) * stride;
         if (u < nunits) {
+            const int vlo = ds4_q8m_vec(u, 0, nunits), vhi = ds4_q8m_vec(u, 1, nunits);
 #pragma unroll
             for (int c = 0; c < MC; ++c) {
                 if (c < n_cols) {
-                    const ds4_i8* xc = xq + (ds4_size)c * n_in + 32 * u;
-                    const uint4 xa = *(const uint4*)xc;
-                    const uint4 xb = *(const uint4*)(xc + 16);
+                    const uint4* xc = (const uint4*)(xq + (ds4_size)c * n_in);
+                    const uint4 xa = xc[vlo];
+                    const uint4 xb = xc[vhi];
                     const float dx = xd[c * (n_in / 32) + u];
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
@@ -1582,7 +1602,8 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
         for (int i = threadIdx.x; i < n_cols * v16; i += blockDim.x) {
             const int c = i / v16, k = i % v16;
             const ds4_size src = ((ds4_size)c * q_col + g) * v16 + k;
-            ((uint4*)xq)[i] = ds4_ld_act((const uint4*)xq_g + src);
+            ((uint4*)xq)[c * v16 + ds4_q8m_vec(k >> 1, k & 1, nb)] =
+                ds4_ld_act((const uint4*)xq_g + src);
         }
         for (int i = threadIdx.x; i < n_cols * nb; i += blockDim.x) {
             const int c = i / nb, k = i % nb;

@@ -656,6 +656,8 @@ mod tests {
             (1024, 64, 3, 1),
             (8192, 5, 4, 1),
             (256, 7, 2, 1),
+            // A short last run of units (40 = 32 + 8): the split code layout's edge.
+            (1280, 9, 3, 1),
             (2048, 13, 5, 2),
         ] {
             let (w, _) = random_q8_0(&mut next, n_in, n_out * groups);

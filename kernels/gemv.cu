@@ -1233,15 +1233,27 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
 // persistent: the host may launch fewer blocks than row groups (one wave: the routed
 // experts' 12 x 128 blocks ran in ~6 waves of short-lived blocks, each paying the x
 // quantization, the IQ2 tables and a full load latency with nothing to overlap), and each
-// block then walks row-group steps blockIdx.x, + gridDim.x, ...; a warp issues the loads of
-// its next step's first chunk before it computes its current last chunk, so the load
-// latency of one step hides behind the arithmetic of the previous one. Every row is still
-// summed by one warp in a fixed order (deterministic, and the same sums as one block per
-// step).
-template <class T, class XIn>
-__device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, const XIn& x,
-                                                float* __restrict__ y, int n_in, int n_out,
-                                                int wpr, bool ok) {
+// block walks row-group steps; a warp issues the loads of its next step's first chunk
+// before it computes its current last chunk, so the load latency of one step hides behind
+// the arithmetic of the previous one. Every row is still summed by one warp in a fixed
+// order (deterministic, and the same sums as one block per step).
+//
+// The launch's matrices are "jobs" (J below): one for a plain GEMV, a selection x matrix
+// each for the routed experts. Two ways to hand out the steps:
+// - strided (J::FLAT false): grid y and z pick the job, and block b of grid x takes steps
+//   b, b + gridDim.x, ... of it; the weights are known before the grid wait.
+// - flat (J::FLAT true, docs/gpu.md §25): every step of every job in one sequence, and block
+//   b takes a contiguous, equal share of it. A batched decode step's 96 gate/up matrices
+//   on one wave of resident blocks then cost what their work costs, where the strided grid
+//   (a whole number of blocks per matrix) overfilled the wave by up to a third. The input
+//   is quantized again where the block's steps enter a job with another input (J::key).
+// Which warp sums which row is the same either way, so the rows are the same bits.
+struct Ds4JobOne {
+    static constexpr bool FLAT = false;
+};
+template <class T, class J>
+__device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_out, int wpr,
+                                               bool ok) {
     constexpr int R = T::ROWS;
     constexpr int CB = T::cb(R);
     constexpr int VEC = CB * T::BB / 16;
@@ -1266,21 +1278,38 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, co
     const int nchunks = (nblocks + CB - 1) / CB;
     const ds4_u8* sbytes = (const ds4_u8*)stage[warp];
     const Ds4XQ xqv{xq, xd, xs};
-    // Rows of block step bs for this warp; false when it has none there.
-    auto rows_of = [&](int bs, const ds4_u8* (&rows)[R], int& row0) -> bool {
-        row0 = (bs * gpb + warp / wpr) * R;
-        const bool act = ok && bs < nsteps && row0 < n_out;
+    // This block's steps: gs = first, first + inc, ... while gs < last (job gs / nsteps).
+    ds4_size first, last, inc;
+    if (J::FLAT) {
+        const ds4_size total = (ds4_size)jobs.count() * nsteps;
+        first = total * blockIdx.x / gridDim.x;
+        last = total * (blockIdx.x + 1) / gridDim.x;
+        inc = 1;
+        ds4_grid_wait();  // the jobs' expert ids come from the router
+    } else {
+        first = blockIdx.x;
+        last = nsteps;
+        inc = gridDim.x;
+    }
+    // Rows of step gs for this warp; false when it has none there.
+    auto rows_of = [&](ds4_size gs, const ds4_u8* (&rows)[R], int& row0, float*& y) -> bool {
+        const int job = gs < last ? (int)(gs / nsteps) : 0;
+        row0 = ((int)(gs % nsteps) * gpb + warp / wpr) * R;
+        const bool act = ok && gs < last && jobs.ok(job) && row0 < n_out;
         const int nvalid = act ? min(R, n_out - row0) : 1;
+        const ds4_u8* W = jobs.w(job);
+        y = jobs.y(job);
 #pragma unroll
         for (int r = 0; r < R; ++r)
             rows[r] = W + (act ? (ds4_size)(row0 + min(r, nvalid - 1)) * row_bytes : 0);
         return act;
     };
     uint4 regs[R][V];
-    int bs = blockIdx.x;
+    ds4_size gs = first;
     const ds4_u8* rows[R];
     int row0;
-    bool act = rows_of(bs, rows, row0);
+    float* y;
+    bool act = rows_of(gs, rows, row0, y);
     if (act && part < nchunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(rows[r], part, nblocks, lane, regs[r]);
@@ -1288,15 +1317,23 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, co
     // Only weights were read so far (overlapped launches, docs/gpu.md §6); the first
     // chunk's loads are in flight while x is quantized.
     ds4_grid_wait();
-    if (fits) ds4_quantize_x4(x, n_in, xq, xd, xs);
-    else __syncthreads();
-    for (; bs < nsteps; bs += gridDim.x) {
+    long long key = -1;  // the input now in xbuf
+    if (!fits) __syncthreads();
+    for (; gs < last; gs += inc) {
+        const int job = (int)(gs / nsteps);
+        if (fits && jobs.key(job) != key) {
+            // Block-uniform: every thread is at the same step. The last step's readers of
+            // xbuf passed the barrier after its rows were written.
+            key = jobs.key(job);
+            ds4_quantize_x4(jobs.input(job), n_in, xq, xd, xs);
+        }
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = 0.f;
         const ds4_u8* nrows[R];
         int nrow0;
-        const bool nact = rows_of(bs + (int)gridDim.x, nrows, nrow0);
+        float* ny;
+        const bool nact = rows_of(gs + inc, nrows, nrow0, ny);
         if (act) {
             for (int c = part; c < nchunks; c += wpr) {
                 const int b0 = c * CB;
@@ -1320,13 +1357,35 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, co
 #pragma unroll
             for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(nrows[r], part, nblocks, lane, regs[r]);
         }
-        ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
+        ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok && jobs.ok(job));
         __syncthreads();  // part_sums of ds4_finish_rows are rewritten by the next step
 #pragma unroll
         for (int r = 0; r < R; ++r) rows[r] = nrows[r];
         row0 = nrow0;
+        y = ny;
         act = nact;
     }
+}
+
+// One matrix (grid y and z, if any, chosen by the entry point).
+template <class XIn>
+struct Ds4JobMatrix : Ds4JobOne {
+    const ds4_u8* W;
+    XIn x;
+    float* yp;
+    bool okj;
+    __device__ int count() const { return 1; }
+    __device__ bool ok(int) const { return okj; }
+    __device__ const ds4_u8* w(int) const { return W; }
+    __device__ float* y(int) const { return yp; }
+    __device__ const XIn& input(int) const { return x; }
+    __device__ long long key(int) const { return 0; }
+};
+template <class T, class XIn>
+__device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, const XIn& x,
+                                                float* __restrict__ y, int n_in, int n_out,
+                                                int wpr, bool ok) {
+    ds4_gemvq_jobs<T>(Ds4JobMatrix<XIn>{{}, W, x, y, ok}, n_in, n_out, wpr, true);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1902,6 +1961,95 @@ DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
+
+// Flat grouped launches (docs/gpu.md §25): the routed experts' matrices of a batched decode
+// step as the jobs of one flat grid. Job p is selection p / mats, matrix p % mats (gate and
+// up of one selection follow each other and share its input).
+struct Ds4Experts {
+    const ds4_u8* W0;
+    const ds4_u8* W1;
+    ds4_size expert_bytes;
+    const ds4_i32* ids;  // written by the router: plain loads after the grid wait
+    int n_experts, n_sel, mats;
+    float* y0;
+    float* y1;
+    int n_out;
+    __device__ int sel(int p) const { return p / mats; }
+    __device__ bool ok(int p) const {
+        const int id = ids[sel(p)];
+        return id >= 0 && id < n_experts;
+    }
+    __device__ const ds4_u8* w(int p) const {
+        const int id = ids[sel(p)];
+        const ds4_u8* base = p % mats ? W1 : W0;
+        return base + (id >= 0 && id < n_experts ? (ds4_size)id * expert_bytes : 0);
+    }
+    __device__ float* y(int p) const { return (p % mats ? y1 : y0) + (ds4_size)sel(p) * n_out; }
+};
+// Gate and up: selection s reads row s / x_div of x (x_stride floats apart): x_div = the
+// selections per token gives each token's row to its selections without copying it.
+struct Ds4JobsExperts {
+    static constexpr bool FLAT = true;
+    Ds4Experts e;
+    const float* x;
+    ds4_size x_stride;
+    int x_div;
+    __device__ int count() const { return e.n_sel * e.mats; }
+    __device__ bool ok(int p) const { return e.ok(p); }
+    __device__ const ds4_u8* w(int p) const { return e.w(p); }
+    __device__ float* y(int p) const { return e.y(p); }
+    __device__ long long key(int p) const { return e.sel(p) / x_div; }
+    __device__ const float* input(int p) const { return x + (ds4_size)key(p) * x_stride; }
+};
+// Down: selection s's input is route_w[s] · SwiGLU(g, u) of its own rows (Ds4XSwiglu).
+struct Ds4JobsExpertsSwiglu {
+    static constexpr bool FLAT = true;
+    Ds4Experts e;
+    const float* g;
+    const float* u;
+    const float* route_w;
+    float c;
+    int n_in;
+    __device__ int count() const { return e.n_sel * e.mats; }
+    __device__ bool ok(int p) const { return e.ok(p); }
+    __device__ const ds4_u8* w(int p) const { return e.w(p); }
+    __device__ float* y(int p) const { return e.y(p); }
+    __device__ long long key(int p) const { return e.sel(p); }
+    __device__ Ds4XSwiglu input(int p) const {
+        const ds4_size off = (ds4_size)e.sel(p) * n_in;
+        return Ds4XSwiglu{g + off, u + off, c, ds4_ld_act(route_w + e.sel(p))};
+    }
+};
+// ds4_gemv_flat_q_<t>(W0, W1, expert_bytes, ids, n_experts, n_sel, mats, x, x_stride, x_div,
+// y0, y1, n_in, n_out, wpr): ds4_gemv_grouped_q_<t>'s outputs (matrix m of selection s into
+// (m ? y1 : y0)[s·n_out ..]) on a flat grid of any size along x, selection s reading x row
+// s / x_div. ds4_gemv_flat_swiglu_q_<t>(W0, expert_bytes, ids, n_experts, n_sel, g, u,
+// route_w, c, y0, n_in, n_out, wpr, fault): ds4_gemv_grouped_swiglu_q_<t>'s.
+#define DS4_GEMV_FLAT_ENTRY(NAME, FMT, MINB)                                                    \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB) ds4_gemv_flat_##NAME(  \
+        const ds4_u8* __restrict__ W0, const ds4_u8* __restrict__ W1, ds4_size expert_bytes,    \
+        const ds4_i32* ids, int n_experts, int n_sel, int mats, const float* x,                 \
+        ds4_size x_stride, int x_div, float* y0, float* y1, int n_in, int n_out, int wpr) {     \
+        const Ds4Experts e{W0, W1, expert_bytes, ids, n_experts, n_sel, mats, y0, y1, n_out};   \
+        ds4_gemvq_jobs<FMT>(Ds4JobsExperts{e, x, x_stride, max(1, x_div)}, n_in, n_out, wpr,    \
+                            true);                                                              \
+    }                                                                                           \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                        \
+        ds4_gemv_flat_swiglu_##NAME(const ds4_u8* __restrict__ W0, ds4_size expert_bytes,       \
+                                    const ds4_i32* ids, int n_experts, int n_sel, const float* g, \
+                                    const float* u, const float* route_w, float c, float* y0,   \
+                                    int n_in, int n_out, int wpr, int* fault) {                 \
+        const Ds4Experts e{W0, W0, expert_bytes, ids, n_experts, n_sel, 1, y0, y0, n_out};      \
+        ds4_grid_wait();                                                                        \
+        if (blockIdx.x == 0)                                                                    \
+            for (int s = threadIdx.x; s < n_sel; s += blockDim.x)                               \
+                if (!e.ok(s)) atomicOr(fault, DS4_GEMV_FAULT_EXPERT);                           \
+        ds4_gemvq_jobs<FMT>(Ds4JobsExpertsSwiglu{e, g, u, route_w, c, n_in}, n_in, n_out, wpr,  \
+                            true);                                                              \
+    }
+DS4_GEMV_FLAT_ENTRY(q_q2_k, Ds4Q2Kx, DS4_MINB_Q2_K)
+DS4_GEMV_FLAT_ENTRY(q_q4_k, Ds4Q4Kx, DS4_MINB_Q4_K)
+DS4_GEMV_FLAT_ENTRY(q_iq2_xxs, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
 
 // ds4_gemv_rmsnorm_q_<t>(W, x, norm_w, eps, y, n_in, n_out, wpr, h): y = W · (rms_norm(x) ·
 // norm_w) (Ds4XNorm; the query path's low-rank norm before q_b), and block 0 writes the

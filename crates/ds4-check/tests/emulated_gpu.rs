@@ -759,7 +759,8 @@ fn emulated_batched_decode_equals_decoding_alone() {
         (TypeRecipe::Q2, true, 2, Some(wide)),
     ];
     for (recipe, act_q8, seqs, h) in cases {
-        let prompt = if h.is_some() { 2 } else { 9 };
+        let wide_case = h.is_some();
+        let prompt = if wide_case { 2 } else { 9 };
         let file = match h {
             Some(h) => model_file_from(dir.path(), h, recipe),
             None => model_file_with(dir.path(), recipe),
@@ -787,6 +788,20 @@ fn emulated_batched_decode_equals_decoding_alone() {
             ok && r.greedy == 0,
             "{recipe:?} act_q8 {act_q8} seqs {seqs}: batched vs alone {r:?}"
         );
+        if wide_case {
+            // The wide rows are 16-byte multiples: the batched steps' routed experts ran on
+            // the flat grids (docs/gpu.md §25), gate/up and down.
+            let flat = |p: &str| {
+                fake.launches()
+                    .iter()
+                    .filter(|l| l.0.starts_with(p))
+                    .count()
+            };
+            assert!(
+                flat("ds4_gemv_flat_q_") > 0 && flat("ds4_gemv_flat_swiglu_q_") > 0,
+                "no flat routed-expert launch"
+            );
+        }
         let mut cpu = CpuBackend::new(1).unwrap();
         cpu.set_activation_q8(act_q8).unwrap();
         let mut rng = ds4_engine::Rng::new(11);

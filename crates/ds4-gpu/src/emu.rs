@@ -910,6 +910,207 @@ mod tests {
         }
     }
 
+    /// A kernel parameter for [`launch_args`]: pointers and sizes, ints, floats.
+    enum P {
+        U(u64),
+        I(i32),
+        F(f32),
+    }
+
+    /// Launches `name` with `args` (each value in an 8-byte slot whose low bytes are the
+    /// parameter, as the device backends pass them).
+    fn launch_args(k: &EmuKernels, name: &str, grid: (u32, u32, u32), block: u32, args: &[P]) {
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                P::U(v) => v,
+                P::I(v) => u64::from(v as u32),
+                P::F(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> =
+            slots.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        // SAFETY: the callers pass each kernel's parameters in order, with buffers of the
+        // sizes its contract names.
+        unsafe { k.launch(name, grid, block, &mut params) }.unwrap();
+    }
+
+    /// The routed experts' GEMVs on one flat grid (`ds4_gemv_flat_q_<t>`,
+    /// `ds4_gemv_flat_swiglu_q_<t>`, docs/gpu.md §25) write, bit for bit, what the one-token
+    /// kernel writes for each selection and matrix alone: selections of several tokens (each
+    /// reading its token's row), repeated experts, flat grids of one block, a few blocks
+    /// (ranges that cross matrices and inputs mid-way) and one per step; an expert id out of
+    /// range gives NaN rows for its selection only (and the down kernel's fault bit).
+    #[test]
+    fn flat_grouped_gemvs_equal_one_matrix_each() {
+        use crate::kernels::{gemv_launch, GemvType};
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
+        let (n_exp, per_tok, n_tok) = (5usize, 3usize, 2usize);
+        let n_sel = per_tok * n_tok;
+        for (ty, suffix, bb) in [
+            (GemvType::Iq2Xxs, "iq2_xxs", 66usize),
+            (GemvType::Q2K, "q2_k", 84),
+            (GemvType::Q4K, "q4_k", 144),
+        ] {
+            for (n_in, n_out) in [(2048usize, 40usize), (4096, 17)] {
+                let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+                let eb = rb * n_out;
+                // Random codes with small finite f16 scales (each format's scale bytes).
+                let mut mats: Vec<Vec<u8>> = (0..2)
+                    .map(|_| (0..n_exp * eb).map(|_| next() as u8).collect())
+                    .collect();
+                for m in mats.iter_mut() {
+                    for blk in m.chunks_exact_mut(bb) {
+                        let h = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+                        let a = h(0.01 + (next() % 100) as f32 * 1e-4);
+                        let b = h(0.005 + (next() % 100) as f32 * 1e-4);
+                        match suffix {
+                            "iq2_xxs" => blk[0..2].copy_from_slice(&a),
+                            "q2_k" => {
+                                blk[80..82].copy_from_slice(&a);
+                                blk[82..84].copy_from_slice(&b);
+                            }
+                            _ => {
+                                blk[0..2].copy_from_slice(&a);
+                                blk[2..4].copy_from_slice(&b);
+                            }
+                        }
+                    }
+                }
+                let x: Vec<f32> = (0..n_tok * n_in)
+                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let g: Vec<f32> = (0..n_sel * n_in)
+                    .map(|_| (next() % 2001) as f32 / 500.0 - 2.0)
+                    .collect();
+                let u: Vec<f32> = (0..n_sel * n_in)
+                    .map(|_| (next() % 2001) as f32 / 500.0 - 2.0)
+                    .collect();
+                let rw: Vec<f32> = (0..n_sel).map(|i| 0.25 + i as f32 * 0.1).collect();
+                let clamp = 1.5f32;
+                let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, 1 << 12)
+                    .unwrap();
+                for ids in [vec![4i32, 0, 4, 2, 1, 3], vec![1, 7, 0, -1, 2, 2]] {
+                    let bad = |s: usize| ids[s] < 0 || ids[s] >= n_exp as i32;
+                    // One token's kernel per selection and matrix (the reference).
+                    let alone = |m: usize, s: usize, xin: &[f32]| -> Vec<f32> {
+                        let e = ids[s] as usize;
+                        run_gemv(
+                            &k,
+                            &format!("ds4_gemv_q_{suffix}"),
+                            l.grid_x,
+                            l.block,
+                            &mats[m][e * eb..(e + 1) * eb],
+                            xin,
+                            n_out,
+                            l.wpr,
+                        )
+                    };
+                    let steps = l.grid_x * (2 * n_sel) as u32;
+                    for grid_x in [1, 4, steps] {
+                        let mut y0 = vec![f32::NAN; n_sel * n_out];
+                        let mut y1 = vec![f32::NAN; n_sel * n_out];
+                        launch_args(
+                            &k,
+                            &format!("ds4_gemv_flat_q_{suffix}"),
+                            (grid_x, 1, 1),
+                            l.block,
+                            &[
+                                P::U(mats[0].as_ptr() as u64),
+                                P::U(mats[1].as_ptr() as u64),
+                                P::U(eb as u64),
+                                P::U(ids.as_ptr() as u64),
+                                P::I(n_exp as i32),
+                                P::I(n_sel as i32),
+                                P::I(2),
+                                P::U(x.as_ptr() as u64),
+                                P::U(n_in as u64),
+                                P::I(per_tok as i32),
+                                P::U(y0.as_mut_ptr() as u64),
+                                P::U(y1.as_mut_ptr() as u64),
+                                P::I(n_in as i32),
+                                P::I(n_out as i32),
+                                P::I(l.wpr as i32),
+                            ],
+                        );
+                        for s in 0..n_sel {
+                            let t = s / per_tok;
+                            for (m, y) in [&y0, &y1].into_iter().enumerate() {
+                                let got = &y[s * n_out..(s + 1) * n_out];
+                                if bad(s) {
+                                    assert!(got.iter().all(|v| v.is_nan()), "{suffix} bad id");
+                                    continue;
+                                }
+                                let want = alone(m, s, &x[t * n_in..(t + 1) * n_in]);
+                                for (r, (a, b)) in got.iter().zip(&want).enumerate() {
+                                    assert!(
+                                        a.to_bits() == b.to_bits() && a.is_finite(),
+                                        "{suffix} {n_in}x{n_out} grid {grid_x} sel {s} mat {m} row {r}: {a} vs {b}"
+                                    );
+                                }
+                            }
+                        }
+                        // Down: the grouped SwiGLU kernel on its per-selection grid.
+                        let mut want = vec![f32::NAN; n_sel * n_out];
+                        let mut got = vec![f32::NAN; n_sel * n_out];
+                        let (mut fault_a, mut fault_b) = (0i32, 0i32);
+                        for (name, grid, y, fault) in [
+                            (
+                                format!("ds4_gemv_grouped_swiglu_q_{suffix}"),
+                                (l.grid_x, n_sel as u32, 1),
+                                &mut want,
+                                &mut fault_a,
+                            ),
+                            (
+                                format!("ds4_gemv_flat_swiglu_q_{suffix}"),
+                                (grid_x, 1, 1),
+                                &mut got,
+                                &mut fault_b,
+                            ),
+                        ] {
+                            let flat = name.contains("flat");
+                            let mut a = vec![
+                                P::U(mats[0].as_ptr() as u64),
+                                P::U(eb as u64),
+                                P::U(ids.as_ptr() as u64),
+                                P::I(n_exp as i32),
+                            ];
+                            if flat {
+                                a.push(P::I(n_sel as i32));
+                            }
+                            a.extend([
+                                P::U(g.as_ptr() as u64),
+                                P::U(u.as_ptr() as u64),
+                                P::U(rw.as_ptr() as u64),
+                                P::F(clamp),
+                                P::U(y.as_mut_ptr() as u64),
+                                P::I(n_in as i32),
+                                P::I(n_out as i32),
+                                P::I(l.wpr as i32),
+                                P::U(fault as *mut i32 as u64),
+                            ]);
+                            launch_args(&k, &name, grid, l.block, &a);
+                        }
+                        assert_eq!(fault_a, fault_b, "{suffix} fault bits");
+                        assert_eq!(
+                            fault_b != 0,
+                            ids.iter().any(|&e| e < 0 || e >= n_exp as i32)
+                        );
+                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                            let s = i / n_out;
+                            assert!(
+                                a.to_bits() == b.to_bits() && (bad(s) || a.is_finite()),
+                                "{suffix} down grid {grid_x} sel {s} row {}: {a} vs {b}",
+                                i % n_out
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// The head preparation with one warp per row (`ds4_norm_rope2_warps`) writes the same
     /// bits as the block per row (`ds4_norm_rope2`) it replaces for prefill-sized launches:
     /// query heads with and without a norm weight, a KV row with FP8 dims, positions from a

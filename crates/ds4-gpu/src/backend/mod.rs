@@ -217,6 +217,9 @@ pub(crate) struct GemvSet<D: GpuApi> {
     /// (`ds4_gemv_grouped_swiglu_q_<t>`, every int8-activation type: the routed experts').
     q8_swiglu: Vec<Option<D::Function>>,
     q8_grouped_swiglu: Vec<Option<D::Function>>,
+    /// The routed experts' int8 GEMVs on a flat grid (`ds4_gemv_flat_q_<t>`, gate/up, and
+    /// `ds4_gemv_flat_swiglu_q_<t>`, down; docs/gpu.md §25) for the low-bit types.
+    q8_flat: Vec<Option<(D::Function, D::Function)>>,
     /// Int8-activation GEMVs that RMS-normalize their input first (`ds4_gemv_rmsnorm_q_q8_0`,
     /// Q8_0 only: q_b).
     q8_rmsnorm: Vec<Option<D::Function>>,
@@ -289,6 +292,7 @@ impl<D: GpuApi> GemvSet<D> {
         let mut q8 = Vec::new();
         let mut q8_swiglu = Vec::new();
         let mut q8_grouped_swiglu = Vec::new();
+        let mut q8_flat = Vec::new();
         let mut q8_rmsnorm = Vec::new();
         for t in GemvType::ALL {
             let int8 = ds4_gguf::quant::q8act::applies(t.ggml());
@@ -306,6 +310,16 @@ impl<D: GpuApi> GemvSet<D> {
             let q8_0 = t == GemvType::Q8_0;
             q8_swiglu.push(get("ds4_gemv_swiglu_q_", q8_0)?);
             q8_grouped_swiglu.push(get("ds4_gemv_grouped_swiglu_q_", int8)?);
+            let low_bit = int8 && !q8_0;
+            q8_flat.push(
+                match (
+                    get("ds4_gemv_flat_q_", low_bit)?,
+                    get("ds4_gemv_flat_swiglu_q_", low_bit)?,
+                ) {
+                    (Some(a), Some(b)) => Some((a, b)),
+                    _ => None,
+                },
+            );
             q8_rmsnorm.push(get("ds4_gemv_rmsnorm_q_", q8_0)?);
             plain.push(dev.function(&module, &format!("ds4_gemv_{}", t.suffix()))?);
             grouped.push(dev.function(&module, &format!("ds4_gemv_grouped_{}", t.suffix()))?);
@@ -344,6 +358,7 @@ impl<D: GpuApi> GemvSet<D> {
             q8,
             q8_swiglu,
             q8_grouped_swiglu,
+            q8_flat,
             q8_rmsnorm,
             q8_grouped_rope,
             q8_generic,
@@ -368,6 +383,17 @@ impl<D: GpuApi> GemvSet<D> {
     pub(crate) fn q8_grid_x(&self, full: u32, others: u32) -> u32 {
         let wave = (self.sms * Q8_RESIDENT_BLOCKS).div_ceil(u64::from(others.max(1)));
         full.min(u32::try_from(wave.max(1)).unwrap_or(u32::MAX))
+    }
+
+    /// Blocks of a flat grouped launch (docs/gpu.md §25): one wave of resident blocks, or
+    /// one per step where there are fewer steps.
+    pub(crate) fn q8_flat_grid_x(&self, steps: u64) -> u32 {
+        u32::try_from((self.sms * Q8_RESIDENT_BLOCKS).min(steps).max(1)).unwrap_or(u32::MAX)
+    }
+
+    /// The flat grouped entry points of `ty` (gate/up, down), if it has them.
+    pub(crate) fn q8_flat_functions(&self, ty: GemvType) -> Option<&(D::Function, D::Function)> {
+        self.q8_flat[gemv_index(ty)].as_ref()
     }
 
     /// Dynamic shared memory to launch the int8-activation GEMVs of `ty` with.
@@ -543,6 +569,9 @@ pub struct GpuBackend<D: GpuApi> {
     /// The stream count `ds4_hc_post4` is built for (0: off, `DS4_HC_POST4=0`; the same
     /// values as `ds4_hc_post`, docs/gpu.md §21).
     pub(crate) hc_post4: usize,
+    /// A batched step's routed-expert GEMVs on one flat grid (`ds4_gemv_flat_*`, the same
+    /// values as the per-matrix grids, docs/gpu.md §25); `DS4_GROUPED_FLAT=0`: never.
+    pub(crate) grouped_flat: bool,
     /// Multi-token attention on the tensor cores (`ds4_attention_mma`) where the shapes
     /// and the device allow it; `DS4_PREFILL_ATTN=mma` (docs/gpu.md §14).
     pub(crate) attn_mma: bool,
@@ -964,6 +993,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .unwrap_or(0)
                 .saturating_mul(sms),
+            grouped_flat: env_on("DS4_GROUPED_FLAT"),
             hc_post4: if env_on("DS4_HC_POST4") {
                 usize::try_from(post4).unwrap_or(0)
             } else {

@@ -1132,7 +1132,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 ids,
                 groups,
                 xp,
-                true,
+                1,
                 (yp, None),
                 (groups, groups),
                 cols,
@@ -2658,9 +2658,12 @@ impl<D: GpuApi> GpuBackend<D> {
             && self.grouped_ok(gty, d, f, upp)
             && self.grouped_ok(dty, f, d, dp);
         if grouped {
-            // Inputs per selection: the token's x (shared when there is one token).
-            let (xsrc, per_sel) = if t == 1 {
-                (xp, false)
+            // Inputs per selection: the token's x (shared when there is one token; a flat
+            // grid reads each token's row for its selections, docs/gpu.md §25).
+            let (xsrc, x_div) = if t == 1 {
+                (xp, 0)
+            } else if self.flat_for(gty, n_sel, k, self.q8_rows(t)) {
+                (xp, k)
             } else {
                 // Each token's x once per selection, on the device (no host index list).
                 let xs = self.scratch("moe_xs", 4 * n_sel * d)?;
@@ -2676,7 +2679,7 @@ impl<D: GpuApi> GpuBackend<D> {
                         Arg::Ptr(xs),
                     ],
                 )?;
-                (xs, true)
+                (xs, 1)
             };
             self.grouped(
                 gty,
@@ -2685,7 +2688,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 ip,
                 ne,
                 xsrc,
-                per_sel,
+                x_div,
                 (sg, Some(su)),
                 (n_sel, k),
                 d,
@@ -2735,7 +2738,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 ip,
                 ne,
                 sh,
-                true,
+                1,
                 (so, None),
                 (n_sel, k),
                 f,
@@ -2913,6 +2916,39 @@ impl<D: GpuApi> GpuBackend<D> {
         {
             return Ok(false);
         }
+        // A batched step: one flat grid (docs/gpu.md §25).
+        if let (true, Some((_, ff))) = (
+            self.flat_for(ty, n_sel, per_tok, true),
+            self.gemv.q8_flat_functions(gt),
+        ) {
+            self.launch_fn_smem(
+                ff,
+                gt.label_q8(true),
+                (
+                    self.gemv.q8_flat_grid_x(u64::from(l.grid_x) * n_sel as u64),
+                    1,
+                    1,
+                ),
+                (l.block, self.gemv.q8_smem(gt)),
+                &[
+                    Arg::Ptr(w),
+                    u(expert_bytes),
+                    Arg::Ptr(ids),
+                    i32a(OP, "experts", n_experts)?,
+                    i32a(OP, "selections", n_sel)?,
+                    Arg::Ptr(g),
+                    Arg::Ptr(u_),
+                    Arg::Ptr(route_w),
+                    Arg::F32(clamp),
+                    Arg::Ptr(y),
+                    i32a(OP, "n_in", n_in)?,
+                    i32a(OP, "n_out", n_out)?,
+                    Arg::I32(l.wpr as i32),
+                    Arg::Ptr(self.fault_ptr()),
+                ],
+            )?;
+            return Ok(true);
+        }
         self.launch_fn_smem(
             f,
             gt.label_q8(true),
@@ -3073,6 +3109,17 @@ impl<D: GpuApi> GpuBackend<D> {
         self.upload_scratch_i32("iota", &v)
     }
 
+    /// Whether a grouped launch of `n_sel` selections (`per_tok` per token) of `ty` runs on
+    /// one flat grid (docs/gpu.md §25): int8 activations, a batched step, a type with the
+    /// flat entry points, not switched off.
+    fn flat_for(&self, ty: GgmlType, n_sel: usize, per_tok: usize, q8: bool) -> bool {
+        self.grouped_flat
+            && q8
+            && n_sel > per_tok
+            && ds4_gguf::quant::q8act::applies(ty)
+            && GemvType::from_ggml(ty).is_ok_and(|g| self.gemv.q8_flat_functions(g).is_some())
+    }
+
     fn grouped_ok(&self, ty: GgmlType, n_in: usize, n_out: usize, w: u64) -> bool {
         match GemvType::from_ggml(ty) {
             Ok(g) => self.gemv.launch_for(g, n_in, n_out).is_ok() && w.is_multiple_of(16),
@@ -3089,7 +3136,7 @@ impl<D: GpuApi> GpuBackend<D> {
         ids: u64,
         n_experts: usize,
         x: u64,
-        x_per_sel: bool,
+        x_div: usize,
         y: (u64, Option<u64>),
         (n_sel, per_tok): (usize, usize),
         n_in: usize,
@@ -3122,6 +3169,42 @@ impl<D: GpuApi> GpuBackend<D> {
                 ),
             });
         }
+        // A batched step (more selections than one token's): one flat grid (docs/gpu.md §25).
+        if let (true, Some((ff, _))) = (
+            q8f.is_some() && self.flat_for(ty, n_sel, per_tok, q8),
+            self.gemv.q8_flat_functions(g),
+        ) {
+            let jobs = n_sel as u64 * u64::from(mats);
+            return self.launch_fn_smem(
+                ff,
+                g.label_q8(true),
+                (self.gemv.q8_flat_grid_x(u64::from(l.grid_x) * jobs), 1, 1),
+                (l.block, self.gemv.q8_smem(g)),
+                &[
+                    Arg::Ptr(w.0),
+                    Arg::Ptr(w.1.unwrap_or(w.0)),
+                    u(expert_bytes),
+                    Arg::Ptr(ids),
+                    i32a(OP, "experts", n_experts)?,
+                    i32a(OP, "selections", n_sel)?,
+                    Arg::I32(mats as i32),
+                    Arg::Ptr(x),
+                    u(if x_div == 0 { 0 } else { n_in }),
+                    i32a(OP, "selections per input", x_div.max(1))?,
+                    Arg::Ptr(y.0),
+                    Arg::Ptr(y.1.unwrap_or(y.0)),
+                    i32a(OP, "n_in", n_in)?,
+                    i32a(OP, "n_out", n_out)?,
+                    Arg::I32(l.wpr as i32),
+                ],
+            );
+        }
+        if x_div > 1 {
+            return Err(BackendError::Invalid {
+                op: OP,
+                problem: format!("{x_div} selections per input row without a flat grid"),
+            });
+        }
         let (f, label, grid_x, smem) = match q8f {
             Some((_, gf)) => (
                 gf,
@@ -3144,7 +3227,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(ids),
                 i32a(OP, "experts", n_experts)?,
                 Arg::Ptr(x),
-                u(if x_per_sel { n_in } else { 0 }),
+                u(if x_div == 0 { 0 } else { n_in }),
                 Arg::Ptr(y.0),
                 Arg::Ptr(y.1.unwrap_or(y.0)),
                 i32a(OP, "n_in", n_in)?,
@@ -3362,7 +3445,7 @@ impl<D: GpuApi> GpuBackend<D> {
             ids,
             1,
             xp,
-            false,
+            0,
             (ap, Some(bp)),
             (1, 1),
             cols,

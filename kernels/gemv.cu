@@ -759,6 +759,13 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
             }
         }
     }
+    ds4_grid_wait();  // a no-op where the loads above waited already
+    if (ok) {
+        // Every column's rows as ds4_finish_rows writes them, with one barrier for all
+        // columns (docs/gpu.md §26).
+        ds4_finish_cols<R, MC>(acc, y, y_stride, row0, n_out, wpr, n_cols);
+        return;
+    }
     for (int c = 0; c < max(1, min(n_cols, MC)); ++c) {
         ds4_finish_rows<R>(acc[c], y + (ds4_size)c * y_stride, row0, n_out, wpr, ok);
         __syncthreads();  // part_sums are rewritten by the next column

@@ -760,7 +760,11 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
         }
     }
     ds4_grid_wait();  // a no-op where the loads above waited already
-    if (ok) {
+    // -DDS4_PLAIN_COLS_FINISH1=0: a barrier per column (A/B).
+#ifndef DS4_PLAIN_COLS_FINISH1
+#define DS4_PLAIN_COLS_FINISH1 1
+#endif
+    if (ok && DS4_PLAIN_COLS_FINISH1) {
         // Every column's rows as ds4_finish_rows writes them, with one barrier for all
         // columns (docs/gpu.md §26).
         ds4_finish_cols<R, MC>(acc, y, y_stride, row0, n_out, wpr, n_cols);

@@ -991,11 +991,20 @@ __device__ __forceinline__ void ds4_quantize_x(const float* __restrict__ x, int 
     __syncthreads();
 }
 
+// Where code i of an n-code input goes in the split layout (docs/gpu.md §27): each run of 32
+// 32-code units holds the first 16 codes of its units together, then their last 16 (a short
+// last run of m units keeps the halves m·16 bytes apart), so lane l reading unit 32k + l
+// reads consecutive 16-byte pieces. i a multiple of 4 (4 codes never straddle a half).
+__device__ __forceinline__ int ds4_xsplit_at(int i, int n) {
+    const int u = i >> 5, run = u >> 5, m = min(32, (n >> 5) - (run << 5));
+    return (run << 10) + ((i >> 4) & 1) * (m << 4) + ((u & 31) << 4) + (i & 15);
+}
+
 // The same quantization, fast: x 16-byte aligned. Each thread owns 4 consecutive values of
 // every 1024 (8 threads per block of 32) and issues all its loads before any arithmetic,
 // so the whole prologue costs about one trip to L2 instead of one per block of 32.
 // x: a 16-byte aligned float array, or a Ds4XSwiglu (g and u 16-byte aligned).
-template <class XIn>
+template <bool SPLIT = false, class XIn>
 __device__ __forceinline__ void ds4_quantize_x4(const XIn& xin, int n, ds4_i8* q, float* d,
                                                 int* s16) {
     constexpr int MAXIT = DS4_Q8_MAX_IN / (4 * DS4_GEMV_THREADS);
@@ -1035,7 +1044,8 @@ __device__ __forceinline__ void ds4_quantize_x4(const XIn& xin, int n, ds4_i8* q
         sum += ds4_shfl_xor_i(sum, 2);
         sum += ds4_shfl_xor_i(sum, 1);
         if (i < n) {
-            *(int*)(q + i) = (int)(((ds4_u32)q0 & 0xff) | (((ds4_u32)q1 & 0xff) << 8) |
+            *(int*)(q + (SPLIT ? ds4_xsplit_at(i, n) : i)) =
+                (int)(((ds4_u32)q0 & 0xff) | (((ds4_u32)q1 & 0xff) << 8) |
                                    (((ds4_u32)q2 & 0xff) << 16) | ((ds4_u32)q3 << 24));
             if ((lane & 7) == 0) d[i / 32] = db;
             if ((lane & 3) == 0) s16[i / 16] = sum;
@@ -1053,6 +1063,7 @@ __device__ __forceinline__ int ds4_ld_w4(const ds4_u8* p) {
 // Q2_K unit (sub-block of 16 values): four dp4a on the 2-bit codes; the min term uses the
 // precomputed code sum of those 16 activations.
 struct Ds4Q2Kx : Ds4Q2K {
+    static constexpr bool XSPLIT = false;
     template <int R, int CB>
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
                                 float (&acc)[R]) {
@@ -1083,6 +1094,7 @@ struct Ds4Q2Kx : Ds4Q2K {
 
 // Q4_K unit (16 values of sub-block j): four dp4a on the 4-bit codes.
 struct Ds4Q4Kx : Ds4Q4K {
+    static constexpr bool XSPLIT = false;
     template <int R, int CB>
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
                                 float (&acc)[R]) {
@@ -1160,8 +1172,14 @@ __device__ __forceinline__ ds4_u32 ds4_sign_mask4(ds4_u32 bits4) {
 __device__ __forceinline__ ds4_u64 ds4_sign_mask8(ds4_u32 sg) {
     return (ds4_u64)ds4_sign_mask4(sg & 15u) | ((ds4_u64)ds4_sign_mask4(sg >> 4) << 32);
 }
+// The activation codes in the split layout (ds4_xsplit_at, docs/gpu.md §27);
+// -DDS4_IQ2_XSPLIT=0: input order (A/B).
+#ifndef DS4_IQ2_XSPLIT
+#define DS4_IQ2_XSPLIT 1
+#endif
 struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
     static constexpr int UPB = 8;
+    static constexpr bool XSPLIT = DS4_IQ2_XSPLIT;
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u8 signs[128];
 #if DS4_IQ2_GRID_COPIES > 1
@@ -1199,8 +1217,14 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables tb,
                                 float (&acc)[R]) {
         const int b = u >> 3, g = u & 7;
+#if DS4_IQ2_XSPLIT
+        // Full runs only: IQ2_XXS rows are multiples of 2048 values, and a chunk starts a run.
+        const ds4_i8* xq = xc.q + ((u >> 5) << 10) + ((u & 31) << 4);
+        const uint4 xa = *(const uint4*)xq, xb = *(const uint4*)(xq + 512);
+#else
         const ds4_i8* xq = xc.q + b * BE + 32 * g;
         const uint4 xa = *(const uint4*)xq, xb = *(const uint4*)(xq + 16);
+#endif
         const int xv[8] = {(int)xa.x, (int)xa.y, (int)xa.z, (int)xa.w,
                            (int)xb.x, (int)xb.y, (int)xb.z, (int)xb.w};
         const float dx = xc.d[b * 8 + g];
@@ -1277,7 +1301,8 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
     float* const xd = xbuf.d;
     int* const xs = xbuf.s16;
     const Ds4Tables tb = T::prologue();
-    const bool fits = n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0;
+    const bool fits =
+        n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0 && (!T::XSPLIT || n_in % 1024 == 0);
     ok = ok && fits && tb.ok;
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
@@ -1289,12 +1314,13 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
     const int nchunks = (nblocks + CB - 1) / CB;
     const ds4_u8* sbytes = (const ds4_u8*)stage[warp];
     const Ds4XQ xqv{xq, xd, xs};
-    // This block's steps: gs = first, first + inc, ... while gs < last (job gs / nsteps).
-    ds4_size first, last, inc;
+    // This block's steps: gs = first, first + inc, ... while gs < last (flat: job gs /
+    // nsteps, row step gs % nsteps; strided: the one job's row step gs).
+    int first, last, inc;
     if (J::FLAT) {
         const ds4_size total = (ds4_size)jobs.count() * nsteps;
-        first = total * blockIdx.x / gridDim.x;
-        last = total * (blockIdx.x + 1) / gridDim.x;
+        first = (int)(total * blockIdx.x / gridDim.x);
+        last = (int)(total * (blockIdx.x + 1) / gridDim.x);
         inc = 1;
         ds4_grid_wait();  // the jobs' expert ids come from the router
     } else {
@@ -1302,25 +1328,24 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
         last = nsteps;
         inc = gridDim.x;
     }
+    auto job_of = [&](int gs) { return J::FLAT ? gs / nsteps : 0; };
     // Rows of step gs for this warp; false when it has none there.
-    auto rows_of = [&](ds4_size gs, const ds4_u8* (&rows)[R], int& row0, float*& y) -> bool {
-        const int job = gs < last ? (int)(gs / nsteps) : 0;
-        row0 = ((int)(gs % nsteps) * gpb + warp / wpr) * R;
+    auto rows_of = [&](int gs, const ds4_u8* (&rows)[R], int& row0) -> bool {
+        const int job = gs < last ? job_of(gs) : 0;
+        row0 = ((J::FLAT ? gs % nsteps : gs) * gpb + warp / wpr) * R;
         const bool act = ok && gs < last && jobs.ok(job) && row0 < n_out;
         const int nvalid = act ? min(R, n_out - row0) : 1;
         const ds4_u8* W = jobs.w(job);
-        y = jobs.y(job);
 #pragma unroll
         for (int r = 0; r < R; ++r)
             rows[r] = W + (act ? (ds4_size)(row0 + min(r, nvalid - 1)) * row_bytes : 0);
         return act;
     };
     uint4 regs[R][V];
-    ds4_size gs = first;
+    int gs = first;
     const ds4_u8* rows[R];
     int row0;
-    float* y;
-    bool act = rows_of(gs, rows, row0, y);
+    bool act = rows_of(gs, rows, row0);
     if (act && part < nchunks) {
 #pragma unroll
         for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(rows[r], part, nblocks, lane, regs[r]);
@@ -1328,23 +1353,26 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
     // Only weights were read so far (overlapped launches, docs/gpu.md §6); the first
     // chunk's loads are in flight while x is quantized.
     ds4_grid_wait();
-    long long key = -1;  // the input now in xbuf
-    if (!fits) __syncthreads();
+    long long key = -1;  // the input now in xbuf (flat grids)
+    if (!J::FLAT) {
+        // One input: quantized before the loop (keeps the loop's registers free).
+        if (fits) ds4_quantize_x4<T::XSPLIT>(jobs.input(0), n_in, xq, xd, xs);
+        else __syncthreads();
+    }
     for (; gs < last; gs += inc) {
-        const int job = (int)(gs / nsteps);
-        if (fits && jobs.key(job) != key) {
+        const int job = job_of(gs);
+        if (J::FLAT && fits && jobs.key(job) != key) {
             // Block-uniform: every thread is at the same step. The last step's readers of
             // xbuf passed the barrier after its rows were written.
             key = jobs.key(job);
-            ds4_quantize_x4(jobs.input(job), n_in, xq, xd, xs);
+            ds4_quantize_x4<T::XSPLIT>(jobs.input(job), n_in, xq, xd, xs);
         }
         float acc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = 0.f;
         const ds4_u8* nrows[R];
         int nrow0;
-        float* ny;
-        const bool nact = rows_of(gs + inc, nrows, nrow0, ny);
+        const bool nact = rows_of(gs + inc, nrows, nrow0);
         if (act) {
             for (int c = part; c < nchunks; c += wpr) {
                 const int b0 = c * CB;
@@ -1368,12 +1396,11 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
 #pragma unroll
             for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(nrows[r], part, nblocks, lane, regs[r]);
         }
-        ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok && jobs.ok(job));
+        ds4_finish_rows<R>(acc, jobs.y(job), row0, n_out, wpr, ok && jobs.ok(job));
         __syncthreads();  // part_sums of ds4_finish_rows are rewritten by the next step
 #pragma unroll
         for (int r = 0; r < R; ++r) rows[r] = nrows[r];
         row0 = nrow0;
-        y = ny;
         act = nact;
     }
 }
@@ -1559,17 +1586,15 @@ extern "C" __device__ const int ds4_gemvq_cols_max[2] = {DS4_Q8M_COLS, DS4_Q8M_C
 // Where a column's codes sit in shared memory (docs/gpu.md §24). Lane l of a warp reads unit
 // u = 32·k + l, 32 codes, as two 16-byte loads; with the codes in input order the lanes' loads
 // are 32 bytes apart, so each load instruction spans 1 KB and costs 8 shared wavefronts for
-// 512 useful bytes. Split (default): each run of 32 units keeps its units' first halves
-// together, then their second halves (a short last run of m units: halves m·16 bytes
-// apart), so the lanes of one load read 512 consecutive bytes (4 wavefronts). Offsets are in
-// 16-byte vectors from the column's start; -DDS4_Q8M_XSPLIT=0 keeps input order (A/B).
+// 512 useful bytes. Split (default): ds4_xsplit_at's layout, where the lanes of one load read
+// 512 consecutive bytes (4 wavefronts). Offsets are in 16-byte vectors from the column's
+// start; -DDS4_Q8M_XSPLIT=0 keeps input order (A/B).
 #ifndef DS4_Q8M_XSPLIT
 #define DS4_Q8M_XSPLIT 1
 #endif
 __device__ __forceinline__ int ds4_q8m_vec(int u, int half, int nunits) {
 #if DS4_Q8M_XSPLIT
-    const int run = u >> 5, m = min(32, nunits - (run << 5));
-    return (run << 6) + half * m + (u & 31);
+    return ds4_xsplit_at(32 * u + 16 * half, 32 * nunits) >> 4;
 #else
     return 2 * u + half;
 #endif

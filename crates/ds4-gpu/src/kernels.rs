@@ -532,6 +532,7 @@ mod tests {
             "ds4_gemv_plain<",
             "ds4_gemv_plain_cols<",
             "ds4_gemvq_quant<",
+            "ds4_gemvq_jobs<",
             "ds4_gemvq_q8s<",
             "ENGINE<",
         ];

@@ -1580,8 +1580,26 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W, cons
 // y0 + g·n_out): column c of group g reads quantized row c·q_col + g (q_col = the groups).
 // y holds M rows y_stride apart. Shared memory holds M * n_in <= DS4_Q8M_CODES codes.
 // ---------------------------------------------------------------------------------------
+// CUDA stages the codes in dynamic shared memory (docs/gpu.md §28): 64 K codes hold eight
+// columns of 8192 (out_b's input), which 32 K of static memory split into two launches
+// that each read the whole matrix. The host passes n_cols · n_in + 4 · n_cols · n_in / 32
+// bytes; a launch given less writes NaN rows. HIP keeps the static 32 K (its runtime here
+// passes no dynamic shared memory), as does -DDS4_Q8M_DYN=0 on CUDA (A/B).
+#ifndef DS4_Q8M_DYN
+#if defined(DS4_HIP)
+#define DS4_Q8M_DYN 0
+#else
+#define DS4_Q8M_DYN 1
+#endif
+#endif
+#if DS4_Q8M_DYN
+#define DS4_Q8M_CODES 65536
+#else
 #define DS4_Q8M_CODES 32768
+#endif
 extern "C" __device__ const int ds4_gemvq_cols_max[2] = {DS4_Q8M_COLS, DS4_Q8M_CODES};
+// {1 when the host passes the codes' dynamic shared memory, 0}.
+extern "C" __device__ const int ds4_gemvq_cols_dyn[2] = {DS4_Q8M_DYN, 0};
 
 // Where a column's codes sit in shared memory (docs/gpu.md §24). Lane l of a warp reads unit
 // u = 32·k + l, 32 codes, as two 16-byte loads; with the codes in input order the lanes' loads
@@ -1619,13 +1637,23 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
                          int q_col, float* __restrict__ y0, ds4_size y_stride, int n_in,
                          int n_out, int n_cols, int wpr) {
     constexpr int R = Ds4Q8Sx::ROWS, MC = DS4_Q8M_COLS;
+#if DS4_Q8M_DYN
+    DS4_DYN_SHARED(ds4_q8m_smem, DS4_Q8M_CODES + DS4_Q8M_CODES / 8);
+    ds4_i8* const xq = (ds4_i8*)ds4_q8m_smem;
+    // Codes, then one f32 scale per 32 (n_cols · n_in a multiple of 32: aligned).
+    const ds4_size ncodes = (ds4_size)max(0, n_cols) * (ds4_size)max(0, n_in);
+    float* const xd = (float*)(ds4_q8m_smem + ncodes);
+    const bool given = (ds4_size)ds4_dynamic_smem_bytes() >= ncodes + ncodes / 8;
+#else
     __shared__ __align__(16) ds4_i8 xq[DS4_Q8M_CODES];
     __shared__ float xd[DS4_Q8M_CODES / 32];
+    const bool given = true;
+#endif
     const int g = blockIdx.y;
     const ds4_u8* const W = W0 + (ds4_size)g * w_group_bytes;
     float* const y = y0 + (ds4_size)g * n_out;
     const bool ok = n_in % 32 == 0 && n_in <= DS4_Q8_MAX_IN && n_cols >= 1 && n_cols <= MC &&
-                    (ds4_size)n_cols * n_in <= DS4_Q8M_CODES;
+                    (ds4_size)n_cols * n_in <= DS4_Q8M_CODES && given;
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int part = warp % wpr;

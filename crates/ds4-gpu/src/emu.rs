@@ -655,6 +655,8 @@ mod tests {
             (4096usize, 21usize, 8usize, 1usize),
             (1024, 64, 3, 1),
             (8192, 5, 4, 1),
+            // Eight columns of out_b's width: 64 K codes (CUDA's dynamic staging).
+            (8192, 6, 8, 1),
             (256, 7, 2, 1),
             // A short last run of units (40 = 32 + 8): the split code layout's edge.
             (1280, 9, 3, 1),

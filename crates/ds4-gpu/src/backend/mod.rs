@@ -245,6 +245,9 @@ pub(crate) struct GemvSet<D: GpuApi> {
     /// the Q8_0 one's shared memory holds (`ds4_gemvq_cols_max`).
     pub(crate) cols_max: usize,
     pub(crate) q8_cols_codes: usize,
+    /// Whether the several-column Q8_0 GEMV stages its codes in dynamic shared memory,
+    /// which the launch then passes (`ds4_gemvq_cols_dyn`, docs/gpu.md §28).
+    pub(crate) q8_cols_dyn: bool,
     configs: Vec<GemvConfig>,
     target_warps: u64,
     sms: u64,
@@ -345,6 +348,15 @@ impl<D: GpuApi> GemvSet<D> {
             dev.function(&module, "ds4_gemv_cols_f16")?,
         ];
         let [cols_max, cols_codes] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_max")?;
+        let [cols_dyn, _] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_dyn")?;
+        // Dynamic codes need codes + codes / 8 bytes; a device allowing less takes fewer.
+        let cols_dyn = cols_dyn != 0;
+        let cols_codes = usize::try_from(cols_codes).unwrap_or(0);
+        let cols_codes = if cols_dyn {
+            cols_codes.min(dev.max_dynamic_smem() as usize / 9 * 8 / 32 * 32)
+        } else {
+            cols_codes
+        };
         let [max_in, _] = dev.read_i32x2_global(&module, "ds4_gemvq_max_in")?;
         let [iq2_smem, _] = dev.read_i32x2_global(&module, "ds4_gemvq_iq2_smem")?;
         let iq2_smem = u32::try_from(iq2_smem)
@@ -369,7 +381,8 @@ impl<D: GpuApi> GemvSet<D> {
             plain_cols,
             plain_colsplit,
             cols_max: usize::try_from(cols_max).unwrap_or(0),
-            q8_cols_codes: usize::try_from(cols_codes).unwrap_or(0),
+            q8_cols_codes: cols_codes,
+            q8_cols_dyn: cols_dyn,
             configs,
             target_warps: sms * WARPS_PER_SM_TARGET,
             sms,

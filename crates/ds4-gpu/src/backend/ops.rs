@@ -709,11 +709,17 @@ impl<D: GpuApi> GpuBackend<D> {
         while t < c.n_tok {
             let n = per.min(c.n_tok - t);
             let first = t * c.groups;
-            self.launch_fn(
+            // Codes and their f32 scales in dynamic shared memory where the module asks.
+            let smem = if self.gemv.q8_cols_dyn {
+                u32::try_from(n * n_in + 4 * n * (n_in / 32)).unwrap_or(u32::MAX)
+            } else {
+                0
+            };
+            self.launch_fn_smem(
                 &self.gemv.q8_cols,
                 "gemvq_cols_q8_0",
                 grid,
-                l.block,
+                (l.block, smem),
                 &[
                     Arg::Ptr(c.w),
                     u(c.group_bytes),

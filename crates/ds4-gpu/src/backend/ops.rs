@@ -2922,59 +2922,43 @@ impl<D: GpuApi> GpuBackend<D> {
         {
             return Ok(false);
         }
-        // A batched step: one flat grid (docs/gpu.md §25).
-        if let (true, Some((_, ff))) = (
+        let mut args = vec![
+            Arg::Ptr(w),
+            u(expert_bytes),
+            Arg::Ptr(ids),
+            i32a(OP, "experts", n_experts)?,
+            Arg::Ptr(g),
+            Arg::Ptr(u_),
+            Arg::Ptr(route_w),
+            Arg::F32(clamp),
+            Arg::Ptr(y),
+            i32a(OP, "n_in", n_in)?,
+            i32a(OP, "n_out", n_out)?,
+            Arg::I32(l.wpr as i32),
+            Arg::Ptr(self.fault_ptr()),
+        ];
+        // A batched step: one flat grid (docs/gpu.md §25), which takes the selection count
+        // after the expert count instead of a grid y.
+        let (f, grid) = match (
             self.flat_for(ty, n_sel, per_tok, true),
             self.gemv.q8_flat_functions(gt),
         ) {
-            self.launch_fn_smem(
-                ff,
-                gt.label_q8(true),
-                (
-                    self.gemv.q8_flat_grid_x(u64::from(l.grid_x) * n_sel as u64),
-                    1,
-                    1,
-                ),
-                (l.block, self.gemv.q8_smem(gt)),
-                &[
-                    Arg::Ptr(w),
-                    u(expert_bytes),
-                    Arg::Ptr(ids),
-                    i32a(OP, "experts", n_experts)?,
-                    i32a(OP, "selections", n_sel)?,
-                    Arg::Ptr(g),
-                    Arg::Ptr(u_),
-                    Arg::Ptr(route_w),
-                    Arg::F32(clamp),
-                    Arg::Ptr(y),
-                    i32a(OP, "n_in", n_in)?,
-                    i32a(OP, "n_out", n_out)?,
-                    Arg::I32(l.wpr as i32),
-                    Arg::Ptr(self.fault_ptr()),
-                ],
-            )?;
-            return Ok(true);
-        }
+            (true, Some((_, ff))) => {
+                args.insert(4, i32a(OP, "selections", n_sel)?);
+                let steps = u64::from(l.grid_x) * n_sel as u64;
+                (ff, (self.gemv.q8_flat_grid_x(steps), 1, 1))
+            }
+            _ => (
+                f,
+                (self.gemv.q8_grid_x(l.grid_x, g32(n_sel)), g32(n_sel), 1),
+            ),
+        };
         self.launch_fn_smem(
             f,
             gt.label_q8(true),
-            (self.gemv.q8_grid_x(l.grid_x, g32(n_sel)), g32(n_sel), 1),
+            grid,
             (l.block, self.gemv.q8_smem(gt)),
-            &[
-                Arg::Ptr(w),
-                u(expert_bytes),
-                Arg::Ptr(ids),
-                i32a(OP, "experts", n_experts)?,
-                Arg::Ptr(g),
-                Arg::Ptr(u_),
-                Arg::Ptr(route_w),
-                Arg::F32(clamp),
-                Arg::Ptr(y),
-                i32a(OP, "n_in", n_in)?,
-                i32a(OP, "n_out", n_out)?,
-                Arg::I32(l.wpr as i32),
-                Arg::Ptr(self.fault_ptr()),
-            ],
+            &args,
         )?;
         Ok(true)
     }

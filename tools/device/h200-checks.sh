@@ -34,7 +34,8 @@
 #              the ds4-bench of an earlier build in $OLD_BIN)
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
-#              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
+#              the aggregate tok/s at 1, 2, 4, 8, 16 sequences (BATCH_AB=1: the 2026-12-06
+#              batched-step layouts off/on/off/on)
 #   server     ds4-server --parallel 16 on a sparse full-size q2 file: aggregate tok/s and
 #              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py),
 #              then a ~16k-token prompt arriving while 7 streams decode (prefill interference)
@@ -274,6 +275,21 @@ if ! skip batch; then
             --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} > "$OUT/batch_split$cs.log" 2>&1
         echo "DS4_COLS_SPLIT=$cs:"; grep -E "^batch|rror" "$OUT/batch_split$cs.log"
     done
+    # BATCH_AB=1: the batched step's layouts of 2026-12-06 (docs/gpu.md §24-§28) off, on,
+    # off, on in one binary (the H100 figures in BENCHMARKS.md; same values either way).
+    if [ "${BATCH_AB:-0}" = 1 ]; then
+        off="-DDS4_Q8M_XSPLIT=0 -DDS4_PLAIN_COLS_FINISH1=0 -DDS4_IQ2_XSPLIT=0 -DDS4_Q8M_DYN=0"
+        for v in off on off on; do
+            if [ $v = off ]; then
+                DS4_GROUPED_FLAT=0 DS4_GEMV_DEFINES="$off" timeout 300 ds4-bench --synthetic q2 \
+                    --layers ${BATCH_LAYERS:-43} --frontiers 512 --decode 16 --batch 1,8,16 > "$OUT/batch_ab.log" 2>&1
+            else
+                timeout 300 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 \
+                    --decode 16 --batch 1,8,16 > "$OUT/batch_ab.log" 2>&1
+            fi
+            echo "layouts $v:"; grep -E "^batch|rror" "$OUT/batch_ab.log"
+        done
+    fi
 fi
 if ! skip server; then
     step server

@@ -1283,12 +1283,10 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
 //   (a whole number of blocks per matrix) overfilled the wave by up to a third. The input
 //   is quantized again where the block's steps enter a job with another input (J::key).
 // Which warp sums which row is the same either way, so the rows are the same bits.
-struct Ds4JobOne {
-    static constexpr bool FLAT = false;
-};
+// J gives FLAT, count(), and per job ok (valid expert), w (weights), y (outputs), input and
+// key (jobs with equal keys share one quantized input).
 template <class T, class J>
-__device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_out, int wpr,
-                                               bool ok) {
+__device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_out, int wpr) {
     constexpr int R = T::ROWS;
     constexpr int CB = T::cb(R);
     constexpr int VEC = CB * T::BB / 16;
@@ -1303,7 +1301,7 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
     const Ds4Tables tb = T::prologue();
     const bool fits =
         n_in <= DS4_Q8_MAX_IN && n_in % 32 == 0 && (!T::XSPLIT || n_in % 1024 == 0);
-    ok = ok && fits && tb.ok;
+    const bool ok = fits && tb.ok;  // each job's own validity is jobs.ok(job)
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int part = warp % wpr;
@@ -1407,7 +1405,8 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
 
 // One matrix (grid y and z, if any, chosen by the entry point).
 template <class XIn>
-struct Ds4JobMatrix : Ds4JobOne {
+struct Ds4JobMatrix {
+    static constexpr bool FLAT = false;
     const ds4_u8* W;
     XIn x;
     float* yp;
@@ -1423,7 +1422,7 @@ template <class T, class XIn>
 __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, const XIn& x,
                                                 float* __restrict__ y, int n_in, int n_out,
                                                 int wpr, bool ok) {
-    ds4_gemvq_jobs<T>(Ds4JobMatrix<XIn>{{}, W, x, y, ok}, n_in, n_out, wpr, true);
+    ds4_gemvq_jobs<T>(Ds4JobMatrix<XIn>{W, x, y, ok}, n_in, n_out, wpr);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2038,50 +2037,39 @@ struct Ds4Experts {
     float* y0;
     float* y1;
     int n_out;
+    static constexpr bool FLAT = true;
+    __device__ int count() const { return n_sel * mats; }
     __device__ int sel(int p) const { return p / mats; }
     __device__ bool ok(int p) const {
         const int id = ids[sel(p)];
         return id >= 0 && id < n_experts;
     }
     __device__ const ds4_u8* w(int p) const {
-        const int id = ids[sel(p)];
         const ds4_u8* base = p % mats ? W1 : W0;
-        return base + (id >= 0 && id < n_experts ? (ds4_size)id * expert_bytes : 0);
+        return base + (ok(p) ? (ds4_size)ids[sel(p)] * expert_bytes : 0);
     }
     __device__ float* y(int p) const { return (p % mats ? y1 : y0) + (ds4_size)sel(p) * n_out; }
 };
 // Gate and up: selection s reads row s / x_div of x (x_stride floats apart): x_div = the
 // selections per token gives each token's row to its selections without copying it.
-struct Ds4JobsExperts {
-    static constexpr bool FLAT = true;
-    Ds4Experts e;
+struct Ds4JobsExperts : Ds4Experts {
     const float* x;
     ds4_size x_stride;
     int x_div;
-    __device__ int count() const { return e.n_sel * e.mats; }
-    __device__ bool ok(int p) const { return e.ok(p); }
-    __device__ const ds4_u8* w(int p) const { return e.w(p); }
-    __device__ float* y(int p) const { return e.y(p); }
-    __device__ long long key(int p) const { return e.sel(p) / x_div; }
+    __device__ long long key(int p) const { return sel(p) / x_div; }
     __device__ const float* input(int p) const { return x + (ds4_size)key(p) * x_stride; }
 };
 // Down: selection s's input is route_w[s] · SwiGLU(g, u) of its own rows (Ds4XSwiglu).
-struct Ds4JobsExpertsSwiglu {
-    static constexpr bool FLAT = true;
-    Ds4Experts e;
+struct Ds4JobsExpertsSwiglu : Ds4Experts {
     const float* g;
     const float* u;
     const float* route_w;
     float c;
     int n_in;
-    __device__ int count() const { return e.n_sel * e.mats; }
-    __device__ bool ok(int p) const { return e.ok(p); }
-    __device__ const ds4_u8* w(int p) const { return e.w(p); }
-    __device__ float* y(int p) const { return e.y(p); }
-    __device__ long long key(int p) const { return e.sel(p); }
+    __device__ long long key(int p) const { return sel(p); }
     __device__ Ds4XSwiglu input(int p) const {
-        const ds4_size off = (ds4_size)e.sel(p) * n_in;
-        return Ds4XSwiglu{g + off, u + off, c, ds4_ld_act(route_w + e.sel(p))};
+        const ds4_size off = (ds4_size)sel(p) * n_in;
+        return Ds4XSwiglu{g + off, u + off, c, ds4_ld_act(route_w + sel(p))};
     }
 };
 // ds4_gemv_flat_q_<t>(W0, W1, expert_bytes, ids, n_experts, n_sel, mats, x, x_stride, x_div,
@@ -2095,8 +2083,7 @@ struct Ds4JobsExpertsSwiglu {
         const ds4_i32* ids, int n_experts, int n_sel, int mats, const float* x,                 \
         ds4_size x_stride, int x_div, float* y0, float* y1, int n_in, int n_out, int wpr) {     \
         const Ds4Experts e{W0, W1, expert_bytes, ids, n_experts, n_sel, mats, y0, y1, n_out};   \
-        ds4_gemvq_jobs<FMT>(Ds4JobsExperts{e, x, x_stride, max(1, x_div)}, n_in, n_out, wpr,    \
-                            true);                                                              \
+        ds4_gemvq_jobs<FMT>(Ds4JobsExperts{e, x, x_stride, max(1, x_div)}, n_in, n_out, wpr);   \
     }                                                                                           \
     extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, MINB)                        \
         ds4_gemv_flat_swiglu_##NAME(const ds4_u8* __restrict__ W0, ds4_size expert_bytes,       \
@@ -2108,8 +2095,7 @@ struct Ds4JobsExpertsSwiglu {
         if (blockIdx.x == 0)                                                                    \
             for (int s = threadIdx.x; s < n_sel; s += blockDim.x)                               \
                 if (!e.ok(s)) atomicOr(fault, DS4_GEMV_FAULT_EXPERT);                           \
-        ds4_gemvq_jobs<FMT>(Ds4JobsExpertsSwiglu{e, g, u, route_w, c, n_in}, n_in, n_out, wpr,  \
-                            true);                                                              \
+        ds4_gemvq_jobs<FMT>(Ds4JobsExpertsSwiglu{e, g, u, route_w, c, n_in}, n_in, n_out, wpr); \
     }
 DS4_GEMV_FLAT_ENTRY(q_q2_k, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_FLAT_ENTRY(q_q4_k, Ds4Q4Kx, DS4_MINB_Q4_K)

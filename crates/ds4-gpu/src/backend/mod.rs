@@ -257,6 +257,12 @@ pub(crate) struct GemvSet<D: GpuApi> {
     iq2_smem: u32,
 }
 
+/// Bytes `ds4_gemv_cols_q_q8_0` stages for `codes` codes: the codes, then one f32 scale per
+/// 32 (the kernel's `ncodes + ncodes / 8`).
+fn cols_smem_bytes(codes: usize) -> usize {
+    codes + 4 * (codes / 32)
+}
+
 fn gemv_index(ty: GemvType) -> usize {
     GemvType::ALL.iter().position(|t| *t == ty).unwrap_or(0)
 }
@@ -349,11 +355,12 @@ impl<D: GpuApi> GemvSet<D> {
         ];
         let [cols_max, cols_codes] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_max")?;
         let [cols_dyn, _] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_dyn")?;
-        // Dynamic codes need codes + codes / 8 bytes; a device allowing less takes fewer.
+        // A device allowing less dynamic shared memory than the codes need takes fewer.
         let cols_dyn = cols_dyn != 0;
         let cols_codes = usize::try_from(cols_codes).unwrap_or(0);
         let cols_codes = if cols_dyn {
-            cols_codes.min(dev.max_dynamic_smem() as usize / 9 * 8 / 32 * 32)
+            // cols_smem_bytes: 36 bytes per 32 codes.
+            cols_codes.min(dev.max_dynamic_smem() as usize / 36 * 32)
         } else {
             cols_codes
         };
@@ -396,6 +403,16 @@ impl<D: GpuApi> GemvSet<D> {
     pub(crate) fn q8_grid_x(&self, full: u32, others: u32) -> u32 {
         let wave = (self.sms * Q8_RESIDENT_BLOCKS).div_ceil(u64::from(others.max(1)));
         full.min(u32::try_from(wave.max(1)).unwrap_or(u32::MAX))
+    }
+
+    /// Dynamic shared memory of a several-column Q8_0 launch staging `codes` codes: none
+    /// where the module keeps them in static memory (docs/gpu.md §28).
+    pub(crate) fn q8_cols_smem(&self, codes: usize) -> u32 {
+        if self.q8_cols_dyn {
+            u32::try_from(cols_smem_bytes(codes)).unwrap_or(u32::MAX)
+        } else {
+            0
+        }
     }
 
     /// Blocks of a flat grouped launch (docs/gpu.md §25): one wave of resident blocks, or

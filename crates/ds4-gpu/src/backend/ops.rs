@@ -709,12 +709,7 @@ impl<D: GpuApi> GpuBackend<D> {
         while t < c.n_tok {
             let n = per.min(c.n_tok - t);
             let first = t * c.groups;
-            // Codes and their f32 scales in dynamic shared memory where the module asks.
-            let smem = if self.gemv.q8_cols_dyn {
-                u32::try_from(n * n_in + 4 * n * (n_in / 32)).unwrap_or(u32::MAX)
-            } else {
-                0
-            };
+            let smem = self.gemv.q8_cols_smem(n * n_in);
             self.launch_fn_smem(
                 &self.gemv.q8_cols,
                 "gemvq_cols_q8_0",
@@ -2668,7 +2663,10 @@ impl<D: GpuApi> GpuBackend<D> {
             // grid reads each token's row for its selections, docs/gpu.md §25).
             let (xsrc, x_div) = if t == 1 {
                 (xp, 0)
-            } else if self.flat_for(gty, n_sel, k, self.q8_rows(t)) {
+            } else if self
+                .flat_functions(gty, n_sel, k, self.q8_rows(t))
+                .is_some()
+            {
                 (xp, k)
             } else {
                 // Each token's x once per selection, on the device (no host index list).
@@ -2939,11 +2937,8 @@ impl<D: GpuApi> GpuBackend<D> {
         ];
         // A batched step: one flat grid (docs/gpu.md §25), which takes the selection count
         // after the expert count instead of a grid y.
-        let (f, grid) = match (
-            self.flat_for(ty, n_sel, per_tok, true),
-            self.gemv.q8_flat_functions(gt),
-        ) {
-            (true, Some((_, ff))) => {
+        let (f, grid) = match self.flat_functions(ty, n_sel, per_tok, true) {
+            Some((_, ff)) => {
                 args.insert(4, i32a(OP, "selections", n_sel)?);
                 let steps = u64::from(l.grid_x) * n_sel as u64;
                 (ff, (self.gemv.q8_flat_grid_x(steps), 1, 1))
@@ -3099,15 +3094,20 @@ impl<D: GpuApi> GpuBackend<D> {
         self.upload_scratch_i32("iota", &v)
     }
 
-    /// Whether a grouped launch of `n_sel` selections (`per_tok` per token) of `ty` runs on
-    /// one flat grid (docs/gpu.md §25): int8 activations, a batched step, a type with the
-    /// flat entry points, not switched off.
-    fn flat_for(&self, ty: GgmlType, n_sel: usize, per_tok: usize, q8: bool) -> bool {
-        self.grouped_flat
-            && q8
-            && n_sel > per_tok
-            && ds4_gguf::quant::q8act::applies(ty)
-            && GemvType::from_ggml(ty).is_ok_and(|g| self.gemv.q8_flat_functions(g).is_some())
+    /// The flat entry points (gate/up, down) a grouped launch of `n_sel` selections
+    /// (`per_tok` per token) of `ty` runs on (docs/gpu.md §25): int8 activations, a batched
+    /// step, a low-bit type (the ones that have them), not switched off.
+    fn flat_functions(
+        &self,
+        ty: GgmlType,
+        n_sel: usize,
+        per_tok: usize,
+        q8: bool,
+    ) -> Option<&(D::Function, D::Function)> {
+        if !(self.grouped_flat && q8 && n_sel > per_tok) {
+            return None;
+        }
+        self.gemv.q8_flat_functions(GemvType::from_ggml(ty).ok()?)
     }
 
     fn grouped_ok(&self, ty: GgmlType, n_in: usize, n_out: usize, w: u64) -> bool {
@@ -3160,10 +3160,7 @@ impl<D: GpuApi> GpuBackend<D> {
             });
         }
         // A batched step (more selections than one token's): one flat grid (docs/gpu.md §25).
-        if let (true, Some((ff, _))) = (
-            q8f.is_some() && self.flat_for(ty, n_sel, per_tok, q8),
-            self.gemv.q8_flat_functions(g),
-        ) {
+        if let Some((ff, _)) = self.flat_functions(ty, n_sel, per_tok, q8) {
             let jobs = n_sel as u64 * u64::from(mats);
             return self.launch_fn_smem(
                 ff,

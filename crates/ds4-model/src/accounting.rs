@@ -23,6 +23,10 @@ pub struct ByteAccounting {
     pub per_token_long: u64,
     /// Components of `per_token_short`, plus the long-context extra, by name.
     pub per_token_parts: Vec<(String, u64)>,
+    /// Routed experts per layer and used per token: what [`Self::per_step_short`] needs to
+    /// count the experts a batch of tokens reads.
+    pub n_expert: u32,
+    pub n_expert_used: u32,
 }
 
 impl ByteAccounting {
@@ -128,7 +132,31 @@ impl ByteAccounting {
             per_token_short: short,
             per_token_long: short + idx_q,
             per_token_parts,
+            n_expert: h.n_expert as u32,
+            n_expert_used: h.n_expert_used as u32,
         }
+    }
+
+    /// Expected weight bytes of one batched decode step of `batch` sequences (short
+    /// context) when the router spreads tokens evenly over the experts, as a synthetic
+    /// model's random router does and a trained one's load balancing aims at
+    /// (docs/gguf.md §7.3): every weight but the routed experts is read once for the whole
+    /// step, and each layer reads the distinct experts the step's tokens picked, on average
+    /// `E·(1 − (1 − k/E)^batch)` of E when each token picks k distinct ones. So the batch's
+    /// bandwidth limit on aggregate tok/s is `batch · bandwidth / per_step_short(batch)`,
+    /// below `batch ×` the one-token limit as soon as the tokens' experts stop overlapping.
+    pub fn per_step_short(&self, batch: usize) -> f64 {
+        let routed = self
+            .per_token_parts
+            .iter()
+            .find(|p| p.0 == "routed experts")
+            .map_or(0, |p| p.1) as f64;
+        let (e, k) = (f64::from(self.n_expert), f64::from(self.n_expert_used));
+        if batch == 0 || e == 0.0 || k == 0.0 {
+            return 0.0;
+        }
+        let distinct = e * (1.0 - (1.0 - k / e).powi(batch.min(i32::MAX as usize) as i32));
+        self.per_token_short as f64 - routed + routed / k * distinct
     }
 
     /// Bytes of one class (for summaries).

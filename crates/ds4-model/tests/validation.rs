@@ -66,6 +66,16 @@ fn real_q2_layout_sizes() {
     assert_eq!(acc.per_token_short, 9_195_786_660);
     assert_eq!(acc.per_token_long, 9_559_118_244);
     assert_eq!(format!("{:.2}", acc.per_token_short as f64 / 1e9), "9.20");
+    // docs/gguf.md §7.3: a batched step reads the distinct experts its tokens picked.
+    assert!((acc.per_step_short(1) - acc.per_token_short as f64).abs() < 1.0);
+    let step = |b: usize| format!("{:.2}", acc.per_step_short(b) / 1e9);
+    assert_eq!(
+        [1, 2, 4, 8, 16].map(step),
+        ["9.20", "10.98", "14.42", "20.83", "31.97"]
+    );
+    let ratio = |b: usize| b as f64 * acc.per_token_short as f64 / acc.per_step_short(b);
+    assert_eq!(format!("{:.2}", ratio(8)), "3.53");
+    assert_eq!(acc.per_step_short(0), 0.0);
 }
 
 #[test]

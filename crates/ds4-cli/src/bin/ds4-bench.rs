@@ -637,7 +637,7 @@ fn main() -> Result<()> {
             args.batch_prompt,
             args.decode.max(1),
             &mut rng,
-            limit,
+            (limit, bw * b as f64 / acct.per_step_short(b)),
             args.profile,
         )?;
     }
@@ -704,7 +704,7 @@ fn batch_decode(
     prompt: usize,
     steps: usize,
     rng: &mut Rng,
-    limit: f64,
+    (limit, limit_b): (f64, f64),
     profile: usize,
 ) -> Result<()> {
     if b == 0 {
@@ -730,12 +730,17 @@ fn batch_decode(
     let s = t.elapsed().as_secs_f64();
     let c1 = eng.backend_mut().counters();
     let agg = (b * steps) as f64 / s;
+    // limit_b: the step's bandwidth limit when the router spreads tokens evenly over the
+    // experts (docs/gguf.md §7.3).
     eprintln!(
         "batch {b}: {steps} steps in {s:.3} s · step {:.2} ms · aggregate {agg:.2} tok/s \
-         ({:.1} % of the batch-1 bandwidth limit {limit:.0}) · per sequence {:.2} tok/s · \
+         ({:.1} % of the batch-1 bandwidth limit {limit:.0}; {:.1} % of this batch's \
+         {limit_b:.0} = {:.2}x one sequence's) · per sequence {:.2} tok/s · \
          {:.0} launches, {:.1} host syncs per step",
         1e3 * s / steps as f64,
         100.0 * agg / limit,
+        100.0 * agg / limit_b,
+        limit_b / limit,
         steps as f64 / s,
         (c1.launches - c0.launches) as f64 / steps as f64,
         (c1.syncs - c0.syncs) as f64 / steps as f64

@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 
 use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, CompressorCall, HcArgs,
-    HcPost, IBuf, IndexerArgs, IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs,
-    RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
+    HcPost, IBuf, IndexerArgs, IndexerCall, MatmulPair, MoeArgs, NormRopeCall, RingStoreCall,
+    RopeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
 };
 use ds4_gguf::GgufFile;
 
@@ -967,6 +967,45 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             &[Out::W(ya.sub(0, ra)), Out::W(yb.sub(0, rb))],
             |b| b.matmul_pair(c.0, c.1, c.2, n_tok, c.3, c.4),
             |b| b.matmul_pair(g.0, g.1, g.2, n_tok, g.3, g.4),
+        )
+    }
+    fn matmul_set(
+        &mut self,
+        x: Slice,
+        n_tok: usize,
+        singles: &[(Weight, Slice)],
+        pairs: &[MatmulPair],
+    ) -> BResult<()> {
+        let side = |m: &Self, cpu: bool| {
+            let w = |w: Weight| if cpu { m.cw(w) } else { m.gw(w) };
+            let b = |s: Slice| if cpu { m.c(s) } else { m.g(s) };
+            let singles: Vec<(Weight, Slice)> =
+                singles.iter().map(|&(a, y)| (w(a), b(y))).collect();
+            let pairs: Vec<MatmulPair> = pairs
+                .iter()
+                .map(|p| MatmulPair {
+                    wa: w(p.wa),
+                    wb: w(p.wb),
+                    ya: b(p.ya),
+                    yb: b(p.yb),
+                })
+                .collect();
+            (b(x), singles, pairs)
+        };
+        let (c, g) = (side(self, true), side(self, false));
+        let mut outs: Vec<Out> = singles
+            .iter()
+            .map(|&(w, y)| Out::W(y.sub(0, n_tok * w.info.rows())))
+            .collect();
+        for p in pairs {
+            outs.push(Out::W(p.ya.sub(0, n_tok * p.wa.info.rows())));
+            outs.push(Out::W(p.yb.sub(0, n_tok * p.wb.info.rows())));
+        }
+        self.run(
+            "matmul_set",
+            &outs,
+            |b| b.matmul_set(c.0, n_tok, &c.1, &c.2),
+            |b| b.matmul_set(g.0, n_tok, &g.1, &g.2),
         )
     }
     fn hc_post(&mut self, x: Slice, f: Slice, post: Slice, comb: Slice, a: HcArgs) -> BResult<()> {

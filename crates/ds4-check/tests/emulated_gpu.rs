@@ -821,6 +821,46 @@ fn emulated_batched_decode_equals_decoding_alone() {
     }
 }
 
+/// Matmuls of one input at decode rows quantize it once (`Backend::matmul_set`, the
+/// shared expert's pair; docs/gpu.md §29): a batched step launches fewer input
+/// quantizations with it on, and every batched row is still bit for bit the row decoded
+/// alone, on and off.
+#[test]
+fn emulated_input_quantized_once_per_matmul_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file_with(dir.path(), TypeRecipe::Q2);
+    let m = machine("strix-halo-stock");
+    let run = |once: bool| {
+        let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+        gpu.set_activation_q8(true).unwrap();
+        gpu.set_q8_input_once(once);
+        let mut rng = ds4_engine::Rng::new(5);
+        let r = ds4_check::batch::batch_vs_alone(
+            &file,
+            NumericMode::Exact,
+            Box::new(gpu),
+            6,
+            4,
+            &mut rng,
+        )
+        .unwrap();
+        assert!(
+            fake.kernel_errors().is_empty(),
+            "{:?}",
+            fake.kernel_errors()
+        );
+        assert!(r.exact && r.greedy == 0, "once {once}: {r:?}");
+        fake.launches()
+            .iter()
+            .filter(|l| l.0.contains("quantize_q8_rows"))
+            .count()
+    };
+    let (on, off) = (run(true), run(false));
+    assert!(on > 0, "no several-column launch ran");
+    // Per layer at least the KV projection and the shared expert's up reuse their input.
+    assert!(on < off, "quantizations with the input kept {on}, without {off}");
+}
+
 /// The warm-up at load (`Engine::warm_up`: a prefill chunk and a decode step on a state of
 /// its own, then freed) leaves no trace: the same prompt and decode steps give bit-identical
 /// logits with and without it, and it frees every buffer it made beyond the backend's

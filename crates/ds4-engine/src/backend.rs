@@ -354,6 +354,16 @@ pub struct IndexerCall {
     pub out: IBuf,
 }
 
+/// Two matrices of one shape and type reading the same input ([`Backend::matmul_pair`]'s
+/// arguments, as one entry of [`Backend::matmul_set`]).
+#[derive(Debug, Clone, Copy)]
+pub struct MatmulPair {
+    pub wa: Weight,
+    pub wb: Weight,
+    pub ya: Slice,
+    pub yb: Slice,
+}
+
 /// One [`Backend::ring_store`] call of a batched decode step ([`Backend::ring_store_batch`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RingStoreCall {
@@ -824,6 +834,27 @@ pub trait Backend: Send {
         crate::validate::matmul_pair(wa, wb, x, n_tok, ya, yb)?;
         self.matmul(wa, 0, x, n_tok, ya)?;
         self.matmul(wb, 0, x, n_tok, yb)
+    }
+    /// Several matrices reading one input: `y = W·x` for each of `singles` and
+    /// [`Backend::matmul_pair`] for each of `pairs` (the attention input's q_a, kv,
+    /// compressor and indexer projections), so a device can prepare `x` once for all of
+    /// them (its int8 codes at decode rows, docs/gpu.md §29). Every output must be apart
+    /// from `x`.
+    fn matmul_set(
+        &mut self,
+        x: Slice,
+        n_tok: usize,
+        singles: &[(Weight, Slice)],
+        pairs: &[MatmulPair],
+    ) -> BResult<()> {
+        crate::validate::matmul_set(x, n_tok, singles, pairs)?;
+        for &(w, y) in singles {
+            self.matmul(w, 0, x, n_tok, y)?;
+        }
+        for p in pairs {
+            self.matmul_pair(p.wa, p.wb, x, n_tok, p.ya, p.yb)?;
+        }
+        Ok(())
     }
     /// [`Backend::hc_pre`] then `out = rms_norm(y) · norm` (the sublayer's input norm).
     /// `out` may be exactly `y` (in place).

@@ -9,8 +9,8 @@ use ds4_model::{AttnKind, HParams};
 
 use crate::backend::{
     AttnArgs, Backend, Buf, CompSel, CompressorCall, HcArgs, HcPost, IBuf, IndexerArgs,
-    IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs, RopeFreq, RouterArgs, Routing,
-    Slice, Weight,
+    IndexerCall, MatmulPair, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs, RopeFreq, RouterArgs,
+    Routing, Slice, Weight,
 };
 use crate::config::NumericMode;
 use crate::error::{EngineError, Result};
@@ -354,15 +354,62 @@ pub(crate) fn forward(
             a,
         )?;
 
-        // The low-rank query, then its norm (into cqn) and q_b in one op
-        // (Backend::rms_norm_matmul); the indexer's up-projection reads cqn below.
+        // Every matmul of the sublayer's input `a` in one op (Backend::matmul_set: a device
+        // prepares `a` once for all of them): the low-rank query, the KV row, and the
+        // compressors' and the indexer's projections, which read only the rows, not
+        // positions or caches, so they run once over every row of the step (each weight
+        // read once for all sequences); the position-dependent ops come after them per
+        // sequence.
         let cq_all = s.cq.rows(0, t, hp.q_lora_rank);
-        be.matmul(lw.q_a, 0, a, t, cq_all)?;
+        let kv_all = s.kv.rows(0, t, hd);
+        let ls0 = seqs[0].state.layers[il];
+        let (ih, id) = (hp.indexer_heads, hp.indexer_head_dim);
+        let iq_all = s.iq.rows(0, t, ih * id);
+        let iw_all = s.iw.rows(0, t, ih);
+        let mut singles = vec![(lw.q_a, cq_all), (lw.kv, kv_all)];
+        let mut pairs = Vec::with_capacity(2);
+        let comp_proj = match (ls0.comp, lw.comp.as_ref()) {
+            (Some(cs), Some(cw)) => {
+                let pw = cs.chunk_args(0, t).proj_width();
+                let (cu, cz) = (s.cu.rows(0, t, pw), s.cz.rows(0, t, pw));
+                pairs.push(MatmulPair {
+                    wa: cw.kv,
+                    wb: cw.gate,
+                    ya: cu,
+                    yb: cz,
+                });
+                Some((cu, cz))
+            }
+            _ => None,
+        };
+        // Indexer scores are only needed once some query sees more rows than it may pick.
+        let mut index_scores = false;
+        let index_proj = match (ls0.index, lw.indexer.as_ref()) {
+            (Some(is), Some(iw)) if comp_proj.is_some() => {
+                let pw = is.chunk_args(0, t).proj_width();
+                let (cu, cz) = (s.icu.rows(0, t, pw), s.icz.rows(0, t, pw));
+                pairs.push(MatmulPair {
+                    wa: iw.comp.kv,
+                    wb: iw.comp.gate,
+                    ya: cu,
+                    yb: cz,
+                });
+                index_scores = spans
+                    .iter()
+                    .any(|&(_, n, p0)| (p0 + n) / is.ratio > hp.indexer_top_k);
+                if index_scores {
+                    singles.push((iw.proj, iw_all));
+                }
+                Some((cu, cz))
+            }
+            _ => None,
+        };
+        be.matmul_set(a, t, &singles, &pairs)?;
+        // The query's norm (into cqn) and q_b in one op (Backend::rms_norm_matmul); the
+        // indexer's up-projection reads cqn below.
         let cqn = s.cqn.rows(0, t, hp.q_lora_rank);
         let q_all = s.q.rows(0, t, nh * hd);
         be.rms_norm_matmul(cq_all, lw.q_a_norm, eps, cqn, lw.q_b, t, q_all)?;
-        let kv_all = s.kv.rows(0, t, hd);
-        be.matmul(lw.kv, 0, a, t, kv_all)?;
         let o_all = s.o.rows(0, t, nh * hd);
         let q_call = NormRopeCall {
             x: q_all,
@@ -394,51 +441,20 @@ pub(crate) fn forward(
         } else {
             be.norm_rope_pair(q_call, kv_call)?;
         }
-
-        // The compressors' and the indexer's matmuls read only the rows, not positions or
-        // caches: they run once over every row of the step (each weight read once for all
-        // sequences), the position-dependent ops after them per sequence.
-        let ls0 = seqs[0].state.layers[il];
-        let comp_proj = match (ls0.comp, lw.comp.as_ref()) {
-            (Some(cs), Some(cw)) => {
-                let pw = cs.chunk_args(0, t).proj_width();
-                let (cu, cz) = (s.cu.rows(0, t, pw), s.cz.rows(0, t, pw));
-                be.matmul_pair(cw.kv, cw.gate, a, t, cu, cz)?;
-                Some((cu, cz))
+        if let (true, Some(iw)) = (index_scores, lw.indexer.as_ref()) {
+            be.matmul(iw.q_b, 0, cqn, t, iq_all)?;
+            // Every row at its own position (rows of sequences that need no scores are
+            // rotated too and never read).
+            let iq_rope = RopeArgs {
+                row_pos,
+                ..rope(t, ih, id, pos_first, 1)
+            };
+            if official {
+                be.rope_qat_hadamard_fp4(iq_all, iq_rope, t * ih, id)?;
+            } else {
+                be.rope(iq_all, iq_rope)?;
             }
-            _ => None,
-        };
-        let (ih, id) = (hp.indexer_heads, hp.indexer_head_dim);
-        let iq_all = s.iq.rows(0, t, ih * id);
-        let iw_all = s.iw.rows(0, t, ih);
-        let index_proj = match (ls0.index, lw.indexer.as_ref()) {
-            (Some(is), Some(iw)) if comp_proj.is_some() => {
-                let pw = is.chunk_args(0, t).proj_width();
-                let (cu, cz) = (s.icu.rows(0, t, pw), s.icz.rows(0, t, pw));
-                be.matmul_pair(iw.comp.kv, iw.comp.gate, a, t, cu, cz)?;
-                // Scores are only needed once some query sees more rows than it may pick.
-                if spans
-                    .iter()
-                    .any(|&(_, n, p0)| (p0 + n) / is.ratio > hp.indexer_top_k)
-                {
-                    be.matmul(iw.q_b, 0, cqn, t, iq_all)?;
-                    be.matmul(iw.proj, 0, a, t, iw_all)?;
-                    // Every row at its own position (rows of sequences that need no scores
-                    // are rotated too and never read).
-                    let iq_rope = RopeArgs {
-                        row_pos,
-                        ..rope(t, ih, id, pos_first, 1)
-                    };
-                    if official {
-                        be.rope_qat_hadamard_fp4(iq_all, iq_rope, t * ih, id)?;
-                    } else {
-                        be.rope(iq_all, iq_rope)?;
-                    }
-                }
-                Some((cu, cz))
-            }
-            _ => None,
-        };
+        }
 
         // The ops that read a sequence's caches, in phases; in a batched step each phase is
         // one batch op over a group of sequences (one launch each on a device, each

@@ -270,6 +270,33 @@ pub fn matmul_pair(
     disjoint(OP, &[ya, yb], &[x])
 }
 
+pub fn matmul_set(
+    x: Slice,
+    n_tok: usize,
+    singles: &[(Weight, Slice)],
+    pairs: &[crate::backend::MatmulPair],
+) -> BResult<()> {
+    const OP: &str = "matmul_set";
+    let mut outs = Vec::with_capacity(singles.len() + 2 * pairs.len());
+    for &(w, y) in singles {
+        matrix(w, OP)?;
+        if w.info.mats() != 1 {
+            return Err(invalid(
+                OP,
+                format!("{} matrices in one weight", w.info.mats()),
+            ));
+        }
+        need(x, n_tok * w.info.cols(), OP, "input")?;
+        need(y, n_tok * w.info.rows(), OP, "output")?;
+        outs.push(y);
+    }
+    for p in pairs {
+        matmul_pair(p.wa, p.wb, x, n_tok, p.ya, p.yb)?;
+        outs.extend([p.ya, p.yb]);
+    }
+    disjoint(OP, &outs, &[x])
+}
+
 pub fn rms_norm(x: Slice, w: Option<Weight>, rows: usize, width: usize, out: Slice) -> BResult<()> {
     const OP: &str = "rms_norm";
     need(out, rows * width, OP, "output")?;

@@ -36,6 +36,7 @@ use ds4_engine::backend::{
 use ds4_engine::validate;
 use ds4_gguf::{GgmlType, GgufFile};
 use ds4_placement::{Actual, MemKind, Plan};
+use ops::Q8InputKey;
 
 use crate::api::{DeviceBuffer, GpuApi};
 use crate::cache::KernelCache;
@@ -602,6 +603,13 @@ pub struct GpuBackend<D: GpuApi> {
     /// A batched step's routed-expert GEMVs on one flat grid (`ds4_gemv_flat_*`, the same
     /// values as the per-matrix grids, docs/gpu.md §25); `DS4_GROUPED_FLAT=0`: never.
     pub(crate) grouped_flat: bool,
+    /// Matmuls of one input at decode rows (`matmul_set`, `matmul_pair`) quantize it once
+    /// (docs/gpu.md §29); `DS4_Q8_INPUT_ONCE=0`: once per matrix.
+    pub(crate) q8_input_once: bool,
+    /// While such a set runs: `Some(key)` of the input whose int8 codes the several-column
+    /// GEMV's scratch holds (`Some(None)`: none yet); `None` outside a set, where every
+    /// several-column launch quantizes its input.
+    pub(crate) q8_input_memo: Option<Option<Q8InputKey>>,
     /// Multi-token attention on the tensor cores (`ds4_attention_mma`) where the shapes
     /// and the device allow it; `DS4_PREFILL_ATTN=mma` (docs/gpu.md §14).
     pub(crate) attn_mma: bool,
@@ -1024,6 +1032,8 @@ impl<D: GpuApi> GpuBackend<D> {
                 .unwrap_or(0)
                 .saturating_mul(sms),
             grouped_flat: env_on("DS4_GROUPED_FLAT"),
+            q8_input_once: env_on("DS4_Q8_INPUT_ONCE"),
+            q8_input_memo: None,
             hc_post4: if env_on("DS4_HC_POST4") {
                 usize::try_from(post4).unwrap_or(0)
             } else {
@@ -1127,6 +1137,12 @@ impl<D: GpuApi> GpuBackend<D> {
     /// Dense multi-token matmuls (Q8_0, F16 weights) through cuBLAS's f16 GEMM
     /// (`DS4_DENSE_GEMM=f16` at construction; docs/gpu.md §16). Needs cuBLAS with
     /// `cublasGemmEx`; without it the f32 panels stay.
+    /// Whether matmuls of one input at decode rows quantize it once (the default; see
+    /// `q8_input_once`). For A/B runs and the tests that compare both.
+    pub fn set_q8_input_once(&mut self, on: bool) {
+        self.q8_input_once = on;
+    }
+
     pub fn set_dense_gemm_half(&mut self, on: bool) {
         self.dense_half = on;
     }
@@ -2348,6 +2364,17 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::matmul_pair(wa, wb, x, n_tok, ya, yb)?;
         self.op_matmul_pair(wa, wb, x, n_tok, ya, yb)
+    }
+
+    fn matmul_set(
+        &mut self,
+        x: Slice,
+        n_tok: usize,
+        singles: &[(Weight, Slice)],
+        pairs: &[ds4_engine::MatmulPair],
+    ) -> BResult<()> {
+        validate::matmul_set(x, n_tok, singles, pairs)?;
+        self.op_matmul_set(x, n_tok, singles, pairs)
     }
 
     fn hc_post(

@@ -145,6 +145,10 @@ struct MoeTiles {
     n_exp: usize,
 }
 
+/// What a several-column launch's quantized input is: (input pointer, row stride, inputs per
+/// row, rows). Equal keys within one matmul set are equal codes (`GpuBackend::q8_input_memo`).
+pub(crate) type Q8InputKey = (u64, usize, usize, usize);
+
 /// Decode rows of a Q8_0 matrix (or of `groups` matrices of `n_out` rows, `group_bytes`
 /// apart, group g reading inputs g·n_in.. of each token and writing outputs g·n_out..) for
 /// the several-column kernel. Addresses are device addresses; strides are in floats.
@@ -686,20 +690,29 @@ impl<D: GpuApi> GpuBackend<D> {
         let q = self.scratch("q8c_codes", rows * n_in)?;
         let d = self.scratch("q8c_scales", 4 * rows * (n_in / 32))?;
         let s16 = self.scratch("q8c_sums", 4 * rows * (n_in / 16))?;
-        self.launch_fn(
-            &self.gemv.q8_quantize_rows,
-            "quantize_q8_rows",
-            (g32(rows), 1, 1),
-            l.block,
-            &[
-                Arg::Ptr(c.x),
-                u(row_stride),
-                i32a(op, "cols", n_in)?,
-                Arg::Ptr(q),
-                Arg::Ptr(d),
-                Arg::Ptr(s16),
-            ],
-        )?;
+        // Within a matmul set the scratch may already hold this input's codes (only these
+        // launches write it, and the set's matmuls write no input; docs/gpu.md §29). The
+        // codes do not depend on the launch's block size.
+        let key = (c.x, row_stride, n_in, rows);
+        if self.q8_input_memo != Some(Some(key)) {
+            self.launch_fn(
+                &self.gemv.q8_quantize_rows,
+                "quantize_q8_rows",
+                (g32(rows), 1, 1),
+                l.block,
+                &[
+                    Arg::Ptr(c.x),
+                    u(row_stride),
+                    i32a(op, "cols", n_in)?,
+                    Arg::Ptr(q),
+                    Arg::Ptr(d),
+                    Arg::Ptr(s16),
+                ],
+            )?;
+            if self.q8_input_memo.is_some() {
+                self.q8_input_memo = Some(Some(key));
+            }
+        }
         let grid = (
             self.gemv.q8_grid_x(l.grid_x, g32(c.groups)),
             g32(c.groups),
@@ -3419,9 +3432,12 @@ impl<D: GpuApi> GpuBackend<D> {
             return self.op_matmul(wb, 0, x, n_tok, yb);
         }
         if n_tok != 1 {
-            // Decode rows: each token summed as its one-token pair launch sums it.
-            self.matmul_copies(wa, 0, x, n_tok, ya, 2)?;
-            return self.matmul_copies(wb, 0, x, n_tok, yb, 2);
+            // Decode rows: each token summed as its one-token pair launch sums it, the
+            // input quantized once for both.
+            return self.input_once(n_tok, |b| {
+                b.matmul_copies(wa, 0, x, n_tok, ya, 2)?;
+                b.matmul_copies(wb, 0, x, n_tok, yb, 2)
+            });
         }
         let (ap, bp) = (self.fptr(ya, OP)?, self.fptr(yb, OP)?);
         let ids = self.iota()?;
@@ -3439,5 +3455,44 @@ impl<D: GpuApi> GpuBackend<D> {
             rows,
             self.act_q8,
         )
+    }
+    /// [`ds4_engine::Backend::matmul_set`]: each matrix as its own op would run it (pairs
+    /// through [`Self::op_matmul_pair`]), the input's int8 codes made once for all of them
+    /// at decode rows (docs/gpu.md §29).
+    pub(super) fn op_matmul_set(
+        &mut self,
+        x: Slice,
+        n_tok: usize,
+        singles: &[(Weight, Slice)],
+        pairs: &[ds4_engine::MatmulPair],
+    ) -> BResult<()> {
+        self.input_once(n_tok, |b| {
+            for &(w, y) in singles {
+                b.op_matmul(w, 0, x, n_tok, y)?;
+            }
+            for p in pairs {
+                b.op_matmul_pair(p.wa, p.wb, x, n_tok, p.ya, p.yb)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `f` (matmuls of one input that write no input) with the several-column GEMVs'
+    /// quantized input kept between its launches: a launch whose input was quantized
+    /// before in `f` reuses the codes. Nested calls join the outer one.
+    fn input_once(
+        &mut self,
+        n_tok: usize,
+        f: impl FnOnce(&mut Self) -> BResult<()>,
+    ) -> BResult<()> {
+        let own = self.q8_input_once && n_tok > 1 && self.q8_input_memo.is_none();
+        if own {
+            self.q8_input_memo = Some(None);
+        }
+        let r = f(self);
+        if own {
+            self.q8_input_memo = None;
+        }
+        r
     }
 }

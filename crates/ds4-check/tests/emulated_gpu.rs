@@ -858,7 +858,10 @@ fn emulated_input_quantized_once_per_matmul_set() {
     let (on, off) = (run(true), run(false));
     assert!(on > 0, "no several-column launch ran");
     // Per layer at least the KV projection and the shared expert's up reuse their input.
-    assert!(on < off, "quantizations with the input kept {on}, without {off}");
+    assert!(
+        on < off,
+        "quantizations with the input kept {on}, without {off}"
+    );
 }
 
 /// The warm-up at load (`Engine::warm_up`: a prefill chunk and a decode step on a state of

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ds4_gguf::GgufFile;
 use ds4_model::{HParams, ModelSpec, Strictness};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, IBuf};
 use crate::config::{EngineConfig, NumericMode};
 use crate::error::{EngineError, Result};
 use crate::expert_stream::{ExpertPlacement, ExpertStream, StreamStats};
@@ -23,6 +23,15 @@ pub enum Logits {
     Last,
     /// Every position's, `[T, n_vocab]` row-major.
     All,
+}
+
+/// One state's result of [`Engine::eval_batch_bands`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum BatchRow {
+    /// The band of its row near the maximum; the row is in the scratch.
+    Band(crate::sampler::LogitBand),
+    /// The whole row.
+    Row(Vec<f32>),
 }
 
 /// A model loaded onto a backend.
@@ -290,11 +299,17 @@ impl Engine {
         span: f32,
         exclude: Option<u32>,
     ) -> Result<crate::sampler::LogitBand> {
-        use crate::sampler::{LogitBand, BAND_CAP, BAND_FIRST_READ, BAND_HEAD};
         self.eval_inner(state, tokens, Logits::Last, None, None)?;
         let s = self.scratch.as_ref().expect("eval allocated the scratch");
         let (logits, out) = (s.logits.rows(0, 1, self.spec.hparams.n_vocab), s.band);
         self.backend.logit_band(logits, span, exclude, out)?;
+        self.read_band(out)
+    }
+
+    /// The band a [`Backend::logit_band`] wrote into `out`: the header and the first items,
+    /// then the rest if there are more (at most the capacity).
+    fn read_band(&mut self, out: IBuf) -> Result<crate::sampler::LogitBand> {
+        use crate::sampler::{LogitBand, BAND_CAP, BAND_FIRST_READ, BAND_HEAD};
         let mut words = vec![0i32; BAND_HEAD + 2 * BAND_FIRST_READ];
         self.backend.download_i32(out, 0, &mut words)?;
         let count = usize::try_from(words[2]).unwrap_or(0);
@@ -320,6 +335,74 @@ impl Engine {
         out.resize(v, 0.0);
         self.backend.download(s.logits.rows(0, 1, v), out)?;
         Ok(())
+    }
+
+    /// Row `row` of the logits a batched step left in the scratch ([`Engine::eval_batch_bands`]),
+    /// into `out` (cleared first).
+    pub fn batch_row_into(&mut self, row: usize, out: &mut Vec<f32>) -> Result<()> {
+        let v = self.spec.hparams.n_vocab;
+        let s = self.scratch.as_ref().ok_or(EngineError::Empty)?;
+        if row >= s.logit_rows {
+            return Err(EngineError::Config(format!(
+                "logits row {row} of a scratch of {} rows",
+                s.logit_rows
+            )));
+        }
+        out.clear();
+        out.resize(v, 0.0);
+        self.backend.download(s.logits.rows(row, 1, v), out)?;
+        Ok(())
+    }
+
+    /// [`Engine::eval_batch`] that leaves the rows on the device: for each state given a
+    /// span, the band of its row within `span` of the maximum (as [`Engine::eval_band`]:
+    /// a sampler whose draw needs only that reads back a few hundred bytes instead of the
+    /// 517 KB row); a state without a span gets its whole row. The rows stay in the
+    /// scratch until the next evaluation ([`Engine::batch_row_into`] fetches one when a
+    /// band is short). The same forward pass as [`Engine::eval_batch`], so the same rows.
+    pub fn eval_batch_bands(
+        &mut self,
+        states: &mut [&mut KvState],
+        tokens: &[u32],
+        spans: &[Option<f32>],
+    ) -> Result<Vec<BatchRow>> {
+        if spans.len() != states.len() {
+            return Err(EngineError::Config(format!(
+                "{} band spans for {} states",
+                spans.len(),
+                states.len()
+            )));
+        }
+        self.eval_batch_inner(states, tokens)?;
+        let v = self.spec.hparams.n_vocab;
+        let s = self.scratch.as_ref().expect("eval allocated the scratch");
+        // Every band queued first (one buffer per row while they last), then read back.
+        let (logits, bands, band) = (s.logits, s.bands.clone(), s.band);
+        let out_of = |j: usize| bands.get(j).copied();
+        for (j, span) in spans.iter().enumerate() {
+            if let (Some(span), Some(out)) = (span, out_of(j)) {
+                self.backend
+                    .logit_band(logits.rows(j, 1, v), *span, None, out)?;
+            }
+        }
+        let mut rows = Vec::with_capacity(spans.len());
+        for (j, span) in spans.iter().enumerate() {
+            rows.push(match (span, out_of(j)) {
+                (Some(_), Some(out)) => BatchRow::Band(self.read_band(out)?),
+                (Some(span), None) => {
+                    // Beyond the per-row buffers: one row at a time through the scratch's.
+                    self.backend
+                        .logit_band(logits.rows(j, 1, v), *span, None, band)?;
+                    BatchRow::Band(self.read_band(band)?)
+                }
+                (None, _) => {
+                    let mut row = Vec::new();
+                    self.batch_row_into(j, &mut row)?;
+                    BatchRow::Row(row)
+                }
+            });
+        }
+        Ok(rows)
     }
 
     /// One batched decode step: token `tokens[i]` appended to `states[i]` for every `i`, in
@@ -401,15 +484,38 @@ impl Engine {
         Ok(reset?)
     }
 
-    /// [`Engine::eval_batch`] returning only each state's greedy next token.
+    /// [`Engine::eval_batch`] returning only each state's greedy next token, read back as a
+    /// span-0 band per row (a few bytes instead of the 517 KB row).
     pub fn eval_batch_argmax(
         &mut self,
         states: &mut [&mut KvState],
         tokens: &[u32],
     ) -> Result<Vec<u32>> {
-        let v = self.spec.hparams.n_vocab;
-        let logits = self.eval_batch(states, tokens)?;
-        Ok(logits.chunks(v).map(crate::argmax).collect())
+        // Span-0 bands (as the server's greedy slots take them): the first item equal to
+        // the maximum is `argmax`'s first maximum; any other case reads the row.
+        let spans = vec![Some(0.0); states.len()];
+        let rows = self.eval_batch_bands(states, tokens, &spans)?;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut row = Vec::new();
+        for (j, r) in rows.into_iter().enumerate() {
+            let first = match &r {
+                BatchRow::Band(b) if b.max.is_finite() => b
+                    .items
+                    .first()
+                    .filter(|&&(_, v)| v == b.max)
+                    .map(|&(i, _)| i),
+                _ => None,
+            };
+            out.push(match (first, r) {
+                (Some(i), _) => i,
+                (None, BatchRow::Row(v)) => crate::argmax(&v),
+                (None, BatchRow::Band(_)) => {
+                    self.batch_row_into(j, &mut row)?;
+                    crate::argmax(&row)
+                }
+            });
+        }
+        Ok(out)
     }
 
     /// Scratch for chunks of `config.prefill_chunk` tokens with at least `logit_rows`

@@ -75,6 +75,9 @@ pub(crate) struct Scratch {
     pub argmax: IBuf,
     /// The sampling band of the last logits row ([`Backend::logit_band`]).
     pub band: IBuf,
+    /// One band per row of a batched decode step ([`crate::Engine::eval_batch_bands`]),
+    /// for up to [`BATCH_SELS`] rows.
+    pub bands: Vec<IBuf>,
 }
 
 impl Scratch {
@@ -127,6 +130,13 @@ impl Scratch {
             logits: be.alloc(logit_rows.max(1) * hp.n_vocab)?,
             argmax: be.alloc_i32(1)?,
             band: be.alloc_i32(crate::sampler::BAND_HEAD + 2 * crate::sampler::BAND_CAP)?,
+            bands: (0..if logit_rows > 1 {
+                BATCH_SELS.min(logit_rows)
+            } else {
+                0
+            })
+                .map(|_| be.alloc_i32(crate::sampler::BAND_HEAD + 2 * crate::sampler::BAND_CAP))
+                .collect::<std::result::Result<_, _>>()?,
         })
     }
 
@@ -172,7 +182,7 @@ impl Scratch {
         ] {
             be.free_i32(b);
         }
-        for b in self.sels {
+        for b in self.sels.into_iter().chain(self.bands) {
             be.free_i32(b);
         }
     }

@@ -9,7 +9,7 @@
 //! snapshots of either restore into the other.
 
 use ds4_engine::sampler::LogitBand;
-use ds4_engine::{Engine, EngineError, KvState, Logits, Snapshot};
+use ds4_engine::{BatchRow, Engine, EngineError, KvState, Logits, Snapshot};
 use thiserror::Error;
 
 use crate::checkpoint::{self, Format};
@@ -38,7 +38,7 @@ enum After {
     Unknown,
     Row(Vec<f32>),
     /// The band of the row near its maximum; the row itself is in the engine's scratch
-    /// (only ever for the slot [`Slots::banded`] names).
+    /// (only ever for the slots [`Slots::banded`] names).
     Band(LogitBand),
 }
 
@@ -47,7 +47,7 @@ struct Slot {
     after: After,
     /// A row buffer kept while the slot holds a band, so the next fetch does not allocate.
     spare: Vec<f32>,
-    /// Band width of this slot's lone decode steps ([`Slots::set_band`]).
+    /// Band width of this slot's decode steps ([`Slots::set_band`]).
     band_span: Option<f32>,
 }
 
@@ -66,9 +66,10 @@ impl Slot {
 pub struct Slots {
     engine: Engine,
     slots: Vec<Slot>,
-    /// The slot whose logits row is the engine's scratch row (it holds [`After::Band`]).
-    /// Every other engine call fetches that row first ([`Slots::settle`]).
-    banded: Option<usize>,
+    /// The slots whose logits rows are rows of the engine's scratch, (slot, row) (each
+    /// holds [`After::Band`]). Every other engine call fetches those rows first
+    /// ([`Slots::settle`]).
+    banded: Vec<(usize, usize)>,
     /// `DS4_SAMPLE_BAND` (on unless `0`): whether [`Slots::set_band`] takes effect.
     band_on: bool,
 }
@@ -116,7 +117,7 @@ impl Slots {
         Ok(Slots {
             engine,
             slots,
-            banded: None,
+            banded: Vec::new(),
             band_on,
         })
     }
@@ -170,9 +171,7 @@ impl Slots {
     /// The logits row after slot `i`'s tokens, when known (fetched from the engine when the
     /// slot holds a band).
     pub fn logits(&mut self, i: usize) -> Result<Option<&[f32]>, DriverError> {
-        if self.banded == Some(i) {
-            self.settle()?;
-        }
+        self.fetch(i)?;
         Ok(match &self.slots[i].after {
             After::Row(v) => Some(v),
             _ => None,
@@ -185,32 +184,43 @@ impl Slots {
         self.has_logits(i).then_some(SlotStep { slots: self, i })
     }
 
-    /// Lone decode steps of slot `i` leave the band of width `span` near the row's maximum
-    /// instead of fetching the row (`None`: the row). A generation sets it from its
-    /// sampler ([`ds4_engine::SamplerConfig::band_span`]); batched steps always fetch rows.
-    /// Off under `DS4_SAMPLE_BAND=0`.
+    /// Decode steps of slot `i`, lone or batched, leave the band of width `span` near the
+    /// row's maximum instead of fetching the row (`None`: the row). A generation sets it
+    /// from its sampler ([`ds4_engine::SamplerConfig::band_span`]). Off under
+    /// `DS4_SAMPLE_BAND=0`.
     pub fn set_band(&mut self, i: usize, span: Option<f32>) {
         self.slots[i].band_span = span.filter(|_| self.band_on);
     }
 
-    /// Fetches the banded slot's row from the engine (before anything else uses the
-    /// engine). On failure that slot's logits are forgotten.
+    /// Fetches every banded slot's row from the engine (before anything else uses the
+    /// engine). On failure the unfetched slots' logits are forgotten.
     fn settle(&mut self) -> Result<(), DriverError> {
-        let Some(i) = self.banded.take() else {
+        while let Some(&(i, _)) = self.banded.first() {
+            self.fetch(i)?;
+        }
+        Ok(())
+    }
+
+    /// Fetches slot `i`'s row if it is banded (the others stay banded). On failure its
+    /// logits are forgotten.
+    fn fetch(&mut self, i: usize) -> Result<(), DriverError> {
+        let Some(at) = self.banded.iter().position(|b| b.0 == i) else {
             return Ok(());
         };
+        let (_, row) = self.banded.remove(at);
         let s = &mut self.slots[i];
         let mut buf = s.take_buf();
-        self.engine.last_logits_into(&mut buf)?;
+        if let Err(e) = self.engine.batch_row_into(row, &mut buf) {
+            s.spare = buf;
+            return Err(e.into());
+        }
         s.after = After::Row(buf);
         Ok(())
     }
 
     /// Forgets slot `i`'s logits (keeping its buffer).
     fn forget(&mut self, i: usize) {
-        if self.banded == Some(i) {
-            self.banded = None;
-        }
+        self.banded.retain(|b| b.0 != i);
         let s = &mut self.slots[i];
         s.spare = s.take_buf();
     }
@@ -317,7 +327,7 @@ impl Slots {
             if let Some(span) = s.band_span {
                 let band = self.engine.eval_band(&mut s.state, &[*tok], span, None)?;
                 s.after = After::Band(band);
-                self.banded = Some(*i);
+                self.banded.push((*i, 0));
                 return Ok(());
             }
             let mut buf = s.take_buf();
@@ -331,8 +341,9 @@ impl Slots {
             }
             return Ok(r?);
         }
-        let n_vocab = self.engine.hparams().n_vocab;
         for group in feeds.chunks(self.batch_max()) {
+            // A previous group's banded rows are overwritten by this group's step.
+            self.settle()?;
             let mut order: Vec<usize> = group.iter().map(|&(i, _)| i).collect();
             order.sort_unstable();
             if order.windows(2).any(|w| w[0] == w[1]) {
@@ -349,6 +360,7 @@ impl Slots {
                 .collect();
             let mut states: Vec<&mut KvState> = Vec::with_capacity(group.len());
             let mut tokens = Vec::with_capacity(group.len());
+            let mut spans = Vec::with_capacity(group.len());
             for &(i, tok) in group {
                 let at = picked
                     .iter()
@@ -357,17 +369,21 @@ impl Slots {
                         "a batched decode step names a slot that does not exist".into(),
                     )))?;
                 let (_, slot) = picked.swap_remove(at);
+                spans.push(slot.band_span);
                 states.push(&mut slot.state);
                 tokens.push(tok);
             }
-            let rows = self.engine.eval_batch(&mut states, &tokens)?;
+            let rows = self.engine.eval_batch_bands(&mut states, &tokens, &spans)?;
             drop((states, picked));
-            for (&(i, _), row) in group.iter().zip(rows.chunks(n_vocab)) {
+            for (j, (&(i, _), row)) in group.iter().zip(rows).enumerate() {
                 let s = &mut self.slots[i];
-                let mut buf = std::mem::take(&mut s.spare);
-                buf.clear();
-                buf.extend_from_slice(row);
-                s.after = After::Row(buf);
+                match row {
+                    BatchRow::Band(band) => {
+                        s.after = After::Band(band);
+                        self.banded.push((i, j));
+                    }
+                    BatchRow::Row(v) => s.after = After::Row(v),
+                }
             }
         }
         Ok(())
@@ -389,9 +405,7 @@ impl StepLogits for SlotStep<'_> {
     }
 
     fn row(&mut self) -> Result<&mut [f32], DriverError> {
-        if self.slots.banded == Some(self.i) {
-            self.slots.settle()?;
-        }
+        self.slots.fetch(self.i)?;
         match &mut self.slots.slots[self.i].after {
             After::Row(v) => Ok(v),
             _ => Err(DriverError::NoLogits),

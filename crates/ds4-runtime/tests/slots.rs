@@ -371,6 +371,84 @@ fn banded_slot_steps_match(temperature: f32) {
     assert_eq!(bands, 12);
 }
 
+/// Batched decode steps leave a band per slot too (`Engine::eval_batch_bands`): three slots
+/// generating together (min-p, greedy, and one without a band) emit what the row path
+/// emits with the same seeds, the steer's greedy steps still see the rows, and rows fetched
+/// between steps (a checkpoint, another slot's logits) are the row path's rows.
+#[test]
+fn banded_batched_steps_match_the_row_steps() {
+    let never = AtomicBool::new(false);
+    let cfg = |temperature: f32, seed: u64| SamplerConfig {
+        temperature,
+        min_p: 0.05,
+        seed,
+        ..SamplerConfig::default()
+    };
+    let cfgs = [cfg(1.0, 5), cfg(0.0, 6), cfg(1.0, 7)];
+    let limits = GenLimits {
+        max_tokens: 12,
+        eos: 100_000,
+        ignore_eos: false,
+        feed_all: true,
+    };
+    let run = |banded: bool| {
+        let mut slots = Slots::new(engine(), 3).unwrap();
+        let mut gens = Vec::new();
+        for (i, c) in cfgs.iter().enumerate() {
+            slots.prefill(i, &prompt(11 + 4 * i, i as u32 + 3)).unwrap();
+            // Slot 2 never takes a band: its rows come back whole next to the others' bands.
+            let span = if banded && i < 2 { c.band_span() } else { None };
+            slots.set_band(i, span);
+            gens.push((
+                Sampler::new(c.clone()).unwrap(),
+                GenState::new(limits),
+                EveryThird {
+                    saw_row: Vec::new(),
+                },
+            ));
+        }
+        let (mut bands, mut fetched) = (0, Vec::new());
+        for step in 0..limits.max_tokens {
+            let mut feeds = Vec::new();
+            for (i, (sampler, g, steer)) in gens.iter_mut().enumerate() {
+                bands += usize::from(slots.step(i).unwrap().band().is_some());
+                match g
+                    .pick(&mut slots.step(i).unwrap(), sampler, &never, steer)
+                    .unwrap()
+                {
+                    Pick::Feed { tok, .. } => feeds.push((i, tok)),
+                    Pick::Stop(s) => assert_eq!(s, GenStop::Length),
+                }
+            }
+            if feeds.is_empty() {
+                break;
+            }
+            slots.decode(&feeds).unwrap();
+            if step == 4 {
+                // One banded slot's checkpoint and another's row, while the third stays
+                // banded.
+                fetched.push(slots.checkpoint(0).unwrap());
+                let row = slots.logits(2).unwrap().unwrap();
+                fetched.push(row.iter().flat_map(|x| x.to_le_bytes()).collect());
+            }
+        }
+        let mut out = Vec::new();
+        for (i, (_, g, steer)) in gens.into_iter().enumerate() {
+            assert!(!steer.saw_row.is_empty() && steer.saw_row.iter().all(|&s| s));
+            out.push((g.finish(GenStop::Length).tokens, slots.live(i).to_vec()));
+        }
+        (out, bands, fetched)
+    };
+    let (band_out, bands, band_fetched) = run(true);
+    let (row_out, no_bands, row_fetched) = run(false);
+    assert_eq!(band_out, row_out);
+    assert_eq!(band_fetched, row_fetched, "rows fetched after step 4");
+    assert_eq!(no_bands, 0);
+    // Slots 0 and 1 over 12 steps: the first picks read the prompts' rows, the steer's
+    // every third step asks for the row, so some picks but not all met a band.
+    assert!(bands >= 12, "{bands} picks met a band");
+}
+
 /// A repetition penalty sees the tokens generated so far: greedy decoding of the tiny
 /// model repeats tokens within 24 steps, and with a strong penalty it does not.
 #[test]

@@ -11,7 +11,11 @@ output token arrives; prints its time to the first token (its prefill, as the ru
 streams see it) and the streams' largest inter-token gap while it was being served, against
 their p50 gap.
 
-usage: throughput.py URL C [MAX_TOKENS=64] [PROMPT_WORDS=20] [--long-prompt-words N] [--long-after S]
+With --sdk the clients are the OpenAI Python SDK's (`openai`, pinned in requirements.txt;
+one client object per stream, its streaming iterator timed per chunk) instead of http.client:
+the same requests and measures through the SDK users run.
+
+usage: throughput.py URL C [MAX_TOKENS=64] [PROMPT_WORDS=20] [--long-prompt-words N] [--long-after S] [--sdk]
 """
 
 import http.client
@@ -59,8 +63,37 @@ def one_stream(url, i, max_tokens, words, out):
     out[i] = (t0, time.monotonic(), stamps, usage)
 
 
+def one_stream_sdk(url, i, max_tokens, words, out):
+    import openai  # only with --sdk (the GPU machine's stdlib runs have no SDK)
+
+    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", timeout=1200)
+    prompt = " ".join(f"word{(i * 7 + j) % 97}" for j in range(words))
+    t0 = time.monotonic()
+    stream = client.chat.completions.create(
+        model="deepseek-v4-flash",
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=max_tokens,
+        temperature=0,
+        messages=[{"role": "user", "content": f"{prompt} (stream {i})"}],
+    )
+    stamps, usage = [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            if c.delta.content or extra.get("reasoning_content"):
+                stamps.append(time.monotonic())
+    out[i] = (t0, time.monotonic(), stamps, usage)
+
+
 def main():
     args = sys.argv[1:]
+    stream_fn = one_stream
+    if "--sdk" in args:
+        args.remove("--sdk")
+        stream_fn = one_stream_sdk
     opts = {}
     for flag in ("--long-prompt-words", "--long-after"):
         if flag in args:
@@ -76,13 +109,13 @@ def main():
     words = int(args[3]) if len(args) > 3 else 20
     long_words = int(opts.get("--long-prompt-words", 0))
     out = [None] * (c + 1)
-    threads = [threading.Thread(target=one_stream, args=(url, i, max_tokens, words, out))
+    threads = [threading.Thread(target=stream_fn, args=(url, i, max_tokens, words, out))
                for i in range(c)]
     for t in threads:
         t.start()
     if long_words:
         time.sleep(opts.get("--long-after", 1.0))
-        lt = threading.Thread(target=one_stream, args=(url, c, 1, long_words, out))
+        lt = threading.Thread(target=stream_fn, args=(url, c, 1, long_words, out))
         lt.start()
         lt.join()
     for t in threads:

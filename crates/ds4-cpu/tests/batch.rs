@@ -117,3 +117,47 @@ fn bad_batches_are_errors() {
     eng.eval_batch(&mut [&mut a, &mut b], &[3, 4]).unwrap();
     assert_eq!((a.pos(), b.pos()), (3, 1));
 }
+
+/// A short prompt chunk runs as decode rows (`Engine::set_short_prefill_rows`,
+/// docs/forward.md §13): with int8 activations its logits are, bit for bit, the logits of
+/// feeding its tokens one at a time; with the rule off the chunk takes the f32 prefill
+/// matmuls and its logits differ. Longer chunks keep the prefill path either way.
+#[test]
+fn short_prefill_chunks_are_decode_rows() {
+    let q2 = synthetic_model(&quant_hparams(), &TypeRecipe::Q2, 5);
+    let run = |short: usize, prompt: &[u32], one_by_one: bool| -> Vec<f32> {
+        let mut eng = engine(&q2, NumericMode::Official, true);
+        eng.set_short_prefill_rows(short);
+        let mut st = eng.new_state().unwrap();
+        if one_by_one {
+            let mut last = Vec::new();
+            for &t in prompt {
+                last = eng.eval(&mut st, &[t], Logits::Last, None).unwrap();
+            }
+            last
+        } else {
+            eng.eval(&mut st, prompt, Logits::Last, None).unwrap()
+        }
+    };
+    let vocab = engine(&q2, NumericMode::Official, true).hparams().n_vocab;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let short = tokens(11, vocab, 7);
+    let decoded = bits(&run(16, &short, true));
+    assert_eq!(
+        bits(&run(16, &short, false)),
+        decoded,
+        "short chunk vs one by one"
+    );
+    assert_ne!(
+        bits(&run(0, &short, false)),
+        decoded,
+        "the rule off changed nothing"
+    );
+    // A 12-token chunk with the limit at 11 takes the prefill path again.
+    let long = tokens(12, vocab, 8);
+    assert_ne!(
+        bits(&run(11, &long, false)),
+        bits(&run(11, &long, true)),
+        "a chunk past the limit ran as decode rows"
+    );
+}

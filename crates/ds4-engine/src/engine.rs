@@ -45,8 +45,14 @@ pub struct Engine {
     fingerprint: u64,
     /// Routed experts streamed from the file ([`ExpertPlacement::Streamed`]).
     stream: Option<ExpertStream>,
+    /// Prompt chunks of 2..=this many tokens run as decode rows ([`Engine::set_short_prefill_rows`]).
+    short_rows: usize,
     _file: Arc<GgufFile>,
 }
+
+/// Default of [`Engine::set_short_prefill_rows`]: prompt chunks of at most this many tokens
+/// run through the decode kernels (docs/forward.md §13).
+pub const SHORT_PREFILL_ROWS: usize = 16;
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -127,12 +133,23 @@ impl Engine {
             scratch: None,
             fingerprint,
             stream,
+            short_rows: SHORT_PREFILL_ROWS,
             _file: file,
         })
     }
 
     pub fn hparams(&self) -> &HParams {
         &self.spec.hparams
+    }
+
+    /// Prompt chunks of 2 to `n` tokens are evaluated as decode rows
+    /// ([`crate::Backend::set_decode_rows`]): with int8 activations on, their matmuls take the
+    /// decode kernels row by row (each row the bits its token gets decoded alone) instead of
+    /// the prefill GEMMs and tiles, whose fixed cost per chunk dominates a short prompt
+    /// (docs/forward.md §13). 0 or 1: never. A backend that refuses decode rows evaluates
+    /// them as before.
+    pub fn set_short_prefill_rows(&mut self, n: usize) {
+        self.short_rows = n;
     }
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
@@ -621,7 +638,18 @@ impl Engine {
                 Logits::Last if last => Want::Last,
                 _ => Want::None,
             };
-            forward_chunk(self.backend.as_mut(), &mut model, scratch, state, chunk, w)?;
+            // A short chunk as decode rows (Engine::set_short_prefill_rows).
+            let short = chunk.len() > 1
+                && chunk.len() <= self.short_rows
+                && self.backend.set_decode_rows(chunk.len()).is_ok();
+            let r = forward_chunk(self.backend.as_mut(), &mut model, scratch, state, chunk, w);
+            if short {
+                let reset = self.backend.set_decode_rows(1);
+                r?;
+                reset?;
+            } else {
+                r?;
+            }
             let rows = match w {
                 Want::None => 0,
                 Want::Last => 1,

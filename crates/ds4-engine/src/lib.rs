@@ -33,7 +33,7 @@ pub use backend::{
     ProfileRow, SlabMat, Slice, TaggedSlabs, Weight, WeightInfo, WeightUse,
 };
 pub use config::{EngineConfig, NumericMode, DEFAULT_PREFILL_CHUNK};
-pub use engine::{BatchRow, Engine, Logits};
+pub use engine::{BatchRow, Engine, Logits, SHORT_PREFILL_ROWS};
 pub use error::{EngineError, Result};
 pub use expert_stream::{
     ExpertPlacement, StreamConfig, StreamError, StreamStats, MIN_HOST_SLOTS, PREDICT_ROWS,

@@ -663,10 +663,36 @@ fn build_engine_logged(
         ctx,
         prefill_chunk: opts.prefill_chunk,
     };
-    Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| LoadError::Engine {
-        path: opts.model.clone(),
-        source,
-    })
+    let mut engine = Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| {
+        LoadError::Engine {
+            path: opts.model.clone(),
+            source,
+        }
+    })?;
+    engine.set_short_prefill_rows(short_prefill_rows(
+        std::env::var(SHORT_PREFILL_ENV).ok().as_deref(),
+    ));
+    Ok(engine)
+}
+
+/// Prompt chunks of at most this many tokens run as decode rows
+/// ([`Engine::set_short_prefill_rows`], docs/forward.md §13); `0` turns it off (A/B).
+pub const SHORT_PREFILL_ENV: &str = "DS4_SHORT_PREFILL_ROWS";
+
+/// [`SHORT_PREFILL_ENV`]'s value: a count, or the default when unset or not a count.
+pub fn short_prefill_rows(v: Option<&str>) -> usize {
+    match v.map(|s| s.trim().parse::<usize>()) {
+        None => ds4_engine::SHORT_PREFILL_ROWS,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            tracing::warn!(
+                "{SHORT_PREFILL_ENV}={:?}: not a count; using {}",
+                v.unwrap_or_default(),
+                ds4_engine::SHORT_PREFILL_ROWS
+            );
+            ds4_engine::SHORT_PREFILL_ROWS
+        }
+    }
 }
 
 #[cfg(test)]
@@ -674,6 +700,17 @@ mod tests {
     use super::*;
     use ds4_gpu::cuda::GemmPrecision;
     use std::ffi::OsStr;
+
+    #[test]
+    fn short_prefill_rows_default_count_and_off() {
+        assert_eq!(short_prefill_rows(None), ds4_engine::SHORT_PREFILL_ROWS);
+        assert_eq!(short_prefill_rows(Some(" 8 ")), 8);
+        assert_eq!(short_prefill_rows(Some("0")), 0);
+        assert_eq!(
+            short_prefill_rows(Some("lots")),
+            ds4_engine::SHORT_PREFILL_ROWS
+        );
+    }
 
     #[test]
     fn readahead_is_on_unless_turned_off() {

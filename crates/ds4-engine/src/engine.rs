@@ -52,7 +52,7 @@ pub struct Engine {
 
 /// Default of [`Engine::set_short_prefill_rows`]: prompt chunks of at most this many tokens
 /// run through the decode kernels (docs/forward.md §13).
-pub const SHORT_PREFILL_ROWS: usize = 16;
+pub const SHORT_PREFILL_ROWS: usize = 32;
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

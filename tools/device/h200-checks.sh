@@ -302,12 +302,23 @@ if ! skip server; then
         sleep 1
     done
     echo "server ready after ${i}s"
+    # The OpenAI SDK's clients when a wheelhouse came along (tools/device/sdk-wheels.sh: the
+    # GPU machine has no network), else the stdlib client (the same requests).
+    py=python3
+    sdk=""
+    if [ -d "$R/.dev/wh" ] && python3 -m venv "$work/sdk" > /dev/null 2>&1 &&
+        "$work/sdk/bin/pip" install -q --no-index --find-links "$R/.dev/wh" \
+            -r "$R/tools/server-sdk-tests/requirements.txt" > "$OUT/sdk_pip.log" 2>&1; then
+        py="$work/sdk/bin/python"
+        sdk=--sdk
+    fi
+    echo "clients: ${sdk:-stdlib}"
     for c in 1 2 4 8 16; do
-        timeout 90 python3 "$R/tools/server-sdk-tests/throughput.py" http://127.0.0.1:8090 $c 64 >> "$OUT/throughput.log" 2>&1
+        timeout 90 "$py" "$R/tools/server-sdk-tests/throughput.py" http://127.0.0.1:8090 $c 64 $sdk >> "$OUT/throughput.log" 2>&1
     done
     # Prefill interference: a ~16k-token prompt arriving while 7 streams decode.
-    timeout 240 python3 "$R/tools/server-sdk-tests/throughput.py" http://127.0.0.1:8090 7 128 20 \
-        --long-prompt-words 8000 --long-after 1 >> "$OUT/throughput.log" 2>&1
+    timeout 240 "$py" "$R/tools/server-sdk-tests/throughput.py" http://127.0.0.1:8090 7 128 20 \
+        --long-prompt-words 8000 --long-after 1 $sdk >> "$OUT/throughput.log" 2>&1
     cat "$OUT/throughput.log"
     kill $sp; wait $sp 2>/dev/null
     rm -f "$work/q2.gguf"

@@ -193,7 +193,8 @@ impl Slots {
     }
 
     /// Fetches every banded slot's row from the engine (before anything else uses the
-    /// engine). On failure the unfetched slots' logits are forgotten.
+    /// engine). On failure the failing slot's logits are forgotten and the slots not yet
+    /// fetched stay banded (the engine was not used, so their rows are intact).
     fn settle(&mut self) -> Result<(), DriverError> {
         while let Some(&(i, _)) = self.banded.first() {
             self.fetch(i)?;

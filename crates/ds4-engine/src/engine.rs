@@ -346,12 +346,7 @@ impl Engine {
     /// The logits row the last [`Engine::eval_band`] or [`Engine::eval_argmax`] left in
     /// the scratch, into `out` (cleared first).
     pub fn last_logits_into(&mut self, out: &mut Vec<f32>) -> Result<()> {
-        let v = self.spec.hparams.n_vocab;
-        let s = self.scratch.as_ref().ok_or(EngineError::Empty)?;
-        out.clear();
-        out.resize(v, 0.0);
-        self.backend.download(s.logits.rows(0, 1, v), out)?;
-        Ok(())
+        self.batch_row_into(0, out)
     }
 
     /// Row `row` of the logits a batched step left in the scratch ([`Engine::eval_batch_bands`]),

@@ -669,10 +669,14 @@ fn build_engine_logged(
             source,
         }
     })?;
-    engine.set_short_prefill_rows(short_prefill_rows(
-        std::env::var(SHORT_PREFILL_ENV).ok().as_deref(),
-    ));
+    engine.set_short_prefill_rows(short_prefill_rows_from_env());
     Ok(engine)
+}
+
+/// [`short_prefill_rows`] of the process's [`SHORT_PREFILL_ENV`] (what `ds4`, `ds4-server` and
+/// `ds4-bench` apply).
+pub fn short_prefill_rows_from_env() -> usize {
+    short_prefill_rows(std::env::var(SHORT_PREFILL_ENV).ok().as_deref())
 }
 
 /// Prompt chunks of at most this many tokens run as decode rows

@@ -484,11 +484,7 @@ fn main() -> Result<()> {
         bail!("streamed experts are read from a file: use -m FILE (ds4-convert synthetic --sparse-experts makes a full-size one)");
     }
     let mut eng = Engine::load_with(file.clone(), Box::new(be), cfg, experts)?;
-    eng.set_short_prefill_rows(ds4_runtime::load::short_prefill_rows(
-        std::env::var(ds4_runtime::load::SHORT_PREFILL_ENV)
-            .ok()
-            .as_deref(),
-    ));
+    eng.set_short_prefill_rows(ds4_runtime::load::short_prefill_rows_from_env());
     let load_s = t_load.elapsed().as_secs_f64();
     eprintln!(
         "loaded {label} in {load_s:.1} s ({:.1} s since start) · backend {} · mode {}",

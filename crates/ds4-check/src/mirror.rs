@@ -1279,9 +1279,14 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
         let c = (self.c(logits), self.ci(ids), self.c(weights));
         let g = (self.g(logits), self.gi(ids), self.g(weights));
         let n = a.n_tok * a.k;
+        // The call writes ids from row a.row0 on; the rows before are compared as well
+        // (they must be unchanged on both sides).
         self.run(
             "router",
-            &[Out::I(ids, n), Out::W(weights.sub(0, n))],
+            &[
+                Out::I(ids, (a.row0 + a.n_tok) * a.k),
+                Out::W(weights.sub(0, n)),
+            ],
             |b| b.router(c.0, cr, a, c.1, c.2),
             |b| b.router(g.0, gr, a, g.1, g.2),
         )

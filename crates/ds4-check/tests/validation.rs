@@ -79,6 +79,7 @@ fn refusals<B: Backend>(be: &mut B, w: &Weights) -> Vec<BackendError> {
                 n_expert: 8,
                 k: 2,
                 scale: 1.0,
+                row0: 0,
             },
             ids,
             other.slice(0, 4),

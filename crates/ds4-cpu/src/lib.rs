@@ -279,6 +279,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// Every row's experts are computed from that row alone (the matmul kernels sum each
+    /// output in one fixed order whatever the rows beside it); only the int8 rule
+    /// ([`Self::q8_rows`]) depends on the call's rows, and two rows at one decode row are
+    /// past it in both calls.
+    fn moe_joint_min_rows(&self, _: Weight, _: Weight, _: Weight, _: usize) -> Option<usize> {
+        Some(2)
+    }
     fn set_decode_rows(&mut self, n: usize) -> BResult<()> {
         self.decode_rows = n.max(1);
         Ok(())
@@ -804,7 +811,7 @@ impl Backend for CpuBackend {
                     Routing::Hash { table, tokens } => {
                         let tw = this.weight(table, OP)?;
                         let toks = this.iview(tokens, OP)?;
-                        let tok = toks.get(ti).copied().unwrap_or(-1);
+                        let tok = toks.get(a.row0 + ti).copied().unwrap_or(-1);
                         let tok = usize::try_from(tok)
                             .ok()
                             .filter(|&x| x < tw.info.rows())
@@ -827,7 +834,8 @@ impl Backend for CpuBackend {
                     }
                 };
                 kernels::route_weights(l, &chosen, a.scale, &mut wv[ti * k..(ti + 1) * k]);
-                for (dst, c) in idr[ti * k..(ti + 1) * k].iter_mut().zip(&chosen) {
+                let r = a.row0 + ti;
+                for (dst, c) in idr[r * k..(r + 1) * k].iter_mut().zip(&chosen) {
                     *dst = *c as i32;
                 }
             }

@@ -161,3 +161,104 @@ fn short_prefill_chunks_are_decode_rows() {
         "a chunk past the limit ran as decode rows"
     );
 }
+
+/// A joint prefill (`Engine::eval_joint`, docs/forward.md §14): pieces of three prompts
+/// after states at different positions (empty, inside and past the sliding window, around
+/// compressor windows) in one forward pass leave each state and its last logits row, bit
+/// for bit, as prefilling its piece alone does; the states then decode alike.
+fn joint_equals_alone(file: &Arc<GgufFile>, mode: NumericMode, q8: bool) {
+    let cfg = EngineConfig {
+        mode: Some(mode),
+        ctx: 256,
+        prefill_chunk: 64,
+    };
+    let mut be = CpuBackend::new(2).unwrap();
+    be.set_activation_q8(q8).unwrap();
+    let mut eng = Engine::load(Arc::clone(file), Box::new(be), cfg).unwrap();
+    eng.set_short_prefill_rows(4);
+    assert_eq!(eng.joint_min_rows(), Some(5));
+    let vocab = eng.hparams().n_vocab;
+    let before = [0usize, 9, 21];
+    let pieces: Vec<Vec<u32>> = [13usize, 5, 22]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tokens(n, vocab, 300 + i as u64))
+        .collect();
+    let mut joint = Vec::new();
+    let mut alone = Vec::new();
+    for (i, &n) in before.iter().enumerate() {
+        let mut a = eng.new_state().unwrap();
+        let mut b = eng.new_state().unwrap();
+        if n > 0 {
+            let p = tokens(n, vocab, 200 + i as u64);
+            eng.eval(&mut a, &p, Logits::Last, None).unwrap();
+            eng.eval(&mut b, &p, Logits::Last, None).unwrap();
+        }
+        joint.push(a);
+        alone.push(b);
+    }
+    let mut refs: Vec<&mut ds4_engine::KvState> = joint.iter_mut().collect();
+    let slices: Vec<&[u32]> = pieces.iter().map(|p| p.as_slice()).collect();
+    eng.eval_joint(&mut refs, &slices).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut got = Vec::new();
+    let mut next = Vec::new();
+    for i in 0..pieces.len() {
+        eng.batch_row_into(i, &mut got).unwrap();
+        let want = eng
+            .eval(&mut alone[i], &pieces[i], Logits::Last, None)
+            .unwrap();
+        assert_eq!(bits(&got), bits(&want), "{mode} q8 {q8}: piece {i}");
+        next.push(argmax(&want) as u32);
+    }
+    for (a, b) in joint.iter().zip(&alone) {
+        assert_eq!(a.pos(), b.pos());
+    }
+    // The states continue alike.
+    for step in 0..3 {
+        for (i, &t) in next.clone().iter().enumerate() {
+            let x = eng.eval(&mut joint[i], &[t], Logits::Last, None).unwrap();
+            let y = eng.eval(&mut alone[i], &[t], Logits::Last, None).unwrap();
+            assert_eq!(bits(&x), bits(&y), "{mode} q8 {q8}: step {step} of {i}");
+            next[i] = argmax(&y) as u32;
+        }
+    }
+}
+
+#[test]
+fn joint_prefill_equals_prefilling_alone() {
+    let f32_model = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 11);
+    joint_equals_alone(&f32_model, NumericMode::Exact, false);
+    joint_equals_alone(&f32_model, NumericMode::Official, false);
+    let q2 = synthetic_model(&quant_hparams(), &TypeRecipe::Q2, 5);
+    joint_equals_alone(&q2, NumericMode::Official, true);
+}
+
+#[test]
+fn bad_joint_prefills_are_errors() {
+    let file = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 11);
+    let mut eng = engine(&file, NumericMode::Exact, false);
+    eng.set_short_prefill_rows(2);
+    let mut a = eng.new_state().unwrap();
+    let mut b = eng.new_state().unwrap();
+    eng.eval(&mut a, &[1, 2], Logits::Last, None).unwrap();
+    let (p3, p9): (Vec<u32>, Vec<u32>) = ((1..4).collect(), (1..10).collect());
+    // A piece below the minimum (the short-chunk rule's pieces run as decode rows).
+    let r = eng.eval_joint(&mut [&mut a, &mut b], &[&p9, &[5, 6]]);
+    assert!(matches!(r, Err(EngineError::Config(_))), "{r:?}");
+    // More tokens than the chunk holds (16).
+    let r = eng.eval_joint(&mut [&mut a, &mut b], &[&p9, &p9]);
+    assert!(matches!(r, Err(EngineError::Config(_))), "{r:?}");
+    // One piece per state; a token outside the vocabulary.
+    assert!(eng.eval_joint(&mut [&mut a, &mut b], &[&p9]).is_err());
+    assert!(eng.eval_joint(&mut [], &[]).is_err());
+    let r = eng.eval_joint(&mut [&mut a, &mut b], &[&p3, &[1, 2, 10_000]]);
+    assert!(
+        matches!(r, Err(EngineError::BadToken { index: 2, .. })),
+        "{r:?}"
+    );
+    // Nothing moved.
+    assert_eq!((a.pos(), b.pos()), (2, 0));
+    eng.eval_joint(&mut [&mut a, &mut b], &[&p3, &p9]).unwrap();
+    assert_eq!((a.pos(), b.pos()), (5, 9));
+}

@@ -1001,6 +1001,7 @@ fn router_topk_with_bias_and_hash_tables() {
         n_expert: e,
         k,
         scale,
+        row0: 0,
     };
     b.router(
         logits.all(),

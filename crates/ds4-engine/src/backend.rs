@@ -322,6 +322,19 @@ pub struct HcPost {
     pub comb: Slice,
 }
 
+impl HcPost {
+    /// The same post for rows `r0..r0 + n` of the step (`dim` wide outputs, `n_hc`
+    /// streams): each row's post reads only that row.
+    pub fn rows(self, r0: usize, n: usize, dim: usize, n_hc: usize) -> HcPost {
+        HcPost {
+            f: self.f.sub(r0 * dim, n * dim),
+            f2: self.f2.map(|f2| f2.sub(r0 * dim, n * dim)),
+            post: self.post.sub(r0 * n_hc, n * n_hc),
+            comb: self.comb.sub(r0 * n_hc * n_hc, n * n_hc * n_hc),
+        }
+    }
+}
+
 /// One [`Backend::norm_rope`] call, for [`Backend::norm_rope_pair`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NormRopeCall {
@@ -472,6 +485,11 @@ pub struct RouterArgs {
     pub k: usize,
     /// Routed scaling factor λ.
     pub scale: f32,
+    /// The call's first row within the step: token ids are read from `tokens[row0..]` and
+    /// expert ids written from `ids[row0 * k]` on (logits and weights are slices the caller
+    /// offsets). Each sequence of a joint prefill routes its own rows into the step's one
+    /// id buffer this way (docs/forward.md §14).
+    pub row0: usize,
 }
 
 /// How experts are chosen.
@@ -1156,6 +1174,23 @@ pub trait Backend: Send {
             });
         }
         Ok(())
+    }
+    /// The fewest rows a sequence must bring for [`Backend::moe`] over the rows of several
+    /// sequences (at one decode row, [`Backend::set_decode_rows`]) to give each of its rows
+    /// the bits a call of that sequence's rows alone gives; `None` where no count does.
+    /// `gate`, `up` and `down` are one layer's routed weights, `k` the experts per token.
+    /// A joint prefill ([`crate::Engine::eval_joint`]) runs the routed experts of several
+    /// prompts in one call only for sequences at least this long (docs/forward.md §14);
+    /// the default, `None`, keeps every prompt on its own.
+    fn moe_joint_min_rows(
+        &self,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        k: usize,
+    ) -> Option<usize> {
+        let _ = (gate, up, down, k);
+        None
     }
     /// How many rows of the next ops are decode rows: one token of each of `n` independent
     /// sequences (a batched decode step), 1 otherwise. It widens the int8-activation rule of

@@ -530,6 +530,102 @@ impl Engine {
         Ok(out)
     }
 
+    /// The fewest tokens a prompt piece must have to join a joint prefill
+    /// ([`Engine::eval_joint`]); `None`: this engine runs pieces one at a time (the backend
+    /// cannot keep a row's routed-expert bits in a joint call, or experts are streamed).
+    /// Above the short-chunk rule ([`Engine::set_short_prefill_rows`]), whose pieces run
+    /// as decode rows.
+    pub fn joint_min_rows(&self) -> Option<usize> {
+        if self.stream.is_some() {
+            return None;
+        }
+        let k = self.spec.hparams.n_expert_used;
+        let mut need = self.short_rows.saturating_add(1).max(2);
+        for lw in &self.weights.layers {
+            let n = self
+                .backend
+                .moe_joint_min_rows(lw.gate_exps, lw.up_exps, lw.down_exps, k)?;
+            need = need.max(n);
+        }
+        Some(need)
+    }
+
+    /// Evaluates several prompts' pieces in one forward pass (docs/forward.md §14):
+    /// `pieces[i]` appended to `states[i]`. Each piece's dense ops run on its rows alone
+    /// and the routed experts once over all rows, so every state ends as
+    /// [`Engine::eval`] of its piece alone would leave it, bit for bit; each state's last
+    /// logits row is then row `i` of the scratch ([`Engine::batch_row_into`]). Every
+    /// piece must have at least [`Engine::joint_min_rows`] tokens, and all of them at
+    /// most `config.prefill_chunk` together.
+    pub fn eval_joint(&mut self, states: &mut [&mut KvState], pieces: &[&[u32]]) -> Result<()> {
+        let n = states.len();
+        if n == 0 || pieces.len() != n {
+            return Err(EngineError::Config(format!(
+                "a joint prefill needs one piece per state ({} states, {} pieces)",
+                n,
+                pieces.len()
+            )));
+        }
+        let min = self.joint_min_rows().ok_or_else(|| {
+            EngineError::Config("this engine cannot run prompt pieces jointly".into())
+        })?;
+        let total: usize = pieces.iter().map(|p| p.len()).sum();
+        let cap = self.config.prefill_chunk;
+        if total > cap {
+            return Err(EngineError::Config(format!(
+                "a joint prefill of {total} tokens exceeds the chunk size {cap}"
+            )));
+        }
+        let n_vocab = self.spec.hparams.n_vocab;
+        for (st, piece) in states.iter().zip(pieces) {
+            self.check_state(st)?;
+            if piece.len() < min {
+                return Err(EngineError::Config(format!(
+                    "a piece of {} tokens joins no joint prefill (at least {min})",
+                    piece.len()
+                )));
+            }
+            if let Some((index, &token)) = piece
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| t as usize >= n_vocab)
+            {
+                return Err(EngineError::BadToken {
+                    token,
+                    index,
+                    n_vocab,
+                });
+            }
+            if piece.len() > st.ctx - st.pos() {
+                return Err(EngineError::ContextFull {
+                    pos: st.pos(),
+                    adding: piece.len(),
+                    ctx: st.ctx,
+                });
+            }
+        }
+        self.ensure_scratch(n)?;
+        let scratch = self.scratch.as_ref().expect("scratch allocated above");
+        let mut model = Model {
+            hp: &self.spec.hparams,
+            w: &self.weights,
+            mode: self.mode,
+            stream: self.stream.as_mut(),
+        };
+        let mut seqs: Vec<Seq> = states
+            .iter_mut()
+            .zip(pieces)
+            .map(|(st, tokens)| Seq { state: st, tokens })
+            .collect();
+        forward(
+            self.backend.as_mut(),
+            &mut model,
+            scratch,
+            &mut seqs,
+            Want::Last,
+        )
+    }
+
     /// Scratch for chunks of `config.prefill_chunk` tokens with at least `logit_rows`
     /// logits rows.
     fn ensure_scratch(&mut self, logit_rows: usize) -> Result<()> {

@@ -244,11 +244,17 @@ pub(crate) fn forward_chunk(
     )
 }
 
-/// Runs the tokens of several sequences in one pass (rows in sequence order): every op
-/// that only mixes a row with weights runs once over all rows (weights read once), and the
-/// ops that depend on a sequence's positions and cache (RoPE, compressors, indexer,
-/// attention, ring) run per sequence. With several sequences each must bring exactly one
-/// token (a batched decode step; `Want::Last` then yields one logits row per sequence).
+/// Runs the tokens of several sequences in one pass (rows in sequence order). Two shapes:
+/// - a batched decode step (every sequence brings one token): every op that only mixes a
+///   row with weights runs once over all rows (weights read once), and the ops that
+///   depend on a sequence's positions and cache (RoPE, compressors, indexer, attention,
+///   ring) run per sequence; `Want::Last` yields one logits row per sequence;
+/// - a joint prefill (several sequences, some with more tokens): each sequence's ops run
+///   as in a call of its own rows alone, except the routed experts, which run once over
+///   every row (docs/forward.md §14); `Want::Last` yields each sequence's last row, in
+///   sequence order. The caller checks that every sequence's rows are that alone
+///   ([`Backend::moe_joint_min_rows`]); no expert streaming, no `Want::All`.
+///
 /// The caller checks sizes, ids and contexts.
 pub(crate) fn forward(
     be: &mut dyn Backend,
@@ -258,11 +264,16 @@ pub(crate) fn forward(
     want: Want,
 ) -> Result<()> {
     let hp = m.hp;
-    let t: usize = seqs.iter().map(|q| q.tokens.len()).sum();
-    let batched = seqs.len() > 1;
-    debug_assert!(!batched || seqs.iter().all(|q| q.tokens.len() == 1));
+    let t_all: usize = seqs.iter().map(|q| q.tokens.len()).sum();
+    let batched_step = seqs.len() > 1 && seqs.iter().all(|q| q.tokens.len() == 1);
+    let joint = seqs.len() > 1 && !batched_step;
+    if joint && (m.stream.is_some() || want == Want::All) {
+        return Err(EngineError::Config(
+            "a joint prefill streams no experts and yields only each sequence's last logits".into(),
+        ));
+    }
     // (first row, rows, position of the first row) of every sequence.
-    let spans: Vec<(usize, usize, usize)> = seqs
+    let spans_all: Vec<(usize, usize, usize)> = seqs
         .iter()
         .scan(0, |r, q| {
             let span = (*r, q.tokens.len(), q.state.pos());
@@ -270,6 +281,27 @@ pub(crate) fn forward(
             Some(span)
         })
         .collect();
+    // The rows whose dense ops run as one call: each sequence of a joint prefill alone,
+    // else every row.
+    let groups: Vec<Group> = if joint {
+        spans_all
+            .iter()
+            .enumerate()
+            .map(|(i, &(r0, t, _))| Group {
+                s0: i,
+                ns: 1,
+                r0,
+                t,
+            })
+            .collect()
+    } else {
+        vec![Group {
+            s0: 0,
+            ns: seqs.len(),
+            r0: 0,
+            t: t_all,
+        }]
+    };
     let (dm, nh, hd) = (hp.n_embd, hp.n_head, hp.head_dim);
     let n_hc = hp.hc_mult;
     let xw = n_hc * dm;
@@ -283,8 +315,8 @@ pub(crate) fn forward(
     be.upload_i32(s.tokens, 0, &ids)?;
     // A batched step's rows are at their own sequences' positions: RoPE reads them from
     // the device (one launch for all rows); a single sequence's rows are consecutive.
-    let row_pos = if batched {
-        let pos: Vec<i32> = spans
+    let step_pos = if batched_step {
+        let pos: Vec<i32> = spans_all
             .iter()
             .map(|&(_, _, p)| {
                 i32::try_from(p).map_err(|_| {
@@ -297,381 +329,400 @@ pub(crate) fn forward(
     } else {
         None
     };
-    let pos_first = spans[0].2;
-
-    let x = s.x.rows(0, t, xw);
-    let hc = HcArgs {
-        n_tok: t,
+    let hc_all = HcArgs {
+        n_tok: t_all,
         n_hc,
         dim: dm,
         sinkhorn_iters: hp.hc_sinkhorn_iters,
         hc_eps: hp.hc_eps,
         rms_eps: eps,
     };
-    let y = s.y.rows(0, t, dm);
-    let a = s.a.rows(0, t, dm);
-    let mix = s.mix.rows(0, t, hp.hc_mix());
-    let post = s.post.rows(0, t, n_hc);
-    let comb = s.comb.rows(0, t, n_hc * n_hc);
-    let f = s.f.rows(0, t, dm);
 
     be.annotate("embed");
-    be.embed(m.w.tok_embd, s.tokens, t, n_hc, x)?;
+    be.embed(m.w.tok_embd, s.tokens, t_all, n_hc, s.x.rows(0, t_all, xw))?;
 
     // The HCPost of the sublayer just finished waits for the next sublayer's HCPre, which
     // applies it on the way (Backend::hc_post_mix_pre_norm); the last one is applied
-    // before the head.
-    let mut pending: Option<HcPost> = None;
+    // before the head. Kept over all rows; each group applies its own.
+    let mut pending_all: Option<HcPost> = None;
     let weights = m.w;
+    let k = hp.n_expert_used;
     for (il, lw) in weights.layers.iter().enumerate() {
         let freq = layer_rope(hp, il);
-        let rope =
-            |n_rows: usize, n_heads: usize, head_dim: usize, p0: usize, step: usize| RopeArgs {
-                n_rows,
-                n_heads,
-                head_dim,
-                pos0: p0,
-                pos_step: step,
-                freq,
-                inverse: false,
-                row_pos: None,
-            };
-        // Every row of the step at its own position (see `row_pos`).
-        let rope_step = |n_heads: usize, inverse: bool| RopeArgs {
-            inverse,
-            row_pos,
-            ..rope(t, n_heads, hd, pos_first, 1)
-        };
-
-        // ---- attention sublayer (docs/forward.md §5) ----
-        be.annotate(match hp.attn_kind(il) {
-            AttnKind::Sliding => "attn.sliding",
-            AttnKind::Csa => "attn.csa",
-            AttnKind::Hca(_) => "attn.hca",
-        });
-        let (hf, hb, hs) = (lw.hc_attn.fn_, lw.hc_attn.base, lw.hc_attn.scale);
-        hc_enter(
-            be,
-            pending.take(),
-            (hf, hb, hs),
-            x,
-            mix,
-            hc,
-            lw.attn_norm,
-            y,
-            post,
-            comb,
-            a,
-        )?;
-
-        // Every matmul of the sublayer's input `a` in one op (Backend::matmul_set: a device
-        // prepares `a` once for all of them): the low-rank query, the KV row, and the
-        // compressors' and the indexer's projections, which read only the rows, not
-        // positions or caches, so they run once over every row of the step (each weight
-        // read once for all sequences); the position-dependent ops come after them per
-        // sequence.
-        let cq_all = s.cq.rows(0, t, hp.q_lora_rank);
-        let kv_all = s.kv.rows(0, t, hd);
-        let ls0 = seqs[0].state.layers[il];
-        let (ih, id) = (hp.indexer_heads, hp.indexer_head_dim);
-        let iq_all = s.iq.rows(0, t, ih * id);
-        let iw_all = s.iw.rows(0, t, ih);
-        let mut singles = vec![(lw.q_a, cq_all), (lw.kv, kv_all)];
-        let mut pairs = Vec::with_capacity(2);
-        let comp_proj = match (ls0.comp, lw.comp.as_ref()) {
-            (Some(cs), Some(cw)) => {
-                let pw = cs.chunk_args(0, t).proj_width();
-                let (cu, cz) = (s.cu.rows(0, t, pw), s.cz.rows(0, t, pw));
-                pairs.push(MatmulPair {
-                    wa: cw.kv,
-                    wb: cw.gate,
-                    ya: cu,
-                    yb: cz,
-                });
-                Some((cu, cz))
-            }
-            _ => None,
-        };
-        // Indexer scores are only needed once some query sees more rows than it may pick.
-        let mut index_scores = false;
-        let index_proj = match (ls0.index, lw.indexer.as_ref()) {
-            (Some(is), Some(iw)) if comp_proj.is_some() => {
-                let pw = is.chunk_args(0, t).proj_width();
-                let (cu, cz) = (s.icu.rows(0, t, pw), s.icz.rows(0, t, pw));
-                pairs.push(MatmulPair {
-                    wa: iw.comp.kv,
-                    wb: iw.comp.gate,
-                    ya: cu,
-                    yb: cz,
-                });
-                index_scores = spans
-                    .iter()
-                    .any(|&(_, n, p0)| (p0 + n) / is.ratio > hp.indexer_top_k);
-                if index_scores {
-                    singles.push((iw.proj, iw_all));
-                }
-                Some((cu, cz))
-            }
-            _ => None,
-        };
-        be.matmul_set(a, t, &singles, &pairs)?;
-        // The query's norm (into cqn) and q_b in one op (Backend::rms_norm_matmul); the
-        // indexer's up-projection reads cqn below.
-        let cqn = s.cqn.rows(0, t, hp.q_lora_rank);
-        let q_all = s.q.rows(0, t, nh * hd);
-        be.rms_norm_matmul(cq_all, lw.q_a_norm, eps, cqn, lw.q_b, t, q_all)?;
-        let o_all = s.o.rows(0, t, nh * hd);
-        let q_call = NormRopeCall {
-            x: q_all,
-            w: None,
-            eps,
-            rope: rope_step(nh, false),
-            fp8_dims: None,
-        };
-        let kv_call = NormRopeCall {
-            x: kv_all,
-            w: Some(lw.kv_norm),
-            eps,
-            rope: rope_step(1, false),
-            fp8_dims: official.then_some(nope),
-        };
-        // A one-token step stores its KV row in the ring right away (its attention never
-        // reads that slot); longer chunks store after their attention, which still reads
-        // the slots their rows would overwrite.
-        let store_early = !batched && t == 1;
-        if store_early {
-            let store = RingStoreCall {
-                ring: seqs[0].state.layers[il].ring.all(),
-                kv: kv_all,
-                pos0: spans[0].2,
-                n_tok: 1,
-                window: hp.sliding_window,
-            };
-            be.norm_rope_pair_store(q_call, kv_call, store)?;
-        } else {
-            be.norm_rope_pair(q_call, kv_call)?;
-        }
-        if let (true, Some(iw)) = (index_scores, lw.indexer.as_ref()) {
-            be.matmul(iw.q_b, 0, cqn, t, iq_all)?;
-            // Every row at its own position (rows of sequences that need no scores are
-            // rotated too and never read).
-            let iq_rope = RopeArgs {
+        for g in &groups {
+            let (r0, t) = (g.r0, g.t);
+            let seqs = &mut seqs[g.s0..g.s0 + g.ns];
+            let spans: Vec<(usize, usize, usize)> = spans_all[g.s0..g.s0 + g.ns]
+                .iter()
+                .map(|&(r, n, p)| (r - r0, n, p))
+                .collect();
+            let batched = g.ns > 1;
+            let row_pos = if batched { step_pos } else { None };
+            let pos_first = spans[0].2;
+            let x = s.x.rows(r0, t, xw);
+            let hc = HcArgs { n_tok: t, ..hc_all };
+            let y = s.y.rows(r0, t, dm);
+            let a = s.a.rows(r0, t, dm);
+            let mix = s.mix.rows(r0, t, hp.hc_mix());
+            let post = s.post.rows(r0, t, n_hc);
+            let comb = s.comb.rows(r0, t, n_hc * n_hc);
+            let f = s.f.rows(r0, t, dm);
+            let mut pending = pending_all;
+            let rope =
+                |n_rows: usize, n_heads: usize, head_dim: usize, p0: usize, step: usize| RopeArgs {
+                    n_rows,
+                    n_heads,
+                    head_dim,
+                    pos0: p0,
+                    pos_step: step,
+                    freq,
+                    inverse: false,
+                    row_pos: None,
+                };
+            // Every row of the step at its own position (see `step_pos`).
+            let rope_step = |n_heads: usize, inverse: bool| RopeArgs {
+                inverse,
                 row_pos,
-                ..rope(t, ih, id, pos_first, 1)
+                ..rope(t, n_heads, hd, pos_first, 1)
             };
-            if official {
-                be.rope_qat_hadamard_fp4(iq_all, iq_rope, t * ih, id)?;
-            } else {
-                be.rope(iq_all, iq_rope)?;
-            }
-        }
+            // ---- attention sublayer (docs/forward.md §5) ----
+            be.annotate(match hp.attn_kind(il) {
+                AttnKind::Sliding => "attn.sliding",
+                AttnKind::Csa => "attn.csa",
+                AttnKind::Hca(_) => "attn.hca",
+            });
+            let (hf, hb, hs) = (lw.hc_attn.fn_, lw.hc_attn.base, lw.hc_attn.scale);
+            hc_enter(
+                be,
+                pending.take().map(|p| p.rows(r0, t, dm, n_hc)),
+                (hf, hb, hs),
+                x,
+                mix,
+                hc,
+                lw.attn_norm,
+                y,
+                post,
+                comb,
+                a,
+            )?;
 
-        // The ops that read a sequence's caches, in phases; in a batched step each phase is
-        // one batch op over a group of sequences (one launch each on a device, each
-        // sequence with its own indexer selection buffer): compressor state updates, then
-        // the rows they emitted finished, the indexer's the same, its top-k, attention and
-        // the ring stores.
-        let group_len = if batched { s.sels.len().max(1) } else { 1 };
-        let sel_of = |i: usize| if batched { s.sels[i] } else { s.sel };
-        let seq_rows = |x: Slice, width: usize, (r0, t, _): (usize, usize, usize)| {
-            x.sub(r0 * width, t * width)
-        };
-        let no_state =
-            || EngineError::Config(format!("layer {il}: a sequence has no compressor state"));
-        for (g, group) in spans.chunks(group_len).enumerate() {
-            let gseqs = &seqs[g * group_len..g * group_len + group.len()];
-            let mut comp = vec![CompSel::None; group.len()];
-            // One sequence with both compressors (a CSA layer): their updates are independent,
-            // so they go first as one op (Backend::compressor_pair), then each one's rows are
-            // finished.
-            let ls = gseqs[0].state.layers[il];
-            let paired = match (comp_proj, lw.comp.as_ref(), ls.comp) {
-                (Some(cp), Some(cw), Some(cs)) if !batched => {
-                    match (index_proj, lw.indexer.as_ref(), ls.index) {
-                        (Some(ip), Some(iw), Some(is)) => {
-                            let a = compressor_call(&cs, group[0], cp, cw.ape);
-                            let b = compressor_call(&is, group[0], ip, iw.comp.ape);
-                            be.compressor_pair(a, b)?;
-                            true
-                        }
-                        _ => false,
-                    }
+            // Every matmul of the sublayer's input `a` in one op (Backend::matmul_set: a device
+            // prepares `a` once for all of them): the low-rank query, the KV row, and the
+            // compressors' and the indexer's projections, which read only the rows, not
+            // positions or caches, so they run once over every row of the step (each weight
+            // read once for all sequences); the position-dependent ops come after them per
+            // sequence.
+            let cq_all = s.cq.rows(r0, t, hp.q_lora_rank);
+            let kv_all = s.kv.rows(r0, t, hd);
+            let ls0 = seqs[0].state.layers[il];
+            let (ih, id) = (hp.indexer_heads, hp.indexer_head_dim);
+            let iq_all = s.iq.rows(r0, t, ih * id);
+            let iw_all = s.iw.rows(r0, t, ih);
+            let mut singles = vec![(lw.q_a, cq_all), (lw.kv, kv_all)];
+            let mut pairs = Vec::with_capacity(2);
+            let comp_proj = match (ls0.comp, lw.comp.as_ref()) {
+                (Some(cs), Some(cw)) => {
+                    let pw = cs.chunk_args(0, t).proj_width();
+                    let (cu, cz) = (s.cu.rows(r0, t, pw), s.cz.rows(r0, t, pw));
+                    pairs.push(MatmulPair {
+                        wa: cw.kv,
+                        wb: cw.gate,
+                        ya: cu,
+                        yb: cz,
+                    });
+                    Some((cu, cz))
                 }
-                _ => false,
+                _ => None,
             };
-            if let (Some((cu, cz)), Some(cw)) = (comp_proj, lw.comp.as_ref()) {
-                let states = gseqs
-                    .iter()
-                    .map(|q| q.state.layers[il].comp.ok_or_else(no_state))
-                    .collect::<Result<Vec<_>>>()?;
-                if !paired {
-                    compressors(be, &states, group, (cu, cz), cw.ape, batched)?;
+            // Indexer scores are only needed once some query sees more rows than it may pick.
+            let mut index_scores = false;
+            let index_proj = match (ls0.index, lw.indexer.as_ref()) {
+                (Some(is), Some(iw)) if comp_proj.is_some() => {
+                    let pw = is.chunk_args(0, t).proj_width();
+                    let (cu, cz) = (s.icu.rows(r0, t, pw), s.icz.rows(r0, t, pw));
+                    pairs.push(MatmulPair {
+                        wa: iw.comp.kv,
+                        wb: iw.comp.gate,
+                        ya: cu,
+                        yb: cz,
+                    });
+                    index_scores = spans
+                        .iter()
+                        .any(|&(_, n, p0)| (p0 + n) / is.ratio > hp.indexer_top_k);
+                    if index_scores {
+                        singles.push((iw.proj, iw_all));
+                    }
+                    Some((cu, cz))
                 }
-                for (i, (cs, &(_, t, pos0))) in states.iter().zip(group).enumerate() {
-                    finish_rows(be, *cs, cw, pos0, t, eps, |be, rows, n, w0| {
-                        be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
-                        if official {
-                            be.qat_fp8(rows, n, hd, nope)?;
-                        }
-                        Ok(())
-                    })?;
-                    comp[i] = CompSel::All {
-                        rows: cs.rows.all(),
-                        ratio: cs.ratio,
-                    };
+                _ => None,
+            };
+            be.matmul_set(a, t, &singles, &pairs)?;
+            // The query's norm (into cqn) and q_b in one op (Backend::rms_norm_matmul); the
+            // indexer's up-projection reads cqn below.
+            let cqn = s.cqn.rows(r0, t, hp.q_lora_rank);
+            let q_all = s.q.rows(r0, t, nh * hd);
+            be.rms_norm_matmul(cq_all, lw.q_a_norm, eps, cqn, lw.q_b, t, q_all)?;
+            let o_all = s.o.rows(r0, t, nh * hd);
+            let q_call = NormRopeCall {
+                x: q_all,
+                w: None,
+                eps,
+                rope: rope_step(nh, false),
+                fp8_dims: None,
+            };
+            let kv_call = NormRopeCall {
+                x: kv_all,
+                w: Some(lw.kv_norm),
+                eps,
+                rope: rope_step(1, false),
+                fp8_dims: official.then_some(nope),
+            };
+            // A one-token step stores its KV row in the ring right away (its attention never
+            // reads that slot); longer chunks store after their attention, which still reads
+            // the slots their rows would overwrite.
+            let store_early = !batched && t == 1;
+            if store_early {
+                let store = RingStoreCall {
+                    ring: seqs[0].state.layers[il].ring.all(),
+                    kv: kv_all,
+                    pos0: spans[0].2,
+                    n_tok: 1,
+                    window: hp.sliding_window,
+                };
+                be.norm_rope_pair_store(q_call, kv_call, store)?;
+            } else {
+                be.norm_rope_pair(q_call, kv_call)?;
+            }
+            if let (true, Some(iw)) = (index_scores, lw.indexer.as_ref()) {
+                be.matmul(iw.q_b, 0, cqn, t, iq_all)?;
+                // Every row at its own position (rows of sequences that need no scores are
+                // rotated too and never read).
+                let iq_rope = RopeArgs {
+                    row_pos,
+                    ..rope(t, ih, id, pos_first, 1)
+                };
+                if official {
+                    be.rope_qat_hadamard_fp4(iq_all, iq_rope, t * ih, id)?;
+                } else {
+                    be.rope(iq_all, iq_rope)?;
                 }
             }
-            if let (Some((icu, icz)), Some(iw)) = (index_proj, lw.indexer.as_ref()) {
-                let states = gseqs
-                    .iter()
-                    .map(|q| q.state.layers[il].index.ok_or_else(no_state))
-                    .collect::<Result<Vec<_>>>()?;
-                if !paired {
-                    compressors(be, &states, group, (icu, icz), iw.comp.ape, batched)?;
-                }
-                let mut calls = Vec::with_capacity(group.len());
-                for (i, (is, &sp)) in states.iter().zip(group).enumerate() {
-                    let (_, t, pos0) = sp;
-                    finish_rows(be, *is, &iw.comp, pos0, t, eps, |be, rows, n, w0| {
-                        be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
-                        if official {
-                            be.qat_hadamard_fp4(rows, n, id)?;
+
+            // The ops that read a sequence's caches, in phases; in a batched step each phase is
+            // one batch op over a group of sequences (one launch each on a device, each
+            // sequence with its own indexer selection buffer): compressor state updates, then
+            // the rows they emitted finished, the indexer's the same, its top-k, attention and
+            // the ring stores.
+            let group_len = if batched { s.sels.len().max(1) } else { 1 };
+            let sel_of = |i: usize| if batched { s.sels[i] } else { s.sel };
+            let seq_rows = |x: Slice, width: usize, (r0, t, _): (usize, usize, usize)| {
+                x.sub(r0 * width, t * width)
+            };
+            let no_state =
+                || EngineError::Config(format!("layer {il}: a sequence has no compressor state"));
+            for (g, group) in spans.chunks(group_len).enumerate() {
+                let gseqs = &seqs[g * group_len..g * group_len + group.len()];
+                let mut comp = vec![CompSel::None; group.len()];
+                // One sequence with both compressors (a CSA layer): their updates are independent,
+                // so they go first as one op (Backend::compressor_pair), then each one's rows are
+                // finished.
+                let ls = gseqs[0].state.layers[il];
+                let paired = match (comp_proj, lw.comp.as_ref(), ls.comp) {
+                    (Some(cp), Some(cw), Some(cs)) if !batched => {
+                        match (index_proj, lw.indexer.as_ref(), ls.index) {
+                            (Some(ip), Some(iw), Some(is)) => {
+                                let a = compressor_call(&cs, group[0], cp, cw.ape);
+                                let b = compressor_call(&is, group[0], ip, iw.comp.ape);
+                                be.compressor_pair(a, b)?;
+                                true
+                            }
+                            _ => false,
                         }
-                        Ok(())
-                    })?;
-                    let (iq, iwt) = (seq_rows(iq_all, ih * id, sp), seq_rows(iw_all, ih, sp));
-                    let sel = sel_of(g * group_len + i);
-                    calls.push(IndexerCall {
-                        q: iq,
-                        w: iwt,
-                        rows: is.rows.all(),
-                        args: IndexerArgs {
-                            pos0,
-                            n_tok: t,
-                            ratio: is.ratio,
-                            n_heads: ih,
-                            head_dim: id,
-                            top_k: hp.indexer_top_k,
-                            weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
-                        },
-                        out: sel,
-                    });
-                    if let CompSel::All { rows, ratio } = comp[i] {
-                        comp[i] = CompSel::Top {
-                            rows,
-                            ratio,
-                            idx: sel,
-                            k: hp.indexer_top_k,
+                    }
+                    _ => false,
+                };
+                if let (Some((cu, cz)), Some(cw)) = (comp_proj, lw.comp.as_ref()) {
+                    let states = gseqs
+                        .iter()
+                        .map(|q| q.state.layers[il].comp.ok_or_else(no_state))
+                        .collect::<Result<Vec<_>>>()?;
+                    if !paired {
+                        compressors(be, &states, group, (cu, cz), cw.ape, batched)?;
+                    }
+                    for (i, (cs, &(_, t, pos0))) in states.iter().zip(group).enumerate() {
+                        finish_rows(be, *cs, cw, pos0, t, eps, |be, rows, n, w0| {
+                            be.rope(rows, rope(n, 1, hd, w0 * cs.ratio, cs.ratio))?;
+                            if official {
+                                be.qat_fp8(rows, n, hd, nope)?;
+                            }
+                            Ok(())
+                        })?;
+                        comp[i] = CompSel::All {
+                            rows: cs.rows.all(),
+                            ratio: cs.ratio,
                         };
                     }
                 }
+                if let (Some((icu, icz)), Some(iw)) = (index_proj, lw.indexer.as_ref()) {
+                    let states = gseqs
+                        .iter()
+                        .map(|q| q.state.layers[il].index.ok_or_else(no_state))
+                        .collect::<Result<Vec<_>>>()?;
+                    if !paired {
+                        compressors(be, &states, group, (icu, icz), iw.comp.ape, batched)?;
+                    }
+                    let mut calls = Vec::with_capacity(group.len());
+                    for (i, (is, &sp)) in states.iter().zip(group).enumerate() {
+                        let (_, t, pos0) = sp;
+                        finish_rows(be, *is, &iw.comp, pos0, t, eps, |be, rows, n, w0| {
+                            be.rope(rows, rope(n, 1, id, w0 * is.ratio, is.ratio))?;
+                            if official {
+                                be.qat_hadamard_fp4(rows, n, id)?;
+                            }
+                            Ok(())
+                        })?;
+                        let (iq, iwt) = (seq_rows(iq_all, ih * id, sp), seq_rows(iw_all, ih, sp));
+                        let sel = sel_of(g * group_len + i);
+                        calls.push(IndexerCall {
+                            q: iq,
+                            w: iwt,
+                            rows: is.rows.all(),
+                            args: IndexerArgs {
+                                pos0,
+                                n_tok: t,
+                                ratio: is.ratio,
+                                n_heads: ih,
+                                head_dim: id,
+                                top_k: hp.indexer_top_k,
+                                weight_scale: (1.0 / ((id * ih) as f64).sqrt()) as f32,
+                            },
+                            out: sel,
+                        });
+                        if let CompSel::All { rows, ratio } = comp[i] {
+                            comp[i] = CompSel::Top {
+                                rows,
+                                ratio,
+                                idx: sel,
+                                k: hp.indexer_top_k,
+                            };
+                        }
+                    }
+                    if batched {
+                        be.indexer_topk_batch(&calls)?;
+                    } else {
+                        for c in &calls {
+                            be.indexer_topk(c.q, c.w, c.rows, c.args, c.out)?;
+                        }
+                    }
+                }
+                let attn: Vec<AttnArgs> = gseqs
+                    .iter()
+                    .zip(group)
+                    .zip(&comp)
+                    .map(|((seq, &sp), &comp)| AttnArgs {
+                        q: seq_rows(q_all, nh * hd, sp),
+                        kv: seq_rows(kv_all, hd, sp),
+                        ring: seq.state.layers[il].ring.all(),
+                        comp,
+                        sinks: lw.sinks,
+                        pos0: sp.2,
+                        n_tok: sp.1,
+                        n_head: nh,
+                        head_dim: hd,
+                        window: hp.sliding_window,
+                        scale: (1.0 / (hd as f64).sqrt()) as f32,
+                        out: seq_rows(o_all, nh * hd, sp),
+                    })
+                    .collect();
+                let stores: Vec<RingStoreCall> = attn
+                    .iter()
+                    .map(|a| RingStoreCall {
+                        ring: a.ring,
+                        kv: a.kv,
+                        pos0: a.pos0,
+                        n_tok: a.n_tok,
+                        window: a.window,
+                    })
+                    .collect();
                 if batched {
-                    be.indexer_topk_batch(&calls)?;
+                    be.attention_batch(&attn)?;
+                    be.ring_store_batch(&stores)?;
                 } else {
-                    for c in &calls {
-                        be.indexer_topk(c.q, c.w, c.rows, c.args, c.out)?;
+                    for (a, r) in attn.iter().zip(&stores) {
+                        be.attention(*a)?;
+                        if !store_early {
+                            be.ring_store(r.ring, r.kv, r.pos0, r.n_tok, r.window)?;
+                        }
                     }
                 }
             }
-            let attn: Vec<AttnArgs> = gseqs
-                .iter()
-                .zip(group)
-                .zip(&comp)
-                .map(|((seq, &sp), &comp)| AttnArgs {
-                    q: seq_rows(q_all, nh * hd, sp),
-                    kv: seq_rows(kv_all, hd, sp),
-                    ring: seq.state.layers[il].ring.all(),
-                    comp,
-                    sinks: lw.sinks,
-                    pos0: sp.2,
-                    n_tok: sp.1,
-                    n_head: nh,
-                    head_dim: hd,
-                    window: hp.sliding_window,
-                    scale: (1.0 / (hd as f64).sqrt()) as f32,
-                    out: seq_rows(o_all, nh * hd, sp),
-                })
-                .collect();
-            let stores: Vec<RingStoreCall> = attn
-                .iter()
-                .map(|a| RingStoreCall {
-                    ring: a.ring,
-                    kv: a.kv,
-                    pos0: a.pos0,
-                    n_tok: a.n_tok,
-                    window: a.window,
-                })
-                .collect();
-            if batched {
-                be.attention_batch(&attn)?;
-                be.ring_store_batch(&stores)?;
-            } else {
-                for (a, r) in attn.iter().zip(&stores) {
-                    be.attention(*a)?;
-                    if !store_early {
-                        be.ring_store(r.ring, r.kv, r.pos0, r.n_tok, r.window)?;
-                    }
-                }
-            }
-        }
-        let low = s.low.rows(0, t, hp.o_groups * hp.o_lora_rank);
-        be.rope_matmul_grouped(o_all, rope_step(nh, true), lw.out_a, hp.o_groups, t, low)?;
-        be.matmul(lw.out_b, 0, low, t, f)?;
-        pending = Some(HcPost {
-            f,
-            f2: None,
-            post,
-            comb,
-        });
+            let low = s.low.rows(r0, t, hp.o_groups * hp.o_lora_rank);
+            be.rope_matmul_grouped(o_all, rope_step(nh, true), lw.out_a, hp.o_groups, t, low)?;
+            be.matmul(lw.out_b, 0, low, t, f)?;
+            pending = Some(HcPost {
+                f,
+                f2: None,
+                post,
+                comb,
+            });
 
-        // ---- MoE sublayer (docs/forward.md §6) ----
-        be.annotate(if lw.tid2eid.is_some() {
-            "moe.hash"
-        } else {
-            "moe.topk"
-        });
-        let (hf, hb, hs) = (lw.hc_ffn.fn_, lw.hc_ffn.base, lw.hc_ffn.scale);
-        hc_enter(
-            be,
-            pending.take(),
-            (hf, hb, hs),
-            x,
-            mix,
-            hc,
-            lw.ffn_norm,
-            y,
-            post,
-            comb,
-            a,
-        )?;
-        let k = hp.n_expert_used;
-        let rl = s.rl.rows(0, t, hp.n_expert);
-        let routing = match lw.tid2eid {
-            Some(table) => Routing::Hash {
-                table,
-                tokens: s.tokens,
-            },
-            None => Routing::TopK {
-                bias: lw.router_bias,
-            },
-        };
-        let ew = s.ew.rows(0, t, k);
-        be.router_matmul(
-            lw.router,
-            a,
-            rl,
-            routing,
-            RouterArgs {
-                n_tok: t,
-                n_expert: hp.n_expert,
-                k,
-                scale: hp.expert_weights_scale,
-            },
-            s.eids,
-            ew,
-        )?;
+            // ---- MoE sublayer (docs/forward.md §6): HCPre and the router per group ----
+            be.annotate(if lw.tid2eid.is_some() {
+                "moe.hash"
+            } else {
+                "moe.topk"
+            });
+            let (hf, hb, hs) = (lw.hc_ffn.fn_, lw.hc_ffn.base, lw.hc_ffn.scale);
+            hc_enter(
+                be,
+                pending.take(),
+                (hf, hb, hs),
+                x,
+                mix,
+                hc,
+                lw.ffn_norm,
+                y,
+                post,
+                comb,
+                a,
+            )?;
+            let rl = s.rl.rows(r0, t, hp.n_expert);
+            let routing = match lw.tid2eid {
+                Some(table) => Routing::Hash {
+                    table,
+                    tokens: s.tokens,
+                },
+                None => Routing::TopK {
+                    bias: lw.router_bias,
+                },
+            };
+            be.router_matmul(
+                lw.router,
+                a,
+                rl,
+                routing,
+                RouterArgs {
+                    n_tok: t,
+                    n_expert: hp.n_expert,
+                    k,
+                    scale: hp.expert_weights_scale,
+                    row0: r0,
+                },
+                s.eids,
+                s.ew.rows(r0, t, k),
+            )?;
+        }
+
+        // The routed experts: one call over every row (docs/forward.md §14).
+        let a = s.a.rows(0, t_all, dm);
+        let f = s.f.rows(0, t_all, dm);
+        let ew = s.ew.rows(0, t_all, k);
         let clamp = hp.swiglu_clamp[il];
-        let margs = MoeArgs { n_tok: t, k, clamp };
+        let margs = MoeArgs {
+            n_tok: t_all,
+            k,
+            clamp,
+        };
         match m.stream.as_deref_mut() {
             None => be.moe(
                 a,
@@ -688,71 +739,103 @@ pub(crate) fn forward(
                 // treats a call of at most the decode rows as decode
                 // (Backend::set_activation_q8); a batched decode step's rows are all
                 // decode rows, so any run of them is computed as in the whole step.
-                let min_run = if batched { 1 } else { 2 };
+                let min_run = if batched_step { 1 } else { 2 };
                 if let Some(next) = m.w.layers.get(il + 1) {
                     let rargs = RouterArgs {
-                        n_tok: t,
+                        n_tok: t_all,
                         n_expert: hp.n_expert,
                         k,
                         scale: hp.expert_weights_scale,
+                        row0: 0,
                     };
                     stream.predict(be, il + 1, next, a, s.tokens, rargs)?;
                 }
                 stream.moe(be, il, a, s.eids, ew, margs, f, min_run)?
             }
         }
+        // The shared expert per group (a dense op).
         let ff = hp.expert_ff;
-        let (sg, su, sh) = (
-            s.sg.rows(0, t, ff),
-            s.su.rows(0, t, ff),
-            s.sh.rows(0, t, ff),
-        );
-        be.matmul_pair(lw.gate_sh, lw.up_sh, a, t, sg, su)?;
-        let sf = s.sf.rows(0, t, dm);
-        be.swiglu_matmul(sg, su, clamp, sh, lw.down_sh, t, sf)?;
-        pending = Some(HcPost {
+        for g in &groups {
+            let (r0, t) = (g.r0, g.t);
+            let a = s.a.rows(r0, t, dm);
+            let (sg, su, sh) = (
+                s.sg.rows(r0, t, ff),
+                s.su.rows(r0, t, ff),
+                s.sh.rows(r0, t, ff),
+            );
+            be.matmul_pair(lw.gate_sh, lw.up_sh, a, t, sg, su)?;
+            let sf = s.sf.rows(r0, t, dm);
+            be.swiglu_matmul(sg, su, clamp, sh, lw.down_sh, t, sf)?;
+        }
+        pending_all = Some(HcPost {
             f,
-            f2: Some(sf),
-            post,
-            comb,
+            f2: Some(s.sf.rows(0, t_all, dm)),
+            post: s.post.rows(0, t_all, n_hc),
+            comb: s.comb.rows(0, t_all, n_hc * n_hc),
         });
     }
-    match pending {
-        Some(HcPost {
-            f,
-            f2: Some(f2),
-            post,
-            comb,
-        }) => be.hc_post_add(x, f, f2, post, comb, hc)?,
-        Some(HcPost {
-            f,
-            f2: None,
-            post,
-            comb,
-        }) => be.hc_post(x, f, post, comb, hc)?,
-        None => {}
+    for g in &groups {
+        let hc = HcArgs {
+            n_tok: g.t,
+            ..hc_all
+        };
+        let x = s.x.rows(g.r0, g.t, xw);
+        match pending_all.map(|p| p.rows(g.r0, g.t, dm, n_hc)) {
+            Some(HcPost {
+                f,
+                f2: Some(f2),
+                post,
+                comb,
+            }) => be.hc_post_add(x, f, f2, post, comb, hc)?,
+            Some(HcPost {
+                f,
+                f2: None,
+                post,
+                comb,
+            }) => be.hc_post(x, f, post, comb, hc)?,
+            None => {}
+        }
     }
     for q in seqs.iter_mut() {
         q.state.tokens.extend_from_slice(q.tokens);
     }
 
-    // ---- head (docs/forward.md §4.3, §7) ----
-    let (t0, nt) = match want {
-        Want::None => return Ok(()),
-        Want::Last if batched => (0, t),
-        Want::Last => (t - 1, 1),
-        Want::All => (0, t),
-    };
+    // ---- head (docs/forward.md §4.3, §7): per group, logits rows in sequence order ----
+    if want == Want::None {
+        return Ok(());
+    }
     be.annotate("head");
-    let xs = s.x.rows(t0, nt, xw);
-    let hmix = s.hmix.rows(0, nt, n_hc);
-    let hy = s.y.rows(0, nt, dm);
-    let hc1 = HcArgs { n_tok: nt, ..hc };
-    be.matmul(m.w.head_hc.fn_, 0, xs, nt, hmix)?;
-    be.hc_head(hmix, xs, m.w.head_hc.base, m.w.head_hc.scale, hc1, hy)?;
-    be.rms_norm(hy, Some(m.w.output_norm), nt, dm, eps, hy)?;
-    be.matmul(m.w.output, 0, hy, nt, s.logits.rows(0, nt, hp.n_vocab))?;
+    for g in &groups {
+        let (t0, nt) = match want {
+            Want::Last if g.ns > 1 => (0, g.t),
+            Want::Last => (g.t - 1, 1),
+            _ => (0, g.t),
+        };
+        let xs = s.x.rows(g.r0 + t0, nt, xw);
+        let hmix = s.hmix.rows(0, nt, n_hc);
+        let hy = s.y.rows(0, nt, dm);
+        let hc1 = HcArgs {
+            n_tok: nt,
+            ..hc_all
+        };
+        be.matmul(m.w.head_hc.fn_, 0, xs, nt, hmix)?;
+        be.hc_head(hmix, xs, m.w.head_hc.base, m.w.head_hc.scale, hc1, hy)?;
+        be.rms_norm(hy, Some(m.w.output_norm), nt, dm, eps, hy)?;
+        be.matmul(m.w.output, 0, hy, nt, s.logits.rows(g.s0, nt, hp.n_vocab))?;
+    }
     Ok(())
+}
+
+/// Rows of a forward call whose dense ops run as one call: a sequence of a joint prefill,
+/// or every sequence of a batched decode step (or the one sequence of a chunk).
+#[derive(Debug, Clone, Copy)]
+struct Group {
+    /// First sequence and number of sequences.
+    s0: usize,
+    ns: usize,
+    /// First row and number of rows.
+    r0: usize,
+    t: usize,
 }
 
 /// A sublayer's HCPre (mixing matmul, HCPre, input RMSNorm), with the previous sublayer's

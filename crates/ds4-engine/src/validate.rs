@@ -642,7 +642,11 @@ pub fn router(
     }
     need(logits, t * e, OP, "logits")?;
     need(weights, t * k, OP, "weights")?;
-    need_i(ids, t * k, OP, "ids length")?;
+    let rows = a.row0.checked_add(t);
+    let (rows, id_len) = rows
+        .zip(rows.and_then(|r| r.checked_mul(k)))
+        .ok_or_else(|| invalid(OP, format!("first row {} overflows", a.row0)))?;
+    need_i(ids, id_len, OP, "ids length")?;
     match *routing {
         Routing::TopK { bias } => {
             if let Some(b) = bias {
@@ -657,7 +661,7 @@ pub fn router(
                 });
             }
             shape(OP, "hash table width", k, table.info.cols())?;
-            need_i(tokens, t, OP, "token count")?;
+            need_i(tokens, rows, OP, "token count")?;
             if tokens.id() == ids.id() {
                 return Err(BackendError::Aliasing {
                     op: OP,
@@ -901,8 +905,33 @@ mod tests {
             n_expert: 8,
             k: 2,
             scale: 1.0,
+            row0: 0,
         };
         let (logits, wts, ids) = (Buf::new(0, 16), Buf::new(1, 4), IBuf::new(1, 4));
+        // Rows from a first row on need the ids (and token ids) up to that row's end.
+        let late = RouterArgs { row0: 1, ..a };
+        let topk = Routing::TopK { bias: None };
+        let e = router(logits.all(), &topk, &late, ids, wts.all()).unwrap_err();
+        assert_eq!(e.to_string(), "router: ids length is 4, expected 6");
+        router(logits.all(), &topk, &late, IBuf::new(1, 6), wts.all()).unwrap();
+        let e = router(
+            logits.all(),
+            &Routing::Hash {
+                table: w(0, GgmlType::I32, [2, 10, 1]),
+                tokens: toks,
+            },
+            &late,
+            IBuf::new(1, 6),
+            wts.all(),
+        )
+        .unwrap_err();
+        assert_eq!(e.to_string(), "router: token count is 2, expected 3");
+        let huge = RouterArgs {
+            row0: usize::MAX,
+            ..a
+        };
+        let e = router(logits.all(), &topk, &huge, ids, wts.all()).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
         let hash = |table| Routing::Hash {
             table,
             tokens: toks,

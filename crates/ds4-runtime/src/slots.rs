@@ -253,6 +253,47 @@ impl Slots {
         Ok(r?)
     }
 
+    /// The fewest tokens a piece must have to join [`Slots::prefill_joint`]; `None`: the
+    /// engine runs pieces one at a time ([`Engine::joint_min_rows`]).
+    pub fn joint_min_rows(&self) -> Option<usize> {
+        self.engine.joint_min_rows()
+    }
+
+    /// Evaluates several slots' prompt pieces in one forward pass ([`Engine::eval_joint`]:
+    /// each piece's dense ops alone, the routed experts once for all), so each slot ends
+    /// as [`Slots::prefill`] of its piece alone leaves it, logits row included. One piece
+    /// is a plain prefill. On an engine error the named slots' states are unchanged or
+    /// partial and their logits are forgotten.
+    pub fn prefill_joint(&mut self, pieces: &[(usize, &[u32])]) -> Result<(), DriverError> {
+        if let [(i, tokens)] = pieces {
+            return self.prefill(*i, tokens);
+        }
+        for &(i, _) in pieces {
+            if i < self.slots.len() {
+                self.forget(i);
+            }
+        }
+        self.settle()?;
+        let ids: Vec<usize> = pieces.iter().map(|&(i, _)| i).collect();
+        let named = named(&mut self.slots, &ids, "a joint prefill")?;
+        let mut states: Vec<&mut KvState> = named.into_iter().map(|s| &mut s.state).collect();
+        let tokens: Vec<&[u32]> = pieces.iter().map(|&(_, t)| t).collect();
+        self.engine.eval_joint(&mut states, &tokens)?;
+        drop(states);
+        for (j, &i) in ids.iter().enumerate() {
+            let s = &mut self.slots[i];
+            let mut buf = s.take_buf();
+            match self.engine.batch_row_into(j, &mut buf) {
+                Ok(()) => s.after = After::Row(buf),
+                Err(e) => {
+                    s.spare = buf;
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn snapshot(&mut self, i: usize) -> Result<Snapshot, DriverError> {
         self.snapshot_into(i, Vec::new())
     }
@@ -345,37 +386,13 @@ impl Slots {
         for group in feeds.chunks(self.batch_max()) {
             // A previous group's banded rows are overwritten by this group's step.
             self.settle()?;
-            let mut order: Vec<usize> = group.iter().map(|&(i, _)| i).collect();
-            order.sort_unstable();
-            if order.windows(2).any(|w| w[0] == w[1]) {
-                return Err(DriverError::Engine(EngineError::Config(
-                    "a batched decode step names a slot twice".into(),
-                )));
-            }
-            // Borrow the named states mutably, in the order of `group`.
-            let mut picked: Vec<(usize, &mut Slot)> = self
-                .slots
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| order.binary_search(i).is_ok())
-                .collect();
-            let mut states: Vec<&mut KvState> = Vec::with_capacity(group.len());
-            let mut tokens = Vec::with_capacity(group.len());
-            let mut spans = Vec::with_capacity(group.len());
-            for &(i, tok) in group {
-                let at = picked
-                    .iter()
-                    .position(|(j, _)| *j == i)
-                    .ok_or(DriverError::Engine(EngineError::Config(
-                        "a batched decode step names a slot that does not exist".into(),
-                    )))?;
-                let (_, slot) = picked.swap_remove(at);
-                spans.push(slot.band_span);
-                states.push(&mut slot.state);
-                tokens.push(tok);
-            }
+            let ids: Vec<usize> = group.iter().map(|&(i, _)| i).collect();
+            let named = named(&mut self.slots, &ids, "a batched decode step")?;
+            let spans: Vec<Option<f32>> = named.iter().map(|s| s.band_span).collect();
+            let mut states: Vec<&mut KvState> = named.into_iter().map(|s| &mut s.state).collect();
+            let tokens: Vec<u32> = group.iter().map(|&(_, t)| t).collect();
             let rows = self.engine.eval_batch_bands(&mut states, &tokens, &spans)?;
-            drop((states, picked));
+            drop(states);
             for (j, (&(i, _), row)) in group.iter().zip(rows).enumerate() {
                 let s = &mut self.slots[i];
                 match row {
@@ -389,6 +406,35 @@ impl Slots {
         }
         Ok(())
     }
+}
+
+/// The slots `ids` names, borrowed mutably in that order; naming one twice or one that
+/// does not exist is an error (`what` names the call).
+fn named<'s>(
+    slots: &'s mut [Slot],
+    ids: &[usize],
+    what: &str,
+) -> Result<Vec<&'s mut Slot>, DriverError> {
+    let bad = |why: &str| DriverError::Engine(EngineError::Config(format!("{what} {why}")));
+    let mut order = ids.to_vec();
+    order.sort_unstable();
+    if order.windows(2).any(|w| w[0] == w[1]) {
+        return Err(bad("names a slot twice"));
+    }
+    let mut picked: Vec<(usize, &mut Slot)> = slots
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| order.binary_search(i).is_ok())
+        .collect();
+    ids.iter()
+        .map(|&i| {
+            let at = picked
+                .iter()
+                .position(|(j, _)| *j == i)
+                .ok_or_else(|| bad("names a slot that does not exist"))?;
+            Ok(picked.swap_remove(at).1)
+        })
+        .collect()
 }
 
 /// Slot `i`'s distribution for one generation step ([`Slots::step`]).

@@ -212,6 +212,62 @@ fn prefill_pieces_between_decode_steps_leave_other_slots_alone() {
     }
 }
 
+/// Pieces of three slots' prompts prefilled jointly (`Slots::prefill_joint`, named out of
+/// order, one slot already holding a prompt) leave each slot, logits included, as a lone
+/// conversation fed the same pieces; batched decoding then continues alike. A slot named
+/// twice is an error that changes nothing.
+#[test]
+fn joint_prefill_pieces_match_lone_conversations() {
+    let eng = || {
+        let mut e = engine();
+        e.set_short_prefill_rows(3);
+        e
+    };
+    let mut slots = Slots::new(eng(), 3).unwrap();
+    assert_eq!(slots.joint_min_rows(), Some(4));
+    let p: Vec<Vec<u32>> = [5usize, 7, 10]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(n, 5 + i as u32))
+        .collect();
+    let head = prompt(10, 9);
+    let mut convs: Vec<Conversation> = (0..3).map(|_| Conversation::new(eng()).unwrap()).collect();
+    slots.prefill(0, &head).unwrap();
+    convs[0].prefill(&head).unwrap();
+    let bad = slots.prefill_joint(&[(1, &p[1][..]), (1, &p[1][..])]);
+    assert!(bad.is_err());
+    assert_eq!(slots.pos(1), 0);
+    slots
+        .prefill_joint(&[(2, &p[2][..4]), (0, &p[0][..]), (1, &p[1][..])])
+        .unwrap();
+    convs[0].prefill(&p[0]).unwrap();
+    convs[1].prefill(&p[1]).unwrap();
+    convs[2].prefill(&p[2][..4]).unwrap();
+    for (i, c) in convs.iter().enumerate() {
+        assert_eq!(
+            slots.logits(i).unwrap(),
+            c.logits(),
+            "slot {i} after the joint prefill"
+        );
+    }
+    slots.prefill(2, &p[2][4..]).unwrap();
+    convs[2].prefill(&p[2][4..]).unwrap();
+    for step in 0..4 {
+        let feeds: Vec<(usize, u32)> = (0..3)
+            .map(|i| (i, argmax(slots.logits(i).unwrap().unwrap()) as u32))
+            .collect();
+        slots.decode(&feeds).unwrap();
+        for (&(i, t), c) in feeds.iter().zip(convs.iter_mut()) {
+            c.advance(t).unwrap();
+            assert_eq!(
+                slots.logits(i).unwrap(),
+                c.logits(),
+                "slot {i}, step {step}"
+            );
+        }
+    }
+}
+
 /// A min-p sampler in a one-shot generation draws from the backend's logits band
 /// (`Engine::eval_band`) instead of the row; with the same seed it emits the tokens the
 /// row path (`feed_all`, which keeps every row) emits, with EOS masked or not.

@@ -2003,6 +2003,19 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         Ok(())
     }
 
+    /// Above [`ops::GROUPED_MAX_SEL`] selections a prefill's routed experts take the tiles
+    /// (`op_moe`), which sort the selections by expert and sum each row over its whole
+    /// width in one block, whatever rows share its tile; fewer take the grouped GEMVs.
+    fn moe_joint_min_rows(
+        &self,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        k: usize,
+    ) -> Option<usize> {
+        (k > 0 && self.moe_takes_tiles(gate, up, down)).then(|| ops::GROUPED_MAX_SEL / k + 1)
+    }
+
     fn set_decode_rows(&mut self, n: usize) -> BResult<()> {
         self.decode_rows = n.max(1);
         Ok(())

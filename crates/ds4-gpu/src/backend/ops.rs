@@ -19,7 +19,7 @@ use crate::kernels::{GemvLaunch, GemvType};
 /// f32 elements of one dequantized weight panel (256 MiB).
 const PANEL_ELEMS: usize = 64 << 20;
 /// Largest selection count routed experts run through the grouped GEMV.
-const GROUPED_MAX_SEL: usize = 64;
+pub(super) const GROUPED_MAX_SEL: usize = 64;
 /// Output rows and tokens of one `ds4_mm_tiles` block (see tiles.cu).
 const TILE_ROWS: usize = 128;
 const TILE_TOKENS: usize = 64;
@@ -542,6 +542,19 @@ impl<D: GpuApi> GpuBackend<D> {
             && cols > 0
             && w.is_multiple_of(align)
             && row_bytes.is_multiple_of(align as usize)
+    }
+
+    /// Whether a prefill's routed experts (more than [`GROUPED_MAX_SEL`] selections, not
+    /// decode rows) take the tiles: on, and every matrix as [`Self::tiles_ok`] asks.
+    pub(super) fn moe_takes_tiles(&self, gate: Weight, up: Weight, down: Weight) -> bool {
+        let ok = |w: Weight, cols: usize| {
+            let (Ok(gw), Ok(p)) = (self.weight(w, "moe"), self.wraw(w, "moe")) else {
+                return false;
+            };
+            self.tiles_ok(gw.info.ty, cols, p, gw.row_bytes)
+        };
+        let (d, f) = (gate.info.cols(), gate.info.rows());
+        self.tiles != PrefillTiles::Off && ok(gate, d) && ok(up, d) && ok(down, f)
     }
 
     /// Whether a routed-expert matmul takes `ds4_mm_rtiles` (tiles.cu: the weights decoded
@@ -2506,7 +2519,8 @@ impl<D: GpuApi> GpuBackend<D> {
             self.op_matmul(w, 0, x, a.n_tok, logits)?;
             return self.op_router(logits, routing, a, ids, weights);
         };
-        let (mode, bias, table, table_rows, toks) = self.routing_args(routing, a.n_expert)?;
+        let (mode, bias, table, table_rows, toks) =
+            self.routing_args(routing, a.n_expert, a.row0)?;
         // One zeroed counter; the kernel leaves it zeroed.
         if !self.has_scratch("router_count") {
             self.upload_scratch_i32("router_count", &[0])?;
@@ -2526,7 +2540,7 @@ impl<D: GpuApi> GpuBackend<D> {
             Arg::Ptr(table),
             i32a(OP, "table rows", table_rows)?,
             Arg::Ptr(toks),
-            Arg::Ptr(self.iptr(ids, OP)?),
+            Arg::Ptr(self.router_ids(ids, &a)?),
             Arg::Ptr(self.fptr(weights, OP)?),
             Arg::Ptr(self.fault_ptr()),
             Arg::Ptr(counter),
@@ -2542,7 +2556,13 @@ impl<D: GpuApi> GpuBackend<D> {
 
     /// The router kernels' routing arguments: (mode 0 top-k / 1 hash, bias, hash table,
     /// its rows, token ids), null pointers where a mode has none.
-    fn routing_args(&mut self, routing: Routing, e: usize) -> BResult<(i32, u64, u64, usize, u64)> {
+    /// Token ids are read from row `row0` on (RouterArgs::row0).
+    fn routing_args(
+        &mut self,
+        routing: Routing,
+        e: usize,
+        row0: usize,
+    ) -> BResult<(i32, u64, u64, usize, u64)> {
         const OP: &str = "router";
         Ok(match routing {
             Routing::TopK { bias } => {
@@ -2557,9 +2577,15 @@ impl<D: GpuApi> GpuBackend<D> {
                 0,
                 self.wraw(table, OP)?,
                 table.info.rows(),
-                self.iptr(tokens, OP)?,
+                self.iptr(tokens, OP)? + 4 * row0 as u64,
             ),
         })
+    }
+
+    /// Where a router call's expert ids start: row `row0` of `ids` (RouterArgs::row0; the
+    /// validation checked the length).
+    fn router_ids(&self, ids: IBuf, a: &RouterArgs) -> BResult<u64> {
+        Ok(self.iptr(ids, "router")? + 4 * (a.row0 * a.k) as u64)
     }
 
     pub(super) fn op_router(
@@ -2581,7 +2607,7 @@ impl<D: GpuApi> GpuBackend<D> {
         if t == 0 {
             return Ok(());
         }
-        let (mode, bias, table, table_rows, toks) = self.routing_args(routing, e)?;
+        let (mode, bias, table, table_rows, toks) = self.routing_args(routing, e, a.row0)?;
         let mut args = vec![
             Arg::Ptr(self.fptr(logits, OP)?),
             i32a(OP, "experts", e)?,
@@ -2592,7 +2618,7 @@ impl<D: GpuApi> GpuBackend<D> {
             Arg::Ptr(table),
             i32a(OP, "table rows", table_rows)?,
             Arg::Ptr(toks),
-            Arg::Ptr(self.iptr(ids, OP)?),
+            Arg::Ptr(self.router_ids(ids, &a)?),
             Arg::Ptr(self.fptr(weights, OP)?),
             Arg::Ptr(self.fault_ptr()),
         ];
@@ -2646,13 +2672,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let su = self.scratch("moe_u", 4 * n_sel * f)?;
         let sh = self.scratch("moe_h", 4 * n_sel * f)?;
         let so = self.scratch("moe_o", 4 * n_sel * d)?;
-        if n_sel > GROUPED_MAX_SEL
-            && self.tiles != PrefillTiles::Off
-            && !self.q8_rows(t)
-            && self.tiles_ok(gty, d, gp, grb)
-            && self.tiles_ok(gty, d, upp, grb)
-            && self.tiles_ok(dty, f, dp, drb)
-        {
+        if n_sel > GROUPED_MAX_SEL && !self.q8_rows(t) && self.moe_takes_tiles(gate, up, down) {
             let sel = MoeTiles {
                 x: xp,
                 ids: ip,

@@ -103,3 +103,123 @@ pub fn batch_vs_alone(
     }
     Ok(r)
 }
+
+/// What [`joint_vs_alone`] found.
+#[derive(Debug, Clone, Copy)]
+pub struct JointVsAlone {
+    /// Largest relative difference of a jointly prefilled sequence's logits row (after
+    /// the piece and after each of two decode steps) to the same row alone.
+    pub worst: f64,
+    /// Whether every such row was bit-for-bit the row alone.
+    pub exact: bool,
+    /// Rows whose greedy token differed.
+    pub greedy: usize,
+    /// The engine's smallest joint piece ([`Engine::joint_min_rows`]).
+    pub min_rows: usize,
+    /// Wall time of the pieces prefilled one after another, and in one joint pass (the
+    /// second of two rounds; each includes reading back the last logits rows).
+    pub alone_ms: f64,
+    pub joint_ms: f64,
+}
+
+/// Prefills `seqs` sequences (random prompts of `prompt` + {0, 3, 7, 1, 5, 2, 6, 4}
+/// tokens) alone, then a piece of `piece` + {0, 5, 2, 7, 1, 6, 3, 4} tokens (at least
+/// [`Engine::joint_min_rows`]) of each, alone and as one [`Engine::eval_joint`], and
+/// compares the last logits rows and two greedy decode steps after them (docs/forward.md
+/// §14). An engine without joint prefills is an error.
+pub fn joint_vs_alone(
+    file: &Arc<GgufFile>,
+    mode: NumericMode,
+    be: Box<dyn Backend>,
+    (prompt, piece): (usize, usize),
+    seqs: usize,
+    rng: &mut Rng,
+) -> Result<JointVsAlone, EngineError> {
+    const EXTRA: [usize; 8] = [0, 5, 2, 7, 1, 6, 3, 4];
+    // Room for pieces up to 96 tokens (the minimum is known once the engine is loaded).
+    let room = piece.max(96);
+    let cfg = EngineConfig {
+        mode: Some(mode),
+        ctx: prompt + 8 + room + 8 + 4,
+        prefill_chunk: (seqs * (room + 8)).max(prompt + 8),
+    };
+    let mut eng = Engine::load(file.clone(), be, cfg)?;
+    let min_rows = eng
+        .joint_min_rows()
+        .ok_or_else(|| EngineError::Config("this engine runs no joint prefills".into()))?;
+    let piece = piece.max(min_rows);
+    if piece > room {
+        return Err(EngineError::Config(format!(
+            "joint pieces of {piece} tokens (the engine's minimum {min_rows}) exceed {room}"
+        )));
+    }
+    let vocab = eng.hparams().n_vocab;
+    let heads: Vec<Vec<u32>> = (0..seqs)
+        .map(|i| random_tokens(rng, prompt + [0usize, 3, 7, 1, 5, 2, 6, 4][i % 8], vocab))
+        .collect();
+    let pieces: Vec<Vec<u32>> = (0..seqs)
+        .map(|i| random_tokens(rng, piece + EXTRA[i % 8], vocab))
+        .collect();
+    let mut r = JointVsAlone {
+        worst: 0.0,
+        exact: true,
+        greedy: 0,
+        min_rows,
+        alone_ms: 0.0,
+        joint_ms: 0.0,
+    };
+    let compare = |row: &[f32], want: &[f32], r: &mut JointVsAlone| {
+        r.worst = r.worst.max(rel_err(row, want));
+        r.exact &= row.len() == want.len()
+            && row
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        r.greedy += usize::from(ds4_engine::argmax(row) != ds4_engine::argmax(want));
+    };
+    for round in 0..2 {
+        let mut alone = Vec::new();
+        let mut joint = Vec::new();
+        for h in &heads {
+            for v in [&mut alone, &mut joint] {
+                let mut st = eng.new_state()?;
+                eng.eval(&mut st, h, Logits::Last, None)?;
+                v.push(st);
+            }
+        }
+        let t = std::time::Instant::now();
+        let mut want = Vec::new();
+        for (st, p) in alone.iter_mut().zip(&pieces) {
+            want.push(eng.eval(st, p, Logits::Last, None)?);
+        }
+        let alone_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = std::time::Instant::now();
+        let mut refs: Vec<&mut KvState> = joint.iter_mut().collect();
+        let slices: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
+        eng.eval_joint(&mut refs, &slices)?;
+        let mut got = Vec::new();
+        for i in 0..seqs {
+            let mut row = Vec::new();
+            eng.batch_row_into(i, &mut row)?;
+            got.push(row);
+        }
+        let joint_ms = t.elapsed().as_secs_f64() * 1e3;
+        if round == 1 {
+            (r.alone_ms, r.joint_ms) = (alone_ms, joint_ms);
+        }
+        for i in 0..seqs {
+            compare(&got[i], &want[i], &mut r);
+            let mut tok = ds4_engine::argmax(&want[i]);
+            for _ in 0..2 {
+                let a = eng.eval(&mut alone[i], &[tok], Logits::Last, None)?;
+                let b = eng.eval(&mut joint[i], &[tok], Logits::Last, None)?;
+                compare(&b, &a, &mut r);
+                tok = ds4_engine::argmax(&a);
+            }
+        }
+        for st in alone.into_iter().chain(joint) {
+            eng.free_state(st);
+        }
+    }
+    Ok(r)
+}

@@ -537,7 +537,7 @@ pub fn expert_placement(plan: &ds4_placement::Plan) -> ExpertPlacement {
 /// `DS4_EXPERT_READAHEAD`: unset or anything but `0`/`off`/`false` means on.
 /// Whether a switch that is on by default (`DS4_EXPERT_READAHEAD`, `DS4_SAMPLE_BAND`) stays
 /// on: everything but `0`, `off`, `false`.
-pub(crate) fn switch_on(v: Option<&str>) -> bool {
+pub fn switch_on(v: Option<&str>) -> bool {
     !matches!(
         v.map(|s| s.trim().to_ascii_lowercase()).as_deref(),
         Some("0" | "off" | "false")

@@ -89,6 +89,12 @@ pub struct Worker {
     pub(crate) ctx: usize,
     /// Most prompt tokens evaluated per step.
     pub(crate) piece: usize,
+    /// The fewest tokens a piece needs to join a joint prefill with other prompts' pieces
+    /// in one step ([`Slots::prefill_joint`]); `None`: one piece per step
+    /// (`DS4_JOINT_PREFILL=0`, or an engine that cannot).
+    joint_min: Option<usize>,
+    /// Most tokens of one forward pass (the engine's prefill chunk).
+    chunk: usize,
     /// In-memory turn snapshots, shared by the slots (any slot can restore one).
     pub(crate) snapshots: VecDeque<MemSnapshot>,
     pub(crate) disk: Option<Disk>,
@@ -114,6 +120,10 @@ pub(crate) fn lock(m: &Mutex<ToolMemory>) -> std::sync::MutexGuard<'_, ToolMemor
 pub(crate) fn engine_err(e: impl std::fmt::Display) -> ApiError {
     ApiError::internal(e.to_string())
 }
+
+/// `DS4_JOINT_PREFILL=0` evaluates one prompt piece per step even where several could run
+/// in one forward pass (A/B; docs/server.md §9).
+pub const JOINT_PREFILL_ENV: &str = "DS4_JOINT_PREFILL";
 
 /// Prompt tokens a task has still to evaluate (`None`: it is generating).
 fn remaining(t: &Task<'_>) -> Option<usize> {
@@ -196,6 +206,13 @@ impl Worker {
         };
         let parallel = cfg.parallel;
         let slots = Slots::new(engine, parallel).map_err(|e| slots_error(e, parallel))?;
+        let joint_on =
+            ds4_runtime::load::switch_on(std::env::var(JOINT_PREFILL_ENV).ok().as_deref());
+        let joint_min = if joint_on && parallel > 1 {
+            slots.joint_min_rows()
+        } else {
+            None
+        };
         let kv = slots.kv_bytes_per_slot();
         tracing::info!(
             slots = parallel,
@@ -203,6 +220,7 @@ impl Worker {
             kv_bytes_per_slot = kv,
             kv_mib_total = (kv.saturating_mul(parallel as u64)) as f64 / (1u64 << 20) as f64,
             prefill_per_step = piece,
+            joint_prefill_min_tokens = joint_min.unwrap_or(0),
             "KV slots allocated"
         );
         stats.slots.store(parallel as u64, Ordering::Relaxed);
@@ -214,6 +232,8 @@ impl Worker {
             eos,
             ctx,
             piece,
+            joint_min,
+            chunk,
             snapshots: VecDeque::new(),
             disk,
             toolmem,
@@ -439,17 +459,130 @@ impl Worker {
                 _ => {}
             }
         }
-        let oldest = tasks
+        let mut evaluating: Vec<(u64, usize)> = tasks
             .iter()
             .enumerate()
             .filter_map(|(i, t)| t.as_ref().map(|t| (i, t)))
             .filter(|(_, t)| remaining(t).is_some())
-            .min_by_key(|(_, t)| t.seq)
-            .map(|(i, _)| i);
-        if let Some(i) = oldest {
+            .map(|(i, t)| (t.seq, i))
+            .collect();
+        evaluating.sort_unstable();
+        let order: Vec<usize> = evaluating.into_iter().map(|(_, i)| i).collect();
+        let joint = self.joint_pieces(tasks, &order);
+        if joint.len() > 1 {
+            self.joint_prefill(tasks, &joint, tok);
+        } else if let Some(&i) = order.first() {
             self.prefill_step(i, &mut tasks[i], tok);
         }
         self.decode_step(tasks);
+    }
+
+    /// Where slot `i`'s next prompt piece ends: at most `limit` tokens after `done`, cut so
+    /// disk checkpoints land exactly at their boundaries.
+    fn piece_end(
+        &self,
+        i: usize,
+        len: usize,
+        done: usize,
+        cold_at: Option<usize>,
+        limit: usize,
+    ) -> usize {
+        let pos = self.slots.pos(i);
+        let mut end = len.min(done + limit);
+        for b in [cold_at, self.next_continued(i)].into_iter().flatten() {
+            if b > pos && b < pos + (end - done) {
+                end = done + (b - pos);
+            }
+        }
+        end
+    }
+
+    /// The pieces of this step's joint prefill, (slot, start, end) oldest prompt first:
+    /// the oldest's piece and then the next ones' while the step's budget (`piece` tokens,
+    /// at most one engine chunk) lasts, each at least `joint_min` tokens. Fewer than two:
+    /// the step runs the oldest piece alone.
+    fn joint_pieces(
+        &self,
+        tasks: &[Option<Task<'_>>],
+        order: &[usize],
+    ) -> Vec<(usize, usize, usize)> {
+        let Some(min) = self.joint_min else {
+            return Vec::new();
+        };
+        let mut budget = self.piece.min(self.chunk);
+        let mut out = Vec::new();
+        for &i in order {
+            let Some(Task {
+                phase:
+                    Phase::Prefill {
+                        tokens,
+                        done,
+                        cold_at,
+                    },
+                job,
+                ..
+            }) = tasks[i].as_ref()
+            else {
+                continue;
+            };
+            if budget < min {
+                break;
+            }
+            if self.stopping(job) {
+                continue;
+            }
+            let end = self.piece_end(i, tokens.len(), *done, *cold_at, budget);
+            if end - done < min {
+                if out.is_empty() {
+                    // The oldest prompt's piece goes first, alone.
+                    return Vec::new();
+                }
+                continue;
+            }
+            budget -= end - done;
+            out.push((i, *done, end));
+        }
+        out
+    }
+
+    /// Evaluates `pieces` (from [`Worker::joint_pieces`]) in one forward pass; then each
+    /// slot goes on as after its own piece. If the pass fails, every named slot's job
+    /// fails and its state is discarded.
+    fn joint_prefill<'t>(
+        &mut self,
+        tasks: &mut [Option<Task<'t>>],
+        pieces: &[(usize, usize, usize)],
+        tok: &'t Tokenizer,
+    ) {
+        let r = {
+            let refs: Vec<(usize, &[u32])> = pieces
+                .iter()
+                .filter_map(|&(i, a, b)| match tasks[i].as_ref().map(|t| &t.phase) {
+                    Some(Phase::Prefill { tokens, .. }) => Some((i, &tokens[a..b])),
+                    _ => None,
+                })
+                .collect();
+            self.slots.prefill_joint(&refs)
+        };
+        if let Err(e) = r {
+            for &(i, _, _) in pieces {
+                self.discard_live(i);
+                if let Some(task) = tasks[i].as_ref() {
+                    send(
+                        &self.stats,
+                        &self.cfg,
+                        &task.job,
+                        JobEvent::Failed(ApiError::internal(e.to_string())),
+                    );
+                }
+                self.end(&mut tasks[i]);
+            }
+            return;
+        }
+        Stats::add(&self.stats.joint_pieces, pieces.len() as u64);
+        for &(i, _, end) in pieces {
+            self.piece_landed(i, &mut tasks[i], end, tok);
+        }
     }
 
     /// Evaluates the next piece of slot `i`'s prompt (cut so disk checkpoints land exactly
@@ -471,13 +604,7 @@ impl Worker {
                 self.end(slot);
                 return;
             }
-            let pos = self.slots.pos(i);
-            let mut end = tokens.len().min(*done + self.piece);
-            for b in [*cold_at, self.next_continued(i)].into_iter().flatten() {
-                if b > pos && b < pos + (end - *done) {
-                    end = *done + (b - pos);
-                }
-            }
+            let end = self.piece_end(i, tokens.len(), *done, *cold_at, self.piece);
             if let Err(e) = self.slots.prefill(i, &tokens[*done..end]) {
                 // The state is unchanged or partial; nothing after it can be trusted.
                 self.discard_live(i);
@@ -490,18 +617,50 @@ impl Worker {
                 self.end(slot);
                 return;
             }
-            Stats::add(&self.stats.prefilled_tokens, (end - *done) as u64);
-            *done = end;
-            let pos = self.slots.pos(i);
-            if *cold_at == Some(pos) {
-                self.disk_save(i, "cold");
-            } else if self.next_continued(i) == Some(pos) {
-                self.disk_save(i, "continued");
-            }
-            if *done < tokens.len() {
-                return;
-            }
+            return self.piece_landed(i, slot, end, tok);
         }
+        self.begin_generation(i, slot, tok);
+    }
+
+    /// Slot `i`'s prompt has been evaluated up to `end`: counts it, saves the disk
+    /// checkpoint that lands there, and starts the generation at the prompt's end.
+    fn piece_landed<'t>(
+        &mut self,
+        i: usize,
+        slot: &mut Option<Task<'t>>,
+        end: usize,
+        tok: &'t Tokenizer,
+    ) {
+        let Some(Task {
+            phase:
+                Phase::Prefill {
+                    tokens,
+                    done,
+                    cold_at,
+                },
+            ..
+        }) = slot.as_mut()
+        else {
+            return;
+        };
+        Stats::add(&self.stats.prefilled_tokens, (end - *done) as u64);
+        *done = end;
+        let finished = *done == tokens.len();
+        let pos = self.slots.pos(i);
+        if *cold_at == Some(pos) {
+            self.disk_save(i, "cold");
+        } else if self.next_continued(i) == Some(pos) {
+            self.disk_save(i, "continued");
+        }
+        if finished {
+            self.begin_generation(i, slot, tok);
+        }
+    }
+
+    /// Slot `i`'s prompt is all in its state: the turn snapshot's first half, then the
+    /// generation (or the job's failure).
+    fn begin_generation<'t>(&mut self, i: usize, slot: &mut Option<Task<'t>>, tok: &'t Tokenizer) {
+        let Some(task) = slot.as_mut() else { return };
         let t_prefill = task.t0.elapsed();
         // The turn snapshot's logits now (the first pick edits the row); its state after the
         // first token has gone out (decode_step), so the snapshot does not delay it.

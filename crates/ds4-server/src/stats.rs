@@ -19,6 +19,9 @@ pub struct Stats {
     pub rejected_busy: AtomicU64,
     /// Prompt tokens evaluated (not reused).
     pub prefilled_tokens: AtomicU64,
+    /// Prompt pieces evaluated in joint prefills (several prompts in one forward pass,
+    /// docs/server.md §9).
+    pub joint_pieces: AtomicU64,
     /// Prompt tokens reused from the live state, a snapshot or the disk.
     pub cached_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
@@ -72,6 +75,7 @@ impl Stats {
             .num("slots", g(&self.slots))
             .num("rejected_busy", g(&self.rejected_busy))
             .num("prefilled_tokens", g(&self.prefilled_tokens))
+            .num("joint_pieces", g(&self.joint_pieces))
             .num("cached_tokens", g(&self.cached_tokens))
             .num("generated_tokens", g(&self.generated_tokens))
             .num("cancelled", g(&self.cancelled))

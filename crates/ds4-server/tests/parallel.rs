@@ -453,3 +453,69 @@ async fn every_slot_is_checkpointed_and_restored() {
     assert_eq!(stats(srv.addr).await["disk_hits"], 2);
     srv.shutdown().await.unwrap();
 }
+
+/// A server on the tiny model whose short prompt chunks stop at 4 tokens, so pieces of 5
+/// tokens or more join a joint prefill (docs/server.md §9); pieces of 64 per step.
+async fn start_joint(parallel: usize) -> ds4_server::Running {
+    let mut m = tokio::task::spawn_blocking(|| model(CTX)).await.unwrap();
+    m.engine.set_short_prefill_rows(4);
+    let cfg = ServerConfig {
+        parallel,
+        prefill_per_step: 64,
+        token_delay: Some(Duration::from_millis(30)),
+        ..ServerConfig::default()
+    };
+    ds4_server::Server::bind(SocketAddr::from(([127, 0, 0, 1], 0)), cfg, m)
+        .await
+        .unwrap()
+        .spawn()
+}
+
+/// Two prompts evaluated in one forward pass (the second arrives while the first's first
+/// piece runs; the next step holds the first's last piece and the whole second prompt, so
+/// both start generating from rows of one joint pass): each request gets what it gets
+/// alone on a one-slot server, and the joint path ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jointly_prefilled_prompts_get_what_they_get_alone() {
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(2);
+    let reqs = [
+        completion("Once upon a time", 40, None),
+        completion(&long, 20, Some(4)),
+        completion("Dear me", 20, None),
+    ];
+    let one = start_joint(1).await;
+    let mut want = Vec::new();
+    for r in &reqs {
+        want.push(run_alone(one.addr, r).await);
+    }
+    assert_eq!(stats(one.addr).await["joint_pieces"], 0);
+    one.shutdown().await.unwrap();
+    let prompt = |g: &Got| g.prompt_tokens.as_u64().unwrap();
+    assert!(prompt(&want[1]) > 64, "{:?}", want[1]);
+    // The long prompt's last piece and the whole short one fit one step's 64 tokens.
+    assert!(prompt(&want[1]) - 64 + prompt(&want[2]) <= 64, "{want:?}");
+
+    let srv = start_joint(3).await;
+    let a = srv.addr;
+    // A stream decoding (30 ms between its steps), then the long prompt, then the short
+    // one as soon as the long one has started.
+    let mut first = Sse::open(a, "/v1/completions", &reqs[0]).await;
+    let head = first.next().await.expect("a first chunk");
+    let mut long_stream = Sse::open(a, "/v1/completions", &reqs[1]).await;
+    let short_stream = Sse::open(a, "/v1/completions", &reqs[2]).await;
+    let mut evs0 = vec![head];
+    evs0.extend(first.all().await);
+    let mut evs1 = vec![long_stream.next().await.expect("a chunk")];
+    evs1.extend(long_stream.all().await);
+    let got = [
+        collect(&evs0),
+        collect(&evs1),
+        collect(&short_stream.all().await),
+    ];
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i} differs from the same request alone");
+    }
+    let s = stats(a).await;
+    assert!(s["joint_pieces"].as_u64() >= Some(2), "{s}");
+    srv.shutdown().await.unwrap();
+}

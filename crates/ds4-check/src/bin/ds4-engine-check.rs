@@ -16,6 +16,11 @@
 //!   same sequences decoded alone, on the CPU engine and the CUDA engine when a device
 //!   answers: no greedy token may differ and every row must be within 1e-6 (bit-for-bit
 //!   equality is reported). What `ds4-server --parallel` will rely on (issue 22).
+//! * `joint [MODELS] [--tiny N] [--tokens T] [--chunk PIECE] [--seed S] [--act-q8] [--seqs N] [--gpu-only]`
+//!   — prompt pieces of N sequences prefilled in one pass (`Engine::eval_joint`, pieces of at
+//!   least the engine's minimum) against the same pieces prefilled alone: the last logits rows
+//!   and two decode steps after them, the same pass rule as `batch`, with both ways timed
+//!   (docs/forward.md §14: what the server's joint prefill relies on).
 //! * `reference [FIXTURES_DIR] [--cpu-only] [--act-q8] [--control NAME|all]... [--paths P,..] [--only FIX]...
 //!   [--seed S] [--dump FILE]` — official mode against the official-mode reference logits of
 //!   the tiny fixtures (`tests/fixtures/tiny-*/official.safetensors`, written by
@@ -819,10 +824,67 @@ fn batch(a: &Args) -> Result<()> {
     }
 }
 
+/// `joint`: prompt pieces of several sequences prefilled in one pass (`Engine::eval_joint`)
+/// against the same pieces prefilled alone, on the CPU engine and (when a device answers)
+/// the CUDA engine: the last logits rows and two decode steps after them. Passes when no
+/// greedy token differs and every row is within 1e-6 of its alone twin; says whether they
+/// were bit-for-bit equal, and the time of both ways (`--tokens`: the prompts before the
+/// pieces; `--chunk`: the piece length, at least the engine's minimum).
+fn joint(a: &Args) -> Result<()> {
+    let mut rng = Rng::new(a.seed);
+    let mut failed = Vec::new();
+    println!("joint: seed {}", a.seed);
+    let gpu_ok = cuda().is_ok();
+    if !gpu_ok {
+        println!("no CUDA device answered: CPU engine only");
+    }
+    for (label, file) in models(a)? {
+        for mode in modes(&file)? {
+            for gpu in [false, true] {
+                if (gpu && !gpu_ok) || (!gpu && a.gpu_only) {
+                    continue;
+                }
+                let dev = if gpu { "cuda" } else { "cpu" };
+                let be = engine_backend(gpu, a.act_q8)?;
+                let r = ds4_check::batch::joint_vs_alone(
+                    &file,
+                    mode,
+                    be,
+                    (a.tokens, a.chunk),
+                    a.seqs,
+                    &mut rng,
+                )?;
+                let ok = r.worst <= 1e-6 && r.greedy == 0;
+                println!(
+                    "{label} · {mode} · {dev}: joint vs alone (pieces ≥ {}) max rel {:.2e}, bit-exact {}, greedy differences {}; {} pieces alone {:.1} ms, joint {:.1} ms{}",
+                    r.min_rows,
+                    r.worst,
+                    if r.exact { "yes" } else { "no" },
+                    r.greedy,
+                    a.seqs,
+                    r.alone_ms,
+                    r.joint_ms,
+                    if ok { "" } else { " FAIL" }
+                );
+                if !ok {
+                    failed.push(format!("{label} {mode} {dev}"));
+                }
+            }
+        }
+    }
+    if failed.is_empty() {
+        println!("\nJOINT: ALL PASSED");
+        Ok(())
+    } else {
+        bail!("joint failed: {}", failed.join(", "))
+    }
+}
+
 /// The subcommands and their options (the module documentation says what each checks).
 const USAGE: &str = "usage: ds4-engine-check ops [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C] [--act-q8] [--tiles off|experts|all]
        ds4-engine-check parity [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8]
        ds4-engine-check batch [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8] [--seqs N] [--gpu-only]
+       ds4-engine-check joint [MODEL.gguf...] [--tiny N] [--tokens T] [--chunk PIECE] [--seed S] [--act-q8] [--seqs N] [--gpu-only]
        ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--act-q8] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]";
 
 fn main() -> Result<()> {
@@ -836,6 +898,7 @@ fn main() -> Result<()> {
         Some("ops") => ops(&rest()?),
         Some("parity") => parity(&rest()?),
         Some("batch") => batch(&rest()?),
+        Some("joint") => joint(&rest()?),
         Some("reference") => reference(&parse_reference(args.get(1..).unwrap_or(&[]))?),
         _ => bail!("{USAGE}"),
     }

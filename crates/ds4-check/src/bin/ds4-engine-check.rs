@@ -829,7 +829,9 @@ fn batch(a: &Args) -> Result<()> {
 /// the CUDA engine: the last logits rows and two decode steps after them. Passes when no
 /// greedy token differs and every row is within 1e-6 of its alone twin; says whether they
 /// were bit-for-bit equal, and the time of both ways (`--tokens`: the prompts before the
-/// pieces; `--chunk`: the piece length, at least the engine's minimum).
+/// pieces; `--chunk`: the piece length, at least the engine's minimum). The GPU engine is
+/// the fast default's (expert tiles, TF32 cuBLAS; `--tiles all` moves the dense matmuls to
+/// tiles too).
 fn joint(a: &Args) -> Result<()> {
     let mut rng = Rng::new(a.seed);
     let mut failed = Vec::new();
@@ -845,7 +847,27 @@ fn joint(a: &Args) -> Result<()> {
                     continue;
                 }
                 let dev = if gpu { "cuda" } else { "cpu" };
-                let be = engine_backend(gpu, a.act_q8)?;
+                let be: Box<dyn ds4_engine::Backend> = if gpu {
+                    // The fast default's GPU backend (the CLI's and the server's): expert
+                    // tiles (or `--tiles all`) and cuBLAS in TF32; without tiles a GPU runs
+                    // no joint prefill.
+                    let tiles = match a.tiles {
+                        PrefillTiles::Off => PrefillTiles::Experts,
+                        t => t,
+                    };
+                    let mut be: Box<dyn ds4_engine::Backend> = Box::new(
+                        CudaBackend::new(CudaOptions {
+                            prefill_tiles: tiles,
+                            cublas: Some(ds4_gpu::cuda::GemmPrecision::Tf32),
+                            ..CudaOptions::default()
+                        })
+                        .context("starting the CUDA backend")?,
+                    );
+                    be.set_activation_q8(a.act_q8)?;
+                    be
+                } else {
+                    engine_backend(false, a.act_q8)?
+                };
                 let r = ds4_check::batch::joint_vs_alone(
                     &file,
                     mode,
@@ -884,7 +906,7 @@ fn joint(a: &Args) -> Result<()> {
 const USAGE: &str = "usage: ds4-engine-check ops [MODEL.gguf...] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C] [--act-q8] [--tiles off|experts|all]
        ds4-engine-check parity [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8]
        ds4-engine-check batch [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8] [--seqs N] [--gpu-only]
-       ds4-engine-check joint [MODEL.gguf...] [--tiny N] [--tokens T] [--chunk PIECE] [--seed S] [--act-q8] [--seqs N] [--gpu-only]
+       ds4-engine-check joint [MODEL.gguf...] [--tiny N] [--tokens T] [--chunk PIECE] [--seed S] [--act-q8] [--seqs N] [--gpu-only] [--tiles experts|all]
        ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--act-q8] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]";
 
 fn main() -> Result<()> {

@@ -20,6 +20,34 @@ pub struct BatchVsAlone {
     pub greedy: usize,
 }
 
+impl BatchVsAlone {
+    /// Nothing compared yet.
+    pub fn new() -> BatchVsAlone {
+        BatchVsAlone {
+            worst: 0.0,
+            exact: true,
+            greedy: 0,
+        }
+    }
+
+    /// Counts one row against the row alone.
+    pub fn add(&mut self, row: &[f32], want: &[f32]) {
+        self.worst = self.worst.max(rel_err(row, want));
+        self.exact &= row.len() == want.len()
+            && row
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        self.greedy += usize::from(ds4_engine::argmax(row) != ds4_engine::argmax(want));
+    }
+}
+
+impl Default for BatchVsAlone {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Default sequences and the decode steps of [`batch_vs_alone`].
 pub const SEQS: usize = 4;
 pub const STEPS: usize = 6;
@@ -78,24 +106,13 @@ pub fn batch_vs_alone(
         eng.eval(&mut st, p, Logits::Last, None)?;
         states.push(st);
     }
-    let mut r = BatchVsAlone {
-        worst: 0.0,
-        exact: true,
-        greedy: 0,
-    };
+    let mut r = BatchVsAlone::new();
     for step in 0..STEPS {
         let toks: Vec<u32> = fed.iter().map(|f| f[step]).collect();
         let mut refs: Vec<&mut KvState> = states.iter_mut().collect();
         let out = eng.eval_batch(&mut refs, &toks)?;
         for (i, row) in out.chunks(vocab).enumerate() {
-            let want = &alone[i][step];
-            r.worst = r.worst.max(rel_err(row, want));
-            r.exact &= row.len() == want.len()
-                && row
-                    .iter()
-                    .zip(want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-            r.greedy += usize::from(ds4_engine::argmax(row) != ds4_engine::argmax(want));
+            r.add(row, &alone[i][step]);
         }
     }
     for st in states {
@@ -107,13 +124,9 @@ pub fn batch_vs_alone(
 /// What [`joint_vs_alone`] found.
 #[derive(Debug, Clone, Copy)]
 pub struct JointVsAlone {
-    /// Largest relative difference of a jointly prefilled sequence's logits row (after
-    /// the piece and after each of two decode steps) to the same row alone.
-    pub worst: f64,
-    /// Whether every such row was bit-for-bit the row alone.
-    pub exact: bool,
-    /// Rows whose greedy token differed.
-    pub greedy: usize,
+    /// A jointly prefilled sequence's logits rows (after the piece and after each of two
+    /// decode steps) against the same rows alone.
+    pub rows: BatchVsAlone,
     /// The engine's smallest joint piece ([`Engine::joint_min_rows`]).
     pub min_rows: usize,
     /// Wall time of the pieces prefilled one after another, and in one joint pass (the
@@ -161,21 +174,10 @@ pub fn joint_vs_alone(
         .map(|i| random_tokens(rng, piece + EXTRA[i % 8], vocab))
         .collect();
     let mut r = JointVsAlone {
-        worst: 0.0,
-        exact: true,
-        greedy: 0,
+        rows: BatchVsAlone::new(),
         min_rows,
         alone_ms: 0.0,
         joint_ms: 0.0,
-    };
-    let compare = |row: &[f32], want: &[f32], r: &mut JointVsAlone| {
-        r.worst = r.worst.max(rel_err(row, want));
-        r.exact &= row.len() == want.len()
-            && row
-                .iter()
-                .zip(want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-        r.greedy += usize::from(ds4_engine::argmax(row) != ds4_engine::argmax(want));
     };
     for round in 0..2 {
         let mut alone = Vec::new();
@@ -208,12 +210,12 @@ pub fn joint_vs_alone(
             (r.alone_ms, r.joint_ms) = (alone_ms, joint_ms);
         }
         for i in 0..seqs {
-            compare(&got[i], &want[i], &mut r);
+            r.rows.add(&got[i], &want[i]);
             let mut tok = ds4_engine::argmax(&want[i]);
             for _ in 0..2 {
                 let a = eng.eval(&mut alone[i], &[tok], Logits::Last, None)?;
                 let b = eng.eval(&mut joint[i], &[tok], Logits::Last, None)?;
-                compare(&b, &a, &mut r);
+                r.rows.add(&b, &a);
                 tok = ds4_engine::argmax(&a);
             }
         }

@@ -252,9 +252,10 @@ fn bad_joint_prefills_are_errors() {
     // One piece per state; a token outside the vocabulary.
     assert!(eng.eval_joint(&mut [&mut a, &mut b], &[&p9]).is_err());
     assert!(eng.eval_joint(&mut [], &[]).is_err());
+    // (`index` counts the call's rows: the second piece's third token is row 5.)
     let r = eng.eval_joint(&mut [&mut a, &mut b], &[&p3, &[1, 2, 10_000]]);
     assert!(
-        matches!(r, Err(EngineError::BadToken { index: 2, .. })),
+        matches!(r, Err(EngineError::BadToken { index: 5, .. })),
         "{r:?}"
     );
     // Nothing moved.

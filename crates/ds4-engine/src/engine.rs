@@ -448,26 +448,44 @@ impl Engine {
                 "a batched decode step of {n} states exceeds the chunk size {cap}"
             )));
         }
+        let pieces: Vec<&[u32]> = tokens.chunks(1).collect();
+        self.backend.set_decode_rows(n)?;
+        let r = self.forward_pieces(states, &pieces);
+        let reset = self.backend.set_decode_rows(1);
+        r?;
+        Ok(reset?)
+    }
+
+    /// Runs `pieces[i]` after `states[i]` for every `i` as one forward call leaving each
+    /// state's last logits row in row `i` of the scratch, after checking every state, that
+    /// every token is in the vocabulary (`index`: its row in the call) and that every piece
+    /// fits its state's context; a refused call changes nothing.
+    fn forward_pieces(&mut self, states: &mut [&mut KvState], pieces: &[&[u32]]) -> Result<()> {
         let n_vocab = self.spec.hparams.n_vocab;
-        for (i, st) in states.iter().enumerate() {
+        let mut row = 0;
+        for (st, piece) in states.iter().zip(pieces) {
             self.check_state(st)?;
-            let token = tokens[i];
-            if token as usize >= n_vocab {
+            if let Some((j, &token)) = piece
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| t as usize >= n_vocab)
+            {
                 return Err(EngineError::BadToken {
                     token,
-                    index: i,
+                    index: row + j,
                     n_vocab,
                 });
             }
-            if st.pos() >= st.ctx {
+            if piece.len() > st.ctx - st.pos() {
                 return Err(EngineError::ContextFull {
                     pos: st.pos(),
-                    adding: 1,
+                    adding: piece.len(),
                     ctx: st.ctx,
                 });
             }
+            row += piece.len();
         }
-        self.ensure_scratch(n)?;
+        self.ensure_scratch(states.len())?;
         let scratch = self.scratch.as_ref().expect("scratch allocated above");
         let mut model = Model {
             hp: &self.spec.hparams,
@@ -477,23 +495,16 @@ impl Engine {
         };
         let mut seqs: Vec<Seq> = states
             .iter_mut()
-            .zip(tokens.chunks(1))
-            .map(|(st, tok)| Seq {
-                state: st,
-                tokens: tok,
-            })
+            .zip(pieces)
+            .map(|(st, tokens)| Seq { state: st, tokens })
             .collect();
-        self.backend.set_decode_rows(n)?;
-        let r = forward(
+        forward(
             self.backend.as_mut(),
             &mut model,
             scratch,
             &mut seqs,
             Want::Last,
-        );
-        let reset = self.backend.set_decode_rows(1);
-        r?;
-        Ok(reset?)
+        )
     }
 
     /// [`Engine::eval_batch`] returning only each state's greedy next token, read back as a
@@ -576,54 +587,13 @@ impl Engine {
                 "a joint prefill of {total} tokens exceeds the chunk size {cap}"
             )));
         }
-        let n_vocab = self.spec.hparams.n_vocab;
-        for (st, piece) in states.iter().zip(pieces) {
-            self.check_state(st)?;
-            if piece.len() < min {
-                return Err(EngineError::Config(format!(
-                    "a piece of {} tokens joins no joint prefill (at least {min})",
-                    piece.len()
-                )));
-            }
-            if let Some((index, &token)) = piece
-                .iter()
-                .enumerate()
-                .find(|(_, &t)| t as usize >= n_vocab)
-            {
-                return Err(EngineError::BadToken {
-                    token,
-                    index,
-                    n_vocab,
-                });
-            }
-            if piece.len() > st.ctx - st.pos() {
-                return Err(EngineError::ContextFull {
-                    pos: st.pos(),
-                    adding: piece.len(),
-                    ctx: st.ctx,
-                });
-            }
+        if let Some(short) = pieces.iter().find(|p| p.len() < min) {
+            return Err(EngineError::Config(format!(
+                "a piece of {} tokens joins no joint prefill (at least {min})",
+                short.len()
+            )));
         }
-        self.ensure_scratch(n)?;
-        let scratch = self.scratch.as_ref().expect("scratch allocated above");
-        let mut model = Model {
-            hp: &self.spec.hparams,
-            w: &self.weights,
-            mode: self.mode,
-            stream: self.stream.as_mut(),
-        };
-        let mut seqs: Vec<Seq> = states
-            .iter_mut()
-            .zip(pieces)
-            .map(|(st, tokens)| Seq { state: st, tokens })
-            .collect();
-        forward(
-            self.backend.as_mut(),
-            &mut model,
-            scratch,
-            &mut seqs,
-            Want::Last,
-        )
+        self.forward_pieces(states, pieces)
     }
 
     /// Scratch for chunks of `config.prefill_chunk` tokens with at least `logit_rows`

@@ -876,13 +876,13 @@ fn joint(a: &Args) -> Result<()> {
                     a.seqs,
                     &mut rng,
                 )?;
-                let ok = r.worst <= 1e-6 && r.greedy == 0;
+                let ok = r.rows.worst <= 1e-6 && r.rows.greedy == 0;
                 println!(
                     "{label} · {mode} · {dev}: joint vs alone (pieces ≥ {}) max rel {:.2e}, bit-exact {}, greedy differences {}; {} pieces alone {:.1} ms, joint {:.1} ms{}",
                     r.min_rows,
-                    r.worst,
-                    if r.exact { "yes" } else { "no" },
-                    r.greedy,
+                    r.rows.worst,
+                    if r.rows.exact { "yes" } else { "no" },
+                    r.rows.greedy,
                     a.seqs,
                     r.alone_ms,
                     r.joint_ms,

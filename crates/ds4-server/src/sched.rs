@@ -133,6 +133,38 @@ fn remaining(t: &Task<'_>) -> Option<usize> {
     }
 }
 
+/// Shares one step's prompt budget among `n` evaluating prompts, oldest first (docs/server.md
+/// §9): `piece(k, limit)` is prompt `k`'s next piece (start, end) of at most `limit` tokens,
+/// `None` where it takes none now (its client left). The oldest piece comes first; then the
+/// next prompts' pieces while the budget lasts, each at least `min` tokens (a shorter one
+/// waits). Returns (k, piece) for each; nothing when the oldest piece is shorter than `min`
+/// (it runs alone, as every piece did before joint prefills).
+fn share_budget(
+    min: usize,
+    mut budget: usize,
+    n: usize,
+    mut piece: impl FnMut(usize, usize) -> Option<(usize, usize)>,
+) -> Vec<(usize, (usize, usize))> {
+    let mut out = Vec::new();
+    for k in 0..n {
+        if budget < min {
+            break;
+        }
+        let Some((start, end)) = piece(k, budget) else {
+            continue;
+        };
+        if end - start < min {
+            if out.is_empty() {
+                return Vec::new();
+            }
+            continue;
+        }
+        budget -= end - start;
+        out.push((k, (start, end)));
+    }
+    out
+}
+
 /// The startup error of slots that do not fit, naming the remedy.
 fn slots_error(e: SlotsError, parallel: usize) -> ServerError {
     match e {
@@ -509,40 +541,32 @@ impl Worker {
         let Some(min) = self.joint_min else {
             return Vec::new();
         };
-        let mut budget = self.piece.min(self.chunk);
-        let mut out = Vec::new();
-        for &i in order {
-            let Some(Task {
-                phase:
-                    Phase::Prefill {
-                        tokens,
-                        done,
-                        cold_at,
-                    },
-                job,
-                ..
-            }) = tasks[i].as_ref()
-            else {
-                continue;
-            };
-            if budget < min {
-                break;
-            }
-            if self.stopping(job) {
-                continue;
-            }
-            let end = self.piece_end(i, tokens.len(), *done, *cold_at, budget);
-            if end - done < min {
-                if out.is_empty() {
-                    // The oldest prompt's piece goes first, alone.
-                    return Vec::new();
-                }
-                continue;
-            }
-            budget -= end - done;
-            out.push((i, *done, end));
-        }
-        out
+        let shares =
+            share_budget(
+                min,
+                self.piece.min(self.chunk),
+                order.len(),
+                |k, limit| match tasks[order[k]].as_ref() {
+                    Some(Task {
+                        phase:
+                            Phase::Prefill {
+                                tokens,
+                                done,
+                                cold_at,
+                            },
+                        job,
+                        ..
+                    }) if !self.stopping(job) => {
+                        let end = self.piece_end(order[k], tokens.len(), *done, *cold_at, limit);
+                        Some((*done, end))
+                    }
+                    _ => None,
+                },
+            );
+        shares
+            .into_iter()
+            .map(|(k, (start, end))| (order[k], start, end))
+            .collect()
     }
 
     /// Evaluates `pieces` (from [`Worker::joint_pieces`]) in one forward pass; then each
@@ -823,6 +847,41 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Prompts wanting `want[k]` more tokens (`None`: cancelled), from position 0.
+    fn shares(min: usize, budget: usize, want: &[Option<usize>]) -> Vec<(usize, usize)> {
+        share_budget(min, budget, want.len(), |k, limit| {
+            want[k].map(|w| (0, w.min(limit)))
+        })
+        .into_iter()
+        .map(|(k, (a, b))| (k, b - a))
+        .collect()
+    }
+
+    #[test]
+    fn a_steps_budget_is_shared_oldest_first() {
+        // The oldest takes what it needs, the next the rest, the third nothing is left.
+        assert_eq!(
+            shares(5, 64, &[Some(40), Some(30), Some(10)]),
+            vec![(0, 40), (1, 24)]
+        );
+        // A piece shorter than the minimum waits; a later one may still join.
+        assert_eq!(
+            shares(5, 64, &[Some(40), Some(3), Some(20)]),
+            vec![(0, 40), (2, 20)]
+        );
+        // The oldest piece too short: it runs alone (no joint pass).
+        assert!(shares(5, 64, &[Some(3), Some(40)]).is_empty());
+        // Cancelled prompts take nothing; the next one counts as the oldest.
+        assert_eq!(
+            shares(5, 64, &[None, Some(10), Some(9)]),
+            vec![(1, 10), (2, 9)]
+        );
+        // Less than the minimum left: the step ends there.
+        assert_eq!(shares(5, 64, &[Some(60), Some(30)]), vec![(0, 60)]);
+        // A long prompt takes the whole budget.
+        assert_eq!(shares(5, 64, &[Some(500), Some(30)]), vec![(0, 64)]);
+    }
 
     #[test]
     fn slots_that_do_not_fit_name_the_remedy() {

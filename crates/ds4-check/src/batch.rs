@@ -30,6 +30,12 @@ impl BatchVsAlone {
         }
     }
 
+    /// The checks' pass rule: no greedy token differs and every row is within 1e-6 of its
+    /// twin alone.
+    pub fn passes(&self) -> bool {
+        self.worst <= 1e-6 && self.greedy == 0
+    }
+
     /// Counts one row against the row alone.
     pub fn add(&mut self, row: &[f32], want: &[f32]) {
         self.worst = self.worst.max(rel_err(row, want));

@@ -36,6 +36,11 @@ pub enum DriverError {
     Inconsistent,
     #[error("no logits to sample from (nothing was evaluated since the state last changed)")]
     NoLogits,
+    /// A [`crate::HostStep`]'s pick needed the row while it was still on the device: the
+    /// caller picks again through [`crate::Slots::step`], which fetches it (nothing was
+    /// drawn or sent before the row was asked for).
+    #[error("the logits row is still on the device")]
+    RowOnDevice,
 }
 
 /// What one [`Conversation::sync`] did.

@@ -24,5 +24,5 @@ pub use driver::{
     Steer, SyncStats,
 };
 pub use error::{error_chain, LoadError};
-pub use slots::{Slots, SlotsError};
+pub use slots::{HostStep, Slots, SlotsError};
 pub use step::StepLogits;

@@ -184,6 +184,34 @@ impl Slots {
         self.has_logits(i).then_some(SlotStep { slots: self, i })
     }
 
+    /// The distributions of slots `ids` for one generation step, each apart from the
+    /// engine and the other slots, so several picks may run at once (a batched step's
+    /// draws: a full-row draw — top-p, top-k, a band the capacity cut short — scans the
+    /// 129,280 logits, and eight of them one after another held the device idle for
+    /// milliseconds each step). The rows those draws are known to need (a slot without a
+    /// band, a band cut short) are fetched first; a pick that still wants a row gets
+    /// [`DriverError::RowOnDevice`] before drawing anything and is picked again through
+    /// [`Slots::step`]. `None` for a slot whose logits are unknown. Naming a slot twice or
+    /// one that does not exist is an error.
+    pub fn host_steps(&mut self, ids: &[usize]) -> Result<Vec<Option<HostStep<'_>>>, DriverError> {
+        named(&mut self.slots, ids, "a step's picks")?;
+        for &i in ids {
+            let short = matches!(&self.slots[i].after, After::Band(b) if !b.is_complete());
+            if short {
+                self.fetch(i)?;
+            }
+        }
+        let named = named(&mut self.slots, ids, "a step's picks")?;
+        Ok(named
+            .into_iter()
+            .map(|s| {
+                (!matches!(s.after, After::Unknown)).then_some(HostStep {
+                    after: &mut s.after,
+                })
+            })
+            .collect())
+    }
+
     /// Decode steps of slot `i`, lone or batched, leave the band of width `span` near the
     /// row's maximum instead of fetching the row (`None`: the row). A generation sets it
     /// from its sampler ([`ds4_engine::SamplerConfig::band_span`]). Off under
@@ -456,6 +484,28 @@ impl StepLogits for SlotStep<'_> {
         match &mut self.slots.slots[self.i].after {
             After::Row(v) => Ok(v),
             _ => Err(DriverError::NoLogits),
+        }
+    }
+}
+
+/// One slot's distribution for a generation step as the host holds it: its row, or the
+/// band of it while the row is in the engine's scratch ([`Slots::host_steps`]).
+pub struct HostStep<'a> {
+    after: &'a mut After,
+}
+
+impl StepLogits for HostStep<'_> {
+    fn band(&self) -> Option<&LogitBand> {
+        match &*self.after {
+            After::Band(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    fn row(&mut self) -> Result<&mut [f32], DriverError> {
+        match &mut *self.after {
+            After::Row(v) => Ok(v),
+            _ => Err(DriverError::RowOnDevice),
         }
     }
 }

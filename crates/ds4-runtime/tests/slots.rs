@@ -562,3 +562,141 @@ fn a_snapshot_into_a_reused_buffer_equals_a_fresh_one() {
     let a = slots.logits(0).unwrap().unwrap().to_vec();
     assert!(a == slots.logits(1).unwrap().unwrap());
 }
+
+/// Wants the row at every step (a steer inside a tool call's structure does).
+struct RowReader;
+impl Steer for RowReader {
+    fn wants_row(&mut self, _: usize) -> bool {
+        true
+    }
+    fn token(&mut self, _: u32) -> ds4_runtime::Flow {
+        ds4_runtime::Flow::Continue
+    }
+}
+
+/// `Slots::host_steps` (the server's picks of a batched step, drawn at once) picks what
+/// `Slots::step` picks, for a greedy band, a min-p band too wide for the device's
+/// capacity (fetched first) and a full-row draw (top-p); a steer that wants a row still on
+/// the device gets `RowOnDevice` before anything is drawn and the pick through `step`
+/// then matches. The committed demo model has the whole vocabulary, so a flat min-p band
+/// overflows `BAND_CAP`.
+#[test]
+fn host_steps_pick_what_slot_steps_pick() {
+    let demo =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/demo/ds4-demo.gguf");
+    let eng = || {
+        let o = LoadOptions {
+            model: demo.clone(),
+            ..opts()
+        };
+        load(&o, &mut std::io::sink()).unwrap().engine
+    };
+    let cfgs = [
+        SamplerConfig {
+            temperature: 0.0,
+            ..SamplerConfig::default()
+        },
+        SamplerConfig {
+            temperature: 3.0,
+            min_p: 0.01,
+            seed: 5,
+            ..SamplerConfig::default()
+        },
+        SamplerConfig {
+            temperature: 1.0,
+            top_p: 0.9,
+            seed: 9,
+            ..SamplerConfig::default()
+        },
+    ];
+    let (mut a, mut b) = (Slots::new(eng(), 3).unwrap(), Slots::new(eng(), 3).unwrap());
+    let mut samplers: Vec<[Sampler; 2]> = cfgs
+        .iter()
+        .map(|c| {
+            [
+                Sampler::new(c.clone()).unwrap(),
+                Sampler::new(c.clone()).unwrap(),
+            ]
+        })
+        .collect();
+    let limits = GenLimits {
+        max_tokens: 100,
+        eos: u32::MAX,
+        ignore_eos: false,
+        feed_all: true,
+    };
+    let mut gens: Vec<[GenState; 2]> = (0..3)
+        .map(|_| [GenState::new(limits), GenState::new(limits)])
+        .collect();
+    for (i, c) in cfgs.iter().enumerate() {
+        let p = prompt(9 + 4 * i, 20 + i as u32);
+        a.prefill(i, &p).unwrap();
+        b.prefill(i, &p).unwrap();
+        a.set_band(i, c.band_span());
+        b.set_band(i, c.band_span());
+    }
+    let never = AtomicBool::new(false);
+    let ids = [0usize, 1, 2];
+    let (mut short, mut refetched) = (false, false);
+    for step in 0..6 {
+        short |= b.step(1).unwrap().band().is_some_and(|x| !x.is_complete());
+        let mut want = Vec::new();
+        for &i in &ids {
+            let d = &mut b.step(i).unwrap();
+            let p = if step == 3 && i == 0 {
+                gens[i][1].pick(d, &mut samplers[i][1], &never, &mut RowReader)
+            } else {
+                gens[i][1].pick(d, &mut samplers[i][1], &never, &mut Plain)
+            };
+            want.push(p.unwrap());
+        }
+        let mut got: Vec<Option<Pick>> = Vec::new();
+        {
+            let steps = a.host_steps(&ids).unwrap();
+            for (k, st) in steps.into_iter().enumerate() {
+                let mut st = st.expect("every slot has logits");
+                let [g, _] = &mut gens[k];
+                let [s, _] = &mut samplers[k];
+                let r = if step == 3 && k == 0 {
+                    g.pick(&mut st, s, &never, &mut RowReader)
+                } else {
+                    g.pick(&mut st, s, &never, &mut Plain)
+                };
+                match r {
+                    Ok(p) => got.push(Some(p)),
+                    Err(ds4_runtime::DriverError::RowOnDevice) => got.push(None),
+                    Err(e) => panic!("step {step} slot {k}: {e}"),
+                }
+            }
+        }
+        for (k, g) in got.iter_mut().enumerate() {
+            if g.is_none() {
+                assert_eq!((step, k), (3, 0), "only the row reader's band pick defers");
+                refetched = true;
+                let d = &mut a.step(k).unwrap();
+                let [gs, _] = &mut gens[k];
+                let [s, _] = &mut samplers[k];
+                *g = Some(gs.pick(d, s, &never, &mut RowReader).unwrap());
+            }
+        }
+        let got: Vec<Pick> = got.into_iter().map(Option::unwrap).collect();
+        assert_eq!(got, want, "step {step}");
+        let feeds: Vec<(usize, u32)> = got
+            .iter()
+            .zip(&ids)
+            .map(|(p, &i)| match p {
+                Pick::Feed { tok, .. } => (i, *tok),
+                Pick::Stop(s) => panic!("slot {i} stopped: {s:?}"),
+            })
+            .collect();
+        a.decode(&feeds).unwrap();
+        b.decode(&feeds).unwrap();
+    }
+    assert!(
+        short,
+        "the flat min-p band never overflowed the device's capacity"
+    );
+    assert!(refetched);
+    assert!(a.host_steps(&[1, 1]).is_err());
+    assert!(a.host_steps(&[3]).is_err());
+}

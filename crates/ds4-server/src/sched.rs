@@ -65,6 +65,13 @@ pub(crate) struct Task<'t> {
     /// Time spent keeping the prompt's state for reuse (the turn snapshot): its logits row
     /// at the prompt's end, its state once the first token has gone out.
     pub snapshot_time: std::time::Duration,
+    /// Host time picking this job's tokens and sending them (sampling, detokenizing, the
+    /// stream's events): the scheduler does it between two forward steps, so with N
+    /// streams each step waits for N of these.
+    pub pick_time: std::time::Duration,
+    /// Wall time of the scheduler's decode steps that fed this job, picks and snapshots of
+    /// every slot included: what `decode_time` leaves of it is the step's host work.
+    pub step_time: std::time::Duration,
     /// The turn snapshot's first half, waiting for the first token to go out.
     pub turn: Option<crate::reuse::TurnSnap>,
 }
@@ -93,6 +100,9 @@ pub struct Worker {
     /// in one step ([`Slots::prefill_joint`]); `None`: one piece per step
     /// (`DS4_JOINT_PREFILL=0`, or an engine that cannot).
     joint_min: Option<usize>,
+    /// Whether a step's picks draw at once ([`Worker::pick_all`]; off under
+    /// `DS4_PARALLEL_PICKS=0`).
+    parallel_picks: bool,
     /// Most tokens of one forward pass (the engine's prefill chunk).
     chunk: usize,
     /// In-memory turn snapshots, shared by the slots (any slot can restore one).
@@ -124,6 +134,10 @@ pub(crate) fn engine_err(e: impl std::fmt::Display) -> ApiError {
 /// `DS4_JOINT_PREFILL=0` evaluates one prompt piece per step even where several could run
 /// in one forward pass (A/B; docs/server.md §9).
 pub const JOINT_PREFILL_ENV: &str = "DS4_JOINT_PREFILL";
+
+/// `DS4_PARALLEL_PICKS=0` draws a step's tokens one slot after another (A/B; docs/server.md
+/// §9).
+pub const PARALLEL_PICKS_ENV: &str = "DS4_PARALLEL_PICKS";
 
 /// Prompt tokens a task has still to evaluate (`None`: it is generating).
 fn remaining(t: &Task<'_>) -> Option<usize> {
@@ -265,6 +279,9 @@ impl Worker {
             ctx,
             piece,
             joint_min,
+            parallel_picks: ds4_runtime::load::switch_on(
+                std::env::var(PARALLEL_PICKS_ENV).ok().as_deref(),
+            ),
             chunk,
             snapshots: VecDeque::new(),
             disk,
@@ -466,6 +483,8 @@ impl Worker {
                 decode_time: std::time::Duration::ZERO,
                 wait_ns: 0,
                 snapshot_time: std::time::Duration::ZERO,
+                pick_time: std::time::Duration::ZERO,
+                step_time: std::time::Duration::ZERO,
                 turn: None,
                 phase: Phase::Prefill {
                     tokens: suffix,
@@ -711,21 +730,96 @@ impl Worker {
         }
     }
 
+    /// Every generating slot's pick for this step, in slot order (`ids`). Two or more
+    /// draw at once on the thread pool: each touches only its own generation and its
+    /// slot's logits ([`Slots::host_steps`]), and a full-row draw (top-p, top-k, a min-p
+    /// band the device's capacity cut short) scans the whole vocabulary — one after
+    /// another they held the device idle for milliseconds a step (docs/server.md §9). A
+    /// pick that wanted a row still on the device, and every pick when the rows could not
+    /// be fetched, runs again alone (nothing was drawn or sent by the first try).
+    fn pick_all(
+        &mut self,
+        tasks: &mut [Option<Task<'_>>],
+        ids: &[usize],
+    ) -> Vec<Result<Pick, ds4_runtime::DriverError>> {
+        use rayon::prelude::*;
+        let mut out: Vec<Option<Result<Pick, ds4_runtime::DriverError>>> =
+            ids.iter().map(|_| None).collect();
+        let (stats, cfg, shutdown) = (&self.stats, &self.cfg, &self.shutdown);
+        if ids.len() > 1 && self.parallel_picks {
+            if let Ok(steps) = self.slots.host_steps(ids) {
+                let mut work: Vec<_> = tasks
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| ids.contains(i))
+                    .filter_map(|(_, t)| t.as_mut())
+                    .zip(steps)
+                    .zip(out.iter_mut())
+                    .collect();
+                work.par_iter_mut().for_each(|((task, step), slot)| {
+                    let Phase::Decode(gen) = &mut task.phase else {
+                        return;
+                    };
+                    let t_pick = Instant::now();
+                    **slot = Some(match step {
+                        None => Err(ds4_runtime::DriverError::NoLogits),
+                        Some(d) => gen.pick(&task.job, d, stats, cfg, shutdown),
+                    });
+                    task.pick_time += t_pick.elapsed();
+                });
+            }
+        }
+        ids.iter()
+            .zip(out)
+            .map(|(&i, done)| match done {
+                Some(r) if !matches!(r, Err(ds4_runtime::DriverError::RowOnDevice)) => r,
+                _ => {
+                    let Some(Task {
+                        phase: Phase::Decode(gen),
+                        job,
+                        pick_time,
+                        ..
+                    }) = tasks[i].as_mut()
+                    else {
+                        return Err(ds4_runtime::DriverError::NoLogits);
+                    };
+                    let t_pick = Instant::now();
+                    let r = match self.slots.step(i) {
+                        None => Err(ds4_runtime::DriverError::NoLogits),
+                        Some(mut d) => gen.pick(job, &mut d, stats, cfg, shutdown),
+                    };
+                    *pick_time += t_pick.elapsed();
+                    r
+                }
+            })
+            .collect()
+    }
+
     /// One token for every generating slot: each picks its token, then all are fed in one
     /// batched forward step; slots whose generation ended are finished.
     fn decode_step(&mut self, tasks: &mut [Option<Task<'_>>]) {
+        let t_enter = Instant::now();
+        let ids: Vec<usize> = tasks
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| {
+                matches!(
+                    t,
+                    Some(Task {
+                        phase: Phase::Decode(_),
+                        ..
+                    })
+                )
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let picks = self.pick_all(tasks, &ids);
         let mut feeds = Vec::new();
         let mut flows = Vec::new();
-        for (i, entry) in tasks.iter_mut().enumerate() {
+        for (&i, picked) in ids.iter().zip(picks) {
+            let entry = &mut tasks[i];
             let Some(task) = entry.as_mut() else {
                 continue;
-            };
-            let Phase::Decode(gen) = &mut task.phase else {
-                continue;
-            };
-            let picked = match self.slots.step(i) {
-                None => Err(ds4_runtime::DriverError::NoLogits),
-                Some(mut d) => gen.pick(&task.job, &mut d, &self.stats, &self.cfg, &self.shutdown),
             };
             // The first token has gone out: the prompt's state, not yet fed anything, is
             // kept now (before this step feeds it, or before the job ends).
@@ -785,6 +879,12 @@ impl Worker {
                 self.disk_save(i, "continued");
             }
         }
+        let whole = t_enter.elapsed();
+        for &(i, _) in &feeds {
+            if let Some(t) = tasks[i].as_mut() {
+                t.step_time += whole;
+            }
+        }
         if let Some(d) = self.cfg.token_delay {
             if tasks.iter().any(Option::is_some) {
                 std::thread::sleep(d);
@@ -832,6 +932,8 @@ impl Worker {
             decode_ms = task.decode_time.as_millis() as u64,
             decode_wait_ms = task.wait_ns / 1_000_000,
             snapshot_ms = task.snapshot_time.as_millis() as u64,
+            pick_us = task.pick_time.as_micros() as u64,
+            steps_ms = task.step_time.as_millis() as u64,
             total_ms = task.t0.elapsed().as_millis() as u64,
             "request done"
         );

@@ -15,7 +15,14 @@ With --sdk the clients are the OpenAI Python SDK's (`openai`, pinned in requirem
 one client object per stream, its streaming iterator timed per chunk) instead of http.client:
 the same requests and measures through the SDK users run.
 
-usage: throughput.py URL C [MAX_TOKENS=64] [PROMPT_WORDS=20] [--long-prompt-words N] [--long-after S] [--sdk]
+By default the requests use the chat's default thinking mode, where the server applies
+DeepSeek's recommended sampler (temperature 1, min-p 0.05) whatever the request says; with
+--no-think they send `"thinking": false`, so their temperature 0 holds (greedy draws: a
+few bytes of band per token, as a real model's peaked distributions mostly need; the
+synthetic models' nearly flat logits make every min-p draw a full-row draw, docs/server.md
+§9).
+
+usage: throughput.py URL C [MAX_TOKENS=64] [PROMPT_WORDS=20] [--long-prompt-words N] [--long-after S] [--sdk] [--no-think]
 """
 
 import http.client
@@ -25,6 +32,9 @@ import sys
 import threading
 import time
 import urllib.parse
+
+
+EXTRA = {}
 
 
 def one_stream(url, i, max_tokens, words, out):
@@ -38,6 +48,7 @@ def one_stream(url, i, max_tokens, words, out):
         "max_tokens": max_tokens,
         "temperature": 0,
         "messages": [{"role": "user", "content": f"{prompt} (stream {i})"}],
+        **EXTRA,
     })
     t0 = time.monotonic()
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -76,6 +87,7 @@ def one_stream_sdk(url, i, max_tokens, words, out):
         max_tokens=max_tokens,
         temperature=0,
         messages=[{"role": "user", "content": f"{prompt} (stream {i})"}],
+        extra_body=EXTRA or None,
     )
     stamps, usage = [], None
     for chunk in stream:
@@ -94,6 +106,9 @@ def main():
     if "--sdk" in args:
         args.remove("--sdk")
         stream_fn = one_stream_sdk
+    if "--no-think" in args:
+        args.remove("--no-think")
+        EXTRA["thinking"] = False
     opts = {}
     for flag in ("--long-prompt-words", "--long-after"):
         if flag in args:

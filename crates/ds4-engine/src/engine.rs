@@ -366,6 +366,24 @@ impl Engine {
         Ok(())
     }
 
+    /// Rows `first .. first + n` of the last evaluation's logits, one after another into
+    /// `out` (`n · n_vocab` values): several rows of a batched step in one read-back
+    /// instead of a wait per row.
+    pub fn batch_rows_into(&mut self, first: usize, n: usize, out: &mut Vec<f32>) -> Result<()> {
+        let v = self.spec.hparams.n_vocab;
+        let s = self.scratch.as_ref().ok_or(EngineError::Empty)?;
+        if first.checked_add(n).is_none_or(|end| end > s.logit_rows) {
+            return Err(EngineError::Config(format!(
+                "logits rows {first}..{first}+{n} of a scratch of {} rows",
+                s.logit_rows
+            )));
+        }
+        out.clear();
+        out.resize(n * v, 0.0);
+        self.backend.download(s.logits.rows(first, n, v), out)?;
+        Ok(())
+    }
+
     /// [`Engine::eval_batch`] that leaves the rows on the device: for each state given a
     /// span, the band of its row within `span` of the maximum (as [`Engine::eval_band`]:
     /// a sampler whose draw needs only that reads back a few hundred bytes instead of the

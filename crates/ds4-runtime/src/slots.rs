@@ -72,6 +72,8 @@ pub struct Slots {
     banded: Vec<(usize, usize)>,
     /// `DS4_SAMPLE_BAND` (on unless `0`): whether [`Slots::set_band`] takes effect.
     band_on: bool,
+    /// Staging for [`Slots::fetch_rows`] (kept: several MB each step otherwise).
+    rows_buf: Vec<f32>,
 }
 
 impl std::fmt::Debug for Slots {
@@ -119,6 +121,7 @@ impl Slots {
             slots,
             banded: Vec::new(),
             band_on,
+            rows_buf: Vec::new(),
         })
     }
 
@@ -195,12 +198,14 @@ impl Slots {
     /// one that does not exist is an error.
     pub fn host_steps(&mut self, ids: &[usize]) -> Result<Vec<Option<HostStep<'_>>>, DriverError> {
         named(&mut self.slots, ids, "a step's picks")?;
-        for &i in ids {
-            let short = matches!(&self.slots[i].after, After::Band(b) if !b.is_complete());
-            if short {
-                self.fetch(i)?;
-            }
-        }
+        let short: Vec<(usize, usize)> = self
+            .banded
+            .iter()
+            .copied()
+            .filter(|&(i, _)| ids.contains(&i))
+            .filter(|&(i, _)| matches!(&self.slots[i].after, After::Band(b) if !b.is_complete()))
+            .collect();
+        self.fetch_rows(&short)?;
         let named = named(&mut self.slots, ids, "a step's picks")?;
         Ok(named
             .into_iter()
@@ -244,6 +249,38 @@ impl Slots {
             return Err(e.into());
         }
         s.after = After::Row(buf);
+        Ok(())
+    }
+
+    /// Fetches the rows of the banded slots `wanted` ((slot, row) pairs of
+    /// [`Slots::banded`]) in one read-back of the rows they span; one row is a plain
+    /// [`Slots::fetch`]. On failure the slots stay banded (their rows are intact).
+    fn fetch_rows(&mut self, wanted: &[(usize, usize)]) -> Result<(), DriverError> {
+        let (Some(lo), Some(hi)) = (
+            wanted.iter().map(|w| w.1).min(),
+            wanted.iter().map(|w| w.1).max(),
+        ) else {
+            return Ok(());
+        };
+        if wanted.len() == 1 {
+            return self.fetch(wanted[0].0);
+        }
+        let mut all = std::mem::take(&mut self.rows_buf);
+        let r = self.engine.batch_rows_into(lo, hi - lo + 1, &mut all);
+        if let Err(e) = r {
+            self.rows_buf = all;
+            return Err(e.into());
+        }
+        let v = all.len() / (hi - lo + 1);
+        for &(i, row) in wanted {
+            self.banded.retain(|b| b.0 != i);
+            let s = &mut self.slots[i];
+            let mut buf = s.take_buf();
+            buf.clear();
+            buf.extend_from_slice(&all[(row - lo) * v..(row - lo + 1) * v]);
+            s.after = After::Row(buf);
+        }
+        self.rows_buf = all;
         Ok(())
     }
 

@@ -575,8 +575,8 @@ impl Steer for RowReader {
 }
 
 /// `Slots::host_steps` (the server's picks of a batched step, drawn at once) picks what
-/// `Slots::step` picks, for a greedy band, a min-p band too wide for the device's
-/// capacity (fetched first) and a full-row draw (top-p); a steer that wants a row still on
+/// `Slots::step` picks, for a greedy band, two min-p bands too wide for the device's
+/// capacity (fetched first, in one read-back) and a full-row draw (top-p); a steer that wants a row still on
 /// the device gets `RowOnDevice` before anything is drawn and the pick through `step`
 /// then matches. The committed demo model has the whole vocabulary, so a flat min-p band
 /// overflows `BAND_CAP`.
@@ -608,8 +608,14 @@ fn host_steps_pick_what_slot_steps_pick() {
             seed: 9,
             ..SamplerConfig::default()
         },
+        SamplerConfig {
+            temperature: 2.5,
+            min_p: 0.02,
+            seed: 11,
+            ..SamplerConfig::default()
+        },
     ];
-    let (mut a, mut b) = (Slots::new(eng(), 3).unwrap(), Slots::new(eng(), 3).unwrap());
+    let (mut a, mut b) = (Slots::new(eng(), 4).unwrap(), Slots::new(eng(), 4).unwrap());
     let mut samplers: Vec<[Sampler; 2]> = cfgs
         .iter()
         .map(|c| {
@@ -625,7 +631,7 @@ fn host_steps_pick_what_slot_steps_pick() {
         ignore_eos: false,
         feed_all: true,
     };
-    let mut gens: Vec<[GenState; 2]> = (0..3)
+    let mut gens: Vec<[GenState; 2]> = (0..4)
         .map(|_| [GenState::new(limits), GenState::new(limits)])
         .collect();
     for (i, c) in cfgs.iter().enumerate() {
@@ -636,10 +642,13 @@ fn host_steps_pick_what_slot_steps_pick() {
         b.set_band(i, c.band_span());
     }
     let never = AtomicBool::new(false);
-    let ids = [0usize, 1, 2];
+    let ids = [0usize, 1, 2, 3];
     let (mut short, mut refetched) = (false, false);
     for step in 0..6 {
-        short |= b.step(1).unwrap().band().is_some_and(|x| !x.is_complete());
+        // Two short bands (slots 1 and 3): one read-back of the rows they span.
+        short |= [1, 3]
+            .iter()
+            .all(|&i| b.step(i).unwrap().band().is_some_and(|x| !x.is_complete()));
         let mut want = Vec::new();
         for &i in &ids {
             let d = &mut b.step(i).unwrap();
@@ -698,5 +707,5 @@ fn host_steps_pick_what_slot_steps_pick() {
     );
     assert!(refetched);
     assert!(a.host_steps(&[1, 1]).is_err());
-    assert!(a.host_steps(&[3]).is_err());
+    assert!(a.host_steps(&[4]).is_err());
 }

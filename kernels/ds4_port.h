@@ -107,6 +107,9 @@ __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) {
 #endif
 }
 
+// Set bits of x (HIP and CUDA both have __popc).
+__device__ __forceinline__ int ds4_popc(ds4_u32 x) { return __popc(x); }
+
 // As the CUDA versions below: two binary16 products (the exact f32 product rounded once,
 // which is the IEEE half product), and a byte select from y:x.
 __device__ __forceinline__ ds4_u32 ds4_hmul2(ds4_u32 a, ds4_u32 b) {
@@ -180,6 +183,7 @@ __device__ __forceinline__ ds4_u32 ds4_f2h2(float lo, float hi) {
 
 // Signed 4x8-bit dot product plus c: one dp4a instruction (sm_61 and later).
 __device__ __forceinline__ int ds4_dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+__device__ __forceinline__ int ds4_popc(ds4_u32 x) { return __popc(x); }
 
 // Two IEEE binary16 products in one register (each half times the same half of b), round
 // to nearest even, subnormals kept: one mul.rn.f16x2.

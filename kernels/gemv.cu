@@ -1156,6 +1156,12 @@ struct Ds4Q4Kx : Ds4Q4K {
 #ifndef DS4_IQ2_MASK_TABLE
 #define DS4_IQ2_MASK_TABLE (DS4_IQ2_GRID_COPIES > 1)
 #endif
+// -DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1: the masks from the sign index's bits and
+// parity with integer ops only (no shared-memory read for them; an A/B for the batched
+// step's routed gate/up GEMV, whose L1/shared pipe and issue slots both ran near 65 %).
+#ifndef DS4_IQ2_SIGNS_ALU
+#define DS4_IQ2_SIGNS_ALU 0
+#endif
 #define DS4_IQ2_GRID_SMEM \
     (DS4_IQ2_GRID_COPIES > 1 ? (256 + (DS4_IQ2_MASK_TABLE ? 128 : 0)) * 8 * DS4_IQ2_GRID_COPIES : 0)
 static_assert((DS4_IQ2_GRID_COPIES & (DS4_IQ2_GRID_COPIES - 1)) == 0 &&
@@ -1250,7 +1256,13 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
                     mlo = (ds4_u32)m;
                     mhi = (ds4_u32)(m >> 32);
                 } else {
+#if DS4_IQ2_SIGNS_ALU
+                    // The sign byte is the 7 stored bits and their parity as bit 7
+                    // (ds4_iq2xxs_ksigns' definition): no table read.
+                    const ds4_u32 sg = si | ((ds4_u32)(ds4_popc(si) & 1) << 7);
+#else
                     const ds4_u32 sg = tb.signs[si];
+#endif
                     mlo = ds4_sign_mask4(sg & 15u);
                     mhi = ds4_sign_mask4(sg >> 4);
                 }

@@ -173,6 +173,7 @@ static inline ds4_u32 ds4_byte_perm(ds4_u32 x, ds4_u32 y, ds4_u32 s) {
     return r;
 }
 
+static inline int ds4_popc(ds4_u32 x) { return __builtin_popcount(x); }
 static inline int ds4_dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(ds4_i8)((a >> (8 * i)) & 0xff) * (int)(ds4_i8)((b >> (8 * i)) & 0xff);
     return c;

@@ -62,6 +62,22 @@ fn compiler() -> String {
     std::env::var("CXX").unwrap_or_else(|_| "c++".into())
 }
 
+/// `-fno-gnu-unique` for GCC. GCC gives the static locals of inline functions and
+/// templates — here the kernels' `__shared__` arrays, emulated as function statics — the
+/// binding STB_GNU_UNIQUE: one object per process across every library loaded, even with
+/// RTLD_LOCAL. Two builds with different defines in one test process then shared each
+/// other's "shared memory" (a build whose table array was smaller, loaded first, made the
+/// default build's IQ2_XXS rows wrong). Clang emits no such symbols and has no such flag.
+fn gnu_unique_off() -> Vec<&'static str> {
+    let version = Command::new(compiler()).arg("--version").output();
+    let clang = version.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("clang"));
+    if clang {
+        Vec::new()
+    } else {
+        vec!["-fno-gnu-unique"]
+    }
+}
+
 fn run(cmd: &mut Command, what: &str) -> Result<Vec<u8>, EmuError> {
     let out = cmd
         .output()
@@ -118,6 +134,7 @@ impl EmuKernels {
         h.update(CPU_PORT_H.as_bytes());
         h.update(RUNTIME_CPP.as_bytes());
         h.update(compiler().as_bytes());
+        h.update(b"-fno-gnu-unique");
         for k in ALL {
             h.update(k.hash());
         }
@@ -167,6 +184,7 @@ impl EmuKernels {
                 "-ffp-contract=off",
                 "-w",
             ])
+            .args(gnu_unique_off())
             .args(extra)
             .args(&units)
             .arg("-o")

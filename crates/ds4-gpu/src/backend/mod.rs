@@ -604,8 +604,10 @@ pub struct GpuBackend<D: GpuApi> {
     /// values as the per-matrix grids, docs/gpu.md §25); `DS4_GROUPED_FLAT=0`: never.
     pub(crate) grouped_flat: bool,
     /// Mixing partials of several tokens with four tokens per block
-    /// (`ds4_hc_mix_part_tpb_*`, the same values, docs/gpu.md §11); `DS4_HC_MIX_TPB=0`:
-    /// a block per token.
+    /// (`ds4_hc_mix_part_tpb_*`, the same values, docs/gpu.md §11). Opt-in
+    /// (`DS4_HC_MIX_TPB=1`) until a GPU run has checked that batched rows stay the bits of
+    /// rows decoded alone with it (the emulation cannot see the GPU compiler's FMA
+    /// contraction).
     pub(crate) hc_mix_tpb: bool,
     /// Matmuls of one input at decode rows (`matmul_set`, `matmul_pair`) quantize it once
     /// (docs/gpu.md §29); `DS4_Q8_INPUT_ONCE=0`: once per matrix.
@@ -1038,7 +1040,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 .unwrap_or(0)
                 .saturating_mul(sms),
             grouped_flat: env_on("DS4_GROUPED_FLAT"),
-            hc_mix_tpb: env_on("DS4_HC_MIX_TPB"),
+            hc_mix_tpb: std::env::var("DS4_HC_MIX_TPB").is_ok_and(|v| v.trim() == "1"),
             q8_input_once: env_on("DS4_Q8_INPUT_ONCE"),
             q8_input_memo: None,
             hc_post4: if env_on("DS4_HC_POST4") {

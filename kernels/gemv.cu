@@ -1158,7 +1158,8 @@ struct Ds4Q4Kx : Ds4Q4K {
 #endif
 // -DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1: the masks from the sign index's bits and
 // parity with integer ops only (no shared-memory read for them; an A/B for the batched
-// step's routed gate/up GEMV, whose L1/shared pipe and issue slots both ran near 65 %).
+// step's routed gate/up GEMV, whose L1/shared pipe and issue slots both ran near 65 %;
+// measured slower on an H100, docs/gpu.md §20).
 #ifndef DS4_IQ2_SIGNS_ALU
 #define DS4_IQ2_SIGNS_ALU 0
 #endif

@@ -3,10 +3,10 @@
 # repository root on a machine with an NVIDIA GPU, the stripped binaries (ds4-bench,
 # ds4-engine-check, ds4-convert, ds4-server) in $BIN (default ./bin), logs into $OUT
 # (default ./out). Build them as tools/device/h200-checks.sh says (add -p ds4-server).
-#   1. ds4-engine-check batch with DS4_HC_MIX_TPB=1: batched rows still the bits of rows
-#      decoded alone with four tokens per HC-mixing block (docs/gpu.md §11)
-#   2. the batched step at 1 and 8 sequences: default, DS4_HC_MIX_TPB=1, the IQ2_XXS sign
-#      masks by integer ops (docs/gpu.md §20), twice each
+#   1. ds4-engine-check batch: batched rows the bits of rows decoded alone
+#   2. the batched step at 1 and 8 sequences: default and the IQ2_XXS sign masks by
+#      integer ops (docs/gpu.md §20), alternating (the 2026-12-06 run also had a
+#      four-token HC-mixing block, since removed: docs/gpu.md §11)
 #   3. ds4-server --parallel 8 with DS4_PARALLEL_PICKS=0 and default (docs/server.md §9):
 #      1 and 8 clients (thinking default: full-row draws on the synthetic model; --no-think:
 #      greedy), then 2, 4, 16 clients; the "request done" means of pick_us and steps_ms
@@ -18,13 +18,12 @@ L=36; echo "$G" | grep -q H200 && L=43
 W=${W:-/tmp/w}; mkdir -p $W; V=tests/fixtures/vocab/deepseek-v4-vocab.gguf
 date +%T
 ds4-convert synthetic --quiet --layout q2 --layers 4 --vocab-gguf $V $W/s4.gguf > /dev/null
-echo "== batch bit-exact with DS4_HC_MIX_TPB=1 (4-layer real dims)"
-DS4_HC_MIX_TPB=1 timeout 100 ds4-engine-check batch $W/s4.gguf --tiny 0 --tokens 20 --act-q8 --seqs 16 --gpu-only > $OUT/b.log 2>&1; grep -E "cuda|PASSED|FAIL|rror" $OUT/b.log | cut -c1-300
+echo "== batch bit-exact (4-layer real dims)"
+timeout 100 ds4-engine-check batch $W/s4.gguf --tiny 0 --tokens 20 --act-q8 --seqs 16 --gpu-only > $OUT/b.log 2>&1; grep -E "cuda|PASSED|FAIL|rror" $OUT/b.log | cut -c1-300
 echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
-for D in "" "HC1" "-DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1" "" "HC1" "-DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1"; do
-  H=0; [ "$D" = HC1 ] && { H=1; D=""; }
-  DS4_HC_MIX_TPB=$H DS4_GEMV_DEFINES="$D" timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $OUT/ab.log 2>&1
-  echo "[$D hc_tpb=$H] $(grep -E '^batch ' $OUT/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"
+for D in "" "-DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1" "" "-DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1"; do
+  DS4_GEMV_DEFINES="$D" timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $OUT/ab.log 2>&1
+  echo "[$D] $(grep -E '^batch ' $OUT/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"
 done
 date +%T
 timeout 100 ds4-convert synthetic --quiet --layout q2 --layers $L --sparse-experts --vocab-gguf $V $W/q.gguf > /dev/null

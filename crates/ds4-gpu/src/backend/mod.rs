@@ -603,10 +603,6 @@ pub struct GpuBackend<D: GpuApi> {
     /// A batched step's routed-expert GEMVs on one flat grid (`ds4_gemv_flat_*`, the same
     /// values as the per-matrix grids, docs/gpu.md §25); `DS4_GROUPED_FLAT=0`: never.
     pub(crate) grouped_flat: bool,
-    /// Mixing partials of several tokens with four tokens per block
-    /// (`ds4_hc_mix_part_tpb_*`, the same values, docs/gpu.md §11). Opt-in
-    /// (`DS4_HC_MIX_TPB=1`): bit-exact on an H100 but measured slower at 8 sequences.
-    pub(crate) hc_mix_tpb: bool,
     /// Matmuls of one input at decode rows (`matmul_set`, `matmul_pair`) quantize it once
     /// (docs/gpu.md §29); `DS4_Q8_INPUT_ONCE=0`: once per matrix.
     pub(crate) q8_input_once: bool,
@@ -833,8 +829,6 @@ const OP_KERNELS: &[&str] = &[
     "ds4_hc_pre_regs",
     "ds4_hc_mix_part_f16",
     "ds4_hc_mix_part_f32",
-    "ds4_hc_mix_part_tpb_f16",
-    "ds4_hc_mix_part_tpb_f32",
     "ds4_hc_mix_apply",
     "ds4_repeat_rows",
     "ds4_hc_post",
@@ -1038,7 +1032,6 @@ impl<D: GpuApi> GpuBackend<D> {
                 .unwrap_or(0)
                 .saturating_mul(sms),
             grouped_flat: env_on("DS4_GROUPED_FLAT"),
-            hc_mix_tpb: std::env::var("DS4_HC_MIX_TPB").is_ok_and(|v| v.trim() == "1"),
             q8_input_once: env_on("DS4_Q8_INPUT_ONCE"),
             q8_input_memo: None,
             hc_post4: if env_on("DS4_HC_POST4") {

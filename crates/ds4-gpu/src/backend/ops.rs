@@ -220,8 +220,6 @@ pub(crate) const HC_MIX_GRAM: usize = 10;
 pub(crate) const HC_MIX_THREADS: u32 = 256;
 /// Most partial blocks per token `ds4_hc_mix_apply` stages (DS4_HCM_PARTS): width ≤ 64 × 64.
 pub(crate) const HC_MIX_MAX_PARTS: usize = 64;
-/// Tokens per block of `ds4_hc_mix_part_tpb_*` (`DS4_HCM_TPB`).
-pub(crate) const HC_MIX_TPB: usize = 4;
 
 /// `ds4_router_warp` (kernels/ops.cu): experts per token it holds (32 lanes x
 /// DS4_RW_PER_LANE), most selections (one per lane) and tokens per 256-thread block.
@@ -1531,12 +1529,9 @@ impl<D: GpuApi> GpuBackend<D> {
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
         let nm = 2 * n + n * n;
         let gw = self.weight(fn_, OP)?;
-        let tpb = self.hc_mix_tpb && t > 1;
-        let kernel = match (gw.info.ty, tpb) {
-            (GgmlType::F16, false) => "ds4_hc_mix_part_f16",
-            (GgmlType::F32, false) => "ds4_hc_mix_part_f32",
-            (GgmlType::F16, true) => "ds4_hc_mix_part_tpb_f16",
-            (GgmlType::F32, true) => "ds4_hc_mix_part_tpb_f32",
+        let kernel = match gw.info.ty {
+            GgmlType::F16 => "ds4_hc_mix_part_f16",
+            GgmlType::F32 => "ds4_hc_mix_part_f32",
             _ => return Ok(false),
         };
         let fits = t > 0
@@ -1582,13 +1577,7 @@ impl<D: GpuApi> GpuBackend<D> {
         args.extend(dims);
         args.extend([Arg::Ptr(pf), Arg::Ptr(pd)]);
         args.extend(prev_ptrs.map(Arg::Ptr));
-        if tpb {
-            args.push(i32a(OP, "tokens", t)?);
-            let rows = g32(t.div_ceil(HC_MIX_TPB));
-            self.launch(kernel, (g32(nb), rows, 1), HC_MIX_THREADS, &args)?;
-        } else {
-            self.launch(kernel, (g32(nb), g32(t), 1), HC_MIX_THREADS, &args)?;
-        }
+        self.launch(kernel, (g32(nb), g32(t), 1), HC_MIX_THREADS, &args)?;
         let (bp, sp) = (self.wvec(base, OP, nm)?, self.wvec(scale, OP, 3)?);
         let (nw, np) = (self.wvec(norm, OP, d)?, self.fptr(out.sub(0, t * d), OP)?);
         let args = [

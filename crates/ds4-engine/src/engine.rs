@@ -352,18 +352,7 @@ impl Engine {
     /// Row `row` of the logits a batched step left in the scratch ([`Engine::eval_batch_bands`]),
     /// into `out` (cleared first).
     pub fn batch_row_into(&mut self, row: usize, out: &mut Vec<f32>) -> Result<()> {
-        let v = self.spec.hparams.n_vocab;
-        let s = self.scratch.as_ref().ok_or(EngineError::Empty)?;
-        if row >= s.logit_rows {
-            return Err(EngineError::Config(format!(
-                "logits row {row} of a scratch of {} rows",
-                s.logit_rows
-            )));
-        }
-        out.clear();
-        out.resize(v, 0.0);
-        self.backend.download(s.logits.rows(row, 1, v), out)?;
-        Ok(())
+        self.batch_rows_into(row, 1, out)
     }
 
     /// Rows `first .. first + n` of the last evaluation's logits, one after another into

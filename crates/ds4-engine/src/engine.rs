@@ -231,6 +231,13 @@ impl Engine {
         state.snapshot(self.backend.as_mut(), buf)
     }
 
+    /// The length in bytes of the snapshot [`Engine::snapshot`] would make of `state` now,
+    /// computed without reading the device.
+    pub fn snapshot_len(&self, state: &KvState) -> Result<usize> {
+        self.check_state(state)?;
+        Ok(state.snapshot_len())
+    }
+
     pub fn restore(&mut self, state: &mut KvState, snap: &Snapshot) -> Result<()> {
         self.check_state(state)?;
         state.restore(self.backend.as_mut(), snap)

@@ -7,7 +7,7 @@
 
 use ds4_model::{AttnKind, HParams};
 
-use crate::backend::{Backend, Buf, CompressorArgs};
+use crate::backend::{Backend, Buf, CompressorArgs, Slice};
 use crate::error::{EngineError, Result};
 
 /// One compressor's state: accumulator and the rows it has emitted.
@@ -163,13 +163,9 @@ impl KvState {
         Ok(())
     }
 
-    /// Serialises the state (only the rows in use). The size is known before anything is
-    /// downloaded, so the bytes are written once into one allocation; values are copied in
-    /// bulk and the checksum is CRC-32 (the server snapshots every prompt before its first
-    /// decoded token, so this sits on the time to the first token: docs/forward.md §8.3).
-    /// `buf`'s allocation is reused (a snapshot about to be dropped: its pages are already
-    /// mapped, which saves faulting in tens of MB again).
-    pub(crate) fn snapshot(&self, be: &mut dyn Backend, buf: Vec<u8>) -> Result<Snapshot> {
+    /// The device ranges a snapshot holds, in the order it writes them: per layer the ring,
+    /// then each compressor's accumulator and the compressed rows in use.
+    fn snapshot_slices(&self) -> Vec<Slice> {
         let pos = self.pos();
         let mut slices = Vec::new();
         for l in &self.layers {
@@ -179,10 +175,27 @@ impl KvState {
                 slices.push(c.rows.rows(0, c.rows_at(pos), c.width));
             }
         }
-        let values: usize = slices.iter().map(|s| s.len).sum();
+        slices
+    }
+
+    /// The bytes [`KvState::snapshot`] would write now, known without reading the device
+    /// (the server uses it to tell which of a step's turn snapshots it will keep).
+    pub(crate) fn snapshot_len(&self) -> usize {
+        let values: usize = self.snapshot_slices().iter().map(|s| s.len).sum();
+        SNAPSHOT_HEAD + 4 * (self.tokens.len() + values) + 4
+    }
+
+    /// Serialises the state (only the rows in use). The size is known before anything is
+    /// downloaded, so the bytes are written once into one allocation; values are copied in
+    /// bulk and the checksum is CRC-32 (the server snapshots every prompt before its first
+    /// decoded token, so this sits on the time to the first token: docs/forward.md §8.3).
+    /// `buf`'s allocation is reused (a snapshot about to be dropped: its pages are already
+    /// mapped, which saves faulting in tens of MB again).
+    pub(crate) fn snapshot(&self, be: &mut dyn Backend, buf: Vec<u8>) -> Result<Snapshot> {
+        let slices = self.snapshot_slices();
         let mut w = buf;
         w.clear();
-        w.reserve(SNAPSHOT_HEAD + 4 * (self.tokens.len() + values) + 4);
+        w.reserve(self.snapshot_len());
         w.extend_from_slice(SNAPSHOT_MAGIC);
         w.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
         w.extend_from_slice(&self.fingerprint.to_le_bytes());

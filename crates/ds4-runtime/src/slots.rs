@@ -369,6 +369,11 @@ impl Slots {
         Ok(self.engine.snapshot_into(&self.slots[i].state, buf)?)
     }
 
+    /// The bytes [`Slots::snapshot`] of slot `i` would hold now ([`Engine::snapshot_len`]).
+    pub fn snapshot_len(&self, i: usize) -> Result<usize, DriverError> {
+        Ok(self.engine.snapshot_len(&self.slots[i].state)?)
+    }
+
     /// Replaces slot `i`'s state with a snapshot; `logits` are the ones after it, if known.
     pub fn restore(
         &mut self,

@@ -548,8 +548,12 @@ fn a_snapshot_into_a_reused_buffer_equals_a_fresh_one() {
     let mut slots = Slots::new(engine(), 2).unwrap();
     slots.prefill(0, &prompt(70, 1)).unwrap();
     slots.prefill(1, &prompt(23, 2)).unwrap();
+    let want_long = slots.snapshot_len(0).unwrap();
     let long = slots.snapshot(0).unwrap().into_bytes();
     let fresh = slots.snapshot(1).unwrap();
+    // The length the server plans with is the one written.
+    assert_eq!(want_long, long.len());
+    assert_eq!(slots.snapshot_len(1).unwrap(), fresh.as_bytes().len());
     let mut junk = long.clone();
     junk.iter_mut().for_each(|b| *b ^= 0x5a);
     let reused = slots.snapshot_into(1, junk).unwrap();

@@ -28,7 +28,7 @@ use crate::config::ServerConfig;
 use crate::diskcache;
 use crate::error::{ApiError, ServerError};
 use crate::live::{self, ToolBinding};
-use crate::reuse::{Disk, MemSnapshot, Visible};
+use crate::reuse::{Disk, MemSnapshot, TurnSnap, Visible};
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
 use crate::turn::Gen;
@@ -103,6 +103,9 @@ pub struct Worker {
     /// Whether a step's picks draw at once ([`Worker::pick_all`]; off under
     /// `DS4_PARALLEL_PICKS=0`).
     parallel_picks: bool,
+    /// Whether a step skips the turn snapshots a later one of the same step pushes out
+    /// ([`Worker::turns_pushed_out`]; off under `DS4_SKIP_PUSHED_OUT_TURNS=0`).
+    skip_pushed_out_turns: bool,
     /// Most tokens of one forward pass (the engine's prefill chunk).
     chunk: usize,
     /// In-memory turn snapshots, shared by the slots (any slot can restore one).
@@ -138,6 +141,10 @@ pub const JOINT_PREFILL_ENV: &str = "DS4_JOINT_PREFILL";
 /// `DS4_PARALLEL_PICKS=0` draws a step's tokens one slot after another (A/B; docs/server.md
 /// §9).
 pub const PARALLEL_PICKS_ENV: &str = "DS4_PARALLEL_PICKS";
+
+/// `DS4_SKIP_PUSHED_OUT_TURNS=0` serialises every turn snapshot a step finishes, even those
+/// a later one of the same step pushes out at once (A/B; docs/server.md §9).
+pub const SKIP_PUSHED_OUT_TURNS_ENV: &str = "DS4_SKIP_PUSHED_OUT_TURNS";
 
 /// Prompt tokens a task has still to evaluate (`None`: it is generating).
 fn remaining(t: &Task<'_>) -> Option<usize> {
@@ -281,6 +288,9 @@ impl Worker {
             joint_min,
             parallel_picks: ds4_runtime::load::switch_on(
                 std::env::var(PARALLEL_PICKS_ENV).ok().as_deref(),
+            ),
+            skip_pushed_out_turns: ds4_runtime::load::switch_on(
+                std::env::var(SKIP_PUSHED_OUT_TURNS_ENV).ok().as_deref(),
             ),
             chunk,
             snapshots: VecDeque::new(),
@@ -814,6 +824,21 @@ impl Worker {
             .map(|(i, _)| i)
             .collect();
         let picks = self.pick_all(tasks, &ids);
+        // Turn snapshots a later one of this step would push out at once are not taken.
+        let turns: Vec<(usize, &TurnSnap)> = ids
+            .iter()
+            .filter_map(|&i| Some((i, tasks[i].as_ref()?.turn.as_ref()?)))
+            .collect();
+        let mut dropped: Vec<usize> = if self.skip_pushed_out_turns && turns.len() > 1 {
+            let marks = self.turns_pushed_out(&turns);
+            turns
+                .iter()
+                .zip(marks)
+                .filter_map(|(&(i, _), m)| m.then_some(i))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut feeds = Vec::new();
         let mut flows = Vec::new();
         for (&i, picked) in ids.iter().zip(picks) {
@@ -824,9 +849,14 @@ impl Worker {
             // The first token has gone out: the prompt's state, not yet fed anything, is
             // kept now (before this step feeds it, or before the job ends).
             if let Some(t) = task.turn.take() {
-                let t_snap = Instant::now();
-                self.turn_finish(i, t);
-                task.snapshot_time += t_snap.elapsed();
+                if let Some(at) = dropped.iter().position(|&d| d == i) {
+                    dropped.swap_remove(at);
+                    Stats::add(&self.stats.turn_snapshots_skipped, 1);
+                } else {
+                    let t_snap = Instant::now();
+                    self.turn_finish(i, t);
+                    task.snapshot_time += t_snap.elapsed();
+                }
             }
             match picked {
                 Ok(Pick::Feed { tok, flow }) => {

@@ -28,6 +28,9 @@ pub struct Stats {
     /// Generations stopped because the client went away.
     pub cancelled: AtomicU64,
     pub snapshot_hits: AtomicU64,
+    /// Turn snapshots not taken because a later one of the same step would have pushed
+    /// them out at once (docs/server.md §9).
+    pub turn_snapshots_skipped: AtomicU64,
     pub disk_hits: AtomicU64,
     pub disk_stores: AtomicU64,
     /// Disk entries found unusable and removed.
@@ -80,6 +83,7 @@ impl Stats {
             .num("generated_tokens", g(&self.generated_tokens))
             .num("cancelled", g(&self.cancelled))
             .num("snapshot_hits", g(&self.snapshot_hits))
+            .num("turn_snapshots_skipped", g(&self.turn_snapshots_skipped))
             .num("disk_hits", g(&self.disk_hits))
             .num("disk_stores", g(&self.disk_stores))
             .num("disk_rejected", g(&self.disk_rejected))

@@ -517,5 +517,8 @@ async fn jointly_prefilled_prompts_get_what_they_get_alone() {
     }
     let s = stats(a).await;
     assert!(s["joint_pieces"].as_u64() >= Some(2), "{s}");
+    // Both prompts ended in the joint step, so their turn snapshots finish in the same
+    // decode step; with one snapshot kept, the earlier one is not serialised.
+    assert_eq!(s["turn_snapshots_skipped"], 1, "{s}");
     srv.shutdown().await.unwrap();
 }

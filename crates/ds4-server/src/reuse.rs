@@ -458,7 +458,7 @@ pub(crate) fn pushed_out(
     let mut out = vec![false; tokens.len()];
     let mut survivors: Vec<&[u32]> = Vec::new();
     for k in (0..tokens.len()).rev() {
-        if !lens[k].is_some_and(|n| n <= max_bytes) {
+        if lens[k].is_none_or(|n| n > max_bytes) {
             continue;
         }
         if survivors.contains(&tokens[k]) || survivors.len() >= slots {

@@ -1643,12 +1643,23 @@ extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
                     s16 + r * (ds4_size)(n_in / 16));
 }
 
-extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q_Q8_0)
+// Rows per warp of the several-column kernel (-DDS4_Q8M_ROWS=n, an A/B): each column's
+// codes, read from shared memory once per unit, serve that many rows, so more rows cut the
+// shared-memory reads per weight byte (at 8 columns and two rows the kernel reads 4 bytes of
+// codes from shared memory per byte of weights). Rows do not change any row's sum (its
+// lanes, units, order and warps' parts are the same), only which rows a warp takes together.
+#ifndef DS4_Q8M_ROWS
+#define DS4_Q8M_ROWS DS4_ROWS_Q8_0
+#endif
+#ifndef DS4_MINB_Q8M
+#define DS4_MINB_Q8M DS4_MINB_Q_Q8_0
+#endif
+extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q8M)
     ds4_gemv_cols_q_q8_0(const ds4_u8* __restrict__ W0, ds4_size w_group_bytes,
                          const ds4_i8* __restrict__ xq_g, const float* __restrict__ xd_g,
                          int q_col, float* __restrict__ y0, ds4_size y_stride, int n_in,
                          int n_out, int n_cols, int wpr) {
-    constexpr int R = Ds4Q8Sx::ROWS, MC = DS4_Q8M_COLS;
+    constexpr int R = DS4_Q8M_ROWS, MC = DS4_Q8M_COLS;
 #if DS4_Q8M_DYN
     DS4_DYN_SHARED(ds4_q8m_smem, DS4_Q8M_CODES + DS4_Q8M_CODES / 8);
     ds4_i8* const xq = (ds4_i8*)ds4_q8m_smem;

@@ -668,6 +668,9 @@ mod tests {
     fn q8_0_columns_equal_one_token_each() {
         use crate::kernels::{gemv_launch, q8_0_split_rows, GemvConfig, GemvType};
         let k = EmuKernels::build().unwrap();
+        // Four rows per warp in the several-column kernel (docs/gpu.md §30's A/B): the same
+        // bits as the default one-token kernel.
+        let k4 = EmuKernels::build_with(&["-DDS4_Q8M_ROWS=4"]).unwrap();
         let mut next = xorshift(0xA076_1D64_78BD_642F);
         for (n_in, n_out, cols, groups) in [
             (4096usize, 21usize, 8usize, 1usize),
@@ -722,9 +725,12 @@ mod tests {
                             .collect()
                     })
                     .collect();
-                for grid_x in [1, 3, l.grid_x] {
+                for (grid_x, kc) in [1, 3, l.grid_x]
+                    .into_iter()
+                    .flat_map(|g| [(g, &k), (g, &k4)])
+                {
                     let y = run_q8_cols(
-                        &k,
+                        kc,
                         grid_x,
                         l.block,
                         (&split, group_bytes, groups),

@@ -1224,6 +1224,32 @@ impl<D: GpuApi> GpuBackend<D> {
         self.report_fault(bits, op)
     }
 
+    /// `base` when no profile is being taken; else `base` with the launch's shape (rows ×
+    /// inputs × groups or columns), so a profile tells the matrices of one kernel apart (the
+    /// batched step's several-column GEMVs: which matrices take the time). Each distinct
+    /// name is leaked once (profiling only; a model has a few dozen shapes).
+    pub(crate) fn shape_name(
+        &self,
+        base: &'static str,
+        rows: usize,
+        cols: usize,
+        n: usize,
+    ) -> &'static str {
+        if self.timeline.is_none() && self.profile.is_none() {
+            return base;
+        }
+        static NAMES: std::sync::Mutex<Vec<(&'static str, [usize; 3], &'static str)>> =
+            std::sync::Mutex::new(Vec::new());
+        let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+        let key = [rows, cols, n];
+        if let Some(&(_, _, name)) = names.iter().find(|e| e.0 == base && e.1 == key) {
+            return name;
+        }
+        let name: &'static str = Box::leak(format!("{base} {rows}x{cols}x{n}").into_boxed_str());
+        names.push((base, key, name));
+        name
+    }
+
     /// Records the timing mark of the launch about to be queued (timeline on only).
     pub(crate) fn mark_launch(&self, kernel: &'static str) -> BResult<()> {
         let Some(tl) = &self.timeline else {

@@ -738,7 +738,7 @@ impl<D: GpuApi> GpuBackend<D> {
             let smem = self.gemv.q8_cols_smem(n * n_in);
             self.launch_fn_smem(
                 &self.gemv.q8_cols,
-                "gemvq_cols_q8_0",
+                self.shape_name("gemvq_cols_q8_0", c.n_out, n_in, c.groups),
                 grid,
                 (l.block, smem),
                 &[
@@ -838,7 +838,7 @@ impl<D: GpuApi> GpuBackend<D> {
             let n = per.min(m.n_tok - t);
             self.launch_fn(
                 f,
-                label,
+                self.shape_name(label, m.n_rows, m.cols, n),
                 (l.grid_x, 1, 1),
                 l.block,
                 &[

@@ -6,11 +6,15 @@
 #   1. ds4-engine-check batch (batched rows = rows decoded alone), default and with four
 #      rows per warp in the several-column Q8_0 GEMV (-DDS4_Q8M_ROWS=4, docs/gpu.md §30)
 #   2. whole-model parity and the op mirror on the tiny models (the fixtures that travel)
+#   2b. four-token HC-mixing blocks at prompt pieces (docs/gpu.md §11): prompt logits
+#      bit-identical on and off, op mirror with 40-token chunks, joint = alone, a 49-token
+#      piece's time on and off, the 49-token prefill's profile
 #   3. the batched step at 1 and 8 sequences: default, -DDS4_Q8M_ROWS=4 and
 #      -DDS4_Q8M_ROWS=4 -DDS4_MINB_Q8M=1, alternating; then a profile of the 8-sequence
 #      step with the several-column launches named by shape
-#   4. ds4-server --parallel 8 with DS4_SKIP_PUSHED_OUT_TURNS=0 and default (docs/server.md
-#      §9), alternating: 8 clients (thinking default) and 8 greedy; 1 client once
+#   4. ds4-server --parallel 8, the old path (DS4_SKIP_PUSHED_OUT_TURNS=0 DS4_HC_MIX_TPB=0),
+#      the defaults, the skip alone, alternating: 8 clients (thinking default) and 8 greedy;
+#      1 client in the first two
 #   5. the CLI's loop (ds4-bench --e2e, greedy) beside the bench
 set -u
 BIN=${BIN:-./bin}; OUT=${OUT:-./out}; mkdir -p "$OUT"; export PATH=$BIN:$PATH
@@ -34,6 +38,19 @@ if [ -z "${NO_PARITY:-}" ]; then
   timeout 120 ds4-engine-check ops $W/m-*.gguf --tiny 2 --tokens 40 --act-q8 > $OUT/ops_q8.log 2>&1; tail -1 $OUT/ops_q8.log
   timeout 120 ds4-engine-check ops $W/s4.gguf --tiny 0 --flash-layers 4 --tokens 12 --chunk 2 --act-q8 > $OUT/ops_s4.log 2>&1; tail -1 $OUT/ops_s4.log
 fi
+echo "== four-token HC-mixing blocks at prompt pieces (DS4_HC_MIX_TPB=0 against default)"
+p="$(head -c 200 README.md)"
+for v in 0 ""; do
+  DS4_HC_MIX_TPB=$v timeout 60 ds4 logits -m $W/s4.gguf --backend cuda --prompt "$p" --out $W/hc$v.npy > /dev/null 2>> $OUT/hc.log
+done
+cmp -s $W/hc0.npy $W/hc.npy && echo "prompt logits bit-identical with and without" || echo "prompt logits DIFFER (FAIL)"
+timeout 120 ds4-engine-check ops $W/s4.gguf --tiny 0 --flash-layers 4 --tokens 40 --chunk 40 --act-q8 > $OUT/ops_s4c40.log 2>&1; tail -1 $OUT/ops_s4c40.log
+timeout 120 ds4-engine-check joint $W/s4.gguf --tiny 0 --tokens 40 --chunk 49 --seqs 8 --act-q8 --gpu-only > $OUT/joint.log 2>&1; grep -E "PASSED|FAIL|rror|jointly" $OUT/joint.log | head -4 | cut -c1-250
+for v in 0 "" 0 ""; do
+  DS4_HC_MIX_TPB=$v timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 64,114 --decode 1 --warmup 64 > $OUT/pf.log 2>&1
+  echo "[DS4_HC_MIX_TPB=$v] $(grep -E '^(64|114),' $OUT/pf.log | tr '\n' ' ' | cut -c1-220)"
+done
+timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 64 --decode 1 --profile-prefill 49 > $OUT/pp.log 2>&1; grep -E "profile prefill" $OUT/pp.log; grep -A10 "by kernel" $OUT/pp.log | head -10
 echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
 for D in "" "$R4" "$R4 -DDS4_MINB_Q8M=1" "" "$R4" "$R4 -DDS4_MINB_Q8M=1"; do
   DS4_GEMV_DEFINES="$D" timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $OUT/ab.log 2>&1
@@ -48,12 +65,13 @@ timeout 100 ds4-convert synthetic --quiet --layout q2 --layers $L --sparse-exper
 up() { for i in $(seq 1 90); do python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8090/v1/models',timeout=2)" 2>/dev/null && break; sleep 1; done; echo "ready after ${i}s"; }
 sumlog() { sed -E 's/\x1b\[[0-9;]*m//g' $1 | grep "request done" | tail -$2 | grep -oE "(prefill_ms|decode_ms|snapshot_ms|pick_us|steps_ms|total_ms)=[0-9]+" | awk -F= '{s[$1]+=$2; n[$1]++} END {for (k in s) printf "%s=%.0f ", k, s[k]/n[k]; print ""}'; }
 TP=tools/server-sdk-tests/throughput.py
-echo "== server turn-snapshot skip A/B (--parallel 8)"; date +%T
+echo "== server A/B (--parallel 8): turn-snapshot skip, four-token HC blocks"; date +%T
 n=0
-for sk in 0 1 0 1; do
+for cfg in "0 0" "1 " "1 0" "0 0" "1 "; do
+  set -- $cfg; sk=$1; tpb=${2:-}
   n=$((n+1))
-  DS4_SKIP_PUSHED_OUT_TURNS=$sk ds4-server -m $W/q.gguf -c 4096 --backend cuda --parallel 8 --port 8090 > $OUT/srv$n.log 2>&1 &
-  sp=$!; echo -n "-- DS4_SKIP_PUSHED_OUT_TURNS=$sk "; up
+  DS4_SKIP_PUSHED_OUT_TURNS=$sk DS4_HC_MIX_TPB=$tpb ds4-server -m $W/q.gguf -c 4096 --backend cuda --parallel 8 --port 8090 > $OUT/srv$n.log 2>&1 &
+  sp=$!; echo -n "-- DS4_SKIP_PUSHED_OUT_TURNS=$sk DS4_HC_MIX_TPB=$tpb "; up
   [ $n -le 2 ] && timeout 40 python3 $TP http://127.0.0.1:8090 1 64
   timeout 40 python3 $TP http://127.0.0.1:8090 8 64; echo "   8-client means: $(sumlog $OUT/srv$n.log 8)"
   timeout 40 python3 $TP http://127.0.0.1:8090 8 64 --no-think; echo "   no-think means: $(sumlog $OUT/srv$n.log 8)"

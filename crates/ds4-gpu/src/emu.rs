@@ -1278,4 +1278,96 @@ mod tests {
             assert_eq!(bits(&f4), bits(&ff), "{t}x{d}: f");
         }
     }
+
+    /// The mixing partials with four tokens per block (`ds4_hc_mix_part_tpb_*`) are the
+    /// one-token blocks' bits (`ds4_hc_mix_part_*`, a block per token), with and without
+    /// the previous sublayer's HCPost folded in (streams and f written back alike), for
+    /// token counts that fill the last block and that do not, f16 and f32 weights.
+    #[test]
+    fn hc_mix_parts_of_four_tokens_per_block_equal_one_per_block() {
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0x94D0_49BB_1331_11EB);
+        let mut rnd = |scale: f32| ((next() % 20001) as f32 / 10000.0 - 1.0) * scale;
+        let (n, d) = (4usize, 192usize);
+        let nm = 2 * n + n * n;
+        let nb = d.div_ceil(64);
+        for (t, prev, f16w) in [
+            (7usize, true, true),
+            (8, false, true),
+            // A prompt piece's size (where the backend takes these blocks).
+            (49, true, true),
+            (5, true, false),
+            (2, false, false),
+        ] {
+            let w32: Vec<f32> = (0..nm * n * d).map(|_| rnd(0.5)).collect();
+            let w16: Vec<u16> = w32
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect();
+            let x0: Vec<f32> = (0..t * n * d).map(|_| rnd(2.0)).collect();
+            let f0: Vec<f32> = (0..t * d).map(|_| rnd(1.0)).collect();
+            let f2: Vec<f32> = (0..t * d).map(|_| rnd(1.0)).collect();
+            let post: Vec<f32> = (0..t * n).map(|_| rnd(1.0) + 1.0).collect();
+            let comb: Vec<f32> = (0..t * n * n).map(|_| rnd(0.5) + 0.25).collect();
+            let run = |tpb: bool| {
+                let (mut x, mut f) = (x0.clone(), f0.clone());
+                let mut pf = vec![f32::NAN; t * nb * nm];
+                let mut pd = vec![f64::NAN; t * nb * 10];
+                let wp = if f16w {
+                    w16.as_ptr() as u64
+                } else {
+                    w32.as_ptr() as u64
+                };
+                let pv = |p: u64| if prev { p } else { 0 };
+                let mut v: Vec<u64> = vec![
+                    wp,
+                    x.as_mut_ptr() as u64,
+                    n as u64,
+                    d as u64,
+                    nm as u64,
+                    pf.as_mut_ptr() as u64,
+                    pd.as_mut_ptr() as u64,
+                    pv(f.as_mut_ptr() as u64),
+                    pv(f2.as_ptr() as u64),
+                    pv(post.as_ptr() as u64),
+                    pv(comb.as_ptr() as u64),
+                ];
+                let ty = if f16w { "f16" } else { "f32" };
+                let (name, grid) = if tpb {
+                    v.push(t as u64);
+                    (
+                        format!("ds4_hc_mix_part_tpb_{ty}"),
+                        (nb as u32, t.div_ceil(4) as u32, 1),
+                    )
+                } else {
+                    (format!("ds4_hc_mix_part_{ty}"), (nb as u32, t as u32, 1))
+                };
+                let mut params: Vec<*mut c_void> =
+                    v.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+                // SAFETY: the kernel's parameters in order; the weights hold nm·n·d values,
+                // x t·n·d, f and f2 t·d, post t·n, comb t·n·n, the partials t·nb·nm and
+                // t·nb·10.
+                unsafe { k.launch(&name, grid, 256, &mut params) }.unwrap();
+                (x, f, pf, pd)
+            };
+            let (x1, f1, pf1, pd1) = run(false);
+            let (x4, f4, pf4, pd4) = run(true);
+            let what = format!("{t} tokens, prev {prev}, f16 {f16w}");
+            assert!(
+                pf1.iter().all(|v| v.is_finite()),
+                "{what}: one per block left a gap"
+            );
+            assert!(
+                pd1.iter().all(|v| v.is_finite()),
+                "{what}: one per block left a gap"
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let bits_d = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&pf4), bits(&pf1), "{what}: mix partials");
+            assert_eq!(bits_d(&pd4), bits_d(&pd1), "{what}: Gram partials");
+            assert_eq!(bits(&x4), bits(&x1), "{what}: streams");
+            assert_eq!(bits(&f4), bits(&f1), "{what}: f");
+            assert_eq!(prev, x1 != x0, "{what}: HCPost applied iff prev");
+        }
+    }
 }

@@ -603,6 +603,13 @@ pub struct GpuBackend<D: GpuApi> {
     /// A batched step's routed-expert GEMVs on one flat grid (`ds4_gemv_flat_*`, the same
     /// values as the per-matrix grids, docs/gpu.md §25); `DS4_GROUPED_FLAT=0`: never.
     pub(crate) grouped_flat: bool,
+    /// Passes of at least this many tokens take the mixing partials with four tokens per
+    /// block (`ds4_hc_mix_part_tpb_*`, the same values, docs/gpu.md §11): prompt pieces
+    /// of up to 64 tokens, where a block per token made the op grow with the tokens
+    /// (155 µs a launch at 49 tokens on an H100), not batched decode steps (at 8
+    /// sequences four tokens per block measured slower). `DS4_HC_MIX_TPB=n` sets it; 0:
+    /// never.
+    pub(crate) hc_mix_tpb_from: usize,
     /// Matmuls of one input at decode rows (`matmul_set`, `matmul_pair`) quantize it once
     /// (docs/gpu.md §29); `DS4_Q8_INPUT_ONCE=0`: once per matrix.
     pub(crate) q8_input_once: bool,
@@ -829,6 +836,8 @@ const OP_KERNELS: &[&str] = &[
     "ds4_hc_pre_regs",
     "ds4_hc_mix_part_f16",
     "ds4_hc_mix_part_f32",
+    "ds4_hc_mix_part_tpb_f16",
+    "ds4_hc_mix_part_tpb_f32",
     "ds4_hc_mix_apply",
     "ds4_repeat_rows",
     "ds4_hc_post",
@@ -1032,6 +1041,10 @@ impl<D: GpuApi> GpuBackend<D> {
                 .unwrap_or(0)
                 .saturating_mul(sms),
             grouped_flat: env_on("DS4_GROUPED_FLAT"),
+            hc_mix_tpb_from: std::env::var("DS4_HC_MIX_TPB")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(ops::HC_MIX_TPB_FROM),
             q8_input_once: env_on("DS4_Q8_INPUT_ONCE"),
             q8_input_memo: None,
             hc_post4: if env_on("DS4_HC_POST4") {

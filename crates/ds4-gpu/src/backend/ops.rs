@@ -220,6 +220,11 @@ pub(crate) const HC_MIX_GRAM: usize = 10;
 pub(crate) const HC_MIX_THREADS: u32 = 256;
 /// Most partial blocks per token `ds4_hc_mix_apply` stages (DS4_HCM_PARTS): width ≤ 64 × 64.
 pub(crate) const HC_MIX_MAX_PARTS: usize = 64;
+/// Tokens per block of `ds4_hc_mix_part_tpb_*` (`DS4_HCM_TPB`).
+pub(crate) const HC_MIX_TPB: usize = 4;
+/// Passes of at least this many tokens use `ds4_hc_mix_part_tpb_*` (more than the 16
+/// sequences of a batched decode step; `DS4_HC_MIX_TPB=n` overrides, 0: never).
+pub(crate) const HC_MIX_TPB_FROM: usize = 17;
 
 /// `ds4_router_warp` (kernels/ops.cu): experts per token it holds (32 lanes x
 /// DS4_RW_PER_LANE), most selections (one per lane) and tokens per 256-thread block.
@@ -1529,9 +1534,12 @@ impl<D: GpuApi> GpuBackend<D> {
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
         let nm = 2 * n + n * n;
         let gw = self.weight(fn_, OP)?;
-        let kernel = match gw.info.ty {
-            GgmlType::F16 => "ds4_hc_mix_part_f16",
-            GgmlType::F32 => "ds4_hc_mix_part_f32",
+        let tpb = self.hc_mix_tpb_from > 0 && t >= self.hc_mix_tpb_from.max(2);
+        let kernel = match (gw.info.ty, tpb) {
+            (GgmlType::F16, false) => "ds4_hc_mix_part_f16",
+            (GgmlType::F32, false) => "ds4_hc_mix_part_f32",
+            (GgmlType::F16, true) => "ds4_hc_mix_part_tpb_f16",
+            (GgmlType::F32, true) => "ds4_hc_mix_part_tpb_f32",
             _ => return Ok(false),
         };
         let fits = t > 0
@@ -1577,7 +1585,13 @@ impl<D: GpuApi> GpuBackend<D> {
         args.extend(dims);
         args.extend([Arg::Ptr(pf), Arg::Ptr(pd)]);
         args.extend(prev_ptrs.map(Arg::Ptr));
-        self.launch(kernel, (g32(nb), g32(t), 1), HC_MIX_THREADS, &args)?;
+        if tpb {
+            args.push(i32a(OP, "tokens", t)?);
+            let rows = g32(t.div_ceil(HC_MIX_TPB));
+            self.launch(kernel, (g32(nb), rows, 1), HC_MIX_THREADS, &args)?;
+        } else {
+            self.launch(kernel, (g32(nb), g32(t), 1), HC_MIX_THREADS, &args)?;
+        }
         let (bp, sp) = (self.wvec(base, OP, nm)?, self.wvec(scale, OP, 3)?);
         let (nw, np) = (self.wvec(norm, OP, d)?, self.fptr(out.sub(0, t * d), OP)?);
         let args = [

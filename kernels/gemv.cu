@@ -536,6 +536,47 @@ __device__ __forceinline__ void ds4_finish_rows(float (&acc)[R], float* __restri
 // barriers had made the Q8_0 several-column kernel 4x the one-token kernel's time for 8x its
 // work (H100 profile, BENCHMARKS.md). The caller synchronises before the next step rewrites
 // the parts.
+//
+// The lanes' sums of all MC·R values go through one spreading reduction (default;
+// -DDS4_FINISH_SPREAD=0 reduces each value with ds4_warp_sum, A/B): at each of the first
+// log2(MC·R) masks of the butterfly a lane keeps half of its values and hands the other half
+// to its partner, which adds them to its own — the same two partial sums the butterfly adds at
+// that mask (own + partner's; float addition commutes exactly) — so every value ends with
+// ds4_warp_sum's bits, in the lanes lane >> S == its index, after MC·R − 1 + S shuffles
+// instead of 5·MC·R (16 values: 16 instead of 80). At eight columns and one unit per lane and
+// row (most matrices of a batched step, docs/gpu.md §30) the per-value butterflies were as
+// many instructions as the dot products they finish.
+#ifndef DS4_FINISH_SPREAD
+#define DS4_FINISH_SPREAD 1
+#endif
+__host__ __device__ constexpr int ds4_ilog2(int v) { return v <= 1 ? 0 : 1 + ds4_ilog2(v / 2); }
+
+// v[0] afterwards: the warp sum of value lane >> (log2(DS4_WARP) − log2 V) (see above).
+template <int V>
+__device__ __forceinline__ float ds4_warp_sum_spread(float (&v)[V]) {
+    static_assert(V >= 1 && V <= DS4_WARP && (V & (V - 1)) == 0, "a power of two, one per lane");
+    const int lane = threadIdx.x & (DS4_WARP - 1);
+#pragma unroll
+    for (int m = DS4_WARP / 2, count = V; m > 0; m >>= 1) {
+        if (count > 1) {
+            const int half = count / 2;
+            const bool hi = (lane & m) != 0;
+#pragma unroll
+            for (int i = 0; i < V / 2; ++i) {
+                if (i < half) {
+                    const float send = hi ? v[i] : v[i + half];
+                    const float keep = hi ? v[i + half] : v[i];
+                    v[i] = keep + ds4_shfl_xor(send, m);
+                }
+            }
+            count = half;
+        } else {
+            v[0] += ds4_shfl_xor(v[0], m);
+        }
+    }
+    return v[0];
+}
+
 template <int R, int MC>
 __device__ __forceinline__ void ds4_finish_cols(float (&acc)[MC][R], float* __restrict__ y,
                                                 ds4_size y_stride, int row0, int n_out, int wpr,
@@ -545,6 +586,23 @@ __device__ __forceinline__ void ds4_finish_cols(float (&acc)[MC][R], float* __re
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int part = warp % wpr;
+#if DS4_FINISH_SPREAD
+    constexpr int V = MC * R;
+    constexpr int S = ds4_ilog2(DS4_WARP) - ds4_ilog2(V);
+    float v[V];
+#pragma unroll
+    for (int c = 0; c < MC; ++c)
+#pragma unroll
+        for (int r = 0; r < R; ++r) v[c * R + r] = acc[c][r];
+    const float sum = ds4_warp_sum_spread<V>(v);
+    const int idx = lane >> S, c_of = idx / R, r_of = idx % R;
+    const bool writes = (lane & ((1 << S) - 1)) == 0 && c_of < n_cols;
+    if (wpr == 1) {
+        if (writes && row0 + r_of < n_out) y[(ds4_size)c_of * y_stride + row0 + r_of] = sum;
+        return;
+    }
+    if (writes) part_c[warp][c_of][r_of] = sum;
+#else
 #pragma unroll
     for (int c = 0; c < MC; ++c)
         if (c < n_cols) {
@@ -571,6 +629,7 @@ __device__ __forceinline__ void ds4_finish_cols(float (&acc)[MC][R], float* __re
                 for (int r = 0; r < R; ++r) part_c[warp][c][r] = acc[c][r];
             }
     }
+#endif
     __syncthreads();
     if (part == 0 && lane < n_cols * R) {
         const int c = lane / R, r = lane % R;
@@ -1645,9 +1704,10 @@ extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
 
 // Rows per warp of the several-column kernel (-DDS4_Q8M_ROWS=n, an A/B): each column's
 // codes, read from shared memory once per unit, serve that many rows, so more rows cut the
-// shared-memory reads per weight byte (at 8 columns and two rows the kernel reads 4 bytes of
-// codes from shared memory per byte of weights). Rows do not change any row's sum (its
-// lanes, units, order and warps' parts are the same), only which rows a warp takes together.
+// shared-memory reads per weight byte (at 8 columns and two rows the kernel reads 4 bytes
+// of codes from shared memory per byte of weights; docs/gpu.md §30). Rows do not change any
+// row's sum (its lanes, units, order and warps' parts are the same), only which rows a warp
+// takes together.
 #ifndef DS4_Q8M_ROWS
 #define DS4_Q8M_ROWS DS4_ROWS_Q8_0
 #endif

@@ -3,15 +3,16 @@
 # repository root on a machine with an NVIDIA GPU, the stripped binaries (ds4-bench,
 # ds4-engine-check, ds4-convert, ds4-server, ds4) in $BIN (default ./bin), logs into $OUT
 # (default ./out). Build them as tools/device/h200-checks.sh says (add -p ds4-server).
-#   1. ds4-engine-check batch (batched rows = rows decoded alone), default and with four
-#      rows per warp in the several-column Q8_0 GEMV (-DDS4_Q8M_ROWS=4, docs/gpu.md §30)
+#   1. ds4-engine-check batch (batched rows = rows decoded alone), default, with four rows
+#      per warp in the several-column Q8_0 GEMV (-DDS4_Q8M_ROWS=4) and with the butterfly per
+#      value (-DDS4_FINISH_SPREAD=0; docs/gpu.md §30)
 #   2. whole-model parity and the op mirror on the tiny models (the fixtures that travel)
 #   2b. four-token HC-mixing blocks at prompt pieces (docs/gpu.md §11): prompt logits
 #      bit-identical on and off, op mirror with 40-token chunks, joint = alone, a 49-token
 #      piece's time on and off, the 49-token prefill's profile
-#   3. the batched step at 1 and 8 sequences: default, -DDS4_Q8M_ROWS=4 and
-#      -DDS4_Q8M_ROWS=4 -DDS4_MINB_Q8M=1, alternating; then a profile of the 8-sequence
-#      step with the several-column launches named by shape
+#   3. the batched step at 1 and 8 sequences: default (spreading reduction, docs/gpu.md §30),
+#      -DDS4_FINISH_SPREAD=0 (a butterfly per value) and -DDS4_Q8M_ROWS=4, alternating; then
+#      a profile of the 8-sequence step with the several-column launches named by shape
 #   4. ds4-server --parallel 8, the old path (DS4_SKIP_PUSHED_OUT_TURNS=0 DS4_HC_MIX_TPB=0),
 #      the defaults, the skip alone, alternating: 8 clients (thinking default) and 8 greedy;
 #      1 client in the first two
@@ -25,7 +26,7 @@ R4="-DDS4_Q8M_ROWS=4"
 date +%T
 ds4-convert synthetic --quiet --layout q2 --layers 4 --vocab-gguf $V $W/s4.gguf > /dev/null
 echo "== batch bit-exact (4-layer real dims)"
-for D in "" "$R4"; do
+for D in "" "$R4" "-DDS4_FINISH_SPREAD=0"; do
   DS4_GEMV_DEFINES="$D" timeout 100 ds4-engine-check batch $W/s4.gguf --tiny 0 --tokens 20 --act-q8 --seqs 16 --gpu-only > $OUT/b.log 2>&1
   echo "[$D]"; grep -E "cuda|PASSED|FAIL|rror" $OUT/b.log | cut -c1-300
 done
@@ -52,7 +53,7 @@ for v in 0 "" 0 ""; do
 done
 timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 64 --decode 1 --profile-prefill 49 > $OUT/pp.log 2>&1; grep -E "profile prefill" $OUT/pp.log; grep -A10 "by kernel" $OUT/pp.log | head -10
 echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
-for D in "" "$R4" "$R4 -DDS4_MINB_Q8M=1" "" "$R4" "$R4 -DDS4_MINB_Q8M=1"; do
+for D in "" "-DDS4_FINISH_SPREAD=0" "$R4" "" "-DDS4_FINISH_SPREAD=0" "$R4"; do
   DS4_GEMV_DEFINES="$D" timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $OUT/ab.log 2>&1
   echo "[$D] $(grep -E '^batch ' $OUT/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"
 done

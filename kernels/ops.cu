@@ -2584,9 +2584,8 @@ ds4_argmax(const float* x, int n, int* out) {
 // items, so the order is the index order.
 #define DS4_BAND_THREADS 1024
 static_assert(DS4_BAND_THREADS == DS4_WARP * DS4_WARP, "the scan's second level is one warp");
-extern "C" __global__ void __launch_bounds__(DS4_BAND_THREADS)
-ds4_logit_band(const float* x, int n, float span, int exclude, int cap, int* out) {
-    ds4_grid_wait();
+__device__ __forceinline__ void ds4_logit_band_block(const float* x, int n, float span,
+                                                     int exclude, int cap, int* out) {
     __shared__ int sh[DS4_BAND_THREADS];
     __shared__ float smax[DS4_BAND_THREADS];
     __shared__ int snan[DS4_BAND_THREADS], sinf[DS4_BAND_THREADS];
@@ -2645,6 +2644,36 @@ ds4_logit_band(const float* x, int n, float span, int exclude, int cap, int* out
         out[4] = sinf[0] == 0x7fffffff ? -1 : sinf[0];
         out[5] = out[6] = out[7] = 0;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(DS4_BAND_THREADS)
+ds4_logit_band(const float* x, int n, float span, int exclude, int cap, int* out) {
+    ds4_grid_wait();
+    ds4_logit_band_block(x, n, span, exclude, cap, out);
+}
+
+// The bands of several rows of a batched decode step in one launch (docs/gpu.md §31): block
+// b is the one-row kernel on row jobs.row[b] of x (rows n values apart), nothing excluded. One
+// row alone keeps one multiprocessor busy for ~110 µs on an H100, so eight of them one after
+// another cost ~0.9 ms of an 8-sequence step; side by side they take one row's time.
+#define DS4_BANDS_MAX 16
+struct Ds4BandJobs {
+    int* out[DS4_BANDS_MAX];
+    int row[DS4_BANDS_MAX];
+    float span[DS4_BANDS_MAX];
+    int cap[DS4_BANDS_MAX];
+    int n_jobs;
+    int pad;
+};
+static_assert(sizeof(Ds4BandJobs) == 8 * (DS4_BANDS_MAX + 3 * DS4_BANDS_MAX / 2 + 1),
+              "the host's words: the pointers, then rows, spans and caps two per word, the count");
+extern "C" __global__ void __launch_bounds__(DS4_BAND_THREADS)
+ds4_logit_bands(const float* x, int n, Ds4BandJobs jobs) {
+    ds4_grid_wait();
+    const int b = blockIdx.x;
+    if (b >= jobs.n_jobs || b >= DS4_BANDS_MAX) return;
+    ds4_logit_band_block(x + (ds4_size)jobs.row[b] * n, n, jobs.span[b], -1, jobs.cap[b],
+                         jobs.out[b]);
 }
 
 // ---- Prefill attention on the tensor cores (docs/gpu.md §14) ----

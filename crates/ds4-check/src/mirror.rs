@@ -21,9 +21,10 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use ds4_engine::backend::{
-    AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, CompressorCall, HcArgs,
-    HcPost, IBuf, IndexerArgs, IndexerCall, MatmulPair, MoeArgs, NormRopeCall, RingStoreCall,
-    RopeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
+    AttnArgs, BResult, Backend, BackendError, BandJob, Buf, CompSel, CompressorArgs,
+    CompressorCall, HcArgs, HcPost, IBuf, IndexerArgs, IndexerCall, MatmulPair, MoeArgs,
+    NormRopeCall, RingStoreCall, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo,
+    WeightUse,
 };
 use ds4_gguf::GgufFile;
 
@@ -554,6 +555,30 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
             &[Out::I(out, out.len())],
             |b| b.logit_band(cx, span, exclude, co),
             |b| b.logit_band(gx, span, exclude, go),
+        )
+    }
+    fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
+        let (cx, gx) = (self.c(x), self.g(x));
+        let cj: Vec<BandJob> = jobs
+            .iter()
+            .map(|&j| BandJob {
+                out: self.ci(j.out),
+                ..j
+            })
+            .collect();
+        let gj: Vec<BandJob> = jobs
+            .iter()
+            .map(|&j| BandJob {
+                out: self.gi(j.out),
+                ..j
+            })
+            .collect();
+        let outs: Vec<Out> = jobs.iter().map(|j| Out::I(j.out, j.out.len())).collect();
+        self.run(
+            "logit_bands",
+            &outs,
+            |b| b.logit_bands(cx, n, &cj),
+            |b| b.logit_bands(gx, n, &gj),
         )
     }
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {

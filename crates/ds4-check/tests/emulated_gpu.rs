@@ -729,6 +729,66 @@ fn emulated_logit_band_equals_its_definition() {
     assert_eq!(runs, 16);
 }
 
+/// A batched step's sampling bands (`Engine::eval_batch_bands`) come from one
+/// `ds4_logit_bands` launch (docs/gpu.md §31), and each is its definition's words
+/// (`band_words`) for the row the step left: spans differ per row, one row has none (its
+/// whole row comes back), one span keeps every value (a band over the capacity, as flat
+/// rows give).
+#[test]
+fn emulated_batched_bands_equal_their_definition() {
+    use ds4_engine::sampler::{band_words, LogitBand, BAND_CAP};
+    use ds4_engine::BatchRow;
+    let dir = tempfile::tempdir().unwrap();
+    let file = model_file_with(dir.path(), TypeRecipe::Q2);
+    let m = machine("strix-halo-stock");
+    let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+    gpu.set_activation_q8(true).unwrap();
+    let cfg = EngineConfig {
+        mode: Some(NumericMode::Exact),
+        ctx: 64,
+        prefill_chunk: 16,
+    };
+    let mut eng = Engine::load(file, Box::new(gpu), cfg).unwrap();
+    let vocab = eng.hparams().n_vocab;
+    let mut states = Vec::new();
+    for (i, len) in [5usize, 9, 3, 7].into_iter().enumerate() {
+        let mut st = eng.new_state().unwrap();
+        let p: Vec<u32> = (0..len)
+            .map(|j| ((7 * i + 3 * j + 1) % vocab) as u32)
+            .collect();
+        eng.eval(&mut st, &p, Logits::Last, None).unwrap();
+        states.push(st);
+    }
+    let spans = [Some(0.5f32), None, Some(0.0), Some(1e30)];
+    let tokens = [1u32, 2, 3, 4];
+    let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+    let before = fake.launches().len();
+    let rows = eng.eval_batch_bands(&mut refs, &tokens, &spans).unwrap();
+    let bands_launched = fake.launches()[before..]
+        .iter()
+        .filter(|l| l.0 == "ds4_logit_bands")
+        .count();
+    assert_eq!(bands_launched, 1, "one launch for the step's bands");
+    assert!(
+        fake.kernel_errors().is_empty(),
+        "{:?}",
+        fake.kernel_errors()
+    );
+    for (j, (got, span)) in rows.iter().zip(spans).enumerate() {
+        let mut row = Vec::new();
+        eng.batch_row_into(j, &mut row).unwrap();
+        assert!(row.iter().all(|v| v.is_finite()), "row {j}");
+        match (got, span) {
+            (BatchRow::Band(b), Some(span)) => {
+                let want = LogitBand::from_words(&band_words(&row, span, None, BAND_CAP)).unwrap();
+                assert_eq!(b, &want, "row {j} span {span}");
+            }
+            (BatchRow::Row(r), None) => assert!(r == &row, "row {j}"),
+            _ => panic!("row {j}: band and span disagree"),
+        }
+    }
+}
+
 /// Batched decode on the GPU path (emulated kernels): with int8 activations (the fast
 /// default) every sequence's batched logits row is bit-for-bit the row it gets decoded
 /// alone (the several-column GEMVs sum each column as the one-token kernels do); with f32

@@ -476,6 +476,14 @@ pub struct AttnArgs {
     pub out: Slice,
 }
 
+/// One band of [`Backend::logit_bands`]: row `row` of the rows, the span, where it goes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BandJob {
+    pub row: usize,
+    pub span: f32,
+    pub out: IBuf,
+}
+
 /// Arguments of [`Backend::router`] (docs/forward.md §6 steps 1–3).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RouterArgs {
@@ -1121,6 +1129,17 @@ pub trait Backend: Send {
         let cap = (out.len() - crate::sampler::BAND_HEAD) / 2;
         let words = crate::sampler::band_words(&v, span, exclude, cap);
         self.upload_i32(out, 0, &words)
+    }
+    /// [`Backend::logit_band`] of several rows of `x` (whole rows of `n` values; nothing
+    /// excluded): the bands of a batched decode step's rows
+    /// ([`crate::Engine::eval_batch_bands`]), which a device can find side by side instead of
+    /// one row after another. Default: one `logit_band` per job.
+    fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
+        crate::validate::logit_bands(x, n, jobs)?;
+        for j in jobs {
+            self.logit_band(x.sub(j.row * n, n), j.span, None, j.out)?;
+        }
+        Ok(())
     }
     /// Names the section of the forward pass the following ops belong to (layer kinds),
     /// for [`Backend::take_profile`]. No effect unless profiling is on.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ds4_gguf::GgufFile;
 use ds4_model::{HParams, ModelSpec, Strictness};
 
-use crate::backend::{Backend, IBuf};
+use crate::backend::{Backend, BandJob, IBuf};
 use crate::config::{EngineConfig, NumericMode};
 use crate::error::{EngineError, Result};
 use crate::expert_stream::{ExpertPlacement, ExpertStream, StreamStats};
@@ -405,11 +405,20 @@ impl Engine {
         // Every band queued first (one buffer per row while they last), then read back.
         let (logits, bands, band) = (s.logits, s.bands.clone(), s.band);
         let out_of = |j: usize| bands.get(j).copied();
-        for (j, span) in spans.iter().enumerate() {
-            if let (Some(span), Some(out)) = (span, out_of(j)) {
-                self.backend
-                    .logit_band(logits.rows(j, 1, v), *span, None, out)?;
-            }
+        let jobs: Vec<BandJob> = spans
+            .iter()
+            .enumerate()
+            .filter_map(|(j, span)| {
+                Some(BandJob {
+                    row: j,
+                    span: (*span)?,
+                    out: out_of(j)?,
+                })
+            })
+            .collect();
+        if !jobs.is_empty() {
+            self.backend
+                .logit_bands(logits.rows(0, states.len(), v), v, &jobs)?;
         }
         let mut rows = Vec::with_capacity(spans.len());
         for (j, span) in spans.iter().enumerate() {

@@ -29,8 +29,8 @@ pub mod validate;
 pub mod weights;
 
 pub use backend::{
-    Backend, BackendError, Buf, Counters, GraphTiming, HeapSlab, HostSlab, IBuf, MatmulPair,
-    ProfileRow, SlabMat, Slice, TaggedSlabs, Weight, WeightInfo, WeightUse,
+    Backend, BackendError, BandJob, Buf, Counters, GraphTiming, HeapSlab, HostSlab, IBuf,
+    MatmulPair, ProfileRow, SlabMat, Slice, TaggedSlabs, Weight, WeightInfo, WeightUse,
 };
 pub use config::{EngineConfig, NumericMode, DEFAULT_PREFILL_CHUNK};
 pub use engine::{BatchRow, Engine, Logits, SHORT_PREFILL_ROWS};

@@ -746,6 +746,30 @@ pub fn logit_band(x: Slice, span: f32, out: IBuf) -> BResult<()> {
     Ok(())
 }
 
+/// [`crate::Backend::logit_bands`]: `x` holds whole rows of `n` values, every job's row is
+/// one of them and every job's band is valid as [`logit_band`]'s; no two jobs write one
+/// buffer.
+pub fn logit_bands(x: Slice, n: usize, jobs: &[crate::backend::BandJob]) -> BResult<()> {
+    const OP: &str = "logit_bands";
+    in_range(x, OP)?;
+    if n == 0 || !x.len.is_multiple_of(n) {
+        return Err(invalid(
+            OP,
+            format!("{} values are not whole rows of {n}", x.len),
+        ));
+    }
+    for (i, j) in jobs.iter().enumerate() {
+        if j.row >= x.len / n {
+            return Err(invalid(OP, format!("row {} of {} rows", j.row, x.len / n)));
+        }
+        logit_band(x.sub(j.row * n, n), j.span, j.out)?;
+        if jobs[..i].iter().any(|k| k.out.id() == j.out.id()) {
+            return Err(invalid(OP, "two bands into one buffer".to_string()));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -753,6 +777,31 @@ mod tests {
 
     fn w(id: u32, ty: GgmlType, dims: [usize; 3]) -> Weight {
         Weight::new(id, WeightInfo { ty, dims })
+    }
+
+    #[test]
+    fn logit_bands_name_a_row_outside_and_a_shared_buffer() {
+        use crate::backend::BandJob;
+        let x = Slice {
+            buf: Buf::new(0, 40),
+            off: 0,
+            len: 40,
+        };
+        let out = |id| IBuf::new(id, crate::sampler::BAND_HEAD + 8);
+        let job = |row, id| BandJob {
+            row,
+            span: 1.0,
+            out: out(id),
+        };
+        assert!(logit_bands(x, 10, &[job(0, 1), job(3, 2)]).is_ok());
+        let e = logit_bands(x, 10, &[job(4, 1)]).unwrap_err().to_string();
+        assert!(e.contains("row 4 of 4 rows"), "{e}");
+        let e = logit_bands(x, 10, &[job(0, 1), job(2, 1)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one buffer"), "{e}");
+        let e = logit_bands(x, 12, &[job(0, 1)]).unwrap_err().to_string();
+        assert!(e.contains("whole rows"), "{e}");
     }
 
     #[test]

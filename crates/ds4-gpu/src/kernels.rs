@@ -662,6 +662,15 @@ mod tests {
         assert!(warps * maxo >= 2 * n + n * n);
     }
 
+    /// The host packs at most `BANDS_MAX` bands into one `ds4_logit_bands` launch, the
+    /// kernel's struct size.
+    #[test]
+    fn band_jobs_match_the_kernel() {
+        use crate::backend::ops::BANDS_MAX;
+        let d = format!("#define DS4_BANDS_MAX {BANDS_MAX}");
+        assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+    }
+
     /// The host sends the router to `ds4_router_token` (`ds4_router_warp`, the fused router
     /// GEMV) only within its register arrays: 32 lanes of DS4_RW_PER_LANE experts, one
     /// selection per lane, a warp per token.

@@ -30,8 +30,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use ds4_engine::backend::{
-    BResult, BackendError, Buf, Counters, HcPost, HostSlab, IBuf, NormRopeCall, ProfileRow,
-    SlabMat, Slice, TaggedSlabs, Weight, WeightInfo, WeightUse,
+    BResult, BackendError, BandJob, Buf, Counters, HcPost, HostSlab, IBuf, NormRopeCall,
+    ProfileRow, SlabMat, Slice, TaggedSlabs, Weight, WeightInfo, WeightUse,
 };
 use ds4_engine::validate;
 use ds4_gguf::{GgmlType, GgufFile};
@@ -855,6 +855,7 @@ const OP_KERNELS: &[&str] = &[
     "ds4_sum_slots",
     "ds4_argmax",
     "ds4_logit_band",
+    "ds4_logit_bands",
     "ds4_attention_split",
     "ds4_attention_combine",
     "ds4_attention_split_combine",
@@ -2031,6 +2032,11 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn logit_band(&mut self, x: Slice, span: f32, exclude: Option<u32>, out: IBuf) -> BResult<()> {
         validate::logit_band(x, span, out)?;
         self.op_logit_band(x, span, exclude, out)
+    }
+
+    fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
+        validate::logit_bands(x, n, jobs)?;
+        self.op_logit_bands(x, n, jobs)
     }
 
     fn annotate(&mut self, tag: &'static str) {

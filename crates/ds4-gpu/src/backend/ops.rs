@@ -3,9 +3,9 @@
 //! is only what the kernels add: handle lookups and their capacity limits.
 
 use ds4_engine::backend::{
-    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, CompressorCall, HcArgs, HcPost, IBuf,
-    IndexerArgs, IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs, RouterArgs, Routing,
-    Slice, Weight,
+    AttnArgs, BResult, BackendError, BandJob, CompSel, CompressorArgs, CompressorCall, HcArgs,
+    HcPost, IBuf, IndexerArgs, IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs,
+    RouterArgs, Routing, Slice, Weight,
 };
 use ds4_engine::numerics::rope_freqs;
 use ds4_gguf::GgmlType;
@@ -68,6 +68,8 @@ const AMMA_THREADS: u32 = 512;
 const AMMA_MIN_KEYS_PER_SPLIT: usize = 64;
 /// Sequences of one batched attention launch (`DS4_ATT_SEQS` in ops.cu).
 const ATT_SEQS: usize = 16;
+/// Bands per `ds4_logit_bands` launch (`DS4_BANDS_MAX`, kernels/ops.cu).
+pub(crate) const BANDS_MAX: usize = 16;
 /// Most partial-result bytes of one batched attention launch (beyond: one sequence at a
 /// time, each with its own, smaller partials).
 const ATT_BATCH_PART_BYTES: usize = 256 << 20;
@@ -3309,6 +3311,45 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(op_),
             ],
         )
+    }
+
+    /// Up to `BANDS_MAX` bands of rows of `x` per launch of `ds4_logit_bands` (docs/gpu.md
+    /// §31): a block per row, each the one-row kernel, side by side.
+    pub(super) fn op_logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
+        const OP: &str = "logit_bands";
+        let xp = self.fptr(x, OP)?;
+        for group in jobs.chunks(BANDS_MAX) {
+            // Laid out as Ds4BandJobs in ops.cu: the out pointers, then rows, spans and
+            // capacities (4 bytes each, two per word), then the count.
+            let mut blob = vec![0u64; BANDS_MAX + 3 * BANDS_MAX / 2 + 1];
+            let mut ints = [0u32; 3 * BANDS_MAX];
+            for (i, j) in group.iter().enumerate() {
+                blob[i] = self.iptr(j.out, OP)?;
+                ints[i] = u32::try_from(j.row).map_err(|_| {
+                    gerr(OP)(crate::error::GpuError::BadArgument {
+                        op: OP,
+                        detail: format!("row {} beyond 32 bits", j.row),
+                    })
+                })?;
+                ints[BANDS_MAX + i] = j.span.to_bits();
+                ints[2 * BANDS_MAX + i] = ((j.out.len() - ds4_engine::sampler::BAND_HEAD) / 2)
+                    .try_into()
+                    .unwrap_or(i32::MAX as u32);
+            }
+            for (k, pair) in ints.chunks_exact(2).enumerate() {
+                blob[BANDS_MAX + k] = u64::from(pair[0]) | (u64::from(pair[1]) << 32);
+            }
+            blob[BANDS_MAX + 3 * BANDS_MAX / 2] = group.len() as u64;
+            self.launch_blob(
+                "ds4_logit_bands",
+                (g32(group.len()), 1, 1),
+                1024,
+                &[Arg::Ptr(xp), i32a(OP, "values", n)?],
+                2,
+                &blob,
+            )?;
+        }
+        Ok(())
     }
 
     pub(super) fn op_norm_rope(

@@ -2580,8 +2580,8 @@ ds4_argmax(const float* x, int n, int* out) {
 // then up to `cap` (index, value bits) pairs in index order (ds4_engine::sampler::band_words
 // is the definition). Index `exclude` (-1: none) counts as -inf. One block: a strided pass for
 // the maximum and the first NaN / +inf (max and min are exact in any order), then every
-// thread takes a contiguous segment and a block scan of the segments' counts places its
-// items, so the order is the index order.
+// warp takes a contiguous run of the row and the runs' counts place its items, so the order
+// is the index order.
 #define DS4_BAND_THREADS 1024
 static_assert(DS4_BAND_THREADS == DS4_WARP * DS4_WARP, "the scan's second level is one warp");
 __device__ __forceinline__ void ds4_logit_band_block(const float* x, int n, float span,
@@ -2617,23 +2617,43 @@ __device__ __forceinline__ void ds4_logit_band_block(const float* x, int n, floa
     }
     const float mx = smax[0] == 0.0f ? 0.0f : smax[0];  // a zero maximum is +0 (either zero may win)
     const float thr = mx - span;
-    const int seg = (n + DS4_BAND_THREADS - 1) / DS4_BAND_THREADS;
-    const int a = min(tid * seg, n), b = min(a + seg, n);
+    // Warp w takes a contiguous run of whole 32-value chunks (runs in index order); its lanes
+    // read consecutive values (one thread per contiguous segment made every load touch 32
+    // lines: 114 µs a row on an H100, docs/gpu.md §31). Counts first, then each warp's
+    // items from its run's offset, placed in a chunk by an inclusive scan of the lanes' hits.
+    const int warp = tid / DS4_WARP, lane = tid & (DS4_WARP - 1);
+    constexpr int NW = DS4_BAND_THREADS / DS4_WARP;
+    const int per = ((n + DS4_WARP - 1) / DS4_WARP + NW - 1) / NW * DS4_WARP;
+    const int a = min(warp * per, n), b = min(a + per, n);
     int c = 0;
-    for (int i = a; i < b; i++) c += (i != exclude && x[i] >= thr) ? 1 : 0;
-    const int base = ds4_scan_excl_1024(c, sh);
-    int w = base;
-    for (int i = a; i < b && w < cap; i++) {
-        const float v = x[i];
-        if (i != exclude && v >= thr) {
-            out[8 + 2 * w] = i;
-            out[9 + 2 * w] = __float_as_int(v);
-            w++;
-        }
-    }
-    if (tid == DS4_BAND_THREADS - 1) sh[0] = base + c;  // the scan's last use of sh is past
+    for (int i = a + lane; i < b; i += DS4_WARP) c += (i != exclude && x[i] >= thr) ? 1 : 0;
+#pragma unroll
+    for (int m = DS4_WARP / 2; m > 0; m >>= 1) c += ds4_shfl_xor_i(c, m);
+    if (lane == 0) sh[warp] = c;
     __syncthreads();
-    const int count = sh[0];
+    int base = 0, count = 0;
+    for (int k = 0; k < NW; k++) {
+        base += k < warp ? sh[k] : 0;
+        count += sh[k];
+    }
+    int w = base;  // warp-uniform
+    for (int i0 = a; i0 < b && w < cap; i0 += DS4_WARP) {
+        const int i = i0 + lane;
+        const float v = i < b ? x[i] : 0.0f;
+        const bool hit = i < b && i != exclude && v >= thr;
+        int incl = hit ? 1 : 0;
+#pragma unroll
+        for (int d = 1; d < DS4_WARP; d <<= 1) {
+            const int u = ds4_shfl_up_i(incl, d);
+            if (lane >= d) incl += u;
+        }
+        const int at = w + incl - 1;
+        if (hit && at < cap) {
+            out[8 + 2 * at] = i;
+            out[9 + 2 * at] = __float_as_int(v);
+        }
+        w += __float_as_int(ds4_shfl_idx(__int_as_float(incl), DS4_WARP - 1));
+    }
     // The unused item slots are zeros, as the definition writes them.
     for (int j = min(count, cap) * 2 + tid; j < 2 * cap; j += DS4_BAND_THREADS) out[8 + j] = 0;
     if (tid == 0) {

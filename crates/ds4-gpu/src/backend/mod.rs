@@ -610,6 +610,9 @@ pub struct GpuBackend<D: GpuApi> {
     /// sequences four tokens per block measured slower). `DS4_HC_MIX_TPB=n` sets it; 0:
     /// never.
     pub(crate) hc_mix_tpb_from: usize,
+    /// A batched step's sampling bands in one launch (`ds4_logit_bands`, docs/gpu.md
+    /// §31); `DS4_BATCH_BANDS=0`: one launch per band (A/B).
+    pub(crate) batch_bands: bool,
     /// Matmuls of one input at decode rows (`matmul_set`, `matmul_pair`) quantize it once
     /// (docs/gpu.md §29); `DS4_Q8_INPUT_ONCE=0`: once per matrix.
     pub(crate) q8_input_once: bool,
@@ -1042,6 +1045,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 .unwrap_or(0)
                 .saturating_mul(sms),
             grouped_flat: env_on("DS4_GROUPED_FLAT"),
+            batch_bands: env_on("DS4_BATCH_BANDS"),
             hc_mix_tpb_from: std::env::var("DS4_HC_MIX_TPB")
                 .ok()
                 .and_then(|v| v.trim().parse().ok())
@@ -2036,6 +2040,12 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
 
     fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
         validate::logit_bands(x, n, jobs)?;
+        if !self.batch_bands {
+            for j in jobs {
+                self.op_logit_band(x.sub(j.row * n, n), j.span, None, j.out)?;
+            }
+            return Ok(());
+        }
         self.op_logit_bands(x, n, jobs)
     }
 

@@ -3,13 +3,13 @@
 # an NVIDIA GPU, binaries in $BIN, logs in $OUT (few files: the device tool returns a limited
 # number). Same binaries for every arm; each change's old path by its switch.
 #   1. batch bit-exact (default)
-#   2. a 49-token prompt piece with DS4_HC_MIX_TPB=0 and default (docs/gpu.md §11)
-#   3. the batched step at 1 and 8 sequences: default, DS4_BATCH_BANDS=0 (§31),
+#   2. the batched step at 1 and 8 sequences: default, DS4_BATCH_BANDS=0 (§31),
 #      -DDS4_FINISH_SPREAD=0 (§30), DS4_COLS_SPLIT=4 / 16 (§23), -DDS4_Q8M_ROWS=4, alternating;
 #      profiles of the 8-sequence step, default and DS4_BATCH_BANDS=0
-#   4. ds4-server --parallel 8: every change of the session off (DS4_SKIP_PUSHED_OUT_TURNS=0
+#   3. ds4-server --parallel 8: every change of the session off (DS4_SKIP_PUSHED_OUT_TURNS=0
 #      DS4_HC_MIX_TPB=0 DS4_BATCH_BANDS=0 -DDS4_FINISH_SPREAD=0) against the defaults,
 #      alternating, 8 clients (thinking default) and 8 greedy, 1 client
+#   4. a 49-token prompt piece with DS4_HC_MIX_TPB=0 and default (docs/gpu.md §11)
 #   5. the user path: ds4-bench decode, the CLI's loop greedy and with the default sampler
 set -u
 BIN=${BIN:-./bin}; OUT=${OUT:-./out}; mkdir -p "$OUT"; export PATH=$BIN:$PATH
@@ -23,12 +23,6 @@ if [ -z "${LEAN:-}" ]; then
 echo "== batch bit-exact (4-layer real dims)"
 timeout 100 ds4-engine-check batch $W/s4.gguf --tiny 0 --tokens 20 --act-q8 --seqs 16 --gpu-only 2>&1 | grep -E "cuda|PASSED|FAIL|rror" | cut -c1-200
 fi
-echo "== 49-token piece after 64 (prefill_s of frontier 114), DS4_HC_MIX_TPB=0 / default"
-HC=(0 "" 0 ""); [ -n "${LEAN:-}" ] && HC=(0 "")
-for v in "${HC[@]}"; do
-  DS4_HC_MIX_TPB=$v timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 64,114 --decode 1 --warmup 64 > $T/pf.log 2>&1
-  echo "[TPB=$v] $(grep -E '^114,' $T/pf.log | cut -d, -f1-4)"
-done
 echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
 step() { echo "[$1 ${2:-}] $(grep -E '^batch ' $T/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"; }
 for r in 1 2; do
@@ -69,6 +63,12 @@ done
   for c in 1 2 4 8 16; do timeout 60 python3 $TP http://127.0.0.1:8090 $c 64; done
   kill $sp; wait $sp 2>/dev/null
 }
+echo "== 49-token piece after 64 (prefill_s of frontier 114), DS4_HC_MIX_TPB=0 / default"
+HC=(0 "" 0 ""); [ -n "${LEAN:-}" ] && HC=(0 "")
+for v in "${HC[@]}"; do
+  DS4_HC_MIX_TPB=$v timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 64,114 --decode 1 --warmup 64 > $T/pf.log 2>&1
+  echo "[TPB=$v] $(grep -E '^114,' $T/pf.log | cut -d, -f1-4)"
+done
 echo "== user path"; date +%T
 timeout 100 ds4-bench -m $W/q.gguf --frontiers 2009 --decode 64 > $T/ub.log 2>&1; grep -E "^2009|bandwidth limit" $T/ub.log | head -3 | cut -c1-200
 timeout 100 ds4-bench --e2e -m $W/q.gguf --backend cuda --ctx 4096 -n 100 --prompt-words 2000 --temp 0 2>&1 | tail -1 | cut -c1-200

@@ -26,15 +26,16 @@ fi
 echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
 step() { echo "[$1 ${2:-}] $(grep -E '^batch ' $T/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"; }
 for r in 1 2; do
-  ARMS=("-" "DS4_BATCH_BANDS=0" "DS4_GEMV_DEFINES=-DDS4_FINISH_SPREAD=0" "DS4_COLS_SPLIT=4")
-  [ -z "${LEAN:-}" ] && ARMS+=("DS4_COLS_SPLIT=16" "DS4_GEMV_DEFINES=-DDS4_Q8M_ROWS=4")
+  ARMS=("-" "DS4_BATCH_BANDS=0" "DS4_GEMV_DEFINES=-DDS4_FINISH_SPREAD=0")
+  [ -z "${LEAN:-}" ] && ARMS+=("DS4_COLS_SPLIT=4" "DS4_COLS_SPLIT=16" "DS4_GEMV_DEFINES=-DDS4_Q8M_ROWS=4")
   for arm in "${ARMS[@]}"; do
     if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
     env $e timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $T/ab.log 2>&1
     step "$arm"
   done
 done
-for arm in "-" "DS4_BATCH_BANDS=0"; do
+PA=("-" "DS4_BATCH_BANDS=0"); [ -n "${LEAN:-}" ] && PA=("-")
+for arm in "${PA[@]}"; do
   if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
   env $e timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 8 --batch 8 --profile 2 > $T/prof.log 2>&1
   echo "-- profile [$arm]:"; sed -n '/^profile batch/,$p' $T/prof.log | sed -n '1p;/by kernel/,/top section/p' | head -24

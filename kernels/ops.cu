@@ -1093,6 +1093,40 @@ struct Ds4HcPrev {
     const float* comb;
 };
 
+// One token's partials of the block: the nm mix outputs (warp w sums outputs w, w + 8, w + 16)
+// and the Gram entries s <= u in double, each summed over the warp's lanes, into `slot`.
+__device__ __forceinline__ void ds4_hc_mix_store(const float (&w)[DS4_HCM_MAXO][DS4_HCM_N][2],
+                                                 const float (&xv)[DS4_HCM_N][2], int nm,
+                                                 ds4_size slot, float* partf, double* partd) {
+    const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
+#pragma unroll
+    for (int k = 0; k < DS4_HCM_MAXO; k++) {
+        const int o = warp + k * DS4_HCM_WARPS;  // warp-uniform
+        if (o < nm) {
+            float a = 0.0f;
+#pragma unroll
+            for (int s = 0; s < DS4_HCM_N; s++) {
+                a += w[k][s][0] * xv[s][0];
+                a += w[k][s][1] * xv[s][1];
+            }
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor(a, m);
+            if (lane == 0) partf[slot * nm + o] = a;
+        }
+    }
+    int q = 0;
+#pragma unroll
+    for (int s = 0; s < DS4_HCM_N; s++)
+#pragma unroll
+        for (int u = s; u < DS4_HCM_N; u++, q++) {
+            if (q % DS4_HCM_WARPS != warp) continue;  // warp-uniform
+            double a = (double)xv[s][0] * (double)xv[u][0] + (double)xv[s][1] * (double)xv[u][1];
+#pragma unroll
+            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor_d(a, m);
+            if (lane == 0) partd[slot * DS4_HCM_G + q] = a;
+        }
+}
+
 // The block's partial mix (all nm outputs) and partial Gram matrix, after the wait. With
 // prev.f non-null, the previous sublayer's HCPost first turns the block's columns of x into
 // the new residual streams (ds4_hc_post's expressions, so the same values), written back by
@@ -1153,33 +1187,7 @@ __device__ __forceinline__ void ds4_hc_mix_sums(const float (&w)[DS4_HCM_MAXO][D
             xv[s][1] = nv[s][1];
         }
     }
-    const ds4_size slot = (ds4_size)t * nb + g;
-#pragma unroll
-    for (int k = 0; k < DS4_HCM_MAXO; k++) {
-        const int o = warp + k * DS4_HCM_WARPS;  // warp-uniform
-        if (o < nm) {
-            float a = 0.0f;
-#pragma unroll
-            for (int s = 0; s < DS4_HCM_N; s++) {
-                a += w[k][s][0] * xv[s][0];
-                a += w[k][s][1] * xv[s][1];
-            }
-#pragma unroll
-            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor(a, m);
-            if (lane == 0) partf[slot * nm + o] = a;
-        }
-    }
-    int q = 0;
-#pragma unroll
-    for (int s = 0; s < DS4_HCM_N; s++)
-#pragma unroll
-        for (int u = s; u < DS4_HCM_N; u++, q++) {
-            if (q % DS4_HCM_WARPS != warp) continue;  // warp-uniform
-            double a = (double)xv[s][0] * (double)xv[u][0] + (double)xv[s][1] * (double)xv[u][1];
-#pragma unroll
-            for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor_d(a, m);
-            if (lane == 0) partd[slot * DS4_HCM_G + q] = a;
-        }
+    ds4_hc_mix_store(w, xv, nm, (ds4_size)t * nb + g, partf, partd);
 }
 
 // ds4_hc_mix_sums for DS4_HCM_TPB tokens per block (blockIdx.y · TPB + i, those below
@@ -1266,34 +1274,7 @@ __device__ __forceinline__ void ds4_hc_mix_sums_tpb(
     for (int i = 0; i < DS4_HCM_TPB; i++) {
         const int t = t0 + i;
         if (t >= n_tok) break;  // block-uniform
-        const ds4_size slot = (ds4_size)t * nb + g;
-#pragma unroll
-        for (int k = 0; k < DS4_HCM_MAXO; k++) {
-            const int o = warp + k * DS4_HCM_WARPS;  // warp-uniform
-            if (o < nm) {
-                float a = 0.0f;
-#pragma unroll
-                for (int s = 0; s < DS4_HCM_N; s++) {
-                    a += w[k][s][0] * xv[i][s][0];
-                    a += w[k][s][1] * xv[i][s][1];
-                }
-#pragma unroll
-                for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor(a, m);
-                if (lane == 0) partf[slot * nm + o] = a;
-            }
-        }
-        int q = 0;
-#pragma unroll
-        for (int s = 0; s < DS4_HCM_N; s++)
-#pragma unroll
-            for (int u = s; u < DS4_HCM_N; u++, q++) {
-                if (q % DS4_HCM_WARPS != warp) continue;  // warp-uniform
-                double a = (double)xv[i][s][0] * (double)xv[i][u][0] +
-                           (double)xv[i][s][1] * (double)xv[i][u][1];
-#pragma unroll
-                for (int m = DS4_WARP / 2; m > 0; m >>= 1) a += ds4_shfl_xor_d(a, m);
-                if (lane == 0) partd[slot * DS4_HCM_G + q] = a;
-            }
+        ds4_hc_mix_store(w, xv[i], nm, (ds4_size)t * nb + g, partf, partd);
     }
 }
 

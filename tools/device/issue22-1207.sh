@@ -63,9 +63,7 @@ for D in "" "$R4"; do
 done
 date +%T
 timeout 100 ds4-convert synthetic --quiet --layout q2 --layers $L --sparse-experts --vocab-gguf $V $W/q.gguf > /dev/null
-up() { for i in $(seq 1 90); do python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8090/v1/models',timeout=2)" 2>/dev/null && break; sleep 1; done; echo "ready after ${i}s"; }
-sumlog() { sed -E 's/\x1b\[[0-9;]*m//g' $1 | grep "request done" | tail -$2 | grep -oE "(prefill_ms|decode_ms|snapshot_ms|pick_us|steps_ms|total_ms)=[0-9]+" | awk -F= '{s[$1]+=$2; n[$1]++} END {for (k in s) printf "%s=%.0f ", k, s[k]/n[k]; print ""}'; }
-TP=tools/server-sdk-tests/throughput.py
+. tools/device/server-lib.sh
 echo "== server A/B (--parallel 8): turn-snapshot skip, four-token HC blocks"; date +%T
 n=0
 for cfg in "0 0" "1 " "1 0" "0 0" "1 "; do

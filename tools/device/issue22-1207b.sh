@@ -43,9 +43,7 @@ for arm in "${PA[@]}"; do
 done
 date +%T
 [ -f $W/q.gguf ] || timeout 100 ds4-convert synthetic --quiet --layout q2 --layers $L --sparse-experts --vocab-gguf $V $W/q.gguf > /dev/null
-up() { for i in $(seq 1 90); do python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8090/v1/models',timeout=2)" 2>/dev/null && break; sleep 1; done; echo "ready after ${i}s"; }
-sumlog() { sed -E 's/\x1b\[[0-9;]*m//g' $1 | grep "request done" | tail -$2 | grep -oE "(prefill_ms|decode_ms|snapshot_ms|pick_us|steps_ms|total_ms)=[0-9]+" | awk -F= '{s[$1]+=$2; n[$1]++} END {for (k in s) printf "%s=%.0f ", k, s[k]/n[k]; print ""}'; }
-TP=tools/server-sdk-tests/throughput.py
+. tools/device/server-lib.sh
 OLD="DS4_SKIP_PUSHED_OUT_TURNS=0 DS4_HC_MIX_TPB=0 DS4_BATCH_BANDS=0 DS4_GEMV_DEFINES=-DDS4_FINISH_SPREAD=0"
 echo "== server (--parallel 8): the session's changes off / on"; date +%T
 n=0

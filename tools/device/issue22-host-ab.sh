@@ -27,9 +27,7 @@ for D in "" "-DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1" "" "-DDS4_IQ2_MASK_TA
 done
 date +%T
 timeout 100 ds4-convert synthetic --quiet --layout q2 --layers $L --sparse-experts --vocab-gguf $V $W/q.gguf > /dev/null
-up() { for i in $(seq 1 90); do python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8090/v1/models',timeout=2)" 2>/dev/null && break; sleep 1; done; echo "ready after ${i}s"; }
-sumlog() { sed -E 's/\x1b\[[0-9;]*m//g' $1 | grep "request done" | tail -$2 | grep -oE "(prefill_ms|decode_ms|snapshot_ms|pick_us|steps_ms|total_ms)=[0-9]+" | awk -F= '{s[$1]+=$2; n[$1]++} END {for (k in s) printf "%s=%.0f ", k, s[k]/n[k]; print ""}'; }
-TP=tools/server-sdk-tests/throughput.py
+. tools/device/server-lib.sh
 echo "== server picks A/B (--parallel 8)"; date +%T
 for pp in 0 1; do
   DS4_PARALLEL_PICKS=$pp ds4-server -m $W/q.gguf -c 4096 --backend cuda --parallel 8 --port 8090 > $OUT/srvp$pp.log 2>&1 &

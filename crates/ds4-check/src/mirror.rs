@@ -559,20 +559,16 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
     }
     fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
         let (cx, gx) = (self.c(x), self.g(x));
-        let cj: Vec<BandJob> = jobs
-            .iter()
-            .map(|&j| BandJob {
-                out: self.ci(j.out),
-                ..j
-            })
-            .collect();
-        let gj: Vec<BandJob> = jobs
-            .iter()
-            .map(|&j| BandJob {
-                out: self.gi(j.out),
-                ..j
-            })
-            .collect();
+        // The jobs for one backend (`cpu`: the reference), every buffer mapped.
+        let mapped = |cpu: bool| -> Vec<BandJob> {
+            jobs.iter()
+                .map(|&j| BandJob {
+                    out: if cpu { self.ci(j.out) } else { self.gi(j.out) },
+                    ..j
+                })
+                .collect()
+        };
+        let (cj, gj) = (mapped(true), mapped(false));
         let outs: Vec<Out> = jobs.iter().map(|j| Out::I(j.out, j.out.len())).collect();
         self.run(
             "logit_bands",

@@ -829,7 +829,7 @@ impl Worker {
             .iter()
             .filter_map(|&i| Some((i, tasks[i].as_ref()?.turn.as_ref()?)))
             .collect();
-        let mut dropped: Vec<usize> = if self.skip_pushed_out_turns && turns.len() > 1 {
+        let dropped: Vec<usize> = if self.skip_pushed_out_turns && turns.len() > 1 {
             let marks = self.turns_pushed_out(&turns);
             turns
                 .iter()
@@ -849,8 +849,7 @@ impl Worker {
             // The first token has gone out: the prompt's state, not yet fed anything, is
             // kept now (before this step feeds it, or before the job ends).
             if let Some(t) = task.turn.take() {
-                if let Some(at) = dropped.iter().position(|&d| d == i) {
-                    dropped.swap_remove(at);
+                if dropped.contains(&i) {
                     Stats::add(&self.stats.turn_snapshots_skipped, 1);
                 } else {
                     let t_snap = Instant::now();

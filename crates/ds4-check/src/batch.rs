@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use ds4_engine::{Backend, Engine, EngineConfig, EngineError, KvState, Logits, NumericMode, Rng};
+use ds4_engine::sampler::{band_words, LogitBand, BAND_CAP};
+use ds4_engine::{
+    Backend, BatchRow, Engine, EngineConfig, EngineError, KvState, Logits, NumericMode, Rng,
+};
 use ds4_gguf::GgufFile;
 
 use crate::mirror::rel_err;
@@ -18,6 +21,11 @@ pub struct BatchVsAlone {
     pub exact: bool,
     /// Rows whose greedy token differed.
     pub greedy: usize,
+    /// Sampling bands the batched steps left (`Engine::eval_batch_bands`, one
+    /// `logit_bands` call a step) that differ from their definition on the step's row.
+    pub bands_bad: usize,
+    /// Bands compared.
+    pub bands: usize,
 }
 
 impl BatchVsAlone {
@@ -27,13 +35,15 @@ impl BatchVsAlone {
             worst: 0.0,
             exact: true,
             greedy: 0,
+            bands_bad: 0,
+            bands: 0,
         }
     }
 
-    /// The checks' pass rule: no greedy token differs and every row is within 1e-6 of its
-    /// twin alone.
+    /// The checks' pass rule: no greedy token differs, every row is within 1e-6 of its
+    /// twin alone and every band is its definition's.
     pub fn passes(&self) -> bool {
-        self.worst <= 1e-6 && self.greedy == 0
+        self.worst <= 1e-6 && self.greedy == 0 && self.bands_bad == 0
     }
 
     /// Counts one row against the row alone.
@@ -68,6 +78,8 @@ fn random_tokens(rng: &mut Rng, n: usize, vocab: usize) -> Vec<u32> {
 /// again) tokens, token by
 /// token alone for [`STEPS`] greedy steps, then again as batched steps with the tokens of
 /// the alone run (so the two stay aligned), and compares every batched row with its twin.
+/// The batched steps ask for sampling bands of several spans (one row a step none), as
+/// the server's sampler does, and each band must be `band_words` of the step's row.
 pub fn batch_vs_alone(
     file: &Arc<GgufFile>,
     mode: NumericMode,
@@ -116,9 +128,24 @@ pub fn batch_vs_alone(
     for step in 0..STEPS {
         let toks: Vec<u32> = fed.iter().map(|f| f[step]).collect();
         let mut refs: Vec<&mut KvState> = states.iter_mut().collect();
-        let out = eng.eval_batch(&mut refs, &toks)?;
-        for (i, row) in out.chunks(vocab).enumerate() {
-            r.add(row, &alone[i][step]);
+        let spans: Vec<Option<f32>> = (0..seqs)
+            .map(|i| [Some(2.0), Some(0.0), None, Some(1e30)][(i + step) % 4])
+            .collect();
+        let out = eng.eval_batch_bands(&mut refs, &toks, &spans)?;
+        let mut row = Vec::with_capacity(vocab);
+        for (i, (got, span)) in out.iter().zip(&spans).enumerate() {
+            eng.batch_row_into(i, &mut row)?;
+            r.add(&row, &alone[i][step]);
+            let ok = match (got, span) {
+                (BatchRow::Band(b), Some(span)) => {
+                    LogitBand::from_words(&band_words(&row, *span, None, BAND_CAP)).as_ref()
+                        == Some(b)
+                }
+                (BatchRow::Row(whole), None) => whole == &row,
+                _ => false,
+            };
+            r.bands += 1;
+            r.bands_bad += usize::from(!ok);
         }
     }
     for st in states {

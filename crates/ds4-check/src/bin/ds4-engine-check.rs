@@ -810,11 +810,14 @@ fn batch(a: &Args) -> Result<()> {
                     worst,
                     exact,
                     greedy,
+                    bands_bad,
+                    bands,
                 } = r;
                 println!(
-                    "{label} · {mode} · {}: batched vs alone max rel {worst:.2e}, bit-exact {}, greedy differences {greedy}{}",
+                    "{label} · {mode} · {}: batched vs alone max rel {worst:.2e}, bit-exact {}, greedy differences {greedy}, bands {}/{bands} as defined{}",
                     if gpu { "cuda" } else { "cpu" },
                     if exact { "yes" } else { "no" },
+                    bands - bands_bad,
                     if ok { "" } else { " FAIL" }
                 );
                 if !ok {

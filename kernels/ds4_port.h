@@ -194,9 +194,21 @@ __device__ __forceinline__ ds4_u32 ds4_hmul2(ds4_u32 a, ds4_u32 b) {
 }
 
 // Byte i of the result = byte (s >> 4i) & 7 of the eight bytes y:x (x = bytes 0..3): one
-// prmt. (The selector's sign-replicate bit 3 is never set here.)
+// prmt. The callers never set a selector nibble's sign-replicate bit 3, so the instruction
+// is issued as it is; `__byte_perm` keeps only bits 0..2 of each nibble and so clears bit 3
+// first, an AND and a constant move per permute (cuobjdump, sm_90; docs/gpu.md §32).
+// -DDS4_PRMT_ASM=0: `__byte_perm` (A/B).
+#ifndef DS4_PRMT_ASM
+#define DS4_PRMT_ASM 1
+#endif
 __device__ __forceinline__ ds4_u32 ds4_byte_perm(ds4_u32 x, ds4_u32 y, ds4_u32 s) {
+#if DS4_PRMT_ASM
+    ds4_u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(s));
+    return r;
+#else
     return __byte_perm(x, y, s);
+#endif
 }
 
 // Tensor-core product (sm_80 and later): c += A * B for one 16x16 half tile A (row-major

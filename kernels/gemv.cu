@@ -185,7 +185,26 @@ struct Ds4Tables {
     // False when the launch lacked the dynamic shared memory the tables need: the engine
     // then reads no table and writes NaN rows (a missing size shows, never a wrong sum).
     bool ok = true;
+    // IQ2_XXS lattice points and signs as byte-permute selectors (the int8 unit with
+    // DS4_IQ2_PRMT, docs/gpu.md §32): entry i at gsel[i * gstride], ssel[i * gstride].
+    const ds4_u32* gsel = nullptr;
+    const ds4_u32* ssel = nullptr;
+    // The levels the selectors pick from (+8, +25, +43, 0 and −8, −25, −43, 0), read from
+    // the table like its entries so that they sit in ordinary registers: as constants the
+    // compiler moved one into a register before every permute (whose first source must be
+    // a register).
+    ds4_u32 lv_lo = 0, lv_hi = 0;
 };
+// The selector tables' entries: 256 lattice points, 128 sign patterns, the two level words.
+#define DS4_IQ2_SEL_ENTRIES (256 + 128 + 2)
+#define DS4_IQ2_LEVELS_LO 0x002B1908u
+#define DS4_IQ2_LEVELS_HI 0x00D5E7F8u
+__device__ __forceinline__ ds4_u32 ds4_iq2_sel_entry(int e) {
+    return e < 256   ? ds4_iq2xxs_grid_sel[e]
+           : e < 384 ? ds4_iq2xxs_sign_sel[e - 256]
+           : e == 384 ? DS4_IQ2_LEVELS_LO
+                      : DS4_IQ2_LEVELS_HI;
+}
 
 // The input vector quantized to int8 blocks (docs: int8 activations): per 32 values a
 // scale d (amax / 127) and 32 codes q = round(x / d); s16 holds the code sums of each 16
@@ -1222,8 +1241,25 @@ struct Ds4Q4Kx : Ds4Q4K {
 #ifndef DS4_IQ2_SIGNS_ALU
 #define DS4_IQ2_SIGNS_ALU 0
 #endif
+// The int8 unit's values by byte permutes (docs/gpu.md §32): each table entry is a 32-bit
+// selector (one shared-memory wavefront per warp where a 64-bit entry took two), the
+// point's levels OR the signs' bits pick each signed value out of the eight level bytes.
+// Lane-private copies as above, 32 of them (a 32-bit entry's copies then fill the banks).
+// -DDS4_IQ2_PRMT=0: the 64-bit lattice and masks (A/B).
+#ifndef DS4_IQ2_PRMT
+#define DS4_IQ2_PRMT 1
+#endif
+#if DS4_IQ2_PRMT && DS4_IQ2_GRID_COPIES > 1
+#define DS4_IQ2_SEL_COPIES 32
+#else
+#define DS4_IQ2_SEL_COPIES 1
+#endif
+#if DS4_IQ2_PRMT
+#define DS4_IQ2_GRID_SMEM (DS4_IQ2_GRID_COPIES > 1 ? DS4_IQ2_SEL_ENTRIES * 4 * DS4_IQ2_SEL_COPIES : 0)
+#else
 #define DS4_IQ2_GRID_SMEM \
     (DS4_IQ2_GRID_COPIES > 1 ? (256 + (DS4_IQ2_MASK_TABLE ? 128 : 0)) * 8 * DS4_IQ2_GRID_COPIES : 0)
+#endif
 static_assert((DS4_IQ2_GRID_COPIES & (DS4_IQ2_GRID_COPIES - 1)) == 0 &&
                   DS4_IQ2_GRID_COPIES <= DS4_WARP,
               "grid copies: a power of two, at most a warp");
@@ -1248,7 +1284,9 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
     static constexpr bool XSPLIT = DS4_IQ2_XSPLIT;
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u8 signs[128];
-#if DS4_IQ2_GRID_COPIES > 1
+#if DS4_IQ2_PRMT
+        return prologue_sel(signs);
+#elif DS4_IQ2_GRID_COPIES > 1
         constexpr int C = DS4_IQ2_GRID_COPIES;
         DS4_DYN_SHARED(ds4_iq2_tables, DS4_IQ2_GRID_SMEM);
         ds4_u64* grid = (ds4_u64*)ds4_iq2_tables;
@@ -1279,6 +1317,43 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
         return Ds4Tables{grid, signs, smask, 1};
 #endif
     }
+    // The selector tables (DS4_IQ2_PRMT): grid selectors then sign selectors, entry e's C
+    // copies side by side, written four copies per 16-byte store.
+    __device__ static Ds4Tables prologue_sel(ds4_u8* signs) {
+        constexpr int C = DS4_IQ2_SEL_COPIES;
+        for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS)
+            signs[i] = (ds4_u8)ds4_iq2xxs_ksigns[i];
+#if DS4_IQ2_SEL_COPIES > 1
+        DS4_DYN_SHARED(ds4_iq2_tables, DS4_IQ2_GRID_SMEM);
+        ds4_u32* gsel = (ds4_u32*)ds4_iq2_tables;
+        const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_GRID_SMEM;
+        if (given) {
+            for (int i = threadIdx.x; i < DS4_IQ2_SEL_ENTRIES * C / 4; i += DS4_GEMV_THREADS) {
+                const ds4_u32 v = ds4_iq2_sel_entry(4 * i / C);
+                ((uint4*)gsel)[i] = make_uint4(v, v, v, v);
+            }
+        }
+        __syncthreads();
+        const int c = threadIdx.x & (C - 1);
+        const ds4_u32* lv = gsel + 384 * C + c;
+        return Ds4Tables{nullptr, signs, nullptr, C, given, gsel + c, gsel + 256 * C + c,
+                         given ? lv[0] : 0u, given ? lv[C] : 0u};
+#else
+        __shared__ ds4_u32 gsel[DS4_IQ2_SEL_ENTRIES];
+        for (int i = threadIdx.x; i < DS4_IQ2_SEL_ENTRIES; i += DS4_GEMV_THREADS)
+            gsel[i] = ds4_iq2_sel_entry(i);
+        __syncthreads();
+        return Ds4Tables{nullptr,
+                         signs,
+                         nullptr,
+                         1,
+                         true,
+                         gsel,
+                         gsel + 256,
+                         gsel[384],
+                         gsel[385]};
+#endif
+    }
     template <int R, int CB>
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables tb,
                                 float (&acc)[R]) {
@@ -1303,6 +1378,23 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
             const ds4_u32 w1 = (ds4_u32)ds4_ld_w4(gp + 4);
             const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
             int is = 0;
+#if DS4_IQ2_PRMT
+            // Signed values by permuting the levels +8, +25, +43, 0 | −8, −25, −43, 0 with
+            // the point's selector OR its signs' (docs/gpu.md §32): exactly the values below.
+            // Entries are 4 · gstride bytes apart (this lane's copy; a stride the compiler
+            // cannot fold into the lane's offset keeps the address at shift, mask, add).
+            const unsigned es = 4u * (unsigned)tb.gstride;
+            const ds4_u8* gs = (const ds4_u8*)tb.gsel;
+            const ds4_u8* ss = (const ds4_u8*)tb.ssel;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const ds4_u32 sel = *(const ds4_u32*)(gs + ((aux >> (8 * k)) & 255u) * es) |
+                                    *(const ds4_u32*)(ss + ((w1 >> (7 * k)) & 127u) * es);
+                const int vlo = (int)ds4_byte_perm(tb.lv_lo, tb.lv_hi, sel);
+                const int vhi = (int)ds4_byte_perm(tb.lv_lo, tb.lv_hi, sel >> 16);
+                is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
+            }
+#else
             // Entries are 8 · gstride bytes apart (this lane's copy, docs/gpu.md §20).
             const unsigned es = 8u * (unsigned)tb.gstride;
 #pragma unroll
@@ -1331,6 +1423,7 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
                 const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
                 is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
             }
+#endif
             acc[r] += (db * dx) * (float)is;
         }
     }

@@ -53,7 +53,42 @@ pub fn iq2xxs_header() -> String {
     let words: Vec<u32> = KSIGNS.iter().flat_map(|&b| sign_words(b)).collect();
     push_words(&mut s, &words);
     s.push_str("};\n");
+    s.push_str(
+        "\n// The lattice as byte-permute selectors for the int8 GEMV unit (kernels/gemv.cu,\n\
+         // docs/gpu.md §32): nibble j of entry k is the level of value j (0: 8, 1: 25, 2: 43).\n\
+         __device__ const ds4_u32 ds4_iq2xxs_grid_sel[256] = {\n",
+    );
+    let words: Vec<u32> = GRID.iter().map(|p| grid_selector(p)).collect();
+    push_words(&mut s, &words);
+    s.push_str(
+        "};\n\n\
+         // The signs as selector bits: nibble j of entry i is 4 when value j is negative (the\n\
+         // permute then picks the negated level).\n\
+         __device__ const ds4_u32 ds4_iq2xxs_sign_sel[128] = {\n",
+    );
+    let words: Vec<u32> = KSIGNS.iter().map(|&b| sign_selector(b)).collect();
+    push_words(&mut s, &words);
+    s.push_str("};\n");
     s
+}
+
+/// The lattice's three magnitudes, in the order of the selectors' level numbers.
+pub const IQ2XXS_LEVELS: [u8; 3] = [8, 25, 43];
+
+/// A lattice point as eight selector nibbles (value j's level in nibble j).
+fn grid_selector(point: &[u8; 8]) -> u32 {
+    point.iter().enumerate().fold(0, |w, (j, v)| {
+        let level = IQ2XXS_LEVELS
+            .iter()
+            .position(|l| l == v)
+            .expect("IQ2_XXS lattice values are 8, 25 or 43") as u32;
+        w | level << (4 * j)
+    })
+}
+
+/// A sign byte as selector bits: 4 in nibble j when value j is negative.
+fn sign_selector(signs: u8) -> u32 {
+    (0..8).fold(0, |w, j| w | u32::from(signs >> j & 1) << (4 * j + 2))
 }
 
 /// The 8 lattice values of one point as four words of two halves (low half first).
@@ -109,6 +144,44 @@ mod tests {
         }
         assert!(h.contains("ds4_iq2xxs_ksigns[128]"));
         assert_eq!(KSIGNS[1], 0x81, "sign table as expected by the kernel");
+    }
+
+    /// The selector tables, read back from the header text: OR-ing a point's selector with
+    /// a sign entry's and permuting the bytes of the levels (+8, +25, +43, 0, −8, −25, −43, 0;
+    /// the words gemv.cu passes, and `prmt`'s rule: byte j = byte (s >> 4j) & 7 of the
+    /// pair, low word first) gives every signed value of every point.
+    #[test]
+    fn selector_tables_are_the_lattice_and_signs() {
+        let h = iq2xxs_header();
+        let table = |name: &str| -> Vec<u32> {
+            let body = h.split(name).nth(1).unwrap().split("};").next().unwrap();
+            body.split("0x")
+                .skip(1)
+                .map(|t| u32::from_str_radix(&t[..8], 16).unwrap())
+                .collect()
+        };
+        let (grid, signs) = (table("ds4_iq2xxs_grid_sel"), table("ds4_iq2xxs_sign_sel"));
+        assert_eq!((grid.len(), signs.len()), (256, 128));
+        let gemv = include_str!("../../../kernels/gemv.cu");
+        let (lo, hi) = (0x002b_1908u32, 0x00d5_e7f8u32);
+        for w in ["0x002B1908u", "0x00D5E7F8u"] {
+            assert!(gemv.contains(w), "gemv.cu permutes the levels {w}");
+        }
+        let pair = (u64::from(hi) << 32 | u64::from(lo)).to_le_bytes();
+        let perm = |s: u32| -> [i8; 4] {
+            std::array::from_fn(|j| pair[(s >> (4 * j) & 7) as usize] as i8)
+        };
+        for (k, point) in GRID.iter().enumerate() {
+            for (i, &sb) in KSIGNS.iter().enumerate() {
+                let sel = grid[k] | signs[i];
+                let got: Vec<i8> = perm(sel).into_iter().chain(perm(sel >> 16)).collect();
+                for (j, &g) in got.iter().enumerate() {
+                    let v = point[j] as i8;
+                    let want = if sb >> j & 1 == 1 { -v } else { v };
+                    assert_eq!(g, want, "point {k} signs {i} value {j}");
+                }
+            }
+        }
     }
 
     /// The half tables, read back from the header text: every value of every lattice

@@ -58,7 +58,7 @@ pub fn iq2xxs_header() -> String {
          // docs/gpu.md §32): nibble j of entry k is the level of value j (0: 8, 1: 25, 2: 43).\n\
          __device__ const ds4_u32 ds4_iq2xxs_grid_sel[256] = {\n",
     );
-    let words: Vec<u32> = GRID.iter().map(|p| grid_selector(p)).collect();
+    let words: Vec<u32> = GRID.iter().map(grid_selector).collect();
     push_words(&mut s, &words);
     s.push_str(
         "};\n\n\

@@ -1138,10 +1138,66 @@ __device__ __forceinline__ int ds4_ld_w4(const ds4_u8* p) {
     return (int)((ds4_u32)ds4_ld_u16(p) | ((ds4_u32)ds4_ld_u16(p + 2) << 16));
 }
 
-// Q2_K unit (sub-block of 16 values): four dp4a on the 2-bit codes; the min term uses the
-// precomputed code sum of those 16 activations.
+// Q2_K unit with int8 activations. A sub-block of 16 values is four dp4a on its 2-bit codes
+// (bit plane j of 16 code bytes); the min term uses the precomputed code sum of those 16
+// activations. With DS4_Q2K_PLANES (default, docs/gpu.md §33) a unit is the four sub-blocks
+// that share their 16 code bytes (planes j = 0..3 of (h, half)): the bytes, the scale bytes
+// and d/dmin are read once for the four, where one unit per sub-block read the same 16
+// bytes four times (24 shared-memory loads per row and 64 values, now 7). Each sub-block's
+// term is the same expression; a lane adds its sub-blocks in another order, so rows differ
+// from the one-sub-block unit in the last bits (the batched and one-token kernels share the
+// unit, so they still agree bit for bit). -DDS4_Q2K_PLANES=0: one sub-block per unit (A/B).
+#ifndef DS4_Q2K_PLANES
+#define DS4_Q2K_PLANES 1
+#endif
 struct Ds4Q2Kx : Ds4Q2K {
     static constexpr bool XSPLIT = false;
+#if DS4_Q2K_PLANES
+    // Units of 64 values, 4 per block; a chunk must hold a multiple of 32 units (8 blocks:
+    // the routed down projection's 2048 inputs in one chunk). The host sizes warps per row
+    // by the f32 chunk (ds4_gemv_config_q2_k, 12 blocks), never more parts than these.
+    static constexpr int UPB = 4;
+    __host__ __device__ static constexpr int cb(int R) { return R == 1 ? 16 : 8; }
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
+                                float (&acc)[R]) {
+        const int b = u >> 2, h = (u >> 1) & 1, half = u & 1;
+        ds4_u32 q[R][4], scw[R][2];
+        float d[R], dmin[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
+            const ds4_u32 dd = ds4_ld_u32(blk + 80);
+            d[r] = ds4_h2f((ds4_u16)(dd & 0xffff));
+            dmin[r] = ds4_h2f((ds4_u16)(dd >> 16));
+            // Scale bytes 8h .. 8h + 7: sub-block 8h + 2j + half is byte 2j + half.
+            scw[r][0] = ds4_ld_u32(blk + 8 * h);
+            scw[r][1] = ds4_ld_u32(blk + 8 * h + 4);
+            const ds4_u8* qs = blk + 16 + 32 * h + 16 * half;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) q[r][i] = ds4_ld_u32(qs + 4 * i);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int sb = 8 * h + 2 * j + half;
+            const ds4_i8* xq = xc.q + b * BE + 16 * sb;
+            const int x0 = ds4_ld_i32s(xq), x1 = ds4_ld_i32s(xq + 4);
+            const int x2 = ds4_ld_i32s(xq + 8), x3 = ds4_ld_i32s(xq + 12);
+            const float dx = xc.d[b * 8 + (sb >> 1)];
+            const int xs = xc.s16[b * 16 + sb];
+            const int m = 0x03030303;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int sc = (int)((scw[r][j >> 1] >> (8 * (2 * (j & 1) + half))) & 255u);
+                int is = ds4_dp4a((int)(q[r][0] >> (2 * j)) & m, x0, 0);
+                is = ds4_dp4a((int)(q[r][1] >> (2 * j)) & m, x1, is);
+                is = ds4_dp4a((int)(q[r][2] >> (2 * j)) & m, x2, is);
+                is = ds4_dp4a((int)(q[r][3] >> (2 * j)) & m, x3, is);
+                acc[r] += dx * (d[r] * (float)((sc & 15) * is) - dmin[r] * (float)((sc >> 4) * xs));
+            }
+        }
+    }
+#else
     template <int R, int CB>
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
                                 float (&acc)[R]) {
@@ -1168,6 +1224,7 @@ struct Ds4Q2Kx : Ds4Q2K {
             acc[r] += dx * (d * (float)((sc & 15) * is) - dmin * (float)((sc >> 4) * xs));
         }
     }
+#endif
 };
 
 // Q4_K unit (16 values of sub-block j): four dp4a on the 4-bit codes.

@@ -6,7 +6,8 @@
 #   1. correctness: batch --seqs 16 (bands of every step against their definition), the op
 #      mirror at 40-token chunks (HC four-token blocks) and 2-token chunks, tiny parity
 #   2. the batched step at 1 and 8 sequences: default, the 64-bit IQ2_XXS tables
-#      (-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0, docs/gpu.md §32), DS4_BATCH_BANDS=0, alternating;
+#      (-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0, docs/gpu.md §32), the one-sub-block Q2_K unit
+#      (-DDS4_Q2K_PLANES=0, §33), DS4_BATCH_BANDS=0, alternating;
 #      a 2k prefill and decode with the tiles' __byte_perm (DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0)
 #      against default; a profile of the 8-sequence step
 #   3. ds4-server --parallel 8 (defaults): 1 client, 8 clients, 8 greedy
@@ -31,14 +32,14 @@ timeout 120 ds4-engine-check parity $W/m-*.gguf --tiny 2 > $T/parity.log 2>&1; g
 echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
 step() { echo "[$1] $(grep -E '^batch ' $T/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"; }
 for r in 1 2; do
-  for arm in "-" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0" "DS4_BATCH_BANDS=0"; do
+  for arm in "-" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0" "DS4_GEMV_DEFINES=-DDS4_Q2K_PLANES=0" "DS4_BATCH_BANDS=0"; do
     if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
     env ${e:+"$e"} timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $T/ab.log 2>&1
     step "$arm"
   done
 done
 echo "== 2k prefill + decode: tiles' prmt / __byte_perm, then the IQ2 tables old / new"; date +%T
-for arm in "-" "DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0" "-" "DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0"; do
+for arm in "-" "DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0 -DDS4_Q2K_PLANES=0" "-" "DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0 -DDS4_Q2K_PLANES=0"; do
   if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
   env ${e:+"$e"} timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 2048 --decode 32 > $T/pf2k.log 2>&1
   echo "[$arm] $(grep -E '^2048,' $T/pf2k.log | cut -d, -f1,4,7)"

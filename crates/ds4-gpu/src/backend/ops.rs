@@ -234,13 +234,15 @@ pub(crate) const ROUTER_WARP_MAX_EXPERTS: usize = 256;
 pub(crate) const ROUTER_WARP_MAX_K: usize = 32;
 pub(crate) const ROUTER_WARP_TOKENS: usize = 8;
 
+fn i32v(op: &'static str, what: &str, v: usize) -> BResult<i32> {
+    i32::try_from(v).map_err(|_| BackendError::Invalid {
+        op,
+        problem: format!("{what} = {v} exceeds the kernels' 32-bit range"),
+    })
+}
+
 fn i32a(op: &'static str, what: &str, v: usize) -> BResult<Arg> {
-    i32::try_from(v)
-        .map(Arg::I32)
-        .map_err(|_| BackendError::Invalid {
-            op,
-            problem: format!("{what} = {v} exceeds the kernels' 32-bit range"),
-        })
+    i32v(op, what, v).map(Arg::I32)
 }
 
 fn u(v: usize) -> Arg {
@@ -3325,12 +3327,7 @@ impl<D: GpuApi> GpuBackend<D> {
             let mut ints = [0u32; 3 * BANDS_MAX];
             for (i, j) in group.iter().enumerate() {
                 blob[i] = self.iptr(j.out, OP)?;
-                ints[i] = u32::try_from(j.row).map_err(|_| {
-                    gerr(OP)(crate::error::GpuError::BadArgument {
-                        op: OP,
-                        detail: format!("row {} beyond 32 bits", j.row),
-                    })
-                })?;
+                ints[i] = i32v(OP, "row", j.row)? as u32;
                 ints[BANDS_MAX + i] = j.span.to_bits();
                 ints[2 * BANDS_MAX + i] = ((j.out.len() - ds4_engine::sampler::BAND_HEAD) / 2)
                     .try_into()

@@ -46,17 +46,22 @@ for r in 1 2; do
   done
 done
 echo "== 2k prefill + decode: tiles' prmt / __byte_perm, then the IQ2 tables old / new"; date +%T
-for arm in "-" "DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0 -DDS4_Q2K_PLANES=0" "-" "DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0 -DDS4_Q2K_PLANES=0"; do
+for arm in "-" "DS4_TILES_DEFINES=-DDS4_PRMT_ASM=0" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0 -DDS4_PRMT_ASM=0 -DDS4_Q2K_PLANES=0"; do
   before 480 || break
   if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
   env ${e:+"$e"} timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 2048 --decode 32 > $T/pf2k.log 2>&1
   echo "[$arm] $(grep -E '^2048,' $T/pf2k.log | cut -d, -f1,4,7)"
 done
+before 470 || { echo "(stopping: time)"; exit 0; }
+[ -f $W/q.gguf ] || timeout 100 ds4-convert synthetic --quiet --layout q2 --layers $L --sparse-experts --vocab-gguf $V $W/q.gguf > /dev/null
+echo "== user path"; date +%T
+timeout 100 ds4-bench -m $W/q.gguf --frontiers 2009 --decode 64 > $T/ub.log 2>&1; grep -E "^2009|bandwidth limit" $T/ub.log | head -3 | cut -c1-200
+timeout 100 ds4-bench --e2e -m $W/q.gguf --backend cuda --ctx 4096 -n 100 --prompt-words 2000 --temp 0 2>&1 | tail -1 | cut -c1-200
+date +%T
 before 520 || { echo "(stopping: time)"; exit 0; }
 timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 8 --batch 8 --profile 2 > $OUT/prof.log 2>&1
 echo "-- profile:"; sed -n '/^profile batch/,$p' $OUT/prof.log | sed -n '1p;/by kernel/,/top section/p' | head -24
 date +%T
-[ -f $W/q.gguf ] || timeout 100 ds4-convert synthetic --quiet --layout q2 --layers $L --sparse-experts --vocab-gguf $V $W/q.gguf > /dev/null
 . tools/device/server-lib.sh
 [ -n "${NO_SERVER:-}" ] || ! before 540 && { echo "(stopping: time or NO_SERVER)"; exit 0; }
 echo "== server --parallel 8 (defaults)"; date +%T
@@ -68,10 +73,7 @@ timeout 40 python3 $TP http://127.0.0.1:8090 8 64 --no-think; echo "   no-think 
 kill $sp; wait $sp 2>/dev/null
 echo "== 49-token piece after 64 (prefill_s of frontier 114), DS4_HC_MIX_TPB=0 / default"
 for v in 0 "" 0 ""; do
+  before 570 || break
   DS4_HC_MIX_TPB=$v timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 64,114 --decode 1 --warmup 64 > $T/pf.log 2>&1
   echo "[TPB=$v] $(grep -E '^114,' $T/pf.log | cut -d, -f1-4)"
 done
-echo "== user path"; date +%T
-timeout 100 ds4-bench -m $W/q.gguf --frontiers 2009 --decode 64 > $T/ub.log 2>&1; grep -E "^2009|bandwidth limit" $T/ub.log | head -3 | cut -c1-200
-timeout 100 ds4-bench --e2e -m $W/q.gguf --backend cuda --ctx 4096 -n 100 --prompt-words 2000 --temp 0 2>&1 | tail -1 | cut -c1-200
-date +%T

@@ -1302,21 +1302,29 @@ struct Ds4Q4Kx : Ds4Q4K {
 // selector (one shared-memory wavefront per warp where a 64-bit entry took two), the
 // point's levels OR the signs' bits pick each signed value out of the eight level bytes.
 // Lane-private copies as above, 32 of them (a 32-bit entry's copies then fill the banks).
-// -DDS4_IQ2_PRMT=0: the 64-bit lattice and masks (A/B).
+// Measured on an H200 (BENCHMARKS.md, 2026-12-07): the batched step's flat kernels gain
+// (8 sequences 26.98 / 27.18 → 26.48 / 26.57 ms), the one-token kernels lose a little (1
+// sequence 8.39 / 8.38 → 8.45 / 8.46 ms), so only the flat kernels take it by default.
+// -DDS4_IQ2_PRMT=0: the flat kernels with the 64-bit lattice and masks; -DDS4_IQ2_PRMT_ONE=1:
+// the one-token and grouped kernels with the permutes (A/B). Both give the same values.
 #ifndef DS4_IQ2_PRMT
 #define DS4_IQ2_PRMT 1
 #endif
-#if DS4_IQ2_PRMT && DS4_IQ2_GRID_COPIES > 1
+#ifndef DS4_IQ2_PRMT_ONE
+#define DS4_IQ2_PRMT_ONE 0
+#endif
+#if DS4_IQ2_GRID_COPIES > 1
 #define DS4_IQ2_SEL_COPIES 32
 #else
 #define DS4_IQ2_SEL_COPIES 1
 #endif
-#if DS4_IQ2_PRMT
-#define DS4_IQ2_GRID_SMEM (DS4_IQ2_GRID_COPIES > 1 ? DS4_IQ2_SEL_ENTRIES * 4 * DS4_IQ2_SEL_COPIES : 0)
-#else
-#define DS4_IQ2_GRID_SMEM \
+// Dynamic shared memory of the 64-bit tables and of the selector tables; the host passes
+// the larger to every int8 IQ2_XXS launch.
+#define DS4_IQ2_U64_SMEM \
     (DS4_IQ2_GRID_COPIES > 1 ? (256 + (DS4_IQ2_MASK_TABLE ? 128 : 0)) * 8 * DS4_IQ2_GRID_COPIES : 0)
-#endif
+#define DS4_IQ2_SEL_SMEM (DS4_IQ2_GRID_COPIES > 1 ? DS4_IQ2_SEL_ENTRIES * 4 * DS4_IQ2_SEL_COPIES : 0)
+#define DS4_IQ2_GRID_SMEM \
+    (DS4_IQ2_U64_SMEM > DS4_IQ2_SEL_SMEM ? DS4_IQ2_U64_SMEM : DS4_IQ2_SEL_SMEM)
 static_assert((DS4_IQ2_GRID_COPIES & (DS4_IQ2_GRID_COPIES - 1)) == 0 &&
                   DS4_IQ2_GRID_COPIES <= DS4_WARP,
               "grid copies: a power of two, at most a warp");
@@ -1336,19 +1344,20 @@ __device__ __forceinline__ ds4_u64 ds4_sign_mask8(ds4_u32 sg) {
 #ifndef DS4_IQ2_XSPLIT
 #define DS4_IQ2_XSPLIT 1
 #endif
-struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
+// P: the values by byte permutes (docs/gpu.md §32), else the 64-bit lattice and masks.
+template <bool P>
+struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
     static constexpr int UPB = 8;
     static constexpr bool XSPLIT = DS4_IQ2_XSPLIT;
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u8 signs[128];
-#if DS4_IQ2_PRMT
-        return prologue_sel(signs);
-#elif DS4_IQ2_GRID_COPIES > 1
+        if constexpr (P) return prologue_sel(signs);
+#if DS4_IQ2_GRID_COPIES > 1
         constexpr int C = DS4_IQ2_GRID_COPIES;
         DS4_DYN_SHARED(ds4_iq2_tables, DS4_IQ2_GRID_SMEM);
         ds4_u64* grid = (ds4_u64*)ds4_iq2_tables;
         ds4_u64* smask = grid + 256 * C;
-        const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_GRID_SMEM;
+        const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_U64_SMEM;
         if (given) {
             for (int i = threadIdx.x; i < 256 * C; i += DS4_GEMV_THREADS)
                 grid[i] = ds4_iq2xxs_grid[i / C];
@@ -1383,7 +1392,7 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
 #if DS4_IQ2_SEL_COPIES > 1
         DS4_DYN_SHARED(ds4_iq2_tables, DS4_IQ2_GRID_SMEM);
         ds4_u32* gsel = (ds4_u32*)ds4_iq2_tables;
-        const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_GRID_SMEM;
+        const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_SEL_SMEM;
         if (given) {
             for (int i = threadIdx.x; i < DS4_IQ2_SEL_ENTRIES * C / 4; i += DS4_GEMV_THREADS) {
                 const ds4_u32 v = ds4_iq2_sel_entry(4 * i / C);
@@ -1435,7 +1444,7 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
             const ds4_u32 w1 = (ds4_u32)ds4_ld_w4(gp + 4);
             const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
             int is = 0;
-#if DS4_IQ2_PRMT
+            if constexpr (P) {
             // Signed values by permuting the levels +8, +25, +43, 0 | −8, −25, −43, 0 with
             // the point's selector OR its signs' (docs/gpu.md §32): exactly the values below.
             // Entries are 4 · gstride bytes apart (this lane's copy; a stride the compiler
@@ -1451,7 +1460,7 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
                 const int vhi = (int)ds4_byte_perm(tb.lv_lo, tb.lv_hi, sel >> 16);
                 is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
             }
-#else
+            } else {
             // Entries are 8 · gstride bytes apart (this lane's copy, docs/gpu.md §20).
             const unsigned es = 8u * (unsigned)tb.gstride;
 #pragma unroll
@@ -1480,11 +1489,14 @@ struct Ds4Iq2Xxsx : Ds4Iq2Xxs {
                 const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
                 is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
             }
-#endif
+            }
             acc[r] += (db * dx) * (float)is;
         }
     }
 };
+// The one-token and grouped kernels' unit, and the flat (batched) kernels'.
+using Ds4Iq2XxsxOne = Ds4Iq2XxsxT<DS4_IQ2_PRMT_ONE != 0>;
+using Ds4Iq2XxsxFlat = Ds4Iq2XxsxT<DS4_IQ2_PRMT != 0>;
 
 // The staged row engine with int8 activations: quantize x, then as ds4_gemv_quant, but
 // persistent: the host may launch fewer blocks than row groups (one wave: the routed
@@ -2218,7 +2230,7 @@ DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)
 DS4_GEMV_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
-DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
+DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2XxsxOne, DS4_MINB_IQ2_XXS)
 
 // The same with the input computed from SwiGLU on the way (Ds4XSwiglu, docs/gpu.md §17):
 // ds4_gemv_swiglu_q_<t>(W, g, u, c, y, n_in, n_out, wpr): y = W · swiglu(g, u, c) (the shared
@@ -2257,7 +2269,7 @@ DS4_GEMV_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
-DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
+DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2XxsxOne, DS4_MINB_IQ2_XXS)
 
 // Flat grouped launches (docs/gpu.md §25): the routed experts' matrices of a batched decode
 // step as the jobs of one flat grid. Job p is selection p / mats, matrix p % mats (gate and
@@ -2333,7 +2345,7 @@ struct Ds4JobsExpertsSwiglu : Ds4Experts {
     }
 DS4_GEMV_FLAT_ENTRY(q_q2_k, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_FLAT_ENTRY(q_q4_k, Ds4Q4Kx, DS4_MINB_Q4_K)
-DS4_GEMV_FLAT_ENTRY(q_iq2_xxs, Ds4Iq2Xxsx, DS4_MINB_IQ2_XXS)
+DS4_GEMV_FLAT_ENTRY(q_iq2_xxs, Ds4Iq2XxsxFlat, DS4_MINB_IQ2_XXS)
 
 // ds4_gemv_rmsnorm_q_<t>(W, x, norm_w, eps, y, n_in, n_out, wpr, h): y = W · (rms_norm(x) ·
 // norm_w) (Ds4XNorm; the query path's low-rank norm before q_b), and block 0 writes the

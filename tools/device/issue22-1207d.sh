@@ -29,13 +29,13 @@ for r in 1 2; do
     step "$arm"
   done
 done
+timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 8 --batch 8 --profile 2 > $OUT/prof.log 2>&1
+echo "-- profile:"; sed -n '/^profile batch/,$p' $OUT/prof.log | sed -n '1p;/by kernel/,/top section/p' | head -24
+date +%T
 echo "== decode at 2k"; date +%T
 for arm in "-" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT_ONE=1"; do
   if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
   env ${e:+"$e"} timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 2048 --decode 32 > $T/pf2k.log 2>&1
   echo "[$arm] $(grep -E '^2048,' $T/pf2k.log | cut -d, -f1,4,7)"
 done
-date +%T
-timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 8 --batch 8 --profile 2 > $OUT/prof.log 2>&1
-echo "-- profile:"; sed -n '/^profile batch/,$p' $OUT/prof.log | sed -n '1p;/by kernel/,/top section/p' | head -24
 date +%T

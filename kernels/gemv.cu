@@ -816,12 +816,16 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
 // memory (at most DS4_PLAIN_COLS_XBYTES), the block copies the columns once after the wait
 // (its warps' first weights already in flight) and the warps read x from there: the same
 // values in the same order, so the same bits. -DDS4_PLAIN_COLS_XSTAGE=0: never (A/B).
+// Off by default until a GPU run measures it: where the one-token grid has many small
+// blocks (eight warps per row: 1024 × 4096 is 512 blocks of two rows) every block stages
+// all the columns, as much traffic as the warps' own reads were. -DDS4_PLAIN_COLS_XSTAGE=1
+// turns it on (A/B; HIP never stages: no dynamic shared memory there).
 #ifndef DS4_PLAIN_COLS_XSTAGE
-#if defined(DS4_HIP)
 #define DS4_PLAIN_COLS_XSTAGE 0
-#else
-#define DS4_PLAIN_COLS_XSTAGE 1
 #endif
+#if defined(DS4_HIP)
+#undef DS4_PLAIN_COLS_XSTAGE
+#define DS4_PLAIN_COLS_XSTAGE 0
 #endif
 #define DS4_PLAIN_COLS_XBYTES (8 * 4096 * 4)
 // {1 when the kernel stages x given the memory, the most bytes it stages}.
@@ -937,8 +941,45 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
     } else
 #endif
     if (act) {
-        ds4_plain_cols_sums<T, false, R, MC>(w, i, stride, nvec, x, x_stride, n_cols, a, false,
-                                             acc);
+        // x from global memory: the loops as they were before staging (docs/gpu.md §26).
+        int j = i;
+        bool waited = false;
+        for (; j + 3 * stride < nvec; j += 4 * stride) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + j + k * stride);
+            if (!waited) {
+                ds4_grid_wait();
+                waited = true;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                for (int c = 0; c < MC; ++c) {
+                    if (c < n_cols) {
+                        const typename T::X xv =
+                            T::ldx(x + (ds4_size)c * x_stride + (ds4_size)(j + k * stride) * T::EPV);
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r][k], xv);
+                    }
+                }
+            }
+        }
+        ds4_grid_wait();
+        for (; j < nvec; j += stride) {
+            uint4 b[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) b[r] = ds4_ldg(w[r] + j);
+#pragma unroll
+            for (int c = 0; c < MC; ++c) {
+                if (c < n_cols) {
+                    const typename T::X xv = T::ldx(x + (ds4_size)c * x_stride + (ds4_size)j * T::EPV);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(b[r], xv);
+                }
+            }
+        }
     }
     ds4_grid_wait();  // a no-op where the loads above waited already
     // -DDS4_PLAIN_COLS_FINISH1=0: a barrier per column (A/B).

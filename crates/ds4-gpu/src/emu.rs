@@ -796,6 +796,9 @@ mod tests {
     fn plain_columns_equal_one_token_each() {
         use crate::kernels::{gemv_launch, GemvType};
         let k = EmuKernels::build().unwrap();
+        // The columns staged in shared memory (docs/gpu.md §34; 5 × 16384 values do not fit
+        // and take the global reads in that build too).
+        let staged = EmuKernels::build_with(&["-DDS4_PLAIN_COLS_XSTAGE=1"]).unwrap();
         let mut next = xorshift(0x6C8E_9CF5_7093_2BD5);
         for (ty, name) in [(GemvType::F16, "f16"), (GemvType::F32, "f32")] {
             for (n_in, n_out, cols) in [
@@ -865,6 +868,16 @@ mod tests {
                     );
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&split), bits(&y), "{name} {n_in}x{n_out} colsplit");
+                    let ys_staged = run_gemv_cols(
+                        &staged,
+                        &format!("ds4_gemv_cols_{name}"),
+                        (l.grid_x, l.block, false),
+                        &w,
+                        (&x, xs),
+                        (n_in, n_out, cols, ys),
+                        l.wpr,
+                    );
+                    assert_eq!(bits(&ys_staged), bits(&y), "{name} {n_in}x{n_out} staged");
                 }
             }
         }

@@ -15,6 +15,9 @@ G=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); echo "GPU
 L=36; echo "$G" | grep -q H200 && L=43
 W=${W:-/tmp/w}; mkdir -p $W; V=tests/fixtures/vocab/deepseek-v4-vocab.gguf
 T=$(mktemp -d); date +%T
+START=$(date +%s); LIMIT=${LIMIT:-300}
+# before F: true while less than F percent of LIMIT seconds have passed.
+before() { [ $(( ($(date +%s) - START) * 100 )) -lt $(( $1 * LIMIT )) ]; }
 [ -f $W/s4.gguf ] || ds4-convert synthetic --quiet --layout q2 --layers 4 --vocab-gguf $V $W/s4.gguf > /dev/null
 echo "== batch bit-exact + bands (4-layer real dims)"
 timeout 100 ds4-engine-check batch $W/s4.gguf --tiny 0 --tokens 20 --act-q8 --seqs 16 --gpu-only > $T/b.log 2>&1
@@ -24,16 +27,19 @@ step() { echo "[$1] $(grep -E '^batch ' $T/ab.log | sed -E 's/.*step ([0-9.]+) m
 ARMS=("-" "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_XSTAGE=1" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT_ONE=1" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0")
 for r in 1 2; do
   for arm in "${ARMS[@]}"; do
+    before 85 || break 2
     if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
     env ${e:+"$e"} timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $T/ab.log 2>&1
     step "$arm"
   done
 done
+before 88 || exit 0
 timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 8 --batch 8 --profile 2 > $OUT/prof.log 2>&1
 echo "-- profile:"; sed -n '/^profile batch/,$p' $OUT/prof.log | sed -n '1p;/by kernel/,/top section/p' | head -24
 date +%T
 echo "== decode at 2k"; date +%T
 for arm in "-" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT_ONE=1"; do
+  before 90 || break
   if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
   env ${e:+"$e"} timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 2048 --decode 32 > $T/pf2k.log 2>&1
   echo "[$arm] $(grep -E '^2048,' $T/pf2k.log | cut -d, -f1,4,7)"

@@ -856,28 +856,24 @@ mod tests {
                         }
                         assert!(y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()));
                     }
-                    // One column per grid y (ds4_gemv_colsplit_<t>): the same bits again.
-                    let split = run_gemv_cols(
-                        &k,
-                        &format!("ds4_gemv_colsplit_{name}"),
-                        (l.grid_x, l.block, true),
-                        &w,
-                        (&x, xs),
-                        (n_in, n_out, cols, ys),
-                        l.wpr,
-                    );
+                    // One column per grid y (ds4_gemv_colsplit_<t>), and the columns staged
+                    // in shared memory: the same bits again.
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&split), bits(&y), "{name} {n_in}x{n_out} colsplit");
-                    let ys_staged = run_gemv_cols(
-                        &staged,
-                        &format!("ds4_gemv_cols_{name}"),
-                        (l.grid_x, l.block, false),
-                        &w,
-                        (&x, xs),
-                        (n_in, n_out, cols, ys),
-                        l.wpr,
-                    );
-                    assert_eq!(bits(&ys_staged), bits(&y), "{name} {n_in}x{n_out} staged");
+                    for (lib, kernel, split, what) in [
+                        (&k, "colsplit", true, "colsplit"),
+                        (&staged, "cols", false, "staged"),
+                    ] {
+                        let again = run_gemv_cols(
+                            lib,
+                            &format!("ds4_gemv_{kernel}_{name}"),
+                            (l.grid_x, l.block, split),
+                            &w,
+                            (&x, xs),
+                            (n_in, n_out, cols, ys),
+                            l.wpr,
+                        );
+                        assert_eq!(bits(&again), bits(&y), "{name} {n_in}x{n_out} {what}");
+                    }
                 }
             }
         }

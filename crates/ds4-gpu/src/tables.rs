@@ -115,6 +115,15 @@ fn push_words(s: &mut String, words: &[u32]) {
 mod tests {
     use super::*;
 
+    /// The 32-bit words of table `name` in the header text.
+    fn header_words(h: &str, name: &str) -> Vec<u32> {
+        let body = h.split(name).nth(1).unwrap().split("};").next().unwrap();
+        body.split("0x")
+            .skip(1)
+            .map(|t| u32::from_str_radix(&t[..8], 16).unwrap())
+            .collect()
+    }
+
     #[test]
     fn committed_header_matches_rust_tables() {
         let committed = include_str!("../../../kernels/ds4_iq2xxs_tables.h");
@@ -153,13 +162,7 @@ mod tests {
     #[test]
     fn selector_tables_are_the_lattice_and_signs() {
         let h = iq2xxs_header();
-        let table = |name: &str| -> Vec<u32> {
-            let body = h.split(name).nth(1).unwrap().split("};").next().unwrap();
-            body.split("0x")
-                .skip(1)
-                .map(|t| u32::from_str_radix(&t[..8], 16).unwrap())
-                .collect()
-        };
+        let table = |name: &str| header_words(&h, name);
         let (grid, signs) = (table("ds4_iq2xxs_grid_sel"), table("ds4_iq2xxs_sign_sel"));
         assert_eq!((grid.len(), signs.len()), (256, 128));
         let gemv = include_str!("../../../kernels/gemv.cu");
@@ -189,13 +192,7 @@ mod tests {
     #[test]
     fn half_tables_are_the_lattice_and_signs() {
         let h = iq2xxs_header();
-        let table = |name: &str| -> Vec<u32> {
-            let body = h.split(name).nth(1).unwrap().split("};").next().unwrap();
-            body.split("0x")
-                .skip(1)
-                .map(|t| u32::from_str_radix(&t[..8], 16).unwrap())
-                .collect()
-        };
+        let table = |name: &str| header_words(&h, name);
         let (grid, signs) = (table("ds4_iq2xxs_grid_h"), table("ds4_iq2xxs_signs_h"));
         assert_eq!((grid.len(), signs.len()), (1024, 512));
         for (k, point) in GRID.iter().enumerate() {

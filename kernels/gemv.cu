@@ -1495,37 +1495,40 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
     static constexpr bool XSPLIT = DS4_IQ2_XSPLIT;
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u8 signs[128];
-        if constexpr (P) return prologue_sel(signs);
+        if constexpr (P) {
+            return prologue_sel(signs);
+        } else {
 #if DS4_IQ2_GRID_COPIES > 1
-        constexpr int C = DS4_IQ2_GRID_COPIES;
-        DS4_DYN_SHARED(ds4_iq2_tables, DS4_IQ2_GRID_SMEM);
-        ds4_u64* grid = (ds4_u64*)ds4_iq2_tables;
-        ds4_u64* smask = grid + 256 * C;
-        const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_U64_SMEM;
-        if (given) {
-            for (int i = threadIdx.x; i < 256 * C; i += DS4_GEMV_THREADS)
-                grid[i] = ds4_iq2xxs_grid[i / C];
-            if (DS4_IQ2_MASK_TABLE)
-                for (int i = threadIdx.x; i < 128 * C; i += DS4_GEMV_THREADS)
-                    smask[i] = ds4_sign_mask8(ds4_iq2xxs_ksigns[i / C]);
-        }
-        for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS)
-            signs[i] = (ds4_u8)ds4_iq2xxs_ksigns[i];
-        __syncthreads();
-        const int c = threadIdx.x & (C - 1);
-        return Ds4Tables{grid + c, signs, smask + c, C, given};
+            constexpr int C = DS4_IQ2_GRID_COPIES;
+            DS4_DYN_SHARED(ds4_iq2_tables, DS4_IQ2_GRID_SMEM);
+            ds4_u64* grid = (ds4_u64*)ds4_iq2_tables;
+            ds4_u64* smask = grid + 256 * C;
+            const bool given = ds4_dynamic_smem_bytes() >= (unsigned)DS4_IQ2_U64_SMEM;
+            if (given) {
+                for (int i = threadIdx.x; i < 256 * C; i += DS4_GEMV_THREADS)
+                    grid[i] = ds4_iq2xxs_grid[i / C];
+                if (DS4_IQ2_MASK_TABLE)
+                    for (int i = threadIdx.x; i < 128 * C; i += DS4_GEMV_THREADS)
+                        smask[i] = ds4_sign_mask8(ds4_iq2xxs_ksigns[i / C]);
+            }
+            for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS)
+                signs[i] = (ds4_u8)ds4_iq2xxs_ksigns[i];
+            __syncthreads();
+            const int c = threadIdx.x & (C - 1);
+            return Ds4Tables{grid + c, signs, smask + c, C, given};
 #else
-        __shared__ ds4_u64 grid[256];
-        __shared__ ds4_u64 smask[DS4_IQ2_MASK_TABLE ? 128 : 1];
-        for (int i = threadIdx.x; i < 256; i += DS4_GEMV_THREADS) grid[i] = ds4_iq2xxs_grid[i];
-        for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS) {
-            const ds4_u32 sg = ds4_iq2xxs_ksigns[i];
-            signs[i] = (ds4_u8)sg;
-            if (DS4_IQ2_MASK_TABLE) smask[i] = ds4_sign_mask8(sg);
-        }
-        __syncthreads();
-        return Ds4Tables{grid, signs, smask, 1};
+            __shared__ ds4_u64 grid[256];
+            __shared__ ds4_u64 smask[DS4_IQ2_MASK_TABLE ? 128 : 1];
+            for (int i = threadIdx.x; i < 256; i += DS4_GEMV_THREADS) grid[i] = ds4_iq2xxs_grid[i];
+            for (int i = threadIdx.x; i < 128; i += DS4_GEMV_THREADS) {
+                const ds4_u32 sg = ds4_iq2xxs_ksigns[i];
+                signs[i] = (ds4_u8)sg;
+                if (DS4_IQ2_MASK_TABLE) smask[i] = ds4_sign_mask8(sg);
+            }
+            __syncthreads();
+            return Ds4Tables{grid, signs, smask, 1};
 #endif
+        }
     }
     // The selector tables (DS4_IQ2_PRMT): grid selectors then sign selectors, entry e's C
     // copies side by side, written four copies per 16-byte store.
@@ -1589,50 +1592,50 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
             const float db = d * (0.5f + (float)(w1 >> 28)) * 0.25f;
             int is = 0;
             if constexpr (P) {
-            // Signed values by permuting the levels +8, +25, +43, 0 | −8, −25, −43, 0 with
-            // the point's selector OR its signs' (docs/gpu.md §32): exactly the values below.
-            // Entries are 4 · gstride bytes apart (this lane's copy; a stride the compiler
-            // cannot fold into the lane's offset keeps the address at shift, mask, add).
-            const unsigned es = 4u * (unsigned)tb.gstride;
-            const ds4_u8* gs = (const ds4_u8*)tb.gsel;
-            const ds4_u8* ss = (const ds4_u8*)tb.ssel;
+                // Signed values by permuting the levels +8, +25, +43, 0 | −8, −25, −43, 0 with
+                // the point's selector OR its signs' (docs/gpu.md §32): exactly the values below.
+                // Entries are 4 · gstride bytes apart (this lane's copy; a stride the compiler
+                // cannot fold into the lane's offset keeps the address at shift, mask, add).
+                const unsigned es = 4u * (unsigned)tb.gstride;
+                const ds4_u8* gs = (const ds4_u8*)tb.gsel;
+                const ds4_u8* ss = (const ds4_u8*)tb.ssel;
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const ds4_u32 sel = *(const ds4_u32*)(gs + ((aux >> (8 * k)) & 255u) * es) |
-                                    *(const ds4_u32*)(ss + ((w1 >> (7 * k)) & 127u) * es);
-                const int vlo = (int)ds4_byte_perm(tb.lv_lo, tb.lv_hi, sel);
-                const int vhi = (int)ds4_byte_perm(tb.lv_lo, tb.lv_hi, sel >> 16);
-                is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
-            }
-            } else {
-            // Entries are 8 · gstride bytes apart (this lane's copy, docs/gpu.md §20).
-            const unsigned es = 8u * (unsigned)tb.gstride;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const ds4_u64 gv =
-                    *(const ds4_u64*)((const ds4_u8*)tb.grid + ((aux >> (8 * k)) & 255u) * es);
-                const ds4_u32 si = (w1 >> (7 * k)) & 127u;
-                ds4_u32 mlo, mhi;
-                if (DS4_IQ2_MASK_TABLE) {
-                    const ds4_u64 m = *(const ds4_u64*)((const ds4_u8*)tb.smask + si * es);
-                    mlo = (ds4_u32)m;
-                    mhi = (ds4_u32)(m >> 32);
-                } else {
-#if DS4_IQ2_SIGNS_ALU
-                    // The sign byte is the 7 stored bits and their parity as bit 7
-                    // (ds4_iq2xxs_ksigns' definition): no table read.
-                    const ds4_u32 sg = si | ((ds4_u32)(ds4_popc(si) & 1) << 7);
-#else
-                    const ds4_u32 sg = tb.signs[si];
-#endif
-                    mlo = ds4_sign_mask4(sg & 15u);
-                    mhi = ds4_sign_mask4(sg >> 4);
+                for (int k = 0; k < 4; ++k) {
+                    const ds4_u32 sel = *(const ds4_u32*)(gs + ((aux >> (8 * k)) & 255u) * es) |
+                                        *(const ds4_u32*)(ss + ((w1 >> (7 * k)) & 127u) * es);
+                    const int vlo = (int)ds4_byte_perm(tb.lv_lo, tb.lv_hi, sel);
+                    const int vhi = (int)ds4_byte_perm(tb.lv_lo, tb.lv_hi, sel >> 16);
+                    is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
                 }
-                const ds4_u32 glo = (ds4_u32)gv, ghi = (ds4_u32)(gv >> 32);
-                const int vlo = (int)((glo ^ mlo) + (mlo & 0x01010101u));
-                const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
-                is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
-            }
+            } else {
+                // Entries are 8 · gstride bytes apart (this lane's copy, docs/gpu.md §20).
+                const unsigned es = 8u * (unsigned)tb.gstride;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const ds4_u64 gv =
+                        *(const ds4_u64*)((const ds4_u8*)tb.grid + ((aux >> (8 * k)) & 255u) * es);
+                    const ds4_u32 si = (w1 >> (7 * k)) & 127u;
+                    ds4_u32 mlo, mhi;
+                    if (DS4_IQ2_MASK_TABLE) {
+                        const ds4_u64 m = *(const ds4_u64*)((const ds4_u8*)tb.smask + si * es);
+                        mlo = (ds4_u32)m;
+                        mhi = (ds4_u32)(m >> 32);
+                    } else {
+#if DS4_IQ2_SIGNS_ALU
+                        // The sign byte is the 7 stored bits and their parity as bit 7
+                        // (ds4_iq2xxs_ksigns' definition): no table read.
+                        const ds4_u32 sg = si | ((ds4_u32)(ds4_popc(si) & 1) << 7);
+#else
+                        const ds4_u32 sg = tb.signs[si];
+#endif
+                        mlo = ds4_sign_mask4(sg & 15u);
+                        mhi = ds4_sign_mask4(sg >> 4);
+                    }
+                    const ds4_u32 glo = (ds4_u32)gv, ghi = (ds4_u32)(gv >> 32);
+                    const int vlo = (int)((glo ^ mlo) + (mlo & 0x01010101u));
+                    const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
+                    is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
+                }
             }
             acc[r] += (db * dx) * (float)is;
         }

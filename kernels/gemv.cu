@@ -695,21 +695,9 @@ struct Ds4F32 {
         float4 a;
     };
     __device__ static X ldx(const float* x) { return X{ds4_ld_x4(x)}; }
-    // x staged in shared memory (the several-column kernel, docs/gpu.md §34).
-    __device__ static X ldxs(const float* x) { return X{*(const float4*)x}; }
     __device__ static float vdot(uint4 a, const X& x) {
         return __uint_as_float(a.x) * x.a.x + __uint_as_float(a.y) * x.a.y +
                __uint_as_float(a.z) * x.a.z + __uint_as_float(a.w) * x.a.w;
-    }
-    // The vector's values once (vdotv: vdot's expression on them), for several columns.
-    __device__ static void vals(uint4 a, float (&v)[EPV]) {
-        v[0] = __uint_as_float(a.x);
-        v[1] = __uint_as_float(a.y);
-        v[2] = __uint_as_float(a.z);
-        v[3] = __uint_as_float(a.w);
-    }
-    __device__ static float vdotv(const float (&v)[EPV], const X& x) {
-        return v[0] * x.a.x + v[1] * x.a.y + v[2] * x.a.z + v[3] * x.a.w;
     }
 };
 
@@ -719,9 +707,6 @@ struct Ds4F16 {
         float4 a, b;
     };
     __device__ static X ldx(const float* x) { return X{ds4_ld_x4(x), ds4_ld_x4(x + 4)}; }
-    __device__ static X ldxs(const float* x) {
-        return X{*(const float4*)x, *(const float4*)(x + 4)};
-    }
     __device__ static float vdot(uint4 a, const X& x) {
         float s = ds4_h2f((ds4_u16)(a.x & 0xffff)) * x.a.x;
         s += ds4_h2f((ds4_u16)(a.x >> 16)) * x.a.y;
@@ -731,25 +716,6 @@ struct Ds4F16 {
         s += ds4_h2f((ds4_u16)(a.z >> 16)) * x.b.y;
         s += ds4_h2f((ds4_u16)(a.w & 0xffff)) * x.b.z;
         s += ds4_h2f((ds4_u16)(a.w >> 16)) * x.b.w;
-        return s;
-    }
-    __device__ static void vals(uint4 a, float (&v)[EPV]) {
-        const ds4_u32 w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            v[2 * j] = ds4_h2f((ds4_u16)(w[j] & 0xffff));
-            v[2 * j + 1] = ds4_h2f((ds4_u16)(w[j] >> 16));
-        }
-    }
-    __device__ static float vdotv(const float (&v)[EPV], const X& x) {
-        float s = v[0] * x.a.x;
-        s += v[1] * x.a.y;
-        s += v[2] * x.a.z;
-        s += v[3] * x.a.w;
-        s += v[4] * x.b.x;
-        s += v[5] * x.b.y;
-        s += v[6] * x.b.z;
-        s += v[7] * x.b.w;
         return s;
     }
 };
@@ -808,85 +774,6 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
 // each weight vector is loaded once and multiplied with every column's x; per column the
 // loop, the per-lane order and the reduction are ds4_gemv_plain's, so with the same warps
 // per row each column's rows are bit-for-bit the one-token kernel's.
-//
-// x staged in shared memory (docs/gpu.md §34): read from global memory per warp, every 16
-// bytes of weights cost 32 bytes of x per column (F16; 16 for F32), 256 bytes at eight
-// columns, so the F16 matrices of a batched step ran at 0.2-0.4 TB/s on L2 traffic (the
-// H200 profile, 2026-12-07). When the launch passes n_cols · n_in floats of dynamic shared
-// memory (at most DS4_PLAIN_COLS_XBYTES), the block copies the columns once after the wait
-// (its warps' first weights already in flight) and the warps read x from there: the same
-// values in the same order, so the same bits. -DDS4_PLAIN_COLS_XSTAGE=0: never (A/B).
-// Off by default until a GPU run measures it: where the one-token grid has many small
-// blocks (eight warps per row: 1024 × 4096 is 512 blocks of two rows) every block stages
-// all the columns, as much traffic as the warps' own reads were. -DDS4_PLAIN_COLS_XSTAGE=1
-// turns it on (A/B; HIP never stages: no dynamic shared memory there).
-#ifndef DS4_PLAIN_COLS_XSTAGE
-#define DS4_PLAIN_COLS_XSTAGE 0
-#endif
-#if defined(DS4_HIP)
-#undef DS4_PLAIN_COLS_XSTAGE
-#define DS4_PLAIN_COLS_XSTAGE 0
-#endif
-#define DS4_PLAIN_COLS_XBYTES (8 * 4096 * 4)
-// {1 when the kernel stages x given the memory, the most bytes it stages}.
-extern "C" __device__ const int ds4_gemv_cols_xstage[2] = {DS4_PLAIN_COLS_XSTAGE,
-                                                           DS4_PLAIN_COLS_XBYTES};
-// This warp's sums of rows w[r] times every column (ds4_gemv_plain_cols' loops); `a` holds
-// the first step's weights when `have`; X_SHARED: x in shared memory, columns xst apart.
-template <class T, bool X_SHARED, int R, int MC>
-__device__ __forceinline__ void ds4_plain_cols_sums(const uint4* const (&w)[R], int i,
-                                                    int stride, int nvec, const float* xb,
-                                                    ds4_size xst, int n_cols, uint4 (&a)[R][4],
-                                                    bool have, float (&acc)[MC][R]) {
-    auto ldx = [&](int c, int v) {
-        const float* p = xb + (ds4_size)c * xst + (ds4_size)v * T::EPV;
-        return X_SHARED ? T::ldxs(p) : T::ldx(p);
-    };
-    bool waited = X_SHARED;
-    for (; i + 3 * stride < nvec; i += 4 * stride) {
-        if (!have) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + i + k * stride);
-        }
-        have = false;
-        if (!waited) {
-            ds4_grid_wait();
-            waited = true;
-        }
-        // Each weight converted once for all columns (T::vals; vdotv is vdot's expression).
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float v[R][T::EPV];
-#pragma unroll
-            for (int r = 0; r < R; ++r) T::vals(a[r][k], v[r]);
-#pragma unroll
-            for (int c = 0; c < MC; ++c) {
-                if (c < n_cols) {
-                    const typename T::X xv = ldx(c, i + k * stride);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc[c][r] += T::vdotv(v[r], xv);
-                }
-            }
-        }
-    }
-    ds4_grid_wait();
-    for (; i < nvec; i += stride) {
-        float v[R][T::EPV];
-#pragma unroll
-        for (int r = 0; r < R; ++r) T::vals(ds4_ldg(w[r] + i), v[r]);
-#pragma unroll
-        for (int c = 0; c < MC; ++c) {
-            if (c < n_cols) {
-                const typename T::X xv = ldx(c, i);
-#pragma unroll
-                for (int r = 0; r < R; ++r) acc[c][r] += T::vdotv(v[r], xv);
-            }
-        }
-    }
-}
-
 template <class T>
 __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W,
                                                     const float* __restrict__ x,
@@ -899,56 +786,25 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
     const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
     const int nvec = n_in / T::EPV;
     const bool ok = n_cols >= 1 && n_cols <= MC;
-    const bool act = ok && row0 < n_out;
     float acc[MC][R];
 #pragma unroll
     for (int c = 0; c < MC; ++c)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[c][r] = 0.f;
-    const uint4* w[R];
+    if (ok && row0 < n_out) {
+        const uint4* w[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-        w[r] = (const uint4*)(W + (ds4_size)min(row0 + r, max(n_out - 1, 0)) * (ds4_size)nvec * 16);
-    const int stride = DS4_WARP * wpr;
-    const int i = (warp % wpr) * DS4_WARP + lane;
-    uint4 a[R][4];
-#if DS4_PLAIN_COLS_XSTAGE
-    DS4_DYN_SHARED(ds4_cols_x, DS4_PLAIN_COLS_XBYTES);
-    const ds4_size xn = (ds4_size)max(n_cols, 0) * (ds4_size)n_in;
-    // Block-uniform: every thread takes the same branch (and its barrier).
-    const bool staged = ok && 4 * xn <= (ds4_size)DS4_PLAIN_COLS_XBYTES &&
-                        4 * xn <= (ds4_size)ds4_dynamic_smem_bytes() && n_in % 4 == 0 &&
-                        x_stride % 4 == 0;
-    if (staged) {
-        float* xs = (float*)ds4_cols_x;
-        // This warp's first weights before the wait (only weights: docs/gpu.md §6).
-        const bool have = act && i + 3 * stride < nvec;
-        if (have) {
+        for (int r = 0; r < R; ++r)
+            w[r] = (const uint4*)(W + (ds4_size)min(row0 + r, n_out - 1) * (ds4_size)nvec * 16);
+        const int stride = DS4_WARP * wpr;
+        int i = (warp % wpr) * DS4_WARP + lane;
+        bool waited = false;
+        for (; i + 3 * stride < nvec; i += 4 * stride) {
+            uint4 a[R][4];
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
                 for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + i + k * stride);
-        }
-        ds4_grid_wait();
-        for (ds4_size e = 4 * (ds4_size)threadIdx.x; e < xn; e += 4 * (ds4_size)blockDim.x) {
-            const ds4_size c = e / (ds4_size)n_in, k = e - c * (ds4_size)n_in;
-            *(float4*)(xs + e) = ds4_ld_act((const float4*)(x + c * x_stride + k));
-        }
-        __syncthreads();
-        if (act)
-            ds4_plain_cols_sums<T, true, R, MC>(w, i, stride, nvec, xs, (ds4_size)n_in, n_cols,
-                                                a, have, acc);
-    } else
-#endif
-    if (act) {
-        // x from global memory: the loops as they were before staging (docs/gpu.md §26).
-        int j = i;
-        bool waited = false;
-        for (; j + 3 * stride < nvec; j += 4 * stride) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + j + k * stride);
             if (!waited) {
                 ds4_grid_wait();
                 waited = true;
@@ -959,7 +815,7 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
                 for (int c = 0; c < MC; ++c) {
                     if (c < n_cols) {
                         const typename T::X xv =
-                            T::ldx(x + (ds4_size)c * x_stride + (ds4_size)(j + k * stride) * T::EPV);
+                            T::ldx(x + (ds4_size)c * x_stride + (ds4_size)(i + k * stride) * T::EPV);
 #pragma unroll
                         for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r][k], xv);
                     }
@@ -967,16 +823,16 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
             }
         }
         ds4_grid_wait();
-        for (; j < nvec; j += stride) {
-            uint4 b[R];
+        for (; i < nvec; i += stride) {
+            uint4 a[R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) b[r] = ds4_ldg(w[r] + j);
+            for (int r = 0; r < R; ++r) a[r] = ds4_ldg(w[r] + i);
 #pragma unroll
             for (int c = 0; c < MC; ++c) {
                 if (c < n_cols) {
-                    const typename T::X xv = T::ldx(x + (ds4_size)c * x_stride + (ds4_size)j * T::EPV);
+                    const typename T::X xv = T::ldx(x + (ds4_size)c * x_stride + (ds4_size)i * T::EPV);
 #pragma unroll
-                    for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(b[r], xv);
+                    for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r], xv);
                 }
             }
         }

@@ -5,8 +5,7 @@
 #   1. batch --seqs 16: batched (flat, permutes) vs alone (one-token, 64-bit tables) bit for
 #      bit, and every band as defined
 #   2. the batched step at 1 and 8 sequences: default (flat only), -DDS4_IQ2_PRMT_ONE=1 (all
-#      kernels), -DDS4_IQ2_PRMT=0 (none), and the F16/F32 columns read from global memory
-#      (-DDS4_PLAIN_COLS_XSTAGE=1, §34; off by default), alternating
+#      kernels), -DDS4_IQ2_PRMT=0 (none), alternating
 #   3. decode at 2k: default and the permutes everywhere
 #   4. a profile of the 8-sequence step
 set -u
@@ -24,7 +23,7 @@ timeout 100 ds4-engine-check batch $W/s4.gguf --tiny 0 --tokens 20 --act-q8 --se
 grep -E "cuda|PASSED|FAIL|rror" $T/b.log | cut -c1-300
 echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
 step() { echo "[$1] $(grep -E '^batch ' $T/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"; }
-ARMS=("-" "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_XSTAGE=1" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT_ONE=1" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0")
+ARMS=("-" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT_ONE=1" "DS4_GEMV_DEFINES=-DDS4_IQ2_PRMT=0")
 for r in 1 2; do
   for arm in "${ARMS[@]}"; do
     before 85 || break 2

@@ -796,9 +796,6 @@ mod tests {
     fn plain_columns_equal_one_token_each() {
         use crate::kernels::{gemv_launch, GemvType};
         let k = EmuKernels::build().unwrap();
-        // The columns staged in shared memory (docs/gpu.md §34; 5 × 16384 values do not fit
-        // and take the global reads in that build too).
-        let staged = EmuKernels::build_with(&["-DDS4_PLAIN_COLS_XSTAGE=1"]).unwrap();
         let mut next = xorshift(0x6C8E_9CF5_7093_2BD5);
         for (ty, name) in [(GemvType::F16, "f16"), (GemvType::F32, "f32")] {
             for (n_in, n_out, cols) in [
@@ -856,24 +853,18 @@ mod tests {
                         }
                         assert!(y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()));
                     }
-                    // One column per grid y (ds4_gemv_colsplit_<t>), and the columns staged
-                    // in shared memory: the same bits again.
+                    // One column per grid y (ds4_gemv_colsplit_<t>): the same bits again.
+                    let split = run_gemv_cols(
+                        &k,
+                        &format!("ds4_gemv_colsplit_{name}"),
+                        (l.grid_x, l.block, true),
+                        &w,
+                        (&x, xs),
+                        (n_in, n_out, cols, ys),
+                        l.wpr,
+                    );
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    for (lib, kernel, split, what) in [
-                        (&k, "colsplit", true, "colsplit"),
-                        (&staged, "cols", false, "staged"),
-                    ] {
-                        let again = run_gemv_cols(
-                            lib,
-                            &format!("ds4_gemv_{kernel}_{name}"),
-                            (l.grid_x, l.block, split),
-                            &w,
-                            (&x, xs),
-                            (n_in, n_out, cols, ys),
-                            l.wpr,
-                        );
-                        assert_eq!(bits(&again), bits(&y), "{name} {n_in}x{n_out} {what}");
-                    }
+                    assert_eq!(bits(&split), bits(&y), "{name} {n_in}x{n_out} colsplit");
                 }
             }
         }

@@ -242,10 +242,6 @@ pub(crate) struct GemvSet<D: GpuApi> {
     pub(crate) plain_cols: [D::Function; 2],
     /// The same with one column per grid y (`ds4_gemv_colsplit_<t>`, docs/gpu.md §23).
     pub(crate) plain_colsplit: [D::Function; 2],
-    /// The most bytes of columns the several-column F32/F16 GEMV stages in dynamic shared
-    /// memory (`ds4_gemv_cols_xstage`, docs/gpu.md §34): a launch whose columns fit passes
-    /// their size; 0 where the module never stages or the device allows less.
-    pub(crate) plain_cols_xbytes: u32,
     /// Most columns of every several-column GEMV, and the most codes (columns x inputs)
     /// the Q8_0 one's shared memory holds (`ds4_gemvq_cols_max`).
     pub(crate) cols_max: usize,
@@ -370,11 +366,6 @@ impl<D: GpuApi> GemvSet<D> {
             cols_codes
         };
         let [max_in, _] = dev.read_i32x2_global(&module, "ds4_gemvq_max_in")?;
-        let [xstage, xbytes] = dev.read_i32x2_global(&module, "ds4_gemv_cols_xstage")?;
-        let plain_cols_xbytes = match u32::try_from(xbytes) {
-            Ok(b) if xstage != 0 => b.min(dev.max_dynamic_smem()),
-            _ => 0,
-        };
         let [iq2_smem, _] = dev.read_i32x2_global(&module, "ds4_gemvq_iq2_smem")?;
         let iq2_smem = u32::try_from(iq2_smem)
             .ok()
@@ -397,7 +388,6 @@ impl<D: GpuApi> GemvSet<D> {
             q8_quantize_rows,
             plain_cols,
             plain_colsplit,
-            plain_cols_xbytes,
             cols_max: usize::try_from(cols_max).unwrap_or(0),
             q8_cols_codes: cols_codes,
             q8_cols_dyn: cols_dyn,

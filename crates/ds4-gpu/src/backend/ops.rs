@@ -845,18 +845,11 @@ impl<D: GpuApi> GpuBackend<D> {
         let mut t = 0;
         while t < m.n_tok {
             let n = per.min(m.n_tok - t);
-            // The columns staged in shared memory where they fit (docs/gpu.md §34).
-            let xbytes = 4 * n as u64 * m.cols as u64;
-            let smem = if xbytes <= u64::from(self.gemv.plain_cols_xbytes) {
-                xbytes as u32
-            } else {
-                0
-            };
-            self.launch_fn_smem(
+            self.launch_fn(
                 f,
                 self.shape_name(label, m.n_rows, m.cols, n),
                 (l.grid_x, 1, 1),
-                (l.block, smem),
+                l.block,
                 &[
                     Arg::Ptr(wbase),
                     Arg::Ptr(m.x + (4 * t * m.x_stride) as u64),

@@ -772,15 +772,32 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
 
 // The plain engine for a few independent columns (batched decode of F16/F32 matrices):
 // each weight vector is loaded once and multiplied with every column's x; per column the
-// loop, the per-lane order and the reduction are ds4_gemv_plain's, so with the same warps
-// per row each column's rows are bit-for-bit the one-token kernel's.
+// per-lane order (vectors i, i + stride, ... in turn) and the reduction are ds4_gemv_plain's,
+// so with the same warps per row each column's rows are bit-for-bit the one-token kernel's.
+//
+// Rows per warp (docs/gpu.md §35): x is read through L2 (ds4_ld_act), once per warp and
+// column, so at MC columns and R rows a warp reads 4·MC / (R·sizeof(w)) bytes of x per byte
+// of weights — 8 for F16 at the one-token kernel's two rows, which made the F16 matrices of
+// an 8-sequence step run at a tenth of the bandwidth. A row's sum does not depend on which
+// rows its warp takes with it, so this kernel takes DS4_PLAIN_COLS_ROWS rows per warp (the
+// host sizes the grid from ds4_gemv_cols_rows), and keeps DS4_PLAIN_COLS_DEPTH steps of
+// weight vectors in flight (refilled right after use, so the order of the sums is unchanged).
+#ifndef DS4_PLAIN_COLS_ROWS
+#define DS4_PLAIN_COLS_ROWS 8
+#endif
+#ifndef DS4_PLAIN_COLS_DEPTH
+#define DS4_PLAIN_COLS_DEPTH 1
+#endif
+// {rows per warp, steps in flight} of ds4_gemv_cols_<t>, read by the host for the grid.
+extern "C" __device__ const int ds4_gemv_cols_rows[2] = {DS4_PLAIN_COLS_ROWS, DS4_PLAIN_COLS_DEPTH};
 template <class T>
 __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W,
                                                     const float* __restrict__ x,
                                                     ds4_size x_stride, float* __restrict__ y,
                                                     ds4_size y_stride, int n_in, int n_out,
                                                     int n_cols, int wpr) {
-    constexpr int R = DS4_GEMV_PLAIN_ROWS, MC = DS4_Q8M_COLS;
+    constexpr int R = DS4_PLAIN_COLS_ROWS, MC = DS4_Q8M_COLS, D = DS4_PLAIN_COLS_DEPTH;
+    static_assert(R >= 1 && D >= 1, "rows and depth");
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
@@ -792,47 +809,37 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[c][r] = 0.f;
     if (ok && row0 < n_out) {
-        const uint4* w[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            w[r] = (const uint4*)(W + (ds4_size)min(row0 + r, n_out - 1) * (ds4_size)nvec * 16);
+        const uint4* const w0 = (const uint4*)(W + (ds4_size)row0 * (ds4_size)nvec * 16);
+        // Row r's vectors (rows past the end read the last row; their sums are not written).
+        auto wv = [&](int r, int i) { return ds4_ldg(w0 + min(r, n_out - 1 - row0) * nvec + i); };
         const int stride = DS4_WARP * wpr;
-        int i = (warp % wpr) * DS4_WARP + lane;
-        bool waited = false;
-        for (; i + 3 * stride < nvec; i += 4 * stride) {
-            uint4 a[R][4];
+        const int i0 = (warp % wpr) * DS4_WARP + lane;
+        uint4 a[D][R];
+#pragma unroll
+        for (int d = 0; d < D; ++d)
 #pragma unroll
             for (int r = 0; r < R; ++r)
+                if (i0 + d * stride < nvec) a[d][r] = wv(r, i0 + d * stride);
+        ds4_grid_wait();  // only weights were read so far (docs/gpu.md §6)
+        for (int i = i0; i < nvec; i += D * stride) {
 #pragma unroll
-                for (int k = 0; k < 4; ++k) a[r][k] = ds4_ldg(w[r] + i + k * stride);
-            if (!waited) {
-                ds4_grid_wait();
-                waited = true;
-            }
+            for (int d = 0; d < D; ++d) {
+                const int id = i + d * stride;
+                if (id < nvec) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
+                    for (int c = 0; c < MC; ++c) {
+                        if (c < n_cols) {
+                            const typename T::X xv =
+                                T::ldx(x + (ds4_size)c * x_stride + (ds4_size)id * T::EPV);
 #pragma unroll
-                for (int c = 0; c < MC; ++c) {
-                    if (c < n_cols) {
-                        const typename T::X xv =
-                            T::ldx(x + (ds4_size)c * x_stride + (ds4_size)(i + k * stride) * T::EPV);
-#pragma unroll
-                        for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r][k], xv);
+                            for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[d][r], xv);
+                        }
                     }
-                }
-            }
-        }
-        ds4_grid_wait();
-        for (; i < nvec; i += stride) {
-            uint4 a[R];
+                    const int next = id + D * stride;
+                    if (next < nvec) {
 #pragma unroll
-            for (int r = 0; r < R; ++r) a[r] = ds4_ldg(w[r] + i);
-#pragma unroll
-            for (int c = 0; c < MC; ++c) {
-                if (c < n_cols) {
-                    const typename T::X xv = T::ldx(x + (ds4_size)c * x_stride + (ds4_size)i * T::EPV);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r], xv);
+                        for (int r = 0; r < R; ++r) a[d][r] = wv(r, next);
+                    }
                 }
             }
         }
@@ -843,14 +850,30 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
 #define DS4_PLAIN_COLS_FINISH1 1
 #endif
     if (ok && DS4_PLAIN_COLS_FINISH1) {
-        // Every column's rows as ds4_finish_rows writes them, with one barrier for all
-        // columns (docs/gpu.md §26).
-        ds4_finish_cols<R, MC>(acc, y, y_stride, row0, n_out, wpr, n_cols);
+        // Every column's rows as ds4_finish_rows writes them (docs/gpu.md §26), FR rows at a
+        // time (one lane per column and row adds the warps' parts).
+        constexpr int FR = R < DS4_WARP / MC ? R : DS4_WARP / MC;
+        static_assert(R % FR == 0, "rows per warp: a multiple of the rows finished at once");
+#pragma unroll
+        for (int h = 0; h < R; h += FR) {
+            float part[MC][FR];
+#pragma unroll
+            for (int c = 0; c < MC; ++c)
+#pragma unroll
+                for (int r = 0; r < FR; ++r) part[c][r] = acc[c][h + r];
+            if (h > 0) __syncthreads();  // the parts of the previous rows have been added
+            ds4_finish_cols<FR, MC>(part, y, y_stride, row0 + h, n_out, wpr, n_cols);
+        }
         return;
     }
-    for (int c = 0; c < max(1, min(n_cols, MC)); ++c) {
-        ds4_finish_rows<R>(acc[c], y + (ds4_size)c * y_stride, row0, n_out, wpr, ok);
-        __syncthreads();  // part_sums are rewritten by the next column
+    // Unrolled, so that acc stays in registers (a column index known only at run time
+    // would put it in local memory); n_cols is the same for the whole block.
+#pragma unroll
+    for (int c = 0; c < MC; ++c) {
+        if (c < max(1, min(n_cols, MC))) {
+            ds4_finish_rows<R>(acc[c], y + (ds4_size)c * y_stride, row0, n_out, wpr, ok);
+            __syncthreads();  // part_sums are rewritten by the next column
+        }
     }
 }
 
@@ -1854,6 +1877,22 @@ __device__ __forceinline__ int ds4_q8m_vec(int u, int half, int nunits) {
 #endif
 }
 
+// Item i = c·n + k of a block-strided copy as (c, k), advanced by the block size per item:
+// one division at the start instead of one per item.
+struct Ds4ColIdx {
+    int c, k, n, dc, dk;
+    __device__ Ds4ColIdx(int i, int n_, int step)
+        : c(i / n_), k(i % n_), n(n_), dc(step / n_), dk(step % n_) {}
+    __device__ void next() {
+        c += dc;
+        k += dk;
+        if (k >= n) {
+            k -= n;
+            ++c;
+        }
+    }
+};
+
 // One block (DS4_GEMV_THREADS) per row r of x (n_in values, rows x_stride floats apart; n_in
 // a multiple of 32, at most DS4_Q8_MAX_IN): its codes, 32-value scales and 16-code sums as
 // ds4_quantize_x4 makes them inside a GEMV block, at q + r·n_in, d + r·n_in/32, s16 + r·n_in/16.
@@ -1875,6 +1914,10 @@ extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
 // takes together.
 #ifndef DS4_Q8M_ROWS
 #define DS4_Q8M_ROWS DS4_ROWS_Q8_0
+#endif
+// Loads per thread in flight while the several-column kernel stages its codes (see there).
+#ifndef DS4_Q8M_STAGE
+#define DS4_Q8M_STAGE 4
 #endif
 #ifndef DS4_MINB_Q8M
 #define DS4_MINB_Q8M DS4_MINB_Q_Q8_0
@@ -1968,17 +2011,37 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q8M)
     load(0, b0);
     ds4_grid_wait();  // only weights were read so far (docs/gpu.md §6)
     if (ok) {
-        // The columns' codes and scales, written by the previous launch (coherent loads).
+        // The columns' codes and scales, written by the previous launch (coherent loads),
+        // DS4_Q8M_STAGE loads per thread in flight before the first store: a loop of one
+        // load and one store waited one L2 round trip per 4 KB of codes (8 codes trips and
+        // 4 scale trips per block at 8 columns of 4096), with only the first weights in
+        // flight meanwhile (docs/gpu.md §35). -DDS4_Q8M_STAGE=1 is the old loop (A/B).
         const int v16 = n_in / 16, nb = n_in / 32;
-        for (int i = threadIdx.x; i < n_cols * v16; i += blockDim.x) {
-            const int c = i / v16, k = i % v16;
-            const ds4_size src = ((ds4_size)c * q_col + g) * v16 + k;
-            ((uint4*)xq)[c * v16 + ds4_q8m_vec(k >> 1, k & 1, nb)] =
-                ds4_ld_act((const uint4*)xq_g + src);
-        }
-        for (int i = threadIdx.x; i < n_cols * nb; i += blockDim.x) {
-            const int c = i / nb, k = i % nb;
-            xd[i] = ds4_ld_act(xd_g + ((ds4_size)c * q_col + g) * nb + k);
+        const int ncv = n_cols * v16, ncs = n_cols * nb;
+        // (column, index) of the thread's items, stepped without a division per item.
+        const int bd = blockDim.x;
+        Ds4ColIdx cv{(int)threadIdx.x, v16, bd}, cs{(int)threadIdx.x, nb, bd};
+        for (int i0 = threadIdx.x; i0 < ncv || i0 < ncs; i0 += DS4_Q8M_STAGE * bd) {
+            uint4 v[DS4_Q8M_STAGE];
+            float f[DS4_Q8M_STAGE];
+            Ds4ColIdx lv = cv, ls = cs;
+#pragma unroll
+            for (int k = 0; k < DS4_Q8M_STAGE; ++k) {
+                const int i = i0 + k * bd;
+                if (i < ncv)
+                    v[k] = ds4_ld_act((const uint4*)xq_g + ((ds4_size)lv.c * q_col + g) * v16 + lv.k);
+                if (i < ncs) f[k] = ds4_ld_act(xd_g + ((ds4_size)ls.c * q_col + g) * nb + ls.k);
+                lv.next();
+                ls.next();
+            }
+#pragma unroll
+            for (int k = 0; k < DS4_Q8M_STAGE; ++k) {
+                const int i = i0 + k * bd;
+                if (i < ncv) ((uint4*)xq)[cv.c * v16 + ds4_q8m_vec(cv.k >> 1, cv.k & 1, nb)] = v[k];
+                if (i < ncs) xd[i] = f[k];
+                cv.next();
+                cs.next();
+            }
         }
         __syncthreads();
     } else {
@@ -2186,8 +2249,13 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)
 }
 // Several columns (batched decode): y[c * y_stride + r] = row r · x[c * x_stride ..] for
 // c < n_cols <= DS4_Q8M_COLS; grid and warps per row as ds4_gemv_<t>.
+// More than four rows per warp hold 8·R column sums and R weight vectors per step: one block
+// per multiprocessor (up to 255 registers) rather than spilling at two.
+#ifndef DS4_MINB_PLAIN_COLS
+#define DS4_MINB_PLAIN_COLS (DS4_PLAIN_COLS_ROWS > 4 ? 1 : 2)
+#endif
 #define DS4_GEMV_COLS_ENTRY(NAME, FMT)                                                          \
-    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, 2)                          \
+    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN_COLS)        \
         ds4_gemv_cols_##NAME(const ds4_u8* __restrict__ W, const float* __restrict__ x,        \
                              ds4_size x_stride, float* __restrict__ y, ds4_size y_stride,      \
                              int n_in, int n_out, int n_cols, int wpr) {                       \

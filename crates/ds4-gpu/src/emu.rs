@@ -790,17 +790,24 @@ mod tests {
     }
 
     /// The several-column F32/F16 GEMVs (`ds4_gemv_cols_<t>`, batched decode): for 1 to 8
-    /// columns with padded strides, under the one-token launch (several warps per row and
-    /// one), every column's outputs are bit-for-bit the one-token GEMV's on that column.
+    /// columns with padded strides, with the one-token launch's warps per row (several and
+    /// one) and the kernel's own rows per warp (its grid from `cols_grid_x`), every column's
+    /// outputs are bit-for-bit the one-token GEMV's on that column, and rows past the end
+    /// stay unwritten.
     #[test]
     fn plain_columns_equal_one_token_each() {
-        use crate::kernels::{gemv_launch, GemvType};
+        use crate::kernels::{cols_grid_x, gemv_launch, GemvType};
         let k = EmuKernels::build().unwrap();
+        let at = k.global("ds4_gemv_cols_rows").expect("ds4_gemv_cols_rows");
+        // SAFETY: the global is a const int[2] of the library, alive as long as `k`.
+        let rows = u32::try_from(unsafe { *(at as *const i32) }).unwrap();
+        assert!(rows >= 1, "rows per warp {rows}");
         let mut next = xorshift(0x6C8E_9CF5_7093_2BD5);
         for (ty, name) in [(GemvType::F16, "f16"), (GemvType::F32, "f32")] {
             for (n_in, n_out, cols) in [
                 (4096usize, 21usize, 8usize),
                 (1024, 64, 3),
+                (1024, 100, 8),
                 (256, 7, 2),
                 (16384, 24, 5),
             ] {
@@ -821,10 +828,12 @@ mod tests {
                 for target in [1u64, 1 << 20] {
                     let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
                         .unwrap();
+                    // The several-column kernel's own grid: more rows per warp (§35).
+                    let grid = cols_grid_x(n_out as u64, l.wpr, rows).unwrap();
                     let y = run_gemv_cols(
                         &k,
                         &format!("ds4_gemv_cols_{name}"),
-                        (l.grid_x, l.block, false),
+                        (grid, l.block, false),
                         &w,
                         (&x, xs),
                         (n_in, n_out, cols, ys),

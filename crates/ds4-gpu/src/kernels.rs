@@ -311,6 +311,18 @@ pub fn choose_wpr(n_out: u64, parts: u64, target_warps: u64) -> u32 {
     wpr as u32
 }
 
+/// Blocks of the several-column F16/F32 GEMV (`ds4_gemv_cols_<t>`) for `n_out` rows at the
+/// one-token launch's warps per row `wpr` and `rows` rows per warp (`ds4_gemv_cols_rows`,
+/// docs/gpu.md §35): it keeps the one-token kernel's split of each row over its warps and
+/// takes more rows per warp, so it needs fewer blocks.
+pub fn cols_grid_x(n_out: u64, wpr: u32, rows: u32) -> Result<u32> {
+    let per_block = u64::from(GEMV_WARPS / wpr.clamp(1, GEMV_WARPS) * rows.max(1));
+    u32::try_from(n_out.div_ceil(per_block)).map_err(|_| GpuError::BadArgument {
+        op: "gemv",
+        detail: format!("n_out = {n_out} needs more blocks than a grid holds"),
+    })
+}
+
 /// Validate a GEMV shape and compute its launch for kernels compiled with `cfg`.
 /// `target_warps` is how many warps the device needs in flight to hide memory latency
 /// (e.g. 48 per multiprocessor).

@@ -240,6 +240,8 @@ pub(crate) struct GemvSet<D: GpuApi> {
     pub(crate) q8_quantize_rows: D::Function,
     /// The several-column F32 and F16 GEMVs (`ds4_gemv_cols_f32`, `_f16`).
     pub(crate) plain_cols: [D::Function; 2],
+    /// Rows per warp of `plain_cols` (`ds4_gemv_cols_rows`, docs/gpu.md §35): its grid.
+    pub(crate) plain_cols_rows: u32,
     /// The same with one column per grid y (`ds4_gemv_colsplit_<t>`, docs/gpu.md §23).
     pub(crate) plain_colsplit: [D::Function; 2],
     /// Most columns of every several-column GEMV, and the most codes (columns x inputs)
@@ -355,6 +357,7 @@ impl<D: GpuApi> GemvSet<D> {
             dev.function(&module, "ds4_gemv_cols_f16")?,
         ];
         let [cols_max, cols_codes] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_max")?;
+        let [plain_cols_rows, _] = dev.read_i32x2_global(&module, "ds4_gemv_cols_rows")?;
         let [cols_dyn, _] = dev.read_i32x2_global(&module, "ds4_gemvq_cols_dyn")?;
         // A device allowing less dynamic shared memory than the codes need takes fewer.
         let cols_dyn = cols_dyn != 0;
@@ -387,6 +390,7 @@ impl<D: GpuApi> GemvSet<D> {
             q8_cols,
             q8_quantize_rows,
             plain_cols,
+            plain_cols_rows: u32::try_from(plain_cols_rows).unwrap_or(1).max(1),
             plain_colsplit,
             cols_max: usize::try_from(cols_max).unwrap_or(0),
             q8_cols_codes: cols_codes,

@@ -842,13 +842,15 @@ impl<D: GpuApi> GpuBackend<D> {
         } else {
             "gemv_cols_f16"
         };
+        let grid_x = crate::kernels::cols_grid_x(m.n_rows as u64, l.wpr, self.gemv.plain_cols_rows)
+            .map_err(gerr(op))?;
         let mut t = 0;
         while t < m.n_tok {
             let n = per.min(m.n_tok - t);
             self.launch_fn(
                 f,
                 self.shape_name(label, m.n_rows, m.cols, n),
-                (l.grid_x, 1, 1),
+                (grid_x, 1, 1),
                 l.block,
                 &[
                     Arg::Ptr(wbase),

@@ -688,10 +688,6 @@ __device__ __forceinline__ void ds4_gemv_quant(const ds4_u8* __restrict__ W,
 #ifndef DS4_GEMV_PLAIN_ROWS
 #define DS4_GEMV_PLAIN_ROWS 2
 #endif
-// Steps of weight vectors in flight per lane in the one-token F16/F32 GEMV (0: the old loops).
-#ifndef DS4_PLAIN_DEPTH
-#define DS4_PLAIN_DEPTH 4
-#endif
 
 struct Ds4F32 {
     static constexpr int EPV = 4;
@@ -744,37 +740,6 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
             w[r] = (const uint4*)(W + (ds4_size)min(row0 + r, n_out - 1) * (ds4_size)nvec * 16);
         const int stride = DS4_WARP * wpr;
         int i = (warp % wpr) * DS4_WARP + lane;
-#if DS4_PLAIN_DEPTH > 0
-        // A ring of DS4_PLAIN_DEPTH steps of vectors per row, each refilled right after its
-        // use (the sums keep the order i, i + stride, ...). The first ones are issued before
-        // the wait for the previous kernel (weights only). The four-deep loop this replaces
-        // only ran while four steps were left, so a row of 4096 F16 values at eight warps
-        // per row (two steps per lane: the compressors, the router) ran its tail one DRAM
-        // round trip per step (docs/gpu.md §35).
-        constexpr int D = DS4_PLAIN_DEPTH;
-        uint4 a[D][R];
-#pragma unroll
-        for (int d = 0; d < D; ++d)
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (i + d * stride < nvec) a[d][r] = ds4_ldg(w[r] + i + d * stride);
-        ds4_grid_wait();
-        for (; i < nvec; i += D * stride) {
-#pragma unroll
-            for (int d = 0; d < D; ++d) {
-                const int id = i + d * stride;
-                if (id < nvec) {
-                    const typename T::X xv = T::ldx(x + (ds4_size)id * T::EPV);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) acc[r] += T::vdot(a[d][r], xv);
-                    if (id + D * stride < nvec) {
-#pragma unroll
-                        for (int r = 0; r < R; ++r) a[d][r] = ds4_ldg(w[r] + id + D * stride);
-                    }
-                }
-            }
-        }
-#else
         // Four vectors per row in flight per lane before the first use; the first ones
         // are issued before the wait for the previous kernel (weights only).
         bool waited = false;
@@ -801,7 +766,6 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] += T::vdot(ds4_ldg(w[r] + i), xv);
         }
-#endif
     }
     ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }

@@ -7,6 +7,7 @@
 #   3. decode at 2k: default and the ring off
 #   4. the user path (ds4-bench -m, the CLI's loop) and ds4-server --parallel 8
 #   5. ncu of the HC mixing part at eight tokens (what its 30 µs are)
+# (After this call the ring was removed: no gain, docs/gpu.md §35.)
 set -u
 BIN=${BIN:-./bin}; OUT=${OUT:-./out}; mkdir -p "$OUT"; export PATH=$BIN:$PATH
 G=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); echo "GPU: $G"

@@ -10,36 +10,11 @@
 #      their instructions: HC mixing parts, routed down (flat SwiGLU Q2_K), routed gate/up
 #      (flat IQ2_XXS), several-column F16 and Q8_0 (2-layer model)
 #   4. a profile of the 8-sequence step
-set -u
-BIN=${BIN:-./bin}; OUT=${OUT:-./out}; mkdir -p "$OUT"; export PATH=$BIN:$PATH
-G=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); echo "GPU: $G"
-L=36; echo "$G" | grep -q H200 && L=43
-W=${W:-/tmp/w}; mkdir -p $W; V=tests/fixtures/vocab/deepseek-v4-vocab.gguf
-T=$(mktemp -d); START=$(date +%s); LIMIT=${LIMIT:-560}
-# before F: true while less than F percent of LIMIT seconds have passed.
-before() { [ $(( ($(date +%s) - START) * 100 )) -lt $(( $1 * LIMIT )) ]; }
-date +%T
-[ -f $W/s4.gguf ] || ds4-convert synthetic --quiet --layout q2 --layers 4 --vocab-gguf $V $W/s4.gguf > /dev/null
-echo "== batch bit-exact + bands (4-layer real dims)"
-timeout 100 ds4-engine-check batch $W/s4.gguf --tiny 0 --tokens 20 --act-q8 --seqs 16 --gpu-only > $OUT/batch.log 2>&1
-grep -E "cuda|PASSED|FAIL|rror|bands" $OUT/batch.log | cut -c1-300 | tail -8
-echo "== op mirror + parity"; date +%T
-timeout 120 ds4-engine-check ops $W/s4.gguf --tiny 0 --flash-layers 4 --tokens 40 --chunk 40 --act-q8 > $OUT/ops_c40.log 2>&1; tail -1 $OUT/ops_c40.log
-timeout 120 ds4-engine-check ops $W/s4.gguf --tiny 0 --flash-layers 4 --tokens 12 --chunk 2 --act-q8 > $OUT/ops_c2.log 2>&1; tail -1 $OUT/ops_c2.log
-for f in tiny-hca16 tiny-hca128; do ds4-convert hf --quiet tests/fixtures/$f $W/m-$f.gguf > /dev/null; done
-timeout 120 ds4-engine-check parity $W/m-*.gguf --tiny 2 > $T/parity.log 2>&1; grep -E "PASSED|FAIL|failed" $T/parity.log | head -3
-echo "== batched step A/B, --synthetic q2 L=$L --batch 1,8"; date +%T
-step() { echo "[$1] $(grep -E '^batch ' $T/ab.log | sed -E 's/.*step ([0-9.]+) ms.*aggregate ([0-9.]+) tok.*/\1 ms \2 tok\/s/' | tr '\n' '|')"; }
-for r in 1 2; do
-  for arm in "-" "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_ROWS=2 -DDS4_Q8M_STAGE=1" \
-      "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_ROWS=4 -DDS4_PLAIN_COLS_DEPTH=2" \
-      "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_DEPTH=2" "DS4_GEMV_DEFINES=-DDS4_Q8M_STAGE=1"; do
-    before 60 || break 2
-    if [ "$arm" = "-" ]; then e=""; else e="$arm"; fi
-    env ${e:+"$e"} timeout 100 ds4-bench --synthetic q2 --layers $L --frontiers 512 --decode 16 --batch 1,8 > $T/ab.log 2>&1
-    step "$arm"
-  done
-done
+. tools/device/issue22-lib.sh
+correctness
+ab_batch 60 "-" "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_ROWS=2 -DDS4_Q8M_STAGE=1" \
+    "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_ROWS=4 -DDS4_PLAIN_COLS_DEPTH=2" \
+    "DS4_GEMV_DEFINES=-DDS4_PLAIN_COLS_DEPTH=2" "DS4_GEMV_DEFINES=-DDS4_Q8M_STAGE=1"
 echo "== ncu of the 8-sequence step (2 layers)"; date +%T
 KS=${KS:-ds4_gemv_cols_f16 ds4_hc_mix_part_f16 ds4_gemv_flat_swiglu_q_q2_k ds4_gemv_flat_q_iq2_xxs ds4_gemv_cols_q_q8_0}
 for k in $KS; do

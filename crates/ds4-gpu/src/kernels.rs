@@ -482,6 +482,25 @@ mod tests {
         assert_eq!(choose_wpr(2048, 8, 6336), 4);
     }
 
+    /// The several-column grid covers every row, leaves no block without rows, and needs
+    /// `rows / 2` times fewer blocks than the one-token grid of two rows per warp.
+    #[test]
+    fn cols_grid_covers_the_rows() {
+        for n_out in [1u64, 7, 21, 256, 1000, 1024, 8192] {
+            for wpr in [1u32, 2, 4, 8] {
+                for rows in [1u32, 2, 4, 8] {
+                    let g = u64::from(cols_grid_x(n_out, wpr, rows).unwrap());
+                    let per = u64::from(GEMV_WARPS / wpr * rows);
+                    assert!(g * per >= n_out, "{n_out} {wpr} {rows}");
+                    assert!((g - 1) * per < n_out, "{n_out} {wpr} {rows}");
+                }
+            }
+        }
+        assert_eq!(cols_grid_x(1024, 8, 8).unwrap(), 128);
+        assert_eq!(cols_grid_x(1024, 8, 2).unwrap(), 512);
+        assert!(cols_grid_x(u64::MAX, 8, 1).is_err());
+    }
+
     #[test]
     fn launch_covers_every_row() {
         for (t, n_in, n_out) in [

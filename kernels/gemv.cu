@@ -780,24 +780,21 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
 // of weights — 8 for F16 at the one-token kernel's two rows, which made the F16 matrices of
 // an 8-sequence step run at a tenth of the bandwidth. A row's sum does not depend on which
 // rows its warp takes with it, so this kernel takes DS4_PLAIN_COLS_ROWS rows per warp (the
-// host sizes the grid from ds4_gemv_cols_rows), and keeps DS4_PLAIN_COLS_DEPTH steps of
-// weight vectors in flight (refilled right after use, so the order of the sums is unchanged).
+// host sizes the grid from ds4_gemv_cols_rows); the next step's weight vectors are loaded
+// right after this step's use (the order of the sums is unchanged).
 #ifndef DS4_PLAIN_COLS_ROWS
 #define DS4_PLAIN_COLS_ROWS 8
 #endif
-#ifndef DS4_PLAIN_COLS_DEPTH
-#define DS4_PLAIN_COLS_DEPTH 1
-#endif
-// {rows per warp, steps in flight} of ds4_gemv_cols_<t>, read by the host for the grid.
-extern "C" __device__ const int ds4_gemv_cols_rows[2] = {DS4_PLAIN_COLS_ROWS, DS4_PLAIN_COLS_DEPTH};
+// {rows per warp of ds4_gemv_cols_<t>, 0}: read by the host (a pair, as its other globals).
+extern "C" __device__ const int ds4_gemv_cols_rows[2] = {DS4_PLAIN_COLS_ROWS, 0};
 template <class T>
 __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W,
                                                     const float* __restrict__ x,
                                                     ds4_size x_stride, float* __restrict__ y,
                                                     ds4_size y_stride, int n_in, int n_out,
                                                     int n_cols, int wpr) {
-    constexpr int R = DS4_PLAIN_COLS_ROWS, MC = DS4_Q8M_COLS, D = DS4_PLAIN_COLS_DEPTH;
-    static_assert(R >= 1 && D >= 1, "rows and depth");
+    constexpr int R = DS4_PLAIN_COLS_ROWS, MC = DS4_Q8M_COLS;
+    static_assert(R >= 1, "rows per warp");
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
@@ -814,33 +811,24 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
         auto wv = [&](int r, int i) { return ds4_ldg(w0 + min(r, n_out - 1 - row0) * nvec + i); };
         const int stride = DS4_WARP * wpr;
         const int i0 = (warp % wpr) * DS4_WARP + lane;
-        uint4 a[D][R];
+        uint4 a[R];
 #pragma unroll
-        for (int d = 0; d < D; ++d)
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (i0 + d * stride < nvec) a[d][r] = wv(r, i0 + d * stride);
+        for (int r = 0; r < R; ++r)
+            if (i0 < nvec) a[r] = wv(r, i0);
         ds4_grid_wait();  // only weights were read so far (docs/gpu.md §6)
-        for (int i = i0; i < nvec; i += D * stride) {
+        for (int i = i0; i < nvec; i += stride) {
 #pragma unroll
-            for (int d = 0; d < D; ++d) {
-                const int id = i + d * stride;
-                if (id < nvec) {
+            for (int c = 0; c < MC; ++c) {
+                if (c < n_cols) {
+                    const typename T::X xv =
+                        T::ldx(x + (ds4_size)c * x_stride + (ds4_size)i * T::EPV);
 #pragma unroll
-                    for (int c = 0; c < MC; ++c) {
-                        if (c < n_cols) {
-                            const typename T::X xv =
-                                T::ldx(x + (ds4_size)c * x_stride + (ds4_size)id * T::EPV);
-#pragma unroll
-                            for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[d][r], xv);
-                        }
-                    }
-                    const int next = id + D * stride;
-                    if (next < nvec) {
-#pragma unroll
-                        for (int r = 0; r < R; ++r) a[d][r] = wv(r, next);
-                    }
+                    for (int r = 0; r < R; ++r) acc[c][r] += T::vdot(a[r], xv);
                 }
+            }
+            if (i + stride < nvec) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) a[r] = wv(r, i + stride);
             }
         }
     }
@@ -2021,7 +2009,7 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q8M)
         // (column, index) of the thread's items, stepped without a division per item.
         const int bd = blockDim.x;
         Ds4ColIdx cv{(int)threadIdx.x, v16, bd}, cs{(int)threadIdx.x, nb, bd};
-        for (int i0 = threadIdx.x; i0 < ncv || i0 < ncs; i0 += DS4_Q8M_STAGE * bd) {
+        for (int i0 = threadIdx.x; i0 < ncv; i0 += DS4_Q8M_STAGE * bd) {  // ncs = ncv / 2
             uint4 v[DS4_Q8M_STAGE];
             float f[DS4_Q8M_STAGE];
             Ds4ColIdx lv = cv, ls = cs;
@@ -2248,8 +2236,9 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)
                          weights, fault, threadIdx.x);
 }
 // Several columns (batched decode): y[c * y_stride + r] = row r · x[c * x_stride ..] for
-// c < n_cols <= DS4_Q8M_COLS; grid and warps per row as ds4_gemv_<t>.
-// More than four rows per warp hold 8·R column sums and R weight vectors per step: one block
+// c < n_cols <= DS4_Q8M_COLS; warps per row as ds4_gemv_<t>, DS4_PLAIN_COLS_ROWS rows per warp
+// (grid: kernels::cols_grid_x). More than four rows per warp hold 8·R column sums and R weight
+// vectors per step: one block
 // per multiprocessor (up to 255 registers) rather than spilling at two.
 #ifndef DS4_MINB_PLAIN_COLS
 #define DS4_MINB_PLAIN_COLS (DS4_PLAIN_COLS_ROWS > 4 ? 1 : 2)

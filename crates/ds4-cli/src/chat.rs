@@ -179,7 +179,28 @@ pub fn prefill_bar(total: usize, enabled: bool) -> Option<indicatif::ProgressBar
 
 /// The status line after a turn or a one-shot run.
 pub fn status_line(sync: &SyncStats, generated: &GenOutcome, live: usize, ctx: usize) -> String {
-    format!(
+    fit_status_line(sync, generated, live, ctx, stderr_width())
+}
+
+/// The columns of the terminal stderr goes to; `None` when it is not a terminal (logs and
+/// pipes get the whole line).
+pub fn stderr_width() -> Option<usize> {
+    let term = console::Term::stderr();
+    term.is_term()
+        .then(|| term.size_checked().map(|(_, cols)| usize::from(cols)))
+        .flatten()
+}
+
+/// The status line in the longest of three forms that fits `width` columns (a line that
+/// wraps pushes the prompt to a new row on every answer); without a width, the long one.
+pub fn fit_status_line(
+    sync: &SyncStats,
+    generated: &GenOutcome,
+    live: usize,
+    ctx: usize,
+    width: Option<usize>,
+) -> String {
+    let long = format!(
         "ds4: prefill {} tokens ({} reused) at {:.1} t/s · generated {} tokens at {:.1} t/s · context {}/{}",
         sync.prefilled,
         sync.reused,
@@ -188,7 +209,30 @@ pub fn status_line(sync: &SyncStats, generated: &GenOutcome, live: usize, ctx: u
         generated.tokens_per_sec(),
         live,
         ctx
-    )
+    );
+    let Some(width) = width else {
+        return long;
+    };
+    let short = format!(
+        "prefill {} ({} reused) {:.0} t/s · gen {} {:.1} t/s · ctx {}/{}",
+        sync.prefilled,
+        sync.reused,
+        sync.tokens_per_sec(),
+        generated.tokens.len(),
+        generated.tokens_per_sec(),
+        live,
+        ctx
+    );
+    let shortest = format!(
+        "{:.1} t/s · ctx {}/{}",
+        generated.tokens_per_sec(),
+        live,
+        ctx
+    );
+    [long, short]
+        .into_iter()
+        .find(|l| l.chars().count() < width)
+        .unwrap_or(shortest)
 }
 
 /// What the streamed-expert cache did over a run (docs/placement.md §9).
@@ -250,6 +294,34 @@ mod tests {
         );
         assert_eq!(run(false, &[StreamEvent::Content("a\n".into())]), "a\n");
         assert_eq!(run(false, &[]), "");
+    }
+
+    #[test]
+    fn status_line_fits_the_terminal() {
+        let sync = SyncStats {
+            reused: 1234,
+            prefilled: 56789,
+            secs: 2.0,
+        };
+        let gen = GenOutcome {
+            tokens: vec![7; 640],
+            stop: GenStop::Length,
+            secs: 10.0,
+        };
+        let long = fit_status_line(&sync, &gen, 58663, 393216, None);
+        assert!(
+            long.starts_with("ds4: prefill 56789 tokens (1234 reused)"),
+            "{long}"
+        );
+        assert_eq!(fit_status_line(&sync, &gen, 58663, 393216, Some(500)), long);
+        for width in [20, 40, 60, 80, 100, 120] {
+            let l = fit_status_line(&sync, &gen, 58663, 393216, Some(width));
+            // Every form keeps the generation rate and the context use.
+            assert!(l.contains("64.0 t/s") && l.contains("58663/393216"), "{l}");
+            if width >= 40 {
+                assert!(l.chars().count() < width, "{width}: {l}");
+            }
+        }
     }
 
     #[test]

@@ -1,4 +1,7 @@
 //! `tracing` set-up shared by every binary: `RUST_LOG` wins, else `-v` raises the level.
+//! Colour codes only when stderr is a terminal: a log file or a pipe gets plain text.
+
+use std::io::IsTerminal;
 
 pub fn init(verbose: u8) {
     let default = match verbose {
@@ -12,5 +15,6 @@ pub fn init(verbose: u8) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }

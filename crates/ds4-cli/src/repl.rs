@@ -541,7 +541,9 @@ impl Repl {
                     eprintln!("Thinking mode: max.");
                 } else {
                     eprintln!(
-                        "Thinking mode: high (ctx below {}).",
+                        "Thinking mode: high (ctx below {}): Think Max needs a context of at least {} tokens; /ctx {} turns it on.",
+                        ThinkingMode::MAX_MIN_CTX,
+                        ThinkingMode::MAX_MIN_CTX,
                         ThinkingMode::MAX_MIN_CTX
                     );
                 }

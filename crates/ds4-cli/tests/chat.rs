@@ -194,7 +194,7 @@ fn chat_script_turns_and_every_slash_command() {
     );
     assert!(err.contains("Thinking mode: off."));
     assert!(err.contains("Thinking mode: high."));
-    assert!(err.contains("Thinking mode: high (ctx below 393216)."));
+    assert!(err.contains("Thinking mode: high (ctx below 393216): Think Max needs a context of at least 393216 tokens; /ctx 393216 turns it on."));
     assert!(err.contains("saved session early"), "{err}");
     assert!(
         err.contains(&format!("cannot read {}", missing.display())),
@@ -399,8 +399,11 @@ fn pty_chat_dims_reasoning_and_handles_ctrl_c_keys() {
     std::thread::sleep(Duration::from_millis(100));
     // Ctrl+C during generation: a signal (the terminal is cooked while generating).
     p.send_control('c').unwrap();
-    p.exp_string("interrupted; the partial answer stays")
+    let answer = p
+        .exp_string("interrupted; the partial answer stays")
         .unwrap();
+    // The terminal does not echo the key into the answer.
+    assert!(!answer.contains("^C"), "{answer:?}");
     p.exp_string("ds4: prefill").unwrap();
     p.exp_string("ds4> ").unwrap();
     p.send_line("/help").unwrap();

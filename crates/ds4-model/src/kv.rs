@@ -66,9 +66,34 @@ pub fn scratch_estimate(h: &HParams, ctx: u64, chunk: u64) -> u64 {
     (chunk * per_tok + indexer + h.n_vocab as u64) * 4
 }
 
+/// How [`scratch_estimate`] grows with the context: bytes per 4 tokens of `ctx` (the
+/// indexer's score rows of a CSA model; 0 without CSA layers). The planner re-sizes scratch
+/// with it when it looks for the largest context that fits.
+pub fn scratch_bytes_per_4_ctx(h: &HParams, chunk: u64) -> u64 {
+    let has_csa = (0..h.n_layer).any(|il| h.attn_kind(il) == AttnKind::Csa);
+    if has_csa {
+        8 * chunk
+    } else {
+        0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_grows_by_its_stated_rate() {
+        let h = HParams::flash();
+        let per4 = scratch_bytes_per_4_ctx(&h, 2048);
+        assert!(per4 > 0);
+        for (a, b) in [(824u64, 32768u64), (8151, 8192), (4, 393_216)] {
+            assert_eq!(
+                scratch_estimate(&h, b, 2048) - scratch_estimate(&h, a, 2048),
+                per4 * (b / 4 - a / 4)
+            );
+        }
+    }
 
     #[test]
     fn flash_sizes_match_spec_section_8() {

@@ -1113,10 +1113,14 @@ fn streamed_plan(
         .values()
         .map(|u| u * u64::from(shape.per_token))
         .sum();
-    let min_cache = per_token_bytes
+    // In whole slots: the cache is sized in slots (rounded down below), so a minimum that
+    // is not a multiple of one would be met by a fitting cache and then lost to rounding.
+    let min_cache = (per_token_bytes
         + policy
             .stream_min_extra_cache
-            .min(all_bytes.saturating_sub(per_token_bytes));
+            .min(all_bytes.saturating_sub(per_token_bytes)))
+    .div_ceil(slot)
+        * slot;
 
     // Everything else, planned as a resident model.
     let inv2 = TensorInventory::new(rest);
@@ -1375,11 +1379,7 @@ fn find_remedies(
 
     // A smaller context.
     if req.ctx > 1 && req.kv_bytes_per_token > 0 {
-        let at = |c: u64| {
-            let mut r2 = req.clone();
-            r2.ctx = c;
-            fits(host, device, inv, &r2, policy)
-        };
+        let at = |c: u64| fits(host, device, inv, &req.at_context(c), policy);
         if at(1) {
             out.push(Remedy::SmallerContext {
                 max_ctx: max_true(1, req.ctx - 1, at),

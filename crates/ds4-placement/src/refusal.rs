@@ -183,7 +183,7 @@ impl Remedy {
     pub fn text(&self) -> String {
         match self {
             Remedy::SmallerContext { max_ctx } => {
-                format!("--ctx {max_ctx} or smaller fits (same scratch size assumed)")
+                format!("--ctx {max_ctx} or smaller fits")
             }
             Remedy::DropOverride { setting } => {
                 format!("drop {setting}: automatic placement fits")

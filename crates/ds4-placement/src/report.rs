@@ -19,6 +19,57 @@ fn pool_line(out: &mut String, p: &PoolLedger) {
 }
 
 impl Plan {
+    /// The plan in one line, for a loader's default output: where the weights go (by memory
+    /// kind), the session buffers' total and the context. The whole table is
+    /// [`Plan::render_text`] (`ds4 plan`, or `-v` at load).
+    pub fn summary_line(&self) -> String {
+        let mut by_kind: Vec<(crate::MemKind, u64)> = Vec::new();
+        for a in &self.arenas {
+            match by_kind.iter_mut().find(|(k, _)| *k == a.kind) {
+                Some((_, b)) => *b += a.bytes,
+                None => by_kind.push((a.kind, a.bytes)),
+            }
+        }
+        let weights = if by_kind.is_empty() {
+            "none".to_string()
+        } else {
+            by_kind
+                .iter()
+                .map(|(k, b)| format!("{} {}", fmt_gib(*b), k.label()))
+                .collect::<Vec<_>>()
+                .join(" + ")
+        };
+        let device = if self.facts.device_kind == crate::device::DeviceKind::CpuOnly {
+            "CPU, no GPU".to_string()
+        } else {
+            format!(
+                "{} ({})",
+                self.facts.device_name,
+                self.facts.device_kind.describe()
+            )
+        };
+        let mut s = format!("placement: {device}, weights {weights}");
+        if matches!(
+            self.mode,
+            crate::plan::WeightsMode::Hybrid | crate::plan::WeightsMode::Streamed
+        ) {
+            let _ = write!(s, " ({})", self.mode.label());
+        }
+        if let Some(st) = &self.stream {
+            let _ = write!(
+                s,
+                ", routed experts streamed from the file through a {} cache",
+                fmt_gib(st.cache.bytes)
+            );
+        }
+        let buffers: u64 = self.buffers.iter().map(|b| b.bytes).sum();
+        let _ = write!(s, ", KV and scratch {}, ctx {}", fmt_gib(buffers), self.ctx);
+        if !self.warnings.is_empty() {
+            let _ = write!(s, " ({} warnings: -v shows the plan)", self.warnings.len());
+        }
+        s
+    }
+
     /// The human table: facts, where each class goes, budgets, decisions and warnings.
     pub fn render_text(&self) -> String {
         let f = &self.facts;

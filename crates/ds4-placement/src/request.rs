@@ -513,6 +513,10 @@ pub struct Request {
     pub kv_fixed_bytes: u64,
     /// Graph / prefill scratch for one session at this context and chunk.
     pub scratch_bytes: u64,
+    /// How `scratch_bytes` grows with the context, in bytes per 4 tokens (0: it does not),
+    /// so a smaller-context remedy re-sizes scratch as a plan at that context would.
+    #[serde(default)]
+    pub scratch_bytes_per_4_ctx: u64,
     #[serde(default)]
     pub optional_caches: Vec<OptionalCache>,
     #[serde(default)]
@@ -556,6 +560,7 @@ impl Request {
             kv_bytes_per_token,
             kv_fixed_bytes: 0,
             scratch_bytes,
+            scratch_bytes_per_4_ctx: 0,
             optional_caches: Vec::new(),
             overrides: Overrides::default(),
             routed_experts: None,
@@ -572,6 +577,19 @@ impl Request {
                 ctx: self.ctx,
                 per_token: self.kv_bytes_per_token,
             })
+    }
+
+    /// This request at another context: KV grows with it by construction, scratch by
+    /// `scratch_bytes_per_4_ctx`.
+    pub fn at_context(&self, ctx: u64) -> Request {
+        let mut r = self.clone();
+        let per4 = self.scratch_bytes_per_4_ctx;
+        r.scratch_bytes = self
+            .scratch_bytes
+            .saturating_sub(per4.saturating_mul(self.ctx / 4))
+            .saturating_add(per4.saturating_mul(ctx / 4));
+        r.ctx = ctx;
+        r
     }
 
     pub(crate) fn validate(&self) -> Result<(), RequestError> {

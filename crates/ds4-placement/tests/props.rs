@@ -374,7 +374,7 @@ proptest! {
                     let mut r2 = req.clone();
                     match rem {
                         Remedy::SmallerContext { max_ctx } => {
-                            r2.ctx = *max_ctx;
+                            r2 = req.at_context(*max_ctx);
                             prop_assert!(*max_ctx < req.ctx);
                         }
                         Remedy::LowerOsReserve { max_reserve } => {

@@ -616,6 +616,36 @@ fn smaller_context_remedy_is_exact() {
 }
 
 #[test]
+fn smaller_context_remedy_resizes_scratch() {
+    // Resident q2 on a 24 GB card with 64 GB of RAM, whose scratch grows with the context
+    // (as the indexer's rows do; steeper here so that it matters): the remedy is the
+    // largest context that fits with the scratch of that context, not with the scratch of
+    // the refused one (which offered 824 where 8151 fits).
+    let inv = flash(Quant::Q2);
+    let per4 = 256 * 1024;
+    let mut req = request(32768, GIB + per4 * 32768 / 4);
+    req.scratch_bytes_per_4_ctx = per4;
+    let f = fit_err(run("discrete-24g-64g", &inv, &req));
+    let max_ctx = f
+        .remedies
+        .iter()
+        .find_map(|r| match r {
+            Remedy::SmallerContext { max_ctx } => Some(*max_ctx),
+            _ => None,
+        })
+        .expect("ctx remedy");
+    let at = |c: u64| run("discrete-24g-64g", &inv, &req.at_context(c)).is_ok();
+    assert!(at(max_ctx) && !at(max_ctx + 1), "{max_ctx}");
+    // With the refused context's scratch kept, the answer would be smaller.
+    let mut same_scratch = req.clone();
+    same_scratch.ctx = max_ctx;
+    assert!(
+        run("discrete-24g-64g", &inv, &same_scratch).is_err(),
+        "{max_ctx}: the test needs scratch to matter"
+    );
+}
+
+#[test]
 fn invalid_inputs_are_named() {
     let m = machine("h200-128g");
     let r = plan(

@@ -125,6 +125,19 @@ fn a_64g_cpu_machine_streams_into_pageable_memory() {
 }
 
 #[test]
+fn a_24g_cpu_machine_streams_with_the_minimum_cache() {
+    // Room for the minimum cache but not for the policy's reserve beyond it: the cache is
+    // the minimum, in whole slots. The minimum used to be met before rounding to slots and
+    // lost after it, refusing with an empty reason.
+    let inv = flash(Quant::Q2);
+    let p = run("cpu-24g", &inv, &streaming_request(32_768)).unwrap();
+    check_streamed(&p, &inv, MemKind::Pageable);
+    let st = p.stream.as_ref().unwrap();
+    assert_eq!(st.cache.bytes, st.min_cache_bytes);
+    assert_eq!(st.min_cache_bytes % st.slot_bytes, 0);
+}
+
+#[test]
 fn resident_is_kept_where_it_fits_unless_streaming_is_forced() {
     let inv = flash(Quant::Q2);
     let auto = run("h200-128g", &inv, &streaming_request(32_768)).unwrap();

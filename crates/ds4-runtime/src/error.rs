@@ -82,14 +82,19 @@ pub enum LoadError {
     Report(#[from] std::io::Error),
 }
 
-/// An error and its causes on one line ("step: cause: cause"), for logs and messages that
-/// are not printed through `anyhow`.
+/// An error and its causes on one line ("step: cause: cause"), for logs and for the
+/// binaries' `error:` line. A cause whose text the line already ends with is not repeated:
+/// many library errors spell out their `source` in their own message as well as chaining
+/// it, and a user should read "No such file or directory" once.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
+        let text = c.to_string();
+        if !text.is_empty() && !s.ends_with(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
         cur = c.source();
     }
     s
@@ -108,6 +113,18 @@ mod tests {
         assert_eq!(
             error_chain(&e),
             "cannot read machine file box.json: no such file"
+        );
+        // A cause the message already spells out is printed once.
+        let e = LoadError::Read {
+            path: PathBuf::from("m.gguf"),
+            source: ds4_gguf::GgufError::Open {
+                path: PathBuf::from("m.gguf"),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+            },
+        };
+        assert_eq!(
+            error_chain(&e),
+            "cannot read m.gguf: cannot open m.gguf: no such file"
         );
         let e = LoadError::MissingModel(PathBuf::from("m.gguf"));
         assert!(

@@ -173,10 +173,11 @@ fn probe_rocm() -> Result<Resolved, LoadError> {
 }
 
 /// Resolves `--backend` on this machine. `auto` takes CUDA when a device answers, then
-/// ROCm, then the CPU; with `loud` it says on stderr which it chose and why. `cuda` /
-/// `rocm` fail with the runtime's reason ("CUDA is not available: ...", "no ROCm device:
-/// ...") instead of falling back.
-pub fn probe_device(choice: BackendChoice, loud: bool) -> Result<Resolved, LoadError> {
+/// ROCm, then the CPU, and says which it chose on stderr: in one line with
+/// [`LoadReport::Summary`], with each runtime's reason (the library paths tried, say) with
+/// [`LoadReport::Full`]. `cuda` / `rocm` fail with the runtime's reason ("CUDA is not
+/// available: ...", "no ROCm device: ...") instead of falling back.
+pub fn probe_device(choice: BackendChoice, report: LoadReport) -> Result<Resolved, LoadError> {
     match choice {
         BackendChoice::Cpu => Ok(Resolved::Cpu),
         BackendChoice::Cuda => probe_cuda(),
@@ -189,15 +190,27 @@ pub fn probe_device(choice: BackendChoice, loud: bool) -> Result<Resolved, LoadE
             };
             let why_not_rocm = match probe_rocm() {
                 Ok(r) => {
-                    if loud {
-                        eprintln!("ds4: backend auto -> rocm (no CUDA: {why_not_cuda})");
+                    match report {
+                        LoadReport::Quiet => {}
+                        LoadReport::Summary => {
+                            eprintln!("ds4: backend auto -> rocm (no CUDA device)")
+                        }
+                        LoadReport::Full => {
+                            eprintln!("ds4: backend auto -> rocm (no CUDA: {why_not_cuda})")
+                        }
                     }
                     return Ok(r);
                 }
                 Err(e) => error_chain(&e),
             };
-            if loud {
-                eprintln!("ds4: backend auto -> cpu ({why_not_cuda}; {why_not_rocm})");
+            match report {
+                LoadReport::Quiet => {}
+                LoadReport::Summary => eprintln!(
+                    "ds4: backend auto -> cpu (no CUDA or ROCm GPU answered; -v says why)"
+                ),
+                LoadReport::Full => {
+                    eprintln!("ds4: backend auto -> cpu ({why_not_cuda}; {why_not_rocm})")
+                }
             }
             Ok(Resolved::Cpu)
         }
@@ -424,6 +437,64 @@ pub fn open_gguf(path: &Path) -> Result<Arc<GgufFile>, LoadError> {
     Ok(Arc::new(f))
 }
 
+/// Placement overrides, the same flags for every program that loads a model (`ds4`,
+/// `ds4-server`, `ds4-bench`). CLI > environment > automatic; `ds4 plan --help-overrides`
+/// prints the whole table.
+#[derive(clap::Args, Default)]
+pub struct PlacementFlags {
+    /// Where weights go: auto|device|host|managed.
+    #[arg(long)]
+    pub weights_mem: Option<String>,
+    /// Where the KV state goes: auto|device|host|managed.
+    #[arg(long)]
+    pub kv_mem: Option<String>,
+    /// Where scratch goes: auto|device|host|managed.
+    #[arg(long)]
+    pub scratch_mem: Option<String>,
+    /// Host memory kept free for the OS, GiB (default 2).
+    #[arg(long)]
+    pub os_reserve_gib: Option<String>,
+    /// Cap the device pool (GiB), to reproduce small-pool machines on big GPUs.
+    #[arg(long)]
+    pub device_mem_limit_gib: Option<String>,
+    /// Routed experts: auto|resident|stream (stream: read from the model file through an
+    /// expert cache; auto streams only when nothing resident fits).
+    #[arg(long)]
+    pub experts: Option<String>,
+    /// Largest expert cache of a streamed plan, GiB (0: as large as fits).
+    #[arg(long)]
+    pub expert_cache_gib: Option<String>,
+}
+
+impl PlacementFlags {
+    pub fn to_overrides(&self) -> ds4_placement::CliOverrides {
+        ds4_placement::CliOverrides {
+            weights_mem: self.weights_mem.clone(),
+            kv_mem: self.kv_mem.clone(),
+            scratch_mem: self.scratch_mem.clone(),
+            os_reserve_gib: self.os_reserve_gib.clone(),
+            device_mem_limit_gib: self.device_mem_limit_gib.clone(),
+            experts: self.experts.clone(),
+            expert_cache_gib: self.expert_cache_gib.clone(),
+        }
+    }
+}
+
+/// How much a load reports: a user wants one line per decision that matters (backend,
+/// where the weights go, the context), the whole placement table only when asking for it
+/// (`-v`, or `ds4 plan`), and nothing but errors with `-q`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadReport {
+    /// Errors only.
+    Quiet,
+    /// The backend, a one-line placement summary, the model line, notes and the warm-up.
+    #[default]
+    Summary,
+    /// As `Summary`, with the whole placement plan and why `auto` passed over each GPU
+    /// runtime.
+    Full,
+}
+
 /// Everything needed to (re)build an engine: `/ctx N` reloads with another context.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -437,8 +508,8 @@ pub struct LoadOptions {
     pub prefill_chunk: usize,
     pub threads: usize,
     pub placement: ds4_placement::CliOverrides,
-    /// Print the placement report (to the given writer) at load.
-    pub report_placement: bool,
+    /// What the load says about itself on the log writer.
+    pub report: LoadReport,
     /// Prefill GEMM precision (CUDA).
     pub precision: Precision,
     /// Run one prefill chunk and a decode step at load ([`Engine::warm_up`]) so the first
@@ -479,6 +550,7 @@ pub fn placement_plan(
     req: &PlacementRequest<'_>,
     resolved: &Resolved,
     log: Option<&mut dyn Write>,
+    report: LoadReport,
 ) -> Result<ds4_placement::Plan, LoadError> {
     let args = crate::plan::PlanArgs {
         source: crate::plan::Source::File(req.model.to_path_buf()),
@@ -493,9 +565,13 @@ pub fn placement_plan(
     let planned = crate::plan::run(&args, |k| std::env::var(k).ok())?;
     match planned.result {
         Ok(plan) => {
-            if let Some(log) = log {
-                writeln!(log, "placement plan for {}", planned.description)?;
-                write!(log, "{}", plan.render_text())?;
+            match (log, report) {
+                (Some(log), LoadReport::Full) => {
+                    writeln!(log, "placement plan for {}", planned.description)?;
+                    write!(log, "{}", plan.render_text())?;
+                }
+                (Some(log), LoadReport::Summary) => writeln!(log, "ds4: {}", plan.summary_line())?,
+                _ => {}
             }
             Ok(plan)
         }
@@ -504,19 +580,6 @@ pub fn placement_plan(
             refusal: Box::new(refusal),
         }),
     }
-}
-
-/// The backend `--backend` asks for, with the model's weights to be placed by a plan made
-/// for that device before anything is allocated (the CLI and `ds4-server` both load this
-/// way). The plan is printed to `log` when given.
-pub fn planned_backend(
-    choice: BackendChoice,
-    threads: usize,
-    req: &PlacementRequest<'_>,
-    log: Option<&mut dyn Write>,
-    precision: Precision,
-) -> Result<Box<dyn Backend>, LoadError> {
-    Ok(planned_backend_and_experts(choice, threads, req, log, precision)?.0)
 }
 
 /// How a plan places routed experts in the engine: resident, or streamed through a cache
@@ -544,16 +607,20 @@ pub fn switch_on(v: Option<&str>) -> bool {
     )
 }
 
-/// [`planned_backend`], and how the engine must place the routed experts by the plan.
+/// The backend `--backend` asks for, with the model's weights to be placed by a plan made
+/// for that device before anything is allocated (the CLI and `ds4-server` both load this
+/// way), and how the engine must place the routed experts by the plan. The choice and the
+/// plan are reported to `log` as `report` says.
 pub fn planned_backend_and_experts(
     choice: BackendChoice,
     threads: usize,
     req: &PlacementRequest<'_>,
-    log: Option<&mut dyn Write>,
+    log: &mut dyn Write,
+    report: LoadReport,
     precision: Precision,
 ) -> Result<(Box<dyn Backend>, ExpertPlacement), LoadError> {
-    let resolved = probe_device(choice, true)?;
-    let plan = placement_plan(req, &resolved, log)?;
+    let resolved = probe_device(choice, report)?;
+    let plan = placement_plan(req, &resolved, Some(log), report)?;
     let experts = expert_placement(&plan);
     let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
     let mut be = make_planned_backend(resolved, choice, threads, gpu_plan, precision)?;
@@ -571,6 +638,12 @@ pub fn warmup_wanted(no_warmup_flag: bool) -> bool {
 /// backend has first-use costs), and prints the load report (model, mode, backend, context,
 /// warm-up) to `log`.
 pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError> {
+    let mut sink = std::io::sink();
+    let log: &mut dyn Write = if opts.report == LoadReport::Quiet {
+        &mut sink
+    } else {
+        log
+    };
     let file = open_gguf(&opts.model)?;
     let tokenizer = Arc::new(tokenizer_from_gguf(&file)?);
     let model_id = model_id(&file)?;
@@ -655,9 +728,19 @@ fn build_engine_logged(
         prefill_chunk: opts.prefill_chunk,
         overrides: opts.placement.clone(),
     };
-    let log = log.filter(|_| opts.report_placement);
-    let (backend, experts) =
-        planned_backend_and_experts(opts.backend, opts.threads, &req, log, opts.precision)?;
+    let mut sink = std::io::sink();
+    let (log, report): (&mut dyn Write, _) = match log {
+        Some(l) => (l, opts.report),
+        None => (&mut sink, LoadReport::Quiet),
+    };
+    let (backend, experts) = planned_backend_and_experts(
+        opts.backend,
+        opts.threads,
+        &req,
+        log,
+        report,
+        opts.precision,
+    )?;
     let cfg = EngineConfig {
         mode: opts.mode.map(NumericMode::from),
         ctx,

@@ -170,6 +170,7 @@ pub fn plan_inventory(
         kv::kv_growth_per_token(hparams).saturating_mul(states),
         kv::scratch_estimate(hparams, args.ctx, args.prefill_chunk),
     );
+    request.scratch_bytes_per_4_ctx = kv::scratch_bytes_per_4_ctx(hparams, args.prefill_chunk);
     request.kv_fixed_bytes = kv::kv_fixed_bytes(hparams).saturating_mul(states);
     request.prefill_chunk = args.prefill_chunk;
     request.overrides = overrides;

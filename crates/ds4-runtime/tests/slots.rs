@@ -40,7 +40,7 @@ fn opts() -> LoadOptions {
         prefill_chunk: 16,
         threads: 1,
         placement: Default::default(),
-        report_placement: false,
+        report: ds4_runtime::load::LoadReport::Quiet,
         precision: Precision::default(),
         warmup: false,
     }

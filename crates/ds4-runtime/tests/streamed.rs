@@ -39,7 +39,7 @@ fn opts(model: &Path, experts: Option<&str>) -> LoadOptions {
             experts: experts.map(str::to_string),
             ..Default::default()
         },
-        report_placement: false,
+        report: ds4_runtime::load::LoadReport::Quiet,
         precision: Precision::default(),
         warmup: false,
     }

@@ -48,7 +48,7 @@ impl ModelOptions {
             prefill_chunk: self.prefill_chunk,
             threads: self.threads,
             placement: Default::default(),
-            report_placement: false,
+            report: ds4_runtime::load::LoadReport::Quiet,
             precision: Precision::default(),
             warmup: false,
         }

@@ -27,7 +27,7 @@ use ds4_gpu::cuda::CudaDevice;
 use ds4_model::accounting::ByteAccounting;
 use ds4_model::layout::TypeRecipe;
 use ds4_model::{ModelSpec, Strictness};
-use ds4_placement::{CliOverrides, MemKind, WeightSet};
+use ds4_placement::{MemKind, WeightSet};
 
 #[derive(Parser)]
 #[command(
@@ -57,20 +57,8 @@ struct Args {
     /// Numeric mode (default: the model's default).
     #[arg(long)]
     mode: Option<String>,
-    /// Where weights go: auto (the planner's choice), device, pinned, managed, hybrid.
-    #[arg(long, default_value = "auto")]
-    weights_mem: String,
-    /// Pretend the device has at most this many GiB (placement tests of small-pool machines).
-    #[arg(long)]
-    device_mem_limit_gib: Option<String>,
-    /// Routed experts: auto (the planner's choice), resident, or stream (read from the
-    /// model file through an expert cache, docs/placement.md §9; needs -m FILE). Streamed
-    /// runs print the cache's hit rate and the disk reads per frontier.
-    #[arg(long)]
-    experts: Option<String>,
-    /// Largest expert cache of a streamed plan, GiB (default: as large as fits).
-    #[arg(long)]
-    expert_cache_gib: Option<String>,
+    #[command(flatten)]
+    placement: ds4_cli::load::PlacementFlags,
     /// Write the CSV here too.
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
@@ -216,14 +204,8 @@ fn e2e(args: &Args) -> Result<()> {
         kv_states: 1,
         prefill_chunk: args.prefill_chunk.max(1),
         threads: args.threads,
-        placement: CliOverrides {
-            weights_mem: (args.weights_mem != "auto").then(|| args.weights_mem.clone()),
-            device_mem_limit_gib: args.device_mem_limit_gib.clone(),
-            experts: args.experts.clone(),
-            expert_cache_gib: args.expert_cache_gib.clone(),
-            ..Default::default()
-        },
-        report_placement: false,
+        placement: args.placement.to_overrides(),
+        report: ds4_runtime::load::LoadReport::Quiet,
         precision,
         warmup: ds4_runtime::load::warmup_wanted(args.no_warmup),
     };
@@ -330,11 +312,26 @@ fn copy_bandwidth(dev: &CudaDevice) -> Result<f64> {
     Ok(2.0 * (bytes * reps) as f64 / (ms / 1e3))
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    if args.e2e {
-        return e2e(&args);
+    ds4_cli::logging::init(0);
+    let run = if args.e2e {
+        e2e(&args)
+    } else {
+        frontiers(&args)
+    };
+    match run {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", ds4_runtime::error_chain(e.as_ref()));
+            std::process::ExitCode::FAILURE
+        }
     }
+}
+
+/// The frontier benchmark (the default mode): CUDA only, since it times device kernels
+/// with device events.
+fn frontiers(args: &Args) -> Result<()> {
     let mut frontiers = args.frontiers.clone();
     frontiers.sort_unstable();
     frontiers.dedup();
@@ -372,7 +369,11 @@ fn main() -> Result<()> {
     let acct = ByteAccounting::of(&spec);
 
     // Plan for this device.
-    let dev = CudaDevice::open(0).context("opening CUDA device 0")?;
+    let dev = CudaDevice::open(0).context(
+        "the frontier benchmark needs a CUDA GPU and could not open CUDA device 0; \
+         on a machine without one, `ds4-bench --e2e -m MODEL --backend cpu` measures the \
+         CPU engine the way `ds4 -p` runs it",
+    )?;
     let facts = dev.placement_facts()?;
     let bw = copy_bandwidth(&dev)?;
     drop(dev);
@@ -386,13 +387,7 @@ fn main() -> Result<()> {
         prefill_chunk: args.prefill_chunk as u64,
         machine: None,
         device: Some((facts.clone(), "CUDA device 0".into())),
-        overrides: CliOverrides {
-            weights_mem: (args.weights_mem != "auto").then(|| args.weights_mem.clone()),
-            device_mem_limit_gib: args.device_mem_limit_gib.clone(),
-            experts: args.experts.clone(),
-            expert_cache_gib: args.expert_cache_gib.clone(),
-            ..Default::default()
-        },
+        overrides: args.placement.to_overrides(),
     };
     let plan = match ds4_cli::plan::plan_inventory(
         &spec.hparams,

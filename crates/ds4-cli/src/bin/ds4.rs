@@ -9,7 +9,9 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use ds4_chat::render::{ThinkingMode, DEFAULT_SYSTEM};
 use ds4_cli::generate::{GenSettings, OneShotEnd};
-use ds4_cli::load::{BackendChoice, LoadOptions, ModeChoice, Precision};
+use ds4_cli::load::{
+    BackendChoice, LoadOptions, LoadReport, ModeChoice, PlacementFlags, Precision,
+};
 use ds4_cli::signals::Interrupts;
 use ds4_engine::SamplerConfig;
 use ds4_model::Strictness;
@@ -66,7 +68,7 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    fn load_options(&self, ctx: usize, report: bool) -> LoadOptions {
+    fn load_options(&self, ctx: usize, report: LoadReport) -> LoadOptions {
         LoadOptions {
             model: self.model.clone(),
             backend: self.backend,
@@ -76,7 +78,7 @@ impl ModelArgs {
             prefill_chunk: self.prefill_chunk.max(1),
             threads: self.threads,
             placement: self.placement.to_overrides(),
-            report_placement: report,
+            report,
             precision: Precision::from_env(self.quality),
             warmup: ds4_runtime::load::warmup_wanted(self.no_warmup),
         }
@@ -143,7 +145,9 @@ struct RunArgs {
     /// Disk budget of the KV store in MiB.
     #[arg(long, default_value_t = 4096)]
     kv_disk_space_mb: u64,
-    /// Do not print the placement plan at load.
+    /// Print nothing at load but errors (the answer's rate line stays). By default the load
+    /// says one line per decision (backend, placement, model); -v prints the whole
+    /// placement plan.
     #[arg(short, long)]
     quiet: bool,
 }
@@ -156,48 +160,6 @@ enum Rules {
     Ds4,
     /// Consistent ds4 layout, any dims and supported types.
     Layout,
-}
-
-/// Placement overrides shared by every command that loads a model. CLI > environment >
-/// automatic; `ds4 plan --help-overrides` prints the whole table.
-#[derive(clap::Args, Default)]
-struct PlacementFlags {
-    /// Where weights go: auto|device|host|managed.
-    #[arg(long)]
-    weights_mem: Option<String>,
-    /// Where the KV state goes: auto|device|host|managed.
-    #[arg(long)]
-    kv_mem: Option<String>,
-    /// Where scratch goes: auto|device|host|managed.
-    #[arg(long)]
-    scratch_mem: Option<String>,
-    /// Host memory kept free for the OS, GiB (default 2).
-    #[arg(long)]
-    os_reserve_gib: Option<String>,
-    /// Cap the device pool (GiB), to reproduce small-pool machines on big GPUs.
-    #[arg(long)]
-    device_mem_limit_gib: Option<String>,
-    /// Routed experts: auto|resident|stream (stream: read from the model file through an
-    /// expert cache; auto streams only when nothing resident fits).
-    #[arg(long)]
-    experts: Option<String>,
-    /// Largest expert cache of a streamed plan, GiB (0: as large as fits).
-    #[arg(long)]
-    expert_cache_gib: Option<String>,
-}
-
-impl PlacementFlags {
-    fn to_overrides(&self) -> ds4_placement::CliOverrides {
-        ds4_placement::CliOverrides {
-            weights_mem: self.weights_mem.clone(),
-            kv_mem: self.kv_mem.clone(),
-            scratch_mem: self.scratch_mem.clone(),
-            os_reserve_gib: self.os_reserve_gib.clone(),
-            device_mem_limit_gib: self.device_mem_limit_gib.clone(),
-            experts: self.experts.clone(),
-            expert_cache_gib: self.expert_cache_gib.clone(),
-        }
-    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -337,7 +299,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", ds4_runtime::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -345,7 +307,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let Some(command) = cli.command else {
-        return run_model(cli.run);
+        return run_model(cli.run, cli.verbose);
     };
     match command {
         Command::Logits {
@@ -391,7 +353,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     i + 1
                 );
             }
-            let opts = model.load_options(tokens.len(), false);
+            let opts = model.load_options(tokens.len(), LoadReport::Quiet);
             let mut loaded = ds4_cli::load::load(&opts, &mut std::io::stderr())?;
             let logits = ds4_cli::logits::compute(&mut loaded.engine, &tokens, decode_from)?;
             if let Some(path) = &out {
@@ -446,7 +408,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 // A parity check compares against references: always the f32 path.
                 load: LoadOptions {
                     precision: Precision::Quality,
-                    ..model.load_options(ctx, false)
+                    ..model.load_options(ctx, LoadReport::Quiet)
                 },
                 counts_only,
                 thresholds: ds4_cli::vectors::Thresholds {
@@ -459,7 +421,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let report = match ds4_cli::vectors::run(&args, &mut std::io::stderr()) {
                 Ok(r) => r,
                 Err(e) => {
-                    eprintln!("error: {e:#}");
+                    eprintln!("error: {}", ds4_runtime::error_chain(e.as_ref()));
                     return Ok(ExitCode::from(2));
                 }
             };
@@ -508,7 +470,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 kv_states: 1,
                 prefill_chunk,
                 device: if machine.is_none() {
-                    ds4_cli::load::probe_device(backend, false)?.plan_device()
+                    ds4_cli::load::probe_device(backend, LoadReport::Quiet)?.plan_device()
                 } else {
                     None
                 },
@@ -577,7 +539,7 @@ fn history_file() -> Option<PathBuf> {
 }
 
 /// One-shot generation or the interactive chat.
-fn run_model(a: RunArgs) -> anyhow::Result<ExitCode> {
+fn run_model(a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
     if a.tokens == 0 {
         anyhow::bail!("-n/--tokens must be at least 1");
     }
@@ -622,7 +584,14 @@ fn run_model(a: RunArgs) -> anyhow::Result<ExitCode> {
         terminal: std::io::stdout().is_terminal(),
         progress: std::io::stderr().is_terminal(),
     };
-    let load_opts = a.model.load_options(a.ctx, !a.quiet);
+    let report = if a.quiet {
+        LoadReport::Quiet
+    } else if verbose > 0 {
+        LoadReport::Full
+    } else {
+        LoadReport::Summary
+    };
+    let load_opts = a.model.load_options(a.ctx, report);
     let intr = Interrupts::install()?;
     let loaded = ds4_cli::load::load(&load_opts, &mut std::io::stderr())?;
     if let Some(p) = prompt {

@@ -297,7 +297,7 @@ fn main() -> Result<()> {
     // The CLI's loader: backend, placement plan (printed), engine, tokenizer, identity.
     let opts = ds4_runtime::load::LoadOptions {
         backend: a.backend,
-        report_placement: true,
+        report: ds4_runtime::load::LoadReport::Summary,
         precision,
         kv_states: parallel,
         warmup: ds4_runtime::load::warmup_wanted(a.no_warmup),

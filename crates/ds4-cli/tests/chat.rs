@@ -49,8 +49,33 @@ fn one_shot_streams_plain_text_and_reports_load_and_rates() {
     let o = ds4(&a);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     let err = text(&o.stderr);
-    assert!(err.contains("placement plan for"), "{err}");
+    // By default one line per load decision: the placement in one line, not the table.
+    assert!(
+        err.contains("ds4: placement: CPU, no GPU, weights"),
+        "{err}"
+    );
+    assert!(!err.contains("placement plan for"), "{err}");
     assert!(err.contains("mode official · backend cpu"), "{err}");
+    assert!(err.lines().count() <= 4, "{err}");
+    // -v: the whole plan; -q: nothing at load but the answer's rate line.
+    let mut verbose = a.clone();
+    verbose.push("-v");
+    let ov = ds4(&verbose);
+    assert!(
+        text(&ov.stderr).contains("placement plan for"),
+        "{}",
+        text(&ov.stderr)
+    );
+    let mut quiet = a.clone();
+    quiet.push("-q");
+    let oq = ds4(&quiet);
+    let qerr = text(&oq.stderr);
+    assert!(
+        !qerr.contains("ds4: placement") && !qerr.contains("ds4: model"),
+        "{qerr}"
+    );
+    assert_eq!(status_lines(&qerr).len(), 1, "{qerr}");
+    assert_eq!(text(&oq.stdout), text(&o.stdout));
     let st = status_lines(&err);
     assert_eq!(st.len(), 1, "{err}");
     assert_eq!(st[0].1, 0);

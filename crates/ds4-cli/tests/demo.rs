@@ -137,7 +137,6 @@ fn demo_runs_the_whole_path_and_says_its_weights_are_random() {
             "",
             "--backend",
             "cpu",
-            "-q",
         ])
         .output()
         .unwrap();
@@ -194,7 +193,6 @@ fn demo_runs_the_whole_path_and_says_its_weights_are_random() {
             "",
             "--backend",
             "cpu",
-            "-q",
             "--experts",
             "stream",
         ])

@@ -69,7 +69,7 @@ pub fn remote_file(source: &Source, opts: &Options) -> Result<RemoteFile, PullEr
                         last,
                     });
                 }
-                tracing::warn!(%url, %last, attempt = failures, "metadata request failed, retrying");
+                tracing::warn!("{url}: {last}; retrying ({failures} of {})", opts.retries);
                 std::thread::sleep(backoff(opts.retry_delay, failures));
             }
         }
@@ -93,9 +93,14 @@ fn head_once(
         if let Some(t) = &opts.token {
             req = req.header("Authorization", format!("Bearer {t}"));
         }
-        let resp = req
-            .call()
-            .map_err(|e| Failure::Retry(format!("{current}: {e}")))?;
+        // The URL is named by the caller's error unless a relative redirect changed it.
+        let resp = req.call().map_err(|e| {
+            Failure::Retry(if current == url {
+                e.to_string()
+            } else {
+                format!("{current}: {e}")
+            })
+        })?;
         let status = resp.status().as_u16();
         if (300..400).contains(&status) {
             let Some(loc) = header(resp.headers(), "location") else {

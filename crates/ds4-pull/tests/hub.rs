@@ -493,3 +493,17 @@ fn a_different_file_under_the_final_name_is_not_overwritten() {
     );
     assert_eq!(std::fs::read(tmp.path().join("m.gguf")).unwrap(), b"mine");
 }
+
+#[test]
+fn a_complete_part_is_verified_and_renamed_without_fetching() {
+    let hub = Hub::start();
+    let d = data(70_000);
+    hub.add("o/r", "m.gguf", d.clone(), None);
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("m.gguf.part"), &d).unwrap();
+    let got = run(&hub, "m.gguf", tmp.path(), &opts()).unwrap();
+    assert_eq!(got.fetched, 0);
+    assert!(!got.already_present);
+    assert_eq!(std::fs::read(&got.path).unwrap(), d);
+    assert!(hub.cdn_gets().is_empty());
+}

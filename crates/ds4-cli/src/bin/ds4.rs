@@ -272,6 +272,9 @@ enum Command {
     Detokenize(ds4_cli::textcmd::DetokenizeArgs),
     /// Print the rendered prompt (or its ids) of an OpenAI-style message list.
     Render(ds4_cli::textcmd::RenderArgs),
+    /// Download the published weights (q2, q4) or any file of a Hugging Face repository,
+    /// resumably, checked against the repository's SHA-256.
+    Pull(ds4_cli::pull::PullArgs),
 }
 
 /// ds4 spellings clap cannot express: `-sys` is `--system`; `--server` is refused.
@@ -381,6 +384,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Render(a) => {
             ds4_cli::textcmd::run_render(&a, &mut std::io::stdout().lock())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Pull(a) => {
+            ds4_cli::pull::run(&a)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Vectors {

@@ -225,6 +225,7 @@ fn a_missing_model_says_where_models_come_from() {
     );
     assert!(err.contains("-m FILE"), "{err}");
     assert!(err.contains("antirez/deepseek-v4-gguf"), "{err}");
+    assert!(err.contains("ds4 pull q2"), "{err}");
     assert!(err.contains(DEMO), "{err}");
     assert_eq!(
         err,

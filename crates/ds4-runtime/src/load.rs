@@ -415,8 +415,9 @@ pub fn missing_model_message(path: &Path) -> String {
         "model file {} not found.\n\
          ds4 runs DeepSeek V4 Flash from one GGUF file in ds4's layout, given with -m FILE \
          (default ./ds4flash.gguf). Where such a file comes from:\n\
-         \x20 * the real weights: the q2 (81 GB) or q4 (153 GB) GGUF files the ds4 project \
-         publishes on Hugging Face (antirez/deepseek-v4-gguf)\n\
+         \x20 * the real weights: `ds4 pull q2` (81 GB) or `ds4 pull q4` (153 GB) \
+         downloads the GGUF files the ds4 project publishes on Hugging Face \
+         (antirez/deepseek-v4-gguf)\n\
          \x20 * to see the engine run without them: -m tests/fixtures/demo/ds4-demo.gguf (in the \
          ds4-rs repository; tiny, random weights, meaningless text)\n\
          \x20 * random weights at the real shapes, for benchmarks: \

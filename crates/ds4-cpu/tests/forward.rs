@@ -4,14 +4,13 @@
 
 mod common;
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use common::*;
 use ds4_cpu::CpuBackend;
 use ds4_engine::{
     argmax, Engine, EngineConfig, EngineError, NumericMode, Sampler, SamplerConfig, Session,
-    Snapshot, StopConditions, StopReason,
+    Snapshot,
 };
 use ds4_gguf::GgufFile;
 use ds4_model::layout::TypeRecipe;
@@ -230,92 +229,6 @@ fn bad_input_is_an_error_not_a_panic() {
 }
 
 #[test]
-fn generate_greedy_matches_a_manual_argmax_loop_and_stops() {
-    let file = model();
-    let prompt = tokens(12, 97, 7);
-    let mut manual = Vec::new();
-    let mut s = session(&file, NumericMode::Exact, 8, 2);
-    let mut l = s.prefill(&prompt).unwrap();
-    for _ in 0..6 {
-        let t = argmax(&l);
-        manual.push(t);
-        l = s.decode(t).unwrap();
-    }
-    let mut g = session(&file, NumericMode::Exact, 8, 2);
-    let mut sampler = Sampler::new(SamplerConfig::default()).unwrap();
-    let mut seen = Vec::new();
-    let stop = StopConditions {
-        max_tokens: 6,
-        ..Default::default()
-    };
-    let out = g
-        .generate(
-            &prompt,
-            None,
-            &mut sampler,
-            &stop,
-            &mut |t| {
-                seen.push(t);
-                true
-            },
-            None,
-        )
-        .unwrap();
-    assert_eq!(out.tokens, manual);
-    assert_eq!(seen, manual);
-    assert_eq!(out.stop, StopReason::MaxTokens);
-    assert_eq!(g.pos(), prompt.len() + 5, "the last token is not fed");
-
-    // Stop token, stop sequence, callback and cancellation.
-    let run = |stop: StopConditions, cb_stop_at: usize, cancel: bool| {
-        let mut g = session(&file, NumericMode::Exact, 8, 2);
-        let mut sampler = Sampler::new(SamplerConfig::default()).unwrap();
-        let flag = AtomicBool::new(cancel);
-        let mut n = 0;
-        g.generate(
-            &prompt,
-            None,
-            &mut sampler,
-            &stop,
-            &mut |_| {
-                n += 1;
-                n < cb_stop_at
-            },
-            Some(&flag),
-        )
-        .unwrap()
-    };
-    let base = StopConditions {
-        max_tokens: 6,
-        ..Default::default()
-    };
-    let o = run(
-        StopConditions {
-            stop_tokens: vec![manual[2]],
-            ..base.clone()
-        },
-        99,
-        false,
-    );
-    let first = manual.iter().position(|&t| t == manual[2]).unwrap();
-    assert_eq!((o.stop, o.tokens.len()), (StopReason::StopToken, first + 1));
-    let o = run(
-        StopConditions {
-            stop_sequences: vec![manual[1..3].to_vec()],
-            ..base.clone()
-        },
-        99,
-        false,
-    );
-    assert_eq!(o.stop, StopReason::StopSequence);
-    assert!(o.tokens.ends_with(&manual[1..3]));
-    let o = run(base.clone(), 2, false);
-    assert_eq!((o.stop, o.tokens.len()), (StopReason::Callback, 2));
-    let o = run(base, 99, true);
-    assert_eq!((o.stop, o.tokens.len()), (StopReason::Cancelled, 0));
-}
-
-#[test]
 fn seeded_sampling_is_reproducible() {
     let file = model();
     let prompt = tokens(10, 97, 8);
@@ -328,13 +241,14 @@ fn seeded_sampling_is_reproducible() {
             ..SamplerConfig::default()
         })
         .unwrap();
-        let stop = StopConditions {
-            max_tokens: 8,
-            ..Default::default()
-        };
-        g.generate(&prompt, None, &mut sampler, &stop, &mut |_| true, None)
-            .unwrap()
-            .tokens
+        let mut history = prompt.clone();
+        let mut logits = g.prefill(&prompt).unwrap();
+        for _ in 0..8 {
+            let t = sampler.sample(&logits, &history).unwrap();
+            history.push(t);
+            logits = g.decode(t).unwrap();
+        }
+        history
     };
     assert_eq!(run(1), run(1));
 }
@@ -361,46 +275,6 @@ fn quantized_weights_match_their_dequantized_f32_twin() {
         println!("{name} vs its dequantized f32 twin: max rel {d:e}");
         assert!(d < 1e-4, "{name}: {d:e}");
     }
-}
-
-#[test]
-fn generate_stops_at_the_context_and_continues_from_given_logits() {
-    let file = model();
-    let prompt = tokens(250, 97, 10); // ctx is 256
-    let mut g = session(&file, NumericMode::Exact, 64, 2);
-    let mut sampler = Sampler::new(SamplerConfig::default()).unwrap();
-    let stop = StopConditions {
-        max_tokens: 20,
-        ..Default::default()
-    };
-    let out = g
-        .generate(&prompt, None, &mut sampler, &stop, &mut |_| true, None)
-        .unwrap();
-    assert_eq!((out.stop, out.tokens.len()), (StopReason::ContextFull, 7));
-    assert_eq!(g.pos(), 256);
-
-    // Continuing with an empty prompt needs the previous logits; it samples from them.
-    let mut h = session(&file, NumericMode::Exact, 64, 2);
-    let l = h.prefill(&prompt[..10]).unwrap();
-    let stop = StopConditions {
-        max_tokens: 1,
-        ..Default::default()
-    };
-    assert!(matches!(
-        h.generate(&[], None, &mut sampler, &stop, &mut |_| true, None),
-        Err(EngineError::Empty)
-    ));
-    let out = h
-        .generate(
-            &[],
-            Some(l.clone()),
-            &mut sampler,
-            &stop,
-            &mut |_| true,
-            None,
-        )
-        .unwrap();
-    assert_eq!(out.tokens, vec![argmax(&l)]);
 }
 
 #[test]
@@ -461,10 +335,10 @@ fn default_argmax_op_follows_the_sequential_scan_on_ties_and_nan() {
     }
 }
 
-/// `generate` hands the repetition penalty only its window (not the whole context); the
-/// tokens must be those of sampling with the full history by hand.
+/// The repetition penalty reads only its window of the history: sampling with the window
+/// gives the tokens of sampling with the whole history (the front ends pass the window).
 #[test]
-fn generate_penalises_the_same_window_as_the_full_history() {
+fn repetition_penalty_reads_only_its_window() {
     let file = model();
     let prompt = tokens(12, 97, 10);
     let cfg = SamplerConfig {
@@ -474,28 +348,20 @@ fn generate_penalises_the_same_window_as_the_full_history() {
         seed: 3,
         ..SamplerConfig::default()
     };
-    let stop = StopConditions {
-        max_tokens: 10,
-        ..Default::default()
-    };
-    let mut g = session(&file, NumericMode::Exact, 8, 2);
-    let mut sampler = Sampler::new(cfg.clone()).unwrap();
-    let got = g
-        .generate(&prompt, None, &mut sampler, &stop, &mut |_| true, None)
-        .unwrap()
-        .tokens;
     let mut s = session(&file, NumericMode::Exact, 8, 2);
-    let mut sampler = Sampler::new(cfg).unwrap();
+    let (mut full, mut windowed) = (
+        Sampler::new(cfg.clone()).unwrap(),
+        Sampler::new(cfg).unwrap(),
+    );
     let mut history = prompt.clone();
     let mut logits = s.prefill(&prompt).unwrap();
-    let mut want = Vec::new();
-    for i in 0..10 {
-        let t = sampler.sample(&logits, &history).unwrap();
-        want.push(t);
+    for _ in 0..10 {
+        let t = full.sample(&logits, &history).unwrap();
+        let w = windowed
+            .sample(&logits, &history[history.len() - 6..])
+            .unwrap();
+        assert_eq!(t, w);
         history.push(t);
-        if i < 9 {
-            logits = s.decode(t).unwrap();
-        }
+        logits = s.decode(t).unwrap();
     }
-    assert_eq!(got, want);
 }

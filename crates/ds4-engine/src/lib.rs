@@ -39,5 +39,5 @@ pub use expert_stream::{
     ExpertPlacement, StreamConfig, StreamError, StreamStats, MIN_HOST_SLOTS, PREDICT_ROWS,
 };
 pub use sampler::{argmax, Rng, Sampler, SamplerConfig};
-pub use session::{Generation, Session, StopConditions, StopReason};
+pub use session::Session;
 pub use state::{KvState, Snapshot};

@@ -1,42 +1,9 @@
-//! `Session`: one sequence on one engine — prefill, decode, generation, snapshots.
-
-use std::sync::atomic::{AtomicBool, Ordering};
+//! `Session`: one sequence on one engine — prefill, decode, snapshots. Generation loops
+//! (sampling, stop conditions, streaming) belong to the front ends (`ds4-runtime`'s driver).
 
 use crate::engine::{Engine, Logits};
-use crate::error::{EngineError, Result};
-use crate::sampler::Sampler;
+use crate::error::Result;
 use crate::state::{KvState, Snapshot};
-
-/// When generation stops (besides the callback and the cancel flag).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct StopConditions {
-    /// Stop after this many generated tokens.
-    pub max_tokens: usize,
-    /// Stop when one of these is sampled (it is reported and included in the output).
-    pub stop_tokens: Vec<u32>,
-    /// Stop when the generated tokens end with one of these sequences.
-    pub stop_sequences: Vec<Vec<u32>>,
-}
-
-/// Why [`Session::generate`] returned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    MaxTokens,
-    StopToken,
-    StopSequence,
-    /// The callback returned `false`.
-    Callback,
-    Cancelled,
-    /// The context is full.
-    ContextFull,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Generation {
-    /// Generated tokens, in order (a stop token or sequence is included).
-    pub tokens: Vec<u32>,
-    pub stop: StopReason,
-}
 
 /// A sequence's KV state bound to its engine.
 ///
@@ -165,64 +132,6 @@ impl Session {
         e.restore(s, snap)
     }
 
-    /// Prefills `prompt` (may be empty to continue from the current state, which then
-    /// needs the previous logits: pass them as `last_logits`), then samples up to
-    /// `stop.max_tokens` tokens. `on_token` sees each token as it is produced and may
-    /// return `false` to stop; `cancel` is polled before every step.
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        last_logits: Option<Vec<f32>>,
-        sampler: &mut Sampler,
-        stop: &StopConditions,
-        on_token: &mut dyn FnMut(u32) -> bool,
-        cancel: Option<&AtomicBool>,
-    ) -> Result<Generation> {
-        let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
-        let mut logits = if prompt.is_empty() {
-            last_logits.ok_or(EngineError::Empty)?
-        } else {
-            self.prefill(prompt)?
-        };
-        let mut out = Vec::new();
-        loop {
-            if out.len() >= stop.max_tokens {
-                return Ok(finish(out, StopReason::MaxTokens));
-            }
-            if cancelled() {
-                return Ok(finish(out, StopReason::Cancelled));
-            }
-            // Every token sampled so far has been fed, so the state's tokens are the whole
-            // history (borrowed, not copied per token; the sampler reads only its window).
-            let tok = sampler.sample(&logits, self.tokens())?;
-            out.push(tok);
-            let keep_going = on_token(tok);
-            if stop.stop_tokens.contains(&tok) {
-                return Ok(finish(out, StopReason::StopToken));
-            }
-            if stop
-                .stop_sequences
-                .iter()
-                .any(|s| !s.is_empty() && out.ends_with(s))
-            {
-                return Ok(finish(out, StopReason::StopSequence));
-            }
-            if !keep_going {
-                return Ok(finish(out, StopReason::Callback));
-            }
-            if out.len() >= stop.max_tokens {
-                return Ok(finish(out, StopReason::MaxTokens));
-            }
-            if self.pos() >= self.ctx() {
-                return Ok(finish(out, StopReason::ContextFull));
-            }
-            if cancelled() {
-                return Ok(finish(out, StopReason::Cancelled));
-            }
-            self.decode_into(tok, &mut logits)?;
-        }
-    }
-
     /// Gives the engine back (the state's buffers are released). Dropping a session
     /// drops its engine and backend, which releases everything too.
     pub fn into_engine(self) -> Engine {
@@ -232,8 +141,4 @@ impl Session {
         }
         engine
     }
-}
-
-fn finish(tokens: Vec<u32>, stop: StopReason) -> Generation {
-    Generation { tokens, stop }
 }

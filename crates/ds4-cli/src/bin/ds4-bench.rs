@@ -126,8 +126,8 @@ struct Args {
     /// --e2e: backend (auto, cpu, cuda, rocm), as `ds4 --backend`.
     #[arg(long, value_enum, default_value_t = ds4_cli::load::BackendChoice::Auto)]
     backend: ds4_cli::load::BackendChoice,
-    /// --e2e: context size.
-    #[arg(long, default_value_t = 8192)]
+    /// --e2e: context size in tokens (as `ds4 -c`).
+    #[arg(short, long, default_value_t = 8192)]
     ctx: usize,
     /// --e2e: tokens to generate (EOS is masked so every run generates exactly this many).
     #[arg(short = 'n', long, default_value_t = 200)]
@@ -150,8 +150,8 @@ struct Args {
     /// --e2e: the pedantic f32 prefill GEMM (as `ds4 --quality`; also DS4_QUALITY=1).
     #[arg(long)]
     quality: bool,
-    /// --e2e: CPU threads (0 = one per core).
-    #[arg(long, default_value_t = 0)]
+    /// --e2e: CPU threads (0 = one per core; as `ds4 -t`).
+    #[arg(short, long, default_value_t = 0)]
     threads: usize,
 }
 

@@ -897,12 +897,15 @@ struct SseState {
     _guard: CancelOnDrop,
 }
 
-fn to_event(f: Frame) -> Event {
-    let e = Event::default().data(f.data);
-    match f.event {
+/// axum writes an event's fields in the order they are set: the `event:` line goes first,
+/// then `data:` (as `emit::frame_text` formats a frame).
+pub(crate) fn to_event(f: Frame) -> Event {
+    let e = Event::default();
+    let e = match f.event {
         Some(name) => e.event(name),
         None => e,
-    }
+    };
+    e.data(f.data)
 }
 
 fn sse_response(
@@ -950,6 +953,28 @@ fn sse_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn event_name_comes_before_data() {
+        use futures_util::StreamExt;
+        let frames = vec![
+            emit::named("message_start", "{}".into()),
+            emit::data("x".into()),
+        ];
+        let events = futures_util::stream::iter(
+            frames
+                .into_iter()
+                .map(|f| Ok::<Event, Infallible>(to_event(f))),
+        );
+        let resp = Sse::new(events).into_response();
+        let mut body = resp.into_body().into_data_stream();
+        let mut wire = Vec::new();
+        while let Some(chunk) = body.next().await {
+            wire.extend_from_slice(&chunk.unwrap());
+        }
+        let wire = String::from_utf8(wire).unwrap();
+        assert_eq!(wire, "event: message_start\ndata: {}\n\ndata: x\n\n");
+    }
 
     #[test]
     fn api_keys() {

@@ -44,7 +44,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-pub use config::{DiskCacheConfig, ServerConfig, MODEL_ID};
+pub use config::{DiskCacheConfig, ServerConfig, DEFAULT_MAX_TOKENS, MODEL_ID};
 pub use error::{ApiError, ServerError};
 pub use model::{LoadedModel, ModelOptions};
 pub use script::Script;

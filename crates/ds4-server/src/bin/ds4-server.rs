@@ -31,9 +31,13 @@ struct Args {
     /// long prompt is evaluated, larger evaluates it faster.
     #[arg(long, default_value_t = 0, value_name = "TOKENS")]
     prefill_chunk_per_step: usize,
-    /// Default and maximum output tokens per request.
+    /// Most output tokens a request may ask for (larger client limits are cut to it).
     #[arg(short = 'n', long = "tokens", default_value_t = 393_216)]
     tokens: usize,
+    /// Output tokens of a request that sends no `max_tokens` (also bounded by -n and by
+    /// the context left).
+    #[arg(long, default_value_t = ds4_server::DEFAULT_MAX_TOKENS, value_name = "TOKENS")]
+    default_max_tokens: usize,
     /// CPU threads (0 = one per core).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -56,12 +60,13 @@ struct Args {
     /// Numeric mode: exact or official (default: official where the model allows it).
     #[arg(long)]
     mode: Option<String>,
-    /// Change directory before loading.
+    /// Change to this directory before loading (relative paths are then taken from it).
     #[arg(long)]
     chdir: Option<PathBuf>,
     /// Address to bind (IPv4; `localhost` = 127.0.0.1).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// TCP port to listen on (0 = any free port; the address is printed).
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY`. Visible to
@@ -119,21 +124,32 @@ struct Args {
     /// Enable the disk KV cache in DIR.
     #[arg(long)]
     kv_disk_dir: Option<PathBuf>,
+    /// Byte budget of the disk KV cache in MiB (least recently used entries are evicted).
     #[arg(long, default_value_t = 4096)]
     kv_disk_space_mb: u64,
+    /// Prompts shorter than this many tokens are neither saved to nor loaded from disk.
     #[arg(long, default_value_t = 512)]
     kv_cache_min_tokens: usize,
+    /// Longest fresh prompt saved as a cold checkpoint, in tokens (0 disables cold saves).
     #[arg(long, default_value_t = 30000)]
     kv_cache_cold_max_tokens: usize,
+    /// A `continued` checkpoint every this many tokens while a session grows (rounded up
+    /// to the alignment; 0 disables).
     #[arg(long, default_value_t = 10000)]
     kv_cache_continued_interval_tokens: usize,
+    /// Tokens left out at the end of a cold save, so the next turn's differing tail is
+    /// not part of it.
     #[arg(long, default_value_t = 32)]
     kv_cache_boundary_trim_tokens: usize,
+    /// Cold save boundaries are aligned down to a multiple of this many tokens (0 = no
+    /// alignment).
     #[arg(long, default_value_t = 2048)]
     kv_cache_boundary_align_tokens: usize,
     /// Canonical JSON→DSML rendering only.
     #[arg(long)]
     disable_exact_dsml_tool_replay: bool,
+    /// Tool-call ids whose sampled DSML is remembered for exact replay (least recently
+    /// used are forgotten).
     #[arg(long, default_value_t = 100_000)]
     tool_memory_max_ids: usize,
     /// Test hook: JSON file of forced outputs `[{"when": "...", "output": "..."}]`.
@@ -222,8 +238,8 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = Args::parse();
-    if a.ctx == 0 || a.tokens == 0 || a.prefill_chunk == 0 {
-        bail!("--ctx, --tokens and --prefill-chunk must be > 0");
+    if a.ctx == 0 || a.tokens == 0 || a.prefill_chunk == 0 || a.default_max_tokens == 0 {
+        bail!("--ctx, --tokens, --default-max-tokens and --prefill-chunk must be > 0");
     }
     if let Some(dir) = &a.chdir {
         std::env::set_current_dir(dir)
@@ -267,6 +283,7 @@ fn main() -> Result<()> {
     };
     let cfg = ServerConfig {
         max_tokens: a.tokens,
+        default_max_tokens: a.default_max_tokens,
         queue_capacity: a.queue,
         max_body_bytes: a.max_body_bytes,
         api_key: api_key(&a)?,
@@ -371,5 +388,24 @@ async fn wait_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// `--help` explains every flag a user can pass.
+    #[test]
+    fn every_flag_has_help_text() {
+        let cmd = Args::command();
+        let missing: Vec<String> = cmd
+            .get_arguments()
+            .filter(|a| !a.is_hide_set() && !a.is_positional())
+            .filter(|a| a.get_help().is_none_or(|h| h.to_string().trim().is_empty()))
+            .map(|a| a.get_id().to_string())
+            .collect();
+        assert!(missing.is_empty(), "flags without help: {missing:?}");
     }
 }

@@ -13,7 +13,9 @@ use crate::emit::{data, named, non_empty, openai_usage, Ctx, Frame};
 use crate::error::ApiError;
 use crate::error::Shape;
 use crate::json_out::{arr, Obj};
-use crate::request::{bad, check_forced_tool, check_roles, max_tokens, Fields, INVALID};
+use crate::request::{
+    bad, check_forced_tool, check_media, check_roles, max_tokens, require_items, Fields, INVALID,
+};
 use crate::worker::{Delta, Outcome, Usage};
 
 pub struct Chat;
@@ -69,10 +71,13 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         ds4_chat::ChatError::Request(m) => bad(m),
         other => bad(other.to_string()),
     })?;
+    let mut empty = false;
     if let Some(v) = f.val("messages") {
-        if !v.is_array() {
+        let Value::Array(items) = &v else {
             return Err(bad(format!("{INVALID}: `messages` must be an array")));
-        }
+        };
+        empty = items.is_empty();
+        check_media("messages", items)?;
     }
     check_roles(&chat.messages)?;
     match f.val("tool_choice") {
@@ -97,7 +102,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         }
     }
     let tool_schemas = chat.active_tool_schemas().to_vec();
-    Ok(GenRequest {
+    let req = GenRequest {
         continuation: None,
         endpoint: Endpoint::Chat,
         model: f.model()?,
@@ -113,7 +118,27 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
-    })
+    };
+    f.single_choice(&["n"])?;
+    no_logprobs(&f)?;
+    require_items("messages", empty)?;
+    Ok(req)
+}
+
+/// `logprobs` / `top_logprobs`: the sampler does not report token probabilities to the
+/// server, so a request for them is refused rather than answered without them.
+fn no_logprobs(f: &Fields) -> Result<(), ApiError> {
+    if f.boolean("logprobs")? == Some(true) {
+        return Err(bad(
+            "`logprobs` is not supported by this server (token log probabilities are not reported)",
+        ));
+    }
+    if f.uint("top_logprobs")?.is_some_and(|n| n > 0) {
+        return Err(bad(
+            "`top_logprobs` is not supported by this server (token log probabilities are not reported)",
+        ));
+    }
+    Ok(())
 }
 
 // ---- response emitting ---------------------------------------------------------------------

@@ -1,8 +1,10 @@
-//! OpenAI text completions (`POST /v1/completions`): a prompt string rendered as one user
-//! turn; streamed with the chat family's chunk writer.
+//! OpenAI text completions (`POST /v1/completions`): the prompt string is the model's input
+//! as sent (tokenized as it is, chat markers in it being control tokens; no chat template);
+//! streamed with the chat family's chunk writer.
 
 use std::collections::HashMap;
 
+use ds4_chat::render::ThinkingMode;
 use serde_json::Value;
 
 use super::{EventStream, Family};
@@ -11,7 +13,7 @@ use crate::api::GenRequest;
 use crate::emit::{openai_usage, Ctx};
 use crate::error::ApiError;
 use crate::json_out::{arr, Obj};
-use crate::request::{bad, max_tokens, Fields, Thinking, INVALID};
+use crate::request::{bad, max_tokens, Fields, INVALID};
 use crate::worker::Outcome;
 
 pub struct Completions;
@@ -42,31 +44,36 @@ impl Family for Completions {
 
 // ---- request parsing ----------------------------------------------------------------------
 
-/// `POST /v1/completions`.
-pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
+/// `POST /v1/completions`. The prompt is the model's input as sent (no chat template), so
+/// the thinking controls of the chat families do not apply here.
+pub fn parse(body: &[u8], _ctx: u64) -> Result<GenRequest, ApiError> {
     let f = Fields::parse(body)?;
     let prompt = match f.val("prompt") {
         None => return Err(bad("missing prompt")),
         Some(Value::String(s)) => s,
-        Some(Value::Array(a)) => match a.into_iter().find_map(|v| v.as_str().map(str::to_string)) {
-            Some(s) => s,
-            None => return Err(bad("missing prompt")),
-        },
+        Some(Value::Array(a)) => {
+            if a.len() > 1 {
+                return Err(bad(format!(
+                    "`prompt` holds {} prompts: this server answers one prompt per request",
+                    a.len()
+                )));
+            }
+            match a.into_iter().next() {
+                Some(Value::String(s)) => s,
+                _ => {
+                    return Err(bad(format!(
+                        "{INVALID}: `prompt` must be a string or an array of one string"
+                    )))
+                }
+            }
+        }
         Some(_) => return Err(bad(format!("{INVALID}: `prompt` must be a string"))),
     };
-    let model = f.model()?;
-    let mut th = Thinking::new();
-    th.thinking_field(f.val("thinking"))?;
-    if let Some(b) = f.boolean("think")? {
-        th.enabled = b;
-        th.explicit = true;
-    }
-    th.effort_field(f.val("reasoning_effort"), false)?;
-    Ok(GenRequest {
+    let req = GenRequest {
         continuation: None,
         endpoint: Endpoint::Completions,
-        mode: th.mode(&model, ctx),
-        model,
+        mode: ThinkingMode::NoThink,
+        model: f.model()?,
         messages: Vec::new(),
         tool_schemas: Vec::new(),
         stop: f.stops("stop")?,
@@ -78,7 +85,17 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
-    })
+    };
+    f.single_choice(&["n", "best_of"])?;
+    if f.val("logprobs").is_some() {
+        return Err(bad(
+            "`logprobs` is not supported by this server (token log probabilities are not reported)",
+        ));
+    }
+    if req.completion_prompt.as_deref() == Some("") {
+        return Err(bad("`prompt` is empty: send the text to continue"));
+    }
+    Ok(req)
 }
 
 // ---- response emitting ---------------------------------------------------------------------

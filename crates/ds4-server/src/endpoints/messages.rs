@@ -17,7 +17,7 @@ use crate::error::Shape;
 use crate::json_out::{arr, Obj};
 use crate::request::{
     bad, check_forced_tool, check_roles, content_text, max_tokens, raw_array, raw_object,
-    schema_lines, value, Fields, Thinking, INVALID,
+    refuse_media, require_items, schema_lines, value, Fields, Thinking, INVALID,
 };
 use crate::worker::{Delta, Outcome, Usage};
 
@@ -120,7 +120,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
             messages.push(Message::system(&text));
         }
     }
-    for raw in items {
+    for (i, raw) in items.iter().enumerate() {
         let m = raw_object(raw.get())?;
         let mut msg = Message {
             role: match m.get("role").map(|r| value(r)) {
@@ -137,8 +137,8 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
                 Value::Null => {}
                 Value::Array(_) => {
                     let blocks = raw_array(c).unwrap_or_default();
-                    for b in blocks {
-                        anthropic_block(&b, &mut msg)?;
+                    for (j, b) in blocks.iter().enumerate() {
+                        anthropic_block(b, &mut msg, || format!("messages[{i}].content[{j}]"))?;
                     }
                 }
                 _ => {
@@ -150,6 +150,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         }
         messages.push(msg);
     }
+    require_items("messages", items.is_empty())?;
     check_roles(&messages)?;
     let mut tools_on = true;
     if let Some(Value::Object(tc)) = f.val("tool_choice") {
@@ -192,8 +193,13 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
     })
 }
 
-fn anthropic_block(raw: &RawValue, msg: &mut Message) -> Result<(), ApiError> {
+fn anthropic_block(
+    raw: &RawValue,
+    msg: &mut Message,
+    at: impl FnOnce() -> String,
+) -> Result<(), ApiError> {
     let v = value(raw);
+    refuse_media(at, &v)?;
     let Value::Object(o) = &v else {
         if let Value::String(s) = v {
             msg.content.push_str(&s);
@@ -469,6 +475,15 @@ impl AnthropicStream {
     pub fn done(&mut self, o: &Outcome) -> Vec<Frame> {
         let mut out = Vec::new();
         self.close(&mut out);
+        if o.output.finish == FinishReason::Error {
+            // Cut short (an engine failure, shutdown, a tool call the output limit cut):
+            // Anthropic has no stop reason for that, so the stream ends with its `error`
+            // event instead of a `message_delta` claiming `end_turn`.
+            let why = o.output.error.as_deref().unwrap_or("generation failed");
+            let e = ApiError::internal(format!("generation ended early: {why}"));
+            out.extend(self.error(&e));
+            return out;
+        }
         if !self.text_sent && !self.tools_sent {
             let b = Obj::new().str("type", "text").str("text", "").end();
             self.open_block(Block::Text, b, &mut out);

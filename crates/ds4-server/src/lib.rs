@@ -141,7 +141,7 @@ impl Server {
             shutting_down.clone(),
             ctx,
             model.name,
-            addr.ip().is_loopback() && cfg.api_key.is_none(),
+            addr.ip().is_loopback(),
             prepare,
         ));
         Ok(Server {

@@ -256,8 +256,10 @@ fn main() -> Result<()> {
     let disk = match &a.kv_disk_dir {
         None => None,
         Some(dir) => {
-            // The store creates a missing directory 0700 and refuses a shared one; it never
-            // changes the permissions of an existing directory.
+            // The store creates a missing directory 0700 and refuses a shared one, one of
+            // another user or one under a world-writable parent without the sticky bit; it
+            // never changes the permissions of an existing directory. Checked before the
+            // (long) model load, so a bad directory is reported at once.
             let d = DiskCacheConfig {
                 budget_bytes: a.kv_disk_space_mb.saturating_mul(1 << 20),
                 min_tokens: a.kv_cache_min_tokens,
@@ -268,6 +270,8 @@ fn main() -> Result<()> {
                 ..DiskCacheConfig::new(dir)
             };
             d.validate().map_err(anyhow::Error::msg)?;
+            ds4_kvstore::prepare_dir(&d.dir)
+                .with_context(|| format!("--kv-disk-dir {}", d.dir.display()))?;
             Some(d)
         }
     };

@@ -263,3 +263,41 @@ async fn anthropic_stream_cut_short_ends_with_an_error_event() {
         .all(|e| e.event.as_deref() != Some("message_stop")));
     srv.shutdown().await.unwrap();
 }
+
+/// The binary binds before loading the model: meanwhile `/health` answers 503 "loading"
+/// and every other route 503 in its protocol's shape; then the same listener serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_port_answers_503_while_the_model_loads() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = listener.local_addr().unwrap();
+    let loading = ds4_server::loading::Loading::start(listener, std::time::Duration::from_secs(5));
+    let r = get(a, "/health").await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json(), json!({"status": "loading"}));
+    assert!(r.header("retry-after").is_some());
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        &json!({"messages":[{"role":"user","content":"x"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("loading"));
+    let r = post(a, "/v1/messages", &json!({"messages":[]})).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["type"], "error");
+    // The model is ready: the same port serves.
+    let listener = loading.finish().await.unwrap();
+    let m = tokio::task::spawn_blocking(|| model(CTX)).await.unwrap();
+    let srv = ds4_server::Server::from_listener(listener, ServerConfig::default(), m)
+        .unwrap()
+        .spawn();
+    assert_eq!(srv.addr, a);
+    let r = get(a, "/health").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["status"], "ok");
+    srv.shutdown().await.unwrap();
+}

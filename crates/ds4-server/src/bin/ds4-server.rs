@@ -312,6 +312,20 @@ fn main() -> Result<()> {
         ..ServerConfig::default()
     };
     check_model_path(&a.model)?;
+    // The port is taken before the (long) load; until the model is ready every request is
+    // answered 503, `/health` with `{"status":"loading"}` (docs/server.md §4).
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let header_timeout = cfg.header_timeout;
+    let loading = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let bound = listener.local_addr()?;
+        eprintln!("ds4-server: bound http://{bound}; loading the model (every request gets 503, /health {{\"status\":\"loading\"}}, until it is ready)");
+        Ok::<_, anyhow::Error>(ds4_server::loading::Loading::start(listener, header_timeout))
+    })?;
     let t0 = std::time::Instant::now();
     let precision = ds4_runtime::load::Precision::from_env(a.quality);
     tracing::info!("prefill precision: {}", precision.name());
@@ -349,11 +363,10 @@ fn main() -> Result<()> {
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
     rt.block_on(async move {
-        let server = Server::bind(addr, cfg, model).await?;
+        let listener = loading.finish().await?;
+        let server = Server::from_listener(listener, cfg, model)?;
+        // Scripts wait for this line: the server is ready when it is printed.
         eprintln!("ds4-server: listening on http://{}", server.local_addr());
         server.serve(shutdown_signal()).await?;
         eprintln!("ds4-server: stopped");

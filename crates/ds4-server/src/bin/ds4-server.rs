@@ -80,7 +80,7 @@ struct Args {
     /// alone allows any origin. Repeatable. Without it, cross-origin POSTs are refused.
     #[arg(long, value_name = "ORIGIN", num_args = 0..=1, default_missing_value = "*", action = clap::ArgAction::Append)]
     cors: Vec<String>,
-    /// Accept this Host name too when listening on loopback without a key (loopback names
+    /// Accept this Host name too when listening on loopback, key or not (loopback names
     /// are always accepted; others are refused against DNS rebinding). Repeatable.
     #[arg(long, value_name = "NAME", action = clap::ArgAction::Append)]
     allowed_host: Vec<String>,

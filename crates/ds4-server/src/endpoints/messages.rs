@@ -150,7 +150,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         }
         messages.push(msg);
     }
-    require_items("messages", items.is_empty())?;
+    let empty = items.is_empty();
     check_roles(&messages)?;
     let mut tools_on = true;
     if let Some(Value::Object(tc)) = f.val("tool_choice") {
@@ -174,7 +174,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         th.effort_field(oc.get("effort").cloned().filter(|v| !v.is_null()), false)?;
     }
     th.effort_field(f.val("reasoning_effort"), false)?;
-    Ok(GenRequest {
+    let req = GenRequest {
         continuation: Some(CONTINUATION),
         endpoint: Endpoint::Messages,
         mode: th.mode(&model, ctx),
@@ -190,7 +190,10 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
-    })
+    };
+    // After the other fields, so their errors come first.
+    require_items("messages", empty)?;
+    Ok(req)
 }
 
 fn anthropic_block(

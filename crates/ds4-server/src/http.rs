@@ -784,6 +784,7 @@ async fn generation_inner(
         prepared,
         stop: req.stop.clone(),
         max_tokens: req.max_tokens,
+        logprobs: req.logprobs,
         deltas: req.stream,
         forced,
         response_id: req

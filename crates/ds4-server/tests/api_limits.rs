@@ -1,6 +1,6 @@
 //! Request limits and wire details of the generation endpoints: empty conversations, the
 //! default output limit, raw completion prompts, stop-sequence bounds, unsupported fields
-//! (`n`, media parts, logprobs), the SSE field order and Anthropic streams cut short.
+//! (`n`, media parts), token log probabilities, the SSE field order and Anthropic streams cut short.
 
 mod common;
 
@@ -158,8 +158,10 @@ async fn unsupported_fields_are_refused_not_ignored() {
     };
     let r = post(a, "/v1/chat/completions", &chat(json!({"n": 2}))).await;
     assert_400_naming(&r, "`n`");
+    // Log probabilities are reported for plain, non-streamed answers (see
+    // `logprobs_are_reported_for_each_token`); elsewhere they are refused.
     let r = post(a, "/v1/chat/completions", &chat(json!({"logprobs": true}))).await;
-    assert_400_naming(&r, "`logprobs`");
+    assert_400_naming(&r, "`logprobs` needs thinking disabled");
     let r = post(a, "/v1/chat/completions", &chat(json!({"top_logprobs": 3}))).await;
     assert_400_naming(&r, "`top_logprobs`");
     let img = json!({"messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}],"max_tokens":2});
@@ -179,7 +181,7 @@ async fn unsupported_fields_are_refused_not_ignored() {
     let r = post(
         a,
         "/v1/completions",
-        &json!({"prompt":"[plain]","logprobs":2}),
+        &json!({"prompt":"[plain]","logprobs":2,"stream":true}),
     )
     .await;
     assert_400_naming(&r, "`logprobs`");
@@ -299,5 +301,122 @@ async fn the_port_answers_503_while_the_model_loads() {
     let r = get(a, "/health").await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["status"], "ok");
+    srv.shutdown().await.unwrap();
+}
+
+/// Chat `logprobs`/`top_logprobs` and completions `logprobs`: one entry per generated
+/// token, whose bytes make up the answer, with the most likely alternatives; a greedy
+/// draw's token is its step's most likely one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_reported_for_each_token() {
+    let srv = start(ServerConfig::default()).await;
+    let a = srv.addr;
+    let body = json!({"messages":[{"role":"user","content":"Say something."}],"think":false,
+                      "temperature":0,"max_tokens":6,"logprobs":true,"top_logprobs":3});
+    let r = post(a, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    assert!(!content.is_empty());
+    let mut bytes = Vec::new();
+    for e in content {
+        let lp = e["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0, "{e}");
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(tops.windows(2).all(|w| w[0] >= w[1]), "{e}");
+        assert!(
+            tops.iter().map(|x| x.exp()).sum::<f64>() <= 1.0 + 1e-4,
+            "{e}"
+        );
+        // Greedy: the token drawn is the most likely one.
+        assert_eq!(e["token"], top[0]["token"], "{e}");
+        assert!((lp - tops[0]).abs() < 1e-5, "{e}");
+        let b: Vec<u8> = e["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(String::from_utf8_lossy(&b), e["token"].as_str().unwrap());
+        bytes.extend(b);
+    }
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        String::from_utf8_lossy(&bytes).starts_with(text),
+        "the tokens do not spell the answer: {v}"
+    );
+    // Without the field there is none.
+    let mut plain = body.clone();
+    plain.as_object_mut().unwrap().remove("logprobs");
+    plain.as_object_mut().unwrap().remove("top_logprobs");
+    let v = post(a, "/v1/chat/completions", &plain).await.json();
+    assert!(v["choices"][0].get("logprobs").is_none(), "{v}");
+
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt":"Once upon a time","max_tokens":5,"temperature":0,"logprobs":2}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tokens.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), tokens.len());
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    // Byte offsets: each token starts where the previous one's bytes end (a token that is
+    // part of a UTF-8 character shows as U+FFFD, so only whole ones are measured).
+    assert_eq!(offsets.first(), Some(&0));
+    for (w, t) in offsets.windows(2).zip(&tokens) {
+        assert!(w[1] > w[0], "{offsets:?}");
+        if !t.contains('\u{FFFD}') {
+            assert_eq!(w[1] - w[0], t.len() as u64, "{t:?} in {lp}");
+        }
+    }
+    for (t, top) in tokens.iter().zip(lp["top_logprobs"].as_array().unwrap()) {
+        let m = top.as_object().unwrap();
+        assert!(!m.is_empty() && m.len() <= 2, "{top}");
+        assert!(
+            m.contains_key(*t),
+            "greedy token {t:?} not the most likely: {top}"
+        );
+    }
+
+    // Out of range or where they cannot be reported: 400 naming the field.
+    let mut big = body.clone();
+    big["top_logprobs"] = json!(21);
+    assert_400_naming(
+        &post(a, "/v1/chat/completions", &big).await,
+        "`top_logprobs`",
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    assert_400_naming(
+        &post(a, "/v1/chat/completions", &streamed).await,
+        "`logprobs`",
+    );
+    let r = post(a, "/v1/completions", &json!({"prompt":"x","logprobs":6})).await;
+    assert_400_naming(&r, "`logprobs`");
     srv.shutdown().await.unwrap();
 }

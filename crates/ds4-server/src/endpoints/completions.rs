@@ -18,6 +18,9 @@ use crate::worker::Outcome;
 
 pub struct Completions;
 
+/// Most alternatives per token completions' `logprobs` may ask for (OpenAI's limit).
+pub const MAX_COMPLETION_LOGPROBS: usize = 5;
+
 impl Family for Completions {
     fn endpoint(&self) -> Endpoint {
         Endpoint::Completions
@@ -69,7 +72,7 @@ pub fn parse(body: &[u8], _ctx: u64) -> Result<GenRequest, ApiError> {
         }
         Some(_) => return Err(bad(format!("{INVALID}: `prompt` must be a string"))),
     };
-    let req = GenRequest {
+    let mut req = GenRequest {
         continuation: None,
         endpoint: Endpoint::Completions,
         mode: ThinkingMode::NoThink,
@@ -82,15 +85,20 @@ pub fn parse(body: &[u8], _ctx: u64) -> Result<GenRequest, ApiError> {
         stream: f.boolean("stream")?.unwrap_or(false),
         include_usage: f.stream_options_usage()?,
         completion_prompt: Some(prompt),
+        logprobs: None,
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
     };
     f.single_choice(&["n", "best_of"])?;
-    if f.val("logprobs").is_some() {
-        return Err(bad(
-            "`logprobs` is not supported by this server (token log probabilities are not reported)",
-        ));
+    if let Some(n) = f.uint("logprobs")? {
+        if n > MAX_COMPLETION_LOGPROBS as u64 {
+            return Err(bad(format!(
+                "`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {n}"
+            )));
+        }
+        super::chat::logprobs_allowed(&req)?;
+        req.logprobs = Some(n as usize);
     }
     if req.completion_prompt.as_deref() == Some("") {
         return Err(bad("`prompt` is empty: send the text to continue"));
@@ -105,7 +113,12 @@ pub fn body_json(ctx: &Ctx, o: &Outcome) -> String {
     let choice = Obj::new()
         .str("text", &o.output.text)
         .num("index", 0)
-        .null("logprobs")
+        .raw(
+            "logprobs",
+            &o.logprobs
+                .as_deref()
+                .map_or_else(|| "null".to_string(), crate::emit::completion_logprobs),
+        )
         .str("finish_reason", o.output.finish.as_str())
         .end();
     Obj::new()

@@ -187,6 +187,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         stream: f.boolean("stream")?.unwrap_or(false),
         include_usage: false,
         completion_prompt: None,
+        logprobs: None,
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,

@@ -176,6 +176,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         stream: f.boolean("stream")?.unwrap_or(false),
         include_usage: false,
         completion_prompt: None,
+        logprobs: None,
         reasoning_summary: summary,
         namespaces,
         previous_response_id,

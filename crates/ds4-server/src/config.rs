@@ -12,9 +12,10 @@ use crate::script::Script;
 pub const MODEL_ID: &str = "deepseek-v4-flash";
 
 /// Output tokens a request may generate when it sets no limit of its own
-/// (`--default-max-tokens`): enough for a long answer with its reasoning, where the whole
-/// context (hundreds of thousands of tokens) let one request without a limit hold a slot
-/// for hours. The effective limit is also bounded by `-n` and by the context left.
+/// (`--default-max-tokens`): enough for a long answer with its reasoning, and far below the
+/// whole context (hundreds of thousands of tokens), which would let one request without a
+/// limit hold a slot for hours. The effective limit is also bounded by `-n` and by the
+/// context left.
 pub const DEFAULT_MAX_TOKENS: usize = 8192;
 
 /// Disk KV cache settings (docs/server.md §3, §11).

@@ -389,7 +389,8 @@ impl Fields {
         Ok(out)
     }
 
-    /// `n` (and `best_of`): this server answers with one choice; more used to be ignored.
+    /// `n` (and `best_of`): this server answers with one choice, so asking for more is a
+    /// 400 rather than a silently shorter answer.
     pub(crate) fn single_choice(&self, keys: &[&str]) -> Result<(), ApiError> {
         for k in keys {
             if let Some(n) = self.uint(k)? {
@@ -410,8 +411,8 @@ pub const MAX_STOP_SEQUENCES: usize = 16;
 /// Longest stop sequence, in bytes.
 pub const MAX_STOP_BYTES: usize = 1024;
 
-/// Refuses an empty conversation: there is nothing to answer (an empty list used to be
-/// rendered as a bare prompt and generated from until the output limit).
+/// Refuses an empty conversation: there is nothing to answer, and a bare prompt would
+/// only run to the output limit.
 pub(crate) fn require_items(field: &str, empty: bool) -> Result<(), ApiError> {
     if empty {
         Err(bad(format!(
@@ -422,8 +423,8 @@ pub(crate) fn require_items(field: &str, empty: bool) -> Result<(), ApiError> {
     }
 }
 
-/// Content part types that carry media this text-only model cannot see. They used to be
-/// dropped silently, so the model answered as if the image or audio had never been sent.
+/// Content part types that carry media this text-only model cannot see: refused, so the
+/// model never answers as if the image or audio had not been sent.
 const MEDIA_PARTS: [&str; 9] = [
     "image_url",
     "image",

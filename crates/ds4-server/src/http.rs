@@ -830,6 +830,9 @@ async fn generation_inner(
         match rx.recv().await {
             Some(JobEvent::Done(o)) => {
                 drop(guard);
+                if let Some(e) = endpoints::family(ep).outcome_error(&o) {
+                    return Err(e);
+                }
                 return Ok(json_response(StatusCode::OK, final_body(&ectx, &o)));
             }
             Some(JobEvent::Failed(e)) => return Err(e),

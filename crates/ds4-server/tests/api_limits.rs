@@ -263,6 +263,21 @@ async fn anthropic_stream_cut_short_ends_with_an_error_event() {
     assert!(evs
         .iter()
         .all(|e| e.event.as_deref() != Some("message_stop")));
+    // Not streamed: an error answer in Anthropic's shape, not a message ending in end_turn.
+    let mut plain = body.clone();
+    plain["stream"] = json!(false);
+    let r = post(a, "/v1/messages", &plain).await;
+    assert_eq!(r.status, 500, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "api_error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tool call"),
+        "{v}"
+    );
     srv.shutdown().await.unwrap();
 }
 

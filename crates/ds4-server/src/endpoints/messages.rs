@@ -58,6 +58,11 @@ impl Family for Messages {
     fn body(&self, ctx: &Ctx, o: &Outcome) -> String {
         body_json(ctx, o)
     }
+    /// Anthropic has no stop reason for a generation that failed: it is answered as an
+    /// error, as a stream ends with its `error` event ([`AnthropicStream::done`]).
+    fn outcome_error(&self, o: &Outcome) -> Option<ApiError> {
+        (o.output.finish == FinishReason::Error).then(|| failed(o))
+    }
     fn stream(&self, ctx: Ctx) -> Box<dyn EventStream> {
         Box::new(AnthropicStream::new(ctx))
     }
@@ -315,6 +320,12 @@ pub fn body_json(ctx: &Ctx, o: &Outcome) -> String {
         .end()
 }
 
+/// The error a failed generation (finish `error`) is reported as.
+fn failed(o: &Outcome) -> ApiError {
+    let why = o.output.error.as_deref().unwrap_or("generation failed");
+    ApiError::internal(format!("generation ended early: {why}"))
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Block {
     Thinking,
@@ -483,9 +494,7 @@ impl AnthropicStream {
             // Cut short (an engine failure, shutdown, a tool call the output limit cut):
             // Anthropic has no stop reason for that, so the stream ends with its `error`
             // event instead of a `message_delta` claiming `end_turn`.
-            let why = o.output.error.as_deref().unwrap_or("generation failed");
-            let e = ApiError::internal(format!("generation ended early: {why}"));
-            out.extend(self.error(&e));
+            out.extend(self.error(&failed(o)));
             return out;
         }
         if !self.text_sent && !self.tools_sent {

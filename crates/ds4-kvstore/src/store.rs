@@ -30,8 +30,12 @@ pub enum KvError {
 /// Makes sure `dir` can hold the cache safely. A missing directory is created with mode
 /// 0700; an existing one is used as it is — its permissions are never changed (the server
 /// used to chmod a shared 1777 directory to 0700) — but refused when other users may write
-/// to it, since they could plant or swap entries.
+/// to it, since they could plant or swap entries. As ssh does for its files, the directory
+/// must belong to the current user (or root), and no directory above it may be
+/// world-writable without the sticky bit (anyone could rename it away and put their own in
+/// its place).
 pub fn prepare_dir(dir: &Path) -> Result<(), KvError> {
+    check_ancestors(dir)?;
     match fs::metadata(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut b = fs::DirBuilder::new();
@@ -54,7 +58,7 @@ pub fn prepare_dir(dir: &Path) -> Result<(), KvError> {
         Ok(_m) => {
             #[cfg(unix)]
             {
-                use std::os::unix::fs::PermissionsExt;
+                use std::os::unix::fs::{MetadataExt, PermissionsExt};
                 let mode = _m.permissions().mode() & 0o7777;
                 if mode & 0o022 != 0 {
                     return Err(KvError::UnsafeDir(format!(
@@ -62,10 +66,60 @@ pub fn prepare_dir(dir: &Path) -> Result<(), KvError> {
                         dir.display()
                     )));
                 }
+                let me = current_uid();
+                if _m.uid() != me && _m.uid() != 0 {
+                    return Err(KvError::UnsafeDir(format!(
+                        "{} belongs to user id {}, not to this user (id {me}); its owner could plant or replace cache entries; use a directory of your own",
+                        dir.display(),
+                        _m.uid()
+                    )));
+                }
             }
             Ok(())
         }
     }
+}
+
+#[cfg(unix)]
+fn current_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Refuses a path below a world-writable directory without the sticky bit (`/tmp` has it:
+/// there, only a directory's owner may rename or remove it). The existing directories
+/// above `dir` are checked, after resolving symlinks.
+fn check_ancestors(dir: &Path) -> Result<(), KvError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let abs = if dir.is_absolute() {
+            dir.to_path_buf()
+        } else {
+            std::env::current_dir().map_err(io(dir))?.join(dir)
+        };
+        // The deepest existing ancestor, resolved; a missing tail is created below it.
+        let mut at = abs.parent();
+        while let Some(p) = at {
+            if let Ok(real) = fs::canonicalize(p) {
+                for a in real.ancestors() {
+                    let m = fs::metadata(a).map_err(io(a))?;
+                    let mode = m.permissions().mode() & 0o7777;
+                    if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+                        return Err(KvError::UnsafeDir(format!(
+                            "{} is inside {}, which any user may write to (mode {mode:o}, no sticky bit) and so rename the cache directory away and put their own in its place; use a directory under a private parent",
+                            dir.display(),
+                            a.display()
+                        )));
+                    }
+                }
+                break;
+            }
+            at = p.parent();
+        }
+    }
+    let _ = dir;
+    Ok(())
 }
 
 /// Opens an existing entry file without following a symlink and without blocking on a FIFO,

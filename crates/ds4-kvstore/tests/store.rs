@@ -337,6 +337,60 @@ fn directory_permissions_are_never_changed() {
     assert_eq!(mode, 0o750);
 }
 
+/// A cache directory below a world-writable parent without the sticky bit is refused
+/// (anyone could swap it), existing or not, and nothing is created there; one owned by
+/// another user is refused (checked where the test can chown, i.e. as root).
+#[cfg(unix)]
+#[test]
+fn cache_directory_owner_and_open_parents_are_checked() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let cfg = |dir: &std::path::Path| StoreConfig {
+        dir: dir.to_path_buf(),
+        budget_bytes: 1 << 20,
+        model_id: [1; 32],
+        mode: Mode::Exact,
+        ctx: 4096,
+    };
+    let open = d.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let inside = open.join("kv");
+    std::fs::create_dir(&inside).unwrap();
+    std::fs::set_permissions(&inside, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let err = KvStore::open(cfg(&inside))
+        .err()
+        .expect("a directory under a world-writable parent is refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("no sticky bit") && msg.contains(&*open.to_string_lossy()),
+        "{msg}"
+    );
+    let missing = open.join("new/kv");
+    assert!(KvStore::open(cfg(&missing)).is_err());
+    assert!(!open.join("new").exists(), "created under an open parent");
+    // With the sticky bit (as /tmp has) the parent is fine.
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    KvStore::open(cfg(&inside)).unwrap();
+
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let theirs = d.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let c = std::ffi::CString::new(theirs.to_string_lossy().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path; chown only reads it.
+        assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
+        let err = KvStore::open(cfg(&theirs))
+            .err()
+            .expect("another user's directory is refused");
+        assert!(
+            err.to_string().contains("belongs to user id 65534"),
+            "{err}"
+        );
+    }
+}
+
 /// Issue 24: an entry name that is a symlink out of the directory is never followed (the
 /// hit counters used to be written through it), and an entry-named FIFO does not hang open.
 #[cfg(unix)]

@@ -62,6 +62,9 @@ pub struct GenRequest {
     pub sampling: Sampling,
     pub stream: bool,
     pub include_usage: bool,
+    /// Report each generated token's log probability with its `n` most likely
+    /// alternatives (`Some(n)`; chat `logprobs`/`top_logprobs`, completions `logprobs`).
+    pub logprobs: Option<usize>,
     /// `/v1/completions`: the prompt text.
     pub completion_prompt: Option<String>,
     /// Responses: `reasoning.summary` asks for reasoning items.

@@ -11,6 +11,13 @@ use crate::script::Script;
 /// docs/chat.md §2.1).
 pub const MODEL_ID: &str = "deepseek-v4-flash";
 
+/// Output tokens a request may generate when it sets no limit of its own
+/// (`--default-max-tokens`): enough for a long answer with its reasoning, and far below the
+/// whole context (hundreds of thousands of tokens), which would let one request without a
+/// limit hold a slot for hours. The effective limit is also bounded by `-n` and by the
+/// context left.
+pub const DEFAULT_MAX_TOKENS: usize = 8192;
+
 /// Disk KV cache settings (docs/server.md §3, §11).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DiskCacheConfig {
@@ -72,8 +79,11 @@ impl DiskCacheConfig {
 /// How the server runs.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Default (and maximum) output tokens when the client sets no smaller limit (`-n`).
+    /// Most output tokens a request may ask for (`-n`); larger client limits are cut to it.
     pub max_tokens: usize,
+    /// Output tokens of a request that sets no limit (`--default-max-tokens`, default
+    /// [`DEFAULT_MAX_TOKENS`]; also bounded by `max_tokens` and the context left).
+    pub default_max_tokens: usize,
     /// Requests that may wait for the worker; `parallel` more can be running. Full ⇒ 429.
     pub queue_capacity: usize,
     /// Seconds in the `Retry-After` of a 429.
@@ -149,6 +159,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             max_tokens: 393_216,
+            default_max_tokens: DEFAULT_MAX_TOKENS,
             queue_capacity: 32,
             retry_after_secs: 1,
             max_body_bytes: 64 << 20,

@@ -76,6 +76,64 @@ pub fn openai_usage(u: &Usage) -> String {
         .end()
 }
 
+/// A log probability as JSON. A token the model rules out entirely (−∞, NaN) is reported
+/// as −9999, as OpenAI does: JSON has no infinity.
+pub(crate) fn logprob_json(x: f32) -> String {
+    let x = if x.is_finite() {
+        x.max(-9999.0)
+    } else {
+        -9999.0
+    };
+    serde_json::Number::from_f64(f64::from(x)).map_or_else(|| "-9999".into(), |n| n.to_string())
+}
+
+/// Bytes as a JSON array of numbers (OpenAI's `bytes`).
+pub(crate) fn bytes_json(b: &[u8]) -> String {
+    crate::json_out::arr(b.iter().map(|x| x.to_string()))
+}
+
+/// OpenAI chat `choices[].logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+pub fn chat_logprobs(lps: &[crate::worker::TokenLogprob]) -> String {
+    let entry = |b: &[u8], lp: f32| {
+        Obj::new()
+            .str("token", &String::from_utf8_lossy(b))
+            .raw("logprob", &logprob_json(lp))
+            .raw("bytes", &bytes_json(b))
+    };
+    let content = crate::json_out::arr(lps.iter().map(|t| {
+        let top = crate::json_out::arr(t.top.iter().map(|(b, lp)| entry(b, *lp).end()));
+        entry(&t.bytes, t.logprob).raw("top_logprobs", &top).end()
+    }));
+    Obj::new().raw("content", &content).null("refusal").end()
+}
+
+/// OpenAI completions `choices[].logprobs`: parallel `tokens`, `token_logprobs`,
+/// `top_logprobs` (token → log probability) and `text_offset` (each token's start in the
+/// text, in bytes).
+pub fn completion_logprobs(lps: &[crate::worker::TokenLogprob]) -> String {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let tokens = crate::json_out::arr(lps.iter().map(|t| s(&text(&t.bytes))));
+    let values = crate::json_out::arr(lps.iter().map(|t| logprob_json(t.logprob)));
+    let tops = crate::json_out::arr(lps.iter().map(|t| {
+        t.top
+            .iter()
+            .fold(Obj::new(), |o, (b, lp)| o.raw(&text(b), &logprob_json(*lp)))
+            .end()
+    }));
+    let mut at = 0u64;
+    let offsets = crate::json_out::arr(lps.iter().map(|t| {
+        let o = at;
+        at += t.bytes.len() as u64;
+        o.to_string()
+    }));
+    Obj::new()
+        .raw("tokens", &tokens)
+        .raw("token_logprobs", &values)
+        .raw("top_logprobs", &tops)
+        .raw("text_offset", &offsets)
+        .end()
+}
+
 pub(crate) fn non_empty(s: &Option<String>) -> Option<&str> {
     s.as_deref().filter(|r| !r.is_empty())
 }

@@ -56,8 +56,9 @@ pub struct AppState {
     pub shutting_down: Arc<AtomicBool>,
     pub ctx: usize,
     pub model_name: String,
-    /// Bound to loopback without a key: only loopback `Host` names are served (DNS
-    /// rebinding would otherwise let any web page drive the server).
+    /// Bound to loopback: only loopback `Host` names (and `--allowed-host` ones) are served
+    /// on every route, key or not (DNS rebinding would otherwise let any web page drive the
+    /// server, or read `/health`).
     pub loopback_guard: bool,
     /// Longest token in bytes: turns a prompt's byte count into a lower bound on its tokens.
     pub max_token_bytes: usize,
@@ -221,7 +222,7 @@ fn is_json_type(ct: &str) -> bool {
 }
 
 /// Browser-attack checks before anything else runs: the `Host` name when bound to loopback
-/// without a key (DNS rebinding), then for POSTs the `Origin` (cross-site requests) and the
+/// (DNS rebinding), then for POSTs the `Origin` (cross-site requests) and the
 /// content type (a cross-site form or `text/plain` POST needs no CORS preflight).
 async fn guard(State(st): St, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
@@ -238,7 +239,7 @@ async fn guard(State(st): St, req: Request, next: Next) -> Response {
                 let shown = String::from_utf8_lossy(v.as_bytes()).into_owned();
                 return refuse(
                     ErrorKind::Forbidden,
-                    format!("Host {shown:?} is not a loopback name: this server listens on loopback without an API key, so it only answers requests addressed to localhost (start it with --allowed-host NAME to accept another name)"),
+                    format!("Host {shown:?} is not a loopback name: this server listens on loopback, so it only answers requests addressed to localhost (start it with --allowed-host NAME to accept another name)"),
                 );
             }
         }
@@ -432,7 +433,8 @@ fn presented_key(h: &HeaderMap) -> Option<&str> {
         .filter(|k| !k.is_empty())
 }
 
-/// `--api-key`: `Authorization: Bearer KEY` or `x-api-key: KEY` (`/health` is open).
+/// `--api-key`: `Authorization: Bearer KEY` or `x-api-key: KEY`. `/health` is open, but
+/// without the key it says only whether the server is up ([`health`]).
 async fn auth(State(st): St, req: Request, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
         let path = req.uri().path();
@@ -509,12 +511,21 @@ async fn model(State(st): St, Path(id): Path<String>) -> Response {
     }
 }
 
-async fn health(State(st): St) -> Response {
+/// The status, and with the key (when one is set) the model and the counters.
+async fn health(State(st): St, headers: HeaderMap) -> Response {
     let status = if st.shutting_down.load(Ordering::Relaxed) {
         "shutting_down"
     } else {
         "ok"
     };
+    let keyed = st
+        .cfg
+        .api_key
+        .as_deref()
+        .is_none_or(|key| presented_key(&headers).is_some_and(|k| key_matches(k, key)));
+    if !keyed {
+        return json_response(StatusCode::OK, Obj::new().str("status", status).end());
+    }
     let body = Obj::new()
         .str("status", status)
         .str("model", MODEL_ID)
@@ -773,6 +784,7 @@ async fn generation_inner(
         prepared,
         stop: req.stop.clone(),
         max_tokens: req.max_tokens,
+        logprobs: req.logprobs,
         deltas: req.stream,
         forced,
         response_id: req
@@ -818,6 +830,9 @@ async fn generation_inner(
         match rx.recv().await {
             Some(JobEvent::Done(o)) => {
                 drop(guard);
+                if let Some(e) = endpoints::family(ep).outcome_error(&o) {
+                    return Err(e);
+                }
                 return Ok(json_response(StatusCode::OK, final_body(&ectx, &o)));
             }
             Some(JobEvent::Failed(e)) => return Err(e),
@@ -897,12 +912,15 @@ struct SseState {
     _guard: CancelOnDrop,
 }
 
-fn to_event(f: Frame) -> Event {
-    let e = Event::default().data(f.data);
-    match f.event {
+/// axum writes an event's fields in the order they are set: the `event:` line goes first,
+/// then `data:` (as `emit::frame_text` formats a frame).
+pub(crate) fn to_event(f: Frame) -> Event {
+    let e = Event::default();
+    let e = match f.event {
         Some(name) => e.event(name),
         None => e,
-    }
+    };
+    e.data(f.data)
 }
 
 fn sse_response(
@@ -950,6 +968,28 @@ fn sse_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn event_name_comes_before_data() {
+        use futures_util::StreamExt;
+        let frames = vec![
+            emit::named("message_start", "{}".into()),
+            emit::data("x".into()),
+        ];
+        let events = futures_util::stream::iter(
+            frames
+                .into_iter()
+                .map(|f| Ok::<Event, Infallible>(to_event(f))),
+        );
+        let resp = Sse::new(events).into_response();
+        let mut body = resp.into_body().into_data_stream();
+        let mut wire = Vec::new();
+        while let Some(chunk) = body.next().await {
+            wire.extend_from_slice(&chunk.unwrap());
+        }
+        let wire = String::from_utf8(wire).unwrap();
+        assert_eq!(wire, "event: message_start\ndata: {}\n\ndata: x\n\n");
+    }
 
     #[test]
     fn api_keys() {

@@ -28,6 +28,7 @@ pub mod http;
 pub mod json_out;
 pub mod limits;
 pub mod live;
+pub mod loading;
 pub mod model;
 pub mod prepare;
 pub mod request;
@@ -44,7 +45,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-pub use config::{DiskCacheConfig, ServerConfig, MODEL_ID};
+pub use config::{DiskCacheConfig, ServerConfig, DEFAULT_MAX_TOKENS, MODEL_ID};
 pub use error::{ApiError, ServerError};
 pub use model::{LoadedModel, ModelOptions};
 pub use script::Script;
@@ -53,7 +54,7 @@ pub use stats::Stats;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
-/// A bound server: the worker is running and the socket is listening.
+/// A server ready to serve: the worker is running and the socket is listening.
 pub struct Server {
     listener: TcpListener,
     router: axum::Router,
@@ -65,13 +66,33 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts the scheduler (allocating the `cfg.parallel` KV slots and opening the disk
-    /// cache) and binds `addr`.
+    /// Binds `addr`, then starts the scheduler ([`Server::from_listener`]).
     pub async fn bind(
         addr: SocketAddr,
         cfg: ServerConfig,
         model: LoadedModel,
     ) -> Result<Server, ServerError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServerError::Io {
+                what: format!("cannot listen on {addr}"),
+                source,
+            })?;
+        Server::from_listener(listener, cfg, model)
+    }
+
+    /// Starts the scheduler (allocating the `cfg.parallel` KV slots and opening the disk
+    /// cache) on a listener bound earlier: the binary binds before loading the model and
+    /// answers 503 meanwhile ([`loading::Loading`]).
+    pub fn from_listener(
+        listener: TcpListener,
+        cfg: ServerConfig,
+        model: LoadedModel,
+    ) -> Result<Server, ServerError> {
+        let addr = listener.local_addr().map_err(|source| ServerError::Io {
+            what: "cannot read the listening address".into(),
+            source,
+        })?;
         if cfg.queue_capacity == 0 {
             return Err(ServerError::Config(
                 "the queue capacity must be at least 1".into(),
@@ -117,12 +138,6 @@ impl Server {
             stats.clone(),
             shutting_down.clone(),
         )?;
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| ServerError::Io {
-                what: format!("cannot listen on {addr}"),
-                source,
-            })?;
         let (tx, rx) = mpsc::channel(cfg.queue_capacity);
         let worker = std::thread::Builder::new()
             .name("ds4-worker".into())
@@ -141,7 +156,7 @@ impl Server {
             shutting_down.clone(),
             ctx,
             model.name,
-            addr.ip().is_loopback() && cfg.api_key.is_none(),
+            addr.ip().is_loopback(),
             prepare,
         ));
         Ok(Server {

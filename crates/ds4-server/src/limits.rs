@@ -6,7 +6,9 @@
 //! waits for every connection forever, so one half-sent request kept SIGTERM from
 //! completing. We drive hyper directly instead: each connection gets a head timeout (which
 //! also closes idle keep-alive connections), and past the cap a connection is answered 503
-//! at once and closed, so descriptors never run out and `/health` stays reachable.
+//! at once and closed, so descriptors never run out. A few connections past the cap
+//! ([`HEALTH_RESERVE`]) may still ask `/health`, so monitoring sees the server while other
+//! clients hold every connection.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -105,6 +107,12 @@ pub fn now_ms() -> u64 {
 /// Bodies at least this large trigger [`release_memory`] once their request is prepared.
 pub const TRIM_AFTER_BYTES: usize = 1 << 20;
 
+/// Connections past the cap that are still served, for one `GET /health` each (no
+/// keep-alive; any other request gets the 503 of a refused connection).
+pub const HEALTH_RESERVE: usize = 4;
+
+const REFUSED_BODY: &str = "{\"error\":{\"message\":\"too many open connections\",\"type\":\"server_error\",\"code\":\"too_many_connections\"}}";
+
 const REFUSED: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 101\r\n\r\n{\"error\":{\"message\":\"too many open connections\",\"type\":\"server_error\",\"code\":\"too_many_connections\"}}";
 
 /// Answers a connection past the cap with 503 and closes it (bounded in time, so a client
@@ -115,6 +123,27 @@ async fn refuse(mut s: TcpStream) {
         s.shutdown().await
     })
     .await;
+}
+
+/// What a connection served from [`HEALTH_RESERVE`] may ask: `GET /health`, nothing else.
+async fn only_health(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::http::{header, HeaderValue, Method, StatusCode};
+    use axum::response::IntoResponse;
+    if req.method() == Method::GET && req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    let mut r = (StatusCode::SERVICE_UNAVAILABLE, REFUSED_BODY).into_response();
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
 }
 
 /// Decrements the open-connection counter however the connection task ends (including
@@ -139,11 +168,15 @@ pub async fn serve_connections(
 ) -> std::io::Result<()> {
     let graceful = GracefulShutdown::new();
     let permits = Arc::new(Semaphore::new(max_connections));
+    let reserve = Arc::new(Semaphore::new(HEALTH_RESERVE));
+    let health_only = router.clone().layer(axum::middleware::from_fn(only_health));
     let mut tasks = JoinSet::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(cfg.header_timeout);
+    let mut reserved_builder = builder.clone();
+    reserved_builder.keep_alive(false);
     tokio::pin!(signal);
     loop {
         tokio::select! {
@@ -158,17 +191,29 @@ pub async fn serve_connections(
                         continue;
                     }
                 };
-                let Ok(permit) = permits.clone().try_acquire_owned() else {
-                    Stats::add(&stats.rejected_connections, 1);
-                    tasks.spawn(refuse(stream));
-                    continue;
+                let (permit, reserved) = match permits.clone().try_acquire_owned() {
+                    Ok(p) => (p, false),
+                    Err(_) => {
+                        Stats::add(&stats.rejected_connections, 1);
+                        match reserve.clone().try_acquire_owned() {
+                            Ok(p) => (p, true),
+                            Err(_) => {
+                                tasks.spawn(refuse(stream));
+                                continue;
+                            }
+                        }
+                    }
                 };
                 let _ = stream.set_nodelay(true);
                 if cfg.send_buffer_bytes > 0 {
                     let _ = socket2::SockRef::from(&stream).set_send_buffer_size(cfg.send_buffer_bytes);
                 }
-                let svc = TowerToHyperService::new(router.clone());
-                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), svc));
+                let (svc, b) = if reserved {
+                    (TowerToHyperService::new(health_only.clone()), &reserved_builder)
+                } else {
+                    (TowerToHyperService::new(router.clone()), &builder)
+                };
+                let conn = graceful.watch(b.serve_connection(TokioIo::new(stream), svc));
                 Stats::add(&stats.connections, 1);
                 let guard = ConnGuard(stats.clone());
                 tasks.spawn(async move {
@@ -210,6 +255,7 @@ mod tests {
             .parse()
             .unwrap();
         assert_eq!(len, body.len());
+        assert_eq!(body, REFUSED_BODY);
         let v: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(v["error"]["code"], "too_many_connections");
     }

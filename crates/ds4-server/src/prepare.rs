@@ -73,13 +73,16 @@ pub fn prepare(
     };
     let thinking = req.mode.is_thinking();
     if let Some(p) = &req.completion_prompt {
-        let r = policy(render::render_completion_spans(p, req.mode));
+        // The raw prompt, as OpenAI-compatible servers take it: the client wrote all of it
+        // (there is no template whose turns it could forge), so chat markers in it are
+        // control tokens, and nothing is added (not even ⟨BOS⟩).
+        let r = render::Rendered::all_trusted(p.clone());
         let tokens = tokenize(&r)?;
         return Ok(Prepared {
             text: r.text,
             trusted: r.trusted,
             tokens,
-            thinking,
+            thinking: false,
             tools: false,
             tool_context: false,
             exact_replays: 0,

@@ -351,7 +351,9 @@ impl Fields {
         })
     }
 
-    /// `stop` / `stop_sequences`: a string or an array of strings.
+    /// `stop` / `stop_sequences`: a string or an array of strings, at most
+    /// [`MAX_STOP_SEQUENCES`] of at most [`MAX_STOP_BYTES`] bytes each (the list travels
+    /// with the queued job and is matched against every generated piece).
     pub(crate) fn stops(&self, k: &str) -> Result<Vec<String>, ApiError> {
         let mut out = match self.val(k) {
             None => Vec::new(),
@@ -367,8 +369,96 @@ impl Fields {
                 "{INVALID}: `{k}` must be a string or an array of strings"
             )))?,
         };
+        if out.len() > MAX_STOP_SEQUENCES {
+            return Err(bad(format!(
+                "`{k}` holds {} sequences; at most {MAX_STOP_SEQUENCES} are accepted",
+                out.len()
+            )));
+        }
+        if let Some((i, s)) = out
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+        {
+            return Err(bad(format!(
+                "`{k}[{i}]` is {} bytes long; a stop sequence may be at most {MAX_STOP_BYTES} bytes",
+                s.len()
+            )));
+        }
         out.retain(|s| !s.is_empty());
         Ok(out)
+    }
+
+    /// `n` (and `best_of`): this server answers with one choice, so asking for more is a
+    /// 400 rather than a silently shorter answer.
+    pub(crate) fn single_choice(&self, keys: &[&str]) -> Result<(), ApiError> {
+        for k in keys {
+            if let Some(n) = self.uint(k)? {
+                if n != 1 {
+                    return Err(bad(format!(
+                        "`{k}` must be 1: this server returns exactly one choice, got {n}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Most stop sequences a request may give (`stop`, `stop_sequences`).
+pub const MAX_STOP_SEQUENCES: usize = 16;
+
+/// Longest stop sequence, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+
+/// Refuses an empty conversation: there is nothing to answer, and a bare prompt would
+/// only run to the output limit.
+pub(crate) fn require_items(field: &str, empty: bool) -> Result<(), ApiError> {
+    if empty {
+        Err(bad(format!(
+            "`{field}` is empty: send at least one message"
+        )))
+    } else {
+        Ok(())
+    }
+}
+
+/// Content part types that carry media this text-only model cannot see: refused, so the
+/// model never answers as if the image or audio had not been sent.
+const MEDIA_PARTS: [&str; 9] = [
+    "image_url",
+    "image",
+    "input_image",
+    "input_audio",
+    "audio",
+    "file",
+    "input_file",
+    "document",
+    "video_url",
+];
+
+/// Refuses media parts in the content arrays of `items` (messages or input items),
+/// naming the part as `field[i].content[j]`.
+pub(crate) fn check_media(field: &str, items: &[Value]) -> Result<(), ApiError> {
+    for (i, it) in items.iter().enumerate() {
+        refuse_media(|| format!("{field}[{i}]"), it)?;
+        if let Some(Value::Array(parts)) = it.get("content") {
+            for (j, p) in parts.iter().enumerate() {
+                refuse_media(|| format!("{field}[{i}].content[{j}]"), p)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A 400 naming `at()` when `v` is a media part.
+pub(crate) fn refuse_media(at: impl FnOnce() -> String, v: &Value) -> Result<(), ApiError> {
+    match v.get("type").and_then(Value::as_str) {
+        Some(t) if MEDIA_PARTS.contains(&t) => Err(bad(format!(
+            "`{}` has type {t:?}: this model reads text only (send text instead)",
+            at()
+        ))),
+        _ => Ok(()),
     }
 }
 

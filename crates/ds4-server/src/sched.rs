@@ -723,7 +723,9 @@ impl Worker {
         let limit = task
             .job
             .max_tokens
-            .map_or(self.cfg.max_tokens, |m| m.min(usize::MAX as u64) as usize)
+            .map_or(self.cfg.default_max_tokens, |m| {
+                m.min(usize::MAX as u64) as usize
+            })
             .min(self.cfg.max_tokens)
             .min(self.ctx - task.usage0.prompt_tokens);
         match Gen::new(&task.job, tok, self.eos, limit, t_prefill) {

@@ -20,7 +20,7 @@ use crate::live::ToolBinding;
 use crate::reuse::Visible;
 use crate::sched::{engine_err, lock, Worker};
 use crate::stats::Stats;
-use crate::worker::{emit, random_id, Job, Outcome, Usage};
+use crate::worker::{emit, random_id, Job, Outcome, TokenLogprob, Usage};
 
 /// Why [`Steering::halt`] ended a generation.
 enum Halted {
@@ -45,6 +45,70 @@ pub(crate) struct Gen<'t> {
     eos: u32,
     /// Time from the job's start to its first token.
     t_prefill: Duration,
+    /// Token log probabilities, when the job asked for them.
+    lp: Option<Logprobs<'t>>,
+}
+
+/// Collects the log probability of each generated token: the step's row is kept as the
+/// runtime hands it over (before the sampler edits it), then read once the token is known.
+struct Logprobs<'t> {
+    tok: &'t Tokenizer,
+    /// Alternatives to report per token.
+    top: usize,
+    row: Vec<f32>,
+    /// log Σ exp(row): logprob(t) = row[t] − lse.
+    lse: f32,
+    out: Vec<TokenLogprob>,
+}
+
+impl Logprobs<'_> {
+    fn see(&mut self, row: &[f32]) {
+        self.row.clear();
+        self.row.extend_from_slice(row);
+        let max = row
+            .iter()
+            .copied()
+            .filter(|x| !x.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row
+            .iter()
+            .filter(|x| !x.is_nan())
+            .map(|&x| f64::from(x - max).exp())
+            .sum();
+        self.lse = max + sum.ln() as f32;
+    }
+
+    fn record(&mut self, t: u32) {
+        let lp = |x: f32| {
+            if x.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                x - self.lse
+            }
+        };
+        let bytes = |t: u32| self.tok.token_bytes(t).unwrap_or(&[]).to_vec();
+        let logprob = self
+            .row
+            .get(t as usize)
+            .map_or(f32::NEG_INFINITY, |&x| lp(x));
+        let mut best: Vec<(u32, f32)> = Vec::with_capacity(self.top + 1);
+        if self.top > 0 {
+            for (i, &x) in self.row.iter().enumerate() {
+                if x.is_nan() || (best.len() == self.top && x <= best[self.top - 1].1) {
+                    continue;
+                }
+                let at = best.partition_point(|&(_, y)| y >= x);
+                best.insert(at, (i as u32, x));
+                best.truncate(self.top);
+            }
+        }
+        let top = best.into_iter().map(|(i, x)| (bytes(i), lp(x))).collect();
+        self.out.push(TokenLogprob {
+            bytes: bytes(t),
+            logprob,
+            top,
+        });
+    }
 }
 
 /// What the runtime's step asks the server about one slot's token.
@@ -57,6 +121,7 @@ struct Steering<'a, 't> {
     ids: &'a mut Vec<String>,
     stream_tokens: &'a mut usize,
     halted: &'a mut Option<Halted>,
+    lp: &'a mut Option<Logprobs<'t>>,
     stats: &'a Stats,
     cfg: &'a ServerConfig,
     shutdown: &'a AtomicBool,
@@ -98,12 +163,23 @@ impl<'t> Gen<'t> {
             halted: None,
             eos,
             t_prefill,
+            lp: job.logprobs.map(|top| Logprobs {
+                tok,
+                top,
+                row: Vec::new(),
+                lse: 0.0,
+                out: Vec::new(),
+            }),
         })
     }
 
     /// The band width of this generation's lone decode steps ([`ds4_runtime::Slots::set_band`]):
     /// the sampler's, when its draw depends only on the logits near the maximum.
     pub fn band_span(&self) -> Option<f32> {
+        if self.lp.is_some() {
+            // Log probabilities need every step's whole row.
+            return None;
+        }
         self.sampler.config().band_span()
     }
 
@@ -126,6 +202,7 @@ impl<'t> Gen<'t> {
             ids: &mut self.ids,
             stream_tokens: &mut self.stream_tokens,
             halted: &mut self.halted,
+            lp: &mut self.lp,
             stats,
             cfg,
             shutdown,
@@ -159,6 +236,9 @@ impl Steer for Steering<'_, '_> {
     }
 
     fn choose(&mut self, step: usize, logits: Option<&[f32]>) -> Option<u32> {
+        if let (Some(lp), Some(row)) = (self.lp.as_mut(), logits) {
+            lp.see(row);
+        }
         if let Some(f) = self.forced {
             return Some(f.get(step).copied().unwrap_or(self.eos));
         }
@@ -171,10 +251,13 @@ impl Steer for Steering<'_, '_> {
     }
 
     fn wants_row(&mut self, _step: usize) -> bool {
-        self.forced.is_none() && self.structured()
+        self.lp.is_some() || (self.forced.is_none() && self.structured())
     }
 
     fn token(&mut self, t: u32) -> Flow {
+        if let Some(lp) = self.lp.as_mut() {
+            lp.record(t);
+        }
         *self.stream_tokens += 1;
         let text = self.dec.push(t).unwrap_or_default();
         let evs = self.stream.push(&text);
@@ -208,6 +291,7 @@ impl Worker {
             stream_tokens,
             mut halted,
             t_prefill,
+            lp,
             ..
         } = gen;
         let mut cancelled = false;
@@ -272,6 +356,7 @@ impl Worker {
                 ..Usage::default()
             },
             reasoning_closed,
+            logprobs: lp.map(|l| l.out),
         };
         (outcome, t_prefill)
     }

@@ -29,6 +29,9 @@ pub struct Job {
     /// Client limit (`None`: the server default).
     pub max_tokens: Option<u64>,
     pub sampling: SamplerConfig,
+    /// Report token log probabilities with this many alternatives each
+    /// ([`Outcome::logprobs`]).
+    pub logprobs: Option<usize>,
     /// Send per-token deltas (streaming); otherwise only start and end.
     pub deltas: bool,
     /// Forced output (test hook, see [`crate::script`]).
@@ -97,6 +100,19 @@ pub struct Outcome {
     pub usage: Usage,
     /// The model closed its reasoning (`</think>` seen).
     pub reasoning_closed: bool,
+    /// One entry per generated token (EOS excluded) when the job asked for them.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// A generated token's log probability under the model's distribution (the logits before
+/// temperature and the other sampling knobs), with the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's bytes (a piece of a UTF-8 character for some tokens).
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// The most likely tokens at this step, most likely first: (bytes, log probability).
+    pub top: Vec<(Vec<u8>, f32)>,
 }
 
 #[derive(Debug)]

@@ -228,6 +228,18 @@ async fn connections_past_the_cap_get_503_and_health_recovers() {
         idle.push(TcpStream::connect(a).await.unwrap());
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
+    // Past the cap, a few connections are kept for /health: it still answers, and
+    // anything else is refused.
+    let r = get(a, "/health").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = get(a, "/v1/models").await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "too_many_connections");
+    // With the reserve held too, a connection gets the 503 at once.
+    for _ in 0..ds4_server::limits::HEALTH_RESERVE {
+        idle.push(TcpStream::connect(a).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let r = get(a, "/health").await;
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], "too_many_connections");
@@ -361,6 +373,51 @@ async fn raw_request(
     s.write_all(body).await.unwrap();
     let (raw, _) = read_until_close(&mut s, Duration::from_secs(60)).await;
     (status_of(&raw), String::from_utf8_lossy(&raw).into_owned())
+}
+
+/// With a key set, `/health` stays open for monitoring but tells a caller without the key
+/// only that the server is up; the Host guard (DNS rebinding) covers it as every route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_with_a_key_says_only_ok_and_keeps_the_host_guard() {
+    let srv = start(ServerConfig {
+        api_key: Some("sekrit".into()),
+        ..ServerConfig::default()
+    })
+    .await;
+    let a = srv.addr;
+    let r = get(a, "/health").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), serde_json::json!({"status": "ok"}));
+    let r = request(a, "GET", "/health", &[("x-api-key", "wrong")], b"").await;
+    assert_eq!(r.json(), serde_json::json!({"status": "ok"}));
+    let r = request(
+        a,
+        "GET",
+        "/health",
+        &[("Authorization", "Bearer sekrit")],
+        b"",
+    )
+    .await;
+    let v = r.json();
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["ctx"], CTX);
+    assert!(v["stats"]["requests"].is_u64(), "{v}");
+    // A rebinding page's Host is refused on /health and on the API, key or not.
+    let r = raw_request(a, "evil.example:8000", &[], b"").await;
+    assert_eq!(r.0, 403, "{}", r.1);
+    let b = chat("hi").to_string();
+    let r = raw_request(
+        a,
+        "evil.example",
+        &[
+            ("Content-Type", "application/json"),
+            ("x-api-key", "sekrit"),
+        ],
+        b.as_bytes(),
+    )
+    .await;
+    assert_eq!(r.0, 403, "{}", r.1);
+    srv.shutdown().await.unwrap();
 }
 
 // ---- item 4: keys ------------------------------------------------------------------------

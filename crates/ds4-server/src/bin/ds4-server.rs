@@ -31,9 +31,13 @@ struct Args {
     /// long prompt is evaluated, larger evaluates it faster.
     #[arg(long, default_value_t = 0, value_name = "TOKENS")]
     prefill_chunk_per_step: usize,
-    /// Default and maximum output tokens per request.
+    /// Most output tokens a request may ask for (larger client limits are cut to it).
     #[arg(short = 'n', long = "tokens", default_value_t = 393_216)]
     tokens: usize,
+    /// Output tokens of a request that sends no `max_tokens` (also bounded by -n and by
+    /// the context left).
+    #[arg(long, default_value_t = ds4_server::DEFAULT_MAX_TOKENS, value_name = "TOKENS")]
+    default_max_tokens: usize,
     /// CPU threads (0 = one per core).
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
@@ -56,12 +60,13 @@ struct Args {
     /// Numeric mode: exact or official (default: official where the model allows it).
     #[arg(long)]
     mode: Option<String>,
-    /// Change directory before loading.
+    /// Change to this directory before loading (relative paths are then taken from it).
     #[arg(long)]
     chdir: Option<PathBuf>,
     /// Address to bind (IPv4; `localhost` = 127.0.0.1).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// TCP port to listen on (0 = any free port; the address is printed).
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY`. Visible to
@@ -75,7 +80,7 @@ struct Args {
     /// alone allows any origin. Repeatable. Without it, cross-origin POSTs are refused.
     #[arg(long, value_name = "ORIGIN", num_args = 0..=1, default_missing_value = "*", action = clap::ArgAction::Append)]
     cors: Vec<String>,
-    /// Accept this Host name too when listening on loopback without a key (loopback names
+    /// Accept this Host name too when listening on loopback, key or not (loopback names
     /// are always accepted; others are refused against DNS rebinding). Repeatable.
     #[arg(long, value_name = "NAME", action = clap::ArgAction::Append)]
     allowed_host: Vec<String>,
@@ -119,21 +124,32 @@ struct Args {
     /// Enable the disk KV cache in DIR.
     #[arg(long)]
     kv_disk_dir: Option<PathBuf>,
+    /// Byte budget of the disk KV cache in MiB (least recently used entries are evicted).
     #[arg(long, default_value_t = 4096)]
     kv_disk_space_mb: u64,
+    /// Prompts shorter than this many tokens are neither saved to nor loaded from disk.
     #[arg(long, default_value_t = 512)]
     kv_cache_min_tokens: usize,
+    /// Longest fresh prompt saved as a cold checkpoint, in tokens (0 disables cold saves).
     #[arg(long, default_value_t = 30000)]
     kv_cache_cold_max_tokens: usize,
+    /// A `continued` checkpoint every this many tokens while a session grows (rounded up
+    /// to the alignment; 0 disables).
     #[arg(long, default_value_t = 10000)]
     kv_cache_continued_interval_tokens: usize,
+    /// Tokens left out at the end of a cold save, so the next turn's differing tail is
+    /// not part of it.
     #[arg(long, default_value_t = 32)]
     kv_cache_boundary_trim_tokens: usize,
+    /// Cold save boundaries are aligned down to a multiple of this many tokens (0 = no
+    /// alignment).
     #[arg(long, default_value_t = 2048)]
     kv_cache_boundary_align_tokens: usize,
     /// Canonical JSON→DSML rendering only.
     #[arg(long)]
     disable_exact_dsml_tool_replay: bool,
+    /// Tool-call ids whose sampled DSML is remembered for exact replay (least recently
+    /// used are forgotten).
     #[arg(long, default_value_t = 100_000)]
     tool_memory_max_ids: usize,
     /// Test hook: JSON file of forced outputs `[{"when": "...", "output": "..."}]`.
@@ -222,8 +238,8 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = Args::parse();
-    if a.ctx == 0 || a.tokens == 0 || a.prefill_chunk == 0 {
-        bail!("--ctx, --tokens and --prefill-chunk must be > 0");
+    if a.ctx == 0 || a.tokens == 0 || a.prefill_chunk == 0 || a.default_max_tokens == 0 {
+        bail!("--ctx, --tokens, --default-max-tokens and --prefill-chunk must be > 0");
     }
     if let Some(dir) = &a.chdir {
         std::env::set_current_dir(dir)
@@ -240,8 +256,10 @@ fn main() -> Result<()> {
     let disk = match &a.kv_disk_dir {
         None => None,
         Some(dir) => {
-            // The store creates a missing directory 0700 and refuses a shared one; it never
-            // changes the permissions of an existing directory.
+            // The store creates a missing directory 0700 and refuses a shared one, one of
+            // another user or one under a world-writable parent without the sticky bit; it
+            // never changes the permissions of an existing directory. Checked before the
+            // (long) model load, so a bad directory is reported at once.
             let d = DiskCacheConfig {
                 budget_bytes: a.kv_disk_space_mb.saturating_mul(1 << 20),
                 min_tokens: a.kv_cache_min_tokens,
@@ -252,6 +270,8 @@ fn main() -> Result<()> {
                 ..DiskCacheConfig::new(dir)
             };
             d.validate().map_err(anyhow::Error::msg)?;
+            ds4_kvstore::prepare_dir(&d.dir)
+                .with_context(|| format!("--kv-disk-dir {}", d.dir.display()))?;
             Some(d)
         }
     };
@@ -267,6 +287,7 @@ fn main() -> Result<()> {
     };
     let cfg = ServerConfig {
         max_tokens: a.tokens,
+        default_max_tokens: a.default_max_tokens,
         queue_capacity: a.queue,
         max_body_bytes: a.max_body_bytes,
         api_key: api_key(&a)?,
@@ -291,6 +312,20 @@ fn main() -> Result<()> {
         ..ServerConfig::default()
     };
     check_model_path(&a.model)?;
+    // The port is taken before the (long) load; until the model is ready every request is
+    // answered 503, `/health` with `{"status":"loading"}` (docs/server.md §4).
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let header_timeout = cfg.header_timeout;
+    let loading = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let bound = listener.local_addr()?;
+        eprintln!("ds4-server: bound http://{bound}; loading the model (every request gets 503, /health {{\"status\":\"loading\"}}, until it is ready)");
+        Ok::<_, anyhow::Error>(ds4_server::loading::Loading::start(listener, header_timeout))
+    })?;
     let t0 = std::time::Instant::now();
     let precision = ds4_runtime::load::Precision::from_env(a.quality);
     tracing::info!("prefill precision: {}", precision.name());
@@ -328,11 +363,10 @@ fn main() -> Result<()> {
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
     rt.block_on(async move {
-        let server = Server::bind(addr, cfg, model).await?;
+        let listener = loading.finish().await?;
+        let server = Server::from_listener(listener, cfg, model)?;
+        // Scripts wait for this line: the server is ready when it is printed.
         eprintln!("ds4-server: listening on http://{}", server.local_addr());
         server.serve(shutdown_signal()).await?;
         eprintln!("ds4-server: stopped");
@@ -371,5 +405,24 @@ async fn wait_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// `--help` explains every flag a user can pass.
+    #[test]
+    fn every_flag_has_help_text() {
+        let cmd = Args::command();
+        let missing: Vec<String> = cmd
+            .get_arguments()
+            .filter(|a| !a.is_hide_set() && !a.is_positional())
+            .filter(|a| a.get_help().is_none_or(|h| h.to_string().trim().is_empty()))
+            .map(|a| a.get_id().to_string())
+            .collect();
+        assert!(missing.is_empty(), "flags without help: {missing:?}");
     }
 }

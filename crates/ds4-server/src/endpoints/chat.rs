@@ -13,7 +13,9 @@ use crate::emit::{data, named, non_empty, openai_usage, Ctx, Frame};
 use crate::error::ApiError;
 use crate::error::Shape;
 use crate::json_out::{arr, Obj};
-use crate::request::{bad, check_forced_tool, check_roles, max_tokens, Fields, INVALID};
+use crate::request::{
+    bad, check_forced_tool, check_media, check_roles, max_tokens, require_items, Fields, INVALID,
+};
 use crate::worker::{Delta, Outcome, Usage};
 
 pub struct Chat;
@@ -69,10 +71,13 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         ds4_chat::ChatError::Request(m) => bad(m),
         other => bad(other.to_string()),
     })?;
+    let mut empty = false;
     if let Some(v) = f.val("messages") {
-        if !v.is_array() {
+        let Value::Array(items) = &v else {
             return Err(bad(format!("{INVALID}: `messages` must be an array")));
-        }
+        };
+        empty = items.is_empty();
+        check_media("messages", items)?;
     }
     check_roles(&chat.messages)?;
     match f.val("tool_choice") {
@@ -97,7 +102,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         }
     }
     let tool_schemas = chat.active_tool_schemas().to_vec();
-    Ok(GenRequest {
+    let mut req = GenRequest {
         continuation: None,
         endpoint: Endpoint::Chat,
         model: f.model()?,
@@ -110,10 +115,60 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         stream: f.boolean("stream")?.unwrap_or(false),
         include_usage: f.stream_options_usage()?,
         completion_prompt: None,
+        logprobs: None,
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
-    })
+    };
+    f.single_choice(&["n"])?;
+    req.logprobs = chat_logprobs(&f, &req)?;
+    require_items("messages", empty)?;
+    Ok(req)
+}
+
+/// `logprobs: true` with `top_logprobs` (0–[`MAX_TOP_LOGPROBS`]) → the alternatives to
+/// report. Reported for the answer's text only, so a request whose output would hold
+/// reasoning or tool calls, or a stream, is refused rather than answered without them.
+fn chat_logprobs(f: &Fields, req: &GenRequest) -> Result<Option<usize>, ApiError> {
+    let on = f.boolean("logprobs")?.unwrap_or(false);
+    let top = f.uint("top_logprobs")?;
+    if let Some(n) = top {
+        if n > MAX_TOP_LOGPROBS as u64 {
+            return Err(bad(format!(
+                "`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"
+            )));
+        }
+        if !on && n > 0 {
+            return Err(bad("`top_logprobs` needs `logprobs: true`"));
+        }
+    }
+    if !on {
+        return Ok(None);
+    }
+    logprobs_allowed(req)?;
+    Ok(Some(top.unwrap_or(0) as usize))
+}
+
+/// Most alternatives per token `top_logprobs` may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Log probabilities are reported for non-streamed plain answers: not in thinking modes
+/// (the reasoning tokens are not content), not with tools, not on streams.
+pub(crate) fn logprobs_allowed(req: &GenRequest) -> Result<(), ApiError> {
+    if req.stream {
+        return Err(bad(
+            "`logprobs` is reported on non-streamed answers only (set `stream` to false)",
+        ));
+    }
+    if req.mode.is_thinking() {
+        return Err(bad(
+            "`logprobs` needs thinking disabled (the reasoning tokens are not content): send `thinking: {\"type\": \"disabled\"}` or `reasoning_effort: \"none\"`",
+        ));
+    }
+    if !req.tool_schemas.is_empty() {
+        return Err(bad("`logprobs` cannot be combined with `tools`"));
+    }
+    Ok(())
 }
 
 // ---- response emitting ---------------------------------------------------------------------
@@ -157,6 +212,13 @@ pub fn body_json(ctx: &Ctx, o: &Outcome) -> String {
     let choice = Obj::new()
         .num("index", 0)
         .raw("message", &msg.end())
+        .maybe_raw(
+            "logprobs",
+            o.logprobs
+                .as_deref()
+                .map(crate::emit::chat_logprobs)
+                .as_deref(),
+        )
         .str("finish_reason", o.output.finish.as_str())
         .end();
     Obj::new()

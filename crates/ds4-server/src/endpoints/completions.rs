@@ -1,8 +1,10 @@
-//! OpenAI text completions (`POST /v1/completions`): a prompt string rendered as one user
-//! turn; streamed with the chat family's chunk writer.
+//! OpenAI text completions (`POST /v1/completions`): the prompt string is the model's input
+//! as sent (tokenized as it is, chat markers in it being control tokens; no chat template);
+//! streamed with the chat family's chunk writer.
 
 use std::collections::HashMap;
 
+use ds4_chat::render::ThinkingMode;
 use serde_json::Value;
 
 use super::{EventStream, Family};
@@ -11,10 +13,13 @@ use crate::api::GenRequest;
 use crate::emit::{openai_usage, Ctx};
 use crate::error::ApiError;
 use crate::json_out::{arr, Obj};
-use crate::request::{bad, max_tokens, Fields, Thinking, INVALID};
+use crate::request::{bad, max_tokens, Fields, INVALID};
 use crate::worker::Outcome;
 
 pub struct Completions;
+
+/// Most alternatives per token completions' `logprobs` may ask for (OpenAI's limit).
+pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 
 impl Family for Completions {
     fn endpoint(&self) -> Endpoint {
@@ -42,31 +47,36 @@ impl Family for Completions {
 
 // ---- request parsing ----------------------------------------------------------------------
 
-/// `POST /v1/completions`.
-pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
+/// `POST /v1/completions`. The prompt is the model's input as sent (no chat template), so
+/// the thinking controls of the chat families do not apply here.
+pub fn parse(body: &[u8], _ctx: u64) -> Result<GenRequest, ApiError> {
     let f = Fields::parse(body)?;
     let prompt = match f.val("prompt") {
         None => return Err(bad("missing prompt")),
         Some(Value::String(s)) => s,
-        Some(Value::Array(a)) => match a.into_iter().find_map(|v| v.as_str().map(str::to_string)) {
-            Some(s) => s,
-            None => return Err(bad("missing prompt")),
-        },
+        Some(Value::Array(a)) => {
+            if a.len() > 1 {
+                return Err(bad(format!(
+                    "`prompt` holds {} prompts: this server answers one prompt per request",
+                    a.len()
+                )));
+            }
+            match a.into_iter().next() {
+                Some(Value::String(s)) => s,
+                _ => {
+                    return Err(bad(format!(
+                        "{INVALID}: `prompt` must be a string or an array of one string"
+                    )))
+                }
+            }
+        }
         Some(_) => return Err(bad(format!("{INVALID}: `prompt` must be a string"))),
     };
-    let model = f.model()?;
-    let mut th = Thinking::new();
-    th.thinking_field(f.val("thinking"))?;
-    if let Some(b) = f.boolean("think")? {
-        th.enabled = b;
-        th.explicit = true;
-    }
-    th.effort_field(f.val("reasoning_effort"), false)?;
-    Ok(GenRequest {
+    let mut req = GenRequest {
         continuation: None,
         endpoint: Endpoint::Completions,
-        mode: th.mode(&model, ctx),
-        model,
+        mode: ThinkingMode::NoThink,
+        model: f.model()?,
         messages: Vec::new(),
         tool_schemas: Vec::new(),
         stop: f.stops("stop")?,
@@ -75,10 +85,25 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         stream: f.boolean("stream")?.unwrap_or(false),
         include_usage: f.stream_options_usage()?,
         completion_prompt: Some(prompt),
+        logprobs: None,
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
-    })
+    };
+    f.single_choice(&["n", "best_of"])?;
+    if let Some(n) = f.uint("logprobs")? {
+        if n > MAX_COMPLETION_LOGPROBS as u64 {
+            return Err(bad(format!(
+                "`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {n}"
+            )));
+        }
+        super::chat::logprobs_allowed(&req)?;
+        req.logprobs = Some(n as usize);
+    }
+    if req.completion_prompt.as_deref() == Some("") {
+        return Err(bad("`prompt` is empty: send the text to continue"));
+    }
+    Ok(req)
 }
 
 // ---- response emitting ---------------------------------------------------------------------
@@ -88,7 +113,12 @@ pub fn body_json(ctx: &Ctx, o: &Outcome) -> String {
     let choice = Obj::new()
         .str("text", &o.output.text)
         .num("index", 0)
-        .null("logprobs")
+        .raw(
+            "logprobs",
+            &o.logprobs
+                .as_deref()
+                .map_or_else(|| "null".to_string(), crate::emit::completion_logprobs),
+        )
         .str("finish_reason", o.output.finish.as_str())
         .end();
     Obj::new()

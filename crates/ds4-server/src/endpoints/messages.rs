@@ -17,7 +17,7 @@ use crate::error::Shape;
 use crate::json_out::{arr, Obj};
 use crate::request::{
     bad, check_forced_tool, check_roles, content_text, max_tokens, raw_array, raw_object,
-    schema_lines, value, Fields, Thinking, INVALID,
+    refuse_media, require_items, schema_lines, value, Fields, Thinking, INVALID,
 };
 use crate::worker::{Delta, Outcome, Usage};
 
@@ -57,6 +57,11 @@ impl Family for Messages {
     }
     fn body(&self, ctx: &Ctx, o: &Outcome) -> String {
         body_json(ctx, o)
+    }
+    /// Anthropic has no stop reason for a generation that failed: it is answered as an
+    /// error, as a stream ends with its `error` event ([`AnthropicStream::done`]).
+    fn outcome_error(&self, o: &Outcome) -> Option<ApiError> {
+        (o.output.finish == FinishReason::Error).then(|| failed(o))
     }
     fn stream(&self, ctx: Ctx) -> Box<dyn EventStream> {
         Box::new(AnthropicStream::new(ctx))
@@ -120,7 +125,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
             messages.push(Message::system(&text));
         }
     }
-    for raw in items {
+    for (i, raw) in items.iter().enumerate() {
         let m = raw_object(raw.get())?;
         let mut msg = Message {
             role: match m.get("role").map(|r| value(r)) {
@@ -137,8 +142,8 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
                 Value::Null => {}
                 Value::Array(_) => {
                     let blocks = raw_array(c).unwrap_or_default();
-                    for b in blocks {
-                        anthropic_block(&b, &mut msg)?;
+                    for (j, b) in blocks.iter().enumerate() {
+                        anthropic_block(b, &mut msg, || format!("messages[{i}].content[{j}]"))?;
                     }
                 }
                 _ => {
@@ -150,6 +155,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         }
         messages.push(msg);
     }
+    let empty = items.is_empty();
     check_roles(&messages)?;
     let mut tools_on = true;
     if let Some(Value::Object(tc)) = f.val("tool_choice") {
@@ -173,7 +179,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         th.effort_field(oc.get("effort").cloned().filter(|v| !v.is_null()), false)?;
     }
     th.effort_field(f.val("reasoning_effort"), false)?;
-    Ok(GenRequest {
+    let req = GenRequest {
         continuation: Some(CONTINUATION),
         endpoint: Endpoint::Messages,
         mode: th.mode(&model, ctx),
@@ -186,14 +192,23 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         stream: f.boolean("stream")?.unwrap_or(false),
         include_usage: false,
         completion_prompt: None,
+        logprobs: None,
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
-    })
+    };
+    // After the other fields, so their errors come first.
+    require_items("messages", empty)?;
+    Ok(req)
 }
 
-fn anthropic_block(raw: &RawValue, msg: &mut Message) -> Result<(), ApiError> {
+fn anthropic_block(
+    raw: &RawValue,
+    msg: &mut Message,
+    at: impl FnOnce() -> String,
+) -> Result<(), ApiError> {
     let v = value(raw);
+    refuse_media(at, &v)?;
     let Value::Object(o) = &v else {
         if let Value::String(s) = v {
             msg.content.push_str(&s);
@@ -303,6 +318,12 @@ pub fn body_json(ctx: &Ctx, o: &Outcome) -> String {
         .null("stop_sequence")
         .raw("usage", &anthropic_usage(&o.usage))
         .end()
+}
+
+/// The error a failed generation (finish `error`) is reported as.
+fn failed(o: &Outcome) -> ApiError {
+    let why = o.output.error.as_deref().unwrap_or("generation failed");
+    ApiError::internal(format!("generation ended early: {why}"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -469,6 +490,13 @@ impl AnthropicStream {
     pub fn done(&mut self, o: &Outcome) -> Vec<Frame> {
         let mut out = Vec::new();
         self.close(&mut out);
+        if o.output.finish == FinishReason::Error {
+            // Cut short (an engine failure, shutdown, a tool call the output limit cut):
+            // Anthropic has no stop reason for that, so the stream ends with its `error`
+            // event instead of a `message_delta` claiming `end_turn`.
+            out.extend(self.error(&failed(o)));
+            return out;
+        }
         if !self.text_sent && !self.tools_sent {
             let b = Obj::new().str("type", "text").str("text", "").end();
             self.open_block(Block::Text, b, &mut out);

@@ -69,6 +69,11 @@ pub trait Family: Sync {
     }
     /// A finished generation as one JSON body.
     fn body(&self, ctx: &Ctx, o: &Outcome) -> String;
+    /// A finished generation this family cannot express as a body (answered with this
+    /// error instead); `None` for the families that report finish `error` in the body.
+    fn outcome_error(&self, _o: &Outcome) -> Option<ApiError> {
+        None
+    }
     /// A streamed generation.
     fn stream(&self, ctx: Ctx) -> Box<dyn EventStream>;
 }

@@ -75,7 +75,7 @@ fn anthropic_normalization() {
     let e = live::plan(&orphan, None).unwrap_err();
     assert!(e.message.contains("tool_use_id gone"), "{}", e.message);
     let none = parse_messages(
-        br#"{"messages":[],"tools":[{"name":"f"}],"tool_choice":{"type":"none"}}"#,
+        br#"{"messages":[{"role":"user","content":"x"}],"tools":[{"name":"f"}],"tool_choice":{"type":"none"}}"#,
         CTX,
     )
     .unwrap();
@@ -132,9 +132,19 @@ fn responses_items_and_rules() {
 
 #[test]
 fn completions_prompt_forms() {
-    let r = parse_completions(br#"{"prompt":["a","b"],"think":false}"#, CTX).unwrap();
+    // One prompt, as it is: an array of one string, never more; thinking controls do not
+    // apply (no template), so the mode is always non-thinking.
+    let r = parse_completions(br#"{"prompt":["a"],"think":true}"#, CTX).unwrap();
     assert_eq!(r.completion_prompt.as_deref(), Some("a"));
     assert_eq!(r.mode, ThinkingMode::NoThink);
+    assert!(parse_completions(br#"{"prompt":["a","b"]}"#, CTX)
+        .unwrap_err()
+        .message
+        .contains("2 prompts"));
+    assert!(parse_completions(br#"{"prompt":[1,2]}"#, CTX)
+        .unwrap_err()
+        .message
+        .contains("`prompt`"));
     assert_eq!(
         parse_completions(br#"{}"#, CTX).unwrap_err().message,
         "missing prompt"

@@ -16,8 +16,8 @@ use crate::error::ApiError;
 use crate::error::Shape;
 use crate::json_out::{arr, Obj};
 use crate::request::{
-    bad, check_roles, content_text, max_tokens, raw_array, raw_object, schema_lines, value, Fields,
-    Thinking, INVALID,
+    bad, check_media, check_roles, content_text, max_tokens, raw_array, raw_object, require_items,
+    schema_lines, value, Fields, Thinking, INVALID,
 };
 use crate::worker::random_id;
 use crate::worker::{Delta, Outcome, Usage};
@@ -94,7 +94,10 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         None => return Err(bad("missing input")),
         Some(raw) => match value(raw) {
             Value::String(s) => messages.push(Message::user(&s)),
-            Value::Array(_) => {
+            Value::Array(all) => {
+                require_items("input", all.is_empty())?;
+                check_media("input", &all)?;
+                drop(all);
                 let items = raw_array(raw).unwrap_or_default();
                 responses_items(&items, &mut messages, &mut extra_schemas)?;
             }
@@ -173,6 +176,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         stream: f.boolean("stream")?.unwrap_or(false),
         include_usage: false,
         completion_prompt: None,
+        logprobs: None,
         reasoning_summary: summary,
         namespaces,
         previous_response_id,

@@ -64,6 +64,8 @@ pub struct AppState {
     /// Permits to parse, render and tokenize a request (memory is bounded by permits ×
     /// the per-request bound, whatever the number of connections).
     pub prepare: Arc<tokio::sync::Semaphore>,
+    /// Request-body bytes buffered at once, across all connections.
+    pub body_budget: limits::BodyBudget,
     counter: AtomicU64,
 }
 
@@ -83,7 +85,13 @@ impl AppState {
         prepare_concurrency: usize,
     ) -> AppState {
         let max_token_bytes = tok.max_token_bytes().max(1);
+        let body_budget = limits::BodyBudget::new(
+            cfg.body_budget_bytes,
+            cfg.max_body_bytes,
+            cfg.body_budget_wait,
+        );
         AppState {
+            body_budget,
             cfg,
             tok,
             toolmem,
@@ -284,7 +292,11 @@ fn closing(mut r: Response) -> Response {
 /// Reads a POST body under the limits before any handler sees it: a declared length over
 /// the limit is refused before the body is touched (so no `100 Continue` goes out), a body
 /// that pauses longer than the idle timeout or takes longer than the body timeout gets 408
-/// and the connection is closed.
+/// and the connection is closed. Every body first takes its share of the process-wide body
+/// budget ([`limits::BodyBudget`]: the declared length up front, a chunked body piece by
+/// piece); a share not granted within `--body-budget-wait-ms` is answered 503 with
+/// `Retry-After` and the connection is closed. The share goes with the buffered bytes and is
+/// given back when the handler drops them.
 async fn read_body(State(st): St, req: Request, next: Next) -> Response {
     use http_body_util::BodyExt;
     if req.method() != Method::POST {
@@ -305,8 +317,20 @@ async fn read_body(State(st): St, req: Request, next: Next) -> Response {
     if declared.is_some_and(|n| n > limit as u64) {
         return too_large();
     }
+    let budget_full = || {
+        Stats::add(&st.stats.rejected_body_budget, 1);
+        closing(
+            ApiError::body_budget_full(st.cfg.retry_after_secs, st.body_budget.bytes())
+                .into_response(shape),
+        )
+    };
+    let mut share = None;
+    let declared = declared.unwrap_or(0) as usize;
+    if !st.body_budget.cover(&mut share, declared).await {
+        return budget_full();
+    }
     let (parts, mut body) = req.into_parts();
-    let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    let mut buf = Vec::with_capacity(declared);
     let deadline = tokio::time::Instant::now() + st.cfg.body_timeout;
     loop {
         let now = tokio::time::Instant::now();
@@ -341,12 +365,20 @@ async fn read_body(State(st): St, req: Request, next: Next) -> Response {
                     if buf.len() + data.len() > limit {
                         return too_large();
                     }
+                    if !st
+                        .body_budget
+                        .cover(&mut share, buf.len() + data.len())
+                        .await
+                    {
+                        return budget_full();
+                    }
                     buf.extend_from_slice(&data);
                 }
             }
         }
     }
-    next.run(Request::from_parts(parts, axum::body::Body::from(buf)))
+    let body = Bytes::from_owner(limits::BudgetedBody { data: buf, share });
+    next.run(Request::from_parts(parts, axum::body::Body::from(body)))
         .await
 }
 

@@ -102,6 +102,105 @@ pub fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// The default body budget ([`ServerConfig::body_budget_bytes`] = 0), in bodies of the
+/// largest accepted size.
+pub const BODY_BUDGET_BODIES: usize = 4;
+
+/// The body budget is counted in units of this many bytes (a semaphore takes at most
+/// `u32::MAX` permits at once).
+const BODY_UNIT: usize = 1024;
+
+/// A process-wide budget of buffered request-body bytes. Each body takes its share before it
+/// is read — its `Content-Length`, or, for a chunked body, each piece as it arrives — and
+/// gives it back when the buffered body is dropped, so the bodies held at once stay under
+/// the budget whatever the number of connections.
+pub struct BodyBudget {
+    sem: Arc<Semaphore>,
+    bytes: usize,
+    wait: Duration,
+}
+
+impl BodyBudget {
+    /// `configured` bytes (0: [`BODY_BUDGET_BODIES`] × `max_body`), at least one body of the
+    /// largest size; a share not granted within `wait` is refused.
+    pub fn new(configured: usize, max_body: usize, wait: Duration) -> BodyBudget {
+        let bytes = if configured > 0 {
+            configured
+        } else {
+            max_body.saturating_mul(BODY_BUDGET_BODIES)
+        }
+        .max(max_body)
+        .max(BODY_UNIT);
+        let units = (bytes / BODY_UNIT).min(Semaphore::MAX_PERMITS);
+        BodyBudget {
+            sem: Arc::new(Semaphore::new(units)),
+            bytes: units * BODY_UNIT,
+            wait,
+        }
+    }
+
+    /// The budget in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Grows `held` (a body's share so far, `None` at first) to cover `total` bytes, waiting
+    /// at most the configured time. `false`: the budget stayed taken (the body is refused).
+    pub async fn cover(&self, held: &mut Option<BodyShare>, total: usize) -> bool {
+        let have = held.as_ref().map_or(0, |h| h.units);
+        let need = total.div_ceil(BODY_UNIT);
+        if need <= have {
+            return true;
+        }
+        let Ok(more) = u32::try_from(need - have) else {
+            return false;
+        };
+        let got = tokio::time::timeout(self.wait, self.sem.clone().acquire_many_owned(more)).await;
+        match got {
+            Ok(Ok(p)) => {
+                match held {
+                    Some(h) => {
+                        h.permit.merge(p);
+                        h.units = need;
+                    }
+                    None => {
+                        *held = Some(BodyShare {
+                            permit: p,
+                            units: need,
+                        })
+                    }
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Bytes of the budget not taken now.
+    pub fn available(&self) -> usize {
+        self.sem.available_permits() * BODY_UNIT
+    }
+}
+
+/// A body's share of the [`BodyBudget`]; given back when dropped.
+pub struct BodyShare {
+    permit: tokio::sync::OwnedSemaphorePermit,
+    units: usize,
+}
+
+/// A buffered request body that holds its share of the body budget until the last
+/// reference to its bytes is dropped (`Bytes::from_owner`).
+pub struct BudgetedBody {
+    pub data: Vec<u8>,
+    pub share: Option<BodyShare>,
+}
+
+impl AsRef<[u8]> for BudgetedBody {
+    fn as_ref(&self) -> &[u8] {
+        &self.data
+    }
+}
+
 /// Bodies at least this large trigger [`release_memory`] once their request is prepared.
 pub const TRIM_AFTER_BYTES: usize = 1 << 20;
 

@@ -214,6 +214,73 @@ async fn over_limit_upload_gets_no_continue() {
     srv.shutdown().await.unwrap();
 }
 
+/// Stalled uploads hold at most the body budget: once their declared lengths fill it, the
+/// next body is refused with 503 + `Retry-After` without being read (so no `100 Continue`),
+/// requests without a body are still served, and the budget comes back when the stalled
+/// uploads are cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_uploads_cannot_hold_more_than_the_body_budget() {
+    let srv = start(ServerConfig {
+        max_body_bytes: 1 << 20,
+        body_budget_bytes: 2 << 20,
+        body_budget_wait: Duration::from_millis(300),
+        body_idle_timeout: Duration::from_secs(2),
+        body_timeout: Duration::from_secs(4),
+        ..ServerConfig::default()
+    })
+    .await;
+    let a = srv.addr;
+    let head = |len: usize, expect: bool| {
+        format!(
+            "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n{}\r\n",
+            if expect { "Expect: 100-continue\r\n" } else { "" }
+        )
+    };
+    // Two uploads of 1 MiB each that send a little and stall: the whole budget.
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(a).await.unwrap();
+        s.write_all(head(1 << 20, false).as_bytes()).await.unwrap();
+        s.write_all(&[b' '; 1000]).await.unwrap();
+        stalled.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A third, even a small one, cannot get its share: 503 + Retry-After, not read.
+    let t0 = Instant::now();
+    let mut s = TcpStream::connect(a).await.unwrap();
+    s.write_all(head(5000, true).as_bytes()).await.unwrap();
+    let (raw, closed) = read_until_close(&mut s, Duration::from_secs(3)).await;
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(status_of(&raw), 503, "{text}");
+    assert!(!text.contains("100 Continue"), "{text}");
+    assert!(
+        text.contains("Retry-After") || text.contains("retry-after"),
+        "{text}"
+    );
+    assert!(text.contains("body_budget_exhausted"), "{text}");
+    assert!(closed);
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // A chunked body is charged as it arrives: refused the same way.
+    let mut s = TcpStream::connect(a).await.unwrap();
+    s.write_all(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n{\"content\":\"abc\"\r\n")
+        .await
+        .unwrap();
+    let (raw, _) = read_until_close(&mut s, Duration::from_secs(3)).await;
+    assert_eq!(status_of(&raw), 503, "{}", String::from_utf8_lossy(&raw));
+    // Requests without a body are not held up.
+    assert_eq!(get(a, "/health").await.status, 200);
+    // The stalled uploads get 408; their shares come back and bodies are read again.
+    for s in &mut stalled {
+        let (raw, _) = read_until_close(s, Duration::from_secs(6)).await;
+        assert_eq!(status_of(&raw), 408, "{}", String::from_utf8_lossy(&raw));
+    }
+    let r = post(a, "/tokenize", &json!({"content": "hello"})).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let s = stats(a).await;
+    assert_eq!(s["rejected_body_budget"], 2, "{s}");
+    srv.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_cap_get_503_and_health_recovers() {
     let srv = start(ServerConfig {

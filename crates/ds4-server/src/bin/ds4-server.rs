@@ -91,6 +91,13 @@ struct Args {
     /// Open connections at most (0 = from the descriptor limit); past it: 503.
     #[arg(long, default_value_t = 0)]
     max_connections: usize,
+    /// Request-body bytes buffered at once across all connections, in MiB (0 = 4 × the
+    /// body limit); a body that cannot get its share in time: 503 + Retry-After.
+    #[arg(long, default_value_t = 0)]
+    body_budget_mib: usize,
+    /// Milliseconds a request body may wait for its share of the body budget.
+    #[arg(long, default_value_t = 1000)]
+    body_budget_wait_ms: u64,
     /// Seconds open connections may take to finish after SIGTERM before they are dropped.
     #[arg(long, default_value_t = 10)]
     shutdown_grace_secs: u64,
@@ -276,6 +283,8 @@ fn main() -> Result<()> {
         body_idle_timeout: Duration::from_secs(a.body_idle_timeout_secs.max(1)),
         body_timeout: Duration::from_secs(a.body_timeout_secs.max(1)),
         max_connections: a.max_connections,
+        body_budget_bytes: a.body_budget_mib.saturating_mul(1 << 20),
+        body_budget_wait: Duration::from_millis(a.body_budget_wait_ms),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
         prepare_concurrency: a.prepare_concurrency,
         stall_timeout: Duration::from_millis(a.stall_timeout_ms.max(1)),

@@ -586,16 +586,21 @@ async fn tokenize_inner(
 ) -> Result<Response, ApiError> {
     let body = body_bytes(body, st.cfg.max_body_bytes)?;
     let _permit = prepare_permit(st).await?;
-    let v: Value = serde_json::from_slice(&body)
+    crate::bodyscan::check(&body, st.ctx)?;
+    /// Unknown members are skipped without being built (`IgnoredAny`).
+    #[derive(serde::Deserialize)]
+    struct TokenizeBody {
+        content: Option<Box<serde_json::value::RawValue>>,
+        special: Option<Box<serde_json::value::RawValue>>,
+        with_pieces: Option<Box<serde_json::value::RawValue>>,
+        messages: Option<serde::de::IgnoredAny>,
+    }
+    let b: TokenizeBody = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad(format!("invalid JSON request: {e}")))?;
-    let Value::Object(o) = &v else {
-        return Err(ApiError::bad(
-            "invalid JSON request: the body must be a JSON object",
-        ));
-    };
-    let with_pieces = match o.get("with_pieces") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
+    let with_pieces = match b.with_pieces.as_deref().map(|r| r.get()) {
+        None | Some("null") => false,
+        Some("true") => true,
+        Some("false") => false,
         Some(_) => {
             return Err(ApiError::bad(
                 "invalid JSON request: `with_pieces` must be a boolean",
@@ -603,11 +608,16 @@ async fn tokenize_inner(
         }
     };
     let st2 = st.clone();
-    let (tokens, prompt) = if o.contains_key("messages") {
+    let (tokens, prompt) = if b.messages.is_some() {
         let ctx = st.ctx as u64;
         tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
             let chat = endpoints::family(Endpoint::Chat);
             let mut req = chat.parse(&body, ctx)?;
+            drop(body);
+            let at_least = request::token_lower_bound(&req, st2.max_token_bytes);
+            if at_least > st2.ctx {
+                return Err(too_many_tokens_to_tokenize(at_least, true, st2.ctx));
+            }
             let mut tm = st2.toolmem.lock().unwrap_or_else(|p| p.into_inner());
             let tm = st2.cfg.exact_dsml_replay.then_some(&mut *tm);
             let p = chat.prepare(&mut req, tm, None, &st2.tok, st2.cfg.content_special_tokens)?;
@@ -616,11 +626,19 @@ async fn tokenize_inner(
         .await
         .map_err(|e| ApiError::internal(e.to_string()))??
     } else {
-        let content = match o.get("content") {
-            Some(Value::String(s)) => s.clone(),
+        let content = match b
+            .content
+            .as_deref()
+            .map(|r| serde_json::from_str::<Value>(r.get()))
+        {
+            Some(Ok(Value::String(s))) => s,
             _ => return Err(ApiError::bad("missing content")),
         };
-        let mode = match o.get("special").and_then(Value::as_str) {
+        let special = b
+            .special
+            .as_deref()
+            .map(|r| serde_json::from_str::<Value>(r.get()).unwrap_or(Value::Null));
+        let mode = match special.as_ref().and_then(Value::as_str) {
             None | Some("chat") => SpecialTokens::ChatMarkers,
             Some("none") => SpecialTokens::None,
             Some("all") => SpecialTokens::All,
@@ -630,12 +648,22 @@ async fn tokenize_inner(
                 )))
             }
         };
+        // No session holds more than the context: a text that needs more tokens is refused
+        // before it is tokenized (by its byte count), or after.
+        let at_least = content.len() / st.max_token_bytes;
+        if at_least > st.ctx {
+            return Err(too_many_tokens_to_tokenize(at_least, true, st.ctx));
+        }
+        drop(body);
         let t = tokio::task::spawn_blocking(move || st2.tok.encode_with(&content, mode))
             .await
             .map_err(|e| ApiError::internal(e.to_string()))?
             .map_err(|e| ApiError::bad(e.to_string()))?;
         (t, None)
     };
+    if tokens.len() > st.ctx {
+        return Err(too_many_tokens_to_tokenize(tokens.len(), false, st.ctx));
+    }
     let mut out = Obj::new()
         .raw("tokens", &arr(tokens.iter().map(|t| t.to_string())))
         .num("count", tokens.len() as u64);
@@ -653,6 +681,17 @@ async fn tokenize_inner(
         out = out.raw("pieces", &pieces);
     }
     Ok(json_response(StatusCode::OK, out.end()))
+}
+
+fn too_many_tokens_to_tokenize(n: usize, at_least: bool, ctx: usize) -> ApiError {
+    let n = if at_least {
+        format!("at least {n}")
+    } else {
+        n.to_string()
+    };
+    ApiError::bad(format!(
+        "the text to tokenize is {n} tokens, more than the context size ({ctx}); tokenize at most that many at once"
+    ))
 }
 
 async fn detokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -886,6 +925,9 @@ fn admit_and_prepare(
             st.ctx
         )));
     }
+    // Before anything is built from the body: its shape must keep the parse within a small
+    // multiple of its size (`bodyscan`), and it must hold no duplicate keys.
+    crate::bodyscan::check(&body, st.ctx)?;
     let family = endpoints::family(ep);
     let mut req = family.parse(&body, ctx)?;
     drop(body);

@@ -108,6 +108,82 @@ async fn many_tiny_messages_are_refused_before_rendering() {
     srv.shutdown().await.unwrap();
 }
 
+/// Bodies whose parsed form would dwarf them are refused by the pre-scan with a 400 that
+/// names the problem (`tests/parse_memory.rs` measures the memory), and `/tokenize` is
+/// capped by the context like every other prompt (64 MiB of text was 33 M tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dense_duplicated_and_oversized_bodies_are_refused_before_parsing() {
+    let srv = start(ServerConfig::default()).await;
+    let a = srv.addr;
+    let raw = |b: String| async move {
+        request(
+            a,
+            "POST",
+            "/v1/chat/completions",
+            &[("Content-Type", "application/json")],
+            b.as_bytes(),
+        )
+        .await
+    };
+    // A second `messages` key.
+    let r = raw(r#"{"messages":[{"role":"user","content":"a"}],"messages":[{"role":"user","content":"b"}]}"#.into()).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("appears more than once"), "{}", r.body);
+    // More content parts than the context has tokens.
+    let parts = vec![r#"{"type":"text","text":""}"#; CTX + 1].join(",");
+    let r = raw(format!(
+        r#"{{"messages":[{{"role":"user","content":[{parts}]}}]}}"#
+    ))
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body.contains("messages[0].content") && r.body.contains("context size"),
+        "{}",
+        r.body
+    );
+    // An ignored member dense with tiny objects, each array short: the size estimate.
+    let chunk = format!("[{}]", vec![r#"{"a":""}"#; 4000].join(","));
+    let junk = vec![chunk; 200].join(",");
+    let r = raw(format!(
+        r#"{{"messages":[{{"role":"user","content":"hi"}}],"junk":[{junk}]}}"#
+    ))
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("JSON objects"), "{}", r.body);
+    // /tokenize: text longer than the context, plain or as messages.
+    let long = "word ".repeat(CTX * 2);
+    let r = post(a, "/tokenize", &json!({ "content": long })).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("more than the context size"), "{}", r.body);
+    let r = post(
+        a,
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": long}]}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("more than the context size"), "{}", r.body);
+    let r = post(
+        a,
+        "/tokenize",
+        &json!({"content": "word word", "x": [{"a": 1}]}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["count"].as_u64().unwrap(),
+        r.json()["tokens"].as_array().unwrap().len() as u64
+    );
+    let r = post(
+        a,
+        "/tokenize",
+        &json!({"content": "w", "with_pieces": "yes"}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    srv.shutdown().await.unwrap();
+}
+
 // ---- item 2: timeouts and caps -----------------------------------------------------------
 
 fn short_timeouts() -> ServerConfig {

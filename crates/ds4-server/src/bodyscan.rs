@@ -306,9 +306,11 @@ pub fn check(body: &[u8], ctx: usize) -> Result<Counts, ApiError> {
                 "{INVALID}: key {key:?} appears more than once in {at}"
             )))
         }
-        (_, Some(Refusal::LongArray(at, n))) => return Err(ApiError::bad(format!(
+        (_, Some(Refusal::LongArray(at, n))) => {
+            return Err(ApiError::bad(format!(
             "`{at}` has more than {n} items, more than the context size ({ctx} tokens) could hold"
-        ))),
+        )))
+        }
         (Err(e), None) => return Err(ApiError::bad(format!("{INVALID}: {e}"))),
         (Ok(()), None) => {}
     }

@@ -115,6 +115,10 @@ pub struct ServerConfig {
     /// A streaming client that has not taken an event for this long while events wait is
     /// treated as gone and its generation is cancelled (back-pressure).
     pub stall_timeout: Duration,
+    /// A streaming client with more than this many bytes of its stream unread (as far as
+    /// this host can see, `limits::StreamWatch`) for longer than `stall_timeout` is
+    /// cancelled.
+    pub unread_cap_bytes: u64,
     /// Kernel send buffer of each connection (0 = the kernel's autotuned default, which
     /// grows to megabytes: a client that stopped reading then absorbs tens of thousands of
     /// tokens before back-pressure reaches the worker).
@@ -171,6 +175,7 @@ impl Default for ServerConfig {
             shutdown_grace: Duration::from_secs(10),
             prepare_concurrency: 0,
             stall_timeout: Duration::from_secs(2),
+            unread_cap_bytes: crate::limits::UNREAD_CAP_BYTES,
             send_buffer_bytes: 128 << 10,
             content_special_tokens: false,
             parallel: 1,

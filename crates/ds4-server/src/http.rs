@@ -128,9 +128,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         let ep = f.endpoint();
         r = r.route(
             f.path(),
-            post(move |State(st): St, body: Result<Bytes, BytesRejection>| {
-                generation(st, ep, body)
-            }),
+            post(
+                move |State(st): St,
+                      conn: Option<axum::Extension<limits::ConnSocket>>,
+                      body: Result<Bytes, BytesRejection>| {
+                    generation(st, ep, conn.map(|c| c.0), body)
+                },
+            ),
         );
     }
     r.route("/health", get(health))
@@ -762,9 +766,10 @@ async fn prepare_permit(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePerm
 async fn generation(
     st: Arc<AppState>,
     ep: Endpoint,
+    conn: Option<limits::ConnSocket>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match generation_inner(st, ep, body).await {
+    match generation_inner(st, ep, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(endpoints::family(ep).shape()),
     }
@@ -784,6 +789,7 @@ impl Drop for CancelOnDrop {
 async fn generation_inner(
     st: Arc<AppState>,
     ep: Endpoint,
+    conn: Option<limits::ConnSocket>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = body_bytes(body, st.cfg.max_body_bytes)?;
@@ -838,7 +844,9 @@ async fn generation_inner(
     } else {
         16
     });
+    let watch = req.stream.then(|| Arc::new(limits::StreamWatch::new(conn)));
     let job = Job {
+        watch: watch.clone(),
         endpoint: ep,
         sampling: sampler_config(&req.sampling, prepared.thinking, seed),
         prepared,
@@ -869,7 +877,11 @@ async fn generation_inner(
         });
     }
     Stats::add(&st.stats.requests, 1);
-    let usage = match rx.recv().await {
+    let first = rx.recv().await;
+    if let (Some(w), Some(ev)) = (&watch, &first) {
+        w.taken(crate::worker::event_bytes(ev));
+    }
+    let usage = match first {
         Some(JobEvent::Started { usage, .. }) => usage,
         Some(JobEvent::Failed(e)) => return Err(e),
         Some(_) => return Err(ApiError::internal("the worker sent events out of order")),
@@ -883,6 +895,7 @@ async fn generation_inner(
             guard,
             st.cfg.keep_alive,
             taken_ms,
+            watch,
         ));
     }
     loop {
@@ -968,6 +981,7 @@ struct SseState {
     pending: VecDeque<Frame>,
     finished: bool,
     taken_ms: Arc<AtomicU64>,
+    watch: Option<Arc<limits::StreamWatch>>,
     _guard: CancelOnDrop,
 }
 
@@ -986,6 +1000,7 @@ fn sse_response(
     guard: CancelOnDrop,
     keep_alive: Duration,
     taken_ms: Arc<AtomicU64>,
+    watch: Option<Arc<limits::StreamWatch>>,
 ) -> Response {
     let mut em = endpoints::family(ctx.endpoint).stream(ctx);
     let first = em.start(&usage);
@@ -995,6 +1010,7 @@ fn sse_response(
         pending: first.into(),
         finished: false,
         taken_ms,
+        watch,
         _guard: guard,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
@@ -1008,6 +1024,9 @@ fn sse_response(
             match s.rx.recv().await {
                 Some(ev) => {
                     s.taken_ms.store(limits::now_ms(), Ordering::Relaxed);
+                    if let Some(w) = &s.watch {
+                        w.taken(crate::worker::event_bytes(&ev));
+                    }
                     let (frames, end) = on_event(s.em.as_mut(), ev);
                     s.pending.extend(frames);
                     s.finished = end;

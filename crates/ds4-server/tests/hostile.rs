@@ -628,6 +628,60 @@ async fn a_reader_that_stops_is_cancelled_quickly() {
     srv.shutdown().await.unwrap();
 }
 
+/// A client with an ordinary socket (the kernel's default receive buffer, which grows on
+/// its own) that sends a streaming request and never reads a byte: the server's side of
+/// the stream stays unacknowledged, and the generation is cancelled within a bounded time
+/// (a shortened stall timeout), freeing the only slot for the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_socket_that_never_reads_frees_the_slot() {
+    let huge = "word ".repeat(40_000);
+    let rules = json!([{"when": "[huge]", "output": huge}]).to_string();
+    let srv = start_ctx(
+        ServerConfig {
+            stall_timeout: Duration::from_millis(1000),
+            // Small enough for the debug build's slow stream to pass it within seconds.
+            unread_cap_bytes: 16 << 10,
+            script: Some(std::sync::Arc::new(
+                ds4_server::Script::from_json(&rules).unwrap(),
+            )),
+            ..ServerConfig::default()
+        },
+        65536,
+    )
+    .await;
+    let a = srv.addr;
+    let mut s = TcpStream::connect(a).await.unwrap();
+    let body = json!({"messages":[{"role":"user","content":"[huge]"}],"think":false,"stream":true,"max_tokens":50000}).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // Never read: wait for the generation to start, then for it to end.
+    let _ = wait_stats(a, |s| {
+        s["running"] == 1 || s["generated_tokens"].as_u64() > Some(0)
+    })
+    .await;
+    let t0 = Instant::now();
+    let st = wait_stats(a, |s| s["running"] == 0).await;
+    let took = t0.elapsed();
+    let generated = st["generated_tokens"].as_u64().unwrap();
+    eprintln!("a default socket that never reads: cancelled after {took:?}, {generated} tokens");
+    assert_eq!(
+        st["stalled"], 1,
+        "the generation ended without a stall: {st}"
+    );
+    assert!(generated < 40_000, "{st}");
+    assert!(
+        took < Duration::from_secs(15),
+        "cancelled only after {took:?}"
+    );
+    let r = post(a, "/v1/chat/completions", &chat("next")).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    drop(s);
+    srv.shutdown().await.unwrap();
+}
+
 // ---- item 7: special tokens in content, roles, tool_choice, panics, model path ----------
 
 async fn marker_ids(a: SocketAddr) -> Vec<u64> {

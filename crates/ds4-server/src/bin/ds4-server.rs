@@ -107,6 +107,10 @@ struct Args {
     /// Milliseconds a streaming client may stop reading before its generation is cancelled.
     #[arg(long, default_value_t = 2000)]
     stall_timeout_ms: u64,
+    /// KiB of a stream a client may leave unread (send queue, waiting events and, for a
+    /// client on this host, its receive queue) for longer than the stall timeout.
+    #[arg(long, default_value_t = 128)]
+    stream_unread_cap_kib: u64,
     /// Kernel send buffer per connection in KiB (0 = kernel default, autotuned to MBs).
     #[arg(long, default_value_t = 128)]
     send_buffer_kib: usize,
@@ -288,6 +292,7 @@ fn main() -> Result<()> {
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
         prepare_concurrency: a.prepare_concurrency,
         stall_timeout: Duration::from_millis(a.stall_timeout_ms.max(1)),
+        unread_cap_bytes: a.stream_unread_cap_kib.max(1) << 10,
         content_special_tokens: a.content_special_tokens,
         send_buffer_bytes: a.send_buffer_kib << 10,
         parallel,

@@ -116,8 +116,8 @@ pub struct ServerConfig {
     /// treated as gone and its generation is cancelled (back-pressure).
     pub stall_timeout: Duration,
     /// A streaming client with more than this many bytes of its stream unread (as far as
-    /// this host can see, `limits::StreamWatch`) for longer than `stall_timeout` is
-    /// cancelled.
+    /// this host can see, `limits::StreamWatch`) that takes nothing for longer than
+    /// `stall_timeout` is cancelled.
     pub unread_cap_bytes: u64,
     /// Kernel send buffer of each connection (0 = the kernel's autotuned default, which
     /// grows to megabytes: a client that stopped reading then absorbs tens of thousands of

@@ -1026,6 +1026,7 @@ fn sse_response(
                     s.taken_ms.store(limits::now_ms(), Ordering::Relaxed);
                     if let Some(w) = &s.watch {
                         w.taken(crate::worker::event_bytes(&ev));
+                        w.refresh_peer();
                     }
                     let (frames, end) = on_event(s.em.as_mut(), ev);
                     s.pending.extend(frames);

@@ -201,10 +201,11 @@ impl AsRef<[u8]> for BudgetedBody {
     }
 }
 
-/// A streaming client is cancelled when more than this many bytes of its stream stay
-/// unread for longer than the stall timeout ([`ServerConfig::unread_cap_bytes`], whose
-/// default this is). A client that reads keeps this near one round trip of output (at
-/// 30 KB/s of stream, 128 KiB is four seconds of it).
+/// A streaming client is cancelled when more than this many bytes of its stream are unread
+/// and it takes nothing for longer than the stall timeout ([`StreamWatch`];
+/// [`ServerConfig::unread_cap_bytes`], whose default this is). A client that keeps up has
+/// about one round trip of output unread (at 30 KB/s of stream, 128 KiB is four seconds of
+/// it).
 pub const UNREAD_CAP_BYTES: u64 = 128 << 10;
 
 /// Events waiting for one streaming connection may hold at most this many bytes (estimated
@@ -212,7 +213,7 @@ pub const UNREAD_CAP_BYTES: u64 = 128 << 10;
 pub const STREAM_BUFFER_CAP_BYTES: u64 = 1 << 20;
 
 /// How often a stream's peer receive queue is looked up (`/proc/net/tcp` is read whole).
-const PEER_CHECK_MS: u64 = 250;
+const PEER_CHECK_MS: u64 = 500;
 
 /// The connection a request came in on, as request extension: its socket descriptor and
 /// addresses, for [`StreamWatch`]. The descriptor is valid while the request's handler
@@ -229,12 +230,17 @@ pub struct ConnSocket {
 /// can see: the events waiting for the connection, our socket's kernel send queue (Linux
 /// `TIOCOUTQ`: bytes not yet sent, or sent and not acknowledged) and — when the client is
 /// on this host (loopback) — the client socket's receive queue, the bytes its kernel
-/// acknowledged and its program has not read (`/proc/net/tcp`). The last one matters: a
-/// Linux receiver that does not read keeps acknowledging a slow stream while its kernel
-/// grows the receive buffer (measured on 6.18: 982 KB taken in 69 s at 14 KB/s, our send
-/// queue near 0, the advertised window a constant 64 KiB), so the send queue alone sees
-/// nothing until that buffer reaches `net.ipv4.tcp_rmem`'s maximum. For a remote client
-/// that part cannot be seen.
+/// acknowledged and its program has not read (`/proc/net/tcp`). "Progress" is the bytes
+/// the client has taken: acknowledged (`TCP_INFO`'s `tcpi_bytes_acked`) minus, on
+/// loopback, what still sits in its receive queue. A client is stalled when more than the
+/// cap stays unread and it takes nothing for the stall timeout; one that reads slower than
+/// the stream still makes progress and is left alone.
+///
+/// The receive queue matters: a Linux receiver that does not read keeps acknowledging a
+/// slow stream while its kernel grows the receive buffer (measured on 6.18: 982 KB taken
+/// in 69 s at 14 KB/s, our send queue near 0, the advertised window a constant 64 KiB), so
+/// acknowledgements alone show nothing until that buffer reaches `net.ipv4.tcp_rmem`'s
+/// maximum. For a remote client that part cannot be seen.
 #[derive(Debug)]
 pub struct StreamWatch {
     #[cfg(target_os = "linux")]
@@ -245,10 +251,13 @@ pub struct StreamWatch {
     peer_key: Option<(&'static str, String)>,
     peer_checked_ms: std::sync::atomic::AtomicU64,
     peer_unread: std::sync::atomic::AtomicU64,
+    /// On loopback: bytes the client's program has read, sampled with `peer_unread`.
+    peer_consumed: std::sync::atomic::AtomicU64,
     /// Estimated bytes of events sent to the handler and not yet taken by it.
     pub queued: std::sync::atomic::AtomicU64,
-    /// When the unread amount went over the cap ([`now_ms`] + 1; 0: it is under).
-    over_since: std::sync::atomic::AtomicU64,
+    /// The most the client had taken at the last check, and when that last grew.
+    consumed: std::sync::atomic::AtomicU64,
+    progress_ms: std::sync::atomic::AtomicU64,
 }
 
 /// `/proc/net/tcp*` spelling of an address: the IP as 32-bit words in host byte order,
@@ -322,8 +331,10 @@ impl StreamWatch {
             peer_key,
             peer_checked_ms: std::sync::atomic::AtomicU64::new(0),
             peer_unread: std::sync::atomic::AtomicU64::new(0),
+            peer_consumed: std::sync::atomic::AtomicU64::new(0),
             queued: std::sync::atomic::AtomicU64::new(0),
-            over_since: std::sync::atomic::AtomicU64::new(0),
+            consumed: std::sync::atomic::AtomicU64::new(0),
+            progress_ms: std::sync::atomic::AtomicU64::new(now_ms()),
         }
     }
 
@@ -346,23 +357,56 @@ impl StreamWatch {
         }
     }
 
-    /// The client's unread receive queue when it is on this host (looked up at most every
-    /// [`PEER_CHECK_MS`]; the last value in between), else 0.
-    fn peer_unread(&self, now: u64) -> u64 {
-        use std::sync::atomic::Ordering::Relaxed;
+    /// Bytes of the connection the client's kernel has acknowledged (`TCP_INFO`); `None`
+    /// where that cannot be read.
+    fn acked(&self) -> Option<u64> {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            let fd = self.socket.as_ref()?.as_raw_fd();
+            // SAFETY: tcp_info is plain integers, for which all-zero bytes are valid.
+            let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+            // SAFETY: getsockopt writes at most `len` bytes into `info`, which is that
+            // large and alive for the call, and stores the length written in `len`; `fd`
+            // is our own open duplicate.
+            let rc = unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::IPPROTO_TCP,
+                    libc::TCP_INFO,
+                    (&mut info as *mut libc::tcp_info).cast(),
+                    &mut len,
+                )
+            };
+            let need = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_acked) + 8;
+            (rc == 0 && len as usize >= need).then_some(info.tcpi_bytes_acked)
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            None
+        }
+    }
+
+    /// Looks up the client's unread receive queue when it is on this host, at most every
+    /// [`PEER_CHECK_MS`]. Called by the connection's side as it takes events (not by the
+    /// scheduler thread: the table is read whole, and grows with the open connections).
+    pub fn refresh_peer(&self) {
         #[cfg(target_os = "linux")]
         if let Some((file, key)) = &self.peer_key {
+            use std::sync::atomic::Ordering::Relaxed;
+            let now = now_ms();
             if now.saturating_sub(self.peer_checked_ms.load(Relaxed)) >= PEER_CHECK_MS {
                 self.peer_checked_ms.store(now, Relaxed);
+                let acked = self.acked().unwrap_or(0);
                 let n = std::fs::read_to_string(file)
                     .ok()
                     .and_then(|t| proc_net_rx_queue(&t, key))
                     .unwrap_or(0);
                 self.peer_unread.store(n, Relaxed);
+                self.peer_consumed.store(acked.saturating_sub(n), Relaxed);
             }
         }
-        let _ = now;
-        self.peer_unread.load(Relaxed)
     }
 
     /// The handler took an event of `bytes` (estimated) off the queue.
@@ -373,25 +417,31 @@ impl StreamWatch {
             .fetch_update(Relaxed, Relaxed, |q| Some(q.saturating_sub(bytes)));
     }
 
-    /// Records the unread amount now; returns how long (ms) it has stayed over `cap`, with
-    /// the amount, or `None` while it is under (or cannot be known: no socket, not Linux).
-    pub fn over_cap(&self, cap: u64) -> Option<(u64, u64)> {
+    /// Checks the client now: `Some((ms, unread))` when more than `cap` bytes are unread
+    /// and the client has taken nothing for `ms`; `None` while it is under the cap (or
+    /// nothing can be read: no socket, not Linux).
+    pub fn stalled(&self, cap: u64) -> Option<(u64, u64)> {
         use std::sync::atomic::Ordering::Relaxed;
         let unsent = self.unsent()?;
         let now = now_ms();
-        let total = unsent + self.queued.load(Relaxed) + self.peer_unread(now);
-        if total <= cap {
-            self.over_since.store(0, Relaxed);
+        #[cfg(target_os = "linux")]
+        let local = self.peer_key.is_some();
+        #[cfg(not(target_os = "linux"))]
+        let local = false;
+        let consumed = if local {
+            self.peer_consumed.load(Relaxed)
+        } else {
+            self.acked().unwrap_or(0)
+        };
+        if consumed > self.consumed.fetch_max(consumed, Relaxed) {
+            self.progress_ms.store(now, Relaxed);
+        }
+        let unread = unsent + self.queued.load(Relaxed) + self.peer_unread.load(Relaxed);
+        if unread <= cap {
+            self.progress_ms.store(now, Relaxed);
             return None;
         }
-        let since = match self.over_since.load(Relaxed) {
-            0 => {
-                self.over_since.store(now + 1, Relaxed);
-                now + 1
-            }
-            t => t,
-        };
-        Some(((now + 1).saturating_sub(since), total))
+        Some((now.saturating_sub(self.progress_ms.load(Relaxed)), unread))
     }
 }
 

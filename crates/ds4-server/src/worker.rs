@@ -233,8 +233,8 @@ pub(crate) fn send(stats: &Stats, cfg: &ServerConfig, job: &Job, ev: JobEvent) {
 
 /// Cancels a streaming job whose client is not keeping up: more than
 /// [`crate::limits::STREAM_BUFFER_CAP_BYTES`] of events waiting for its connection, or more
-/// than [`ServerConfig::unread_cap_bytes`] unread (see [`crate::limits::StreamWatch`]) for
-/// longer than the stall timeout.
+/// than [`ServerConfig::unread_cap_bytes`] unread while it takes nothing for longer than the
+/// stall timeout (see [`crate::limits::StreamWatch`]).
 fn stream_progress(
     stats: &Stats,
     cfg: &ServerConfig,
@@ -255,10 +255,10 @@ fn stream_progress(
         cancel("left over 1 MiB of events waiting", queued, 0);
         return;
     }
-    if let Some((ms, bytes)) = w.over_cap(cfg.unread_cap_bytes) {
+    if let Some((ms, bytes)) = w.stalled(cfg.unread_cap_bytes) {
         if ms > cfg.stall_timeout.as_millis() as u64 {
             cancel(
-                "has not read its stream (over the unread-bytes cap)",
+                "took nothing of its stream with more than the unread-bytes cap waiting",
                 bytes,
                 ms,
             );

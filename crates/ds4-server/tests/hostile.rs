@@ -618,8 +618,11 @@ async fn a_reader_that_stops_is_cancelled_quickly() {
         "the generation ended without a stall: {st}"
     );
     assert!(generated < 20_000, "{st}");
+    // The buffers (about 36 KB here) fill at the build's token rate first: a debug build
+    // under a parallel test run streams 30–50 tokens/s, which takes 4–6 s of this; a
+    // client nobody cancelled would run for minutes.
     assert!(
-        took < Duration::from_secs(6),
+        took < Duration::from_secs(15),
         "cancelled only after {took:?}"
     );
     let r = post(a, "/v1/chat/completions", &chat("next")).await;
@@ -678,6 +681,71 @@ async fn a_default_socket_that_never_reads_frees_the_slot() {
     );
     let r = post(a, "/v1/chat/completions", &chat("next")).await;
     assert_eq!(r.status, 200, "{}", r.body);
+    drop(s);
+    srv.shutdown().await.unwrap();
+}
+
+/// A client that reads slower than the stream is behind by more than the unread cap, but it
+/// keeps taking bytes: it is not cancelled. When it stops taking them, it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_is_served_and_cancelled_once_it_stops() {
+    let huge = "word ".repeat(40_000);
+    let rules = json!([{"when": "[huge]", "output": huge}]).to_string();
+    let srv = start_ctx(
+        ServerConfig {
+            stall_timeout: Duration::from_millis(1000),
+            unread_cap_bytes: 4 << 10,
+            script: Some(std::sync::Arc::new(
+                ds4_server::Script::from_json(&rules).unwrap(),
+            )),
+            ..ServerConfig::default()
+        },
+        65536,
+    )
+    .await;
+    let a = srv.addr;
+    let mut s = TcpStream::connect(a).await.unwrap();
+    let body = json!({"messages":[{"role":"user","content":"[huge]"}],"think":false,"stream":true,"max_tokens":50000}).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // 100 bytes every 100 ms (1 KB/s), slower than the stream even in a loaded debug build
+    // (25+ tokens/s of 100+ bytes each): the backlog passes the 4 KiB cap.
+    let t0 = Instant::now();
+    let mut got = 0;
+    while t0.elapsed() < Duration::from_secs(5) {
+        let mut buf = [0u8; 100];
+        let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+            .await
+            .expect("the stream went quiet")
+            .unwrap();
+        assert!(
+            n > 0,
+            "the server closed a slow reader's stream after {got} bytes"
+        );
+        got += n;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let st = stats(a).await;
+    assert_eq!(st["stalled"], 0, "a slow reader was cancelled: {st}");
+    assert_eq!(st["running"], 1, "{st}");
+    let generated = st["generated_tokens"].as_u64().unwrap();
+    // Each token is a chat chunk of well over 100 bytes.
+    assert!(
+        generated * 100 > got as u64 + (4 << 10),
+        "the stream never got ahead of the reader ({generated} tokens, {got} bytes read): nothing was tested"
+    );
+    // Now it stops.
+    let t0 = Instant::now();
+    let st = wait_stats(a, |s| s["running"] == 0).await;
+    eprintln!(
+        "slow reader: {got} bytes read in 5 s; cancelled {:?} after it stopped",
+        t0.elapsed()
+    );
+    assert_eq!(st["stalled"], 1, "{st}");
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
     drop(s);
     srv.shutdown().await.unwrap();
 }

@@ -108,7 +108,7 @@ struct Args {
     #[arg(long, default_value_t = 2000)]
     stall_timeout_ms: u64,
     /// KiB of a stream a client may leave unread (send queue, waiting events and, for a
-    /// client on this host, its receive queue) for longer than the stall timeout.
+    /// client on this host, its receive queue) while taking nothing for the stall timeout.
     #[arg(long, default_value_t = 128)]
     stream_unread_cap_kib: u64,
     /// Kernel send buffer per connection in KiB (0 = kernel default, autotuned to MBs).

@@ -109,6 +109,13 @@ pub struct ServerConfig {
     /// Open connections at most; past it new ones get 503 and are closed. 0 = from the
     /// descriptor limit.
     pub max_connections: usize,
+    /// Request-body bytes buffered at once across all connections (a body takes its share,
+    /// by `Content-Length` or as it arrives, before it is read, and gives it back when the
+    /// buffered body is dropped). 0 = [`crate::limits::BODY_BUDGET_BODIES`] × the body limit.
+    pub body_budget_bytes: usize,
+    /// How long a body may wait for its share of the body budget before it is refused with
+    /// 503 and `Retry-After`.
+    pub body_budget_wait: Duration,
     /// After a shutdown request, how long open connections may take to finish before they
     /// are dropped (a stalled client must not keep the process alive).
     pub shutdown_grace: Duration,
@@ -118,6 +125,10 @@ pub struct ServerConfig {
     /// A streaming client that has not taken an event for this long while events wait is
     /// treated as gone and its generation is cancelled (back-pressure).
     pub stall_timeout: Duration,
+    /// A streaming client with more than this many bytes of its stream unread (as far as
+    /// this host can see, `limits::StreamWatch`) that takes nothing for longer than
+    /// `stall_timeout` is cancelled.
+    pub unread_cap_bytes: u64,
     /// Kernel send buffer of each connection (0 = the kernel's autotuned default, which
     /// grows to megabytes: a client that stopped reading then absorbs tens of thousands of
     /// tokens before back-pressure reaches the worker).
@@ -170,9 +181,12 @@ impl Default for ServerConfig {
             body_idle_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             max_connections: 0,
+            body_budget_bytes: 0,
+            body_budget_wait: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(10),
             prepare_concurrency: 0,
             stall_timeout: Duration::from_secs(2),
+            unread_cap_bytes: crate::limits::UNREAD_CAP_BYTES,
             send_buffer_bytes: 128 << 10,
             content_special_tokens: false,
             parallel: 1,

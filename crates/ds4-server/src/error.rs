@@ -48,6 +48,8 @@ pub enum ErrorKind {
     Busy,
     /// The server is stopping (503).
     ShuttingDown,
+    /// A shared resource (the request-body budget) is taken for now (503 + `Retry-After`).
+    Unavailable,
     /// Continuation state vanished (409).
     Conflict,
     /// The request body stalled or took too long (408; the connection is closed).
@@ -106,6 +108,18 @@ impl ApiError {
         }
     }
 
+    /// 503 with `Retry-After`: the request bodies being read already fill the body budget.
+    pub fn body_budget_full(retry_after: u64, budget: usize) -> ApiError {
+        ApiError {
+            retry_after: Some(retry_after),
+            code: Some("body_budget_exhausted"),
+            ..ApiError::new(
+                ErrorKind::Unavailable,
+                format!("server busy: request bodies being received already fill the {budget}-byte body budget, retry later"),
+            )
+        }
+    }
+
     pub fn shutting_down() -> ApiError {
         ApiError::new(ErrorKind::ShuttingDown, "server shutting down")
     }
@@ -140,7 +154,7 @@ impl ApiError {
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::Busy => StatusCode::TOO_MANY_REQUESTS,
-            ErrorKind::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::ShuttingDown | ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::Timeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
@@ -160,7 +174,9 @@ impl ApiError {
             ErrorKind::MethodNotAllowed | ErrorKind::NotFound => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Busy => "rate_limit_error",
-            ErrorKind::ShuttingDown | ErrorKind::Internal => "server_error",
+            ErrorKind::ShuttingDown | ErrorKind::Unavailable | ErrorKind::Internal => {
+                "server_error"
+            }
         }
     }
 
@@ -175,7 +191,9 @@ impl ApiError {
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::TooLarge => "request_too_large",
-            ErrorKind::Busy | ErrorKind::ShuttingDown => "overloaded_error",
+            ErrorKind::Busy | ErrorKind::ShuttingDown | ErrorKind::Unavailable => {
+                "overloaded_error"
+            }
             ErrorKind::Internal => "api_error",
         }
     }

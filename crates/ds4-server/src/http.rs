@@ -65,6 +65,8 @@ pub struct AppState {
     /// Permits to parse, render and tokenize a request (memory is bounded by permits ×
     /// the per-request bound, whatever the number of connections).
     pub prepare: Arc<tokio::sync::Semaphore>,
+    /// Request-body bytes buffered at once, across all connections.
+    pub body_budget: limits::BodyBudget,
     counter: AtomicU64,
 }
 
@@ -84,7 +86,13 @@ impl AppState {
         prepare_concurrency: usize,
     ) -> AppState {
         let max_token_bytes = tok.max_token_bytes().max(1);
+        let body_budget = limits::BodyBudget::new(
+            cfg.body_budget_bytes,
+            cfg.max_body_bytes,
+            cfg.body_budget_wait,
+        );
         AppState {
+            body_budget,
             cfg,
             tok,
             toolmem,
@@ -121,9 +129,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         let ep = f.endpoint();
         r = r.route(
             f.path(),
-            post(move |State(st): St, body: Result<Bytes, BytesRejection>| {
-                generation(st, ep, body)
-            }),
+            post(
+                move |State(st): St,
+                      conn: Option<axum::Extension<limits::ConnSocket>>,
+                      body: Result<Bytes, BytesRejection>| {
+                    generation(st, ep, conn.map(|c| c.0), body)
+                },
+            ),
         );
     }
     r.route("/health", get(health))
@@ -285,7 +297,11 @@ fn closing(mut r: Response) -> Response {
 /// Reads a POST body under the limits before any handler sees it: a declared length over
 /// the limit is refused before the body is touched (so no `100 Continue` goes out), a body
 /// that pauses longer than the idle timeout or takes longer than the body timeout gets 408
-/// and the connection is closed.
+/// and the connection is closed. Every body first takes its share of the process-wide body
+/// budget ([`limits::BodyBudget`]: the declared length up front, a chunked body piece by
+/// piece); a share not granted within `--body-budget-wait-ms` is answered 503 with
+/// `Retry-After` and the connection is closed. The share goes with the buffered bytes and is
+/// given back when the handler drops them.
 async fn read_body(State(st): St, req: Request, next: Next) -> Response {
     use http_body_util::BodyExt;
     if req.method() != Method::POST {
@@ -306,8 +322,20 @@ async fn read_body(State(st): St, req: Request, next: Next) -> Response {
     if declared.is_some_and(|n| n > limit as u64) {
         return too_large();
     }
+    let budget_full = || {
+        Stats::add(&st.stats.rejected_body_budget, 1);
+        closing(
+            ApiError::body_budget_full(st.cfg.retry_after_secs, st.body_budget.bytes())
+                .into_response(shape),
+        )
+    };
+    let mut share = None;
+    let declared = declared.unwrap_or(0) as usize;
+    if !st.body_budget.cover(&mut share, declared).await {
+        return budget_full();
+    }
     let (parts, mut body) = req.into_parts();
-    let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    let mut buf = Vec::with_capacity(declared);
     let deadline = tokio::time::Instant::now() + st.cfg.body_timeout;
     loop {
         let now = tokio::time::Instant::now();
@@ -342,12 +370,20 @@ async fn read_body(State(st): St, req: Request, next: Next) -> Response {
                     if buf.len() + data.len() > limit {
                         return too_large();
                     }
+                    if !st
+                        .body_budget
+                        .cover(&mut share, buf.len() + data.len())
+                        .await
+                    {
+                        return budget_full();
+                    }
                     buf.extend_from_slice(&data);
                 }
             }
         }
     }
-    next.run(Request::from_parts(parts, axum::body::Body::from(buf)))
+    let body = Bytes::from_owner(limits::BudgetedBody { data: buf, share });
+    next.run(Request::from_parts(parts, axum::body::Body::from(body)))
         .await
 }
 
@@ -565,16 +601,21 @@ async fn tokenize_inner(
 ) -> Result<Response, ApiError> {
     let body = body_bytes(body, st.cfg.max_body_bytes)?;
     let _permit = prepare_permit(st).await?;
-    let v: Value = serde_json::from_slice(&body)
+    crate::bodyscan::check(&body, st.ctx)?;
+    /// Unknown members are skipped without being built (`IgnoredAny`).
+    #[derive(serde::Deserialize)]
+    struct TokenizeBody {
+        content: Option<Box<serde_json::value::RawValue>>,
+        special: Option<Box<serde_json::value::RawValue>>,
+        with_pieces: Option<Box<serde_json::value::RawValue>>,
+        messages: Option<serde::de::IgnoredAny>,
+    }
+    let b: TokenizeBody = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad(format!("invalid JSON request: {e}")))?;
-    let Value::Object(o) = &v else {
-        return Err(ApiError::bad(
-            "invalid JSON request: the body must be a JSON object",
-        ));
-    };
-    let with_pieces = match o.get("with_pieces") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
+    let with_pieces = match b.with_pieces.as_deref().map(|r| r.get()) {
+        None | Some("null") => false,
+        Some("true") => true,
+        Some("false") => false,
         Some(_) => {
             return Err(ApiError::bad(
                 "invalid JSON request: `with_pieces` must be a boolean",
@@ -582,11 +623,16 @@ async fn tokenize_inner(
         }
     };
     let st2 = st.clone();
-    let (tokens, prompt) = if o.contains_key("messages") {
+    let (tokens, prompt) = if b.messages.is_some() {
         let ctx = st.ctx as u64;
         tokio::task::spawn_blocking(move || -> Result<_, ApiError> {
             let chat = endpoints::family(Endpoint::Chat);
             let mut req = chat.parse(&body, ctx)?;
+            drop(body);
+            let at_least = request::token_lower_bound(&req, st2.max_token_bytes);
+            if at_least > st2.ctx {
+                return Err(too_many_tokens_to_tokenize(at_least, true, st2.ctx));
+            }
             let mut tm = st2.toolmem.lock().unwrap_or_else(|p| p.into_inner());
             let tm = st2.cfg.exact_dsml_replay.then_some(&mut *tm);
             let p = chat.prepare(&mut req, tm, None, &st2.tok, st2.cfg.content_special_tokens)?;
@@ -595,11 +641,19 @@ async fn tokenize_inner(
         .await
         .map_err(|e| ApiError::internal(e.to_string()))??
     } else {
-        let content = match o.get("content") {
-            Some(Value::String(s)) => s.clone(),
+        let content = match b
+            .content
+            .as_deref()
+            .map(|r| serde_json::from_str::<Value>(r.get()))
+        {
+            Some(Ok(Value::String(s))) => s,
             _ => return Err(ApiError::bad("missing content")),
         };
-        let mode = match o.get("special").and_then(Value::as_str) {
+        let special = b
+            .special
+            .as_deref()
+            .map(|r| serde_json::from_str::<Value>(r.get()).unwrap_or(Value::Null));
+        let mode = match special.as_ref().and_then(Value::as_str) {
             None | Some("chat") => SpecialTokens::ChatMarkers,
             Some("none") => SpecialTokens::None,
             Some("all") => SpecialTokens::All,
@@ -609,12 +663,22 @@ async fn tokenize_inner(
                 )))
             }
         };
+        // No session holds more than the context: a text that needs more tokens is refused
+        // before it is tokenized (by its byte count), or after.
+        let at_least = content.len() / st.max_token_bytes;
+        if at_least > st.ctx {
+            return Err(too_many_tokens_to_tokenize(at_least, true, st.ctx));
+        }
+        drop(body);
         let t = tokio::task::spawn_blocking(move || st2.tok.encode_with(&content, mode))
             .await
             .map_err(|e| ApiError::internal(e.to_string()))?
             .map_err(|e| ApiError::bad(e.to_string()))?;
         (t, None)
     };
+    if tokens.len() > st.ctx {
+        return Err(too_many_tokens_to_tokenize(tokens.len(), false, st.ctx));
+    }
     let mut out = Obj::new()
         .raw("tokens", &arr(tokens.iter().map(|t| t.to_string())))
         .num("count", tokens.len() as u64);
@@ -632,6 +696,17 @@ async fn tokenize_inner(
         out = out.raw("pieces", &pieces);
     }
     Ok(json_response(StatusCode::OK, out.end()))
+}
+
+fn too_many_tokens_to_tokenize(n: usize, at_least: bool, ctx: usize) -> ApiError {
+    let n = if at_least {
+        format!("at least {n}")
+    } else {
+        n.to_string()
+    };
+    ApiError::bad(format!(
+        "the text to tokenize is {n} tokens, more than the context size ({ctx}); tokenize at most that many at once"
+    ))
 }
 
 async fn detokenize(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -702,9 +777,10 @@ async fn prepare_permit(st: &AppState) -> Result<tokio::sync::OwnedSemaphorePerm
 async fn generation(
     st: Arc<AppState>,
     ep: Endpoint,
+    conn: Option<limits::ConnSocket>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match generation_inner(st, ep, body).await {
+    match generation_inner(st, ep, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(endpoints::family(ep).shape()),
     }
@@ -724,6 +800,7 @@ impl Drop for CancelOnDrop {
 async fn generation_inner(
     st: Arc<AppState>,
     ep: Endpoint,
+    conn: Option<limits::ConnSocket>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = body_bytes(body, st.cfg.max_body_bytes)?;
@@ -778,7 +855,9 @@ async fn generation_inner(
     } else {
         16
     });
+    let watch = req.stream.then(|| Arc::new(limits::StreamWatch::new(conn)));
     let job = Job {
+        watch: watch.clone(),
         endpoint: ep,
         sampling: sampler_config(&req.sampling, prepared.thinking, seed),
         prepared,
@@ -810,7 +889,11 @@ async fn generation_inner(
         });
     }
     Stats::add(&st.stats.requests, 1);
-    let usage = match rx.recv().await {
+    let first = rx.recv().await;
+    if let (Some(w), Some(ev)) = (&watch, &first) {
+        w.taken(crate::worker::event_bytes(ev));
+    }
+    let usage = match first {
         Some(JobEvent::Started { usage, .. }) => usage,
         Some(JobEvent::Failed(e)) => return Err(e),
         Some(_) => return Err(ApiError::internal("the worker sent events out of order")),
@@ -824,6 +907,7 @@ async fn generation_inner(
             guard,
             st.cfg.keep_alive,
             taken_ms,
+            watch,
         ));
     }
     loop {
@@ -869,6 +953,9 @@ fn admit_and_prepare(
             st.ctx
         )));
     }
+    // Before anything is built from the body: its shape must keep the parse within a small
+    // multiple of its size (`bodyscan`), and it must hold no duplicate keys.
+    crate::bodyscan::check(&body, st.ctx)?;
     let family = endpoints::family(ep);
     let mut req = family.parse(&body, ctx)?;
     drop(body);
@@ -909,6 +996,7 @@ struct SseState {
     pending: VecDeque<Frame>,
     finished: bool,
     taken_ms: Arc<AtomicU64>,
+    watch: Option<Arc<limits::StreamWatch>>,
     _guard: CancelOnDrop,
 }
 
@@ -930,6 +1018,7 @@ fn sse_response(
     guard: CancelOnDrop,
     keep_alive: Duration,
     taken_ms: Arc<AtomicU64>,
+    watch: Option<Arc<limits::StreamWatch>>,
 ) -> Response {
     let mut em = endpoints::family(ctx.endpoint).stream(ctx);
     let first = em.start(&usage);
@@ -939,6 +1028,7 @@ fn sse_response(
         pending: first.into(),
         finished: false,
         taken_ms,
+        watch,
         _guard: guard,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
@@ -952,6 +1042,10 @@ fn sse_response(
             match s.rx.recv().await {
                 Some(ev) => {
                     s.taken_ms.store(limits::now_ms(), Ordering::Relaxed);
+                    if let Some(w) = &s.watch {
+                        w.taken(crate::worker::event_bytes(&ev));
+                        w.refresh_peer();
+                    }
                     let (frames, end) = on_event(s.em.as_mut(), ev);
                     s.pending.extend(frames);
                     s.finished = end;

@@ -19,6 +19,7 @@
 //! `POST /tokenize`, `/detokenize`. Wire formats follow `docs/server.md` §4–8.
 
 pub mod api;
+pub mod bodyscan;
 pub mod config;
 pub mod diskcache;
 pub mod emit;

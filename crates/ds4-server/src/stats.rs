@@ -48,6 +48,8 @@ pub struct Stats {
     pub rejected_origin: AtomicU64,
     /// Requests refused before rendering because they cannot fit the context.
     pub rejected_early: AtomicU64,
+    /// Request bodies refused with 503 because the process-wide body budget stayed taken.
+    pub rejected_body_budget: AtomicU64,
     /// Streaming generations cancelled because the client stopped reading.
     pub stalled: AtomicU64,
     /// Handler panics answered with 500.
@@ -94,6 +96,7 @@ impl Stats {
             .num("timed_out", g(&self.timed_out))
             .num("rejected_origin", g(&self.rejected_origin))
             .num("rejected_early", g(&self.rejected_early))
+            .num("rejected_body_budget", g(&self.rejected_body_budget))
             .num("stalled", g(&self.stalled))
             .num("handler_panics", g(&self.handler_panics))
             .end()

@@ -53,6 +53,24 @@ pub struct Job {
     /// that takes nothing for [`ServerConfig::stall_timeout`] while events wait has stopped
     /// reading, and its generation is cancelled instead of holding the worker.
     pub taken_ms: Arc<std::sync::atomic::AtomicU64>,
+    /// A streaming job's view of its client's progress (unacknowledged bytes, events
+    /// waiting); `None` for a non-streaming job.
+    pub watch: Option<Arc<crate::limits::StreamWatch>>,
+}
+
+/// Bytes of the SSE frame around one event's text, as an estimate (a chat chunk's JSON
+/// wrapper is about 170 bytes).
+const EVENT_FRAME_BYTES: u64 = 160;
+
+/// Estimated bytes `ev` takes on the wire once framed.
+pub fn event_bytes(ev: &JobEvent) -> u64 {
+    let text = match ev {
+        JobEvent::Delta(Delta::Reasoning(s) | Delta::Content(s)) => s.len(),
+        JobEvent::Delta(Delta::ToolStart { id, name, .. }) => id.len() + name.len(),
+        JobEvent::Delta(Delta::ToolArgs { fragment, .. }) => fragment.len(),
+        _ => 0,
+    };
+    text as u64 + EVENT_FRAME_BYTES
 }
 
 /// Token accounting of one request (docs/server.md §7.1: P, R, C).
@@ -190,6 +208,7 @@ pub(crate) fn send(stats: &Stats, cfg: &ServerConfig, job: &Job, ev: JobEvent) {
     if matches!(ev, JobEvent::Delta(_)) && !job.deltas {
         return;
     }
+    let bytes = event_bytes(&ev);
     if job.events.try_send(ev).is_err() {
         // Receiver gone (disconnect) or buffer full (stalled client): stop the job.
         if !job.events.is_closed() && !job.cancel.swap(true, Ordering::Relaxed) {
@@ -208,6 +227,12 @@ pub(crate) fn send(stats: &Stats, cfg: &ServerConfig, job: &Job, ev: JobEvent) {
         job.taken_ms
             .store(crate::limits::now_ms(), Ordering::Relaxed);
     }
+    if let Some(w) = &job.watch {
+        let queued = w.queued.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        if !job.cancel.load(Ordering::Relaxed) {
+            stream_progress(stats, cfg, job, w, queued);
+        }
+    }
     if job.deltas && waiting > 1 && !job.cancel.load(Ordering::Relaxed) {
         let idle = crate::limits::now_ms().saturating_sub(job.taken_ms.load(Ordering::Relaxed));
         if idle > cfg.stall_timeout.as_millis() as u64 {
@@ -218,6 +243,41 @@ pub(crate) fn send(stats: &Stats, cfg: &ServerConfig, job: &Job, ev: JobEvent) {
             );
             Stats::add(&stats.stalled, 1);
             job.cancel.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Cancels a streaming job whose client is not keeping up: more than
+/// [`crate::limits::STREAM_BUFFER_CAP_BYTES`] of events waiting for its connection, or more
+/// than [`ServerConfig::unread_cap_bytes`] unread while it takes nothing for longer than the
+/// stall timeout (see [`crate::limits::StreamWatch`]).
+fn stream_progress(
+    stats: &Stats,
+    cfg: &ServerConfig,
+    job: &Job,
+    w: &crate::limits::StreamWatch,
+    queued: u64,
+) {
+    let cancel = |why: &str, bytes: u64, ms: u64| {
+        tracing::warn!(
+            unread_bytes = bytes,
+            for_ms = ms,
+            "streaming client {why}; cancelling its generation"
+        );
+        Stats::add(&stats.stalled, 1);
+        job.cancel.store(true, Ordering::Relaxed);
+    };
+    if queued > crate::limits::STREAM_BUFFER_CAP_BYTES {
+        cancel("left over 1 MiB of events waiting", queued, 0);
+        return;
+    }
+    if let Some((ms, bytes)) = w.stalled(cfg.unread_cap_bytes) {
+        if ms > cfg.stall_timeout.as_millis() as u64 {
+            cancel(
+                "took nothing of its stream with more than the unread-bytes cap waiting",
+                bytes,
+                ms,
+            );
         }
     }
 }

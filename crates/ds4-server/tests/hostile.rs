@@ -108,6 +108,82 @@ async fn many_tiny_messages_are_refused_before_rendering() {
     srv.shutdown().await.unwrap();
 }
 
+/// Bodies whose parsed form would dwarf them are refused by the pre-scan with a 400 that
+/// names the problem (`tests/parse_memory.rs` measures the memory), and `/tokenize` is
+/// capped by the context like every other prompt (64 MiB of text was 33 M tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dense_duplicated_and_oversized_bodies_are_refused_before_parsing() {
+    let srv = start(ServerConfig::default()).await;
+    let a = srv.addr;
+    let raw = |b: String| async move {
+        request(
+            a,
+            "POST",
+            "/v1/chat/completions",
+            &[("Content-Type", "application/json")],
+            b.as_bytes(),
+        )
+        .await
+    };
+    // A second `messages` key.
+    let r = raw(r#"{"messages":[{"role":"user","content":"a"}],"messages":[{"role":"user","content":"b"}]}"#.into()).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("appears more than once"), "{}", r.body);
+    // More content parts than the context has tokens.
+    let parts = vec![r#"{"type":"text","text":""}"#; CTX + 1].join(",");
+    let r = raw(format!(
+        r#"{{"messages":[{{"role":"user","content":[{parts}]}}]}}"#
+    ))
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body.contains("messages[0].content") && r.body.contains("context size"),
+        "{}",
+        r.body
+    );
+    // An ignored member dense with tiny objects, each array short: the size estimate.
+    let chunk = format!("[{}]", vec![r#"{"a":""}"#; 4000].join(","));
+    let junk = vec![chunk; 200].join(",");
+    let r = raw(format!(
+        r#"{{"messages":[{{"role":"user","content":"hi"}}],"junk":[{junk}]}}"#
+    ))
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("JSON objects"), "{}", r.body);
+    // /tokenize: text longer than the context, plain or as messages.
+    let long = "word ".repeat(CTX * 2);
+    let r = post(a, "/tokenize", &json!({ "content": long })).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("more than the context size"), "{}", r.body);
+    let r = post(
+        a,
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": long}]}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("more than the context size"), "{}", r.body);
+    let r = post(
+        a,
+        "/tokenize",
+        &json!({"content": "word word", "x": [{"a": 1}]}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["count"].as_u64().unwrap(),
+        r.json()["tokens"].as_array().unwrap().len() as u64
+    );
+    let r = post(
+        a,
+        "/tokenize",
+        &json!({"content": "w", "with_pieces": "yes"}),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    srv.shutdown().await.unwrap();
+}
+
 // ---- item 2: timeouts and caps -----------------------------------------------------------
 
 fn short_timeouts() -> ServerConfig {
@@ -211,6 +287,73 @@ async fn over_limit_upload_gets_no_continue() {
         .unwrap()
         .unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).contains("100 Continue"));
+    srv.shutdown().await.unwrap();
+}
+
+/// Stalled uploads hold at most the body budget: once their declared lengths fill it, the
+/// next body is refused with 503 + `Retry-After` without being read (so no `100 Continue`),
+/// requests without a body are still served, and the budget comes back when the stalled
+/// uploads are cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_uploads_cannot_hold_more_than_the_body_budget() {
+    let srv = start(ServerConfig {
+        max_body_bytes: 1 << 20,
+        body_budget_bytes: 2 << 20,
+        body_budget_wait: Duration::from_millis(300),
+        body_idle_timeout: Duration::from_secs(2),
+        body_timeout: Duration::from_secs(4),
+        ..ServerConfig::default()
+    })
+    .await;
+    let a = srv.addr;
+    let head = |len: usize, expect: bool| {
+        format!(
+            "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n{}\r\n",
+            if expect { "Expect: 100-continue\r\n" } else { "" }
+        )
+    };
+    // Two uploads of 1 MiB each that send a little and stall: the whole budget.
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(a).await.unwrap();
+        s.write_all(head(1 << 20, false).as_bytes()).await.unwrap();
+        s.write_all(&[b' '; 1000]).await.unwrap();
+        stalled.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A third, even a small one, cannot get its share: 503 + Retry-After, not read.
+    let t0 = Instant::now();
+    let mut s = TcpStream::connect(a).await.unwrap();
+    s.write_all(head(5000, true).as_bytes()).await.unwrap();
+    let (raw, closed) = read_until_close(&mut s, Duration::from_secs(3)).await;
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(status_of(&raw), 503, "{text}");
+    assert!(!text.contains("100 Continue"), "{text}");
+    assert!(
+        text.contains("Retry-After") || text.contains("retry-after"),
+        "{text}"
+    );
+    assert!(text.contains("body_budget_exhausted"), "{text}");
+    assert!(closed);
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // A chunked body is charged as it arrives: refused the same way.
+    let mut s = TcpStream::connect(a).await.unwrap();
+    s.write_all(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n{\"content\":\"abc\"\r\n")
+        .await
+        .unwrap();
+    let (raw, _) = read_until_close(&mut s, Duration::from_secs(3)).await;
+    assert_eq!(status_of(&raw), 503, "{}", String::from_utf8_lossy(&raw));
+    // Requests without a body are not held up.
+    assert_eq!(get(a, "/health").await.status, 200);
+    // The stalled uploads get 408; their shares come back and bodies are read again.
+    for s in &mut stalled {
+        let (raw, _) = read_until_close(s, Duration::from_secs(6)).await;
+        assert_eq!(status_of(&raw), 408, "{}", String::from_utf8_lossy(&raw));
+    }
+    let r = post(a, "/tokenize", &json!({"content": "hello"})).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let s = stats(a).await;
+    assert_eq!(s["rejected_body_budget"], 2, "{s}");
     srv.shutdown().await.unwrap();
 }
 
@@ -532,12 +675,134 @@ async fn a_reader_that_stops_is_cancelled_quickly() {
         "the generation ended without a stall: {st}"
     );
     assert!(generated < 20_000, "{st}");
+    // The buffers (about 36 KB here) fill at the build's token rate first: a debug build
+    // under a parallel test run streams 30–50 tokens/s, which takes 4–6 s of this; a
+    // client nobody cancelled would run for minutes.
     assert!(
-        took < Duration::from_secs(6),
+        took < Duration::from_secs(15),
         "cancelled only after {took:?}"
     );
     let r = post(a, "/v1/chat/completions", &chat("next")).await;
     assert_eq!(r.status, 200, "{}", r.body);
+    drop(s);
+    srv.shutdown().await.unwrap();
+}
+
+/// A client with an ordinary socket (the kernel's default receive buffer, which grows on
+/// its own) that sends a streaming request and never reads a byte: the server's side of
+/// the stream stays unacknowledged, and the generation is cancelled within a bounded time
+/// (a shortened stall timeout), freeing the only slot for the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_socket_that_never_reads_frees_the_slot() {
+    let huge = "word ".repeat(40_000);
+    let rules = json!([{"when": "[huge]", "output": huge}]).to_string();
+    let srv = start_ctx(
+        ServerConfig {
+            stall_timeout: Duration::from_millis(1000),
+            // Small enough for the debug build's slow stream to pass it within seconds.
+            unread_cap_bytes: 16 << 10,
+            script: Some(std::sync::Arc::new(
+                ds4_server::Script::from_json(&rules).unwrap(),
+            )),
+            ..ServerConfig::default()
+        },
+        65536,
+    )
+    .await;
+    let a = srv.addr;
+    let mut s = TcpStream::connect(a).await.unwrap();
+    let body = json!({"messages":[{"role":"user","content":"[huge]"}],"think":false,"stream":true,"max_tokens":50000}).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // Never read: wait for the generation to start, then for it to end.
+    let _ = wait_stats(a, |s| {
+        s["running"] == 1 || s["generated_tokens"].as_u64() > Some(0)
+    })
+    .await;
+    let t0 = Instant::now();
+    let st = wait_stats(a, |s| s["running"] == 0).await;
+    let took = t0.elapsed();
+    let generated = st["generated_tokens"].as_u64().unwrap();
+    eprintln!("a default socket that never reads: cancelled after {took:?}, {generated} tokens");
+    assert_eq!(
+        st["stalled"], 1,
+        "the generation ended without a stall: {st}"
+    );
+    assert!(generated < 40_000, "{st}");
+    assert!(
+        took < Duration::from_secs(15),
+        "cancelled only after {took:?}"
+    );
+    let r = post(a, "/v1/chat/completions", &chat("next")).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    drop(s);
+    srv.shutdown().await.unwrap();
+}
+
+/// A client that reads slower than the stream is behind by more than the unread cap, but it
+/// keeps taking bytes: it is not cancelled. When it stops taking them, it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_is_served_and_cancelled_once_it_stops() {
+    let huge = "word ".repeat(40_000);
+    let rules = json!([{"when": "[huge]", "output": huge}]).to_string();
+    let srv = start_ctx(
+        ServerConfig {
+            stall_timeout: Duration::from_millis(1000),
+            unread_cap_bytes: 4 << 10,
+            script: Some(std::sync::Arc::new(
+                ds4_server::Script::from_json(&rules).unwrap(),
+            )),
+            ..ServerConfig::default()
+        },
+        65536,
+    )
+    .await;
+    let a = srv.addr;
+    let mut s = TcpStream::connect(a).await.unwrap();
+    let body = json!({"messages":[{"role":"user","content":"[huge]"}],"think":false,"stream":true,"max_tokens":50000}).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // 100 bytes every 100 ms (1 KB/s), slower than the stream even in a loaded debug build
+    // (25+ tokens/s of 100+ bytes each): the backlog passes the 4 KiB cap.
+    let t0 = Instant::now();
+    let mut got = 0;
+    while t0.elapsed() < Duration::from_secs(5) {
+        let mut buf = [0u8; 100];
+        let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+            .await
+            .expect("the stream went quiet")
+            .unwrap();
+        assert!(
+            n > 0,
+            "the server closed a slow reader's stream after {got} bytes"
+        );
+        got += n;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let st = stats(a).await;
+    assert_eq!(st["stalled"], 0, "a slow reader was cancelled: {st}");
+    assert_eq!(st["running"], 1, "{st}");
+    let generated = st["generated_tokens"].as_u64().unwrap();
+    // Each token is a chat chunk of well over 100 bytes.
+    assert!(
+        generated * 100 > got as u64 + (4 << 10),
+        "the stream never got ahead of the reader ({generated} tokens, {got} bytes read): nothing was tested"
+    );
+    // Now it stops.
+    let t0 = Instant::now();
+    let st = wait_stats(a, |s| s["running"] == 0).await;
+    eprintln!(
+        "slow reader: {got} bytes read in 5 s; cancelled {:?} after it stopped",
+        t0.elapsed()
+    );
+    assert_eq!(st["stalled"], 1, "{st}");
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
     drop(s);
     srv.shutdown().await.unwrap();
 }

@@ -96,6 +96,13 @@ struct Args {
     /// Open connections at most (0 = from the descriptor limit); past it: 503.
     #[arg(long, default_value_t = 0)]
     max_connections: usize,
+    /// Request-body bytes buffered at once across all connections, in MiB (0 = 4 × the
+    /// body limit); a body that cannot get its share in time: 503 + Retry-After.
+    #[arg(long, default_value_t = 0)]
+    body_budget_mib: usize,
+    /// Milliseconds a request body may wait for its share of the body budget.
+    #[arg(long, default_value_t = 1000)]
+    body_budget_wait_ms: u64,
     /// Seconds open connections may take to finish after SIGTERM before they are dropped.
     #[arg(long, default_value_t = 10)]
     shutdown_grace_secs: u64,
@@ -105,6 +112,10 @@ struct Args {
     /// Milliseconds a streaming client may stop reading before its generation is cancelled.
     #[arg(long, default_value_t = 2000)]
     stall_timeout_ms: u64,
+    /// KiB of a stream a client may leave unread (send queue, waiting events and, for a
+    /// client on this host, its receive queue) while taking nothing for the stall timeout.
+    #[arg(long, default_value_t = 128)]
+    stream_unread_cap_kib: u64,
     /// Kernel send buffer per connection in KiB (0 = kernel default, autotuned to MBs).
     #[arg(long, default_value_t = 128)]
     send_buffer_kib: usize,
@@ -297,9 +308,12 @@ fn main() -> Result<()> {
         body_idle_timeout: Duration::from_secs(a.body_idle_timeout_secs.max(1)),
         body_timeout: Duration::from_secs(a.body_timeout_secs.max(1)),
         max_connections: a.max_connections,
+        body_budget_bytes: a.body_budget_mib.saturating_mul(1 << 20),
+        body_budget_wait: Duration::from_millis(a.body_budget_wait_ms),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
         prepare_concurrency: a.prepare_concurrency,
         stall_timeout: Duration::from_millis(a.stall_timeout_ms.max(1)),
+        unread_cap_bytes: a.stream_unread_cap_kib.max(1) << 10,
         content_special_tokens: a.content_special_tokens,
         send_buffer_bytes: a.send_buffer_kib << 10,
         parallel,

@@ -441,7 +441,7 @@ pub fn open_gguf(path: &Path) -> Result<Arc<GgufFile>, LoadError> {
 /// Placement overrides, the same flags for every program that loads a model (`ds4`,
 /// `ds4-server`, `ds4-bench`). CLI > environment > automatic; `ds4 plan --help-overrides`
 /// prints the whole table.
-#[derive(clap::Args, Default)]
+#[derive(clap::Args, Debug, Clone, Default)]
 pub struct PlacementFlags {
     /// Where weights go: auto|device|host|managed.
     #[arg(long)]

@@ -42,10 +42,16 @@ struct Args {
     #[arg(short = 't', long, default_value_t = 0)]
     threads: usize,
     /// Backend: auto (CUDA when a device answers, then ROCm, then the CPU, saying why),
-    /// cpu, cuda, rocm. GPU weights are placed by the same plan `ds4 plan` prints (the
-    /// DS4_WEIGHTS_MEM / DS4_DEVICE_MEM_LIMIT_GIB / ... variables override it).
+    /// cpu, cuda, rocm. GPU weights are placed by the same plan `ds4 plan` prints; the
+    /// placement flags below (as in `ds4`) or their DS4_* variables override it.
     #[arg(long, value_enum, default_value_t = ds4_runtime::load::BackendChoice::Auto)]
     backend: ds4_runtime::load::BackendChoice,
+    #[command(flatten)]
+    placement: ds4_runtime::load::PlacementFlags,
+    /// More log output (-v: the whole placement plan at load and info logs, -vv debug);
+    /// RUST_LOG overrides the log level.
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    verbose: u8,
     /// Pedantic f32 prefill GEMM instead of the default fast TF32 path (CUDA; also
     /// DS4_QUALITY=1).
     #[arg(long)]
@@ -242,13 +248,20 @@ fn api_key(a: &Args) -> Result<Option<String>> {
 }
 
 fn main() -> Result<()> {
+    let a = Args::parse();
+    let level = match a.verbose {
+        0 | 1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| level.into()),
         )
         .with_writer(std::io::stderr)
+        // Plain text for log files and pipes; colour only on a terminal.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let a = Args::parse();
     if a.ctx == 0 || a.tokens == 0 || a.prefill_chunk == 0 || a.default_max_tokens == 0 {
         bail!("--ctx, --tokens, --default-max-tokens and --prefill-chunk must be > 0");
     }
@@ -346,7 +359,12 @@ fn main() -> Result<()> {
     // The CLI's loader: backend, placement plan (printed), engine, tokenizer, identity.
     let opts = ds4_runtime::load::LoadOptions {
         backend: a.backend,
-        report: ds4_runtime::load::LoadReport::Summary,
+        report: if a.verbose > 0 {
+            ds4_runtime::load::LoadReport::Full
+        } else {
+            ds4_runtime::load::LoadReport::Summary
+        },
+        placement: a.placement.to_overrides(),
         precision,
         kv_states: parallel,
         warmup: ds4_runtime::load::warmup_wanted(a.no_warmup),

@@ -78,8 +78,9 @@
 #   decode     ds4-bench --synthetic q2 at 2k and 32k on the card's resident layers (36 on an
 #              80 GB card, 43 on an H200)
 #   profile    the bench's --profile 4 at 2k: device time by layer kind and by kernel
-#   roofline   ncu of one decoded token on a 2-layer model: time and DRAM bytes per kernel,
-#              per-layer kernels scaled to the card's layers (tools/device/roofline.py)
+#   roofline   ncu of one decoded token on a 2-layer model at 2k: time and DRAM bytes per
+#              kernel against the copy bandwidth (tools/device/roofline.py); the time shares
+#              of the full model come from step profile
 #   user8      ds4-bench on a sparse full-size file beside the CLI's loop on it (greedy), then
 #              ds4-server --parallel 8 on it: 1 client, 8 clients, 8 greedy ones
 #
@@ -155,7 +156,7 @@ profile() {
 }
 
 roofline() {
-    echo "== roofline of one decoded token (ncu, 2 layers, scaled to $L)"; date +%T
+    echo "== roofline of one decoded token (ncu, 2-layer model at 2k)"; date +%T
     timeout 100 ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 4 > "$OUT/roofline_bench.log" 2>&1
     local n bw
     # "decode @2048: 52.0 launches, ..." and "device copy bandwidth 3025 GB/s · ..."
@@ -167,7 +168,7 @@ roofline() {
         --csv --page raw ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 1 --warmup 0 \
         > "$OUT/roofline_ncu.csv" 2> "$OUT/roofline_ncu.err"
     echo "ncu rows: $(grep -c '^"' "$OUT/roofline_ncu.csv")"; tail -2 "$OUT/roofline_ncu.err"
-    [ -n "$n" ] && [ -n "$bw" ] && python3 "$R/tools/device/roofline.py" "$OUT/roofline_ncu.csv" "$n" "$bw" 2 $L
+    [ -n "$n" ] && [ -n "$bw" ] && python3 "$R/tools/device/roofline.py" "$OUT/roofline_ncu.csv" "$n" "$bw"
 }
 
 batch_quick() {

@@ -63,3 +63,35 @@ fn e2e_needs_a_model_file() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--e2e needs -m FILE"), "{err}");
 }
+
+/// The frontier benchmark times device kernels and needs CUDA; without a device it says so
+/// and names the flag that measures the CPU instead of stopping at "opening CUDA device 0".
+#[test]
+fn the_frontier_bench_without_cuda_names_the_cpu_path() {
+    let o = Command::new(env!("CARGO_BIN_EXE_ds4-bench"))
+        .current_dir(root())
+        .args([
+            "--synthetic",
+            "q2",
+            "--layers",
+            "1",
+            "--frontiers",
+            "8",
+            "--decode",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    if o.status.success() {
+        // A machine with a CUDA device ran it.
+        return;
+    }
+    assert!(err.contains("needs a CUDA GPU"), "{err}");
+    assert!(err.contains("--e2e -m MODEL --backend cpu"), "{err}");
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "{err}"
+    );
+}

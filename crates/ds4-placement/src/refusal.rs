@@ -153,7 +153,7 @@ pub struct FailedOption {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "remedy", rename_all = "snake_case")]
 pub enum Remedy {
-    /// `--ctx N` or smaller fits (scratch size assumed unchanged).
+    /// `--ctx N` or smaller fits (scratch re-sized for that context).
     SmallerContext { max_ctx: u64 },
     /// Removing an override lets automatic placement fit.
     DropOverride { setting: String },

@@ -369,6 +369,13 @@ proptest! {
             Err(Refusal::DoesNotFit(f)) => {
                 prop_assert!(!f.tried.is_empty());
                 prop_assert!(!f.to_string().is_empty());
+                // Every option tried names why it failed: a shortfall, or a note.
+                for t in &f.tried {
+                    prop_assert!(
+                        !t.shortfalls.is_empty() || t.note.as_deref().is_some_and(|n| !n.is_empty()),
+                        "{} gives no reason", t.option
+                    );
+                }
                 // Remedies are real: each verified one fits when applied.
                 for rem in &f.remedies {
                     let mut r2 = req.clone();

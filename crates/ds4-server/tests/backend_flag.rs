@@ -49,7 +49,7 @@ fn ds4_gpu_probe() -> bool {
 }
 
 #[test]
-fn auto_prints_the_plan_and_serves() {
+fn auto_prints_the_placement_and_serves() {
     let mut child = server(&["--backend", "auto"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -72,7 +72,9 @@ fn auto_prints_the_plan_and_serves() {
         let _ = child.kill();
         panic!("no listening line; stderr so far:\n{seen}")
     });
-    assert!(seen.contains("placement plan for"), "{seen}");
+    // The load says where the weights go in one line (the whole plan with -v).
+    assert!(seen.contains("ds4: placement: "), "{seen}");
+    assert!(!seen.contains("placement plan for"), "{seen}");
     let mut s = TcpStream::connect(&addr).unwrap();
     // A loopback Host: other names are refused on a loopback server without a key.
     write!(

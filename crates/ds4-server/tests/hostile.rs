@@ -762,7 +762,10 @@ async fn a_slow_reader_is_served_and_cancelled_once_it_stops() {
     .await;
     let a = srv.addr;
     let mut s = TcpStream::connect(a).await.unwrap();
-    let body = json!({"messages":[{"role":"user","content":"[huge]"}],"think":false,"stream":true,"max_tokens":50000}).to_string();
+    // 2500 tokens: a whole stream (chunks of a few hundred bytes) stays below the 1 MiB of
+    // waiting events that cancels at once, so a release build, which generates it all within
+    // the five seconds below, tests the progress rule and not that cap.
+    let body = json!({"messages":[{"role":"user","content":"[huge]"}],"think":false,"stream":true,"max_tokens":2500}).to_string();
     let req = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
@@ -787,22 +790,30 @@ async fn a_slow_reader_is_served_and_cancelled_once_it_stops() {
     }
     let st = stats(a).await;
     assert_eq!(st["stalled"], 0, "a slow reader was cancelled: {st}");
-    assert_eq!(st["running"], 1, "{st}");
     let generated = st["generated_tokens"].as_u64().unwrap();
     // Each token is a chat chunk of well over 100 bytes.
     assert!(
         generated * 100 > got as u64 + (4 << 10),
         "the stream never got ahead of the reader ({generated} tokens, {got} bytes read): nothing was tested"
     );
-    // Now it stops.
-    let t0 = Instant::now();
-    let st = wait_stats(a, |s| s["running"] == 0).await;
-    eprintln!(
-        "slow reader: {got} bytes read in 5 s; cancelled {:?} after it stopped",
-        t0.elapsed()
-    );
-    assert_eq!(st["stalled"], 1, "{st}");
-    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
+    if st["running"] == 1 {
+        // Still generating (a debug build): when the reader stops, the stream is cancelled.
+        let t0 = Instant::now();
+        let st = wait_stats(a, |s| s["running"] == 0).await;
+        eprintln!(
+            "slow reader: {got} bytes read in 5 s; cancelled {:?} after it stopped",
+            t0.elapsed()
+        );
+        assert_eq!(st["stalled"], 1, "{st}");
+        assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
+    } else {
+        // The whole answer was generated while the reader read (a release build): it waits
+        // in the connection's bounded queue and the slot is free for the next request (the
+        // stopped reader's cancellation is `a_default_socket_that_never_reads_frees_the_slot`).
+        assert_eq!(generated, 2500, "{st}");
+        let r = post(a, "/v1/chat/completions", &chat("next")).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
     drop(s);
     srv.shutdown().await.unwrap();
 }

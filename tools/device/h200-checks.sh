@@ -115,7 +115,7 @@ check() {
     timeout 120 ds4-engine-check ops "$work/s4.gguf" --tiny 0 --flash-layers 4 --tokens 40 --chunk 40 --act-q8 > "$OUT/ops_c40.log" 2>&1; tail -1 "$OUT/ops_c40.log"
     timeout 120 ds4-engine-check ops "$work/s4.gguf" --tiny 0 --flash-layers 4 --tokens 12 --chunk 2 --act-q8 > "$OUT/ops_c2.log" 2>&1; tail -1 "$OUT/ops_c2.log"
     for f in tiny-hca16 tiny-hca128; do ds4-convert hf --quiet "$R/tests/fixtures/$f" "$work/m-$f.gguf" > /dev/null; done
-    timeout 120 ds4-engine-check parity "$W"/m-*.gguf --tiny 2 > "$OUT/parity.log" 2>&1; grep -E "PASSED|FAIL|failed" "$OUT/parity.log" | head -3
+    timeout 120 ds4-engine-check parity "$work"/m-*.gguf --tiny 2 > "$OUT/parity.log" 2>&1; grep -E "PASSED|FAIL|failed" "$OUT/parity.log" | head -3
 }
 
 # logits_of DIR TAG: ds4 logits of the 4-layer file from the build in DIR.

@@ -23,8 +23,9 @@ import sys
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum")
 SCALE = {
     "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+    "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6,
     "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9,
-    "KB": 1e3, "MB": 1e6, "GB": 1e9,
+    "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9,
 }
 
 
@@ -50,6 +51,9 @@ def rows(path):
             except ValueError:
                 vals[m] = 0.0
         out.append((r[name_i].split("(")[0][:60], vals))
+    for m, i in idx.items():
+        if units[i] not in SCALE:
+            raise SystemExit(f"{path}: unknown unit {units[i]!r} of {m}")
     return out
 
 

@@ -1837,7 +1837,7 @@ impl<D: GpuApi> GpuBackend<D> {
 }
 
 /// Every op runs `ds4_engine::validate` first (the checks every backend shares), then the
-/// launch code in `ops.rs`.
+/// launch code in `ops/` (one file per kernel family).
 impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn name(&self) -> String {
         format!("{} ({})", self.dev.runtime(), self.dev.device_name())

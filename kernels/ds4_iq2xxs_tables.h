@@ -284,7 +284,7 @@ __device__ __align__(16) const ds4_u32 ds4_iq2xxs_signs_h[512] = {
     0x80000000u, 0x80008000u, 0x80008000u, 0x00008000u, 0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u,
 };
 
-// The lattice as byte-permute selectors for the int8 GEMV unit (kernels/gemv.cu,
+// The lattice as byte-permute selectors for the int8 GEMV unit (kernels/gemv_q8.cu,
 // docs/gpu.md §32): nibble j of entry k is the level of value j (0: 8, 1: 25, 2: 43).
 __device__ const ds4_u32 ds4_iq2xxs_grid_sel[256] = {
     0x00000000u, 0x00000002u, 0x00000011u, 0x00000020u, 0x00000022u, 0x00000101u, 0x00000110u, 0x00000200u,

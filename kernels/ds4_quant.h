@@ -43,7 +43,7 @@ __device__ __forceinline__ float ds4_swiglu1(float g, float u, float c) {
 
 // ---------------------------------------------------------------------------------------
 // Block reductions (RMSNorm's sum of squares), shared so that every kernel that normalizes
-// a row — ops.cu's ds4_rms_norm and the GEMVs that normalize their own input — sums in the
+// a row — norm_rope.cu's ds4_rms_norm and the GEMVs that normalize their own input — sums in the
 // same order and gets the same scale.
 // ---------------------------------------------------------------------------------------
 // v of lane (this lane ^ m), for doubles (two 32-bit shuffles).

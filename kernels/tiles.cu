@@ -1,6 +1,6 @@
 // tiles.cu: prefill matmuls straight from quantized weights (docs/gpu.md §4).
 //
-// The panel path (ops.cu: dequantize a whole matrix to f32, then a GEMM) writes and reads
+// The panel path (dequant.cu: dequantize a whole matrix to f32, then a GEMM) writes and reads
 // back four bytes per weight per chunk: for the routed experts of one layer that is ~25 GB
 // at a 2048-token chunk, far more than the ~2 GB of quantized weights. These kernels read
 // each quantized weight once per tile of tokens, decode it in registers into a half-precision
@@ -57,7 +57,7 @@ __device__ __forceinline__ float ds4_i8f(ds4_u32 v) {
 // N) of one weight row, first as the raw bytes of that row (`ds4_wload`, global loads
 // only, so that they are in flight while the tensor cores work on the previous step), then
 // decoded from those registers into f32 (`ds4_wdec`) with the same expressions (and so the
-// same f32 roundings) as ops.cu's ds4_elem and the CPU's ds4_gguf::quant::dequantize. One
+// same f32 roundings) as ds4_ops.h's ds4_elem and the CPU's ds4_gguf::quant::dequantize. One
 // struct template per type; the kernel body is a template over it, so each type gets its
 // own register allocation and a branch-free K loop. Every quant block here is a multiple
 // of 32 values, so a piece never straddles two blocks.
@@ -125,7 +125,7 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_bf16<N>& 
     }
 }
 
-// Q8_0 in the GPU's split layout (ops.cu ds4_q8_0_split, docs/gpu.md §7): the row's `cols`
+// Q8_0 in the GPU's split layout (dequant.cu ds4_q8_0_split, docs/gpu.md §7): the row's `cols`
 // int8 codes, then its cols / 32 f16 scales; rows 2-byte aligned (the host checks), so u16
 // loads: the piece's N / 2 code pairs and its block's scale.
 template <int N> struct ds4_tw_q8_0 {
@@ -359,7 +359,7 @@ extern "C" __global__ void ds4_to_half(const float* x, ds4_size x_stride, int n,
 }
 
 // h[p] = weight of selection order[p] * SwiGLU(g[p], u[p]) with the clamp, as halves (the
-// down projection's input in sorted order). Same expression as ops.cu's ds4_moe_act.
+// down projection's input in sorted order). Same expression as moe.cu's ds4_moe_act.
 extern "C" __global__ void ds4_moe_act_h(const float* g, const float* u, const float* weights,
                                          const int* order, int n, int f, float clamp, ds4_u16* h) {
     ds4_grid_wait();

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile every kernels/*.cu with Debian's hipcc (ROCm 5.2, clang 15) for gfx1030, from
-# the same files the CUDA and ROCm runtimes compile. A compile error fails the script.
+# the same files the CUDA and ROCm runtimes compile: the module roots (gemv.cu, ops.cu,
+# tiles.cu: what hiprtc compiles) and, each on its own, the op-family files they include. A compile error fails the script.
 #
 # Usage: tools/gpu/hipcc-check.sh [--no-install] [ARCH...]   (default arch: gfx1030)
 # Installs `hipcc` and `libamdhip64-dev` with apt-get unless --no-install is given or

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compile every kernels/*.cu with NVRTC for real NVIDIA architectures (default sm_80 and
+# Compile the kernel modules (kernels/gemv.cu, ops.cu and tiles.cu; the first two include
+# every other kernels/*.cu) with NVRTC for real NVIDIA architectures (default sm_80 and
 # sm_90), through the engine's own run-time compile function and options
 # (`ds4-gpu-check compile`), on a machine without a GPU or a CUDA install: NVRTC comes from
 # the pinned PyPI wheel in nvrtc-requirements.txt. Any compile error fails the script.

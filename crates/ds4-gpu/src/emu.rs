@@ -1,6 +1,7 @@
-//! The kernels on the CPU: every `kernels/*.cu` file compiled by the host's C++ compiler
-//! against a CPU version of `ds4_port.h` (`crates/ds4-gpu/emu/`), loaded as a shared
-//! library and run block by block with each GPU thread a fiber. The fake HIP runtime
+//! The kernels on the CPU: the kernel modules (`kernels/gemv.cu`, `ops.cu`, `tiles.cu`, with
+//! every file they include) compiled by the host's C++ compiler against a CPU version of
+//! `ds4_port.h` (`crates/ds4-gpu/emu/`), loaded as a shared library and run block by block
+//! with each GPU thread a fiber. The fake HIP runtime
 //! ([`crate::hip::fake::FakeHip::with_kernels`]) launches through it, so the whole GPU
 //! backend — host logic and kernels — runs in ordinary tests and meets the CPU backend in
 //! the op mirror without a GPU.
@@ -118,7 +119,7 @@ fn write(dir: &Path, name: &str, text: &str) -> Result<(), EmuError> {
 }
 
 impl EmuKernels {
-    /// Builds (or finds in the cache) the emulation of every kernel file.
+    /// Builds (or finds in the cache) the emulation of every kernel module.
     pub fn build() -> Result<EmuKernels, EmuError> {
         Self::build_with(&[])
     }
@@ -194,7 +195,7 @@ impl EmuKernels {
             .map_err(|e| EmuError::Build(format!("caching {}: {e}", lib_path.display())))
     }
 
-    /// Writes kernel file `k` and a translation unit exporting one unpacking thunk per
+    /// Writes kernel module `k` (its root and the files it includes) and a translation unit exporting one unpacking thunk per
     /// kernel (`ds4emu_t_<name>`).
     fn unit(d: &Path, k: &KernelSource, units: &mut Vec<PathBuf>) -> Result<(), EmuError> {
         for (name, text) in k.headers {

@@ -7,14 +7,16 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{GpuError, Result};
 
-/// One compilable kernel file plus the headers it includes, all held in memory so the
-/// run-time compiler (NVRTC, hiprtc) never needs the source tree or a toolkit on disk.
+/// One module: a compilable root kernel file plus every file it includes (headers and, for
+/// gemv.cu and ops.cu, the kernel files of the module), all held in memory so the run-time
+/// compiler (NVRTC, hiprtc) never needs the source tree or a toolkit on disk.
 #[derive(Debug, Clone, Copy)]
 pub struct KernelSource {
     /// File name, as it appears in compiler messages (`gemv.cu`).
     pub name: &'static str,
     pub source: &'static str,
-    /// `(include name, contents)` for every `#include "..."` of the file.
+    /// `(include name, contents)` for every `#include "..."` of the file and of the files it
+    /// includes.
     pub headers: &'static [(&'static str, &'static str)],
 }
 
@@ -46,19 +48,69 @@ pub const IQ2XXS_TABLES_H: (&str, &str) = (
 /// Block-format pieces shared by the kernel files.
 pub const QUANT_H: (&str, &str) = ("ds4_quant.h", include_str!("../../../kernels/ds4_quant.h"));
 
-/// Batch-1 GEMV for every ds4 weight type (plain and grouped-expert entry points).
+/// Device helpers several files of the ops module share.
+pub const OPS_H: (&str, &str) = ("ds4_ops.h", include_str!("../../../kernels/ds4_ops.h"));
+
+/// What the files of the GEMV module share: knobs, loaders, block formats, the row engine.
+pub const GEMV_H: (&str, &str) = ("ds4_gemv.h", include_str!("../../../kernels/ds4_gemv.h"));
+
+/// `(file name, contents)` of `kernels/<name>`.
+macro_rules! kernel_file {
+    ($name:literal) => {
+        ($name, include_str!(concat!("../../../kernels/", $name)))
+    };
+}
+
+const GEMV_HEADERS: &[(&str, &str)] = &[
+    PORT_H,
+    IQ2XXS_TABLES_H,
+    QUANT_H,
+    GEMV_H,
+    kernel_file!("gemv_plain.cu"),
+    kernel_file!("gemv_quant.cu"),
+    kernel_file!("gemv_q8.cu"),
+];
+
+/// The GEMV module's own files besides gemv.cu: its header and the kernel files gemv.cu
+/// includes, in order.
+pub const GEMV_FILES: &[(&str, &str)] = GEMV_HEADERS.split_at(3).1;
+
+/// Batch-1 GEMV for every ds4 weight type (plain and grouped-expert entry points): one
+/// module, gemv.cu, which includes the engines of gemv_plain.cu (F32/F16), gemv_quant.cu
+/// (split-layout Q8_0, f32 activations) and gemv_q8.cu (int8 activations) and instantiates
+/// them in its entry points.
 pub const GEMV: KernelSource = KernelSource {
     name: "gemv.cu",
     source: include_str!("../../../kernels/gemv.cu"),
-    headers: &[PORT_H, IQ2XXS_TABLES_H, QUANT_H],
+    headers: GEMV_HEADERS,
 };
 
-/// Every engine op besides the batch-1 GEMV (norms, RoPE, attention, mHC, router, MoE
-/// helpers, dequantization and the prefill GEMM).
+const OPS_HEADERS: &[(&str, &str)] = &[
+    PORT_H,
+    IQ2XXS_TABLES_H,
+    QUANT_H,
+    OPS_H,
+    kernel_file!("dequant.cu"),
+    kernel_file!("norm_rope.cu"),
+    kernel_file!("hc.cu"),
+    kernel_file!("compressor.cu"),
+    kernel_file!("indexer.cu"),
+    kernel_file!("attention.cu"),
+    kernel_file!("moe.cu"),
+    kernel_file!("sampling.cu"),
+    kernel_file!("prefill_mma.cu"),
+];
+
+/// The ops module's own files: its header and the kernel files ops.cu includes, in order.
+pub const OPS_FILES: &[(&str, &str)] = OPS_HEADERS.split_at(3).1;
+
+/// Every engine op besides the batch-1 GEMV: one module, ops.cu, which includes one file
+/// per op family (dequantization and the prefill GEMM, norms and RoPE, embedding and mHC,
+/// compressor, indexer, attention, router and MoE helpers, sampling, tensor-core prefill).
 pub const OPS: KernelSource = KernelSource {
     name: "ops.cu",
     source: include_str!("../../../kernels/ops.cu"),
-    headers: &[PORT_H, IQ2XXS_TABLES_H, QUANT_H],
+    headers: OPS_HEADERS,
 };
 
 /// Prefill matmuls from quantized tiles on the tensor cores, and the on-device grouping of
@@ -69,7 +121,18 @@ pub const TILES: KernelSource = KernelSource {
     headers: &[PORT_H, IQ2XXS_TABLES_H, QUANT_H],
 };
 
-/// Every kernel file, for tools that compile them all (cache warm-up, hipcc checks).
+/// Every kernel file and module header, module by module, roots first (what the source
+/// tests read).
+pub const FILES: &[&[(&str, &str)]] = &[
+    &[("gemv.cu", GEMV.source)],
+    GEMV_FILES,
+    &[("ops.cu", OPS.source)],
+    OPS_FILES,
+    &[("tiles.cu", TILES.source)],
+];
+
+/// Every module (one run-time compiled program each), for tools that compile them all
+/// (cache warm-up, NVRTC and hiprtc checks).
 pub const ALL: &[KernelSource] = &[GEMV, OPS, TILES];
 
 /// Threads per block of the GEMV kernels (8 logical warps).
@@ -78,7 +141,8 @@ pub const GEMV_THREADS: u32 = 256;
 pub const GEMV_WARPS: u32 = GEMV_THREADS / 32;
 
 /// The weight types the GEMV kernels implement, with their per-format constants. These
-/// mirror the `Ds4*` structs of `kernels/gemv.cu`; keep the two in step.
+/// mirror the `Ds4*` structs of the GEMV module (`kernels/ds4_gemv.h`, `gemv_plain.cu`);
+/// keep the two in step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GemvType {
     F32,
@@ -194,7 +258,7 @@ impl GemvType {
         }
     }
 
-    /// The configuration gemv.cu compiles by default (per-format `DS4_ROWS_*`,
+    /// The configuration the GEMV module compiles by default (per-format `DS4_ROWS_*`,
     /// `DS4_GEMV_PLAIN_ROWS` = 2); the CUDA loader reads the real one from the module
     /// (`ds4_gemv_config_<t>`), so -D variants stay consistent.
     pub fn default_config(self) -> GemvConfig {
@@ -255,8 +319,8 @@ impl GemvType {
 
 /// Rearranges Q8_0 rows of `n_in` values from ggml's interleaved blocks (per 32 values an
 /// f16 scale, then 32 int8 codes) into the GPU's split layout (the row's codes, then its
-/// scales), in place on the host: what `ds4_q8_0_split` in ops.cu does on the device after
-/// a load (docs/gpu.md §7). For tools that upload weights straight to kernels.
+/// scales), in place on the host: what `ds4_q8_0_split` (dequant.cu) does on the device
+/// after a load (docs/gpu.md §7). For tools that upload weights straight to kernels.
 pub fn q8_0_split_rows(bytes: &mut [u8], n_in: usize) -> Result<()> {
     let nb = n_in / 32;
     let row = nb * 34;
@@ -368,6 +432,22 @@ pub fn gemv_launch(
 mod tests {
     use super::*;
 
+    /// The files of a module, one after another (what its tests search).
+    fn module_text(files: &[(&str, &str)]) -> String {
+        files.iter().map(|(_, text)| *text).collect()
+    }
+
+    /// The contents of kernel file `name` (one of [`FILES`]).
+    fn file(name: &str) -> &'static str {
+        FILES
+            .iter()
+            .copied()
+            .flatten()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("no kernel file {name}"))
+            .1
+    }
+
     #[test]
     fn types_match_ggml_table() {
         for t in GemvType::ALL {
@@ -392,16 +472,17 @@ mod tests {
 
     #[test]
     fn kernel_source_declares_each_entry_point_and_chunk() {
+        let gemv_text = GEMV.source.to_string() + &module_text(GEMV_FILES);
         for t in GemvType::ALL {
             let name = format!("DS4_GEMV_ENTRY({},", t.suffix());
-            assert!(GEMV.source.contains(&name), "missing {name}");
+            assert!(gemv_text.contains(&name), "missing {name}");
         }
-        // The default configuration in Rust must equal gemv.cu's: rows from the
+        // The default configuration in Rust must equal ds4_gemv.h's: rows from the
         // DS4_ROWS_* defaults, chunk blocks from cb(rows).
         let define = |name: &str| -> u32 {
             let key = format!("#define {name} ");
             // The numeric definition (the other one, under #ifdef, forwards an override).
-            GEMV.source
+            gemv_text
                 .lines()
                 .filter_map(|l| l.strip_prefix(&key))
                 .find_map(|v| v.trim().parse().ok())
@@ -424,7 +505,7 @@ mod tests {
                 "R == 1 ? 32 : R == 2 ? 16 : 8",
             ),
         ] {
-            assert!(GEMV.source.contains(cb_decl), "{t:?}: {cb_decl}");
+            assert!(gemv_text.contains(cb_decl), "{t:?}: {cb_decl}");
             let c = t.default_config();
             assert_eq!(c.rows, define(rows_macro), "{t:?}");
             let nums: Vec<u32> = cb_decl
@@ -441,9 +522,7 @@ mod tests {
         }
         // Split-layout Q8_0: rows from DS4_ROWS_Q8_0, 16 blocks per lane pass (32 lanes x
         // 16 codes).
-        assert!(GEMV
-            .source
-            .contains("DS4_GEMV_CONFIG(q8_0, Ds4Q8S::ROWS, 16)"));
+        assert!(gemv_text.contains("DS4_GEMV_CONFIG(q8_0, Ds4Q8S::ROWS, 16)"));
         let c = GemvType::Q8_0.default_config();
         assert_eq!((c.rows, c.chunk_blocks), (define("DS4_ROWS_Q8_0"), 16));
         assert_eq!(
@@ -568,8 +647,7 @@ mod tests {
             "ENGINE<",
         ];
         let mut seen = 0;
-        for k in ALL {
-            let src = k.source;
+        for (name, src) in FILES.iter().copied().flatten().copied() {
             let mut from = 0;
             while let Some(at) = src[from..].find("extern \"C\" __global__") {
                 let start = from + at;
@@ -594,8 +672,7 @@ mod tests {
                 let head = &src[start..open.min(start + 200)];
                 assert!(
                     body.contains("ds4_grid_wait()") || engines.iter().any(|e| body.contains(e)),
-                    "{}: kernel `{head}` never calls ds4_grid_wait",
-                    k.name
+                    "{name}: kernel `{head}` never calls ds4_grid_wait"
                 );
                 seen += 1;
                 from = end;
@@ -606,20 +683,22 @@ mod tests {
 
     /// Activations are never read through the non-coherent read-only path, which the
     /// compiler may move above the wait for the previous kernel (docs/gpu.md §6: the race
-    /// found on the H200). ops.cu's kernels read activations (none of them weights worth
-    /// it), so it has no `__ldg` at all; the GEMVs' x loader and the HCPre loads go through
+    /// found on the H200). The ops module's kernels read activations (none of them weights
+    /// worth it), so it has no `__ldg` at all; the GEMVs' x loader and the HCPre loads go through
     /// `ds4_ld_act`, and the port header's ds4_ld_act is a coherent load.
     #[test]
     fn activations_never_take_the_read_only_path() {
         for bad in ["ds4_ldg(", "__ldg("] {
-            assert!(!OPS.source.contains(bad), "ops.cu uses {bad}");
+            for (name, src) in std::iter::once(&("ops.cu", OPS.source)).chain(OPS_FILES) {
+                assert!(!src.contains(bad), "{name} uses {bad}");
+            }
         }
-        let loader = GEMV
-            .source
+        let loader = GEMV_H
+            .1
             .split("ds4_ld_x4(const float* p) {")
             .nth(1)
             .and_then(|rest| rest.split('}').next())
-            .expect("gemv.cu defines ds4_ld_x4");
+            .expect("ds4_gemv.h defines ds4_ld_x4");
         assert!(
             loader.contains("ds4_ld_act("),
             "ds4_ld_x4 must use ds4_ld_act: {loader}"
@@ -662,7 +741,7 @@ mod tests {
             format!("#define DS4_HCR_J {j}"),
             format!("#define DS4_HCR_N {HC_REGS_MAX_STREAMS}"),
         ] {
-            assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+            assert!(file("hc.cu").contains(&d), "hc.cu lacks `{d}`");
         }
         assert_eq!(HC_REGS_MAX_DIM, ct * j);
         assert_eq!(HC_REGS_THREADS as usize, ct + 32);
@@ -685,7 +764,7 @@ mod tests {
             format!("#define DS4_HCM_APPLY {HC_MIX_THREADS}"),
             format!("#define DS4_HCM_PARTS {HC_MIX_MAX_PARTS}"),
         ] {
-            assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+            assert!(file("hc.cu").contains(&d), "hc.cu lacks `{d}`");
         }
         assert_eq!(HC_MIX_THREADS as usize, warps * 32);
         assert_eq!(HC_MIX_COLS, 2 * 32, "two columns per lane");
@@ -699,7 +778,7 @@ mod tests {
     fn band_jobs_match_the_kernel() {
         use crate::backend::ops::BANDS_MAX;
         let d = format!("#define DS4_BANDS_MAX {BANDS_MAX}");
-        assert!(OPS.source.contains(&d), "ops.cu lacks `{d}`");
+        assert!(file("sampling.cu").contains(&d), "sampling.cu lacks `{d}`");
     }
 
     /// The host sends the router to `ds4_router_token` (`ds4_router_warp`, the fused router
@@ -720,6 +799,9 @@ mod tests {
     #[test]
     fn q8_split_limit_matches_the_kernel() {
         let define = format!("#define DS4_Q8S_MAX_IN {}", crate::backend::Q8_SPLIT_MAX_IN);
-        assert!(OPS.source.contains(&define), "ops.cu lacks `{define}`");
+        assert!(
+            file("dequant.cu").contains(&define),
+            "dequant.cu lacks `{define}`"
+        );
     }
 }

@@ -10,7 +10,7 @@ use std::fmt::Write;
 use ds4_gguf::quant::iq2xxs_tables::{GRID, KSIGNS};
 
 /// The IQ2_XXS lattice as u64 words (byte j of entry k is `GRID[k][j]`) and the sign
-/// table, as a C header that `kernels/gemv.cu` includes.
+/// table, as a C header that the kernels include (`kernels/ds4_gemv.h`, `tiles.cu`, ...).
 pub fn iq2xxs_header() -> String {
     let mut s = String::new();
     s.push_str(
@@ -54,7 +54,7 @@ pub fn iq2xxs_header() -> String {
     push_words(&mut s, &words);
     s.push_str("};\n");
     s.push_str(
-        "\n// The lattice as byte-permute selectors for the int8 GEMV unit (kernels/gemv.cu,\n\
+        "\n// The lattice as byte-permute selectors for the int8 GEMV unit (kernels/gemv_q8.cu,\n\
          // docs/gpu.md §32): nibble j of entry k is the level of value j (0: 8, 1: 25, 2: 43).\n\
          __device__ const ds4_u32 ds4_iq2xxs_grid_sel[256] = {\n",
     );
@@ -157,7 +157,7 @@ mod tests {
 
     /// The selector tables, read back from the header text: OR-ing a point's selector with
     /// a sign entry's and permuting the bytes of the levels (+8, +25, +43, 0, −8, −25, −43, 0;
-    /// the words gemv.cu passes, and `prmt`'s rule: byte j = byte (s >> 4j) & 7 of the
+    /// the words ds4_gemv.h passes, and `prmt`'s rule: byte j = byte (s >> 4j) & 7 of the
     /// pair, low word first) gives every signed value of every point.
     #[test]
     fn selector_tables_are_the_lattice_and_signs() {
@@ -165,10 +165,10 @@ mod tests {
         let table = |name: &str| header_words(&h, name);
         let (grid, signs) = (table("ds4_iq2xxs_grid_sel"), table("ds4_iq2xxs_sign_sel"));
         assert_eq!((grid.len(), signs.len()), (256, 128));
-        let gemv = include_str!("../../../kernels/gemv.cu");
+        let gemv = include_str!("../../../kernels/ds4_gemv.h");
         let (lo, hi) = (0x002b_1908u32, 0x00d5_e7f8u32);
         for w in ["0x002B1908u", "0x00D5E7F8u"] {
-            assert!(gemv.contains(w), "gemv.cu permutes the levels {w}");
+            assert!(gemv.contains(w), "ds4_gemv.h permutes the levels {w}");
         }
         let pair = (u64::from(hi) << 32 | u64::from(lo)).to_le_bytes();
         let perm = |s: u32| -> [i8; 4] {

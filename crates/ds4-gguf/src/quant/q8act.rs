@@ -7,7 +7,7 @@
 //! four multiply-adds per `dp4a` instruction on the raw codes and applies the block scales
 //! once per 8–32 values, as llama.cpp and ds4 do. The CPU engine implements the same
 //! quantization and the same integer sums so the two backends agree bit for bit in the
-//! integer part (the kernels are `kernels/gemv.cu`, `ds4_quantize_x` and
+//! integer part (the kernels are `kernels/gemv_q8.cu`, `ds4_quantize_x` and
 //! `ds4_q8_unit_term`); only the float scaling and the order of the float sum differ.
 //!
 //! Quantization of each block of 32 values `x`: `amax = max |x|` (NaN if any value is NaN),

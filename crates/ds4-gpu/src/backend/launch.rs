@@ -25,7 +25,7 @@ impl<D: GpuApi> GpuBackend<D> {
     ///
     /// Callers (the op methods) have checked every pointer argument against the buffer it
     /// came from and every count against the shapes, as each kernel's contract in
-    /// `kernels/ops.cu` requires.
+    /// `kernels/*.cu` requires.
     pub(crate) fn launch(
         &self,
         name: &'static str,

@@ -13,7 +13,7 @@
 //!   place through the mapped device pointer.
 //! * Matmuls: batch-1 rows go to the GEMV kernels (`gemv.cu`), small batches to a direct
 //!   quantized kernel, larger batches to a dequantized f32 panel times an f32 tiled GEMM
-//!   (`ops.cu`). Routed experts: grouped GEMV at decode, per-expert panels at prefill.
+//!   (`dequant.cu`). Routed experts: grouped GEMV at decode, per-expert panels at prefill.
 //! * Device-only errors (a token id outside the table, an expert id out of range) set a
 //!   fault word that every download checks, so they surface as errors, never silently.
 //! * A greedy decode step waits for the device once: the token id goes up through pinned
@@ -819,8 +819,8 @@ fn env_on(name: &str) -> bool {
     )
 }
 
-/// Every kernel of `ops.cu` the backend launches.
-/// Widest Q8_0 row the in-place split kernel takes (`DS4_Q8S_MAX_IN` in ops.cu; DeepSeek V4
+/// Every kernel of the ops module (`ops.cu` and the files it includes) the backend launches.
+/// Widest Q8_0 row the in-place split kernel takes (`DS4_Q8S_MAX_IN` in dequant.cu; DeepSeek V4
 /// Flash's widest Q8_0 row is 8192).
 pub(crate) const Q8_SPLIT_MAX_IN: usize = 32768;
 
@@ -1837,7 +1837,7 @@ impl<D: GpuApi> GpuBackend<D> {
 }
 
 /// Every op runs `ds4_engine::validate` first (the checks every backend shares), then the
-/// launch code in `ops.rs`.
+/// launch code in `ops/` (one file per kernel family).
 impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     fn name(&self) -> String {
         format!("{} ({})", self.dev.runtime(), self.dev.device_name())

@@ -3,11 +3,11 @@
 //! Subcommands:
 //! * `gen-tables` — print `kernels/ds4_iq2xxs_tables.h` from the Rust codec tables.
 //! * `compile [--arch sm_80,sm_90] [--out DIR] [-D...]` (or the older `compile ARCH [OUTDIR]`)
-//!   — compile every kernel file with NVRTC through the engine's own compile function and
+//!   — compile every kernel module with NVRTC through the engine's own compile function and
 //!   options, for each architecture (needs libnvrtc only, no driver or GPU); the CUBINs go to
 //!   DIR when given. Any compile error is the exit status, which is what CI relies on.
 //! * `hip [ARCH] [OPTIONS]` — load the HIP runtime and hiprtc, list devices (or report
-//!   that there are none) and compile every kernel file with hiprtc (default gfx1030).
+//!   that there are none) and compile every kernel module with hiprtc (default gfx1030).
 //! * `run [--quick] [--no-variants]` (default) — on a CUDA device: device facts, kernel compile + cache,
 //!   copy bandwidth, every GEMV type against `ds4_gguf::quant::dot` on fresh random data
 //!   with NaN-poisoned outputs, timings over rotated buffers larger than L2, the placement
@@ -45,7 +45,7 @@ fn main() -> Result<()> {
 }
 
 /// ROCm checks that need no AMD GPU: load the HIP runtime, report devices (or the clear
-/// "no ROCm device" error), and compile every kernel file with hiprtc for `arch`.
+/// "no ROCm device" error), and compile every kernel module with hiprtc for `arch`.
 fn hip(arch: &str, extra: &[String]) -> Result<()> {
     use ds4_gpu::hip::{HipRtc, HipRuntime};
     let rt = HipRuntime::load()?;
@@ -140,7 +140,7 @@ fn parse_compile_args(args: &[String]) -> Result<CompileArgs> {
     Ok(c)
 }
 
-/// Compiles every kernel file for every architecture with the function and options the
+/// Compiles every kernel module for every architecture with the function and options the
 /// engine uses at run time ([`ds4_gpu::cuda::nvrtc_compile_with`], `NVRTC_OPTIONS`), so
 /// a kernel that fails here would fail on the GPU too. All files and architectures are
 /// tried; the error lists every failure.

@@ -250,3 +250,74 @@ fn plan_streams_experts_where_nothing_resident_fits() {
         assert_eq!(capped("1").status.code(), Some(3), "{machine}");
     }
 }
+
+#[test]
+fn inspect_of_a_missing_file_names_the_cause_once() {
+    let o = ds4(&["inspect", "no-such-file.gguf"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no-such-file.gguf"), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+}
+
+/// The 24 GB + 64 GB box, routed experts forced resident: the context remedy is the largest
+/// context whose plan fits (the plan re-sizes scratch for it), and that command fits.
+#[test]
+fn plan_refusal_offers_the_largest_context_that_fits() {
+    let m = "crates/ds4-placement/machines/discrete-24g-64g.json";
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q2",
+        "--machine",
+        m,
+        "--experts",
+        "resident",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    let text = format!("{}{}", stdout(&o), String::from_utf8_lossy(&o.stderr));
+    let ctx: u64 = text
+        .split("--ctx ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no --ctx remedy: {text}"));
+    let fits = |c: u64| {
+        ds4(&[
+            "plan",
+            "--synthetic",
+            "q2",
+            "--machine",
+            m,
+            "--experts",
+            "resident",
+            "--ctx",
+            &c.to_string(),
+        ])
+        .status
+        .code()
+    };
+    assert_eq!(fits(ctx), Some(0), "--ctx {ctx}");
+    assert_eq!(fits(ctx + 1), Some(3), "--ctx {}", ctx + 1);
+}
+
+/// A 24 GB machine without a GPU plans the q2 model with streamed experts and the minimum
+/// cache; it used to refuse with an empty reason.
+#[test]
+fn plan_on_a_24g_cpu_machine_streams() {
+    let o = ds4(&[
+        "plan",
+        "--synthetic",
+        "q2",
+        "--machine",
+        "crates/ds4-placement/machines/cpu-24g.json",
+    ]);
+    let out = stdout(&o);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.contains("streamed routed experts"), "{out}");
+}

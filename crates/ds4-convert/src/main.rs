@@ -44,7 +44,9 @@ enum Layout {
 enum Cmd {
     /// Convert a HF checkpoint directory (config.json + *.safetensors) to a GGUF.
     Hf {
+        /// The HF checkpoint directory (config.json and *.safetensors).
         dir: PathBuf,
+        /// The GGUF to write (written under a temporary name and renamed when complete).
         out: PathBuf,
         /// f32 keeps everything F32 (oracle parity); q2/q4 apply ds4's recipes.
         #[arg(long, value_enum, default_value = "f32")]
@@ -58,18 +60,24 @@ enum Cmd {
     },
     /// Write a vocabulary-only GGUF (general.* + tokenizer.ggml.*, no tensors).
     Vocab {
+        /// The HF tokenizer.json to take the vocabulary from.
         #[arg(long)]
         tokenizer: PathBuf,
+        /// The GGUF to write.
         out: PathBuf,
+        /// general.name of the output.
         #[arg(long, default_value = "DeepSeek V4 vocabulary")]
         name: String,
     },
     /// Random weights in the exact real layout (benchmarks at real shapes).
     Synthetic {
+        /// The type recipe: q2 (the published q2 file's types) or q4.
         #[arg(long, value_enum)]
         layout: Layout,
+        /// Layers (43 = the real model; fewer for a smaller file with the same shapes).
         #[arg(long, default_value_t = 43)]
         layers: usize,
+        /// Seed of the random weights (the same seed writes the same bytes).
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Print the exact file size and write nothing.
@@ -90,6 +98,7 @@ enum Cmd {
         /// Take tokenizer.ggml.* from this GGUF (e.g. the vocabulary-only fixture).
         #[arg(long)]
         vocab_gguf: Option<PathBuf>,
+        /// The GGUF to write (required unless --dry-run).
         out: Option<PathBuf>,
     },
     /// The tiny random-weight demo model (tests/fixtures/demo/ds4-demo.gguf) for a vocabulary.
@@ -97,6 +106,7 @@ enum Cmd {
         /// Take tokenizer.ggml.* from this GGUF (the vocabulary-only fixture).
         #[arg(long)]
         vocab_gguf: PathBuf,
+        /// The GGUF to write.
         out: PathBuf,
     },
 }
@@ -302,4 +312,35 @@ fn write_model(model: &SyntheticModel, out: &std::path::Path, quiet: bool) -> Re
         bail!("wrote {bytes} bytes but the planned size is {size}");
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Arguments (flags and positionals) of `cmd` and its subcommands without a help text.
+    fn undocumented(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for a in cmd.get_arguments() {
+            let id = a.get_id().as_str();
+            if a.is_hide_set() || id == "help" || id == "version" {
+                continue;
+            }
+            if a.get_help().is_none_or(|h| h.to_string().trim().is_empty()) {
+                out.push(format!("{path} {id}"));
+            }
+        }
+        for sc in cmd.get_subcommands() {
+            undocumented(sc, &format!("{path} {}", sc.get_name()), out);
+        }
+    }
+
+    /// `--help` explains every argument a user can pass.
+    #[test]
+    fn every_argument_has_help_text() {
+        let cmd = Cli::command();
+        let mut missing = Vec::new();
+        undocumented(&cmd, cmd.get_name(), &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
 }

@@ -197,6 +197,7 @@ enum Command {
         backend: BackendChoice,
         #[command(flatten)]
         placement: PlacementFlags,
+        /// The plan (or the refusal) as JSON on stdout.
         #[arg(long)]
         json: bool,
         /// Print the table of placement flags and environment variables, then exit.
@@ -236,10 +237,13 @@ enum Command {
     },
     /// Show a GGUF's metadata, tensor summary, validation verdict and byte accounting.
     Inspect {
+        /// The GGUF file to inspect.
         file: PathBuf,
         /// Machine-readable JSON on stdout.
         #[arg(long)]
         json: bool,
+        /// Which validation rules apply: ds4's exact ones, any consistent ds4 layout, or
+        /// auto (by the file's size class).
         #[arg(long, value_enum, default_value = "auto")]
         rules: Rules,
     },
@@ -634,4 +638,35 @@ fn run_model(a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
         ds4_cli::repl::run(loaded, opts, &mut src, &intr)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Arguments (flags and positionals) of `cmd` and its subcommands without a help text.
+    fn undocumented(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for a in cmd.get_arguments() {
+            let id = a.get_id().as_str();
+            if a.is_hide_set() || id == "help" || id == "version" {
+                continue;
+            }
+            if a.get_help().is_none_or(|h| h.to_string().trim().is_empty()) {
+                out.push(format!("{path} {id}"));
+            }
+        }
+        for sc in cmd.get_subcommands() {
+            undocumented(sc, &format!("{path} {}", sc.get_name()), out);
+        }
+    }
+
+    /// `--help` explains every argument a user can pass.
+    #[test]
+    fn every_argument_has_help_text() {
+        let cmd = Cli::command();
+        let mut missing = Vec::new();
+        undocumented(&cmd, cmd.get_name(), &mut missing);
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
 }

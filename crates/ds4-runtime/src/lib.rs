@@ -11,6 +11,7 @@
 //! - [`checkpoint`]: the one payload format of disk checkpoints, read by both binaries.
 
 pub mod checkpoint;
+pub mod cli_help;
 pub mod driver;
 pub mod error;
 pub mod load;

@@ -645,28 +645,10 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Arguments (flags and positionals) of `cmd` and its subcommands without a help text.
-    fn undocumented(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
-        for a in cmd.get_arguments() {
-            let id = a.get_id().as_str();
-            if a.is_hide_set() || id == "help" || id == "version" {
-                continue;
-            }
-            if a.get_help().is_none_or(|h| h.to_string().trim().is_empty()) {
-                out.push(format!("{path} {id}"));
-            }
-        }
-        for sc in cmd.get_subcommands() {
-            undocumented(sc, &format!("{path} {}", sc.get_name()), out);
-        }
-    }
-
     /// `--help` explains every argument a user can pass.
     #[test]
     fn every_argument_has_help_text() {
-        let cmd = Cli::command();
-        let mut missing = Vec::new();
-        undocumented(&cmd, cmd.get_name(), &mut missing);
+        let missing = ds4_runtime::cli_help::undocumented_arguments(&Cli::command());
         assert!(missing.is_empty(), "arguments without help: {missing:?}");
     }
 }

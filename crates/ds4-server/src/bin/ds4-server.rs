@@ -445,16 +445,10 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// `--help` explains every flag a user can pass.
+    /// `--help` explains every argument a user can pass.
     #[test]
     fn every_flag_has_help_text() {
-        let cmd = Args::command();
-        let missing: Vec<String> = cmd
-            .get_arguments()
-            .filter(|a| !a.is_hide_set() && !a.is_positional())
-            .filter(|a| a.get_help().is_none_or(|h| h.to_string().trim().is_empty()))
-            .map(|a| a.get_id().to_string())
-            .collect();
-        assert!(missing.is_empty(), "flags without help: {missing:?}");
+        let missing = ds4_runtime::cli_help::undocumented_arguments(&Args::command());
+        assert!(missing.is_empty(), "arguments without help: {missing:?}");
     }
 }

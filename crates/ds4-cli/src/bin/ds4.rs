@@ -145,9 +145,9 @@ struct RunArgs {
     /// Disk budget of the KV store in MiB.
     #[arg(long, default_value_t = 4096)]
     kv_disk_space_mb: u64,
-    /// Print nothing at load but errors (the answer's rate line stays). By default the load
-    /// says one line per decision (backend, placement, model); -v prints the whole
-    /// placement plan.
+    /// Print nothing on stderr but errors (the interactive chat keeps its per-answer status
+    /// line). By default the load says one line per decision (backend, placement, model);
+    /// -v prints the whole placement plan.
     #[arg(short, long)]
     quiet: bool,
 }
@@ -606,14 +606,11 @@ fn run_model(a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
     let intr = Interrupts::install()?;
     let loaded = ds4_cli::load::load(&load_opts, &mut std::io::stderr())?;
     if let Some(p) = prompt {
-        let end = ds4_cli::generate::one_shot(
-            loaded,
-            &p,
-            &settings,
-            &intr,
-            &mut std::io::stdout(),
-            &mut std::io::stderr(),
-        )?;
+        // -q: the answer alone (errors still reach stderr through the return value).
+        let (mut stderr, mut sink) = (std::io::stderr(), std::io::sink());
+        let log: &mut dyn std::io::Write = if a.quiet { &mut sink } else { &mut stderr };
+        let end =
+            ds4_cli::generate::one_shot(loaded, &p, &settings, &intr, &mut std::io::stdout(), log)?;
         return Ok(match end.end {
             OneShotEnd::Done => ExitCode::SUCCESS,
             OneShotEnd::Interrupted => ExitCode::from(130),

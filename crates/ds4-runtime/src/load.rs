@@ -571,7 +571,13 @@ pub fn placement_plan(
                     writeln!(log, "placement plan for {}", planned.description)?;
                     write!(log, "{}", plan.render_text())?;
                 }
-                (Some(log), LoadReport::Summary) => writeln!(log, "ds4: {}", plan.summary_line())?,
+                (Some(log), LoadReport::Summary) => {
+                    let states = match req.kv_states {
+                        0 | 1 => String::new(),
+                        n => format!(" ({n} KV states of ctx {})", req.ctx),
+                    };
+                    writeln!(log, "ds4: {}{states}", plan.summary_line())?
+                }
                 _ => {}
             }
             Ok(plan)

@@ -966,6 +966,201 @@ mod tests {
         }
     }
 
+    /// The routed experts' one-warp-per-row engine (`kernels/moe_rows.cu`): gate/up rows equal
+    /// the CPU's int8-activation dot products; a token's rows in a launch of several tokens
+    /// equal the token's launch alone bit for bit on grids of one block, a few blocks (shares
+    /// that cross matrices and inputs mid-way) and one per step; the down projection (SwiGLU
+    /// and route weight in its input) agrees with the staged engine's grouped SwiGLU kernel;
+    /// an expert id out of range gives NaN rows for its selection only and the fault bit; rows
+    /// of one lane unit up to the widest input.
+    #[test]
+    fn moe_rows_match_the_cpu_and_batched_rows_equal_rows_alone() {
+        use crate::kernels::{gemv_launch, GemvType};
+        use ds4_gguf::quant::q8act::{dot, ActQ8};
+        use ds4_gguf::GgmlType;
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0x51AF_D7ED_558C_CD31);
+        let (n_exp, per_tok, n_tok) = (5usize, 3usize, 2usize);
+        let n_sel = per_tok * n_tok;
+        let cases = [
+            (
+                GemvType::Iq2Xxs,
+                GgmlType::Iq2Xxs,
+                "iq2_xxs",
+                66usize,
+                [4096usize, 2048],
+            ),
+            (GemvType::Q2K, GgmlType::Q2K, "q2_k", 84, [2048, 1024]),
+        ];
+        for (ty, gty, suffix, bb, widths) in cases {
+            for (n_in, n_out) in [(widths[0], 19usize), (widths[1], 8)] {
+                let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+                let eb = rb * n_out;
+                let mut mats: Vec<Vec<u8>> = (0..2)
+                    .map(|_| (0..n_exp * eb).map(|_| next() as u8).collect())
+                    .collect();
+                for m in mats.iter_mut() {
+                    for blk in m.chunks_exact_mut(bb) {
+                        let h = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+                        let a = h(0.01 + (next() % 100) as f32 * 1e-4);
+                        let b = h(0.005 + (next() % 100) as f32 * 1e-4);
+                        if suffix == "q2_k" {
+                            blk[80..82].copy_from_slice(&a);
+                            blk[82..84].copy_from_slice(&b);
+                        } else {
+                            blk[0..2].copy_from_slice(&a);
+                        }
+                    }
+                }
+                let x: Vec<f32> = (0..n_tok * n_in)
+                    .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let g: Vec<f32> = (0..n_sel * n_in)
+                    .map(|_| (next() % 2001) as f32 / 500.0 - 2.0)
+                    .collect();
+                let u: Vec<f32> = (0..n_sel * n_in)
+                    .map(|_| (next() % 2001) as f32 / 500.0 - 2.0)
+                    .collect();
+                let rw: Vec<f32> = (0..n_sel).map(|i| 0.25 + i as f32 * 0.1).collect();
+                let clamp = 1.5f32;
+                // Gate and up of `ids.len()` selections reading `xs` (per_tok per row).
+                let gate_up = |ids: &[i32], xs: &[f32], grid_x: u32| -> (Vec<f32>, Vec<f32>) {
+                    let n = ids.len();
+                    let mut y0 = vec![0.5f32; n * n_out];
+                    let mut y1 = vec![0.5f32; n * n_out];
+                    launch_args(
+                        &k,
+                        &format!("ds4_moe_rows_{suffix}"),
+                        (grid_x, 1, 1),
+                        256,
+                        &[
+                            P::U(mats[0].as_ptr() as u64),
+                            P::U(mats[1].as_ptr() as u64),
+                            P::U(eb as u64),
+                            P::U(ids.as_ptr() as u64),
+                            P::I(n_exp as i32),
+                            P::I(n as i32),
+                            P::I(2),
+                            P::U(xs.as_ptr() as u64),
+                            P::U(n_in as u64),
+                            P::I(per_tok as i32),
+                            P::U(y0.as_mut_ptr() as u64),
+                            P::U(y1.as_mut_ptr() as u64),
+                            P::I(n_in as i32),
+                            P::I(n_out as i32),
+                        ],
+                    );
+                    (y0, y1)
+                };
+                let steps = (2 * n_sel * n_out.div_ceil(8)) as u32;
+                for ids in [vec![4i32, 0, 4, 2, 1, 3], vec![1, 7, 0, -1, 2, 2]] {
+                    let bad = |s: usize| ids[s] < 0 || ids[s] >= n_exp as i32;
+                    let alone: Vec<(Vec<f32>, Vec<f32>)> = (0..n_tok)
+                        .map(|t| {
+                            gate_up(
+                                &ids[t * per_tok..(t + 1) * per_tok],
+                                &x[t * n_in..(t + 1) * n_in],
+                                3,
+                            )
+                        })
+                        .collect();
+                    for grid_x in [1, 4, steps] {
+                        let (y0, y1) = gate_up(&ids, &x, grid_x);
+                        for s in 0..n_sel {
+                            let (t, j) = (s / per_tok, s % per_tok);
+                            for (m, y) in [&y0, &y1].into_iter().enumerate() {
+                                let got = &y[s * n_out..(s + 1) * n_out];
+                                if bad(s) {
+                                    assert!(got.iter().all(|v| v.is_nan()), "{suffix} bad id");
+                                    continue;
+                                }
+                                let one = if m == 0 { &alone[t].0 } else { &alone[t].1 };
+                                let one = &one[j * n_out..(j + 1) * n_out];
+                                let mut xq = ActQ8::default();
+                                xq.quantize(&x[t * n_in..(t + 1) * n_in]).unwrap();
+                                let e = ids[s] as usize;
+                                for (r, (a, b)) in got.iter().zip(one).enumerate() {
+                                    let row = &mats[m][e * eb + r * rb..e * eb + (r + 1) * rb];
+                                    let c = dot(gty, row, &xq).unwrap();
+                                    assert!(
+                                        a.is_finite() && (a - c).abs() <= 1e-5 * (1.0 + c.abs()),
+                                        "{suffix} {n_in}x{n_out} grid {grid_x} sel {s} mat {m} row {r}: {a} vs cpu {c}"
+                                    );
+                                    assert_eq!(
+                                        a.to_bits(),
+                                        b.to_bits(),
+                                        "{suffix} {n_in}x{n_out} grid {grid_x} sel {s} mat {m} row {r}: batched vs alone"
+                                    );
+                                }
+                            }
+                        }
+                        // Down: against the staged engine's grouped SwiGLU kernel.
+                        let l = gemv_launch(
+                            ty,
+                            ty.default_config(),
+                            n_in as u64,
+                            n_out as u64,
+                            1 << 12,
+                        )
+                        .unwrap();
+                        let mut want = vec![0.5f32; n_sel * n_out];
+                        let mut got = vec![0.5f32; n_sel * n_out];
+                        let (mut fault_a, mut fault_b) = (0i32, 0i32);
+                        let base = |y: &mut Vec<f32>| {
+                            vec![
+                                P::U(mats[0].as_ptr() as u64),
+                                P::U(eb as u64),
+                                P::U(ids.as_ptr() as u64),
+                                P::I(n_exp as i32),
+                                P::U(g.as_ptr() as u64),
+                                P::U(u.as_ptr() as u64),
+                                P::U(rw.as_ptr() as u64),
+                                P::F(clamp),
+                                P::U(y.as_mut_ptr() as u64),
+                                P::I(n_in as i32),
+                                P::I(n_out as i32),
+                            ]
+                        };
+                        let mut a = base(&mut want);
+                        a.extend([P::I(l.wpr as i32), P::U(&mut fault_a as *mut i32 as u64)]);
+                        launch_args(
+                            &k,
+                            &format!("ds4_gemv_grouped_swiglu_q_{suffix}"),
+                            (l.grid_x, n_sel as u32, 1),
+                            l.block,
+                            &a,
+                        );
+                        let mut a = base(&mut got);
+                        a.insert(4, P::I(n_sel as i32));
+                        a.push(P::U(&mut fault_b as *mut i32 as u64));
+                        launch_args(
+                            &k,
+                            &format!("ds4_moe_rows_swiglu_{suffix}"),
+                            (grid_x, 1, 1),
+                            256,
+                            &a,
+                        );
+                        assert_eq!(fault_a, fault_b, "{suffix} fault bits");
+                        assert_eq!(fault_b != 0, (0..n_sel).any(bad), "{suffix} fault bit");
+                        for s in 0..n_sel {
+                            for r in 0..n_out {
+                                let (a, b) = (got[s * n_out + r], want[s * n_out + r]);
+                                if bad(s) {
+                                    assert!(a.is_nan(), "{suffix} down bad id");
+                                } else {
+                                    assert!(
+                                        a.is_finite() && (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                                        "{suffix} down {n_in}x{n_out} grid {grid_x} sel {s} row {r}: {a} vs {b}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A kernel parameter for [`launch_args`]: pointers and sizes, ints, floats.
     enum P {
         U(u64),

@@ -69,6 +69,7 @@ const GEMV_HEADERS: &[(&str, &str)] = &[
     kernel_file!("gemv_plain.cu"),
     kernel_file!("gemv_quant.cu"),
     kernel_file!("gemv_q8.cu"),
+    kernel_file!("moe_rows.cu"),
 ];
 
 /// The GEMV module's own files besides gemv.cu: its header and the kernel files gemv.cu

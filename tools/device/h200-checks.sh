@@ -75,8 +75,8 @@
 #              decoded positions, default and --quality) into $OUT/logits-*.npy; with BIN2 (a
 #              second build) the same from it and a cmp of the two (a refactor must be
 #              bit-identical)
-#   decode     ds4-bench --synthetic q2 at 2k and 32k on the card's resident layers (36 on an
-#              80 GB card, 43 on an H200)
+#   decode     ds4-bench --synthetic q2 at 2k and 32k (DECODE_FRONTIERS) on the card's
+#              resident layers (36 on an 80 GB card, 43 on an H200)
 #   profile    the bench's --profile 4 at 2k: device time by layer kind and by kernel
 #   roofline   ncu of one decoded token on a 2-layer model at 2k: time and DRAM bytes per
 #              kernel against the copy bandwidth (tools/device/roofline.py); the time shares
@@ -144,8 +144,9 @@ logits() {
 }
 
 decode() {
-    echo "== bench --synthetic q2, $L layers, 2k and 32k"; date +%T
-    timeout 300 ds4-bench --synthetic q2 --layers $L --frontiers 2048,32768 --decode 32 > "$OUT/bench.log" 2>&1
+    local fr="${DECODE_FRONTIERS:-2048,32768}"
+    echo "== bench --synthetic q2, $L layers, frontiers $fr"; date +%T
+    timeout 300 ds4-bench --synthetic q2 --layers $L --frontiers "$fr" --decode 32 > "$OUT/bench.log" 2>&1
     grep -E "^(frontier|2048|32768),|bandwidth limit|launches" "$OUT/bench.log" | cut -c1-220 | head -8
 }
 

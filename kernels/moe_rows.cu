@@ -213,6 +213,7 @@ __host__ __device__ constexpr int ds4_mrows_slot() {
 template <class L, class J>
 __device__ __forceinline__ void ds4_moe_rows(const J& jobs, int n_in, int n_out) {
     constexpr int S = DS4_MROWS_STAGES, SLOT = ds4_mrows_slot<L>();
+    static_assert((S & (S - 1)) == 0, "stages: a power of two");
     __shared__ __align__(16) ds4_u8 ring[DS4_GEMV_WARPS][S][SLOT];
     __shared__ Ds4XQRows xbuf;
     const Ds4Tables tb = L::tables();
@@ -228,24 +229,40 @@ __device__ __forceinline__ void ds4_moe_rows(const J& jobs, int n_in, int n_out)
     const ds4_size total = (ds4_size)jobs.count() * nsteps;
     const int first = (int)(total * blockIdx.x / gridDim.x);
     const int last = (int)(total * (blockIdx.x + 1) / gridDim.x);
-    // Queues the row of this block's step j into slot j % S; always commits a group, so
-    // that group j is the j-th this thread committed.
-    auto issue = [&](int j) {
-        const int gs = first + j;
-        if (fits && gs < last) {
-            const int job = gs / nsteps;
-            const int row = (gs % nsteps) * DS4_GEMV_WARPS + warp;
-            if (row < n_out && jobs.ok(job)) {
-                const ds4_u8* src = jobs.w(job) + (ds4_size)row * row_bytes;
-                ds4_u8* dst = ring[warp][j % S];
+    // Steps are walked with counters (job, row step) in two places, the copies S − 1 steps
+    // ahead and the computation; a job's values (expert, validity, output) are looked up
+    // where a walk enters it, so no step pays the divisions that locate a job.
+    int ijob = first / nsteps, ist = first % nsteps, icur = -1, ileft = last - first;
+    const ds4_u8* iw = nullptr;
+    bool iok = false;
+    // Queues the next step's row into the next slot; always commits a group, so that group
+    // j is the j-th this thread committed.
+    unsigned islot = 0;
+    auto issue_next = [&]() {
+        if (fits && ileft > 0) {
+            if (ijob != icur) {
+                icur = ijob;
+                iok = jobs.ok(ijob);
+                iw = jobs.w(ijob);
+            }
+            const int row = ist * DS4_GEMV_WARPS + warp;
+            if (iok && row < n_out) {
+                const ds4_u8* src = iw + (ds4_size)row * row_bytes;
+                ds4_u8* dst = ring[warp][islot];
                 for (int v = lane; v < rvec; v += DS4_WARP)
                     ds4_cp_async16(dst + 16 * v, src + 16 * v, true);
             }
+            if (++ist == nsteps) {
+                ist = 0;
+                ++ijob;
+            }
+            --ileft;
         }
+        islot = (islot + 1) & (S - 1);
         ds4_cp_commit();
     };
 #pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue(j);
+    for (int j = 0; j < S - 1; ++j) issue_next();
     int xw[L::XW];
     float dx[L::ND];
     int xs[L::NS];
@@ -256,26 +273,39 @@ __device__ __forceinline__ void ds4_moe_rows(const J& jobs, int n_in, int n_out)
 #pragma unroll
     for (int i = 0; i < L::NS; ++i) xs[i] = 0;
     long long key = -1;  // the input whose codes the lanes hold
-    for (int j = 0; first + j < last; ++j) {
-        const int gs = first + j, job = gs / nsteps;
-        if (fits && jobs.key(job) != key) {
-            // Block-uniform: every warp is at the same step. The barrier keeps a warp that
-            // still loads the previous codes from seeing them rewritten.
-            key = jobs.key(job);
-            __syncthreads();
-            ds4_quantize_x4<false>(jobs.input(job), n_in, xbuf.q, xbuf.d, xbuf.s16);
-            if (lane < nunits) L::load_x(xbuf, lane, xw, dx, xs);
+    int mjob = first / nsteps, mst = first % nsteps, mcur = -1;
+    bool mok = false;
+    float* my = nullptr;
+    unsigned slot = 0;
+    for (int left = last - first; left > 0; --left) {
+        if (mjob != mcur) {
+            mcur = mjob;
+            mok = fits && jobs.ok(mjob);
+            my = jobs.y(mjob);
+            if (fits && jobs.key(mjob) != key) {
+                // Block-uniform: every warp is at the same step. The barrier keeps a warp
+                // that still loads the previous codes from seeing them rewritten.
+                key = jobs.key(mjob);
+                __syncthreads();
+                ds4_quantize_x4<false>(jobs.input(mjob), n_in, xbuf.q, xbuf.d, xbuf.s16);
+                if (lane < nunits) L::load_x(xbuf, lane, xw, dx, xs);
+            }
         }
-        issue(j + S - 1);
+        issue_next();
         ds4_cp_wait<S - 1>();
         ds4_syncwarp();  // the row bytes other lanes copied
-        const int row = (gs % nsteps) * DS4_GEMV_WARPS + warp;
-        const bool act = fits && row < n_out && jobs.ok(job);
+        const int row = mst * DS4_GEMV_WARPS + warp;
+        const bool act = mok && row < n_out;
         float p = 0.f;
-        if (act && lane < nunits) p = L::row(ring[warp][j % S], lane, xw, dx, xs, tb);
+        if (act && lane < nunits) p = L::row(ring[warp][slot], lane, xw, dx, xs, tb);
         p = ds4_warp_sum(p);
-        if (lane == 0 && row < n_out) jobs.y(job)[row] = act ? p : __int_as_float(0x7fc00000);
-        ds4_syncwarp();  // slot j % S is refilled by the next step's issue
+        if (lane == 0 && row < n_out) my[row] = act ? p : __int_as_float(0x7fc00000);
+        ds4_syncwarp();  // this slot is refilled by a later issue
+        slot = (slot + 1) & (S - 1);
+        if (++mst == nsteps) {
+            mst = 0;
+            ++mjob;
+        }
     }
     ds4_cp_wait_all();
 }

@@ -508,10 +508,12 @@ if ! skip ncudeep; then
     # tiles, 50 % of a 2k prefill window; issue 20: the grouped int8 GEMVs at 28-33 % of
     # bandwidth): speed of light, occupancy, warp stall reasons, memory and pipe use of the
     # first launches of each, on a 2-layer model (one 2048-token prefill, 2 decode steps).
-    # NCUDEEP_ONLY=tiles: the tiles alone.
+    # NCUDEEP_ONLY=tiles: the tiles alone; =moe: the routed experts' decode kernels.
     ks=('regex:^ds4_mm_tiles' 'regex:^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_'
         'regex:^ds4_gemv_q_q8_0$|^ds4_gemv_rmsnorm_q_q8_0$')
     [ "${NCUDEEP_ONLY:-}" = tiles ] && ks=("regex:^ds4_mm_r?tiles")
+    # NCUDEEP_ONLY=moe: the routed experts' decode kernels alone (either engine).
+    [ "${NCUDEEP_ONLY:-}" = moe ] && ks=('regex:^ds4_moe_rows|^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_')
     for k in "${ks[@]}"; do
         n=$(echo "$k" | tr -dc 'a-z0-9_' | cut -c1-24)
         timeout 300 ncu --clock-control none --kernel-name "$k" --launch-count 6 \
@@ -522,7 +524,7 @@ if ! skip ncudeep; then
             ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 2 --warmup 0 \
             > "$OUT/ncudeep_$n.csv" 2> "$OUT/ncudeep_$n.err"
         echo "$k: $(grep -c . "$OUT/ncudeep_$n.csv") lines"
-        grep -E '"(Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput|Issue Slots Busy|No Eligible|Block Limit Registers|Block Limit Shared Mem)"' \
+        grep -E '"(Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput|Issue Slots Busy|No Eligible|Block Limit Registers|Block Limit Shared Mem|L1/TEX Cache Throughput|Warp Cycles Per Issued Instruction|Executed Ipc Active)"' \
             "$OUT/ncudeep_$n.csv" | awk -F'","' '{print $5 " | " $(NF-2) " = " $NF}' | head -40
     done
 fi

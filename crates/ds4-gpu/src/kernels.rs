@@ -645,6 +645,7 @@ mod tests {
             "ds4_gemvq_quant<",
             "ds4_gemvq_jobs<",
             "ds4_gemvq_q8s<",
+            "ds4_moe_rows<",
             "ENGINE<",
         ];
         let mut seen = 0;

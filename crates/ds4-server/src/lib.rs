@@ -21,6 +21,7 @@
 pub mod api;
 pub mod bodyscan;
 pub mod config;
+mod cuts;
 pub mod diskcache;
 pub mod emit;
 pub mod endpoints;

@@ -100,7 +100,7 @@ pub struct Worker {
     /// Most prompt tokens evaluated per step.
     pub(crate) piece: usize,
     /// The fewest tokens a piece needs to join a joint prefill with other prompts' pieces
-    /// in one step ([`Slots::prefill_joint`]); `None`: one piece per step
+    /// in one step ([`Slots::prefill_joint`]); `None`: one prompt's pieces per step
     /// (`DS4_JOINT_PREFILL=0`, or an engine that cannot).
     joint_min: Option<usize>,
     /// Whether a step's picks draw at once ([`Worker::pick_all`]; off under
@@ -526,8 +526,9 @@ impl Worker {
         ))
     }
 
-    /// One scheduler step: one prefill piece of the oldest evaluating job, then one batched
-    /// decode step of every generating slot. A job whose prompt is wholly reused starts
+    /// One scheduler step: the oldest evaluating job's next prompt pieces up to the step's
+    /// budget (or one joint prefill of several jobs' pieces), then one batched decode step of
+    /// every generating slot. A job whose prompt is wholly reused starts
     /// generating at once (it has no piece to wait for); a job still evaluating its prompt
     /// whose client went away frees its slot at once, not at its next piece.
     fn step<'t>(&mut self, tasks: &mut [Option<Task<'t>>], tok: &'t Tokenizer) {

@@ -5,9 +5,10 @@
 //! depend on the piece's width. So a state is the same whether computed cold or restored
 //! only if the tokens before it were cut into the same pieces. Every piece therefore ends
 //! at a fixed absolute position — a multiple of the step's grid, of the checkpoint
-//! alignment or of the `continued` step, the end of the shared system prefix, or the cold
-//! checkpoint of the prompt — whether the run started cold or from a reused state, and
-//! whether a disk cache is configured or not: a checkpoint (or turn snapshot) at one of a
+//! alignment or of the `continued` step, or the prompt's cold-checkpoint position (the end
+//! of its shared system prefix when that is long enough) — whether the run started cold or
+//! from a reused state, and whether a disk cache is configured or not: a checkpoint (or turn
+//! snapshot) at one of a
 //! prompt's cut positions is the state the prompt's cold run passes through, bit for bit,
 //! and what follows it is evaluated in the same pieces.
 
@@ -41,18 +42,16 @@ impl Cuts {
 
     /// The end of the piece that starts at absolute position `pos` of a prompt ending at
     /// `end` (> `pos`): the first grid line, checkpoint alignment, `continued` position or
-    /// mark after `pos`, or `end`.
-    pub fn next(&self, pos: usize, end: usize, marks: &[Option<usize>]) -> usize {
+    /// `mark` after `pos`, or `end`.
+    pub fn next(&self, pos: usize, end: usize, mark: Option<usize>) -> usize {
         let mut e = end;
         for m in [self.grid, self.align, self.continued] {
             if let Some(q) = pos.checked_div(m) {
                 e = e.min((q + 1).saturating_mul(m));
             }
         }
-        for &b in marks.iter().flatten() {
-            if b > pos {
-                e = e.min(b);
-            }
+        if let Some(b) = mark.filter(|&b| b > pos) {
+            e = e.min(b);
         }
         e
     }
@@ -60,7 +59,7 @@ impl Cuts {
 
 /// The end of the shared system/tools prefix of `tokens`: the position of the last `user`
 /// marker before the first `assistant` marker (> 0), where a cold checkpoint lands.
-pub(crate) fn system_end(tokens: &[u32], user: u32, assistant: u32) -> Option<usize> {
+fn system_end(tokens: &[u32], user: u32, assistant: u32) -> Option<usize> {
     let first_a = tokens
         .iter()
         .position(|&t| t == assistant)
@@ -114,11 +113,11 @@ mod tests {
     }
 
     /// Every piece of a run from `start` to `end`.
-    fn pieces(c: &Cuts, start: usize, end: usize, marks: &[Option<usize>]) -> Vec<(usize, usize)> {
+    fn pieces(c: &Cuts, start: usize, end: usize, mark: Option<usize>) -> Vec<(usize, usize)> {
         let mut out = Vec::new();
         let mut pos = start;
         while pos < end {
-            let e = c.next(pos, end, marks);
+            let e = c.next(pos, end, mark);
             out.push((pos, e));
             pos = e;
         }
@@ -136,19 +135,19 @@ mod tests {
                 continued: 0
             }
         );
-        let marks = [Some(90), None];
-        let cold = pieces(&c, 0, 200, &marks);
+        let mark = Some(90);
+        let cold = pieces(&c, 0, 200, mark);
         assert_eq!(
             cold,
             vec![(0, 64), (64, 90), (90, 128), (128, 192), (192, 200)]
         );
         // Resumed at any cut position, the rest is cut as the cold run cut it.
         for (start, _) in &cold {
-            let resumed = pieces(&c, *start, 200, &marks);
+            let resumed = pieces(&c, *start, 200, mark);
             assert!(cold.ends_with(&resumed), "from {start}: {resumed:?}");
         }
         // Resumed between cuts, the next piece ends at the cold run's next cut.
-        assert_eq!(pieces(&c, 100, 200, &marks)[0], (100, 128));
+        assert_eq!(pieces(&c, 100, 200, mark)[0], (100, 128));
         // The step's budget narrows the grid; the engine chunk bounds it.
         assert_eq!(Cuts::new(32, 64, &cfg(16, 8, 0, 0)).grid, 32);
         assert_eq!(Cuts::new(4096, 2048, &cfg(16, 8, 0, 0)).grid, 2048);
@@ -159,7 +158,7 @@ mod tests {
         // An alignment that is not a multiple of the grid adds its own lines.
         let c = Cuts::new(64, 64, &cfg(16, 8, 48, 0));
         assert_eq!(
-            pieces(&c, 0, 150, &[]),
+            pieces(&c, 0, 150, None),
             vec![
                 (0, 48),
                 (48, 64),
@@ -173,7 +172,7 @@ mod tests {
         let c = Cuts::new(4096, 4096, &cfg(16, 8, 0, 5000));
         assert_eq!(c.continued, 5000);
         assert_eq!(
-            pieces(&c, 0, 9000, &[]),
+            pieces(&c, 0, 9000, None),
             vec![(0, 4096), (4096, 5000), (5000, 8192), (8192, 9000)]
         );
     }

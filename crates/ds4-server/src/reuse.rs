@@ -327,15 +327,12 @@ impl Worker {
         cuts::cold_position(tokens, m.user, m.assistant, &d.cfg)
     }
 
-    /// The positions besides the grids where a prompt of `tokens` is cut (docs/server.md §9
-    /// "Prefill boundaries"), with or without a disk cache: the end of its system prefix and
-    /// its cold checkpoint.
-    pub(crate) fn prompt_marks(&self, tokens: &[u32]) -> [Option<usize>; 2] {
+    /// The position besides the grids where a prompt of `tokens` is cut (docs/server.md §9
+    /// "Prefill boundaries"), with or without a disk cache: its cold checkpoint's, whether
+    /// or not it is saved.
+    pub(crate) fn prompt_mark(&self, tokens: &[u32]) -> Option<usize> {
         let m = self.tok.markers();
-        [
-            cuts::system_end(tokens, m.user, m.assistant),
-            cuts::cold_position(tokens, m.user, m.assistant, &self.bounds),
-        ]
+        cuts::cold_position(tokens, m.user, m.assistant, &self.bounds)
     }
 
     /// Whether slot `i` is at a `continued` checkpoint position (docs/server.md §11): a

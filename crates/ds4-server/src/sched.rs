@@ -84,8 +84,8 @@ pub(crate) enum Phase<'t> {
         done: usize,
         /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`).
         cold_at: Option<usize>,
-        /// The prompt's own cut positions besides the grids ([`Worker::prompt_marks`]).
-        marks: [Option<usize>; 2],
+        /// The prompt's own cut position besides the grids ([`Worker::prompt_mark`]).
+        mark: Option<usize>,
     },
     Decode(Box<Gen<'t>>),
 }
@@ -498,9 +498,9 @@ impl Worker {
         };
         // A tool-output continuation's prepared tokens are only its suffix (after generated
         // tokens): no cut of the whole prompt can be read from them.
-        let marks = match &job.prepared.live_tail {
-            Some(t) if t.required => [None, None],
-            _ => self.prompt_marks(&job.prepared.tokens),
+        let mark = match &job.prepared.live_tail {
+            Some(t) if t.required => None,
+            _ => self.prompt_mark(&job.prepared.tokens),
         };
         Ok((
             slot,
@@ -520,7 +520,7 @@ impl Worker {
                     tokens: suffix,
                     done: 0,
                     cold_at,
-                    marks,
+                    mark,
                 },
             },
         ))
@@ -561,11 +561,11 @@ impl Worker {
     }
 
     /// Where slot `i`'s next prompt piece ends: at the prompt's next cut position
-    /// ([`crate::cuts`]: the grids, the prompt's `marks`), so disk checkpoints land exactly
+    /// ([`crate::cuts`]: the grids, the prompt's `mark`), so disk checkpoints land exactly
     /// at their boundaries and every run of a prompt is cut alike, cold or resumed.
-    fn piece_end(&self, i: usize, len: usize, done: usize, marks: &[Option<usize>]) -> usize {
+    fn piece_end(&self, i: usize, len: usize, done: usize, mark: Option<usize>) -> usize {
         let pos = self.slots.pos(i);
-        done + (self.cuts.next(pos, pos + (len - done), marks) - pos)
+        done + (self.cuts.next(pos, pos + (len - done), mark) - pos)
     }
 
     /// The pieces of this step's joint prefill, (slot, start, end) oldest prompt first:
@@ -590,15 +590,12 @@ impl Worker {
                     Some(Task {
                         phase:
                             Phase::Prefill {
-                                tokens,
-                                done,
-                                marks,
-                                ..
+                                tokens, done, mark, ..
                             },
                         job,
                         ..
                     }) if !self.stopping(job) => {
-                        let end = self.piece_end(order[k], tokens.len(), *done, marks);
+                        let end = self.piece_end(order[k], tokens.len(), *done, *mark);
                         (end - *done <= limit).then_some((*done, end))
                     }
                     _ => None,
@@ -658,10 +655,7 @@ impl Worker {
         loop {
             let Some(task) = slot.as_mut() else { return };
             let Phase::Prefill {
-                tokens,
-                done,
-                marks,
-                ..
+                tokens, done, mark, ..
             } = &mut task.phase
             else {
                 return;
@@ -674,7 +668,7 @@ impl Worker {
                 self.end(slot);
                 return;
             }
-            let end = self.piece_end(i, tokens.len(), *done, marks);
+            let end = self.piece_end(i, tokens.len(), *done, *mark);
             // The first piece always fits: a piece is at most one grid cell, the grid at
             // most the budget.
             if end - *done > budget {

@@ -1,13 +1,14 @@
 //! The answer to a greedy request does not depend on what the caches hold (docs/server.md §9
 //! "Prefill boundaries"): the same prompt evaluated cold — with no disk cache, or with an
 //! empty one — resumed from a disk checkpoint that another conversation wrote at the end of
-//! their shared system prefix, and resumed from an in-memory turn snapshot of a prompt that
-//! ended there, gives the same tokens and the same log-probabilities, bit for bit, in exact
-//! and official mode.
+//! their shared system prefix, and resumed from in-memory turn snapshots of prompts that
+//! ended at a cut position (the system prefix, a grid line after it) gives the same tokens
+//! and the same log-probabilities, bit for bit, in exact and official mode.
 //!
 //! The demo model (q2 experts, Q8_0 attention) is used because int8 activations apply to
 //! it: a prompt piece of at most 32 tokens runs as decode rows (docs/forward.md §13), so a
-//! piece cut elsewhere changes the bits of its rows on the CPU.
+//! piece cut elsewhere changes the bits of its rows on the CPU. The checkpoint settings are
+//! the defaults (a cold checkpoint at a system prefix of at least 512 tokens).
 
 mod common;
 
@@ -51,15 +52,10 @@ async fn start(cfg: ServerConfig, mode: NumericMode) -> Running {
         .spawn()
 }
 
-/// A disk cache whose cold checkpoints land at the end of the shared system prefix (the
-/// last ⟨U⟩ before the first ⟨A⟩), with the checkpoint alignment a multiple of the grid.
+/// A disk cache with the default checkpoint settings.
 fn with_disk(dir: &Path) -> ServerConfig {
     ServerConfig {
         disk: Some(DiskCacheConfig {
-            min_tokens: 16,
-            continued_interval_tokens: 0,
-            boundary_trim_tokens: 8,
-            boundary_align_tokens: 128,
             budget_bytes: 256 << 20,
             ..DiskCacheConfig::new(dir)
         }),
@@ -67,11 +63,12 @@ fn with_disk(dir: &Path) -> ServerConfig {
     }
 }
 
-/// A system prompt whose end is not on the 64-token grid and lies within 32 tokens of it:
-/// cut there, the piece before it runs as decode rows.
+/// A system prompt of a little over 512 tokens (the checkpoints' minimum) whose end lies
+/// within 32 tokens after a 64-token grid line: the piece that ends there runs as decode
+/// rows.
 fn system() -> String {
     let mut s = String::from("You are a careful assistant for a small shop.");
-    for w in [
+    let rules = [
         " Answer briefly and politely.",
         " Prices are in euros.",
         " The shop opens at nine and closes at six.",
@@ -81,8 +78,9 @@ fn system() -> String {
         " Say so when you do not know.",
         " Mention the opening hours when a customer asks to visit.",
         " Offer a discount only when the manager has approved it.",
-    ] {
-        s.push_str(w);
+    ];
+    for k in 0..64 {
+        s.push_str(rules[k % rules.len()]);
     }
     s
 }
@@ -116,29 +114,45 @@ async fn complete(a: SocketAddr, text: &str, n: usize) -> (Vec<String>, Vec<Stri
     (strings("tokens"), strings("token_logprobs"), cached)
 }
 
-async fn token_count(a: SocketAddr, text: &str) -> u64 {
+async fn tokens(a: SocketAddr, text: &str) -> Vec<u64> {
     post(a, "/tokenize", &json!({ "content": text }))
         .await
-        .json()["count"]
-        .as_u64()
+        .json()["tokens"]
+        .as_array()
         .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
 }
 
 async fn same_answer_whatever_is_cached(mode: NumericMode) {
     const N: usize = 24;
     let question = "Do you have green tea in stock, and what does a box of it cost today? \
                     I would also like to know whether you deliver to the next town, and \
-                    how long a delivery usually takes in winter.";
+                    how long a delivery usually takes in winter. My neighbour asked me to \
+                    buy two boxes for her as well, so please tell me if there is a price for \
+                    three boxes together and whether you can keep them for me until Friday.";
     let p = prompt(question);
 
-    // (a) Cold, no disk cache at all.
+    // Cold, no disk cache at all.
     let srv = start(ServerConfig::default(), mode).await;
-    let s = token_count(srv.addr, &format!("{BOS}{}", system())).await as usize;
-    let len = token_count(srv.addr, &p).await as usize;
+    let s = tokens(srv.addr, &format!("{BOS}{}", system())).await.len();
+    let ids = tokens(srv.addr, &p).await;
+    let grid = s.next_multiple_of(CHUNK);
     assert!(
-        !s.is_multiple_of(CHUNK) && s % CHUNK <= 32 && len > s + 40,
-        "system prefix {s} / prompt {len}: pick texts whose prefix ends just past a grid line"
+        s >= 512 && s % CHUNK > 0 && s % CHUNK <= 32 && ids.len() > grid + 8,
+        "system prefix {s} / prompt {}: pick texts whose prefix ends just past a grid line",
+        ids.len()
     );
+    // The prompt's text up to that grid line: a prompt that ends on the grid after the
+    // system prefix (its tokens are the prompt's first ones).
+    let upto_grid: String = post(srv.addr, "/detokenize", &json!({"tokens": &ids[..grid]}))
+        .await
+        .json()["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(tokens(srv.addr, &upto_grid).await, ids[..grid]);
     let cold = complete(srv.addr, &p, N).await;
     assert_eq!(cold.2, 0);
     assert!(
@@ -148,14 +162,15 @@ async fn same_answer_whatever_is_cached(mode: NumericMode) {
     );
     srv.shutdown().await.unwrap();
 
-    // (a') Cold with an empty disk cache: it checkpoints at the end of the system prefix.
+    // Cold with an empty disk cache: it checkpoints at the end of the system prefix.
     let dir = tempfile::tempdir().unwrap();
     let srv = start(with_disk(dir.path()), mode).await;
     let empty = complete(srv.addr, &p, N).await;
     assert_eq!(empty.2, 0);
+    assert_eq!(stats(srv.addr).await["disk_stores"], 1);
     srv.shutdown().await.unwrap();
 
-    // (b) Another conversation with the same system prompt writes the checkpoint; a new
+    // Another conversation with the same system prompt writes that checkpoint; a new
     // server resumes the prompt from it.
     let dir = tempfile::tempdir().unwrap();
     let srv = start(with_disk(dir.path()), mode).await;
@@ -170,19 +185,25 @@ async fn same_answer_whatever_is_cached(mode: NumericMode) {
     assert_eq!(stats(srv.addr).await["disk_hits"], 1);
     srv.shutdown().await.unwrap();
 
-    // (c) In memory: a prompt that ends at the system prefix leaves its turn snapshot there.
-    let srv = start(ServerConfig::default(), mode).await;
-    complete(srv.addr, &format!("{BOS}{}", system()), 1).await;
-    let mem = complete(srv.addr, &p, N).await;
-    assert_eq!(mem.2 as usize, s, "{mode}: resumed from the turn snapshot");
-    assert_eq!(stats(srv.addr).await["snapshot_hits"], 1);
-    srv.shutdown().await.unwrap();
+    // In memory: a prompt that ends at the system prefix, or at the grid line after it,
+    // leaves its turn snapshot there.
+    let mut mem = Vec::new();
+    for (q, at) in [(format!("{BOS}{}", system()), s), (upto_grid, grid)] {
+        let srv = start(ServerConfig::default(), mode).await;
+        complete(srv.addr, &q, 1).await;
+        let run = complete(srv.addr, &p, N).await;
+        assert_eq!(run.2 as usize, at, "{mode}: resumed from the turn snapshot");
+        assert_eq!(stats(srv.addr).await["snapshot_hits"], 1);
+        srv.shutdown().await.unwrap();
+        mem.push(run);
+    }
 
     let mut differ = Vec::new();
     for (name, run) in [
         ("an empty disk cache", &empty),
         ("a disk checkpoint", &disk),
-        ("an in-memory snapshot", &mem),
+        ("a turn snapshot at the system prefix", &mem[0]),
+        ("a turn snapshot at the grid line after it", &mem[1]),
     ] {
         if run.0 != cold.0 {
             let at = run

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device session's checks and measurements, in priority order, for a machine with an
 # NVIDIA GPU and no Rust: run it from the repository root with the stripped binaries
-# (ds4, ds4-bench, ds4-engine-check, ds4-convert) in $BIN (default ./bin) and an output
+# (ds4, ds4-bench, ds4-engine-check, ds4-convert, ds4-server) in $BIN (default ./bin) and an output
 # directory in $OUT (default ./out). Each step logs to $OUT/<step>.log and prints its
 # summary lines; a failing step does not stop the later ones.
 #
 # Build the binaries on a machine with Rust:
-#   cargo build --release -p ds4-cli -p ds4-check -p ds4-convert --bins
-#   for b in ds4 ds4-bench ds4-engine-check ds4-convert; do strip -o bin/$b target/release/$b; done
+#   cargo build --release -p ds4-cli -p ds4-check -p ds4-convert -p ds4-server --bins
+#   for b in ds4 ds4-bench ds4-engine-check ds4-convert ds4-server; do strip -o bin/$b target/release/$b; done
 #
 # Steps (skip any with SKIP="name name"):
 #   ops        op mirror on the fixtures + random tiny models, f32 and int8 activations
@@ -71,6 +71,12 @@
 #   check      the short set after a kernel change: batched rows against rows alone (bit for
 #              bit, bands as defined) on a 4-layer model of the real dimensions, the op mirror
 #              at 40- and 2-token chunks, the tiny models' parity
+#   cache      the same greedy answer whatever the caches hold (docs/server.md §9 "Prefill
+#              boundaries", tools/device/cache-check.py): ds4-server on the 4-layer real-
+#              dimension model, a ~600-token system prefix, cold without and with an empty
+#              disk cache, resumed from another conversation's disk checkpoint and from a turn
+#              snapshot; tokens and log-probabilities bit for bit, official and exact mode, at
+#              the default prefill chunk and at 64 (short pieces run as decode rows)
 #   logits     whole-model logits of a 4-layer real-dimension q2 file (280 prefilled + 21
 #              decoded positions, default and --quality) into $OUT/logits-*.npy; with BIN2 (a
 #              second build) the same from it and a cmp of the two (a refactor must be
@@ -116,6 +122,19 @@ check() {
     timeout 120 ds4-engine-check ops "$work/s4.gguf" --tiny 0 --flash-layers 4 --tokens 12 --chunk 2 --act-q8 > "$OUT/ops_c2.log" 2>&1; tail -1 "$OUT/ops_c2.log"
     for f in tiny-hca16 tiny-hca128; do ds4-convert hf --quiet "$R/tests/fixtures/$f" "$work/m-$f.gguf" > /dev/null; done
     timeout 120 ds4-engine-check parity "$work"/m-*.gguf --tiny 2 > "$OUT/parity.log" 2>&1; grep -E "PASSED|FAIL|failed" "$OUT/parity.log" | head -3
+}
+
+cache() {
+    s4
+    echo "== the same greedy answer whatever the caches hold (4-layer real dims)"
+    for mode in official exact; do
+        for chunk in 2048 64; do
+            echo "mode $mode, prefill chunk $chunk:"
+            timeout 600 python3 "$R/tools/device/cache-check.py" --server "$BIN/ds4-server" \
+                --model "$work/s4.gguf" --backend cuda --mode $mode --prefill-chunk $chunk \
+                --log "$OUT/cache_${mode}_$chunk.log" 2>&1 | tail -n 6
+        done
+    done
 }
 
 # logits_of DIR TAG: ds4 logits of the 4-layer file from the build in DIR.
@@ -205,7 +224,7 @@ server8() {
 }
 
 
-for s in check logits decode profile roofline; do
+for s in check cache logits decode profile roofline; do
     skip $s || { step $s; "$s"; }
 done
 if ! skip user8; then

@@ -6,8 +6,9 @@
 //!   → bounded queue (429 when full) → scheduler thread (sched: ds4_runtime Slots, one
 //!     engine, N KV states) → the idle slot that reuses most (reuse):
 //!       tool binding | live prefix | thinking-visible | turn snapshot | disk | cold
-//!     each step: one prefill piece (+ cold/continued disk saves), then one batched decode
-//!     step of every generating slot (turn: pick + sample per slot) → OutputStream
+//!     each step: prompt pieces up to the step's budget, cut at fixed positions (cuts),
+//!     with cold/continued disk saves, then one batched decode step of every generating
+//!     slot (turn: pick + sample per slot) → OutputStream
 //!   → JobEvents → the family's EventStream (emit) → SSE / JSON body
 //! ```
 //!
@@ -21,6 +22,7 @@
 pub mod api;
 pub mod bodyscan;
 pub mod config;
+mod cuts;
 pub mod diskcache;
 pub mod emit;
 pub mod endpoints;

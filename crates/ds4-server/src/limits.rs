@@ -242,7 +242,8 @@ pub struct ConnSocket {
 /// slow stream while its kernel grows the receive buffer (measured on 6.18: 982 KB taken
 /// in 69 s at 14 KB/s, our send queue near 0, the advertised window a constant 64 KiB), so
 /// acknowledgements alone show nothing until that buffer reaches `net.ipv4.tcp_rmem`'s
-/// maximum. For a remote client that part cannot be seen.
+/// maximum. For a remote client that part cannot be seen, and nothing TCP carries tells a
+/// program that stopped reading from one that reads (SECURITY.md, "Known limits").
 #[derive(Debug)]
 pub struct StreamWatch {
     #[cfg(target_os = "linux")]

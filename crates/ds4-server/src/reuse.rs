@@ -13,6 +13,7 @@ use ds4_kvstore::{KvStore, StoreOutcome};
 use ds4_runtime::checkpoint::Format;
 
 use crate::config::DiskCacheConfig;
+use crate::cuts;
 use crate::diskcache::continuation;
 use crate::error::ApiError;
 use crate::prepare::Prepared;
@@ -315,35 +316,34 @@ impl Worker {
     }
 
     /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`): the shared system/tools prefix
-    /// (up to the last `⟨U⟩` before the first `⟨A⟩`), else the trimmed, aligned length.
+    /// (up to the last `⟨U⟩` before the first `⟨A⟩`), else the trimmed, aligned length; `None`
+    /// without a disk cache or outside its cold-save lengths.
     pub(crate) fn cold_boundary(&self, tokens: &[u32]) -> Option<usize> {
         let d = self.disk.as_ref()?;
-        let len = tokens.len();
-        if d.cfg.cold_max_tokens == 0
-            || len < d.cfg.min_tokens.max(1)
-            || len > d.cfg.cold_max_tokens
-        {
+        if d.cfg.cold_max_tokens == 0 || tokens.len() > d.cfg.cold_max_tokens {
             return None;
         }
         let m = self.tok.markers();
-        let first_a = tokens.iter().position(|&t| t == m.assistant).unwrap_or(len);
-        if let Some(u) = tokens[..first_a].iter().rposition(|&t| t == m.user) {
-            if u >= d.cfg.min_tokens.max(1) {
-                return Some(u);
-            }
-        }
-        let mut b = len.saturating_sub(d.cfg.boundary_trim_tokens);
-        if let Some(q) = b.checked_div(d.cfg.boundary_align_tokens) {
-            b = q * d.cfg.boundary_align_tokens;
-        }
-        Some(if b >= d.cfg.min_tokens.max(1) { b } else { len })
+        cuts::cold_position(tokens, m.user, m.assistant, &d.cfg)
     }
 
-    /// Slot `i`'s next `continued` checkpoint position (docs/server.md §11), if any.
-    pub(crate) fn next_continued(&self, i: usize) -> Option<usize> {
-        let d = self.disk.as_ref()?;
+    /// The position besides the grids where a prompt of `tokens` is cut (docs/server.md §9
+    /// "Prefill boundaries"), with or without a disk cache: its cold checkpoint's, whether
+    /// or not it is saved.
+    pub(crate) fn prompt_mark(&self, tokens: &[u32]) -> Option<usize> {
+        let m = self.tok.markers();
+        cuts::cold_position(tokens, m.user, m.assistant, &self.bounds)
+    }
+
+    /// Whether slot `i` is at a `continued` checkpoint position (docs/server.md §11): a
+    /// multiple of the step past its last save or load.
+    pub(crate) fn continued_due(&self, i: usize) -> bool {
+        let Some(d) = self.disk.as_ref() else {
+            return false;
+        };
         let step = d.cfg.continued_step();
-        (step > 0).then(|| self.memo[i].frontier + step)
+        let pos = self.slots.pos(i);
+        step > 0 && pos > self.memo[i].frontier && pos.is_multiple_of(step)
     }
 
     /// The first half of the turn snapshot (docs/server.md §9): whether slot `i`'s state at

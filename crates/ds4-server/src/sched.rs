@@ -3,9 +3,9 @@
 //!
 //! A job is taken off the queue only when a slot is idle, and lands in the idle slot that
 //! reuses most of its prompt ([`crate::reuse`]). Then every step runs:
-//! 1. at most one prefill piece (`--prefill-chunk-per-step` tokens, cut at disk-checkpoint
-//!    boundaries) of the oldest job still evaluating its prompt, so a long prompt delays the
-//!    running streams by one piece per token instead of stalling them;
+//! 1. at most `--prefill-chunk-per-step` prompt tokens of the oldest job still evaluating
+//!    its prompt, in pieces that end at fixed absolute positions ([`crate::cuts`]), so a long
+//!    prompt delays the running streams by one piece per token instead of stalling them;
 //! 2. one batched decode step: every generating slot picks its next token
 //!    ([`crate::turn`]) and all of them are fed in one forward pass.
 //!
@@ -24,7 +24,8 @@ use ds4_runtime::{Pick, Slots, SlotsError};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
 
-use crate::config::ServerConfig;
+use crate::config::{DiskCacheConfig, ServerConfig};
+use crate::cuts::Cuts;
 use crate::diskcache;
 use crate::error::{ApiError, ServerError};
 use crate::live::{self, ToolBinding};
@@ -83,6 +84,8 @@ pub(crate) enum Phase<'t> {
         done: usize,
         /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`).
         cold_at: Option<usize>,
+        /// The prompt's own cut position besides the grids ([`Worker::prompt_mark`]).
+        mark: Option<usize>,
     },
     Decode(Box<Gen<'t>>),
 }
@@ -97,7 +100,7 @@ pub struct Worker {
     /// Most prompt tokens evaluated per step.
     pub(crate) piece: usize,
     /// The fewest tokens a piece needs to join a joint prefill with other prompts' pieces
-    /// in one step ([`Slots::prefill_joint`]); `None`: one piece per step
+    /// in one step ([`Slots::prefill_joint`]); `None`: one prompt's pieces per step
     /// (`DS4_JOINT_PREFILL=0`, or an engine that cannot).
     joint_min: Option<usize>,
     /// Whether a step's picks draw at once ([`Worker::pick_all`]; off under
@@ -108,6 +111,10 @@ pub struct Worker {
     skip_pushed_out_turns: bool,
     /// Most tokens of one forward pass (the engine's prefill chunk).
     chunk: usize,
+    /// The grids every prompt piece ends on ([`crate::cuts`]).
+    cuts: Cuts,
+    /// The checkpoint settings the cuts follow: the disk cache's, or their defaults.
+    pub(crate) bounds: DiskCacheConfig,
     /// In-memory turn snapshots, shared by the slots (any slot can restore one).
     pub(crate) snapshots: VecDeque<MemSnapshot>,
     pub(crate) disk: Option<Disk>,
@@ -257,6 +264,11 @@ impl Worker {
                 })
             }
         };
+        let bounds = cfg
+            .disk
+            .clone()
+            .unwrap_or_else(|| DiskCacheConfig::new(std::path::PathBuf::new()));
+        let cuts = Cuts::new(piece, chunk, &bounds);
         let parallel = cfg.parallel;
         let slots = Slots::new(engine, parallel).map_err(|e| slots_error(e, parallel))?;
         let joint_on =
@@ -293,6 +305,8 @@ impl Worker {
                 std::env::var(SKIP_PUSHED_OUT_TURNS_ENV).ok().as_deref(),
             ),
             chunk,
+            cuts,
+            bounds,
             snapshots: VecDeque::new(),
             disk,
             toolmem,
@@ -482,6 +496,12 @@ impl Worker {
         } else {
             None
         };
+        // A tool-output continuation's prepared tokens are only its suffix (after generated
+        // tokens): no cut of the whole prompt can be read from them.
+        let mark = match &job.prepared.live_tail {
+            Some(t) if t.required => None,
+            _ => self.prompt_mark(&job.prepared.tokens),
+        };
         Ok((
             slot,
             Task {
@@ -500,13 +520,15 @@ impl Worker {
                     tokens: suffix,
                     done: 0,
                     cold_at,
+                    mark,
                 },
             },
         ))
     }
 
-    /// One scheduler step: one prefill piece of the oldest evaluating job, then one batched
-    /// decode step of every generating slot. A job whose prompt is wholly reused starts
+    /// One scheduler step: the oldest evaluating job's next prompt pieces up to the step's
+    /// budget (or one joint prefill of several jobs' pieces), then one batched decode step of
+    /// every generating slot. A job whose prompt is wholly reused starts
     /// generating at once (it has no piece to wait for); a job still evaluating its prompt
     /// whose client went away frees its slot at once, not at its next piece.
     fn step<'t>(&mut self, tasks: &mut [Option<Task<'t>>], tok: &'t Tokenizer) {
@@ -538,30 +560,19 @@ impl Worker {
         self.decode_step(tasks);
     }
 
-    /// Where slot `i`'s next prompt piece ends: at most `limit` tokens after `done`, cut so
-    /// disk checkpoints land exactly at their boundaries.
-    fn piece_end(
-        &self,
-        i: usize,
-        len: usize,
-        done: usize,
-        cold_at: Option<usize>,
-        limit: usize,
-    ) -> usize {
+    /// Where slot `i`'s next prompt piece ends: at the prompt's next cut position
+    /// ([`crate::cuts`]: the grids, the prompt's `mark`), so disk checkpoints land exactly
+    /// at their boundaries and every run of a prompt is cut alike, cold or resumed.
+    fn piece_end(&self, i: usize, len: usize, done: usize, mark: Option<usize>) -> usize {
         let pos = self.slots.pos(i);
-        let mut end = len.min(done + limit);
-        for b in [cold_at, self.next_continued(i)].into_iter().flatten() {
-            if b > pos && b < pos + (end - done) {
-                end = done + (b - pos);
-            }
-        }
-        end
+        done + (self.cuts.next(pos, pos + (len - done), mark) - pos)
     }
 
     /// The pieces of this step's joint prefill, (slot, start, end) oldest prompt first:
     /// the oldest's piece and then the next ones' while the step's budget (`piece` tokens,
-    /// at most one engine chunk) lasts, each at least `joint_min` tokens. Fewer than two:
-    /// the step runs the oldest piece alone.
+    /// at most one engine chunk) lasts, each at least `joint_min` tokens and each whole up to
+    /// its next cut (a piece cut short by the budget would be evaluated in other pieces than
+    /// the same prompt alone). Fewer than two: the step runs the oldest piece alone.
     fn joint_pieces(
         &self,
         tasks: &[Option<Task<'_>>],
@@ -579,15 +590,13 @@ impl Worker {
                     Some(Task {
                         phase:
                             Phase::Prefill {
-                                tokens,
-                                done,
-                                cold_at,
+                                tokens, done, mark, ..
                             },
                         job,
                         ..
                     }) if !self.stopping(job) => {
-                        let end = self.piece_end(order[k], tokens.len(), *done, *cold_at, limit);
-                        Some((*done, end))
+                        let end = self.piece_end(order[k], tokens.len(), *done, *mark);
+                        (end - *done <= limit).then_some((*done, end))
                     }
                     _ => None,
                 },
@@ -638,26 +647,33 @@ impl Worker {
         }
     }
 
-    /// Evaluates the next piece of slot `i`'s prompt (cut so disk checkpoints land exactly
-    /// at their boundaries); at the prompt's end the generation starts. A cancelled or
-    /// failed job leaves its slot.
+    /// Evaluates the next pieces of slot `i`'s prompt, each up to its next cut position,
+    /// while the step's budget (`--prefill-chunk-per-step` tokens) lasts; at the prompt's end
+    /// the generation starts. A cancelled or failed job leaves its slot.
     fn prefill_step<'t>(&mut self, i: usize, slot: &mut Option<Task<'t>>, tok: &'t Tokenizer) {
-        let Some(task) = slot.as_mut() else { return };
-        let Phase::Prefill {
-            tokens,
-            done,
-            cold_at,
-        } = &mut task.phase
-        else {
-            return;
-        };
-        if *done < tokens.len() {
+        let mut budget = self.piece;
+        loop {
+            let Some(task) = slot.as_mut() else { return };
+            let Phase::Prefill {
+                tokens, done, mark, ..
+            } = &mut task.phase
+            else {
+                return;
+            };
+            if *done >= tokens.len() {
+                return self.begin_generation(i, slot, tok);
+            }
             if self.stopping(&task.job) {
                 Stats::add(&self.stats.cancelled, 1);
                 self.end(slot);
                 return;
             }
-            let end = self.piece_end(i, tokens.len(), *done, *cold_at, self.piece);
+            let end = self.piece_end(i, tokens.len(), *done, *mark);
+            // The first piece always fits: a piece is at most one grid cell, the grid at
+            // most the budget.
+            if end - *done > budget {
+                return;
+            }
             if let Err(e) = self.slots.prefill(i, &tokens[*done..end]) {
                 // The state is unchanged or partial; nothing after it can be trusted.
                 self.discard_live(i);
@@ -670,9 +686,12 @@ impl Worker {
                 self.end(slot);
                 return;
             }
-            return self.piece_landed(i, slot, end, tok);
+            budget -= end - *done;
+            self.piece_landed(i, slot, end, tok);
+            if budget == 0 {
+                return;
+            }
         }
-        self.begin_generation(i, slot, tok);
     }
 
     /// Slot `i`'s prompt has been evaluated up to `end`: counts it, saves the disk
@@ -690,6 +709,7 @@ impl Worker {
                     tokens,
                     done,
                     cold_at,
+                    ..
                 },
             ..
         }) = slot.as_mut()
@@ -702,7 +722,7 @@ impl Worker {
         let pos = self.slots.pos(i);
         if *cold_at == Some(pos) {
             self.disk_save(i, "cold");
-        } else if self.next_continued(i) == Some(pos) {
+        } else if self.continued_due(i) {
             self.disk_save(i, "continued");
         }
         if finished {
@@ -906,7 +926,7 @@ impl Worker {
             else {
                 continue;
             };
-            if self.next_continued(i) == Some(self.slots.pos(i)) && !gen.in_tool_call() {
+            if self.continued_due(i) && !gen.in_tool_call() {
                 self.disk_save(i, "continued");
             }
         }

@@ -271,3 +271,74 @@ async fn disk_kv_cache_survives_a_restart() {
     assert!(stats(srv.addr).await["disk_rejected"].as_u64().unwrap() >= 1);
     srv.shutdown().await.unwrap();
 }
+
+/// Token counts of the disk entries in `dir` (the header's token count, bytes 64..72).
+fn entry_lengths(dir: &std::path::Path) -> Vec<u64> {
+    let mut out: Vec<u64> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kv"))
+        .map(|p| {
+            let b = std::fs::read(p).unwrap();
+            u64::from_le_bytes(b[64..72].try_into().unwrap())
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// `continued` checkpoints land on the multiples of the step (docs/server.md §11), counted
+/// from the first token whatever the slot was resumed from: they are prefill cut positions
+/// (§9 "Prefill boundaries"), so a later prompt resumed from one is cut as it would be cold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continued_checkpoints_land_on_multiples_of_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |dir: &std::path::Path| ServerConfig {
+        disk: Some(DiskCacheConfig {
+            min_tokens: 8,
+            continued_interval_tokens: 64,
+            boundary_trim_tokens: 0,
+            boundary_align_tokens: 0,
+            budget_bytes: 256 << 20,
+            ..DiskCacheConfig::new(dir)
+        }),
+        snapshot_slots: 0,
+        ..ServerConfig::default()
+    };
+    let words = |n: usize, w: &str| -> String { (0..n).map(|i| format!("{w}{i} ")).collect() };
+    let complete = |a, prompt: String| async move {
+        let r = post(
+            a,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 3, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+
+    // A cold prompt past two multiples of 64: `continued` at 64 and 128, `cold` at its
+    // whole length (no trim, no alignment), `shutdown` after its answer.
+    let srv = start(cfg(dir.path())).await;
+    let p1 = words(52, "w");
+    let v1 = complete(srv.addr, p1.clone()).await;
+    let n1 = prompt(&v1);
+    let live = n1 + completion(&v1);
+    assert!(n1 > 128 && live < 192, "{n1} {live}");
+    srv.shutdown().await.unwrap();
+    assert_eq!(entry_lengths(dir.path()), vec![64, 128, n1, live]);
+
+    // Resumed from the cold checkpoint, off the grid: the next saves are 192 and 256, not
+    // that length plus 64.
+    let srv = start(cfg(dir.path())).await;
+    let v2 = complete(srv.addr, format!("{p1}{}", words(45, "x"))).await;
+    assert_eq!(cached(&v2), n1);
+    assert!(prompt(&v2) > 256, "{}", prompt(&v2));
+    assert_eq!(stats(srv.addr).await["disk_stores"], 2);
+    srv.shutdown().await.unwrap();
+    let lens = entry_lengths(dir.path());
+    assert!(
+        lens.contains(&192) && lens.contains(&256) && !lens.contains(&(n1 + 64)),
+        "{lens:?}"
+    );
+}

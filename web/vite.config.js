@@ -4,6 +4,8 @@ import { defineConfig } from 'vite';
 
 export default defineConfig({
   base: '/',
+  // `npm run dev`: the page on :5173, the API proxied to a ds4-server on :8000.
+  server: { proxy: { '/v1': 'http://127.0.0.1:8000', '/health': 'http://127.0.0.1:8000' } },
   build: {
     outDir: '../crates/ds4-server/webchat',
     emptyOutDir: true,

@@ -1,7 +1,7 @@
 // After `vite build`: writes crates/ds4-server/webchat/manifest.rs, the table of embedded
 // files (path, bytes via include_bytes!, content type) that ds4-server's webchat module
 // includes, and prints the bundle's size.
-import { readdirSync, statSync, writeFileSync } from 'node:fs';
+import { readFileSync, readdirSync, statSync, writeFileSync } from 'node:fs';
 import { join, relative, extname } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
@@ -13,7 +13,20 @@ const TYPES = {
   '.woff2': 'font/woff2',
   '.svg': 'image/svg+xml',
   '.png': 'image/png',
+  '.txt': 'text/plain; charset=utf-8',
 };
+// The licences of the libraries bundled into the page, served beside it.
+const BUNDLED = ['preact', 'htm', 'marked', 'highlight.js', 'katex'];
+const here = fileURLToPath(new URL('..', import.meta.url));
+writeFileSync(
+  join(out, 'assets', 'third-party-licenses.txt'),
+  BUNDLED.map((name) => {
+    const dir = join(here, 'node_modules', name);
+    const pkg = JSON.parse(readFileSync(join(dir, 'package.json'), 'utf8'));
+    const text = readFileSync(join(dir, 'LICENSE'), 'utf8').trim();
+    return `${pkg.name} ${pkg.version} (${pkg.license})\n${'='.repeat(60)}\n${text}\n`;
+  }).join('\n'),
+);
 const files = [];
 const walk = (d) => {
   for (const e of readdirSync(d).sort()) {

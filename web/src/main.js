@@ -231,6 +231,7 @@ function Sidebar({ list, currentId, onSelect, onNew, onRename, onDelete, onExpor
     <div class="io">
       <button type="button" onClick=${onExport}>Export JSON</button>
       <button type="button" onClick=${() => fileRef.current.click()}>Import JSON</button>
+      <a class="tiny" href="/assets/third-party-licenses.txt" target="_blank" rel="noopener">Licences</a>
       <input ref=${fileRef} type="file" accept="application/json,.json" class="hidden" aria-label="Import file" onChange=${async (e) => {
         const f = e.target.files[0];
         if (f) onImport(await f.text());
@@ -259,7 +260,8 @@ function App() {
   const [open, setOpenMap] = useState({});
   const stream = useRef(null); // {id, controller}
   const frame = useRef(0);
-  const endRef = useRef();
+  const listRef = useRef();
+  const stick = useRef(true);
   const busy = !!stream.current;
 
   const ui = { open, setOpen: (id, v) => setOpenMap((m) => ({ ...m, [id]: v })) };
@@ -305,8 +307,10 @@ function App() {
     return () => window.removeEventListener('keydown', onKey);
   }, []);
 
+  // Follow the answer as it streams, unless the reader scrolled up.
   useEffect(() => {
-    endRef.current?.scrollIntoView({ block: 'end' });
+    const el = listRef.current;
+    if (el && stick.current) el.scrollTop = el.scrollHeight;
   });
 
   // Copy buttons inside rendered Markdown (no inline handlers: the CSP forbids them).
@@ -337,6 +341,7 @@ function App() {
       bump();
       return;
     }
+    stick.current = true;
     const controller = new AbortController();
     stream.current = { id: node.id, controller };
     persist(c);
@@ -481,10 +486,12 @@ function App() {
         persist();
         bump();
       }} />`}
-      <section class="messages" aria-label="Messages" aria-live="polite" onClick=${onMdClick}>
+      <section class="messages" ref=${listRef} aria-label="Messages" aria-live="polite" onClick=${onMdClick} onScroll=${(e) => {
+        const el = e.currentTarget;
+        stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 80;
+      }}>
         ${path.length === 0 && html`<p class="empty muted">Ask DeepSeek V4 Flash anything. Enter sends, Shift+Enter is a new line, Esc stops.</p>`}
         ${path.map((n, i) => html`<${Message} key=${n.id} conv=${conv} node=${n} busy=${busy} streamingId=${streamingId} last=${i === path.length - 1} ui=${ui} actions=${actions} />`)}
-        <div ref=${endRef}></div>
       </section>
       <form class="composer" onSubmit=${(e) => {
         e.preventDefault();

@@ -84,10 +84,16 @@ async fn page() -> Response {
     r
 }
 
-/// Asset names carry a content hash, so they may be cached for good.
+/// Script and style names carry a content hash, so they may be cached for good; the
+/// licence text does not.
 async fn asset(Path(name): Path<String>) -> Response {
+    let cache = if name.ends_with(".js") || name.ends_with(".css") {
+        "public, max-age=31536000, immutable"
+    } else {
+        "no-cache"
+    };
     match file(&format!("assets/{name}")) {
-        Some((body, ctype)) => respond(body, ctype, "public, max-age=31536000, immutable"),
+        Some((body, ctype)) => respond(body, ctype, cache),
         None => ApiError::new(ErrorKind::NotFound, "unknown asset").into_response(Shape::OpenAi),
     }
 }

@@ -6,9 +6,14 @@
         "text/css; charset=utf-8",
     ),
     (
-        "assets/index-D22VVLSy.js",
-        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/webchat/assets/index-D22VVLSy.js")),
+        "assets/index-gBDuXcoy.js",
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/webchat/assets/index-gBDuXcoy.js")),
         "text/javascript; charset=utf-8",
+    ),
+    (
+        "assets/third-party-licenses.txt",
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/webchat/assets/third-party-licenses.txt")),
+        "text/plain; charset=utf-8",
     ),
     (
         "index.html",

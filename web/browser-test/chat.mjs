@@ -171,7 +171,7 @@ try {
 
   await step('turn 2 with thinking off reuses the cached prefix; both turns are shown', async () => {
     await a.select('#thinking', 'none');
-    await typeAndSend(a, '[plain] and a second question');
+    await typeAndSend(a, '[off] and a second question');
     await answered(a, 2);
     assert(sent.at(-1).reasoning_effort === 'none', 'thinking off sent as reasoning_effort none');
     assert(sent.at(-1).messages.length === 3, `the whole conversation is sent: ${sent.at(-1).messages.length}`);

@@ -224,7 +224,7 @@ function Sidebar({ list, currentId, onSelect, onNew, onRename, onDelete, onExpor
                 setName(c.title);
                 setRenaming(c.id);
               }}>✎</button>
-              <button type="button" class="small" aria-label=${`Delete ${c.title}`} onClick=${() => onDelete(c.id)}>🗑</button>
+              <button type="button" class="small" aria-label=${`Delete ${c.title}`} onClick=${() => onDelete(c.id)}>×</button>
             </span>`}
       </li>`)}
     </ul>
@@ -397,7 +397,8 @@ function App() {
     },
     regenerate(id) {
       if (busy) return;
-      generate(conv, regenerateParent(conv, id), thinking);
+      // Another version of the same answer: the same thinking mode.
+      generate(conv, regenerateParent(conv, id), conv.nodes[id].thinking || thinking);
     },
     toolResults(id, vals) {
       if (busy) return;

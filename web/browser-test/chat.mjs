@@ -89,9 +89,11 @@ async function enterKey(p, key) {
   await p.click('.dialog button[type="submit"]');
 }
 
-function logLines() {
-  return readFileSync(LOG, 'utf8').split('\n');
+/** The server log's lines after character `from`. */
+function logLines(from = 0) {
+  return readFileSync(LOG, 'utf8').slice(from).split('\n');
 }
+const logSize = () => readFileSync(LOG, 'utf8').length;
 
 async function health(p) {
   return p.evaluate(async (key) => (await fetch('/health', { headers: { Authorization: `Bearer ${key}` } })).json(), KEY);
@@ -133,7 +135,7 @@ try {
   await step('turn 1 streams reasoning (open while it streams), then Markdown with code and maths; the reasoning collapses', async () => {
     await a.click('button.new');
     let sawOpen = false;
-    await typeAndSend(a, '[md] show me some formatting');
+    await typeAndSend(a, 'Write a Python square function, and integrate x² from 0 to 1.');
     const t0 = Date.now();
     while (Date.now() - t0 < timeout) {
       const st = await a.evaluate(() => ({
@@ -171,7 +173,7 @@ try {
 
   await step('turn 2 with thinking off reuses the cached prefix; both turns are shown', async () => {
     await a.select('#thinking', 'none');
-    await typeAndSend(a, '[off] and a second question');
+    await typeAndSend(a, 'Thanks! And 6 × 7?');
     await answered(a, 2);
     assert(sent.at(-1).reasoning_effort === 'none', 'thinking off sent as reasoning_effort none');
     assert(sent.at(-1).messages.length === 3, `the whole conversation is sent: ${sent.at(-1).messages.length}`);
@@ -182,6 +184,10 @@ try {
     assert((await text(a, `${lastAssistant} .think-tag`)).includes('Off'), 'the answer shows its thinking mode');
     await a.select('#thinking', 'high');
     await snap(a, 'two-turns');
+    // The README's picture (docs/webchat.png is a copy of it).
+    await a.setViewport({ width: 1100, height: 940 });
+    await a.screenshot({ path: join(OUT, 'readme-webchat.png') });
+    await a.setViewport({ width: 1100, height: 820 });
   });
 
   await step('copy buttons copy the code and the answer', async () => {
@@ -235,7 +241,7 @@ try {
 
   await step('Esc stops a long answer; the server cancels the generation (its log and /health say so)', async () => {
     const h0 = await health(a);
-    const logBefore = logLines().length;
+    const logBefore = logSize();
     await typeAndSend(a, 'tell me a very long story');
     await a.waitForFunction(() => (document.querySelector('[data-testid="msg-assistant"]:last-of-type .reasoning-text')?.textContent.length ?? 0) > 20, { timeout });
     await a.keyboard.press('Escape');
@@ -249,9 +255,12 @@ try {
       await new Promise((r) => setTimeout(r, 100));
     } while (Date.now() - t0 < timeout);
     assert(h1.stats.cancelled === h0.stats.cancelled + 1, `cancelled ${h0.stats.cancelled} → ${h1.stats.cancelled}`);
-    const done = logLines()
-      .slice(logBefore)
-      .filter((l) => l.includes('request done'));
+    // The counter moves just before the worker logs the request's end.
+    let done = [];
+    for (const t1 = Date.now(); Date.now() - t1 < timeout; await new Promise((r) => setTimeout(r, 100))) {
+      done = logLines(logBefore).filter((l) => l.includes('request done'));
+      if (done.length) break;
+    }
     assert(done.length === 1, `one request done line: ${done.join('\n')}`);
     assert(done[0].includes('finish="error"'), `the log shows the generation ended early: ${done[0]}`);
     const gen = Number(/generated=(\d+)/.exec(done[0])[1]);
@@ -262,14 +271,14 @@ try {
 
   await step('tool calls are shown as they stream, and a result continues the answer', async () => {
     await a.click('button.new');
-    await a.click('.top button[aria-expanded]'); // Settings
+    await a.click('.top ::-p-text(Settings)');
     await a.waitForSelector('.settings', { timeout });
     const tools = JSON.stringify([{ type: 'function', function: { name: 'bash', description: 'run a command', parameters: { type: 'object', properties: { command: { type: 'string' } }, required: ['command'] } } }]);
     await a.$eval('.settings textarea.mono', (el, v) => {
       el.value = v;
       el.dispatchEvent(new Event('input', { bubbles: true }));
     }, tools);
-    await a.click('.top button[aria-expanded]');
+    await a.click('.top ::-p-text(Settings)');
     await typeAndSend(a, '[tool] what is here?');
     await answered(a, 1);
     assert((await text(a, '[data-testid="tool-call"] .tool-name')).includes('bash'), 'tool name');

@@ -8,7 +8,7 @@
 // default /usr/bin/chromium).
 // Each step saves OUT_DIR/NN-name.png; a failing step saves OUT_DIR/failed.png and exits 1.
 
-import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdirSync, readFileSync, readdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import puppeteer from 'puppeteer-core';
 
@@ -351,6 +351,25 @@ try {
     await a.click('.convs li:first-child button[aria-label^="Delete"]');
     await a.waitForFunction((n) => document.querySelectorAll('.convs .conv').length === n, { timeout }, before.length - 1);
     await snap(a, 'conversations');
+  });
+
+  await step('export to JSON, then import it back: every conversation comes in again', async () => {
+    const n = await count(a, '.convs .conv');
+    const cdp = await a.createCDPSession();
+    await cdp.send('Browser.setDownloadBehavior', { behavior: 'allow', downloadPath: OUT });
+    await a.click('.io ::-p-text(Export JSON)');
+    let file = null;
+    for (const t0 = Date.now(); !file && Date.now() - t0 < timeout; await new Promise((r) => setTimeout(r, 100))) {
+      file = readdirSync(OUT).find((f) => /^ds4-chats-.*\.json$/.test(f));
+    }
+    assert(file, 'the export was downloaded');
+    const exported = JSON.parse(readFileSync(join(OUT, file), 'utf8'));
+    assert(exported.format === 'ds4-webchat' && exported.conversations.length === n, `${exported.conversations.length} of ${n} exported`);
+    const input = await a.$('.io input[type="file"]');
+    await input.uploadFile(join(OUT, file));
+    await a.waitForFunction((n) => document.querySelectorAll('.convs .conv').length === 2 * n, { timeout }, n);
+    assert((await text(a, '.notice')).includes(`Imported ${n} conversation`), 'a notice says what came in');
+    await snap(a, 'imported');
   });
 
   await step('phone width: the list folds into a menu and the chat stays usable', async () => {

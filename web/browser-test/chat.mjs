@@ -121,7 +121,7 @@ try {
     await enterKey(a, 'wrong-key');
     await a.waitForSelector('.dialog #api-key', { timeout }); // /v1/models said 401 again
     await a.click('.dialog button[type="button"]'); // Cancel
-    await typeAndSend(a, '[plain] hello?');
+    await typeAndSend(a, 'Hello?');
     await a.waitForSelector('[data-testid="error"]', { timeout });
     const err = await text(a, '[data-testid="error"]');
     assert(err.startsWith('401'), err);
@@ -185,7 +185,7 @@ try {
     await a.select('#thinking', 'high');
     await snap(a, 'two-turns');
     // The README's picture (docs/webchat.png is a copy of it).
-    await a.setViewport({ width: 1100, height: 940 });
+    await a.setViewport({ width: 1100, height: 1040 });
     await a.screenshot({ path: join(OUT, 'readme-webchat.png') });
     await a.setViewport({ width: 1100, height: 820 });
   });

@@ -74,9 +74,9 @@ SERVER_BIN="${DS4_SERVER_BIN:-$TARGET/$PROFILE/ds4-server}"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 KEY="webchat-test-$RANDOM$RANDOM"
-step "starting ds4-server on the demo model (--api-key, --parallel 1, --queue 1)"
+step "starting ds4-server on the demo model (--api-key, --parallel 1, --queue 1, --max-body-bytes 200000)"
 DS4_API_KEY="$KEY" "$SERVER_BIN" -m "$ROOT/tests/fixtures/demo/ds4-demo.gguf" -c 4096 \
-    --host 127.0.0.1 --port 0 -t 2 --parallel 1 --queue 1 \
+    --host 127.0.0.1 --port 0 -t 2 --parallel 1 --queue 1 --max-body-bytes 200000 \
     --test-script "$HERE/script.json" >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 URL=""

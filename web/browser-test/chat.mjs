@@ -1,7 +1,8 @@
 // Browser tests of the chat page (issue 55), run by tools/webchat-tests/run.sh: Debian's
 // chromium, headless, driven by the pinned puppeteer-core (no browser download), against a
-// live ds4-server on the demo model started with --api-key, --parallel 1, --queue 1 and a
-// forced-output test script (the demo model's weights are random).
+// live ds4-server on the demo model started with --api-key, --parallel 1, --queue 1,
+// --max-body-bytes 200000 and a forced-output test script (the demo model's weights are
+// random).
 //
 // Env: DS4_URL (http://127.0.0.1:PORT), DS4_KEY (the server's key), SERVER_LOG (its log
 // file), OUT_DIR (screenshots and the page's console log go there), CHROMIUM (the browser,
@@ -328,6 +329,20 @@ try {
     await holder;
     await a.keyboard.press('Escape');
     await a.waitForFunction(() => !document.querySelector('.composer .stop'), { timeout });
+  });
+
+  await step('a message over the server\'s body limit: a 413 message', async () => {
+    await a.click('button.new');
+    await a.$eval('#prompt', (el) => {
+      el.value = 'x '.repeat(150_000);
+      el.dispatchEvent(new Event('input', { bubbles: true }));
+    });
+    await a.click('.composer button[type="submit"]');
+    await a.waitForSelector('[data-testid="error"]', { timeout });
+    const err = await text(a, '[data-testid="error"]');
+    assert(err.startsWith('413'), err);
+    await a.evaluate(() => document.querySelector('.messages').scrollTo(0, 1e9));
+    await snap(a, 'error-413');
   });
 
   await step('conversations are listed, renamed, and deleted; they survive a reload', async () => {

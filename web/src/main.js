@@ -487,7 +487,7 @@ function App() {
         persist();
         bump();
       }} />`}
-      <section class="messages" ref=${listRef} aria-label="Messages" aria-live="polite" onClick=${onMdClick} onScroll=${(e) => {
+      <section class="messages" ref=${listRef} aria-label="Messages" aria-live="polite" aria-busy=${busy ? 'true' : 'false'} onClick=${onMdClick} onScroll=${(e) => {
         const el = e.currentTarget;
         stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 80;
       }}>

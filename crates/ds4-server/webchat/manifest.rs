@@ -6,8 +6,8 @@
         "text/css; charset=utf-8",
     ),
     (
-        "assets/index-Da4-HW_s.js",
-        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/webchat/assets/index-Da4-HW_s.js")),
+        "assets/index-CqV_XkBn.js",
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/webchat/assets/index-CqV_XkBn.js")),
         "text/javascript; charset=utf-8",
     ),
     (

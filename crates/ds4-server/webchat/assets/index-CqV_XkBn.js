@@ -438,7 +438,7 @@ l0,-`+(t+144)+`c-2,-159.3,-10,-310.7,-24,-454c-53.3,-528,-210,-949.7,
       </header>
       ${_&&$`<div class="notice" role="status">${_} <button type="button" class="small" aria-label="Dismiss" onClick=${()=>v(``)}>×</button></div>`}
       ${l&&$`<${dd} conv=${n} onChange=${(t,r)=>{n.settings[t]=r,D(),e()}} />`}
-      <section class="messages" ref=${C} aria-label="Messages" aria-live="polite" onClick=${O} onScroll=${e=>{let t=e.currentTarget;w.current=t.scrollHeight-t.scrollTop-t.clientHeight<80}}>
+      <section class="messages" ref=${C} aria-label="Messages" aria-live="polite" aria-busy=${T?`true`:`false`} onClick=${O} onScroll=${e=>{let t=e.currentTarget;w.current=t.scrollHeight-t.scrollTop-t.clientHeight<80}}>
         ${ae.length===0&&$`<p class="empty muted">Ask DeepSeek V4 Flash anything. Enter sends, Shift+Enter is a new line, Esc stops.</p>`}
         ${ae.map((e,t)=>$`<${ld} key=${e.id} conv=${n} node=${e} busy=${T} streamingId=${oe} last=${t===ae.length-1} ui=${E} actions=${re} />`)}
       </section>

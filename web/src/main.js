@@ -273,7 +273,12 @@ function App() {
     });
   };
   const persist = (c = convRef.current) => {
-    if (Object.keys(c.nodes).length) store.save(c);
+    try {
+      if (Object.keys(c.nodes).length) store.save(c);
+    } catch (e) {
+      // localStorage full (about 5 MB per site): the conversation stays in this tab.
+      setNotice(`Could not save the conversation in this browser (${e.name}): export or delete old conversations.`);
+    }
     setList(store.list());
   };
 

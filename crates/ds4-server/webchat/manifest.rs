@@ -6,8 +6,8 @@
         "text/css; charset=utf-8",
     ),
     (
-        "assets/index-CqV_XkBn.js",
-        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/webchat/assets/index-CqV_XkBn.js")),
+        "assets/index-C7Xe4YDR.js",
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/webchat/assets/index-C7Xe4YDR.js")),
         "text/javascript; charset=utf-8",
     ),
     (

@@ -402,6 +402,8 @@ try {
     await p.waitForSelector('.sidebar.open', { timeout });
     await new Promise((r) => setTimeout(r, 300));
     await snap(p, 'phone-menu');
+    await p.mouse.click(370, 400); // the backdrop beside the list closes it
+    await p.waitForFunction(() => !document.querySelector('.sidebar.open'), { timeout });
     await p.close();
     current = a;
   });

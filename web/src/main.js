@@ -303,9 +303,12 @@ function App() {
 
   useEffect(() => {
     const onKey = (e) => {
-      if (e.key === 'Escape' && stream.current) {
+      if (e.key !== 'Escape') return;
+      if (stream.current) {
         e.preventDefault();
         stop();
+      } else {
+        setSidebar(false);
       }
     };
     window.addEventListener('keydown', onKey);
@@ -477,6 +480,7 @@ function App() {
           setNotice(`Import failed: ${e.message}`);
         }
       }} />
+    ${sidebar && html`<div class="backdrop" aria-hidden="true" onClick=${() => setSidebar(false)}></div>`}
     <main class="main">
       <header class="top">
         <button type="button" class="menu" aria-label="Conversations" aria-expanded=${sidebar} onClick=${() => setSidebar(!sidebar)}>☰</button>

@@ -263,10 +263,12 @@ try {
       if (done.length) break;
     }
     assert(done.length === 1, `one request done line: ${done.join('\n')}`);
+    const cancelled = logLines(logBefore).filter((l) => l.includes('client closed the stream: generation cancelled'));
+    assert(cancelled.length === 1, `the log says the generation was cancelled:\n${logLines(logBefore).join('\n')}`);
     assert(done[0].includes('finish="error"'), `the log shows the generation ended early: ${done[0]}`);
     const gen = Number(/generated=(\d+)/.exec(done[0])[1]);
     assert(gen > 0 && gen < 8192, `stopped after ${gen} tokens`);
-    writeFileSync(join(OUT, 'cancel-log.txt'), `${done[0]}\n/health stats.cancelled ${h0.stats.cancelled} -> ${h1.stats.cancelled}\n`);
+    writeFileSync(join(OUT, 'cancel-log.txt'), `${cancelled[0]}\n${done[0]}\n/health stats.cancelled ${h0.stats.cancelled} -> ${h1.stats.cancelled}\n`);
     await snap(a, 'stopped');
   });
 

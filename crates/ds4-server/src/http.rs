@@ -1004,7 +1004,18 @@ struct SseState {
     finished: bool,
     taken_ms: Arc<AtomicU64>,
     watch: Option<Arc<limits::StreamWatch>>,
+    id: String,
     _guard: CancelOnDrop,
+}
+
+/// A stream dropped before its last event: the client went away (a chat page's Stop, a
+/// closed tab), and the guard cancels the generation; the log says so.
+impl Drop for SseState {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::info!(id = %self.id, "client closed the stream: generation cancelled");
+        }
+    }
 }
 
 /// axum writes an event's fields in the order they are set: the `event:` line goes first,
@@ -1027,9 +1038,11 @@ fn sse_response(
     taken_ms: Arc<AtomicU64>,
     watch: Option<Arc<limits::StreamWatch>>,
 ) -> Response {
+    let id = ctx.id.clone();
     let mut em = endpoints::family(ctx.endpoint).stream(ctx);
     let first = em.start(&usage);
     let state = SseState {
+        id,
         rx,
         em,
         pending: first.into(),

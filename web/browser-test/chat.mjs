@@ -122,6 +122,19 @@ try {
     await enterKey(a, 'wrong-key');
     await a.waitForSelector('.dialog #api-key', { timeout }); // /v1/models said 401 again
     await a.click('.dialog button[type="button"]'); // Cancel
+    // Shift+Enter is a new line, not a send.
+    await a.focus('#prompt');
+    await a.keyboard.type('one');
+    await a.keyboard.down('Shift');
+    await a.keyboard.press('Enter');
+    await a.keyboard.up('Shift');
+    await a.keyboard.type('two');
+    assert((await a.$eval('#prompt', (el) => el.value)) === 'one\ntwo', 'Shift+Enter inserts a new line');
+    assert((await count(a, '[data-testid="msg-user"]')) === 0, 'nothing sent');
+    await a.$eval('#prompt', (el) => {
+      el.value = '';
+      el.dispatchEvent(new Event('input', { bubbles: true }));
+    });
     await typeAndSend(a, 'Hello?');
     await a.waitForSelector('[data-testid="error"]', { timeout });
     const err = await text(a, '[data-testid="error"]');

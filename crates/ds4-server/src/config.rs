@@ -156,6 +156,8 @@ pub struct ServerConfig {
     pub stream_buffer_events: usize,
     /// SSE keep-alive comment interval during long prefills.
     pub keep_alive: Duration,
+    /// Serve the chat page at `/` and `/chat` (`webchat.rs`); off with `--no-webchat`.
+    pub webchat: bool,
     /// Test hook: forced model outputs (see [`Script`]). Not a user feature.
     pub script: Option<Arc<Script>>,
     /// Test hook: sleep this long after every decode step (one token of every running
@@ -199,6 +201,7 @@ impl Default for ServerConfig {
             tool_memory_max_bytes: 512 << 20,
             stream_buffer_events: 4096,
             keep_alive: Duration::from_secs(5),
+            webchat: true,
             script: None,
             token_delay: None,
             test_panic_marker: None,

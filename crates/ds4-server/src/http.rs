@@ -138,6 +138,9 @@ pub fn router(state: Arc<AppState>) -> Router {
             ),
         );
     }
+    if state.cfg.webchat {
+        r = crate::webchat::routes(r);
+    }
     r.route("/health", get(health))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -470,11 +473,15 @@ fn presented_key(h: &HeaderMap) -> Option<&str> {
 }
 
 /// `--api-key`: `Authorization: Bearer KEY` or `x-api-key: KEY`. `/health` is open, but
-/// without the key it says only whether the server is up ([`health`]).
+/// without the key it says only whether the server is up ([`health`]); so is the chat page
+/// (it holds no secret and asks for the key itself, [`crate::webchat`]).
 async fn auth(State(st): St, req: Request, next: Next) -> Response {
     if let Some(key) = &st.cfg.api_key {
         let path = req.uri().path();
-        if path != "/health" && req.method() != Method::OPTIONS {
+        if path != "/health"
+            && req.method() != Method::OPTIONS
+            && !(st.cfg.webchat && crate::webchat::is_public(req.method(), path))
+        {
             let ok = presented_key(req.headers()).is_some_and(|k| key_matches(k, key));
             if !ok {
                 return ApiError::new(ErrorKind::Authentication, "invalid or missing API key")
@@ -997,7 +1004,18 @@ struct SseState {
     finished: bool,
     taken_ms: Arc<AtomicU64>,
     watch: Option<Arc<limits::StreamWatch>>,
+    id: String,
     _guard: CancelOnDrop,
+}
+
+/// A stream dropped before its last event: the client went away (a chat page's Stop, a
+/// closed tab), and the guard cancels the generation; the log says so.
+impl Drop for SseState {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::info!(id = %self.id, "client closed the stream: generation cancelled");
+        }
+    }
 }
 
 /// axum writes an event's fields in the order they are set: the `event:` line goes first,
@@ -1020,9 +1038,11 @@ fn sse_response(
     taken_ms: Arc<AtomicU64>,
     watch: Option<Arc<limits::StreamWatch>>,
 ) -> Response {
+    let id = ctx.id.clone();
     let mut em = endpoints::family(ctx.endpoint).stream(ctx);
     let first = em.start(&usage);
     let state = SseState {
+        id,
         rx,
         em,
         pending: first.into(),

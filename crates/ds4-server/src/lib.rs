@@ -41,6 +41,7 @@ pub mod script;
 pub mod stats;
 pub mod toolmem;
 mod turn;
+pub mod webchat;
 pub mod worker;
 
 use std::future::Future;

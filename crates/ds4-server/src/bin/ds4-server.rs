@@ -90,6 +90,9 @@ struct Args {
     /// are always accepted; others are refused against DNS rebinding). Repeatable.
     #[arg(long, value_name = "NAME", action = clap::ArgAction::Append)]
     allowed_host: Vec<String>,
+    /// Do not serve the chat page at / and /chat (the API only).
+    #[arg(long)]
+    no_webchat: bool,
     /// Seconds a client has to send a request head (also closes idle connections).
     #[arg(long, default_value_t = 10)]
     header_timeout_secs: u64,
@@ -336,6 +339,7 @@ fn main() -> Result<()> {
         exact_dsml_replay: !a.disable_exact_dsml_tool_replay,
         tool_memory_max_ids: a.tool_memory_max_ids,
         script,
+        webchat: !a.no_webchat,
         ..ServerConfig::default()
     };
     check_model_path(&a.model)?;
@@ -395,11 +399,15 @@ fn main() -> Result<()> {
         load_ms = t0.elapsed().as_millis() as u64,
         "model loaded"
     );
+    let chat_page = cfg.webchat;
     rt.block_on(async move {
         let listener = loading.finish().await?;
         let server = Server::from_listener(listener, cfg, model)?;
         // Scripts wait for this line: the server is ready when it is printed.
         eprintln!("ds4-server: listening on http://{}", server.local_addr());
+        if chat_page {
+            eprintln!("ds4-server: chat page at http://{}/", server.local_addr());
+        }
         server.serve(shutdown_signal()).await?;
         eprintln!("ds4-server: stopped");
         Ok::<(), anyhow::Error>(())

@@ -31,7 +31,6 @@
 #include "gemv_plain.cu"
 #include "gemv_quant.cu"
 #include "gemv_q8.cu"
-#include "moe_rows.cu"
 
 // Launch configuration compiled into this module, read by the host after loading:
 // {rows per warp, blocks per chunk (plain types: vectors per lane pass = 32)}.
@@ -207,7 +206,51 @@ DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2XxsxOne, DS4_MIN
 
 // Flat grouped launches (docs/gpu.md §25): the routed experts' matrices of a batched decode
 // step as the jobs of one flat grid. Job p is selection p / mats, matrix p % mats (gate and
-// up of one selection follow each other and share its input; the jobs: moe_rows.cu).
+// up of one selection follow each other and share its input).
+struct Ds4Experts {
+    const ds4_u8* W0;
+    const ds4_u8* W1;
+    ds4_size expert_bytes;
+    const ds4_i32* ids;  // written by the router: plain loads after the grid wait
+    int n_experts, n_sel, mats;
+    float* y0;
+    float* y1;
+    int n_out;
+    static constexpr bool FLAT = true;
+    __device__ int count() const { return n_sel * mats; }
+    __device__ int sel(int p) const { return p / mats; }
+    __device__ bool ok(int p) const {
+        const int id = ids[sel(p)];
+        return id >= 0 && id < n_experts;
+    }
+    __device__ const ds4_u8* w(int p) const {
+        const ds4_u8* base = p % mats ? W1 : W0;
+        return base + (ok(p) ? (ds4_size)ids[sel(p)] * expert_bytes : 0);
+    }
+    __device__ float* y(int p) const { return (p % mats ? y1 : y0) + (ds4_size)sel(p) * n_out; }
+};
+// Gate and up: selection s reads row s / x_div of x (x_stride floats apart): x_div = the
+// selections per token gives each token's row to its selections without copying it.
+struct Ds4JobsExperts : Ds4Experts {
+    const float* x;
+    ds4_size x_stride;
+    int x_div;
+    __device__ long long key(int p) const { return sel(p) / x_div; }
+    __device__ const float* input(int p) const { return x + (ds4_size)key(p) * x_stride; }
+};
+// Down: selection s's input is route_w[s] · SwiGLU(g, u) of its own rows (Ds4XSwiglu).
+struct Ds4JobsExpertsSwiglu : Ds4Experts {
+    const float* g;
+    const float* u;
+    const float* route_w;
+    float c;
+    int n_in;
+    __device__ long long key(int p) const { return sel(p); }
+    __device__ Ds4XSwiglu input(int p) const {
+        const ds4_size off = (ds4_size)sel(p) * n_in;
+        return Ds4XSwiglu{g + off, u + off, c, ds4_ld_act(route_w + sel(p))};
+    }
+};
 // ds4_gemv_flat_q_<t>(W0, W1, expert_bytes, ids, n_experts, n_sel, mats, x, x_stride, x_div,
 // y0, y1, n_in, n_out, wpr): ds4_gemv_grouped_q_<t>'s outputs (matrix m of selection s into
 // (m ? y1 : y0)[s·n_out ..]) on a flat grid of any size along x, selection s reading x row

@@ -3,7 +3,6 @@
 // Int8 activations: the quantization of x, the block formats' int8 units and row engines
 // (single, grouped, job lists), the several-column Q8_0 kernel and the any-alignment
 // kernel (the other entry points: gemv.cu).
-#pragma once
 #include "ds4_port.h"
 #include "ds4_iq2xxs_tables.h"
 #include "ds4_quant.h"

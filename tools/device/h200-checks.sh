@@ -527,12 +527,12 @@ if ! skip ncudeep; then
     # tiles, 50 % of a 2k prefill window; issue 20: the grouped int8 GEMVs at 28-33 % of
     # bandwidth): speed of light, occupancy, warp stall reasons, memory and pipe use of the
     # first launches of each, on a 2-layer model (one 2048-token prefill, 2 decode steps).
-    # NCUDEEP_ONLY=tiles: the tiles alone; =moe: the routed experts' decode kernels.
+    # NCUDEEP_ONLY=tiles: the tiles alone; =moe: the routed experts' decode GEMVs.
     ks=('regex:^ds4_mm_tiles' 'regex:^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_'
         'regex:^ds4_gemv_q_q8_0$|^ds4_gemv_rmsnorm_q_q8_0$')
     [ "${NCUDEEP_ONLY:-}" = tiles ] && ks=("regex:^ds4_mm_r?tiles")
-    # NCUDEEP_ONLY=moe: the routed experts' decode kernels alone (either engine).
-    [ "${NCUDEEP_ONLY:-}" = moe ] && ks=('regex:^ds4_moe_rows|^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_')
+    # NCUDEEP_ONLY=moe: the routed experts' decode GEMVs alone.
+    [ "${NCUDEEP_ONLY:-}" = moe ] && ks=('regex:^ds4_gemv_grouped_swiglu_q_|^ds4_gemv_grouped_q_')
     for k in "${ks[@]}"; do
         n=$(echo "$k" | tr -dc 'a-z0-9_' | cut -c1-24)
         timeout 300 ncu --clock-control none --kernel-name "$k" --launch-count 6 \

@@ -849,17 +849,17 @@ fn emulated_batched_decode_equals_decoding_alone() {
             "{recipe:?} act_q8 {act_q8} seqs {seqs}: batched vs alone {r:?}"
         );
         if wide_case {
-            // The wide rows are 16-byte multiples of at most 32 lane units: the routed
-            // experts ran on the one-warp-per-row engine (docs/gpu.md §41), gate/up and down.
-            let launched = |p: &str| {
+            // The wide rows are 16-byte multiples: the batched steps' routed experts ran on
+            // the flat grids (docs/gpu.md §25), gate/up and down.
+            let flat = |p: &str| {
                 fake.launches()
                     .iter()
                     .filter(|l| l.0.starts_with(p))
                     .count()
             };
             assert!(
-                launched("ds4_moe_rows_iq2_xxs") > 0 && launched("ds4_moe_rows_swiglu_q2_k") > 0,
-                "no routed-expert launch of the row engine"
+                flat("ds4_gemv_flat_q_") > 0 && flat("ds4_gemv_flat_swiglu_q_") > 0,
+                "no flat routed-expert launch"
             );
         }
         let mut cpu = CpuBackend::new(1).unwrap();

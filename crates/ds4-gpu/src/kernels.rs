@@ -69,7 +69,6 @@ const GEMV_HEADERS: &[(&str, &str)] = &[
     kernel_file!("gemv_plain.cu"),
     kernel_file!("gemv_quant.cu"),
     kernel_file!("gemv_q8.cu"),
-    kernel_file!("moe_rows.cu"),
 ];
 
 /// The GEMV module's own files besides gemv.cu: its header and the kernel files gemv.cu
@@ -645,7 +644,6 @@ mod tests {
             "ds4_gemvq_quant<",
             "ds4_gemvq_jobs<",
             "ds4_gemvq_q8s<",
-            "ds4_moe_rows<",
             "ENGINE<",
         ];
         let mut seen = 0;

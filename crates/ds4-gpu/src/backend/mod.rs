@@ -258,8 +258,6 @@ pub(crate) struct GemvSet<D: GpuApi> {
     /// lane-private copies (`ds4_gemvq_iq2_smem`, docs/gpu.md §20); 0 where the runtime
     /// gives none (the kernels then read one shared table).
     iq2_smem: u32,
-    /// The routed experts' one-warp-per-row engine (`kernels/moe_rows.cu`).
-    pub(crate) moe_rows: ops::moe_rows::MoeRows<D>,
 }
 
 /// Bytes `ds4_gemv_cols_q_q8_0` stages for `codes` codes: the codes, then one f32 scale per
@@ -376,7 +374,6 @@ impl<D: GpuApi> GemvSet<D> {
             .ok()
             .filter(|&b| b <= dev.max_dynamic_smem())
             .unwrap_or(0);
-        let moe_rows = ops::moe_rows::MoeRows::load(dev, &module)?;
         Ok(GemvSet {
             _module: module,
             plain,
@@ -402,7 +399,6 @@ impl<D: GpuApi> GemvSet<D> {
             target_warps: sms * WARPS_PER_SM_TARGET,
             sms,
             iq2_smem,
-            moe_rows,
         })
     }
 

@@ -9,7 +9,6 @@ mod hc;
 mod indexer;
 mod matmul;
 mod moe;
-pub(super) mod moe_rows;
 mod norm_rope;
 mod sampling;
 mod tiles;

@@ -1,7 +1,6 @@
 //! The router and the routed experts (`kernels/moe.cu`, the grouped GEMVs of gemv.cu and the
 //! grouped tiles of tiles.cu).
 
-use super::moe_rows::ExpertMats;
 use super::*;
 
 impl<D: GpuApi> GpuBackend<D> {
@@ -207,23 +206,6 @@ impl<D: GpuApi> GpuBackend<D> {
                 n_exp: ne,
             };
             return self.moe_tiles(sel, (gp, upp, gty, grb), (dp, dty, drb), (d, f), a.clamp);
-        }
-        // Int8 activations (one token or decode rows): the one-warp-per-row engine where it
-        // takes the shapes (docs/gpu.md §41).
-        let gate_m = ExpertMats {
-            w: (gp, Some(upp)),
-            ty: gty,
-            expert_bytes: grb * f,
-        };
-        let down_m = ExpertMats {
-            w: (dp, None),
-            ty: dty,
-            expert_bytes: drb * d,
-        };
-        if self.q8_rows(t) && self.moe_rows_takes(&gate_m, &down_m, d, f) {
-            self.moe_rows_gate_up(&gate_m, (ip, ne), xp, (sg, su), (n_sel, k), d, f)?;
-            self.moe_rows_down(&down_m, (ip, ne), (sg, su), (wp, a.clamp), so, n_sel, f, d)?;
-            return self.sum_slots(so, t, k, d, op_);
         }
         // Batched decode steps (decode rows) stay on the grouped GEMVs at any width: 16
         // sequences are 96 selections, and the host-grouped path costs a synchronisation

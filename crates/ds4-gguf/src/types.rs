@@ -17,13 +17,15 @@ pub enum GgmlType {
     Iq2Xxs,
     I32,
     Bf16,
+    /// MXFP4 (OCP microscaling FP4): 32 E2M1 values sharing one E8M0 scale.
+    Mxfp4,
     /// A type code this crate does not know: its byte size cannot be computed.
     Unknown(u32),
 }
 
 impl GgmlType {
     /// Every known type, in code order.
-    pub const KNOWN: [GgmlType; 8] = [
+    pub const KNOWN: [GgmlType; 9] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q8_0,
@@ -32,6 +34,7 @@ impl GgmlType {
         GgmlType::Iq2Xxs,
         GgmlType::I32,
         GgmlType::Bf16,
+        GgmlType::Mxfp4,
     ];
 
     pub fn from_code(code: u32) -> GgmlType {
@@ -44,6 +47,7 @@ impl GgmlType {
             16 => GgmlType::Iq2Xxs,
             26 => GgmlType::I32,
             30 => GgmlType::Bf16,
+            39 => GgmlType::Mxfp4,
             other => GgmlType::Unknown(other),
         }
     }
@@ -58,6 +62,7 @@ impl GgmlType {
             GgmlType::Iq2Xxs => 16,
             GgmlType::I32 => 26,
             GgmlType::Bf16 => 30,
+            GgmlType::Mxfp4 => 39,
             GgmlType::Unknown(c) => c,
         }
     }
@@ -66,7 +71,7 @@ impl GgmlType {
     pub fn block_elems(self) -> Option<u64> {
         Some(match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::I32 | GgmlType::Bf16 => 1,
-            GgmlType::Q8_0 => 32,
+            GgmlType::Q8_0 | GgmlType::Mxfp4 => 32,
             GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs => 256,
             GgmlType::Unknown(_) => return None,
         })
@@ -81,6 +86,7 @@ impl GgmlType {
             GgmlType::Q2K => 84,
             GgmlType::Q4K => 144,
             GgmlType::Iq2Xxs => 66,
+            GgmlType::Mxfp4 => 17,
             GgmlType::Unknown(_) => return None,
         })
     }
@@ -89,7 +95,7 @@ impl GgmlType {
     pub fn is_quantized(self) -> bool {
         matches!(
             self,
-            GgmlType::Q8_0 | GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs
+            GgmlType::Q8_0 | GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs | GgmlType::Mxfp4
         )
     }
 
@@ -121,6 +127,7 @@ impl GgmlType {
             GgmlType::Iq2Xxs => "IQ2_XXS".into(),
             GgmlType::I32 => "I32".into(),
             GgmlType::Bf16 => "BF16".into(),
+            GgmlType::Mxfp4 => "MXFP4".into(),
             GgmlType::Unknown(c) => format!("unknown({c})"),
         }
     }
@@ -152,6 +159,10 @@ mod tests {
         assert_eq!(GgmlType::Q2K.row_bytes(2048), Some(672));
         assert_eq!(GgmlType::Q4K.row_bytes(4096), Some(2304));
         assert_eq!(GgmlType::Iq2Xxs.row_bytes(4096), Some(1056));
+        assert_eq!(GgmlType::Mxfp4.row_bytes(4096), Some(2176));
+        assert_eq!(GgmlType::Mxfp4.bytes_for(33), Some(34));
+        assert_eq!(GgmlType::from_code(39), GgmlType::Mxfp4);
+        assert_eq!(GgmlType::from_name("mxfp4"), Some(GgmlType::Mxfp4));
         assert_eq!(GgmlType::Q2K.row_bytes(100), None);
         assert_eq!(GgmlType::Unknown(99).bytes_for(10), None);
         assert_eq!(GgmlType::F32.bytes_for(u64::MAX), None);

@@ -9,14 +9,14 @@
 //! # Dot products
 //! [`dot`] and the per-format `dot_row` kernels compute each element's dequantized value
 //! exactly as the dequantizer does, multiply by `x` and accumulate **in f32 over runs of 256
-//! elements** (one super-block for Q2_K/Q4_K/IQ2_XXS, 8 blocks for Q8_0, 256 elements for
+//! elements** (one super-block for Q2_K/Q4_K/IQ2_XXS, 8 blocks for Q8_0/MXFP4, 256 elements for
 //! the plain types F32/F16/BF16/I32), in 8 or 16 independent lanes so the loop vectorizes;
 //! the lanes are added at the end of the run. Run partial sums are then **added in f64** and
 //! the total is rounded to f32 once, so long rows do not lose precision to a single f32
 //! accumulator. No call allocates.
 //!
 //! # Quantizers
-//! Q8_0 is bit-exact with `gguf.quants.quantize(.., Q8_0)`. Q2_K, Q4_K and IQ2_XXS follow
+//! Q8_0 and MXFP4 are bit-exact with `gguf.quants.quantize`. Q2_K, Q4_K and IQ2_XXS follow
 //! ggml's reference search procedures as ds4's `gguf-tools/quants.c` uses them (docs/gguf.md §6.1).
 //! Inputs must be finite; a block whose scale would not fit in f16 is refused rather than
 //! written as inf (see [`QuantError`]).
@@ -27,6 +27,7 @@ pub mod bf16;
 pub mod f16;
 pub mod iq2_xxs;
 pub mod iq2xxs_tables;
+pub mod mxfp4;
 pub mod plain;
 pub mod q2_k;
 pub mod q4_k;
@@ -152,6 +153,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), Quan
         GgmlType::Q2K => q2_k::dequantize_row(data, out),
         GgmlType::Q4K => q4_k::dequantize_row(data, out),
         GgmlType::Iq2Xxs => iq2_xxs::dequantize_row(data, out),
+        GgmlType::Mxfp4 => mxfp4::dequantize_row(data, out),
         GgmlType::Unknown(_) => {
             return Err(QuantError::Unsupported {
                 ty,
@@ -181,6 +183,7 @@ pub fn dot(ty: GgmlType, data: &[u8], x: &[f32]) -> Result<f32, QuantError> {
         GgmlType::Q2K => q2_k::dot_row_unchecked(data, x),
         GgmlType::Q4K => q4_k::dot_row_unchecked(data, x),
         GgmlType::Iq2Xxs => iq2_xxs::dot_row_unchecked(data, x),
+        GgmlType::Mxfp4 => mxfp4::dot_row_unchecked(data, x),
         GgmlType::Unknown(_) => return Err(QuantError::Unsupported { ty, op: "dot" }),
     })
 }
@@ -238,7 +241,8 @@ fn check_importance(ty: GgmlType, imp: &[f32]) -> Result<(), QuantError> {
 ///   NaN made quiet); finite values that would round to ±inf are refused. I32: only values
 ///   that are exact integers in i32 range are accepted (an exact cast), anything else is
 ///   refused.
-/// * Q8_0: bit-exact with `gguf.quants.quantize`; `importance` is checked but unused.
+/// * Q8_0 and MXFP4: bit-exact with `gguf.quants.quantize`; `importance` is checked but
+///   unused.
 /// * Q2_K / Q4_K: `None` runs ggml's plain reference search; `Some(w)` runs the imatrix
 ///   (weighted) search with `w` as the per-element importance.
 /// * IQ2_XXS always needs importance. `None` uses ds4's synthetic default, the column energy
@@ -258,6 +262,7 @@ pub fn quantize(
         GgmlType::F16 => f16::quantize_row(src),
         GgmlType::Bf16 => bf16::quantize_row(src),
         GgmlType::Q8_0 => q8_0::quantize_row(src),
+        GgmlType::Mxfp4 => mxfp4::quantize_row(src),
         GgmlType::Q2K => q2_k::quantize_row(src, importance),
         GgmlType::Q4K => q4_k::quantize_row(src, importance),
         GgmlType::Iq2Xxs => match importance {

@@ -16,15 +16,18 @@
 //! is not positive (all zeros, or NaN: the NaN then reaches the output through `d`).
 //!
 //! Dot product term of one 32-value unit (one Q8_0 block, one IQ2_XXS group, two Q2_K
-//! sub-blocks, one Q4_K sub-block), with `dx` the unit's activation scale and integer sums:
+//! sub-blocks, one Q4_K sub-block, one MXFP4 block), with `dx` the unit's activation scale and integer sums:
 //! - Q8_0: `(d · dx) · Σ q_w q_x`
 //! - IQ2_XXS: `(db · dx) · Σ ±grid · q_x`, `db = d · (0.5 + scale) · 0.25`
 //! - Q2_K: `dx · (d · Σ_sb sc_sb Σ c q_x − dmin · Σ_sb m_sb Σ q_x)` over its two sub-blocks
 //! - Q4_K: `dx · (d · sc · Σ c q_x − dmin · m · Σ q_x)`
+//! - MXFP4: `(e8m0_half(e) · dx) · Σ kv q_x`, `kv` the doubled E2M1 values (integers in
+//!   `{0, ±1, ±2, ±3, ±4, ±6, ±8, ±12}`); `e8m0_half(e) · dx` is exact (a power of two times
+//!   `dx`) unless it leaves the f32 range
 //!
 //! The row's terms are added in f32 in unit order.
 
-use super::{f16::f16_to_f32, iq2xxs_tables, q4_k, QuantError};
+use super::{f16::f16_to_f32, iq2xxs_tables, mxfp4, q4_k, QuantError};
 use crate::types::GgmlType;
 
 /// Values per activation block.
@@ -34,7 +37,7 @@ pub const BLOCK: usize = 32;
 pub fn supports(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q8_0 | GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs
+        GgmlType::Q8_0 | GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs | GgmlType::Mxfp4
     )
 }
 
@@ -186,6 +189,11 @@ fn unit_term(ty: GgmlType, row: &[u8], u: usize, xq: &[i8], dx: f32) -> f32 {
             }
             (db * dx) * is as f32
         }
+        GgmlType::Mxfp4 => {
+            let blk = &row[17 * u..17 * (u + 1)];
+            let is = mxfp4::q8_block_sum(blk, xq);
+            (mxfp4::e8m0_to_f32_half(blk[0]) * dx) * is as f32
+        }
         _ => f32::NAN,
     }
 }
@@ -243,6 +251,7 @@ mod tests {
             GgmlType::Q2K,
             GgmlType::Q4K,
             GgmlType::Iq2Xxs,
+            GgmlType::Mxfp4,
         ] {
             for _ in 0..20 {
                 let n = 512;

@@ -39,12 +39,20 @@ Recipes (rng = SplitMix64(seed); u64() = next output; all integer arithmetic):
     sel = (r >> 8k) & 0xFF, if sel >= 128 the field becomes F16_SPECIALS[sel % 20]. Block 0
     is then set to all 0x00 bytes and block 1 to all 0xFF. Every byte pattern is a valid block
     of these types, and random f16 fields already include NaN/inf/subnormal scales.
+  dequantize MXFP4, 10240 blocks: block i = 17 bytes of ceil(17/8) u64() as above, then its
+    scale byte (byte 0) is set to i % 256, so every E8M0 value appears 40 times with random
+    nibbles; block 0 is then all 0x00 and block 1 all 0xFF. MXFP4 has no NaN encoding (scale
+    255 is 2^127); large scales overflow to ±inf.
   dequantize F16 / BF16: all 65536 bit patterns in order (exhaustive), 256 records.
   dequantize F32 / I32: F32_SPECIALS / I32_SPECIALS, then u32 values (see gen_f32_bits /
     gen_i32) up to 16384 elements.
   quantize Q8_0, 10240 blocks of 32 floats: see gen_q8_0_block (random magnitudes over 62
     binades, exact ties at .5 for the round-half-away-from-zero rule, ±0 blocks, constant
     blocks, subnormal blocks).
+  quantize MXFP4, 10240 blocks of 32 floats: see gen_mxfp4_qblock (random magnitudes over
+    every f32 binade, values on the E2M1 grid and exact ties between its points, ±0 blocks,
+    constant blocks, tiny blocks whose scale byte wraps, and blocks whose max |x| is one of
+    the top mantissas of its binade, where float32 log2 rounds up to the next integer).
   quantize F16 / BF16, 16384 floats: specials then random finite values with forced
     rounding ties (see gen_f16_input / gen_bf16_input).
 """
@@ -209,6 +217,61 @@ def gen_q8_0_block(rng: SplitMix64) -> list[int]:
     return out
 
 
+def gen_mxfp4_blocks(rng: SplitMix64) -> np.ndarray:
+    blocks = []
+    for i in range(N_BLOCKS):
+        b = rng.raw(17)
+        b[0] = i % 256
+        if i == 0:
+            b = bytearray(17)
+        elif i == 1:
+            b = bytearray(b"\xff" * 17)
+        blocks.append(bytes(b))
+    return np.frombuffer(b"".join(blocks), dtype=np.uint8).reshape(N_BLOCKS, 17)
+
+
+def gen_mxfp4_qblock(rng: SplitMix64) -> list[int]:
+    """32 f32 bit patterns. r = u64(); mode = r & 7; block exponent eb = (r >> 8) % 255."""
+    r = rng.u64()
+    mode = r & 7
+    eb = (r >> 8) % 255
+    out = []
+    if mode <= 1:  # random magnitudes over 8 binades below eb
+        for _ in range(32):
+            v = rng.u64()
+            out.append(f32_bits(v >> 63, max(eb - ((v >> 32) % 8), 0), v & 0x7FFFFF))
+    elif mode == 2:  # quarter steps t/4 · 2^s, t in [-48, 48], element 0 = ±12 · 2^s
+        s = ((r >> 20) % 231) - 120
+        scale = np.float32(2.0**s)
+        for i in range(32):
+            t = rng.u64() % 97
+            val = np.float32((t - 48) * 0.25) * scale
+            if i == 0:
+                val = np.float32(12.0 if (r >> 16) & 1 else -12.0) * scale
+            out.append(int(np.float32(val).view(np.uint32)))
+    elif mode == 3:  # signed zeros
+        for _ in range(32):
+            out.append(f32_bits(rng.u64() >> 63, 0, 0))
+    elif mode == 4:  # constant block
+        v = rng.u64()
+        out = [f32_bits(v >> 63, eb, v & 0x7FFFFF)] * 32
+    elif mode == 5:  # tiny: subnormals and the smallest normal binades (scale byte wraps)
+        for _ in range(32):
+            v = rng.u64()
+            out.append(f32_bits(v >> 63, (v >> 32) % 5, v & 0x7FFFFF))
+    elif mode == 6:  # max |x| at one of the top 48 mantissas of binade max(eb, 1)
+        top = max(eb, 1)
+        for _ in range(32):
+            v = rng.u64()
+            out.append(f32_bits(v >> 63, max(top - 1 - ((v >> 32) % 8), 0), v & 0x7FFFFF))
+        out[(r >> 32) % 32] = f32_bits((r >> 63) & 1, top, 0x7FFFFF - ((r >> 40) % 48))
+    else:  # every element in its own random binade
+        for _ in range(32):
+            v = rng.u64()
+            out.append(f32_bits(v >> 63, (v >> 32) % 255, v & 0x7FFFFF))
+    return out
+
+
 def gen_f16_input(rng: SplitMix64, n: int) -> list[int]:
     vals = list(F16_Q_SPECIALS)
     while len(vals) < n:
@@ -294,6 +357,12 @@ def main() -> int:
             deq = dequantize(blocks.copy(), qt)
         emit_dequant(name, qt, deq.shape[-1], blocks, deq)
 
+    rng = SplitMix64(seed_for(0, int(T.MXFP4)))
+    blocks = gen_mxfp4_blocks(rng)
+    with np.errstate(all="ignore"):
+        deq = dequantize(blocks.copy(), T.MXFP4)
+    emit_dequant("mxfp4", T.MXFP4, 32, blocks, deq)
+
     # Exhaustive F16 / BF16.
     for name, qt in [("f16", T.F16), ("bf16", T.BF16)]:
         pats = np.arange(65536, dtype="<u2").view(np.uint8).reshape(-1, 2 * PLAIN_RUN)
@@ -311,13 +380,19 @@ def main() -> int:
     inp = i32.view(np.uint8).reshape(-1, 4 * PLAIN_RUN)
     emit_dequant("i32", T.I32, PLAIN_RUN, inp, i32.view("<i4").astype(np.float32))
 
-    # Quantizers gguf has: Q8_0 (bit-exact with ggml's reference), F16, BF16.
+    # Quantizers gguf has: Q8_0 and MXFP4 (bit-exact with ggml's reference), F16, BF16.
     rng = SplitMix64(seed_for(1, int(T.Q8_0)))
     bits = [v for _ in range(N_BLOCKS) for v in gen_q8_0_block(rng)]
     x = np.asarray(bits, dtype="<u4").view(np.float32).reshape(N_BLOCKS, 32)
     with np.errstate(all="ignore"):
         q = quantize(x, T.Q8_0)
     emit_quant("q8_0", T.Q8_0, 32, bits, q.view(np.uint8))
+    rng = SplitMix64(seed_for(1, int(T.MXFP4)))
+    bits = [v for _ in range(N_BLOCKS) for v in gen_mxfp4_qblock(rng)]
+    x = np.asarray(bits, dtype="<u4").view(np.float32).reshape(N_BLOCKS, 32)
+    with np.errstate(all="ignore"):
+        q = quantize(x, T.MXFP4)
+    emit_quant("mxfp4", T.MXFP4, 32, bits, q.view(np.uint8))
     for name, qt, gen in [("f16", T.F16, gen_f16_input), ("bf16", T.BF16, gen_bf16_input)]:
         rng = SplitMix64(seed_for(1, int(qt)))
         bits = gen(rng, 64 * PLAIN_RUN)

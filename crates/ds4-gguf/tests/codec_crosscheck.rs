@@ -183,6 +183,86 @@ fn gen_q8_0_block(rng: &mut SplitMix64, out: &mut Vec<u32>) {
     }
 }
 
+fn gen_mxfp4_blocks(rng: &mut SplitMix64) -> Vec<u8> {
+    let mut all = Vec::with_capacity(N_BLOCKS * 17);
+    for i in 0..N_BLOCKS {
+        let mut b = rng.raw(17);
+        b[0] = (i % 256) as u8;
+        if i == 0 {
+            b.fill(0);
+        } else if i == 1 {
+            b.fill(0xFF);
+        }
+        all.extend_from_slice(&b);
+    }
+    all
+}
+
+fn gen_mxfp4_qblock(rng: &mut SplitMix64, out: &mut Vec<u32>) {
+    let r = rng.u64();
+    let mode = r & 7;
+    let eb = (r >> 8) % 255;
+    match mode {
+        0 | 1 => {
+            for _ in 0..32 {
+                let v = rng.u64();
+                out.push(f32_bits(
+                    v >> 63,
+                    eb.saturating_sub((v >> 32) % 8),
+                    v & 0x7FFFFF,
+                ));
+            }
+        }
+        2 => {
+            let s = ((r >> 20) % 231) as i32 - 120;
+            let scale = f32::from_bits(((127 + s) as u32) << 23);
+            for i in 0..32 {
+                let t = rng.u64() % 97;
+                let mut val = ((t as f32 - 48.0) * 0.25) * scale;
+                if i == 0 {
+                    val = if (r >> 16) & 1 != 0 { 12.0 } else { -12.0 } * scale;
+                }
+                out.push(val.to_bits());
+            }
+        }
+        3 => {
+            for _ in 0..32 {
+                out.push(f32_bits(rng.u64() >> 63, 0, 0));
+            }
+        }
+        4 => {
+            let v = rng.u64();
+            out.extend(std::iter::repeat_n(f32_bits(v >> 63, eb, v & 0x7FFFFF), 32));
+        }
+        5 => {
+            for _ in 0..32 {
+                let v = rng.u64();
+                out.push(f32_bits(v >> 63, (v >> 32) % 5, v & 0x7FFFFF));
+            }
+        }
+        6 => {
+            let top = eb.max(1);
+            let start = out.len();
+            for _ in 0..32 {
+                let v = rng.u64();
+                out.push(f32_bits(
+                    v >> 63,
+                    (top - 1).saturating_sub((v >> 32) % 8),
+                    v & 0x7FFFFF,
+                ));
+            }
+            out[start + ((r >> 32) % 32) as usize] =
+                f32_bits((r >> 63) & 1, top, 0x7FFFFF - ((r >> 40) % 48));
+        }
+        _ => {
+            for _ in 0..32 {
+                let v = rng.u64();
+                out.push(f32_bits(v >> 63, (v >> 32) % 255, v & 0x7FFFFF));
+            }
+        }
+    }
+}
+
 fn gen_f16_input(rng: &mut SplitMix64, n: usize) -> Vec<u32> {
     let mut vals = F16_Q_SPECIALS.to_vec();
     while vals.len() < n {
@@ -228,6 +308,7 @@ fn regenerate(op: u32, ty: GgmlType) -> Vec<u8> {
         (0, GgmlType::Q2K) => gen_blocks(&mut rng, 84, &[80, 82]),
         (0, GgmlType::Q4K) => gen_blocks(&mut rng, 144, &[0, 2]),
         (0, GgmlType::Iq2Xxs) => gen_blocks(&mut rng, 66, &[0]),
+        (0, GgmlType::Mxfp4) => gen_mxfp4_blocks(&mut rng),
         (0, GgmlType::F16 | GgmlType::Bf16) => (0..=u16::MAX).flat_map(u16::to_le_bytes).collect(),
         (0, GgmlType::F32) => u32s_to_bytes(&gen_f32_bits(&mut rng, n_plain)),
         (0, GgmlType::I32) => u32s_to_bytes(&gen_i32(&mut rng, n_plain)),
@@ -235,6 +316,13 @@ fn regenerate(op: u32, ty: GgmlType) -> Vec<u8> {
             let mut bits = Vec::with_capacity(N_BLOCKS * 32);
             for _ in 0..N_BLOCKS {
                 gen_q8_0_block(&mut rng, &mut bits);
+            }
+            u32s_to_bytes(&bits)
+        }
+        (1, GgmlType::Mxfp4) => {
+            let mut bits = Vec::with_capacity(N_BLOCKS * 32);
+            for _ in 0..N_BLOCKS {
+                gen_mxfp4_qblock(&mut rng, &mut bits);
             }
             u32s_to_bytes(&bits)
         }
@@ -386,8 +474,11 @@ fn check_dequant(name: &str, ty: GgmlType) {
         &bad[..bad.len().min(10)],
         diffs.join("; ")
     );
-    // Sanity: the fixture really exercises non-finite outputs for the block types.
-    if ty.is_quantized() {
+    // Sanity: the fixture really exercises non-finite outputs for the block types (MXFP4 has
+    // no NaN encoding: only its overflow to ±inf).
+    if ty == GgmlType::Mxfp4 {
+        assert!(out.iter().any(|x| x.is_infinite()) && !out.iter().any(|x| x.is_nan()));
+    } else if ty.is_quantized() {
         assert!(out.iter().any(|x| x.is_nan()) && out.iter().any(|x| x.is_infinite()));
     }
 }
@@ -446,6 +537,16 @@ fn dequantize_q4_k_matches_gguf() {
 #[test]
 fn dequantize_iq2_xxs_matches_gguf() {
     check_dequant("dequant-iq2_xxs.bin", GgmlType::Iq2Xxs);
+}
+
+#[test]
+fn dequantize_mxfp4_matches_gguf() {
+    check_dequant("dequant-mxfp4.bin", GgmlType::Mxfp4);
+}
+
+#[test]
+fn quantize_mxfp4_matches_gguf() {
+    check_quant("quant-mxfp4.bin", GgmlType::Mxfp4);
 }
 
 #[test]

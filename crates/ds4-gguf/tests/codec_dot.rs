@@ -37,6 +37,14 @@ fn rows_for(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<Vec<u8>> {
         let mut raw: Vec<u8> = (0..ty.bytes_for(n as u64).unwrap())
             .map(|_| rng.u64() as u8)
             .collect();
+        if ty == GgmlType::Mxfp4 {
+            // E8M0 scales 2^-28 .. 2^27: finite values.
+            for b in raw.chunks_exact_mut(bb) {
+                b[0] = 100 + (rng.u64() % 56) as u8;
+            }
+            rows.push(raw);
+            return rows;
+        }
         let offs: &[usize] = match ty {
             GgmlType::Q2K => &[80, 82],
             GgmlType::Q4K => &[0, 2],
@@ -54,7 +62,7 @@ fn rows_for(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<Vec<u8>> {
     rows
 }
 
-const ALL: [GgmlType; 8] = [
+const ALL: [GgmlType; 9] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Bf16,
@@ -63,6 +71,7 @@ const ALL: [GgmlType; 8] = [
     GgmlType::Q2K,
     GgmlType::Q4K,
     GgmlType::Iq2Xxs,
+    GgmlType::Mxfp4,
 ];
 
 #[test]
@@ -104,15 +113,16 @@ fn dot_matches_dequantize_then_multiply() {
 /// The per-format entry points give the same result as the generic one.
 #[test]
 fn per_format_dot_rows_agree_with_dot() {
-    use ds4_gguf::quant::{iq2_xxs, q2_k, q4_k, q8_0};
+    use ds4_gguf::quant::{iq2_xxs, mxfp4, q2_k, q4_k, q8_0};
     let mut rng = Rng(77);
     let x: Vec<f32> = (0..1024).map(|_| rng.normalish()).collect();
     type RowFn = fn(&[u8], &[f32]) -> Result<f32, QuantError>;
-    let fns: [(GgmlType, RowFn); 4] = [
+    let fns: [(GgmlType, RowFn); 5] = [
         (GgmlType::Q8_0, q8_0::dot_row),
         (GgmlType::Q2K, q2_k::dot_row),
         (GgmlType::Q4K, q4_k::dot_row),
         (GgmlType::Iq2Xxs, iq2_xxs::dot_row),
+        (GgmlType::Mxfp4, mxfp4::dot_row),
     ];
     for (ty, f) in fns {
         for data in rows_for(ty, 1024, &mut rng) {

@@ -372,3 +372,48 @@ fn header_only_files_have_a_header_and_no_payloads() {
     let e = f.tensor_bytes(&name).unwrap_err().to_string();
     assert!(e.contains(&name) && e.contains("outside"), "{e}");
 }
+
+/// A file with MXFP4 tensors (ggml type 39, 17 bytes per 32 values) writes, reads back with
+/// its type and size, and its payload dequantizes to the values that were quantized; a
+/// row that is not a whole number of blocks is refused by the reader.
+#[test]
+fn mxfp4_tensors_write_and_read() {
+    use ds4_gguf::quant;
+    let mut h = Header::default();
+    h.set("general.architecture", Value::String("deepseek4".into()));
+    const GRID: [f32; 11] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, -0.5, -1.0, -1.5, -2.0, -3.0];
+    let x: Vec<f32> = (0..64 * 3).map(|i| GRID[i % 11]).collect();
+    let q = quant::quantize(GgmlType::Mxfp4, &x, None).unwrap();
+    h.tensors = vec![
+        TensorInfo {
+            name: "blk.0.ffn_gate_exps.weight".into(),
+            dims: vec![64, 3],
+            ty: GgmlType::Mxfp4,
+            offset: 0,
+        },
+        TensorInfo {
+            name: "norm".into(),
+            dims: vec![3],
+            ty: GgmlType::F32,
+            offset: 0,
+        },
+    ];
+    let mut w = GgufWriter::new(Vec::new(), h).unwrap();
+    w.write_tensor(&q).unwrap();
+    w.write_tensor(&[0u8; 12]).unwrap();
+    let (img, _) = w.finish().unwrap();
+    let f = GgufFile::from_bytes(img).unwrap();
+    let t = &f.header().tensors[0];
+    assert_eq!((t.ty, t.ty.code(), t.n_bytes()), (GgmlType::Mxfp4, 39, Some(6 * 17)));
+    let data = f.tensor_data(t).unwrap();
+    assert_eq!(data, &q[..]);
+    let mut y = vec![0f32; x.len()];
+    quant::dequantize(GgmlType::Mxfp4, data, &mut y).unwrap();
+    assert_eq!(y, x, "these values are on the E2M1 grid");
+    // A row of 48 values is not a whole number of MXFP4 blocks: the reader names it.
+    let e = err_of(&tensor_image(
+        vec![ti("t", vec![48], GgmlType::Mxfp4, 0)],
+        4096,
+    ));
+    assert!(e.contains("block size 32"), "{e}");
+}

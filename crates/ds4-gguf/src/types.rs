@@ -1,6 +1,7 @@
 //! ggml tensor element types that ds4 files use, with their block geometry.
 //!
-//! Only the types the published DeepSeek V4 Flash files (and our converter) use are known;
+//! Only the types the published DeepSeek V4 Flash files (and our converter) use are known,
+//! plus MXFP4, the format of the official checkpoint's routed experts (issue 54);
 //! any other code is carried as [`GgmlType::Unknown`] so a reader can still describe the file
 //! and let the model validator refuse it with the tensor's name.
 

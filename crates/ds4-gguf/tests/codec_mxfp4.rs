@@ -194,12 +194,22 @@ fn bad_inputs_are_refused_with_a_reason() {
     // Lengths.
     let e = quant::dequantize(T, &[0u8; 16], &mut [0f32; 32]).unwrap_err();
     assert!(
-        matches!(e, QuantError::LengthMismatch { expected: 17, found: 16, .. }),
+        matches!(
+            e,
+            QuantError::LengthMismatch {
+                expected: 17,
+                found: 16,
+                ..
+            }
+        ),
         "{e}"
     );
     assert!(e.to_string().contains("MXFP4"), "{e}");
     let e = quant::dequantize(T, &[0u8; 17], &mut [0f32; 31]).unwrap_err();
-    assert!(matches!(e, QuantError::NotBlockMultiple { block: 32, .. }), "{e}");
+    assert!(
+        matches!(e, QuantError::NotBlockMultiple { block: 32, .. }),
+        "{e}"
+    );
     let e = quant::dot(T, &[0u8; 34], &[0f32; 32]).unwrap_err();
     assert!(matches!(e, QuantError::LengthMismatch { .. }), "{e}");
     let e = quant::quantize(T, &[0f32; 33], None).unwrap_err();
@@ -212,7 +222,10 @@ fn bad_inputs_are_refused_with_a_reason() {
         assert!(matches!(e, QuantError::NonFinite { index: 40, .. }), "{e}");
     }
     let e = quant::quantize(T, &[1f32; 32], Some(&[-1f32; 32])).unwrap_err();
-    assert!(matches!(e, QuantError::BadImportance { index: 0, .. }), "{e}");
+    assert!(
+        matches!(e, QuantError::BadImportance { index: 0, .. }),
+        "{e}"
+    );
     assert_eq!(
         quant::quantize(T, &[1f32; 32], Some(&[1f32; 32])).unwrap(),
         quant::quantize(T, &[1f32; 32], None).unwrap()

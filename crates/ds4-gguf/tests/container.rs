@@ -404,7 +404,10 @@ fn mxfp4_tensors_write_and_read() {
     let (img, _) = w.finish().unwrap();
     let f = GgufFile::from_bytes(img).unwrap();
     let t = &f.header().tensors[0];
-    assert_eq!((t.ty, t.ty.code(), t.n_bytes()), (GgmlType::Mxfp4, 39, Some(6 * 17)));
+    assert_eq!(
+        (t.ty, t.ty.code(), t.n_bytes()),
+        (GgmlType::Mxfp4, 39, Some(6 * 17))
+    );
     let data = f.tensor_data(t).unwrap();
     assert_eq!(data, &q[..]);
     let mut y = vec![0f32; x.len()];

@@ -227,7 +227,10 @@ mod tests {
         b[16] = 0xF9; // element 15: code 9 (-1), element 31: code 15 (-12)
         let mut out = [0f32; 32];
         dequantize_block(&b, &mut out);
-        assert_eq!((out[0], out[16], out[15], out[31]), (1.0, 12.0, -1.0, -12.0));
+        assert_eq!(
+            (out[0], out[16], out[15], out[31]),
+            (1.0, 12.0, -1.0, -12.0)
+        );
         assert_eq!(code(&b[1..], 0), 1);
         assert_eq!(code(&b[1..], 16), 7);
         assert_eq!(code(&b[1..], 31), 15);

@@ -125,21 +125,6 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)
     }
 DS4_GEMV_COLS_ENTRY(f32, Ds4F32)
 DS4_GEMV_COLS_ENTRY(f16, Ds4F16)
-// Several columns with one column per grid y (docs/gpu.md §23): every block is a block of the
-// one-token ds4_gemv_<t> launch for its column, so each column's rows are that launch's bit
-// for bit. For matrices whose one-token grid is small (a few rows: the several-column engine
-// above then runs its columns one after another in a handful of warps), at the price of
-// reading the matrix once per column (from L2 for such sizes).
-#define DS4_GEMV_COLSPLIT_ENTRY(NAME, FMT)                                                      \
-    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)             \
-        ds4_gemv_colsplit_##NAME(const ds4_u8* __restrict__ W, const float* __restrict__ x,    \
-                                 ds4_size x_stride, float* __restrict__ y, ds4_size y_stride,  \
-                                 int n_in, int n_out, int wpr) {                               \
-        ds4_gemv_plain<FMT>(W, x + (ds4_size)blockIdx.y * x_stride,                             \
-                            y + (ds4_size)blockIdx.y * y_stride, n_in, n_out, wpr, true);      \
-    }
-DS4_GEMV_COLSPLIT_ENTRY(f32, Ds4F32)
-DS4_GEMV_COLSPLIT_ENTRY(f16, Ds4F16)
 // The register-staged Q8_0 engine by default: on the H200 (2026-12-04, ds4-gpu-check
 // graphs) it read 1024->32768 in 15.2 us and 4096->8192 in 13.3 us against the cp.async
 // ring's 17.6 / 16.9 us (4 stages; 3 or 5 stages, or 4 rows x 2 stages, no better), so

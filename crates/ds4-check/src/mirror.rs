@@ -37,11 +37,9 @@ pub struct OpRule {
     pub act_q8: bool,
     /// Which multi-token matmuls the GPU ran on half-precision tiles.
     pub tiles: ds4_gpu::backend::PrefillTiles,
-    /// Attention on half operands (`ds4_attention_mma[_split]`, `DS4_PREFILL_ATTN=mma`,
-    /// `DS4_DECODE_ATTN=mma`).
+    /// Prefill attention on half operands (`ds4_attention_mma`,
+    /// `Knobs::tensor_core_attention`).
     pub attn_half: bool,
-    /// Dense multi-token matmuls through cuBLAS's f16 GEMM (`DS4_DENSE_GEMM=f16`).
-    pub dense_half: bool,
 }
 
 impl OpRule {
@@ -89,8 +87,7 @@ impl OpRule {
             PrefillTiles::Experts => op == "moe",
             PrefillTiles::All => dense || op == "moe",
         };
-        let dense_half = self.dense_half && (dense || op == "moe");
-        if tiled || dense_half || (self.attn_half && op == "attention") {
+        if tiled || (self.attn_half && op == "attention") {
             tol = tol.max(Self::TOL_TILES);
         }
         tol

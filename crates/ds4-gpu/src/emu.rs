@@ -368,13 +368,11 @@ mod tests {
 
     /// Runs a several-column GEMV (`ds4_gemv_cols_<t>`) over `grid_x` blocks: x holds `cols`
     /// rows of `x_stride` floats, the result `cols` rows of `y_stride` floats starting as NaN.
-    /// `split`: the one-column-per-grid-y form (`ds4_gemv_colsplit_<t>`: no column count
-    /// parameter, `cols` blocks along y).
     #[allow(clippy::too_many_arguments)]
     fn run_gemv_cols(
         k: &EmuKernels,
         name: &str,
-        (grid_x, block, split): (u32, u32, bool),
+        (grid_x, block): (u32, u32),
         w: &[u8],
         (x, x_stride): (&[f32], usize),
         (n_in, n_out, cols, y_stride): (usize, usize, usize, usize),
@@ -397,10 +395,7 @@ mod tests {
             (&mut nc as *mut i32).cast(),
             (&mut wpr as *mut i32).cast(),
         ];
-        if split {
-            params.remove(7);
-        }
-        let grid = (grid_x, if split { cols as u32 } else { 1 }, 1);
+        let grid = (grid_x, 1, 1);
         // SAFETY: callers pass n_out rows of n_in values in the kernel's layout, x of cols
         // rows of x_stride floats; y is sized here; the parameters are the entry point's.
         unsafe { k.launch(name, grid, block, &mut params) }.unwrap();
@@ -834,7 +829,7 @@ mod tests {
                     let y = run_gemv_cols(
                         &k,
                         &format!("ds4_gemv_cols_{name}"),
-                        (grid, l.block, false),
+                        (grid, l.block),
                         &w,
                         (&x, xs),
                         (n_in, n_out, cols, ys),
@@ -863,18 +858,6 @@ mod tests {
                         }
                         assert!(y[c * ys + n_out..c * ys + ys].iter().all(|v| v.is_nan()));
                     }
-                    // One column per grid y (ds4_gemv_colsplit_<t>): the same bits again.
-                    let split = run_gemv_cols(
-                        &k,
-                        &format!("ds4_gemv_colsplit_{name}"),
-                        (l.grid_x, l.block, true),
-                        &w,
-                        (&x, xs),
-                        (n_in, n_out, cols, ys),
-                        l.wpr,
-                    );
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&split), bits(&y), "{name} {n_in}x{n_out} colsplit");
                 }
             }
         }

@@ -145,31 +145,6 @@ impl<D: GpuApi> GpuBackend<D> {
         if per == 0 {
             return Ok(false);
         }
-        let warps = u64::from(l.grid_x) * u64::from(crate::kernels::GEMV_WARPS);
-        if warps < self.cols_split_warps && m.n_tok <= 65_535 {
-            // A small one-token grid: one column per grid y, each block a one-token block.
-            self.launch_fn(
-                &self.gemv.plain_colsplit[idx],
-                if idx == 0 {
-                    "gemv_colsplit_f32"
-                } else {
-                    "gemv_colsplit_f16"
-                },
-                (l.grid_x, g32(m.n_tok), 1),
-                l.block,
-                &[
-                    Arg::Ptr(wbase),
-                    Arg::Ptr(m.x),
-                    u(m.x_stride),
-                    Arg::Ptr(m.y),
-                    u(m.y_stride),
-                    i32a(op, "cols", m.cols)?,
-                    i32a(op, "rows", m.n_rows)?,
-                    Arg::I32(l.wpr as i32),
-                ],
-            )?;
-            return Ok(true);
-        }
         self.launch_column_groups(idx, &l, wbase, m, per, op)?;
         Ok(true)
     }

@@ -52,8 +52,7 @@ impl<D: GpuApi> GpuBackend<D> {
         w2: u64,
     ) -> bool {
         // 0 bytes: a build without mma.sync, whose ds4_mm_rtiles is a NaN stub (tiles.cu).
-        self.rtiles
-            && self.rtiles_smem > 0
+        self.rtiles_smem > 0
             && matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K)
             && cols >= 256
             && cols.is_multiple_of(256)
@@ -109,7 +108,7 @@ impl<D: GpuApi> GpuBackend<D> {
     pub(super) fn mm_tiles(&mut self, m: Mm, op: &'static str) -> BResult<()> {
         let xh = self.x_as_half(&m, op)?;
         // More than one token tile of 64: blocks of 128 tokens (half the weight decoding).
-        let wide = self.tiles_wide && m.n_tok > TILE_TOKENS;
+        let wide = m.n_tok > TILE_TOKENS;
         let tokens = if wide { WIDE_TOKENS } else { TILE_TOKENS };
         self.launch_tiles(
             TileMm {

@@ -53,8 +53,8 @@ impl OpRule {
     /// themselves (the down projection's input: SwiGLU, times the route weight in `moe`):
     /// the two sides differ there by f32 rounding, so a value on a rounding boundary may
     /// take the next int8 code on one side, which moves that output by one code step of
-    /// its block (observed 3e-4 to 6e-4 of the output scale in `moe`, 2.4e-4 in the shared
-    /// expert's `swiglu_matmul` on an H100, 2026-12-06, with a seed that hit a boundary).
+    /// its block (observed a few 1e-4 of the output scale in `moe` and the shared expert's
+    /// `swiglu_matmul` with a seed that hit a boundary; BENCHMARKS.md, 2026-12-06).
     /// Every other matmul quantizes identical inputs.
     pub const TOL_Q8_REQUANT: f64 = 2e-3;
     /// Matmuls on half-precision tiles: rounding both operands to 11 significant bits moves

@@ -33,19 +33,6 @@ fn kernels(mma: bool) -> Arc<EmuKernels> {
     .clone()
 }
 
-/// The kernels built with the IQ2_XXS tables of the tile decode in shared memory
-/// (`-DDS4_TILES_SMEM_TABLES=1`, docs/gpu.md §4).
-fn kernels_smem_tables() -> Arc<EmuKernels> {
-    static K: OnceLock<Arc<EmuKernels>> = OnceLock::new();
-    K.get_or_init(|| {
-        Arc::new(
-            EmuKernels::build_with(&["-DDS4_TILES_SMEM_TABLES=1"])
-                .expect("building the kernel emulation"),
-        )
-    })
-    .clone()
-}
-
 /// The HIP backend over a fake runtime that runs the emulated kernels: the f32 kernels
 /// (`--quality`'s) but for `tiles`, which the tests choose; int8 activations are set by
 /// each test.
@@ -545,11 +532,7 @@ fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
     }
     let xb: Vec<u8> = xh.iter().flat_map(|h| h.to_le_bytes()).collect();
     let xbuf = aligned(&xb);
-    for (k, mma) in [
-        (kernels(true), "mma"),
-        (kernels(false), "fma"),
-        (kernels_smem_tables(), "mma, tables in shared memory"),
-    ] {
+    for (k, mma) in [(kernels(true), "mma"), (kernels(false), "fma")] {
         for (ty, scales) in [
             (GgmlType::Iq2Xxs, &[0usize][..]),
             (GgmlType::Q2K, &[80, 82][..]),

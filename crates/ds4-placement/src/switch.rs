@@ -63,15 +63,15 @@ mod tests {
     #[test]
     fn every_word_reads_the_same_in_every_variable() {
         for on in ["1", "on", " ON ", "true", "Yes"] {
-            assert!(parse_switch("DS4_X", on).unwrap(), "{on:?}");
+            assert!(parse_switch("SOME_SWITCH", on).unwrap(), "{on:?}");
         }
         for off in ["0", "off", " OFF ", "false", "no", "No"] {
-            assert!(!parse_switch("DS4_X", off).unwrap(), "{off:?}");
+            assert!(!parse_switch("SOME_SWITCH", off).unwrap(), "{off:?}");
         }
         for bad in ["", "2", "of", "maybe"] {
-            let e = parse_switch("DS4_X", bad).unwrap_err().to_string();
+            let e = parse_switch("SOME_SWITCH", bad).unwrap_err().to_string();
             assert!(
-                e.contains("DS4_X") && e.contains(SWITCH_WORDS),
+                e.contains("SOME_SWITCH") && e.contains(SWITCH_WORDS),
                 "{bad:?}: {e}"
             );
         }
@@ -80,14 +80,16 @@ mod tests {
     #[test]
     fn flag_beats_variable_beats_default_and_a_bad_variable_is_reported() {
         let env = |v: Option<&'static str>| move |_: &str| v.map(String::from);
-        let s = resolve_switch(None, "DS4_X", true, &env(None)).unwrap();
+        let s = resolve_switch(None, "SOME_SWITCH", true, &env(None)).unwrap();
         assert!(s.value && s.source.is_default());
-        let s = resolve_switch(None, "DS4_X", true, &env(Some("no"))).unwrap();
+        let s = resolve_switch(None, "SOME_SWITCH", true, &env(Some("no"))).unwrap();
         assert!(!s.value);
-        assert_eq!(s.source.to_string(), "DS4_X=no");
-        let s = resolve_switch(Some(("--x", true)), "DS4_X", false, &env(Some("0"))).unwrap();
+        assert_eq!(s.source.to_string(), "SOME_SWITCH=no");
+        let s = resolve_switch(Some(("--x", true)), "SOME_SWITCH", false, &env(Some("0"))).unwrap();
         assert!(s.value);
         assert_eq!(s.source.to_string(), "--x");
-        assert!(resolve_switch(Some(("--x", true)), "DS4_X", false, &env(Some("?"))).is_err());
+        assert!(
+            resolve_switch(Some(("--x", true)), "SOME_SWITCH", false, &env(Some("?"))).is_err()
+        );
     }
 }

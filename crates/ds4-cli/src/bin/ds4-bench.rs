@@ -97,8 +97,8 @@ struct Args {
     snapshot: bool,
     /// Before anything is timed, prefill this many tokens once (then empty the state), so
     /// the timed prefills do not carry the process's first-use costs (kernels loaded on
-    /// first launch, cuBLAS's first calls): the first prefill of a 4-layer model measured 3x
-    /// slower than the next one on an H100. Default: the first frontier's size, at most one
+    /// first launch, cuBLAS's first calls), which made a process's first prefill several
+    /// times slower than the next (BENCHMARKS.md). Default: the first frontier's size, at most one
     /// prefill chunk (0 with streamed experts, whose cache it would fill); 0: off (`--e2e`
     /// always measures the user's cold first prompt).
     #[arg(long)]

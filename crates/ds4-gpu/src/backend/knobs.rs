@@ -24,9 +24,9 @@ pub enum PrefillTiles {
 
 impl PrefillTiles {
     /// What the fast default (CLI, server, bench) uses: routed experts on tiles. `All` also
-    /// moves the dense matmuls off cuBLAS; it measured slower than cuBLAS TF32 on the H200
-    /// (BENCHMARKS.md, "Prefill tiles: speed and numeric cost") and is kept for GPUs
-    /// without cuBLAS, where it has not been measured yet.
+    /// moves the dense matmuls off cuBLAS, where it measured slower than cuBLAS TF32
+    /// (BENCHMARKS.md, "Prefill tiles: speed and numeric cost"); it is kept for GPUs without
+    /// cuBLAS, where it has not been measured yet.
     pub const FAST: PrefillTiles = PrefillTiles::Experts;
 
     /// The name [`Self::parse`] reads.

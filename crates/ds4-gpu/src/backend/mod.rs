@@ -435,8 +435,8 @@ impl<D: GpuApi> GemvSet<D> {
     /// [`Self::launch_for`] for a grid that repeats the matrix `copies` times along y and z
     /// (grouped GEMVs: selections x matrices). The warps per row are chosen for the whole
     /// grid: sized for one matrix, `out_a`'s 8 groups split each row over 8 warps with one
-    /// vector per lane and ran in ~8 waves of short blocks (24 µs for 35.6 MB on the H200,
-    /// ncu).
+    /// vector per lane and ran in ~8 waves of short blocks (ncu: see BENCHMARKS.md, grouped
+    /// `out_a`).
     pub(crate) fn launch_for_grouped(
         &self,
         ty: GemvType,
@@ -529,9 +529,6 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) imma_smem: u32,
     /// Dynamic shared memory `ds4_attention_mma` declares, and what the device allows.
     pub(crate) amma_smem: u32,
-    /// Dynamic shared memory of the tile kernels (0: static only; tiles.cu's
-    /// `ds4_mm_tiles_smem`).
-    pub(crate) tiles_smem: u32,
     /// Dynamic shared memory of `ds4_mm_rtiles` (the routed IQ2_XXS / Q2_K experts' tile
     /// kernel where the device has the shared memory and `mma.sync`, docs/gpu.md §4).
     pub(crate) rtiles_smem: u32,
@@ -784,8 +781,6 @@ impl<D: GpuApi> GpuBackend<D> {
         for name in TILE_KERNELS {
             funcs.insert(*name, dev.function(&tiles_module, name)?);
         }
-        let [tiles_smem, _] = dev.read_i32x2_global(&tiles_module, "ds4_mm_tiles_smem")?;
-        let tiles_smem = u32::try_from(tiles_smem).unwrap_or(u32::MAX);
         let [rtiles_smem, _] = dev.read_i32x2_global(&tiles_module, "ds4_mm_rtiles_smem")?;
         let rtiles_smem = u32::try_from(rtiles_smem).unwrap_or(u32::MAX);
         let mut fault = dev.alloc(MemKind::Device, 4)?;
@@ -845,7 +840,6 @@ impl<D: GpuApi> GpuBackend<D> {
             idx_mma: knobs.tensor_core_attention,
             imma_smem,
             amma_smem,
-            tiles_smem,
             rtiles_smem,
             max_dyn_smem: 0,
         };

@@ -85,8 +85,8 @@ pub(crate) struct Ctx {
     pub(crate) ordinal: usize,
     pub(crate) ctx: sys::CUcontext,
     pub(crate) stream: sys::CUstream,
-    /// Kernels are launched with programmatic stream serialization (sm_90 and later, unless
-    /// `DS4_PDL=0`): see `kernels/ds4_port.h`'s `ds4_grid_wait` and docs/gpu.md.
+    /// Kernels are launched with programmatic stream serialization (sm_90 and later): see
+    /// `kernels/ds4_port.h`'s `ds4_grid_wait` and docs/gpu.md §6.
     pub(crate) pdl: bool,
     /// Overlap for the launches queued now (the backend's choice per forward pass); only
     /// used where `pdl` is on.

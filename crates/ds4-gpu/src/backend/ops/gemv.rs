@@ -121,8 +121,9 @@ impl<D: GpuApi> GpuBackend<D> {
     /// Queues `m` (decode rows of an F32 or F16 matrix: batched decode) through the
     /// several-column plain GEMV in groups of at most `cols_max` tokens, with the one-token
     /// launch's warps per row (its own rows per warp and grid, docs/gpu.md §35), so each
-    /// token's row is summed as the one-token GEMV sums it; false when it does not apply. (Wider steps had gone to the generic matmul,
-    /// whose other summation order broke batched-equals-alone at 16 sequences on the H200.)
+    /// token's row is summed as the one-token GEMV sums it; false when it does not apply.
+    /// (Wider steps had gone to the generic matmul, whose other summation order broke
+    /// batched-equals-alone at 16 sequences.)
     pub(super) fn mm_plain_cols(&mut self, m: Mm, op: &'static str) -> BResult<bool> {
         let idx = match m.ty {
             GgmlType::F32 => 0,

@@ -18,8 +18,8 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         // The embedding starts every forward pass: overlapped launches for decode-sized
-        // passes (+16 % decode on the H200), plain ones for prefill chunks (measured ~9 %
-        // slower at 32k with overlap; BENCHMARKS.md).
+        // passes, plain ones for prefill chunks, where overlap measured slower (see
+        // BENCHMARKS.md, overlapped launches; docs/gpu.md §6).
         self.dev
             .set_overlapped_launches(n_tok <= OVERLAP_MAX_TOKENS);
         let gw = self.weight(table, OP)?;

@@ -209,7 +209,7 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         // Batched decode steps (decode rows) stay on the grouped GEMVs at any width: 16
         // sequences are 96 selections, and the host-grouped path costs a synchronisation
-        // per layer (44 per step measured at 16 sequences on the H200).
+        // per layer (BENCHMARKS.md, "Figures moved out of code comments").
         let grouped = (n_sel <= GROUPED_MAX_SEL || self.q8_rows(t))
             && self.grouped_ok(gty, d, f, gp)
             && self.grouped_ok(gty, d, f, upp)

@@ -40,9 +40,10 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// Whether a routed-expert matmul takes `ds4_mm_rtiles` (tiles.cu: the weights decoded
-    /// straight into the MMA registers; `DS4_RTILES=1`, off until the H200 has measured
-    /// it): IQ2_XXS or Q2_K rows of a multiple of 256 values, aligned as [`Self::tiles_ok`]
-    /// asks, and the device allowing the kernel's shared memory.
+    /// straight into the MMA registers; faster than `ds4_mm_tiles` for these formats, see
+    /// BENCHMARKS.md, prefill tiles): IQ2_XXS or Q2_K rows of a multiple of 256 values,
+    /// aligned as [`Self::tiles_ok`] asks, and the device allowing the kernel's shared memory
+    /// (0 bytes: a build without `mma.sync`, whose kernel is a NaN stub).
     pub(super) fn rtiles_for(
         &self,
         ty: GgmlType,
@@ -68,9 +69,9 @@ impl<D: GpuApi> GpuBackend<D> {
         let (kernel, rows, smem) = if t.regs {
             ("ds4_mm_rtiles", RTILE_ROWS, self.rtiles_smem)
         } else if t.wide {
-            ("ds4_mm_tiles_wide", WIDE_ROWS, self.tiles_smem)
+            ("ds4_mm_tiles_wide", WIDE_ROWS, 0)
         } else {
-            ("ds4_mm_tiles", TILE_ROWS, self.tiles_smem)
+            ("ds4_mm_tiles", TILE_ROWS, 0)
         };
         if smem > self.max_dyn_smem {
             return Err(BackendError::Invalid {

@@ -223,7 +223,7 @@ impl Config {
         row("load threads", lt.value.to_string(), &lt.source);
         let ls = &self.load_staging_mib;
         row("load staging MiB", ls.value.to_string(), &ls.source);
-        let choice = |s: &Setting<ds4_placement::MemChoice>| format!("{:?}", s.value);
+        let choice = |s: &Setting<ds4_placement::MemChoice>| s.value.to_string();
         let gib = |s: &Setting<Option<u64>>, none: &str| match s.value {
             Some(b) => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
             None => none.to_string(),
@@ -251,7 +251,7 @@ impl Config {
         );
         row(
             "routed experts",
-            format!("{:?}", placement.experts.value),
+            placement.experts.value.to_string(),
             &placement.experts.source,
         );
         row(

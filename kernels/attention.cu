@@ -224,8 +224,8 @@ __device__ void ds4_att_combine_block(const float* pp, float sink, int hd, int n
     __shared__ float s_mm, s_inv;
     const ds4_size stride = (ds4_size)(hd + 2);
     // Every split's (m, s) in one parallel round trip; the serial max and denominator then
-    // walk shared memory in split order (thread 0 used to chain 2 x n_splits global loads:
-    // 15.6 µs per CSA layer at 20 splits, ncu on the H200).
+    // walk shared memory in split order (thread 0 used to chain 2 x n_splits global loads;
+    // ncu: BENCHMARKS.md).
     // Partials through ds4_ld_act (coherent at L2): in ds4_attention_split_combine other
     // blocks wrote them during this kernel.
     for (int i = threadIdx.x; i < n_splits; i += blockDim.x) {

@@ -84,27 +84,6 @@ ds4_dequant_q8_rows(const ds4_u8* w, ds4_size row_bytes, ds4_size row0, int cols
     }
 }
 
-// The same rows as halves (the f16 GEMM's panel, half the bytes): each value d*q rounded
-// once to f16, as the tile kernels' decoded weights are.
-extern "C" __global__ void __launch_bounds__(256)
-ds4_dequant_q8_rows_h(const ds4_u8* w, ds4_size row_bytes, ds4_size row0, int cols, ds4_u16* out) {
-    ds4_grid_wait();
-    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 16;
-    if (c >= cols) return;
-    ds4_u32 qw[4];
-    const float d = ds4_q8s_load16(w, row_bytes, row0 + blockIdx.x, cols, c, qw);
-    ds4_u32 h[8];
-#pragma unroll
-    for (int u = 0; u < 4; u++) {
-        const ds4_u32 v = qw[u];
-        h[2 * u] = ds4_f2h2(d * (float)(ds4_i8)(v & 0xff), d * (float)(ds4_i8)((v >> 8) & 0xff));
-        h[2 * u + 1] = ds4_f2h2(d * (float)(ds4_i8)((v >> 16) & 0xff), d * (float)(ds4_i8)(v >> 24));
-    }
-    uint4* o = (uint4*)(out + (ds4_size)blockIdx.x * cols + c);
-    o[0] = make_uint4(h[0], h[1], h[2], h[3]);
-    o[1] = make_uint4(h[4], h[5], h[6], h[7]);
-}
-
 // ---------------------------------------------------------------------------------------
 // Dense f32 GEMM for prefill: C[t][r] = sum_c X[t][c] * W[r][c] (both row-major, K = cols
 // contiguous), one 64x64 tile of C per block, 4x4 outputs per thread, K in steps of 16.

@@ -9,48 +9,23 @@
 #define DS4_GEMV_THREADS 256
 #define DS4_GEMV_WARPS (DS4_GEMV_THREADS / DS4_WARP)
 
-// Tuning knobs. The defaults are per format, from the H200 sweeps in
-// crates/ds4-gpu/NOTES.md (split-layout Q8_0: 2 rows x 2 vectors in flight, the fastest
-// variant without register spills, 2026-12-04): rows per warp R (x loaded once for R rows) and the minimum
-// resident blocks per multiprocessor (caps registers: 4 -> 64, 2 -> 128 per thread).
-// -DDS4_GEMV_ROWS=n / -DDS4_GEMV_MIN_BLOCKS=n override every block format at once (the
-// check tool's sweeps); -DDS4_GEMV_PLAIN_ROWS=n sets F16/F32.
-#ifdef DS4_GEMV_ROWS
-#define DS4_ROWS_Q8_0 DS4_GEMV_ROWS
-#define DS4_ROWS_Q2_K DS4_GEMV_ROWS
-#define DS4_ROWS_Q4_K DS4_GEMV_ROWS
-#define DS4_ROWS_IQ2_XXS DS4_GEMV_ROWS
-#else
+// Tuning constants, per format: rows per warp R (x loaded once for R rows) and the minimum
+// resident blocks per multiprocessor (caps registers: 4 -> 64, 2 -> 128 per thread); chosen
+// by ds4-gpu-check's sweeps (crates/ds4-gpu/NOTES.md; BENCHMARKS.md, GEMV kernels of 2026-12-02;
+// split-layout Q8_0: 2 rows x 2 vectors in flight, the fastest without register spills).
+// F16/F32 rows: DS4_GEMV_PLAIN_ROWS (gemv_plain.cu).
 #define DS4_ROWS_Q8_0 2
 #define DS4_ROWS_Q2_K 2
 #define DS4_ROWS_Q4_K 2
-// -DDS4_IQ2_ROWS=n: IQ2_XXS alone (an A/B of the routed gate/up GEMV, docs/gpu.md §20).
-#ifdef DS4_IQ2_ROWS
-#define DS4_ROWS_IQ2_XXS DS4_IQ2_ROWS
-#else
 #define DS4_ROWS_IQ2_XXS 2
-#endif
-#endif
-#ifdef DS4_GEMV_MIN_BLOCKS
-#define DS4_MINB_PLAIN DS4_GEMV_MIN_BLOCKS
-#define DS4_MINB_Q8_0 DS4_GEMV_MIN_BLOCKS
-#define DS4_MINB_Q2_K DS4_GEMV_MIN_BLOCKS
-#define DS4_MINB_Q4_K DS4_GEMV_MIN_BLOCKS
-#define DS4_MINB_IQ2_XXS DS4_GEMV_MIN_BLOCKS
-#else
 #define DS4_MINB_PLAIN 4
 #define DS4_MINB_Q8_0 4
 #define DS4_MINB_Q2_K 2
 #define DS4_MINB_Q4_K 2
 #define DS4_MINB_IQ2_XXS 2
-#endif
 // Most columns (tokens of different sequences) of the several-column GEMVs (batched decode).
-#ifndef DS4_Q8M_COLS
 #define DS4_Q8M_COLS 8
-#endif
-#ifndef DS4_GEMV_UNROLL
 #define DS4_GEMV_UNROLL 8
-#endif
 #define DS4_PRAGMA(x) _Pragma(#x)
 #define DS4_UNROLL(n) DS4_PRAGMA(unroll n)
 
@@ -208,23 +183,13 @@ __device__ __forceinline__ Ds4XQ ds4_x_at(Ds4XQ x, ds4_size e) {
 // sits in shared memory at s + r*CB*BB; xc is x at the chunk's first element.
 // ---------------------------------------------------------------------------------------
 
-// Byte b of w as a float: through the f32 magic 2^23 (exact, no int-to-float unit) or
-// through a conversion, selectable for measurements with -DDS4_Q8_MAGIC=0/1.
-#ifndef DS4_Q8_MAGIC
-#define DS4_Q8_MAGIC 1
-#endif
-
-// Signed bytes of w (low 16 bits: two values) to floats.
+// Signed bytes of w (low 16 bits: two values) to floats, through the f32 magic 2^23 (exact,
+// no int-to-float unit; it measured no different from a conversion, crates/ds4-gpu/NOTES.md).
 __device__ __forceinline__ void ds4_i8x2(ds4_u32 w, float& lo, float& hi) {
-#if DS4_Q8_MAGIC
     // (b ^ 0x80) is b + 128 as an unsigned byte; 0x4B000000 | v is the float 2^23 + v.
     const ds4_u32 u = w ^ 0x8080u;
     lo = __uint_as_float(0x4B000000u | (u & 0xffu)) - 8388736.0f;
     hi = __uint_as_float(0x4B000000u | ((u >> 8) & 0xffu)) - 8388736.0f;
-#else
-    lo = (float)(ds4_i8)(w & 0xff);
-    hi = (float)(ds4_i8)((w >> 8) & 0xff);
-#endif
 }
 
 // Q8_0 on the GPU is stored in the *split* layout (docs/gpu.md §7): each row of n_in values
@@ -232,9 +197,8 @@ __device__ __forceinline__ void ds4_i8x2(ds4_u32 w, float& lo, float& hi) {
 // ggml's interleaved blocks, rearranged in place at load by ds4_q8_0_split in dequant.cu). The
 // codes are then 16-byte aligned, so the row engine below loads them straight from global
 // memory like F16 rows, with no staging through shared memory.
-#ifndef DS4_Q8S_DEPTH
+// Vectors in flight per row (ds4-gpu-check's sweep: crates/ds4-gpu/NOTES.md).
 #define DS4_Q8S_DEPTH 2
-#endif
 // Widest x the f32-activation Q8_0 engine stages in shared memory (32 KB; wider inputs are
 // read from global memory).
 #define DS4_Q8S_XMAX 8192
@@ -533,11 +497,12 @@ __device__ __forceinline__ void ds4_finish_rows(float (&acc)[R], float* __restri
 // warps' parts are added in the same order (so each column gets ds4_finish_rows's bits), with
 // one block barrier for all columns instead of one per column — at 8 columns the per-column
 // barriers had made the Q8_0 several-column kernel 4x the one-token kernel's time for 8x its
-// work (H100 profile, BENCHMARKS.md). The caller synchronises before the next step rewrites
+// work (profile: BENCHMARKS.md). The caller synchronises before the next step rewrites
 // the parts.
 //
-// The lanes' sums of all MC·R values go through one spreading reduction (default;
-// -DDS4_FINISH_SPREAD=0 reduces each value with ds4_warp_sum, A/B): at each of the first
+// The lanes' sums of all MC·R values go through one spreading reduction (measured against a
+// ds4_warp_sum per value: BENCHMARKS.md, "Spreading reduction in the several-column GEMVs"):
+// at each of the first
 // log2(MC·R) masks of the butterfly a lane keeps half of its values and hands the other half
 // to its partner, which adds them to its own — the same two partial sums the butterfly adds at
 // that mask (own + partner's; float addition commutes exactly) — so every value ends with
@@ -545,9 +510,6 @@ __device__ __forceinline__ void ds4_finish_rows(float (&acc)[R], float* __restri
 // instead of 5·MC·R (16 values: 16 instead of 80). At eight columns and one unit per lane and
 // row (most matrices of a batched step, docs/gpu.md §30) the per-value butterflies were as
 // many instructions as the dot products they finish.
-#ifndef DS4_FINISH_SPREAD
-#define DS4_FINISH_SPREAD 1
-#endif
 __host__ __device__ constexpr int ds4_ilog2(int v) { return v <= 1 ? 0 : 1 + ds4_ilog2(v / 2); }
 
 // v[0] afterwards: the warp sum of value lane >> (log2(DS4_WARP) − log2 V) (see above).
@@ -585,7 +547,6 @@ __device__ __forceinline__ void ds4_finish_cols(float (&acc)[MC][R], float* __re
     const int warp = threadIdx.x / DS4_WARP;
     const int lane = threadIdx.x & (DS4_WARP - 1);
     const int part = warp % wpr;
-#if DS4_FINISH_SPREAD
     constexpr int V = MC * R;
     constexpr int S = ds4_ilog2(DS4_WARP) - ds4_ilog2(V);
     float v[V];
@@ -601,34 +562,6 @@ __device__ __forceinline__ void ds4_finish_cols(float (&acc)[MC][R], float* __re
         return;
     }
     if (writes) part_c[warp][c_of][r_of] = sum;
-#else
-#pragma unroll
-    for (int c = 0; c < MC; ++c)
-        if (c < n_cols) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[c][r] = ds4_warp_sum(acc[c][r]);
-        }
-    if (wpr == 1) {
-        if (lane == 0) {
-#pragma unroll
-            for (int c = 0; c < MC; ++c)
-                if (c < n_cols) {
-#pragma unroll
-                    for (int r = 0; r < R; ++r)
-                        if (row0 + r < n_out) y[(ds4_size)c * y_stride + row0 + r] = acc[c][r];
-                }
-        }
-        return;
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int c = 0; c < MC; ++c)
-            if (c < n_cols) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) part_c[warp][c][r] = acc[c][r];
-            }
-    }
-#endif
     __syncthreads();
     if (part == 0 && lane < n_cols * R) {
         const int c = lane / R, r = lane % R;

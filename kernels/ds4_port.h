@@ -145,7 +145,7 @@ template <class T> __device__ __forceinline__ T ds4_ldg(const T* p) { return __l
 // coherent at L2 and an ordinary load to the compiler. Never ds4_ldg for them: __ldg is a
 // non-coherent load the compiler may treat as invariant and move above ds4_grid_wait(),
 // which with overlapped launches read the previous kernel's output before it was written
-// (found on the H200 as nondeterministic decode at real dimensions, docs/gpu.md §6).
+// (found as nondeterministic decode at real dimensions, docs/gpu.md §6).
 template <class T> __device__ __forceinline__ T ds4_ld_act(const T* p) { return __ldcg(p); }
 // Start bringing the 128-byte line of p into L1 (a hint: no register, no wait), so a load
 // issued later finds it there instead of paying the L2 round trip.
@@ -196,19 +196,12 @@ __device__ __forceinline__ ds4_u32 ds4_hmul2(ds4_u32 a, ds4_u32 b) {
 // Byte i of the result = byte (s >> 4i) & 7 of the eight bytes y:x (x = bytes 0..3): one
 // prmt. The callers never set a selector nibble's sign-replicate bit 3, so the instruction
 // is issued as it is; `__byte_perm` keeps only bits 0..2 of each nibble and so clears bit 3
-// first, an AND and a constant move per permute (cuobjdump, sm_90; docs/gpu.md §32).
-// -DDS4_PRMT_ASM=0: `__byte_perm` (A/B).
-#ifndef DS4_PRMT_ASM
-#define DS4_PRMT_ASM 1
-#endif
+// first, an AND and a constant move per permute (cuobjdump, sm_90; docs/gpu.md §32;
+// measured against `__byte_perm`: BENCHMARKS.md, session of 2026-12-07, 04:20–07:20).
 __device__ __forceinline__ ds4_u32 ds4_byte_perm(ds4_u32 x, ds4_u32 y, ds4_u32 s) {
-#if DS4_PRMT_ASM
     ds4_u32 r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(s));
     return r;
-#else
-    return __byte_perm(x, y, s);
-#endif
 }
 
 // Tensor-core product (sm_80 and later): c += A * B for one 16x16 half tile A (row-major
@@ -272,13 +265,11 @@ __device__ __forceinline__ unsigned ds4_dynamic_smem_bytes() { return 0; }
 // anything at all (only read-only weights may be loaded before it). After its own wait a
 // kernel lets the next one start launching (ds4_grid_wait does both), so the next kernel's
 // blocks become resident and issue their weight loads during this kernel's tail. Without
-// the launch attribute (older GPUs, HIP, DS4_PDL=0) both instructions are no-ops.
+// the launch attribute (older GPUs, HIP, prefill-sized passes) both instructions are no-ops.
 #if !defined(DS4_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void ds4_grid_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#ifndef DS4_PDL_NO_TRIGGER
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 #else
 __device__ __forceinline__ void ds4_grid_wait() {}

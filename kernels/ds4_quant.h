@@ -57,7 +57,7 @@ __device__ __forceinline__ double ds4_shfl_xor_d(double v, int m) {
 // Sum of v over the block (blockDim.x a multiple of 32, at most 1024; sh holds >= 33
 // doubles): a shuffle tree in each warp, then one over the warps' sums, in a fixed order
 // (deterministic). Two barriers instead of one per halving step: at decode the block
-// reductions of hc_pre / rms_norm were barrier-bound (ncu on the H200).
+// reductions of hc_pre / rms_norm were barrier-bound (ncu; BENCHMARKS.md).
 __device__ __forceinline__ double ds4_block_sum_d(double v, double* sh) {
     const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
     const int nw = blockDim.x / DS4_WARP;

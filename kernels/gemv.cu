@@ -26,7 +26,7 @@
 // This file is the GEMV module: the one program (NVRTC, hiprtc, the CPU emulation) made of
 // the files it includes, in this order, and of the entry points below, which instantiate
 // their engines. Each included file also compiles alone; what they share lives in
-// ds4_gemv.h. -D options (DS4_GEMV_DEFINES) reach all of them.
+// ds4_gemv.h, whose constants reach all of them.
 #include "ds4_gemv.h"
 #include "gemv_plain.cu"
 #include "gemv_quant.cu"
@@ -113,9 +113,7 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)
 // (grid: kernels::cols_grid_x). More than four rows per warp hold 8·R column sums and R weight
 // vectors per step: one block
 // per multiprocessor (up to 255 registers) rather than spilling at two.
-#ifndef DS4_MINB_PLAIN_COLS
 #define DS4_MINB_PLAIN_COLS (DS4_PLAIN_COLS_ROWS > 4 ? 1 : 2)
-#endif
 #define DS4_GEMV_COLS_ENTRY(NAME, FMT)                                                          \
     extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN_COLS)        \
         ds4_gemv_cols_##NAME(const ds4_u8* __restrict__ W, const float* __restrict__ x,        \
@@ -125,34 +123,10 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)
     }
 DS4_GEMV_COLS_ENTRY(f32, Ds4F32)
 DS4_GEMV_COLS_ENTRY(f16, Ds4F16)
-// Several columns with one column per grid y (docs/gpu.md §23): every block is a block of the
-// one-token ds4_gemv_<t> launch for its column, so each column's rows are that launch's bit
-// for bit. For matrices whose one-token grid is small (a few rows: the several-column engine
-// above then runs its columns one after another in a handful of warps), at the price of
-// reading the matrix once per column (from L2 for such sizes).
-#define DS4_GEMV_COLSPLIT_ENTRY(NAME, FMT)                                                      \
-    extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_PLAIN)             \
-        ds4_gemv_colsplit_##NAME(const ds4_u8* __restrict__ W, const float* __restrict__ x,    \
-                                 ds4_size x_stride, float* __restrict__ y, ds4_size y_stride,  \
-                                 int n_in, int n_out, int wpr) {                               \
-        ds4_gemv_plain<FMT>(W, x + (ds4_size)blockIdx.y * x_stride,                             \
-                            y + (ds4_size)blockIdx.y * y_stride, n_in, n_out, wpr, true);      \
-    }
-DS4_GEMV_COLSPLIT_ENTRY(f32, Ds4F32)
-DS4_GEMV_COLSPLIT_ENTRY(f16, Ds4F16)
-// The register-staged Q8_0 engine by default: on the H200 (2026-12-04, ds4-gpu-check
-// graphs) it read 1024->32768 in 15.2 us and 4096->8192 in 13.3 us against the cp.async
-// ring's 17.6 / 16.9 us (4 stages; 3 or 5 stages, or 4 rows x 2 stages, no better), so
-// bytes in flight were not what bounded it. -DDS4_Q8S_REGS=0 selects the ring for A/B.
-#ifndef DS4_Q8S_REGS
-#define DS4_Q8S_REGS 1
-#endif
-#if DS4_Q8S_REGS
-#define DS4_Q8_ENGINE ds4_gemv_q8s
-#else
-#define DS4_Q8_ENGINE ds4_gemv_q8a
-#endif
-DS4_GEMV_ENTRY(q8_0, DS4_Q8_ENGINE, Ds4Q8S, DS4_MINB_Q8_0)
+// The register-staged Q8_0 engine: it measured faster than a cp.async ring of any depth
+// (crates/ds4-gpu/NOTES.md), so bytes in flight were
+// not what bounded it, and the ring was removed.
+DS4_GEMV_ENTRY(q8_0, ds4_gemv_q8s, Ds4Q8S, DS4_MINB_Q8_0)
 DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)

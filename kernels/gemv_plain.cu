@@ -12,9 +12,8 @@
 // DS4_GEMV_PLAIN_ROWS rows, loading each x vector once for all of them.
 // ---------------------------------------------------------------------------------------
 
-#ifndef DS4_GEMV_PLAIN_ROWS
+// ds4-gpu-check's sweep chose 2 (crates/ds4-gpu/NOTES.md, "F16 rows per warp").
 #define DS4_GEMV_PLAIN_ROWS 2
-#endif
 
 struct Ds4F32 {
     static constexpr int EPV = 4;
@@ -108,10 +107,9 @@ __device__ __forceinline__ void ds4_gemv_plain(const ds4_u8* __restrict__ W,
 // an 8-sequence step run at a tenth of the bandwidth. A row's sum does not depend on which
 // rows its warp takes with it, so this kernel takes DS4_PLAIN_COLS_ROWS rows per warp (the
 // host sizes the grid from ds4_gemv_cols_rows); the next step's weight vectors are loaded
-// right after this step's use (the order of the sums is unchanged).
-#ifndef DS4_PLAIN_COLS_ROWS
+// right after this step's use (the order of the sums is unchanged). 8 rows: measured against
+// the one-token shape's 2 and against 4 (BENCHMARKS.md, session of 2026-12-07, 07:30–10:30).
 #define DS4_PLAIN_COLS_ROWS 8
-#endif
 // {rows per warp of ds4_gemv_cols_<t>, 0}: read by the host (a pair, as its other globals).
 extern "C" __device__ const int ds4_gemv_cols_rows[2] = {DS4_PLAIN_COLS_ROWS, 0};
 template <class T>
@@ -160,13 +158,11 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
         }
     }
     ds4_grid_wait();  // a no-op where the loads above waited already
-    // -DDS4_PLAIN_COLS_FINISH1=0: a barrier per column (A/B).
-#ifndef DS4_PLAIN_COLS_FINISH1
-#define DS4_PLAIN_COLS_FINISH1 1
-#endif
-    if (ok && DS4_PLAIN_COLS_FINISH1) {
+    if (ok) {
         // Every column's rows as ds4_finish_rows writes them (docs/gpu.md §26), FR rows at a
-        // time (one lane per column and row adds the warps' parts).
+        // time (one lane per column and row adds the warps' parts): one barrier for all
+        // columns, measured against a barrier per column (BENCHMARKS.md, session of
+        // 2026-12-06, 12:16–15:16).
         constexpr int FR = R < DS4_WARP / MC ? R : DS4_WARP / MC;
         static_assert(R % FR == 0, "rows per warp: a multiple of the rows finished at once");
 #pragma unroll
@@ -181,6 +177,7 @@ __device__ __forceinline__ void ds4_gemv_plain_cols(const ds4_u8* __restrict__ W
         }
         return;
     }
+    // An unusable column count: every row NaN, as ds4_finish_rows writes it when !ok.
     // Unrolled, so that acc stays in registers (a column index known only at run time
     // would put it in local memory); n_cols is the same for the whole block.
 #pragma unroll

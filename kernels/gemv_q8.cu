@@ -134,19 +134,15 @@ __device__ __forceinline__ int ds4_ld_w4(const ds4_u8* p) {
 
 // Q2_K unit with int8 activations. A sub-block of 16 values is four dp4a on its 2-bit codes
 // (bit plane j of 16 code bytes); the min term uses the precomputed code sum of those 16
-// activations. With DS4_Q2K_PLANES (default, docs/gpu.md §33) a unit is the four sub-blocks
-// that share their 16 code bytes (planes j = 0..3 of (h, half)): the bytes, the scale bytes
-// and d/dmin are read once for the four, where one unit per sub-block read the same 16
-// bytes four times (24 shared-memory loads per row and 64 values, now 7). Each sub-block's
-// term is the same expression; a lane adds its sub-blocks in another order, so rows differ
-// from the one-sub-block unit in the last bits (the batched and one-token kernels share the
-// unit, so they still agree bit for bit). -DDS4_Q2K_PLANES=0: one sub-block per unit (A/B).
-#ifndef DS4_Q2K_PLANES
-#define DS4_Q2K_PLANES 1
-#endif
+// activations. A unit is the four sub-blocks that share their 16 code bytes (planes
+// j = 0..3 of (h, half); docs/gpu.md §33): the bytes, the scale bytes and d/dmin are read
+// once for the four, where one unit per sub-block read the same 16 bytes four times (24
+// shared-memory loads per row and 64 values, now 7; no faster, but no slower either:
+// BENCHMARKS.md, session of 2026-12-07, 04:20–07:20). Each sub-block's term is the same
+// expression in a fixed order, and the batched and one-token kernels share the unit, so they
+// agree bit for bit.
 struct Ds4Q2Kx : Ds4Q2K {
     static constexpr bool XSPLIT = false;
-#if DS4_Q2K_PLANES
     // Units of 64 values, 4 per block; a chunk must hold a multiple of 32 units (8 blocks:
     // the routed down projection's 2048 inputs in one chunk). The host sizes warps per row
     // by the f32 chunk (ds4_gemv_config_q2_k, 12 blocks), never more parts than these.
@@ -191,34 +187,6 @@ struct Ds4Q2Kx : Ds4Q2K {
             }
         }
     }
-#else
-    template <int R, int CB>
-    __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
-                                float (&acc)[R]) {
-        const int b = u >> 4, sb = u & 15;
-        const int h = sb >> 3, j = (sb >> 1) & 3, half = sb & 1;
-        const ds4_i8* xq = xc.q + b * BE + 16 * sb;
-        const int x0 = ds4_ld_i32s(xq), x1 = ds4_ld_i32s(xq + 4);
-        const int x2 = ds4_ld_i32s(xq + 8), x3 = ds4_ld_i32s(xq + 12);
-        const float dx = xc.d[b * 8 + (sb >> 1)];
-        const int xs = xc.s16[b * 16 + sb];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const ds4_u8* blk = s + r * (CB * BB) + b * BB;
-            const ds4_u32 dd = ds4_ld_u32(blk + 80);
-            const float d = ds4_h2f((ds4_u16)(dd & 0xffff));
-            const float dmin = ds4_h2f((ds4_u16)(dd >> 16));
-            const int sc = blk[sb];
-            const ds4_u8* qs = blk + 16 + 32 * h + 16 * half;
-            const int m = 0x03030303;
-            int is = ds4_dp4a((int)(ds4_ld_u32(qs) >> (2 * j)) & m, x0, 0);
-            is = ds4_dp4a((int)(ds4_ld_u32(qs + 4) >> (2 * j)) & m, x1, is);
-            is = ds4_dp4a((int)(ds4_ld_u32(qs + 8) >> (2 * j)) & m, x2, is);
-            is = ds4_dp4a((int)(ds4_ld_u32(qs + 12) >> (2 * j)) & m, x3, is);
-            acc[r] += dx * (d * (float)((sc & 15) * is) - dmin * (float)((sc >> 4) * xs));
-        }
-    }
-#endif
 };
 
 // Q4_K unit (16 values of sub-block j): four dp4a on the 4-bit codes.
@@ -257,56 +225,39 @@ struct Ds4Q4Kx : Ds4Q4K {
 // IQ2_XXS unit with int8 activations: one 32-value group (4 grid entries sharing the
 // group's scale), the CPU's q8act term (db · dx) · Σ ±grid · q_x exactly. One unit per entry
 // (8 values) read the group's scale and sign word once per 8 values (the routed gate/up
-// GEMV issue-bound: ncu 31.8 µs for 26 MB on the H200); here once per 32. A grid byte (8,
+// GEMV issue-bound, ncu: BENCHMARKS.md); here once per 32. A grid byte (8,
 // 25 or 43, never 0) takes its sign as (g ^ m) + (m & 1) per byte with m = 0xFF to negate:
 // 255 - g + 1 = 256 - g stays inside the byte, so one 32-bit add does four bytes.
 //
 // Tables (docs/gpu.md §20). A warp's 32 grid lookups hit random entries of one 2 KB table:
 // a 64-bit shared load then replays over colliding bank pairs (≈ 6 wavefronts instead of
-// 2), and ncu put the routed gate/up GEMV's L1/shared pipe at 75 % busy with DRAM at 27 %
-// (H100, 2026-12-06). So each table is kept in C lane-private copies interleaved entry by
+// 2), and ncu put the routed gate/up GEMV's L1/shared pipe far busier than its DRAM
+// (BENCHMARKS.md, session of 2026-12-06, 09:18–12:18). So each table is kept in C lane-private copies interleaved entry by
 // entry (entry e of copy c at e·C + c) and lane l reads copy l mod C: the 16 lanes of a
 // half-warp touch 16 different bank pairs whatever entries they want, and with C = 16 every
 // lookup is conflict-free. That also makes a 64-bit byte-mask table (128 sign patterns)
 // cheaper than forming the masks from the 128-byte sign table with two multiplies per four
-// bytes (in one shared copy it had measured slower: 35.9 µs against 31.8, conflicts). The
+// bytes (in one shared copy it had measured slower, conflicts: docs/gpu.md §20). The
 // copies live in dynamic shared memory (48 KB with C = 16: grid, then masks), which the host
 // passes at launch (ds4_gemvq_iq2_smem); a launch given less reads no table and writes NaN
 // rows (one kernel body: a pointer chosen between a static and a dynamic table turned every
-// table load into a generic one). HIP keeps one static table (its runtime here passes no
-// dynamic shared memory); -DDS4_IQ2_GRID_COPIES=1 does the same on CUDA.
-#ifndef DS4_IQ2_GRID_COPIES
-#if defined(DS4_HIP)
+// table load into a generic one). HIP keeps one static table and forms the masks from the
+// sign table (its runtime here passes no dynamic shared memory); the CPU emulation builds that
+// form too with -DDS4_EMU_ONE_TABLE, to test it. (Masks from the sign index's bits with
+// integer ops only measured slower: docs/gpu.md §20.)
+#if defined(DS4_HIP) || defined(DS4_EMU_ONE_TABLE)
 #define DS4_IQ2_GRID_COPIES 1
 #else
 #define DS4_IQ2_GRID_COPIES 16
 #endif
-#endif
-#ifndef DS4_IQ2_MASK_TABLE
 #define DS4_IQ2_MASK_TABLE (DS4_IQ2_GRID_COPIES > 1)
-#endif
-// -DDS4_IQ2_MASK_TABLE=0 -DDS4_IQ2_SIGNS_ALU=1: the masks from the sign index's bits and
-// parity with integer ops only (no shared-memory read for them; an A/B for the batched
-// step's routed gate/up GEMV, whose L1/shared pipe and issue slots both ran near 65 %;
-// measured slower on an H100, docs/gpu.md §20).
-#ifndef DS4_IQ2_SIGNS_ALU
-#define DS4_IQ2_SIGNS_ALU 0
-#endif
 // The int8 unit's values by byte permutes (docs/gpu.md §32): each table entry is a 32-bit
 // selector (one shared-memory wavefront per warp where a 64-bit entry took two), the
 // point's levels OR the signs' bits pick each signed value out of the eight level bytes.
 // Lane-private copies as above, 32 of them (a 32-bit entry's copies then fill the banks).
-// Measured on an H200 (BENCHMARKS.md, 2026-12-07): the batched step's flat kernels gain
-// (8 sequences 26.98 / 27.18 → 26.48 / 26.57 ms), the one-token kernels lose a little (1
-// sequence 8.39 / 8.38 → 8.45 / 8.46 ms), so only the flat kernels take it by default.
-// -DDS4_IQ2_PRMT=0: the flat kernels with the 64-bit lattice and masks; -DDS4_IQ2_PRMT_ONE=1:
-// the one-token and grouped kernels with the permutes (A/B). Both give the same values.
-#ifndef DS4_IQ2_PRMT
-#define DS4_IQ2_PRMT 1
-#endif
-#ifndef DS4_IQ2_PRMT_ONE
-#define DS4_IQ2_PRMT_ONE 0
-#endif
+// Measured (BENCHMARKS.md, session of 2026-12-07, 04:20–07:20): the batched step's flat
+// kernels gain, the one-token kernels lose a little, so only the flat kernels take it (the
+// one-token and grouped kernels keep the 64-bit lattice and masks). Both give the same values.
 #if DS4_IQ2_GRID_COPIES > 1
 #define DS4_IQ2_SEL_COPIES 32
 #else
@@ -333,16 +284,13 @@ __device__ __forceinline__ ds4_u32 ds4_sign_mask4(ds4_u32 bits4) {
 __device__ __forceinline__ ds4_u64 ds4_sign_mask8(ds4_u32 sg) {
     return (ds4_u64)ds4_sign_mask4(sg & 15u) | ((ds4_u64)ds4_sign_mask4(sg >> 4) << 32);
 }
-// The activation codes in the split layout (ds4_xsplit_at, docs/gpu.md §27);
-// -DDS4_IQ2_XSPLIT=0: input order (A/B).
-#ifndef DS4_IQ2_XSPLIT
-#define DS4_IQ2_XSPLIT 1
-#endif
+// The activation codes in the split layout (ds4_xsplit_at, docs/gpu.md §27; measured against
+// input order: BENCHMARKS.md, session of 2026-12-06, 12:16–15:16).
 // P: the values by byte permutes (docs/gpu.md §32), else the 64-bit lattice and masks.
 template <bool P>
 struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
     static constexpr int UPB = 8;
-    static constexpr bool XSPLIT = DS4_IQ2_XSPLIT;
+    static constexpr bool XSPLIT = true;
     __device__ static Ds4Tables prologue() {
         __shared__ ds4_u8 signs[128];
         if constexpr (P) {
@@ -421,14 +369,9 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
     __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables tb,
                                 float (&acc)[R]) {
         const int b = u >> 3, g = u & 7;
-#if DS4_IQ2_XSPLIT
         // Full runs only: IQ2_XXS rows are multiples of 2048 values, and a chunk starts a run.
         const ds4_i8* xq = xc.q + ((u >> 5) << 10) + ((u & 31) << 4);
         const uint4 xa = *(const uint4*)xq, xb = *(const uint4*)(xq + 512);
-#else
-        const ds4_i8* xq = xc.q + b * BE + 32 * g;
-        const uint4 xa = *(const uint4*)xq, xb = *(const uint4*)(xq + 16);
-#endif
         const int xv[8] = {(int)xa.x, (int)xa.y, (int)xa.z, (int)xa.w,
                            (int)xb.x, (int)xb.y, (int)xb.z, (int)xb.w};
         const float dx = xc.d[b * 8 + g];
@@ -471,13 +414,7 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
                         mlo = (ds4_u32)m;
                         mhi = (ds4_u32)(m >> 32);
                     } else {
-#if DS4_IQ2_SIGNS_ALU
-                        // The sign byte is the 7 stored bits and their parity as bit 7
-                        // (ds4_iq2xxs_ksigns' definition): no table read.
-                        const ds4_u32 sg = si | ((ds4_u32)(ds4_popc(si) & 1) << 7);
-#else
                         const ds4_u32 sg = tb.signs[si];
-#endif
                         mlo = ds4_sign_mask4(sg & 15u);
                         mhi = ds4_sign_mask4(sg >> 4);
                     }
@@ -492,8 +429,8 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
     }
 };
 // The one-token and grouped kernels' unit, and the flat (batched) kernels'.
-using Ds4Iq2XxsxOne = Ds4Iq2XxsxT<DS4_IQ2_PRMT_ONE != 0>;
-using Ds4Iq2XxsxFlat = Ds4Iq2XxsxT<DS4_IQ2_PRMT != 0>;
+using Ds4Iq2XxsxOne = Ds4Iq2XxsxT<false>;
+using Ds4Iq2XxsxFlat = Ds4Iq2XxsxT<true>;
 
 // The staged row engine with int8 activations: quantize x, then as ds4_gemv_quant, but
 // persistent: the host may launch fewer blocks than row groups (one wave: the routed
@@ -657,10 +594,10 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, co
 }
 
 // ---------------------------------------------------------------------------------------
-// Split-layout Q8_0 rows with int8 activations (docs/gpu.md §7, §8). Profiled on the H200
-// (ncu, 2026-12-04), the f32-activation engine above ran its largest matrices with the
-// L1/TEX pipe 93 % busy and DRAM at 68 %: every lane reads 64 bytes of f32 x from L1 per
-// 16 bytes of weights. Here each block quantizes x once into shared memory (16 bytes of
+// Split-layout Q8_0 rows with int8 activations (docs/gpu.md §7, §8). Profiled (ncu:
+// docs/history/gpu-2026-12.md), the f32-activation engine above ran its largest matrices
+// with the L1/TEX pipe nearly saturated and DRAM well below the copy bandwidth: every lane
+// reads 64 bytes of f32 x from L1 per 16 bytes of weights. Here each block quantizes x once into shared memory (16 bytes of
 // int8 codes per 32 weights, shared by the warp's R rows) and multiplies with dp4a.
 // Persistent like ds4_gemvq_quant: a block walks row-group steps blockIdx.x, +gridDim.x, ...;
 // the warp's work is a flat sequence of items (a step's row group, U units of 32 codes per
@@ -670,14 +607,10 @@ __device__ __forceinline__ void ds4_gemvq_quant(const ds4_u8* __restrict__ W, co
 // scale at n_in + 2·u; the term is (d · dx) · Σ q_w q_x, the CPU backend's expression
 // (ds4_gguf::quant::q8act), and each row is summed by its warps in a fixed order.
 // ---------------------------------------------------------------------------------------
-// Units of 32 codes per lane and row in one item: 1 measured 96.8 tok/s decode against
-// 95.5-95.9 for 2 on the H200 (2026-12-04).
-#ifndef DS4_Q8Q_UNITS
+// Units of 32 codes per lane and row in one item: 1 measured faster than 2 (BENCHMARKS.md,
+// decode program of 2026-12-03/04).
 #define DS4_Q8Q_UNITS 1
-#endif
-#ifndef DS4_MINB_Q_Q8_0
 #define DS4_MINB_Q_Q8_0 2
-#endif
 struct Ds4Q8Sx {
     static constexpr int ROWS = DS4_ROWS_Q8_0;
     static constexpr int UNITS = DS4_Q8Q_UNITS;
@@ -800,12 +733,12 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W, cons
 // Each weight unit is loaded once and multiplied with every column's codes, so M tokens
 // read the matrix once instead of M times; each column's sum is the one-token kernel's
 // (same unit terms, same per-lane order, same reduction, given the same warps per row and
-// the default DS4_Q8Q_UNITS=1), so a batched row equals the row computed alone.
+// DS4_Q8Q_UNITS = 1), so a batched row equals the row computed alone.
 //
 // The inputs arrive quantized (ds4_quantize_q8_rows, once per step: the one-token kernel's
 // ds4_quantize_x4, so the same codes): each block copies its columns' codes and scales into
 // shared memory instead of quantizing every column itself — with the quantization in each
-// block, a launch cost ~27 µs at 8 columns on the H100 whatever the matrix (BENCHMARKS.md).
+// block, a launch cost the same at 8 columns whatever the matrix (BENCHMARKS.md).
 // Grid y = group g (matmul_grouped's out_a: matrix g at W0 + g·w_group_bytes, writing
 // y0 + g·n_out): column c of group g reads quantized row c·q_col + g (q_col = the groups).
 // y holds M rows y_stride apart. Shared memory holds M * n_in <= DS4_Q8M_CODES codes.
@@ -814,13 +747,11 @@ __device__ __forceinline__ void ds4_gemvq_q8s(const ds4_u8* __restrict__ W, cons
 // columns of 8192 (out_b's input), which 32 K of static memory split into two launches
 // that each read the whole matrix. The host passes n_cols · n_in + 4 · n_cols · n_in / 32
 // bytes; a launch given less writes NaN rows. HIP keeps the static 32 K (its runtime here
-// passes no dynamic shared memory), as does -DDS4_Q8M_DYN=0 on CUDA (A/B).
-#ifndef DS4_Q8M_DYN
+// passes no dynamic shared memory).
 #if defined(DS4_HIP)
 #define DS4_Q8M_DYN 0
 #else
 #define DS4_Q8M_DYN 1
-#endif
 #endif
 #if DS4_Q8M_DYN
 #define DS4_Q8M_CODES 65536
@@ -834,18 +765,11 @@ extern "C" __device__ const int ds4_gemvq_cols_dyn[2] = {DS4_Q8M_DYN, 0};
 // Where a column's codes sit in shared memory (docs/gpu.md §24). Lane l of a warp reads unit
 // u = 32·k + l, 32 codes, as two 16-byte loads; with the codes in input order the lanes' loads
 // are 32 bytes apart, so each load instruction spans 1 KB and costs 8 shared wavefronts for
-// 512 useful bytes. Split (default): ds4_xsplit_at's layout, where the lanes of one load read
-// 512 consecutive bytes (4 wavefronts). Offsets are in 16-byte vectors from the column's
-// start; -DDS4_Q8M_XSPLIT=0 keeps input order (A/B).
-#ifndef DS4_Q8M_XSPLIT
-#define DS4_Q8M_XSPLIT 1
-#endif
+// 512 useful bytes. Split: ds4_xsplit_at's layout, where the lanes of one load read 512
+// consecutive bytes (4 wavefronts; measured against input order: BENCHMARKS.md, session of
+// 2026-12-06, 12:16–15:16). Offsets are in 16-byte vectors from the column's start.
 __device__ __forceinline__ int ds4_q8m_vec(int u, int half, int nunits) {
-#if DS4_Q8M_XSPLIT
     return ds4_xsplit_at(32 * u + 16 * half, 32 * nunits) >> 4;
-#else
-    return 2 * u + half;
-#endif
 }
 
 // Item i = c·n + k of a block-strided copy as (c, k), advanced by the block size per item:
@@ -877,22 +801,18 @@ extern "C" __global__ void __launch_bounds__(DS4_GEMV_THREADS)
                     s16 + r * (ds4_size)(n_in / 16));
 }
 
-// Rows per warp of the several-column kernel (-DDS4_Q8M_ROWS=n, an A/B): each column's
+// Rows per warp of the several-column kernel (4 measured no faster than the one-token
+// kernel's 2: BENCHMARKS.md, "Spreading reduction in the several-column GEMVs"): each column's
 // codes, read from shared memory once per unit, serve that many rows, so more rows cut the
 // shared-memory reads per weight byte (at 8 columns and two rows the kernel reads 4 bytes
 // of codes from shared memory per byte of weights; docs/gpu.md §30). Rows do not change any
 // row's sum (its lanes, units, order and warps' parts are the same), only which rows a warp
 // takes together.
-#ifndef DS4_Q8M_ROWS
 #define DS4_Q8M_ROWS DS4_ROWS_Q8_0
-#endif
-// Loads per thread in flight while the several-column kernel stages its codes (see there).
-#ifndef DS4_Q8M_STAGE
+// Loads per thread in flight while the several-column kernel stages its codes (see there;
+// 4 measured against 1: BENCHMARKS.md, session of 2026-12-07, 07:30–10:30).
 #define DS4_Q8M_STAGE 4
-#endif
-#ifndef DS4_MINB_Q8M
 #define DS4_MINB_Q8M DS4_MINB_Q_Q8_0
-#endif
 extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q8M)
     ds4_gemv_cols_q_q8_0(const ds4_u8* __restrict__ W0, ds4_size w_group_bytes,
                          const ds4_i8* __restrict__ xq_g, const float* __restrict__ xd_g,
@@ -986,7 +906,7 @@ extern "C" __global__ void DS4_LAUNCH_BOUNDS(DS4_GEMV_THREADS, DS4_MINB_Q8M)
         // DS4_Q8M_STAGE loads per thread in flight before the first store: a loop of one
         // load and one store waited one L2 round trip per 4 KB of codes (8 codes trips and
         // 4 scale trips per block at 8 columns of 4096), with only the first weights in
-        // flight meanwhile (docs/gpu.md §35). -DDS4_Q8M_STAGE=1 is the old loop (A/B).
+        // flight meanwhile (docs/gpu.md §35).
         const int v16 = n_in / 16, nb = n_in / 32;
         const int ncv = n_cols * v16, ncs = n_cols * nb;
         // (column, index) of the thread's items, stepped without a division per item.

@@ -1,6 +1,6 @@
 // gemv_quant.cu: part of the GEMV module (gemv.cu includes it; it also compiles alone).
 //
-// The f32-activation engines for split-layout Q8_0 rows (the other block formats take
+// The f32-activation engine for split-layout Q8_0 rows (the other block formats take
 // ds4_gemv_quant, ds4_gemv.h; the entry points: gemv.cu).
 #include "ds4_port.h"
 #include "ds4_iq2xxs_tables.h"
@@ -26,8 +26,9 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
     // x staged once per block in shared memory: read from global memory per warp it cost
     // 4 bytes of x per byte of weights, from L1 before the coherent loads of docs/gpu.md §6
-    // (the L1 pipe 93 % busy, ncu) and from L2 after them (decode 56.6 tok/s with Q8_0 on
-    // f32 activations). The int8 default does not use this engine at decode (§8).
+    // (the L1 pipe nearly saturated, ncu) and from L2 after them (the decode figures of Q8_0
+    // on f32 activations: BENCHMARKS.md's progression). The int8 default does not use this
+    // engine at decode (§8).
     __shared__ __align__(16) float xsh[DS4_Q8S_XMAX];
     const bool staged = n_in <= DS4_Q8S_XMAX;
     ds4_grid_wait();
@@ -84,85 +85,5 @@ __device__ __forceinline__ void ds4_gemv_q8s(const ds4_u8* __restrict__ W,
             }
         }
     }
-    ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
-}
-
-// The split-layout Q8_0 row engine with an asynchronous-copy ring (an alternative, see
-// DS4_Q8S_REGS below): each
-// warp streams its rows' 16-code vectors (and the matching scales) into its own slice of
-// shared memory S stages ahead with cp.async, so the bytes in flight are bounded by shared
-// memory, not by registers (the register version, ds4_gemv_q8s, could keep only two vectors
-// per row in flight at 64 registers and read the big matrices at 40-55 % of the copy
-// bandwidth on the H200). A stage of warp `part` is chunk c = part + j * wpr: vectors
-// 32c .. 32c+31 of each row (lane l takes vector 32c + l) and the 16 scales of those
-// vectors' blocks (copied by lanes 0 and 1). HIP and the CPU emulation copy synchronously.
-#ifndef DS4_Q8A_STAGES
-#define DS4_Q8A_STAGES 4
-#endif
-template <class T>
-__device__ __forceinline__ void ds4_gemv_q8a(const ds4_u8* __restrict__ W,
-                                             const float* __restrict__ x,
-                                             float* __restrict__ y, int n_in, int n_out,
-                                             int wpr, bool ok) {
-    constexpr int R = T::ROWS, S = DS4_Q8A_STAGES;
-    __shared__ __align__(16) uint4 ring[DS4_GEMV_WARPS][S][R][DS4_WARP];
-    __shared__ __align__(16) ds4_u16 scl[DS4_GEMV_WARPS][S][R][16];
-    const int warp = threadIdx.x / DS4_WARP;
-    const int lane = threadIdx.x & (DS4_WARP - 1);
-    const int part = warp % wpr;
-    const int row0 = (blockIdx.x * (DS4_GEMV_WARPS / wpr) + warp / wpr) * R;
-    const ds4_size row_bytes = (ds4_size)(n_in / 32) * 34;
-    const int nvec = n_in / 16, nblk = n_in / 32;
-    const int nch = (nvec + DS4_WARP - 1) / DS4_WARP;
-    const int mine = part < nch ? (nch - part + wpr - 1) / wpr : 0;
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    const bool active = ok && row0 < n_out;
-    const ds4_u8* rows[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-        rows[r] = W + (active ? (ds4_size)min(row0 + r, n_out - 1) * row_bytes : 0);
-    // Queues stage j (chunk part + j * wpr) into slot j % S; always commits a group, so
-    // that group j is the j-th this thread committed.
-    auto issue = [&](int j) {
-        if (active && j < mine) {
-            const int c = part + j * wpr, slot = j % S;
-            const int v = c * DS4_WARP + lane;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const bool okv = v < nvec;
-                ds4_cp_async16(&ring[warp][slot][r][lane],
-                               rows[r] + (okv ? (ds4_size)v * 16 : 0), okv);
-                if (lane < 2) {
-                    const bool oks = c * 16 + lane * 8 < nblk;
-                    ds4_cp_async16(&scl[warp][slot][r][lane * 8],
-                                   rows[r] + n_in + (oks ? (ds4_size)c * 32 + lane * 16 : 0), oks);
-                }
-            }
-        }
-        ds4_cp_commit();
-    };
-#pragma unroll
-    for (int j = 0; j < S - 1; ++j) issue(j);
-    // Only weights were read so far (overlapped launches, docs/gpu.md §6).
-    ds4_grid_wait();
-    for (int j = 0; j < mine; ++j) {
-        issue(j + S - 1);
-        ds4_cp_wait<S - 1>();
-        ds4_syncwarp();  // the scales other lanes copied
-        const int slot = j % S;
-        const int v = (part + j * wpr) * DS4_WARP + lane;
-        if (active && v < nvec) {
-            const float* xp = x + (ds4_size)v * 16;
-            const Ds4X16 xv = ds4_ld_x16(xp);
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                acc[r] += ds4_h2f(scl[warp][slot][r][lane >> 1]) *
-                          ds4_q8s_dot16(ring[warp][slot][r][lane], xv);
-        }
-        ds4_syncwarp();  // slot j % S is refilled by the next iteration's issue
-    }
-    ds4_cp_wait_all();
     ds4_finish_rows<R>(acc, y, row0, n_out, wpr, ok);
 }

@@ -78,7 +78,7 @@ __device__ void ds4_sinkhorn_block(float* z, int n, int iters, float eps) {
 // holds element (k / n, k % n), and every row and column sum is gathered with shuffles and
 // added in index order, as the CPU reference does, so the results are the same bits as
 // ds4_sinkhorn's; no shared-memory round trip or barrier per step (the decode-time hc_pre
-// waited on this loop: ~57 % of its cycles were barrier stalls, ncu on the H200).
+// waited on this loop: most of its cycles were barrier stalls, ncu; BENCHMARKS.md).
 // Sum over q < n of lane (first + q * step)'s v, added in q order (every lane of the warp
 // must call it: the shuffles take all 32).
 __device__ __forceinline__ float ds4_lanes_sum(float v, int first, int step, int n) {
@@ -95,8 +95,8 @@ __device__ __forceinline__ float ds4_lanes_sum(float v, int first, int step, int
 // ds4_sinkhorn_warp for the model's 4 x 4 matrix: the same operations in the same order,
 // straight-line (no per-width predicates or divergent divisions on the dependent chain).
 // Lanes 16..31 mirror lanes 0..15 and their results are dropped. The general version's
-// predicated 8-wide sums and branches made the Sinkhorn ~8 µs per call at decode, most of
-// the fused HCPre's coefficient block (ncu on the H200).
+// predicated 8-wide sums and branches made the Sinkhorn most of the fused HCPre's
+// coefficient block at decode (ncu; BENCHMARKS.md).
 __device__ void ds4_sinkhorn_warp4(float* z, int iters, float eps) {
     const int k = threadIdx.x & (DS4_WARP - 1);
     const int e = k & 15, i = e >> 2, j = e & 3;
@@ -289,8 +289,8 @@ __device__ __forceinline__ void ds4_hc_post_comb_warp(const float* m, float rho,
 // HCPre for the model's shape (n <= 4 streams, d <= 4096), one block per token with every
 // value held in registers, for decode latency: the general kernel above takes a global
 // round trip and a block reduction for the streams' RMS, a second trip for the mix and a
-// third trip plus reduction for the output's RMSNorm (~12 µs per call on the H200, 2 calls
-// per layer). Here DS4_HCR_CT threads each load their 4 x 8 values once; one block
+// third trip plus reduction for the output's RMSNorm (2 calls per layer; its time:
+// BENCHMARKS.md). Here DS4_HCR_CT threads each load their 4 x 8 values once; one block
 // reduction yields the streams' Gram matrix G[s][u] = <X_s, X_u> (in double), whose trace is
 // the streams' sum of squares and from which |y|^2 = sum pre_s pre_u G[s][u] follows
 // without a second reduction; then y and its norm come from registers. An extra warp runs
@@ -393,8 +393,8 @@ ds4_hc_pre_regs(const float* mix, const float* x, const float* base, const float
 }
 
 // HCPre with its mixing matmul, for decode-sized passes (docs/gpu.md §11). The unfused pair
-// was a 16384 -> 24 GEMV on 12 blocks followed by a one-block HCPre: ~19 µs per call (ncu on
-// the H200, caches flushed), 86 calls per token. Here `ds4_hc_mix_part_*` spreads the
+// was a 16384 -> 24 GEMV on 12 blocks followed by a one-block HCPre, 86 calls per token
+// (ncu: BENCHMARKS.md). Here `ds4_hc_mix_part_*` spreads the
 // matmul over ceil(d / 64) blocks (each: 64 columns of every stream, all 2n+n² outputs, and
 // that slice's share of the streams' Gram matrix in double); `ds4_hc_mix_apply` has every
 // block reduce the same partials in the same order (so all agree bit for bit), then the
@@ -549,7 +549,7 @@ __device__ __forceinline__ void ds4_hc_mix_sums(const float (&w)[DS4_HCM_MAXO][D
 // n_tok): each token's loads, HCPost and sums are the one-token block's expressions in the
 // same order, so the partials are the same bits; the block reads its columns of φ once for
 // all of them and issues every token's loads before it sums (a batched step's 8 tokens were
-// 8 blocks each waiting on its own loads: ncu 24.2 µs per launch against 9.2 µs for one).
+// 8 blocks each waiting on its own loads, ncu: BENCHMARKS.md, four-token HC blocks).
 #define DS4_HCM_TPB 4
 __device__ __forceinline__ void ds4_hc_mix_sums_tpb(
     const float (&w)[DS4_HCM_MAXO][DS4_HCM_N][2], float* x, int n, int d, int nm, int n_tok,
@@ -805,8 +805,8 @@ extern "C" __global__ void ds4_hc_post(float* x, float* f, const float* f2, cons
 // divides a 64-bit element index by d for every element and walks `old` through local
 // memory (n is a run-time count); here the token comes from the grid and the stream loops
 // are unrolled into registers. Per element the same expressions in the same order, so the
-// same values (docs/gpu.md §21); the prefill profile had ds4_hc_post at 187 µs per launch
-// for 2048 tokens (H100), ≈ 1.5× its memory time.
+// same values (docs/gpu.md §21); the prefill profile had ds4_hc_post well above its memory
+// time (docs/history/gpu-2026-12.md).
 extern "C" __device__ const int ds4_hc_post4_streams[2] = {DS4_HCM_N, 0};
 extern "C" __global__ void __launch_bounds__(256)
 ds4_hc_post4(float* x, float* f, const float* f2, const float* post, const float* comb,

@@ -15,8 +15,8 @@
 // of the query is staged once per block in shared memory with a padded row stride
 // (dim + 1: lane h reading head h's element i hits bank (h + i) mod 32, conflict-free), and
 // so are the block's rows when they fit (DS4_IDX_KS values): read from global memory
-// inside the dot loop, every step of a row had waited for an L2 round trip (ncu on the
-// H200: 31.7 µs for 513 rows at decode). Each warp scores its rows with one lane per head,
+// inside the dot loop, every step of a row had waited for an L2 round trip (ncu;
+// BENCHMARKS.md). Each warp scores its rows with one lane per head,
 // then one thread per row sums the heads. Each head's dot product and the weighted sum over
 // heads use the CPU reference's exact order (8 interleaved partial sums folded left, then
 // heads in order) with unfused multiplies and adds, so the scores — and the top-k chosen
@@ -61,7 +61,8 @@ __device__ void ds4_idx_scores_block(const float* q, const float* w, const float
     const int nr = r_end > r0 ? (int)((r_end < n_p ? r_end : (n_p > r0 ? n_p : r0)) - r0) : 0;
     const bool shared_k = DS4_IDX_ROWS * dim <= DS4_IDX_KS;
     // Every load in flight before the first store: a loop that stores each value as it
-    // arrives waits for one L2 round trip per step (the staging had cost most of the 31.7 µs).
+    // arrives waits for one L2 round trip per step (the staging had cost most of the kernel's
+    // time at decode, ncu: BENCHMARKS.md).
     {
         constexpr int QPT = 8192 / 256, KPT = DS4_IDX_KS / 4 / 256;
         const float* qt = q + (ds4_size)t * heads * dim;
@@ -140,7 +141,7 @@ static_assert(DS4_TOPK_THREADS == DS4_WARP * DS4_WARP, "the scan's second level 
 // Exclusive prefix sum over the block's 1024 threads (sh holds >= 32 ints): a shuffle scan in
 // each warp, one over the 32 warp totals, three barriers (integer sums: any order is exact).
 // The Hillis-Steele scan in shared memory it replaces took 22 barriers; six scans per call
-// made the decode top-k barrier-bound (ncu on the H200: 10.8 µs for 513 scores).
+// made the decode top-k barrier-bound (ncu; BENCHMARKS.md).
 __device__ int ds4_scan_excl_1024(int v, int* sh) {
     const int lane = threadIdx.x & (DS4_WARP - 1), warp = threadIdx.x / DS4_WARP;
     int x = v;

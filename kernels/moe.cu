@@ -94,8 +94,8 @@ ds4_router(const float* logits, int n_expert, int k, float rscale, int mode, con
 // k <= 32: each lane holds 8 experts' keys in registers and each of the k rounds is a
 // shuffle arg-max (the order above: larger key, then lower index; a total order, so every
 // lane ends with the same winner). The block version's k rounds of 8-step shared-memory
-// tree reductions, with thread 0 finishing alone, took 6.7-9.6 µs per decode token (ncu on
-// the H200). Lane r keeps round r's expert; the weights' sum runs over r in order on every
+// tree reductions, with thread 0 finishing alone, were slower (ncu; BENCHMARKS.md, the
+// router). Lane r keeps round r's expert; the weights' sum runs over r in order on every
 // lane, as the CPU (and the block version) add them. The warp's work is ds4_router_token
 // (ds4_quant.h), which the fused router GEMV also runs.
 extern "C" __global__ void __launch_bounds__(256)

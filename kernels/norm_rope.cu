@@ -270,9 +270,9 @@ extern "C" __device__ const int ds4_norm_rope_warps_max[2] = {DS4_NRW_MAX, 0};
 
 // ds4_norm_rope2 with one warp per row instead of a block (prefill: 2048 tokens give
 // 133,120 rows of 512). A block per row kept one row's work on 256 threads with four block
-// barriers and the rotation's double-precision sin/cos on one warp while seven waited: at
-// 2048 tokens the launch took ≈ 0.51 ms (H100, 5 % of a layer's prefill), ≈ 3× its memory
-// time. Here each warp copies its row into shared memory, normalizes it with the block
+// barriers and the rotation's double-precision sin/cos on one warp while seven waited: the
+// prefill launch took several times its memory time (BENCHMARKS.md, "Figures moved out of
+// code comments"). Here each warp copies its row into shared memory, normalizes it with the block
 // kernel's scale (ds4_rms_scale_warp_as256: the same bits), rotates, rounds through FP8 and
 // writes it back, synchronizing only itself: the same expressions in the same order as
 // ds4_norm_rope_row, so the same values bit for bit (docs/gpu.md §21). Rows r < rows_a are

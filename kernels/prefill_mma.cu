@@ -334,38 +334,6 @@ ds4_attention_mma(const float* q, const float* kv, const float* ring, const floa
                    blockIdx.y * DS4_AMMA_HEADS, fault);
 }
 
-// Few tokens (decode): the keys of a token split over blocks too (grid: tokens × splits ×
-// head groups), each writing ds4_attention_split's partial layout for ds4_attention_combine.
-// Split `split` takes keys split·kps .. (split+1)·kps, kps a multiple of DS4_AMMA_KT.
-extern "C" __global__ void __launch_bounds__(DS4_AMMA_WARPS * DS4_WARP)
-ds4_attention_mma_split(const float* q, const float* kv, const float* ring, const float* crows,
-                        const int* idx, ds4_size pos0, int n_head, int window, int comp_mode,
-                        int ratio, int k_sel, ds4_size n_crows, float scale, int kps, float* part,
-                        int* fault) {
-    ds4_grid_wait();
-    ds4_amma_block(q, kv, ring, crows, idx, nullptr, pos0, n_head, window, comp_mode, ratio, k_sel,
-                   n_crows, scale, nullptr, part, gridDim.y, blockIdx.y, kps, blockIdx.x, blockIdx.x,
-                   blockIdx.z * DS4_AMMA_HEADS, fault);
-}
-
-// One token of each of up to DS4_ATT_SEQS sequences (a batched decode step): grid
-// sequences × max splits × head groups, per-sequence cache rows, position, selection and
-// splits in `sq` (as ds4_attention_split_seqs); blocks past a sequence's own splits return
-// at once, and ds4_attention_combine_seqs combines each sequence over its own splits, so a
-// sequence gets what ds4_attention_mma_split gives it decoded alone.
-extern "C" __global__ void __launch_bounds__(DS4_AMMA_WARPS * DS4_WARP)
-ds4_attention_mma_split_seqs(const float* q, const float* kv, ds4_att_seqs sq, int n_head,
-                             int window, int comp_mode, int ratio, int k_sel, float scale,
-                             int max_splits, float* part, int* fault) {
-    ds4_grid_wait();
-    const int s = blockIdx.x, split = blockIdx.y;
-    if (split >= sq.splits[s]) return;
-    ds4_amma_block(q, kv + (ds4_size)s * DS4_AMMA_HD, sq.ring[s], sq.crows[s], sq.idx[s], nullptr,
-                   sq.pos0[s], n_head, window, comp_mode, ratio, k_sel, sq.n_crows[s], scale,
-                   nullptr, part, max_splits, split, sq.kps[s], 0, s, blockIdx.z * DS4_AMMA_HEADS,
-                   fault);
-}
-
 // Dynamic shared memory of ds4_attention_mma (bytes), read by the host at load.
 extern "C" __device__ const int ds4_attention_mma_smem[2] = {DS4_AMMA_SMEM, DS4_AMMA_HEADS};
 

@@ -92,7 +92,7 @@ __device__ __forceinline__ void ds4_logit_band_block(const float* x, int n, floa
     const float thr = mx - span;
     // Warp w takes a contiguous run of whole 32-value chunks (runs in index order); its lanes
     // read consecutive values (one thread per contiguous segment made every load touch 32
-    // lines: 114 µs a row on an H100, docs/gpu.md §31). Counts first, then each warp's
+    // lines, docs/gpu.md §31). Counts first, then each warp's
     // items from its run's offset, placed in a chunk by an inclusive scan of the lanes' hits.
     const int warp = tid / DS4_WARP, lane = tid & (DS4_WARP - 1);
     constexpr int NW = DS4_BAND_THREADS / DS4_WARP;
@@ -147,8 +147,8 @@ ds4_logit_band(const float* x, int n, float span, int exclude, int cap, int* out
 
 // The bands of several rows of a batched decode step in one launch (docs/gpu.md §31): block
 // b is the one-row kernel on row jobs.row[b] of x (rows n values apart), nothing excluded. One
-// row alone keeps one multiprocessor busy for ~110 µs on an H100, so eight of them one after
-// another cost ~0.9 ms of an 8-sequence step; side by side they take one row's time.
+// row alone keeps one multiprocessor busy, so rows one after another cost a row's time each;
+// side by side they take one row's time (BENCHMARKS.md, batched bands).
 #define DS4_BANDS_MAX 16
 struct Ds4BandJobs {
     int* out[DS4_BANDS_MAX];

@@ -393,7 +393,7 @@ extern "C" __global__ void ds4_moe_sum_sorted(const float* y, const int* inv, co
 // Block shapes (both: 8 warps, acc[8][4] per thread, 128 registers, and both stages of both
 // tiles (TR + TT) x 64 halves x 2 = 48 KB):
 //   ds4_mm_tiles:      TR 128 rows x TT  64 tokens, warp tiles 32 x 32 (4 x 2 warps;
-//                      16 x 64, 8 x 1, with -DDS4_TILES_WM=16), 32 weights decoded per
+//                      see DS4_TILES_WM), 32 weights decoded per
 //                      thread per K step
 //   ds4_mm_tiles_wide: TR  64 rows x TT 128 tokens, warp tiles 32 x 32 (2 x 4 warps),
 //                      16 weights decoded per thread per K step
@@ -494,46 +494,17 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const TW& raw, int 
     }
 }
 
-// The IQ2_XXS decode's two tables (6 KB) in shared memory instead of global memory
-// (-DDS4_TILES_SMEM_TABLES=1 via DS4_TILES_DEFINES; off by default until the H200 has
-// measured it). Each thread gathers 16 random 16-byte table entries per K step; through
-// L1 a warp's gather of 32 random lines takes about one wavefront per distinct line, from
-// shared memory a few bank-conflict replays. Both kernels then take their tiles from
-// dynamic shared memory: the 48 KB of stages, then the lattice table, then the signs
-// (DS4_TILES_SMEM bytes; the host reads the size from ds4_mm_tiles_smem).
-#ifndef DS4_TILES_SMEM_TABLES
-#define DS4_TILES_SMEM_TABLES 0
-#endif
-#define DS4_TILES_STAGES_BYTES (2 * (128 + 64) * DS4_TK * 2)
+// The IQ2_XXS decode's two tables (6 KB) are read through L1 from global memory: copies in
+// shared memory measured no faster (BENCHMARKS.md, session of 2026-12-06, 03:08–06:08).
 #define DS4_TILES_GRID_BYTES (1024 * 4)
-#if DS4_TILES_SMEM_TABLES
-#define DS4_TILES_SMEM (DS4_TILES_STAGES_BYTES + DS4_TILES_GRID_BYTES + 512 * 4)
-#else
-#define DS4_TILES_SMEM 0
-#endif
-// Dynamic shared memory the two tile kernels take (0: static only), and unused.
-extern "C" __device__ const int ds4_mm_tiles_smem[2] = {DS4_TILES_SMEM, 0};
-
-// Copies both tables into the shared memory after the stages and returns their address;
-// the block's first barrier (ds4_tiles_run, before any decode) publishes them.
-__device__ __forceinline__ ds4_saddr ds4_tiles_tables(unsigned char* sm, int at) {
-    uint4* t = (uint4*)(sm + at);
-    const uint4* g = (const uint4*)ds4_iq2xxs_grid_h;
-    const uint4* sg = (const uint4*)ds4_iq2xxs_signs_h;
-    for (int i = threadIdx.x; i < 256 + 128; i += blockDim.x) t[i] = i < 256 ? g[i] : sg[i - 256];
-    return ds4_saddr_of(sm + at);
-}
 
 // The routed experts' types (IQ2_XXS gate/up, Q2_K down) decode straight into halves, with
 // about half the instructions per weight of the f32 decode above and its conversions (the
 // decode's issue slots, not the MMAs, were what bounded these kernels), each 8-value piece
 // stored as soon as it is made (no array of the whole piece in registers). The halves are
 // the same bits: tests/emulated_gpu.rs `emulated_tile_decode_is_the_dequantizer_rounded_once`.
-// -DDS4_TILES_HALF_DECODE=0 (DS4_TILES_DEFINES) keeps the f32 decode, for A/B measurements.
-#ifndef DS4_TILES_HALF_DECODE
-#define DS4_TILES_HALF_DECODE 1
-#endif
-#if DS4_TILES_HALF_DECODE
+// (Chosen by the K loop's static instruction count against the f32 decode: BENCHMARKS.md,
+// the unmeasured sessions of 2026-12-05/06, "prefill (issue 21)".)
 
 // The zeros of a piece past the matrix (its row or K position), on a branch: the decoders
 // below do no decode work for it.
@@ -559,14 +530,9 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_iq2_xx
         const int l = l0 + q;
         const ds4_u32 g2 = l < 2 ? t.h[0] : t.h[1];
         const ds4_u32 gi = (l & 1) ? g2 >> 8 : g2 & 0xff;
-#if DS4_TILES_SMEM_TABLES
-        const uint4 gv = ds4_lds128(tab + 16 * gi);
-        const uint4 sm = ds4_lds128(tab + DS4_TILES_GRID_BYTES + 16 * ((a1 >> (7 * l)) & 127));
-#else
         (void)tab;
         const uint4 gv = ds4_ldg((const uint4*)ds4_iq2xxs_grid_h + gi);
         const uint4 sm = ds4_ldg((const uint4*)ds4_iq2xxs_signs_h + ((a1 >> (7 * l)) & 127));
-#endif
         uint4 o;
         o.x = ds4_hmul2(ds4_hmul2(gv.x ^ sm.x, s2), d2);
         o.y = ds4_hmul2(ds4_hmul2(gv.y ^ sm.y, s2), d2);
@@ -615,16 +581,14 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
         *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
     }
 }
-#endif
 
 // Warp tile rows of ds4_mm_tiles: 32 (32 x 32 warp tiles, as the wide kernel) reads 20 %
 // fewer fragment bytes from shared memory per MMA than 16 (16 x 64). 16 was kept while the
 // f32 decode made ptxas spill 90-140 B with 32; with the half decode of the experts' types
 // the sm_90 K loop holds no local-memory access with 32 (IQ2_XXS 303 -> 283 instructions,
-// 20 -> 16 ldmatrix per warp and step). DS4_TILES_DEFINES=-DDS4_TILES_WM=16 for the A/B.
-#ifndef DS4_TILES_WM
+// 20 -> 16 ldmatrix per warp and step; BENCHMARKS.md, the unmeasured sessions of
+// 2026-12-05/06, "prefill (issue 21)").
 #define DS4_TILES_WM 32
-#endif
 
 // A call per weight type rather than seven inlined bodies in one function: ptxas then
 // allocates registers per type (inlined, the sm_90 wide kernel spilled ~400 bytes that
@@ -798,16 +762,9 @@ ds4_mm_tiles(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty, ds4_
              int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
              float* y2, ds4_size y_stride) {
     ds4_grid_wait();
-#if DS4_TILES_SMEM_TABLES
-    DS4_DYN_SHARED(tsm, DS4_TILES_SMEM);
-    ds4_u16(*ws)[128 * DS4_TK] = (ds4_u16(*)[128 * DS4_TK])tsm;
-    ds4_u16(*xs)[64 * DS4_TK] = (ds4_u16(*)[64 * DS4_TK])(tsm + 2 * 128 * DS4_TK * 2);
-    const ds4_saddr tab = ds4_tiles_tables(tsm, DS4_TILES_STAGES_BYTES);
-#else
     __shared__ __align__(16) ds4_u16 ws[2][128 * DS4_TK];
     __shared__ __align__(16) ds4_u16 xs[2][64 * DS4_TK];
     const ds4_saddr tab = 0;
-#endif
     ds4_tiles_block<128, 64>(w, w2, mat_bytes, ty, row_bytes, n_rows, cols, x, offs, n_tok, y, y2,
                              y_stride, ws, xs, tab);
 }
@@ -819,16 +776,9 @@ ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty,
                   int n_rows, int cols, const ds4_u16* x, const int* offs, int n_tok, float* y,
                   float* y2, ds4_size y_stride) {
     ds4_grid_wait();
-#if DS4_TILES_SMEM_TABLES
-    DS4_DYN_SHARED(tsmw, DS4_TILES_SMEM);
-    ds4_u16(*ws)[64 * DS4_TK] = (ds4_u16(*)[64 * DS4_TK])tsmw;
-    ds4_u16(*xs)[128 * DS4_TK] = (ds4_u16(*)[128 * DS4_TK])(tsmw + 2 * 64 * DS4_TK * 2);
-    const ds4_saddr tab = ds4_tiles_tables(tsmw, DS4_TILES_STAGES_BYTES);
-#else
     __shared__ __align__(16) ds4_u16 ws[2][64 * DS4_TK];
     __shared__ __align__(16) ds4_u16 xs[2][128 * DS4_TK];
     const ds4_saddr tab = 0;
-#endif
     ds4_tiles_block<64, 128>(w, w2, mat_bytes, ty, row_bytes, n_rows, cols, x, offs, n_tok, y, y2,
                              y_stride, ws, xs, tab);
 }
@@ -861,13 +811,11 @@ ds4_mm_tiles_wide(const ds4_u8* w, const ds4_u8* w2, ds4_size mat_bytes, int ty,
 // at 16 (e C + c) and lane l reads copy l mod C: with C = 8 the quarter-warp's lanes always
 // fall in eight different bank groups (48 KB of tables, 112 KB per block); where a block
 // may not have that much (99 KB: sm_86/89/120-class parts) C = 4 halves the conflicts
-// (94 KB). -DDS4_RT_COPIES=1 (DS4_TILES_DEFINES) restores one copy for an A/B.
-#ifndef DS4_RT_COPIES
+// (94 KB; measured against one copy: BENCHMARKS.md, session of 2026-12-06, 09:18–12:18).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 800 || (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200))
 #define DS4_RT_COPIES 8
 #else
 #define DS4_RT_COPIES 4
-#endif
 #endif
 #define DS4_RT_ROWS 256
 #define DS4_RT_XS_BYTES (64 * 256 * 2)

@@ -12,38 +12,29 @@
 # Steps (skip any with SKIP="name name"):
 #   ops        op mirror on the fixtures + random tiny models, f32 and int8 activations
 #   tiles      op mirror with prefill tiles (experts, all), tiny and 4-layer real dims
-#   attn       tensor-core attention (DS4_PREFILL_ATTN=mma, DS4_DECODE_ATTN=mma, docs/gpu.md
-#              §14): op mirror on the 4-layer real-dimension model (prefill chunks, then
-#              8-token chunks: split-key path), batched rows against alone, 4-layer prefill
-#              profiles with it off and on
-#   attnbench  the same switches off and on: batch sweep (1, 8, 16 sequences) and the
-#              full-size bench at 2k / 32k (with DS4_PREFILL_INDEXER too, docs/gpu.md §15)
-#   dense      dense prefill matmuls (docs/gpu.md §16): 4-layer prefill profiles with the
-#              TF32 panels (default), DS4_DENSE_GEMM=f16 and --tiles all; the full-size
-#              bench with f16; the op mirror with f16; ncu kernel names/times of the
-#              default prefill (are cuBLAS's TF32 calls on tensor cores?)
+#   attn       tensor-core prefill attention and indexer scores (docs/gpu.md §14, §15): the
+#              op mirror with --attn-mma on the 4-layer real-dimension model, then the
+#              4-layer prefill profile of the default
 #   fuse       decode launch fusions (docs/gpu.md §17): the op mirror on the 4-layer
-#              real-dimension model (decode-sized chunks, so the fused kernels run), then the
-#              full-size bench's decode at 2k with all fusions on (default) and with each off
+#              real-dimension model (decode-sized chunks, so the fused kernels run), f32 and
+#              int8 activations
 #   reference  official-mode reference bound on the fixtures (GPU and CPU)
 #   parity     whole-model CUDA vs CPU logits (exact 1e-4, official: reordered bound), on
 #              the tiny models and a 4-layer real-dimension synthetic model; decode repeatable
-#   prefill    prefill tiles A/B on a 4-layer model with the prefill attribution, then the
-#              routed experts' half decode against the f32 decode (4 layers and full size;
-#              PREFILL_AB picks the variants, default "new wm16 old"; "oldbin" runs
-#              the ds4-bench of an earlier build in $OLD_BIN)
+#   prefill    prefill tiles off / experts / all on a 4-layer model with the prefill
+#              attribution, then this build against an earlier one (PREFILL_AB="new oldbin":
+#              the ds4-bench in $OLD_BIN; 4 layers and full size)
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
-#              the aggregate tok/s at 1, 2, 4, 8, 16 sequences (BATCH_AB=1: the 2026-12-06
-#              batched-step layouts off/on/off/on)
+#              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
 #   server     ds4-server --parallel 16 on a sparse full-size q2 file: aggregate tok/s and
 #              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py),
 #              then a ~16k-token prompt arriving while 7 streams decode (prefill interference)
 #   userpath   what users run beside the bench, on one sparse file (USER_LAYERS layers,
 #              default 43; 36 fits an 80 GB H100 without host-resident experts): the bench
-#              on the file, `ds4-bench --e2e` (the CLI's path) with and without the sampling
-#              band, ds4-server answering tools/server-sdk-tests/gen_speed.py with and
-#              without it and without the turn snapshot (its "request done" lines:
+#              on the file, `ds4-bench --e2e` (the CLI's path) with and without the warm-up,
+#              ds4-server answering tools/server-sdk-tests/gen_speed.py with and without the
+#              turn snapshot (its "request done" lines:
 #              prefill_ms, decode_ms, decode_wait_ms, snapshot_ms, total_ms); the bench's
 #              --snapshot line (the turn snapshot's size and time at 2k)
 #   ncu        per-kernel device time of a 2-layer model's load, 2048-token prefill and one
@@ -57,17 +48,12 @@
 #              (engine overheads: holes read as zeros), then a dense STREAM_DENSE_LAYERS-layer
 #              file after dropping the page cache (disk reads, STREAM_DENSE_CACHES GiB); hit
 #              rate, GB read, GB/s and page-locked host buffers per run
-#   numeric    logits of the fast paths (tiles off/experts/all, f32 attention, f16 dense
-#              GEMM) against --quality, on a
+#   numeric    logits of the fast paths (tiles off/experts/all) against --quality, on a
 #              4-layer real-dimension synthetic q2 file and the q2 tiny-quant conversion
 #   ncubatch   ncu of the batched (8-sequence) step's GEMVs on a 2-layer model: duration, DRAM,
 #              L1, issue and the stall reasons per issued instruction of each launch of the
 #              several-column Q8_0 / F16 and the grouped IQ2_XXS kernels (the `--profile`
 #              split synchronizes around every launch and misplaces waiting; plan with these)
-#   prefillab  issue 21's figures (PREFILL_LAYERS, default 43) at 2k / 32k with the defaults,
-#              then with the 2026-12-06 prefill kernels off (warp-per-row head preparation,
-#              2-D HCPost, lane-private tile tables: docs/gpu.md §21-§22), then the defaults
-#              again; whole-model logits with and without them (must be bit-identical)
 #   check      the short set after a kernel change: batched rows against rows alone (bit for
 #              bit, bands as defined) on a 4-layer model of the real dimensions, the op mirror
 #              at 40- and 2-token chunks, the tiny models' parity
@@ -251,90 +237,30 @@ if ! skip tiles; then
     ds4-engine-check ops "$work"/m-*.gguf --tiny 2 --tokens 40 --chunk 40 --tiles all > "$OUT/tiles_a.log" 2>&1; tail -1 "$OUT/tiles_a.log"
     ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles all > "$OUT/tiles_4l.log" 2>&1
     grep -E "moe|matmul|FAIL" "$OUT/tiles_4l.log" | head -8; tail -1 "$OUT/tiles_4l.log"
-    # ds4_mm_tiles (DS4_RTILES=0, the experts' kernel before ds4_mm_rtiles became the
-    # default) on the real-dimension experts.
-    DS4_RTILES=0 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --tiles experts \
-        > "$OUT/tiles_4l_rt.log" 2>&1
-    grep -E "moe|FAIL" "$OUT/tiles_4l_rt.log" | head -4; tail -1 "$OUT/tiles_4l_rt.log"
 fi
 if ! skip attn; then
     step attn
-    DS4_PREFILL_ATTN=mma ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 \
+    ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 --attn-mma \
         > "$OUT/attn_ops.log" 2>&1
     grep -E "attention|FAIL" "$OUT/attn_ops.log" | head -6; tail -1 "$OUT/attn_ops.log"
     # The tensor-core indexer scores once more than 512 rows are compressed (> 2048 tokens);
     # layer 2 is the first CSA layer.
-    DS4_PREFILL_INDEXER=mma ds4-engine-check ops --tiny 0 --flash-layers 3 --tokens 2300 --chunk 2300 \
+    ds4-engine-check ops --tiny 0 --flash-layers 3 --tokens 2300 --chunk 2300 --attn-mma \
         > "$OUT/idx_ops.log" 2>&1
     grep -E "indexer|FAIL" "$OUT/idx_ops.log" | head -6; tail -1 "$OUT/idx_ops.log"
-    for a in warp mma; do
-        DS4_PREFILL_ATTN=$a timeout 200 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 --decode 4 \
-            --profile-prefill 2048 > "$OUT/attn_prefill_$a.log" 2>&1
-        echo "attention $a:"; grep -E "^2048,|profile prefill" "$OUT/attn_prefill_$a.log"
-        grep -A12 "by kernel" "$OUT/attn_prefill_$a.log" | head -12
-    done
-    DS4_DECODE_ATTN=mma ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 \
-        > "$OUT/attn_ops_decode.log" 2>&1
-    grep -E "attention|FAIL" "$OUT/attn_ops_decode.log" | head -6; tail -1 "$OUT/attn_ops_decode.log"
-    # Batched decode rows against decoding alone with the tensor-core kernels (bit-exact:
-    # ds4_attention_mma_split_seqs runs each sequence's splits as ds4_attention_mma_split).
-    ds4-convert synthetic --quiet --layout q2 --layers 4 \
-        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4a.gguf" >/dev/null
-    DS4_DECODE_ATTN=mma ds4-engine-check batch "$work/syn4a.gguf" --tiny 0 --tokens 200 --act-q8 \
-        --seqs 16 --gpu-only > "$OUT/attn_batch_check.log" 2>&1
-    grep -E "cuda|PASSED|FAIL|failed" "$OUT/attn_batch_check.log" | head -6
-fi
-if ! skip attnbench; then
-    step attnbench
-    for a in warp mma; do
-        DS4_DECODE_ATTN=$a timeout 300 ds4-bench --synthetic q2 --frontiers 512 --decode 16 \
-            --batch 1,8,16 > "$OUT/attn_batch_$a.log" 2>&1
-        echo "decode attention $a:"; grep -E "^batch|rror" "$OUT/attn_batch_$a.log"
-    done
-    for a in warp mma; do
-        DS4_PREFILL_ATTN=$a DS4_DECODE_ATTN=$a DS4_PREFILL_INDEXER=$a timeout 300 ds4-bench --synthetic q2 \
-            --frontiers 2048,32768 --decode 16 > "$OUT/attn_bench_$a.log" 2>&1
-        echo "attention and indexer $a (prefill and decode):"; grep -E "^[0-9]+,|rror" "$OUT/attn_bench_$a.log"
-    done
-fi
-if ! skip dense; then
-    step dense
-    for v in tf32 f16 all; do
-        t=experts; [ $v = all ] && t=all
-        DS4_DENSE_GEMM=${v/all/tf32} timeout 150 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 \
-            --decode 4 --tiles $t --profile-prefill 2048 > "$OUT/dense_pf_$v.log" 2>&1
-        echo "dense $v:"; grep -E "^2048,|profile prefill|rror" "$OUT/dense_pf_$v.log"
-        grep -A10 "by kernel" "$OUT/dense_pf_$v.log" | head -10
-    done
-    DS4_DENSE_GEMM=f16 timeout 200 ds4-bench --synthetic q2 --frontiers 2048,32768 --decode 8 \
-        > "$OUT/dense_bench_f16.log" 2>&1
-    echo "full size, f16:"; grep -E "^[0-9]+,|rror" "$OUT/dense_bench_f16.log"
-    DS4_DENSE_GEMM=f16 timeout 200 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 100 --chunk 100 \
-        > "$OUT/dense_ops_f16.log" 2>&1
-    grep -E "FAIL|ALL PASSED" "$OUT/dense_ops_f16.log" | tail -3
-    timeout 240 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        ds4-bench --synthetic q2 --layers 2 --frontiers 2048 --decode 1 \
-        > "$OUT/dense_ncu.csv" 2> "$OUT/dense_ncu.err"
-    python3 "$R/tools/device/ncu-by-kernel.py" "$OUT/dense_ncu.csv" 30
+    timeout 200 ds4-bench --synthetic q2 --layers 4 --frontiers 2048 --decode 4 \
+        --profile-prefill 2048 > "$OUT/attn_prefill.log" 2>&1
+    grep -E "^2048,|profile prefill" "$OUT/attn_prefill.log"
+    grep -A12 "by kernel" "$OUT/attn_prefill.log" | head -12
 fi
 if ! skip fuse; then
     step fuse
     timeout 200 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 \
         > "$OUT/fuse_ops.log" 2>&1
     grep -E "hc_post_mix|norm_rope_pair|_matmul|compressor_pair|logit_band|FAIL|ALL PASSED" "$OUT/fuse_ops.log" | tail -11
-    all=(DS4_FUSE_HC_POST DS4_FUSE_NORM_ROPE DS4_FUSE_RMS_MATMUL DS4_FUSE_ROPE_MATMUL DS4_FUSE_SWIGLU
-        DS4_FUSE_COMPRESSORS DS4_FUSE_RING_STORE DS4_FUSE_ATT_COMBINE
-        DS4_FUSE_ROPE_QAT DS4_FUSE_ROUTER)
-    for v in on all "${all[@]}"; do
-        case $v in
-            on) envs=() ;;
-            all) envs=("${all[@]/%/=0}") ;;
-            *) envs=("$v=0") ;;
-        esac
-        env "${envs[@]}" timeout 120 ds4-bench --synthetic q2 --frontiers 2048 --decode 32 \
-            > "$OUT/fuse_bench_$v.log" 2>&1
-        echo "fusions (off: $v; on: all on):"; grep -E "^[0-9]+,|launches|rror" "$OUT/fuse_bench_$v.log"
-    done
+    timeout 200 ds4-engine-check ops --tiny 0 --flash-layers 4 --tokens 40 --chunk 8 --act-q8 \
+        > "$OUT/fuse_ops_q8.log" 2>&1
+    grep -E "hc_post_mix|norm_rope_pair|_matmul|compressor_pair|logit_band|FAIL|ALL PASSED" "$OUT/fuse_ops_q8.log" | tail -11
 fi
 if ! skip reference; then
     step reference
@@ -365,31 +291,20 @@ if ! skip prefill; then
         echo "tiles $t:"; grep -E "^2048,|profile prefill" "$OUT/prefill_$t.log"
         grep -A12 "by kernel" "$OUT/prefill_$t.log" | head -12
     done
-    # The expert kernels (docs/gpu.md §4): "new" = ds4_mm_tiles (half decode, 32 x 32 warp
-    # tiles), half decode with 16 x 64, and the previous kernel (f32 decode, 16 x 64); same
-    # binary, alternating: 4-layer profile, then the full-size 2k prefill.
-    # PREFILL_REPS (default "1 2"); PREFILL_FULL: the variants that also run the full-size
-    # model (default all of PREFILL_AB).
+    # This build against an earlier build's ds4-bench in $OLD_BIN (PREFILL_AB="new oldbin"),
+    # alternating: 4-layer profile, then the full-size 2k prefill. PREFILL_REPS (default
+    # "1 2"); PREFILL_FULL: the builds that also run the full-size model (default both).
     for rep in ${PREFILL_REPS:-1 2}; do
-        for n in ${PREFILL_AB:-new wm16 old}; do
-            bench=ds4-bench rt=0
-            case $n in
-                new) defs="" ;;
-                wm16) defs="-DDS4_TILES_WM=16" ;;
-                old) defs="-DDS4_TILES_HALF_DECODE=0 -DDS4_TILES_WM=16" ;;
-                smemtab) defs="-DDS4_TILES_SMEM_TABLES=1" ;;
-                # experts decoded into the MMA registers (ds4_mm_rtiles, the default)
-                rtiles) defs=""; rt=1 ;;
-                # an earlier build's ds4-bench in $OLD_BIN, its own defaults
-                oldbin) defs=""; bench="$OLD_BIN/ds4-bench" ;;
-            esac
-            DS4_RTILES=$rt DS4_TILES_DEFINES="$defs" timeout 200 $bench --synthetic q2 \
+        for n in ${PREFILL_AB:-new}; do
+            bench=ds4-bench
+            [ "$n" = oldbin ] && bench="$OLD_BIN/ds4-bench"
+            timeout 200 $bench --synthetic q2 \
                 --layers 4 --frontiers 2048 --decode 4 --profile-prefill 2048 \
                 > "$OUT/prefill_$n.$rep.log" 2>&1
             echo "tiles $n (4 layers, run $rep): $(grep -E '^2048,' "$OUT/prefill_$n.$rep.log")"
             grep -E "ds4_mm_r?tiles" "$OUT/prefill_$n.$rep.log" | head -3
-            [[ " ${PREFILL_FULL:-${PREFILL_AB:-new wm16 old}} " == *" $n "* ]] || continue
-            DS4_RTILES=$rt DS4_TILES_DEFINES="$defs" timeout 300 $bench --synthetic q2 \
+            [[ " ${PREFILL_FULL:-${PREFILL_AB:-new}} " == *" $n "* ]] || continue
+            timeout 300 $bench --synthetic q2 \
                 --frontiers 2048 --decode 8 > "$OUT/prefill_full_$n.$rep.log" 2>&1
             echo "tiles $n (full size, run $rep): $(grep -E '^2048,' "$OUT/prefill_full_$n.$rep.log")"
         done
@@ -419,28 +334,6 @@ if ! skip batch; then
     timeout 400 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} \
         --profile ${BATCH_PROFILE:-2} > "$OUT/batch.log" 2>&1
     grep -E "^batch|^profile batch|rror" "$OUT/batch.log"
-    # BATCH_COLS_SPLIT="16 48": the same sweep with DS4_COLS_SPLIT (docs/gpu.md §23) at each
-    # value, without the profile.
-    for cs in ${BATCH_COLS_SPLIT:-}; do
-        DS4_COLS_SPLIT=$cs timeout 400 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 \
-            --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} > "$OUT/batch_split$cs.log" 2>&1
-        echo "DS4_COLS_SPLIT=$cs:"; grep -E "^batch|rror" "$OUT/batch_split$cs.log"
-    done
-    # BATCH_AB=1: the batched step's layouts of 2026-12-06 (docs/gpu.md §24-§28) off, on,
-    # off, on in one binary (the H100 figures in BENCHMARKS.md; same values either way).
-    if [ "${BATCH_AB:-0}" = 1 ]; then
-        off="-DDS4_Q8M_XSPLIT=0 -DDS4_PLAIN_COLS_FINISH1=0 -DDS4_IQ2_XSPLIT=0 -DDS4_Q8M_DYN=0"
-        for v in off on off on; do
-            if [ $v = off ]; then
-                DS4_GROUPED_FLAT=0 DS4_GEMV_DEFINES="$off" timeout 300 ds4-bench --synthetic q2 \
-                    --layers ${BATCH_LAYERS:-43} --frontiers 512 --decode 16 --batch 1,8,16 > "$OUT/batch_ab.log" 2>&1
-            else
-                timeout 300 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 \
-                    --decode 16 --batch 1,8,16 > "$OUT/batch_ab.log" 2>&1
-            fi
-            echo "layouts $v:"; grep -E "^batch|rror" "$OUT/batch_ab.log"
-        done
-    fi
 fi
 if ! skip server; then
     step server
@@ -482,25 +375,23 @@ if ! skip userpath; then
     timeout 120 ds4-bench -m "$f" --frontiers 2048 --decode 64 --snapshot >> "$OUT/userpath.log" 2>&1
     grep "^snapshot @" "$OUT/userpath.log"
     echo "bench: $(grep -E '^2048,' "$OUT/userpath.log" | head -1)"
-    # The CLI's path with its warm-up at load (default), without it, and without the band.
-    for run in 1:1 1:0 0:1; do
-        band=${run%:*} warm=${run#*:}
-        DS4_WARMUP=$warm DS4_SAMPLE_BAND=$band timeout 120 ds4-bench --e2e -m "$f" --backend cuda \
-            --ctx 4096 -n 100 --prompt-words 1500 > "$OUT/userpath_e2e$band$warm.log" 2>&1
-        echo "e2e (band $band, warm-up $warm): $(grep -E 'warm-up' "$OUT/userpath_e2e$band$warm.log" | tail -n 1)"
-        echo "    $(tail -n 1 "$OUT/userpath_e2e$band$warm.log")"
+    # The CLI's path with its warm-up at load (default) and without it.
+    for warm in 1 0; do
+        DS4_WARMUP=$warm timeout 120 ds4-bench --e2e -m "$f" --backend cuda \
+            --ctx 4096 -n 100 --prompt-words 1500 > "$OUT/userpath_e2e$warm.log" 2>&1
+        echo "e2e (warm-up $warm): $(grep -E 'warm-up' "$OUT/userpath_e2e$warm.log" | tail -n 1)"
+        echo "    $(tail -n 1 "$OUT/userpath_e2e$warm.log")"
     done
     # Greedy (the bench's own decode): a synthetic model's flat logits overflow the default
     # sampler's device band every token, so the sampled rate above is not a trained model's.
     timeout 120 ds4-bench --e2e -m "$f" --backend cuda --ctx 4096 -n 100 --prompt-words 1500 --temp 0 \
         > "$OUT/userpath_e2e_greedy.log" 2>&1
     echo "e2e greedy (--temp 0): $(tail -n 1 "$OUT/userpath_e2e_greedy.log")"
-    # band on/off with the default turn snapshot, then band on without it (--snapshot-slots 0);
-    # USER_SERVER_RUNS="1:1" runs the default alone.
-    for run in ${USER_SERVER_RUNS:-1:1 0:1 1:0}; do
-        band=${run%:*} snaps=${run#*:}
-        DS4_SAMPLE_BAND=$band ds4-server -m "$f" --backend cuda --ctx 4096 --port 8094 \
-            --snapshot-slots "$snaps" > "$OUT/userpath_srv$band$snaps.log" 2>&1 &
+    # The default turn snapshot, then none (--snapshot-slots 0); USER_SERVER_RUNS="1" runs
+    # the default alone.
+    for snaps in ${USER_SERVER_RUNS:-1 0}; do
+        ds4-server -m "$f" --backend cuda --ctx 4096 --port 8094 \
+            --snapshot-slots "$snaps" > "$OUT/userpath_srv$snaps.log" 2>&1 &
         sp=$!
         for i in $(seq 1 150); do
             python3 -c "import urllib.request;urllib.request.urlopen('http://127.0.0.1:8094/v1/models',timeout=2)" 2>/dev/null && break
@@ -508,8 +399,8 @@ if ! skip userpath; then
         done
         timeout 200 python3 "$R/tools/server-sdk-tests/gen_speed.py" http://127.0.0.1:8094 4 750 100
         kill $sp; wait $sp 2>/dev/null
-        echo "server (band $band, snapshot slots $snaps):"
-        sed 's/\x1b\[[0-9;]*m//g' "$OUT/userpath_srv$band$snaps.log" | grep 'request done' \
+        echo "server (snapshot slots $snaps):"
+        sed 's/\x1b\[[0-9;]*m//g' "$OUT/userpath_srv$snaps.log" | grep 'request done' \
             | grep -oE 'prompt=[0-9]+|generated=[0-9]+|prefill_ms=[0-9]+|decode_ms=[0-9]+|decode_wait_ms=[0-9]+|snapshot_ms=[0-9]+|total_ms=[0-9]+' | paste -sd' '
     done
     rm -f "$f"
@@ -602,33 +493,6 @@ if ! skip ncubatch; then
         echo "$k: $(($(wc -l < "$OUT/ncubatch_$k.csv") - 2)) launches profiled"
     done
 fi
-if ! skip prefillab; then
-    step prefillab
-    for v in new old new; do
-        if [ $v = old ]; then
-            export DS4_NORM_ROPE_WARPS=0 DS4_HC_POST4=0 DS4_TILES_DEFINES=-DDS4_RT_COPIES=1
-        else
-            unset DS4_NORM_ROPE_WARPS DS4_HC_POST4 DS4_TILES_DEFINES
-        fi
-        timeout 300 ds4-bench --synthetic q2 --layers ${PREFILL_LAYERS:-43} --frontiers 2048,32768 \
-            --decode 8 > "$OUT/prefillab_$v.log" 2>&1
-        echo "$v: $(grep -E '^(2048|32768),' "$OUT/prefillab_$v.log" | tail -n 2 | paste -sd' ')"
-    done
-    ds4-convert synthetic --quiet --layout q2 --layers 4 \
-        --vocab-gguf "$R/tests/fixtures/vocab/deepseek-v4-vocab.gguf" "$work/syn4p.gguf" >/dev/null
-    p="$(head -c 5000 "$R/README.md")"
-    for v in new old; do
-        if [ $v = old ]; then
-            export DS4_NORM_ROPE_WARPS=0 DS4_HC_POST4=0 DS4_TILES_DEFINES=-DDS4_RT_COPIES=1
-        fi
-        ds4 logits -m "$work/syn4p.gguf" --backend cuda --prompt "$p" --out "$work/pab_$v.npy" \
-            > /dev/null 2>> "$OUT/prefillab.log"
-    done
-    unset DS4_NORM_ROPE_WARPS DS4_HC_POST4 DS4_TILES_DEFINES
-    cmp -s "$work/pab_new.npy" "$work/pab_old.npy" && echo "PREFILL LOGITS BIT-IDENTICAL" \
-        || echo "PREFILL LOGITS DIFFER (FAIL)"
-    rm -f "$work/syn4p.gguf"
-fi
 if ! skip numeric; then
     step numeric; models
     ds4-convert synthetic --quiet --layout q2 --layers 4 \
@@ -643,14 +507,6 @@ if ! skip numeric; then
             DS4_PREFILL_TILES=$t ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-$t.npy" > /dev/null 2>> "$OUT/numeric.log"
             python3 "$R/tools/logits/compare_logits.py" "$work/$m-$t.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
         done
-        # The f32 attention kernels against the default's tensor-core ones, and the dense
-        # matrices through the f16 GEMM (docs/gpu.md §14, §16).
-        DS4_PREFILL_ATTN=warp DS4_PREFILL_INDEXER=warp ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-warp.npy" > /dev/null 2>> "$OUT/numeric.log"
-        echo "experts + DS4_PREFILL_ATTN=warp:" | tee -a "$OUT/numeric.log"
-        python3 "$R/tools/logits/compare_logits.py" "$work/$m-warp.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
-        DS4_DENSE_GEMM=f16 ds4 logits -m "$f" --backend cuda "${in[@]}" --out "$work/$m-f16.npy" > /dev/null 2>> "$OUT/numeric.log"
-        echo "experts + DS4_DENSE_GEMM=f16:" | tee -a "$OUT/numeric.log"
-        python3 "$R/tools/logits/compare_logits.py" "$work/$m-f16.npy" "$work/$m-quality.npy" | tee -a "$OUT/numeric.log"
     done
 fi
 

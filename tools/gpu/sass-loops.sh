@@ -2,8 +2,9 @@
 # Static instruction counts of a kernel's loops on a machine without a GPU (by default the
 # prefill tile kernels'): compile the kernels with NVRTC for ARCH (default sm_90) through the engine's own
 # compile function, disassemble it with cuobjdump (both from PyPI wheels), and print each
-# tensor-core loop's instruction mix (tools/gpu/sass-loops.py), once with the defaults and
-# once with the -D options given (e.g. -DDS4_TILES_HALF_DECODE=0), for before/after reading.
+# tensor-core loop's instruction mix (tools/gpu/sass-loops.py), once as the sources are and
+# once with the -D options given (build flags such as -DDS4_EMU_ONE_TABLE; the tunables are
+# constants, so to read a variant edit the constant in a scratch copy), for before/after reading.
 #
 # Usage: tools/gpu/sass-loops.sh [ARCH] [-DNAME=VALUE ...]
 # Env:   NVRTC_VENV (reuse this venv; default: a fresh one in a temp dir), FUNC (default

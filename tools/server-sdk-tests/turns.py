@@ -1,8 +1,8 @@
 """Time to first token of chat follow-up turns (stdlib only): one conversation with a long
 system prompt, then follow-up user messages of a few words, each sent with the whole history
 as a client does. The server reuses the previous turn's state, so each turn prefills only the
-new suffix (usually 5-20 tokens): what a short prompt chunk costs (docs/forward.md §13;
-compare `DS4_SHORT_PREFILL_ROWS=0` with the default on one server binary).
+new suffix (usually 5-20 tokens): what a short prompt chunk costs (docs/forward.md §13; to
+compare with the rule off, build a server with `Engine::set_short_prefill_rows(0)`).
 
 usage: turns.py URL [SYSTEM_WORDS=300]
 """

@@ -37,11 +37,9 @@ pub struct OpRule {
     pub act_q8: bool,
     /// Which multi-token matmuls the GPU ran on half-precision tiles.
     pub tiles: ds4_gpu::backend::PrefillTiles,
-    /// Attention on half operands (`ds4_attention_mma[_split]`, `DS4_PREFILL_ATTN=mma`,
-    /// `DS4_DECODE_ATTN=mma`).
+    /// Prefill attention on half operands (`ds4_attention_mma`,
+    /// `Knobs::tensor_core_attention`).
     pub attn_half: bool,
-    /// Dense multi-token matmuls through cuBLAS's f16 GEMM (`DS4_DENSE_GEMM=f16`).
-    pub dense_half: bool,
 }
 
 impl OpRule {
@@ -55,8 +53,8 @@ impl OpRule {
     /// themselves (the down projection's input: SwiGLU, times the route weight in `moe`):
     /// the two sides differ there by f32 rounding, so a value on a rounding boundary may
     /// take the next int8 code on one side, which moves that output by one code step of
-    /// its block (observed 3e-4 to 6e-4 of the output scale in `moe`, 2.4e-4 in the shared
-    /// expert's `swiglu_matmul` on an H100, 2026-12-06, with a seed that hit a boundary).
+    /// its block (observed a few 1e-4 of the output scale in `moe` and the shared expert's
+    /// `swiglu_matmul` with a seed that hit a boundary; BENCHMARKS.md, 2026-12-06).
     /// Every other matmul quantizes identical inputs.
     pub const TOL_Q8_REQUANT: f64 = 2e-3;
     /// Matmuls on half-precision tiles: rounding both operands to 11 significant bits moves
@@ -89,8 +87,7 @@ impl OpRule {
             PrefillTiles::Experts => op == "moe",
             PrefillTiles::All => dense || op == "moe",
         };
-        let dense_half = self.dense_half && (dense || op == "moe");
-        if tiled || dense_half || (self.attn_half && op == "attention") {
+        if tiled || (self.attn_half && op == "attention") {
             tol = tol.max(Self::TOL_TILES);
         }
         tol

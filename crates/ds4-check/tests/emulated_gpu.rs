@@ -12,7 +12,7 @@ use common::{machine, model_file_from, model_file_with};
 use ds4_check::mirror::{Mirror, OpRule, OpStat};
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Backend, Engine, EngineConfig, Logits, NumericMode};
-use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, PrefillTiles};
+use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, Knobs, PrefillTiles};
 use ds4_gpu::emu::EmuKernels;
 use ds4_gpu::hip::device::HipSettings;
 use ds4_gpu::hip::fake::{FakeHip, Faults};
@@ -33,33 +33,38 @@ fn kernels(mma: bool) -> Arc<EmuKernels> {
     .clone()
 }
 
-/// The kernels built with the IQ2_XXS tables of the tile decode in shared memory
-/// (`-DDS4_TILES_SMEM_TABLES=1`, docs/gpu.md §4).
-fn kernels_smem_tables() -> Arc<EmuKernels> {
-    static K: OnceLock<Arc<EmuKernels>> = OnceLock::new();
-    K.get_or_init(|| {
-        Arc::new(
-            EmuKernels::build_with(&["-DDS4_TILES_SMEM_TABLES=1"])
-                .expect("building the kernel emulation"),
-        )
-    })
-    .clone()
-}
-
-/// The HIP backend over a fake runtime that runs the emulated kernels.
+/// The HIP backend over a fake runtime that runs the emulated kernels: the f32 kernels
+/// (`--quality`'s) but for `tiles`, which the tests choose; int8 activations are set by
+/// each test.
 fn emulated_backend(
     m: &ds4_placement::MachineFacts,
     dir: &std::path::Path,
     mma: bool,
     tiles: PrefillTiles,
 ) -> (Arc<FakeHip>, HipBackend) {
+    let knobs = Knobs {
+        prefill_tiles: tiles,
+        ..Knobs::quality()
+    };
+    emulated_backend_with(m, dir, mma, knobs)
+}
+
+/// [`emulated_backend`] with these knobs.
+fn emulated_backend_with(
+    m: &ds4_placement::MachineFacts,
+    dir: &std::path::Path,
+    mma: bool,
+    knobs: Knobs,
+) -> (Arc<FakeHip>, HipBackend) {
     let fake = FakeHip::for_machine(m, Faults::default());
     fake.set_kernels(kernels(mma));
     let opts = GpuOptions {
         cache: KernelCache::at(dir.join("kernels")),
-        cublas: None,
         pread_load: true,
-        prefill_tiles: tiles,
+        knobs: Knobs {
+            cublas: None,
+            ..knobs
+        },
         ..GpuOptions::default()
     };
     let be = GpuBackend::with_device(fake.device(m, HipSettings::default()), opts, None).unwrap();
@@ -150,7 +155,6 @@ fn check(r: Run) {
         act_q8: r.act_q8,
         tiles: r.tiles,
         attn_half: false,
-        dense_half: false,
     };
     let bad: Vec<String> = stats
         .iter()
@@ -528,11 +532,7 @@ fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
     }
     let xb: Vec<u8> = xh.iter().flat_map(|h| h.to_le_bytes()).collect();
     let xbuf = aligned(&xb);
-    for (k, mma) in [
-        (kernels(true), "mma"),
-        (kernels(false), "fma"),
-        (kernels_smem_tables(), "mma, tables in shared memory"),
-    ] {
+    for (k, mma) in [(kernels(true), "mma"), (kernels(false), "fma")] {
         for (ty, scales) in [
             (GgmlType::Iq2Xxs, &[0usize][..]),
             (GgmlType::Q2K, &[80, 82][..]),
@@ -597,65 +597,6 @@ fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
             }
         }
     }
-}
-
-/// `ds4_dequant_q8_rows_h` (the f16 panel of the dense f16 GEMM, docs/gpu.md §16) directly:
-/// every value of random split-layout Q8_0 rows equals the CPU dequantizer's value rounded
-/// once to half, bit for bit, including the partial last column block of the grid; rows
-/// outside the launch stay untouched.
-#[test]
-fn emulated_q8_half_panel_equals_the_dequantizer() {
-    use ds4_gguf::quant::{dequantize, f16, quantize_matrix};
-    use ds4_gguf::types::GgmlType;
-    use std::ffi::c_void;
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut rnd = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed >> 40) as f32 / (1u64 << 24) as f32 * 6.0 - 3.0
-    };
-    let k = kernels(true);
-    // 4352 values: one full 4096-value block of the grid's y dimension and a partial one.
-    let (n_rows, cols, row0, n) = (7usize, 4352usize, 2usize, 4usize);
-    let src: Vec<f32> = (0..n_rows * cols).map(|_| rnd()).collect();
-    let mut wq = quantize_matrix(GgmlType::Q8_0, &src, cols, None).unwrap();
-    let row_bytes = wq.len() / n_rows;
-    assert_eq!(row_bytes % 16, 0);
-    let mut wf = vec![0f32; n_rows * cols];
-    dequantize(GgmlType::Q8_0, &wq, &mut wf).unwrap();
-    ds4_gpu::kernels::q8_0_split_rows(&mut wq, cols).unwrap();
-    let wbuf = aligned(&wq);
-    let sentinel = 0x7e00u16; // a NaN: an unwritten value fails
-    let mut out = vec![sentinel; (n + 1) * cols];
-    let (mut w, mut rb, mut r0, mut nc, mut o) = (
-        wbuf.as_ptr() as u64,
-        row_bytes as u64,
-        row0 as u64,
-        cols as i32,
-        out.as_mut_ptr() as u64,
-    );
-    let mut params: Vec<*mut c_void> = vec![
-        (&mut w as *mut u64).cast(),
-        (&mut rb as *mut u64).cast(),
-        (&mut r0 as *mut u64).cast(),
-        (&mut nc as *mut i32).cast(),
-        (&mut o as *mut u64).cast(),
-    ];
-    let grid = (n as u32, cols.div_ceil(16 * 256) as u32, 1);
-    // SAFETY: w holds n_rows rows of row_bytes (row0 + n <= n_rows), out n + 1 rows of cols
-    // halves; the parameters are ds4_dequant_q8_rows_h's in order.
-    unsafe { k.launch("ds4_dequant_q8_rows_h", grid, 256, &mut params) }.unwrap();
-    for r in 0..n {
-        for c in 0..cols {
-            let want = f16::f32_to_f16(wf[(row0 + r) * cols + c]);
-            assert_eq!(out[r * cols + c], want, "row {r} col {c}");
-        }
-    }
-    assert!(
-        out[n * cols..].iter().all(|&h| h == sentinel),
-        "wrote past its rows"
-    );
 }
 
 /// The sampling band kernel writes exactly the words of its definition
@@ -883,44 +824,32 @@ fn emulated_batched_decode_equals_decoding_alone() {
 
 /// Matmuls of one input at decode rows quantize it once (`Backend::matmul_set`, the
 /// shared expert's pair; docs/gpu.md §29): a batched step launches fewer input
-/// quantizations with it on, and every batched row is still bit for bit the row decoded
-/// alone, on and off.
+/// quantizations than several-column Q8_0 GEMVs (outside a set each launch quantizes its
+/// own input), and every batched row is still bit for bit the row decoded alone.
 #[test]
 fn emulated_input_quantized_once_per_matmul_set() {
     let dir = tempfile::tempdir().unwrap();
     let file = model_file_with(dir.path(), TypeRecipe::Q2);
     let m = machine("strix-halo-stock");
-    let run = |once: bool| {
-        let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
-        gpu.set_activation_q8(true).unwrap();
-        gpu.set_q8_input_once(once);
-        let mut rng = ds4_engine::Rng::new(5);
-        let r = ds4_check::batch::batch_vs_alone(
-            &file,
-            NumericMode::Exact,
-            Box::new(gpu),
-            6,
-            4,
-            &mut rng,
-        )
-        .unwrap();
-        assert!(
-            fake.kernel_errors().is_empty(),
-            "{:?}",
-            fake.kernel_errors()
-        );
-        assert!(r.exact && r.greedy == 0, "once {once}: {r:?}");
-        fake.launches()
-            .iter()
-            .filter(|l| l.0.contains("quantize_q8_rows"))
-            .count()
-    };
-    let (on, off) = (run(true), run(false));
-    assert!(on > 0, "no several-column launch ran");
+    let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+    gpu.set_activation_q8(true).unwrap();
+    let mut rng = ds4_engine::Rng::new(5);
+    let r =
+        ds4_check::batch::batch_vs_alone(&file, NumericMode::Exact, Box::new(gpu), 6, 4, &mut rng)
+            .unwrap();
+    assert!(
+        fake.kernel_errors().is_empty(),
+        "{:?}",
+        fake.kernel_errors()
+    );
+    assert!(r.exact && r.greedy == 0, "{r:?}");
+    let ran = |k: &str| fake.launches().iter().filter(|l| l.0 == k).count();
+    let (quantized, cols) = (ran("ds4_quantize_q8_rows"), ran("ds4_gemv_cols_q_q8_0"));
+    assert!(cols > 0, "no several-column launch ran");
     // Per layer at least the KV projection and the shared expert's up reuse their input.
     assert!(
-        on < off,
-        "quantizations with the input kept {on}, without {off}"
+        quantized < cols,
+        "{quantized} input quantizations for {cols} several-column launches"
     );
 }
 
@@ -1010,7 +939,7 @@ fn emulated_fused_launches_equal_the_separate_ones() {
         let run = |fuse: bool| {
             let m = machine("strix-halo-stock");
             let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
-            gpu.set_decode_fusions(ds4_gpu::backend::DecodeFusions::all(fuse));
+            gpu.set_fused_launches(fuse);
             gpu.set_activation_q8(true).unwrap();
             let cfg = EngineConfig {
                 mode: Some(NumericMode::Official),
@@ -1281,9 +1210,10 @@ fn emulated_batched_sequence_ops_equal_decoding_alone() {
     assert!(r.exact && r.greedy == 0, "batched vs alone {r:?}");
 }
 
-/// `ds4_attention_mma` (docs/gpu.md §14), the tensor-core prefill attention, against the
-/// CPU backend's f32 attention at the real head shape (64 heads of 512), with the kernels'
-/// tensor-core path and their plain path (HIP's): a sliding-only layer, an HCA layer (all
+/// `ds4_attention_mma` (docs/gpu.md §14), the tensor-core prefill attention (the fast
+/// default's, [`Knobs::tensor_core_attention`]), against the CPU backend's f32 attention at
+/// the real head shape (64 heads of 512), with the kernels' tensor-core path and their
+/// plain path (HIP's): a sliding-only layer, an HCA layer (all
 /// visible compressed rows) and a CSA layer (a top-k selection padded with −1), on a chunk
 /// that starts after the window filled (ring rows of earlier positions), two or three key
 /// tiles of 32 per token, and selections padded with −1. Its operands are halves (the
@@ -1376,84 +1306,14 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
         be.download(out.slice(0, o.len()), &mut o).unwrap();
         o
     };
-    // A batched decode step: sequence i has q / kv / out row i, its own ring (rotated
-    // copies), selection row i and position.
-    let pos = [76usize, 70, 79];
-    let run_batch = |be: &mut dyn Backend, mode: usize| -> Vec<f32> {
-        let n = pos.len();
-        let up = |be: &mut dyn Backend, v: &[f32]| {
-            let b = be.alloc(v.len()).unwrap();
-            be.upload(b.slice(0, v.len()), v).unwrap();
-            b.slice(0, v.len())
-        };
-        let (qs, kvs, cs) = (
-            up(be, &q[..n * nh * hd]),
-            up(be, &kv[..n * hd]),
-            up(be, &crows),
-        );
-        let sw = be
-            .load_weight(&sink_file, "sinks", ds4_engine::backend::WeightUse::Vector)
-            .unwrap();
-        let out = be.alloc(n * nh * hd).unwrap();
-        let mut args = Vec::new();
-        for (i, &p0) in pos.iter().enumerate() {
-            let mut r = ring.clone();
-            r.rotate_left(i * 7 * hd);
-            let rs = up(be, &r);
-            let idx = be.alloc_i32(k_sel).unwrap();
-            be.upload_i32(idx, 0, &sel[i * k_sel..(i + 1) * k_sel])
-                .unwrap();
-            let comp = match mode {
-                0 => CompSel::None,
-                1 => CompSel::All { rows: cs, ratio },
-                _ => CompSel::Top {
-                    rows: cs,
-                    ratio,
-                    idx,
-                    k: k_sel,
-                },
-            };
-            args.push(AttnArgs {
-                q: qs.sub(i * nh * hd, nh * hd),
-                kv: kvs.sub(i * hd, hd),
-                ring: rs,
-                comp,
-                sinks: sw,
-                pos0: p0,
-                n_tok: 1,
-                n_head: nh,
-                head_dim: hd,
-                window,
-                scale: 1.0 / (hd as f32).sqrt(),
-                out: out.slice(i * nh * hd, nh * hd),
-            });
-        }
-        be.attention_batch(&args).unwrap();
-        let mut o = vec![0.0f32; n * nh * hd];
-        be.download(out.slice(0, o.len()), &mut o).unwrap();
-        o
-    };
     let m = machine("strix-halo-stock");
     for mma in [true, false] {
         let dir = tempfile::tempdir().unwrap();
-        let (fake, mut gpu) = emulated_backend(&m, dir.path(), mma, PrefillTiles::Off);
-        gpu.set_prefill_attention_mma(true);
-
-        gpu.set_decode_attention_mma(true);
+        let (fake, mut gpu) = emulated_backend_with(&m, dir.path(), mma, Knobs::fast());
         let mut cpu = CpuBackend::new(2).unwrap();
-        // A prefill chunk (ds4_attention_mma), then 4 decode-sized rows at 76..79
-        // (ds4_attention_mma_split: up to 68 keys, so two splits and the combine).
-        // ... and a batched step of 3 sequences (ds4_attention_mma_split_seqs; n = 0).
-        let calls = (0..3)
-            .map(|m| (m, pos0, t))
-            .chain((0..3).map(|m| (m, 76, 4)))
-            .chain((0..3).map(|m| (m, 0, 0)));
-        for (mode, pos0, n) in calls {
-            let (want, got) = if n == 0 {
-                (run_batch(&mut cpu, mode), run_batch(&mut gpu, mode))
-            } else {
-                (run(&mut cpu, mode, pos0, n), run(&mut gpu, mode, pos0, n))
-            };
+        // A prefill chunk (ds4_attention_mma) in each compressed-row mode.
+        for mode in 0..3 {
+            let (want, got) = (run(&mut cpu, mode, pos0, t), run(&mut gpu, mode, pos0, t));
             let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
             let worst = got
                 .iter()
@@ -1466,9 +1326,7 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
                     }
                 })
                 .fold(0.0f32, f32::max);
-            eprintln!(
-                "mma={mma} mode {mode} ({n} tokens; 0: the batched step): max |Δ| {worst:.3e}, outputs up to {scale:.3e}"
-            );
+            eprintln!("mma={mma} mode {mode}: max |Δ| {worst:.3e}, outputs up to {scale:.3e}");
             assert!(scale > 0.05, "mode {mode}: the reference is all but zero");
             assert!(
                 worst <= 2e-3 * scale,
@@ -1477,22 +1335,6 @@ fn emulated_tensor_core_attention_matches_the_cpu() {
         }
         let ran = |k: &str| fake.launches().iter().filter(|l| l.0 == k).count();
         assert_eq!(ran("ds4_attention_mma"), 3, "mma={mma}: every prefill call");
-        assert_eq!(
-            ran("ds4_attention_mma_split"),
-            3,
-            "mma={mma}: every decode call"
-        );
-        assert_eq!(
-            ran("ds4_attention_mma_split_seqs"),
-            3,
-            "mma={mma}: every batched step"
-        );
-        assert!(
-            fake.launches()
-                .iter()
-                .any(|l| l.0 == "ds4_attention_mma_split" && l.1 .1 == 2),
-            "mma={mma}: a decode call split its keys"
-        );
         assert!(
             fake.kernel_errors().is_empty(),
             "{:?}",
@@ -1555,8 +1397,7 @@ fn emulated_tensor_core_indexer_matches_the_cpu() {
     let m = machine("strix-halo-stock");
     for mma in [true, false] {
         let dir = tempfile::tempdir().unwrap();
-        let (fake, mut gpu) = emulated_backend(&m, dir.path(), mma, PrefillTiles::Off);
-        gpu.set_prefill_indexer_mma(true);
+        let (fake, mut gpu) = emulated_backend_with(&m, dir.path(), mma, Knobs::fast());
         let mut cpu = CpuBackend::new(2).unwrap();
         let want = run(&mut cpu, &exact, 0.125);
         assert!(

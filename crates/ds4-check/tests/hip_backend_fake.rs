@@ -9,7 +9,7 @@ use common::{machine, model_file, model_file_with};
 use std::sync::Arc;
 
 use ds4_engine::{Backend, Engine, EngineConfig};
-use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend};
+use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, Knobs};
 use ds4_gpu::hip::device::HipSettings;
 use ds4_gpu::hip::fake::{FakeHip, Faults};
 use ds4_gpu::KernelCache;
@@ -19,7 +19,10 @@ fn backend(fake: &Arc<FakeHip>, m: &MachineFacts, dir: &std::path::Path) -> HipB
     let dev = fake.device(m, HipSettings::default());
     let opts = GpuOptions {
         cache: KernelCache::at(dir.join("kernels")),
-        cublas: None,
+        knobs: Knobs {
+            cublas: None,
+            ..Knobs::quality()
+        },
         pread_load: true,
         ..GpuOptions::default()
     };
@@ -105,7 +108,10 @@ fn forced_device_memory_loads_through_hipmalloc() {
     let dev = fake.device(&m, settings);
     let opts = GpuOptions {
         cache: KernelCache::disabled(),
-        cublas: None,
+        knobs: Knobs {
+            cublas: None,
+            ..Knobs::quality()
+        },
         pread_load: true,
         ..GpuOptions::default()
     };

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ds4_engine::backend::WeightUse;
 use ds4_engine::{Backend, Engine, EngineConfig};
 use ds4_gguf::{GgmlType, GgufFile};
-use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, LoadConfig, WeightSource};
+use ds4_gpu::backend::{GpuBackend, GpuOptions, HipBackend, Knobs, LoadConfig, WeightSource};
 use ds4_gpu::hip::device::HipSettings;
 use ds4_gpu::hip::fake::{FakeHip, Faults};
 use ds4_gpu::KernelCache;
@@ -31,7 +31,10 @@ fn backend(
     let dev = fake.device(m, settings);
     let opts = GpuOptions {
         cache: KernelCache::disabled(),
-        cublas: None,
+        knobs: Knobs {
+            cublas: None,
+            ..Knobs::quality()
+        },
         pread_load: true,
         source,
         ..GpuOptions::default()

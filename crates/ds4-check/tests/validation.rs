@@ -13,7 +13,7 @@ use common::{machine, model_file};
 use ds4_cpu::CpuBackend;
 use ds4_engine::backend::{BResult, Backend, BackendError, RouterArgs, Routing, Weight, WeightUse};
 use ds4_gguf::GgufFile;
-use ds4_gpu::backend::{GpuBackend, GpuOptions};
+use ds4_gpu::backend::{GpuBackend, GpuOptions, Knobs};
 use ds4_gpu::hip::device::HipSettings;
 use ds4_gpu::hip::fake::{FakeHip, Faults};
 use ds4_gpu::KernelCache;
@@ -110,7 +110,10 @@ fn both_backends_refuse_the_same_bad_calls_with_the_same_errors() {
     let fake = FakeHip::for_machine(&m, Faults::default());
     let opts = GpuOptions {
         cache: KernelCache::at(dir.path().join("kernels")),
-        cublas: None,
+        knobs: Knobs {
+            cublas: None,
+            ..Knobs::quality()
+        },
         pread_load: true,
         ..GpuOptions::default()
     };

@@ -14,6 +14,103 @@ fn ds4(args: &[&str]) -> Output {
     c.output().unwrap()
 }
 
+/// `ds4 --print-config ARGS` with only the variables in `env` of those the settings read.
+fn print_config(args: &[&str], env: &[(&str, &str)]) -> Output {
+    use ds4_runtime::config::*;
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ds4"));
+    c.arg("--print-config").args(args).current_dir(root());
+    let settings = [
+        QUALITY_ENV,
+        WARMUP_ENV,
+        PREFILL_TILES_ENV,
+        EXPERT_READAHEAD_ENV,
+        PROFILE_ENV,
+        LOAD_THREADS_ENV,
+        LOAD_STAGING_ENV,
+    ];
+    for v in settings
+        .into_iter()
+        .chain(ds4_placement::OVERRIDE_TABLE.iter().map(|d| d.env))
+    {
+        c.env_remove(v);
+    }
+    c.envs(env.iter().copied());
+    c.output().unwrap()
+}
+
+/// The printed row of setting `name` (`name  value  (source)`).
+fn config_row(out: &str, name: &str) -> String {
+    out.lines()
+        .find(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with("  "))
+        })
+        .unwrap_or_else(|| panic!("no row {name:?} in\n{out}"))
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `ds4 --print-config` says what each setting is and where it came from: the default, a
+/// variable, or a flag over the variable; an unreadable variable is refused by name.
+#[test]
+fn print_config_names_each_settings_source() {
+    let o = print_config(&[], &[]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let s = stdout(&o);
+    assert_eq!(config_row(&s, "precision"), "precision fast (default)");
+    assert_eq!(
+        config_row(&s, "prefill tiles"),
+        "prefill tiles experts (default)"
+    );
+    assert_eq!(
+        config_row(&s, "weights memory"),
+        "weights memory auto (default)"
+    );
+
+    let o = print_config(
+        &[],
+        &[
+            ("DS4_QUALITY", "1"),
+            ("DS4_WEIGHTS_MEM", "host"),
+            ("DS4_WARMUP", "off"),
+        ],
+    );
+    let s = stdout(&o);
+    assert_eq!(
+        config_row(&s, "precision"),
+        "precision quality (DS4_QUALITY=1)"
+    );
+    assert_eq!(
+        config_row(&s, "prefill tiles"),
+        "prefill tiles off (DS4_QUALITY=1)"
+    );
+    assert_eq!(
+        config_row(&s, "  tensor-core attention"),
+        "tensor-core attention off (DS4_QUALITY=1)"
+    );
+    assert_eq!(
+        config_row(&s, "weights memory"),
+        "weights memory host (DS4_WEIGHTS_MEM=host)"
+    );
+    assert_eq!(config_row(&s, "warm-up"), "warm-up off (DS4_WARMUP=off)");
+
+    let o = print_config(&["--quality", "--no-warmup"], &[("DS4_QUALITY", "0")]);
+    let s = stdout(&o);
+    assert_eq!(config_row(&s, "precision"), "precision quality (--quality)");
+    assert_eq!(config_row(&s, "warm-up"), "warm-up off (--no-warmup)");
+
+    let o = print_config(&[], &[("DS4_WARMUP", "maybe")]);
+    assert_ne!(o.status.code(), Some(0));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("DS4_WARMUP"), "{e}");
+}
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }

@@ -113,7 +113,11 @@ fn main() {
             bench(&name, &file, mode, 512, 64);
         }
     }
-    if std::env::var("DS4_BENCH_REAL").is_ok_and(|v| v != "0") {
+    // On/off as every ds4 switch reads it (ds4_placement::parse_switch).
+    let real = std::env::var("DS4_BENCH_REAL").is_ok_and(|v| {
+        ds4_placement::parse_switch("DS4_BENCH_REAL", &v).unwrap_or_else(|e| panic!("{e}"))
+    });
+    if real {
         let path = real_width_model(tmp.path());
         let file = Arc::new(GgufFile::open(&path).expect("open"));
         bench(

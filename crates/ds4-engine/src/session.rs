@@ -90,14 +90,6 @@ impl Session {
         e.eval(s, &[token], Logits::Last, None)
     }
 
-    /// [`Session::decode`] into a reused buffer (cleared first): no per-token allocation.
-    /// Feeds `token` and returns the greedy next token, computed on the backend (only one
-    /// integer is copied back, not the logits row).
-    pub fn decode_argmax(&mut self, token: u32) -> Result<u32> {
-        let (e, s) = self.st();
-        e.eval_argmax(s, &[token])
-    }
-
     /// Feeds `token` and returns the sampling band of the next logits
     /// ([`Engine::eval_band`]); when the band is short for the draw,
     /// [`Session::last_logits_into`] fetches the row.
@@ -111,11 +103,12 @@ impl Session {
         e.eval_band(s, &[token], span, exclude)
     }
 
-    /// The logits row of the last [`Session::decode_band`] or [`Session::decode_argmax`].
+    /// The logits row of the last [`Session::decode_band`].
     pub fn last_logits_into(&mut self, logits: &mut Vec<f32>) -> Result<()> {
         self.engine.last_logits_into(logits)
     }
 
+    /// [`Session::decode`] into a reused buffer (cleared first): no per-token allocation.
     pub fn decode_into(&mut self, token: u32, logits: &mut Vec<f32>) -> Result<()> {
         let (e, s) = self.st();
         e.eval_into(s, &[token], Logits::Last, None, logits)

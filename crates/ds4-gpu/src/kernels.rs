@@ -258,9 +258,9 @@ impl GemvType {
         }
     }
 
-    /// The configuration the GEMV module compiles by default (per-format `DS4_ROWS_*`,
+    /// The configuration the GEMV module compiles (its per-format `DS4_ROWS_*` constants and
     /// `DS4_GEMV_PLAIN_ROWS` = 2); the CUDA loader reads the real one from the module
-    /// (`ds4_gemv_config_<t>`), so -D variants stay consistent.
+    /// (`ds4_gemv_config_<t>`).
     pub fn default_config(self) -> GemvConfig {
         let (rows, chunk_blocks) = match self {
             GemvType::F32 | GemvType::F16 => (2, 32),
@@ -477,37 +477,25 @@ mod tests {
             let name = format!("DS4_GEMV_ENTRY({},", t.suffix());
             assert!(gemv_text.contains(&name), "missing {name}");
         }
-        // The default configuration in Rust must equal ds4_gemv.h's: rows from the
-        // DS4_ROWS_* defaults, chunk blocks from cb(rows).
+        // The default configuration in Rust must equal the kernels': rows from the
+        // DS4_ROWS_<TYPE> constants (the suffix in capitals), chunk blocks from cb(rows).
         let define = |name: &str| -> u32 {
             let key = format!("#define {name} ");
-            // The numeric definition (the other one, under #ifdef, forwards an override).
             gemv_text
                 .lines()
                 .filter_map(|l| l.strip_prefix(&key))
                 .find_map(|v| v.trim().parse().ok())
                 .unwrap_or_else(|| panic!("no numeric #define {name}"))
         };
-        for (t, rows_macro, cb_decl) in [
-            (
-                GemvType::Q2K,
-                "DS4_ROWS_Q2_K",
-                "R == 1 ? 24 : R == 2 ? 12 : 4",
-            ),
-            (
-                GemvType::Q4K,
-                "DS4_ROWS_Q4_K",
-                "R == 1 ? 14 : R == 2 ? 6 : 2",
-            ),
-            (
-                GemvType::Iq2Xxs,
-                "DS4_ROWS_IQ2_XXS",
-                "R == 1 ? 32 : R == 2 ? 16 : 8",
-            ),
+        let rows_of = |t: GemvType| define(&format!("DS4_ROWS_{}", t.suffix().to_uppercase()));
+        for (t, cb_decl) in [
+            (GemvType::Q2K, "R == 1 ? 24 : R == 2 ? 12 : 4"),
+            (GemvType::Q4K, "R == 1 ? 14 : R == 2 ? 6 : 2"),
+            (GemvType::Iq2Xxs, "R == 1 ? 32 : R == 2 ? 16 : 8"),
         ] {
             assert!(gemv_text.contains(cb_decl), "{t:?}: {cb_decl}");
             let c = t.default_config();
-            assert_eq!(c.rows, define(rows_macro), "{t:?}");
+            assert_eq!(c.rows, rows_of(t), "{t:?}");
             let nums: Vec<u32> = cb_decl
                 .split(|ch: char| !ch.is_ascii_digit())
                 .filter_map(|n| n.parse().ok())
@@ -520,15 +508,15 @@ mod tests {
             };
             assert_eq!(c.chunk_blocks, cb, "{t:?}");
         }
-        // Split-layout Q8_0: rows from DS4_ROWS_Q8_0, 16 blocks per lane pass (32 lanes x
-        // 16 codes).
+        // Split-layout Q8_0: its rows constant, 16 blocks per lane pass (32 lanes x 16
+        // codes).
         assert!(gemv_text.contains("DS4_GEMV_CONFIG(q8_0, Ds4Q8S::ROWS, 16)"));
         let c = GemvType::Q8_0.default_config();
-        assert_eq!((c.rows, c.chunk_blocks), (define("DS4_ROWS_Q8_0"), 16));
-        assert_eq!(
-            GemvType::F16.default_config().rows,
-            define("DS4_GEMV_PLAIN_ROWS")
-        );
+        assert_eq!((c.rows, c.chunk_blocks), (rows_of(GemvType::Q8_0), 16));
+        // F16/F32: the plain rows constant.
+        let plain = define("DS4_GEMV_PLAIN_ROWS");
+        assert_eq!(GemvType::F16.default_config().rows, plain);
+        assert_eq!(GemvType::F32.default_config().rows, plain);
     }
 
     #[test]
@@ -636,7 +624,7 @@ mod tests {
     /// itself or go through a GEMV row engine (which waits after its first weight loads).
     #[test]
     fn every_kernel_waits_for_the_previous_one() {
-        // The macro-selected Q8_0 engine (DS4_Q8_ENGINE) is one of the engines below.
+        // `ENGINE<`: the entry-point macros' engine parameter (each instantiated with one below).
         let engines = [
             "ds4_gemv_quant<",
             "ds4_gemv_plain<",

@@ -272,8 +272,11 @@ fn managed_scratch_with_ds4_cuda_managed() {
     };
     let (_f, dev) = setup("strix-halo-stock", faults, s);
     assert_eq!(dev.alloc_scratch(1 << 20).unwrap().kind(), MemKind::Device);
-    // A typo never silently does nothing.
-    let bad = HipSettings::from_env(|k| (k == "DS4_CUDA_MANAGED").then(|| "yes".to_string()));
+    // A typo never silently does nothing (on/off words read as every switch's:
+    // ds4_placement::parse_switch).
+    let yes = HipSettings::from_env(|k| (k == "DS4_CUDA_MANAGED").then(|| "yes".to_string()));
+    assert_eq!(yes.unwrap().scratch, MemChoice::Managed);
+    let bad = HipSettings::from_env(|k| (k == "DS4_CUDA_MANAGED").then(|| "2".to_string()));
     assert!(bad.is_err());
 }
 

@@ -95,6 +95,7 @@ pub mod probe;
 pub mod refusal;
 mod report;
 pub mod request;
+pub mod switch;
 
 pub use device::{DeviceCaps, DeviceFacts, DeviceKind, DeviceProbe, FixedDevice};
 pub use executor::{execute, Actual, AllocError, Allocated, Allocator, LoadFailure};
@@ -112,6 +113,7 @@ pub use request::{
     override_table_markdown, resolve_overrides, CliOverrides, ExpertsChoice, MemChoice,
     OptionalCache, Overrides, Request, RoutedExperts, Setting, Source, OVERRIDE_TABLE,
 };
+pub use switch::{parse_switch, resolve_switch, SWITCH_WORDS};
 
 /// A described machine, as `ds4 plan --machine FILE.json` reads it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -127,6 +127,7 @@ impl fmt::Display for Source {
         match self {
             Source::Default => f.write_str("default"),
             Source::Env { var, value } => write!(f, "{var}={value}"),
+            Source::Cli { flag, value } if value.is_empty() => f.write_str(flag),
             Source::Cli { flag, value } => write!(f, "{flag} {value}"),
         }
     }
@@ -310,18 +311,6 @@ fn parse_choice(name: &str, value: &str) -> Result<MemChoice, OverrideError> {
     })
 }
 
-fn parse_flag01(name: &str, value: &str) -> Result<bool, OverrideError> {
-    match value {
-        "0" => Ok(false),
-        "1" => Ok(true),
-        _ => Err(OverrideError::BadValue {
-            name: name.to_string(),
-            value: value.to_string(),
-            expected: "0 or 1",
-        }),
-    }
-}
-
 fn parse_gib(name: &str, value: &str) -> Result<u64, OverrideError> {
     value
         .trim()
@@ -366,7 +355,8 @@ fn resolve_choice(
     };
     let from_alias = match alias {
         Some((name, kind)) => match env(name) {
-            Some(v) => parse_flag01(name, &v)?.then(|| Setting::new(kind, env_src(name, &v))),
+            Some(v) => crate::switch::parse_switch(name, &v)?
+                .then(|| Setting::new(kind, env_src(name, &v))),
             None => None,
         },
         None => None,
@@ -650,10 +640,17 @@ mod tests {
         .unwrap();
         assert_eq!(m.scratch.value, MemChoice::Managed);
         assert_eq!(m.kv.value, MemChoice::Auto);
+        // The aliases read on/off like every switch (ds4_placement::parse_switch).
+        let m = resolve_overrides(
+            &CliOverrides::default(),
+            envmap(&[("DS4_CUDA_MANAGED", "yes")]),
+        )
+        .unwrap();
+        assert_eq!(m.scratch.value, MemChoice::Managed);
         assert!(matches!(
             resolve_overrides(
                 &CliOverrides::default(),
-                envmap(&[("DS4_CUDA_MANAGED", "yes")])
+                envmap(&[("DS4_CUDA_MANAGED", "2")])
             ),
             Err(OverrideError::BadValue { .. })
         ));

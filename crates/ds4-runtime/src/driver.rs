@@ -431,15 +431,12 @@ impl Conversation {
         // values equal to it; min-p: those within T·ln(1/min_p)): the backend finds it and
         // a few hundred bytes cross back (the EOS mask applied there); a band short for the
         // draw brings the row after all (docs/server.md §6). Not when the logits must be
-        // kept (feed_all). DS4_SAMPLE_BAND=0 reads the row every token (for A/B timing),
-        // or asks the backend for the argmax alone when decoding greedily.
-        let band_on = crate::load::switch_on(std::env::var("DS4_SAMPLE_BAND").ok().as_deref());
-        let band_span = if feed_all || !band_on {
+        // kept (feed_all).
+        let band_span = if feed_all {
             None
         } else {
             sampler.config().band_span()
         };
-        let device_argmax = !band_on && sampler.is_greedy() && !ignore_eos && !feed_all;
         let mask = ignore_eos.then_some(limits.eos);
         // What the last step left: the row in `logits`, or the argmax / band with the row
         // in the backend's scratch (fetched by the pick only when needed).
@@ -471,9 +468,7 @@ impl Conversation {
                     break GenStop::Interrupted;
                 }
             }
-            left = if device_argmax {
-                Left::Picked(self.session.decode_argmax(tok)?)
-            } else if let Some(span) = band_span {
+            left = if let Some(span) = band_span {
                 Left::Band(self.session.decode_band(tok, span, mask)?)
             } else {
                 self.session.decode_into(tok, &mut logits)?;
@@ -560,14 +555,13 @@ impl GenState {
         }
         let mask = ignore_eos.then_some(eos);
         let step = self.out.len();
-        let picked = dist.picked();
-        let on_host = picked.is_none() && dist.band().is_none();
+        let on_host = dist.band().is_none();
         let chosen = if on_host || steer.wants_row(step) {
             steer.choose(step, Some(masked_row(dist, mask)?))
         } else {
             steer.choose(step, None)
         };
-        let tok = match chosen.or(picked) {
+        let tok = match chosen {
             Some(t) => t,
             None => {
                 let drawn = match dist.band() {

@@ -1,6 +1,8 @@
 //! What the ds4 front ends (`ds4`, `ds4-bench`, `ds4-server`) share below their user
 //! interfaces, so they cannot drift apart:
 //!
+//! - [`config`]: the run's settings from flags and the environment, read once at start
+//!   (`ds4 --print-config` prints them);
 //! - [`load`]: backend choice, the placement plan for the device that will run the model,
 //!   GPU weights placed by that plan, and the load report;
 //! - [`plan`]: the planner's view of a model file (also what `ds4 plan` prints);
@@ -12,6 +14,7 @@
 
 pub mod checkpoint;
 pub mod cli_help;
+pub mod config;
 pub mod driver;
 pub mod error;
 pub mod load;

@@ -70,39 +70,23 @@ pub enum Precision {
     /// 10-bit-mantissa products) in prefill: the default.
     #[default]
     Fast,
-    /// f32 activations and cuBLAS in full f32 (`--quality` or `DS4_QUALITY=1`).
+    /// f32 activations and cuBLAS in full f32 (`--quality` or `DS4_QUALITY=1`;
+    /// [`crate::config::Config`] resolves it).
     Quality,
 }
 
 impl Precision {
-    /// The environment variable that selects [`Precision::Quality`] when set to `1`.
-    pub const ENV: &'static str = "DS4_QUALITY";
-
-    /// `--quality` wins; otherwise `DS4_QUALITY=1` (any other value, or unset: fast).
-    pub fn resolve(quality_flag: bool, env: Option<&std::ffi::OsStr>) -> Precision {
-        if quality_flag || env.is_some_and(|v| v == "1") {
-            Precision::Quality
-        } else {
-            Precision::Fast
-        }
-    }
-
-    /// [`Precision::resolve`] with this process's environment.
-    pub fn from_env(quality_flag: bool) -> Precision {
-        Precision::resolve(quality_flag, std::env::var_os(Self::ENV).as_deref())
-    }
-
-    /// The cuBLAS precision the CUDA backend is built with.
-    pub fn cublas(self) -> ds4_gpu::cuda::GemmPrecision {
-        match self {
-            Precision::Fast => ds4_gpu::cuda::GemmPrecision::Tf32,
-            Precision::Quality => ds4_gpu::cuda::GemmPrecision::F32,
-        }
-    }
-
     /// Whether one-token matmuls use int8 activations (`Backend::set_activation_q8`).
     pub fn activation_q8(self) -> bool {
         self == Precision::Fast
+    }
+
+    /// `fast` or `quality`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Precision::Fast => "fast",
+            Precision::Quality => "quality",
+        }
     }
 
     pub fn name(self) -> &'static str {
@@ -225,28 +209,22 @@ pub fn make_planned_backend(
     choice: BackendChoice,
     threads: usize,
     plan: Option<ds4_placement::Plan>,
-    precision: Precision,
+    knobs: ds4_gpu::backend::Knobs,
 ) -> Result<Box<dyn Backend>, LoadError> {
     let cpu = || -> Result<Box<dyn Backend>, LoadError> {
         let be = ds4_cpu::CpuBackend::new(threads).map_err(LoadError::Cpu)?;
         Ok(Box::new(be))
     };
-    let opts = gpu_options(plan, precision);
+    let opts = gpu_options(plan, knobs);
     match resolved {
         Resolved::Cpu => cpu(),
         Resolved::Cuda { dev, .. } => {
-            let mut be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
+            let be = ds4_gpu::backend::CudaBackend::on_device(dev, opts)
                 .map_err(gpu("starting the CUDA backend"))?;
-            apply_tensor_core_attention(&mut be, tensor_core_attention_from_env(precision));
-            be.set_dense_gemm_half(dense_gemm_half_for(
-                precision,
-                std::env::var(DENSE_GEMM_ENV).ok().as_deref(),
-            ));
             Ok(Box::new(be))
         }
         Resolved::Rocm { dev, .. } => match ds4_gpu::backend::HipBackend::on_device(dev, opts) {
-            Ok(mut be) => {
-                apply_tensor_core_attention(&mut be, tensor_core_attention_from_env(precision));
+            Ok(be) => {
                 for f in be.alloc_fallbacks() {
                     eprintln!("ds4: rocm: {f}");
                 }
@@ -261,143 +239,15 @@ pub fn make_planned_backend(
     }
 }
 
-/// Which attention kernels run on the tensor cores (half-precision operands, f32
-/// accumulation; docs/gpu.md §14, §15). The fast default takes the prefill attention and
-/// the prefill indexer scores there (measured on the H200: prefill 2k 1996 -> 3396 tok/s,
-/// 32k 1155 -> 3407, BENCHMARKS.md) and keeps decode on the single-query split kernels
-/// (the tensor-core split measured slower at one token); `--quality` keeps the f32
-/// kernels everywhere, as it keeps the f32 panels whatever `DS4_PREFILL_TILES` says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TensorCoreAttention {
-    /// `ds4_attention_mma` for multi-token chunks (`DS4_PREFILL_ATTN=mma|warp`).
-    pub prefill: bool,
-    /// `ds4_indexer_scores_mma` for multi-token chunks (`DS4_PREFILL_INDEXER=mma|warp`).
-    pub indexer: bool,
-    /// `ds4_attention_mma_split` for decode steps (`DS4_DECODE_ATTN=mma|warp`).
-    pub decode: bool,
-}
-
-/// Environment switches of [`TensorCoreAttention`] (prefill, indexer, decode).
-pub const ATTENTION_ENVS: [&str; 3] =
-    ["DS4_PREFILL_ATTN", "DS4_PREFILL_INDEXER", "DS4_DECODE_ATTN"];
-
-/// One switch: `mma` on, `warp` / `off` / `0` the f32 kernels, unset the default; anything
-/// else warns and keeps the default.
-fn attention_switch(name: &str, env: Option<&str>, default: bool) -> bool {
-    match env.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
-        None | Some("") => default,
-        Some("mma" | "on" | "1") => true,
-        Some("warp" | "off" | "0" | "f32") => false,
-        Some(other) => {
-            tracing::warn!("{name}={other:?}: use mma or warp; using the default");
-            default
-        }
-    }
-}
-
-/// The attention kernels for `precision` and the values of [`ATTENTION_ENVS`].
-pub fn tensor_core_attention_for(
-    precision: Precision,
-    env: [Option<&str>; 3],
-) -> TensorCoreAttention {
-    if precision == Precision::Quality {
-        return TensorCoreAttention {
-            prefill: false,
-            indexer: false,
-            decode: false,
-        };
-    }
-    TensorCoreAttention {
-        prefill: attention_switch(ATTENTION_ENVS[0], env[0], true),
-        indexer: attention_switch(ATTENTION_ENVS[1], env[1], true),
-        decode: attention_switch(ATTENTION_ENVS[2], env[2], false),
-    }
-}
-
-/// [`tensor_core_attention_for`] with the process environment.
-pub fn tensor_core_attention_from_env(precision: Precision) -> TensorCoreAttention {
-    let vals = ATTENTION_ENVS.map(|k| std::env::var(k).ok());
-    tensor_core_attention_for(
-        precision,
-        [vals[0].as_deref(), vals[1].as_deref(), vals[2].as_deref()],
-    )
-}
-
-/// Sets the attention kernels of `t` on a GPU backend (which still falls back to the f32
-/// kernels where a shape or the device's shared memory does not allow them).
-pub fn apply_tensor_core_attention<D: ds4_gpu::api::GpuApi>(
-    be: &mut ds4_gpu::backend::GpuBackend<D>,
-    t: TensorCoreAttention,
-) {
-    be.set_prefill_attention_mma(t.prefill);
-    be.set_prefill_indexer_mma(t.indexer);
-    be.set_decode_attention_mma(t.decode);
-}
-
-/// `DS4_DENSE_GEMM=f16|tf32`: the dense prefill matmuls (Q8_0 and F16 weights) through
-/// cuBLAS's f16 GEMM (docs/gpu.md §16) or f32 panels with TF32 products. Opt-in until the
-/// H200 has measured it (speed and the logits against `--quality`); `--quality` always
-/// keeps the f32 panels and the pedantic f32 GEMM, whatever the variable says.
-pub const DENSE_GEMM_ENV: &str = "DS4_DENSE_GEMM";
-
-/// Whether the dense prefill matmuls take the f16 GEMM, for `precision` and the value of
-/// [`DENSE_GEMM_ENV`] (if set).
-pub fn dense_gemm_half_for(precision: Precision, env: Option<&str>) -> bool {
-    if precision == Precision::Quality {
-        return false;
-    }
-    match env.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
-        Some("f16") => true,
-        None | Some("") | Some("tf32" | "f32" | "off") => false,
-        Some(other) => {
-            tracing::warn!("{DENSE_GEMM_ENV}={other:?}: use f16 or tf32; using tf32");
-            false
-        }
-    }
-}
-
-/// `DS4_PREFILL_TILES=off|experts|all`: which multi-token matmuls run on quantized
-/// tensor-core tiles (docs/gpu.md §4). The fast default is
-/// [`ds4_gpu::backend::PrefillTiles::FAST`] (routed experts on tiles: measured 2.25× the
-/// panel path's prefill on the H200, BENCHMARKS.md); `--quality` always takes the f32
-/// panels, whose point is the f32 path.
-pub const PREFILL_TILES_ENV: &str = "DS4_PREFILL_TILES";
-
-/// The tiles setting for `precision` and the value of [`PREFILL_TILES_ENV`] (if set).
-pub fn prefill_tiles_for(
-    precision: Precision,
-    env: Option<&str>,
-) -> ds4_gpu::backend::PrefillTiles {
-    use ds4_gpu::backend::PrefillTiles;
-    if precision == Precision::Quality {
-        return PrefillTiles::Off;
-    }
-    match env {
-        Some(v) => PrefillTiles::parse(v.trim()).unwrap_or_else(|| {
-            tracing::warn!(
-                "{PREFILL_TILES_ENV}={v:?}: use off, experts or all; using the default ({})",
-                PrefillTiles::FAST.name()
-            );
-            PrefillTiles::FAST
-        }),
-        None => PrefillTiles::FAST,
-    }
-}
-
-fn prefill_tiles_from_env(precision: Precision) -> ds4_gpu::backend::PrefillTiles {
-    prefill_tiles_for(precision, std::env::var(PREFILL_TILES_ENV).ok().as_deref())
-}
-
-/// The GPU backend options the CLI and the server use: the plan, and cuBLAS at the chosen
-/// precision (ROCm ignores it).
+/// The GPU backend options the CLI, the server and the bench use: the plan and the run's
+/// [`ds4_gpu::backend::Knobs`] ([`crate::config::Config::knobs`]).
 pub fn gpu_options(
     plan: Option<ds4_placement::Plan>,
-    precision: Precision,
+    knobs: ds4_gpu::backend::Knobs,
 ) -> ds4_gpu::backend::GpuOptions {
     ds4_gpu::backend::GpuOptions {
         plan,
-        cublas: Some(precision.cublas()),
-        prefill_tiles: prefill_tiles_from_env(precision),
+        knobs,
         ..ds4_gpu::backend::GpuOptions::default()
     }
 }
@@ -511,11 +361,8 @@ pub struct LoadOptions {
     pub placement: ds4_placement::CliOverrides,
     /// What the load says about itself on the log writer.
     pub report: LoadReport,
-    /// Prefill GEMM precision (CUDA).
-    pub precision: Precision,
-    /// Run one prefill chunk and a decode step at load ([`Engine::warm_up`]) so the first
-    /// request does not pay the GPU's first-use costs (`--no-warmup`, `DS4_WARMUP=0`).
-    pub warmup: bool,
+    /// The run's settings (precision, warm-up, GPU kernels; [`crate::config::Config`]).
+    pub config: crate::config::Config,
 }
 
 /// A model ready to run: the engine, its tokenizer, and what the store needs to know.
@@ -591,27 +438,17 @@ pub fn placement_plan(
 
 /// How a plan places routed experts in the engine: resident, or streamed through a cache
 /// of the plan's `cache_slots` units and a host tier of its `host_tier_slots`
-/// (docs/placement.md §9). Read-ahead of the next layer's predicted experts is on unless
-/// `DS4_EXPERT_READAHEAD=0` (for measuring what it does).
-pub fn expert_placement(plan: &ds4_placement::Plan) -> ExpertPlacement {
+/// (docs/placement.md §9), with read-ahead of the next layer's predicted experts when
+/// `readahead` ([`crate::config::Config::expert_readahead`]).
+pub fn expert_placement(plan: &ds4_placement::Plan, readahead: bool) -> ExpertPlacement {
     match &plan.stream {
         None => ExpertPlacement::Resident,
         Some(st) => ExpertPlacement::Streamed(StreamConfig {
             slots: usize::try_from(st.cache_slots).unwrap_or(usize::MAX),
             host_slots: usize::try_from(st.host_tier_slots).unwrap_or(usize::MAX),
-            readahead: switch_on(std::env::var("DS4_EXPERT_READAHEAD").ok().as_deref()),
+            readahead,
         }),
     }
-}
-
-/// `DS4_EXPERT_READAHEAD`: unset or anything but `0`/`off`/`false` means on.
-/// Whether a switch that is on by default (`DS4_EXPERT_READAHEAD`, `DS4_SAMPLE_BAND`) stays
-/// on: everything but `0`, `off`, `false`.
-pub fn switch_on(v: Option<&str>) -> bool {
-    !matches!(
-        v.map(|s| s.trim().to_ascii_lowercase()).as_deref(),
-        Some("0" | "off" | "false")
-    )
 }
 
 /// The backend `--backend` asks for, with the model's weights to be placed by a plan made
@@ -624,21 +461,16 @@ pub fn planned_backend_and_experts(
     req: &PlacementRequest<'_>,
     log: &mut dyn Write,
     report: LoadReport,
-    precision: Precision,
+    config: &crate::config::Config,
 ) -> Result<(Box<dyn Backend>, ExpertPlacement), LoadError> {
     let resolved = probe_device(choice, report)?;
     let plan = placement_plan(req, &resolved, Some(log), report)?;
-    let experts = expert_placement(&plan);
+    let experts = expert_placement(&plan, config.expert_readahead.value);
     let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
-    let mut be = make_planned_backend(resolved, choice, threads, gpu_plan, precision)?;
-    be.set_activation_q8(precision.activation_q8())
+    let mut be = make_planned_backend(resolved, choice, threads, gpu_plan, config.knobs())?;
+    be.set_activation_q8(config.precision.value.activation_q8())
         .map_err(LoadError::ActivationPrecision)?;
     Ok((be, experts))
-}
-
-/// Whether to warm up at load: on unless the flag says no or `DS4_WARMUP` is off.
-pub fn warmup_wanted(no_warmup_flag: bool) -> bool {
-    !no_warmup_flag && switch_on(std::env::var("DS4_WARMUP").ok().as_deref())
 }
 
 /// Opens the model, builds the tokenizer and the engine, warms it up (when asked and the
@@ -651,6 +483,16 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError
     } else {
         log
     };
+    if opts.report == LoadReport::Full {
+        // -v: every setting of the run and where it came from (`ds4 --print-config`).
+        let placement =
+            ds4_placement::resolve_overrides(&opts.placement, |k| std::env::var(k).ok())
+                .map_err(LoadError::Override)?;
+        writeln!(log, "ds4: settings:")?;
+        for line in opts.config.render(&placement).lines() {
+            writeln!(log, "ds4:   {line}")?;
+        }
+    }
     let file = open_gguf(&opts.model)?;
     let tokenizer = Arc::new(tokenizer_from_gguf(&file)?);
     let model_id = model_id(&file)?;
@@ -681,7 +523,7 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError
     if let Some(note) = ds4_model::layout::random_weights_note(file.header()) {
         writeln!(log, "ds4: NOTE: {note}")?;
     }
-    if opts.warmup {
+    if opts.config.warmup.value {
         let t = std::time::Instant::now();
         let n = engine
             .warm_up(opts.prefill_chunk)
@@ -740,168 +582,49 @@ fn build_engine_logged(
         Some(l) => (l, opts.report),
         None => (&mut sink, LoadReport::Quiet),
     };
-    let (backend, experts) = planned_backend_and_experts(
-        opts.backend,
-        opts.threads,
-        &req,
-        log,
-        report,
-        opts.precision,
-    )?;
+    let (backend, experts) =
+        planned_backend_and_experts(opts.backend, opts.threads, &req, log, report, &opts.config)?;
     let cfg = EngineConfig {
         mode: opts.mode.map(NumericMode::from),
         ctx,
         prefill_chunk: opts.prefill_chunk,
     };
-    let mut engine = Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| {
-        LoadError::Engine {
-            path: opts.model.clone(),
-            source,
-        }
-    })?;
-    engine.set_short_prefill_rows(short_prefill_rows_from_env());
-    Ok(engine)
-}
-
-/// [`short_prefill_rows`] of the process's [`SHORT_PREFILL_ENV`] (what `ds4`, `ds4-server` and
-/// `ds4-bench` apply).
-pub fn short_prefill_rows_from_env() -> usize {
-    short_prefill_rows(std::env::var(SHORT_PREFILL_ENV).ok().as_deref())
-}
-
-/// Prompt chunks of at most this many tokens run as decode rows
-/// ([`Engine::set_short_prefill_rows`], docs/forward.md §13); `0` turns it off (A/B).
-pub const SHORT_PREFILL_ENV: &str = "DS4_SHORT_PREFILL_ROWS";
-
-/// [`SHORT_PREFILL_ENV`]'s value: a count, or the default when unset or not a count.
-pub fn short_prefill_rows(v: Option<&str>) -> usize {
-    match v.map(|s| s.trim().parse::<usize>()) {
-        None => ds4_engine::SHORT_PREFILL_ROWS,
-        Some(Ok(n)) => n,
-        Some(Err(_)) => {
-            tracing::warn!(
-                "{SHORT_PREFILL_ENV}={:?}: not a count; using {}",
-                v.unwrap_or_default(),
-                ds4_engine::SHORT_PREFILL_ROWS
-            );
-            ds4_engine::SHORT_PREFILL_ROWS
-        }
-    }
+    Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| LoadError::Engine {
+        path: opts.model.clone(),
+        source,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Config, ConfigFlags};
     use ds4_gpu::cuda::GemmPrecision;
-    use std::ffi::OsStr;
 
-    #[test]
-    fn short_prefill_rows_default_count_and_off() {
-        assert_eq!(short_prefill_rows(None), ds4_engine::SHORT_PREFILL_ROWS);
-        assert_eq!(short_prefill_rows(Some(" 8 ")), 8);
-        assert_eq!(short_prefill_rows(Some("0")), 0);
-        assert_eq!(
-            short_prefill_rows(Some("lots")),
-            ds4_engine::SHORT_PREFILL_ROWS
-        );
-    }
-
-    #[test]
-    fn readahead_is_on_unless_turned_off() {
-        assert!(switch_on(None));
-        assert!(switch_on(Some("1")));
-        assert!(switch_on(Some("yes")));
-        for off in ["0", "off", " OFF ", "false"] {
-            assert!(!switch_on(Some(off)), "{off}");
-        }
-    }
-
-    #[test]
-    fn tensor_core_attention_fast_by_default_off_for_quality() {
-        let t = tensor_core_attention_for(Precision::Fast, [None, None, None]);
-        assert!(t.prefill && t.indexer && !t.decode, "{t:?}");
-        let t =
-            tensor_core_attention_for(Precision::Fast, [Some("warp"), Some(" OFF "), Some("mma")]);
-        assert!(!t.prefill && !t.indexer && t.decode, "{t:?}");
-        let t =
-            tensor_core_attention_for(Precision::Fast, [Some("bogus"), Some("0"), Some("bogus")]);
-        assert!(t.prefill && !t.indexer && !t.decode, "{t:?}");
-        for env in [[None, None, None], [Some("mma"), Some("mma"), Some("mma")]] {
-            let t = tensor_core_attention_for(Precision::Quality, env);
-            assert!(!t.prefill && !t.indexer && !t.decode, "{t:?}");
-        }
-    }
-
-    #[test]
-    fn dense_gemm_half_opt_in_and_never_for_quality() {
-        assert!(!dense_gemm_half_for(Precision::Fast, None));
-        assert!(dense_gemm_half_for(Precision::Fast, Some(" F16 ")));
-        assert!(!dense_gemm_half_for(Precision::Fast, Some("tf32")));
-        assert!(!dense_gemm_half_for(Precision::Fast, Some("bogus")));
-        for env in [None, Some("f16")] {
-            assert!(!dense_gemm_half_for(Precision::Quality, env));
-        }
-    }
-
-    #[test]
-    fn prefill_tiles_fast_by_default_off_for_quality() {
-        use ds4_gpu::backend::PrefillTiles;
-        assert_eq!(prefill_tiles_for(Precision::Fast, None), PrefillTiles::FAST);
-        assert_eq!(
-            prefill_tiles_for(Precision::Fast, Some("all")),
-            PrefillTiles::All
-        );
-        assert_eq!(
-            prefill_tiles_for(Precision::Fast, Some("off")),
-            PrefillTiles::Off
-        );
-        assert_eq!(
-            prefill_tiles_for(Precision::Fast, Some("bogus")),
-            PrefillTiles::FAST
-        );
-        for env in [None, Some("all"), Some("experts")] {
-            assert_eq!(
-                prefill_tiles_for(Precision::Quality, env),
-                PrefillTiles::Off
-            );
-        }
-    }
-
-    #[test]
-    fn fast_by_default_quality_by_flag_or_environment() {
-        assert_eq!(Precision::resolve(false, None), Precision::Fast);
-        assert_eq!(Precision::resolve(true, None), Precision::Quality);
-        assert_eq!(
-            Precision::resolve(false, Some(OsStr::new("1"))),
-            Precision::Quality
-        );
-        for other in ["0", "", "yes"] {
-            assert_eq!(
-                Precision::resolve(false, Some(OsStr::new(other))),
-                Precision::Fast,
-                "{other:?}"
-            );
-        }
-        assert_eq!(
-            Precision::resolve(true, Some(OsStr::new("0"))),
-            Precision::Quality
-        );
-    }
-
+    /// The backend options carry the run's knobs: `--quality` the pedantic f32 GEMM, the
+    /// default the fast TF32 one (which a hand-built backend also starts with).
     #[test]
     fn precision_selects_the_cublas_gemm() {
+        let quality = Config::resolve(
+            ConfigFlags {
+                quality: true,
+                ..ConfigFlags::default()
+            },
+            |_| None,
+        )
+        .unwrap();
         assert_eq!(
-            gpu_options(None, Precision::Fast).cublas,
+            gpu_options(None, quality.knobs()).knobs.cublas,
+            Some(GemmPrecision::F32)
+        );
+        let fast = Config::default();
+        assert_eq!(
+            gpu_options(None, fast.knobs()).knobs.cublas,
             Some(GemmPrecision::Tf32)
         );
         assert_eq!(
-            gpu_options(None, Precision::Quality).cublas,
-            Some(GemmPrecision::F32)
-        );
-        // The library default stays f32: check tools built on it keep the pedantic path.
-        assert_eq!(
-            ds4_gpu::backend::GpuOptions::default().cublas,
-            Some(GemmPrecision::F32)
+            ds4_gpu::backend::GpuOptions::default().knobs.cublas,
+            Some(GemmPrecision::Tf32)
         );
         assert_eq!(Precision::default(), Precision::Fast);
     }

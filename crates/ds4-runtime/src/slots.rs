@@ -70,8 +70,6 @@ pub struct Slots {
     /// holds [`After::Band`]). Every other engine call fetches those rows first
     /// ([`Slots::settle`]).
     banded: Vec<(usize, usize)>,
-    /// `DS4_SAMPLE_BAND` (on unless `0`): whether [`Slots::set_band`] takes effect.
-    band_on: bool,
     /// Staging for [`Slots::fetch_rows`] (kept: several MB each step otherwise).
     rows_buf: Vec<f32>,
 }
@@ -115,12 +113,10 @@ impl Slots {
                 }
             }
         }
-        let band_on = crate::load::switch_on(std::env::var("DS4_SAMPLE_BAND").ok().as_deref());
         Ok(Slots {
             engine,
             slots,
             banded: Vec::new(),
-            band_on,
             rows_buf: Vec::new(),
         })
     }
@@ -219,10 +215,9 @@ impl Slots {
 
     /// Decode steps of slot `i`, lone or batched, leave the band of width `span` near the
     /// row's maximum instead of fetching the row (`None`: the row). A generation sets it
-    /// from its sampler ([`ds4_engine::SamplerConfig::band_span`]). Off under
-    /// `DS4_SAMPLE_BAND=0`.
+    /// from its sampler ([`ds4_engine::SamplerConfig::band_span`]).
     pub fn set_band(&mut self, i: usize, span: Option<f32>) {
-        self.slots[i].band_span = span.filter(|_| self.band_on);
+        self.slots[i].band_span = span;
     }
 
     /// Fetches every banded slot's row from the engine (before anything else uses the

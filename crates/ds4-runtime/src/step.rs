@@ -1,6 +1,6 @@
 //! One generation step's distribution as the backend left it (docs/server.md §6): the
-//! logits row on the host, the token the backend already picked (greedy decoding), or the
-//! band of logits near the maximum while the row stays on the device. [`crate::GenState::pick`]
+//! logits row on the host, or the band of logits near the maximum while the row stays on
+//! the device. [`crate::GenState::pick`]
 //! fetches the row only when the step needs it — a steer that reads it, a band too short
 //! for the draw — so a default min-p draw moves a few hundred bytes per token, not the
 //! 129,280-float row.
@@ -12,18 +12,13 @@ use crate::driver::DriverError;
 
 /// What one step's distribution is, and how to get its row.
 pub trait StepLogits {
-    /// The token the backend picked instead of returning the row (its argmax).
-    fn picked(&self) -> Option<u32> {
-        None
-    }
-
     /// The band of the row near its maximum, while the row is not on the host.
     fn band(&self) -> Option<&LogitBand> {
         None
     }
 
     /// The logits row, fetched from the backend when it is not on the host yet (after
-    /// that, [`StepLogits::band`] and [`StepLogits::picked`] may answer `None`).
+    /// that, [`StepLogits::band`] may answer `None`).
     fn row(&mut self) -> Result<&mut [f32], DriverError>;
 }
 
@@ -39,8 +34,6 @@ impl StepLogits for Vec<f32> {
 pub(crate) enum Left {
     /// The row is in the host buffer.
     Row,
-    /// The backend's argmax; the row is in the backend's scratch.
-    Picked(u32),
     /// The band; the row is in the backend's scratch.
     Band(LogitBand),
 }
@@ -54,13 +47,6 @@ pub(crate) struct SessionStep<'a> {
 }
 
 impl StepLogits for SessionStep<'_> {
-    fn picked(&self) -> Option<u32> {
-        match &*self.left {
-            Left::Picked(t) => Some(*t),
-            _ => None,
-        }
-    }
-
     fn band(&self) -> Option<&LogitBand> {
         match &*self.left {
             Left::Band(b) => Some(b),

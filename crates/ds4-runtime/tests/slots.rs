@@ -7,7 +7,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::OnceLock;
 
 use ds4_engine::{argmax, Sampler, SamplerConfig};
-use ds4_runtime::load::{load, BackendChoice, LoadOptions, Precision};
+use ds4_runtime::config::{Config, ConfigFlags};
+use ds4_runtime::load::{load, BackendChoice, LoadOptions};
 use ds4_runtime::{
     Conversation, GenLimits, GenState, GenStop, Pick, Slots, SlotsError, Steer, StepLogits,
 };
@@ -41,8 +42,10 @@ fn opts() -> LoadOptions {
         threads: 1,
         placement: Default::default(),
         report: ds4_runtime::load::LoadReport::Quiet,
-        precision: Precision::default(),
-        warmup: false,
+        config: Config::from_flags(ConfigFlags {
+            no_warmup: true,
+            ..ConfigFlags::default()
+        }),
     }
 }
 

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use ds4_engine::{Engine, EngineConfig, ExpertPlacement, Logits};
 use ds4_gguf::GgufFile;
-use ds4_runtime::load::{load, BackendChoice, LoadOptions, Precision};
+use ds4_runtime::config::{Config, ConfigFlags};
+use ds4_runtime::load::{load, BackendChoice, LoadOptions};
 
 /// Converts fixture `name` (config + checkpoint) to a GGUF of `recipe` in `dir`.
 fn convert(name: &str, recipe: &str, dir: &Path) -> PathBuf {
@@ -40,8 +41,10 @@ fn opts(model: &Path, experts: Option<&str>) -> LoadOptions {
             ..Default::default()
         },
         report: ds4_runtime::load::LoadReport::Quiet,
-        precision: Precision::default(),
-        warmup: false,
+        config: Config::from_flags(ConfigFlags {
+            no_warmup: true,
+            ..ConfigFlags::default()
+        }),
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ds4_chat::Tokenizer;
 use ds4_engine::{Engine, NumericMode};
 use ds4_gguf::Value;
-use ds4_runtime::load::{BackendChoice, LoadOptions, Loaded, ModeChoice, Precision};
+use ds4_runtime::load::{BackendChoice, LoadOptions, Loaded, ModeChoice};
 
 use crate::error::ServerError;
 
@@ -49,8 +49,10 @@ impl ModelOptions {
             threads: self.threads,
             placement: Default::default(),
             report: ds4_runtime::load::LoadReport::Quiet,
-            precision: Precision::default(),
-            warmup: false,
+            config: ds4_runtime::config::Config::from_flags(ds4_runtime::config::ConfigFlags {
+                no_warmup: true,
+                ..Default::default()
+            }),
         }
     }
 }

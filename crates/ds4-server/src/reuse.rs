@@ -390,8 +390,8 @@ impl Worker {
     /// in the order [`Worker::turn_finish`] would keep them) would be pushed out again by
     /// a later one of the same step: when a burst of new requests starts generating
     /// together, only the last `--snapshot-slots` distinct states that fit are left after
-    /// the step, and serialising the others (≈ 15 ms each on an H100 for a 49-token
-    /// prompt, on the scheduler thread, with the device idle) bought nothing. `true` marks
+    /// the step, and serialising the others (on the scheduler thread, with the device idle;
+    /// BENCHMARKS.md, 2026-12-07 01:05) bought nothing. `true` marks
     /// one to drop unserialised; the kept ones and their order are what finishing all of
     /// them would leave (docs/server.md §9).
     pub(crate) fn turns_pushed_out(&self, turns: &[(usize, &TurnSnap)]) -> Vec<bool> {

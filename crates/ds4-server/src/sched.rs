@@ -100,15 +100,9 @@ pub struct Worker {
     /// Most prompt tokens evaluated per step.
     pub(crate) piece: usize,
     /// The fewest tokens a piece needs to join a joint prefill with other prompts' pieces
-    /// in one step ([`Slots::prefill_joint`]); `None`: one prompt's pieces per step
-    /// (`DS4_JOINT_PREFILL=0`, or an engine that cannot).
+    /// in one step ([`Slots::prefill_joint`]); `None`: one piece per step (one slot, or an
+    /// engine that cannot).
     joint_min: Option<usize>,
-    /// Whether a step's picks draw at once ([`Worker::pick_all`]; off under
-    /// `DS4_PARALLEL_PICKS=0`).
-    parallel_picks: bool,
-    /// Whether a step skips the turn snapshots a later one of the same step pushes out
-    /// ([`Worker::turns_pushed_out`]; off under `DS4_SKIP_PUSHED_OUT_TURNS=0`).
-    skip_pushed_out_turns: bool,
     /// Most tokens of one forward pass (the engine's prefill chunk).
     chunk: usize,
     /// The grids every prompt piece ends on ([`crate::cuts`]).
@@ -140,18 +134,6 @@ pub(crate) fn lock(m: &Mutex<ToolMemory>) -> std::sync::MutexGuard<'_, ToolMemor
 pub(crate) fn engine_err(e: impl std::fmt::Display) -> ApiError {
     ApiError::internal(e.to_string())
 }
-
-/// `DS4_JOINT_PREFILL=0` evaluates one prompt piece per step even where several could run
-/// in one forward pass (A/B; docs/server.md §9).
-pub const JOINT_PREFILL_ENV: &str = "DS4_JOINT_PREFILL";
-
-/// `DS4_PARALLEL_PICKS=0` draws a step's tokens one slot after another (A/B; docs/server.md
-/// §9).
-pub const PARALLEL_PICKS_ENV: &str = "DS4_PARALLEL_PICKS";
-
-/// `DS4_SKIP_PUSHED_OUT_TURNS=0` serialises every turn snapshot a step finishes, even those
-/// a later one of the same step pushes out at once (A/B; docs/server.md §9).
-pub const SKIP_PUSHED_OUT_TURNS_ENV: &str = "DS4_SKIP_PUSHED_OUT_TURNS";
 
 /// Prompt tokens a task has still to evaluate (`None`: it is generating).
 fn remaining(t: &Task<'_>) -> Option<usize> {
@@ -271,9 +253,7 @@ impl Worker {
         let cuts = Cuts::new(piece, chunk, &bounds);
         let parallel = cfg.parallel;
         let slots = Slots::new(engine, parallel).map_err(|e| slots_error(e, parallel))?;
-        let joint_on =
-            ds4_runtime::load::switch_on(std::env::var(JOINT_PREFILL_ENV).ok().as_deref());
-        let joint_min = if joint_on && parallel > 1 {
+        let joint_min = if parallel > 1 {
             slots.joint_min_rows()
         } else {
             None
@@ -298,12 +278,6 @@ impl Worker {
             ctx,
             piece,
             joint_min,
-            parallel_picks: ds4_runtime::load::switch_on(
-                std::env::var(PARALLEL_PICKS_ENV).ok().as_deref(),
-            ),
-            skip_pushed_out_turns: ds4_runtime::load::switch_on(
-                std::env::var(SKIP_PUSHED_OUT_TURNS_ENV).ok().as_deref(),
-            ),
             chunk,
             cuts,
             bounds,
@@ -778,7 +752,7 @@ impl Worker {
         let mut out: Vec<Option<Result<Pick, ds4_runtime::DriverError>>> =
             ids.iter().map(|_| None).collect();
         let (stats, cfg, shutdown) = (&self.stats, &self.cfg, &self.shutdown);
-        if ids.len() > 1 && self.parallel_picks {
+        if ids.len() > 1 {
             if let Ok(steps) = self.slots.host_steps(ids) {
                 let mut work: Vec<_> = tasks
                     .iter_mut()
@@ -851,7 +825,7 @@ impl Worker {
             .iter()
             .filter_map(|&i| Some((i, tasks[i].as_ref()?.turn.as_ref()?)))
             .collect();
-        let dropped: Vec<usize> = if self.skip_pushed_out_turns && turns.len() > 1 {
+        let dropped: Vec<usize> = if turns.len() > 1 {
             let marks = self.turns_pushed_out(&turns);
             turns
                 .iter()

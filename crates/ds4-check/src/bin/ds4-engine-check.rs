@@ -1,11 +1,17 @@
 //! ds4-engine-check: the CUDA engine backend against the CPU reference.
 //!
 //! * `ops [MODELS] [--tiny N] [--flash-layers L] [--tokens T] [--seed S] [--chunk C] [--act-q8]
-//!   [--tiles off|experts|all]` — every op of
+//!   [--tiles off|experts|all] [--attn-mma]` — every op of
 //!   the forward pass run on both backends through [`ds4_check::mirror::Mirror`],
 //!   on the given GGUF files and on `N` freshly generated random tiny models (and a
 //!   real-dimension synthetic q2 model of `L` layers), with random tokens: per op, the
 //!   worst relative error, NaN count and integer mismatches. Fails above tolerance.
+//!
+//! The CUDA backend's kernels are chosen by the flags alone (`Knobs`, no environment):
+//! f32 everywhere (`ds4 --quality`'s kernels, cuBLAS in full f32) unless `--act-q8` (int8
+//! one-token activations), `--tiles` (quantized tiles at prefill) and `--attn-mma` (prefill
+//! attention and indexer scores on the tensor cores) say otherwise; `ds4` runs all three
+//! (`--tiles experts`), with cuBLAS in TF32.
 //! * `parity [MODELS] [--tiny N] [--tokens T] [--seed S] [--act-q8]` — whole-model logits of the CUDA
 //!   engine against the CPU engine, through prefill, token-by-token decode and chunked
 //!   prefill, in exact mode (tolerance 1e-4, the CPU-vs-HF tolerance) and official mode where
@@ -46,7 +52,7 @@ use ds4_convert::SyntheticModel;
 use ds4_cpu::CpuBackend;
 use ds4_engine::{Engine, EngineConfig, Logits, NumericMode, Rng};
 use ds4_gguf::GgufFile;
-use ds4_gpu::backend::{CudaBackend, CudaOptions, PrefillTiles};
+use ds4_gpu::backend::{CudaBackend, CudaOptions, Knobs, PrefillTiles};
 use ds4_model::layout::{placeholder_tokenizer, TypeRecipe};
 
 struct Args {
@@ -61,6 +67,8 @@ struct Args {
     act_q8: bool,
     /// `ops`: which multi-token matmuls the GPU runs on quantized half-precision tiles.
     tiles: PrefillTiles,
+    /// Prefill attention and indexer scores on the tensor cores (half operands).
+    attn_mma: bool,
     /// `batch`: sequences decoded together.
     seqs: usize,
     /// `batch`: the GPU engine only (long prompts of real-dimension models take the CPU
@@ -77,6 +85,7 @@ fn parse(args: &[String]) -> Result<Args> {
         chunk: 0,
         act_q8: false,
         tiles: PrefillTiles::Off,
+        attn_mma: false,
         seqs: ds4_check::batch::SEQS,
         gpu_only: false,
         seed: SystemTime::now()
@@ -114,6 +123,11 @@ fn parse(args: &[String]) -> Result<Args> {
             }
             "--act-q8" => {
                 a.act_q8 = true;
+                i += 1;
+                continue;
+            }
+            "--attn-mma" => {
+                a.attn_mma = true;
                 i += 1;
                 continue;
             }
@@ -210,15 +224,27 @@ fn verdict(name: &str, failed: &[String]) -> Result<()> {
     }
 }
 
+/// The f32 kernels (`ds4 --quality`'s): what every check starts from.
 fn cuda() -> Result<CudaBackend> {
-    cuda_with(PrefillTiles::Off)
+    cuda_with(Knobs::quality())
 }
 
-fn cuda_with(tiles: PrefillTiles) -> Result<CudaBackend> {
+/// The CUDA backend with `knobs` (see the module doc).
+fn cuda_with(knobs: Knobs) -> Result<CudaBackend> {
     cuda_opts(CudaOptions {
-        prefill_tiles: tiles,
+        knobs,
         ..CudaOptions::default()
     })
+}
+
+/// The kernels `ops` checks: [`cuda`]'s, with the flags' tiles, activations and attention.
+fn op_knobs(a: &Args) -> Knobs {
+    Knobs {
+        prefill_tiles: a.tiles,
+        activation_q8: a.act_q8,
+        tensor_core_attention: a.attn_mma,
+        ..Knobs::quality()
+    }
 }
 
 fn cuda_opts(opts: CudaOptions) -> Result<CudaBackend> {
@@ -232,7 +258,7 @@ fn ops(a: &Args) -> Result<()> {
     for (label, file) in models(a)? {
         for mode in modes(&file)? {
             let t0 = Instant::now();
-            let mut mirror = Mirror::new(CpuBackend::new(0)?, cuda_with(a.tiles)?);
+            let mut mirror = Mirror::new(CpuBackend::new(0)?, cuda_with(op_knobs(a))?);
             ds4_engine::Backend::set_activation_q8(&mut mirror, a.act_q8)?;
             let stats_handle = mirror.stats.clone();
             let random_chunk = 3 + (rng.next_f64() * 14.0) as usize;
@@ -261,11 +287,7 @@ fn ops(a: &Args) -> Result<()> {
                 mode,
                 act_q8: a.act_q8,
                 tiles: a.tiles,
-                attn_half: ["DS4_PREFILL_ATTN", "DS4_DECODE_ATTN"]
-                    .iter()
-                    .any(|k| std::env::var(k).is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma"))),
-                dense_half: std::env::var("DS4_DENSE_GEMM")
-                    .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
+                attn_half: a.attn_mma,
             };
             println!(
                 "\n{label} · {mode} · prefill {} tokens in chunks of {chunk} + 4 decode · {:.1} s",
@@ -863,10 +885,10 @@ fn joint(a: &Args) -> Result<()> {
                         PrefillTiles::Off => PrefillTiles::Experts,
                         t => t,
                     };
-                    let mut be: Box<dyn ds4_engine::Backend> = Box::new(cuda_opts(CudaOptions {
+                    let mut be: Box<dyn ds4_engine::Backend> = Box::new(cuda_with(Knobs {
                         prefill_tiles: tiles,
                         cublas: Some(ds4_gpu::cuda::GemmPrecision::Tf32),
-                        ..CudaOptions::default()
+                        ..Knobs::quality()
                     })?);
                     be.set_activation_q8(a.act_q8)?;
                     be

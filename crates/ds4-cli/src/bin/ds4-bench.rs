@@ -66,18 +66,19 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Prefill GEMM: f32 (cuBLAS, no TF32), tf32 (cuBLAS tensor cores) or builtin (the
-    /// backend's own tiled f32 kernel).
-    #[arg(long, default_value = "tf32")]
-    gemm: String,
+    /// backend's own tiled f32 kernel). Default: what `ds4` runs with the same --quality
+    /// and variables (tf32; f32 with --quality).
+    #[arg(long)]
+    gemm: Option<String>,
     /// Multi-token matmuls on quantized tensor-core tiles: off (panels + the --gemm GEMM,
     /// what `ds4 --quality` runs), experts (routed experts on tiles: what `ds4` runs by
-    /// default) or all (`DS4_PREFILL_TILES` in `ds4`).
-    #[arg(long, default_value = "experts")]
-    tiles: String,
+    /// default) or all. Default: what `ds4` runs (DS4_PREFILL_TILES, --quality).
+    #[arg(long)]
+    tiles: Option<String>,
     /// One-token matmul activations: q8 (int8 blocks and integer dot products, what `ds4`
-    /// runs by default) or f32 (as `ds4 --quality`).
-    #[arg(long, default_value = "q8")]
-    act: String,
+    /// runs by default) or f32 (as `ds4 --quality`). Default: what `ds4` runs.
+    #[arg(long)]
+    act: Option<String>,
     /// After each frontier's decode, decode this many more tokens with device-time
     /// attribution on (events before every launch, resolved per token) and print where the
     /// time goes by section and kernel. 0: off.
@@ -96,8 +97,8 @@ struct Args {
     snapshot: bool,
     /// Before anything is timed, prefill this many tokens once (then empty the state), so
     /// the timed prefills do not carry the process's first-use costs (kernels loaded on
-    /// first launch, cuBLAS's first calls): the first prefill of a 4-layer model measured 3x
-    /// slower than the next one on an H100. Default: the first frontier's size, at most one
+    /// first launch, cuBLAS's first calls), which made a process's first prefill several
+    /// times slower than the next (BENCHMARKS.md). Default: the first frontier's size, at most one
     /// prefill chunk (0 with streamed experts, whose cache it would fill); 0: off (`--e2e`
     /// always measures the user's cold first prompt).
     #[arg(long)]
@@ -147,7 +148,8 @@ struct Args {
     /// --e2e: skip the CLI's warm-up at load (`ds4 --no-warmup`; also DS4_WARMUP=0).
     #[arg(long)]
     no_warmup: bool,
-    /// --e2e: the pedantic f32 prefill GEMM (as `ds4 --quality`; also DS4_QUALITY=1).
+    /// The kernels of `ds4 --quality` (f32 activations, f32 GEMM and panels, f32
+    /// attention; also DS4_QUALITY=1) instead of the fast default.
     #[arg(long)]
     quality: bool,
     /// --e2e: CPU threads (0 = one per core; as `ds4 -t`).
@@ -155,10 +157,22 @@ struct Args {
     threads: usize,
 }
 
+/// The settings `ds4` would run with the same --quality, --no-warmup and variables.
+fn run_config(args: &Args) -> Result<ds4_runtime::config::Config> {
+    ds4_runtime::config::Config::resolve(
+        ds4_runtime::config::ConfigFlags {
+            quality: args.quality,
+            no_warmup: args.no_warmup,
+        },
+        |k| std::env::var(k).ok(),
+    )
+    .context("invalid setting")
+}
+
 /// `--e2e`: the CLI's own path, timed.
 fn e2e(args: &Args) -> Result<()> {
     use ds4_cli::generate::{default_sampler, one_shot, GenSettings};
-    use ds4_cli::load::{LoadOptions, ModeChoice, Precision};
+    use ds4_cli::load::{LoadOptions, ModeChoice};
     let Some(model) = &args.model else {
         bail!("--e2e needs -m FILE (a full-size synthetic file: ds4-convert synthetic --sparse-experts)");
     };
@@ -195,7 +209,8 @@ fn e2e(args: &Args) -> Result<()> {
                 .join(" ")
         }
     };
-    let precision = Precision::from_env(args.quality);
+    let config = run_config(args)?;
+    let precision = config.precision.value;
     let opts = LoadOptions {
         model: model.clone(),
         backend: args.backend,
@@ -206,8 +221,7 @@ fn e2e(args: &Args) -> Result<()> {
         threads: args.threads,
         placement: args.placement.to_overrides(),
         report: ds4_runtime::load::LoadReport::Quiet,
-        precision,
-        warmup: ds4_runtime::load::warmup_wanted(args.no_warmup),
+        config,
     };
     let t0 = Instant::now();
     let loaded = ds4_cli::load::load(&opts, &mut std::io::stderr())?;
@@ -241,10 +255,7 @@ fn e2e(args: &Args) -> Result<()> {
     let csv = format!(
         "bench,precision,load_s,prompt_tokens,prefill_s,prefill_tok_s,generated,gen_s,gen_tok_s\n\
          e2e,{},{load_s:.3},{},{:.3},{:.1},{},{:.3},{:.2}\n",
-        match precision {
-            Precision::Fast => "fast",
-            Precision::Quality => "quality",
-        },
+        precision.label(),
         stats.prefilled,
         stats.prefill_secs,
         rate(stats.prefilled, stats.prefill_secs),
@@ -402,61 +413,51 @@ fn frontiers(args: &Args) -> Result<()> {
     };
     eprintln!("{}", plan.render_text());
 
-    let cublas = match args.gemm.as_str() {
-        "f32" => Some(ds4_gpu::cuda::GemmPrecision::F32),
-        "tf32" => Some(ds4_gpu::cuda::GemmPrecision::Tf32),
-        "builtin" => None,
-        o => bail!("--gemm {o:?}: use f32, tf32 or builtin"),
-    };
-    let act_q8 = match args.act.as_str() {
-        "q8" => true,
-        "f32" => false,
-        o => bail!("--act {o:?}: use q8 or f32"),
-    };
-    let prefill_tiles = ds4_gpu::backend::PrefillTiles::parse(&args.tiles)
-        .with_context(|| format!("--tiles {:?}: use off, experts or all", args.tiles))?;
-    let mut be = CudaBackend::new(CudaOptions {
+    let config = run_config(args)?;
+    let mut knobs = config.knobs();
+    if let Some(g) = &args.gemm {
+        knobs.cublas = match g.as_str() {
+            "f32" => Some(ds4_gpu::cuda::GemmPrecision::F32),
+            "tf32" => Some(ds4_gpu::cuda::GemmPrecision::Tf32),
+            "builtin" => None,
+            o => bail!("--gemm {o:?}: use f32, tf32 or builtin"),
+        };
+    }
+    if let Some(a) = &args.act {
+        knobs.activation_q8 = match a.as_str() {
+            "q8" => true,
+            "f32" => false,
+            o => bail!("--act {o:?}: use q8 or f32"),
+        };
+    }
+    if let Some(t) = &args.tiles {
+        knobs.prefill_tiles = ds4_gpu::backend::PrefillTiles::parse(t)
+            .with_context(|| format!("--tiles {t:?}: use off, experts or all"))?;
+    }
+    let be = CudaBackend::new(CudaOptions {
         plan: Some(plan.clone()),
         source,
-        cublas,
-        prefill_tiles,
+        knobs,
         ..CudaOptions::default()
     })?;
-    eprintln!("prefill tiles: {}", args.tiles);
-    ds4_engine::Backend::set_activation_q8(&mut be, act_q8)?;
-    eprintln!("one-token activations: {}", args.act);
-    // The attention kernels `ds4` runs by default (or as DS4_PREFILL_ATTN /
-    // DS4_PREFILL_INDEXER / DS4_DECODE_ATTN say).
-    let attn =
-        ds4_runtime::load::tensor_core_attention_from_env(ds4_runtime::load::Precision::Fast);
-    ds4_runtime::load::apply_tensor_core_attention(&mut be, attn);
-    let dense_half = ds4_runtime::load::dense_gemm_half_for(
-        ds4_runtime::load::Precision::Fast,
-        std::env::var(ds4_runtime::load::DENSE_GEMM_ENV)
-            .ok()
-            .as_deref(),
-    ) && args.gemm == "tf32";
-    be.set_dense_gemm_half(dense_half);
+    eprintln!("prefill tiles: {}", knobs.prefill_tiles.name());
     eprintln!(
-        "dense prefill GEMM: {}",
-        if dense_half {
-            "cuBLAS f16"
-        } else {
-            "panels + --gemm"
-        }
+        "one-token activations: {}",
+        if knobs.activation_q8 { "q8" } else { "f32" }
     );
-    let kind = |on: bool| if on { "mma" } else { "warp" };
     eprintln!(
-        "attention: prefill {}, indexer {}, decode {}",
-        kind(attn.prefill),
-        kind(attn.indexer),
-        kind(attn.decode)
+        "prefill attention and indexer scores: {}",
+        if knobs.tensor_core_attention {
+            "tensor cores"
+        } else {
+            "f32 kernels"
+        }
     );
     eprintln!(
         "prefill GEMM: {}",
-        match be.cublas_path() {
-            Some(p) => format!("cuBLAS {} ({})", args.gemm, p.display()),
-            None => "built-in tiled f32 kernel".into(),
+        match (be.cublas_path(), knobs.cublas) {
+            (Some(p), Some(g)) => format!("cuBLAS {g:?} ({})", p.display()),
+            _ => "built-in tiled f32 kernel".into(),
         }
     );
     if let Some(actual) = be.actual_placement() {
@@ -474,12 +475,11 @@ fn frontiers(args: &Args) -> Result<()> {
         prefill_chunk: args.prefill_chunk,
     };
     let t_load = Instant::now();
-    let experts = ds4_cli::load::expert_placement(&plan);
+    let experts = ds4_cli::load::expert_placement(&plan, config.expert_readahead.value);
     if experts != ExpertPlacement::Resident && args.model.is_none() {
         bail!("streamed experts are read from a file: use -m FILE (ds4-convert synthetic --sparse-experts makes a full-size one)");
     }
     let mut eng = Engine::load_with(file.clone(), Box::new(be), cfg, experts)?;
-    eng.set_short_prefill_rows(ds4_runtime::load::short_prefill_rows_from_env());
     let load_s = t_load.elapsed().as_secs_f64();
     eprintln!(
         "loaded {label} in {load_s:.1} s ({:.1} s since start) · backend {} · mode {}",

@@ -9,12 +9,11 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use ds4_chat::render::{ThinkingMode, DEFAULT_SYSTEM};
 use ds4_cli::generate::{GenSettings, OneShotEnd};
-use ds4_cli::load::{
-    BackendChoice, LoadOptions, LoadReport, ModeChoice, PlacementFlags, Precision,
-};
+use ds4_cli::load::{BackendChoice, LoadOptions, LoadReport, ModeChoice, PlacementFlags};
 use ds4_cli::signals::Interrupts;
 use ds4_engine::SamplerConfig;
 use ds4_model::Strictness;
+use ds4_runtime::config::{Config, ConfigFlags};
 
 #[derive(Parser)]
 #[command(
@@ -68,8 +67,20 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    fn load_options(&self, ctx: usize, report: LoadReport) -> LoadOptions {
-        LoadOptions {
+    /// The run's settings from these flags and the environment.
+    fn config(&self) -> anyhow::Result<Config> {
+        Config::resolve(
+            ConfigFlags {
+                quality: self.quality,
+                no_warmup: self.no_warmup,
+            },
+            |k| std::env::var(k).ok(),
+        )
+        .context("invalid setting")
+    }
+
+    fn load_options(&self, ctx: usize, report: LoadReport) -> anyhow::Result<LoadOptions> {
+        Ok(LoadOptions {
             model: self.model.clone(),
             backend: self.backend,
             mode: self.mode,
@@ -79,9 +90,8 @@ impl ModelArgs {
             threads: self.threads,
             placement: self.placement.to_overrides(),
             report,
-            precision: Precision::from_env(self.quality),
-            warmup: ds4_runtime::load::warmup_wanted(self.no_warmup),
-        }
+            config: self.config()?,
+        })
     }
 }
 
@@ -150,6 +160,11 @@ struct RunArgs {
     /// -v prints the whole placement plan.
     #[arg(short, long)]
     quiet: bool,
+    /// Print the settings this run would use — precision and the GPU kernels it selects,
+    /// warm-up, load pipeline, placement — each with where it came from (default, a
+    /// DS4_* variable or a flag; docs/configuration.md), and exit without loading.
+    #[arg(long)]
+    print_config: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -360,7 +375,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     i + 1
                 );
             }
-            let opts = model.load_options(tokens.len(), LoadReport::Quiet);
+            let opts = model.load_options(tokens.len(), LoadReport::Quiet)?;
             let mut loaded = ds4_cli::load::load(&opts, &mut std::io::stderr())?;
             let logits = ds4_cli::logits::compute(&mut loaded.engine, &tokens, decode_from)?;
             if let Some(path) = &out {
@@ -418,8 +433,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 dir,
                 // A parity check compares against references: always the f32 path.
                 load: LoadOptions {
-                    precision: Precision::Quality,
-                    ..model.load_options(ctx, LoadReport::Quiet)
+                    config: Config::resolve(
+                        ConfigFlags {
+                            quality: true,
+                            no_warmup: model.no_warmup,
+                        },
+                        |k| std::env::var(k).ok(),
+                    )
+                    .context("invalid setting")?,
+                    ..model.load_options(ctx, LoadReport::Quiet)?
                 },
                 counts_only,
                 thresholds: ds4_cli::vectors::Thresholds {
@@ -551,6 +573,15 @@ fn history_file() -> Option<PathBuf> {
 
 /// One-shot generation or the interactive chat.
 fn run_model(a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
+    if a.print_config {
+        let config = a.model.config()?;
+        let placement = ds4_placement::resolve_overrides(&a.model.placement.to_overrides(), |k| {
+            std::env::var(k).ok()
+        })
+        .context("invalid placement override")?;
+        print!("{}", config.render(&placement));
+        return Ok(ExitCode::SUCCESS);
+    }
     if a.tokens == 0 {
         anyhow::bail!("-n/--tokens must be at least 1");
     }
@@ -602,7 +633,7 @@ fn run_model(a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
     } else {
         LoadReport::Summary
     };
-    let load_opts = a.model.load_options(a.ctx, report);
+    let load_opts = a.model.load_options(a.ctx, report)?;
     let intr = Interrupts::install()?;
     let loaded = ds4_cli::load::load(&load_opts, &mut std::io::stderr())?;
     if let Some(p) = prompt {

@@ -45,7 +45,7 @@ pub fn supports(ty: GgmlType) -> bool {
 /// `Backend::set_activation_q8`): every type with an integer dot product ([`supports`]).
 /// The low-bit formats' f32 dot products are compute-bound on a GPU; Q8_0's f32 GEMV reads
 /// 4 bytes of activations per byte of weight, which int8 activations in shared memory
-/// remove (decode 56.6 -> 95.9 tok/s on the H200; docs/gpu.md §8).
+/// remove (docs/gpu.md §8; the decode gain is in BENCHMARKS.md's progression).
 pub fn applies(ty: GgmlType) -> bool {
     supports(ty)
 }

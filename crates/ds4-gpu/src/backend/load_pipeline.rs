@@ -31,18 +31,17 @@ use ds4_placement::MemKind;
 use super::{GpuBackend, Storage, WeightSource};
 use crate::api::{DeviceBuffer, GpuApi};
 
-/// Default total size of the staging ring.
-const DEFAULT_STAGING_MIB: usize = 256;
-/// Default (and most) reader threads.
-const MAX_DEFAULT_THREADS: usize = 8;
+/// Default total size of the staging ring, MiB.
+pub const DEFAULT_STAGING_MIB: usize = 256;
+/// Most reader threads by default (fewer on a machine with fewer cores).
+pub const MAX_DEFAULT_THREADS: usize = 8;
 /// Staging buffers are a whole number of these (keeps `pread` and DMA aligned).
 const STAGING_ALIGN: usize = 4096;
 
-/// How the pipeline reads and stages. From the environment by default:
-/// `DS4_LOAD_THREADS` (readers, default min(8, available cores)) and
-/// `DS4_LOAD_STAGING_MIB` (the pinned staging ring in MiB, default 256, split into
-/// max(4, readers + 2) buffers, so two copies can be in flight while every reader fills
-/// one).
+/// How the pipeline reads and stages: reader threads, and the pinned staging ring split
+/// into max(4, readers + 2) buffers, so two copies can be in flight while every reader
+/// fills one. The binaries set it from `DS4_LOAD_THREADS` / `DS4_LOAD_STAGING_MIB`
+/// (`ds4_runtime::config`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoadConfig {
     /// Reader threads (at least 1).
@@ -53,25 +52,20 @@ pub struct LoadConfig {
     pub buffer_bytes: usize,
 }
 
-impl LoadConfig {
-    /// The configuration from `DS4_LOAD_THREADS` / `DS4_LOAD_STAGING_MIB`; a value that is
-    /// not a positive integer is an error naming the variable.
-    pub fn from_env() -> Result<LoadConfig, String> {
-        let var = |name: &str| -> Result<Option<usize>, String> {
-            match std::env::var(name) {
-                Err(_) => Ok(None),
-                Ok(v) => match v.trim().parse::<usize>() {
-                    Ok(n) if n > 0 => Ok(Some(n)),
-                    _ => Err(format!("{name}={v:?}: expected a positive integer")),
-                },
-            }
-        };
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = var("DS4_LOAD_THREADS")?.unwrap_or(cores.min(MAX_DEFAULT_THREADS));
-        let mib = var("DS4_LOAD_STAGING_MIB")?.unwrap_or(DEFAULT_STAGING_MIB);
-        Ok(LoadConfig::with_ring(threads, mib << 20))
+impl Default for LoadConfig {
+    /// min(8, available cores) readers and a ring of 256 MiB.
+    fn default() -> LoadConfig {
+        LoadConfig::with_ring(default_load_threads(), DEFAULT_STAGING_MIB << 20)
     }
+}
 
+/// Reader threads by default: one per available core, at most [`MAX_DEFAULT_THREADS`].
+pub fn default_load_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.min(MAX_DEFAULT_THREADS)
+}
+
+impl LoadConfig {
     /// `threads` readers and a ring of `total_bytes` split into max(4, threads + 2)
     /// buffers (each a multiple of 4 KiB, at least 4 KiB).
     pub fn with_ring(threads: usize, total_bytes: usize) -> LoadConfig {
@@ -476,9 +470,10 @@ impl Progress {
 const GIB: f64 = (1u64 << 30) as f64;
 
 impl<D: GpuApi> GpuBackend<D> {
-    /// Test and tuning hook: the pipeline's settings instead of the environment's.
+    /// The pipeline's settings from now on instead of [`super::Knobs::load`]'s (tests give
+    /// tiny rings).
     pub fn set_load_config(&mut self, cfg: LoadConfig) {
-        self.load_config = Some(cfg);
+        self.load_config = cfg;
     }
 
     /// [`ds4_engine::Backend::load_weights`]: allocate everything, then move the bytes
@@ -494,13 +489,7 @@ impl<D: GpuApi> GpuBackend<D> {
         for (name, usage) in list {
             out.push(self.load_inner(file, name, *usage, true)?);
         }
-        let cfg = match self.load_config {
-            Some(c) => c,
-            None => LoadConfig::from_env().map_err(|problem| BackendError::Invalid {
-                op: "load_weights",
-                problem,
-            })?,
-        };
+        let cfg = self.load_config;
         let (total, device) = self.run_pipeline(file, first, cfg)?;
         for wi in first..self.weights.len() {
             self.split_q8_0(wi)?;

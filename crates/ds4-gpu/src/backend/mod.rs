@@ -21,6 +21,7 @@
 //!   argmax (see `HostIo`).
 
 mod host_slabs;
+mod knobs;
 mod launch;
 mod load_pipeline;
 pub(crate) mod ops;
@@ -40,13 +41,14 @@ use ops::Q8InputKey;
 
 use crate::api::{DeviceBuffer, GpuApi};
 use crate::cache::KernelCache;
-use crate::cuda::{Cublas, CudaDevice, GemmPrecision};
+use crate::cuda::{Cublas, CudaDevice};
 use crate::error::GpuError;
 use crate::hip::HipDevice;
 use crate::kernels::{gemv_launch, GemvConfig, GemvLaunch, GemvType, GEMV, OPS, TILES};
 
+pub use knobs::{Knobs, PrefillTiles};
 pub use launch::Arg;
-pub use load_pipeline::LoadConfig;
+pub use load_pipeline::{default_load_threads, LoadConfig, DEFAULT_STAGING_MIB};
 
 /// Supplies tensor bytes instead of the GGUF file's payload (synthetic full-size models
 /// generated straight into their final buffers, where no file of that size exists).
@@ -87,55 +89,12 @@ pub struct CudaOptions {
     /// Token count from which matmuls use the dequantized-panel GEMM instead of the direct
     /// quantized kernel.
     pub panel_from_tokens: usize,
-    /// Prefill GEMM: cuBLAS at this precision when the library is found (`None`: always
-    /// the built-in tiled f32 kernel). CUDA only; ROCm always uses the built-in kernel.
-    pub cublas: Option<GemmPrecision>,
     /// Read host-resident weights from the file with `pread` straight into their final
     /// pinned buffer, dropping the page cache behind (no mmap-to-device copies, no double
     /// residency). Default: on for ROCm ([`HipBackend::new`] sets it), off for CUDA.
     pub pread_load: bool,
-    /// Which multi-token matmuls run on half-precision tiles decoded from the quantized
-    /// weights (`kernels/tiles.cu`) instead of f32 panels. Default: none (the pedantic
-    /// path); the CLI's fast default turns them on.
-    pub prefill_tiles: PrefillTiles,
-}
-
-/// Multi-token matmuls on quantized tiles (`kernels/tiles.cu`): half-precision operands
-/// (11 significant bits, TF32's class), f32 accumulation, no dequantized panels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrefillTiles {
-    /// Every multi-token matmul through panels (f32 or cuBLAS).
-    #[default]
-    Off,
-    /// Routed experts on tiles, grouped on the device; dense matmuls through panels.
-    Experts,
-    /// Routed experts and every dense multi-token matmul on tiles.
-    All,
-}
-
-impl PrefillTiles {
-    /// What the fast default (CLI, server, bench) uses: routed experts on tiles. `All` also
-    /// moves the dense matmuls off cuBLAS; it becomes the default when it measures faster.
-    pub const FAST: PrefillTiles = PrefillTiles::Experts;
-
-    /// The name [`Self::parse`] reads.
-    pub fn name(self) -> &'static str {
-        match self {
-            PrefillTiles::Off => "off",
-            PrefillTiles::Experts => "experts",
-            PrefillTiles::All => "all",
-        }
-    }
-
-    /// Parses `off`, `experts` or `all`.
-    pub fn parse(s: &str) -> Option<PrefillTiles> {
-        match s {
-            "off" => Some(PrefillTiles::Off),
-            "experts" => Some(PrefillTiles::Experts),
-            "all" => Some(PrefillTiles::All),
-            _ => None,
-        }
-    }
+    /// Kernel choices and diagnostics (default: what the binaries run, [`Knobs::fast`]).
+    pub knobs: Knobs,
 }
 
 /// Options of either runtime.
@@ -149,9 +108,8 @@ impl Default for CudaOptions {
             source: None,
             cache: KernelCache::default_location(),
             panel_from_tokens: 9,
-            cublas: Some(GemmPrecision::F32),
             pread_load: false,
-            prefill_tiles: PrefillTiles::Off,
+            knobs: Knobs::default(),
         }
     }
 }
@@ -242,8 +200,6 @@ pub(crate) struct GemvSet<D: GpuApi> {
     pub(crate) plain_cols: [D::Function; 2],
     /// Rows per warp of `plain_cols` (`ds4_gemv_cols_rows`, docs/gpu.md §35): its grid.
     pub(crate) plain_cols_rows: u32,
-    /// The same with one column per grid y (`ds4_gemv_colsplit_<t>`, docs/gpu.md §23).
-    pub(crate) plain_colsplit: [D::Function; 2],
     /// Most columns of every several-column GEMV, and the most codes (columns x inputs)
     /// the Q8_0 one's shared memory holds (`ds4_gemvq_cols_max`).
     pub(crate) cols_max: usize,
@@ -270,34 +226,9 @@ fn gemv_index(ty: GemvType) -> usize {
     GemvType::ALL.iter().position(|t| *t == ty).unwrap_or(0)
 }
 
-/// Extra `-D` options for gemv.cu from `DS4_GEMV_DEFINES` (space-separated, e.g.
-/// `-DDS4_Q8Q_UNITS=1`): the tuning knobs at the top of the file, measured in the whole
-/// engine without a rebuild (docs/gpu.md §8); tiles.cu's from `DS4_TILES_DEFINES`. Anything
-/// that is not a `-D` option is an error, so a typo cannot silently measure the default.
-fn kernel_defines(env: &'static str, var: Option<&str>) -> Result<Vec<String>, GpuError> {
-    let mut out = Vec::new();
-    for opt in var.unwrap_or("").split_whitespace() {
-        if !opt.starts_with("-D") || opt.len() < 3 {
-            return Err(GpuError::BadArgument {
-                op: env,
-                detail: format!("{opt:?} is not a -DNAME or -DNAME=VALUE option"),
-            });
-        }
-        out.push(opt.to_string());
-    }
-    Ok(out)
-}
-
 impl<D: GpuApi> GemvSet<D> {
     fn load(dev: &D, cache: &KernelCache) -> Result<Self, GpuError> {
-        let extra = kernel_defines(
-            "DS4_GEMV_DEFINES",
-            std::env::var("DS4_GEMV_DEFINES").ok().as_deref(),
-        )?;
-        if !extra.is_empty() {
-            tracing::info!(?extra, "gemv.cu compiled with DS4_GEMV_DEFINES");
-        }
-        let module = dev.load_module(&GEMV, cache, &extra)?;
+        let module = dev.load_module(&GEMV, cache, &[])?;
         let mut plain = Vec::new();
         let mut grouped = Vec::new();
         let mut configs = Vec::new();
@@ -348,10 +279,6 @@ impl<D: GpuApi> GemvSet<D> {
         let q8_grouped_rope = dev.function(&module, "ds4_gemv_grouped_rope_q_q8_0")?;
         let q8_cols = dev.function(&module, "ds4_gemv_cols_q_q8_0")?;
         let q8_quantize_rows = dev.function(&module, "ds4_quantize_q8_rows")?;
-        let plain_colsplit = [
-            dev.function(&module, "ds4_gemv_colsplit_f32")?,
-            dev.function(&module, "ds4_gemv_colsplit_f16")?,
-        ];
         let plain_cols = [
             dev.function(&module, "ds4_gemv_cols_f32")?,
             dev.function(&module, "ds4_gemv_cols_f16")?,
@@ -391,7 +318,6 @@ impl<D: GpuApi> GemvSet<D> {
             q8_quantize_rows,
             plain_cols,
             plain_cols_rows: u32::try_from(plain_cols_rows).unwrap_or(1).max(1),
-            plain_colsplit,
             cols_max: usize::try_from(cols_max).unwrap_or(0),
             q8_cols_codes: cols_codes,
             q8_cols_dyn: cols_dyn,
@@ -509,8 +435,8 @@ impl<D: GpuApi> GemvSet<D> {
     /// [`Self::launch_for`] for a grid that repeats the matrix `copies` times along y and z
     /// (grouped GEMVs: selections x matrices). The warps per row are chosen for the whole
     /// grid: sized for one matrix, `out_a`'s 8 groups split each row over 8 warps with one
-    /// vector per lane and ran in ~8 waves of short blocks (24 µs for 35.6 MB on the H200,
-    /// ncu).
+    /// vector per lane and ran in ~8 waves of short blocks (ncu: see BENCHMARKS.md, grouped
+    /// `out_a`).
     pub(crate) fn launch_for_grouped(
         &self,
         ty: GemvType,
@@ -560,9 +486,9 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) cublas: Option<Cublas>,
     loaded: LoadedBytes,
     pread_load: bool,
-    /// Load pipeline settings (`None`: from the environment, see [`LoadConfig`]).
-    load_config: Option<LoadConfig>,
-    /// `DS4_CUDA_PROFILE=1`: per-kernel launch counts and synchronised wall time (slows
+    /// Load pipeline settings ([`Knobs::load`], or [`Self::set_load_config`]'s).
+    load_config: LoadConfig,
+    /// [`Knobs::profile`]: per-kernel launch counts and synchronised wall time (slows
     /// everything down; for finding where time goes, not for speed numbers).
     pub(crate) profile: Option<std::sync::Mutex<HashMap<&'static str, (u64, f64)>>>,
     /// Device-time attribution by events (see [`Timeline`]); `None` when off.
@@ -576,73 +502,35 @@ pub struct GpuBackend<D: GpuApi> {
     pub(crate) wait_ns: std::sync::atomic::AtomicU64,
     /// Int8 activations for one-token matmuls ([`ds4_engine::Backend::set_activation_q8`]).
     pub(crate) act_q8: bool,
-    /// Multi-token matmuls on quantized tiles ([`CudaOptions::prefill_tiles`]).
+    /// Multi-token matmuls on quantized tiles ([`Knobs::prefill_tiles`]).
     pub(crate) tiles: PrefillTiles,
-    /// Dense tile matmuls of more than 64 tokens on `ds4_mm_tiles_wide` (64 rows x 128
-    /// tokens per block); `DS4_TILES_WIDE=0` keeps them on `ds4_mm_tiles`, for A/B runs.
-    pub(crate) tiles_wide: bool,
     /// Rows of a batched decode step ([`ds4_engine::Backend::set_decode_rows`]).
     pub(crate) decode_rows: usize,
-    /// Which decode launch fusions run (docs/gpu.md §17); each computes the same values as
-    /// the launches it replaces, the switches are for A/B timing.
-    pub(crate) fusions: DecodeFusions,
-    /// Dense multi-token matmuls of Q8_0 and F16 weights through cuBLAS's f16 GEMM (f16
-    /// panels and activations, f32 accumulation) instead of f32 panels and SGEMM;
-    /// `DS4_DENSE_GEMM=f16` at construction (docs/gpu.md §16).
-    pub(crate) dense_half: bool,
-    /// Fewest rows (heads x tokens) a paired head preparation needs to run one warp per row
-    /// (`ds4_norm_rope2_warps`, the same values as the block per row, docs/gpu.md §21);
-    /// `DS4_NORM_ROPE_WARPS`: `0` never, a number sets it (default 256: prefill chunks, not
-    /// a one-token step's 65 rows, which keep a block each on 65 multiprocessors).
-    pub(crate) norm_rope_warp_rows: usize,
-    /// Batched F16/F32 matmuls whose one-token grid has fewer warps than this run one
-    /// column per grid y (`ds4_gemv_colsplit_<t>`, docs/gpu.md §23); 0 (the default until
-    /// measured): never. `DS4_COLS_SPLIT=n` sets it in warps per multiprocessor.
-    pub(crate) cols_split_warps: u64,
+    /// Whether the decode launch fusions run (docs/gpu.md §17): always, except in the test
+    /// that proves each computes the same values as the launches it replaces
+    /// ([`Self::set_fused_launches`]).
+    pub(crate) fused: bool,
     /// Widest row `ds4_norm_rope2_warps` takes (`ds4_norm_rope_warps_max`).
     pub(crate) norm_rope_warps_width: usize,
-    /// The stream count `ds4_hc_post4` is built for (0: off, `DS4_HC_POST4=0`; the same
-    /// values as `ds4_hc_post`, docs/gpu.md §21).
+    /// The stream count `ds4_hc_post4` is built for (`ds4_hc_post4_streams`); other counts
+    /// take the flat `ds4_hc_post` (the same values, docs/gpu.md §21).
     pub(crate) hc_post4: usize,
-    /// A batched step's routed-expert GEMVs on one flat grid (`ds4_gemv_flat_*`, the same
-    /// values as the per-matrix grids, docs/gpu.md §25); `DS4_GROUPED_FLAT=0`: never.
-    pub(crate) grouped_flat: bool,
-    /// Passes of at least this many tokens take the mixing partials with four tokens per
-    /// block (`ds4_hc_mix_part_tpb_*`, the same values, docs/gpu.md §11): prompt pieces
-    /// of up to 64 tokens, where a block per token made the op grow with the tokens
-    /// (155 µs a launch at 49 tokens on an H100), not batched decode steps (at 8
-    /// sequences four tokens per block measured slower). `DS4_HC_MIX_TPB=n` sets it; 0:
-    /// never.
-    pub(crate) hc_mix_tpb_from: usize,
-    /// A batched step's sampling bands in one launch (`ds4_logit_bands`, docs/gpu.md
-    /// §31); `DS4_BATCH_BANDS=0`: one launch per band (A/B).
-    pub(crate) batch_bands: bool,
-    /// Matmuls of one input at decode rows (`matmul_set`, `matmul_pair`) quantize it once
-    /// (docs/gpu.md §29); `DS4_Q8_INPUT_ONCE=0`: once per matrix.
-    pub(crate) q8_input_once: bool,
-    /// While such a set runs: `Some(key)` of the input whose int8 codes the several-column
-    /// GEMV's scratch holds (`Some(None)`: none yet); `None` outside a set, where every
-    /// several-column launch quantizes its input.
+    /// While a matmul set runs (`matmul_set`, `matmul_pair`: one input at decode rows,
+    /// quantized once, docs/gpu.md §29): `Some(key)` of the input whose int8 codes the
+    /// several-column GEMV's scratch holds (`Some(None)`: none yet); `None` outside a set,
+    /// where every several-column launch quantizes its input.
     pub(crate) q8_input_memo: Option<Option<Q8InputKey>>,
     /// Multi-token attention on the tensor cores (`ds4_attention_mma`) where the shapes
-    /// and the device allow it; `DS4_PREFILL_ATTN=mma` (docs/gpu.md §14).
+    /// and the device allow it ([`Knobs::tensor_core_attention`], docs/gpu.md §14).
     pub(crate) attn_mma: bool,
-    /// The same for few-token calls (decode), split over blocks and combined;
-    /// `DS4_DECODE_ATTN=mma`.
-    pub(crate) attn_mma_decode: bool,
-    /// Prefill indexer scores on the tensor cores (`ds4_indexer_scores_mma`);
-    /// `DS4_PREFILL_INDEXER=mma` (docs/gpu.md §15).
+    /// Prefill indexer scores on the tensor cores (`ds4_indexer_scores_mma`; the same
+    /// knob, docs/gpu.md §15).
     pub(crate) idx_mma: bool,
     pub(crate) imma_smem: u32,
     /// Dynamic shared memory `ds4_attention_mma` declares, and what the device allows.
     pub(crate) amma_smem: u32,
-    /// Dynamic shared memory of the tile kernels (0: static only; non-zero when tiles.cu
-    /// is built with `-DDS4_TILES_SMEM_TABLES=1`, docs/gpu.md §4).
-    pub(crate) tiles_smem: u32,
-    /// Routed IQ2_XXS / Q2_K experts on `ds4_mm_rtiles` where the device has the shared
-    /// memory and `mma.sync` (the default; `DS4_RTILES=0` keeps `ds4_mm_tiles`, docs/gpu.md §4).
-    pub(crate) rtiles: bool,
-    /// Dynamic shared memory of `ds4_mm_rtiles`.
+    /// Dynamic shared memory of `ds4_mm_rtiles` (the routed IQ2_XXS / Q2_K experts' tile
+    /// kernel where the device has the shared memory and `mma.sync`, docs/gpu.md §4).
     pub(crate) rtiles_smem: u32,
     pub(crate) max_dyn_smem: u32,
 }
@@ -738,87 +626,6 @@ impl<D: GpuApi> std::fmt::Debug for GpuBackend<D> {
     }
 }
 
-/// The decode launch fusions (docs/gpu.md §17), each on unless its environment variable is
-/// `0`/`off`/`false`/`no` at construction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DecodeFusions {
-    /// HCPost inside the next mixing-matmul kernel (`DS4_FUSE_HC_POST`).
-    pub hc_post: bool,
-    /// Query heads and KV row prepared in one launch (`DS4_FUSE_NORM_ROPE`).
-    pub norm_rope: bool,
-    /// SwiGLU in the down projections' input stage (`DS4_FUSE_SWIGLU`).
-    pub swiglu: bool,
-    /// The query's RMSNorm in q_b's input stage (`DS4_FUSE_RMS_MATMUL`).
-    pub rms_matmul: bool,
-    /// The output de-rotation in out_a's input stage (`DS4_FUSE_ROPE_MATMUL`).
-    pub rope_matmul: bool,
-    /// A CSA layer's two compressors in one launch (`DS4_FUSE_COMPRESSORS`).
-    pub compressors: bool,
-    /// A one-token step's KV row stored in the window ring by the kernel that prepares it
-    /// (`DS4_FUSE_RING_STORE`).
-    pub ring_store: bool,
-    /// Split-key attention's combine run by each head's last split block
-    /// (`DS4_FUSE_ATT_COMBINE`).
-    pub att_combine: bool,
-    /// The indexer query's RoPE in its Hadamard FP4 kernel (`DS4_FUSE_ROPE_QAT`).
-    pub rope_qat: bool,
-    /// The router run by the last block of its matmul (`DS4_FUSE_ROUTER`).
-    pub router: bool,
-}
-
-impl DecodeFusions {
-    /// Every fusion on (`on`) or off.
-    pub fn all(on: bool) -> DecodeFusions {
-        DecodeFusions {
-            hc_post: on,
-            norm_rope: on,
-            swiglu: on,
-            rms_matmul: on,
-            rope_matmul: on,
-            compressors: on,
-            ring_store: on,
-            att_combine: on,
-            rope_qat: on,
-            router: on,
-        }
-    }
-
-    pub fn from_env() -> DecodeFusions {
-        DecodeFusions {
-            hc_post: env_on("DS4_FUSE_HC_POST"),
-            norm_rope: env_on("DS4_FUSE_NORM_ROPE"),
-            swiglu: env_on("DS4_FUSE_SWIGLU"),
-            rms_matmul: env_on("DS4_FUSE_RMS_MATMUL"),
-            rope_matmul: env_on("DS4_FUSE_ROPE_MATMUL"),
-            compressors: env_on("DS4_FUSE_COMPRESSORS"),
-            ring_store: env_on("DS4_FUSE_RING_STORE"),
-            att_combine: env_on("DS4_FUSE_ATT_COMBINE"),
-            rope_qat: env_on("DS4_FUSE_ROPE_QAT"),
-            router: env_on("DS4_FUSE_ROUTER"),
-        }
-    }
-}
-
-/// `DS4_NORM_ROPE_WARPS` to the fewest rows that run `ds4_norm_rope2_warps`: unset or
-/// unreadable 256, `0` never, else the number.
-fn norm_rope_warp_rows(v: Option<String>) -> usize {
-    const DEFAULT: usize = 256;
-    match v.as_deref().map(str::trim) {
-        Some("0") => usize::MAX,
-        Some(n) => n.parse().unwrap_or(DEFAULT),
-        None => DEFAULT,
-    }
-}
-
-/// Whether a switch that is on by default stays on: everything but `0`, `off`, `false`,
-/// `no` (or unset) in the environment variable `name`.
-fn env_on(name: &str) -> bool {
-    !matches!(
-        std::env::var(name).ok().as_deref().map(str::trim),
-        Some("0" | "off" | "false" | "no")
-    )
-}
-
 /// Every kernel of the ops module (`ops.cu` and the files it includes) the backend launches.
 /// Widest Q8_0 row the in-place split kernel takes (`DS4_Q8S_MAX_IN` in dequant.cu; DeepSeek V4
 /// Flash's widest Q8_0 row is 8192).
@@ -827,7 +634,6 @@ pub(crate) const Q8_SPLIT_MAX_IN: usize = 32768;
 const OP_KERNELS: &[&str] = &[
     "ds4_dequant_rows",
     "ds4_dequant_q8_rows",
-    "ds4_dequant_q8_rows_h",
     "ds4_gemm_nt",
     "ds4_matmul_generic",
     "ds4_fill",
@@ -882,8 +688,6 @@ const OP_KERNELS: &[&str] = &[
     "ds4_hc_post4",
     "ds4_q8_0_split",
     "ds4_attention_mma",
-    "ds4_attention_mma_split",
-    "ds4_attention_mma_split_seqs",
     "ds4_indexer_scores_mma",
 ];
 
@@ -918,7 +722,7 @@ impl GpuBackend<CudaDevice> {
     /// [`Self::new`] on a device the caller already opened (the loader reads its facts
     /// for the planner first; `opts.ordinal` is not used).
     pub fn on_device(dev: CudaDevice, opts: CudaOptions) -> Result<CudaBackend, GpuError> {
-        let cublas = match opts.cublas {
+        let cublas = match opts.knobs.cublas {
             Some(p) => match Cublas::load(&dev, p) {
                 Ok(c) => Some(c),
                 Err(e) => {
@@ -960,6 +764,7 @@ impl<D: GpuApi> GpuBackend<D> {
         opts: CudaOptions,
         cublas: Option<Cublas>,
     ) -> Result<GpuBackend<D>, GpuError> {
+        let knobs = opts.knobs;
         let gemv = GemvSet::load(&dev, &opts.cache)?;
         let module = dev.load_module(&OPS, &opts.cache, &[])?;
         let mut funcs = HashMap::new();
@@ -968,24 +773,14 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         let [amma_smem, _] = dev.read_i32x2_global(&module, "ds4_attention_mma_smem")?;
         let [nrw_max, _] = dev.read_i32x2_global(&module, "ds4_norm_rope_warps_max")?;
-        let sms = u64::from(dev.multiprocessors().max(1));
         let [post4, _] = dev.read_i32x2_global(&module, "ds4_hc_post4_streams")?;
         let amma_smem = u32::try_from(amma_smem).unwrap_or(u32::MAX);
         let [imma_smem, _] = dev.read_i32x2_global(&module, "ds4_indexer_scores_mma_smem")?;
         let imma_smem = u32::try_from(imma_smem).unwrap_or(u32::MAX);
-        let tiles_extra = kernel_defines(
-            "DS4_TILES_DEFINES",
-            std::env::var("DS4_TILES_DEFINES").ok().as_deref(),
-        )?;
-        if !tiles_extra.is_empty() {
-            tracing::info!(extra = ?tiles_extra, "tiles.cu compiled with DS4_TILES_DEFINES");
-        }
-        let tiles_module = dev.load_module(&TILES, &opts.cache, &tiles_extra)?;
+        let tiles_module = dev.load_module(&TILES, &opts.cache, &[])?;
         for name in TILE_KERNELS {
             funcs.insert(*name, dev.function(&tiles_module, name)?);
         }
-        let [tiles_smem, _] = dev.read_i32x2_global(&tiles_module, "ds4_mm_tiles_smem")?;
-        let tiles_smem = u32::try_from(tiles_smem).unwrap_or(u32::MAX);
         let [rtiles_smem, _] = dev.read_i32x2_global(&tiles_module, "ds4_mm_rtiles_smem")?;
         let rtiles_smem = u32::try_from(rtiles_smem).unwrap_or(u32::MAX);
         let mut fault = dev.alloc(MemKind::Device, 4)?;
@@ -1027,52 +822,24 @@ impl<D: GpuApi> GpuBackend<D> {
             cublas,
             loaded: LoadedBytes::default(),
             pread_load: opts.pread_load,
-            load_config: None,
-            profile: std::env::var("DS4_CUDA_PROFILE")
-                .is_ok_and(|v| v == "1")
-                .then(|| std::sync::Mutex::new(HashMap::new())),
+            load_config: knobs.load,
+            profile: knobs.profile.then(|| std::sync::Mutex::new(HashMap::new())),
             timeline: None,
             tag: "",
             launches: Default::default(),
             syncs: Default::default(),
             wait_ns: Default::default(),
-            act_q8: false,
-            tiles: opts.prefill_tiles,
-            tiles_wide: env_on("DS4_TILES_WIDE"),
+            act_q8: knobs.activation_q8,
+            tiles: knobs.prefill_tiles,
             decode_rows: 1,
-            fusions: DecodeFusions::from_env(),
-            norm_rope_warp_rows: norm_rope_warp_rows(std::env::var("DS4_NORM_ROPE_WARPS").ok()),
+            fused: true,
             norm_rope_warps_width: usize::try_from(nrw_max).unwrap_or(0),
-            cols_split_warps: std::env::var("DS4_COLS_SPLIT")
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(0)
-                .saturating_mul(sms),
-            grouped_flat: env_on("DS4_GROUPED_FLAT"),
-            batch_bands: env_on("DS4_BATCH_BANDS"),
-            hc_mix_tpb_from: std::env::var("DS4_HC_MIX_TPB")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(ops::HC_MIX_TPB_FROM),
-            q8_input_once: env_on("DS4_Q8_INPUT_ONCE"),
+            hc_post4: usize::try_from(post4).unwrap_or(0),
             q8_input_memo: None,
-            hc_post4: if env_on("DS4_HC_POST4") {
-                usize::try_from(post4).unwrap_or(0)
-            } else {
-                0
-            },
-            dense_half: std::env::var("DS4_DENSE_GEMM")
-                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("f16")),
-            attn_mma: std::env::var("DS4_PREFILL_ATTN")
-                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
-            attn_mma_decode: std::env::var("DS4_DECODE_ATTN")
-                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
-            idx_mma: std::env::var("DS4_PREFILL_INDEXER")
-                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("mma")),
+            attn_mma: knobs.tensor_core_attention,
+            idx_mma: knobs.tensor_core_attention,
             imma_smem,
             amma_smem,
-            tiles_smem,
-            rtiles: !std::env::var("DS4_RTILES").is_ok_and(|v| v.trim() == "0"),
             rtiles_smem,
             max_dyn_smem: 0,
         };
@@ -1149,44 +916,14 @@ impl<D: GpuApi> GpuBackend<D> {
         &self.dev
     }
 
+    /// Separate launches instead of the decode launch fusions (docs/gpu.md §17) when
+    /// `on` is false. The values are the same bit for bit; this exists for the test that
+    /// proves it (`emulated_fused_launches_equal_the_separate_ones`).
+    pub fn set_fused_launches(&mut self, on: bool) {
+        self.fused = on;
+    }
+
     /// Waits for all queued work (for timing) and reports any device fault.
-    /// Multi-token attention on the tensor cores where it applies (`DS4_PREFILL_ATTN=mma`
-    /// at construction; docs/gpu.md §14).
-    pub fn set_prefill_attention_mma(&mut self, on: bool) {
-        self.attn_mma = on;
-    }
-
-    /// Dense multi-token matmuls (Q8_0, F16 weights) through cuBLAS's f16 GEMM
-    /// (`DS4_DENSE_GEMM=f16` at construction; docs/gpu.md §16). Needs cuBLAS with
-    /// `cublasGemmEx`; without it the f32 panels stay.
-    /// Whether matmuls of one input at decode rows quantize it once (the default; see
-    /// `q8_input_once`). For A/B runs and the tests that compare both.
-    pub fn set_q8_input_once(&mut self, on: bool) {
-        self.q8_input_once = on;
-    }
-
-    pub fn set_dense_gemm_half(&mut self, on: bool) {
-        self.dense_half = on;
-    }
-
-    /// Which decode launch fusions run (default: [`DecodeFusions::from_env`], all on unless
-    /// a `DS4_FUSE_*` variable says `0`). The values are the same either way.
-    pub fn set_decode_fusions(&mut self, f: DecodeFusions) {
-        self.fusions = f;
-    }
-
-    /// Prefill indexer scores on the tensor cores (`DS4_PREFILL_INDEXER=mma` at
-    /// construction; docs/gpu.md §15).
-    pub fn set_prefill_indexer_mma(&mut self, on: bool) {
-        self.idx_mma = on;
-    }
-
-    /// The tensor-core attention for few-token calls too, keys split over blocks
-    /// (`DS4_DECODE_ATTN=mma` at construction; docs/gpu.md §14).
-    pub fn set_decode_attention_mma(&mut self, on: bool) {
-        self.attn_mma_decode = on;
-    }
-
     pub fn sync(&mut self) -> BResult<()> {
         let queued = self.queue_fault("sync")?;
         host_wait(&self.syncs, &self.wait_ns, || self.dev.synchronize()).map_err(gerr("sync"))?;
@@ -2044,12 +1781,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
 
     fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
         validate::logit_bands(x, n, jobs)?;
-        if !self.batch_bands {
-            for j in jobs {
-                self.op_logit_band(x.sub(j.row * n, n), j.span, None, j.out)?;
-            }
-            return Ok(());
-        }
         self.op_logit_bands(x, n, jobs)
     }
 
@@ -2292,7 +2023,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         }
         validate::matmul(fn_, 0, x, args.n_tok, mix)?;
         validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
-        if self.fusions.hc_post {
+        if self.fused {
             let a = (base, scale);
             let no = (norm, out);
             if self.op_hc_mix_pre(Some(prev), fn_, x, mix, a.0, a.1, args, y, post, comb, no)? {
@@ -2339,7 +2070,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::rope(x, &rope)?;
         validate::matmul_grouped(w, groups, x, n_tok, y)?;
-        if self.fusions.rope_matmul
+        if self.fused
             && n_tok == 1
             && self.q8_rows(1)
             && self.op_rope_grouped_gemv(x, rope, w, groups, y)?
@@ -2363,7 +2094,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         let width = w.info.cols();
         validate::rms_norm(x, Some(norm), n_tok, width, h)?;
         validate::matmul(w, 0, h, n_tok, out)?;
-        if self.fusions.rms_matmul
+        if self.fused
             && n_tok == 1
             && self.q8_rows(1)
             && self.op_rms_norm_gemv(x, norm, eps, h, w, out)?
@@ -2386,7 +2117,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     ) -> BResult<()> {
         validate::swiglu(gate, up, h)?;
         validate::matmul(w, 0, h, n_tok, out)?;
-        if self.fusions.swiglu
+        if self.fused
             && n_tok == 1
             && self.q8_rows(1)
             && self.op_swiglu_gemv(gate, up, clamp, w, out)?
@@ -2418,7 +2149,7 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
             && store.kv == b.x.sub(0, store.kv.len)
             && store.kv.len == b.rope.head_dim
             && store.ring.len == store.window * b.rope.head_dim;
-        if self.fusions.ring_store && one_row {
+        if self.fused && one_row {
             return self.op_norm_rope_pair(a, b, Some(store));
         }
         self.op_norm_rope_pair(a, b, None)?;
@@ -2616,23 +2347,4 @@ fn host_wait<T>(
         Relaxed,
     );
     r
-}
-
-#[cfg(test)]
-mod tests {
-    use super::kernel_defines;
-
-    #[test]
-    fn kernel_defines_accept_only_define_options() {
-        let defs = |v| kernel_defines("DS4_TILES_DEFINES", v);
-        assert!(defs(None).unwrap().is_empty());
-        assert_eq!(
-            defs(Some(" -DDS4_Q8Q_UNITS=1  -DX ")).unwrap(),
-            vec!["-DDS4_Q8Q_UNITS=1".to_string(), "-DX".to_string()]
-        );
-        let e = defs(Some("-DA --use_fast_math")).unwrap_err();
-        assert!(e.to_string().contains("--use_fast_math"), "{e}");
-        assert!(e.to_string().contains("DS4_TILES_DEFINES"), "{e}");
-        assert!(defs(Some("-D")).is_err());
-    }
 }

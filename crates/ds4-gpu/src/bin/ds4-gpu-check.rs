@@ -8,7 +8,7 @@
 //!   DIR when given. Any compile error is the exit status, which is what CI relies on.
 //! * `hip [ARCH] [OPTIONS]` — load the HIP runtime and hiprtc, list devices (or report
 //!   that there are none) and compile every kernel module with hiprtc (default gfx1030).
-//! * `run [--quick] [--no-variants]` (default) — on a CUDA device: device facts, kernel compile + cache,
+//! * `run [--quick]` (default) — on a CUDA device: device facts, kernel compile + cache,
 //!   copy bandwidth, every GEMV type against `ds4_gguf::quant::dot` on fresh random data
 //!   with NaN-poisoned outputs, timings over rotated buffers larger than L2, the placement
 //!   kinds (device, pinned host, managed, registered host), and grouped expert GEMVs.
@@ -32,10 +32,7 @@ fn main() -> Result<()> {
             let c = parse_compile_args(&args[1..])?;
             compile(&c)
         }
-        Some("run") | None => run(
-            args.iter().any(|a| a == "--quick"),
-            !args.iter().any(|a| a == "--no-variants"),
-        ),
+        Some("run") | None => run(args.iter().any(|a| a == "--quick")),
         Some("hip") => hip(
             args.get(1).map(String::as_str).unwrap_or("gfx1030"),
             &args[args.len().min(2)..],
@@ -505,7 +502,7 @@ fn bench_case(
     Ok((rel, maxrel, bad, same, tm))
 }
 
-fn run(quick: bool, with_variants: bool) -> Result<()> {
+fn run(quick: bool) -> Result<()> {
     let mut rep = Report {
         lines: Vec::new(),
         failures: Vec::new(),
@@ -952,69 +949,6 @@ fn run(quick: bool, with_variants: bool) -> Result<()> {
         );
         rep.line(line.clone());
         table.push(line);
-    }
-
-    // Tuning variants: the same kernels compiled with other knobs, checked and timed
-    // (graph replays) on the main shapes.
-    // The first sweep (rows per warp, registers, unroll, plain rows) chose the defaults
-    // (crates/ds4-gpu/NOTES.md); this one compares the split-layout Q8_0 engines: the
-    // cp.async ring (stages, rows per warp) against the register-staged one.
-    let variants: &[&[&str]] = &[
-        &["-DDS4_Q8S_REGS=0"],
-        &[
-            "-DDS4_Q8S_REGS=0",
-            "-DDS4_Q8A_STAGES=2",
-            "-DDS4_GEMV_ROWS=4",
-        ],
-        &["-DDS4_Q8S_DEPTH=3"],
-    ];
-    let vshapes: &[(GemvType, usize, usize)] = &[
-        (GemvType::Q8_0, 4096, 1024),
-        (GemvType::Q8_0, 1024, 32768),
-        (GemvType::Q8_0, 4096, 8192),
-        (GemvType::Q8_0, 4096, 129280),
-        (GemvType::Iq2Xxs, 4096, 2048),
-        (GemvType::Q2K, 2048, 4096),
-        (GemvType::Q4K, 4096, 2048),
-        (GemvType::F16, 4096, 1024),
-        (GemvType::F16, 1024, 32768),
-        (GemvType::F32, 4096, 2048),
-    ];
-    for extra in variants.iter().filter(|_| with_variants) {
-        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let plain_only = extra.iter().all(|e| e.starts_with("-DDS4_GEMV_PLAIN_ROWS"));
-        let q8_only = extra.iter().any(|e| e.starts_with("-DDS4_Q8"));
-        let kv = match GemvKernels::load_with(&dev, &cache, &extra) {
-            Ok(kv) => kv,
-            Err(e) => {
-                rep.fail(format!("variant {extra:?}: {e}"));
-                continue;
-            }
-        };
-        for &(t, n_in, n_out) in vshapes {
-            let quantized = t.ggml().is_quantized();
-            if plain_only == quantized
-                || (q8_only && t != GemvType::Q8_0)
-                || (quick && n_out > 65536)
-            {
-                continue;
-            }
-            let (rel, _, bad, same, tm) =
-                bench_case(&dev, &kv, &mut rng, t, n_in, n_out, samples, rotate_bytes)?;
-            if bad > 0 || !within_tol(rel) || !same {
-                rep.fail(format!(
-                    "variant {extra:?} {}: rel {rel:.3e}, {bad} non-finite, deterministic {same}",
-                    t.suffix()
-                ));
-            }
-            let a = kv.function(t).attrs()?;
-            let line = format!(
-                "variant {:40} {:8} in {:5} out {:6}: regs {:3} local {:3} | stream {:7.2} us | graph {:7.2} us {:5.0} GB/s",
-                extra.join(" "), t.suffix(), n_in, n_out, a.registers, a.local_bytes, tm.us, tm.graph_us, tm.graph_gbs
-            );
-            rep.line(line.clone());
-            table.push(line);
-        }
     }
 
     let _ = std::fs::remove_dir_all(&cache_dir);

@@ -1,4 +1,4 @@
-//! cuBLAS SGEMM (and the f16 GemmEx) for the prefill matmuls, loaded at run time with libloading.
+//! cuBLAS SGEMM for the prefill matmuls, loaded at run time with libloading.
 //!
 //! Why not cudarc's cuBLAS module: its dynamic loader looks for the library names of the
 //! CUDA version it was built for, while the machines here ship cuBLAS 13 (toolkit) or the
@@ -37,38 +37,6 @@ type SgemmFn = unsafe extern "C" fn(
     c_int,
 ) -> c_int;
 
-/// `cublasGemmEx`: typed operands (here f16 A and B, f32 C) with an f32 compute type.
-#[allow(clippy::type_complexity)]
-type GemmExFn = unsafe extern "C" fn(
-    Handle,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-    *const c_void,
-    *const c_void,
-    c_int,
-    c_int,
-    *const c_void,
-    c_int,
-    c_int,
-    *const c_void,
-    *mut c_void,
-    c_int,
-    c_int,
-    c_int,
-    c_int,
-) -> c_int;
-
-/// `CUDA_R_32F` / `CUDA_R_16F` (library_types.h).
-const R_32F: c_int = 0;
-const R_16F: c_int = 2;
-/// `CUBLAS_COMPUTE_32F`: f32 accumulation (f16 products on the tensor cores).
-const COMPUTE_32F: c_int = 68;
-/// `CUBLAS_GEMM_DEFAULT`.
-const GEMM_DEFAULT: c_int = -1;
-
 const OP_N: c_int = 0;
 const OP_T: c_int = 1;
 /// `CUBLAS_PEDANTIC_MATH`: true f32 (no TF32), for parity with the CPU reference.
@@ -91,8 +59,6 @@ pub struct Cublas {
     handle: Handle,
     destroy: DestroyFn,
     sgemm: SgemmFn,
-    /// Absent from very old cuBLAS builds: the half-precision GEMM then is not offered.
-    gemm_ex: Option<GemmExFn>,
     ctx: Arc<Ctx>,
     pub path: PathBuf,
 }
@@ -156,8 +122,6 @@ impl Cublas {
                 last = format!("{} lacks the cuBLAS v2 entry points", c.display());
                 continue;
             };
-            // SAFETY: symbol type matches the cuBLAS v2 C declaration of cublasGemmEx.
-            let gemm_ex = unsafe { lib.get::<GemmExFn>(b"cublasGemmEx\0").map(|s| *s).ok() };
             let ctx = dev.ctx.clone();
             ctx.bind()?;
             let mut handle: Handle = std::ptr::null_mut();
@@ -195,7 +159,6 @@ impl Cublas {
                 handle,
                 destroy,
                 sgemm,
-                gemm_ex,
                 ctx,
                 path: c,
             });
@@ -258,80 +221,6 @@ impl Cublas {
             return Err(GpuError::Cuda {
                 call: "cublasSgemm",
                 context: format!("{n_tok}x{n_rows}x{k} GEMM"),
-                code: format!("status {st}"),
-            });
-        }
-        Ok(())
-    }
-}
-
-impl Cublas {
-    /// Whether [`Cublas::gemm_nt_half`] is available.
-    pub(crate) fn has_half(&self) -> bool {
-        self.gemm_ex.is_some()
-    }
-
-    /// [`Cublas::gemm_nt`] with X and W as f16 (Y stays f32, f32 accumulation): the
-    /// tensor cores' half-precision products, twice TF32's rate, from panels half the size.
-    ///
-    /// # Safety
-    /// As [`Cublas::gemm_nt`], with X and W holding 2-byte values.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn gemm_nt_half(
-        &self,
-        x: u64,
-        x_stride: usize,
-        w: u64,
-        w_stride: usize,
-        y: u64,
-        y_stride: usize,
-        n_tok: usize,
-        n_rows: usize,
-        k: usize,
-    ) -> Result<()> {
-        let Some(gemm_ex) = self.gemm_ex else {
-            return Err(GpuError::BadArgument {
-                op: "cublas gemm",
-                detail: "this cuBLAS has no cublasGemmEx".into(),
-            });
-        };
-        let i = |v: usize, what: &str| -> Result<c_int> {
-            c_int::try_from(v).map_err(|_| GpuError::BadArgument {
-                op: "cublas gemm",
-                detail: format!("{what} = {v} exceeds cuBLAS's int range"),
-            })
-        };
-        self.ctx.bind()?;
-        let (one, zero) = (1f32, 0f32);
-        // Same column-major view as gemm_nt; alpha/beta are f32 (the compute type's).
-        // SAFETY: per this function's contract; the scalars live across the call.
-        let st = unsafe {
-            gemm_ex(
-                self.handle,
-                OP_T,
-                OP_N,
-                i(n_rows, "rows")?,
-                i(n_tok, "tokens")?,
-                i(k, "k")?,
-                (&one as *const f32).cast(),
-                w as *const c_void,
-                R_16F,
-                i(w_stride, "w stride")?,
-                x as *const c_void,
-                R_16F,
-                i(x_stride, "x stride")?,
-                (&zero as *const f32).cast(),
-                y as *mut c_void,
-                R_32F,
-                i(y_stride, "y stride")?,
-                COMPUTE_32F,
-                GEMM_DEFAULT,
-            )
-        };
-        if st != 0 {
-            return Err(GpuError::Cuda {
-                call: "cublasGemmEx",
-                context: format!("{n_tok}x{n_rows}x{k} half GEMM"),
                 code: format!("status {st}"),
             });
         }

@@ -85,8 +85,8 @@ pub(crate) struct Ctx {
     pub(crate) ordinal: usize,
     pub(crate) ctx: sys::CUcontext,
     pub(crate) stream: sys::CUstream,
-    /// Kernels are launched with programmatic stream serialization (sm_90 and later, unless
-    /// `DS4_PDL=0`): see `kernels/ds4_port.h`'s `ds4_grid_wait` and docs/gpu.md.
+    /// Kernels are launched with programmatic stream serialization (sm_90 and later): see
+    /// `kernels/ds4_port.h`'s `ds4_grid_wait` and docs/gpu.md §6.
     pub(crate) pdl: bool,
     /// Overlap for the launches queued now (the backend's choice per forward pass); only
     /// used where `pdl` is on.
@@ -160,7 +160,8 @@ impl Ctx {
             || format!("reading device {ordinal}'s compute capability"),
         )
         .map_err(release)?;
-        let pdl = major >= 9 && pdl_allowed(std::env::var("DS4_PDL").ok().as_deref());
+        // Overlapped launches (docs/gpu.md §6) need sm_90's grid dependency control.
+        let pdl = major >= 9;
         Ok(Arc::new(Ctx {
             device,
             ordinal,
@@ -193,12 +194,6 @@ impl Ctx {
     }
 }
 
-/// `DS4_PDL=0` (or `off`/`false`) turns overlapped launches off, for A/B measurements and as
-/// an escape hatch; anything else (or unset) leaves them on where the GPU has them.
-pub(crate) fn pdl_allowed(var: Option<&str>) -> bool {
-    !matches!(var.map(str::trim), Some("0" | "off" | "false" | "no"))
-}
-
 impl Drop for Ctx {
     fn drop(&mut self) {
         // SAFETY: last owner: no buffer, module or event of this context is alive (they
@@ -208,20 +203,6 @@ impl Drop for Ctx {
             sys::cuStreamSynchronize(self.stream);
             sys::cuStreamDestroy_v2(self.stream);
             sys::cuDevicePrimaryCtxRelease_v2(self.device);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::pdl_allowed;
-
-    #[test]
-    fn pdl_switch() {
-        assert!(pdl_allowed(None));
-        assert!(pdl_allowed(Some("1")));
-        for off in ["0", "off", "false", " 0 "] {
-            assert!(!pdl_allowed(Some(off)));
         }
     }
 }

@@ -94,7 +94,7 @@ impl GemvKernels {
         Self::load_with(dev, cache, &[])
     }
 
-    /// [`Self::load`] with extra NVRTC options (tuning variants: `-DDS4_GEMV_MIN_BLOCKS=2`).
+    /// [`Self::load`] with extra NVRTC options (build flags; the tunables are constants).
     pub fn load_with(
         dev: &CudaDevice,
         cache: &KernelCache,

@@ -267,8 +267,9 @@ impl CudaDevice {
         self.load_module_with(src, cache, &[])
     }
 
-    /// [`Self::load_module`] with extra NVRTC options (e.g. `-DDS4_GEMV_UNROLL=2` to try
-    /// a tuning variant); they are part of the cache key.
+    /// [`Self::load_module`] with extra NVRTC options (e.g. `-DDS4_EMU_ONE_TABLE`-style
+    /// build flags of the kernels; the tunables are constants, not options); they are part of
+    /// the cache key.
     pub fn load_module_with(
         &self,
         src: &KernelSource,

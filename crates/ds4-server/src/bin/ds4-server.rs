@@ -342,6 +342,15 @@ fn main() -> Result<()> {
         webchat: !a.no_webchat,
         ..ServerConfig::default()
     };
+    // Every setting is read (and a typo reported) before the port is taken.
+    let config = ds4_runtime::config::Config::resolve(
+        ds4_runtime::config::ConfigFlags {
+            quality: a.quality,
+            no_warmup: a.no_warmup,
+        },
+        |k| std::env::var(k).ok(),
+    )
+    .context("invalid setting")?;
     check_model_path(&a.model)?;
     // The port is taken before the (long) load; until the model is ready every request is
     // answered 503, `/health` with `{"status":"loading"}` (docs/server.md §4).
@@ -358,8 +367,7 @@ fn main() -> Result<()> {
         Ok::<_, anyhow::Error>(ds4_server::loading::Loading::start(listener, header_timeout))
     })?;
     let t0 = std::time::Instant::now();
-    let precision = ds4_runtime::load::Precision::from_env(a.quality);
-    tracing::info!("prefill precision: {}", precision.name());
+    tracing::info!("prefill precision: {}", config.precision.value.name());
     // The CLI's loader: backend, placement plan (printed), engine, tokenizer, identity.
     let opts = ds4_runtime::load::LoadOptions {
         backend: a.backend,
@@ -369,9 +377,8 @@ fn main() -> Result<()> {
             ds4_runtime::load::LoadReport::Summary
         },
         placement: a.placement.to_overrides(),
-        precision,
+        config,
         kv_states: parallel,
-        warmup: ds4_runtime::load::warmup_wanted(a.no_warmup),
         ..ModelOptions {
             ctx: a.ctx,
             threads: a.threads,

@@ -98,14 +98,13 @@ impl<D: GpuApi> GpuBackend<D> {
             kps,
             splits,
             split: t * nh < ATT_SPLIT_BELOW_BLOCKS && splits > 1,
-            n_keys,
         })
     }
 
     /// Whether the tensor-core attention can run this call (docs/gpu.md §14): 512-dim heads
     /// in groups of 64, the device gives a block the kernel's shared memory, and every row
     /// the kernel reads with 16-byte loads is 16-byte aligned. (Whether it is switched on
-    /// is the caller's test: `attn_mma` for prefill, `attn_mma_decode` for the split path.)
+    /// is the caller's test: `attn_mma`, for chunks that do not split their keys.)
     fn att_mma_ok(&self, a: &AttnArgs) -> BResult<bool> {
         const OP: &str = "attention";
         if a.head_dim != AMMA_HD
@@ -182,37 +181,6 @@ impl<D: GpuApi> GpuBackend<D> {
                 &args,
             );
         }
-        if pl.split && self.attn_mma_decode && self.att_mma_ok(&a)? {
-            // The combine is the single-query one.
-            let (kps, splits) = amma_splits(pl.n_keys);
-            let part = self.scratch("att_part", 4 * t * nh * splits * (hd + 2))?;
-            let mut args = self.att_args(&a, &pl, None, false)?;
-            args.extend([
-                i32a(OP, "keys per split", kps)?,
-                Arg::Ptr(part),
-                Arg::Ptr(self.fault_ptr()),
-            ]);
-            self.launch_smem(
-                "ds4_attention_mma_split",
-                (g32(t), g32(splits), g32(nh / AMMA_HEADS)),
-                AMMA_THREADS,
-                self.amma_smem,
-                &args,
-            )?;
-            return self.launch(
-                "ds4_attention_combine",
-                (g32(t * nh), 1, 1),
-                256,
-                &[
-                    Arg::Ptr(part),
-                    Arg::Ptr(sinks),
-                    i32a(OP, "heads", nh)?,
-                    i32a(OP, "head dim", hd)?,
-                    i32a(OP, "splits", splits)?,
-                    Arg::Ptr(self.fptr(a.out, OP)?),
-                ],
-            );
-        }
         if pl.split {
             let part = self.scratch("att_part", 4 * t * nh * pl.splits * (hd + 2))?;
             let mut args = self.att_args(&a, &pl, None, true)?;
@@ -221,7 +189,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(part),
                 Arg::Ptr(self.fault_ptr()),
             ]);
-            if self.fusions.att_combine {
+            if self.fused {
                 // One zeroed counter per (token, head); the kernel leaves them zeroed.
                 if !self.has_scratch("att_count") {
                     self.upload_scratch_i32("att_count", &[0; ATT_SPLIT_BELOW_BLOCKS])?;
@@ -284,22 +252,6 @@ impl<D: GpuApi> GpuBackend<D> {
             }
             let a0 = group[0];
             let (n, nh, hd) = (group.len(), a0.n_head, a0.head_dim);
-            // The tensor-core kernel splits differently (whole tiles of keys).
-            let mut mma = self.attn_mma_decode;
-            for a in group {
-                mma = mma && self.att_mma_ok(a)?;
-            }
-            let plans: Vec<AttPlan> = plans
-                .into_iter()
-                .map(|p| {
-                    if mma {
-                        let (kps, splits) = amma_splits(p.n_keys);
-                        AttPlan { kps, splits, ..p }
-                    } else {
-                        p
-                    }
-                })
-                .collect();
             let max_splits = plans.iter().map(|p| p.splits).max().unwrap_or(1);
             // Per-sequence arguments, laid out as `ds4_att_seqs` in attention.cu: ring, crows,
             // idx, pos0, n_crows (8 bytes each), then kps and splits (4 bytes each).
@@ -325,12 +277,11 @@ impl<D: GpuApi> GpuBackend<D> {
             let part = self.scratch("att_part", 4 * n * nh * max_splits * (hd + 2))?;
             let sinks = self.wvec(a0.sinks, OP, nh)?;
             let p0 = &plans[0];
-            // The two kernels take the same arguments but the head dim (the tensor-core one
-            // fixes it at 512) and launch differently.
-            let mut args = vec![
+            let args = [
                 Arg::Ptr(self.fptr(a0.q, OP)?),
                 Arg::Ptr(self.fptr(a0.kv, OP)?),
                 i32a(OP, "heads", nh)?,
+                i32a(OP, "head dim", hd)?,
                 i32a(OP, "window", a0.window)?,
                 Arg::I32(p0.mode),
                 i32a(OP, "ratio", p0.ratio)?,
@@ -340,20 +291,8 @@ impl<D: GpuApi> GpuBackend<D> {
                 Arg::Ptr(part),
                 Arg::Ptr(self.fault_ptr()),
             ];
-            let (name, grid, threads, smem) = if mma {
-                let grid = (g32(n), g32(max_splits), g32(nh / AMMA_HEADS));
-                (
-                    "ds4_attention_mma_split_seqs",
-                    grid,
-                    AMMA_THREADS,
-                    self.amma_smem,
-                )
-            } else {
-                args.insert(3, i32a(OP, "head dim", hd)?);
-                let grid = (g32(n * nh), g32(max_splits), 1);
-                ("ds4_attention_split_seqs", grid, 128, 0)
-            };
-            self.launch_blob_smem(name, grid, threads, smem, &args, 2, &blob)?;
+            let grid = (g32(n * nh), g32(max_splits), 1);
+            self.launch_blob("ds4_attention_split_seqs", grid, 128, &args, 2, &blob)?;
             self.launch_blob(
                 "ds4_attention_combine_seqs",
                 (g32(n * nh), 1, 1),

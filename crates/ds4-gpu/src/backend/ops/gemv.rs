@@ -121,8 +121,9 @@ impl<D: GpuApi> GpuBackend<D> {
     /// Queues `m` (decode rows of an F32 or F16 matrix: batched decode) through the
     /// several-column plain GEMV in groups of at most `cols_max` tokens, with the one-token
     /// launch's warps per row (its own rows per warp and grid, docs/gpu.md §35), so each
-    /// token's row is summed as the one-token GEMV sums it; false when it does not apply. (Wider steps had gone to the generic matmul,
-    /// whose other summation order broke batched-equals-alone at 16 sequences on the H200.)
+    /// token's row is summed as the one-token GEMV sums it; false when it does not apply.
+    /// (Wider steps had gone to the generic matmul, whose other summation order broke
+    /// batched-equals-alone at 16 sequences.)
     pub(super) fn mm_plain_cols(&mut self, m: Mm, op: &'static str) -> BResult<bool> {
         let idx = match m.ty {
             GgmlType::F32 => 0,
@@ -144,31 +145,6 @@ impl<D: GpuApi> GpuBackend<D> {
         let per = self.gemv.cols_max;
         if per == 0 {
             return Ok(false);
-        }
-        let warps = u64::from(l.grid_x) * u64::from(crate::kernels::GEMV_WARPS);
-        if warps < self.cols_split_warps && m.n_tok <= 65_535 {
-            // A small one-token grid: one column per grid y, each block a one-token block.
-            self.launch_fn(
-                &self.gemv.plain_colsplit[idx],
-                if idx == 0 {
-                    "gemv_colsplit_f32"
-                } else {
-                    "gemv_colsplit_f16"
-                },
-                (l.grid_x, g32(m.n_tok), 1),
-                l.block,
-                &[
-                    Arg::Ptr(wbase),
-                    Arg::Ptr(m.x),
-                    u(m.x_stride),
-                    Arg::Ptr(m.y),
-                    u(m.y_stride),
-                    i32a(op, "cols", m.cols)?,
-                    i32a(op, "rows", m.n_rows)?,
-                    Arg::I32(l.wpr as i32),
-                ],
-            )?;
-            return Ok(true);
         }
         self.launch_column_groups(idx, &l, wbase, m, per, op)?;
         Ok(true)

@@ -18,8 +18,8 @@ impl<D: GpuApi> GpuBackend<D> {
             return Ok(());
         }
         // The embedding starts every forward pass: overlapped launches for decode-sized
-        // passes (+16 % decode on the H200), plain ones for prefill chunks (measured ~9 %
-        // slower at 32k with overlap; BENCHMARKS.md).
+        // passes, plain ones for prefill chunks, where overlap measured slower (see
+        // BENCHMARKS.md, overlapped launches; docs/gpu.md §6).
         self.dev
             .set_overlapped_launches(n_tok <= OVERLAP_MAX_TOKENS);
         let gw = self.weight(table, OP)?;
@@ -125,7 +125,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
         let nm = 2 * n + n * n;
         let gw = self.weight(fn_, OP)?;
-        let tpb = self.hc_mix_tpb_from > 0 && t >= self.hc_mix_tpb_from.max(2);
+        let tpb = t >= super::HC_MIX_TPB_FROM;
         let kernel = match (gw.info.ty, tpb) {
             (GgmlType::F16, false) => "ds4_hc_mix_part_f16",
             (GgmlType::F32, false) => "ds4_hc_mix_part_f32",

@@ -87,7 +87,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 && !(c.args.n_tok >= COMP_WINDOWS_FROM
                     && (!c.args.overlap || c.args.ratio <= COMP_MAX_OVERLAP_M))
         };
-        if !self.fusions.compressors
+        if !self.fused
             || !sequential(&a)
             || !sequential(&b)
             || !pairwise_disjoint(&[a.acc, a.rows, b.acc, b.rows])

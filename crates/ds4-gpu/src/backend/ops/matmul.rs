@@ -99,13 +99,6 @@ impl<D: GpuApi> GpuBackend<D> {
             && m.cols.is_multiple_of(32)
             && m.row_bytes.is_multiple_of(16)
             && (m.w + (m.row0 * m.row_bytes) as u64).is_multiple_of(16);
-        let f16_rows = m.ty == GgmlType::F16 && m.row_bytes == 2 * m.cols;
-        if self.dense_half
-            && (q8_fast || f16_rows)
-            && self.cublas.as_ref().is_some_and(|c| c.has_half())
-        {
-            return self.mm_dense_half(m, op);
-        }
         // Dequantized panels of rows, then the f32 GEMM.
         let panel_rows = (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows);
         let panel = self.scratch("panel", 4 * panel_rows * m.cols)?;
@@ -113,7 +106,7 @@ impl<D: GpuApi> GpuBackend<D> {
         while r < m.n_rows {
             let n = panel_rows.min(m.n_rows - r);
             if q8_fast {
-                self.q8_panel("ds4_dequant_q8_rows", &m, r, n, panel, op)?;
+                self.q8_panel(&m, r, n, panel, op)?;
             } else {
                 self.launch(
                     "ds4_dequant_rows",
@@ -175,19 +168,11 @@ impl<D: GpuApi> GpuBackend<D> {
         Ok(())
     }
 
-    /// Rows `r..r + n` of a split-layout Q8_0 matmul decoded into `panel` by `kernel`
-    /// (`ds4_dequant_q8_rows`: f32, `ds4_dequant_q8_rows_h`: f16; one thread per 16 codes).
-    fn q8_panel(
-        &self,
-        kernel: &'static str,
-        m: &Mm,
-        r: usize,
-        n: usize,
-        panel: u64,
-        op: &'static str,
-    ) -> BResult<()> {
+    /// Rows `r..r + n` of a split-layout Q8_0 matmul decoded into the f32 `panel`
+    /// (`ds4_dequant_q8_rows`, one thread per 16 codes).
+    fn q8_panel(&self, m: &Mm, r: usize, n: usize, panel: u64, op: &'static str) -> BResult<()> {
         self.launch(
-            kernel,
+            "ds4_dequant_q8_rows",
             (g32(n), g32(m.cols.div_ceil(16 * 256)), 1),
             256,
             &[
@@ -201,7 +186,7 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// The matmul's activations (n_tok rows of cols, row stride x_stride) as contiguous
-    /// halves in scratch, for the tile kernels and the f16 GEMM.
+    /// halves in scratch, for the tile kernels.
     pub(super) fn x_as_half(&mut self, m: &Mm, op: &'static str) -> BResult<u64> {
         let xh = self.scratch("tiles_xd", 2 * m.n_tok * m.cols)?;
         self.launch(
@@ -217,62 +202,6 @@ impl<D: GpuApi> GpuBackend<D> {
             ],
         )?;
         Ok(xh)
-    }
-
-    /// A dense multi-token matmul through cuBLAS's f16 GEMM (docs/gpu.md §16): the
-    /// activations as halves once, then per panel of rows the Q8_0 rows decoded to halves
-    /// (F16 weights are used where they lie) and one `cublasGemmEx` with f32 accumulation.
-    /// The caller has checked the weight type, the layout and that cuBLAS has GemmEx.
-    fn mm_dense_half(&mut self, m: Mm, op: &'static str) -> BResult<()> {
-        let xh = self.x_as_half(&m, op)?;
-        let direct = m.ty == GgmlType::F16;
-        let panel_rows = if direct {
-            m.n_rows
-        } else {
-            (PANEL_ELEMS / m.cols.max(1)).clamp(1, m.n_rows)
-        };
-        let panel = if direct {
-            0
-        } else {
-            self.scratch("panel", 2 * panel_rows * m.cols)?
-        };
-        let cb = self.cublas.as_ref().ok_or_else(|| {
-            gerr(op)(crate::error::GpuError::BadArgument {
-                op: "dense f16 GEMM",
-                detail: "no cuBLAS".into(),
-            })
-        })?;
-        let mut r = 0;
-        while r < m.n_rows {
-            let n = panel_rows.min(m.n_rows - r);
-            let w = if direct {
-                m.w + (m.row0 * m.row_bytes) as u64
-            } else {
-                self.q8_panel("ds4_dequant_q8_rows_h", &m, r, n, panel, op)?;
-                panel
-            };
-            self.mark_launch("cublas_gemm_nt_f16")?;
-            // SAFETY: xh holds n_tok rows of cols halves (written above), w n rows of cols
-            // halves (the panel just decoded, or the F16 tensor's rows from row0 + r), y
-            // n_tok rows of y_stride f32 from column r; all device memory of this
-            // context, alive until the stream drains.
-            unsafe {
-                cb.gemm_nt_half(
-                    xh,
-                    m.cols,
-                    w,
-                    m.cols,
-                    m.y + 4 * r as u64,
-                    m.y_stride,
-                    m.n_tok,
-                    n,
-                    m.cols,
-                )
-            }
-            .map_err(gerr(op))?;
-            r += n;
-        }
-        Ok(())
     }
 
     pub(in crate::backend) fn op_matmul(
@@ -492,7 +421,7 @@ impl<D: GpuApi> GpuBackend<D> {
         n_tok: usize,
         f: impl FnOnce(&mut Self) -> BResult<()>,
     ) -> BResult<()> {
-        let own = self.q8_input_once && n_tok > 1 && self.q8_input_memo.is_none();
+        let own = n_tok > 1 && self.q8_input_memo.is_none();
         if own {
             self.q8_input_memo = Some(None);
         }

@@ -73,10 +73,6 @@ const IMMA_MIN_TOKENS: usize = 16;
 const AMMA_HD: usize = 512;
 const AMMA_HEADS: usize = 64;
 const AMMA_THREADS: u32 = 512;
-/// Fewest keys per split of the tensor-core decode attention: each block loads its 64
-/// query rows and writes 64 partial rows whatever its keys, so splits of one 32-key tile
-/// would mostly move partials.
-const AMMA_MIN_KEYS_PER_SPLIT: usize = 64;
 /// Sequences of one batched attention launch (`DS4_ATT_SEQS` in attention.cu).
 const ATT_SEQS: usize = 16;
 /// Bands per `ds4_logit_bands` launch (`DS4_BANDS_MAX`, kernels/sampling.cu).
@@ -84,15 +80,6 @@ pub(crate) const BANDS_MAX: usize = 16;
 /// Most partial-result bytes of one batched attention launch (beyond: one sequence at a
 /// time, each with its own, smaller partials).
 const ATT_BATCH_PART_BYTES: usize = 256 << 20;
-
-/// Keys per split and splits of the tensor-core decode attention over `n_keys` keys: whole
-/// 32-key tiles, at least [`AMMA_MIN_KEYS_PER_SPLIT`], at most [`ATT_MAX_SPLITS`] splits.
-fn amma_splits(n_keys: usize) -> (usize, usize) {
-    let kps = AMMA_MIN_KEYS_PER_SPLIT
-        .max(n_keys.div_ceil(ATT_MAX_SPLITS))
-        .next_multiple_of(32);
-    (kps, n_keys.div_ceil(kps).max(1))
-}
 
 /// Whether `s` is row `i` (of `w` values) after `first` in the same buffer.
 fn rows_follow(s: Slice, i: usize, w: usize, first: Slice) -> bool {
@@ -116,8 +103,6 @@ struct AttPlan {
     splits: usize,
     /// Whether this call alone runs the split-key kernels (else `ds4_attention`).
     split: bool,
-    /// Keys of the call's last token (the most of any of its tokens).
-    n_keys: usize,
 }
 
 /// One tile GEMM launch (`ds4_mm_tiles`): device addresses, shapes, and the groups (routed
@@ -235,9 +220,15 @@ pub(crate) const HC_MIX_THREADS: u32 = 256;
 pub(crate) const HC_MIX_MAX_PARTS: usize = 64;
 /// Tokens per block of `ds4_hc_mix_part_tpb_*` (`DS4_HCM_TPB`).
 pub(crate) const HC_MIX_TPB: usize = 4;
-/// Passes of at least this many tokens use `ds4_hc_mix_part_tpb_*` (more than the 16
-/// sequences of a batched decode step; `DS4_HC_MIX_TPB=n` overrides, 0: never).
+/// Passes of at least this many tokens use `ds4_hc_mix_part_tpb_*` (the same values,
+/// docs/gpu.md §11): prompt pieces, where a block per token made the op grow with the
+/// tokens, not the 16 sequences of a batched decode step, where four tokens per block
+/// measured slower (BENCHMARKS.md, four-token HC blocks).
 pub(crate) const HC_MIX_TPB_FROM: usize = 17;
+/// Paired head preparations of at least this many rows (heads x tokens) run a warp per row
+/// (`ds4_norm_rope2_warps`, the same values as a block per row, docs/gpu.md §21): prefill
+/// chunks, not a one-token step's 65 rows, which keep a block each on 65 multiprocessors.
+pub(crate) const NORM_ROPE_WARPS_FROM: usize = 256;
 
 /// `ds4_router_warp` (kernels/moe.cu): experts per token it holds (32 lanes x
 /// DS4_RW_PER_LANE), most selections (one per lane) and tokens per 256-thread block.

@@ -28,7 +28,7 @@ impl<D: GpuApi> GpuBackend<D> {
             .launch_for(GemvType::F16, cols, rows)
             .ok()
             .filter(|l| l.row_bytes as usize == row_bytes);
-        let fits = self.fusions.router
+        let fits = self.fused
             && a.n_tok == 1
             && ty == GgmlType::F16
             && rows == a.n_expert
@@ -209,7 +209,7 @@ impl<D: GpuApi> GpuBackend<D> {
         }
         // Batched decode steps (decode rows) stay on the grouped GEMVs at any width: 16
         // sequences are 96 selections, and the host-grouped path costs a synchronisation
-        // per layer (44 per step measured at 16 sequences on the H200).
+        // per layer (BENCHMARKS.md, "Figures moved out of code comments").
         let grouped = (n_sel <= GROUPED_MAX_SEL || self.q8_rows(t))
             && self.grouped_ok(gty, d, f, gp)
             && self.grouped_ok(gty, d, f, upp)
@@ -255,7 +255,7 @@ impl<D: GpuApi> GpuBackend<D> {
                 f,
                 self.q8_rows(t),
             )?;
-            if self.fusions.swiglu && self.q8_rows(t) {
+            if self.fused && self.q8_rows(t) {
                 let (sg_, su_) = ((sg, su), (wp, a.clamp));
                 if self.grouped_swiglu(
                     dty,
@@ -652,7 +652,7 @@ impl<D: GpuApi> GpuBackend<D> {
 
     /// The flat entry points (gate/up, down) a grouped launch of `n_sel` selections
     /// (`per_tok` per token) of `ty` runs on (docs/gpu.md §25): int8 activations, a batched
-    /// step, a low-bit type (the ones that have them), not switched off.
+    /// step, a low-bit type (the ones that have them).
     fn flat_functions(
         &self,
         ty: GgmlType,
@@ -660,7 +660,7 @@ impl<D: GpuApi> GpuBackend<D> {
         per_tok: usize,
         q8: bool,
     ) -> Option<&(D::Function, D::Function)> {
-        if !(self.grouped_flat && q8 && n_sel > per_tok) {
+        if !(q8 && n_sel > per_tok) {
             return None;
         }
         self.gemv.q8_flat_functions(GemvType::from_ggml(ty).ok()?)

@@ -165,7 +165,7 @@ impl<D: GpuApi> GpuBackend<D> {
     ) -> BResult<()> {
         const OP: &str = "qat_hadamard_fp4";
         let rd = a.freq.rope_dim;
-        let fits = self.fusions.rope_qat
+        let fits = self.fused
             && !a.inverse
             && a.head_dim == width
             && a.n_rows * a.n_heads == rows
@@ -264,7 +264,7 @@ impl<D: GpuApi> GpuBackend<D> {
             b.rope.n_rows * b.rope.n_heads,
         );
         // Rows of one buffer go one call after the other (they could overlap).
-        if !self.fusions.norm_rope
+        if !self.fused
             || a.x.buf.id() == b.x.buf.id()
             || !same_rotation
             || a.eps.to_bits() != b.eps.to_bits()
@@ -296,7 +296,7 @@ impl<D: GpuApi> GpuBackend<D> {
         let rows = rows_a + rows_b;
         // One warp per row for prefill-sized launches (docs/gpu.md §21), a block per row
         // otherwise; the same values either way.
-        let warps = rows >= self.norm_rope_warp_rows && width <= self.norm_rope_warps_width;
+        let warps = rows >= super::NORM_ROPE_WARPS_FROM && width <= self.norm_rope_warps_width;
         let (name, grid) = if warps {
             ("ds4_norm_rope2_warps", g32(rows.div_ceil(8)))
         } else {

@@ -40,9 +40,10 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     /// Whether a routed-expert matmul takes `ds4_mm_rtiles` (tiles.cu: the weights decoded
-    /// straight into the MMA registers; `DS4_RTILES=1`, off until the H200 has measured
-    /// it): IQ2_XXS or Q2_K rows of a multiple of 256 values, aligned as [`Self::tiles_ok`]
-    /// asks, and the device allowing the kernel's shared memory.
+    /// straight into the MMA registers; faster than `ds4_mm_tiles` for these formats, see
+    /// BENCHMARKS.md, prefill tiles): IQ2_XXS or Q2_K rows of a multiple of 256 values,
+    /// aligned as [`Self::tiles_ok`] asks, and the device allowing the kernel's shared memory
+    /// (0 bytes: a build without `mma.sync`, whose kernel is a NaN stub).
     pub(super) fn rtiles_for(
         &self,
         ty: GgmlType,
@@ -52,8 +53,7 @@ impl<D: GpuApi> GpuBackend<D> {
         w2: u64,
     ) -> bool {
         // 0 bytes: a build without mma.sync, whose ds4_mm_rtiles is a NaN stub (tiles.cu).
-        self.rtiles
-            && self.rtiles_smem > 0
+        self.rtiles_smem > 0
             && matches!(ty, GgmlType::Iq2Xxs | GgmlType::Q2K)
             && cols >= 256
             && cols.is_multiple_of(256)
@@ -69,9 +69,9 @@ impl<D: GpuApi> GpuBackend<D> {
         let (kernel, rows, smem) = if t.regs {
             ("ds4_mm_rtiles", RTILE_ROWS, self.rtiles_smem)
         } else if t.wide {
-            ("ds4_mm_tiles_wide", WIDE_ROWS, self.tiles_smem)
+            ("ds4_mm_tiles_wide", WIDE_ROWS, 0)
         } else {
-            ("ds4_mm_tiles", TILE_ROWS, self.tiles_smem)
+            ("ds4_mm_tiles", TILE_ROWS, 0)
         };
         if smem > self.max_dyn_smem {
             return Err(BackendError::Invalid {
@@ -109,7 +109,7 @@ impl<D: GpuApi> GpuBackend<D> {
     pub(super) fn mm_tiles(&mut self, m: Mm, op: &'static str) -> BResult<()> {
         let xh = self.x_as_half(&m, op)?;
         // More than one token tile of 64: blocks of 128 tokens (half the weight decoding).
-        let wide = self.tiles_wide && m.n_tok > TILE_TOKENS;
+        let wide = m.n_tok > TILE_TOKENS;
         let tokens = if wide { WIDE_TOKENS } else { TILE_TOKENS };
         self.launch_tiles(
             TileMm {

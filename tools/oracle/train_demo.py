@@ -214,6 +214,7 @@ def reference(model, tok, held_text: str) -> dict:
     ids = tok.encode(held_text).ids
     first = REF_CTX // 2
     nll = []
+    running = []
     model.eval()
     with torch.no_grad():
         for c in range(len(ids) // REF_CTX):
@@ -222,6 +223,7 @@ def reference(model, tok, held_text: str) -> dict:
             lp = torch.log_softmax(logits, dim=-1)
             for p in range(first, REF_CTX - 1):
                 nll.append(-lp[p, chunk[0, p + 1]].item())
+            running.append(math.exp(sum(nll) / len(nll)))
     n = len(nll)
     mean = sum(nll) / n
     var = sum(x * x for x in nll) / n - mean * mean
@@ -229,7 +231,7 @@ def reference(model, tok, held_text: str) -> dict:
     return {
         "heldout_ids": {"count": len(ids), "sha256_u32le": sha256_bytes(struct.pack(f"<{len(ids)}I", *ids))},
         "ppl_ctx256": {"ctx": REF_CTX, "chunks": len(ids) // REF_CTX, "scored": n, "nll_mean": mean,
-                       "ppl": ppl, "ppl_err": ppl * math.sqrt(var / (n - 1)),
+                       "ppl": ppl, "ppl_err": ppl * math.sqrt(var / (n - 1)), "running_ppl": running,
                        "how": "HF transformers float32 (eager), one forward of each chunk's first ctx-1 "
                               "tokens, log-softmax in float64; chunks and scoring as `ds4 perplexity`"},
     }

@@ -25,6 +25,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use ds4_chat::{SpecialTokens, Tokenizer};
 use ds4_engine::{Engine, Logits};
+use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -271,7 +272,7 @@ impl Drop for BaseWriter {
     }
 }
 
-/// Reads a base file chunk by chunk (one row in memory at a time). Opening checks the
+/// Reads a base file chunk by chunk, row by row (the caller holds what it needs). Opening checks the
 /// header and that the file is exactly as long as the header says; every chunk's checksum
 /// is checked when its last row has been read.
 pub struct BaseReader {
@@ -556,6 +557,42 @@ impl PplAccum {
     }
 }
 
+/// One scored token compared with the base.
+#[derive(Debug, Clone, Copy)]
+pub struct RowKl {
+    pub nll: f64,
+    pub nll_base: f64,
+    /// KL(base ‖ this run) over the whole row.
+    pub kld: f64,
+    pub same_top: bool,
+}
+
+impl RowKl {
+    /// This run's log-probabilities `lq` with their argmax, the base's `lb`, and the token
+    /// that came next.
+    pub fn new(lq: &[f32], top_q: usize, lb: &[f32], target: usize) -> Self {
+        let mut kld = 0.0f64;
+        let mut top_b = 0;
+        let mut best = f32::NEG_INFINITY;
+        for (i, (&b, &q)) in lb.iter().zip(lq).enumerate() {
+            if b > best {
+                best = b;
+                top_b = i;
+            }
+            if b != f32::NEG_INFINITY {
+                let b = f64::from(b);
+                kld += b.exp() * (b - f64::from(q));
+            }
+        }
+        RowKl {
+            nll: -f64::from(lq[target]),
+            nll_base: -f64::from(lb[target]),
+            kld,
+            same_top: top_b == top_q,
+        }
+    }
+}
+
 /// Running sums of a comparison with a base (llama.cpp's `kl_divergence_result`), plus every
 /// token's KLD and Δp for the quantiles.
 #[derive(Debug, Clone, Default)]
@@ -581,21 +618,17 @@ impl KlAccum {
     /// One scored token: this run's log-probabilities `lq` with their argmax, the base's
     /// `lb`, and the token that came next.
     pub fn add(&mut self, lq: &[f32], top_q: usize, lb: &[f32], target: usize) {
-        let nll = -f64::from(lq[target]);
-        let nll_base = -f64::from(lb[target]);
-        let mut kld = 0.0f64;
-        let mut top_b = 0;
-        let mut best = f32::NEG_INFINITY;
-        for (i, (&b, &q)) in lb.iter().zip(lq).enumerate() {
-            if b > best {
-                best = b;
-                top_b = i;
-            }
-            if b != f32::NEG_INFINITY {
-                let b = f64::from(b);
-                kld += b.exp() * (b - f64::from(q));
-            }
-        }
+        self.push(RowKl::new(lq, top_q, lb, target));
+    }
+
+    /// Adds one token's comparison (rows are compared in parallel, added in order).
+    pub fn push(&mut self, row: RowKl) {
+        let RowKl {
+            nll,
+            nll_base,
+            kld,
+            same_top,
+        } = row;
         self.sum_nll += nll;
         self.sum_nll2 += nll * nll;
         self.sum_nll_base += nll_base;
@@ -608,7 +641,7 @@ impl KlAccum {
         self.sum_p_diff2 += p_diff * p_diff;
         self.sum_p_diff4 += p_diff * p_diff * p_diff * p_diff;
         self.max_p_diff = self.max_p_diff.max(p_diff.abs());
-        self.n_same_top += usize::from(top_b == top_q);
+        self.n_same_top += usize::from(same_top);
         self.count += 1;
         self.kld.push(kld as f32);
         self.p_diff.push(p_diff as f32);
@@ -1094,7 +1127,8 @@ pub fn run(
     let mut kl = base.as_ref().map(|_| KlAccum::default());
     let mut running = Vec::with_capacity(n_chunks);
     let mut lq = vec![0f32; rows * n_vocab];
-    let mut lb = vec![0f32; n_vocab];
+    // The base's rows of one chunk (read in order, compared in parallel).
+    let mut lb = vec![0f32; if base.is_some() { rows * n_vocab } else { 0 }];
     let mut tops = vec![0usize; rows];
     let mut seconds = 0.0f64;
     if kl.is_some() && !req.json {
@@ -1118,16 +1152,26 @@ pub fn run(
                     dt * n_chunks as f64 / 60.0
                 )?;
             }
+            // Rows in parallel (the log-softmax and KL of a 129,280-id row cost more than a
+            // GPU's forward pass of it); the sums are taken in row order, so the result does
+            // not depend on the thread count.
+            logits
+                .par_chunks(n_vocab)
+                .zip(lq.par_chunks_mut(n_vocab))
+                .zip(tops.par_iter_mut())
+                .enumerate()
+                .try_for_each(|(r, ((row, out), top))| {
+                    *top = log_softmax(row, out).map_err(|e| (r, e))?;
+                    Ok(())
+                })
+                .map_err(|(r, e): (usize, String)| {
+                    anyhow::anyhow!(
+                        "chunk {} position {}: the model produced an unusable row ({e})",
+                        ci + 1,
+                        first + r
+                    )
+                })?;
             for r in 0..rows {
-                let row = &logits[r * n_vocab..(r + 1) * n_vocab];
-                tops[r] =
-                    log_softmax(row, &mut lq[r * n_vocab..(r + 1) * n_vocab]).map_err(|e| {
-                        anyhow::anyhow!(
-                            "chunk {} position {}: the model produced an unusable row ({e})",
-                            ci + 1,
-                            first + r
-                        )
-                    })?;
                 ppl.add(-f64::from(lq[r * n_vocab + chunk[first + r + 1] as usize]));
             }
             if let Some(w) = writer.as_mut() {
@@ -1143,14 +1187,23 @@ pub fn run(
                         chunk[i]
                     );
                 }
-                for r in 0..rows {
-                    b.read_row(&mut lb)?;
-                    k.add(
-                        &lq[r * n_vocab..(r + 1) * n_vocab],
-                        tops[r],
-                        &lb,
-                        chunk[first + r + 1] as usize,
-                    );
+                for row in lb.chunks_mut(n_vocab) {
+                    b.read_row(row)?;
+                }
+                let compared: Vec<RowKl> = (0..rows)
+                    .into_par_iter()
+                    .map(|r| {
+                        let at = r * n_vocab..(r + 1) * n_vocab;
+                        RowKl::new(
+                            &lq[at.clone()],
+                            tops[r],
+                            &lb[at],
+                            chunk[first + r + 1] as usize,
+                        )
+                    })
+                    .collect();
+                for c in compared {
+                    k.push(c);
                 }
             }
             running.push(ppl.ppl());

@@ -7,6 +7,7 @@ pub mod generate;
 pub mod inspect;
 pub mod logging;
 pub mod logits;
+pub mod perplexity;
 pub mod pull;
 pub mod repl;
 pub mod sessions;

@@ -226,7 +226,8 @@ fn a_missing_model_says_where_models_come_from() {
     assert!(err.contains("-m FILE"), "{err}");
     assert!(err.contains("antirez/deepseek-v4-gguf"), "{err}");
     assert!(err.contains("ds4 pull q2"), "{err}");
-    assert!(err.contains(DEMO), "{err}");
+    // The trained demo model (tests/fixtures/kjv), the README's first run.
+    assert!(err.contains("tests/fixtures/kjv/ds4-kjv-q2.gguf"), "{err}");
     assert_eq!(
         err,
         format!(

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 /// Directories (under the repository root) whose text files may cite the docs.
 const ROOTS: [&str; 6] = ["crates", "kernels", "tools", "fuzz", "docs", ".ci"];
 const EXTS: [&str; 9] = ["rs", "cu", "h", "py", "sh", "md", "toml", "yml", "yaml"];
-const SKIP_DIRS: [&str; 4] = ["target", ".git", "node_modules", "__pycache__"];
+const SKIP_DIRS: [&str; 5] = ["target", ".git", "node_modules", "__pycache__", ".venv"];
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")

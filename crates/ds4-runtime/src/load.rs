@@ -268,8 +268,8 @@ pub fn missing_model_message(path: &Path) -> String {
          \x20 * the real weights: `ds4 pull q2` (81 GB) or `ds4 pull q4` (153 GB) \
          downloads the GGUF files the ds4 project publishes on Hugging Face \
          (antirez/deepseek-v4-gguf)\n\
-         \x20 * to see the engine run without them: -m tests/fixtures/demo/ds4-demo.gguf (in the \
-         ds4-rs repository; tiny, random weights, meaningless text)\n\
+         \x20 * to see the engine run without them: -m tests/fixtures/kjv/ds4-kjv-q2.gguf (in the \
+         ds4-rs repository; a small DeepSeek V4 trained on the King James Bible)\n\
          \x20 * random weights at the real shapes, for benchmarks: \
          ds4-convert synthetic --layout q2 OUT.gguf",
         path.display()

@@ -285,6 +285,36 @@ enum Command {
         #[arg(long)]
         top: Option<usize>,
     },
+    /// Perplexity of a text, llama.cpp style (chunks of --ctx tokens, the second half of each
+    /// scored), and KL divergence against a saved base run (docs/perplexity.md).
+    Perplexity {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The text (UTF-8), tokenized as plain text (no special tokens).
+        #[arg(short, long)]
+        file: PathBuf,
+        /// Tokens per chunk; the first half is context, the rest is scored (default 512, or
+        /// the base's with --kl-base).
+        #[arg(short, long)]
+        ctx: Option<usize>,
+        /// Evaluate at most K chunks (default: every whole chunk of the text, or the base's).
+        #[arg(long, value_name = "K")]
+        chunks: Option<usize>,
+        /// Write every scored token's log-probabilities (full float32 rows) to FILE, as the
+        /// base of a later --kl-base run.
+        #[arg(long, value_name = "FILE", conflicts_with = "kl_base")]
+        save_logits: Option<PathBuf>,
+        /// Compare with a base written by --save-logits (same vocabulary, text and context):
+        /// KL divergence, top-1 agreement, PPL ratio and difference.
+        #[arg(long, value_name = "FILE")]
+        kl_base: Option<PathBuf>,
+        /// The final report as one JSON object on stdout (no per-chunk lines).
+        #[arg(long)]
+        json: bool,
+        /// Print nothing on stderr but errors.
+        #[arg(short, long)]
+        quiet: bool,
+    },
     /// Print the token ids of a text (only the GGUF's vocabulary is read).
     Tokenize(ds4_cli::textcmd::TokenizeArgs),
     /// Print the exact text (bytes) of a list of token ids.
@@ -391,6 +421,37 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let rows = ds4_cli::logits::top_k(&logits, n_vocab, &tokens, decode_from, k);
                 println!("{}", serde_json::to_string(&rows)?);
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Perplexity {
+            model,
+            file,
+            ctx,
+            chunks,
+            save_logits,
+            kl_base,
+            json,
+            quiet,
+        } => {
+            let req = ds4_cli::perplexity::Request {
+                file,
+                ctx,
+                chunks,
+                save_logits,
+                kl_base,
+                json,
+            };
+            let report = if quiet {
+                LoadReport::Quiet
+            } else if cli.verbose > 0 {
+                LoadReport::Full
+            } else {
+                LoadReport::Summary
+            };
+            let opts = model.load_options(0, report);
+            let (mut sink, mut stderr) = (std::io::sink(), std::io::stderr());
+            let log: &mut dyn std::io::Write = if quiet { &mut sink } else { &mut stderr };
+            ds4_cli::perplexity::run(&req, &opts, &mut std::io::stdout().lock(), log)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Tokenize(a) => {

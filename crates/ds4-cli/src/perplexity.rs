@@ -959,7 +959,7 @@ fn describe_model(load: &ds4_runtime::load::LoadOptions, engine: &Engine) -> Str
         "{name} ({size} bytes) · mode {} · backend {} · precision {}",
         engine.mode(),
         engine.backend_name(),
-        load.precision.name()
+        load.config.precision.value.name()
     )
 }
 

@@ -448,7 +448,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 LoadReport::Summary
             };
-            let opts = model.load_options(0, report);
+            let opts = model.load_options(0, report)?;
             let (mut sink, mut stderr) = (std::io::sink(), std::io::stderr());
             let log: &mut dyn std::io::Write = if quiet { &mut sink } else { &mut stderr };
             ds4_cli::perplexity::run(&req, &opts, &mut std::io::stdout().lock(), log)?;

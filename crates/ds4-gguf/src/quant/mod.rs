@@ -371,6 +371,44 @@ fn hsum<const L: usize>(acc: &[f32; L]) -> f32 {
     acc.iter().sum()
 }
 
+/// Dequantizes a row of `B`-byte blocks of `E` elements, block by block (`out` as long as
+/// the row; any excess on either side is ignored).
+#[inline(always)]
+fn dequantize_blocks<const B: usize, const E: usize>(
+    data: &[u8],
+    out: &mut [f32],
+    block: impl Fn(&[u8; B], &mut [f32; E]),
+) {
+    let (blocks, _) = data.as_chunks::<B>();
+    let (outs, _) = out.as_chunks_mut::<E>();
+    for (b, o) in blocks.iter().zip(outs) {
+        block(b, o);
+    }
+}
+
+/// Row dot product of `B`-byte blocks of `E` elements with `x`: `block_into` adds each
+/// block's products into `L` f32 lanes that run over `RUN` blocks before one horizontal add,
+/// and the runs' sums are added in f64 (any excess on either side is ignored, never read out
+/// of bounds).
+#[inline(always)]
+fn dot_runs<const B: usize, const E: usize, const L: usize, const RUN: usize>(
+    data: &[u8],
+    x: &[f32],
+    block_into: impl Fn(&[u8; B], &[f32; E], &mut [f32; L]),
+) -> f32 {
+    let (blocks, _) = data.as_chunks::<B>();
+    let (xs, _) = x.as_chunks::<E>();
+    let mut total = 0f64;
+    for (run, xrun) in blocks.chunks(RUN).zip(xs.chunks(RUN)) {
+        let mut acc = [0f32; L];
+        for (b, xb) in run.iter().zip(xrun) {
+            block_into(b, xb, &mut acc);
+        }
+        total += f64::from(hsum(&acc));
+    }
+    total as f32
+}
+
 /// Round an f32 scale to f16 bits, refusing a result that is not finite.
 fn scale_to_f16(ty: GgmlType, block: usize, scale: f32) -> Result<u16, QuantError> {
     let h = f16::f32_to_f16(scale);

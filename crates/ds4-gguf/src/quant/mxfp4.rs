@@ -146,11 +146,7 @@ pub fn quantize_block(x: &[f32; BLOCK_ELEMS]) -> [u8; BLOCK_BYTES] {
 }
 
 pub(crate) fn dequantize_row(data: &[u8], out: &mut [f32]) {
-    let (blocks, _) = data.as_chunks::<BLOCK_BYTES>();
-    let (outs, _) = out.as_chunks_mut::<BLOCK_ELEMS>();
-    for (b, o) in blocks.iter().zip(outs) {
-        dequantize_block(b, o);
-    }
+    super::dequantize_blocks(data, out, dequantize_block);
 }
 
 /// Blocks per f32 partial sum in the row dot product (256 elements); partial sums are added
@@ -162,17 +158,7 @@ const RUN_BLOCKS: usize = 8;
 /// value times x goes into 16 f32 lanes that run over 8 blocks (256 elements) before one
 /// horizontal add.
 pub(crate) fn dot_row_unchecked(data: &[u8], x: &[f32]) -> f32 {
-    let (blocks, _) = data.as_chunks::<BLOCK_BYTES>();
-    let (xs, _) = x.as_chunks::<BLOCK_ELEMS>();
-    let mut total = 0f64;
-    for (run, xrun) in blocks.chunks(RUN_BLOCKS).zip(xs.chunks(RUN_BLOCKS)) {
-        let mut acc = [0f32; 16];
-        for (b, xb) in run.iter().zip(xrun) {
-            block_into(b, xb, &mut acc);
-        }
-        total += f64::from(hsum(&acc));
-    }
-    total as f32
+    super::dot_runs::<BLOCK_BYTES, BLOCK_ELEMS, 16, RUN_BLOCKS>(data, x, block_into)
 }
 
 /// Dot product of a whole MXFP4 row with `x` (see [`super::dot`] for the accumulation).

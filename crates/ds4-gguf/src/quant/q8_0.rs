@@ -67,11 +67,7 @@ fn c_cast_i8(r: f32) -> u8 {
 }
 
 pub(crate) fn dequantize_row(data: &[u8], out: &mut [f32]) {
-    let (blocks, _) = data.as_chunks::<BLOCK_BYTES>();
-    let (outs, _) = out.as_chunks_mut::<BLOCK_ELEMS>();
-    for (b, o) in blocks.iter().zip(outs) {
-        dequantize_block(b, o);
-    }
+    super::dequantize_blocks(data, out, dequantize_block);
 }
 
 /// Blocks per f32 partial sum in the row dot product (256 elements, like one K-quant
@@ -83,23 +79,15 @@ const RUN_BLOCKS: usize = 8;
 /// value `q·d` times x goes into 8 f32 lanes that run over 8 blocks (256 elements) before
 /// one horizontal add, so the reduction does not dominate the 32-element blocks.
 pub(crate) fn dot_row_unchecked(data: &[u8], x: &[f32]) -> f32 {
-    let (blocks, _) = data.as_chunks::<BLOCK_BYTES>();
-    let (xs, _) = x.as_chunks::<BLOCK_ELEMS>();
-    let mut total = 0f64;
-    for (run, xrun) in blocks.chunks(RUN_BLOCKS).zip(xs.chunks(RUN_BLOCKS)) {
-        let mut acc = [0f32; 8];
-        for (b, xb) in run.iter().zip(xrun) {
-            let d = f16_at(b, 0);
-            let [_, _, q @ ..] = b;
-            for c in 0..4 {
-                for l in 0..8 {
-                    acc[l] += f32::from(q[8 * c + l] as i8) * d * xb[8 * c + l];
-                }
+    super::dot_runs::<BLOCK_BYTES, BLOCK_ELEMS, 8, RUN_BLOCKS>(data, x, |b, xb, acc| {
+        let d = f16_at(b, 0);
+        let [_, _, q @ ..] = b;
+        for c in 0..4 {
+            for l in 0..8 {
+                acc[l] += f32::from(q[8 * c + l] as i8) * d * xb[8 * c + l];
             }
         }
-        total += f64::from(hsum(&acc));
-    }
-    total as f32
+    })
 }
 
 /// Dot product of a whole Q8_0 row with `x` (see [`super::dot`] for the accumulation).

@@ -63,6 +63,10 @@
 #              disk cache, resumed from another conversation's disk checkpoint and from a turn
 #              snapshot; tokens and log-probabilities bit for bit, official and exact mode, at
 #              the default prefill chunk and at 64 (short pieces run as decode rows)
+#   quality    the trained demo model's held-out perplexity and KL divergence of each CUDA path
+#              (--quality, default, tiles off/all, decode steps) against the CPU engine on
+#              the same file, f32/q4/q2, with a bound per path (ds4-engine-check quality;
+#              needs tests/fixtures/kjv)
 #   logits     whole-model logits of a 4-layer real-dimension q2 file (280 prefilled + 21
 #              decoded positions, default and --quality) into $OUT/logits-*.npy; with BIN2 (a
 #              second build) the same from it and a cmp of the two (a refactor must be
@@ -121,6 +125,12 @@ cache() {
                 --log "$OUT/cache_${mode}_$chunk.log" 2>&1 | tail -n 6
         done
     done
+}
+
+quality() {
+    echo "== quality yardstick on the demo model (ds4-engine-check quality)"; date +%T
+    timeout 500 ds4-engine-check quality "$R/tests/fixtures/kjv" --ds4 "$BIN/ds4" > "$OUT/quality.log" 2>&1
+    grep -vE "^\* " "$OUT/quality.log" | tail -24
 }
 
 # logits_of DIR TAG: ds4 logits of the 4-layer file from the build in DIR.
@@ -210,7 +220,7 @@ server8() {
 }
 
 
-for s in check cache logits decode profile roofline; do
+for s in check cache quality logits decode profile roofline; do
     skip $s || { step $s; "$s"; }
 done
 if ! skip user8; then

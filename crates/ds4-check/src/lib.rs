@@ -7,6 +7,8 @@
 //!   CUDA or HIP on a GPU machine; the CPU against itself or a perturbed copy in tests).
 //! * [`parity`]: whole-model logits of a backend against the CPU engine, and how each
 //!   numeric mode is judged (shared by `ds4-engine-check parity` and its tests).
+//! * [`quality`]: the paths of a backend checked on the trained demo model, each against
+//!   the CPU engine in KL divergence with a bound per path (`ds4 perplexity` runs).
 //! * [`refcheck`]: judging official-mode logits against the fixtures' float64 reference, and
 //!   the control backends (reorder noise, planted bugs) that calibrate the bound.
 //! * `ds4-engine-check` (binary): the op mirror on real and random models, whole-model
@@ -15,4 +17,5 @@
 pub mod batch;
 pub mod mirror;
 pub mod parity;
+pub mod quality;
 pub mod refcheck;

@@ -919,6 +919,8 @@ pub struct Report {
     pub scored_per_chunk: usize,
     /// BOS replaced the first token of every chunk.
     pub bos: bool,
+    /// The scored tokens ran as decode steps ([`Request::decode`]).
+    pub decode: bool,
     /// Perplexity per chunk, running (after chunks 1..=i).
     pub running_ppl: Vec<f64>,
     pub ppl: f64,
@@ -945,10 +947,15 @@ pub struct Request {
     pub kl_base: Option<PathBuf>,
     /// Print the report as JSON instead of text.
     pub json: bool,
+    /// Score the second half of each chunk one token at a time (the decode path: int8
+    /// activations in the one-token matmuls under the default precision), instead of as one
+    /// multi-token evaluation (the prefill path). The two paths differ numerically; this is
+    /// how the decode path's cost in quality is measured.
+    pub decode: bool,
 }
 
 /// How a model file is described in a base file: name, size, mode, backend, precision.
-fn describe_model(load: &ds4_runtime::load::LoadOptions, engine: &Engine) -> String {
+fn describe_model(load: &ds4_runtime::load::LoadOptions, engine: &Engine, decode: bool) -> String {
     let name = load
         .model
         .file_name()
@@ -956,10 +963,11 @@ fn describe_model(load: &ds4_runtime::load::LoadOptions, engine: &Engine) -> Str
         .unwrap_or_else(|| load.model.display().to_string());
     let size = std::fs::metadata(&load.model).map(|m| m.len()).unwrap_or(0);
     format!(
-        "{name} ({size} bytes) · mode {} · backend {} · precision {}",
+        "{name} ({size} bytes) · mode {} · backend {} · precision {} · scored by {}",
         engine.mode(),
         engine.backend_name(),
-        load.config.precision.value.name()
+        load.config.precision.value.name(),
+        if decode { "decode steps" } else { "prefill" }
     )
 }
 
@@ -1080,8 +1088,9 @@ pub fn run(
     let rows = scored_per_chunk(ctx);
     writeln!(
         log,
-        "ds4: perplexity of {}: {text_tokens} tokens, {n_chunks} chunk(s) of {ctx} ({rows} scored per chunk){}",
+        "ds4: perplexity of {}: {text_tokens} tokens, {n_chunks} chunk(s) of {ctx} ({rows} scored per chunk{}){}",
         req.file.display(),
+        if req.decode { ", one decode step each" } else { "" },
         if bos.is_some() { ", BOS first" } else { "" }
     )?;
 
@@ -1108,7 +1117,7 @@ pub fn run(
                 vocab_hash: vhash,
                 text_hash,
                 model_id: loaded.model_id,
-                model: describe_model(&opts, engine),
+                model: describe_model(&opts, engine, req.decode),
             },
         )?),
         None => None,
@@ -1130,6 +1139,8 @@ pub fn run(
     // The base's rows of one chunk (read in order, compared in parallel).
     let mut lb = vec![0f32; if base.is_some() { rows * n_vocab } else { 0 }];
     let mut tops = vec![0usize; rows];
+    let mut logits = Vec::with_capacity(rows * n_vocab);
+    let mut row = Vec::with_capacity(n_vocab);
     let mut seconds = 0.0f64;
     if kl.is_some() && !req.json {
         writeln!(
@@ -1142,7 +1153,27 @@ pub fn run(
             let t0 = Instant::now();
             engine.reset_state(&mut state)?;
             engine.eval(&mut state, &chunk[..first], Logits::None, None)?;
-            let logits = engine.eval(&mut state, &chunk[first..ctx - 1], Logits::All, None)?;
+            if req.decode {
+                logits.clear();
+                for t in &chunk[first..ctx - 1] {
+                    engine.eval_into(
+                        &mut state,
+                        std::slice::from_ref(t),
+                        Logits::Last,
+                        None,
+                        &mut row,
+                    )?;
+                    logits.extend_from_slice(&row);
+                }
+            } else {
+                engine.eval_into(
+                    &mut state,
+                    &chunk[first..ctx - 1],
+                    Logits::All,
+                    None,
+                    &mut logits,
+                )?;
+            }
             let dt = t0.elapsed().as_secs_f64();
             seconds += dt;
             if ci == 0 && n_chunks > 1 {
@@ -1235,6 +1266,7 @@ pub fn run(
         chunks: n_chunks,
         scored_per_chunk: rows,
         bos: bos.is_some(),
+        decode: req.decode,
         running_ppl: running,
         ppl: p,
         ppl_err: p_err,

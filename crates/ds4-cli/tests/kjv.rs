@@ -195,3 +195,36 @@ fn greedy_text_is_made_of_the_corpus_words() {
         w.len()
     );
 }
+
+/// The decode path's int8 activations, alone: the same quantized file scored one token at a
+/// time under the default precision against its own `--quality` run. Measured on 4 chunks
+/// (docs/perplexity.md §7): mean KLD 1.5e-4 (q4) and 2.7e-4 (q2), the size of official
+/// mode's rounding against exact. A KLD of zero would mean the int8 path did not run.
+#[test]
+fn int8_decode_activations_cost_little() {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, max_kld, min_top) in [(Q4, 1e-3, 0.97), (Q2, 2e-3, 0.97)] {
+        let base = dir.path().join("quality.logp");
+        let b = base.to_str().unwrap();
+        perplexity(
+            model,
+            &[
+                "--ctx",
+                "256",
+                "--chunks",
+                "4",
+                "--quality",
+                "--save-logits",
+                b,
+            ],
+        );
+        let r = perplexity(model, &["--kl-base", b, "--decode"]);
+        assert_eq!(r["decode"], true);
+        let k = &r["kl"];
+        let kld = k["kld_mean"].as_f64().unwrap();
+        assert!(kld > 0.0 && kld < max_kld, "{model}: mean KLD {kld}");
+        let top = k["same_top"].as_f64().unwrap();
+        assert!(top > min_top, "{model}: same top {top}");
+        std::fs::remove_file(&base).unwrap();
+    }
+}

@@ -40,6 +40,11 @@
 //!   ([`ds4_check::refcheck::controls`]): correct reorderings must pass the reordered bound and
 //!   planted bugs must fail it, or the command fails. `--cpu-only` skips the GPU (a machine
 //!   without one can check the command, the CPU numbers and the controls).
+//! * `quality [DEMO_DIR (default tests/fixtures/kjv)] [--ds4 PATH] [--backend B] [--chunks K]`
+//!   — the trained demo model's held-out perplexity and KL divergence of each path of backend
+//!   B (default cuda) against the CPU engine on the same file ([`ds4_check::quality`]): runs
+//!   the `ds4` binary (default: the one beside this binary), prints a markdown table, fails
+//!   when a path exceeds its bound.
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -929,6 +934,7 @@ const USAGE: &str = "usage: ds4-engine-check ops [MODEL.gguf...] [--tiny N] [--f
        ds4-engine-check parity [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8]
        ds4-engine-check batch [MODEL.gguf...] [--tiny N] [--tokens T] [--seed S] [--act-q8] [--seqs N] [--gpu-only]
        ds4-engine-check joint [MODEL.gguf...] [--tiny N] [--tokens T] [--chunk PIECE] [--seed S] [--act-q8] [--seqs N] [--gpu-only] [--tiles experts|all]
+       ds4-engine-check quality [DEMO_DIR (default tests/fixtures/kjv)] [--ds4 PATH] [--backend cuda|rocm|cpu] [--chunks K]
        ds4-engine-check reference [FIXTURES_DIR (default tests/fixtures)] [--cpu-only] [--act-q8] [--control NAME|all]... [--paths prefill,decode,chunked] [--only FIXTURE]... [--seed S] [--dump ERRORS.json]";
 
 fn main() -> Result<()> {
@@ -943,7 +949,148 @@ fn main() -> Result<()> {
         Some("parity") => parity(&rest()?),
         Some("batch") => batch(&rest()?),
         Some("joint") => joint(&rest()?),
+        Some("quality") => quality(args.get(1..).unwrap_or(&[])),
         Some("reference") => reference(&parse_reference(args.get(1..).unwrap_or(&[]))?),
         _ => bail!("{USAGE}"),
+    }
+}
+
+/// `ds4-engine-check quality`: see the module documentation and [`ds4_check::quality`].
+fn quality(args: &[String]) -> Result<()> {
+    use ds4_check::quality::{Measured, FILES, PATHS, TABLE_HEADER};
+    use std::process::Command;
+
+    let mut dir = std::path::PathBuf::from("tests/fixtures/kjv");
+    let mut ds4 = std::env::current_exe()
+        .context("locating this binary")?
+        .with_file_name("ds4");
+    let mut backend = "cuda".to_string();
+    let mut chunks: Option<String> = None;
+    let mut i = 0;
+    while i < args.len() {
+        let v = |i: usize| -> Result<&String> {
+            args.get(i + 1)
+                .with_context(|| format!("{} needs a value", args[i]))
+        };
+        match args[i].as_str() {
+            "--ds4" => ds4 = v(i)?.into(),
+            "--backend" => backend = v(i)?.clone(),
+            "--chunks" => {
+                let k: usize = v(i)?.parse().context("--chunks")?;
+                chunks = Some(k.to_string());
+            }
+            s if s.starts_with("--") => bail!("unknown option {s}"),
+            s => {
+                dir = s.into();
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    if !ds4.is_file() {
+        bail!(
+            "{} is not a file: build `ds4` beside this binary or name it with --ds4",
+            ds4.display()
+        );
+    }
+    let text = dir.join("heldout.txt");
+    if !text.is_file() {
+        bail!(
+            "{} not found: DEMO_DIR must hold the demo model's heldout.txt",
+            text.display()
+        );
+    }
+    let scratch = std::env::temp_dir().join(format!("ds4-quality-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
+    let run = |model: &std::path::Path,
+               extra: &[&str],
+               env: &[(&str, &str)]|
+     -> Result<serde_json::Value> {
+        let mut c = Command::new(&ds4);
+        c.arg("perplexity")
+            .arg("-m")
+            .arg(model)
+            .arg("-f")
+            .arg(&text);
+        c.args(["--ctx", "256", "--mode", "exact", "-q", "--json"]);
+        c.args(extra);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let o = c
+            .output()
+            .with_context(|| format!("running {}", ds4.display()))?;
+        if !o.status.success() {
+            bail!(
+                "ds4 perplexity {} {}: {}",
+                model.display(),
+                extra.join(" "),
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+        }
+        serde_json::from_slice(&o.stdout).context("reading ds4 perplexity --json")
+    };
+    println!(
+        "quality: {} against the CPU engine (exact mode, --quality), {}",
+        backend,
+        dir.display()
+    );
+    println!("{TABLE_HEADER}");
+    let mut failed = Vec::new();
+    let result = (|| -> Result<()> {
+        for f in FILES {
+            let model = dir.join(f);
+            let base = scratch.join("base.logp");
+            let base_s = base.to_str().context("temporary path is not UTF-8")?;
+            let mut extra = vec!["--backend", "cpu", "--quality", "--save-logits", base_s];
+            if let Some(k) = &chunks {
+                extra.extend(["--chunks", k.as_str()]);
+            }
+            let cpu = run(&model, &extra, &[])?;
+            println!(
+                "| {f} | CPU base | {:.4} | | | | | | {:.0} | |",
+                cpu["ppl"].as_f64().unwrap_or(f64::NAN),
+                cpu["tokens_per_second"].as_f64().unwrap_or(f64::NAN)
+            );
+            for p in PATHS {
+                let mut extra = vec!["--backend", backend.as_str(), "--kl-base", base_s];
+                extra.extend_from_slice(p.args);
+                let r = run(&model, &extra, p.env)?;
+                let m = Measured::from_report(&r)
+                    .map_err(|e| anyhow::anyhow!("{f} {}: {e}", p.name))?;
+                let verdict = match m.judge(p) {
+                    Ok(()) => "ok".to_string(),
+                    Err(w) => {
+                        failed.push(format!("{f} {}: {w}", p.name));
+                        format!("FAIL ({w})")
+                    }
+                };
+                println!("{}", m.row(f, p, &verdict));
+            }
+            std::fs::remove_file(&base).ok();
+        }
+        Ok(())
+    })();
+    std::fs::remove_dir_all(&scratch).ok();
+    result?;
+    for p in PATHS {
+        println!(
+            "* {}: {} (bounds: mean KLD ≤ {:.0e}, same top ≥ {:.1} %)",
+            p.name,
+            p.what,
+            p.max_kld,
+            100.0 * p.min_same_top
+        );
+    }
+    if failed.is_empty() {
+        println!(
+            "quality: PASSED ({} files × {} paths)",
+            FILES.len(),
+            PATHS.len()
+        );
+        Ok(())
+    } else {
+        bail!("quality: FAILED: {}", failed.join("; "))
     }
 }

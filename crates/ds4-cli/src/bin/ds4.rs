@@ -311,6 +311,10 @@ enum Command {
         /// The final report as one JSON object on stdout (no per-chunk lines).
         #[arg(long)]
         json: bool,
+        /// Score each token with its own decode step (the path generation takes: int8
+        /// activations under the default precision) instead of one prefill of the scored half.
+        #[arg(long)]
+        decode: bool,
         /// Print nothing on stderr but errors.
         #[arg(short, long)]
         quiet: bool,
@@ -431,6 +435,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             save_logits,
             kl_base,
             json,
+            decode,
             quiet,
         } => {
             let req = ds4_cli::perplexity::Request {
@@ -440,6 +445,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 save_logits,
                 kl_base,
                 json,
+                decode,
             };
             let report = if quiet {
                 LoadReport::Quiet

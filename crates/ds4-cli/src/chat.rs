@@ -307,6 +307,7 @@ mod tests {
             tokens: vec![7; 640],
             stop: GenStop::Length,
             secs: 10.0,
+            draft: Default::default(),
         };
         let long = fit_status_line(&sync, &gen, 58663, 393216, None);
         assert!(

@@ -31,6 +31,8 @@ pub struct GenSettings {
     pub terminal: bool,
     /// Progress bar for long prefills (stderr is a terminal).
     pub progress: bool,
+    /// Speculative decoding (`--draft`, docs/speculative.md).
+    pub draft: ds4_runtime::DraftConfig,
 }
 
 /// The effective thinking mode for a context, with the warning ds4 prints on a downgrade.
@@ -102,6 +104,7 @@ pub fn one_shot(
 ) -> anyhow::Result<OneShotStats> {
     let tok = loaded.tokenizer.clone();
     let mut runner = Conversation::new(loaded.engine)?;
+    runner.set_draft(s.draft);
     let ctx = runner.ctx();
     let (mode, warn) = effective_mode(s.thinking, ctx);
     if let Some(w) = warn {

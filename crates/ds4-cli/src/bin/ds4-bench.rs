@@ -163,6 +163,7 @@ fn run_config(args: &Args) -> Result<ds4_runtime::config::Config> {
         ds4_runtime::config::ConfigFlags {
             quality: args.quality,
             no_warmup: args.no_warmup,
+            ..Default::default()
         },
         |k| std::env::var(k).ok(),
     )
@@ -241,6 +242,8 @@ fn e2e(args: &Args) -> Result<()> {
         color: false,
         terminal: false,
         progress: false,
+        // No drafting in the benchmark yet (issue 53: ds4-bench --draft).
+        draft: ds4_runtime::DraftConfig::default(),
     };
     let intr = ds4_cli::signals::Interrupts::default();
     let stats = one_shot(

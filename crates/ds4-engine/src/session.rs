@@ -121,6 +121,11 @@ impl Session {
         e.eval_verify(s, tokens, rows)
     }
 
+    /// Whether [`Session::verify`] can run ([`Engine::can_verify`]).
+    pub fn can_verify(&mut self) -> bool {
+        self.engine.can_verify()
+    }
+
     /// Keeps the first `keep` tokens of the last [`Session::verify`] ([`Engine::settle`]).
     pub fn settle(&mut self, v: crate::Verify, keep: usize) -> Result<()> {
         let (e, s) = self.st();

@@ -277,6 +277,15 @@ impl Engine {
             .max(1)
     }
 
+    /// Whether this engine runs verify steps: its backend evaluates decode rows
+    /// ([`crate::Backend::set_decode_rows`]), which give a verify's rows the bits of
+    /// one-token decodes. A caller without it decodes one token at a time.
+    pub fn can_verify(&mut self) -> bool {
+        let (be, _) = self.undo_parts();
+        let ok = be.set_decode_rows(2).is_ok();
+        ok && be.set_decode_rows(1).is_ok()
+    }
+
     /// Evaluates `tokens` (the token after the state and the drafts after it) as one chunk
     /// of decode rows and writes every row's logits into `out` (`[tokens, n_vocab]`, cleared
     /// first), after saving the state ranges the chunk overwrites. Hand the result to

@@ -35,7 +35,7 @@ pub const LOAD_THREADS_ENV: &str = "DS4_LOAD_THREADS";
 /// `DS4_LOAD_STAGING_MIB`: the GPU weight load's pinned staging ring, MiB.
 pub const LOAD_STAGING_ENV: &str = "DS4_LOAD_STAGING_MIB";
 
-/// `DS4_DRAFT=off|lookup`: the drafter of speculative decoding (docs/speculative.md).
+/// `DS4_DRAFT=off|lookup|auto`: the drafter of speculative decoding (docs/speculative.md).
 pub const DRAFT_ENV: &str = "DS4_DRAFT";
 /// `DS4_DRAFT_MAX`: most drafted tokens per step.
 pub const DRAFT_MAX_ENV: &str = "DS4_DRAFT_MAX";
@@ -221,7 +221,7 @@ impl Config {
                     .map_err(|_| OverrideError::BadValue {
                         name: DRAFT_ENV.to_string(),
                         value: v.clone(),
-                        expected: "off or lookup (mtp and auto: not yet)",
+                        expected: "off, lookup or auto (mtp: not yet)",
                     })?,
                 env_source(DRAFT_ENV, &v),
             )),

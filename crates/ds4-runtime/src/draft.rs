@@ -19,6 +19,9 @@ pub enum DraftMode {
     /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
     /// context's last n-gram.
     Lookup,
+    /// Prompt lookup, paused while this run's verify steps cost more time per token than
+    /// plain decoding ([`Governor`]).
+    Auto,
 }
 
 impl fmt::Display for DraftMode {
@@ -26,6 +29,7 @@ impl fmt::Display for DraftMode {
         f.write_str(match self {
             DraftMode::Off => "off",
             DraftMode::Lookup => "lookup",
+            DraftMode::Auto => "auto",
         })
     }
 }
@@ -36,10 +40,11 @@ impl FromStr for DraftMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "off" | "none" | "0" => Ok(DraftMode::Off),
             "lookup" => Ok(DraftMode::Lookup),
-            "mtp" | "auto" => Err(format!(
-                "--draft {s}: not yet (the MTP block is not implemented; issue 53); use lookup or off"
+            "auto" => Ok(DraftMode::Auto),
+            "mtp" => Err(format!(
+                "--draft {s}: not yet (the MTP block is not implemented; issue 53); use lookup, auto or off"
             )),
-            _ => Err(format!("--draft {s}: expected lookup or off")),
+            _ => Err(format!("--draft {s}: expected lookup, auto or off")),
         }
     }
 }
@@ -85,7 +90,7 @@ impl DraftConfig {
     pub fn propose<'a>(&self, context: &'a [u32], limit: usize) -> &'a [u32] {
         match self.mode {
             DraftMode::Off => &[],
-            DraftMode::Lookup => lookup(context, self.ngram, self.max.min(limit)),
+            DraftMode::Lookup | DraftMode::Auto => lookup(context, self.ngram, self.max.min(limit)),
         }
     }
 }
@@ -115,6 +120,83 @@ pub fn lookup(context: &[u32], ngram: usize, max: usize) -> &[u32] {
         }
     }
     &[]
+}
+
+/// Plain steps measured before `--draft auto` first drafts, and verify steps measured
+/// before it compares (a first step can carry one-off costs; a few smooth them out).
+const AUTO_SAMPLES: u32 = 4;
+/// Tokens `--draft auto` decodes plainly after finding drafting slower, before it tries
+/// again (the text may start repeating itself later).
+const AUTO_PAUSE: usize = 64;
+/// Weight of the newest sample in the moving averages of seconds per token.
+const AUTO_WEIGHT: f64 = 0.25;
+
+/// A moving average of seconds per token, with its sample count.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    secs_per_token: f64,
+    samples: u32,
+}
+
+impl Rate {
+    fn add(&mut self, secs: f64, tokens: usize) {
+        let x = secs / tokens.max(1) as f64;
+        self.secs_per_token = if self.samples == 0 {
+            x
+        } else {
+            AUTO_WEIGHT * x + (1.0 - AUTO_WEIGHT) * self.secs_per_token
+        };
+        self.samples = self.samples.saturating_add(1);
+    }
+}
+
+/// `--draft auto`'s choice per step: draft or not, from this run's own measured seconds
+/// per emitted token with and without drafts. Whether drafting pays depends on the
+/// backend (a verify row costs about a token on a compute-bound CPU, little on a
+/// memory-bound GPU decode) and on how repetitive the text is, so it is measured, not
+/// predicted from the acceptance rate. The output does not depend on it (drafting is
+/// lossless either way); the constants above are choices, not measurements.
+#[derive(Debug, Clone, Default)]
+pub struct Governor {
+    plain: Rate,
+    draft: Rate,
+    /// No drafts before this many tokens have been emitted.
+    paused_until: usize,
+}
+
+impl Governor {
+    /// Starts with [`AUTO_SAMPLES`] plain steps, the yardstick.
+    pub fn new() -> Governor {
+        Governor {
+            paused_until: AUTO_SAMPLES as usize,
+            ..Governor::default()
+        }
+    }
+
+    /// Whether to draft once `emitted` tokens have been emitted.
+    pub fn drafting(&self, emitted: usize) -> bool {
+        emitted >= self.paused_until
+    }
+
+    /// A plain decode step took `secs`.
+    pub fn plain_step(&mut self, secs: f64) {
+        self.plain.add(secs, 1);
+    }
+
+    /// A verify step took `secs` and advanced `tokens` tokens (the fed token and the
+    /// accepted drafts); `emitted` tokens have been emitted so far. Pauses drafting for
+    /// [`AUTO_PAUSE`] tokens when it is measured slower than plain decoding, and measures it
+    /// afresh afterwards.
+    pub fn verify_step(&mut self, secs: f64, tokens: usize, emitted: usize) {
+        self.draft.add(secs, tokens);
+        if self.draft.samples >= AUTO_SAMPLES
+            && self.plain.samples >= AUTO_SAMPLES
+            && self.draft.secs_per_token > self.plain.secs_per_token
+        {
+            self.paused_until = emitted + AUTO_PAUSE;
+            self.draft = Rate::default();
+        }
+    }
 }
 
 /// What drafting did during one generation.
@@ -176,11 +258,39 @@ mod tests {
     }
 
     #[test]
+    fn auto_pauses_while_drafting_is_slower_and_tries_again() {
+        let mut g = Governor::new();
+        // Plain steps first: 10 ms per token.
+        for i in 0..AUTO_SAMPLES as usize {
+            assert!(!g.drafting(i));
+            g.plain_step(0.010);
+        }
+        let mut emitted = AUTO_SAMPLES as usize;
+        assert!(g.drafting(emitted));
+        // Verify steps of 30 ms advancing 2 tokens: 15 ms per token, slower: paused.
+        for _ in 0..AUTO_SAMPLES {
+            assert!(g.drafting(emitted));
+            emitted += 2;
+            g.verify_step(0.030, 2, emitted);
+        }
+        assert!(!g.drafting(emitted));
+        assert!(!g.drafting(emitted + AUTO_PAUSE - 1));
+        emitted += AUTO_PAUSE;
+        assert!(g.drafting(emitted));
+        // Now the text repeats: 30 ms for 4 tokens, faster: drafting goes on.
+        for _ in 0..3 * AUTO_SAMPLES {
+            emitted += 4;
+            g.verify_step(0.030, 4, emitted);
+            assert!(g.drafting(emitted));
+        }
+    }
+
+    #[test]
     fn modes_parse_and_reserved_ones_say_not_yet() {
         assert_eq!("lookup".parse::<DraftMode>(), Ok(DraftMode::Lookup));
         assert_eq!("off".parse::<DraftMode>(), Ok(DraftMode::Off));
         assert!("mtp".parse::<DraftMode>().unwrap_err().contains("not yet"));
-        assert!("auto".parse::<DraftMode>().unwrap_err().contains("not yet"));
+        assert_eq!("auto".parse::<DraftMode>(), Ok(DraftMode::Auto));
         assert!("nope".parse::<DraftMode>().is_err());
         let s = DraftStats {
             steps: 4,

@@ -17,7 +17,7 @@ use ds4_engine::{Engine, EngineError, Sampler, Session, Snapshot};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, Format};
-use crate::draft::{DraftConfig, DraftStats};
+use crate::draft::{DraftConfig, DraftMode, DraftStats, Governor};
 use crate::step::{band_fits_mask, Left, SessionStep, StepLogits};
 
 /// Why a driver operation failed.
@@ -462,7 +462,10 @@ impl Conversation {
             sampler.config().band_span()
         };
         let mask = ignore_eos.then_some(limits.eos);
-        let drafting = self.draft.on() && !feed_all;
+        // A backend without decode rows cannot verify bit for bit: no drafts there.
+        let drafting = self.draft.on() && !feed_all && self.session.can_verify();
+        // `--draft auto`: whether to draft this step, from this run's measured rates.
+        let mut governor = (self.draft.mode == DraftMode::Auto).then(Governor::new);
         // Every row of a verify step, and the context the drafter reads.
         let mut rows = Vec::new();
         let mut context = Vec::new();
@@ -503,7 +506,8 @@ impl Conversation {
                     break GenStop::Interrupted;
                 }
             }
-            if drafting {
+            let emitted = gen.tokens().len();
+            if drafting && governor.as_ref().is_none_or(|g| g.drafting(emitted)) {
                 // Drafts that can matter: the last token emitted is never fed, and the
                 // verify is one chunk inside the context.
                 let engine = self.session.engine();
@@ -516,9 +520,14 @@ impl Conversation {
                 context.push(tok);
                 let drafts = self.draft.propose(&context, limit).to_vec();
                 if !drafts.is_empty() {
-                    match self
-                        .verify_step(&mut gen, tok, &drafts, &mut rows, sampler, cancel, steer)?
-                    {
+                    let (t0, accepted) = (Instant::now(), gen.draft.accepted);
+                    let verified = self
+                        .verify_step(&mut gen, tok, &drafts, &mut rows, sampler, cancel, steer)?;
+                    if let Some(g) = governor.as_mut() {
+                        let advanced = 1 + (gen.draft.accepted - accepted) as usize;
+                        g.verify_step(t0.elapsed().as_secs_f64(), advanced, gen.tokens().len());
+                    }
+                    match verified {
                         Verified::Stop(stop) => break stop,
                         Verified::Replaced(picked) => replaced = Some(picked),
                         Verified::AllKept => {
@@ -532,12 +541,16 @@ impl Conversation {
                     continue;
                 }
             }
+            let t0 = Instant::now();
             left = if let Some(span) = band_span {
                 Left::Band(self.session.decode_band(tok, span, mask)?)
             } else {
                 self.session.decode_into(tok, &mut logits)?;
                 Left::Row
             };
+            if let Some(g) = governor.as_mut() {
+                g.plain_step(t0.elapsed().as_secs_f64());
+            }
             if flow == Flow::Stop {
                 break GenStop::Halted;
             }

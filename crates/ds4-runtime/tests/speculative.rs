@@ -110,8 +110,9 @@ fn echo_prompt(model: &Path, mode: Option<ModeChoice>, seed: &[u32], n: usize) -
     p
 }
 
-/// Greedy with and without drafting (and with spans past the exact-rollback limit) give the
-/// same tokens and the same final state; returns the drafting statistics of `--draft-max 3`.
+/// Greedy with and without drafting (spans within and past the exact-rollback limit, and
+/// `auto`) give the same tokens and the same final state; returns the drafting statistics
+/// of `--draft-max 3`.
 fn greedy_is_lossless(
     model: &Path,
     mode: Option<ModeChoice>,
@@ -123,14 +124,15 @@ fn greedy_is_lossless(
         generate(model, mode, DraftConfig::default(), &greedy, prompt, n);
     assert_eq!(none, DraftStats::default());
     let mut stats = DraftStats::default();
-    for max in [3, 7] {
-        let (drafted, s, state) = generate(model, mode, lookup(max), &greedy, prompt, n);
-        assert_eq!(drafted, plain, "{mode:?} --draft-max {max}: tokens differ");
-        assert!(
-            state == plain_state,
-            "{mode:?} --draft-max {max}: states differ"
-        );
-        if max == 3 {
+    let auto = DraftConfig {
+        mode: DraftMode::Auto,
+        ..lookup(3)
+    };
+    for draft in [lookup(3), lookup(7), auto] {
+        let (drafted, s, state) = generate(model, mode, draft, &greedy, prompt, n);
+        assert_eq!(drafted, plain, "{mode:?} {draft:?}: tokens differ");
+        assert!(state == plain_state, "{mode:?} {draft:?}: states differ");
+        if draft == lookup(3) {
             stats = s;
         }
     }

@@ -76,8 +76,9 @@ struct ModelArgs {
 #[derive(clap::Args, Clone, Copy, Default)]
 struct DraftFlags {
     /// Draft tokens and verify them in one forward pass: lookup (prompt lookup: the tokens
-    /// that followed the context's last n-gram earlier) or off; the output is unchanged
-    /// (greedy: token for token). mtp and auto: not yet. Also DS4_DRAFT.
+    /// that followed the context's last n-gram earlier), auto (lookup, paused while it is
+    /// measured slower than plain decoding) or off; the output is unchanged (greedy: token
+    /// for token). mtp: not yet. Also DS4_DRAFT.
     #[arg(long, value_parser = parse_draft)]
     draft: Option<DraftMode>,
     /// Most drafted tokens per step, 1 to 16 (default 3; beyond 3 a partly accepted draft

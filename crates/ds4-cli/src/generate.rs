@@ -91,6 +91,8 @@ pub struct OneShotStats {
     /// Tokens sampled, and the seconds from the first sample to the last.
     pub generated: usize,
     pub gen_secs: f64,
+    /// What drafting did (zero without it).
+    pub draft: ds4_runtime::DraftStats,
 }
 
 /// Renders `prompt`, prefills it, and streams the answer to `out`.
@@ -142,6 +144,7 @@ pub fn one_shot(
             prefill_secs: sync.secs,
             generated: 0,
             gen_secs: 0.0,
+            draft: Default::default(),
         });
     };
     let room = ctx - tokens.len();
@@ -190,6 +193,7 @@ pub fn one_shot(
         prefill_secs: sync.secs,
         generated: gen.tokens.len(),
         gen_secs: gen.secs,
+        draft: gen.draft,
     })
 }
 

@@ -200,8 +200,25 @@ pub fn fit_status_line(
     ctx: usize,
     width: Option<usize>,
 ) -> String {
+    // Drafting's effect, when it drafted (docs/speculative.md): drafts accepted of those
+    // verified, and tokens per verify pass.
+    let d = &generated.draft;
+    let (draft_long, draft_short) = if d.drafted > 0 {
+        (
+            format!(
+                " · drafted {}, accepted {} ({:.0} %), {:.2} tokens per verify step",
+                d.drafted,
+                d.accepted,
+                100.0 * d.acceptance(),
+                d.tokens_per_step()
+            ),
+            format!(" · draft {}/{}", d.accepted, d.drafted),
+        )
+    } else {
+        (String::new(), String::new())
+    };
     let long = format!(
-        "ds4: prefill {} tokens ({} reused) at {:.1} t/s · generated {} tokens at {:.1} t/s · context {}/{}",
+        "ds4: prefill {} tokens ({} reused) at {:.1} t/s · generated {} tokens at {:.1} t/s{draft_long} · context {}/{}",
         sync.prefilled,
         sync.reused,
         sync.tokens_per_sec(),
@@ -214,7 +231,7 @@ pub fn fit_status_line(
         return long;
     };
     let short = format!(
-        "prefill {} ({} reused) {:.0} t/s · gen {} {:.1} t/s · ctx {}/{}",
+        "prefill {} ({} reused) {:.0} t/s · gen {} {:.1} t/s{draft_short} · ctx {}/{}",
         sync.prefilled,
         sync.reused,
         sync.tokens_per_sec(),
@@ -307,6 +324,7 @@ mod tests {
             tokens: vec![7; 640],
             stop: GenStop::Length,
             secs: 10.0,
+            draft: Default::default(),
         };
         let long = fit_status_line(&sync, &gen, 58663, 393216, None);
         assert!(
@@ -318,10 +336,27 @@ mod tests {
             let l = fit_status_line(&sync, &gen, 58663, 393216, Some(width));
             // Every form keeps the generation rate and the context use.
             assert!(l.contains("64.0 t/s") && l.contains("58663/393216"), "{l}");
+            assert!(!l.contains("draft"), "{l}");
             if width >= 40 {
                 assert!(l.chars().count() < width, "{width}: {l}");
             }
         }
+        // With drafting the long form says what it did, the short one briefly.
+        let drafted = GenOutcome {
+            draft: ds4_runtime::DraftStats {
+                steps: 100,
+                drafted: 300,
+                accepted: 150,
+            },
+            ..gen
+        };
+        let l = fit_status_line(&sync, &drafted, 58663, 393216, None);
+        assert!(
+            l.contains("drafted 300, accepted 150 (50 %), 2.50 tokens per verify step"),
+            "{l}"
+        );
+        let l = fit_status_line(&sync, &drafted, 58663, 393216, Some(100));
+        assert!(l.contains("draft 150/300") || !l.contains("draft"), "{l}");
     }
 
     #[test]

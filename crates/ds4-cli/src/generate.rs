@@ -31,6 +31,8 @@ pub struct GenSettings {
     pub terminal: bool,
     /// Progress bar for long prefills (stderr is a terminal).
     pub progress: bool,
+    /// Speculative decoding (`--draft`, docs/speculative.md).
+    pub draft: ds4_runtime::DraftConfig,
 }
 
 /// The effective thinking mode for a context, with the warning ds4 prints on a downgrade.
@@ -89,6 +91,8 @@ pub struct OneShotStats {
     /// Tokens sampled, and the seconds from the first sample to the last.
     pub generated: usize,
     pub gen_secs: f64,
+    /// What drafting did (zero without it).
+    pub draft: ds4_runtime::DraftStats,
 }
 
 /// Renders `prompt`, prefills it, and streams the answer to `out`.
@@ -102,6 +106,7 @@ pub fn one_shot(
 ) -> anyhow::Result<OneShotStats> {
     let tok = loaded.tokenizer.clone();
     let mut runner = Conversation::new(loaded.engine)?;
+    runner.set_draft(s.draft);
     let ctx = runner.ctx();
     let (mode, warn) = effective_mode(s.thinking, ctx);
     if let Some(w) = warn {
@@ -139,6 +144,7 @@ pub fn one_shot(
             prefill_secs: sync.secs,
             generated: 0,
             gen_secs: 0.0,
+            draft: Default::default(),
         });
     };
     let room = ctx - tokens.len();
@@ -187,6 +193,7 @@ pub fn one_shot(
         prefill_secs: sync.secs,
         generated: gen.tokens.len(),
         gen_secs: gen.secs,
+        draft: gen.draft,
     })
 }
 

@@ -485,6 +485,8 @@ impl Repl {
             ignore_eos,
             feed_all: false,
         };
+        let draft = self.settings.draft;
+        self.runner().set_draft(draft);
         let gen = self
             .runner()
             .generate(logits, &mut sampler, limits, &intr.cancel, &mut |id| {

@@ -51,6 +51,62 @@ fn e2e_runs_the_cli_path_on_the_cpu_and_reports_rates() {
     }
     // The CLI's own status line went to stderr, with the same counts.
     assert!(err.contains("generated 9 tokens"), "{err}");
+    assert_eq!(row[head.iter().position(|h| *h == "draft").unwrap()], "off");
+    assert_eq!(get("drafted"), 0.0);
+}
+
+/// `--draft lookup`: the CSV says what drafting did, and the counts add up.
+#[test]
+fn e2e_reports_drafting() {
+    let o = Command::new(env!("CARGO_BIN_EXE_ds4-bench"))
+        .current_dir(root())
+        .env_remove("DS4_DRAFT")
+        .args([
+            "--e2e",
+            "-m",
+            tiny_gguf().to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--ctx",
+            "256",
+            "-n",
+            "24",
+            "--prompt-words",
+            "30",
+            "--temp",
+            "0",
+            "--draft",
+            "lookup",
+            "--draft-max",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut lines = out.lines();
+    let head: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let row: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let get = |k: &str| -> f64 {
+        row[head.iter().position(|h| *h == k).unwrap()]
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(
+        row[head.iter().position(|h| *h == "draft").unwrap()],
+        "lookup"
+    );
+    assert_eq!(get("generated"), 24.0);
+    assert!(get("drafted") >= get("accepted"));
+    assert!(get("drafted") <= 4.0 * get("verify_steps"));
+    if get("verify_steps") > 0.0 {
+        let tps = (get("verify_steps") + get("accepted")) / get("verify_steps");
+        assert!((get("tokens_per_step") - tps).abs() < 1e-3);
+    }
 }
 
 #[test]

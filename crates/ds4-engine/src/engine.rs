@@ -47,6 +47,8 @@ pub struct Engine {
     stream: Option<ExpertStream>,
     /// Prompt chunks of 2..=this many tokens run as decode rows ([`Engine::set_short_prefill_rows`]).
     short_rows: usize,
+    /// Where a verify step saves the state ranges it overwrites (crate::speculate).
+    undo: crate::speculate::UndoArea,
     _file: Arc<GgufFile>,
 }
 
@@ -134,6 +136,7 @@ impl Engine {
             fingerprint,
             stream,
             short_rows: SHORT_PREFILL_ROWS,
+            undo: Default::default(),
             _file: file,
         })
     }
@@ -272,6 +275,28 @@ impl Engine {
 
     pub fn backend_mut(&mut self) -> &mut dyn Backend {
         self.backend.as_mut()
+    }
+
+    /// The backend and the verify steps' undo area (crate::speculate).
+    pub(crate) fn undo_parts(&mut self) -> (&mut dyn Backend, &mut crate::speculate::UndoArea) {
+        (self.backend.as_mut(), &mut self.undo)
+    }
+
+    /// [`Engine::eval_into`] with every chunk of `tokens` evaluated as decode rows, whatever
+    /// [`Engine::set_short_prefill_rows`] says (a verify step's rows must get the bits of
+    /// one-token decodes).
+    pub(crate) fn eval_decode_rows(
+        &mut self,
+        state: &mut KvState,
+        tokens: &[u32],
+        want: Logits,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let short = self.short_rows;
+        self.short_rows = usize::MAX;
+        let r = self.eval_inner(state, tokens, want, None, Some(out));
+        self.short_rows = short;
+        r
     }
 
     /// Runs `tokens` like [`Engine::eval`] and returns only the greedy next token (the
@@ -755,6 +780,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        self.undo.free(self.backend.as_mut());
         if let Some(s) = self.scratch.take() {
             s.free(self.backend.as_mut());
         }

@@ -24,6 +24,7 @@ pub mod forward;
 pub mod numerics;
 pub mod sampler;
 pub mod session;
+pub mod speculate;
 pub mod state;
 pub mod validate;
 pub mod weights;
@@ -40,4 +41,5 @@ pub use expert_stream::{
 };
 pub use sampler::{argmax, Rng, Sampler, SamplerConfig};
 pub use session::Session;
+pub use speculate::Verify;
 pub use state::{KvState, Snapshot};

@@ -10,6 +10,7 @@
 use crate::error::{EngineError, Result};
 
 mod band;
+mod draft;
 mod fast;
 
 pub use band::{band_words, LogitBand, BAND_CAP, BAND_FIRST_READ, BAND_HEAD};

@@ -114,6 +114,24 @@ impl Session {
         e.eval_into(s, &[token], Logits::Last, None, logits)
     }
 
+    /// Evaluates `tokens` (a token and drafts after it) as decode rows, every row's logits
+    /// into `rows`, saving what a rollback needs ([`Engine::eval_verify`]).
+    pub fn verify(&mut self, tokens: &[u32], rows: &mut Vec<f32>) -> Result<crate::Verify> {
+        let (e, s) = self.st();
+        e.eval_verify(s, tokens, rows)
+    }
+
+    /// Whether [`Session::verify`] can run ([`Engine::can_verify`]).
+    pub fn can_verify(&mut self) -> bool {
+        self.engine.can_verify()
+    }
+
+    /// Keeps the first `keep` tokens of the last [`Session::verify`] ([`Engine::settle`]).
+    pub fn settle(&mut self, v: crate::Verify, keep: usize) -> Result<()> {
+        let (e, s) = self.st();
+        e.settle(s, v, keep)
+    }
+
     pub fn snapshot(&mut self) -> Result<Snapshot> {
         let (e, s) = self.st();
         e.snapshot(s)

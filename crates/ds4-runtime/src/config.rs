@@ -15,6 +15,7 @@ use ds4_gpu::backend::{Knobs, LoadConfig, PrefillTiles};
 use ds4_placement::request::{OverrideError, Overrides, Setting, Source};
 use ds4_placement::resolve_switch;
 
+use crate::draft::{DraftConfig, DraftMode, DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_NGRAM, MAX_DRAFT_MAX};
 use crate::load::Precision;
 
 /// `DS4_QUALITY`: [`Precision::Quality`] when on (as `--quality`).
@@ -34,6 +35,16 @@ pub const LOAD_THREADS_ENV: &str = "DS4_LOAD_THREADS";
 /// `DS4_LOAD_STAGING_MIB`: the GPU weight load's pinned staging ring, MiB.
 pub const LOAD_STAGING_ENV: &str = "DS4_LOAD_STAGING_MIB";
 
+/// `DS4_DRAFT=off|lookup|auto`: the drafter of speculative decoding (docs/speculative.md).
+pub const DRAFT_ENV: &str = "DS4_DRAFT";
+/// `DS4_DRAFT_MAX`: most drafted tokens per step.
+pub const DRAFT_MAX_ENV: &str = "DS4_DRAFT_MAX";
+/// `DS4_DRAFT_NGRAM`: the longest suffix the lookup drafter matches.
+pub const DRAFT_NGRAM_ENV: &str = "DS4_DRAFT_NGRAM";
+/// The longest suffix `--draft-ngram` accepts (longer ones almost never match where a
+/// shorter one would not).
+pub const MAX_DRAFT_NGRAM: usize = 16;
+
 /// The flags of a binary that [`Config::resolve`] weighs against the environment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ConfigFlags {
@@ -41,6 +52,12 @@ pub struct ConfigFlags {
     pub quality: bool,
     /// `--no-warmup`.
     pub no_warmup: bool,
+    /// `--draft`.
+    pub draft: Option<DraftMode>,
+    /// `--draft-max`.
+    pub draft_max: Option<usize>,
+    /// `--draft-ngram`.
+    pub draft_ngram: Option<usize>,
 }
 
 /// The run's settings, each with its source (see the module doc).
@@ -62,6 +79,12 @@ pub struct Config {
     pub load_threads: Setting<usize>,
     /// Pinned staging ring of the GPU weight load, MiB.
     pub load_staging_mib: Setting<usize>,
+    /// The drafter of speculative decoding (off: one token per forward pass).
+    pub draft: Setting<DraftMode>,
+    /// Most drafted tokens per step.
+    pub draft_max: Setting<usize>,
+    /// The longest suffix n-gram the lookup drafter matches.
+    pub draft_ngram: Setting<usize>,
 }
 
 impl Default for Config {
@@ -97,7 +120,56 @@ fn count(
     }
 }
 
+/// A count in `1..=max` from its flag, else its variable, else `default`; the variable is
+/// parsed either way (a typo is reported even where the flag decides).
+fn bounded(
+    flag: Option<(&str, usize)>,
+    var: &str,
+    default: usize,
+    max: usize,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Setting<usize>, OverrideError> {
+    let expected = "an integer from 1 to the setting's maximum (docs/configuration.md)";
+    let from_env = match env(var) {
+        None => None,
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=max).contains(&n) => Some(Setting::new(n, env_source(var, &v))),
+            _ => {
+                return Err(OverrideError::BadValue {
+                    name: var.to_string(),
+                    value: v,
+                    expected,
+                })
+            }
+        },
+    };
+    match flag {
+        Some((name, n)) if (1..=max).contains(&n) => Ok(Setting::new(
+            n,
+            Source::Cli {
+                flag: name.to_string(),
+                value: n.to_string(),
+            },
+        )),
+        Some((name, n)) => Err(OverrideError::BadValue {
+            name: name.to_string(),
+            value: n.to_string(),
+            expected,
+        }),
+        None => Ok(from_env.unwrap_or_else(|| Setting::new(default, Source::Default))),
+    }
+}
+
 impl Config {
+    /// The drafting settings as the generation loop takes them.
+    pub fn draft_config(&self) -> DraftConfig {
+        DraftConfig {
+            mode: self.draft.value,
+            max: self.draft_max.value,
+            ngram: self.draft_ngram.value,
+        }
+    }
+
     /// Resolves every setting from `flags` and the variables `env` looks up (pass
     /// `|k| std::env::var(k).ok()` in a binary). Every variable that is set is parsed, also
     /// where a flag or `--quality` decides, so a typo is reported either way.
@@ -143,8 +215,47 @@ impl Config {
             Precision::Fast => tiles_env
                 .unwrap_or_else(|| Setting::new(Knobs::fast().prefill_tiles, Source::Default)),
         };
+        let draft_env = match env(DRAFT_ENV) {
+            Some(v) => Some(Setting::new(
+                v.parse::<DraftMode>()
+                    .map_err(|_| OverrideError::BadValue {
+                        name: DRAFT_ENV.to_string(),
+                        value: v.clone(),
+                        expected: "off, lookup or auto (mtp: not yet)",
+                    })?,
+                env_source(DRAFT_ENV, &v),
+            )),
+            None => None,
+        };
+        let draft = match flags.draft {
+            Some(m) => Setting::new(
+                m,
+                Source::Cli {
+                    flag: "--draft".into(),
+                    value: m.to_string(),
+                },
+            ),
+            None => draft_env.unwrap_or_else(|| Setting::new(DraftMode::Off, Source::Default)),
+        };
+        let draft_max = bounded(
+            flags.draft_max.map(|n| ("--draft-max", n)),
+            DRAFT_MAX_ENV,
+            DEFAULT_DRAFT_MAX,
+            MAX_DRAFT_MAX,
+            env,
+        )?;
+        let draft_ngram = bounded(
+            flags.draft_ngram.map(|n| ("--draft-ngram", n)),
+            DRAFT_NGRAM_ENV,
+            DEFAULT_DRAFT_NGRAM,
+            MAX_DRAFT_NGRAM,
+            env,
+        )?;
         let load = LoadConfig::default();
         Ok(Config {
+            draft,
+            draft_max,
+            draft_ngram,
             precision,
             warmup,
             prefill_tiles,
@@ -223,6 +334,11 @@ impl Config {
         row("load threads", lt.value.to_string(), &lt.source);
         let ls = &self.load_staging_mib;
         row("load staging MiB", ls.value.to_string(), &ls.source);
+        row("draft", self.draft.value.to_string(), &self.draft.source);
+        let dm = &self.draft_max;
+        row("  draft max", dm.value.to_string(), &dm.source);
+        let dn = &self.draft_ngram;
+        row("  draft n-gram", dn.value.to_string(), &dn.source);
         let choice = |s: &Setting<ds4_placement::MemChoice>| s.value.to_string();
         let gib = |s: &Setting<Option<u64>>, none: &str| match s.value {
             Some(b) => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
@@ -303,8 +419,17 @@ mod tests {
             ConfigFlags {
                 quality: true,
                 no_warmup: true,
+                draft: Some(DraftMode::Lookup),
+                draft_max: Some(5),
+                draft_ngram: None,
             },
-            env(&[("DS4_QUALITY", "0"), ("DS4_WARMUP", "1")]),
+            env(&[
+                ("DS4_QUALITY", "0"),
+                ("DS4_WARMUP", "1"),
+                ("DS4_DRAFT", "off"),
+                ("DS4_DRAFT_MAX", "2"),
+                ("DS4_DRAFT_NGRAM", "4"),
+            ]),
         )
         .unwrap();
         assert_eq!(c.precision.value, Precision::Quality);
@@ -312,6 +437,26 @@ mod tests {
         assert!(!c.warmup.value);
         assert_eq!(c.warmup.source.to_string(), "--no-warmup");
         assert_eq!(c.knobs(), Knobs::quality());
+        assert_eq!(c.draft.source.to_string(), "--draft lookup");
+        assert_eq!(
+            c.draft_config(),
+            DraftConfig {
+                mode: DraftMode::Lookup,
+                max: 5,
+                ngram: 4
+            }
+        );
+        assert_eq!(c.draft_ngram.source.to_string(), "DS4_DRAFT_NGRAM=4");
+        // Out of range from a flag, and the reserved drafters, are errors.
+        let bad = |f: ConfigFlags| Config::resolve(f, |_: &str| None).is_err();
+        assert!(bad(ConfigFlags {
+            draft_max: Some(0),
+            ..ConfigFlags::default()
+        }));
+        assert!(bad(ConfigFlags {
+            draft_ngram: Some(MAX_DRAFT_NGRAM + 1),
+            ..ConfigFlags::default()
+        }));
     }
 
     #[test]
@@ -376,6 +521,10 @@ mod tests {
             ("DS4_CUDA_PROFILE", "full"),
             ("DS4_LOAD_THREADS", "0"),
             ("DS4_LOAD_STAGING_MIB", "lots"),
+            ("DS4_DRAFT", "mtp"),
+            ("DS4_DRAFT", "maybe"),
+            ("DS4_DRAFT_MAX", "17"),
+            ("DS4_DRAFT_NGRAM", "0"),
         ] {
             let e = Config::resolve(ConfigFlags::default(), move |k: &str| {
                 (k == var).then(|| bad.to_string())

@@ -17,6 +17,7 @@ use ds4_engine::{Engine, EngineError, Sampler, Session, Snapshot};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, Format};
+use crate::draft::{DraftConfig, DraftMode, DraftStats, Governor};
 use crate::step::{band_fits_mask, Left, SessionStep, StepLogits};
 
 /// Why a driver operation failed.
@@ -87,6 +88,8 @@ pub struct GenOutcome {
     pub tokens: Vec<u32>,
     pub stop: GenStop,
     pub secs: f64,
+    /// What drafting did (all zero without drafting).
+    pub draft: DraftStats,
 }
 
 impl GenOutcome {
@@ -199,6 +202,8 @@ pub struct Conversation {
     session: Session,
     /// Logits after `session.tokens()`, when known.
     last_logits: Option<Vec<f32>>,
+    /// Speculative decoding in [`Conversation::generate_with`] (docs/speculative.md).
+    draft: DraftConfig,
 }
 
 impl Conversation {
@@ -207,7 +212,19 @@ impl Conversation {
         Ok(Conversation {
             session: Session::new(engine)?,
             last_logits: None,
+            draft: DraftConfig::default(),
         })
+    }
+
+    /// Drafting for the generations that follow (off by default). It never changes what
+    /// is generated: greedy output is token for token the same, sampled output has the
+    /// same distribution (docs/speculative.md).
+    pub fn set_draft(&mut self, draft: DraftConfig) {
+        self.draft = draft;
+    }
+
+    pub fn draft(&self) -> DraftConfig {
+        self.draft
     }
 
     pub fn engine(&self) -> &Engine {
@@ -412,6 +429,13 @@ impl Conversation {
     /// limit, `cancel`, or `steer` ends it. See [`GenLimits::feed_all`] for which tokens the
     /// state holds afterwards. On an engine error while feeding, the state is partial and
     /// the logits are forgotten; a sampler error leaves both as they were.
+    ///
+    /// With drafting on ([`Conversation::set_draft`]; not under `feed_all`, whose steer
+    /// sees the state after every token), each token to feed goes with the drafter's
+    /// proposals in one verify pass; the drafts are then picked one by one from that
+    /// pass's rows by the same per-step decisions ([`GenState::pick_draft`]) until one is
+    /// replaced, and the state keeps exactly the tokens that were fed
+    /// ([`ds4_engine::Engine::settle`]).
     pub fn generate_with(
         &mut self,
         sampler: &mut Sampler,
@@ -438,23 +462,37 @@ impl Conversation {
             sampler.config().band_span()
         };
         let mask = ignore_eos.then_some(limits.eos);
+        // A backend without decode rows cannot verify bit for bit: no drafts there.
+        let drafting = self.draft.on() && !feed_all && self.session.can_verify();
+        // `--draft auto`: whether to draft this step, from this run's measured rates.
+        let mut governor = (self.draft.mode == DraftMode::Auto).then(Governor::new);
+        // Every row of a verify step, and the context the drafter reads.
+        let mut rows = Vec::new();
+        let mut context = Vec::new();
         // What the last step left: the row in `logits`, or the argmax / band with the row
         // in the backend's scratch (fetched by the pick only when needed).
         let mut left = Left::Row;
+        // A token picked from a verify row in place of a draft: fed next, with no pick.
+        let mut replaced: Option<(u32, Flow)> = None;
         let stop = loop {
-            let mut dist = SessionStep {
-                left: &mut left,
-                row: &mut logits,
-                session: &mut self.session,
-            };
-            let (tok, flow) = match gen.pick(&mut dist, sampler, cancel, steer) {
-                Ok(Pick::Stop(stop)) => break stop,
-                Ok(Pick::Feed { tok, flow }) => (tok, flow),
-                Err(e) => {
-                    if feed_all {
-                        self.last_logits = Some(logits);
+            let (tok, flow) = match replaced.take() {
+                Some(picked) => picked,
+                None => {
+                    let mut dist = SessionStep {
+                        left: &mut left,
+                        row: &mut logits,
+                        session: &mut self.session,
+                    };
+                    match gen.pick(&mut dist, sampler, cancel, steer) {
+                        Ok(Pick::Stop(stop)) => break stop,
+                        Ok(Pick::Feed { tok, flow }) => (tok, flow),
+                        Err(e) => {
+                            if feed_all {
+                                self.last_logits = Some(logits);
+                            }
+                            return Err(e);
+                        }
                     }
-                    return Err(e);
                 }
             };
             if !feed_all {
@@ -468,12 +506,51 @@ impl Conversation {
                     break GenStop::Interrupted;
                 }
             }
+            let emitted = gen.tokens().len();
+            if drafting && governor.as_ref().is_none_or(|g| g.drafting(emitted)) {
+                // Drafts that can matter: the last token emitted is never fed, and the
+                // verify is one chunk inside the context.
+                let engine = self.session.engine();
+                let limit = (max_tokens - gen.tokens().len())
+                    .saturating_sub(1)
+                    .min(self.ctx().saturating_sub(self.pos() + 1))
+                    .min(engine.config().prefill_chunk.saturating_sub(1));
+                context.clear();
+                context.extend_from_slice(self.session.tokens());
+                context.push(tok);
+                let drafts = self.draft.propose(&context, limit).to_vec();
+                if !drafts.is_empty() {
+                    let (t0, accepted) = (Instant::now(), gen.draft.accepted);
+                    let verified = self
+                        .verify_step(&mut gen, tok, &drafts, &mut rows, sampler, cancel, steer)?;
+                    if let Some(g) = governor.as_mut() {
+                        let advanced = 1 + (gen.draft.accepted - accepted) as usize;
+                        g.verify_step(t0.elapsed().as_secs_f64(), advanced, gen.tokens().len());
+                    }
+                    match verified {
+                        Verified::Stop(stop) => break stop,
+                        Verified::Replaced(picked) => replaced = Some(picked),
+                        Verified::AllKept => {
+                            // The row after the last draft is the next step's distribution.
+                            let v = self.session.engine().hparams().n_vocab;
+                            logits.clear();
+                            logits.extend_from_slice(&rows[drafts.len() * v..]);
+                            left = Left::Row;
+                        }
+                    }
+                    continue;
+                }
+            }
+            let t0 = Instant::now();
             left = if let Some(span) = band_span {
                 Left::Band(self.session.decode_band(tok, span, mask)?)
             } else {
                 self.session.decode_into(tok, &mut logits)?;
                 Left::Row
             };
+            if let Some(g) = governor.as_mut() {
+                g.plain_step(t0.elapsed().as_secs_f64());
+            }
             if flow == Flow::Stop {
                 break GenStop::Halted;
             }
@@ -489,6 +566,83 @@ impl Conversation {
         }
         Ok(gen.finish(stop))
     }
+
+    /// Feeds `tok` with `drafts` after it in one verify pass, then picks from its rows: row
+    /// `i` (the distribution after `tok, d1 … di`) is picked with draft `d(i+1)` in mind
+    /// until a pick replaces its draft or the generation stops. The state keeps `tok` and
+    /// the drafts that were picked and will be fed: under the rule "the last emitted
+    /// token is not fed", a draft emitted as the generation stops is dropped too.
+    #[allow(clippy::too_many_arguments)]
+    fn verify_step(
+        &mut self,
+        gen: &mut GenState,
+        tok: u32,
+        drafts: &[u32],
+        rows: &mut Vec<f32>,
+        sampler: &mut Sampler,
+        cancel: &AtomicBool,
+        steer: &mut dyn Steer,
+    ) -> Result<Verified, DriverError> {
+        let mut span = Vec::with_capacity(drafts.len() + 1);
+        span.push(tok);
+        span.extend_from_slice(drafts);
+        let v = self.session.verify(&span, rows)?;
+        gen.draft.steps += 1;
+        gen.draft.drafted += drafts.len() as u64;
+        let n_vocab = self.session.engine().hparams().n_vocab;
+        let mut keep = 1;
+        let mut outcome = Verified::AllKept;
+        for (i, &d) in drafts.iter().enumerate() {
+            let mut row = rows[i * n_vocab..(i + 1) * n_vocab].to_vec();
+            let picked = gen.pick_draft(&mut row, sampler, cancel, steer, Some(d));
+            let (t, flow) = match picked {
+                Ok(Pick::Stop(stop)) => {
+                    outcome = Verified::Stop(stop);
+                    break;
+                }
+                Ok(Pick::Feed { tok, flow }) => (tok, flow),
+                Err(e) => {
+                    // The state keeps what was fed; the logits after it are gone.
+                    self.session.settle(v, keep)?;
+                    return Err(e);
+                }
+            };
+            let stop = if flow == Flow::Stop {
+                Some(GenStop::Halted)
+            } else if gen.tokens().len() >= gen.limits.max_tokens {
+                Some(GenStop::Length)
+            } else if cancel.load(Ordering::Relaxed) {
+                Some(GenStop::Interrupted)
+            } else {
+                None
+            };
+            if t != d {
+                outcome = match stop {
+                    Some(s) => Verified::Stop(s),
+                    None => Verified::Replaced((t, flow)),
+                };
+                break;
+            }
+            gen.draft.accepted += 1;
+            if let Some(s) = stop {
+                outcome = Verified::Stop(s);
+                break;
+            }
+            keep += 1;
+        }
+        self.session.settle(v, keep)?;
+        Ok(outcome)
+    }
+}
+
+/// How a verify step ended ([`Conversation::verify_step`]).
+enum Verified {
+    /// Every draft was picked and fed; the next distribution is the last row.
+    AllKept,
+    /// A pick replaced a draft: that token is fed next.
+    Replaced((u32, Flow)),
+    /// The generation ended.
+    Stop(GenStop),
 }
 
 /// What one step of the generation loop decided ([`GenState::pick`]).
@@ -511,6 +665,7 @@ pub struct GenState {
     limits: GenLimits,
     out: Vec<u32>,
     t0: Instant,
+    draft: DraftStats,
 }
 
 impl GenState {
@@ -519,6 +674,7 @@ impl GenState {
             limits,
             out: Vec::new(),
             t0: Instant::now(),
+            draft: DraftStats::default(),
         }
     }
 
@@ -537,6 +693,21 @@ impl GenState {
         sampler: &mut Sampler,
         cancel: &AtomicBool,
         steer: &mut dyn Steer,
+    ) -> Result<Pick, DriverError> {
+        self.pick_draft(dist, sampler, cancel, steer, None)
+    }
+
+    /// [`GenState::pick`] at a position whose token was drafted: the steer's token as
+    /// usual, else the sampler's acceptance rule ([`Sampler::sample_draft`]), which emits
+    /// the draft or a replacement so that the token has exactly the distribution `pick`
+    /// would draw from. The caller compares the result with the draft.
+    pub fn pick_draft(
+        &mut self,
+        dist: &mut dyn StepLogits,
+        sampler: &mut Sampler,
+        cancel: &AtomicBool,
+        steer: &mut dyn Steer,
+        draft: Option<u32>,
     ) -> Result<Pick, DriverError> {
         let GenLimits {
             max_tokens,
@@ -561,9 +732,10 @@ impl GenState {
         } else {
             steer.choose(step, None)
         };
-        let tok = match chosen {
-            Some(t) => t,
-            None => {
+        let tok = match (chosen, draft) {
+            (Some(t), _) => t,
+            (None, Some(d)) => sampler.sample_draft(masked_row(dist, mask)?, &self.out, d)?,
+            (None, None) => {
                 let drawn = match dist.band() {
                     Some(b) if band_fits_mask(b, mask) => sampler.sample_band(b)?,
                     _ => None,
@@ -589,6 +761,7 @@ impl GenState {
             tokens: self.out,
             stop,
             secs: self.t0.elapsed().as_secs_f64(),
+            draft: self.draft,
         }
     }
 }

@@ -8,6 +8,7 @@
 //! - [`plan`]: the planner's view of a model file (also what `ds4 plan` prints);
 //! - [`driver`]: the conversation driver — the live session, its logits, prefix reuse,
 //!   step-wise generation, checkpoints;
+//! - [`draft`]: speculative decoding's drafters and settings (docs/speculative.md);
 //! - [`slots`]: several conversations on one engine, decoded in batched steps (the
 //!   server's `--parallel N`);
 //! - [`checkpoint`]: the one payload format of disk checkpoints, read by both binaries.
@@ -15,6 +16,7 @@
 pub mod checkpoint;
 pub mod cli_help;
 pub mod config;
+pub mod draft;
 pub mod driver;
 pub mod error;
 pub mod load;
@@ -23,6 +25,7 @@ pub mod slots;
 pub mod step;
 
 pub use checkpoint::{Checkpoint, CheckpointError, Format};
+pub use draft::{DraftConfig, DraftMode, DraftStats};
 pub use driver::{
     continuation, Conversation, DriverError, Flow, GenLimits, GenOutcome, GenState, GenStop, Pick,
     Steer, SyncStats,

@@ -155,6 +155,16 @@ struct Args {
     /// --e2e: CPU threads (0 = one per core; as `ds4 -t`).
     #[arg(short, long, default_value_t = 0)]
     threads: usize,
+    /// --e2e: speculative decoding as `ds4 --draft` (off, lookup, auto; also DS4_DRAFT);
+    /// the CSV then says what it drafted and accepted (docs/speculative.md).
+    #[arg(long, value_parser = |s: &str| s.parse::<ds4_runtime::DraftMode>())]
+    draft: Option<ds4_runtime::DraftMode>,
+    /// --e2e: most drafted tokens per step, as `ds4 --draft-max`.
+    #[arg(long)]
+    draft_max: Option<usize>,
+    /// --e2e: the lookup drafter's longest n-gram, as `ds4 --draft-ngram`.
+    #[arg(long)]
+    draft_ngram: Option<usize>,
 }
 
 /// The settings `ds4` would run with the same --quality, --no-warmup and variables.
@@ -163,6 +173,9 @@ fn run_config(args: &Args) -> Result<ds4_runtime::config::Config> {
         ds4_runtime::config::ConfigFlags {
             quality: args.quality,
             no_warmup: args.no_warmup,
+            draft: args.draft,
+            draft_max: args.draft_max,
+            draft_ngram: args.draft_ngram,
         },
         |k| std::env::var(k).ok(),
     )
@@ -210,6 +223,7 @@ fn e2e(args: &Args) -> Result<()> {
         }
     };
     let config = run_config(args)?;
+    let draft = config.draft_config();
     let precision = config.precision.value;
     let opts = LoadOptions {
         model: model.clone(),
@@ -241,6 +255,7 @@ fn e2e(args: &Args) -> Result<()> {
         color: false,
         terminal: false,
         progress: false,
+        draft,
     };
     let intr = ds4_cli::signals::Interrupts::default();
     let stats = one_shot(
@@ -252,9 +267,11 @@ fn e2e(args: &Args) -> Result<()> {
         &mut std::io::stderr(),
     )?;
     let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let d = stats.draft;
     let csv = format!(
-        "bench,precision,load_s,prompt_tokens,prefill_s,prefill_tok_s,generated,gen_s,gen_tok_s\n\
-         e2e,{},{load_s:.3},{},{:.3},{:.1},{},{:.3},{:.2}\n",
+        "bench,precision,load_s,prompt_tokens,prefill_s,prefill_tok_s,generated,gen_s,gen_tok_s,\
+         draft,drafted,accepted,verify_steps,tokens_per_step\n\
+         e2e,{},{load_s:.3},{},{:.3},{:.1},{},{:.3},{:.2},{},{},{},{},{:.3}\n",
         precision.label(),
         stats.prefilled,
         stats.prefill_secs,
@@ -262,6 +279,11 @@ fn e2e(args: &Args) -> Result<()> {
         stats.generated,
         stats.gen_secs,
         rate(stats.generated, stats.gen_secs),
+        draft.mode,
+        d.drafted,
+        d.accepted,
+        d.steps,
+        d.tokens_per_step(),
     );
     print!("{csv}");
     if let Some(p) = &args.csv {

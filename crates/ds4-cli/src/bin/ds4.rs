@@ -14,6 +14,7 @@ use ds4_cli::signals::Interrupts;
 use ds4_engine::SamplerConfig;
 use ds4_model::Strictness;
 use ds4_runtime::config::{Config, ConfigFlags};
+use ds4_runtime::DraftMode;
 
 #[derive(Parser)]
 #[command(
@@ -64,6 +65,34 @@ struct ModelArgs {
     no_warmup: bool,
     #[command(flatten)]
     placement: PlacementFlags,
+    /// Generation flags that are settings too (`ds4` runs set them; other subcommands
+    /// leave them unset).
+    #[arg(skip)]
+    draft: DraftFlags,
+}
+
+/// Speculative decoding (docs/speculative.md): the generation's own flags, kept in the one
+/// place settings are resolved (`Config`).
+#[derive(clap::Args, Clone, Copy, Default)]
+struct DraftFlags {
+    /// Draft tokens and verify them in one forward pass: lookup (prompt lookup: the tokens
+    /// that followed the context's last n-gram earlier), auto (lookup, paused while it is
+    /// measured slower than plain decoding) or off; the output is unchanged (greedy: token
+    /// for token). mtp: not yet. Also DS4_DRAFT.
+    #[arg(long, value_parser = parse_draft)]
+    draft: Option<DraftMode>,
+    /// Most drafted tokens per step, 1 to 16 (default 3; beyond 3 a partly accepted draft
+    /// costs a second evaluation on DeepSeek V4). Also DS4_DRAFT_MAX.
+    #[arg(long)]
+    draft_max: Option<usize>,
+    /// The longest n-gram the lookup drafter matches (then shorter ones, down to 1;
+    /// default 3). Also DS4_DRAFT_NGRAM.
+    #[arg(long)]
+    draft_ngram: Option<usize>,
+}
+
+fn parse_draft(s: &str) -> Result<DraftMode, String> {
+    s.parse()
 }
 
 impl ModelArgs {
@@ -73,6 +102,9 @@ impl ModelArgs {
             ConfigFlags {
                 quality: self.quality,
                 no_warmup: self.no_warmup,
+                draft: self.draft.draft,
+                draft_max: self.draft.draft_max,
+                draft_ngram: self.draft.draft_ngram,
             },
             |k| std::env::var(k).ok(),
         )
@@ -120,6 +152,8 @@ struct RunArgs {
     prompt_file: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    draft: DraftFlags,
     /// Context size in tokens.
     #[arg(short, long, default_value_t = 32768)]
     ctx: usize,
@@ -504,6 +538,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         ConfigFlags {
                             quality: true,
                             no_warmup: model.no_warmup,
+                            ..ConfigFlags::default()
                         },
                         |k| std::env::var(k).ok(),
                     )
@@ -639,7 +674,8 @@ fn history_file() -> Option<PathBuf> {
 }
 
 /// One-shot generation or the interactive chat.
-fn run_model(a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
+fn run_model(mut a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
+    a.model.draft = a.draft;
     if a.print_config {
         let config = a.model.config()?;
         let placement = ds4_placement::resolve_overrides(&a.model.placement.to_overrides(), |k| {
@@ -684,6 +720,7 @@ fn run_model(a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
     ds4_engine::Sampler::new(sampler.clone()).context("invalid sampling flags")?;
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let settings = GenSettings {
+        draft: a.model.config()?.draft_config(),
         system: Some(a.system.clone()),
         thinking,
         sampler,

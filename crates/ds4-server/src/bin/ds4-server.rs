@@ -347,6 +347,7 @@ fn main() -> Result<()> {
         ds4_runtime::config::ConfigFlags {
             quality: a.quality,
             no_warmup: a.no_warmup,
+            ..Default::default()
         },
         |k| std::env::var(k).ok(),
     )

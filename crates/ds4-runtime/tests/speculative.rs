@@ -1,0 +1,205 @@
+//! Speculative decoding is lossless (docs/speculative.md): greedy generation with the
+//! prompt-lookup drafter emits, token for token, what generation without drafting emits,
+//! and leaves the same state (its snapshot, byte for byte) — on the trained demo model
+//! (f32 in exact and official mode, q2 at the default precision) and the tiny-hca16
+//! fixture, CPU backend. The prompts repeat a span the model continues, so drafts are
+//! proposed and accepted (checked), and some are rejected (checked where they are).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::OnceLock;
+
+use ds4_engine::{Sampler, SamplerConfig};
+use ds4_runtime::config::{Config, ConfigFlags};
+use ds4_runtime::load::{load, BackendChoice, LoadOptions, ModeChoice};
+use ds4_runtime::{Conversation, DraftConfig, DraftMode, DraftStats, GenLimits, GenStop};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The tiny-hca16 fixture (sliding, CSA and HCA layers) converted once per test binary.
+fn tiny_gguf() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let fixture = root().join("tests/fixtures/tiny-hca16");
+        let dir = tempfile::tempdir().unwrap().keep();
+        let src = dir.join("hf");
+        std::fs::create_dir_all(&src).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture.join(f), src.join(f)).unwrap();
+        }
+        let out = dir.join("tiny.gguf");
+        let opts = ds4_convert::HfOptions::new("f32").unwrap();
+        ds4_convert::convert_hf(&src, &out, &opts, &mut ds4_convert::NoProgress).unwrap();
+        out
+    })
+}
+
+fn conversation(model: &Path, mode: Option<ModeChoice>, draft: DraftConfig) -> Conversation {
+    let opts = LoadOptions {
+        model: model.to_path_buf(),
+        backend: BackendChoice::Cpu,
+        mode,
+        ctx: 512,
+        kv_states: 1,
+        prefill_chunk: 32,
+        threads: 2,
+        placement: Default::default(),
+        report: ds4_runtime::load::LoadReport::Quiet,
+        config: Config::from_flags(ConfigFlags {
+            no_warmup: true,
+            ..ConfigFlags::default()
+        }),
+    };
+    let mut c = Conversation::new(load(&opts, &mut std::io::sink()).unwrap().engine).unwrap();
+    c.set_draft(draft);
+    c
+}
+
+/// `n` tokens generated after `prompt` with `cfg`, the drafting statistics and the state's
+/// snapshot afterwards.
+fn generate(
+    model: &Path,
+    mode: Option<ModeChoice>,
+    draft: DraftConfig,
+    cfg: &SamplerConfig,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, DraftStats, Vec<u8>) {
+    let mut c = conversation(model, mode, draft);
+    let cancel = AtomicBool::new(false);
+    let (_, logits) = c.sync(prompt, &cancel, &mut |_, _| {}).unwrap();
+    let mut sampler = Sampler::new(cfg.clone()).unwrap();
+    let limits = GenLimits {
+        max_tokens: n,
+        eos: 1,
+        ignore_eos: true,
+        feed_all: false,
+    };
+    let mut seen = Vec::new();
+    let out = c
+        .generate(logits.unwrap(), &mut sampler, limits, &cancel, &mut |t| {
+            seen.push(t)
+        })
+        .unwrap();
+    assert_eq!(out.stop, GenStop::Length);
+    assert_eq!(out.tokens, seen, "every emitted token went to the callback");
+    // The state holds the prompt and every emitted token but the last.
+    assert_eq!(c.live().len(), prompt.len() + n - 1);
+    (out.tokens, out.draft, c.snapshot().unwrap().into_bytes())
+}
+
+fn lookup(max: usize) -> DraftConfig {
+    DraftConfig {
+        mode: DraftMode::Lookup,
+        max,
+        ngram: 3,
+    }
+}
+
+/// A prompt the model continues by repeating: a seed, the model's own greedy continuation
+/// of it, then the seed again (its continuation is then largely a copy, which the lookup
+/// drafter proposes).
+fn echo_prompt(model: &Path, mode: Option<ModeChoice>, seed: &[u32], n: usize) -> Vec<u32> {
+    let greedy = SamplerConfig::default();
+    let (cont, _, _) = generate(model, mode, DraftConfig::default(), &greedy, seed, n);
+    let mut p = seed.to_vec();
+    p.extend_from_slice(&cont);
+    p.extend_from_slice(seed);
+    p
+}
+
+/// Greedy with and without drafting (spans within and past the exact-rollback limit, and
+/// `auto`) give the same tokens and the same final state; returns the drafting statistics
+/// of `--draft-max 3`.
+fn greedy_is_lossless(
+    model: &Path,
+    mode: Option<ModeChoice>,
+    prompt: &[u32],
+    n: usize,
+) -> DraftStats {
+    let greedy = SamplerConfig::default();
+    let (plain, none, plain_state) =
+        generate(model, mode, DraftConfig::default(), &greedy, prompt, n);
+    assert_eq!(none, DraftStats::default());
+    let mut stats = DraftStats::default();
+    let auto = DraftConfig {
+        mode: DraftMode::Auto,
+        ..lookup(3)
+    };
+    for draft in [lookup(3), lookup(7), auto] {
+        let (drafted, s, state) = generate(model, mode, draft, &greedy, prompt, n);
+        assert_eq!(drafted, plain, "{mode:?} {draft:?}: tokens differ");
+        assert!(state == plain_state, "{mode:?} {draft:?}: states differ");
+        if draft == lookup(3) {
+            stats = s;
+        }
+    }
+    stats
+}
+
+#[test]
+fn greedy_drafting_is_lossless_on_the_demo_model() {
+    let f32_model = root().join("tests/fixtures/kjv/ds4-kjv.gguf");
+    // Token ids of the demo vocabulary (any ids make a prompt; the model then writes its
+    // corpus' style).
+    let seed: Vec<u32> = vec![400, 1200, 77, 980, 35, 2100, 612];
+    for mode in [ModeChoice::Exact, ModeChoice::Official] {
+        let prompt = echo_prompt(&f32_model, Some(mode), &seed, 40);
+        let s = greedy_is_lossless(&f32_model, Some(mode), &prompt, 48);
+        assert!(
+            s.accepted > 0 && s.drafted > s.accepted,
+            "{mode:?}: drafts neither accepted nor rejected: {s:?}"
+        );
+    }
+    // The q2 file at the default precision (int8 decode activations).
+    let q2 = root().join("tests/fixtures/kjv/ds4-kjv-q2.gguf");
+    let prompt = echo_prompt(&q2, None, &seed, 40);
+    let s = greedy_is_lossless(&q2, None, &prompt, 48);
+    assert!(s.accepted > 0, "q2: no draft accepted: {s:?}");
+}
+
+#[test]
+fn greedy_drafting_is_lossless_on_a_tiny_model() {
+    let model = tiny_gguf();
+    let seed: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 200).collect();
+    for mode in [ModeChoice::Exact, ModeChoice::Official] {
+        let prompt = echo_prompt(model, Some(mode), &seed, 30);
+        let s = greedy_is_lossless(model, Some(mode), &prompt, 40);
+        assert!(
+            s.steps > 0 && s.drafted > 0,
+            "{mode:?}: nothing drafted: {s:?}"
+        );
+    }
+}
+
+/// Sampling with a drafter runs end to end with the sampler's filters, and a sampler that
+/// can only pick one token (top-k 1) is deterministic, so it must match exactly.
+#[test]
+fn sampled_drafting_runs_and_top_k_one_matches() {
+    let model = tiny_gguf();
+    let seed: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 200).collect();
+    let prompt = echo_prompt(model, None, &seed, 30);
+    let top1 = SamplerConfig {
+        temperature: 0.8,
+        top_k: 1,
+        seed: 9,
+        ..SamplerConfig::default()
+    };
+    let (a, _, sa) = generate(model, None, DraftConfig::default(), &top1, &prompt, 30);
+    let (b, s, sb) = generate(model, None, lookup(3), &top1, &prompt, 30);
+    assert_eq!(a, b);
+    assert!(sa == sb);
+    assert!(s.drafted > 0);
+    let warm = SamplerConfig {
+        temperature: 0.7,
+        top_p: 0.9,
+        min_p: 0.05,
+        repeat_penalty: 1.1,
+        seed: 3,
+        ..SamplerConfig::default()
+    };
+    let (t, _, _) = generate(model, None, lookup(3), &warm, &prompt, 30);
+    assert_eq!(t.len(), 30);
+}

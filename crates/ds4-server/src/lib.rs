@@ -14,6 +14,8 @@
 //!
 //! Module dependencies run one way: `api` (the request model) ← `request` (parsers),
 //! `live` ← `prepare` ← `endpoints` → `emit`; nothing below `http` imports it.
+//! The worker side: `sched` (the steps) → `turn` (a slot's generation) → `reuse` (the
+//! slots and their reuse state, one owner) → `worker` (jobs and their events).
 //!
 //! Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
 //! `/v1/completions`, `/v1/responses`, `/v1/messages`, `GET /health` (status + counters),
@@ -132,7 +134,7 @@ impl Server {
         let binding = Arc::new(Mutex::new(None));
         let ctx = model.engine.config().ctx;
         let tok = model.tokenizer.clone();
-        let w = worker::Worker::new(
+        let w = sched::Worker::new(
             model.engine,
             tok.clone(),
             model.identity,

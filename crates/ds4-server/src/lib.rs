@@ -42,6 +42,7 @@ mod sched;
 pub mod script;
 pub mod stats;
 pub mod toolmem;
+pub mod trace;
 mod turn;
 pub mod webchat;
 pub mod worker;
@@ -54,6 +55,7 @@ use std::sync::{Arc, Mutex};
 pub use config::{DiskCacheConfig, ServerConfig, DEFAULT_MAX_TOKENS, MODEL_ID};
 pub use error::{ApiError, ServerError};
 pub use model::{LoadedModel, ModelOptions};
+pub use sched::SlotsInfo;
 pub use script::Script;
 pub use stats::Stats;
 
@@ -69,6 +71,7 @@ pub struct Server {
     shutting_down: Arc<AtomicBool>,
     cfg: Arc<ServerConfig>,
     max_connections: usize,
+    slots: SlotsInfo,
 }
 
 impl Server {
@@ -144,6 +147,7 @@ impl Server {
             stats.clone(),
             shutting_down.clone(),
         )?;
+        let slots = w.slots_info();
         let (tx, rx) = mpsc::channel(cfg.queue_capacity);
         let worker = std::thread::Builder::new()
             .name("ds4-worker".into())
@@ -173,7 +177,13 @@ impl Server {
             shutting_down,
             cfg,
             max_connections,
+            slots,
         })
+    }
+
+    /// The KV slots the scheduler allocated (the binary's startup line prints them).
+    pub fn slots(&self) -> SlotsInfo {
+        self.slots
     }
 
     pub fn local_addr(&self) -> SocketAddr {

@@ -33,8 +33,34 @@ use crate::live::{self, ToolBinding};
 use crate::reuse::{SlotCache, TurnSnap};
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
+use crate::trace::StepEvent;
 use crate::turn::Gen;
 use crate::worker::{send, Job, JobEvent, Usage};
+
+/// What the slots hold, for the startup line (docs/server.md §9): the placement plan
+/// budgeted exactly this many KV states of this context, so saying it at startup tells a
+/// user what `--parallel` and `-c` bought before the first request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotsInfo {
+    pub slots: usize,
+    /// Tokens of context each slot holds.
+    pub ctx: usize,
+    /// KV bytes of all the slots together.
+    pub kv_bytes: u64,
+}
+
+impl std::fmt::Display for SlotsInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} slot{} × {} ctx, KV {:.2} GiB",
+            self.slots,
+            if self.slots == 1 { "" } else { "s" },
+            self.ctx,
+            self.kv_bytes as f64 / (1u64 << 30) as f64
+        )
+    }
+}
 
 /// A job in a slot.
 pub(crate) struct Task<'t> {
@@ -218,6 +244,20 @@ impl Worker {
         })
     }
 
+    /// The slots allocated ([`SlotsInfo`]).
+    pub fn slots_info(&self) -> SlotsInfo {
+        let slots = self.cache.slots.len();
+        SlotsInfo {
+            slots,
+            ctx: self.ctx,
+            kv_bytes: self
+                .cache
+                .slots
+                .kv_bytes_per_slot()
+                .saturating_mul(slots as u64),
+        }
+    }
+
     /// Runs jobs until the queue closes and the running ones end, then saves a `shutdown`
     /// checkpoint of every slot.
     pub fn run(mut self, mut rx: mpsc::Receiver<Job>) {
@@ -312,6 +352,13 @@ impl Worker {
             self.cache.discard_live(i);
         }
         self.cache.publish();
+    }
+
+    /// Records one forward pass in the test hook's step log, when there is one.
+    fn trace(&self, e: StepEvent) {
+        if let Some(t) = &self.cfg.step_trace {
+            t.push(e);
+        }
     }
 
     pub(crate) fn stopping(&self, job: &Job) -> bool {
@@ -521,6 +568,14 @@ impl Worker {
             return;
         }
         Stats::add(&self.stats.joint_pieces, pieces.len() as u64);
+        for &(i, start, end) in pieces {
+            if let Some(t) = tasks[i].as_ref() {
+                self.trace(StepEvent::Prefill {
+                    job: t.seq,
+                    tokens: end - start,
+                });
+            }
+        }
         for &(i, _, end) in pieces {
             self.piece_landed(i, &mut tasks[i], end, tok);
         }
@@ -565,6 +620,10 @@ impl Worker {
                 self.end(slot);
                 return;
             }
+            self.trace(StepEvent::Prefill {
+                job: task.seq,
+                tokens: end - *done,
+            });
             budget -= end - *done;
             self.piece_landed(i, slot, end, tok);
             if budget == 0 {
@@ -785,6 +844,14 @@ impl Worker {
                 t.decode_time += step;
                 t.wait_ns += waited;
             }
+        }
+        if fed.is_ok() {
+            self.trace(StepEvent::Decode {
+                jobs: feeds
+                    .iter()
+                    .filter_map(|&(i, _)| tasks[i].as_ref().map(|t| t.seq))
+                    .collect(),
+            });
         }
         if let Err(e) = fed {
             let why = e.to_string();

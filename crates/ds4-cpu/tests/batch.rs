@@ -263,3 +263,63 @@ fn bad_joint_prefills_are_errors() {
     eng.eval_joint(&mut [&mut a, &mut b], &[&p3, &p9]).unwrap();
     assert_eq!((a.pos(), b.pos()), (5, 9));
 }
+
+/// The routing census (`Engine::set_route_census`, what `ds4-bench --batch` bounds a step
+/// by): one batched step of B sequences counts, per layer, between k (all chose the same
+/// experts) and min(B·k, E) distinct experts, B·k assignments in all; one sequence counts
+/// exactly its k distinct ones; and counting changes no logits.
+#[test]
+fn the_route_census_counts_each_steps_distinct_experts() {
+    let file = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 11);
+    let mut eng = engine(&file, NumericMode::Exact, false);
+    let hp = eng.hparams().clone();
+    let (k, e) = (hp.n_expert_used, hp.n_expert);
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| tokens(5 + 3 * i, hp.n_vocab, 40 + i as u64))
+        .collect();
+    let mut states = Vec::new();
+    let mut next = Vec::new();
+    for p in &prompts {
+        let mut st = eng.new_state().unwrap();
+        next.push(argmax(&eng.eval(&mut st, p, Logits::Last, None).unwrap()) as u32);
+        states.push(st);
+    }
+    let mut twins: Vec<_> = states.iter().map(|s| eng.snapshot(s).unwrap()).collect();
+    assert!(eng.route_census().is_none());
+    let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+    let off = eng.eval_batch(&mut refs, &next).unwrap();
+
+    // The same step again from the same states, counted.
+    for (st, snap) in states.iter_mut().zip(twins.drain(..)) {
+        eng.restore(st, &snap).unwrap();
+    }
+    eng.set_route_census(true);
+    let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+    let on = eng.eval_batch(&mut refs, &next).unwrap();
+    assert!(
+        on.iter().zip(&off).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the census changed the logits"
+    );
+    let c = eng.route_census().unwrap().clone();
+    assert_eq!(c.calls, 1);
+    assert_eq!(c.distinct.len(), hp.n_layer);
+    for il in 0..hp.n_layer {
+        let d = c.distinct[il] as usize;
+        assert!(d >= k && d <= (3 * k).min(e), "layer {il}: {d} distinct");
+        assert_eq!(c.load[il].iter().sum::<u64>() as usize, 3 * k, "layer {il}");
+    }
+
+    // One sequence's token: exactly k distinct per layer.
+    eng.set_route_census(true);
+    let t = next[0];
+    eng.eval(&mut states[0], &[t], Logits::Last, None).unwrap();
+    let c = eng.route_census().unwrap();
+    assert_eq!(c.calls, 1);
+    assert!(
+        c.distinct.iter().all(|&d| d as usize == k),
+        "{:?}",
+        c.distinct
+    );
+    eng.set_route_census(false);
+    assert!(eng.route_census().is_none());
+}

@@ -99,7 +99,7 @@ pub(crate) enum Phase<'t> {
         done: usize,
         /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`).
         cold_at: Option<usize>,
-        /// The prompt's own cut position besides the grids ([`Worker::prompt_mark`]).
+        /// The prompt's own cut position besides the grids ([`SlotCache::prompt_mark`]).
         mark: Option<usize>,
     },
     Decode(Box<Gen<'t>>),

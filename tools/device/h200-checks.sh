@@ -26,7 +26,8 @@
 #              the ds4-bench in $OLD_BIN; 4 layers and full size)
 #   bench      the full-size synthetic bench at 2k/8k/32k with the default and with tiles
 #   batch      batched decode rows against decoding alone (ds4-engine-check batch), then
-#              the aggregate tok/s at 1, 2, 4, 8, 16 sequences
+#              the aggregate tok/s at 1, 2, 4, 8, 16 sequences, then each of 1, 8, 16, 32, 64
+#              against its own bandwidth bound, uniform and skewed router (BOUND_SIZES)
 #   server     ds4-server --parallel 16 on a sparse full-size q2 file: aggregate tok/s and
 #              inter-token latency for 1..16 streaming clients (tools/server-sdk-tests/throughput.py),
 #              then a ~16k-token prompt arriving while 7 streams decode (prefill interference)
@@ -344,6 +345,14 @@ if ! skip batch; then
     timeout 400 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 --decode 16 --batch ${BATCH_SIZES:-1,2,4,8,16} \
         --profile ${BATCH_PROFILE:-2} > "$OUT/batch.log" 2>&1
     grep -E "^batch|^profile batch|rror" "$OUT/batch.log"
+    # Issue 51's table: each batch size against its own bandwidth bound (the distinct experts
+    # its tokens chose, counted by the routing census), for the uniform router and the
+    # skewed one (docs/server.md §12; the CSV rows are at the end of each log).
+    for skew in 0 0.05; do
+        timeout 500 ds4-bench --synthetic q2 --layers ${BATCH_LAYERS:-43} --frontiers 512 --decode 16 \
+            --batch ${BOUND_SIZES:-1,8,16,32,64} --router-skew $skew > "$OUT/batch_bound_$skew.log" 2>&1
+        grep -E "^batch [0-9]+ bound|rror" "$OUT/batch_bound_$skew.log"
+    done
 fi
 if ! skip server; then
     step server

@@ -42,8 +42,10 @@
 //! (seeded by the tensor name) and favours low ranks, Zipf-like:
 //! * top-k layers: the selection bias of the expert of rank `r` is lowered by
 //!   `S · ln(1 + r)` (on top of the ±0.01 draw). Router scores `sqrtsoftplus(logit)` of
-//!   these random weights spread over about one unit, so `S` ≈ 0.1–0.5 gives a realistic
-//!   to strong skew;
+//!   these random weights spread over about one unit, so small `S` already skews hard: at
+//!   256 experts, 6 per token, `S` = 0.05 puts a quarter of the picks on the top tenth of
+//!   the experts and 0.3 over nine tenths, a nearly collapsed router (docs/server.md §12,
+//!   measured by ds4-cpu's `the_census_sees_the_router_skew`);
 //! * hash layers: each token's `tid2eid` experts are drawn (distinct) with probability
 //!   ∝ `1 / (1 + r)^S`.
 //!

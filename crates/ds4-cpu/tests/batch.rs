@@ -263,3 +263,136 @@ fn bad_joint_prefills_are_errors() {
     eng.eval_joint(&mut [&mut a, &mut b], &[&p3, &p9]).unwrap();
     assert_eq!((a.pos(), b.pos()), (5, 9));
 }
+
+/// The routing census (`Engine::set_route_census`, what `ds4-bench --batch` bounds a step
+/// by): one batched step of B sequences counts, per layer, between k (all chose the same
+/// experts) and min(B·k, E) distinct experts, B·k assignments in all; one sequence counts
+/// exactly its k distinct ones; and counting changes no logits.
+#[test]
+fn the_route_census_counts_each_steps_distinct_experts() {
+    let file = synthetic_model(&tiny_hparams(), &TypeRecipe::F32, 11);
+    let mut eng = engine(&file, NumericMode::Exact, false);
+    let hp = eng.hparams().clone();
+    let (k, e) = (hp.n_expert_used, hp.n_expert);
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| tokens(5 + 3 * i, hp.n_vocab, 40 + i as u64))
+        .collect();
+    let mut states = Vec::new();
+    let mut next = Vec::new();
+    for p in &prompts {
+        let mut st = eng.new_state().unwrap();
+        next.push(argmax(&eng.eval(&mut st, p, Logits::Last, None).unwrap()) as u32);
+        states.push(st);
+    }
+    let mut twins: Vec<_> = states.iter().map(|s| eng.snapshot(s).unwrap()).collect();
+    assert!(eng.route_census().is_none());
+    let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+    let off = eng.eval_batch(&mut refs, &next).unwrap();
+
+    // The same step again from the same states, counted.
+    for (st, snap) in states.iter_mut().zip(twins.drain(..)) {
+        eng.restore(st, &snap).unwrap();
+    }
+    eng.set_route_census(true);
+    let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+    let on = eng.eval_batch(&mut refs, &next).unwrap();
+    assert!(
+        on.iter().zip(&off).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the census changed the logits"
+    );
+    let c = eng.route_census().unwrap().clone();
+    assert_eq!(c.calls, 1);
+    assert_eq!(c.distinct.len(), hp.n_layer);
+    for il in 0..hp.n_layer {
+        let d = c.distinct[il] as usize;
+        assert!(d >= k && d <= (3 * k).min(e), "layer {il}: {d} distinct");
+        assert_eq!(c.load[il].iter().sum::<u64>() as usize, 3 * k, "layer {il}");
+    }
+
+    // One sequence's token: exactly k distinct per layer.
+    eng.set_route_census(true);
+    let t = next[0];
+    eng.eval(&mut states[0], &[t], Logits::Last, None).unwrap();
+    let c = eng.route_census().unwrap();
+    assert_eq!(c.calls, 1);
+    assert!(
+        c.distinct.iter().all(|&d| d as usize == k),
+        "{:?}",
+        c.distinct
+    );
+    eng.set_route_census(false);
+    assert!(eng.route_census().is_none());
+}
+
+/// What the synthetic router skew (`ds4-bench --router-skew S`) does to a step's routing, at
+/// Flash's 256 experts and 6 per token (tiny widths: the router's logits have unit variance
+/// at any width under the synthetic weights' scaling, so the skew's effect carries over).
+/// Prints, per S, the top-k layers' distinct experts of a 64-sequence step, the hottest
+/// expert's load over the mean and the top 10 % of experts' share of the picks
+/// (docs/server.md §12 quotes them: `-- --nocapture`). The census must see the uniform
+/// router spread like the uniform expectation and each larger S concentrate it more.
+#[test]
+fn the_census_sees_the_router_skew() {
+    let mut h = tiny_hparams();
+    h.n_expert = 256;
+    h.n_expert_used = 6;
+    h.n_vocab = 1024;
+    let (b, steps) = (64usize, 8);
+    let hash = h.hash_layer_count;
+    let tok = ds4_convert::tokenizer::generated_tokenizer(h.n_vocab);
+    let dir = tempfile::tempdir().unwrap();
+    let mut rows = Vec::new();
+    for s in [0.0f32, 0.05, 0.1, 0.3] {
+        let m = ds4_convert::SyntheticModel::from_hparams(h.clone(), TypeRecipe::F32, 7, &tok)
+            .unwrap()
+            .with_router_skew(s)
+            .unwrap();
+        let path = dir.path().join(format!("skew{s}.gguf"));
+        let f = std::fs::File::create(&path).unwrap();
+        m.write_to(std::io::BufWriter::new(f), &mut ds4_convert::NoProgress)
+            .unwrap();
+        let file = Arc::new(GgufFile::open(&path).unwrap());
+        // A chunk of at least the batch: one forward pass per step.
+        let cfg = EngineConfig {
+            mode: Some(NumericMode::Exact),
+            ctx: 64,
+            prefill_chunk: b,
+        };
+        let mut eng = Engine::load(file, Box::new(CpuBackend::new(2).unwrap()), cfg).unwrap();
+        let mut states = Vec::new();
+        let mut next = Vec::new();
+        for i in 0..b {
+            let p = tokens(8, h.n_vocab, 500 + i as u64);
+            let mut st = eng.new_state().unwrap();
+            next.push(argmax(&eng.eval(&mut st, &p, Logits::Last, None).unwrap()) as u32);
+            states.push(st);
+        }
+        eng.set_route_census(true);
+        for _ in 0..steps {
+            let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+            next = eng.eval_batch_argmax(&mut refs, &next).unwrap();
+        }
+        let mut c = eng.route_census().unwrap().clone();
+        // The top-k layers (the hash layers' tid2eid skew is milder and token-driven).
+        c.distinct.drain(..hash);
+        c.load.drain(..hash);
+        let d = c.mean_distinct();
+        let distinct = d.iter().sum::<f64>() / d.len() as f64;
+        let (max_mean, top10) = (c.max_over_mean(), c.top_share(0.1));
+        eprintln!(
+            "router skew {s}: {b} sequences, top-k layers: {distinct:.1} distinct experts a \
+             step, hottest {max_mean:.2}x the mean, top 10 % of experts {:.1} % of picks",
+            100.0 * top10
+        );
+        rows.push((distinct, top10));
+    }
+    let uniform = 256.0 * (1.0 - (1.0f64 - 6.0 / 256.0).powi(b as i32));
+    assert!(
+        rows[0].0 > 0.9 * uniform,
+        "{rows:?} vs uniform {uniform:.1}"
+    );
+    for w in rows.windows(2) {
+        assert!(w[1].0 < w[0].0 && w[1].1 > w[0].1, "{rows:?}");
+    }
+    assert!(rows[3].1 > 0.5, "{rows:?}");
+}

@@ -7,6 +7,7 @@ use ds4_gguf::GgufFile;
 use ds4_model::{HParams, ModelSpec, Strictness};
 
 use crate::backend::{Backend, BandJob, IBuf};
+use crate::census::RouteCensus;
 use crate::config::{EngineConfig, NumericMode};
 use crate::error::{EngineError, Result};
 use crate::expert_stream::{ExpertPlacement, ExpertStream, StreamStats};
@@ -49,6 +50,8 @@ pub struct Engine {
     short_rows: usize,
     /// Where a verify step saves the state ranges it overwrites (crate::speculate).
     undo: crate::speculate::UndoArea,
+    /// Routing counts while [`Engine::set_route_census`] is on.
+    census: Option<RouteCensus>,
     _file: Arc<GgufFile>,
 }
 
@@ -137,6 +140,7 @@ impl Engine {
             stream,
             short_rows: SHORT_PREFILL_ROWS,
             undo: Default::default(),
+            census: None,
             _file: file,
         })
     }
@@ -258,6 +262,21 @@ impl Engine {
     /// What streaming routed experts has done so far (`None`: experts are resident).
     pub fn expert_stats(&self) -> Option<StreamStats> {
         self.stream.as_ref().map(ExpertStream::stats)
+    }
+
+    /// Starts counting which experts every forward call routes to, from zero
+    /// ([`RouteCensus`]; `on = false` stops and drops the counts). Each layer's ids are read
+    /// back to the host while it is on, so calls are slower: measure speed with it off.
+    pub fn set_route_census(&mut self, on: bool) {
+        self.census = on.then(|| {
+            let hp = &self.spec.hparams;
+            RouteCensus::new(hp.n_layer, hp.n_expert)
+        });
+    }
+
+    /// The counts since [`Engine::set_route_census`] turned the census on.
+    pub fn route_census(&self) -> Option<&RouteCensus> {
+        self.census.as_ref()
     }
 
     /// Zeroes the streaming counters (the cache keeps its contents).
@@ -540,6 +559,7 @@ impl Engine {
             w: &self.weights,
             mode: self.mode,
             stream: self.stream.as_mut(),
+            census: self.census.as_mut(),
         };
         let mut seqs: Vec<Seq> = states
             .iter_mut()
@@ -738,6 +758,7 @@ impl Engine {
             w: &self.weights,
             mode: self.mode,
             stream: self.stream.as_mut(),
+            census: self.census.as_mut(),
         };
         let n_chunks = tokens.len().div_ceil(cap);
         for (ci, chunk) in tokens.chunks(cap).enumerate() {

@@ -213,6 +213,8 @@ pub(crate) struct Model<'a> {
     /// Streamed routed experts: the layers' routed weights are its slot pools and the
     /// router's ids go through its cache (docs/placement.md §9).
     pub stream: Option<&'a mut ExpertStream>,
+    /// Routing counts ([`crate::Engine::set_route_census`]), when on.
+    pub census: Option<&'a mut crate::census::RouteCensus>,
 }
 
 /// One sequence's part of a forward call: its state and the tokens that follow it.
@@ -713,6 +715,11 @@ pub(crate) fn forward(
             )?;
         }
 
+        if let Some(c) = m.census.as_deref_mut() {
+            let mut ids = vec![0i32; t_all * k];
+            be.download_i32(s.eids, 0, &mut ids)?;
+            c.record(il, &ids);
+        }
         // The routed experts: one call over every row (docs/forward.md §14).
         let a = s.a.rows(0, t_all, dm);
         let f = s.f.rows(0, t_all, dm);
@@ -798,6 +805,9 @@ pub(crate) fn forward(
     }
     for q in seqs.iter_mut() {
         q.state.tokens.extend_from_slice(q.tokens);
+    }
+    if let Some(c) = m.census.as_deref_mut() {
+        c.calls += 1;
     }
 
     // ---- head (docs/forward.md §4.3, §7): per group, logits rows in sequence order ----

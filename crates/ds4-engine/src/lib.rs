@@ -14,6 +14,7 @@
 //! (docs/forward.md §2.7). `official` is the default wherever the model's dims allow it.
 
 pub mod backend;
+pub mod census;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -33,6 +34,7 @@ pub use backend::{
     Backend, BackendError, BandJob, Buf, Counters, GraphTiming, HeapSlab, HostSlab, IBuf,
     MatmulPair, ProfileRow, SlabMat, Slice, TaggedSlabs, Weight, WeightInfo, WeightUse,
 };
+pub use census::RouteCensus;
 pub use config::{EngineConfig, NumericMode, DEFAULT_PREFILL_CHUNK};
 pub use engine::{BatchRow, Engine, Logits, SHORT_PREFILL_ROWS};
 pub use error::{EngineError, Result};

@@ -67,10 +67,15 @@ pub enum LoadError {
     HostFacts(#[source] ds4_placement::probe::ProbeError),
     /// The planner refused: the model does not fit this machine under the request (the
     /// refusal names the shortfall and the flag that would change it).
-    #[error("placement refused for {what}: {refusal}")]
+    #[error("placement refused for {what}: {refusal}{}", states_note(*.states, *.fewer_states))]
     Refused {
         what: String,
         refusal: Box<ds4_placement::Refusal>,
+        /// KV states of the context asked for (the server's `--parallel`).
+        states: u64,
+        /// The most states of that context that fit, when more than one was asked for
+        /// ([`crate::plan::Planned::fewer_states`]).
+        fewer_states: Option<u64>,
     },
     #[error("cannot load {}", .path.display())]
     Engine {
@@ -98,6 +103,18 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+/// What a refusal of several KV states adds: how many of them the machine does fit at that
+/// context, so the server's `--parallel` is corrected in one step (empty for one state).
+fn states_note(states: u64, fewer: Option<u64>) -> String {
+    match (states, fewer) {
+        (0 | 1, _) => String::new(),
+        (n, Some(m)) => format!(
+            "\n{n} KV states of this context do not fit; {m} do (--parallel {m}), or keep {n} at a smaller context"
+        ),
+        (n, None) => format!("\n{n} KV states of this context do not fit, nor does one"),
+    }
 }
 
 #[cfg(test)]

@@ -432,6 +432,8 @@ pub fn placement_plan(
         Err(refusal) => Err(LoadError::Refused {
             what: planned.description,
             refusal: Box::new(refusal),
+            states: req.kv_states as u64,
+            fewer_states: planned.fewer_states,
         }),
     }
 }

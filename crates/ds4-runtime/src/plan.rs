@@ -14,11 +14,13 @@ use ds4_placement::{
 };
 
 /// Where the tensor table comes from.
+#[derive(Clone)]
 pub enum Source {
     File(PathBuf),
     Synthetic(TypeRecipe),
 }
 
+#[derive(Clone)]
 pub struct PlanArgs {
     pub source: Source,
     /// `Some(None)`: the published MTP layout (synthetic); `Some(Some(f))`: an MTP file.
@@ -75,6 +77,10 @@ fn load_header(path: &Path) -> Result<Header, LoadError> {
 pub struct Planned {
     pub description: String,
     pub result: Result<Plan, Refusal>,
+    /// When `kv_states` > 1 states do not fit: the most states of the same context that do
+    /// (`None`: not even one, or the refusal is not about room). The server's `--parallel`
+    /// admission names it, so a user sees what fits instead of only what does not.
+    pub fewer_states: Option<u64>,
 }
 
 pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Planned, LoadError> {
@@ -138,8 +144,15 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Plan
             }
         }
     };
-    let result = plan_inventory(&hparams, &inventory, &host, &device, args, env)?;
+    let result = plan_inventory(&hparams, &inventory, &host, &device, args, &env)?;
+    let fewer_states = match &result {
+        Err(Refusal::DoesNotFit(_)) if args.kv_states > 1 => {
+            most_states_fitting(&hparams, &inventory, &host, &device, args, &env)?
+        }
+        _ => None,
+    };
     Ok(Planned {
+        fewer_states,
         description: match args.kv_states {
             0 | 1 => format!("{label} on {machine_desc}, ctx {}", args.ctx),
             n => format!(
@@ -149,6 +162,37 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Plan
         },
         result,
     })
+}
+
+/// Of `1..args.kv_states` KV states of `args.ctx` tokens, the most that the planner fits on
+/// this machine (by bisection: more states only ever need more room); `None` when not even
+/// one does. Each count tried is a whole plan, computed from the tensor table alone.
+fn most_states_fitting(
+    hparams: &HParams,
+    inventory: &ds4_placement::TensorInventory,
+    host: &HostFacts,
+    device: &DeviceFacts,
+    args: &PlanArgs,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<u64>, LoadError> {
+    let fits = |n: u64| -> Result<bool, LoadError> {
+        let tried = PlanArgs {
+            kv_states: n,
+            ..args.clone()
+        };
+        Ok(plan_inventory(hparams, inventory, host, device, &tried, env)?.is_ok())
+    };
+    // `lo` fits (0 trivially), `hi` does not.
+    let (mut lo, mut hi) = (0u64, args.kv_states);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok((lo > 0).then_some(lo))
 }
 
 /// Plans `inventory` (a model with `hparams`) for `ctx`/`prefill_chunk` on the given
@@ -248,5 +292,36 @@ mod tests {
             !d1.contains("KV states") && d3.contains("3 KV states"),
             "{d1} / {d3}"
         );
+    }
+
+    /// Several KV states that do not fit are refused with the most that do: that many fit,
+    /// one more does not (the server's `--parallel` admission, docs/server.md §9).
+    #[test]
+    fn a_refused_state_count_names_the_most_that_fit() {
+        let machine = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ds4-placement/machines/h200-128g.json");
+        let args = |kv_states: u64| PlanArgs {
+            source: Source::Synthetic(TypeRecipe::Q2),
+            mtp: None,
+            ctx: 1 << 20,
+            kv_states,
+            prefill_chunk: 2048,
+            machine: Some(machine.clone()),
+            device: None,
+            overrides: CliOverrides::default(),
+        };
+        let fits = |n: u64| run(&args(n), |_| None).unwrap().result.is_ok();
+        let asked = 64;
+        let planned = run(&args(asked), |_| None).unwrap();
+        assert!(
+            planned.result.is_err(),
+            "64 states of 1M tokens must not fit"
+        );
+        let m = planned.fewer_states.expect("some states fit");
+        assert!(m >= 1 && m < asked, "{m}");
+        assert!(fits(m), "{m} states were said to fit");
+        assert!(!fits(m + 1), "{} states fit too", m + 1);
+        // One state asked for: nothing to add.
+        assert_eq!(run(&args(1), |_| None).unwrap().fewer_states, None);
     }
 }

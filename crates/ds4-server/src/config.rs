@@ -166,6 +166,9 @@ pub struct ServerConfig {
     /// Test hook: a generation request whose body contains this string panics inside its
     /// handler (the panic-containment test). Not a user feature.
     pub test_panic_marker: Option<String>,
+    /// Test hook: the scheduler records every forward pass here ([`crate::trace`]), so a test
+    /// can check how prompts and decode steps interleave by counting. Not a user feature.
+    pub step_trace: Option<Arc<crate::trace::StepTrace>>,
 }
 
 impl Default for ServerConfig {
@@ -205,6 +208,7 @@ impl Default for ServerConfig {
             script: None,
             token_delay: None,
             test_panic_marker: None,
+            step_trace: None,
         }
     }
 }

@@ -76,6 +76,11 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
 }
 
+/// An engine or runtime failure while serving a request: an internal error carrying its text.
+pub(crate) fn engine_err(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
 impl ApiError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> ApiError {
         ApiError {

@@ -14,6 +14,8 @@
 //!
 //! Module dependencies run one way: `api` (the request model) ← `request` (parsers),
 //! `live` ← `prepare` ← `endpoints` → `emit`; nothing below `http` imports it.
+//! The worker side: `sched` (the steps) → `turn` (a slot's generation) → `reuse` (the
+//! slots and their reuse state, one owner) → `worker` (jobs and their events).
 //!
 //! Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
 //! `/v1/completions`, `/v1/responses`, `/v1/messages`, `GET /health` (status + counters),
@@ -40,6 +42,7 @@ mod sched;
 pub mod script;
 pub mod stats;
 pub mod toolmem;
+pub mod trace;
 mod turn;
 pub mod webchat;
 pub mod worker;
@@ -52,6 +55,7 @@ use std::sync::{Arc, Mutex};
 pub use config::{DiskCacheConfig, ServerConfig, DEFAULT_MAX_TOKENS, MODEL_ID};
 pub use error::{ApiError, ServerError};
 pub use model::{LoadedModel, ModelOptions};
+pub use sched::SlotsInfo;
 pub use script::Script;
 pub use stats::Stats;
 
@@ -67,6 +71,7 @@ pub struct Server {
     shutting_down: Arc<AtomicBool>,
     cfg: Arc<ServerConfig>,
     max_connections: usize,
+    slots: SlotsInfo,
 }
 
 impl Server {
@@ -132,7 +137,7 @@ impl Server {
         let binding = Arc::new(Mutex::new(None));
         let ctx = model.engine.config().ctx;
         let tok = model.tokenizer.clone();
-        let w = worker::Worker::new(
+        let w = sched::Worker::new(
             model.engine,
             tok.clone(),
             model.identity,
@@ -142,6 +147,7 @@ impl Server {
             stats.clone(),
             shutting_down.clone(),
         )?;
+        let slots = w.slots_info();
         let (tx, rx) = mpsc::channel(cfg.queue_capacity);
         let worker = std::thread::Builder::new()
             .name("ds4-worker".into())
@@ -171,7 +177,13 @@ impl Server {
             shutting_down,
             cfg,
             max_connections,
+            slots,
         })
+    }
+
+    /// The KV slots the scheduler allocated (the binary's startup line prints them).
+    pub fn slots(&self) -> SlotsInfo {
+        self.slots
     }
 
     pub fn local_addr(&self) -> SocketAddr {

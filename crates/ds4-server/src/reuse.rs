@@ -1,24 +1,35 @@
-//! Prefix reuse (docs/server.md §9, §11): which slot a job lands in, and the cheapest way
-//! to bring that slot to the job's prompt — its tool binding, its live tokens, its
+//! The slots' state and prefix reuse (docs/server.md §9, §11): [`SlotCache`] owns the KV
+//! slots and everything tied to their live state — which slot a job lands in, the cheapest
+//! way to bring that slot to the job's prompt (its tool binding, its live tokens, its
 //! thinking-visible text, an in-memory turn snapshot, a disk checkpoint, or a cold
-//! prefill — plus the disk checkpoints written from a slot.
+//! prefill), the disk checkpoints written from a slot, and the bookkeeping a finished turn
+//! leaves for the next request.
 //!
 //! Per slot: the live tokens and logits, the thinking-visible text, the `continued`
 //! schedule. Shared by the slots: the turn snapshots and the disk store (either restores
 //! into whichever slot a job lands in), and the one tool binding (the latest clean turn's).
+//!
+//! This module sits below the scheduler ([`crate::sched`]) and a slot's generation
+//! ([`crate::turn`]): both act on the slots through it, and it knows neither.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
-use ds4_kvstore::{KvStore, StoreOutcome};
+use ds4_chat::stream::FinalOutput;
+use ds4_chat::tokenizer::{THINK_CLOSE_TEXT, THINK_OPEN_TEXT};
+use ds4_chat::Tokenizer;
+use ds4_kvstore::{KvStore, Mode, StoreConfig, StoreOutcome};
 use ds4_runtime::checkpoint::Format;
+use ds4_runtime::Slots;
 
-use crate::config::DiskCacheConfig;
+use crate::config::{DiskCacheConfig, ServerConfig};
 use crate::cuts;
-use crate::diskcache::continuation;
-use crate::error::ApiError;
+use crate::diskcache::{self, continuation};
+use crate::error::{engine_err, ApiError, ServerError};
+use crate::live::ToolBinding;
 use crate::prepare::Prepared;
-use crate::sched::{engine_err, lock, Worker};
 use crate::stats::Stats;
+use crate::toolmem::{lock, ToolMemory};
 use crate::worker::Job;
 
 pub(crate) struct MemSnapshot {
@@ -27,8 +38,8 @@ pub(crate) struct MemSnapshot {
     pub logits: Vec<f32>,
 }
 
-/// A turn snapshot between its halves ([`Worker::turn_begin`] at the end of a prompt,
-/// [`Worker::turn_finish`] once the first token has gone out): the prompt's tokens, its
+/// A turn snapshot between its halves ([`SlotCache::turn_begin`] at the end of a prompt,
+/// [`SlotCache::turn_finish`] once the first token has gone out): the prompt's tokens, its
 /// logits row, and the byte buffer the state will be written into.
 pub(crate) struct TurnSnap {
     tokens: Vec<u32>,
@@ -49,11 +60,161 @@ pub(crate) struct Disk {
     pub cfg: DiskCacheConfig,
 }
 
+/// What a slot remembers between jobs, besides its KV state.
+#[derive(Default)]
+struct SlotMemo {
+    /// The thinking-visible text of its last answer (docs/server.md §9).
+    visible: Option<Visible>,
+    /// Live length at the slot's last disk save or load (the `continued` schedule counts
+    /// from it).
+    frontier: usize,
+    /// When a job last landed here (least recently used slots are reused first).
+    used: u64,
+}
+
 /// What a prompt reuses: (reused tokens, tokens still to evaluate, where the reuse came
 /// from).
-type Reuse = (usize, Vec<u32>, &'static str);
+pub(crate) type Reuse = (usize, Vec<u32>, &'static str);
 
-impl Worker {
+/// The KV slots and everything tied to their live state, with one owner: the scheduler
+/// holds it, and every change to a slot's state goes through it, so the per-slot memory
+/// (thinking-visible text, checkpoint schedule), the shared snapshots and the tool binding
+/// cannot drift from the states they describe.
+pub(crate) struct SlotCache {
+    pub(crate) slots: Slots,
+    memo: Vec<SlotMemo>,
+    tok: Arc<Tokenizer>,
+    /// The checkpoint settings the cuts follow: the disk cache's, or their defaults.
+    bounds: DiskCacheConfig,
+    /// In-memory turn snapshots, shared by the slots (any slot can restore one).
+    snapshots: VecDeque<MemSnapshot>,
+    disk: Option<Disk>,
+    toolmem: Arc<Mutex<ToolMemory>>,
+    /// What a slot's live state ends with after a clean Responses/Messages turn
+    /// (docs/server.md §9): the latest such turn only; `None` once anything else touched
+    /// that slot's state.
+    binding: Option<(usize, ToolBinding)>,
+    /// Where handlers read `binding`. Published only when a job ends, so a request
+    /// planned while another job runs still sees the binding it was accepted with, and the
+    /// worker answers 409 if that job moved the live state (docs/server.md §8).
+    published: Arc<Mutex<Option<ToolBinding>>>,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) cfg: Arc<ServerConfig>,
+    /// Counts placements (the least recently used idle slot is reused first).
+    clock: u64,
+}
+
+/// Opens the disk cache `cfg.disk` names (evicting it to its budget) for `engine`'s model
+/// (`identity`), context and numeric mode; tool maps saved with its entries go into tool
+/// memory. Done before the slots are allocated, so a bad cache is reported first.
+pub(crate) fn open_disk(
+    cfg: &ServerConfig,
+    identity: [u8; 32],
+    engine: &ds4_engine::Engine,
+    toolmem: &Mutex<ToolMemory>,
+    stats: &Stats,
+) -> Result<Option<Disk>, ServerError> {
+    let ctx = engine.config().ctx;
+    let mode = match engine.mode() {
+        ds4_engine::NumericMode::Exact => Mode::Exact,
+        ds4_engine::NumericMode::Official => Mode::Official,
+    };
+    let Some(d) = &cfg.disk else { return Ok(None) };
+    d.validate().map_err(ServerError::Config)?;
+    let (store, rejected) = KvStore::open(StoreConfig {
+        dir: d.dir.clone(),
+        budget_bytes: d.budget_bytes,
+        model_id: identity,
+        mode,
+        ctx: ctx as u64,
+    })?;
+    for r in &rejected {
+        tracing::warn!(entry = %r.name, reason = %r.reason, "disk KV entry removed");
+    }
+    Stats::add(&stats.disk_rejected, rejected.len() as u64);
+    if cfg.exact_dsml_replay {
+        let maps = diskcache::read_tool_maps(&d.dir);
+        let mut tm = lock(toolmem);
+        for (id, block) in maps {
+            tm.insert(&id, Arc::from(block.as_str()));
+        }
+    }
+    tracing::info!(
+        dir = %d.dir.display(),
+        entries = store.entries().len(),
+        bytes = store.total_bytes(),
+        "disk KV cache open"
+    );
+    Ok(Some(Disk {
+        store,
+        cfg: d.clone(),
+    }))
+}
+
+impl SlotCache {
+    /// Takes the slots and the disk cache ([`open_disk`]).
+    pub(crate) fn new(
+        slots: Slots,
+        disk: Option<Disk>,
+        tok: Arc<Tokenizer>,
+        cfg: Arc<ServerConfig>,
+        toolmem: Arc<Mutex<ToolMemory>>,
+        published: Arc<Mutex<Option<ToolBinding>>>,
+        stats: Arc<Stats>,
+    ) -> SlotCache {
+        let bounds = cfg
+            .disk
+            .clone()
+            .unwrap_or_else(|| DiskCacheConfig::new(std::path::PathBuf::new()));
+        SlotCache {
+            memo: (0..slots.len()).map(|_| SlotMemo::default()).collect(),
+            slots,
+            tok,
+            bounds,
+            snapshots: VecDeque::new(),
+            disk,
+            toolmem,
+            binding: None,
+            published,
+            stats,
+            cfg,
+            clock: 0,
+        }
+    }
+
+    /// The checkpoint settings prompt cuts follow ([`crate::cuts::Cuts`]).
+    pub(crate) fn bounds(&self) -> &DiskCacheConfig {
+        &self.bounds
+    }
+
+    /// Makes the binding visible to handlers. Called when a job ends (before its `Done` is
+    /// sent, so a client that answers a tool call at once finds it).
+    pub(crate) fn publish(&self) {
+        *self.published.lock().unwrap_or_else(|p| p.into_inner()) =
+            self.binding.as_ref().map(|(_, b)| b.clone());
+    }
+
+    /// Forgets slot `i`'s state and everything derived from it.
+    pub(crate) fn discard_live(&mut self, i: usize) {
+        let _ = self.slots.reset(i);
+        self.memo[i].visible = None;
+        self.unbind(i);
+        self.snapshots.clear();
+    }
+
+    /// Drops the tool binding if slot `i` holds it (its state is about to change).
+    pub(crate) fn unbind(&mut self, i: usize) {
+        if self.binding.as_ref().is_some_and(|(s, _)| *s == i) {
+            self.binding = None;
+        }
+    }
+
+    /// Marks slot `i` as the most recently used.
+    pub(crate) fn touch(&mut self, i: usize) {
+        self.clock += 1;
+        self.memo[i].used = self.clock;
+    }
+
     /// The idle slot for `job`: the one holding its tool binding when the job continues it,
     /// else the one whose live tokens give the longest reusable prefix, else the least
     /// recently used one. Some slot is idle when this is called.
@@ -387,7 +548,7 @@ impl Worker {
     }
 
     /// Which of the turn snapshots one step is about to finish (`turns`: slot and snapshot,
-    /// in the order [`Worker::turn_finish`] would keep them) would be pushed out again by
+    /// in the order [`SlotCache::turn_finish`] would keep them) would be pushed out again by
     /// a later one of the same step: when a burst of new requests starts generating
     /// together, only the last `--snapshot-slots` distinct states that fit are left after
     /// the step, and serialising the others (on the scheduler thread, with the device idle;
@@ -440,9 +601,70 @@ impl Worker {
             Err(e) => tracing::warn!(error = %e, "turn snapshot failed"),
         }
     }
+
+    /// Bookkeeping after a turn in slot `i`: exact DSML for the call ids, the tool
+    /// binding, the thinking-visible text.
+    pub(crate) fn remember(
+        &mut self,
+        i: usize,
+        job: &Job,
+        out: &FinalOutput,
+        ids: &[String],
+        tainted: bool,
+    ) {
+        if self.cfg.exact_dsml_replay && !ids.is_empty() {
+            if let Some(raw) = &out.message.raw_dsml {
+                let block: Arc<str> = Arc::from(raw.as_str());
+                let mut tm = lock(&self.toolmem);
+                for id in ids {
+                    tm.insert(id, block.clone());
+                }
+            }
+        }
+        self.memo[i].visible = None;
+        let p = &job.prepared;
+        let clean = !tainted && out.finish == ds4_chat::stream::FinishReason::Stop;
+        // A turn that ended by itself (EOS or complete tool calls) can be continued with
+        // tool outputs or, on Responses, a `previous_response_id`.
+        let ended = !tainted
+            && matches!(
+                out.finish,
+                ds4_chat::stream::FinishReason::Stop | ds4_chat::stream::FinishReason::ToolCalls
+            );
+        let pos = self.slots.pos(i);
+        if ended && job.continuation.is_some() && pos > 0 {
+            // The latest turn's binding replaces any other slot's (only the latest
+            // response can be continued).
+            self.binding = Some((
+                i,
+                ToolBinding {
+                    endpoint: job.endpoint,
+                    response_id: job.response_id.clone(),
+                    call_ids: ids.to_vec(),
+                    tools: p.tools,
+                    frontier: pos,
+                },
+            ));
+        } else if self.binding.as_ref().is_some_and(|(s, _)| *s == i) {
+            self.binding = None;
+        }
+        if clean
+            && p.thinking
+            && !p.tool_context
+            && out.message.tool_calls.is_empty()
+            && out.message.reasoning.is_some()
+        {
+            if let Some(prefix) = p.text.strip_suffix(THINK_OPEN_TEXT) {
+                self.memo[i].visible = Some(Visible {
+                    text: format!("{prefix}{THINK_CLOSE_TEXT}{}", out.message.content),
+                    live_len: pos,
+                });
+            }
+        }
+    }
 }
 
-/// [`Worker::turns_pushed_out`] on plain data: `tokens[k]` and `lens[k]` (the snapshot's
+/// [`SlotCache::turns_pushed_out`] on plain data: `tokens[k]` and `lens[k]` (the snapshot's
 /// bytes; `None` when it will not be kept at all: the slot moved on, or its size is unknown)
 /// of the k-th snapshot finished in a step, `slots` kept snapshots at most, each at most
 /// `max_bytes`. Walking from the last one back, a snapshot survives the step when it will be

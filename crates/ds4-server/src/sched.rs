@@ -9,42 +9,57 @@
 //! 2. one batched decode step: every generating slot picks its next token
 //!    ([`crate::turn`]) and all of them are fed in one forward pass.
 //!
+//! The slots' state (KV, reuse memory, snapshots, disk, tool binding) belongs to
+//! [`crate::reuse::SlotCache`]; a slot's generation is [`crate::turn::Gen`]. Dependencies
+//! run one way: `sched` → `turn` → `reuse` → `worker` (the job and its events).
+//!
 //! With one slot this is the single worker it replaced: the prompt is evaluated in pieces,
 //! then tokens are decoded one by one, with the same reuse, checkpoints and events.
 
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ds4_chat::Tokenizer;
-use ds4_kvstore::{KvStore, Mode, StoreConfig};
 use ds4_runtime::{Pick, Slots, SlotsError};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
 
-use crate::config::{DiskCacheConfig, ServerConfig};
+use crate::config::ServerConfig;
 use crate::cuts::Cuts;
-use crate::diskcache;
 use crate::error::{ApiError, ServerError};
 use crate::live::{self, ToolBinding};
-use crate::reuse::{Disk, MemSnapshot, TurnSnap, Visible};
+use crate::reuse::{SlotCache, TurnSnap};
 use crate::stats::Stats;
 use crate::toolmem::ToolMemory;
+use crate::trace::StepEvent;
 use crate::turn::Gen;
 use crate::worker::{send, Job, JobEvent, Usage};
 
-/// What a slot remembers between jobs, besides its KV state.
-#[derive(Default)]
-pub(crate) struct SlotMemo {
-    /// The thinking-visible text of its last answer (docs/server.md §9).
-    pub visible: Option<Visible>,
-    /// Live length at the slot's last disk save or load (the `continued` schedule counts
-    /// from it).
-    pub frontier: usize,
-    /// When a job last landed here (least recently used slots are reused first).
-    pub used: u64,
+/// What the slots hold, for the startup line (docs/server.md §9): the placement plan
+/// budgeted exactly this many KV states of this context, so saying it at startup tells a
+/// user what `--parallel` and `-c` bought before the first request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotsInfo {
+    pub slots: usize,
+    /// Tokens of context each slot holds.
+    pub ctx: usize,
+    /// KV bytes of all the slots together.
+    pub kv_bytes: u64,
+}
+
+impl std::fmt::Display for SlotsInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} slot{} × {} ctx, KV {:.2} GiB",
+            self.slots,
+            if self.slots == 1 { "" } else { "s" },
+            self.ctx,
+            self.kv_bytes as f64 / (1u64 << 30) as f64
+        )
+    }
 }
 
 /// A job in a slot.
@@ -74,7 +89,7 @@ pub(crate) struct Task<'t> {
     /// every slot included: what `decode_time` leaves of it is the step's host work.
     pub step_time: std::time::Duration,
     /// The turn snapshot's first half, waiting for the first token to go out.
-    pub turn: Option<crate::reuse::TurnSnap>,
+    pub turn: Option<TurnSnap>,
 }
 
 pub(crate) enum Phase<'t> {
@@ -84,21 +99,20 @@ pub(crate) enum Phase<'t> {
         done: usize,
         /// Where a cold prompt is checkpointed (docs/server.md §11 `cold`).
         cold_at: Option<usize>,
-        /// The prompt's own cut position besides the grids ([`Worker::prompt_mark`]).
+        /// The prompt's own cut position besides the grids ([`SlotCache::prompt_mark`]).
         mark: Option<usize>,
     },
     Decode(Box<Gen<'t>>),
 }
 
-/// The scheduler's state: the slots and everything tied to their live KV.
+/// The scheduler's state: the jobs' steps over the slots, which [`SlotCache`] owns.
 pub struct Worker {
-    pub(crate) slots: Slots,
-    pub(crate) memo: Vec<SlotMemo>,
-    pub(crate) tok: Arc<Tokenizer>,
-    pub(crate) eos: u32,
-    pub(crate) ctx: usize,
+    cache: SlotCache,
+    tok: Arc<Tokenizer>,
+    eos: u32,
+    ctx: usize,
     /// Most prompt tokens evaluated per step.
-    pub(crate) piece: usize,
+    piece: usize,
     /// The fewest tokens a piece needs to join a joint prefill with other prompts' pieces
     /// in one step ([`Slots::prefill_joint`]); `None`: one piece per step (one slot, or an
     /// engine that cannot).
@@ -107,32 +121,9 @@ pub struct Worker {
     chunk: usize,
     /// The grids every prompt piece ends on ([`crate::cuts`]).
     cuts: Cuts,
-    /// The checkpoint settings the cuts follow: the disk cache's, or their defaults.
-    pub(crate) bounds: DiskCacheConfig,
-    /// In-memory turn snapshots, shared by the slots (any slot can restore one).
-    pub(crate) snapshots: VecDeque<MemSnapshot>,
-    pub(crate) disk: Option<Disk>,
-    pub(crate) toolmem: Arc<Mutex<ToolMemory>>,
-    /// What a slot's live state ends with after a clean Responses/Messages turn
-    /// (docs/server.md §9): the latest such turn only; `None` once anything else touched
-    /// that slot's state.
-    pub(crate) binding: Option<(usize, ToolBinding)>,
-    /// Where handlers read `binding`. Published only when a job ends, so a request
-    /// planned while another job runs still sees the binding it was accepted with, and the
-    /// worker answers 409 if that job moved the live state (docs/server.md §8).
-    published: Arc<Mutex<Option<ToolBinding>>>,
-    pub(crate) stats: Arc<Stats>,
-    pub(crate) cfg: Arc<ServerConfig>,
-    pub(crate) shutdown: Arc<AtomicBool>,
-    clock: u64,
-}
-
-pub(crate) fn lock(m: &Mutex<ToolMemory>) -> std::sync::MutexGuard<'_, ToolMemory> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-pub(crate) fn engine_err(e: impl std::fmt::Display) -> ApiError {
-    ApiError::internal(e.to_string())
+    stats: Arc<Stats>,
+    cfg: Arc<ServerConfig>,
+    shutdown: Arc<AtomicBool>,
 }
 
 /// Prompt tokens a task has still to evaluate (`None`: it is generating).
@@ -186,9 +177,9 @@ fn slots_error(e: SlotsError, parallel: usize) -> ServerError {
 }
 
 impl Worker {
-    /// Allocates the slots (`cfg.parallel` KV states of the engine's context) and opens the
-    /// disk cache (evicting it to its budget). Tool maps saved with disk entries are loaded
-    /// into tool memory.
+    /// Opens the disk cache (evicting it to its budget; tool maps saved with disk entries are
+    /// loaded into tool memory), then allocates the slots (`cfg.parallel` KV states of the
+    /// engine's context).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         engine: ds4_engine::Engine,
@@ -208,49 +199,7 @@ impl Worker {
             0 => chunk,
             n => n,
         };
-        let mode = match engine.mode() {
-            ds4_engine::NumericMode::Exact => Mode::Exact,
-            ds4_engine::NumericMode::Official => Mode::Official,
-        };
-        let disk = match &cfg.disk {
-            None => None,
-            Some(d) => {
-                d.validate().map_err(ServerError::Config)?;
-                let (store, rejected) = KvStore::open(StoreConfig {
-                    dir: d.dir.clone(),
-                    budget_bytes: d.budget_bytes,
-                    model_id: identity,
-                    mode,
-                    ctx: ctx as u64,
-                })?;
-                for r in &rejected {
-                    tracing::warn!(entry = %r.name, reason = %r.reason, "disk KV entry removed");
-                }
-                Stats::add(&stats.disk_rejected, rejected.len() as u64);
-                if cfg.exact_dsml_replay {
-                    let maps = diskcache::read_tool_maps(&d.dir);
-                    let mut tm = lock(&toolmem);
-                    for (id, block) in maps {
-                        tm.insert(&id, Arc::from(block.as_str()));
-                    }
-                }
-                tracing::info!(
-                    dir = %d.dir.display(),
-                    entries = store.entries().len(),
-                    bytes = store.total_bytes(),
-                    "disk KV cache open"
-                );
-                Some(Disk {
-                    store,
-                    cfg: d.clone(),
-                })
-            }
-        };
-        let bounds = cfg
-            .disk
-            .clone()
-            .unwrap_or_else(|| DiskCacheConfig::new(std::path::PathBuf::new()));
-        let cuts = Cuts::new(piece, chunk, &bounds);
+        let disk = crate::reuse::open_disk(&cfg, identity, &engine, &toolmem, &stats)?;
         let parallel = cfg.parallel;
         let slots = Slots::new(engine, parallel).map_err(|e| slots_error(e, parallel))?;
         let joint_min = if parallel > 1 {
@@ -270,9 +219,18 @@ impl Worker {
         );
         stats.slots.store(parallel as u64, Ordering::Relaxed);
         let eos = tok.markers().eos;
-        Ok(Worker {
-            memo: (0..parallel).map(|_| SlotMemo::default()).collect(),
+        let cache = SlotCache::new(
             slots,
+            disk,
+            tok.clone(),
+            cfg.clone(),
+            toolmem,
+            published,
+            stats.clone(),
+        );
+        let cuts = Cuts::new(piece, chunk, cache.bounds());
+        Ok(Worker {
+            cache,
             tok,
             eos,
             ctx,
@@ -280,24 +238,31 @@ impl Worker {
             joint_min,
             chunk,
             cuts,
-            bounds,
-            snapshots: VecDeque::new(),
-            disk,
-            toolmem,
-            binding: None,
-            published,
             stats,
             cfg,
             shutdown,
-            clock: 0,
         })
+    }
+
+    /// The slots allocated ([`SlotsInfo`]).
+    pub fn slots_info(&self) -> SlotsInfo {
+        let slots = self.cache.slots.len();
+        SlotsInfo {
+            slots,
+            ctx: self.ctx,
+            kv_bytes: self
+                .cache
+                .slots
+                .kv_bytes_per_slot()
+                .saturating_mul(slots as u64),
+        }
     }
 
     /// Runs jobs until the queue closes and the running ones end, then saves a `shutdown`
     /// checkpoint of every slot.
     pub fn run(mut self, mut rx: mpsc::Receiver<Job>) {
         let tok = self.tok.clone();
-        let mut tasks: Vec<Option<Task<'_>>> = (0..self.slots.len()).map(|_| None).collect();
+        let mut tasks: Vec<Option<Task<'_>>> = (0..self.cache.slots.len()).map(|_| None).collect();
         let mut closed = false;
         let mut seq = 0u64;
         loop {
@@ -345,7 +310,7 @@ impl Worker {
                     Ok(Err(e)) => {
                         Stats::sub(&self.stats.running, 1);
                         let _ = events.try_send(JobEvent::Failed(e));
-                        self.publish();
+                        self.cache.publish();
                     }
                     Err(_) => {
                         Stats::sub(&self.stats.running, 1);
@@ -366,8 +331,8 @@ impl Worker {
                 self.panicked(&mut tasks);
             }
         }
-        for i in 0..self.slots.len() {
-            self.disk_save(i, "shutdown");
+        for i in 0..self.cache.slots.len() {
+            self.cache.disk_save(i, "shutdown");
         }
     }
 
@@ -384,26 +349,16 @@ impl Worker {
                     .events
                     .try_send(JobEvent::Failed(ApiError::internal("internal error")));
             }
-            self.discard_live(i);
+            self.cache.discard_live(i);
         }
-        self.publish();
+        self.cache.publish();
     }
 
-    /// Makes the binding visible to handlers. Called when a job ends (before its `Done` is
-    /// sent, so a client that answers a tool call at once finds it).
-    pub(crate) fn publish(&self) {
-        *self.published.lock().unwrap_or_else(|p| p.into_inner()) =
-            self.binding.as_ref().map(|(_, b)| b.clone());
-    }
-
-    /// Forgets slot `i`'s state and everything derived from it.
-    pub(crate) fn discard_live(&mut self, i: usize) {
-        let _ = self.slots.reset(i);
-        self.memo[i].visible = None;
-        if self.binding.as_ref().is_some_and(|(s, _)| *s == i) {
-            self.binding = None;
+    /// Records one forward pass in the test hook's step log, when there is one.
+    fn trace(&self, e: StepEvent) {
+        if let Some(t) = &self.cfg.step_trace {
+            t.push(e);
         }
-        self.snapshots.clear();
     }
 
     pub(crate) fn stopping(&self, job: &Job) -> bool {
@@ -425,20 +380,17 @@ impl Worker {
         // Time in the queue is not the client's stall.
         job.taken_ms
             .store(crate::limits::now_ms(), Ordering::Relaxed);
-        let slot = self.place(&job, idle);
-        self.clock += 1;
-        self.memo[slot].used = self.clock;
-        let (cached, suffix, source) = match self.live_tail(slot, &job) {
+        let slot = self.cache.place(&job, idle);
+        self.cache.touch(slot);
+        let (cached, suffix, source) = match self.cache.live_tail(slot, &job) {
             Some(r) => r,
             // Only the live state could serve it, and it moved since the request was
             // accepted: nothing was touched, so the binding (if any) stays.
             None => match job.prepared.live_tail.as_ref().filter(|t| t.required) {
                 Some(t) => return Err(live::conflict(&t.continuation)),
                 None => {
-                    if self.binding.as_ref().is_some_and(|(s, _)| *s == slot) {
-                        self.binding = None;
-                    }
-                    self.reuse(slot, &job.prepared)?
+                    self.cache.unbind(slot);
+                    self.cache.reuse(slot, &job.prepared)?
                 }
             },
         };
@@ -466,7 +418,7 @@ impl Worker {
         );
         Stats::add(&self.stats.cached_tokens, cached as u64);
         let cold_at = if cached == 0 {
-            self.cold_boundary(&suffix)
+            self.cache.cold_boundary(&suffix)
         } else {
             None
         };
@@ -474,7 +426,7 @@ impl Worker {
         // tokens): no cut of the whole prompt can be read from them.
         let mark = match &job.prepared.live_tail {
             Some(t) if t.required => None,
-            _ => self.prompt_mark(&job.prepared.tokens),
+            _ => self.cache.prompt_mark(&job.prepared.tokens),
         };
         Ok((
             slot,
@@ -538,7 +490,7 @@ impl Worker {
     /// ([`crate::cuts`]: the grids, the prompt's `mark`), so disk checkpoints land exactly
     /// at their boundaries and every run of a prompt is cut alike, cold or resumed.
     fn piece_end(&self, i: usize, len: usize, done: usize, mark: Option<usize>) -> usize {
-        let pos = self.slots.pos(i);
+        let pos = self.cache.slots.pos(i);
         done + (self.cuts.next(pos, pos + (len - done), mark) - pos)
     }
 
@@ -598,11 +550,11 @@ impl Worker {
                     _ => None,
                 })
                 .collect();
-            self.slots.prefill_joint(&refs)
+            self.cache.slots.prefill_joint(&refs)
         };
         if let Err(e) = r {
             for &(i, _, _) in pieces {
-                self.discard_live(i);
+                self.cache.discard_live(i);
                 if let Some(task) = tasks[i].as_ref() {
                     send(
                         &self.stats,
@@ -616,6 +568,14 @@ impl Worker {
             return;
         }
         Stats::add(&self.stats.joint_pieces, pieces.len() as u64);
+        for &(i, start, end) in pieces {
+            if let Some(t) = tasks[i].as_ref() {
+                self.trace(StepEvent::Prefill {
+                    job: t.seq,
+                    tokens: end - start,
+                });
+            }
+        }
         for &(i, _, end) in pieces {
             self.piece_landed(i, &mut tasks[i], end, tok);
         }
@@ -648,9 +608,9 @@ impl Worker {
             if end - *done > budget {
                 return;
             }
-            if let Err(e) = self.slots.prefill(i, &tokens[*done..end]) {
+            if let Err(e) = self.cache.slots.prefill(i, &tokens[*done..end]) {
                 // The state is unchanged or partial; nothing after it can be trusted.
-                self.discard_live(i);
+                self.cache.discard_live(i);
                 send(
                     &self.stats,
                     &self.cfg,
@@ -660,6 +620,10 @@ impl Worker {
                 self.end(slot);
                 return;
             }
+            self.trace(StepEvent::Prefill {
+                job: task.seq,
+                tokens: end - *done,
+            });
             budget -= end - *done;
             self.piece_landed(i, slot, end, tok);
             if budget == 0 {
@@ -693,11 +657,11 @@ impl Worker {
         Stats::add(&self.stats.prefilled_tokens, (end - *done) as u64);
         *done = end;
         let finished = *done == tokens.len();
-        let pos = self.slots.pos(i);
+        let pos = self.cache.slots.pos(i);
         if *cold_at == Some(pos) {
-            self.disk_save(i, "cold");
-        } else if self.continued_due(i) {
-            self.disk_save(i, "continued");
+            self.cache.disk_save(i, "cold");
+        } else if self.cache.continued_due(i) {
+            self.cache.disk_save(i, "continued");
         }
         if finished {
             self.begin_generation(i, slot, tok);
@@ -712,7 +676,7 @@ impl Worker {
         // The turn snapshot's logits now (the first pick edits the row); its state after the
         // first token has gone out (decode_step), so the snapshot does not delay it.
         let t_snap = Instant::now();
-        task.turn = self.turn_begin(i);
+        task.turn = self.cache.turn_begin(i);
         task.snapshot_time = t_snap.elapsed();
         let limit = task
             .job
@@ -726,7 +690,7 @@ impl Worker {
             Ok(g) => {
                 // A default min-p draw needs only the logits near the maximum: lone decode
                 // steps leave that band and the row stays on the device (docs/server.md §6).
-                self.slots.set_band(i, g.band_span());
+                self.cache.slots.set_band(i, g.band_span());
                 task.phase = Phase::Decode(Box::new(g));
             }
             Err(e) => {
@@ -753,7 +717,7 @@ impl Worker {
             ids.iter().map(|_| None).collect();
         let (stats, cfg, shutdown) = (&self.stats, &self.cfg, &self.shutdown);
         if ids.len() > 1 {
-            if let Ok(steps) = self.slots.host_steps(ids) {
+            if let Ok(steps) = self.cache.slots.host_steps(ids) {
                 let mut work: Vec<_> = tasks
                     .iter_mut()
                     .enumerate()
@@ -790,7 +754,7 @@ impl Worker {
                         return Err(ds4_runtime::DriverError::NoLogits);
                     };
                     let t_pick = Instant::now();
-                    let r = match self.slots.step(i) {
+                    let r = match self.cache.slots.step(i) {
                         None => Err(ds4_runtime::DriverError::NoLogits),
                         Some(mut d) => gen.pick(job, &mut d, stats, cfg, shutdown),
                     };
@@ -826,7 +790,7 @@ impl Worker {
             .filter_map(|&i| Some((i, tasks[i].as_ref()?.turn.as_ref()?)))
             .collect();
         let dropped: Vec<usize> = if turns.len() > 1 {
-            let marks = self.turns_pushed_out(&turns);
+            let marks = self.cache.turns_pushed_out(&turns);
             turns
                 .iter()
                 .zip(marks)
@@ -849,7 +813,7 @@ impl Worker {
                     Stats::add(&self.stats.turn_snapshots_skipped, 1);
                 } else {
                     let t_snap = Instant::now();
-                    self.turn_finish(i, t);
+                    self.cache.turn_finish(i, t);
                     task.snapshot_time += t_snap.elapsed();
                 }
             }
@@ -865,15 +829,29 @@ impl Worker {
         if feeds.is_empty() {
             return;
         }
-        let (t_step, w0) = (Instant::now(), self.slots.engine().counters().wait_ns);
-        let fed = self.slots.decode(&feeds);
+        let (t_step, w0) = (Instant::now(), self.cache.slots.engine().counters().wait_ns);
+        let fed = self.cache.slots.decode(&feeds);
         let step = t_step.elapsed();
-        let waited = self.slots.engine().counters().wait_ns.saturating_sub(w0);
+        let waited = self
+            .cache
+            .slots
+            .engine()
+            .counters()
+            .wait_ns
+            .saturating_sub(w0);
         for &(i, _) in &feeds {
             if let Some(t) = tasks[i].as_mut() {
                 t.decode_time += step;
                 t.wait_ns += waited;
             }
+        }
+        if fed.is_ok() {
+            self.trace(StepEvent::Decode {
+                jobs: feeds
+                    .iter()
+                    .filter_map(|&(i, _)| tasks[i].as_ref().map(|t| t.seq))
+                    .collect(),
+            });
         }
         if let Err(e) = fed {
             let why = e.to_string();
@@ -900,8 +878,8 @@ impl Worker {
             else {
                 continue;
             };
-            if self.continued_due(i) && !gen.in_tool_call() {
-                self.disk_save(i, "continued");
+            if self.cache.continued_due(i) && !gen.in_tool_call() {
+                self.cache.disk_save(i, "continued");
             }
         }
         let whole = t_enter.elapsed();
@@ -921,7 +899,7 @@ impl Worker {
     pub(crate) fn end(&mut self, slot: &mut Option<Task<'_>>) {
         if slot.take().is_some() {
             Stats::sub(&self.stats.running, 1);
-            self.publish();
+            self.cache.publish();
         }
     }
 
@@ -936,10 +914,10 @@ impl Worker {
         let Some(task) = slot.take() else { return };
         Stats::sub(&self.stats.running, 1);
         let Phase::Decode(gen) = task.phase else {
-            self.publish();
+            self.cache.publish();
             return;
         };
-        let (mut outcome, t_prefill) = self.conclude(i, &task.job, *gen, ran);
+        let (mut outcome, t_prefill) = gen.conclude(&mut self.cache, i, &task.job, ran);
         let usage0 = task.usage0;
         outcome.usage = Usage {
             completion_tokens: outcome.usage.completion_tokens,

@@ -31,6 +31,12 @@ fn cost(id: &str, block: &str) -> usize {
     id.len() + block.len() + 64
 }
 
+/// Locks the shared tool memory; a panic elsewhere while it was held leaves it usable
+/// (its maps stay consistent between single inserts).
+pub(crate) fn lock(m: &std::sync::Mutex<ToolMemory>) -> std::sync::MutexGuard<'_, ToolMemory> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl ToolMemory {
     pub fn new(max_ids: usize, max_bytes: usize) -> ToolMemory {
         ToolMemory {

@@ -5,20 +5,17 @@
 //! bookkeeping that lets the next request reuse the slot.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
-use ds4_chat::stream::{EndCause, FinalOutput, Halt, OutputStream, StreamOptions};
-use ds4_chat::tokenizer::{THINK_CLOSE_TEXT, THINK_OPEN_TEXT};
+use ds4_chat::stream::{EndCause, Halt, OutputStream, StreamOptions};
+use ds4_chat::tokenizer::THINK_CLOSE_TEXT;
 use ds4_chat::Tokenizer;
 use ds4_engine::{argmax, EngineError, Sampler};
 use ds4_runtime::{DriverError, Flow, GenLimits, GenState, GenStop, Pick, Steer, StepLogits};
 
 use crate::config::ServerConfig;
-use crate::error::ApiError;
-use crate::live::ToolBinding;
-use crate::reuse::Visible;
-use crate::sched::{engine_err, lock, Worker};
+use crate::error::{engine_err, ApiError};
+use crate::reuse::SlotCache;
 use crate::stats::Stats;
 use crate::worker::{emit, random_id, Job, Outcome, TokenLogprob, Usage};
 
@@ -271,15 +268,15 @@ impl Steer for Steering<'_, '_> {
     }
 }
 
-impl Worker {
+impl Gen<'_> {
     /// Ends slot `i`'s generation: the final text, tool-call ids and the slot's bookkeeping
-    /// (tool binding, exact DSML, thinking-visible). Returns the outcome (usage: only the
-    /// completion tokens) and the time to the first token.
+    /// in `cache` (tool binding, exact DSML, thinking-visible). Returns the outcome (usage:
+    /// only the completion tokens) and the time to the first token.
     pub(crate) fn conclude(
-        &mut self,
+        self,
+        cache: &mut SlotCache,
         i: usize,
         job: &Job,
-        gen: Gen<'_>,
         ran: Result<GenStop, DriverError>,
     ) -> (Outcome, Duration) {
         let p = &job.prepared;
@@ -293,7 +290,7 @@ impl Worker {
             t_prefill,
             lp,
             ..
-        } = gen;
+        } = self;
         let mut cancelled = false;
         let (generated, cause) = match ran {
             Ok(stop) => {
@@ -325,29 +322,29 @@ impl Worker {
                     DriverError::NoLogits | DriverError::Engine(EngineError::Sampler(_))
                 ) {
                     // The state is partial; nothing after it can be trusted.
-                    self.discard_live(i);
+                    cache.discard_live(i);
                 }
                 (n, EndCause::Error(e.to_string()))
             }
         };
         if cancelled {
-            Stats::add(&self.stats.cancelled, 1);
+            Stats::add(&cache.stats.cancelled, 1);
         }
         let rest = dec.finish();
         if !rest.is_empty() {
             let evs = stream.push(&rest);
-            emit(&self.stats, &self.cfg, job, &mut ids, evs);
+            emit(&cache.stats, &cache.cfg, job, &mut ids, evs);
         }
         let stop_hit = stream.halted() == Some(Halt::StopSequence);
         let reasoning_closed = !p.thinking || stream.text().contains(THINK_CLOSE_TEXT);
         let (evs, output) = stream.finish(cause);
-        emit(&self.stats, &self.cfg, job, &mut ids, evs);
+        emit(&cache.stats, &cache.cfg, job, &mut ids, evs);
         while ids.len() < output.message.tool_calls.len() {
             ids.push(random_id(job.tool_id_prefix, 32));
         }
         ids.truncate(output.message.tool_calls.len());
-        self.remember(i, job, &output, &ids, stop_hit || cancelled);
-        self.publish();
+        cache.remember(i, job, &output, &ids, stop_hit || cancelled);
+        cache.publish();
         let outcome = Outcome {
             output,
             tool_ids: ids,
@@ -359,59 +356,5 @@ impl Worker {
             logprobs: lp.map(|l| l.out),
         };
         (outcome, t_prefill)
-    }
-
-    /// Bookkeeping after a turn in slot `i`: exact DSML for the call ids, the tool
-    /// binding, the thinking-visible text.
-    fn remember(&mut self, i: usize, job: &Job, out: &FinalOutput, ids: &[String], tainted: bool) {
-        if self.cfg.exact_dsml_replay && !ids.is_empty() {
-            if let Some(raw) = &out.message.raw_dsml {
-                let block: Arc<str> = Arc::from(raw.as_str());
-                let mut tm = lock(&self.toolmem);
-                for id in ids {
-                    tm.insert(id, block.clone());
-                }
-            }
-        }
-        self.memo[i].visible = None;
-        let p = &job.prepared;
-        let clean = !tainted && out.finish == ds4_chat::stream::FinishReason::Stop;
-        // A turn that ended by itself (EOS or complete tool calls) can be continued with
-        // tool outputs or, on Responses, a `previous_response_id`.
-        let ended = !tainted
-            && matches!(
-                out.finish,
-                ds4_chat::stream::FinishReason::Stop | ds4_chat::stream::FinishReason::ToolCalls
-            );
-        let pos = self.slots.pos(i);
-        if ended && job.continuation.is_some() && pos > 0 {
-            // The latest turn's binding replaces any other slot's (only the latest
-            // response can be continued).
-            self.binding = Some((
-                i,
-                ToolBinding {
-                    endpoint: job.endpoint,
-                    response_id: job.response_id.clone(),
-                    call_ids: ids.to_vec(),
-                    tools: p.tools,
-                    frontier: pos,
-                },
-            ));
-        } else if self.binding.as_ref().is_some_and(|(s, _)| *s == i) {
-            self.binding = None;
-        }
-        if clean
-            && p.thinking
-            && !p.tool_context
-            && out.message.tool_calls.is_empty()
-            && out.message.reasoning.is_some()
-        {
-            if let Some(prefix) = p.text.strip_suffix(THINK_OPEN_TEXT) {
-                self.memo[i].visible = Some(Visible {
-                    text: format!("{prefix}{THINK_CLOSE_TEXT}{}", out.message.content),
-                    live_len: pos,
-                });
-            }
-        }
     }
 }

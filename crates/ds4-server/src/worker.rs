@@ -18,8 +18,6 @@ use crate::error::ApiError;
 use crate::prepare::Prepared;
 use crate::stats::Stats;
 
-pub use crate::sched::Worker;
-
 /// One generation request, rendered and tokenized, waiting for the worker.
 #[derive(Debug)]
 pub struct Job {

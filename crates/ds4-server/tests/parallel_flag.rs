@@ -10,6 +10,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn server(args: &[&str]) -> Command {
+    server_ctx("512", args)
+}
+
+fn server_ctx(ctx: &str, args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ds4-server"));
     c.arg("-m")
         .arg(common::tiny_gguf())
@@ -19,7 +23,7 @@ fn server(args: &[&str]) -> Command {
             "--port",
             "0",
             "-c",
-            "512",
+            ctx,
             "--backend",
             "cpu",
         ])
@@ -75,9 +79,56 @@ fn the_flag_sizes_the_plan_and_the_slots() {
     let (seen, health) = start_and_health(server(&["--parallel", "3"]));
     assert!(seen.contains("3 KV states of ctx 512"), "{seen}");
     assert!(seen.contains("KV slots allocated"), "{seen}");
+    assert!(
+        seen.contains("ds4-server: 3 slots × 512 ctx, KV "),
+        "{seen}"
+    );
     assert!(health.contains("\"slots\":3"), "{health}");
 }
 
+/// 64 conversations at once (issue 51's upper end): planned, allocated and served.
+#[test]
+fn sixty_four_slots_start() {
+    let (seen, health) = start_and_health(server(&["--parallel", "64"]));
+    assert!(seen.contains("64 KV states of ctx 512"), "{seen}");
+    assert!(
+        seen.contains("ds4-server: 64 slots × 512 ctx, KV "),
+        "{seen}"
+    );
+    assert!(health.contains("\"slots\":64"), "{health}");
+}
+
+/// More slots than the machine holds at this context: refused by the placement plan
+/// before anything is allocated, naming the numbers and how many slots would fit (the
+/// count itself is checked on a described machine in ds4-runtime's plan tests).
+#[test]
+fn slots_that_do_not_fit_are_refused_with_what_fits() {
+    // More KV than any machine's memory: 64 states of a billion tokens each.
+    let o = server_ctx("1000000000", &["--parallel", "64"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for want in [
+        "--parallel 64",
+        "64 KV states of ctx 1000000000",
+        "64 KV states of this context do not fit",
+        "nothing was allocated",
+    ] {
+        assert!(err.contains(want), "{want:?} missing from {err}");
+    }
+    // Either the count that fits is named, or that not even one does.
+    let fits = err
+        .split("do (--parallel ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .and_then(|n| n.parse::<usize>().ok());
+    match fits {
+        Some(n) => assert!((1..64).contains(&n), "{err}"),
+        None => assert!(err.contains("nor does one"), "{err}"),
+    }
+}
 #[test]
 fn the_variable_sets_the_slots_and_the_flag_wins() {
     let mut c = server(&[]);

@@ -45,6 +45,12 @@ struct Args {
     /// Layers of the synthetic model (43 = the real model).
     #[arg(long, default_value_t = 43)]
     layers: usize,
+    /// --synthetic: skew its router Zipf-like by S (as `ds4-convert synthetic
+    /// --router-skew`: each layer favours its own few experts; 0 = every expert equally
+    /// likely). --batch reports the expert use it gave (max/mean load, top-10 % share) beside
+    /// the bound, so a skew can be matched to a real router's statistics (docs/server.md §12).
+    #[arg(long, default_value_t = 0.0)]
+    router_skew: f32,
     /// Context frontiers, comma separated.
     #[arg(long, default_value = "2048,8192,32768", value_delimiter = ',')]
     frontiers: Vec<usize>,
@@ -106,7 +112,9 @@ struct Args {
     /// After the frontiers: batched decode (one forward pass for several sequences) at
     /// each of these batch sizes, comma separated (e.g. 1,2,4,8): every sequence gets a
     /// --batch-prompt-token prompt, then --decode steps; prints aggregate tok/s and the
-    /// step latency.
+    /// step latency, then counts the distinct (layer, expert) units the batch's tokens route
+    /// to over --decode more steps and prints the step's bandwidth bound (dense weights once
+    /// + those experts, over the measured copy bandwidth) and the fraction of it reached.
     #[arg(long, value_delimiter = ',')]
     batch: Vec<usize>,
     /// Prompt tokens per sequence for --batch.
@@ -376,6 +384,10 @@ fn frontiers(args: &Args) -> Result<()> {
     let t_gen = Instant::now();
     let (file, source, label): (Arc<GgufFile>, Option<Arc<dyn WeightSource>>, String) =
         match (&args.model, &args.synthetic) {
+            (Some(_), None) if args.router_skew != 0.0 => bail!(
+                "--router-skew applies to --synthetic; a file's router is its own \
+                 (ds4-convert synthetic --router-skew S writes a skewed one)"
+            ),
             (Some(p), None) => (
                 Arc::new(GgufFile::open(p).with_context(|| format!("opening {}", p.display()))?),
                 None,
@@ -387,7 +399,8 @@ fn frontiers(args: &Args) -> Result<()> {
                     "q4" => TypeRecipe::Q4,
                     other => bail!("--synthetic {other:?}: use q2 or q4"),
                 };
-                let m = SyntheticModel::new(recipe, args.layers, args.seed)?;
+                let m = SyntheticModel::new(recipe, args.layers, args.seed)?
+                    .with_router_skew(args.router_skew)?;
                 let file = Arc::new(GgufFile::header_only(m.header().clone())?);
                 (
                     file,
@@ -648,18 +661,23 @@ fn frontiers(args: &Args) -> Result<()> {
         csv += &line;
         last = logits;
     }
+    let mut batch_csv = String::from(BATCH_CSV_HEADER);
     for &b in &args.batch {
-        batch_decode(
+        batch_csv += &batch_decode(
             &mut eng,
             b,
             args.batch_prompt,
             args.decode.max(1),
             &mut rng,
-            (limit, bw * b as f64 / acct.per_step_short(b)),
+            (&acct, bw, limit),
             args.profile,
         )?;
     }
     print!("{csv}");
+    if !args.batch.is_empty() {
+        println!("# batched decode, router skew {}", args.router_skew);
+        print!("{batch_csv}");
+    }
     if let Some(s) = eng.expert_stats() {
         println!(
             "# streamed experts: {} slots of {:.2} MiB ({:.2} GiB cache)",
@@ -713,18 +731,70 @@ fn profile_decode(
     Ok(())
 }
 
+/// Columns of the batched-decode CSV, one row per batch size ([`batch_decode`]).
+const BATCH_CSV_HEADER: &str = "batch,steps,step_ms,agg_tok_s,distinct_units_per_layer,\
+uniform_units_per_layer,step_bytes,bound_tok_s,fraction_of_bound,max_over_mean_load,\
+top10_share\n";
+
+/// A batch size's bandwidth bound (issue 51): what its measured routing implies.
+#[derive(Debug, Clone, PartialEq)]
+struct BatchBound {
+    /// Distinct (layer, expert) units per layer and step, averaged over the layers.
+    distinct: f64,
+    /// The same for a router spreading tokens evenly ([`ByteAccounting::uniform_distinct`]).
+    uniform: f64,
+    /// Weight bytes a step must read: the dense weights once, an embedding row per
+    /// sequence, each distinct expert once ([`ByteAccounting::step_bytes`]).
+    step_bytes: f64,
+    /// Aggregate tok/s at the measured copy bandwidth if the step read nothing else.
+    bound_tok_s: f64,
+    /// The measured aggregate over the bound.
+    fraction: f64,
+}
+
+/// The bound of `batch` sequences whose steps routed as `census` counted, at `bandwidth`
+/// bytes/s, against a measured `tok_s`.
+fn batch_bound(
+    acct: &ByteAccounting,
+    census: &ds4_engine::RouteCensus,
+    batch: usize,
+    bandwidth: f64,
+    tok_s: f64,
+) -> BatchBound {
+    let per_layer = census.mean_distinct();
+    let distinct = if per_layer.is_empty() {
+        0.0
+    } else {
+        per_layer.iter().sum::<f64>() / per_layer.len() as f64
+    };
+    let step_bytes = acct.step_bytes(&per_layer, batch);
+    let bound_tok_s = ByteAccounting::bound_tok_s(step_bytes, bandwidth, batch);
+    BatchBound {
+        distinct,
+        uniform: acct.uniform_distinct(batch),
+        step_bytes,
+        bound_tok_s,
+        fraction: if bound_tok_s > 0.0 {
+            tok_s / bound_tok_s
+        } else {
+            0.0
+        },
+    }
+}
+
 /// `b` sequences with `prompt`-token random prompts, then `steps` batched greedy decode
-/// steps; prints aggregate and per-sequence speed (the issue-22 measurement at the engine
-/// level, without the server).
+/// steps; prints aggregate and per-sequence speed (the engine-level measurement, without
+/// the server), then the step's bandwidth bound from `steps` more steps with the routing
+/// census on. Returns the batch CSV row ([`BATCH_CSV_HEADER`]).
 fn batch_decode(
     eng: &mut Engine,
     b: usize,
     prompt: usize,
     steps: usize,
     rng: &mut Rng,
-    (limit, limit_b): (f64, f64),
+    (acct, bw, limit): (&ByteAccounting, f64, f64),
     profile: usize,
-) -> Result<()> {
+) -> Result<String> {
     if b == 0 {
         bail!("--batch sizes must be at least 1");
     }
@@ -750,6 +820,7 @@ fn batch_decode(
     let agg = (b * steps) as f64 / s;
     // limit_b: the step's bandwidth limit when the router spreads tokens evenly over the
     // experts (docs/gguf.md §7.3).
+    let limit_b = bw * b as f64 / acct.per_step_short(b);
     eprintln!(
         "batch {b}: {steps} steps in {s:.3} s · step {:.2} ms · aggregate {agg:.2} tok/s \
          ({:.1} % of the batch-1 bandwidth limit {limit:.0}; {:.1} % of this batch's \
@@ -762,6 +833,38 @@ fn batch_decode(
         steps as f64 / s,
         (c1.launches - c0.launches) as f64 / steps as f64,
         (c1.syncs - c0.syncs) as f64 / steps as f64
+    );
+    // The bound from the units this batch's tokens really chose, counted over as many
+    // more steps (untimed: the census reads each layer's ids back to the host).
+    eng.set_route_census(true);
+    for _ in 0..steps {
+        let mut refs: Vec<&mut ds4_engine::KvState> = states.iter_mut().collect();
+        next = eng.eval_batch_argmax(&mut refs, &next)?;
+    }
+    let census = eng.route_census().cloned().unwrap_or_default();
+    eng.set_route_census(false);
+    let bound = batch_bound(acct, &census, b, bw, agg);
+    let (skew, top10) = (census.max_over_mean(), census.top_share(0.1));
+    eprintln!(
+        "batch {b} bound: {:.1} distinct experts per layer and step (uniform router {:.1}) · \
+         {:.2} GB a step · bound {:.0} tok/s at {:.0} GB/s · reached {:.1} % · expert use: \
+         hottest {skew:.2}x the mean, top 10 % of experts {:.1} % of the picks",
+        bound.distinct,
+        bound.uniform,
+        bound.step_bytes / 1e9,
+        bound.bound_tok_s,
+        bw / 1e9,
+        100.0 * bound.fraction,
+        100.0 * top10
+    );
+    let row = format!(
+        "{b},{steps},{:.3},{agg:.2},{:.2},{:.2},{:.0},{:.1},{:.4},{skew:.3},{top10:.4}\n",
+        1e3 * s / steps as f64,
+        bound.distinct,
+        bound.uniform,
+        bound.step_bytes,
+        bound.bound_tok_s,
+        bound.fraction
     );
     // Then `profile` more steps with device-time attribution (what an added sequence costs).
     if profile > 0 && eng.backend_mut().set_profiling(true)? {
@@ -781,7 +884,7 @@ fn batch_decode(
     for st in states {
         eng.free_state(st);
     }
-    Ok(())
+    Ok(row)
 }
 
 /// One prefill of `n` random tokens in a fresh state with device-time attribution on,
@@ -931,5 +1034,61 @@ mod tests {
     fn every_argument_has_help_text() {
         let missing = ds4_runtime::cli_help::undocumented_arguments(&Args::command());
         assert!(missing.is_empty(), "arguments without help: {missing:?}");
+    }
+
+    /// The bound of a batch from its routing census: the real q2 layout's bytes, a census
+    /// of two steps of 8 tokens, and the bandwidth and speed given.
+    #[test]
+    fn the_bound_is_the_census_bytes_over_the_bandwidth() {
+        let h = ds4_model::layout::model_header(
+            &ds4_model::HParams::flash(),
+            &TypeRecipe::Q2,
+            "t",
+            &ds4_model::layout::placeholder_tokenizer(129_280),
+        );
+        let spec = ModelSpec::from_header(&h, Strictness::Auto).unwrap();
+        let acct = ByteAccounting::of(&spec);
+        let (layers, e, k) = (spec.hparams.n_layer, spec.hparams.n_expert, 6);
+        assert_eq!(spec.hparams.n_expert_used, k);
+        let mut census = ds4_engine::RouteCensus::new(layers, e);
+        for step in 0..2 {
+            for il in 0..layers {
+                // 8 tokens: in even layers all pick the same k experts, in odd layers
+                // disjoint ones (the extremes a router can give).
+                let ids: Vec<i32> = (0..8 * k)
+                    .map(|j| (if il % 2 == 0 { j % k } else { j }) as i32 + step)
+                    .collect();
+                census.record(il, &ids);
+            }
+            census.calls += 1;
+        }
+        let b = batch_bound(&acct, &census, 8, 3.0e12, 500.0);
+        let odd = layers / 2;
+        let mean = (k * (layers - odd) + 8 * k * odd) as f64 / layers as f64;
+        assert!((b.distinct - mean).abs() < 1e-9, "{b:?}");
+        let units: f64 = acct
+            .expert_unit_bytes
+            .iter()
+            .enumerate()
+            .map(|(il, &u)| u as f64 * (if il % 2 == 0 { k } else { 8 * k }) as f64)
+            .sum();
+        let dense = acct.per_token_short as f64 - acct.per_token_parts[0].1 as f64;
+        let embd = acct
+            .per_token_parts
+            .iter()
+            .find(|p| p.0 == "embedding row")
+            .unwrap()
+            .1 as f64;
+        assert_eq!(acct.per_token_parts[0].0, "routed experts");
+        assert!(
+            (b.step_bytes - (dense + 7.0 * embd + units)).abs() < 1.0,
+            "{b:?}"
+        );
+        assert!((b.bound_tok_s - 8.0 * 3.0e12 / b.step_bytes).abs() < 1e-6);
+        assert!((b.fraction - 500.0 / b.bound_tok_s).abs() < 1e-12);
+        assert!(b.uniform > k as f64 && b.uniform < 8.0 * k as f64, "{b:?}");
+        // Nothing counted: the dense weights alone bound it; no speed, no fraction.
+        let empty = batch_bound(&acct, &ds4_engine::RouteCensus::default(), 8, 3.0e12, 0.0);
+        assert_eq!((empty.distinct, empty.fraction), (0.0, 0.0));
     }
 }

@@ -411,6 +411,8 @@ fn main() -> Result<()> {
     rt.block_on(async move {
         let listener = loading.finish().await?;
         let server = Server::from_listener(listener, cfg, model)?;
+        // What the plan sized: N slots of the context, and their KV bytes.
+        eprintln!("ds4-server: {}", server.slots());
         // Scripts wait for this line: the server is ready when it is printed.
         eprintln!("ds4-server: listening on http://{}", server.local_addr());
         if chat_page {

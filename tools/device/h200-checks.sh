@@ -68,6 +68,11 @@
 #              (--quality, default, tiles off/all, decode steps) against the CPU engine on
 #              the same file, f32/q4/q2, with a bound per path (ds4-engine-check quality;
 #              needs tests/fixtures/kjv)
+#   spec       speculative decoding on the GPU (docs/speculative.md): greedy output with
+#              --draft lookup against --draft off, token for token, on the demo model's q2
+#              file (a prompt that repeats, so drafts are accepted) and the 4-layer real-
+#              dimension file; the rate lines (drafted, accepted, tokens per step); then the
+#              CLI's loop on the sparse full-size file with drafts off, lookup and auto
 #   logits     whole-model logits of a 4-layer real-dimension q2 file (280 prefilled + 21
 #              decoded positions, default and --quality) into $OUT/logits-*.npy; with BIN2 (a
 #              second build) the same from it and a cmp of the two (a refactor must be
@@ -132,6 +137,28 @@ quality() {
     echo "== quality yardstick on the demo model (ds4-engine-check quality)"; date +%T
     timeout 500 ds4-engine-check quality "$R/tests/fixtures/kjv" --ds4 "$BIN/ds4" > "$OUT/quality.log" 2>&1
     grep -vE "^\* " "$OUT/quality.log" | tail -24
+}
+
+spec() {
+    s4
+    echo "== speculative decoding: greedy with and without drafts"; date +%T
+    local k="$R/tests/fixtures/kjv" p
+    p="$(head -c 1500 "$k/heldout.txt")"
+    p="$p $p"
+    for m in "$k/ds4-kjv-q2.gguf" "$work/s4.gguf"; do
+        for d in off lookup; do
+            timeout 120 ds4 -m "$m" -p "$p" --nothink --temp 0 -n 160 -c 4096 --backend cuda --draft $d \
+                > "$OUT/spec_$d.txt" 2> "$OUT/spec_$d.log" || tail -2 "$OUT/spec_$d.log"
+            echo "$(basename "$m") --draft $d: $(tail -1 "$OUT/spec_$d.log" | cut -c1-200)"
+        done
+        cmp -s "$OUT/spec_off.txt" "$OUT/spec_lookup.txt" && echo "$(basename "$m"): identical" \
+            || echo "$(basename "$m"): DIFFERENT"
+    done
+    sparse
+    for d in off lookup auto; do
+        timeout 100 ds4-bench --e2e -m "$work/q.gguf" --backend cuda --ctx 4096 -n 100 --prompt-words 2000 \
+            --temp 0 --draft $d 2>&1 | tail -1 | cut -c1-220
+    done
 }
 
 # logits_of DIR TAG: ds4 logits of the 4-layer file from the build in DIR.
@@ -221,7 +248,7 @@ server8() {
 }
 
 
-for s in check cache quality logits decode profile roofline; do
+for s in check cache quality spec logits decode profile roofline; do
     skip $s || { step $s; "$s"; }
 done
 if ! skip user8; then

@@ -409,6 +409,24 @@ fn dot_runs<const B: usize, const E: usize, const L: usize, const RUN: usize>(
     total as f32
 }
 
+/// Row dot product of `B`-byte blocks of `E` elements with `x` for types whose block dot
+/// (`block`) sums a whole super-block in f32: the blocks' sums are added in f64 (any excess
+/// on either side is ignored, never read out of bounds).
+#[inline(always)]
+fn dot_blocks<const B: usize, const E: usize>(
+    data: &[u8],
+    x: &[f32],
+    block: impl Fn(&[u8; B], &[f32; E]) -> f32,
+) -> f32 {
+    let (blocks, _) = data.as_chunks::<B>();
+    let (xs, _) = x.as_chunks::<E>();
+    let mut total = 0f64;
+    for (b, xb) in blocks.iter().zip(xs) {
+        total += f64::from(block(b, xb));
+    }
+    total as f32
+}
+
 /// Round an f32 scale to f16 bits, refusing a result that is not finite.
 fn scale_to_f16(ty: GgmlType, block: usize, scale: f32) -> Result<u16, QuantError> {
     let h = f16::f32_to_f16(scale);

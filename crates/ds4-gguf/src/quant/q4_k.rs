@@ -92,21 +92,11 @@ pub fn dot_block(block: &[u8; BLOCK_BYTES], x: &[f32; BLOCK_ELEMS]) -> f32 {
 }
 
 pub(crate) fn dequantize_row(data: &[u8], out: &mut [f32]) {
-    let (blocks, _) = data.as_chunks::<BLOCK_BYTES>();
-    let (outs, _) = out.as_chunks_mut::<BLOCK_ELEMS>();
-    for (b, o) in blocks.iter().zip(outs) {
-        dequantize_block(b, o);
-    }
+    super::dequantize_blocks(data, out, dequantize_block);
 }
 
 pub(crate) fn dot_row_unchecked(data: &[u8], x: &[f32]) -> f32 {
-    let (blocks, _) = data.as_chunks::<BLOCK_BYTES>();
-    let (xs, _) = x.as_chunks::<BLOCK_ELEMS>();
-    let mut total = 0f64;
-    for (b, xb) in blocks.iter().zip(xs) {
-        total += f64::from(dot_block(b, xb));
-    }
-    total as f32
+    super::dot_blocks(data, x, dot_block)
 }
 
 /// Dot product of a whole Q4_K row with `x` (see [`super::dot`] for the accumulation).

@@ -25,6 +25,7 @@ use rayon::prelude::*;
 use crate::checkpoint::{Checkpoint, SourceTensor};
 use crate::config::hparams_from_config;
 use crate::error::{io_err, CheckpointProblem, ConvertError, Result};
+use crate::imatrix::Imatrix;
 use crate::mapping::{self, map_name, ExpertPart, Mapped, PackedPart, Scheme};
 use crate::progress::Progress;
 use crate::tokenizer;
@@ -45,6 +46,8 @@ pub struct HfOptions {
     pub mtp_out: Option<PathBuf>,
     /// Leave the MTP block out even when the checkpoint has one.
     pub skip_mtp: bool,
+    /// An importance matrix for the routed experts (`--imatrix`), and the file it came from.
+    pub imatrix: Option<(PathBuf, std::sync::Arc<Imatrix>)>,
 }
 
 impl HfOptions {
@@ -56,6 +59,7 @@ impl HfOptions {
             name: None,
             mtp_out: None,
             skip_mtp: false,
+            imatrix: None,
         })
     }
 }
@@ -81,6 +85,8 @@ pub struct Plan {
     /// Checkpoint tensors deliberately left out (the MTP block).
     pub skipped: Vec<String>,
     sources: Vec<Source>,
+    /// Weights the routed experts' quantization when set.
+    imatrix: Option<std::sync::Arc<Imatrix>>,
 }
 
 /// What a finished conversion did.
@@ -190,13 +196,85 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
     let scheme = Scheme::detect(ckpt.tensors.keys().map(String::as_str));
     let (sources, skipped) = match_block(ckpt, &mut header, Block::Main, &h, scheme)?;
     ModelSpec::from_header(&header, Strictness::Layout)?;
+    let imatrix = match &opts.imatrix {
+        Some((path, im)) => {
+            check_imatrix(path, im, &header, h.n_expert)?;
+            // The provenance keys ds4's quantizer adds (docs/gguf.md §3.4); nothing reads them.
+            let file = path
+                .file_name()
+                .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+            header.set("quantize.imatrix.file", ds4_gguf::Value::String(file));
+            header.set(
+                "quantize.imatrix.entries_count",
+                ds4_gguf::Value::U64(im.entries.len() as u64),
+            );
+            if let Some(d) = &im.dataset {
+                header.set(
+                    "quantize.imatrix.dataset",
+                    ds4_gguf::Value::String(d.clone()),
+                );
+            }
+            if let Some(c) = im.chunks {
+                header.set(
+                    "quantize.imatrix.chunks_count",
+                    ds4_gguf::Value::U64(c.max(0) as u64),
+                );
+            }
+            Some(im.clone())
+        }
+        None => None,
+    };
     Ok(Plan {
         hparams: h,
         header,
         scheme,
         skipped,
         sources,
+        imatrix,
     })
+}
+
+/// An imatrix must cover every routed tensor the recipe quantizes with importance (IQ2_XXS,
+/// Q2_K, Q4_K), with `n_expert · ne0` values each: a file missing some, or sized for another
+/// model, is refused with the tensors named rather than silently half-applied.
+fn check_imatrix(path: &Path, im: &Imatrix, header: &Header, n_expert: usize) -> Result<()> {
+    let mut missing = Vec::new();
+    for t in &header.tensors {
+        let routed = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down]
+            .iter()
+            .any(|p| t.name.ends_with(p.gguf_suffix()));
+        if !routed || !matches!(t.ty, GgmlType::Iq2Xxs | GgmlType::Q2K | GgmlType::Q4K) {
+            continue;
+        }
+        match im.entries.get(&t.name) {
+            None => missing.push(t.name.clone()),
+            Some(e) => {
+                let want = n_expert * t.dims[0] as usize;
+                if e.values.len() != want {
+                    return Err(ConvertError::Imatrix {
+                        path: path.to_path_buf(),
+                        message: format!(
+                            "entry {} has {} values; the model needs {want} ({n_expert} experts × {})",
+                            t.name,
+                            e.values.len(),
+                            t.dims[0]
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    if !missing.is_empty() {
+        return Err(ConvertError::Imatrix {
+            path: path.to_path_buf(),
+            message: format!(
+                "no entry for {} routed tensor(s): {}",
+                missing.len(),
+                missing.join(", ")
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Which part of the checkpoint a header is matched against.
@@ -255,6 +333,9 @@ pub fn plan_mtp(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result
         scheme,
         skipped,
         sources,
+        // The MTP experts use the file's entries when it has them (`mtp.0.*`), else the
+        // default search.
+        imatrix: opts.imatrix.as_ref().map(|(_, im)| im.clone()),
     }))
 }
 
@@ -591,6 +672,7 @@ fn write_direct<W: Write>(
 fn write_experts<W: Write>(
     info: &TensorInfo,
     load: &(dyn Fn(usize, &mut [f32]) -> Result<()> + Sync),
+    imatrix: Option<&Imatrix>,
     n_expert: usize,
     w: &mut GgufWriter<W>,
     progress: &mut dyn Progress,
@@ -607,9 +689,15 @@ fn write_experts<W: Write>(
             .map(|e| {
                 let mut m = vec![0f32; per_expert];
                 load(e, &mut m)?;
-                // One expert = one matrix: IQ2_XXS importance is its own column energy,
-                // Q2_K/Q4_K use the plain (no-imatrix) search, as ds4 does without --imatrix.
-                quant::quantize_matrix(info.ty, &m, ne0, None).map_err(|source| {
+                // One expert = one matrix. With an imatrix entry, its slice for this expert
+                // weights the search (docs/gguf.md §5.4); otherwise IQ2_XXS importance is the
+                // expert's own column energy and Q2_K/Q4_K use the plain search, as ds4 does
+                // without --imatrix.
+                let imp = match imatrix {
+                    Some(im) => im.importance(&info.name, ne0, Some((e, n_expert)))?,
+                    None => None,
+                };
+                quant::quantize_matrix(info.ty, &m, ne0, imp.as_deref()).map_err(|source| {
                     ConvertError::Quant {
                         name: format!("{} (expert {e})", info.name),
                         source,
@@ -644,6 +732,7 @@ pub fn write<W: Write>(
     progress.start(total);
     let mut w = GgufWriter::new(out, plan.header.clone())?;
     let n_expert = plan.hparams.n_expert;
+    let imatrix = plan.imatrix.as_deref();
     for (info, source) in plan.header.tensors.iter().zip(&plan.sources) {
         progress.tensor(&info.name);
         let get = |n: &str| -> Result<&SourceTensor> {
@@ -660,7 +749,7 @@ pub fn write<W: Write>(
                 let srcs: Vec<&SourceTensor> =
                     names.iter().map(|n| get(n)).collect::<Result<_>>()?;
                 let load = |e: usize, m: &mut [f32]| ckpt.read_f32(srcs[e], 0, m);
-                write_experts(info, &load, n_expert, &mut w, progress, &mut peak)?;
+                write_experts(info, &load, imatrix, n_expert, &mut w, progress, &mut peak)?;
             }
             Source::Packed { name, part } => {
                 let src = get(name)?;
@@ -674,7 +763,7 @@ pub fn write<W: Write>(
                     };
                     ckpt.read_f32(src, first, m)
                 };
-                write_experts(info, &load, n_expert, &mut w, progress, &mut peak)?;
+                write_experts(info, &load, imatrix, n_expert, &mut w, progress, &mut peak)?;
             }
         }
     }

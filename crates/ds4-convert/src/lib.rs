@@ -15,6 +15,7 @@ pub mod config;
 pub mod convert;
 pub mod demo;
 pub mod error;
+pub mod imatrix;
 pub mod mapping;
 pub mod official;
 pub mod progress;

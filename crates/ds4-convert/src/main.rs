@@ -68,6 +68,11 @@ enum Cmd {
         /// Do not write the MTP sidecar even when the checkpoint has an MTP block.
         #[arg(long)]
         no_mtp: bool,
+        /// Weight the routed experts' q2/q4 quantization with this importance matrix
+        /// (llama.cpp's legacy .dat format, one vector per expert; every routed tensor needs
+        /// an entry).
+        #[arg(long)]
+        imatrix: Option<PathBuf>,
     },
     /// Write a vocabulary-only GGUF (general.* + tokenizer.ggml.*, no tensors).
     Vocab {
@@ -193,6 +198,7 @@ fn main() -> Result<()> {
             name,
             mtp,
             no_mtp,
+            imatrix,
         } => {
             let recipe = match types {
                 Types::F32 => "f32",
@@ -204,6 +210,10 @@ fn main() -> Result<()> {
             opts.name = name;
             opts.mtp_out = mtp;
             opts.skip_mtp = no_mtp;
+            if let Some(p) = imatrix {
+                let im = ds4_convert::imatrix::Imatrix::read(&p)?;
+                opts.imatrix = Some((p, std::sync::Arc::new(im)));
+            }
             let r = ds4_convert::convert_hf(&dir, &out, &opts, &mut Bar::new(cli.quiet))
                 .with_context(|| format!("converting {}", dir.display()))?;
             let secs = t0.elapsed().as_secs_f64();

@@ -558,3 +558,140 @@ fn nan_scale_and_overflow_are_refused_with_the_element() {
         "{e}"
     );
 }
+
+/// A positive, heavy-tailed importance per column (a few columns matter a lot, as real
+/// activation statistics do), deterministic in the tensor, expert and column.
+fn synthetic_importance(name: &str, n_expert: usize, ne0: usize) -> Vec<f32> {
+    (0..n_expert * ne0)
+        .map(|i| {
+            let u = (f32::from(byte(name, i)) + 0.5) / 256.0;
+            (8.0 * u * u * u).exp()
+        })
+        .collect()
+}
+
+/// Σ over experts, rows and columns of imp[c] · (w − ŵ)², for one routed tensor of a GGUF.
+fn weighted_error(f: &GgufFile, name: &str, want: &[f32], imp: &[f32], ne0: usize) -> f64 {
+    let (t, data) = f.tensor_bytes(name).unwrap();
+    let mut got = vec![0f32; want.len()];
+    ds4_gguf::quant::dequantize(t.ty, data, &mut got).unwrap();
+    let per_expert = want.len() / (imp.len() / ne0);
+    want.iter()
+        .zip(&got)
+        .enumerate()
+        .map(|(i, (w, g))| {
+            let (e, c) = (i / per_expert, i % ne0);
+            f64::from(imp[e * ne0 + c]) * f64::from(w - g).powi(2)
+        })
+        .sum()
+}
+
+#[test]
+fn imatrix_weighting_lowers_the_weighted_error_of_every_routed_tensor() {
+    use ds4_convert::imatrix::{Entry, Imatrix};
+    let tmp = tempfile::tempdir().unwrap();
+    let d = dims();
+    let dir = tmp.path().join("ckpt");
+    common::write_checkpoint(
+        &dir,
+        &d,
+        &common::config_json(&d),
+        &tensors(&d, Naming::Official),
+        &common::f32_all,
+    );
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let values = decoded(&ckpt);
+    let mut routed: Vec<(String, &str, usize)> = Vec::new();
+    for l in 0..d.ratios.len() {
+        for (g, w, ne0) in [
+            ("ffn_gate_exps", "w1", d.e),
+            ("ffn_up_exps", "w3", d.e),
+            ("ffn_down_exps", "w2", d.f),
+        ] {
+            routed.push((format!("blk.{l}.{g}.weight"), w, ne0));
+        }
+    }
+    let mut im = Imatrix::default();
+    for (g, _, ne0) in &routed {
+        // Stored values are mean · ncall: with ncall 3 the reader's importance is v / 3.
+        let v: Vec<f32> = synthetic_importance(g, d.n, *ne0)
+            .iter()
+            .map(|x| x * 3.0)
+            .collect();
+        im.entries.insert(
+            g.clone(),
+            Entry {
+                ncall: 3,
+                values: v,
+            },
+        );
+    }
+    im.chunks = Some(3);
+    im.dataset = Some("synthetic".into());
+    let path = tmp.path().join("imatrix.dat");
+    im.write(&path).unwrap();
+    let im = Imatrix::read(&path).unwrap();
+    for types in ["q2", "q4"] {
+        let plain = tmp.path().join(format!("{types}.gguf"));
+        let weighted = tmp.path().join(format!("{types}-imatrix.gguf"));
+        convert(&dir, &plain, types).unwrap();
+        let mut o = opts(types);
+        o.imatrix = Some((path.clone(), std::sync::Arc::new(im.clone())));
+        convert_hf(&dir, &weighted, &o, &mut NoProgress).unwrap();
+        let (fp, fw) = (
+            GgufFile::open(&plain).unwrap(),
+            GgufFile::open(&weighted).unwrap(),
+        );
+        assert_eq!(
+            fw.header().get("quantize.imatrix.entries_count"),
+            Some(&ds4_gguf::Value::U64(routed.len() as u64))
+        );
+        let layer = |g: &str| g.split('.').nth(1).unwrap().parse::<usize>().unwrap();
+        for (g, w, ne0) in &routed {
+            let want: Vec<f32> = (0..d.n)
+                .flat_map(|e| {
+                    let k = format!("layers.{}.ffn.experts.{e}.{w}.weight", layer(g));
+                    values[&k].1.clone().unwrap()
+                })
+                .collect();
+            let imp: Vec<f32> = im.entries[g].values.iter().map(|v| v / 3.0).collect();
+            let ep = weighted_error(&fp, g, &want, &imp, *ne0);
+            let ew = weighted_error(&fw, g, &want, &imp, *ne0);
+            assert!(ew <= ep, "{types} {g}: weighted {ew} > plain {ep}");
+            eprintln!("{types} {g}: weighted error {ew:.4e} with the imatrix, {ep:.4e} without");
+        }
+        // Only the routed experts change.
+        for t in &fp.header().tensors {
+            let same = fp.tensor_bytes(&t.name).unwrap().1 == fw.tensor_bytes(&t.name).unwrap().1;
+            assert_eq!(same, !routed.iter().any(|r| r.0 == t.name), "{}", t.name);
+        }
+    }
+    // A file without the entries, or sized for another model, is refused.
+    let mut short = im.clone();
+    short.entries.remove("blk.2.ffn_down_exps.weight");
+    let mut o = opts("q2");
+    o.imatrix = Some((path.clone(), std::sync::Arc::new(short)));
+    let e = convert_hf(&dir, &tmp.path().join("x.gguf"), &o, &mut NoProgress)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no entry for 1 routed tensor(s): blk.2.ffn_down_exps.weight"),
+        "{e}"
+    );
+    let mut wrong = im.clone();
+    wrong
+        .entries
+        .get_mut("blk.0.ffn_up_exps.weight")
+        .unwrap()
+        .values
+        .pop();
+    o.imatrix = Some((path, std::sync::Arc::new(wrong)));
+    let e = convert_hf(&dir, &tmp.path().join("x.gguf"), &o, &mut NoProgress)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("entry blk.0.ffn_up_exps.weight has 1023 values; the model needs 1024"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("x.gguf").exists());
+}

@@ -237,7 +237,12 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
 /// An imatrix must cover every routed tensor the recipe quantizes with importance (IQ2_XXS,
 /// Q2_K, Q4_K), with `n_expert · ne0` values each: a file missing some, or sized for another
 /// model, is refused with the tensors named rather than silently half-applied.
-fn check_imatrix(path: &Path, im: &Imatrix, header: &Header, n_expert: usize) -> Result<()> {
+pub(crate) fn check_imatrix(
+    path: &Path,
+    im: &Imatrix,
+    header: &Header,
+    n_expert: usize,
+) -> Result<()> {
     let mut missing = Vec::new();
     for t in &header.tensors {
         let routed = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down]

@@ -19,6 +19,7 @@ pub mod imatrix;
 pub mod mapping;
 pub mod official;
 pub mod progress;
+pub mod requant;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod vocab;

@@ -74,6 +74,23 @@ enum Cmd {
         #[arg(long)]
         imatrix: Option<PathBuf>,
     },
+    /// Re-encode a ds4-layout GGUF (normally an f32 one) with the q2 or q4 recipe, optionally
+    /// weighted by an importance matrix (e.g. from `ds4 imatrix`).
+    Requant {
+        /// The GGUF to read.
+        input: PathBuf,
+        /// The GGUF to write (through OUT.partial).
+        out: PathBuf,
+        /// The recipe.
+        #[arg(long, value_enum)]
+        types: Types,
+        /// Weight the routed experts' quantization with this importance matrix (.dat).
+        #[arg(long)]
+        imatrix: Option<PathBuf>,
+        /// general.name of the output (default: the input's).
+        #[arg(long)]
+        name: Option<String>,
+    },
     /// Write a vocabulary-only GGUF (general.* + tokenizer.ggml.*, no tensors).
     Vocab {
         /// The HF tokenizer.json to take the vocabulary from.
@@ -242,6 +259,33 @@ fn main() -> Result<()> {
                     r.skipped.len()
                 );
             }
+        }
+        Cmd::Requant {
+            input,
+            out,
+            types,
+            imatrix,
+            name,
+        } => {
+            let recipe = match types {
+                Types::F32 => "f32",
+                Types::Q2 => "q2",
+                Types::Q4 => "q4",
+            };
+            let mut opts = HfOptions::new(recipe).context("unknown recipe")?;
+            opts.name = name;
+            if let Some(p) = imatrix {
+                let im = ds4_convert::imatrix::Imatrix::read(&p)?;
+                opts.imatrix = Some((p, std::sync::Arc::new(im)));
+            }
+            let bytes =
+                ds4_convert::requant::requantize(&input, &out, &opts, &mut Bar::new(cli.quiet))
+                    .with_context(|| format!("re-encoding {}", input.display()))?;
+            println!(
+                "{}: {bytes} bytes, {:.1} s",
+                out.display(),
+                t0.elapsed().as_secs_f64()
+            );
         }
         Cmd::Vocab {
             tokenizer,

@@ -695,3 +695,23 @@ fn imatrix_weighting_lowers_the_weighted_error_of_every_routed_tensor() {
     );
     assert!(!tmp.path().join("x.gguf").exists());
 }
+
+/// `requant` rebuilds the header as `hf` does and encodes as `hf` does: the committed demo
+/// model's q2 and q4 files (converted from its checkpoint) come back byte for byte from its
+/// f32 file.
+#[test]
+fn requant_of_the_f32_demo_reproduces_its_q2_and_q4_files() {
+    let kjv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kjv");
+    let tmp = tempfile::tempdir().unwrap();
+    for t in ["q2", "q4"] {
+        let mut o = HfOptions::new(t).unwrap();
+        o.name = Some(format!(
+            "ds4-rs demo: DeepSeek V4 trained on the King James Bible ({t})"
+        ));
+        let out = tmp.path().join(format!("{t}.gguf"));
+        ds4_convert::requant::requantize(&kjv.join("ds4-kjv.gguf"), &out, &o, &mut NoProgress)
+            .unwrap();
+        let want = std::fs::read(kjv.join(format!("ds4-kjv-{t}.gguf"))).unwrap();
+        assert!(std::fs::read(&out).unwrap() == want, "{t} differs");
+    }
+}

@@ -197,7 +197,13 @@ impl Imatrix {
             return Ok(None);
         };
         let (first, want) = match expert {
-            Some((x, n)) => (x * ne0, n * ne0),
+            Some((x, n)) if x < n => (x * ne0, n * ne0),
+            Some((x, n)) => {
+                return Err(ConvertError::BadValue {
+                    name: tensor.to_string(),
+                    message: format!("expert {x} asked of an imatrix entry for {n} experts"),
+                })
+            }
             None => (0, ne0),
         };
         if e.values.len() != want {
@@ -300,6 +306,7 @@ mod tests {
         );
         assert_eq!(back.importance(name, 2, Some((0, 2))).unwrap(), None);
         assert!(back.importance(name, 3, Some((0, 2))).is_err());
+        assert!(back.importance(name, 2, Some((2, 2))).is_err());
         assert_eq!(back.importance("other", 2, None).unwrap(), None);
         assert_eq!(back.chunks, Some(4));
         assert_eq!(back.dataset.as_deref(), Some("kjv.txt"));

@@ -4,6 +4,7 @@
 
 pub mod chat;
 pub mod generate;
+pub mod imatrix;
 pub mod inspect;
 pub mod logging;
 pub mod logits;

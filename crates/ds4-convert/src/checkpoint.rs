@@ -3,6 +3,11 @@
 //! Only the headers are parsed up front (the `safetensors` crate bounds and checks them);
 //! tensor bytes are decoded on demand, a row range at a time, so converting a checkpoint far
 //! larger than RAM needs only the working set of one tensor (or one expert).
+//!
+//! The official FP8/FP4 encodings (docs/gguf.md §5.5) are resolved here too: a weight stored
+//! as F8_E4M3 or packed-FP4 `I8` is paired with its `<name>.scale` companion when the shards are
+//! opened, and from then on it is a float tensor of its logical shape whose reads decode
+//! exactly ([`crate::official`]); the scale tensors themselves disappear from the listing.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -12,14 +17,19 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{io_err, ConvertError, Result};
+use crate::official::{decode_scaled, Encoding, ScaleRef, FP4_BLOCK, FP8_BLOCK};
 
 /// One tensor of the checkpoint: where its bytes are and what they are.
 #[derive(Debug, Clone)]
 pub struct SourceTensor {
     pub name: String,
+    /// The stored dtype (F8_E4M3 / I8 for the official scaled encodings).
     pub dtype: Dtype,
-    /// PyTorch order (slowest axis first).
+    /// PyTorch order (slowest axis first); for packed FP4 the logical shape (two values per
+    /// stored byte), not the stored one.
     pub shape: Vec<u64>,
+    /// Plain, or one of the official scaled encodings.
+    pub encoding: Encoding,
     file: usize,
     start: usize,
     end: usize,
@@ -30,12 +40,14 @@ impl SourceTensor {
         self.shape.iter().product()
     }
 
+    /// Whether reads give real values: a float dtype, or an official scaled encoding.
     pub fn is_float(&self) -> bool {
         matches!(self.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16)
+            || self.encoding != Encoding::Plain
     }
 
     pub fn is_int(&self) -> bool {
-        matches!(self.dtype, Dtype::I64 | Dtype::I32)
+        matches!(self.dtype, Dtype::I64 | Dtype::I32) && self.encoding == Encoding::Plain
     }
 }
 
@@ -47,7 +59,10 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, SourceTensor>,
 }
 
-fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// The shard files, and the index's `weight_map` (tensor → shard file name) when there is one.
+type Shards = (Vec<PathBuf>, Option<BTreeMap<String, String>>);
+
+fn shard_files(dir: &Path) -> Result<Shards> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read(&index).map_err(io_err(&index))?;
@@ -64,7 +79,8 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 message: "no \"weight_map\" object".into(),
             })?;
         let mut names: Vec<&str> = Vec::new();
-        for v in map.values() {
+        let mut owner = BTreeMap::new();
+        for (k, v) in map {
             let f = v
                 .as_str()
                 .filter(|f| !f.contains('/') && !f.contains('\\') && f.ends_with(".safetensors"))
@@ -76,14 +92,18 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
                     ),
                 })?;
             names.push(f);
+            owner.insert(k.clone(), f.to_string());
         }
         names.sort_unstable();
         names.dedup();
-        return Ok(names.into_iter().map(|n| dir.join(n)).collect());
+        return Ok((
+            names.into_iter().map(|n| dir.join(n)).collect(),
+            Some(owner),
+        ));
     }
     let single = dir.join("model.safetensors");
     if single.is_file() {
-        return Ok(vec![single]);
+        return Ok((vec![single], None));
     }
     let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(io_err(dir))?
@@ -104,7 +124,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if files.is_empty() {
         return Err(ConvertError::NoSafetensors(dir.to_path_buf()));
     }
-    Ok(files)
+    Ok((files, None))
 }
 
 impl Checkpoint {
@@ -112,9 +132,11 @@ impl Checkpoint {
     /// `model.safetensors.index.json`, else `model.safetensors`, else `model-*.safetensors`,
     /// else every `*.safetensors` (sorted by name). Other safetensors files next to a model
     /// (e.g. recorded reference outputs) are therefore not mistaken for weights. A tensor
-    /// name present in two shards is refused.
+    /// name present in two shards is refused, and so is an index whose `weight_map` does not
+    /// match what the shards hold (a shard truncated or replaced after the index was written).
+    /// FP8/FP4 weights are paired with their scales ([`crate::official`]).
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        let files = shard_files(dir)?;
+        let (files, index) = shard_files(dir)?;
         let mut maps = Vec::new();
         let mut tensors = BTreeMap::new();
         for (fi, path) in files.iter().enumerate() {
@@ -136,6 +158,7 @@ impl Checkpoint {
                     name: name.clone(),
                     dtype: info.dtype,
                     shape: info.shape.iter().map(|&d| d as u64).collect(),
+                    encoding: Encoding::Plain,
                     file: fi,
                     start: base + s,
                     end: base + e,
@@ -158,6 +181,10 @@ impl Checkpoint {
             }
             maps.push(map);
         }
+        if let Some(index) = index {
+            check_index(dir, &files, &index, &tensors)?;
+        }
+        let tensors = attach_scales(tensors)?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             maps,
@@ -171,6 +198,27 @@ impl Checkpoint {
 
     /// Decodes elements `first .. first + out.len()` (flat, row-major) of a float tensor to f32.
     pub fn read_f32(&self, t: &SourceTensor, first: u64, out: &mut [f32]) -> Result<()> {
+        if let Encoding::Fp8 { scale } | Encoding::Fp4 { scale } = &t.encoding {
+            let fp4 = matches!(t.encoding, Encoding::Fp4 { .. });
+            let cols = t.shape.get(1).copied().unwrap_or(0);
+            let end = first.checked_add(out.len() as u64);
+            if cols == 0 || end.is_none_or(|e| e > t.n_elements()) {
+                return Err(ConvertError::BadValue {
+                    name: t.name.clone(),
+                    message: format!(
+                        "elements {first}..{} requested, the tensor has {}",
+                        first.saturating_add(out.len() as u64),
+                        t.n_elements()
+                    ),
+                });
+            }
+            let scales = &self.maps[scale.file][scale.start..scale.end];
+            return decode_scaled(fp4, cols, scale.cols, self.bytes(t), scales, first, out)
+                .map_err(|message| ConvertError::BadValue {
+                    name: t.name.clone(),
+                    message,
+                });
+        }
         let esize = match t.dtype {
             Dtype::F32 => 4,
             Dtype::BF16 | Dtype::F16 => 2,
@@ -243,4 +291,161 @@ impl Checkpoint {
             }),
         }
     }
+}
+
+fn safetensors_err(path: &Path, message: String) -> ConvertError {
+    ConvertError::Safetensors {
+        path: path.to_path_buf(),
+        message,
+    }
+}
+
+/// The index must name exactly the tensors the shards hold, each in the shard that holds it:
+/// a mismatch means a shard was truncated, replaced or is missing, and converting anyway would
+/// silently mix checkpoints.
+fn check_index(
+    dir: &Path,
+    files: &[PathBuf],
+    index: &BTreeMap<String, String>,
+    tensors: &BTreeMap<String, SourceTensor>,
+) -> Result<()> {
+    let path = dir.join("model.safetensors.index.json");
+    for (name, shard) in index {
+        match tensors.get(name) {
+            None => {
+                return Err(safetensors_err(
+                    &path,
+                    format!("the index puts tensor {name} in {shard}, which does not hold it"),
+                ))
+            }
+            Some(t) => {
+                let holder = files[t.file].file_name().and_then(|n| n.to_str());
+                if holder != Some(shard.as_str()) {
+                    return Err(safetensors_err(
+                        &path,
+                        format!(
+                            "the index puts tensor {name} in {shard}, but it is in {}",
+                            files[t.file].display()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(t) = tensors.values().find(|t| !index.contains_key(&t.name)) {
+        return Err(safetensors_err(
+            &path,
+            format!(
+                "tensor {} of {} is not in the index's weight_map",
+                t.name,
+                files[t.file].display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The name of a weight's scale companion: `X.weight` → `X.scale`, otherwise `X.scale`.
+fn scale_name(weight: &str) -> String {
+    match weight.strip_suffix(".weight") {
+        Some(base) => format!("{base}.scale"),
+        None => format!("{weight}.scale"),
+    }
+}
+
+fn scale_problem(name: &str, message: String) -> ConvertError {
+    ConvertError::BadValue {
+        name: name.to_string(),
+        message,
+    }
+}
+
+/// Pairs every F8_E4M3 weight and every packed-FP4 (`I8`) weight with its E8M0 scale tensor,
+/// checks the scale's dtype and shape against the weight, and removes the scales from the
+/// listing. A scale without a weight, or a weight without a scale, is refused.
+fn attach_scales(
+    mut tensors: BTreeMap<String, SourceTensor>,
+) -> Result<BTreeMap<String, SourceTensor>> {
+    let scaled: Vec<String> = tensors
+        .values()
+        .filter(|t| matches!(t.dtype, Dtype::F8_E4M3 | Dtype::I8))
+        .map(|t| t.name.clone())
+        .collect();
+    for name in scaled {
+        let sname = scale_name(&name);
+        let Some(t) = tensors.get(&name) else {
+            // Already taken as another weight's scale (and refused there for its dtype).
+            continue;
+        };
+        let (dtype, fp4) = (t.dtype, t.dtype == Dtype::I8);
+        let Some(s) = tensors.remove(&sname) else {
+            return Err(scale_problem(
+                &name,
+                format!(
+                    "{dtype:?} weight without its scale tensor {sname} (an {} checkpoint needs one E8M0 scale per {})",
+                    if fp4 { "FP4" } else { "FP8" },
+                    if fp4 { "32 inputs" } else { "128 × 128 tile" },
+                ),
+            ));
+        };
+        let Some(t) = tensors.get_mut(&name) else {
+            continue;
+        };
+        if s.dtype != Dtype::F8_E8M0 {
+            return Err(scale_problem(
+                &sname,
+                format!("scale of {name} has dtype {:?}; expected F8_E8M0", s.dtype),
+            ));
+        }
+        if t.shape.len() != 2 {
+            return Err(scale_problem(
+                &name,
+                format!(
+                    "{:?} weight of shape {:?}; only 2-D matrices carry block scales",
+                    t.dtype, t.shape
+                ),
+            ));
+        }
+        let rows = t.shape[0];
+        let cols = if fp4 { t.shape[1] * 2 } else { t.shape[1] };
+        let want = if fp4 {
+            vec![rows, cols.div_ceil(FP4_BLOCK)]
+        } else {
+            vec![rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)]
+        };
+        if s.shape != want {
+            return Err(scale_problem(
+                &sname,
+                format!(
+                    "scale shape {:?} does not fit {name} ({} of logical shape [{rows}, {cols}]): expected {want:?}",
+                    s.shape,
+                    if fp4 { "FP4, one scale per 32 inputs" } else { "FP8, one scale per 128 × 128 tile" },
+                ),
+            ));
+        }
+        let scale = ScaleRef {
+            name: sname,
+            rows: want[0],
+            cols: want[1],
+            file: s.file,
+            start: s.start,
+            end: s.end,
+        };
+        t.shape = vec![rows, cols];
+        t.encoding = if fp4 {
+            Encoding::Fp4 { scale }
+        } else {
+            Encoding::Fp8 { scale }
+        };
+    }
+    if let Some(s) = tensors
+        .values()
+        .find(|t| t.dtype == Dtype::F8_E8M0 && t.name.ends_with(".scale"))
+    {
+        return Err(scale_problem(
+            &s.name,
+            "E8M0 scale tensor without an F8_E4M3 or packed-FP4 (I8) weight to scale".into(),
+        ));
+    }
+    Ok(tensors)
 }

@@ -25,6 +25,7 @@ use rayon::prelude::*;
 use crate::checkpoint::{Checkpoint, SourceTensor};
 use crate::config::hparams_from_config;
 use crate::error::{io_err, CheckpointProblem, ConvertError, Result};
+use crate::imatrix::Imatrix;
 use crate::mapping::{self, map_name, ExpertPart, Mapped, PackedPart, Scheme};
 use crate::progress::Progress;
 use crate::tokenizer;
@@ -40,6 +41,13 @@ pub struct HfOptions {
     pub tokenizer: Option<PathBuf>,
     /// `general.name`; defaults to "DeepSeek V4 (converted from DIR)".
     pub name: Option<String>,
+    /// Where the MTP sidecar goes when the checkpoint has an MTP block; `None`: beside the
+    /// output, [`mtp_path`].
+    pub mtp_out: Option<PathBuf>,
+    /// Leave the MTP block out even when the checkpoint has one.
+    pub skip_mtp: bool,
+    /// An importance matrix for the routed experts (`--imatrix`), and the file it came from.
+    pub imatrix: Option<(PathBuf, std::sync::Arc<Imatrix>)>,
 }
 
 impl HfOptions {
@@ -49,6 +57,9 @@ impl HfOptions {
             recipe_name: recipe_name.to_string(),
             tokenizer: None,
             name: None,
+            mtp_out: None,
+            skip_mtp: false,
+            imatrix: None,
         })
     }
 }
@@ -74,6 +85,8 @@ pub struct Plan {
     /// Checkpoint tensors deliberately left out (the MTP block).
     pub skipped: Vec<String>,
     sources: Vec<Source>,
+    /// Weights the routed experts' quantization when set.
+    imatrix: Option<std::sync::Arc<Imatrix>>,
 }
 
 /// What a finished conversion did.
@@ -83,21 +96,36 @@ pub struct Report {
     pub tensors: usize,
     pub scheme: Scheme,
     pub skipped: Vec<String>,
+    /// The most dequantized f32 bytes held at once (the memory bound of a conversion: a chunk of
+    /// one tensor, one whole tensor for IQ2_XXS, or one batch of experts; never a shard).
+    pub peak_f32_bytes: u64,
+    /// The MTP sidecar written beside the model: its path, bytes and tensor count.
+    pub mtp: Option<(PathBuf, u64, usize)>,
+}
+
+/// The default MTP sidecar path for `out`: `X.gguf` → `X-mtp.gguf` (else `out` + `-mtp.gguf`).
+pub fn mtp_path(out: &Path) -> PathBuf {
+    let s = out.to_string_lossy();
+    match s.strip_suffix(".gguf") {
+        Some(stem) => PathBuf::from(format!("{stem}-mtp.gguf")),
+        None => PathBuf::from(format!("{s}-mtp.gguf")),
+    }
 }
 
 fn float_problem(t: &SourceTensor) -> Option<CheckpointProblem> {
     use safetensors::Dtype as D;
     let low_precision = matches!(
         t.dtype,
-        D::F8_E4M3 | D::F8_E5M2 | D::F8_E8M0 | D::F4 | D::F6_E2M3 | D::F6_E3M2 | D::I8
+        D::F8_E5M2 | D::F8_E8M0 | D::F4 | D::F6_E2M3 | D::F6_E3M2
     );
     (!t.is_float()).then(|| CheckpointProblem::Dtype {
         name: t.name.clone(),
         dtype: format!("{:?}", t.dtype),
         accepted: if low_precision {
-            "F32, BF16 and F16 (the official FP8/FP4 release must be dequantized to BF16 first)"
+            "F32, BF16, F16, and the official release's F8_E4M3 and packed-FP4 I8 weights with \
+             their F8_E8M0 .scale tensors (other low-precision encodings are not DeepSeek V4's)"
         } else {
-            "F32, BF16 and F16"
+            "F32, BF16, F16, and F8_E4M3 / packed-FP4 I8 weights with F8_E8M0 .scale tensors"
         },
     })
 }
@@ -165,8 +193,167 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
     });
     let mut header = model_header(&h, &opts.recipe, &name, &tok);
     check_block_alignment(&header, &opts.recipe_name)?;
-
     let scheme = Scheme::detect(ckpt.tensors.keys().map(String::as_str));
+    let (sources, skipped) = match_block(ckpt, &mut header, Block::Main, &h, scheme)?;
+    ModelSpec::from_header(&header, Strictness::Layout)?;
+    let imatrix = match &opts.imatrix {
+        Some((path, im)) => {
+            check_imatrix(path, im, &header, h.n_expert)?;
+            // The provenance keys ds4's quantizer adds (docs/gguf.md §3.4); nothing reads them.
+            let file = path
+                .file_name()
+                .map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+            header.set("quantize.imatrix.file", ds4_gguf::Value::String(file));
+            header.set(
+                "quantize.imatrix.entries_count",
+                ds4_gguf::Value::U64(im.entries.len() as u64),
+            );
+            if let Some(d) = &im.dataset {
+                header.set(
+                    "quantize.imatrix.dataset",
+                    ds4_gguf::Value::String(d.clone()),
+                );
+            }
+            if let Some(c) = im.chunks {
+                header.set(
+                    "quantize.imatrix.chunks_count",
+                    ds4_gguf::Value::U64(c.max(0) as u64),
+                );
+            }
+            Some(im.clone())
+        }
+        None => None,
+    };
+    Ok(Plan {
+        hparams: h,
+        header,
+        scheme,
+        skipped,
+        sources,
+        imatrix,
+    })
+}
+
+/// An imatrix must cover every routed tensor the recipe quantizes with importance (IQ2_XXS,
+/// Q2_K, Q4_K), with `n_expert · ne0` values each: a file missing some, or sized for another
+/// model, is refused with the tensors named rather than silently half-applied.
+pub(crate) fn check_imatrix(
+    path: &Path,
+    im: &Imatrix,
+    header: &Header,
+    n_expert: usize,
+) -> Result<()> {
+    let mut missing = Vec::new();
+    for t in &header.tensors {
+        let routed = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down]
+            .iter()
+            .any(|p| t.name.ends_with(p.gguf_suffix()));
+        if !routed || !matches!(t.ty, GgmlType::Iq2Xxs | GgmlType::Q2K | GgmlType::Q4K) {
+            continue;
+        }
+        match im.entries.get(&t.name) {
+            None => missing.push(t.name.clone()),
+            Some(e) => {
+                let want = n_expert * t.dims[0] as usize;
+                if e.values.len() != want {
+                    return Err(ConvertError::Imatrix {
+                        path: path.to_path_buf(),
+                        message: format!(
+                            "entry {} has {} values; the model needs {want} ({n_expert} experts × {})",
+                            t.name,
+                            e.values.len(),
+                            t.dims[0]
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    if !missing.is_empty() {
+        return Err(ConvertError::Imatrix {
+            path: path.to_path_buf(),
+            message: format!(
+                "no entry for {} routed tensor(s): {}",
+                missing.len(),
+                missing.join(", ")
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Which part of the checkpoint a header is matched against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Block {
+    /// The model: every key but `mtp.*`.
+    Main,
+    /// The MTP sidecar (docs/gguf.md §4.7): the `mtp.0.*` keys only.
+    Mtp,
+}
+
+/// The MTP sidecar's header when the checkpoint has `mtp.*` tensors (the official release
+/// does; transformers drops them): the five keys and 32 tensors of docs/gguf.md §3.5/§4.7, in
+/// the published types for q2/q4 (ds4 ships one Q4_K sidecar for both) and all F32 for `f32`.
+pub fn plan_mtp(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Option<Plan>> {
+    if !ckpt
+        .tensors
+        .keys()
+        .any(|k| k.strip_prefix("model.").unwrap_or(k).starts_with("mtp."))
+    {
+        return Ok(None);
+    }
+    let h = hparams;
+    let mut tensors = ds4_model::layout::mtp_tensor_table(&h);
+    if opts.recipe_name == "f32" {
+        for t in &mut tensors {
+            t.ty = GgmlType::F32;
+        }
+    }
+    let u32v = |n: usize| ds4_gguf::Value::U32(n as u32);
+    let mut header = Header {
+        metadata: vec![
+            (
+                "general.architecture".into(),
+                ds4_gguf::Value::String("deepseek4_mtp_support".into()),
+            ),
+            (
+                "general.name".into(),
+                ds4_gguf::Value::String(match &opts.name {
+                    Some(n) => format!("{n} MTP support"),
+                    None => "DeepSeek V4 Flash MTP support".into(),
+                }),
+            ),
+            ("deepseek4.expert_count".into(), u32v(h.n_expert)),
+            ("deepseek4.mtp_layer_count".into(), u32v(1)),
+            ("deepseek4.nextn_predict_layers".into(), u32v(1)),
+        ],
+        tensors,
+    };
+    check_block_alignment(&header, &opts.recipe_name)?;
+    let scheme = Scheme::detect(ckpt.tensors.keys().map(String::as_str));
+    let (sources, skipped) = match_block(ckpt, &mut header, Block::Mtp, &h, scheme)?;
+    Ok(Some(Plan {
+        hparams: h,
+        header,
+        scheme,
+        skipped,
+        sources,
+        // The MTP experts use the file's entries when it has them (`mtp.0.*`), else the
+        // default search.
+        imatrix: opts.imatrix.as_ref().map(|(_, im)| im.clone()),
+    }))
+}
+
+/// Matches the checkpoint's tensors of `block` against `header`: the source of every header
+/// tensor, and the keys of the other block (left to its own plan). All problems are collected
+/// and refused together.
+fn match_block(
+    ckpt: &Checkpoint,
+    header: &mut Header,
+    block: Block,
+    h: &HParams,
+    scheme: Scheme,
+) -> Result<(Vec<Source>, Vec<String>)> {
     let mut problems = Vec::new();
     let mut skipped = Vec::new();
     let mut direct: HashMap<String, &SourceTensor> = HashMap::new();
@@ -174,7 +361,11 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
         BTreeMap::new();
     let mut packed: HashMap<(usize, PackedPart), &SourceTensor> = HashMap::new();
     for (key, t) in &ckpt.tensors {
-        match map_name(key) {
+        let mapped = match block {
+            Block::Main => map_name(key),
+            Block::Mtp => mapping::map_mtp_name(key),
+        };
+        match mapped {
             Mapped::Tensor(g) => {
                 if let Some(prev) = direct.insert(g.clone(), t) {
                     problems.push(CheckpointProblem::Duplicate {
@@ -209,6 +400,7 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
         let layer: Option<usize> = info
             .name
             .strip_prefix("blk.")
+            .or_else(|| info.name.strip_prefix("mtp."))
             .and_then(|r| r.split_once('.'))
             .and_then(|(l, _)| l.parse().ok());
         let part = [ExpertPart::Gate, ExpertPart::Up, ExpertPart::Down]
@@ -269,7 +461,11 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
                                 names.push(t.name.clone());
                             }
                             None => problems.push(CheckpointProblem::Missing {
-                                source: mapping::expert_source_name(il, e, part, scheme),
+                                source: match block {
+                                    Block::Main => mapping::expert_source_name(il, e, part, scheme),
+                                    Block::Mtp => mapping::expert_source_name(il, e, part, scheme)
+                                        .replacen("layers.0.", "mtp.0.", 1),
+                                },
                                 gguf: format!("{} (expert {e})", info.name),
                                 shape: one.clone(),
                             }),
@@ -310,9 +506,10 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
                 sources.push(Source::Direct(t.name.clone()));
                 keep.push(true);
             }
-            None if info
-                .name
-                .ends_with(ds4_model::LayerTensor::RouterBias.suffix()) =>
+            None if block == Block::Main
+                && info
+                    .name
+                    .ends_with(ds4_model::LayerTensor::RouterBias.suffix()) =>
             {
                 // ds4 treats the selection bias as optional: leave it out of the file.
                 sources.push(Source::Direct(String::new()));
@@ -320,7 +517,10 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
             }
             None => {
                 problems.push(CheckpointProblem::Missing {
-                    source: mapping::source_name(&info.name, scheme),
+                    source: match block {
+                        Block::Main => mapping::source_name(&info.name, scheme),
+                        Block::Mtp => mapping::mtp_source_name(&info.name),
+                    },
                     gguf: info.name.clone(),
                     shape: want,
                 });
@@ -361,14 +561,7 @@ pub fn plan(ckpt: &Checkpoint, hparams: HParams, opts: &HfOptions) -> Result<Pla
     header.tensors.retain(|_| *it.next().unwrap_or(&true));
     let mut it = keep.iter();
     sources.retain(|_| *it.next().unwrap_or(&true));
-    ModelSpec::from_header(&header, Strictness::Layout)?;
-    Ok(Plan {
-        hparams: h,
-        header,
-        scheme,
-        skipped,
-        sources,
-    })
+    Ok((sources, skipped))
 }
 
 /// Elements decoded per chunk of a plain tensor (16 MiB of f32).
@@ -429,6 +622,7 @@ fn write_direct<W: Write>(
     n_expert: usize,
     w: &mut GgufWriter<W>,
     progress: &mut dyn Progress,
+    peak: &mut u64,
 ) -> Result<()> {
     let ne0 = info.dims[0] as usize;
     let total = src.n_elements() as usize;
@@ -457,6 +651,7 @@ fn write_direct<W: Write>(
         // Column importance needs every row first: whole tensor in memory (no recipe puts
         // a non-routed tensor in IQ2_XXS; this keeps arbitrary recipes correct).
         let mut all = vec![0f32; total];
+        *peak = (*peak).max(4 * total as u64);
         ckpt.read_f32(src, 0, &mut all)?;
         let imp = column_energy(&all, ne0);
         let bytes = encode_rows(&info.name, info.ty, &all, ne0, Some(&imp))?;
@@ -466,6 +661,7 @@ fn write_direct<W: Write>(
     }
     let rows_per_chunk = (CHUNK_ELEMS / ne0).max(1);
     let mut buf = vec![0f32; (rows_per_chunk * ne0).min(total)];
+    *peak = (*peak).max(4 * buf.len() as u64);
     let mut first = 0usize;
     while first < total {
         let n = (total - first).min(buf.len());
@@ -481,13 +677,16 @@ fn write_direct<W: Write>(
 fn write_experts<W: Write>(
     info: &TensorInfo,
     load: &(dyn Fn(usize, &mut [f32]) -> Result<()> + Sync),
+    imatrix: Option<&Imatrix>,
     n_expert: usize,
     w: &mut GgufWriter<W>,
     progress: &mut dyn Progress,
+    peak: &mut u64,
 ) -> Result<()> {
     let ne0 = info.dims[0] as usize;
     let per_expert = (info.dims[0] * info.dims[1]) as usize;
     let batch = rayon::current_num_threads().max(1);
+    *peak = (*peak).max(4 * (batch.min(n_expert) * per_expert) as u64);
     for start in (0..n_expert).step_by(batch) {
         let end = (start + batch).min(n_expert);
         let parts: Vec<Result<Vec<u8>>> = (start..end)
@@ -495,9 +694,15 @@ fn write_experts<W: Write>(
             .map(|e| {
                 let mut m = vec![0f32; per_expert];
                 load(e, &mut m)?;
-                // One expert = one matrix: IQ2_XXS importance is its own column energy,
-                // Q2_K/Q4_K use the plain (no-imatrix) search, as ds4 does without --imatrix.
-                quant::quantize_matrix(info.ty, &m, ne0, None).map_err(|source| {
+                // One expert = one matrix. With an imatrix entry, its slice for this expert
+                // weights the search (docs/gguf.md §5.4); otherwise IQ2_XXS importance is the
+                // expert's own column energy and Q2_K/Q4_K use the plain search, as ds4 does
+                // without --imatrix.
+                let imp = match imatrix {
+                    Some(im) => im.importance(&info.name, ne0, Some((e, n_expert)))?,
+                    None => None,
+                };
+                quant::quantize_matrix(info.ty, &m, ne0, imp.as_deref()).map_err(|source| {
                     ConvertError::Quant {
                         name: format!("{} (expert {e})", info.name),
                         source,
@@ -514,13 +719,15 @@ fn write_experts<W: Write>(
     Ok(())
 }
 
-/// Writes a planned conversion to `out`.
+/// Writes a planned conversion to `out`. Returns the writer, the bytes written and the most
+/// dequantized f32 bytes held at once ([`Report::peak_f32_bytes`]).
 pub fn write<W: Write>(
     ckpt: &Checkpoint,
     plan: &Plan,
     out: W,
     progress: &mut dyn Progress,
-) -> Result<(W, u64)> {
+) -> Result<(W, u64, u64)> {
+    let mut peak = 0u64;
     let total: u64 = plan
         .header
         .tensors
@@ -530,6 +737,7 @@ pub fn write<W: Write>(
     progress.start(total);
     let mut w = GgufWriter::new(out, plan.header.clone())?;
     let n_expert = plan.hparams.n_expert;
+    let imatrix = plan.imatrix.as_deref();
     for (info, source) in plan.header.tensors.iter().zip(&plan.sources) {
         progress.tensor(&info.name);
         let get = |n: &str| -> Result<&SourceTensor> {
@@ -539,12 +747,14 @@ pub fn write<W: Write>(
             })
         };
         match source {
-            Source::Direct(n) => write_direct(ckpt, info, get(n)?, n_expert, &mut w, progress)?,
+            Source::Direct(n) => {
+                write_direct(ckpt, info, get(n)?, n_expert, &mut w, progress, &mut peak)?
+            }
             Source::Experts(names) => {
                 let srcs: Vec<&SourceTensor> =
                     names.iter().map(|n| get(n)).collect::<Result<_>>()?;
                 let load = |e: usize, m: &mut [f32]| ckpt.read_f32(srcs[e], 0, m);
-                write_experts(info, &load, n_expert, &mut w, progress)?;
+                write_experts(info, &load, imatrix, n_expert, &mut w, progress, &mut peak)?;
             }
             Source::Packed { name, part } => {
                 let src = get(name)?;
@@ -558,17 +768,42 @@ pub fn write<W: Write>(
                     };
                     ckpt.read_f32(src, first, m)
                 };
-                write_experts(info, &load, n_expert, &mut w, progress)?;
+                write_experts(info, &load, imatrix, n_expert, &mut w, progress, &mut peak)?;
             }
         }
     }
     let (out, bytes) = w.finish()?;
     progress.finish();
-    Ok((out, bytes))
+    Ok((out, bytes, peak))
 }
 
-/// `ds4-convert hf DIR OUT`: plans, then writes `OUT` via a temporary file renamed on success
-/// (a failed conversion never leaves a truncated GGUF behind).
+/// Writes a plan to `path`'s `.partial` file (not renamed yet). Returns bytes and peak f32 bytes.
+fn write_partial(
+    ckpt: &Checkpoint,
+    plan: &Plan,
+    path: &Path,
+    progress: &mut dyn Progress,
+) -> Result<(u64, u64)> {
+    let tmp = tmp_path(path);
+    let file = File::create(&tmp).map_err(io_err(&tmp))?;
+    let (buf, bytes, peak) = write(
+        ckpt,
+        plan,
+        BufWriter::with_capacity(1 << 22, file),
+        progress,
+    )?;
+    let f = buf.into_inner().map_err(|e| ConvertError::Io {
+        path: tmp.clone(),
+        source: e.into_error(),
+    })?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    Ok((bytes, peak))
+}
+
+/// `ds4-convert hf DIR OUT` (also `official`): plans the model and, when the checkpoint has an
+/// MTP block, its sidecar, both before writing anything; then writes each to a `.partial` file
+/// and renames both only when both are complete, so a failed conversion never leaves a
+/// truncated (or a model without its sidecar) GGUF behind.
 pub fn convert_hf(
     dir: &Path,
     out: &Path,
@@ -577,35 +812,47 @@ pub fn convert_hf(
 ) -> Result<Report> {
     let hparams = read_config(dir)?;
     let ckpt = Checkpoint::open(dir)?;
-    let plan = plan(&ckpt, hparams, opts)?;
-    let tmp = tmp_path(out);
-    let file = File::create(&tmp).map_err(io_err(&tmp))?;
-    let result = write(
-        &ckpt,
-        &plan,
-        BufWriter::with_capacity(1 << 22, file),
-        progress,
-    );
-    let bytes = match result {
-        Ok((buf, bytes)) => {
-            let f = buf.into_inner().map_err(|e| ConvertError::Io {
-                path: tmp.clone(),
-                source: e.into_error(),
-            })?;
-            f.sync_all().map_err(io_err(&tmp))?;
-            bytes
+    let main = plan(&ckpt, hparams.clone(), opts)?;
+    let mtp = if opts.skip_mtp {
+        None
+    } else {
+        plan_mtp(&ckpt, hparams, opts)?
+    };
+    let mtp_out = opts.mtp_out.clone().unwrap_or_else(|| mtp_path(out));
+    let mut result = write_partial(&ckpt, &main, out, progress);
+    let mut mtp_written = None;
+    if let (Ok(_), Some(p)) = (&result, &mtp) {
+        match write_partial(&ckpt, p, &mtp_out, progress) {
+            Ok(r) => mtp_written = Some(r),
+            Err(e) => result = Err(e),
         }
+    }
+    let (bytes, mut peak) = match result {
+        Ok(r) => r,
         Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = std::fs::remove_file(tmp_path(out));
+            let _ = std::fs::remove_file(tmp_path(&mtp_out));
             return Err(e);
         }
     };
-    std::fs::rename(&tmp, out).map_err(io_err(out))?;
+    std::fs::rename(tmp_path(out), out).map_err(io_err(out))?;
+    let mut mtp_report = None;
+    if let (Some((b, pk)), Some(p)) = (mtp_written, &mtp) {
+        std::fs::rename(tmp_path(&mtp_out), &mtp_out).map_err(io_err(&mtp_out))?;
+        peak = peak.max(pk);
+        mtp_report = Some((mtp_out, b, p.header.tensors.len()));
+    }
     Ok(Report {
         bytes,
-        tensors: plan.header.tensors.len(),
-        scheme: plan.scheme,
-        skipped: plan.skipped,
+        tensors: main.header.tensors.len(),
+        scheme: main.scheme,
+        skipped: if mtp_report.is_some() {
+            Vec::new()
+        } else {
+            main.skipped
+        },
+        peak_f32_bytes: peak,
+        mtp: mtp_report,
     })
 }
 

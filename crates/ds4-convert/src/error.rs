@@ -123,6 +123,9 @@ pub enum ConvertError {
     BadValue { name: String, message: String },
     #[error("tensor {name}: {source}")]
     Quant { name: String, source: QuantError },
+    /// An importance-matrix file that cannot be read or does not fit the model.
+    #[error("imatrix {path}: {message}")]
+    Imatrix { path: PathBuf, message: String },
     #[error("tokenizer {path}: {message}")]
     Tokenizer { path: PathBuf, message: String },
     #[error(transparent)]

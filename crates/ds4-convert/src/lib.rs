@@ -2,7 +2,7 @@
 //! synthetic full-size models.
 //!
 //! * [`convert`]: `config.json` + `*.safetensors` (official or transformers naming, F32/BF16/
-//!   F16) → GGUF with exactly the keys, names, dims and order `ds4_model` validates, encoded
+//!   F16, or the official release's FP8/FP4 with E8M0 scales, decoded by [`official`]) → GGUF with exactly the keys, names, dims and order `ds4_model` validates, encoded
 //!   per a [`ds4_model::layout::TypeRecipe`] (`f32` for oracle parity, ds4's `q2`/`q4`).
 //! * [`vocab`]: a `tokenizer.json` → GGUF with metadata only.
 //! * [`synthetic`]: random weights at the real shapes, generated straight into a caller's
@@ -15,8 +15,11 @@ pub mod config;
 pub mod convert;
 pub mod demo;
 pub mod error;
+pub mod imatrix;
 pub mod mapping;
+pub mod official;
 pub mod progress;
+pub mod requant;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod vocab;

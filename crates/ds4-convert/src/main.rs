@@ -42,9 +42,13 @@ enum Layout {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Convert a HF checkpoint directory (config.json + *.safetensors) to a GGUF.
+    /// Convert a checkpoint directory (config.json + *.safetensors, sharded with an index or
+    /// not) to a GGUF: transformers' F32/BF16/F16 saves and DeepSeek's official FP8/FP4
+    /// release alike (FP8 E4M3 / FP4 E2M1 weights with E8M0 `.scale` tensors are detected per
+    /// tensor and decoded exactly). `official` is the same command.
+    #[command(visible_alias = "official")]
     Hf {
-        /// The HF checkpoint directory (config.json and *.safetensors).
+        /// The checkpoint directory (config.json and *.safetensors).
         dir: PathBuf,
         /// The GGUF to write (written under a temporary name and renamed when complete).
         out: PathBuf,
@@ -55,6 +59,35 @@ enum Cmd {
         #[arg(long)]
         tokenizer: Option<PathBuf>,
         /// general.name of the output.
+        #[arg(long)]
+        name: Option<String>,
+        /// Where to write the MTP sidecar (ds4's `--mtp` file) when the checkpoint has an MTP
+        /// block (`mtp.*`, the official release); default: OUT with `.gguf` → `-mtp.gguf`.
+        #[arg(long, conflicts_with = "no_mtp")]
+        mtp: Option<PathBuf>,
+        /// Do not write the MTP sidecar even when the checkpoint has an MTP block.
+        #[arg(long)]
+        no_mtp: bool,
+        /// Weight the routed experts' q2/q4 quantization with this importance matrix
+        /// (llama.cpp's legacy .dat format, one vector per expert; every routed tensor needs
+        /// an entry).
+        #[arg(long)]
+        imatrix: Option<PathBuf>,
+    },
+    /// Re-encode a ds4-layout GGUF (normally an f32 one) with the q2 or q4 recipe, optionally
+    /// weighted by an importance matrix (e.g. from `ds4 imatrix`).
+    Requant {
+        /// The GGUF to read.
+        input: PathBuf,
+        /// The GGUF to write (through OUT.partial).
+        out: PathBuf,
+        /// The recipe.
+        #[arg(long, value_enum)]
+        types: Types,
+        /// Weight the routed experts' quantization with this importance matrix (.dat).
+        #[arg(long)]
+        imatrix: Option<PathBuf>,
+        /// general.name of the output (default: the input's).
         #[arg(long)]
         name: Option<String>,
     },
@@ -148,6 +181,24 @@ impl Progress for Bar {
     }
 }
 
+/// `VmHWM` of this process from /proc (Linux), e.g. "123.4 MiB", or "unknown". It includes the
+/// checkpoint pages the kernel keeps mapped after they were read (reclaimable page cache, not
+/// the converter's own allocations: those are the "largest f32 buffer").
+fn peak_rss() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().strip_suffix("kB"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .map_or_else(
+            || "unknown".to_string(),
+            |kb| format!("{:.1} MiB", kb as f64 / 1024.0),
+        )
+}
+
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
@@ -162,6 +213,9 @@ fn main() -> Result<()> {
             types,
             tokenizer,
             name,
+            mtp,
+            no_mtp,
+            imatrix,
         } => {
             let recipe = match types {
                 Types::F32 => "f32",
@@ -171,23 +225,67 @@ fn main() -> Result<()> {
             let mut opts = HfOptions::new(recipe).context("unknown recipe")?;
             opts.tokenizer = tokenizer;
             opts.name = name;
+            opts.mtp_out = mtp;
+            opts.skip_mtp = no_mtp;
+            if let Some(p) = imatrix {
+                let im = ds4_convert::imatrix::Imatrix::read(&p)?;
+                opts.imatrix = Some((p, std::sync::Arc::new(im)));
+            }
             let r = ds4_convert::convert_hf(&dir, &out, &opts, &mut Bar::new(cli.quiet))
                 .with_context(|| format!("converting {}", dir.display()))?;
+            let secs = t0.elapsed().as_secs_f64();
             println!(
-                "{}: {} tensors, {} bytes ({:.3} GiB), {:?} naming, {:.1} s",
+                "{}: {} tensors, {} bytes ({:.3} GiB), {:?} naming, {:.1} s ({:.2} GB/s written); \
+                 largest f32 buffer {:.1} MiB, peak RSS {}",
                 out.display(),
                 r.tensors,
                 r.bytes,
                 gib(r.bytes),
                 r.scheme,
-                t0.elapsed().as_secs_f64()
+                secs,
+                r.bytes as f64 / secs.max(1e-9) / 1e9,
+                r.peak_f32_bytes as f64 / (1u64 << 20) as f64,
+                peak_rss()
             );
+            if let Some((path, bytes, tensors)) = &r.mtp {
+                println!(
+                    "{}: MTP sidecar, {tensors} tensors, {bytes} bytes (use with ds4 --mtp)",
+                    path.display()
+                );
+            }
             if !r.skipped.is_empty() {
                 println!(
-                    "skipped {} MTP tensors (mtp.*): the MTP block belongs in a separate sidecar",
+                    "left out {} MTP tensors (mtp.*, --no-mtp): no sidecar written",
                     r.skipped.len()
                 );
             }
+        }
+        Cmd::Requant {
+            input,
+            out,
+            types,
+            imatrix,
+            name,
+        } => {
+            let recipe = match types {
+                Types::F32 => "f32",
+                Types::Q2 => "q2",
+                Types::Q4 => "q4",
+            };
+            let mut opts = HfOptions::new(recipe).context("unknown recipe")?;
+            opts.name = name;
+            if let Some(p) = imatrix {
+                let im = ds4_convert::imatrix::Imatrix::read(&p)?;
+                opts.imatrix = Some((p, std::sync::Arc::new(im)));
+            }
+            let bytes =
+                ds4_convert::requant::requantize(&input, &out, &opts, &mut Bar::new(cli.quiet))
+                    .with_context(|| format!("re-encoding {}", input.display()))?;
+            println!(
+                "{}: {bytes} bytes, {:.1} s",
+                out.display(),
+                t0.elapsed().as_secs_f64()
+            );
         }
         Cmd::Vocab {
             tokenizer,

@@ -364,6 +364,58 @@ pub fn map_name(key: &str) -> Mapped {
     Mapped::Unknown
 }
 
+/// The tensors only the MTP block has: GGUF tensor, official key after `mtp.0.`.
+const MTP_ONLY: [(LayerTensor, &str); 8] = [
+    (LayerTensor::MtpEProj, "e_proj.weight"),
+    (LayerTensor::MtpHProj, "h_proj.weight"),
+    (LayerTensor::MtpENorm, "enorm.weight"),
+    (LayerTensor::MtpHNorm, "hnorm.weight"),
+    (LayerTensor::MtpNorm, "norm.weight"),
+    (LayerTensor::MtpHcHeadFn, "hc_head_fn"),
+    (LayerTensor::MtpHcHeadBase, "hc_head_base"),
+    (LayerTensor::MtpHcHeadScale, "hc_head_scale"),
+];
+
+/// Maps one checkpoint key for the MTP sidecar (docs/gguf.md §5.3, spec §4.7): `mtp.0.X` maps
+/// like a layer's `X` onto `mtp.0.<suffix>`, its experts onto layer 0's expert slots, plus the
+/// MTP-only tensors; every key outside `mtp.` is [`Mapped::Skipped`] (it belongs to the main
+/// model), and a block other than 0 is unknown (ds4's sidecar holds one block).
+pub fn map_mtp_name(key: &str) -> Mapped {
+    let s = key.strip_prefix("model.").unwrap_or(key);
+    let Some(rest) = s.strip_prefix("mtp.") else {
+        return Mapped::Skipped;
+    };
+    let Some(rest) = rest.strip_prefix("0.") else {
+        return Mapped::Unknown;
+    };
+    if let Some((t, _)) = MTP_ONLY.iter().find(|(_, k)| *k == rest) {
+        return Mapped::Tensor(t.mtp_name());
+    }
+    match map_name(&format!("layers.0.{rest}")) {
+        Mapped::Tensor(g) => match g.strip_prefix("blk.0.") {
+            Some(suffix) => Mapped::Tensor(format!("mtp.0.{suffix}")),
+            None => Mapped::Unknown,
+        },
+        m @ (Mapped::Expert { .. } | Mapped::Packed { .. }) => m,
+        _ => Mapped::Unknown,
+    }
+}
+
+/// The official key of an MTP sidecar tensor (`mtp.0.<suffix>`), for "missing" messages.
+pub fn mtp_source_name(gguf: &str) -> String {
+    let Some(suffix) = gguf.strip_prefix("mtp.0.") else {
+        return gguf.to_string();
+    };
+    if let Some((_, k)) = MTP_ONLY.iter().find(|(t, _)| t.suffix() == suffix) {
+        return format!("mtp.0.{k}");
+    }
+    let layer = source_name(&format!("blk.0.{suffix}"), Scheme::Official);
+    match layer.strip_prefix("layers.0.") {
+        Some(rest) => format!("mtp.0.{rest}"),
+        None => gguf.to_string(),
+    }
+}
+
 /// The name a GGUF tensor has in `scheme`, for "missing tensor" messages.
 pub fn source_name(gguf: &str, scheme: Scheme) -> String {
     let prefix = match scheme {
@@ -526,6 +578,33 @@ mod tests {
             "model.layers.5.attn.norm.weight"
         );
         assert_eq!(source_name("output.weight", Scheme::HfSaved), "head.weight");
+    }
+
+    #[test]
+    fn mtp_names_map_onto_the_sidecar() {
+        let cases = [
+            ("mtp.0.attn.wq_a.weight", "mtp.0.attn_q_a.weight"),
+            ("mtp.0.e_proj.weight", "mtp.0.e_proj.weight"),
+            ("mtp.0.hc_head_fn", "mtp.0.hc_head_fn.weight"),
+            ("mtp.0.hc_attn_fn", "mtp.0.hc_attn_fn.weight"),
+            ("mtp.0.norm.weight", "mtp.0.norm.weight"),
+            ("mtp.0.ffn.gate.bias", "mtp.0.exp_probs_b.bias"),
+        ];
+        for (src, want) in cases {
+            assert_eq!(map_mtp_name(src), Mapped::Tensor(want.into()), "{src}");
+            assert_eq!(mtp_source_name(want), src);
+        }
+        assert_eq!(
+            map_mtp_name("mtp.0.ffn.experts.3.w2.weight"),
+            Mapped::Expert {
+                layer: 0,
+                expert: 3,
+                part: ExpertPart::Down
+            }
+        );
+        assert_eq!(map_mtp_name("layers.0.attn.wq_a.weight"), Mapped::Skipped);
+        assert_eq!(map_mtp_name("mtp.1.attn.wq_a.weight"), Mapped::Unknown);
+        assert_eq!(map_mtp_name("mtp.0.attn.bogus.weight"), Mapped::Unknown);
     }
 
     #[test]

@@ -378,7 +378,7 @@ fn bad_values_and_types_are_refused() {
     let e = convert(&dir2, &tmp.path().join("o2.gguf"), "f32");
     let e = e.unwrap_err().to_string();
     assert!(
-        e.contains("tensor model.layers.0.attn.attn_sink has dtype I64; only F32, BF16 and F16 can be converted"),
+        e.contains("tensor model.layers.0.attn.attn_sink has dtype I64; only F32, BF16, F16, and F8_E4M3 / packed-FP4 I8 weights with F8_E8M0 .scale tensors can be converted"),
         "{e}"
     );
 

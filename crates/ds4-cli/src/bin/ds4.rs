@@ -353,6 +353,28 @@ enum Command {
         #[arg(short, long)]
         quiet: bool,
     },
+    /// Collect an importance matrix of the routed experts from a text with the CPU engine
+    /// (llama.cpp's legacy .dat format, for `ds4-convert --imatrix`).
+    Imatrix {
+        /// The model (GGUF) to run.
+        #[arg(short, long)]
+        model: PathBuf,
+        /// The text (UTF-8), tokenized as plain text (no special tokens).
+        #[arg(short, long)]
+        file: PathBuf,
+        /// The .dat file to write.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Tokens per chunk; each chunk starts from an empty state.
+        #[arg(short, long, default_value_t = 512)]
+        ctx: usize,
+        /// Evaluate at most K chunks (default: every whole chunk of the text).
+        #[arg(long, value_name = "K")]
+        chunks: Option<usize>,
+        /// CPU threads (0: all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
     /// Print the token ids of a text (only the GGUF's vocabulary is read).
     Tokenize(ds4_cli::textcmd::TokenizeArgs),
     /// Print the exact text (bytes) of a list of token ids.
@@ -492,6 +514,29 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let (mut sink, mut stderr) = (std::io::sink(), std::io::stderr());
             let log: &mut dyn std::io::Write = if quiet { &mut sink } else { &mut stderr };
             ds4_cli::perplexity::run(&req, &opts, &mut std::io::stdout().lock(), log)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Imatrix {
+            model,
+            file,
+            out,
+            ctx,
+            chunks,
+            threads,
+        } => {
+            let req = ds4_cli::imatrix::Request {
+                model,
+                file,
+                out: out.clone(),
+                ctx,
+                chunks,
+                threads,
+            };
+            let (n, entries) = ds4_cli::imatrix::run(&req, &mut std::io::stderr())?;
+            println!(
+                "{}: {entries} entries from {n} chunks of {ctx} tokens",
+                out.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Tokenize(a) => {

@@ -593,7 +593,8 @@ impl Conversation {
         let mut keep = 1;
         let mut outcome = Verified::AllKept;
         for (i, &d) in drafts.iter().enumerate() {
-            let mut row = rows[i * n_vocab..(i + 1) * n_vocab].to_vec();
+            // Each row is picked from once, so it is masked (EOS) in place.
+            let mut row = &mut rows[i * n_vocab..(i + 1) * n_vocab];
             let picked = gen.pick_draft(&mut row, sampler, cancel, steer, Some(d));
             let (t, flow) = match picked {
                 Ok(Pick::Stop(stop)) => {

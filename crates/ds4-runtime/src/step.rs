@@ -29,6 +29,13 @@ impl StepLogits for Vec<f32> {
     }
 }
 
+/// A row on the host, borrowed (a verify step's rows, picked one by one in place).
+impl StepLogits for &mut [f32] {
+    fn row(&mut self) -> Result<&mut [f32], DriverError> {
+        Ok(self)
+    }
+}
+
 /// What a one-state decode step left beside the host buffer.
 #[derive(Debug, Clone)]
 pub(crate) enum Left {

@@ -34,7 +34,7 @@ use ds4_gguf::GgufWriter;
 #[derive(Debug, Clone)]
 pub struct HfOptions {
     pub recipe: TypeRecipe,
-    /// `f32`, `q2` or `q4`: only used in messages.
+    /// `f32`, `q2`, `q4` or `mxfp4`: only used in messages.
     pub recipe_name: String,
     /// A HF `tokenizer.json` to embed; without it a generated vocabulary is used.
     pub tokenizer: Option<PathBuf>,
@@ -496,7 +496,8 @@ fn write_experts<W: Write>(
                 let mut m = vec![0f32; per_expert];
                 load(e, &mut m)?;
                 // One expert = one matrix: IQ2_XXS importance is its own column energy,
-                // Q2_K/Q4_K use the plain (no-imatrix) search, as ds4 does without --imatrix.
+                // Q2_K/Q4_K use the plain (no-imatrix) search, as ds4 does without --imatrix;
+                // MXFP4 has no search (block max → E8M0 scale, nearest E2M1 code).
                 quant::quantize_matrix(info.ty, &m, ne0, None).map_err(|source| {
                     ConvertError::Quant {
                         name: format!("{} (expert {e})", info.name),

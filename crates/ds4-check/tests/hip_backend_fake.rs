@@ -296,4 +296,8 @@ fn mxfp4_experts_are_refused_at_load_naming_the_type() {
     };
     println!("refusal: {e}");
     assert!(e.contains("MXFP4") && e.contains("_exps.weight"), "{e}");
+    assert!(
+        e.contains("--backend cpu"),
+        "the refusal says what to do: {e}"
+    );
 }

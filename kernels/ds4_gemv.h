@@ -18,11 +18,13 @@
 #define DS4_ROWS_Q2_K 2
 #define DS4_ROWS_Q4_K 2
 #define DS4_ROWS_IQ2_XXS 2
+#define DS4_ROWS_MXFP4 2
 #define DS4_MINB_PLAIN 4
 #define DS4_MINB_Q8_0 4
 #define DS4_MINB_Q2_K 2
 #define DS4_MINB_Q4_K 2
 #define DS4_MINB_IQ2_XXS 2
+#define DS4_MINB_MXFP4 2
 // Most columns (tokens of different sequences) of the several-column GEMVs (batched decode).
 #define DS4_Q8M_COLS 8
 #define DS4_GEMV_UNROLL 8
@@ -362,6 +364,58 @@ struct Ds4Iq2Xxs {
                 sum += __uint_as_float(__float_as_uint(gv) ^ neg) * xv[e];
             }
             acc[r] += db * sum;
+        }
+    }
+};
+
+// MXFP4 (docs/gguf.md §6): 17-byte blocks of 32: an E8M0 scale byte e @0, then 16 bytes of
+// E2M1 codes, value j < 16 the low nibble of byte 1 + j and value j + 16 its high nibble.
+// ggml's values are the E2M1 values doubled (integers: 0, 1, 2, 3, 4, 6, 8, 12 and their
+// negatives for codes 8..15, code 8 being +0), the scale halved: y = 2^(e-128) · kv. One
+// unit is one block. Blocks are 17 bytes, so the staged bytes are read one at a time (no
+// alignment to lean on); a chunk of 32 blocks is 544 bytes, whole 16-byte vectors, and
+// n_in a multiple of 512 keeps every row 16-byte aligned (the host checks it).
+//
+// 2^(e-128) exactly, as ds4_gguf's e8m0_to_f32_half: subnormal for e < 2, else the f32
+// exponent field e - 1.
+__device__ __forceinline__ float ds4_e8m0_half(ds4_u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+// The doubled E2M1 value of code c (0..15) as an int: bytes of two 64-bit tables, codes
+// 0..7 (0, 1, 2, 3, 4, 6, 8, 12) and 8..15 (their negatives, code 8 = 0).
+__device__ __forceinline__ int ds4_mxfp4_kv(ds4_u32 c) {
+    const ds4_u64 t = (c & 8u) ? 0xF4F8FAFCFDFEFF00ull : 0x0C08060403020100ull;
+    return (int)(signed char)(ds4_u8)(t >> (8 * (c & 7u)));
+}
+struct Ds4Mxfp4 {
+    static constexpr int BE = 32, BB = 17, UPB = 1;
+    static constexpr int ROWS = DS4_ROWS_MXFP4;
+    // A full chunk must give every lane a unit: 32 blocks (544 bytes) at any R.
+    __host__ __device__ static constexpr int cb(int) { return 32; }
+    __device__ static Ds4Tables prologue() { return Ds4Tables{nullptr, nullptr}; }
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const float* xc, Ds4Tables,
+                                float (&acc)[R]) {
+        const float* xs = xc + u * BE;
+        float xv[32];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float4 v = ds4_ld_x4(xs + 4 * k);
+            xv[4 * k] = v.x;
+            xv[4 * k + 1] = v.y;
+            xv[4 * k + 2] = v.z;
+            xv[4 * k + 3] = v.w;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + u * BB;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const ds4_u32 q = blk[1 + j];
+                sum += (float)ds4_mxfp4_kv(q & 15u) * xv[j] + (float)ds4_mxfp4_kv(q >> 4) * xv[j + 16];
+            }
+            acc[r] += ds4_e8m0_half(blk[0]) * sum;
         }
     }
 };

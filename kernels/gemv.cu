@@ -42,6 +42,7 @@ DS4_GEMV_CONFIG(q8_0, Ds4Q8S::ROWS, 16)
 DS4_GEMV_CONFIG(q2_k, Ds4Q2K::ROWS, Ds4Q2K::cb(Ds4Q2K::ROWS))
 DS4_GEMV_CONFIG(q4_k, Ds4Q4K::ROWS, Ds4Q4K::cb(Ds4Q4K::ROWS))
 DS4_GEMV_CONFIG(iq2_xxs, Ds4Iq2Xxs::ROWS, Ds4Iq2Xxs::cb(Ds4Iq2Xxs::ROWS))
+DS4_GEMV_CONFIG(mxfp4, Ds4Mxfp4::ROWS, Ds4Mxfp4::cb(Ds4Mxfp4::ROWS))
 
 // ---------------------------------------------------------------------------------------
 // Entry points. Grid: x = ceil(n_out / (R * 8 / wpr)) blocks of 256 threads, R the
@@ -130,6 +131,7 @@ DS4_GEMV_ENTRY(q8_0, ds4_gemv_q8s, Ds4Q8S, DS4_MINB_Q8_0)
 DS4_GEMV_ENTRY(q2_k, ds4_gemv_quant, Ds4Q2K, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q4_k, ds4_gemv_quant, Ds4Q4K, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(iq2_xxs, ds4_gemv_quant, Ds4Iq2Xxs, DS4_MINB_IQ2_XXS)
+DS4_GEMV_ENTRY(mxfp4, ds4_gemv_quant, Ds4Mxfp4, DS4_MINB_MXFP4)
 
 // Int8-activation entry points: same arguments as ds4_gemv_<t> / ds4_gemv_grouped_<t>,
 // persistent grids (any number of blocks along x); n_in <= DS4_Q8_MAX_IN (else the
@@ -138,6 +140,7 @@ DS4_GEMV_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
 DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2XxsxOne, DS4_MINB_IQ2_XXS)
+DS4_GEMV_ENTRY(q_mxfp4, ds4_gemvq_quant, Ds4Mxfp4x, DS4_MINB_MXFP4)
 
 // The same with the input computed from SwiGLU on the way (Ds4XSwiglu, docs/gpu.md §17):
 // ds4_gemv_swiglu_q_<t>(W, g, u, c, y, n_in, n_out, wpr): y = W · swiglu(g, u, c) (the shared
@@ -171,12 +174,13 @@ DS4_GEMV_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2XxsxOne, DS4_MINB_IQ2_XXS)
 // ds4_quant.h's DS4_FAULT_EXPERT (the bit ds4_moe_act sets for a bad expert id).
 #define DS4_GEMV_FAULT_EXPERT 2
 // The shared expert's down projection is Q8_0 in every ds4 layout; the routed experts' down
-// is Q2_K, Q4_K or IQ2_XXS. (Each entry point costs NVRTC compile time at first start.)
+// is Q2_K, Q4_K, IQ2_XXS or MXFP4. (Each entry point costs NVRTC compile time at first start.)
 DS4_GEMV_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q8_0, ds4_gemvq_q8s, Ds4Q8Sx, DS4_MINB_Q_Q8_0)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q2_k, ds4_gemvq_quant, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_q4_k, ds4_gemvq_quant, Ds4Q4Kx, DS4_MINB_Q4_K)
 DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_iq2_xxs, ds4_gemvq_quant, Ds4Iq2XxsxOne, DS4_MINB_IQ2_XXS)
+DS4_GEMV_GROUPED_SWIGLU_ENTRY(q_mxfp4, ds4_gemvq_quant, Ds4Mxfp4x, DS4_MINB_MXFP4)
 
 // Flat grouped launches (docs/gpu.md §25): the routed experts' matrices of a batched decode
 // step as the jobs of one flat grid. Job p is selection p / mats, matrix p % mats (gate and
@@ -253,6 +257,7 @@ struct Ds4JobsExpertsSwiglu : Ds4Experts {
 DS4_GEMV_FLAT_ENTRY(q_q2_k, Ds4Q2Kx, DS4_MINB_Q2_K)
 DS4_GEMV_FLAT_ENTRY(q_q4_k, Ds4Q4Kx, DS4_MINB_Q4_K)
 DS4_GEMV_FLAT_ENTRY(q_iq2_xxs, Ds4Iq2XxsxFlat, DS4_MINB_IQ2_XXS)
+DS4_GEMV_FLAT_ENTRY(q_mxfp4, Ds4Mxfp4x, DS4_MINB_MXFP4)
 
 // ds4_gemv_rmsnorm_q_<t>(W, x, norm_w, eps, y, n_in, n_out, wpr, h): y = W · (rms_norm(x) ·
 // norm_w) (Ds4XNorm; the query path's low-rank norm before q_b), and block 0 writes the

@@ -222,6 +222,48 @@ struct Ds4Q4Kx : Ds4Q4K {
     }
 };
 
+// MXFP4 unit with int8 activations: one block of 32, the CPU's q8act term
+// (2^(e-128) · dx) · Σ kv · q_x exactly (docs/gpu.md §8). Four codes at a time become four
+// int8 values for one dp4a through the 16-entry E2M1 table held in two byte permutes:
+// the code's low 3 bits select the magnitude's byte (0, 1, 2, 3 | 4, 6, 8, 12) from one pair
+// of words and the negated byte from another; bit 3 (the sign) picks between the two per
+// byte. A byte's selector nibble keeps bit 3 clear (prmt would read it as sign replication).
+__device__ __forceinline__ int ds4_mxfp4_kv4(ds4_u32 c) {
+    const ds4_u32 m = c & 0x07070707u;
+    const ds4_u32 sel = (m & 0x7u) | ((m >> 4) & 0x70u) | ((m >> 8) & 0x700u) | ((m >> 12) & 0x7000u);
+    const ds4_u32 pos = ds4_byte_perm(0x03020100u, 0x0C080604u, sel);
+    const ds4_u32 neg = ds4_byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);
+    const ds4_u32 sign = ((c >> 3) & 0x01010101u) * 0xFFu;
+    return (int)((pos & ~sign) | (neg & sign));
+}
+struct Ds4Mxfp4x : Ds4Mxfp4 {
+    static constexpr bool XSPLIT = false;
+    template <int R, int CB>
+    __device__ static void unit(const ds4_u8* s, int u, const Ds4XQ xc, Ds4Tables,
+                                float (&acc)[R]) {
+        const ds4_i8* xq = xc.q + u * BE;
+        int xv[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) xv[k] = ds4_ld_i32s(xq + 4 * k);
+        const float dx = xc.d[u];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const ds4_u8* blk = s + r * (CB * BB) + u * BB;
+            int is = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const ds4_u8* q = blk + 1 + 4 * k;
+                const ds4_u32 w = (ds4_u32)q[0] | ((ds4_u32)q[1] << 8) | ((ds4_u32)q[2] << 16) |
+                                  ((ds4_u32)q[3] << 24);
+                // Low nibbles: values 4k .. 4k+3; high nibbles: values 16 + 4k ...
+                is = ds4_dp4a(ds4_mxfp4_kv4(w & 0x0F0F0F0Fu), xv[k], is);
+                is = ds4_dp4a(ds4_mxfp4_kv4((w >> 4) & 0x0F0F0F0Fu), xv[k + 4], is);
+            }
+            acc[r] += (ds4_e8m0_half(blk[0]) * dx) * (float)is;
+        }
+    }
+};
+
 // IQ2_XXS unit with int8 activations: one 32-value group (4 grid entries sharing the
 // group's scale), the CPU's q8act term (db · dx) · Σ ±grid · q_x exactly. One unit per entry
 // (8 values) read the group's scale and sign word once per 8 values (the routed gate/up

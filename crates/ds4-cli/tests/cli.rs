@@ -206,6 +206,32 @@ fn plan_stock_strix_halo_q2_puts_weights_in_pinned_host() {
     );
 }
 
+/// The native MXFP4 layout plans from its table: 145.26 GiB of weights (17 B per 32 expert
+/// values) overflow an H200's budget into pinned host memory, by less than q4's.
+#[test]
+fn plan_synthetic_mxfp4_on_an_h200_is_hybrid() {
+    let m = format!("{MACHINES}/h200-128g.json");
+    let host_gib = |layout: &str| {
+        let o = ds4(&["plan", "--synthetic", layout, "--machine", &m, "--json"]);
+        assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["mode"], "hybrid", "{v}");
+        let arenas = v["arenas"].as_array().unwrap();
+        arenas
+            .iter()
+            .filter(|a| a["kind"] == "pinned_host")
+            .map(|a| a["bytes"].as_u64().unwrap())
+            .sum::<u64>() as f64
+            / (1u64 << 30) as f64
+    };
+    let (mx, q4) = (host_gib("mxfp4"), host_gib("q4"));
+    // q4's tensor data is 8.06 GiB larger (docs/gguf.md §7.1).
+    assert!((q4 - mx - 8.06).abs() < 1.0, "mxfp4 {mx} GiB, q4 {q4} GiB");
+    let o = ds4(&["plan", "--synthetic", "mxfp4", "--machine", &m]);
+    let s = stdout(&o);
+    assert!(s.contains("synthetic full-size mxfp4 layout"), "{s}");
+}
+
 #[test]
 fn plan_small_discrete_gpu_is_hybrid_and_q4_on_strix_is_refused() {
     let m = format!("{MACHINES}/discrete-24g-64g.json");

@@ -35,7 +35,7 @@ use ds4_gguf::GgufWriter;
 #[derive(Debug, Clone)]
 pub struct HfOptions {
     pub recipe: TypeRecipe,
-    /// `f32`, `q2` or `q4`: only used in messages.
+    /// `f32`, `q2`, `q4` or `mxfp4`: only used in messages.
     pub recipe_name: String,
     /// A HF `tokenizer.json` to embed; without it a generated vocabulary is used.
     pub tokenizer: Option<PathBuf>,
@@ -697,7 +697,8 @@ fn write_experts<W: Write>(
                 // One expert = one matrix. With an imatrix entry, its slice for this expert
                 // weights the search (docs/gguf.md §5.4); otherwise IQ2_XXS importance is the
                 // expert's own column energy and Q2_K/Q4_K use the plain search, as ds4 does
-                // without --imatrix.
+                // without --imatrix; MXFP4 has no search (block max → E8M0 scale, nearest
+                // E2M1 code).
                 let imp = match imatrix {
                     Some(im) => im.importance(&info.name, ne0, Some((e, n_expert)))?,
                     None => None,

@@ -32,12 +32,14 @@ enum Types {
     F32,
     Q2,
     Q4,
+    Mxfp4,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Layout {
     Q2,
     Q4,
+    Mxfp4,
 }
 
 #[derive(Subcommand)]
@@ -52,7 +54,8 @@ enum Cmd {
         dir: PathBuf,
         /// The GGUF to write (written under a temporary name and renamed when complete).
         out: PathBuf,
-        /// f32 keeps everything F32 (oracle parity); q2/q4 apply ds4's recipes.
+        /// f32 keeps everything F32 (oracle parity); q2/q4 apply ds4's recipes; mxfp4 puts
+        /// the routed experts in MXFP4 (the rest as q2/q4).
         #[arg(long, value_enum, default_value = "f32")]
         types: Types,
         /// Embed this HF tokenizer.json instead of a generated vocabulary.
@@ -104,7 +107,8 @@ enum Cmd {
     },
     /// Random weights in the exact real layout (benchmarks at real shapes).
     Synthetic {
-        /// The type recipe: q2 (the published q2 file's types) or q4.
+        /// The type recipe: q2 (the published q2 file's types), q4, or mxfp4 (native MXFP4
+        /// routed experts).
         #[arg(long, value_enum)]
         layout: Layout,
         /// Layers (43 = the real model; fewer for a smaller file with the same shapes).
@@ -221,6 +225,7 @@ fn main() -> Result<()> {
                 Types::F32 => "f32",
                 Types::Q2 => "q2",
                 Types::Q4 => "q4",
+                Types::Mxfp4 => "mxfp4",
             };
             let mut opts = HfOptions::new(recipe).context("unknown recipe")?;
             opts.tokenizer = tokenizer;
@@ -322,6 +327,7 @@ fn main() -> Result<()> {
             let recipe = match layout {
                 Layout::Q2 => TypeRecipe::Q2,
                 Layout::Q4 => TypeRecipe::Q4,
+                Layout::Mxfp4 => TypeRecipe::MXFP4,
             };
             let n_vocab = ds4_model::HParams::flash().n_vocab;
             let tok = match (tokenizer, vocab_gguf) {

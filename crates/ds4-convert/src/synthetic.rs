@@ -20,6 +20,9 @@
 //! * Q4_K: 6-bit `sc ∈ 1..=63`, `m = sc`, `dmin = 7.5·d`: values `d·sc·(q − 7.5)`;
 //! * IQ2_XXS: every byte after `d` is random (grid indices, sign patterns and the 4-bit
 //!   group scales are all valid for any bit pattern), `d` chosen from the grid's mean square.
+//! * MXFP4: random nibbles (every code is a value), the E8M0 scale drawn per block from the
+//!   two powers of two around the target so that the mean square is exactly `σ²`
+//!   ([`blocks_mxfp4`]).
 //!
 //! # Scales: why activations stay finite through 43 layers
 //! * Matrices (every 2-D/3-D weight except the embedding): RMS `σ = 1/√ne0` (`ne0` = fan-in,
@@ -441,6 +444,7 @@ impl SyntheticModel {
             (GgmlType::Q2K, Role::Matrix(s)) => blocks_q2_k(rng, s, out),
             (GgmlType::Q4K, Role::Matrix(s)) => blocks_q4_k(rng, s, out),
             (GgmlType::Iq2Xxs, Role::Matrix(s)) => blocks_iq2_xxs(rng, s, self.iq2_ms, out),
+            (GgmlType::Mxfp4, Role::Matrix(s)) => blocks_mxfp4(rng, s, out),
             (ty, role) => {
                 let mut vals = vec![0f32; ne0];
                 plain_values(rng, role, &mut vals);
@@ -669,6 +673,24 @@ fn blocks_iq2_xxs(rng: &mut Rng, s: f32, grid_ms: f32, out: &mut [u8]) {
     }
 }
 
+/// Random MXFP4 blocks with RMS `s`. A uniform random code has `E[kv²] = 274/8 = 34.25`
+/// (ggml's doubled E2M1 values 0, 1, 2, 3, 4, 6, 8, 12, each with both signs), and a block's
+/// values are `2^(e−128)·kv`. The scale can only be a power of two, so a block takes
+/// `2^k` or `2^(k+1)` (with `4^k ≤ t² < 4^(k+1)`, `t² = s²/34.25`) with the probability `p`
+/// that makes the mean of the squared scale exactly `t²`: `p·4^(k+1) + (1−p)·4^k = t²`.
+fn blocks_mxfp4(rng: &mut Rng, s: f32, out: &mut [u8]) {
+    let t2 = f64::from(s) * f64::from(s) / 34.25;
+    let k = (t2.log2() / 2.0).floor();
+    let p = (t2 / 4f64.powf(k) - 1.0) / 3.0;
+    // E8M0 byte of 2^k is k + 128 (docs/gguf.md §6: y = 2^(e−128)·kv); kept in range.
+    let e_lo = (k + 128.0).clamp(0.0, 254.0) as u8;
+    for b in out.chunks_exact_mut(17) {
+        let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        b[0] = if u < p { e_lo + 1 } else { e_lo };
+        rng.fill_bytes(&mut b[1..]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -689,6 +711,7 @@ mod tests {
             GgmlType::Q2K,
             GgmlType::Q4K,
             GgmlType::Iq2Xxs,
+            GgmlType::Mxfp4,
         ] {
             let n = 256 * 512;
             let mut bytes = vec![0u8; ty.bytes_for(n as u64).unwrap() as usize];
@@ -697,6 +720,7 @@ mod tests {
                 GgmlType::Q8_0 => blocks_q8_0(&mut rng, s, &mut bytes),
                 GgmlType::Q2K => blocks_q2_k(&mut rng, s, &mut bytes),
                 GgmlType::Q4K => blocks_q4_k(&mut rng, s, &mut bytes),
+                GgmlType::Mxfp4 => blocks_mxfp4(&mut rng, s, &mut bytes),
                 _ => blocks_iq2_xxs(&mut rng, s, iq2_grid_mean_square(), &mut bytes),
             }
             let mut out = vec![0f32; n];

@@ -146,11 +146,17 @@ fn oracle_fixtures_convert_and_validate() {
         let st_bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&st_bytes).unwrap();
 
-        for types in ["f32", "q2", "q4"] {
+        for types in ["f32", "q2", "q4", "mxfp4"] {
             let out = tmp.path().join(format!("{name}-{types}.gguf"));
             let t0 = Instant::now();
             let r = convert_hf(dir, &out, &HfOptions::new(types).unwrap(), &mut NoProgress);
-            let aligned = d.e.is_multiple_of(256) && d.f.is_multiple_of(256);
+            // Q8_0 rows (e, q, h·d/g, g·o, f wide) and MXFP4 experts need ne0 % 32; the
+            // q2/q4 experts need ne0 % 256 (docs/gguf.md §5.7).
+            let q8_rows = [d.e, d.q, d.h * d.d / d.g, d.g * d.o, d.f];
+            let aligned = match types {
+                "mxfp4" => q8_rows.iter().all(|n| n.is_multiple_of(32)),
+                _ => d.e.is_multiple_of(256) && d.f.is_multiple_of(256),
+            };
             if types != "f32" && !aligned {
                 let e = r.unwrap_err().to_string();
                 assert!(

@@ -27,6 +27,15 @@ fn full_size_dry_run_matches_the_spec() {
     let spec = ModelSpec::from_header(q2.header(), Strictness::Ds4).unwrap();
     assert_eq!(spec.routed_bits(), 2);
     ModelSpec::from_header(q4.header(), Strictness::Ds4).unwrap();
+    // The native MXFP4 layout (docs/gguf.md §7.1): 155,971,125,312 B of tensor data.
+    let mx = SyntheticModel::new(TypeRecipe::MXFP4, 43, 0).unwrap();
+    assert_eq!(mx.file_size() - mx.data_offset(), 155_971_125_312);
+    let spec = ModelSpec::from_header(mx.header(), Strictness::Ds4).unwrap();
+    assert_eq!(spec.routed_bits(), 4);
+    let gate = spec
+        .layer_tensor(42, ds4_model::LayerTensor::DownExps)
+        .unwrap();
+    assert_eq!((gate.ty, gate.n_bytes), (GgmlType::Mxfp4, 1_140_850_688));
 
     // With the real vocabulary and the 57 KVs, docs/gguf.md §7.1: data at 5,328,480, file
     // 86,720,106,144 B (= 80.76 GiB).
@@ -200,7 +209,12 @@ fn tiny_synthetic_file_reads_back_exactly() {
     h.indexer_head_dim = 32;
     h.indexer_top_k = 4;
     let tok = ds4_convert::tokenizer::generated_tokenizer(300);
-    for recipe in [TypeRecipe::Q2, TypeRecipe::Q4, TypeRecipe::F32] {
+    for recipe in [
+        TypeRecipe::Q2,
+        TypeRecipe::Q4,
+        TypeRecipe::MXFP4,
+        TypeRecipe::F32,
+    ] {
         let m = SyntheticModel::from_hparams(h.clone(), recipe, 3, &tok).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("tiny.gguf");

@@ -1,7 +1,7 @@
 //! The CPU [`Backend`]: the reference every other backend is checked against.
 //!
 //! * Weights stay in the GGUF mapping in their stored type (F32, F16, BF16, Q8_0, Q2_K,
-//!   Q4_K, IQ2_XXS); matmuls call `ds4_gguf::quant::dot` per row (f32 within a block, block
+//!   Q4_K, IQ2_XXS, MXFP4); matmuls call `ds4_gguf::quant::dot` per row (f32 within a block, block
 //!   sums in f64).
 //! * Activations and KV state are f32.
 //! * Multi-threaded with rayon over output rows / heads / tokens, on a private pool whose

@@ -29,8 +29,10 @@ pub(crate) struct CpuWeight {
     pub f32: Option<Vec<f32>>,
 }
 
-/// Matrix types the CPU matmul accepts.
-const MATRIX_TYPES: [GgmlType; 7] = [
+/// Matrix types the CPU matmul accepts. Every one goes through `ds4_gguf::quant::dot` (and,
+/// for the block types, `quant::q8act::dot` when int8 activations are on), so adding a type
+/// here only needs its codec there; MXFP4 holds the official checkpoint's routed experts.
+const MATRIX_TYPES: [GgmlType; 8] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Bf16,
@@ -38,6 +40,7 @@ const MATRIX_TYPES: [GgmlType; 7] = [
     GgmlType::Q2K,
     GgmlType::Q4K,
     GgmlType::Iq2Xxs,
+    GgmlType::Mxfp4,
 ];
 
 impl CpuWeight {

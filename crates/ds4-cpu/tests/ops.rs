@@ -68,6 +68,7 @@ fn matmul_matches_the_dequantized_reference_for_every_type() {
         GgmlType::Q2K,
         GgmlType::Q4K,
         GgmlType::Iq2Xxs,
+        GgmlType::Mxfp4,
     ] {
         let mut b = be(2);
         let (w, f) = weight(
@@ -131,6 +132,7 @@ fn activation_q8_follows_the_rule_and_the_codec() {
         GgmlType::Q2K,
         GgmlType::Q4K,
         GgmlType::Iq2Xxs,
+        GgmlType::Mxfp4,
     ] {
         let mut b = be(2);
         let (w, f) = weight(
@@ -1119,7 +1121,7 @@ fn moe_and_swiglu_match_the_reference() {
     let dv = randn(&mut rng, ne * d * f, 1.0 / 16.0);
     let ids: Vec<i32> = vec![0, 3, 3, 1, 2, 0, 1, 1, 3, 2];
     let wtv = uniform(&mut rng, t * k, 0.1, 1.0);
-    for ty in [GgmlType::F32, GgmlType::Q4K] {
+    for ty in [GgmlType::F32, GgmlType::Q4K, GgmlType::Mxfp4] {
         let mut b = be(2);
         let (gw, gf) = weight(
             &mut b,

@@ -878,6 +878,7 @@ mod tests {
                 &one_table,
                 " (one table, HIP's form)",
             ),
+            (GemvType::Mxfp4, GgmlType::Mxfp4, "ds4_gemv_q_mxfp4", &k, ""),
         ];
         for (ty, gty, kernel, k, variant) in cases {
             for (n_in, n_out) in [(4096usize, 70usize), (2048, 33), (8192, 9)] {
@@ -896,6 +897,11 @@ mod tests {
                     for blk in w.chunks_exact_mut(84) {
                         blk[80..82].copy_from_slice(&d(&mut next, 0.01));
                         blk[82..84].copy_from_slice(&d(&mut next, 0.005));
+                    }
+                } else if gty == GgmlType::Mxfp4 {
+                    // E8M0 scales 2^-10 .. 2^-5 (byte e is 2^(e-128)), every code random.
+                    for blk in w.chunks_exact_mut(17) {
+                        blk[0] = 118 + (next() % 6) as u8;
                     }
                 } else {
                     for blk in w.chunks_exact_mut(66) {
@@ -924,6 +930,92 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The f32-activation MXFP4 GEMVs (`ds4_gemv_mxfp4`, `ds4_gemv_grouped_mxfp4`: `--quality`
+    /// decode) against the dequantized rows in f64, within f32 rounding of the terms' sizes;
+    /// every scale byte a block can hold that keeps the row finite, every code; several warps
+    /// per row and one; the grouped kernel's selections with an id out of range as NaN rows.
+    #[test]
+    fn mxfp4_f32_gemv_matches_the_cpu() {
+        use crate::kernels::{gemv_launch, GemvType};
+        use ds4_gguf::quant;
+        use ds4_gguf::GgmlType;
+        let k = EmuKernels::build().unwrap();
+        let mut next = xorshift(0xD1B5_4A32_D192_ED03);
+        let ty = GemvType::Mxfp4;
+        for (n_in, n_out) in [(4096usize, 37usize), (2048, 70), (512, 5)] {
+            let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+            let mut w: Vec<u8> = (0..n_out * rb).map(|_| next() as u8).collect();
+            for (i, blk) in w.chunks_exact_mut(17).enumerate() {
+                // Scales 2^-128 .. 2^-1 (e = 0, 1 are the subnormal halves), cycling.
+                blk[0] = (i % 128) as u8;
+            }
+            let x: Vec<f32> = (0..n_in)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let (want, size): (Vec<f64>, Vec<f64>) = w
+                .chunks_exact(rb)
+                .map(|row| {
+                    let mut d = vec![0f32; n_in];
+                    quant::dequantize(GgmlType::Mxfp4, row, &mut d).unwrap();
+                    d.iter().zip(&x).fold((0f64, 0f64), |(s, a), (wv, xv)| {
+                        let t = f64::from(*wv) * f64::from(*xv);
+                        (s + t, a + t.abs())
+                    })
+                })
+                .unzip();
+            for target in [1u64, 1 << 20] {
+                let l = gemv_launch(ty, ty.default_config(), n_in as u64, n_out as u64, target)
+                    .unwrap();
+                let y = run_gemv(
+                    &k,
+                    "ds4_gemv_mxfp4",
+                    l.grid_x,
+                    l.block,
+                    &w,
+                    &x,
+                    n_out,
+                    l.wpr,
+                );
+                for (r, g) in y.iter().enumerate() {
+                    assert!(
+                        g.is_finite() && (f64::from(*g) - want[r]).abs() <= 1e-6 * size[r] + 1e-30,
+                        "{n_in}x{n_out} wpr {}: row {r}: {g} vs {}",
+                        l.wpr,
+                        want[r]
+                    );
+                }
+                // Grouped: two selections of the one expert here and one bad id.
+                let ids = [0i32, -3, 0];
+                let mut y0 = vec![f32::NAN; 3 * n_out];
+                let mut y1 = vec![f32::NAN; 3 * n_out];
+                launch_args(
+                    &k,
+                    "ds4_gemv_grouped_mxfp4",
+                    (l.grid_x, 3, 1),
+                    l.block,
+                    &[
+                        P::U(w.as_ptr() as u64),
+                        P::U(w.as_ptr() as u64),
+                        P::U(w.len() as u64),
+                        P::U(ids.as_ptr() as u64),
+                        P::I(1),
+                        P::U(x.as_ptr() as u64),
+                        P::U(0),
+                        P::U(y0.as_mut_ptr() as u64),
+                        P::U(y1.as_mut_ptr() as u64),
+                        P::I(n_in as i32),
+                        P::I(n_out as i32),
+                        P::I(l.wpr as i32),
+                    ],
+                );
+                assert!(y0[n_out..2 * n_out].iter().all(|v| v.is_nan()), "bad id");
+                for s in [0, 2] {
+                    assert_eq!(&y0[s * n_out..(s + 1) * n_out], &y[..], "selection {s}");
                 }
             }
         }
@@ -971,6 +1063,7 @@ mod tests {
             (GemvType::Iq2Xxs, "iq2_xxs", 66usize),
             (GemvType::Q2K, "q2_k", 84),
             (GemvType::Q4K, "q4_k", 144),
+            (GemvType::Mxfp4, "mxfp4", 17),
         ] {
             for (n_in, n_out) in [(2048usize, 40usize), (4096, 17)] {
                 let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
@@ -986,6 +1079,7 @@ mod tests {
                         let b = h(0.005 + (next() % 100) as f32 * 1e-4);
                         match suffix {
                             "iq2_xxs" => blk[0..2].copy_from_slice(&a),
+                            "mxfp4" => blk[0] = 118 + (next() % 6) as u8,
                             "q2_k" => {
                                 blk[80..82].copy_from_slice(&a);
                                 blk[82..84].copy_from_slice(&b);

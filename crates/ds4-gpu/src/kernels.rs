@@ -151,16 +151,20 @@ pub enum GemvType {
     Q2K,
     Q4K,
     Iq2Xxs,
+    /// The official checkpoint's routed-expert format (docs/gpu.md §41): decode GEMVs only,
+    /// no prefill tiles yet.
+    Mxfp4,
 }
 
 impl GemvType {
-    pub const ALL: [GemvType; 6] = [
+    pub const ALL: [GemvType; 7] = [
         GemvType::F32,
         GemvType::F16,
         GemvType::Q8_0,
         GemvType::Q2K,
         GemvType::Q4K,
         GemvType::Iq2Xxs,
+        GemvType::Mxfp4,
     ];
 
     /// The GEMV type for a GGUF tensor type, or an error naming the unsupported type.
@@ -172,6 +176,7 @@ impl GemvType {
             GgmlType::Q2K => GemvType::Q2K,
             GgmlType::Q4K => GemvType::Q4K,
             GgmlType::Iq2Xxs => GemvType::Iq2Xxs,
+            GgmlType::Mxfp4 => GemvType::Mxfp4,
             other => {
                 return Err(GpuError::BadArgument {
                     op: "gemv",
@@ -189,6 +194,7 @@ impl GemvType {
             GemvType::Q2K => GgmlType::Q2K,
             GemvType::Q4K => GgmlType::Q4K,
             GemvType::Iq2Xxs => GgmlType::Iq2Xxs,
+            GemvType::Mxfp4 => GgmlType::Mxfp4,
         }
     }
 
@@ -202,12 +208,14 @@ impl GemvType {
             (GemvType::Q2K, false) => "gemv_q2_k",
             (GemvType::Q4K, false) => "gemv_q4_k",
             (GemvType::Iq2Xxs, false) => "gemv_iq2_xxs",
+            (GemvType::Mxfp4, false) => "gemv_mxfp4",
             (GemvType::F32, true) => "gemv_grouped_f32",
             (GemvType::F16, true) => "gemv_grouped_f16",
             (GemvType::Q8_0, true) => "gemv_grouped_q8_0",
             (GemvType::Q2K, true) => "gemv_grouped_q2_k",
             (GemvType::Q4K, true) => "gemv_grouped_q4_k",
             (GemvType::Iq2Xxs, true) => "gemv_grouped_iq2_xxs",
+            (GemvType::Mxfp4, true) => "gemv_grouped_mxfp4",
         }
     }
 
@@ -219,9 +227,11 @@ impl GemvType {
             (GemvType::Q2K, false) => "gemvq_q2_k",
             (GemvType::Q4K, false) => "gemvq_q4_k",
             (GemvType::Iq2Xxs, false) => "gemvq_iq2_xxs",
+            (GemvType::Mxfp4, false) => "gemvq_mxfp4",
             (GemvType::Q2K, true) => "gemvq_grouped_q2_k",
             (GemvType::Q4K, true) => "gemvq_grouped_q4_k",
             (GemvType::Iq2Xxs, true) => "gemvq_grouped_iq2_xxs",
+            (GemvType::Mxfp4, true) => "gemvq_grouped_mxfp4",
             (_, g) => self.label(g),
         }
     }
@@ -234,6 +244,7 @@ impl GemvType {
             GemvType::Q2K => "q2_k",
             GemvType::Q4K => "q4_k",
             GemvType::Iq2Xxs => "iq2_xxs",
+            GemvType::Mxfp4 => "mxfp4",
         }
     }
 
@@ -242,7 +253,7 @@ impl GemvType {
         match self {
             GemvType::F32 => 4,
             GemvType::F16 => 8,
-            GemvType::Q8_0 => 32,
+            GemvType::Q8_0 | GemvType::Mxfp4 => 32,
             GemvType::Q2K | GemvType::Q4K | GemvType::Iq2Xxs => 256,
         }
     }
@@ -255,6 +266,7 @@ impl GemvType {
             GemvType::Q2K => 84,
             GemvType::Q4K => 144,
             GemvType::Iq2Xxs => 66,
+            GemvType::Mxfp4 => 17,
         }
     }
 
@@ -268,6 +280,7 @@ impl GemvType {
             GemvType::Q2K => (2, 12),
             GemvType::Q4K => (2, 6),
             GemvType::Iq2Xxs => (2, 16),
+            GemvType::Mxfp4 => (2, 32),
         };
         GemvConfig { rows, chunk_blocks }
     }
@@ -508,6 +521,10 @@ mod tests {
             };
             assert_eq!(c.chunk_blocks, cb, "{t:?}");
         }
+        // MXFP4: 32 blocks per chunk at any rows (one unit per block, one per lane).
+        assert!(gemv_text.contains("static constexpr int cb(int) { return 32; }"));
+        let c = GemvType::Mxfp4.default_config();
+        assert_eq!((c.rows, c.chunk_blocks), (rows_of(GemvType::Mxfp4), 32));
         // Split-layout Q8_0: its rows constant, 16 blocks per lane pass (32 lanes x 16
         // codes).
         assert!(gemv_text.contains("DS4_GEMV_CONFIG(q8_0, Ds4Q8S::ROWS, 16)"));
@@ -535,6 +552,10 @@ mod tests {
         let e = GemvType::Iq2Xxs.row_bytes(256).unwrap_err().to_string();
         assert!(e.contains("multiple of 2048"), "{e}");
         assert!(GemvType::F16.row_bytes(12).is_err());
+        // MXFP4: 17-byte blocks, so rows of 512 values (272 bytes) are the smallest aligned.
+        assert_eq!(GemvType::Mxfp4.row_bytes(4096).unwrap(), 2176);
+        let e = GemvType::Mxfp4.row_bytes(256).unwrap_err().to_string();
+        assert!(e.contains("multiple of 512"), "{e}");
     }
 
     #[test]
@@ -577,6 +598,7 @@ mod tests {
             (GemvType::F16, 16384, 24),
             (GemvType::Iq2Xxs, 4096, 2048),
             (GemvType::Q2K, 2048, 4096),
+            (GemvType::Mxfp4, 2048, 4096),
             (GemvType::F32, 4096, 3),
         ] {
             for rows in [1, 2, 4] {

@@ -105,13 +105,14 @@ pub enum TypeRule {
     Vector,
     /// Attention projections, shared expert, output head: Q8_0 in ds4.
     Q8,
-    /// Routed experts: IQ2_XXS, Q2_K or Q4_K in ds4.
+    /// Routed experts: IQ2_XXS, Q2_K or Q4_K in ds4's q2/q4 files, MXFP4 in the native layout
+    /// that keeps the official checkpoint's FP4 experts as trained (docs/gguf.md §4.6).
     Routed,
     /// The hash-routing table: I32.
     Index,
 }
 
-pub const MATRIX_TYPES: [GgmlType; 7] = [
+pub const MATRIX_TYPES: [GgmlType; 8] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Bf16,
@@ -119,6 +120,15 @@ pub const MATRIX_TYPES: [GgmlType; 7] = [
     GgmlType::Q2K,
     GgmlType::Q4K,
     GgmlType::Iq2Xxs,
+    GgmlType::Mxfp4,
+];
+
+/// Routed-expert types accepted at ds4's strictness: the q2 pair, Q4_K, and MXFP4.
+pub const ROUTED_TYPES: [GgmlType; 4] = [
+    GgmlType::Iq2Xxs,
+    GgmlType::Q2K,
+    GgmlType::Q4K,
+    GgmlType::Mxfp4,
 ];
 
 impl TypeRule {
@@ -129,7 +139,7 @@ impl TypeRule {
             (TypeRule::Vector, true) => &[GgmlType::F32],
             (TypeRule::Vector, false) => &[GgmlType::F32, GgmlType::F16, GgmlType::Bf16],
             (TypeRule::Q8, true) => &[GgmlType::Q8_0],
-            (TypeRule::Routed, true) => &[GgmlType::Iq2Xxs, GgmlType::Q2K, GgmlType::Q4K],
+            (TypeRule::Routed, true) => &ROUTED_TYPES,
             (TypeRule::Index, _) => &[GgmlType::I32],
             (TypeRule::Plain | TypeRule::Q8 | TypeRule::Routed, false) => &MATRIX_TYPES,
         }

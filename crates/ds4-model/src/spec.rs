@@ -153,10 +153,11 @@ impl ModelSpec {
         self.tensor(&t.name(layer))
     }
 
-    /// "Routed quant bits" as ds4 reports it: 4 if layer-0 gate is Q4_K, else 2.
+    /// "Routed quant bits" as ds4 reports it: 4 if layer-0 gate is Q4_K or MXFP4 (4-bit
+    /// codes; both spend a little more per value on scales), else 2.
     pub fn routed_bits(&self) -> u32 {
         match self.layer_tensor(0, LayerTensor::GateExps).map(|t| t.ty) {
-            Some(GgmlType::Q4K) => 4,
+            Some(GgmlType::Q4K | GgmlType::Mxfp4) => 4,
             _ => 2,
         }
     }

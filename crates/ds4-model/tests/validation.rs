@@ -100,6 +100,53 @@ fn real_q4_layout_sizes() {
     assert_eq!(acc.per_token_long, 11_385_213_348);
 }
 
+/// The native MXFP4 layout: every routed tensor MXFP4 (17 B per 32 values), the rest as q4.
+/// Totals derived by hand in docs/gguf.md §7.1: 4096·2048·256·17/32 = 1,140,850,688 B per
+/// routed tensor, and the q4 per-token figures less 6·3·43 experts' Q4_K − MXFP4 difference.
+#[test]
+fn real_mxfp4_layout_sizes() {
+    let h = flash(TypeRecipe::MXFP4);
+    let spec = ModelSpec::from_header(&h, Strictness::Auto).unwrap();
+    assert_eq!(spec.strictness, Strictness::Ds4);
+    assert_eq!(spec.routed_bits(), 4);
+    let acc = ByteAccounting::of(&spec);
+    let get = |t: &str| acc.by_type.iter().find(|x| x.0 == t).map(|x| (x.1, x.2));
+    assert_eq!(get("MXFP4"), Some((43 * 3 * 1_140_850_688, 129)));
+    assert_eq!(get("Q4_K"), None);
+    assert_eq!(padded_data(&h), 155_971_125_312);
+    assert_eq!(
+        format!("{:.2}", (padded_data(&h) + 5_328_480) as f64 / GIB),
+        "145.26"
+    );
+    assert_eq!(acc.per_token_short, 10_818_982_308);
+    assert_eq!(acc.per_token_long, 11_182_313_892);
+    assert_eq!(
+        h.get("general.file_type").and_then(|v| v.as_int()),
+        Some(38)
+    );
+    // Gate and up must still agree.
+    let mut bad = h.clone();
+    bad.tensors
+        .iter_mut()
+        .find(|t| t.name == "blk.5.ffn_up_exps.weight")
+        .unwrap()
+        .ty = GgmlType::Q4K;
+    let p = problems(&bad, Strictness::Ds4);
+    assert!(
+        matches!(p.as_slice(), [Problem::GateUpMismatch { layer: 5, .. }]),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn recipes_round_trip_their_names() {
+    for (name, r) in TypeRecipe::NAMED {
+        assert_eq!(TypeRecipe::from_name(name), Some(r));
+        assert_eq!(r.name(), Some(name));
+    }
+    assert_eq!(TypeRecipe::from_name("fp4"), None);
+}
+
 #[test]
 fn wrong_values_name_the_key() {
     let mut h = flash(TypeRecipe::Q2);

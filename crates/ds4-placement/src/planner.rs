@@ -1464,7 +1464,7 @@ fn find_remedies(
         }
     }
 
-    // Routed experts at half the size (q2 instead of q4), unless they already are
+    // Routed experts at half the size (q2 instead of q4 or mxfp4), unless they already are
     // about 2-bit (then halving them is not a file anyone can download).
     let routed = inv.class_bytes(TensorClass::RoutedExperts);
     let bpw = inv.class_bits_per_weight(TensorClass::RoutedExperts);

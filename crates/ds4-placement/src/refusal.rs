@@ -210,7 +210,7 @@ impl Remedy {
                 routed_bytes,
                 bits_per_weight_milli: Some(m),
             } => format!(
-                "a 2-bit quantization of the routed experts (q2 instead of q4): they are {} at {:.2} bits/weight here, half that fits",
+                "a 2-bit quantization of the routed experts (q2 instead of q4 or mxfp4): they are {} at {:.2} bits/weight here, half that fits",
                 fmt_gib(*routed_bytes),
                 *m as f64 / 1000.0
             ),
@@ -218,7 +218,7 @@ impl Remedy {
                 routed_bytes,
                 bits_per_weight_milli: None,
             } => format!(
-                "if the routed experts ({}) are 4-bit, their 2-bit quantization (q2 instead of q4) fits",
+                "if the routed experts ({}) are 4-bit, their 2-bit quantization (q2 instead of q4 or mxfp4) fits",
                 fmt_gib(*routed_bytes)
             ),
             Remedy::FreeHostMemory { bytes } => format!(

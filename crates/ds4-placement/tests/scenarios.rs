@@ -49,6 +49,18 @@ fn inventories_match_the_layout_spec() {
     assert_eq!(q2.total_bytes() - experts_q2, 8_801_386_560 - 1_764);
     assert_eq!(q2.total_bytes() + 1_764, 86_714_777_664);
     assert_eq!(q4.total_bytes() + 1_764, 164_628_168_768);
+    // MXFP4: 17 B per 32 values, 4096·2048·256 values per routed tensor.
+    let mx = flash(Quant::Mxfp4);
+    assert_eq!(mx.len(), 1328);
+    let mx_gate = mx
+        .tensors
+        .iter()
+        .find(|t| t.name == "blk.7.ffn_gate_exps.weight")
+        .unwrap()
+        .bytes;
+    assert_eq!(mx_gate, 1_140_850_688);
+    assert_eq!(mx.class_bytes(TensorClass::RoutedExperts), 147_169_738_752);
+    assert_eq!(mx.total_bytes() + 1_764, 155_971_125_312);
     let exp = |name: &str| q2.tensors.iter().find(|t| t.name == name).unwrap().bytes;
     assert_eq!(exp("blk.0.ffn_gate_exps.weight"), 553_648_128);
     assert_eq!(exp("blk.0.ffn_down_exps.weight"), 704_643_072);
@@ -398,6 +410,25 @@ fn h200_q2_is_resident_and_q4_hybrid() {
         .sum();
     // 153.3 GiB of weights, ~139 GiB of device budget: only the overflow goes to the host.
     assert!(host > 14 * GIB && host < 22 * GIB, "{host}");
+    // The native MXFP4 layout (145.3 GiB) overflows by ~8 GiB less than q4.
+    let p = run(
+        "h200-128g",
+        &flash(Quant::Mxfp4),
+        &request(65_536, scratch_for(65_536)),
+    )
+    .unwrap();
+    assert_eq!(p.mode, WeightsMode::Hybrid);
+    let host_mx: u64 = p
+        .arenas
+        .iter()
+        .filter(|a| a.kind == MemKind::PinnedHost)
+        .map(|a| a.bytes)
+        .sum();
+    let saved = (164_628_168_768u64 - 155_971_125_312) as f64;
+    assert!(
+        (host as f64 - host_mx as f64 - saved).abs() < (2 * GIB) as f64,
+        "q4 host {host}, mxfp4 host {host_mx}"
+    );
 }
 
 #[test]

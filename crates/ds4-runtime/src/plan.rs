@@ -98,11 +98,7 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Plan
         Source::Synthetic(recipe) => {
             let hp = HParams::flash();
             let h = model_header(&hp, recipe, "synthetic", &placeholder_tokenizer(hp.n_vocab));
-            let name = if recipe.gate_up == ds4_gguf::GgmlType::Q4K {
-                "q4"
-            } else {
-                "q2"
-            };
+            let name = recipe.name().unwrap_or("custom");
             (hp, h, format!("synthetic full-size {name} layout"))
         }
     };
@@ -242,7 +238,7 @@ mod tests {
     #[test]
     fn every_tensor_of_the_layout_has_its_named_class() {
         let hp = HParams::flash();
-        for recipe in [TypeRecipe::Q2, TypeRecipe::Q4] {
+        for recipe in [TypeRecipe::Q2, TypeRecipe::Q4, TypeRecipe::MXFP4] {
             let h = model_header(&hp, &recipe, "t", &placeholder_tokenizer(hp.n_vocab));
             let mut tables = vec![
                 (h.tensors.clone(), WeightSet::Main),

@@ -39,7 +39,7 @@ struct Args {
     /// A model GGUF (or use --synthetic).
     #[arg(short, long, conflicts_with = "synthetic")]
     model: Option<std::path::PathBuf>,
-    /// Full-size synthetic model generated in memory: q2 or q4.
+    /// Full-size synthetic model generated in memory: q2, q4 or mxfp4.
     #[arg(long)]
     synthetic: Option<String>,
     /// Layers of the synthetic model (43 = the real model).
@@ -394,10 +394,9 @@ fn frontiers(args: &Args) -> Result<()> {
                 p.display().to_string(),
             ),
             (None, Some(r)) => {
-                let recipe = match r.as_str() {
-                    "q2" => TypeRecipe::Q2,
-                    "q4" => TypeRecipe::Q4,
-                    other => bail!("--synthetic {other:?}: use q2 or q4"),
+                let recipe = match TypeRecipe::from_name(r) {
+                    Some(rc) if r != "f32" => rc,
+                    _ => bail!("--synthetic {r:?}: use q2, q4 or mxfp4"),
                 };
                 let m = SyntheticModel::new(recipe, args.layers, args.seed)?
                     .with_router_skew(args.router_skew)?;
@@ -408,7 +407,7 @@ fn frontiers(args: &Args) -> Result<()> {
                     format!("synthetic {r} ({} layers)", args.layers),
                 )
             }
-            _ => bail!("give -m MODEL or --synthetic q2|q4"),
+            _ => bail!("give -m MODEL or --synthetic q2|q4|mxfp4"),
         };
     let header = file.header().clone();
     let spec = ModelSpec::from_header(&header, Strictness::Auto)?;

@@ -211,10 +211,23 @@ enum Rules {
     Layout,
 }
 
+/// The full-size layouts `--synthetic` plans (`TypeRecipe::NAMED` less f32).
 #[derive(Clone, Copy, ValueEnum)]
 enum SyntheticLayout {
     Q2,
     Q4,
+    Mxfp4,
+}
+
+impl SyntheticLayout {
+    fn recipe(self) -> ds4_model::layout::TypeRecipe {
+        use ds4_model::layout::TypeRecipe;
+        match self {
+            SyntheticLayout::Q2 => TypeRecipe::Q2,
+            SyntheticLayout::Q4 => TypeRecipe::Q4,
+            SyntheticLayout::Mxfp4 => TypeRecipe::MXFP4,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -635,13 +648,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             use ds4_cli::plan::{PlanArgs, Source};
             let source = match (model, synthetic) {
                 (Some(p), _) => Source::File(p),
-                (None, Some(SyntheticLayout::Q2)) => {
-                    Source::Synthetic(ds4_model::layout::TypeRecipe::Q2)
-                }
-                (None, Some(SyntheticLayout::Q4)) => {
-                    Source::Synthetic(ds4_model::layout::TypeRecipe::Q4)
-                }
-                (None, None) => anyhow::bail!("give -m MODEL or --synthetic q2|q4"),
+                (None, Some(l)) => Source::Synthetic(l.recipe()),
+                (None, None) => anyhow::bail!("give -m MODEL or --synthetic q2|q4|mxfp4"),
             };
             let args = PlanArgs {
                 source,

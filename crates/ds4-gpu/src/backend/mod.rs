@@ -222,6 +222,19 @@ fn cols_smem_bytes(codes: usize) -> usize {
     codes + 4 * (codes / 32)
 }
 
+/// What to do about a weight type the backend refuses, where there is something to say:
+/// MXFP4 has its decode GEMVs (docs/gpu.md §41) but no prefill matmul yet, so a model with
+/// MXFP4 experts is refused at load instead of failing at its first prompt.
+fn unsupported_hint(ty: GgmlType) -> &'static str {
+    match ty {
+        GgmlType::Mxfp4 => {
+            " (the GPU backends have MXFP4 decode GEMVs but no prefill matmul yet; \
+             run this model with --backend cpu)"
+        }
+        _ => "",
+    }
+}
+
 fn gemv_index(ty: GemvType) -> usize {
     GemvType::ALL.iter().position(|t| *t == ty).unwrap_or(0)
 }
@@ -1368,9 +1381,10 @@ impl<D: GpuApi> GpuBackend<D> {
         ) || (info.ty == GgmlType::Q8_0 && info.cols() > Q8_SPLIT_MAX_IN)
         {
             return Err(werr(format!(
-                "type {} [{}] is not supported",
+                "type {} [{}] is not supported{}",
                 info.ty,
-                info.cols()
+                info.cols(),
+                unsupported_hint(info.ty)
             )));
         }
         let row_bytes = bytes / (info.rows() * info.mats());
@@ -1465,7 +1479,8 @@ impl<D: GpuApi> GpuBackend<D> {
         ) || (usage == WeightUse::Table && ty == GgmlType::I32);
         if !supported {
             return Err(werr(format!(
-                "type {ty} is not supported for {usage:?} use"
+                "type {ty} is not supported for {usage:?} use{}",
+                unsupported_hint(ty)
             )));
         }
         let info = WeightInfo { ty, dims };

@@ -260,6 +260,8 @@ fn random_weights(ty: GemvType, n_in: usize, rows: usize, seed: u64) -> Vec<u8> 
                                 GemvType::Iq2Xxs => {
                                     b[0..2].copy_from_slice(&f16_bits(r.range(0.005, 0.02)))
                                 }
+                                // E8M0 scale 2^(e-128): 2^-10 .. 2^-7.
+                                GemvType::Mxfp4 => b[0] = 118 + (r.next() % 4) as u8,
                                 _ => {}
                             }
                         }
@@ -598,6 +600,7 @@ fn run(quick: bool) -> Result<()> {
         GemvType::Q4K,
         GemvType::Q2K,
         GemvType::Iq2Xxs,
+        GemvType::Mxfp4,
     ] {
         for (n_in, n_out) in [(4096, 1024), (1024, 32768), (4096, 2048), (2048, 4096)] {
             if t.row_bytes(n_in as u64).is_ok() {
@@ -724,6 +727,7 @@ fn run(quick: bool) -> Result<()> {
     for (t_gu, t_down) in [
         (GemvType::Iq2Xxs, GemvType::Q2K),
         (GemvType::Q4K, GemvType::Q4K),
+        (GemvType::Mxfp4, GemvType::Mxfp4),
     ] {
         let (n_exp, n_sel, e_in, e_ff) = (256usize, 6usize, 4096usize, 2048usize);
         let gate = random_weights(t_gu, e_in, n_exp * e_ff, rng.next());

@@ -1,4 +1,4 @@
-//! Shared test inputs: the DeepSeek V4 Flash tensor tables (q2, q4, MTP sidecar) built
+//! Shared test inputs: the DeepSeek V4 Flash tensor tables (q2, q4, mxfp4, MTP sidecar) built
 //! from the layout spec's formulas, the tiny fixture's table, machine files, requests.
 //!
 //! The real inventories are rebuilt from shapes and ggml block sizes (docs/gguf.md §4),
@@ -22,6 +22,7 @@ pub enum Ty {
     Q2K,
     Q4K,
     Iq2Xxs,
+    Mxfp4,
 }
 
 fn bytes_of(ty: Ty, elems: u64) -> u64 {
@@ -32,6 +33,7 @@ fn bytes_of(ty: Ty, elems: u64) -> u64 {
         Ty::Q2K => (256, 84),
         Ty::Q4K => (256, 144),
         Ty::Iq2Xxs => (256, 66),
+        Ty::Mxfp4 => (32, 17),
     };
     assert_eq!(elems % be, 0, "{ty:?} needs whole blocks");
     elems / be * bb
@@ -376,6 +378,8 @@ fn build(d: &Dims, t: &Types) -> TensorInventory {
 pub enum Quant {
     Q2,
     Q4,
+    /// Native MXFP4 routed experts (docs/gguf.md §2), the rest as q2/q4.
+    Mxfp4,
 }
 
 /// The 1328-tensor main model.
@@ -390,6 +394,11 @@ pub fn flash(q: Quant) -> TensorInventory {
             all: None,
             gate_up: Ty::Q4K,
             down: Ty::Q4K,
+        },
+        Quant::Mxfp4 => Types {
+            all: None,
+            gate_up: Ty::Mxfp4,
+            down: Ty::Mxfp4,
         },
     };
     build(&flash_dims(), &t)

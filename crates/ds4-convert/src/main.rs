@@ -35,6 +35,18 @@ enum Types {
     Mxfp4,
 }
 
+impl Types {
+    /// The recipe name `HfOptions::new` takes.
+    fn recipe(self) -> &'static str {
+        match self {
+            Types::F32 => "f32",
+            Types::Q2 => "q2",
+            Types::Q4 => "q4",
+            Types::Mxfp4 => "mxfp4",
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Layout {
     Q2,
@@ -221,13 +233,7 @@ fn main() -> Result<()> {
             no_mtp,
             imatrix,
         } => {
-            let recipe = match types {
-                Types::F32 => "f32",
-                Types::Q2 => "q2",
-                Types::Q4 => "q4",
-                Types::Mxfp4 => "mxfp4",
-            };
-            let mut opts = HfOptions::new(recipe).context("unknown recipe")?;
+            let mut opts = HfOptions::new(types.recipe()).context("unknown recipe")?;
             opts.tokenizer = tokenizer;
             opts.name = name;
             opts.mtp_out = mtp;
@@ -272,12 +278,7 @@ fn main() -> Result<()> {
             imatrix,
             name,
         } => {
-            let recipe = match types {
-                Types::F32 => "f32",
-                Types::Q2 => "q2",
-                Types::Q4 => "q4",
-            };
-            let mut opts = HfOptions::new(recipe).context("unknown recipe")?;
+            let mut opts = HfOptions::new(types.recipe()).context("unknown recipe")?;
             opts.name = name;
             if let Some(p) = imatrix {
                 let im = ds4_convert::imatrix::Imatrix::read(&p)?;

@@ -22,7 +22,7 @@ tests/fixtures/official-tiny/):
     exactly dequantized values as little-endian f32, and its first values for diagnosis.
     (Hashes rather than the values themselves keep the fixture small.)
 
-Encodings per tensor (spec §5.5; the per-tensor assignment is UNCONFIRMED there, and the
+Encodings per tensor (docs/gguf.md §5.5; the per-tensor assignment is unconfirmed in the gathered facts, and the
 converter decides per tensor from the dtype, not the name): routed experts FP4; compressor and
 indexer-compressor wkv/wgate, the indexer's weights_proj and the router BF16; hc, norms, sinks,
 ape and the router bias F32; tid2eid I32; every other matrix FP8.
@@ -141,7 +141,7 @@ def fp8_encode(w: np.ndarray):
 def fp8_decode(codes: np.ndarray, sb: np.ndarray) -> np.ndarray:
     rows, cols = codes.shape
     v = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    v[np.isnan(v)] = 0.0  # spec §5.5: 0x7F / 0xFF -> 0, as ds4's converter does
+    v[np.isnan(v)] = 0.0  # docs/gguf.md §5.5: 0x7F / 0xFF -> 0, as ds4's converter does
     s = np.repeat(np.repeat(scale_values(sb), 128, 0), 128, 1)[:rows, :cols]
     return v * s
 

@@ -376,7 +376,7 @@ const MTP_ONLY: [(LayerTensor, &str); 8] = [
     (LayerTensor::MtpHcHeadScale, "hc_head_scale"),
 ];
 
-/// Maps one checkpoint key for the MTP sidecar (docs/gguf.md §5.3, spec §4.7): `mtp.0.X` maps
+/// Maps one checkpoint key for the MTP sidecar (docs/gguf.md §5.3): `mtp.0.X` maps
 /// like a layer's `X` onto `mtp.0.<suffix>`, its experts onto layer 0's expert slots, plus the
 /// MTP-only tensors; every key outside `mtp.` is [`Mapped::Skipped`] (it belongs to the main
 /// model), and a block other than 0 is unknown (ds4's sidecar holds one block).

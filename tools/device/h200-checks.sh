@@ -72,7 +72,9 @@
 #              --draft lookup against --draft off, token for token, on the demo model's q2
 #              file (a prompt that repeats, so drafts are accepted) and the 4-layer real-
 #              dimension file; the rate lines (drafted, accepted, tokens per step); then the
-#              CLI's loop on the sparse full-size file with drafts off, lookup and auto
+#              CLI's loop on the sparse full-size file with drafts off, lookup and auto; the
+#              verify cost curve (1..8 rows against a decode step, 2k and 32k) with the
+#              predicted speed-up table
 #   logits     whole-model logits of a 4-layer real-dimension q2 file (280 prefilled + 21
 #              decoded positions, default and --quality) into $OUT/logits-*.npy; with BIN2 (a
 #              second build) the same from it and a cmp of the two (a refactor must be
@@ -154,6 +156,10 @@ spec() {
         cmp -s "$OUT/spec_off.txt" "$OUT/spec_lookup.txt" && echo "$(basename "$m"): identical" \
             || echo "$(basename "$m"): DIFFERENT"
     done
+    echo "== verify cost curve (ds4-bench --verify 8) at 2k and 32k"
+    timeout 300 ds4-bench --synthetic q2 --layers $L --frontiers 2048,32768 --decode 16 --verify 8 \
+        > "$OUT/verify_curve.log" 2>&1 || tail -2 "$OUT/verify_curve.log"
+    grep -E "^\||^verify|^predicted" "$OUT/verify_curve.log"
     sparse
     for d in off lookup auto; do
         timeout 100 ds4-bench --e2e -m "$work/q.gguf" --backend cuda --ctx 4096 -n 100 --prompt-words 2000 \

@@ -15,5 +15,6 @@ pub mod sessions;
 pub mod signals;
 pub mod textcmd;
 pub mod vectors;
+pub mod verify_curve;
 
 pub use ds4_runtime::{load, plan};

@@ -117,6 +117,15 @@ struct Args {
     /// + those experts, over the measured copy bandwidth) and the fraction of it reached.
     #[arg(long, value_delimiter = ',')]
     batch: Vec<usize>,
+    /// After each frontier's decode, time speculative verify steps of 1 to this many rows
+    /// (the token and up to K−1 drafts, every draft rejected) against the decode step, and
+    /// print the predicted speed-up at acceptance rates 0.5–0.9 (docs/speculative.md §7).
+    /// 0: off.
+    #[arg(long, default_value_t = 0)]
+    verify: usize,
+    /// Verify steps timed per row count for --verify.
+    #[arg(long, default_value_t = 8)]
+    verify_reps: usize,
     /// Prompt tokens per sequence for --batch.
     #[arg(long, default_value_t = 256)]
     batch_prompt: usize,
@@ -379,7 +388,12 @@ fn frontiers(args: &Args) -> Result<()> {
     if frontiers.is_empty() || frontiers[0] == 0 {
         bail!("--frontiers needs positive token counts");
     }
-    let ctx = frontiers.last().copied().unwrap_or(2048) + args.decode * frontiers.len() + 16;
+    // Room for each frontier's decode and, with --verify, its verify steps (each advances
+    // the state by one token; the last needs its rows free).
+    let verify_room = args.verify * (args.verify_reps + 1) + args.verify;
+    let ctx = frontiers.last().copied().unwrap_or(2048)
+        + (args.decode + verify_room) * frontiers.len()
+        + 16;
 
     let t_gen = Instant::now();
     let (file, source, label): (Arc<GgufFile>, Option<Arc<dyn WeightSource>>, String) =
@@ -609,6 +623,18 @@ fn frontiers(args: &Args) -> Result<()> {
         );
         if args.profile > 0 {
             profile_decode(&mut eng, &mut st, &mut next, args.profile, f)?;
+        }
+        if args.verify > 0 {
+            let pts = ds4_cli::verify_curve::measure(
+                &mut eng,
+                &mut st,
+                next,
+                args.verify,
+                args.verify_reps,
+                || (rng.next_f64() * hp.n_vocab as f64) as u32 % hp.n_vocab as u32,
+            )?;
+            let step_ms = 1e3 * dc / args.decode.max(1) as f64;
+            eprint!("{}", ds4_cli::verify_curve::report(f, step_ms, &pts));
         }
         if args.graph_probe > 0 {
             // A failed probe is reported, not fatal: the frontiers go on.

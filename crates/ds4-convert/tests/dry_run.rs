@@ -45,7 +45,45 @@ fn flash_dims() -> Dims {
 /// FP4 + scales for routed experts, BF16 for the compressors and the router, F32/I64 else.
 fn release_entries(d: &Dims) -> Vec<(String, &'static str, Vec<usize>, usize)> {
     let mut all = Vec::new();
-    for s in tensors(d, Naming::Official) {
+    let mut srcs = tensors(d, Naming::Official);
+    // The release's MTP block (`mtp.0.*`), shaped as tools/oracle/make_official_ckpt.py builds
+    // it: a window-only layer (layer 0's tensors), a top-k router (the first top-k layer's),
+    // the MTP-only projections, norms and HC head.
+    let topk = format!("layers.{}.ffn.gate.", d.hash);
+    let mut mtp = Vec::new();
+    for s in &srcs {
+        let from = if s.name.starts_with("layers.0.") && !s.name.contains(".ffn.gate.") {
+            s.name.strip_prefix("layers.0.")
+        } else if s.name.starts_with(&topk) {
+            s.name.strip_prefix(&format!("layers.{}.", d.hash))
+        } else {
+            None
+        };
+        if let Some(rest) = from {
+            let mut m = s.clone();
+            m.name = format!("mtp.0.{rest}");
+            mtp.push(m);
+        }
+    }
+    let (e, m) = (d.e, d.m);
+    for (name, shape) in [
+        ("e_proj.weight", vec![e, e]),
+        ("h_proj.weight", vec![e, e]),
+        ("enorm.weight", vec![e]),
+        ("hnorm.weight", vec![e]),
+        ("norm.weight", vec![e]),
+        ("hc_head_fn", vec![m, m * e]),
+        ("hc_head_base", vec![m]),
+        ("hc_head_scale", vec![1]),
+    ] {
+        let mut t = srcs[0].clone();
+        t.name = format!("mtp.0.{name}");
+        t.shape = shape;
+        t.int = false;
+        mtp.push(t);
+    }
+    srcs.extend(mtp);
+    for s in srcs {
         let (name, shape) = (&s.name, &s.shape);
         let n: usize = shape.iter().product();
         let plain = s.int
@@ -153,10 +191,28 @@ fn full_size_release_headers_give_every_layouts_exact_size() {
         let recipe = TypeRecipe::from_name(name).unwrap();
         let (file, data) = recipe_sizes(&recipe, "dry run");
         assert_eq!((s.file_bytes, s.tensor_bytes), (file, data), "{name}");
-        assert_eq!(
-            s.mtp_bytes, None,
-            "{name}: this header set has no MTP block"
+        // The sidecar: ds4-model's MTP table (Q4_K experts whatever the main layout; F32
+        // for f32), behind a header of a few KiB.
+        let mut mtp = ds4_model::layout::mtp_tensor_table(&HParams::flash());
+        if *name == "f32" {
+            mtp.iter_mut().for_each(|t| t.ty = ds4_gguf::GgmlType::F32);
+        }
+        let mut mh = Header {
+            metadata: Vec::new(),
+            tensors: mtp,
+        };
+        let mtp_data = mh.assign_offsets().unwrap();
+        let sidecar = s
+            .mtp_bytes
+            .unwrap_or_else(|| panic!("{name}: no MTP sidecar size"));
+        assert!(
+            (mtp_data..mtp_data + (64 << 10)).contains(&sidecar),
+            "{name}: {sidecar}"
         );
+        if *name != "f32" {
+            // docs/gguf.md §2 (ds4 ships one Q4_K sidecar for q2 and q4).
+            assert_eq!(sidecar, 3_807_602_400, "{name}");
+        }
     }
     let data = |n: &str| {
         sizes

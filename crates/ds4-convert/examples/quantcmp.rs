@@ -303,7 +303,7 @@ fn main() -> Result<()> {
     kjv.push(by("routed down (q2)", GgmlType::Q2K, &routed_d, &h_kjv)?);
     kjv.push(by("routed experts (q4)", GgmlType::Q4K, &routed, &h_kjv4)?);
     kjv.push(by(
-        "attention/shared (q2, q4)",
+        "attention/shared/head (q2, q4)",
         GgmlType::Q8_0,
         &q8,
         &h_kjv,
@@ -340,7 +340,7 @@ fn main() -> Result<()> {
             ],
         ),
         (
-            "attention/shared (q2, q4)",
+            "attention/shared/head (q2, q4)",
             GgmlType::Q8_0,
             vec![synthetic_tensor(
                 &mut rng,

@@ -138,7 +138,7 @@ fn write_header_only(dir: &Path, d: &Dims, shards: usize) {
             map.insert(name.clone(), file.clone().into());
         }
         let mut head = serde_json::to_vec(&meta).unwrap();
-        while head.len() % 8 != 0 {
+        while !head.len().is_multiple_of(8) {
             head.push(b' ');
         }
         let mut bytes = (head.len() as u64).to_le_bytes().to_vec();

@@ -857,6 +857,62 @@ pub fn convert_hf(
     })
 }
 
+/// The exact size of one layout's output, from [`dry_run`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutSize {
+    /// The whole GGUF: header, alignment padding and tensor data.
+    pub file_bytes: u64,
+    /// The tensor data alone (every tensor padded to the alignment).
+    pub tensor_bytes: u64,
+    /// The MTP sidecar's file size, when the checkpoint has an MTP block and it is kept.
+    pub mtp_bytes: Option<u64>,
+}
+
+/// `ds4-convert official --dry-run`: plans every named layout (q2, q4, mxfp4, f32, in
+/// [`TypeRecipe::NAMED`] order) against the checkpoint exactly as a conversion would (same
+/// checks, same header, `opts`' tokenizer, name and imatrix keys) and returns, per layout, the
+/// sizes its files would have or why that layout cannot be made from these dims (e.g. a
+/// block size that does not divide a row). Reads `config.json` and the safetensors headers
+/// only, never a tensor's data. A checkpoint that no layout accepts is an error (the first
+/// layout's).
+pub fn dry_run(dir: &Path, opts: &HfOptions) -> Result<Vec<(&'static str, Result<LayoutSize>)>> {
+    let hparams = read_config(dir)?;
+    let ckpt = Checkpoint::open(dir)?;
+    let size = |h: &Header| -> Result<(u64, u64)> {
+        let mut h = h.clone();
+        let data = h.assign_offsets()?;
+        Ok((ds4_gguf::file_size(&h)?, data))
+    };
+    let one = |name: &str, recipe: TypeRecipe| -> Result<LayoutSize> {
+        let mut o = opts.clone();
+        o.recipe = recipe;
+        o.recipe_name = name.to_string();
+        let main = plan(&ckpt, hparams.clone(), &o)?;
+        let (file_bytes, tensor_bytes) = size(&main.header)?;
+        let mtp_bytes = if o.skip_mtp {
+            None
+        } else {
+            match plan_mtp(&ckpt, hparams.clone(), &o)? {
+                Some(p) => Some(size(&p.header)?.0),
+                None => None,
+            }
+        };
+        Ok(LayoutSize {
+            file_bytes,
+            tensor_bytes,
+            mtp_bytes,
+        })
+    };
+    let mut out: Vec<(&'static str, Result<LayoutSize>)> = TypeRecipe::NAMED
+        .iter()
+        .map(|(name, recipe)| (*name, one(name, *recipe)))
+        .collect();
+    if out.iter().all(|(_, r)| r.is_err()) {
+        return Err(out.swap_remove(0).1.unwrap_err());
+    }
+    Ok(out)
+}
+
 pub(crate) fn tmp_path(out: &Path) -> PathBuf {
     let mut s = out.as_os_str().to_owned();
     s.push(".partial");

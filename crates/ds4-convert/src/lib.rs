@@ -24,7 +24,7 @@ pub mod synthetic;
 pub mod tokenizer;
 pub mod vocab;
 
-pub use convert::{convert_hf, HfOptions, Report};
+pub use convert::{convert_hf, dry_run, HfOptions, LayoutSize, Report};
 pub use error::{CheckpointProblem, ConvertError, Result};
 pub use progress::{NoProgress, Progress};
 pub use synthetic::SyntheticModel;

@@ -65,7 +65,13 @@ enum Cmd {
         /// The checkpoint directory (config.json and *.safetensors).
         dir: PathBuf,
         /// The GGUF to write (written under a temporary name and renamed when complete).
-        out: PathBuf,
+        #[arg(required_unless_present = "dry_run")]
+        out: Option<PathBuf>,
+        /// Print the exact output size of every layout (q2, q4, mxfp4, f32; the MTP sidecar
+        /// too) from the checkpoint's headers, after the same checks as a conversion, and
+        /// write nothing. Reads no tensor data.
+        #[arg(long)]
+        dry_run: bool,
         /// f32 keeps everything F32 (oracle parity); q2/q4 apply ds4's recipes; mxfp4 puts
         /// the routed experts in MXFP4 (the rest as q2/q4).
         #[arg(long, value_enum, default_value = "f32")]
@@ -232,6 +238,7 @@ fn main() -> Result<()> {
             mtp,
             no_mtp,
             imatrix,
+            dry_run,
         } => {
             let mut opts = HfOptions::new(types.recipe()).context("unknown recipe")?;
             opts.tokenizer = tokenizer;
@@ -242,6 +249,38 @@ fn main() -> Result<()> {
                 let im = ds4_convert::imatrix::Imatrix::read(&p)?;
                 opts.imatrix = Some((p, std::sync::Arc::new(im)));
             }
+            if dry_run {
+                let sizes = ds4_convert::dry_run(&dir, &opts)
+                    .with_context(|| format!("planning {}", dir.display()))?;
+                println!(
+                    "{}: exact output sizes (headers only, nothing written)",
+                    dir.display()
+                );
+                let mine = types.recipe();
+                for (recipe, r) in &sizes {
+                    let mark = if *recipe == mine { "  <- --types" } else { "" };
+                    match r {
+                        Ok(s) => {
+                            let mtp = s.mtp_bytes.map_or_else(String::new, |b| {
+                                format!("; MTP sidecar {b} bytes ({:.2} GiB)", gib(b))
+                            });
+                            println!(
+                                "{recipe:<6} {} bytes ({:.2} GiB), tensor data {} bytes{mtp}{mark}",
+                                s.file_bytes,
+                                gib(s.file_bytes),
+                                s.tensor_bytes,
+                            );
+                        }
+                        Err(e) => {
+                            println!("{recipe:<6} cannot be made from this checkpoint: {e}{mark}")
+                        }
+                    }
+                }
+                return Ok(());
+            }
+            let Some(out) = out else {
+                bail!("an output path is required unless --dry-run is given");
+            };
             let r = ds4_convert::convert_hf(&dir, &out, &opts, &mut Bar::new(cli.quiet))
                 .with_context(|| format!("converting {}", dir.display()))?;
             let secs = t0.elapsed().as_secs_f64();

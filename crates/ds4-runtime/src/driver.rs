@@ -17,7 +17,7 @@ use ds4_engine::{Engine, EngineError, Sampler, Session, Snapshot};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, Format};
-use crate::draft::{DraftConfig, DraftMode, DraftStats, Governor};
+use crate::draft::{DraftConfig, DraftMode, DraftStats, Drafter, Governor};
 use crate::step::{band_fits_mask, Left, SessionStep, StepLogits};
 
 /// Why a driver operation failed.
@@ -463,7 +463,9 @@ impl Conversation {
         };
         let mask = ignore_eos.then_some(limits.eos);
         // A backend without decode rows cannot verify bit for bit: no drafts there.
-        let drafting = self.draft.on() && !feed_all && self.session.can_verify();
+        let drafter = self.draft.drafter(self.session.engine().has_mtp());
+        let drafting =
+            self.draft.on() && drafter != Drafter::None && !feed_all && self.session.can_verify();
         // `--draft auto`: whether to draft this step, from this run's measured rates.
         let mut governor = (self.draft.mode == DraftMode::Auto).then(Governor::new);
         // Every row of a verify step, and the context the drafter reads.
@@ -515,10 +517,18 @@ impl Conversation {
                     .saturating_sub(1)
                     .min(self.ctx().saturating_sub(self.pos() + 1))
                     .min(engine.config().prefill_chunk.saturating_sub(1));
-                context.clear();
-                context.extend_from_slice(self.session.tokens());
-                context.push(tok);
-                let drafts = self.draft.propose(&context, limit).to_vec();
+                let drafts = if drafter == Drafter::Mtp {
+                    // The block's most likely token at each depth: a deterministic draft,
+                    // which the acceptance rule verifies exactly (docs/speculative.md §3).
+                    let k = limit.min(self.draft.max);
+                    self.session
+                        .mtp_draft(tok, k, &mut |l: &[f32]| Some(ds4_engine::argmax(l)))?
+                } else {
+                    context.clear();
+                    context.extend_from_slice(self.session.tokens());
+                    context.push(tok);
+                    self.draft.propose(&context, limit).to_vec()
+                };
                 if !drafts.is_empty() {
                     let (t0, accepted) = (Instant::now(), gen.draft.accepted);
                     let verified = self

@@ -185,3 +185,114 @@ fn bad_mtp_tensors_are_refused_by_name() {
     let err = e.load_mtp(Arc::clone(&main)).unwrap_err().to_string();
     assert!(err.contains("mtp.0.e_proj.weight"), "{err}");
 }
+
+/// Little-endian values of tensor `name` of a safetensors file (F32 or I32).
+fn st_values(bytes: &[u8], name: &str) -> (Vec<usize>, Vec<f64>) {
+    let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+    let t = st.tensor(name).unwrap_or_else(|_| panic!("no {name}"));
+    let v = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| {
+            let b = c.try_into().unwrap();
+            match t.dtype() {
+                safetensors::Dtype::F32 => f64::from(f32::from_le_bytes(b)),
+                safetensors::Dtype::I32 => f64::from(i32::from_le_bytes(b)),
+                d => panic!("{name}: {d:?}"),
+            }
+        })
+        .collect();
+    (t.shape().to_vec(), v)
+}
+
+/// The block's draft logits against the float64 reference written from DeepSeek's reference
+/// code (tools/oracle/make_mtp.py, `tests/fixtures/tiny-hca16-mtp`): tiny-hca16 with a random
+/// MTP block, converted by `ds4-convert hf` (main file and sidecar), depth 1 at every position
+/// (window 16, so the block's ring wraps) and chained depth 2 at a few, exact and official
+/// mode, within the main model's bound (docs/forward.md §9.5: 1e-4·max(1, |ref|)).
+#[test]
+fn draft_logits_match_the_reference() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let fix = root.join("tiny-hca16-mtp");
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("hf");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::copy(root.join("tiny-hca16/config.json"), src.join("config.json")).unwrap();
+    std::fs::copy(
+        root.join("tiny-hca16/model.safetensors"),
+        src.join("model.safetensors"),
+    )
+    .unwrap();
+    for f in ["mtp.safetensors", "model.safetensors.index.json"] {
+        std::fs::copy(fix.join(f), src.join(f)).unwrap();
+    }
+    let out = tmp.path().join("tiny.gguf");
+    let opts = ds4_convert::HfOptions::new("f32").unwrap();
+    ds4_convert::convert_hf(&src, &out, &opts, &mut ds4_convert::NoProgress).unwrap();
+    let main = Arc::new(GgufFile::open(&out).unwrap());
+    let side = Arc::new(GgufFile::open(tmp.path().join("tiny-mtp.gguf")).unwrap());
+
+    let refb = std::fs::read(fix.join("reference.safetensors")).unwrap();
+    let toks: Vec<u32> = st_values(&refb, "tokens")
+        .1
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let chain = [3usize, 9, 17, 18, 25, 38];
+    let vocab = main
+        .header()
+        .tensors
+        .iter()
+        .find(|t| t.name == "output.weight")
+        .unwrap()
+        .dims[1] as usize;
+    let close = |got: &[f32], want: &[f64], what: &str| {
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(&g, &w)| (f64::from(g) - w).abs() / w.abs().max(1.0))
+            .fold(0f64, |m, e| {
+                if e.is_nan() || m.is_nan() {
+                    f64::NAN
+                } else {
+                    m.max(e)
+                }
+            });
+        assert!(worst <= 1e-4, "{what}: {worst:.3e}");
+        worst
+    };
+    for mode in [NumericMode::Exact, NumericMode::Official] {
+        let (s1, d1) = st_values(&refb, &format!("{mode}.depth1"));
+        let (_, d2) = st_values(&refb, &format!("{mode}.depth2"));
+        assert_eq!(s1, [toks.len() - 1, vocab]);
+        let mut e = engine(&main, mode);
+        e.load_mtp(Arc::clone(&side)).unwrap();
+        let mut st = e.new_state().unwrap();
+        let mut worst = 0f64;
+        for p in 1..toks.len() {
+            e.eval(&mut st, &toks[p - 1..p], Logits::None, None)
+                .unwrap();
+            // Depth 1 from row p-1; where the chain is checked, depth 2 on the true token p+1.
+            let deep = chain.iter().position(|&c| c == p);
+            let mut rows = Vec::new();
+            e.mtp_draft(
+                &st,
+                toks[p],
+                if deep.is_some() { 2 } else { 1 },
+                &mut |l: &[f32]| {
+                    rows.push(l.to_vec());
+                    Some(toks[(p + 1).min(toks.len() - 1)])
+                },
+            )
+            .unwrap();
+            let want = &d1[(p - 1) * vocab..p * vocab];
+            worst = worst.max(close(&rows[0], want, &format!("{mode}: depth 1 at {p}")));
+            if let Some(i) = deep {
+                let want = &d2[i * vocab..(i + 1) * vocab];
+                worst = worst.max(close(&rows[1], want, &format!("{mode}: depth 2 at {p}")));
+            }
+        }
+        eprintln!("{mode}: worst relative error {worst:.2e}");
+        e.free_state(st);
+    }
+}

@@ -357,3 +357,35 @@ fn draft_mtp_without_a_block_is_refused() {
     );
     assert!(!c.engine().has_mtp());
 }
+
+/// Sampling with MTP drafts drawn from the block's distribution (the acceptance rule's `q`,
+/// whose statistics `crates/ds4-engine/src/sampler/draft.rs` tests): the drafts are verified
+/// and the state afterwards is the one the emitted tokens give when fed plainly.
+#[test]
+fn sampled_mtp_drafting_leaves_the_state_of_its_tokens() {
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 97).collect();
+    let n = 30;
+    let cfg = SamplerConfig {
+        temperature: 1.5,
+        seed: 9,
+        ..SamplerConfig::default()
+    };
+    let draft = DraftConfig {
+        mode: DraftMode::Mtp,
+        max: 3,
+        ngram: 3,
+    };
+    let (tokens, stats, state) = mtp_generate(draft, &cfg, &prompt, n);
+    assert_eq!(tokens.len(), n);
+    assert!(stats.steps > 0 && stats.drafted > 0, "{stats:?}");
+    let mut fed = prompt.clone();
+    fed.extend_from_slice(&tokens[..n - 1]);
+    let (_, side) = tiny_mtp();
+    let mut c = mtp_conversation(DraftConfig::default(), Some(side));
+    let cancel = AtomicBool::new(false);
+    // One token at a time, as decoding feeds them.
+    for i in 1..=fed.len() {
+        c.sync(&fed[..i], &cancel, &mut |_, _| {}).unwrap();
+    }
+    assert!(c.snapshot().unwrap().into_bytes() == state, "states differ");
+}

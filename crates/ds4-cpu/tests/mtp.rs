@@ -147,7 +147,8 @@ fn a_restored_state_drafts_once_its_streams_are_kept() {
 fn bad_mtp_tensors_are_refused_by_name() {
     let hp = tiny_hparams();
     let main = synthetic_model(&hp, &TypeRecipe::F32, 11);
-    let cases: Vec<(&str, Box<dyn Fn(&mut ds4_gguf::TensorInfo)>)> = vec![
+    type Edit = Box<dyn Fn(&mut ds4_gguf::TensorInfo)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "mtp.0.e_proj.weight",
             Box::new(|t| {

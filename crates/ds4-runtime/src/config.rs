@@ -554,7 +554,6 @@ mod tests {
             ("DS4_CUDA_PROFILE", "full"),
             ("DS4_LOAD_THREADS", "0"),
             ("DS4_LOAD_STAGING_MIB", "lots"),
-            ("DS4_DRAFT", "mtp"),
             ("DS4_DRAFT", "maybe"),
             ("DS4_DRAFT_MAX", "17"),
             ("DS4_DRAFT_NGRAM", "0"),
@@ -566,5 +565,28 @@ mod tests {
             .to_string();
             assert!(e.contains(var), "{var}: {e}");
         }
+    }
+
+    #[test]
+    fn the_mtp_drafter_and_its_file_resolve() {
+        let env = |k: &str| match k {
+            "DS4_DRAFT" => Some("mtp".to_string()),
+            "DS4_MTP" => Some("/m/side.gguf".to_string()),
+            _ => None,
+        };
+        let c = Config::resolve(ConfigFlags::default(), env).unwrap();
+        assert_eq!(c.draft.value, DraftMode::Mtp);
+        assert_eq!(
+            c.mtp.value.as_deref(),
+            Some(std::path::Path::new("/m/side.gguf"))
+        );
+        // --mtp over the variable, with its source.
+        let c = c.with_mtp_flag(Some("/x.gguf".into()));
+        assert_eq!(
+            c.mtp.value.as_deref(),
+            Some(std::path::Path::new("/x.gguf"))
+        );
+        assert!(matches!(c.mtp.source, Source::Cli { .. }));
+        assert!(Config::default().mtp.value.is_none());
     }
 }

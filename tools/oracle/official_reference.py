@@ -321,8 +321,10 @@ class Reference:
             out_rows.extend(finish(self._compress_rows(us, zs, ratio, width, w_from, w_to, pre)))
 
     # -- one chunk -----------------------------------------------------------------------------
-    def forward(self, toks: list[int]) -> np.ndarray:
-        """Processes toks at positions pos..pos+T-1 and returns their logits [T, V]."""
+    def forward(self, toks: list[int], x_in: np.ndarray | None = None) -> np.ndarray:
+        """Processes toks at positions pos..pos+T-1 and returns their logits [T, V]. `x_in`
+        ([T, hc, E]) replaces the embedded streams (the MTP block, `make_mtp.py`); the final
+        streams, before the head, are left in `self.streams`."""
         c, w = self.c, self.w
         t = len(toks)
         pos = np.arange(self.pos, self.pos + t)
@@ -330,7 +332,10 @@ class Reference:
         ids = np.asarray(toks)
         nh, hd, rd = c.n_head, c.head_dim, c.rope_dim
         nope = hd - rd
-        x = np.repeat(w["model.embed_tokens.weight"][ids][:, None, :], c.hc, axis=1)
+        if x_in is None:
+            x = np.repeat(w["model.embed_tokens.weight"][ids][:, None, :], c.hc, axis=1)
+        else:
+            x = np.asarray(x_in, dtype=np.float64)
         margins = [{"router": math.inf, "indexer": math.inf} for _ in range(t)]
         qat8 = (lambda v: np.concatenate([fp8_roundtrip(v[..., :nope], self.fp8_block), v[..., nope:]], axis=-1)) \
             if self.qat_fp8 else (lambda v: v)
@@ -424,6 +429,7 @@ class Reference:
             x = self.hc_post(out, x, post, comb)
 
         # ---- head ----
+        self.streams = x
         flat = x.reshape(t, -1)
         mix = (flat @ w["model.hc_head.hc_fn"].T) / np.sqrt(np.mean(flat * flat, axis=-1, keepdims=True) + c.eps)
         wts = sigmoid(mix * w["model.hc_head.hc_scale"][0] + w["model.hc_head.hc_base"]) + c.hc_eps

@@ -153,6 +153,10 @@ enum Cmd {
         /// Take tokenizer.ggml.* from this GGUF (e.g. the vocabulary-only fixture).
         #[arg(long)]
         vocab_gguf: Option<PathBuf>,
+        /// Also write a synthetic MTP block to this file (ds4's sidecar layout, for `ds4
+        /// --draft mtp --mtp FILE`; random weights, so its drafts are mostly rejected).
+        #[arg(long, value_name = "FILE")]
+        mtp: Option<PathBuf>,
         /// The GGUF to write (required unless --dry-run).
         out: Option<PathBuf>,
     },
@@ -362,6 +366,7 @@ fn main() -> Result<()> {
             router_skew,
             tokenizer,
             vocab_gguf,
+            mtp,
             out,
         } => {
             let recipe = match layout {
@@ -400,6 +405,11 @@ fn main() -> Result<()> {
             let Some(out) = out else {
                 bail!("an output path is required unless --dry-run is given");
             };
+            if let Some(path) = &mtp {
+                let side = model.mtp_sidecar()?;
+                let bytes = write_model(&side, path, cli.quiet)?;
+                println!("{}: synthetic MTP block, {bytes} bytes", path.display());
+            }
             if sparse_experts {
                 let tmp = PathBuf::from(format!("{}.partial", out.display()));
                 let f =

@@ -145,8 +145,8 @@ fn role_of(name: &str, ne0: u64, n_expert: u64) -> Role {
     match N::parse(name) {
         Some(N::Global(G::TokenEmbd)) => return Role::Matrix(1.0),
         Some(N::Layer(_, L::Tid2Eid)) => return Role::ExpertIds(n_expert),
-        Some(N::Layer(_, L::AttnSinks)) => return Role::Range(-0.5, 0.5),
-        Some(N::Layer(_, L::RouterBias)) => return Role::RouterBias,
+        Some(N::Layer(_, L::AttnSinks) | N::Mtp(_, L::AttnSinks)) => return Role::Range(-0.5, 0.5),
+        Some(N::Layer(_, L::RouterBias) | N::Mtp(_, L::RouterBias)) => return Role::RouterBias,
         _ => {}
     }
     // Families by spelling: every norm weight, HC base/scale, compressor position bias.
@@ -244,10 +244,63 @@ impl SyntheticModel {
         h: HParams,
         recipe: TypeRecipe,
         seed: u64,
-        mut header: Header,
+        header: Header,
     ) -> Result<SyntheticModel> {
         crate::convert::check_block_alignment(&header, "synthetic")?;
         ModelSpec::from_header(&header, Strictness::Auto)?;
+        SyntheticModel::unchecked(h, recipe, seed, header)
+    }
+
+    /// The MTP sidecar of this model (docs/gguf.md §3.5, §4.7): ds4's five keys and the 32
+    /// `mtp.0.*` tensors with random weights of the same kinds, in the published types (all
+    /// F32 for the f32 recipe, and F32 for a tensor whose rows a block type cannot split, at
+    /// tiny dims), so `ds4 --draft mtp --mtp FILE` runs on a synthetic model. Its weights are
+    /// not a trained predictor: drafts are mostly rejected.
+    pub fn mtp_sidecar(&self) -> Result<SyntheticModel> {
+        let h = &self.hparams;
+        let mut tensors = ds4_model::layout::mtp_tensor_table(h);
+        for t in &mut tensors {
+            if self.recipe == TypeRecipe::F32 || t.ty.row_bytes(t.dims[0]).is_none() {
+                t.ty = GgmlType::F32;
+            }
+        }
+        let u32v = |n: usize| ds4_gguf::Value::U32(n as u32);
+        let header = Header {
+            metadata: vec![
+                (
+                    "general.architecture".into(),
+                    ds4_gguf::Value::String("deepseek4_mtp_support".into()),
+                ),
+                (
+                    "general.name".into(),
+                    ds4_gguf::Value::String(format!("{SYNTHETIC_NAME} MTP support")),
+                ),
+                ("deepseek4.expert_count".into(), u32v(h.n_expert)),
+                ("deepseek4.mtp_layer_count".into(), u32v(1)),
+                ("deepseek4.nextn_predict_layers".into(), u32v(1)),
+            ],
+            tensors,
+        };
+        crate::convert::check_block_alignment(&header, "synthetic")?;
+        ds4_model::mtp::validate_mtp(&header, h, false)?;
+        // Another stream of random numbers than the main model's tensors.
+        SyntheticModel::unchecked(h.clone(), self.recipe, self.seed ^ 0x4D54_5000, header)
+            .map(|m| m.with_router_skew_unchecked(self.router_skew))
+    }
+
+    fn with_router_skew_unchecked(mut self, s: f32) -> SyntheticModel {
+        self.router_skew = s;
+        self
+    }
+
+    /// [`SyntheticModel::from_header`] without the model validation (the MTP sidecar is
+    /// checked against its own rules).
+    fn unchecked(
+        h: HParams,
+        recipe: TypeRecipe,
+        seed: u64,
+        mut header: Header,
+    ) -> Result<SyntheticModel> {
         header.assign_offsets()?;
         let head = ds4_gguf::encode_header(&header)?.len() as u64;
         let align = header.alignment()?;

@@ -401,3 +401,55 @@ fn router_skew_favours_few_experts_and_zero_changes_nothing() {
     assert!(model(0.0).with_router_skew(-1.0).is_err());
     assert!(model(0.0).with_router_skew(f32::NAN).is_err());
 }
+
+#[test]
+fn synthetic_mtp_sidecar_has_the_published_layout() {
+    // docs/gguf.md §4.7: 32 tensors, the last one (norm, 4096 F32) ending at data byte
+    // 3,807,600,192; ds4's types (Q8_0 projections, Q4_K experts, F32 rest).
+    let q2 = SyntheticModel::new(TypeRecipe::Q2, 1, 0).unwrap();
+    let side = q2.mtp_sidecar().unwrap();
+    assert_eq!(side.header().tensors.len(), 32);
+    assert_eq!(side.file_size() - side.data_offset(), 3_807_600_192);
+    ds4_model::mtp::validate_mtp(side.header(), q2.hparams(), true).unwrap();
+    let ty = |n: &str| {
+        side.header()
+            .tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .ty
+    };
+    assert_eq!(ty("mtp.0.e_proj.weight"), GgmlType::Q8_0);
+    assert_eq!(ty("mtp.0.ffn_gate_exps.weight"), GgmlType::Q4K);
+    assert_eq!(ty("mtp.0.hnorm.weight"), GgmlType::F32);
+    // A tiny f32 sidecar writes and validates as a file, and differs from the main
+    // model's random stream.
+    let h = ds4_model::HParams {
+        n_layer: 2,
+        n_embd: 64,
+        n_head: 2,
+        head_dim: 64,
+        rope_dim: 16,
+        q_lora_rank: 32,
+        o_lora_rank: 32,
+        o_groups: 2,
+        n_vocab: 97,
+        n_expert: 4,
+        n_expert_used: 2,
+        expert_ff: 32,
+        hash_layer_count: 1,
+        swiglu_clamp: vec![10.0; 2],
+        sliding_window: 8,
+        compress_ratios: vec![0, 0],
+        context_length: Some(256),
+        ..ds4_model::HParams::flash()
+    };
+    let tok = ds4_model::layout::placeholder_tokenizer(h.n_vocab);
+    let tiny = SyntheticModel::from_hparams(h.clone(), TypeRecipe::F32, 3, &tok).unwrap();
+    let side = tiny.mtp_sidecar().unwrap();
+    let (bytes, _) = side.write_to(Vec::new(), &mut NoProgress).unwrap();
+    let f = GgufFile::from_bytes(bytes).unwrap();
+    assert!(ds4_model::mtp::has_mtp(f.header()));
+    ds4_model::mtp::validate_mtp(f.header(), &h, false).unwrap();
+    assert!(f.header().tensors.iter().all(|t| t.ty == GgmlType::F32));
+}

@@ -168,3 +168,47 @@ fn bad_settles_are_errors() {
     assert_eq!(st.pos(), pos);
     eng.free_state(st);
 }
+
+/// With the MTP block loaded and drafting every step (docs/speculative.md §4.1), verify and
+/// settle leave every buffer of the main state as a run that never drafted leaves it: the
+/// block keeps its own state and only reads the main model's streams.
+#[test]
+fn mtp_drafts_leave_the_main_state_of_a_run_that_never_drafted() {
+    let hp = tiny_hparams();
+    let file = synthetic_model(&hp, &TypeRecipe::F32, 11);
+    let side = mtp_sidecar(&hp, 21, &|_| {});
+    for mode in [NumericMode::Exact, NumericMode::Official] {
+        let mut eng = engine(&file, Some(mode), false);
+        eng.load_mtp(Arc::clone(&side)).unwrap();
+        let seq = tokens(44, hp.n_vocab, 17);
+        let (mut a, mut b) = (eng.new_state().unwrap(), eng.new_state().unwrap());
+        eng.eval(&mut a, &seq[..5], Logits::None, None).unwrap();
+        eng.eval(&mut b, &seq[..5], Logits::None, None).unwrap();
+        let mut rows = Vec::new();
+        let mut p = 5;
+        while p + 4 < seq.len() {
+            let d = eng
+                .mtp_draft(&a, seq[p], 3, &mut |l: &[f32]| Some(ds4_engine::argmax(l)))
+                .unwrap();
+            assert_eq!(d.len(), 3);
+            // The true sequence stands in for accepted drafts: keep 1 to 4 tokens.
+            let keep = 1 + p % 4;
+            let mut span = seq[p..p + keep].to_vec();
+            span.extend_from_slice(&d[keep - 1..]);
+            let v = eng.eval_verify(&mut a, &span, &mut rows).unwrap();
+            eng.settle(&mut a, v, keep).unwrap();
+            for &t in &seq[p..p + keep] {
+                eng.eval(&mut b, &[t], Logits::None, None).unwrap();
+            }
+            let what = format!("{mode}: after {} tokens", p + keep);
+            assert!(
+                dump(&mut eng, &a) == dump(&mut eng, &b),
+                "{what}: states differ"
+            );
+            p += keep;
+        }
+        for s in [a, b] {
+            eng.free_state(s);
+        }
+    }
+}

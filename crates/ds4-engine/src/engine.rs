@@ -52,6 +52,8 @@ pub struct Engine {
     undo: crate::speculate::UndoArea,
     /// Routing counts while [`Engine::set_route_census`] is on.
     census: Option<RouteCensus>,
+    /// The MTP block, when loaded ([`Engine::load_mtp`]).
+    mtp: Option<crate::mtp::Mtp>,
     _file: Arc<GgufFile>,
 }
 
@@ -141,8 +143,66 @@ impl Engine {
             short_rows: SHORT_PREFILL_ROWS,
             undo: Default::default(),
             census: None,
+            mtp: None,
             _file: file,
         })
+    }
+
+    /// Loads the multi-token-prediction block (`mtp.0.*`, docs/gguf.md §4.7) from `file`
+    /// (the main file itself, or ds4's sidecar), after checking every tensor against the
+    /// main model. From then on the main model's final streams of the last window of
+    /// positions are kept for it, and [`Engine::mtp_draft`] drafts with it.
+    pub fn load_mtp(&mut self, file: Arc<GgufFile>) -> Result<()> {
+        if self.stream.is_some() {
+            return Err(EngineError::Config(
+                "the MTP block is not supported with streamed experts".into(),
+            ));
+        }
+        let m = crate::mtp::Mtp::load(
+            self.backend.as_mut(),
+            &file,
+            &self.spec,
+            &self.weights,
+            &self.config,
+            self.fingerprint,
+        )?;
+        if let Some(old) = self.mtp.replace(m) {
+            old.free(self.backend.as_mut());
+        }
+        Ok(())
+    }
+
+    /// Whether an MTP block is loaded.
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// Drafts up to `k` tokens to follow `state`'s tokens and `next` (the token about to be
+    /// fed) with the MTP block (docs/speculative.md §4): `pick` receives the draft logits of
+    /// each depth and returns the draft token, or `None` to stop. Empty when no block is
+    /// loaded or the main model's streams for `state` were not kept (it was restored from
+    /// a snapshot or stepped in a batch since): the caller then decodes plainly. Neither
+    /// `state` nor what later calls draft depends on what was drafted.
+    pub fn mtp_draft(
+        &mut self,
+        state: &KvState,
+        next: u32,
+        k: usize,
+        pick: &mut dyn FnMut(&[f32]) -> Option<u32>,
+    ) -> Result<Vec<u32>> {
+        self.check_state(state)?;
+        if next as usize >= self.spec.hparams.n_vocab {
+            return Err(EngineError::BadToken {
+                token: next,
+                index: 0,
+                n_vocab: self.spec.hparams.n_vocab,
+            });
+        }
+        let mode = self.mode;
+        match self.mtp.as_mut() {
+            Some(m) => m.draft(self.backend.as_mut(), mode, state.tokens(), next, k, pick),
+            None => Ok(Vec::new()),
+        }
     }
 
     pub fn hparams(&self) -> &HParams {
@@ -560,6 +620,7 @@ impl Engine {
             mode: self.mode,
             stream: self.stream.as_mut(),
             census: self.census.as_mut(),
+            streams_in: false,
         };
         let mut seqs: Vec<Seq> = states
             .iter_mut()
@@ -759,6 +820,7 @@ impl Engine {
             mode: self.mode,
             stream: self.stream.as_mut(),
             census: self.census.as_mut(),
+            streams_in: false,
         };
         let n_chunks = tokens.len().div_ceil(cap);
         for (ci, chunk) in tokens.chunks(cap).enumerate() {
@@ -772,6 +834,7 @@ impl Engine {
             let short = chunk.len() > 1
                 && chunk.len() <= self.short_rows
                 && self.backend.set_decode_rows(chunk.len()).is_ok();
+            let pos0 = state.pos();
             let r = forward_chunk(self.backend.as_mut(), &mut model, scratch, state, chunk, w);
             if short {
                 let reset = self.backend.set_decode_rows(1);
@@ -779,6 +842,10 @@ impl Engine {
                 reset?;
             } else {
                 r?;
+            }
+            if let Some(mtp) = self.mtp.as_mut() {
+                let be = self.backend.as_mut();
+                mtp.record(be, scratch.x, pos0, chunk.len(), state.tokens())?;
             }
             let rows = match w {
                 Want::None => 0,
@@ -802,6 +869,9 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.undo.free(self.backend.as_mut());
+        if let Some(m) = self.mtp.take() {
+            m.free(self.backend.as_mut());
+        }
         if let Some(s) = self.scratch.take() {
             s.free(self.backend.as_mut());
         }

@@ -34,10 +34,12 @@ const BATCH_SELS: usize = 64;
 #[derive(Debug)]
 pub(crate) struct Scratch {
     pub logit_rows: usize,
-    tokens: IBuf,
+    pub(crate) tokens: IBuf,
     /// Each row's position in a batched decode step (one row per sequence).
     pos: IBuf,
-    x: Buf,
+    /// The HC streams `[cap, n·D]`; after a call, each row's final streams (the MTP
+    /// block's input, docs/forward.md §10).
+    pub(crate) x: Buf,
     mix: Buf,
     y: Buf,
     post: Buf,
@@ -215,6 +217,9 @@ pub(crate) struct Model<'a> {
     pub stream: Option<&'a mut ExpertStream>,
     /// Routing counts ([`crate::Engine::set_route_census`]), when on.
     pub census: Option<&'a mut crate::census::RouteCensus>,
+    /// The caller has written the chunk's input streams into the scratch's `x` (the MTP
+    /// block, docs/forward.md §10) instead of the token embedding.
+    pub streams_in: bool,
 }
 
 /// One sequence's part of a forward call: its state and the tokens that follow it.
@@ -340,8 +345,10 @@ pub(crate) fn forward(
         rms_eps: eps,
     };
 
-    be.annotate("embed");
-    be.embed(m.w.tok_embd, s.tokens, t_all, n_hc, s.x.rows(0, t_all, xw))?;
+    if !m.streams_in {
+        be.annotate("embed");
+        be.embed(m.w.tok_embd, s.tokens, t_all, n_hc, s.x.rows(0, t_all, xw))?;
+    }
 
     // The HCPost of the sublayer just finished waits for the next sublayer's HCPre, which
     // applies it on the way (Backend::hc_post_mix_pre_norm); the last one is applied

@@ -22,6 +22,7 @@ pub mod expert_cache;
 mod expert_host;
 pub mod expert_stream;
 pub mod forward;
+mod mtp;
 pub mod numerics;
 pub mod sampler;
 pub mod session;

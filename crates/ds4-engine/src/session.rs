@@ -126,6 +126,18 @@ impl Session {
         self.engine.can_verify()
     }
 
+    /// Drafts up to `k` tokens after the state and `next` with the MTP block
+    /// ([`Engine::mtp_draft`]); empty without one.
+    pub fn mtp_draft(
+        &mut self,
+        next: u32,
+        k: usize,
+        pick: &mut dyn FnMut(&[f32]) -> Option<u32>,
+    ) -> Result<Vec<u32>> {
+        let (e, s) = self.st();
+        e.mtp_draft(s, next, k, pick)
+    }
+
     /// Keeps the first `keep` tokens of the last [`Session::verify`] ([`Engine::settle`]).
     pub fn settle(&mut self, v: crate::Verify, keep: usize) -> Result<()> {
         let (e, s) = self.st();

@@ -11,6 +11,7 @@ pub mod error;
 pub mod hparams;
 pub mod kv;
 pub mod layout;
+pub mod mtp;
 pub mod names;
 pub mod spec;
 

@@ -35,10 +35,12 @@ pub const LOAD_THREADS_ENV: &str = "DS4_LOAD_THREADS";
 /// `DS4_LOAD_STAGING_MIB`: the GPU weight load's pinned staging ring, MiB.
 pub const LOAD_STAGING_ENV: &str = "DS4_LOAD_STAGING_MIB";
 
-/// `DS4_DRAFT=off|lookup|auto`: the drafter of speculative decoding (docs/speculative.md).
+/// `DS4_DRAFT=off|mtp|lookup|auto`: the drafter of speculative decoding (docs/speculative.md).
 pub const DRAFT_ENV: &str = "DS4_DRAFT";
 /// `DS4_DRAFT_MAX`: most drafted tokens per step.
 pub const DRAFT_MAX_ENV: &str = "DS4_DRAFT_MAX";
+/// `DS4_MTP`: the file holding the MTP block (`mtp.0.*`; ds4's sidecar), as `--mtp`.
+pub const MTP_ENV: &str = "DS4_MTP";
 /// `DS4_DRAFT_NGRAM`: the longest suffix the lookup drafter matches.
 pub const DRAFT_NGRAM_ENV: &str = "DS4_DRAFT_NGRAM";
 /// The longest suffix `--draft-ngram` accepts (longer ones almost never match where a
@@ -85,6 +87,9 @@ pub struct Config {
     pub draft_max: Setting<usize>,
     /// The longest suffix n-gram the lookup drafter matches.
     pub draft_ngram: Setting<usize>,
+    /// The file holding the MTP block (`--mtp`, `DS4_MTP`); without one, the model file's
+    /// own `mtp.0.*` tensors when it has them (loaded for `--draft mtp|auto`).
+    pub mtp: Setting<Option<std::path::PathBuf>>,
 }
 
 impl Default for Config {
@@ -221,7 +226,7 @@ impl Config {
                     .map_err(|_| OverrideError::BadValue {
                         name: DRAFT_ENV.to_string(),
                         value: v.clone(),
-                        expected: "off, lookup or auto (mtp: not yet)",
+                        expected: "off, mtp, lookup or auto",
                     })?,
                 env_source(DRAFT_ENV, &v),
             )),
@@ -252,7 +257,15 @@ impl Config {
             env,
         )?;
         let load = LoadConfig::default();
+        let mtp = match env(MTP_ENV) {
+            Some(v) if !v.trim().is_empty() => Setting::new(
+                Some(std::path::PathBuf::from(v.trim())),
+                env_source(MTP_ENV, &v),
+            ),
+            _ => Setting::new(None, Source::Default),
+        };
         Ok(Config {
+            mtp,
             draft,
             draft_max,
             draft_ngram,
@@ -264,6 +277,21 @@ impl Config {
             load_threads: count(LOAD_THREADS_ENV, load.threads, env)?,
             load_staging_mib: count(LOAD_STAGING_ENV, ds4_gpu::backend::DEFAULT_STAGING_MIB, env)?,
         })
+    }
+
+    /// `--mtp FILE`: the MTP block's file, over `DS4_MTP`.
+    pub fn with_mtp_flag(mut self, path: Option<std::path::PathBuf>) -> Config {
+        if let Some(p) = path {
+            let value = p.display().to_string();
+            self.mtp = Setting::new(
+                Some(p),
+                Source::Cli {
+                    flag: "--mtp".into(),
+                    value,
+                },
+            );
+        }
+        self
     }
 
     /// The settings `flags` give without any variable (tests and tools that load engines
@@ -339,6 +367,11 @@ impl Config {
         row("  draft max", dm.value.to_string(), &dm.source);
         let dn = &self.draft_ngram;
         row("  draft n-gram", dn.value.to_string(), &dn.source);
+        let mtp = match &self.mtp.value {
+            Some(p) => p.display().to_string(),
+            None => "the model file's, if any".to_string(),
+        };
+        row("  MTP block", mtp, &self.mtp.source);
         let choice = |s: &Setting<ds4_placement::MemChoice>| s.value.to_string();
         let gib = |s: &Setting<Option<u64>>, none: &str| match s.value {
             Some(b) => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
@@ -521,7 +554,6 @@ mod tests {
             ("DS4_CUDA_PROFILE", "full"),
             ("DS4_LOAD_THREADS", "0"),
             ("DS4_LOAD_STAGING_MIB", "lots"),
-            ("DS4_DRAFT", "mtp"),
             ("DS4_DRAFT", "maybe"),
             ("DS4_DRAFT_MAX", "17"),
             ("DS4_DRAFT_NGRAM", "0"),
@@ -533,5 +565,28 @@ mod tests {
             .to_string();
             assert!(e.contains(var), "{var}: {e}");
         }
+    }
+
+    #[test]
+    fn the_mtp_drafter_and_its_file_resolve() {
+        let env = |k: &str| match k {
+            "DS4_DRAFT" => Some("mtp".to_string()),
+            "DS4_MTP" => Some("/m/side.gguf".to_string()),
+            _ => None,
+        };
+        let c = Config::resolve(ConfigFlags::default(), env).unwrap();
+        assert_eq!(c.draft.value, DraftMode::Mtp);
+        assert_eq!(
+            c.mtp.value.as_deref(),
+            Some(std::path::Path::new("/m/side.gguf"))
+        );
+        // --mtp over the variable, with its source.
+        let c = c.with_mtp_flag(Some("/x.gguf".into()));
+        assert_eq!(
+            c.mtp.value.as_deref(),
+            Some(std::path::Path::new("/x.gguf"))
+        );
+        assert!(matches!(c.mtp.source, Source::Cli { .. }));
+        assert!(Config::default().mtp.value.is_none());
     }
 }

@@ -19,8 +19,12 @@ pub enum DraftMode {
     /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
     /// context's last n-gram.
     Lookup,
-    /// Prompt lookup, paused while this run's verify steps cost more time per token than
-    /// plain decoding ([`Governor`]).
+    /// The checkpoint's multi-token-prediction block (`--mtp FILE`, or the main file's
+    /// `mtp.0.*`), chained to the draft depth (docs/speculative.md §4).
+    Mtp,
+    /// The MTP block when one is loaded, else prompt lookup; paused while this run's verify
+    /// steps cost more time per token than plain decoding ([`Governor`]), which is where
+    /// poor acceptance shows.
     Auto,
 }
 
@@ -29,6 +33,7 @@ impl fmt::Display for DraftMode {
         f.write_str(match self {
             DraftMode::Off => "off",
             DraftMode::Lookup => "lookup",
+            DraftMode::Mtp => "mtp",
             DraftMode::Auto => "auto",
         })
     }
@@ -41,10 +46,8 @@ impl FromStr for DraftMode {
             "off" | "none" | "0" => Ok(DraftMode::Off),
             "lookup" => Ok(DraftMode::Lookup),
             "auto" => Ok(DraftMode::Auto),
-            "mtp" => Err(format!(
-                "--draft {s}: not yet (the MTP block is not implemented; issue 53); use lookup, auto or off"
-            )),
-            _ => Err(format!("--draft {s}: expected lookup, auto or off")),
+            "mtp" => Ok(DraftMode::Mtp),
+            _ => Err(format!("--draft {s}: expected mtp, lookup, auto or off")),
         }
     }
 }
@@ -85,14 +88,34 @@ impl DraftConfig {
         self.mode != DraftMode::Off && self.max > 0 && self.ngram > 0
     }
 
-    /// The drafts for the next step after `context`, at most `limit` (and the configured
-    /// maximum): empty when the drafter has nothing.
+    /// Which drafter runs, given whether an MTP block is loaded: `auto` takes it when there
+    /// is one; `mtp` without one drafts nothing (the front ends refuse that combination).
+    pub fn drafter(&self, has_mtp: bool) -> Drafter {
+        match self.mode {
+            DraftMode::Off => Drafter::None,
+            DraftMode::Lookup => Drafter::Lookup,
+            DraftMode::Mtp | DraftMode::Auto if has_mtp => Drafter::Mtp,
+            DraftMode::Mtp => Drafter::None,
+            DraftMode::Auto => Drafter::Lookup,
+        }
+    }
+
+    /// The prompt-lookup drafts for the next step after `context`, at most `limit` (and the
+    /// configured maximum): empty when nothing matches.
     pub fn propose<'a>(&self, context: &'a [u32], limit: usize) -> &'a [u32] {
         match self.mode {
             DraftMode::Off => &[],
-            DraftMode::Lookup | DraftMode::Auto => lookup(context, self.ngram, self.max.min(limit)),
+            _ => lookup(context, self.ngram, self.max.min(limit)),
         }
     }
+}
+
+/// The drafter a generation runs ([`DraftConfig::drafter`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drafter {
+    None,
+    Lookup,
+    Mtp,
 }
 
 /// Prompt lookup: for n from `ngram` down to 1, the context's last n tokens are searched
@@ -286,10 +309,19 @@ mod tests {
     }
 
     #[test]
-    fn modes_parse_and_reserved_ones_say_not_yet() {
+    fn modes_parse_and_auto_prefers_mtp() {
         assert_eq!("lookup".parse::<DraftMode>(), Ok(DraftMode::Lookup));
         assert_eq!("off".parse::<DraftMode>(), Ok(DraftMode::Off));
-        assert!("mtp".parse::<DraftMode>().unwrap_err().contains("not yet"));
+        assert_eq!("mtp".parse::<DraftMode>(), Ok(DraftMode::Mtp));
+        let c = |mode| DraftConfig {
+            mode,
+            ..DraftConfig::default()
+        };
+        assert_eq!(c(DraftMode::Auto).drafter(true), Drafter::Mtp);
+        assert_eq!(c(DraftMode::Auto).drafter(false), Drafter::Lookup);
+        assert_eq!(c(DraftMode::Mtp).drafter(false), Drafter::None);
+        assert_eq!(c(DraftMode::Lookup).drafter(true), Drafter::Lookup);
+        assert_eq!(c(DraftMode::Off).drafter(true), Drafter::None);
         assert_eq!("auto".parse::<DraftMode>(), Ok(DraftMode::Auto));
         assert!("nope".parse::<DraftMode>().is_err());
         let s = DraftStats {

@@ -17,7 +17,7 @@ use ds4_engine::{Engine, EngineError, Sampler, Session, Snapshot};
 use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, Format};
-use crate::draft::{DraftConfig, DraftMode, DraftStats, Governor};
+use crate::draft::{DraftConfig, DraftMode, DraftStats, Drafter, Governor};
 use crate::step::{band_fits_mask, Left, SessionStep, StepLogits};
 
 /// Why a driver operation failed.
@@ -463,12 +463,16 @@ impl Conversation {
         };
         let mask = ignore_eos.then_some(limits.eos);
         // A backend without decode rows cannot verify bit for bit: no drafts there.
-        let drafting = self.draft.on() && !feed_all && self.session.can_verify();
+        let drafter = self.draft.drafter(self.session.engine().has_mtp());
+        let drafting =
+            self.draft.on() && drafter != Drafter::None && !feed_all && self.session.can_verify();
         // `--draft auto`: whether to draft this step, from this run's measured rates.
         let mut governor = (self.draft.mode == DraftMode::Auto).then(Governor::new);
         // Every row of a verify step, and the context the drafter reads.
         let mut rows = Vec::new();
         let mut context = Vec::new();
+        // The MTP drafter's distribution of each draft when sampling (else point masses).
+        let mut draft_q: Vec<Vec<(u32, f64)>> = Vec::new();
         // What the last step left: the row in `logits`, or the argmax / band with the row
         // in the backend's scratch (fetched by the pick only when needed).
         let mut left = Left::Row;
@@ -515,14 +519,36 @@ impl Conversation {
                     .saturating_sub(1)
                     .min(self.ctx().saturating_sub(self.pos() + 1))
                     .min(engine.config().prefill_chunk.saturating_sub(1));
-                context.clear();
-                context.extend_from_slice(self.session.tokens());
-                context.push(tok);
-                let drafts = self.draft.propose(&context, limit).to_vec();
+                draft_q.clear();
+                let drafts = if drafter == Drafter::Mtp {
+                    // Greedy: the block's most likely token at each depth (a point mass).
+                    // Sampling: a draw from the block's logits through the sampler, whose
+                    // distribution the acceptance rule then takes as `q`
+                    // (docs/speculative.md §3).
+                    let k = limit.min(self.draft.max);
+                    let greedy = sampler.config().temperature == 0.0;
+                    let qs = &mut draft_q;
+                    let smp = &mut *sampler;
+                    self.session.mtp_draft(tok, k, &mut |l: &[f32]| {
+                        if greedy {
+                            return Some(ds4_engine::argmax(l));
+                        }
+                        let q = smp.distribution(l, &[]).ok()?;
+                        let x = smp.draw(&q)?;
+                        qs.push(q);
+                        Some(x)
+                    })?
+                } else {
+                    context.clear();
+                    context.extend_from_slice(self.session.tokens());
+                    context.push(tok);
+                    self.draft.propose(&context, limit).to_vec()
+                };
                 if !drafts.is_empty() {
                     let (t0, accepted) = (Instant::now(), gen.draft.accepted);
-                    let verified = self
-                        .verify_step(&mut gen, tok, &drafts, &mut rows, sampler, cancel, steer)?;
+                    let verified = self.verify_step(
+                        &mut gen, tok, &drafts, &draft_q, &mut rows, sampler, cancel, steer,
+                    )?;
                     if let Some(g) = governor.as_mut() {
                         let advanced = 1 + (gen.draft.accepted - accepted) as usize;
                         g.verify_step(t0.elapsed().as_secs_f64(), advanced, gen.tokens().len());
@@ -578,6 +604,7 @@ impl Conversation {
         gen: &mut GenState,
         tok: u32,
         drafts: &[u32],
+        draft_q: &[Vec<(u32, f64)>],
         rows: &mut Vec<f32>,
         sampler: &mut Sampler,
         cancel: &AtomicBool,
@@ -595,7 +622,8 @@ impl Conversation {
         for (i, &d) in drafts.iter().enumerate() {
             // Each row is picked from once, so it is masked (EOS) in place.
             let mut row = &mut rows[i * n_vocab..(i + 1) * n_vocab];
-            let picked = gen.pick_draft(&mut row, sampler, cancel, steer, Some(d));
+            let q = draft_q.get(i).map_or(&[][..], Vec::as_slice);
+            let picked = gen.pick_draft(&mut row, sampler, cancel, steer, Some((d, q)));
             let (t, flow) = match picked {
                 Ok(Pick::Stop(stop)) => {
                     outcome = Verified::Stop(stop);
@@ -699,16 +727,17 @@ impl GenState {
     }
 
     /// [`GenState::pick`] at a position whose token was drafted: the steer's token as
-    /// usual, else the sampler's acceptance rule ([`Sampler::sample_draft`]), which emits
-    /// the draft or a replacement so that the token has exactly the distribution `pick`
-    /// would draw from. The caller compares the result with the draft.
+    /// usual, else the sampler's acceptance rule ([`Sampler::sample_draft_from`]; `draft`
+    /// is the token and the distribution it was drawn from, empty for a deterministic
+    /// draft), which emits the draft or a replacement so that the token has exactly the
+    /// distribution `pick` would draw from. The caller compares the result with the draft.
     pub fn pick_draft(
         &mut self,
         dist: &mut dyn StepLogits,
         sampler: &mut Sampler,
         cancel: &AtomicBool,
         steer: &mut dyn Steer,
-        draft: Option<u32>,
+        draft: Option<(u32, &[(u32, f64)])>,
     ) -> Result<Pick, DriverError> {
         let GenLimits {
             max_tokens,
@@ -735,7 +764,9 @@ impl GenState {
         };
         let tok = match (chosen, draft) {
             (Some(t), _) => t,
-            (None, Some(d)) => sampler.sample_draft(masked_row(dist, mask)?, &self.out, d)?,
+            (None, Some((d, q))) => {
+                sampler.sample_draft_from(masked_row(dist, mask)?, &self.out, d, q)?
+            }
             (None, None) => {
                 let drawn = match dist.band() {
                     Some(b) if band_fits_mask(b, mask) => sampler.sample_band(b)?,

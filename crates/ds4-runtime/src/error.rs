@@ -36,6 +36,8 @@ pub enum LoadError {
     },
     #[error("encoding the model header (its identity for disk sessions)")]
     Identity(#[source] ds4_gguf::GgufError),
+    #[error("--draft mtp needs the MTP block: {} has no mtp.0.* tensors; give its file with --mtp FILE (ds4-convert writes it as OUT-mtp.gguf)", .0.display())]
+    NoMtp(PathBuf),
     #[error("the context must be at least 1 token")]
     ZeroContext,
     #[error("starting the CPU backend")]

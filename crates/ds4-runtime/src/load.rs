@@ -591,10 +591,38 @@ fn build_engine_logged(
         ctx,
         prefill_chunk: opts.prefill_chunk,
     };
-    Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| LoadError::Engine {
-        path: opts.model.clone(),
-        source,
-    })
+    let mut engine = Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| {
+        LoadError::Engine {
+            path: opts.model.clone(),
+            source,
+        }
+    })?;
+    load_mtp(&mut engine, file, opts)?;
+    Ok(engine)
+}
+
+/// Loads the MTP block when drafting may use it (`--draft mtp|auto`): from `--mtp FILE`,
+/// else from the model file when it carries `mtp.0.*`. `--draft mtp` without a block is
+/// refused, saying where one comes from.
+fn load_mtp(
+    engine: &mut Engine,
+    file: &Arc<GgufFile>,
+    opts: &LoadOptions,
+) -> Result<(), LoadError> {
+    use crate::draft::DraftMode;
+    let mode = opts.config.draft.value;
+    if !matches!(mode, DraftMode::Mtp | DraftMode::Auto) && opts.config.mtp.value.is_none() {
+        return Ok(());
+    }
+    let (path, mfile) = match &opts.config.mtp.value {
+        Some(p) => (p.clone(), open_gguf(p)?),
+        None if ds4_model::mtp::has_mtp(file.header()) => (opts.model.clone(), file.clone()),
+        None if mode == DraftMode::Mtp => return Err(LoadError::NoMtp(opts.model.clone())),
+        None => return Ok(()),
+    };
+    engine
+        .load_mtp(mfile)
+        .map_err(|source| LoadError::Engine { path, source })
 }
 
 #[cfg(test)]

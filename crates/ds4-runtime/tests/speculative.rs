@@ -203,3 +203,189 @@ fn sampled_drafting_runs_and_top_k_one_matches() {
     let (t, _, _) = generate(model, None, lookup(3), &warm, &prompt, 30);
     assert_eq!(t.len(), 30);
 }
+
+/// A tiny synthetic model (window 8, CSA and HCA layers) and its synthetic MTP sidecar,
+/// written once per test binary.
+fn tiny_mtp() -> &'static (PathBuf, PathBuf) {
+    static P: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    P.get_or_init(|| {
+        use ds4_convert::synthetic::SyntheticModel;
+        let h = ds4_model::HParams {
+            n_layer: 4,
+            n_embd: 64,
+            n_head: 4,
+            head_dim: 64,
+            rope_dim: 16,
+            q_lora_rank: 32,
+            o_lora_rank: 32,
+            o_groups: 2,
+            n_vocab: 97,
+            n_expert: 8,
+            n_expert_used: 2,
+            expert_ff: 32,
+            hash_layer_count: 2,
+            swiglu_clamp: vec![10.0; 4],
+            sliding_window: 8,
+            compress_ratios: vec![0, 0, 4, 16],
+            indexer_heads: 16,
+            indexer_head_dim: 32,
+            indexer_top_k: 3,
+            context_length: Some(4096),
+            ..ds4_model::HParams::flash()
+        };
+        let tok = ds4_model::layout::placeholder_tokenizer(h.n_vocab);
+        let model =
+            SyntheticModel::from_hparams(h, ds4_model::layout::TypeRecipe::F32, 7, &tok).unwrap();
+        let dir = tempfile::tempdir().unwrap().keep();
+        let (main, side) = (dir.join("tiny.gguf"), dir.join("tiny-mtp.gguf"));
+        let write = |m: &SyntheticModel, p: &Path| {
+            let f = std::fs::File::create(p).unwrap();
+            m.write_to(std::io::BufWriter::new(f), &mut ds4_convert::NoProgress)
+                .unwrap();
+        };
+        write(&model, &main);
+        write(&model.mtp_sidecar().unwrap(), &side);
+        (main, side)
+    })
+}
+
+fn mtp_conversation(draft: DraftConfig, mtp: Option<&Path>) -> Conversation {
+    let (main, _) = tiny_mtp();
+    let flags = ConfigFlags {
+        no_warmup: true,
+        draft: Some(draft.mode),
+        ..ConfigFlags::default()
+    };
+    let opts = LoadOptions {
+        model: main.clone(),
+        backend: BackendChoice::Cpu,
+        mode: Some(ModeChoice::Official),
+        ctx: 512,
+        kv_states: 1,
+        prefill_chunk: 32,
+        threads: 2,
+        placement: Default::default(),
+        report: ds4_runtime::load::LoadReport::Quiet,
+        config: Config::from_flags(flags).with_mtp_flag(mtp.map(Path::to_path_buf)),
+    };
+    let mut c = Conversation::new(load(&opts, &mut std::io::sink()).unwrap().engine).unwrap();
+    c.set_draft(draft);
+    c
+}
+
+/// Tokens, statistics and final snapshot of `n` tokens after `prompt`.
+fn mtp_generate(
+    draft: DraftConfig,
+    cfg: &SamplerConfig,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, DraftStats, Vec<u8>) {
+    let (_, side) = tiny_mtp();
+    let mut c = mtp_conversation(draft, Some(side));
+    let cancel = AtomicBool::new(false);
+    let (_, logits) = c.sync(prompt, &cancel, &mut |_, _| {}).unwrap();
+    let mut sampler = Sampler::new(cfg.clone()).unwrap();
+    let limits = GenLimits {
+        max_tokens: n,
+        eos: 1,
+        ignore_eos: true,
+        feed_all: false,
+    };
+    let out = c
+        .generate(logits.unwrap(), &mut sampler, limits, &cancel, &mut |_| {})
+        .unwrap();
+    (out.tokens, out.draft, c.snapshot().unwrap().into_bytes())
+}
+
+#[test]
+fn mtp_drafting_is_lossless() {
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 97).collect();
+    let n = 40;
+    let greedy = SamplerConfig::default();
+    let (plain, none, plain_state) = mtp_generate(DraftConfig::default(), &greedy, &prompt, n);
+    assert_eq!(none, DraftStats::default());
+    for max in [1, 3, 6] {
+        for mode in [DraftMode::Mtp, DraftMode::Auto] {
+            let draft = DraftConfig {
+                mode,
+                max,
+                ngram: 3,
+            };
+            let (tokens, stats, state) = mtp_generate(draft, &greedy, &prompt, n);
+            assert_eq!(tokens, plain, "{draft:?}: tokens differ");
+            assert!(state == plain_state, "{draft:?}: states differ");
+            if mode == DraftMode::Mtp {
+                // The block drafted at every step (chained to the depth asked for).
+                assert!(
+                    stats.steps > 0 && stats.drafted >= stats.steps * max.min(2) as u64,
+                    "{draft:?}: {stats:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn draft_mtp_without_a_block_is_refused() {
+    let (main, _) = tiny_mtp();
+    let flags = ConfigFlags {
+        no_warmup: true,
+        draft: Some(DraftMode::Mtp),
+        ..ConfigFlags::default()
+    };
+    let opts = LoadOptions {
+        model: main.clone(),
+        backend: BackendChoice::Cpu,
+        mode: None,
+        ctx: 64,
+        kv_states: 1,
+        prefill_chunk: 32,
+        threads: 1,
+        placement: Default::default(),
+        report: ds4_runtime::load::LoadReport::Quiet,
+        config: Config::from_flags(flags),
+    };
+    let err = load(&opts, &mut std::io::sink()).err().unwrap().to_string();
+    assert!(err.contains("--mtp FILE"), "{err}");
+    // `auto` without a block runs prompt lookup.
+    let c = mtp_conversation(
+        DraftConfig {
+            mode: DraftMode::Auto,
+            ..DraftConfig::default()
+        },
+        None,
+    );
+    assert!(!c.engine().has_mtp());
+}
+
+/// Sampling with MTP drafts drawn from the block's distribution (the acceptance rule's `q`,
+/// whose statistics `crates/ds4-engine/src/sampler/draft.rs` tests): the drafts are verified
+/// and the state afterwards is the one the emitted tokens give when fed plainly.
+#[test]
+fn sampled_mtp_drafting_leaves_the_state_of_its_tokens() {
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 97).collect();
+    let n = 30;
+    let cfg = SamplerConfig {
+        temperature: 1.5,
+        seed: 9,
+        ..SamplerConfig::default()
+    };
+    let draft = DraftConfig {
+        mode: DraftMode::Mtp,
+        max: 3,
+        ngram: 3,
+    };
+    let (tokens, stats, state) = mtp_generate(draft, &cfg, &prompt, n);
+    assert_eq!(tokens.len(), n);
+    assert!(stats.steps > 0 && stats.drafted > 0, "{stats:?}");
+    let mut fed = prompt.clone();
+    fed.extend_from_slice(&tokens[..n - 1]);
+    let (_, side) = tiny_mtp();
+    let mut c = mtp_conversation(DraftConfig::default(), Some(side));
+    let cancel = AtomicBool::new(false);
+    // One token at a time, as decoding feeds them.
+    for i in 1..=fed.len() {
+        c.sync(&fed[..i], &cancel, &mut |_, _| {}).unwrap();
+    }
+    assert!(c.snapshot().unwrap().into_bytes() == state, "states differ");
+}

@@ -65,6 +65,11 @@ struct ModelArgs {
     no_warmup: bool,
     #[command(flatten)]
     placement: PlacementFlags,
+    /// The file holding the MTP block (`mtp.0.*`, ds4's sidecar that `ds4-convert` writes
+    /// as OUT-mtp.gguf), the drafter of `--draft mtp`; without it, the model file's own
+    /// block when it has one. Also DS4_MTP.
+    #[arg(long, value_name = "FILE")]
+    mtp: Option<PathBuf>,
     /// Generation flags that are settings too (`ds4` runs set them; other subcommands
     /// leave them unset).
     #[arg(skip)]
@@ -75,10 +80,11 @@ struct ModelArgs {
 /// place settings are resolved (`Config`).
 #[derive(clap::Args, Clone, Copy, Default)]
 struct DraftFlags {
-    /// Draft tokens and verify them in one forward pass: lookup (prompt lookup: the tokens
-    /// that followed the context's last n-gram earlier), auto (lookup, paused while it is
-    /// measured slower than plain decoding) or off; the output is unchanged (greedy: token
-    /// for token). mtp: not yet. Also DS4_DRAFT.
+    /// Draft tokens and verify them in one forward pass: mtp (the checkpoint's MTP block,
+    /// `--mtp`), lookup (prompt lookup: the tokens that followed the context's last n-gram
+    /// earlier), auto (mtp when a block is loaded, else lookup; paused while it is measured
+    /// slower than plain decoding) or off; the output is unchanged (greedy: token for
+    /// token). Also DS4_DRAFT.
     #[arg(long, value_parser = parse_draft)]
     draft: Option<DraftMode>,
     /// Most drafted tokens per step, 1 to 16 (default 3; beyond 3 a partly accepted draft
@@ -108,6 +114,7 @@ impl ModelArgs {
             },
             |k| std::env::var(k).ok(),
         )
+        .map(|c| c.with_mtp_flag(self.mtp.clone()))
         .context("invalid setting")
     }
 

@@ -202,3 +202,34 @@ pub fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
         );
     }
 }
+
+/// An MTP sidecar (docs/gguf.md §4.7) for the main model `hp`: the 32 `mtp.0.*` tensors,
+/// all F32, random with the init of [`synthetic_pair`]. `edit` may change a tensor's dims or
+/// type before it is written (the refusal tests).
+pub fn mtp_sidecar(hp: &HParams, seed: u64, edit: &dyn Fn(&mut TensorInfo)) -> Arc<GgufFile> {
+    let mut rng = Rng::new(seed);
+    let tensors = ds4_model::layout::mtp_tensor_table(hp)
+        .into_iter()
+        .map(|mut t| {
+            t.ty = GgmlType::F32;
+            edit(&mut t);
+            let n: usize = t.dims.iter().product::<u64>() as usize;
+            let name = t.name.as_str();
+            let v = if name.contains("norm") {
+                uniform(&mut rng, n, 0.8, 1.2)
+            } else if name.ends_with("attn_sinks.weight") {
+                randn(&mut rng, n, 1.0)
+            } else if name.ends_with("_base.weight") {
+                randn(&mut rng, n, 0.5)
+            } else if name.ends_with("_scale.weight") {
+                uniform(&mut rng, n, 0.7, 1.3)
+            } else if name.ends_with("exp_probs_b.bias") {
+                randn(&mut rng, n, 0.1)
+            } else {
+                randn(&mut rng, n, (t.dims[0] as f32).powf(-0.5))
+            };
+            (t.name, t.dims, t.ty, v)
+        })
+        .collect();
+    make_file(tensors)
+}

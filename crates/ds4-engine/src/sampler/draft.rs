@@ -19,6 +19,13 @@
 //! Greedy sampling (temperature 0) is the case `p = δ_argmax`: accept exactly when the
 //! draft is the token the sampler picks, and that token is emitted either way.
 //!
+//! A drafter with a distribution `q` (the MTP block's logits through this sampler) draws its
+//! draft `x` from `q`; then the rule is used as it stands ([`Sampler::sample_draft_from`]):
+//! accept with probability `min(1, p(x)/q(x))`, else draw from `max(0, p − q)` normalised.
+//! `P(emit y) = q(y)·min(1, p(y)/q(y)) + (1 − Σ_z min(p(z), q(z)))·max(0, p(y) − q(y)) /
+//! Σ_z max(0, p(z) − q(z)) = min(p(y), q(y)) + max(0, p(y) − q(y)) = p(y)`, since both sums
+//! equal `1 − Σ_z min(p(z), q(z))`.
+//!
 //! `p` is computed by the formulation the fast sampler is tested against (the whole
 //! vocabulary sorted, lower id first on ties): the same kept set, and probabilities equal
 //! up to the summation order of the normalisers. That is O(V log V) per verified draft;
@@ -105,6 +112,65 @@ impl Sampler {
             .zip(p)
             .map(|(i, v)| (i, v / total))
             .collect())
+    }
+
+    /// Draws a token from `dist` (a distribution as [`Sampler::distribution`] returns it)
+    /// with this sampler's random numbers: a drafter's proposal from its own distribution.
+    pub fn draw(&mut self, dist: &[(u32, f64)]) -> Option<u32> {
+        let mut r = self.rng.next_f64() * dist.iter().map(|&(_, v)| v).sum::<f64>();
+        for &(t, v) in dist {
+            if r < v {
+                return Some(t);
+            }
+            r -= v;
+        }
+        dist.last().map(|&(t, _)| t)
+    }
+
+    /// The token emitted at a position whose draft `draft` was drawn from the distribution
+    /// `q` (pairs of token and probability, summing to 1): `draft` with probability
+    /// `min(1, p(draft)/q(draft))`, else a draw from `max(0, p − q)` normalised (the module
+    /// doc derives why the result has exactly [`Sampler::sample`]'s distribution). An empty
+    /// `q`, or one without mass on `draft`, is the point mass on `draft`
+    /// ([`Sampler::sample_draft`]).
+    pub fn sample_draft_from(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        draft: u32,
+        q: &[(u32, f64)],
+    ) -> Result<u32> {
+        let q_of = |t: u32| q.iter().find(|&&(u, _)| u == t).map_or(0.0, |&(_, v)| v);
+        let q_draft = q_of(draft);
+        if self.cfg.temperature == 0.0 || q_draft <= 0.0 {
+            return self.sample_draft(logits, history, draft);
+        }
+        let dist = self.distribution(logits, history)?;
+        let p_draft = dist
+            .iter()
+            .find(|&&(t, _)| t == draft)
+            .map_or(0.0, |&(_, v)| v);
+        if self.rng.next_f64() * q_draft < p_draft {
+            return Ok(draft);
+        }
+        let mut dense = vec![0f64; logits.len()];
+        for &(t, v) in q {
+            if let Some(d) = dense.get_mut(t as usize) {
+                *d = v;
+            }
+        }
+        let resid: Vec<(u32, f64)> = dist
+            .iter()
+            .map(|&(t, v)| {
+                (
+                    t,
+                    (v - dense.get(t as usize).copied().unwrap_or(0.0)).max(0.0),
+                )
+            })
+            .filter(|&(_, v)| v > 0.0)
+            .collect();
+        // A rejection with nothing left over is a rounding case of p = q: keep the draft.
+        Ok(self.draw(&resid).unwrap_or(draft))
     }
 
     /// The token emitted at a position whose drafted token is `draft`: `draft` itself when
@@ -236,6 +302,53 @@ mod tests {
                 "drafts ({x1}, {x2}): chi-square {chi:.1} with {df} degrees of freedom"
             );
         }
+    }
+
+    /// Drafts drawn from a distribution `q` (another model's, through the same sampler)
+    /// and accepted by `min(1, p/q)` with the residual `max(0, p − q)`: the first two
+    /// tokens again have the exact joint `p(t1)·p(t2 | t1)`. Treating the draft as a point
+    /// mass, or redrawing from `p` on rejection, fails it.
+    #[test]
+    fn speculative_sampling_from_a_draft_distribution_keeps_the_distribution() {
+        let prompt = [3u32, 9];
+        let mut exact = Sampler::new(cfg(0)).unwrap();
+        let p1 = exact.distribution(&first(), &prompt).unwrap();
+        let mut joint = vec![0.0f64; 100];
+        for &(t1, a) in &p1 {
+            let h = [prompt[0], prompt[1], t1];
+            for (t2, b) in exact.distribution(&second(t1), &h).unwrap() {
+                joint[(t1 * 10 + t2) as usize] += a * b;
+            }
+        }
+        // The draft model: other logits, no penalty history (a proposal may be anything).
+        let draft1: Vec<f32> = first().iter().rev().map(|x| x * 0.8).collect();
+        let draft2 = |t1: u32| -> Vec<f32> { second((t1 + 3) % 10) };
+        let n = 60_000u64;
+        let mut s = Sampler::new(cfg(4321)).unwrap();
+        let mut counts = vec![0u64; 100];
+        let mut accepted = 0u64;
+        for _ in 0..n {
+            let q1 = s.distribution(&draft1, &[]).unwrap();
+            let x1 = s.draw(&q1).unwrap();
+            let t1 = s.sample_draft_from(&first(), &prompt, x1, &q1).unwrap();
+            let h = [prompt[0], prompt[1], t1];
+            let t2 = if t1 == x1 {
+                accepted += 1;
+                let q2 = s.distribution(&draft2(t1), &[]).unwrap();
+                let x2 = s.draw(&q2).unwrap();
+                s.sample_draft_from(&second(t1), &h, x2, &q2).unwrap()
+            } else {
+                s.sample(&second(t1), &h).unwrap()
+            };
+            counts[(t1 * 10 + t2) as usize] += 1;
+        }
+        assert!(accepted > n / 10 && accepted < n - n / 10, "{accepted}");
+        let (chi, df) = chi_square(&counts, &joint, n);
+        let bound = df as f64 + 8.0 * (2.0 * df as f64).sqrt();
+        assert!(
+            chi < bound,
+            "chi-square {chi:.1} with {df} degrees of freedom"
+        );
     }
 
     #[test]

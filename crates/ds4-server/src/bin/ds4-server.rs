@@ -19,6 +19,10 @@ struct Args {
     /// Model GGUF.
     #[arg(short = 'm', long, default_value = "ds4flash.gguf")]
     model: PathBuf,
+    /// The file holding the MTP block (`mtp.0.*`, ds4's sidecar; also DS4_MTP), as `ds4
+    /// --mtp`: checked and loaded; the server does not draft yet (docs/speculative.md §6).
+    #[arg(long, value_name = "FILE")]
+    mtp: Option<PathBuf>,
     /// Context size of each slot (allocated at startup).
     #[arg(short = 'c', long, default_value_t = 32768)]
     ctx: usize,
@@ -351,6 +355,7 @@ fn main() -> Result<()> {
         },
         |k| std::env::var(k).ok(),
     )
+    .map(|c| c.with_mtp_flag(a.mtp.clone()))
     .context("invalid setting")?;
     check_model_path(&a.model)?;
     // The port is taken before the (long) load; until the model is ready every request is

@@ -444,7 +444,12 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
                 }
             } else {
                 // Entries are 8 · gstride bytes apart (this lane's copy, docs/gpu.md §20).
+                // Signs by linearity: a value is g − 2·(g & m) (m = 0xFF in a negated byte), so
+                // Σ v·x = Σ g·x − 2 Σ (g & m)·x: one AND and two dp4a per four values where
+                // forming the signed bytes took an XOR, an AND and an add before one dp4a.
+                // The integer sum is the same, so the row is the same bits.
                 const unsigned es = 8u * (unsigned)tb.gstride;
+                int ns = 0;
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const ds4_u64 gv =
@@ -461,10 +466,11 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
                         mhi = ds4_sign_mask4(sg >> 4);
                     }
                     const ds4_u32 glo = (ds4_u32)gv, ghi = (ds4_u32)(gv >> 32);
-                    const int vlo = (int)((glo ^ mlo) + (mlo & 0x01010101u));
-                    const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
-                    is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
+                    is = ds4_dp4a((int)ghi, xv[2 * k + 1], ds4_dp4a((int)glo, xv[2 * k], is));
+                    ns = ds4_dp4a((int)(ghi & mhi), xv[2 * k + 1],
+                                  ds4_dp4a((int)(glo & mlo), xv[2 * k], ns));
                 }
+                is -= 2 * ns;
             }
             acc[r] += (db * dx) * (float)is;
         }

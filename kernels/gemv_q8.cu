@@ -619,7 +619,11 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
             for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(nrows[r], part, nblocks, lane, regs[r]);
         }
         ds4_finish_rows<R>(acc, jobs.y(job), row0, n_out, wpr, ok && jobs.ok(job));
-        __syncthreads();  // part_sums of ds4_finish_rows are rewritten by the next step
+        // part_sums of ds4_finish_rows (several warps per row) and the flat grids' input
+        // (J::key) are rewritten by the next step. With one warp per row and one input (the
+        // routed experts at one token: a row of 2048 or 4096 inputs is one chunk) the warps
+        // share nothing in the loop, so none waits for the block's slowest at every step.
+        if (J::FLAT || wpr > 1) __syncthreads();
 #pragma unroll
         for (int r = 0; r < R; ++r) rows[r] = nrows[r];
         row0 = nrow0;

@@ -175,14 +175,22 @@ struct Ds4Q2Kx : Ds4Q2K {
             const int x2 = ds4_ld_i32s(xq + 8), x3 = ds4_ld_i32s(xq + 12);
             const float dx = xc.d[b * 8 + (sb >> 1)];
             const int xs = xc.s16[b * 16 + sb];
-            const int m = 0x03030303;
+            // Planes 0..2 are masked in place: byte value 4^j · code (at most 48, a positive
+            // signed byte), so the dp4a sum is 4^j · Σ code · x exactly and one shift of the
+            // sum (exact: a multiple of 4^j) replaces a shift per word. Plane 3 (192 would not
+            // fit a signed byte) is shifted down. The same integer as shifting every word.
+            const ds4_u32 pm = 0x03030303u << (2 * (j < 3 ? j : 0));
+            auto plane = [&](ds4_u32 w) {
+                return (int)(j < 3 ? (w & pm) : ((w >> 6) & 0x03030303u));
+            };
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int sc = (int)((scw[r][j >> 1] >> (8 * (2 * (j & 1) + half))) & 255u);
-                int is = ds4_dp4a((int)(q[r][0] >> (2 * j)) & m, x0, 0);
-                is = ds4_dp4a((int)(q[r][1] >> (2 * j)) & m, x1, is);
-                is = ds4_dp4a((int)(q[r][2] >> (2 * j)) & m, x2, is);
-                is = ds4_dp4a((int)(q[r][3] >> (2 * j)) & m, x3, is);
+                int is = ds4_dp4a(plane(q[r][0]), x0, 0);
+                is = ds4_dp4a(plane(q[r][1]), x1, is);
+                is = ds4_dp4a(plane(q[r][2]), x2, is);
+                is = ds4_dp4a(plane(q[r][3]), x3, is);
+                if (j == 1 || j == 2) is >>= 2 * j;
                 acc[r] += dx * (d[r] * (float)((sc & 15) * is) - dmin[r] * (float)((sc >> 4) * xs));
             }
         }
@@ -267,9 +275,9 @@ struct Ds4Mxfp4x : Ds4Mxfp4 {
 // IQ2_XXS unit with int8 activations: one 32-value group (4 grid entries sharing the
 // group's scale), the CPU's q8act term (db · dx) · Σ ±grid · q_x exactly. One unit per entry
 // (8 values) read the group's scale and sign word once per 8 values (the routed gate/up
-// GEMV issue-bound, ncu: BENCHMARKS.md); here once per 32. A grid byte (8,
-// 25 or 43, never 0) takes its sign as (g ^ m) + (m & 1) per byte with m = 0xFF to negate:
-// 255 - g + 1 = 256 - g stays inside the byte, so one 32-bit add does four bytes.
+// GEMV issue-bound, ncu: BENCHMARKS.md); here once per 32. Signs are applied by linearity
+// (m = 0xFF in a negated byte): Σ ±g·x = Σ g·x − 2 Σ (g & m)·x, two dp4a and one AND per
+// four values (docs/gpu.md §20); the flat kernels permute signed bytes instead (§32).
 //
 // Tables (docs/gpu.md §20). A warp's 32 grid lookups hit random entries of one 2 KB table:
 // a 64-bit shared load then replays over colliding bank pairs (≈ 6 wavefronts instead of
@@ -444,7 +452,12 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
                 }
             } else {
                 // Entries are 8 · gstride bytes apart (this lane's copy, docs/gpu.md §20).
+                // Signs by linearity: a value is g − 2·(g & m) (m = 0xFF in a negated byte), so
+                // Σ v·x = Σ g·x − 2 Σ (g & m)·x: one AND and two dp4a per four values where
+                // forming the signed bytes took an XOR, an AND and an add before one dp4a.
+                // The integer sum is the same, so the row is the same bits.
                 const unsigned es = 8u * (unsigned)tb.gstride;
+                int ns = 0;
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const ds4_u64 gv =
@@ -461,10 +474,11 @@ struct Ds4Iq2XxsxT : Ds4Iq2Xxs {
                         mhi = ds4_sign_mask4(sg >> 4);
                     }
                     const ds4_u32 glo = (ds4_u32)gv, ghi = (ds4_u32)(gv >> 32);
-                    const int vlo = (int)((glo ^ mlo) + (mlo & 0x01010101u));
-                    const int vhi = (int)((ghi ^ mhi) + (mhi & 0x01010101u));
-                    is = ds4_dp4a(vhi, xv[2 * k + 1], ds4_dp4a(vlo, xv[2 * k], is));
+                    is = ds4_dp4a((int)ghi, xv[2 * k + 1], ds4_dp4a((int)glo, xv[2 * k], is));
+                    ns = ds4_dp4a((int)(ghi & mhi), xv[2 * k + 1],
+                                  ds4_dp4a((int)(glo & mlo), xv[2 * k], ns));
                 }
+                is -= 2 * ns;
             }
             acc[r] += (db * dx) * (float)is;
         }
@@ -605,7 +619,11 @@ __device__ __forceinline__ void ds4_gemvq_jobs(const J& jobs, int n_in, int n_ou
             for (int r = 0; r < R; ++r) ds4_load_chunk<T, CB, V>(nrows[r], part, nblocks, lane, regs[r]);
         }
         ds4_finish_rows<R>(acc, jobs.y(job), row0, n_out, wpr, ok && jobs.ok(job));
-        __syncthreads();  // part_sums of ds4_finish_rows are rewritten by the next step
+        // part_sums of ds4_finish_rows (several warps per row) and the flat grids' input
+        // (J::key) are rewritten by the next step. With one warp per row and one input (the
+        // routed experts at one token: a row of 2048 or 4096 inputs is one chunk) the warps
+        // share nothing in the loop, so none waits for the block's slowest at every step.
+        if (J::FLAT || wpr > 1) __syncthreads();
 #pragma unroll
         for (int r = 0; r < R; ++r) rows[r] = nrows[r];
         row0 = nrow0;

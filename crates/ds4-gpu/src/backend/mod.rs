@@ -161,7 +161,7 @@ const WARPS_PER_SM_TARGET: u64 = 48;
 
 /// Blocks of an int8-activation GEMV resident per multiprocessor (the kernels' minimum
 /// blocks, `DS4_MINB_*` = 2 for the low-bit formats: 128 registers per thread).
-const Q8_RESIDENT_BLOCKS: u64 = 2;
+pub(crate) const Q8_RESIDENT_BLOCKS: u64 = 2;
 
 /// The GEMV module of a runtime: one function per weight type, plain and grouped, with
 /// the configuration compiled into the kernels (same lookups as `cuda::GemvKernels`).

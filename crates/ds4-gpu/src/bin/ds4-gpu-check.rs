@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use ds4_gguf::quant;
-use ds4_gpu::cuda::{CudaBuffer, CudaDevice, GemvKernels, GroupedGemv};
+use ds4_gpu::cuda::{CudaBuffer, CudaDevice, GemvKernels, GroupedGemv, GroupedSwiglu};
 use ds4_gpu::{kernels, tables, GemvType, KernelCache};
 use ds4_placement::MemKind;
 
@@ -873,10 +873,127 @@ fn run(quick: bool) -> Result<()> {
             0,
             &ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<_>>(),
         )?;
+        // The kernels decode runs at one token (docs/gpu.md §25, §17): gate/up by
+        // ds4_gemv_grouped_q_<t>, down by ds4_gemv_grouped_swiglu_q_<t> (SwiGLU and the route
+        // weight in its input stage), int8 activations, the backend's launch. Checked against
+        // the CPU's int8-activation dot (ds4_gguf::quant::q8act), then timed below.
+        let clamp = 10.0f32;
+        let gin: Vec<f32> = (0..n_sel * e_ff).map(|_| 4.0 * rng.unit()).collect();
+        let uin: Vec<f32> = (0..n_sel * e_ff).map(|_| 4.0 * rng.unit()).collect();
+        let route: Vec<f32> = (0..n_sel).map(|_| 0.2 + 0.8 * rng.unit().abs()).collect();
+        let mut gb = dev.alloc(MemKind::Device, 4 * n_sel * e_ff)?;
+        gb.write(0, &f32_bytes(&gin))?;
+        let mut ub = dev.alloc(MemKind::Device, 4 * n_sel * e_ff)?;
+        ub.write(0, &f32_bytes(&uin))?;
+        let mut rwb = dev.alloc(MemKind::Device, 4 * n_sel)?;
+        rwb.write(0, &f32_bytes(&route))?;
+        let mut faultb = dev.alloc(MemKind::Device, 4)?;
+        faultb.fill_u32(0)?;
+        let launch_gu_q = |idb: &CudaBuffer, yg: &mut CudaBuffer, yu: &mut CudaBuffer| {
+            k.gemv_grouped_q(
+                t_gu,
+                GroupedGemv {
+                    w0: bufs[0].as_view(),
+                    w1: Some(bufs[1].as_view()),
+                    n_experts: n_exp,
+                    ids: idb.as_view(),
+                    n_sel,
+                    x: xb.as_view(),
+                    x_per_selection: false,
+                    y0: yg.as_view_mut(),
+                    y1: Some(yu.as_view_mut()),
+                    n_in: e_in,
+                    n_out: e_ff,
+                },
+            )
+        };
+        let launch_d_q = |idb: &CudaBuffer, yd: &mut CudaBuffer, fault: &mut CudaBuffer| {
+            k.gemv_grouped_swiglu_q(
+                t_down,
+                GroupedSwiglu {
+                    w: bufs[2].as_view(),
+                    n_experts: n_exp,
+                    ids: idb.as_view(),
+                    n_sel,
+                    g: gb.as_view(),
+                    u: ub.as_view(),
+                    route_w: rwb.as_view(),
+                    clamp,
+                    y: yd.as_view_mut(),
+                    fault: fault.as_view_mut(),
+                    n_in: e_ff,
+                    n_out: e_in,
+                },
+            )
+        };
+        let (rq_gu, rq_d) = {
+            use ds4_gguf::quant::q8act::{dot, ActQ8};
+            let mut xq = ActQ8::default();
+            xq.quantize(&x)?;
+            let (mut rg, mut ru, mut rd) = (Vec::new(), Vec::new(), Vec::new());
+            for (s, &id) in ids.iter().enumerate() {
+                let id = id as usize;
+                for r in 0..e_ff {
+                    let o = (id * e_ff + r) * rb_gu;
+                    rg.push(dot(t_gu.ggml(), &gate[o..o + rb_gu], &xq)?);
+                    ru.push(dot(t_gu.ggml(), &up[o..o + rb_gu], &xq)?);
+                }
+                // route_w · swiglu(g, u, clamp) as ds4_swiglu1 (ds4_quant.h).
+                let xin: Vec<f32> = (0..e_ff)
+                    .map(|i| {
+                        let (g, u) = (gin[s * e_ff + i].min(clamp), uin[s * e_ff + i]);
+                        route[s] * (g / (1.0 + (-g).exp())) * u.clamp(-clamp, clamp)
+                    })
+                    .collect();
+                let mut xdq = ActQ8::default();
+                xdq.quantize(&xin)?;
+                for r in 0..e_in {
+                    let o = (id * e_in + r) * rb_d;
+                    rd.push(dot(t_down.ggml(), &down[o..o + rb_d], &xdq)?);
+                }
+            }
+            rg.extend(ru);
+            (rg, rd)
+        };
+        yg.fill_u32(POISON)?;
+        yu.fill_u32(POISON)?;
+        yd.fill_u32(POISON)?;
+        launch_gu_q(&idb, &mut yg, &mut yu)?;
+        launch_d_q(&idb, &mut yd, &mut faultb)?;
+        yg.read(0, &mut out)?;
+        let mut got_gu = bytes_f32(&out);
+        yu.read(0, &mut out)?;
+        got_gu.extend(bytes_f32(&out));
+        yd.read(0, &mut outd)?;
+        let got_dq = bytes_f32(&outd);
+        let mut fb = [0u8; 4];
+        faultb.read(0, &mut fb)?;
+        let cq_gu = compare(&got_gu, &rq_gu);
+        let cq_d = compare(&got_dq, &rq_d);
+        // Gate/up: the same integer sums as the CPU, only the float scaling's order differs.
+        // Down: the GPU's expf may move an activation code by one against the CPU's exp.
+        if cq_gu.2 > 0 || !within_tol(cq_gu.0) {
+            rep.fail(format!(
+                "decode grouped_q {} gate/up: rel {:.3e}, {} non-finite",
+                t_gu.suffix(),
+                cq_gu.0,
+                cq_gu.2
+            ));
+        }
+        if cq_d.2 > 0 || !(cq_d.0.is_finite() && cq_d.0 < 1e-3) || fb != [0; 4] {
+            rep.fail(format!(
+                "decode grouped_swiglu_q {} down: rel {:.3e}, {} non-finite, fault {:?}",
+                t_down.suffix(),
+                cq_d.0,
+                cq_d.2,
+                fb
+            ));
+        }
         // Timing: experts spread over 553+ MB tensors; rotate the selected ids.
         let (e0, e1) = (dev.event()?, dev.event()?);
         let mut tgu = Vec::new();
         let mut td = Vec::new();
+        let (mut tgu_q, mut td_q) = (Vec::new(), Vec::new());
         for _ in 0..samples {
             let shift: Vec<i32> = (0..n_sel)
                 .map(|_| (rng.next() % n_exp as u64) as i32)
@@ -896,7 +1013,16 @@ fn run(quick: bool) -> Result<()> {
             launch_d(&idb, &mut yd)?;
             e1.record()?;
             td.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
+            e0.record()?;
+            launch_gu_q(&idb, &mut yg, &mut yu)?;
+            e1.record()?;
+            tgu_q.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
+            e0.record()?;
+            launch_d_q(&idb, &mut yd, &mut faultb)?;
+            e1.record()?;
+            td_q.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
         }
+        let (ugu_q, ud_q) = (median(&mut tgu_q), median(&mut td_q));
         let (ugu, ud) = (median(&mut tgu), median(&mut td));
         // Graph: 16 layers' worth of gate+up and down launches, each with its own random
         // ids, in one graph (what a decode step does).
@@ -912,17 +1038,22 @@ fn run(quick: bool) -> Result<()> {
             )?;
             id_sets.push(b);
         }
-        let (ggu, gd) = {
+        let (ggu, gd, ggu_q, gd_q) = {
+            // which: 0 gate/up, 1 down (the f32-activation kernels), 2 gate/up, 3 down
+            // (decode's kernels).
             let time_graph =
-                |down: bool, yg: &mut CudaBuffer, yu: &mut CudaBuffer, yd: &mut CudaBuffer| {
+                |which: u8, yg: &mut CudaBuffer, yu: &mut CudaBuffer, yd: &mut CudaBuffer| {
+                    let mut fault = dev.alloc(MemKind::Device, 4)?;
+                    fault.fill_u32(0)?;
                     dev.with_graph(
                         || {
                             for ids in &id_sets {
-                                if down {
-                                    launch_d(ids, yd)?;
-                                } else {
-                                    launch_gu(ids, yg, yu)?;
-                                }
+                                match which {
+                                    0 => launch_gu(ids, yg, yu)?,
+                                    1 => launch_d(ids, yd)?,
+                                    2 => launch_gu_q(ids, yg, yu)?,
+                                    _ => launch_d_q(ids, yd, &mut fault)?,
+                                };
                             }
                             Ok(())
                         },
@@ -940,8 +1071,10 @@ fn run(quick: bool) -> Result<()> {
                     )
                 };
             (
-                time_graph(false, &mut yg, &mut yu, &mut yd)?,
-                time_graph(true, &mut yg, &mut yu, &mut yd)?,
+                time_graph(0, &mut yg, &mut yu, &mut yd)?,
+                time_graph(1, &mut yg, &mut yu, &mut yd)?,
+                time_graph(2, &mut yg, &mut yu, &mut yd)?,
+                time_graph(3, &mut yg, &mut yu, &mut yd)?,
             )
         };
         let bgu = (2 * n_sel * e_ff * rb_gu) as f64;
@@ -950,6 +1083,17 @@ fn run(quick: bool) -> Result<()> {
         let line = format!(
             "grouped {}/{}: rel gate {:.2e} up {:.2e} down {:.2e} | single launch: gate+up {:6.2} us {:5.0} GB/s, down {:6.2} us {:5.0} GB/s | graph: gate+up {:6.2} us {:5.0} GB/s, down {:6.2} us {:5.0} GB/s",
             t_gu.suffix(), t_down.suffix(), cg.0, cu.0, cd.0, ugu, gbs(bgu, ugu), ud, gbs(bd, ud), ggu, gbs(bgu, ggu), gd, gbs(bd, gd)
+        );
+        rep.line(line.clone());
+        table.push(line);
+        // Decode's kernels: bytes, µs and the fraction of copy bandwidth per launch (the
+        // graph's per-launch time: 16 layers' launches back to back, as in a decode step).
+        let pct = |b: f64, us: f64| 100.0 * gbs(b, us) / copy_gbs;
+        let line = format!(
+            "decode routed {}/{}: rel gate/up {:.2e} down {:.2e} | gate/up {:.1} MB: single {:6.2} us, graph {:6.2} us {:5.0} GB/s ({:4.1}% of copy) | down+swiglu {:.1} MB: single {:6.2} us, graph {:6.2} us {:5.0} GB/s ({:4.1}% of copy)",
+            t_gu.suffix(), t_down.suffix(), cq_gu.0, cq_d.0,
+            bgu / 1e6, ugu_q, ggu_q, gbs(bgu, ggu_q), pct(bgu, ggu_q),
+            bd / 1e6, ud_q, gd_q, gbs(bd, gd_q), pct(bd, gd_q)
         );
         rep.line(line.clone());
         table.push(line);

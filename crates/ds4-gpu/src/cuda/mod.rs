@@ -19,7 +19,7 @@ pub use cublas::{Cublas, GemmPrecision};
 pub use device::{CudaDevice, CudaDeviceInfo};
 pub use driver::{probe_libraries, CudaLibraries};
 pub use event::CudaEvent;
-pub use gemv::{GemvKernels, GroupedGemv};
+pub use gemv::{GemvKernels, GroupedGemv, GroupedSwiglu};
 pub use graph::GraphExec;
 pub use memory::{CudaAllocator, CudaBuffer, View, ViewMut};
 pub use module::{

@@ -266,6 +266,45 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_iq2_xxs<N
     }
 }
 
+// MXFP4, block of 32 (17 bytes): an E8M0 scale byte e @0, then 16 bytes of E2M1 codes, value
+// j < 16 the low nibble of byte 1 + j and j + 16 its high nibble; value 2^(e-128) kv (ggml's
+// doubled E2M1 values kv, ds4_quant.h). A block starts at any byte, so the five aligned words
+// that hold its 17 bytes are loaded and the bytes are picked out of them at decode; the host
+// (tiles_ok) keeps the matrix 4-byte aligned and its rows a multiple of 4 bytes, so those
+// words never leave the matrix. A piece of 16 values (the wide kernel) is all low or all
+// high nibbles.
+template <int N> struct ds4_tw_mxfp4 {
+    ds4_u32 w[5];
+    ds4_u32 sh;  // the block's first byte in w[0] (0..3)
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_mxfp4<N>& t, const ds4_u8* row, int k0, int) {
+    const ds4_u8* b = row + (ds4_size)((unsigned)k0 / 32u) * 17;
+    t.sh = (ds4_u32)((ds4_size)b & 3u);
+    const ds4_u32* p = (const ds4_u32*)(b - t.sh);
+#pragma unroll
+    for (int i = 0; i < 5; i++) t.w[i] = ds4_ldg(p + i);
+}
+// kv of code c as a float, without an int-to-float conversion (ds4_i8f).
+__device__ __forceinline__ float ds4_mxfp4_kvf(ds4_u32 c) {
+    const ds4_u64 t = (c & 8u) ? 0xF4F8FAFCFDFEFF00ull : 0x0C08060403020100ull;
+    return ds4_i8f((ds4_u32)(t >> (8 * (c & 7u))) & 0xffu);
+}
+template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_mxfp4<N>& t, int k0, float* v) {
+    // Bytes 1 + 4m .. 4 + 4m of the block (its codes) as word m; e is byte 0.
+    const ds4_u32 s = 8u * t.sh;
+    ds4_u32 q[4];
+#pragma unroll
+    for (int m = 0; m < 4; m++) q[m] = (ds4_u32)((((ds4_u64)t.w[m + 1] << 32) | t.w[m]) >> (s + 8u));
+    const float d = ds4_e8m0_half((t.w[0] >> s) & 0xffu);
+    const int hi0 = ds4_piece_off<N>(k0) / 16;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        const int j = i % 16, hi = hi0 + i / 16;
+        const ds4_u32 c = (q[j / 4] >> (8 * (j % 4) + 4 * hi)) & 15u;
+        v[i] = d * ds4_mxfp4_kvf(c);
+    }
+}
+
 // Any other type id (the host never launches one): every value NaN, so a mistake shows.
 template <int N> struct ds4_tw_bad {
     ds4_u32 unused;
@@ -590,7 +629,7 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
 // 2026-12-05/06, "prefill (issue 21)").
 #define DS4_TILES_WM 32
 
-// A call per weight type rather than seven inlined bodies in one function: ptxas then
+// A call per weight type rather than eight inlined bodies in one function: ptxas then
 // allocates registers per type (inlined, the sm_90 wide kernel spilled ~400 bytes that
 // no single type needs). One call per block.
 #if defined(DS4_HIP) || defined(DS4_CPU)
@@ -744,6 +783,7 @@ __device__ __forceinline__ void ds4_tiles_block(const ds4_u8* w, const ds4_u8* w
     case DS4_T_Q2_K: DS4_TILES_RUN(ds4_tw_q2_k); break;
     case DS4_T_Q4_K: DS4_TILES_RUN(ds4_tw_q4_k); break;
     case DS4_T_IQ2_XXS: DS4_TILES_RUN(ds4_tw_iq2_xxs); break;
+    case DS4_T_MXFP4: DS4_TILES_RUN(ds4_tw_mxfp4); break;
     default: DS4_TILES_RUN(ds4_tw_bad);
     }
 #undef DS4_TILES_RUN

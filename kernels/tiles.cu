@@ -272,7 +272,7 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_iq2_xxs<N
 // that hold its 17 bytes are loaded and the bytes are picked out of them at decode; the host
 // (tiles_ok) keeps the matrix 4-byte aligned and its rows a multiple of 4 bytes, so those
 // words never leave the matrix. A piece of 16 values (the wide kernel) is all low or all
-// high nibbles.
+// high nibbles. Decoded by its ds4_tiles_store below.
 template <int N> struct ds4_tw_mxfp4 {
     ds4_u32 w[5];
     ds4_u32 sh;  // the block's first byte in w[0] (0..3)
@@ -284,27 +284,6 @@ template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_mxfp4<N>& t, c
 #pragma unroll
     for (int i = 0; i < 5; i++) t.w[i] = ds4_ldg(p + i);
 }
-// kv of code c as a float, without an int-to-float conversion (ds4_i8f).
-__device__ __forceinline__ float ds4_mxfp4_kvf(ds4_u32 c) {
-    const ds4_u64 t = (c & 8u) ? 0xF4F8FAFCFDFEFF00ull : 0x0C08060403020100ull;
-    return ds4_i8f((ds4_u32)(t >> (8 * (c & 7u))) & 0xffu);
-}
-template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_mxfp4<N>& t, int k0, float* v) {
-    // Bytes 1 + 4m .. 4 + 4m of the block (its codes) as word m; e is byte 0.
-    const ds4_u32 s = 8u * t.sh;
-    ds4_u32 q[4];
-#pragma unroll
-    for (int m = 0; m < 4; m++) q[m] = (ds4_u32)((((ds4_u64)t.w[m + 1] << 32) | t.w[m]) >> (s + 8u));
-    const float d = ds4_e8m0_half((t.w[0] >> s) & 0xffu);
-    const int hi0 = ds4_piece_off<N>(k0) / 16;
-#pragma unroll
-    for (int i = 0; i < N; i++) {
-        const int j = i % 16, hi = hi0 + i / 16;
-        const ds4_u32 c = (q[j / 4] >> (8 * (j % 4) + 4 * hi)) & 15u;
-        v[i] = d * ds4_mxfp4_kvf(c);
-    }
-}
-
 // Any other type id (the host never launches one): every value NaN, so a mistake shows.
 template <int N> struct ds4_tw_bad {
     ds4_u32 unused;
@@ -618,6 +597,43 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
         o.z = ds4_byte_perm(lo, hi, sb);
         o.w = ds4_byte_perm(lo, hi, sb >> 16);
         *(uint4*)(ws + ds4_tsw(row, koff + 8 * q)) = o;
+    }
+}
+
+// MXFP4: each value is 2^(e-128) kv in f32 (exact: a power of two times a small integer,
+// the CPU dequantizer's value) rounded once to half, each 8-value piece stored as soon as it
+// is made (no array of the whole piece in registers). The block's code words come out of the
+// five loaded words by byte permutes; |kv| is a byte permute of two words of the eight
+// magnitudes by the code's low three bits (as an f32 through ds4_u8f, no int-to-float
+// conversion), and the code's bit 3 is the sign bit (code 8 gives -0, which equals ggml's
+// +0 as a value).
+template <int N>
+__device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_mxfp4<N>& t, int kg, bool ok,
+                                                int row, int koff, ds4_saddr) {
+    if (!ok) return ds4_tiles_zero<N>(ws, row, koff);
+    // Bytes 1 + 4m .. 4 + 4m of the block (its codes) as word m; e is byte 0.
+    const ds4_u32 sel = 0x3210u + 0x1111u * (t.sh + 1u);
+    ds4_u32 q[4];
+#pragma unroll
+    for (int m = 0; m < 4; m++) q[m] = ds4_byte_perm(t.w[m], t.w[m + 1], sel);
+    const float d = ds4_e8m0_half((t.w[0] >> (8u * t.sh)) & 0xffu);
+    const int hi0 = ds4_piece_off<N>(kg) / 16;
+#pragma unroll
+    for (int p = 0; p < N / 8; p++) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int i = 8 * p + k, j = i % 16, hi = hi0 + i / 16;
+            const ds4_u32 c = (q[j / 4] >> (8 * (j % 4) + 4 * hi)) & 15u;
+            const float a = d * ds4_u8f(ds4_byte_perm(0x03020100u, 0x0C080604u, c & 7u));
+            v[k] = __uint_as_float(__float_as_uint(a) ^ ((c & 8u) << 28));
+        }
+        uint4 o;
+        o.x = ds4_pack_h2(v[0], v[1]);
+        o.y = ds4_pack_h2(v[2], v[3]);
+        o.z = ds4_pack_h2(v[4], v[5]);
+        o.w = ds4_pack_h2(v[6], v[7]);
+        *(uint4*)(ws + ds4_tsw(row, koff + 8 * p)) = o;
     }
 }
 

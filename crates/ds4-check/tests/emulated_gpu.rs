@@ -85,12 +85,7 @@ struct Run {
 
 /// Prefill `r.prompt` tokens in chunks, two decode steps, a greedy step and a batched step of two
 /// sequences, mirrored; returns the
-/// per-op statistics and the emulation's refusals.
-fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
-    mirrored_on(r, common::tiny_hparams())
-}
-
-/// [`mirrored`] on a synthetic model of `h`.
+/// per-op statistics and the emulation's refusals, on a synthetic model of `h`.
 fn mirrored_on(r: &Run, h: ds4_model::HParams) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
     let file = model_file_from(dir.path(), h, r.recipe);
@@ -127,7 +122,12 @@ fn mirrored_on(r: &Run, h: ds4_model::HParams) -> (Vec<(&'static str, OpStat)>, 
 }
 
 fn check(r: Run) {
-    let (stats, errors) = mirrored(&r);
+    check_on(r, common::tiny_hparams())
+}
+
+/// [`check`] on a synthetic model of `h` ([`mirrored_on`]).
+fn check_on(r: Run, h: ds4_model::HParams) {
+    let (stats, errors) = mirrored_on(&r, h);
     assert!(errors.is_empty(), "{errors:?}");
     for (op, s) in &stats {
         eprintln!(
@@ -270,6 +270,30 @@ fn emulated_gpu_ops_match_the_cpu_exact_mxfp4() {
         mode: NumericMode::Exact,
         prompt: 40,
     });
+}
+
+/// MXFP4 experts 512 wide (gate/up 512 × 512, down 512 × 512): rows the MXFP4 GEMVs take
+/// (multiples of 512 values), so decode runs the grouped int8 MXFP4 GEMVs and the batched
+/// step the flat ones, and the tiles see several row tiles per expert.
+#[test]
+fn emulated_gpu_ops_match_the_cpu_mxfp4_gemv_widths() {
+    let h = ds4_model::HParams {
+        n_embd: 512,
+        expert_ff: 512,
+        ..common::tiny_hparams()
+    };
+    check_on(
+        Run {
+            mma: true,
+            recipe: TypeRecipe::MXFP4,
+            tiles: PrefillTiles::Experts,
+            act_q8: true,
+            chunk: 40,
+            mode: NumericMode::Exact,
+            prompt: 40,
+        },
+        h,
+    );
 }
 
 /// The MXFP4 tile decode on the tile kernels' HIP path (plain FMAs, no `mma.sync`).

@@ -376,17 +376,7 @@ struct Ds4Iq2Xxs {
 // alignment to lean on); a chunk of 32 blocks is 544 bytes, whole 16-byte vectors, and
 // n_in a multiple of 512 keeps every row 16-byte aligned (the host checks it).
 //
-// 2^(e-128) exactly, as ds4_gguf's e8m0_to_f32_half: subnormal for e < 2, else the f32
-// exponent field e - 1.
-__device__ __forceinline__ float ds4_e8m0_half(ds4_u32 e) {
-    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-}
-// The doubled E2M1 value of code c (0..15) as an int: bytes of two 64-bit tables, codes
-// 0..7 (0, 1, 2, 3, 4, 6, 8, 12) and 8..15 (their negatives, code 8 = 0).
-__device__ __forceinline__ int ds4_mxfp4_kv(ds4_u32 c) {
-    const ds4_u64 t = (c & 8u) ? 0xF4F8FAFCFDFEFF00ull : 0x0C08060403020100ull;
-    return (int)(signed char)(ds4_u8)(t >> (8 * (c & 7u)));
-}
+// ds4_e8m0_half and ds4_mxfp4_kv (the scale and the doubled E2M1 values): ds4_quant.h.
 struct Ds4Mxfp4 {
     static constexpr int BE = 32, BB = 17, UPB = 1;
     static constexpr int ROWS = DS4_ROWS_MXFP4;

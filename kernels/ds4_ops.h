@@ -61,6 +61,14 @@ __device__ float ds4_elem(int ty, const ds4_u8* row, int i, ds4_size row_bytes) 
         const float g = (float)((ds4_iq2xxs_grid[q[l]] >> (8 * k)) & 0xff);
         return db * g * ((signs >> k) & 1 ? -1.0f : 1.0f);
     }
+    case DS4_T_MXFP4: {
+        // E8M0 scale e @0, E2M1 codes @1: value j < 16 the low nibble of byte 1 + j, j + 16
+        // its high nibble.
+        const ds4_u8* b = row + (ds4_size)(i / 32) * 17;
+        const int j = i % 32;
+        const ds4_u32 c = (b[1 + (j & 15)] >> (4 * (j >> 4))) & 15u;
+        return ds4_e8m0_half(b[0]) * (float)ds4_mxfp4_kv(c);
+    }
     default:
         return DS4_NAN;
     }

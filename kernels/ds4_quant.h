@@ -10,6 +10,7 @@
 #define DS4_T_Q4_K 12
 #define DS4_T_IQ2_XXS 16
 #define DS4_T_BF16 30
+#define DS4_T_MXFP4 39
 
 // Q4_K / Q5_K 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes `sp`
 // (ggml's get_scale_min_k4): sub-blocks 0..3 keep theirs in the low 6 bits of bytes j and
@@ -23,6 +24,18 @@ __device__ __forceinline__ void ds4_q4k_scale_min(const ds4_u8* sp, int j, int* 
         *sc = (sp[j + 4] & 0xF) | ((sp[j - 4] >> 6) << 4);
         *mn = (sp[j + 4] >> 4) | ((sp[j] >> 6) << 4);
     }
+}
+
+// MXFP4 (docs/gguf.md §6): 2^(e-128) exactly, as ds4_gguf's e8m0_to_f32_half: subnormal for
+// e < 2, else the f32 exponent field e - 1.
+__device__ __forceinline__ float ds4_e8m0_half(ds4_u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+// The doubled E2M1 value of code c (0..15) as an int: bytes of two 64-bit tables, codes
+// 0..7 (0, 1, 2, 3, 4, 6, 8, 12) and 8..15 (their negatives, code 8 = 0).
+__device__ __forceinline__ int ds4_mxfp4_kv(ds4_u32 c) {
+    const ds4_u64 t = (c & 8u) ? 0xF4F8FAFCFDFEFF00ull : 0x0C08060403020100ull;
+    return (int)(signed char)(ds4_u8)(t >> (8 * (c & 7u)));
 }
 
 // Little-endian loads at any alignment (block fields are not aligned).

@@ -1027,8 +1027,8 @@ __device__ __forceinline__ float ds4_f16_at(const ds4_u8* p) {
 }
 
 // Term of 32-value unit u of a row of n_in values of type `ty` (DS4_T_Q8_0 in the split
-// layout, DS4_T_Q2_K, DS4_T_Q4_K or IQ2_XXS; the types ds4_gguf::quant::q8act::applies
-// names).
+// layout, DS4_T_Q2_K, DS4_T_Q4_K, DS4_T_MXFP4 or IQ2_XXS; the types
+// ds4_gguf::quant::q8act::applies names).
 __device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int n_in, int u, const ds4_i8* xq,
                                   const float* xd, const ds4_u64* grid, const ds4_u8* ksigns) {
     const float dx = xd[u];
@@ -1072,6 +1072,13 @@ __device__ float ds4_q8_unit_term(int ty, const ds4_u8* row, int n_in, int u, co
             xs += (int)x[m];
         }
         return dx * (d * (float)(sc * is) - dmin * (float)(mn * xs));
+    }
+    if (ty == DS4_T_MXFP4) {
+        const ds4_u8* blk = row + 17 * u;
+        int is = 0;
+        for (int m = 0; m < 16; ++m)
+            is += ds4_mxfp4_kv(blk[1 + m] & 15u) * (int)x[m] + ds4_mxfp4_kv(blk[1 + m] >> 4) * (int)x[16 + m];
+        return (ds4_e8m0_half(blk[0]) * dx) * (float)is;
     }
     // IQ2_XXS: group i of block b.
     const ds4_u8* blk = row + 66 * b;

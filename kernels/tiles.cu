@@ -266,6 +266,24 @@ template <int N> __device__ __forceinline__ void ds4_wdec(const ds4_tw_iq2_xxs<N
     }
 }
 
+// MXFP4, block of 32 (17 bytes): an E8M0 scale byte e @0, then 16 bytes of E2M1 codes, value
+// j < 16 the low nibble of byte 1 + j and j + 16 its high nibble; value 2^(e-128) kv (ggml's
+// doubled E2M1 values kv, ds4_quant.h). A block starts at any byte, so the five aligned words
+// that hold its 17 bytes are loaded and the bytes are picked out of them at decode; the host
+// (tiles_ok) keeps the matrix 4-byte aligned and its rows a multiple of 4 bytes, so those
+// words never leave the matrix. A piece of 16 values (the wide kernel) is all low or all
+// high nibbles. Decoded by its ds4_tiles_store below.
+template <int N> struct ds4_tw_mxfp4 {
+    ds4_u32 w[5];
+    ds4_u32 sh;  // the block's first byte in w[0] (0..3)
+};
+template <int N> __device__ __forceinline__ void ds4_wload(ds4_tw_mxfp4<N>& t, const ds4_u8* row, int k0, int) {
+    const ds4_u8* b = row + (ds4_size)((unsigned)k0 / 32u) * 17;
+    t.sh = (ds4_u32)((ds4_size)b & 3u);
+    const ds4_u32* p = (const ds4_u32*)(b - t.sh);
+#pragma unroll
+    for (int i = 0; i < 5; i++) t.w[i] = ds4_ldg(p + i);
+}
 // Any other type id (the host never launches one): every value NaN, so a mistake shows.
 template <int N> struct ds4_tw_bad {
     ds4_u32 unused;
@@ -582,6 +600,43 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
     }
 }
 
+// MXFP4: each value is 2^(e-128) kv in f32 (exact: a power of two times a small integer,
+// the CPU dequantizer's value) rounded once to half, each 8-value piece stored as soon as it
+// is made (no array of the whole piece in registers). The block's code words come out of the
+// five loaded words by byte permutes; |kv| is a byte permute of two words of the eight
+// magnitudes by the code's low three bits (as an f32 through ds4_u8f, no int-to-float
+// conversion), and the code's bit 3 is the sign bit (code 8 gives -0, which equals ggml's
+// +0 as a value).
+template <int N>
+__device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_mxfp4<N>& t, int kg, bool ok,
+                                                int row, int koff, ds4_saddr) {
+    if (!ok) return ds4_tiles_zero<N>(ws, row, koff);
+    // Bytes 1 + 4m .. 4 + 4m of the block (its codes) as word m; e is byte 0.
+    const ds4_u32 sel = 0x3210u + 0x1111u * (t.sh + 1u);
+    ds4_u32 q[4];
+#pragma unroll
+    for (int m = 0; m < 4; m++) q[m] = ds4_byte_perm(t.w[m], t.w[m + 1], sel);
+    const float d = ds4_e8m0_half((t.w[0] >> (8u * t.sh)) & 0xffu);
+    const int hi0 = ds4_piece_off<N>(kg) / 16;
+#pragma unroll
+    for (int p = 0; p < N / 8; p++) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int i = 8 * p + k, j = i % 16, hi = hi0 + i / 16;
+            const ds4_u32 c = (q[j / 4] >> (8 * (j % 4) + 4 * hi)) & 15u;
+            const float a = d * ds4_u8f(ds4_byte_perm(0x03020100u, 0x0C080604u, c & 7u));
+            v[k] = __uint_as_float(__float_as_uint(a) ^ ((c & 8u) << 28));
+        }
+        uint4 o;
+        o.x = ds4_pack_h2(v[0], v[1]);
+        o.y = ds4_pack_h2(v[2], v[3]);
+        o.z = ds4_pack_h2(v[4], v[5]);
+        o.w = ds4_pack_h2(v[6], v[7]);
+        *(uint4*)(ws + ds4_tsw(row, koff + 8 * p)) = o;
+    }
+}
+
 // Warp tile rows of ds4_mm_tiles: 32 (32 x 32 warp tiles, as the wide kernel) reads 20 %
 // fewer fragment bytes from shared memory per MMA than 16 (16 x 64). 16 was kept while the
 // f32 decode made ptxas spill 90-140 B with 32; with the half decode of the experts' types
@@ -590,7 +645,7 @@ __device__ __forceinline__ void ds4_tiles_store(ds4_u16* ws, const ds4_tw_q2_k<N
 // 2026-12-05/06, "prefill (issue 21)").
 #define DS4_TILES_WM 32
 
-// A call per weight type rather than seven inlined bodies in one function: ptxas then
+// A call per weight type rather than eight inlined bodies in one function: ptxas then
 // allocates registers per type (inlined, the sm_90 wide kernel spilled ~400 bytes that
 // no single type needs). One call per block.
 #if defined(DS4_HIP) || defined(DS4_CPU)
@@ -744,6 +799,7 @@ __device__ __forceinline__ void ds4_tiles_block(const ds4_u8* w, const ds4_u8* w
     case DS4_T_Q2_K: DS4_TILES_RUN(ds4_tw_q2_k); break;
     case DS4_T_Q4_K: DS4_TILES_RUN(ds4_tw_q4_k); break;
     case DS4_T_IQ2_XXS: DS4_TILES_RUN(ds4_tw_iq2_xxs); break;
+    case DS4_T_MXFP4: DS4_TILES_RUN(ds4_tw_mxfp4); break;
     default: DS4_TILES_RUN(ds4_tw_bad);
     }
 #undef DS4_TILES_RUN

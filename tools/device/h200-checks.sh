@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device session's checks and measurements, in priority order, for a machine with an
 # NVIDIA GPU and no Rust: run it from the repository root with the stripped binaries
-# (ds4, ds4-bench, ds4-engine-check, ds4-convert, ds4-server) in $BIN (default ./bin) and an output
+# (ds4, ds4-bench, ds4-engine-check, ds4-convert, ds4-server; ds4-gpu-check for step mxfp4) in
+# $BIN (default ./bin) and an output
 # directory in $OUT (default ./out). Each step logs to $OUT/<step>.log and prints its
 # summary lines; a failing step does not stop the later ones.
 #
 # Build the binaries on a machine with Rust:
-#   cargo build --release -p ds4-cli -p ds4-check -p ds4-convert -p ds4-server --bins
-#   for b in ds4 ds4-bench ds4-engine-check ds4-convert ds4-server; do strip -o bin/$b target/release/$b; done
+#   cargo build --release -p ds4-cli -p ds4-check -p ds4-convert -p ds4-server -p ds4-gpu --bins
+#   for b in ds4 ds4-bench ds4-engine-check ds4-convert ds4-server ds4-gpu-check; do strip -o bin/$b target/release/$b; done
 #
 # Steps (skip any with SKIP="name name"):
 #   ops        op mirror on the fixtures + random tiny models, f32 and int8 activations
@@ -58,6 +59,12 @@
 #   check      the short set after a kernel change: batched rows against rows alone (bit for
 #              bit, bands as defined) on a 4-layer model of the real dimensions, the op mirror
 #              at 40- and 2-token chunks, the tiny models' parity
+#   mxfp4      native MXFP4 routed experts (issue 54, docs/gpu.md §41): the op mirror on a
+#              4-layer real-dimension MXFP4 file (prefill tiles + int8 GEMVs, f32 panels +
+#              f32 GEMVs, 2-token pieces as decode rows), whole-model parity on it, the
+#              MXFP4 rows of `ds4-gpu-check run`, and `ds4-bench --synthetic mxfp4` at 2k on
+#              MXL resident layers (default 18 on an 80 GB card, 34 on an H200: 3.57 GB per
+#              MXFP4 layer + 1.62 GB, against q2's 1.96 GB per layer at 36 layers)
 #   cache      the same greedy answer whatever the caches hold (docs/server.md §9 "Prefill
 #              boundaries", tools/device/cache-check.py): ds4-server on the 4-layer real-
 #              dimension model, a ~600-token system prefix, cold without and with an empty
@@ -120,6 +127,29 @@ check() {
     timeout 120 ds4-engine-check ops "$work/s4.gguf" --tiny 0 --flash-layers 4 --tokens 12 --chunk 2 --act-q8 > "$OUT/ops_c2.log" 2>&1; tail -1 "$OUT/ops_c2.log"
     for f in tiny-hca16 tiny-hca128; do ds4-convert hf --quiet "$R/tests/fixtures/$f" "$work/m-$f.gguf" > /dev/null; done
     timeout 120 ds4-engine-check parity "$work"/m-*.gguf --tiny 2 > "$OUT/parity.log" 2>&1; grep -E "PASSED|FAIL|failed" "$OUT/parity.log" | head -3
+}
+
+mxfp4() {
+    local f="$work/mx4.gguf" ml=${MXL:-18}
+    echo "$G" | grep -q H200 && ml=${MXL:-34}
+    [ -f "$f" ] || ds4-convert synthetic --quiet --layout mxfp4 --layers 4 --vocab-gguf "$R/$V" "$f" > /dev/null
+    echo "== op mirror, 4-layer real-dimension MXFP4 file"; date +%T
+    timeout 200 ds4-engine-check ops "$f" --tiny 0 --tokens 40 --chunk 40 --act-q8 --tiles experts > "$OUT/mx_ops_tiles.log" 2>&1
+    grep -E "moe|FAIL" "$OUT/mx_ops_tiles.log" | head -4; tail -1 "$OUT/mx_ops_tiles.log"
+    timeout 200 ds4-engine-check ops "$f" --tiny 0 --tokens 40 --chunk 40 > "$OUT/mx_ops_f32.log" 2>&1
+    grep -E "moe|FAIL" "$OUT/mx_ops_f32.log" | head -4; tail -1 "$OUT/mx_ops_f32.log"
+    timeout 200 ds4-engine-check ops "$f" --tiny 0 --tokens 12 --chunk 2 --act-q8 > "$OUT/mx_ops_c2.log" 2>&1
+    grep -E "moe|FAIL" "$OUT/mx_ops_c2.log" | head -4; tail -1 "$OUT/mx_ops_c2.log"
+    echo "== parity, 4-layer MXFP4 file"; date +%T
+    timeout 200 ds4-engine-check parity "$f" --tokens 12 > "$OUT/mx_parity.log" 2>&1
+    grep -E "max rel|PASSED|FAIL|failed" "$OUT/mx_parity.log" | head -8
+    echo "== ds4-gpu-check run: MXFP4 rows"; date +%T
+    timeout 300 ds4-gpu-check run > "$OUT/mx_gpucheck.log" 2>&1
+    grep -iE "mxfp4|FAIL" "$OUT/mx_gpucheck.log" | cut -c1-200 | head -24; tail -1 "$OUT/mx_gpucheck.log"
+    echo "== bench --synthetic mxfp4, $ml layers, 2k"; date +%T
+    timeout 300 ds4-bench --synthetic mxfp4 --layers $ml --frontiers 2048 --decode 32 > "$OUT/mx_bench.log" 2>&1
+    grep -E "^(frontier|2048),|bandwidth limit|launches|rror" "$OUT/mx_bench.log" | cut -c1-220 | head -8
+    rm -f "$f"
 }
 
 cache() {
@@ -254,7 +284,7 @@ server8() {
 }
 
 
-for s in check cache quality spec logits decode profile roofline; do
+for s in check mxfp4 cache quality spec logits decode profile roofline; do
     skip $s || { step $s; "$s"; }
 done
 if ! skip user8; then

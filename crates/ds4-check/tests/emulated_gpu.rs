@@ -85,12 +85,7 @@ struct Run {
 
 /// Prefill `r.prompt` tokens in chunks, two decode steps, a greedy step and a batched step of two
 /// sequences, mirrored; returns the
-/// per-op statistics and the emulation's refusals.
-fn mirrored(r: &Run) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
-    mirrored_on(r, common::tiny_hparams())
-}
-
-/// [`mirrored`] on a synthetic model of `h`.
+/// per-op statistics and the emulation's refusals, on a synthetic model of `h`.
 fn mirrored_on(r: &Run, h: ds4_model::HParams) -> (Vec<(&'static str, OpStat)>, Vec<String>) {
     let dir = tempfile::tempdir().unwrap();
     let file = model_file_from(dir.path(), h, r.recipe);
@@ -127,7 +122,12 @@ fn mirrored_on(r: &Run, h: ds4_model::HParams) -> (Vec<(&'static str, OpStat)>, 
 }
 
 fn check(r: Run) {
-    let (stats, errors) = mirrored(&r);
+    check_on(r, common::tiny_hparams())
+}
+
+/// [`check`] on a synthetic model of `h` ([`mirrored_on`]).
+fn check_on(r: Run, h: ds4_model::HParams) {
+    let (stats, errors) = mirrored_on(&r, h);
     assert!(errors.is_empty(), "{errors:?}");
     for (op, s) in &stats {
         eprintln!(
@@ -236,6 +236,76 @@ fn emulated_gpu_ops_match_the_cpu_official_int8_q4() {
         act_q8: true,
         chunk: 40,
         mode: NumericMode::Official,
+        prompt: 40,
+    });
+}
+
+/// MXFP4 experts (issue 54): the MXFP4 tile decode at prefill (rows of 256 values: 136
+/// bytes, a 4-byte multiple) and, at these widths (not multiples of 512), the int8 generic
+/// GEMV at decode; official mode, as `ds4` runs.
+#[test]
+fn emulated_gpu_ops_match_the_cpu_official_int8_mxfp4() {
+    check(Run {
+        mma: true,
+        recipe: TypeRecipe::MXFP4,
+        tiles: PrefillTiles::Experts,
+        act_q8: true,
+        chunk: 40,
+        mode: NumericMode::Official,
+        prompt: 40,
+    });
+}
+
+/// MXFP4 experts on the f32 paths (`--quality`): dequantized panels at prefill
+/// (`ds4_dequant_rows`), the small-batch kernel (`ds4_matmul_generic`) for the short chunk
+/// and at decode; exact mode.
+#[test]
+fn emulated_gpu_ops_match_the_cpu_exact_mxfp4() {
+    check(Run {
+        mma: true,
+        recipe: TypeRecipe::MXFP4,
+        tiles: PrefillTiles::Off,
+        act_q8: false,
+        chunk: 36,
+        mode: NumericMode::Exact,
+        prompt: 40,
+    });
+}
+
+/// MXFP4 experts 512 wide (gate/up 512 × 512, down 512 × 512): rows the MXFP4 GEMVs take
+/// (multiples of 512 values), so decode runs the grouped int8 MXFP4 GEMVs and the batched
+/// step the flat ones, and the tiles see several row tiles per expert.
+#[test]
+fn emulated_gpu_ops_match_the_cpu_mxfp4_gemv_widths() {
+    let h = ds4_model::HParams {
+        n_embd: 512,
+        expert_ff: 512,
+        ..common::tiny_hparams()
+    };
+    check_on(
+        Run {
+            mma: true,
+            recipe: TypeRecipe::MXFP4,
+            tiles: PrefillTiles::Experts,
+            act_q8: true,
+            chunk: 40,
+            mode: NumericMode::Exact,
+            prompt: 40,
+        },
+        h,
+    );
+}
+
+/// The MXFP4 tile decode on the tile kernels' HIP path (plain FMAs, no `mma.sync`).
+#[test]
+fn emulated_mxfp4_tiles_without_matrix_instructions_match_the_cpu() {
+    check(Run {
+        mma: false,
+        recipe: TypeRecipe::MXFP4,
+        tiles: PrefillTiles::Experts,
+        act_q8: false,
+        chunk: 40,
+        mode: NumericMode::Exact,
         prompt: 40,
     });
 }
@@ -432,9 +502,13 @@ fn emulated_tile_kernels_decode_every_type() {
             GgmlType::Q2K,
             GgmlType::Q4K,
             GgmlType::Iq2Xxs,
+            GgmlType::Mxfp4,
         ] {
+            // MXFP4: 12 blocks of 17 bytes per row (204 bytes, the 4-byte multiple the host
+            // asks), so blocks start at every byte offset of a word.
             let cols = match ty {
                 GgmlType::Q2K | GgmlType::Q4K | GgmlType::Iq2Xxs => 512,
+                GgmlType::Mxfp4 => 384,
                 _ => 160,
             };
             let src: Vec<f32> = (0..n_rows * cols).map(|_| rnd()).collect();
@@ -506,7 +580,9 @@ fn emulated_tile_kernels_decode_every_type() {
 /// both tile shapes (the wide one decodes 16-value pieces from the middle of 32-value
 /// groups) and both MMA paths. The block scales are replaced by random halves from
 /// subnormal to 2^6 (the values stay finite halves), so the half decode of IQ2_XXS and Q2_K
-/// (`ds4_wdec_h`, kernels/tiles.cu) is checked where a second rounding would show.
+/// (`ds4_wdec_h`, kernels/tiles.cu) is checked where a second rounding would show. MXFP4
+/// blocks are random bytes: every code (8, "-0", included) and scales 2^-28 .. 2^12, so the
+/// halves run from zero (underflow) and subnormals up to 12 · 2^12.
 #[test]
 fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
     use ds4_gguf::quant::{dequantize, f16, quantize_matrix};
@@ -539,6 +615,7 @@ fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
             (GgmlType::Q4K, &[0, 2][..]),
             (GgmlType::Q8_0, &[][..]),
             (GgmlType::F16, &[][..]),
+            (GgmlType::Mxfp4, &[][..]),
         ] {
             let src: Vec<f32> = (0..n_rows * cols)
                 .map(|i| ((i * 7919 % 1013) as f32 / 506.5 - 1.0) * 0.7)
@@ -549,6 +626,13 @@ fn emulated_tile_decode_is_the_dequantizer_rounded_once() {
             for b in wq.chunks_exact_mut(block) {
                 for &at in scales {
                     b[at..at + 2].copy_from_slice(&scale().to_le_bytes());
+                }
+                if ty == GgmlType::Mxfp4 {
+                    // The low 8 bits of scale() are uniform (its mantissa).
+                    b[0] = 100 + ((scale() & 0xff) % 41) as u8;
+                    for q in &mut b[1..] {
+                        *q = (scale() & 0xff) as u8;
+                    }
                 }
             }
             let mut wf = vec![0f32; n_rows * cols];

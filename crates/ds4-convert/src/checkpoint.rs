@@ -196,6 +196,28 @@ impl Checkpoint {
         &self.maps[t.file][t.start..t.end]
     }
 
+    /// The MXFP4 blocks of a packed-FP4 matrix, its own codes and scales bit for bit
+    /// ([`crate::official::fp4_to_mxfp4`]); `None` for another encoding or rows that are not
+    /// whole 32-value blocks. Refuses what [`Self::read_f32`] refuses (NaN scales, overflow):
+    /// the tensor is decoded row by row first.
+    pub fn read_mxfp4(&self, t: &SourceTensor) -> Result<Option<Vec<u8>>> {
+        let Encoding::Fp4 { scale } = &t.encoding else {
+            return Ok(None);
+        };
+        let (rows, cols) = match t.shape[..] {
+            [r, c] if c > 0 && c.is_multiple_of(FP4_BLOCK) && scale.cols == c / FP4_BLOCK => (r, c),
+            _ => return Ok(None),
+        };
+        let mut row = vec![0f32; cols as usize];
+        for r in 0..rows {
+            self.read_f32(t, r * cols, &mut row)?;
+        }
+        let scales = &self.maps[scale.file][scale.start..scale.end];
+        let mut out = Vec::with_capacity((rows * cols / FP4_BLOCK * 17) as usize);
+        crate::official::fp4_to_mxfp4(cols, self.bytes(t), scales, &mut out);
+        Ok(Some(out))
+    }
+
     /// Decodes elements `first .. first + out.len()` (flat, row-major) of a float tensor to f32.
     pub fn read_f32(&self, t: &SourceTensor, first: u64, out: &mut [f32]) -> Result<()> {
         if let Encoding::Fp8 { scale } | Encoding::Fp4 { scale } = &t.encoding {

@@ -720,6 +720,45 @@ fn write_experts<W: Write>(
     Ok(())
 }
 
+/// MXFP4 experts from the release's packed FP4 (docs/gguf.md §5.5): each expert's blocks are
+/// its own codes and scales ([`Checkpoint::read_mxfp4`]), not a requantization, so the
+/// conversion is lossless. False (nothing written) unless every expert is packed FP4 of
+/// the planned shape; the caller then quantizes the decoded values as for any source.
+fn write_experts_mxfp4<W: Write>(
+    ckpt: &Checkpoint,
+    info: &TensorInfo,
+    srcs: &[&SourceTensor],
+    w: &mut GgufWriter<W>,
+    progress: &mut dyn Progress,
+) -> Result<bool> {
+    let per_expert = GgmlType::Mxfp4
+        .bytes_for(info.dims[0] * info.dims[1])
+        .unwrap_or(0);
+    let copyable = |t: &SourceTensor| match &t.encoding {
+        crate::official::Encoding::Fp4 { scale } => {
+            t.shape[..] == [info.dims[1], info.dims[0]]
+                && info.dims[0].is_multiple_of(crate::official::FP4_BLOCK)
+                && scale.cols == info.dims[0] / crate::official::FP4_BLOCK
+        }
+        _ => false,
+    };
+    if !srcs.iter().all(|t| copyable(t)) {
+        return Ok(false);
+    }
+    for src in srcs {
+        let blocks = ckpt
+            .read_mxfp4(src)?
+            .filter(|b| b.len() as u64 == per_expert)
+            .ok_or_else(|| ConvertError::BadValue {
+                name: src.name.clone(),
+                message: "packed FP4 that does not make whole MXFP4 blocks".into(),
+            })?;
+        w.write(&blocks)?;
+        progress.advance(blocks.len() as u64);
+    }
+    Ok(true)
+}
+
 /// Writes a planned conversion to `out`. Returns the writer, the bytes written and the most
 /// dequantized f32 bytes held at once ([`Report::peak_f32_bytes`]).
 pub fn write<W: Write>(
@@ -754,6 +793,11 @@ pub fn write<W: Write>(
             Source::Experts(names) => {
                 let srcs: Vec<&SourceTensor> =
                     names.iter().map(|n| get(n)).collect::<Result<_>>()?;
+                if info.ty == GgmlType::Mxfp4
+                    && write_experts_mxfp4(ckpt, info, &srcs, &mut w, progress)?
+                {
+                    continue;
+                }
                 let load = |e: usize, m: &mut [f32]| ckpt.read_f32(srcs[e], 0, m);
                 write_experts(info, &load, imatrix, n_expert, &mut w, progress, &mut peak)?;
             }

@@ -140,6 +140,28 @@ pub(crate) fn decode_scaled(
     Ok(())
 }
 
+/// The MXFP4 blocks (docs/gguf.md §6) of a packed-FP4 matrix of `cols` values per row
+/// (a multiple of 32): the release's own codes and scales, bit for bit. The release's FP4 is
+/// MXFP4: element value `E2M1(code) · 2^(s − 127)` is ggml's `kv(code) · 2^(s − 128)` with the
+/// same code (ggml keeps the E2M1 values doubled) and the same scale byte `s`, so each block is
+/// the row's scale byte for those 32 values, then the 32 codes re-paired: ggml's byte `j` holds
+/// element `j` (low nibble) and `j + 16` (high), the release's byte `i` elements `2i` (low)
+/// and `2i + 1` (high). `codes` and `scales` hold whole rows; no check of the values
+/// ([`decode_scaled`] refuses NaN scales and overflow).
+pub(crate) fn fp4_to_mxfp4(cols: u64, codes: &[u8], scales: &[u8], out: &mut Vec<u8>) {
+    let blocks = (cols / FP4_BLOCK) as usize;
+    for (row, srow) in codes
+        .chunks_exact(cols as usize / 2)
+        .zip(scales.chunks_exact(blocks))
+    {
+        for (b, &s) in row.chunks_exact(16).zip(srow) {
+            let code = |k: usize| (b[k / 2] >> (4 * (k % 2))) & 0x0F;
+            out.push(s);
+            out.extend((0..16).map(|j| code(j) | (code(j + 16) << 4)));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,6 +186,29 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x7E), 448.0);
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
         assert_eq!(e4m3_to_f32(0xFF).to_bits(), 0, "NaN codes give +0");
+    }
+
+    /// The repacked blocks dequantize (ggml's MXFP4 decode) to exactly the release's values,
+    /// every code and scale byte kept.
+    #[test]
+    fn fp4_blocks_become_mxfp4_blocks_of_the_same_values() {
+        use ds4_gguf::{quant, GgmlType};
+        let cols = 64u64;
+        let codes: Vec<u8> = (0..2 * cols as usize / 2)
+            .map(|i| (i * 37 + 11) as u8)
+            .collect();
+        let scales = [120u8, 127, 131, 118];
+        let mut blocks = Vec::new();
+        fp4_to_mxfp4(cols, &codes, &scales, &mut blocks);
+        assert_eq!(blocks.len(), 4 * 17);
+        assert_eq!([blocks[0], blocks[17], blocks[34], blocks[51]], scales);
+        let mut want = vec![0f32; 2 * cols as usize];
+        decode_scaled(true, cols, 2, &codes, &scales, 0, &mut want).unwrap();
+        let mut got = vec![0f32; want.len()];
+        quant::dequantize(GgmlType::Mxfp4, &blocks, &mut got).unwrap();
+        // Equal values (the release's code 8 reads -0, ggml's +0).
+        assert_eq!(got, want);
+        assert!(codes.iter().any(|b| b & 15 == 8 || b >> 4 == 8));
     }
 
     #[test]

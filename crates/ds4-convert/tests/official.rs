@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use common::{dims, tensors, Naming, Src};
 use ds4_convert::checkpoint::Checkpoint;
 use ds4_convert::{convert_hf, ConvertError, HfOptions, NoProgress};
-use ds4_gguf::GgufFile;
+use ds4_gguf::{GgmlType, GgufFile};
 use ds4_model::{ModelSpec, Strictness};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -714,4 +714,103 @@ fn requant_of_the_f32_demo_reproduces_its_q2_and_q4_files() {
         let want = std::fs::read(kjv.join(format!("ds4-kjv-{t}.gguf"))).unwrap();
         assert!(std::fs::read(&out).unwrap() == want, "{t} differs");
     }
+}
+
+/// `--types mxfp4` keeps the release's routed experts exactly (issue 54): every MXFP4 tensor
+/// of the output is, expert by expert and block by block, the checkpoint's E8M0 scale byte
+/// and its 32 packed FP4 codes (ggml's block pairs element j with j + 16 in a byte, the
+/// release elements 2i and 2i + 1), and reads back as the checkpoint's decoded values.
+#[test]
+fn mxfp4_conversion_keeps_the_release_experts_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let off = tmp.path().join("official");
+    official_256(&off);
+    let out = tmp.path().join("mx.gguf");
+    convert(&off, &out, "mxfp4").unwrap();
+    let f = GgufFile::open(&out).unwrap();
+    let shards = read_shards(&off);
+    let stored: BTreeMap<&str, &Stored> = shards
+        .iter()
+        .flat_map(|(_, v)| v.iter())
+        .map(|s| (s.0.as_str(), s))
+        .collect();
+    let find = |x: &str| -> &Stored {
+        let hits: Vec<_> = stored
+            .iter()
+            .filter(|(n, _)| **n == x || n.ends_with(&format!(".{x}")))
+            .filter(|(n, _)| !n.starts_with("mtp"))
+            .collect();
+        assert_eq!(
+            hits.len(),
+            1,
+            "{x}: {:?}",
+            hits.iter().map(|h| h.0).collect::<Vec<_>>()
+        );
+        hits[0].1
+    };
+    let ckpt = Checkpoint::open(&off).unwrap();
+    let mut checked = 0;
+    for t in f
+        .header()
+        .tensors
+        .iter()
+        .filter(|t| t.ty == GgmlType::Mxfp4)
+    {
+        let (cols, rows, ne) = (t.dims[0] as usize, t.dims[1] as usize, t.dims[2] as usize);
+        let (layer, kind) = {
+            let rest = t.name.strip_prefix("blk.").unwrap();
+            let (l, k) = rest.split_once('.').unwrap();
+            (l.parse::<usize>().unwrap(), k)
+        };
+        let w = match kind {
+            "ffn_gate_exps.weight" => "w1",
+            "ffn_up_exps.weight" => "w3",
+            "ffn_down_exps.weight" => "w2",
+            other => panic!("MXFP4 tensor {other}"),
+        };
+        let (_, bytes) = f.tensor_bytes(&t.name).unwrap();
+        let per = rows * cols / 32 * 17;
+        assert_eq!(bytes.len(), ne * per, "{}", t.name);
+        for e in 0..ne {
+            let base = format!("layers.{layer}.ffn.experts.{e}.{w}");
+            let (codes, scales) = (
+                find(&format!("{base}.weight")),
+                find(&format!("{base}.scale")),
+            );
+            assert_eq!((codes.1, scales.1), (Dtype::I8, Dtype::F8_E8M0));
+            let blocks = &bytes[e * per..(e + 1) * per];
+            for (b, blk) in blocks.chunks_exact(17).enumerate() {
+                assert_eq!(
+                    blk[0], scales.3[b],
+                    "{} expert {e} block {b}: scale",
+                    t.name
+                );
+                for j in 0..32 {
+                    let k = 32 * b + j;
+                    let want = (codes.3[k / 2] >> (4 * (k % 2))) & 15;
+                    let got = (blk[1 + j % 16] >> (4 * (j / 16))) & 15;
+                    assert_eq!(got, want, "{} expert {e} element {k}", t.name);
+                }
+            }
+            // The same values as the checkpoint's own decoding (-0 reads +0).
+            let src = ckpt
+                .tensors
+                .get(find(&format!("{base}.weight")).0.as_str())
+                .unwrap();
+            let mut want = vec![0f32; rows * cols];
+            ckpt.read_f32(src, 0, &mut want).unwrap();
+            let mut got = vec![0f32; rows * cols];
+            ds4_gguf::quant::dequantize(GgmlType::Mxfp4, blocks, &mut got).unwrap();
+            assert_eq!(got, want, "{} expert {e}", t.name);
+            checked += 1;
+        }
+    }
+    let fp4 = stored
+        .values()
+        .filter(|s| s.1 == Dtype::I8 && !s.0.starts_with("mtp"))
+        .count();
+    assert!(
+        checked > 0 && checked == fp4,
+        "{checked} of {fp4} FP4 matrices"
+    );
 }

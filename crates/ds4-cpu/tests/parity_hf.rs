@@ -462,3 +462,87 @@ fn quantized_conversions_match_their_exact_reference() {
     }
     println!("worst relative error {worst:.3e}");
 }
+
+/// `ds4-convert official --types mxfp4` keeps the release's FP4 experts as they are
+/// (`Checkpoint::read_mxfp4`, the blocks the conversion writes; their bytes are checked
+/// against the checkpoint in crates/ds4-convert/tests/official.rs). On the release-format
+/// fixture (tests/fixtures/official-tiny), its f32 conversion with every routed-expert
+/// tensor replaced by those MXFP4 blocks gives the f32 conversion's logits to the engine
+/// tolerance (exact mode; prefill, decode and chunked prefill): the MXFP4 experts are the
+/// same weights. (The
+/// fixture's planted edge values do not fit the q4/mxfp4 recipes' F16 tensors, so the whole
+/// mxfp4 recipe is not run here.)
+#[test]
+fn official_mxfp4_experts_give_the_f32_conversions_logits() {
+    use ds4_convert::checkpoint::Checkpoint;
+    use ds4_gguf::GgmlType;
+    let dir = fixtures_root().join("official-tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("f32.gguf");
+    let mut opts = ds4_convert::HfOptions::new("f32").unwrap();
+    opts.skip_mtp = true;
+    ds4_convert::convert_hf(&dir, &out, &opts, &mut ds4_convert::NoProgress).unwrap();
+    let f32_file = Arc::new(GgufFile::open(&out).unwrap());
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let mut header = f32_file.header().clone();
+    let mut payloads = Vec::new();
+    let mut swapped = 0;
+    for t in &mut header.tensors {
+        let bytes = f32_file.tensor_bytes(&t.name).unwrap().1;
+        let w = match t.name.split_once('.').and_then(|(_, r)| r.split_once('.')) {
+            Some((_, "ffn_gate_exps.weight")) => "w1",
+            Some((_, "ffn_up_exps.weight")) => "w3",
+            Some((_, "ffn_down_exps.weight")) => "w2",
+            _ => {
+                payloads.push(bytes.to_vec());
+                continue;
+            }
+        };
+        let layer: usize = t.name.split('.').nth(1).unwrap().parse().unwrap();
+        let mut blocks = Vec::new();
+        for e in 0..t.dims[2] {
+            let src = &ckpt.tensors[&format!("layers.{layer}.ffn.experts.{e}.{w}.weight")];
+            blocks.extend(ckpt.read_mxfp4(src).unwrap().expect("packed FP4 experts"));
+        }
+        // The blocks hold the f32 conversion's values exactly (-0 reads +0).
+        let mut vals = vec![0f32; bytes.len() / 4];
+        ds4_gguf::quant::dequantize(GgmlType::Mxfp4, &blocks, &mut vals).unwrap();
+        assert!(
+            vals.iter()
+                .zip(bytes.chunks_exact(4))
+                .all(|(v, b)| *v == f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            "{}",
+            t.name
+        );
+        t.ty = GgmlType::Mxfp4;
+        payloads.push(blocks);
+        swapped += 1;
+    }
+    assert_eq!(
+        swapped,
+        3 * f32_file
+            .header()
+            .tensors
+            .iter()
+            .filter(|t| t.name.ends_with("ffn_gate_exps.weight"))
+            .count()
+    );
+    let mut w = ds4_gguf::GgufWriter::new(Vec::new(), header).unwrap();
+    for p in &payloads {
+        w.write_tensor(p).unwrap();
+    }
+    let mx = Arc::new(GgufFile::from_bytes(w.finish().unwrap().0).unwrap());
+    let tokens: Vec<u32> = (0..48u32).map(|i| (i * 37 + 11) % 320).collect();
+    {
+        let mode = NumericMode::Exact;
+        let [p, d, c] = run_paths(&mx, mode, &tokens, 7);
+        let [want, _, _] = run_paths(&f32_file, mode, &tokens, 7);
+        for (label, got) in [("prefill", &p), ("decode", &d), ("chunked", &c)] {
+            let (abs, rel) = errors(got, &want);
+            println!(
+                "official-tiny mxfp4 experts {mode:?} {label}: max|d| {abs:.3e} rel {rel:.3e}"
+            );
+            assert!(rel <= TOL, "{mode:?} {label}: {rel:e}");
+        }
+    }
+}

@@ -151,8 +151,7 @@ pub enum GemvType {
     Q2K,
     Q4K,
     Iq2Xxs,
-    /// The official checkpoint's routed-expert format (docs/gpu.md §41): decode GEMVs only,
-    /// no prefill tiles yet.
+    /// The official checkpoint's routed-expert format (docs/gpu.md §41).
     Mxfp4,
 }
 

@@ -222,19 +222,6 @@ fn cols_smem_bytes(codes: usize) -> usize {
     codes + 4 * (codes / 32)
 }
 
-/// What to do about a weight type the backend refuses, where there is something to say:
-/// MXFP4 has its decode GEMVs (docs/gpu.md §41) but no prefill matmul yet, so a model with
-/// MXFP4 experts is refused at load instead of failing at its first prompt.
-fn unsupported_hint(ty: GgmlType) -> &'static str {
-    match ty {
-        GgmlType::Mxfp4 => {
-            " (the GPU backends have MXFP4 decode GEMVs but no prefill matmul yet; \
-             run this model with --backend cpu)"
-        }
-        _ => "",
-    }
-}
-
 fn gemv_index(ty: GemvType) -> usize {
     GemvType::ALL.iter().position(|t| *t == ty).unwrap_or(0)
 }
@@ -1378,13 +1365,13 @@ impl<D: GpuApi> GpuBackend<D> {
                 | GgmlType::Q2K
                 | GgmlType::Q4K
                 | GgmlType::Iq2Xxs
+                | GgmlType::Mxfp4
         ) || (info.ty == GgmlType::Q8_0 && info.cols() > Q8_SPLIT_MAX_IN)
         {
             return Err(werr(format!(
-                "type {} [{}] is not supported{}",
+                "type {} [{}] is not supported",
                 info.ty,
-                info.cols(),
-                unsupported_hint(info.ty)
+                info.cols()
             )));
         }
         let row_bytes = bytes / (info.rows() * info.mats());
@@ -1476,11 +1463,11 @@ impl<D: GpuApi> GpuBackend<D> {
                 | GgmlType::Q2K
                 | GgmlType::Q4K
                 | GgmlType::Iq2Xxs
+                | GgmlType::Mxfp4
         ) || (usage == WeightUse::Table && ty == GgmlType::I32);
         if !supported {
             return Err(werr(format!(
-                "type {ty} is not supported for {usage:?} use{}",
-                unsupported_hint(ty)
+                "type {ty} is not supported for {usage:?} use"
             )));
         }
         let info = WeightInfo { ty, dims };

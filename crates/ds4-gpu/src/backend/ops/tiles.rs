@@ -6,12 +6,14 @@ impl<D: GpuApi> GpuBackend<D> {
     /// Whether `ds4_mm_tiles` decodes `ty` rows of `cols` values at `w` (row starts
     /// aligned for its loads: 16-byte loads of float rows, u16 loads of Q8_0 blocks, u32
     /// of the K-quants, so that the raw bytes prefetched across the tensor-core step take
-    /// few registers; the K step needs `cols` in whole 32-value groups). GGUF tensors are
-    /// 32-byte aligned, so real models always qualify.
+    /// few registers; the K step needs `cols` in whole 32-value groups). MXFP4's 17-byte
+    /// blocks are read as the aligned u32 words that hold them, so its matrix and rows must
+    /// be 4-byte multiples (rows of a multiple of 128 values) for those words to stay inside
+    /// the matrix. GGUF tensors are 32-byte aligned, so real models always qualify.
     pub(super) fn tiles_ok(&self, ty: GgmlType, cols: usize, w: u64, row_bytes: usize) -> bool {
         let align = match ty {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 16,
-            GgmlType::Q2K | GgmlType::Q4K => 4,
+            GgmlType::Q2K | GgmlType::Q4K | GgmlType::Mxfp4 => 4,
             GgmlType::Iq2Xxs | GgmlType::Q8_0 => 2,
             _ => return false,
         };

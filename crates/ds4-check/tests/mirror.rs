@@ -114,39 +114,39 @@ struct Skewed {
     inner: CpuBackend,
 }
 
-impl Backend for Skewed {
+impl ds4_engine::device::Device for Skewed {
     fn name(&self) -> String {
-        format!("skewed {}", self.inner.name())
+        format!("skewed {}", Backend::name(&self.inner))
     }
     fn alloc(&mut self, len: usize) -> BResult<Buf> {
-        self.inner.alloc(len)
+        Backend::alloc(&mut self.inner, len)
     }
     fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
-        self.inner.alloc_i32(len)
+        Backend::alloc_i32(&mut self.inner, len)
     }
     fn free(&mut self, buf: Buf) {
-        self.inner.free(buf)
+        Backend::free(&mut self.inner, buf)
     }
     fn free_i32(&mut self, buf: IBuf) {
-        self.inner.free_i32(buf)
+        Backend::free_i32(&mut self.inner, buf)
     }
     fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        self.inner.upload(dst, src)
+        Backend::upload(&mut self.inner, dst, src)
     }
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        self.inner.download(src, dst)
+        Backend::download(&mut self.inner, src, dst)
     }
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
-        self.inner.upload_i32(dst, off, src)
+        Backend::upload_i32(&mut self.inner, dst, off, src)
     }
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
-        self.inner.download_i32(src, off, dst)
+        Backend::download_i32(&mut self.inner, src, off, dst)
     }
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        self.inner.copy(src, dst)
+        Backend::copy(&mut self.inner, src, dst)
     }
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
-        self.inner.fill(dst, value)
+        Backend::fill(&mut self.inner, dst, value)
     }
     fn load_weight(
         &mut self,
@@ -154,10 +154,10 @@ impl Backend for Skewed {
         name: &str,
         usage: WeightUse,
     ) -> BResult<Weight> {
-        self.inner.load_weight(file, name, usage)
+        Backend::load_weight(&mut self.inner, file, name, usage)
     }
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
-        self.inner.matmul(w, mat, x, n_tok, y)
+        Backend::matmul(&mut self.inner, w, mat, x, n_tok, y)
     }
     fn matmul_grouped(
         &mut self,
@@ -167,7 +167,7 @@ impl Backend for Skewed {
         n_tok: usize,
         y: Slice,
     ) -> BResult<()> {
-        self.inner.matmul_grouped(w, groups, x, n_tok, y)
+        Backend::matmul_grouped(&mut self.inner, w, groups, x, n_tok, y)
     }
     fn rms_norm(
         &mut self,
@@ -178,27 +178,27 @@ impl Backend for Skewed {
         eps: f32,
         out: Slice,
     ) -> BResult<()> {
-        self.inner.rms_norm(x, w, rows, width, eps, out)
+        Backend::rms_norm(&mut self.inner, x, w, rows, width, eps, out)
     }
     fn rope(&mut self, x: Slice, args: RopeArgs) -> BResult<()> {
-        self.inner.rope(x, args)
+        Backend::rope(&mut self.inner, x, args)
     }
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
-        self.inner.add(acc, x)
+        Backend::add(&mut self.inner, acc, x)
     }
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
-        self.inner.swiglu(gate, up, clamp, out)?;
+        Backend::swiglu(&mut self.inner, gate, up, clamp, out)?;
         let mut v = vec![0f32; out.len];
-        self.inner.download(out, &mut v)?;
+        Backend::download(&mut self.inner, out, &mut v)?;
         let mag = v.iter().fold(1f32, |m, x| m.max(x.abs()));
         v[0] += 0.5 * mag;
-        self.inner.upload(out, &v)
+        Backend::upload(&mut self.inner, out, &v)
     }
     fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
-        self.inner.qat_fp8(x, rows, width, n_dims)
+        Backend::qat_fp8(&mut self.inner, x, rows, width, n_dims)
     }
     fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
-        self.inner.qat_hadamard_fp4(x, rows, width)
+        Backend::qat_hadamard_fp4(&mut self.inner, x, rows, width)
     }
     fn embed(
         &mut self,
@@ -208,7 +208,7 @@ impl Backend for Skewed {
         n_streams: usize,
         out: Slice,
     ) -> BResult<()> {
-        self.inner.embed(table, tokens, n_tok, n_streams, out)
+        Backend::embed(&mut self.inner, table, tokens, n_tok, n_streams, out)
     }
     fn hc_pre(
         &mut self,
@@ -221,7 +221,7 @@ impl Backend for Skewed {
         post: Slice,
         comb: Slice,
     ) -> BResult<()> {
-        self.inner.hc_pre(mix, x, base, scale, args, y, post, comb)
+        Backend::hc_pre(&mut self.inner, mix, x, base, scale, args, y, post, comb)
     }
     fn hc_post(
         &mut self,
@@ -231,7 +231,7 @@ impl Backend for Skewed {
         comb: Slice,
         args: HcArgs,
     ) -> BResult<()> {
-        self.inner.hc_post(x, f, post, comb, args)
+        Backend::hc_post(&mut self.inner, x, f, post, comb, args)
     }
     fn hc_head(
         &mut self,
@@ -242,7 +242,7 @@ impl Backend for Skewed {
         args: HcArgs,
         y: Slice,
     ) -> BResult<()> {
-        self.inner.hc_head(mix, x, base, scale, args, y)
+        Backend::hc_head(&mut self.inner, mix, x, base, scale, args, y)
     }
     fn compressor(
         &mut self,
@@ -253,7 +253,7 @@ impl Backend for Skewed {
         args: CompressorArgs,
         rows: Slice,
     ) -> BResult<()> {
-        self.inner.compressor(acc, u, z, ape, args, rows)
+        Backend::compressor(&mut self.inner, acc, u, z, ape, args, rows)
     }
     fn indexer_topk(
         &mut self,
@@ -263,10 +263,10 @@ impl Backend for Skewed {
         args: IndexerArgs,
         out: IBuf,
     ) -> BResult<()> {
-        self.inner.indexer_topk(q, w, rows, args, out)
+        Backend::indexer_topk(&mut self.inner, q, w, rows, args, out)
     }
     fn attention(&mut self, args: AttnArgs) -> BResult<()> {
-        self.inner.attention(args)
+        Backend::attention(&mut self.inner, args)
     }
     fn ring_store(
         &mut self,
@@ -276,7 +276,7 @@ impl Backend for Skewed {
         n_tok: usize,
         window: usize,
     ) -> BResult<()> {
-        self.inner.ring_store(ring, kv, pos0, n_tok, window)
+        Backend::ring_store(&mut self.inner, ring, kv, pos0, n_tok, window)
     }
     fn router(
         &mut self,
@@ -286,7 +286,7 @@ impl Backend for Skewed {
         ids: IBuf,
         weights: Slice,
     ) -> BResult<()> {
-        self.inner.router(logits, routing, args, ids, weights)
+        Backend::router(&mut self.inner, logits, routing, args, ids, weights)
     }
     fn moe(
         &mut self,
@@ -299,6 +299,6 @@ impl Backend for Skewed {
         args: MoeArgs,
         out: Slice,
     ) -> BResult<()> {
-        self.inner.moe(x, ids, weights, gate, up, down, args, out)
+        Backend::moe(&mut self.inner, x, ids, weights, gate, up, down, args, out)
     }
 }

@@ -114,7 +114,7 @@ impl Collecting {
     }
 }
 
-impl Backend for Collecting {
+impl ds4_engine::device::Device for Collecting {
     fn name(&self) -> String {
         format!("{}+imatrix", self.inner.name())
     }

@@ -250,7 +250,7 @@ impl Controlled {
     }
 }
 
-impl Backend for Controlled {
+impl ds4_engine::device::Device for Controlled {
     fn name(&self) -> String {
         format!("{}+{}", self.inner.name(), self.control)
     }
@@ -494,8 +494,8 @@ impl Backend for Controlled {
         ya: Slice,
         yb: Slice,
     ) -> BResult<()> {
-        self.matmul(wa, 0, x, n_tok, ya)?;
-        self.matmul(wb, 0, x, n_tok, yb)
+        Backend::matmul(self, wa, 0, x, n_tok, ya)?;
+        Backend::matmul(self, wb, 0, x, n_tok, yb)
     }
     fn hc_pre_norm(
         &mut self,
@@ -510,8 +510,8 @@ impl Backend for Controlled {
         comb: Slice,
         out: Slice,
     ) -> BResult<()> {
-        self.hc_pre(mix, x, base, scale, args, y, post, comb)?;
-        self.rms_norm(y, Some(norm), args.n_tok, args.dim, args.rms_eps, out)
+        Backend::hc_pre(self, mix, x, base, scale, args, y, post, comb)?;
+        Backend::rms_norm(self, y, Some(norm), args.n_tok, args.dim, args.rms_eps, out)
     }
     fn norm_rope(
         &mut self,
@@ -522,8 +522,8 @@ impl Backend for Controlled {
         fp8_dims: Option<usize>,
     ) -> BResult<()> {
         let (rows, width) = (rope.n_rows * rope.n_heads, rope.head_dim);
-        self.rms_norm(x, w, rows, width, eps, x)?;
-        self.rope(x, rope)?;
+        Backend::rms_norm(self, x, w, rows, width, eps, x)?;
+        Backend::rope(self, x, rope)?;
         match fp8_dims {
             Some(n) => self.fp8(x, rows, width, n, Fp8Site::Kv),
             None => Ok(()),
@@ -539,6 +539,6 @@ impl Backend for Controlled {
         args: HcArgs,
     ) -> BResult<()> {
         self.inner.add(f, f2)?;
-        self.hc_post(x, f, post, comb, args)
+        Backend::hc_post(self, x, f, post, comb, args)
     }
 }

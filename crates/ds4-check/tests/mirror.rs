@@ -11,12 +11,9 @@ use std::sync::{Arc, Mutex};
 use common::model_file;
 use ds4_check::mirror::{rel_err, Mirror, OpStat};
 use ds4_cpu::CpuBackend;
-use ds4_engine::backend::{
-    AttnArgs, BResult, Backend, Buf, CompressorArgs, HcArgs, IBuf, IndexerArgs, MoeArgs, RopeArgs,
-    RouterArgs, Routing, Slice, Weight, WeightUse,
-};
+use ds4_engine::backend::{BResult, Backend, Slice};
+use ds4_engine::device::Forward;
 use ds4_engine::{Engine, EngineConfig, Logits};
-use ds4_gguf::GgufFile;
 
 type Stats = Arc<Mutex<BTreeMap<&'static str, OpStat>>>;
 
@@ -114,191 +111,22 @@ struct Skewed {
     inner: CpuBackend,
 }
 
-impl ds4_engine::device::Device for Skewed {
+impl Forward for Skewed {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
+    }
+    fn inner_mut(&mut self) -> &mut dyn Backend {
+        &mut self.inner
+    }
     fn name(&self) -> String {
-        format!("skewed {}", Backend::name(&self.inner))
-    }
-    fn alloc(&mut self, len: usize) -> BResult<Buf> {
-        Backend::alloc(&mut self.inner, len)
-    }
-    fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
-        Backend::alloc_i32(&mut self.inner, len)
-    }
-    fn free(&mut self, buf: Buf) {
-        Backend::free(&mut self.inner, buf)
-    }
-    fn free_i32(&mut self, buf: IBuf) {
-        Backend::free_i32(&mut self.inner, buf)
-    }
-    fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        Backend::upload(&mut self.inner, dst, src)
-    }
-    fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        Backend::download(&mut self.inner, src, dst)
-    }
-    fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
-        Backend::upload_i32(&mut self.inner, dst, off, src)
-    }
-    fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
-        Backend::download_i32(&mut self.inner, src, off, dst)
-    }
-    fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        Backend::copy(&mut self.inner, src, dst)
-    }
-    fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
-        Backend::fill(&mut self.inner, dst, value)
-    }
-    fn load_weight(
-        &mut self,
-        file: &Arc<GgufFile>,
-        name: &str,
-        usage: WeightUse,
-    ) -> BResult<Weight> {
-        Backend::load_weight(&mut self.inner, file, name, usage)
-    }
-    fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
-        Backend::matmul(&mut self.inner, w, mat, x, n_tok, y)
-    }
-    fn matmul_grouped(
-        &mut self,
-        w: Weight,
-        groups: usize,
-        x: Slice,
-        n_tok: usize,
-        y: Slice,
-    ) -> BResult<()> {
-        Backend::matmul_grouped(&mut self.inner, w, groups, x, n_tok, y)
-    }
-    fn rms_norm(
-        &mut self,
-        x: Slice,
-        w: Option<Weight>,
-        rows: usize,
-        width: usize,
-        eps: f32,
-        out: Slice,
-    ) -> BResult<()> {
-        Backend::rms_norm(&mut self.inner, x, w, rows, width, eps, out)
-    }
-    fn rope(&mut self, x: Slice, args: RopeArgs) -> BResult<()> {
-        Backend::rope(&mut self.inner, x, args)
-    }
-    fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
-        Backend::add(&mut self.inner, acc, x)
+        format!("skewed {}", self.inner.name())
     }
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
-        Backend::swiglu(&mut self.inner, gate, up, clamp, out)?;
+        self.inner.swiglu(gate, up, clamp, out)?;
         let mut v = vec![0f32; out.len];
-        Backend::download(&mut self.inner, out, &mut v)?;
+        self.inner.download(out, &mut v)?;
         let mag = v.iter().fold(1f32, |m, x| m.max(x.abs()));
         v[0] += 0.5 * mag;
-        Backend::upload(&mut self.inner, out, &v)
-    }
-    fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
-        Backend::qat_fp8(&mut self.inner, x, rows, width, n_dims)
-    }
-    fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
-        Backend::qat_hadamard_fp4(&mut self.inner, x, rows, width)
-    }
-    fn embed(
-        &mut self,
-        table: Weight,
-        tokens: IBuf,
-        n_tok: usize,
-        n_streams: usize,
-        out: Slice,
-    ) -> BResult<()> {
-        Backend::embed(&mut self.inner, table, tokens, n_tok, n_streams, out)
-    }
-    fn hc_pre(
-        &mut self,
-        mix: Slice,
-        x: Slice,
-        base: Weight,
-        scale: Weight,
-        args: HcArgs,
-        y: Slice,
-        post: Slice,
-        comb: Slice,
-    ) -> BResult<()> {
-        Backend::hc_pre(&mut self.inner, mix, x, base, scale, args, y, post, comb)
-    }
-    fn hc_post(
-        &mut self,
-        x: Slice,
-        f: Slice,
-        post: Slice,
-        comb: Slice,
-        args: HcArgs,
-    ) -> BResult<()> {
-        Backend::hc_post(&mut self.inner, x, f, post, comb, args)
-    }
-    fn hc_head(
-        &mut self,
-        mix: Slice,
-        x: Slice,
-        base: Weight,
-        scale: Weight,
-        args: HcArgs,
-        y: Slice,
-    ) -> BResult<()> {
-        Backend::hc_head(&mut self.inner, mix, x, base, scale, args, y)
-    }
-    fn compressor(
-        &mut self,
-        acc: Slice,
-        u: Slice,
-        z: Slice,
-        ape: Weight,
-        args: CompressorArgs,
-        rows: Slice,
-    ) -> BResult<()> {
-        Backend::compressor(&mut self.inner, acc, u, z, ape, args, rows)
-    }
-    fn indexer_topk(
-        &mut self,
-        q: Slice,
-        w: Slice,
-        rows: Slice,
-        args: IndexerArgs,
-        out: IBuf,
-    ) -> BResult<()> {
-        Backend::indexer_topk(&mut self.inner, q, w, rows, args, out)
-    }
-    fn attention(&mut self, args: AttnArgs) -> BResult<()> {
-        Backend::attention(&mut self.inner, args)
-    }
-    fn ring_store(
-        &mut self,
-        ring: Slice,
-        kv: Slice,
-        pos0: usize,
-        n_tok: usize,
-        window: usize,
-    ) -> BResult<()> {
-        Backend::ring_store(&mut self.inner, ring, kv, pos0, n_tok, window)
-    }
-    fn router(
-        &mut self,
-        logits: Slice,
-        routing: Routing,
-        args: RouterArgs,
-        ids: IBuf,
-        weights: Slice,
-    ) -> BResult<()> {
-        Backend::router(&mut self.inner, logits, routing, args, ids, weights)
-    }
-    fn moe(
-        &mut self,
-        x: Slice,
-        ids: IBuf,
-        weights: Slice,
-        gate: Weight,
-        up: Weight,
-        down: Weight,
-        args: MoeArgs,
-        out: Slice,
-    ) -> BResult<()> {
-        Backend::moe(&mut self.inner, x, ids, weights, gate, up, down, args, out)
+        self.inner.upload(out, &v)
     }
 }

@@ -9,13 +9,14 @@
 //! directly go through it too. A backend keeps only the checks that only it can make (a
 //! live handle, its own capacity limits).
 //!
-//! A wrapper (the op mirror, the reference controls, the imatrix collector, test doubles)
-//! forwards nearly every op to the backend it wraps and changes a few. It implements
+//! A wrapper (the reference controls, the imatrix collector, test doubles) forwards nearly
+//! every op to the backend it wraps and changes a few. It implements
 //! [`Forward`], writes the ops it intercepts and nothing else, and is a `Device` (hence a
 //! checked `Backend`) through the second blanket impl. Its fused ops run as their
 //! sequences of [`crate::fused`] through the wrapper itself, so an op it intercepts is
 //! seen wherever the engine uses it, inside a fused op or alone; everything else (memory,
-//! weights, instrumentation, settings) goes straight to the wrapped backend.
+//! weights, instrumentation, settings) goes straight to the wrapped backend. The op mirror
+//! intercepts every op (it runs each on two backends), so it is a `Device` itself.
 //!
 //! Each method is the [`Backend`] method of the same name, documented there.
 

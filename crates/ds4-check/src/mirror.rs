@@ -26,6 +26,7 @@ use ds4_engine::backend::{
     NormRopeCall, RingStoreCall, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo,
     WeightUse,
 };
+use ds4_engine::device::Device;
 use ds4_gguf::GgufFile;
 
 /// The per-op verdict of a mirrored run between the CPU backend and a GPU backend (shared
@@ -344,7 +345,7 @@ impl<R: Backend, C: Backend> Mirror<R, C> {
     }
 }
 
-impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
+impl<R: Backend, C: Backend> Device for Mirror<R, C> {
     fn name(&self) -> String {
         format!(
             "mirror({} | {})",
@@ -1324,8 +1325,8 @@ impl<R: Backend, C: Backend> Backend for Mirror<R, C> {
         ids: IBuf,
         weights: Slice,
     ) -> BResult<()> {
-        self.matmul(w, 0, x, a.n_tok, logits)?;
-        self.router(logits, routing, a, ids, weights)
+        Backend::matmul(self, w, 0, x, a.n_tok, logits)?;
+        Backend::router(self, logits, routing, a, ids, weights)
     }
     fn moe(
         &mut self,

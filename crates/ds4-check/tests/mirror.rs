@@ -11,12 +11,9 @@ use std::sync::{Arc, Mutex};
 use common::model_file;
 use ds4_check::mirror::{rel_err, Mirror, OpStat};
 use ds4_cpu::CpuBackend;
-use ds4_engine::backend::{
-    AttnArgs, BResult, Backend, Buf, CompressorArgs, HcArgs, IBuf, IndexerArgs, MoeArgs, RopeArgs,
-    RouterArgs, Routing, Slice, Weight, WeightUse,
-};
+use ds4_engine::backend::{BResult, Backend, Slice};
+use ds4_engine::device::Forward;
 use ds4_engine::{Engine, EngineConfig, Logits};
-use ds4_gguf::GgufFile;
 
 type Stats = Arc<Mutex<BTreeMap<&'static str, OpStat>>>;
 
@@ -114,77 +111,15 @@ struct Skewed {
     inner: CpuBackend,
 }
 
-impl Backend for Skewed {
+impl Forward for Skewed {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
+    }
+    fn inner_mut(&mut self) -> &mut dyn Backend {
+        &mut self.inner
+    }
     fn name(&self) -> String {
         format!("skewed {}", self.inner.name())
-    }
-    fn alloc(&mut self, len: usize) -> BResult<Buf> {
-        self.inner.alloc(len)
-    }
-    fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
-        self.inner.alloc_i32(len)
-    }
-    fn free(&mut self, buf: Buf) {
-        self.inner.free(buf)
-    }
-    fn free_i32(&mut self, buf: IBuf) {
-        self.inner.free_i32(buf)
-    }
-    fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        self.inner.upload(dst, src)
-    }
-    fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        self.inner.download(src, dst)
-    }
-    fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
-        self.inner.upload_i32(dst, off, src)
-    }
-    fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
-        self.inner.download_i32(src, off, dst)
-    }
-    fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        self.inner.copy(src, dst)
-    }
-    fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
-        self.inner.fill(dst, value)
-    }
-    fn load_weight(
-        &mut self,
-        file: &Arc<GgufFile>,
-        name: &str,
-        usage: WeightUse,
-    ) -> BResult<Weight> {
-        self.inner.load_weight(file, name, usage)
-    }
-    fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
-        self.inner.matmul(w, mat, x, n_tok, y)
-    }
-    fn matmul_grouped(
-        &mut self,
-        w: Weight,
-        groups: usize,
-        x: Slice,
-        n_tok: usize,
-        y: Slice,
-    ) -> BResult<()> {
-        self.inner.matmul_grouped(w, groups, x, n_tok, y)
-    }
-    fn rms_norm(
-        &mut self,
-        x: Slice,
-        w: Option<Weight>,
-        rows: usize,
-        width: usize,
-        eps: f32,
-        out: Slice,
-    ) -> BResult<()> {
-        self.inner.rms_norm(x, w, rows, width, eps, out)
-    }
-    fn rope(&mut self, x: Slice, args: RopeArgs) -> BResult<()> {
-        self.inner.rope(x, args)
-    }
-    fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
-        self.inner.add(acc, x)
     }
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
         self.inner.swiglu(gate, up, clamp, out)?;
@@ -193,112 +128,5 @@ impl Backend for Skewed {
         let mag = v.iter().fold(1f32, |m, x| m.max(x.abs()));
         v[0] += 0.5 * mag;
         self.inner.upload(out, &v)
-    }
-    fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
-        self.inner.qat_fp8(x, rows, width, n_dims)
-    }
-    fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
-        self.inner.qat_hadamard_fp4(x, rows, width)
-    }
-    fn embed(
-        &mut self,
-        table: Weight,
-        tokens: IBuf,
-        n_tok: usize,
-        n_streams: usize,
-        out: Slice,
-    ) -> BResult<()> {
-        self.inner.embed(table, tokens, n_tok, n_streams, out)
-    }
-    fn hc_pre(
-        &mut self,
-        mix: Slice,
-        x: Slice,
-        base: Weight,
-        scale: Weight,
-        args: HcArgs,
-        y: Slice,
-        post: Slice,
-        comb: Slice,
-    ) -> BResult<()> {
-        self.inner.hc_pre(mix, x, base, scale, args, y, post, comb)
-    }
-    fn hc_post(
-        &mut self,
-        x: Slice,
-        f: Slice,
-        post: Slice,
-        comb: Slice,
-        args: HcArgs,
-    ) -> BResult<()> {
-        self.inner.hc_post(x, f, post, comb, args)
-    }
-    fn hc_head(
-        &mut self,
-        mix: Slice,
-        x: Slice,
-        base: Weight,
-        scale: Weight,
-        args: HcArgs,
-        y: Slice,
-    ) -> BResult<()> {
-        self.inner.hc_head(mix, x, base, scale, args, y)
-    }
-    fn compressor(
-        &mut self,
-        acc: Slice,
-        u: Slice,
-        z: Slice,
-        ape: Weight,
-        args: CompressorArgs,
-        rows: Slice,
-    ) -> BResult<()> {
-        self.inner.compressor(acc, u, z, ape, args, rows)
-    }
-    fn indexer_topk(
-        &mut self,
-        q: Slice,
-        w: Slice,
-        rows: Slice,
-        args: IndexerArgs,
-        out: IBuf,
-    ) -> BResult<()> {
-        self.inner.indexer_topk(q, w, rows, args, out)
-    }
-    fn attention(&mut self, args: AttnArgs) -> BResult<()> {
-        self.inner.attention(args)
-    }
-    fn ring_store(
-        &mut self,
-        ring: Slice,
-        kv: Slice,
-        pos0: usize,
-        n_tok: usize,
-        window: usize,
-    ) -> BResult<()> {
-        self.inner.ring_store(ring, kv, pos0, n_tok, window)
-    }
-    fn router(
-        &mut self,
-        logits: Slice,
-        routing: Routing,
-        args: RouterArgs,
-        ids: IBuf,
-        weights: Slice,
-    ) -> BResult<()> {
-        self.inner.router(logits, routing, args, ids, weights)
-    }
-    fn moe(
-        &mut self,
-        x: Slice,
-        ids: IBuf,
-        weights: Slice,
-        gate: Weight,
-        up: Weight,
-        down: Weight,
-        args: MoeArgs,
-        out: Slice,
-    ) -> BResult<()> {
-        self.inner.moe(x, ids, weights, gate, up, down, args, out)
     }
 }

@@ -20,6 +20,7 @@ use ds4_engine::backend::{
     AttnArgs, BResult, Backend, BackendError, Buf, CompSel, CompressorArgs, HcArgs, IBuf,
     IndexerArgs, MoeArgs, RopeArgs, RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
 };
+use ds4_engine::device::Device;
 use ds4_engine::validate;
 use ds4_gguf::GgufFile;
 
@@ -169,7 +170,7 @@ impl CpuBackend {
     }
 }
 
-impl Backend for CpuBackend {
+impl Device for CpuBackend {
     fn name(&self) -> String {
         format!("cpu ({} threads)", self.threads())
     }
@@ -191,7 +192,6 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        validate::upload(dst, src.len())?;
         let v = self.bufs.get_mut(dst.buf.id(), "upload")?;
         let r = range(dst, v.len(), "upload")?;
         v[r].copy_from_slice(src);
@@ -199,13 +199,11 @@ impl Backend for CpuBackend {
     }
 
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        validate::download(src, dst.len())?;
         dst.copy_from_slice(self.view(src, "download")?);
         Ok(())
     }
 
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
-        validate::upload_i32(dst, off, src.len())?;
         let v = self.ibufs.get_mut(dst.id(), "upload_i32")?;
         if v.len() != dst.len() {
             return Err(BackendError::BadHandle {
@@ -218,14 +216,12 @@ impl Backend for CpuBackend {
     }
 
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
-        validate::download_i32(src, off, dst.len())?;
         let v = self.iview(src, "download_i32")?;
         dst.copy_from_slice(&v[off..off + dst.len()]);
         Ok(())
     }
 
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        validate::copy(src, dst)?;
         self.with_out(dst, "copy", 0, |this, out, _| {
             out.copy_from_slice(this.view(src, "copy")?);
             Ok(())
@@ -233,7 +229,6 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
-        validate::fill(dst)?;
         let v = self.bufs.get_mut(dst.buf.id(), "fill")?;
         let r = range(dst, v.len(), "fill")?;
         v[r].fill(value);
@@ -293,7 +288,6 @@ impl Backend for CpuBackend {
 
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         const OP: &str = "matmul";
-        validate::matmul(w, mat, x, n_tok, y)?;
         let (cols, rows) = (w.info.cols(), w.info.rows());
         let q8 = self.q8_rows(n_tok);
         self.with_out(y, OP, rows * cols * n_tok, |this, yv, par| {
@@ -312,7 +306,6 @@ impl Backend for CpuBackend {
         y: Slice,
     ) -> BResult<()> {
         const OP: &str = "matmul_grouped";
-        validate::matmul_grouped(w, groups, x, n_tok, y)?;
         let (cols, rows) = (w.info.cols(), w.info.rows());
         let r = rows / groups;
         let q8 = self.q8_rows(n_tok);
@@ -348,7 +341,6 @@ impl Backend for CpuBackend {
         out: Slice,
     ) -> BResult<()> {
         const OP: &str = "rms_norm";
-        validate::rms_norm(x, w, rows, width, out)?;
         if width == 0 {
             return Ok(());
         }
@@ -370,7 +362,6 @@ impl Backend for CpuBackend {
 
     fn rope(&mut self, x: Slice, a: RopeArgs) -> BResult<()> {
         const OP: &str = "rope";
-        validate::rope(x, &a)?;
         if a.n_rows == 0 || a.n_heads == 0 {
             return Ok(());
         }
@@ -395,7 +386,6 @@ impl Backend for CpuBackend {
 
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
         const OP: &str = "add";
-        validate::add(acc, x)?;
         self.with_out(acc, OP, acc.len, |this, a, par| {
             let xv = this.view(x, OP)?;
             rows_mut(par, a, 4096, |ci, a| {
@@ -408,7 +398,6 @@ impl Backend for CpuBackend {
 
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
         const OP: &str = "swiglu";
-        validate::swiglu(gate, up, out)?;
         self.with_out(out, OP, 16 * out.len, |this, o, par| {
             let (g, u) = (this.view(gate, OP)?, this.view(up, OP)?);
             rows_mut(par, o, 4096, |ci, oc| {
@@ -423,7 +412,6 @@ impl Backend for CpuBackend {
 
     fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
         const OP: &str = "qat_fp8";
-        validate::qat_fp8(x, rows, width, n_dims)?;
         if width == 0 {
             return Ok(());
         }
@@ -437,7 +425,6 @@ impl Backend for CpuBackend {
 
     fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
         const OP: &str = "qat_hadamard_fp4";
-        validate::qat_hadamard_fp4(x, rows, width)?;
         let work = rows * width * (16 + width.trailing_zeros() as usize);
         self.with_out(x, OP, work, |_, v, par| {
             rows_mut(par, &mut v[..rows * width], width, |_, r| {
@@ -456,7 +443,6 @@ impl Backend for CpuBackend {
         out: Slice,
     ) -> BResult<()> {
         const OP: &str = "embed";
-        validate::embed(table, tokens, n_tok, n_streams, out)?;
         let (d, n_vocab) = (table.info.cols(), table.info.rows());
         self.with_out(out, OP, n_tok * n_streams * d, |this, o, par| {
             let tw = this.weight(table, OP)?;
@@ -497,7 +483,6 @@ impl Backend for CpuBackend {
         comb: Slice,
     ) -> BResult<()> {
         const OP: &str = "hc_pre";
-        validate::hc_pre(mix, x, base, scale, &a, y, post, comb)?;
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
         let nm = 2 * n + n * n;
         // Per token [pre | post | P], computed first (small), then the stream mix.
@@ -538,13 +523,12 @@ impl Backend for CpuBackend {
             pv.extend_from_slice(&c[n..2 * n]);
             cv.extend_from_slice(&c[2 * n..]);
         }
-        self.upload(post.sub(0, t * n), &pv)?;
-        self.upload(comb.sub(0, t * n * n), &cv)
+        Backend::upload(self, post.sub(0, t * n), &pv)?;
+        Backend::upload(self, comb.sub(0, t * n * n), &cv)
     }
 
     fn hc_post(&mut self, x: Slice, f: Slice, post: Slice, comb: Slice, a: HcArgs) -> BResult<()> {
         const OP: &str = "hc_post";
-        validate::hc_post(x, f, post, comb, &a)?;
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
         self.with_out(x, OP, t * n * n * d, |this, xv, par| {
             let (fv, pv, cv) = (
@@ -576,7 +560,6 @@ impl Backend for CpuBackend {
         y: Slice,
     ) -> BResult<()> {
         const OP: &str = "hc_head";
-        validate::hc_head(mix, x, base, scale, &a, y)?;
         let (n, d, t) = (a.n_hc, a.dim, a.n_tok);
         self.with_out(y, OP, 2 * t * n * d, |this, yv, par| {
             let mv = this.view(mix, OP)?;
@@ -610,7 +593,6 @@ impl Backend for CpuBackend {
         rows: Slice,
     ) -> BResult<()> {
         const OP: &str = "compressor";
-        validate::compressor(acc, u, z, ape, &a, rows)?;
         let mut rows_v = self.bufs.take(rows.buf.id(), OP)?;
         let r = (|| {
             let rr = range(rows, rows_v.len(), OP)?;
@@ -639,7 +621,6 @@ impl Backend for CpuBackend {
         out: IBuf,
     ) -> BResult<()> {
         const OP: &str = "indexer_topk";
-        validate::indexer_topk(q, w, rows, &a, out)?;
         let (t, k, hd, nh) = (a.n_tok, a.top_k, a.head_dim, a.n_heads);
         let n_last = (a.pos0 + t) / a.ratio;
         let scoring = n_last > k;
@@ -679,7 +660,6 @@ impl Backend for CpuBackend {
 
     fn attention(&mut self, a: AttnArgs) -> BResult<()> {
         const OP: &str = "attention";
-        validate::attention(&a)?;
         let (t, nh, hd, win) = (a.n_tok, a.n_head, a.head_dim, a.window);
         let last = a.pos0 + t; // exclusive end of positions
         let n_keys = win
@@ -771,7 +751,6 @@ impl Backend for CpuBackend {
         window: usize,
     ) -> BResult<()> {
         const OP: &str = "ring_store";
-        validate::ring_store(ring, kv, n_tok, window)?;
         let d = ring.len / window;
         self.with_out(ring, OP, 0, |this, rv, _| {
             let kvv = this.view(kv, OP)?;
@@ -792,7 +771,6 @@ impl Backend for CpuBackend {
         weights: Slice,
     ) -> BResult<()> {
         const OP: &str = "router";
-        validate::router(logits, &routing, &a, ids, weights)?;
         let (t, e, k) = (a.n_tok, a.n_expert, a.k);
         let mut idv = self.ibufs.take(ids.id(), OP)?;
         let idr = &mut idv;
@@ -857,7 +835,6 @@ impl Backend for CpuBackend {
         out: Slice,
     ) -> BResult<()> {
         const OP: &str = "moe";
-        validate::moe(x, ids, weights, gate, up, down, &a, out)?;
         let (t, k) = (a.n_tok, a.k);
         let (d, f, ne) = (gate.info.cols(), gate.info.rows(), gate.info.mats());
         let q8 = self.q8_rows(t);

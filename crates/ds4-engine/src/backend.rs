@@ -14,9 +14,11 @@
 //! in-place forms an op documents ([`crate::validate`] states the rule and why; a backend
 //! refuses anything else with [`BackendError::Aliasing`]).
 //!
-//! Argument checks live in [`crate::validate`], one function per op: every implementation
-//! calls it first, so the checks are written once and every backend refuses the same calls
-//! with the same error.
+//! Argument checks live in [`crate::validate`], one function per op, and run in exactly one
+//! place: a device implements [`crate::device::Device`] (the same ops, unchecked), and its
+//! `Backend` is the blanket implementation that checks each call before passing it on. No
+//! caller reaches a device's op without the check and no backend has to remember it, so
+//! every backend refuses the same calls with the same error.
 //!
 //! Shapes are row-major with the token index slowest: `[T, width]` means token `t`'s values
 //! are `t*width .. (t+1)*width`. Weight matrices follow GGUF: a weight with dims
@@ -551,7 +553,14 @@ pub struct GraphTiming {
     pub replay_ms: f64,
 }
 
-/// An execution device. Object safe: the engine holds a `Box<dyn Backend>`.
+/// An execution device, as the engine sees it. Object safe: the engine holds a
+/// `Box<dyn Backend>`.
+///
+/// Implemented only by the blanket `impl<D: Device> Backend for D` of [`crate::device`], which
+/// runs the op's [`crate::validate`] check and then the device's op: a backend implements
+/// [`crate::device::Device`], a wrapper around another backend [`crate::device::Forward`].
+/// Where a method's doc speaks of "the default", it is `Device`'s, for backends that do not
+/// provide their own; the fused ops' defaults are the sequences in [`crate::fused`].
 ///
 /// Determinism contract: for fixed inputs an op's output must not depend on the number of
 /// threads (fixed reduction orders), and a token's results must not depend on which other
@@ -565,9 +574,7 @@ pub trait Backend: Send {
     /// at load should take instead of the first request: a GPU's lazily loaded kernels and
     /// library kernels, scratch buffers grown to the chunk size, pinned staging. False on
     /// the CPU, where a chunk of a full-size model takes minutes and its scratch is cheap.
-    fn warms_up(&self) -> bool {
-        false
-    }
+    fn warms_up(&self) -> bool;
 
     // ---- memory -------------------------------------------------------------------------
 
@@ -603,22 +610,12 @@ pub trait Backend: Send {
         &mut self,
         file: &Arc<GgufFile>,
         list: &[(String, WeightUse)],
-    ) -> BResult<Vec<Weight>> {
-        list.iter()
-            .map(|(name, usage)| self.load_weight(file, name, *usage))
-            .collect()
-    }
+    ) -> BResult<Vec<Weight>>;
 
     /// A zero-filled weight of `info` that no file backs: the slot pools of streamed
     /// routed experts (docs/placement.md §9), filled matrix by matrix with
     /// [`Backend::write_weight_mat`]. The default refuses (the backend cannot stream).
-    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
-        let _ = info;
-        Err(BackendError::Weight {
-            name: name.to_string(),
-            problem: format!("backend {} cannot hold streamed experts", self.name()),
-        })
-    }
+    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight>;
 
     /// Stores `raw`, one matrix's bytes exactly as the GGUF file holds them (`rows` rows
     /// of the type's row size), as matrix `mat` of `w` (a weight from
@@ -626,20 +623,12 @@ pub trait Backend: Send {
     /// must not overwrite a matrix an earlier op still reads (the engine downloads the
     /// router's ids, a synchronisation, before it writes). The backend stores them as its
     /// load path would (e.g. repacked), so ops give what they give on a loaded weight.
-    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
-        let _ = (w, mat, raw);
-        Err(BackendError::Invalid {
-            op: "write_weight_mat",
-            problem: format!("backend {} cannot hold streamed experts", self.name()),
-        })
-    }
+    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()>;
 
     /// Host memory of `bytes` for streamed expert reads. The default is heap memory; a GPU
     /// backend returns page-locked memory when the system grants it (heap memory when not:
     /// then its writes copy and wait, as [`Backend::write_weight_mat`] does).
-    fn alloc_host_slab(&mut self, bytes: usize) -> BResult<Box<dyn HostSlab>> {
-        Ok(Box::new(HeapSlab::zeroed(bytes)))
-    }
+    fn alloc_host_slab(&mut self, bytes: usize) -> BResult<Box<dyn HostSlab>>;
 
     /// Stores matrices of `slab` as [`Backend::write_weight_mat`] would (same ordering
     /// rule: ops issued afterwards see the new bytes), and gives the slab back when done
@@ -652,21 +641,12 @@ pub trait Backend: Send {
         slab: Box<dyn HostSlab>,
         tag: u64,
         mats: &[SlabMat],
-    ) -> BResult<Option<Box<dyn HostSlab>>> {
-        let _ = tag;
-        for m in mats {
-            self.write_weight_mat(m.weight, m.mat, slab_mat_bytes(&*slab, m)?)?;
-        }
-        Ok(Some(slab))
-    }
+    ) -> BResult<Option<Box<dyn HostSlab>>>;
 
     /// The slabs kept by [`Backend::write_weight_mats`] whose copies have completed, with
     /// their tags; with `wait`, first waits until every one has (then all come back). The
     /// default keeps none.
-    fn reclaim_host_slabs(&mut self, wait: bool) -> BResult<TaggedSlabs> {
-        let _ = wait;
-        Ok(Vec::new())
-    }
+    fn reclaim_host_slabs(&mut self, wait: bool) -> BResult<TaggedSlabs>;
 
     // ---- dense algebra ------------------------------------------------------------------
 
@@ -782,26 +762,16 @@ pub trait Backend: Send {
     /// [`Backend::compressor`] for each of `calls` in turn (one token of each of several
     /// sequences, docs/forward.md §3 "Batched decode"); a device may run them in one launch.
     /// Each call's results must equal that call alone, bit for bit.
-    fn compressor_batch(&mut self, calls: &[CompressorCall]) -> BResult<()> {
-        calls
-            .iter()
-            .try_for_each(|c| self.compressor(c.acc, c.u, c.z, c.ape, c.args, c.rows))
-    }
+    fn compressor_batch(&mut self, calls: &[CompressorCall]) -> BResult<()>;
     /// [`Backend::indexer_topk`] for each of `calls` in turn (as
     /// [`Backend::compressor_batch`]).
-    fn indexer_topk_batch(&mut self, calls: &[IndexerCall]) -> BResult<()> {
-        calls
-            .iter()
-            .try_for_each(|c| self.indexer_topk(c.q, c.w, c.rows, c.args, c.out))
-    }
+    fn indexer_topk_batch(&mut self, calls: &[IndexerCall]) -> BResult<()>;
     /// Sink attention over window rows and compressed rows (docs/forward.md §5.2, §5.4, §5.6).
     fn attention(&mut self, args: AttnArgs) -> BResult<()>;
     /// [`Backend::attention`] for each of `args` in turn: one token of each of several
     /// sequences (a batched decode step, docs/forward.md §3 "Batched decode"); a device may
     /// run them in one launch. Each output must equal that call alone, bit for bit.
-    fn attention_batch(&mut self, args: &[AttnArgs]) -> BResult<()> {
-        args.iter().try_for_each(|&a| self.attention(a))
-    }
+    fn attention_batch(&mut self, args: &[AttnArgs]) -> BResult<()>;
     /// Stores the chunk's KV rows `kv [T, dim]` of positions `pos0..` into the ring
     /// (`[window, dim]`, slot `p % window`); only the last `window` rows matter.
     fn ring_store(
@@ -814,11 +784,7 @@ pub trait Backend: Send {
     ) -> BResult<()>;
     /// [`Backend::ring_store`] for each of `calls` in turn (as
     /// [`Backend::compressor_batch`]).
-    fn ring_store_batch(&mut self, calls: &[RingStoreCall]) -> BResult<()> {
-        calls
-            .iter()
-            .try_for_each(|c| self.ring_store(c.ring, c.kv, c.pos0, c.n_tok, c.window))
-    }
+    fn ring_store_batch(&mut self, calls: &[RingStoreCall]) -> BResult<()>;
     /// Router (docs/forward.md §6 steps 1–3): `logits [T, E]` → expert ids `[T, k]` and weights `[T, k]`.
     fn router(
         &mut self,
@@ -856,11 +822,7 @@ pub trait Backend: Send {
         n_tok: usize,
         ya: Slice,
         yb: Slice,
-    ) -> BResult<()> {
-        crate::validate::matmul_pair(wa, wb, x, n_tok, ya, yb)?;
-        self.matmul(wa, 0, x, n_tok, ya)?;
-        self.matmul(wb, 0, x, n_tok, yb)
-    }
+    ) -> BResult<()>;
     /// Several matrices reading one input: `y = W·x` for each of `singles` and
     /// [`Backend::matmul_pair`] for each of `pairs` (the attention input's q_a, kv,
     /// compressor and indexer projections), so a device can prepare `x` once for all of
@@ -872,16 +834,7 @@ pub trait Backend: Send {
         n_tok: usize,
         singles: &[(Weight, Slice)],
         pairs: &[MatmulPair],
-    ) -> BResult<()> {
-        crate::validate::matmul_set(x, n_tok, singles, pairs)?;
-        for &(w, y) in singles {
-            self.matmul(w, 0, x, n_tok, y)?;
-        }
-        for p in pairs {
-            self.matmul_pair(p.wa, p.wb, x, n_tok, p.ya, p.yb)?;
-        }
-        Ok(())
-    }
+    ) -> BResult<()>;
     /// [`Backend::hc_pre`] then `out = rms_norm(y) · norm` (the sublayer's input norm).
     /// `out` may be exactly `y` (in place).
     #[allow(clippy::too_many_arguments)]
@@ -897,11 +850,7 @@ pub trait Backend: Send {
         post: Slice,
         comb: Slice,
         out: Slice,
-    ) -> BResult<()> {
-        crate::validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
-        self.hc_pre(mix, x, base, scale, args, y, post, comb)?;
-        self.rms_norm(y, Some(norm), args.n_tok, args.dim, args.rms_eps, out)
-    }
+    ) -> BResult<()>;
     /// The sublayer's mixing matmul `mix = fn_·x` then [`Backend::hc_pre_norm`]: one op so a
     /// device can spread the few-row matmul over many blocks and fold the streams' sums of
     /// squares into it (docs/forward.md §4.1; the GPU's version: docs/gpu.md §11). `mix` is
@@ -920,10 +869,7 @@ pub trait Backend: Send {
         post: Slice,
         comb: Slice,
         out: Slice,
-    ) -> BResult<()> {
-        self.matmul(fn_, 0, x, args.n_tok, mix)?;
-        self.hc_pre_norm(mix, x, base, scale, args, norm, y, post, comb, out)
-    }
+    ) -> BResult<()>;
     /// The previous sublayer's HCPost on `x` ([`Backend::hc_post`], or
     /// [`Backend::hc_post_add`] when `prev.f2` is given), then this sublayer's
     /// [`Backend::hc_mix_pre_norm`] on the updated `x`. One op because the HCPost is
@@ -946,13 +892,7 @@ pub trait Backend: Send {
         post: Slice,
         comb: Slice,
         out: Slice,
-    ) -> BResult<()> {
-        match prev.f2 {
-            Some(f2) => self.hc_post_add(x, prev.f, f2, prev.post, prev.comb, args)?,
-            None => self.hc_post(x, prev.f, prev.post, prev.comb, args)?,
-        }
-        self.hc_mix_pre_norm(fn_, x, mix, base, scale, args, norm, y, post, comb, out)
-    }
+    ) -> BResult<()>;
     /// Head preparation in place on `x` (`rope.n_rows · rope.n_heads` rows of
     /// `rope.head_dim`): RMSNorm (times `w` if given), RoPE, then — with `fp8_dims = Some(n)`
     /// — the FP8 round trip of the first `n` dims of every row.
@@ -963,30 +903,15 @@ pub trait Backend: Send {
         eps: f32,
         rope: RopeArgs,
         fp8_dims: Option<usize>,
-    ) -> BResult<()> {
-        crate::validate::norm_rope(x, w, &rope, fp8_dims)?;
-        let (rows, width) = (rope.n_rows * rope.n_heads, rope.head_dim);
-        self.rms_norm(x, w, rows, width, eps, x)?;
-        self.rope(x, rope)?;
-        match fp8_dims {
-            Some(n) => self.qat_fp8(x, rows, width, n),
-            None => Ok(()),
-        }
-    }
+    ) -> BResult<()>;
 
     /// Two independent [`Backend::compressor`] calls (a CSA layer's compressor and its
     /// indexer's), in one op so a device can run both in one launch.
-    fn compressor_pair(&mut self, a: CompressorCall, b: CompressorCall) -> BResult<()> {
-        self.compressor(a.acc, a.u, a.z, a.ape, a.args, a.rows)?;
-        self.compressor(b.acc, b.u, b.z, b.ape, b.args, b.rows)
-    }
+    fn compressor_pair(&mut self, a: CompressorCall, b: CompressorCall) -> BResult<()>;
 
     /// Two [`Backend::norm_rope`] calls on disjoint rows (the attention's query heads and its
     /// KV row): one op so a device can prepare both in one launch.
-    fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
-        self.norm_rope(a.x, a.w, a.eps, a.rope, a.fp8_dims)?;
-        self.norm_rope(b.x, b.w, b.eps, b.rope, b.fp8_dims)
-    }
+    fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()>;
 
     /// [`Backend::matmul`] of `w` (matrix 0) over `args.n_tok` rows of `x` into `logits`,
     /// then [`Backend::router`] of them: the router's projection and the routing in one op,
@@ -1001,10 +926,7 @@ pub trait Backend: Send {
         args: RouterArgs,
         ids: IBuf,
         weights: Slice,
-    ) -> BResult<()> {
-        self.matmul(w, 0, x, args.n_tok, logits)?;
-        self.router(logits, routing, args, ids, weights)
-    }
+    ) -> BResult<()>;
 
     /// [`Backend::rope`] of `x` with `rope`, then [`Backend::qat_hadamard_fp4`] of its
     /// `rows` rows of `width` (= the head dim): the indexer's query heads in official mode,
@@ -1015,10 +937,7 @@ pub trait Backend: Send {
         rope: RopeArgs,
         rows: usize,
         width: usize,
-    ) -> BResult<()> {
-        self.rope(x, rope)?;
-        self.qat_hadamard_fp4(x, rows, width)
-    }
+    ) -> BResult<()>;
 
     /// [`Backend::norm_rope_pair`], then [`Backend::ring_store`] of `store` (whose `kv` is
     /// `b.x`): a one-token step's KV row prepared and put in its window ring in one op, so a
@@ -1030,10 +949,7 @@ pub trait Backend: Send {
         a: NormRopeCall,
         b: NormRopeCall,
         store: RingStoreCall,
-    ) -> BResult<()> {
-        self.norm_rope_pair(a, b)?;
-        self.ring_store(store.ring, store.kv, store.pos0, store.n_tok, store.window)
-    }
+    ) -> BResult<()>;
 
     /// [`Backend::rope`] of `x` with `rope`, then [`Backend::matmul_grouped`] of the rotated
     /// `x`: the attention output's de-rotation before `out_a`, in one op so a device can
@@ -1046,10 +962,7 @@ pub trait Backend: Send {
         groups: usize,
         n_tok: usize,
         y: Slice,
-    ) -> BResult<()> {
-        self.rope(x, rope)?;
-        self.matmul_grouped(w, groups, x, n_tok, y)
-    }
+    ) -> BResult<()>;
 
     /// `h = rms_norm(x)·norm` ([`Backend::rms_norm`] of `n_tok` rows as wide as `W`'s input),
     /// then `out = W·h` ([`Backend::matmul`] of matrix 0): the query path's low-rank norm
@@ -1065,10 +978,7 @@ pub trait Backend: Send {
         w: Weight,
         n_tok: usize,
         out: Slice,
-    ) -> BResult<()> {
-        self.rms_norm(x, Some(norm), n_tok, w.info.cols(), eps, h)?;
-        self.matmul(w, 0, h, n_tok, out)
-    }
+    ) -> BResult<()>;
 
     /// `h = swiglu(gate, up, clamp)` ([`Backend::swiglu`]), then `out = W·h` for `n_tok`
     /// rows ([`Backend::matmul`] of matrix 0): the shared expert's activation and down
@@ -1084,10 +994,7 @@ pub trait Backend: Send {
         w: Weight,
         n_tok: usize,
         out: Slice,
-    ) -> BResult<()> {
-        self.swiglu(gate, up, clamp, h)?;
-        self.matmul(w, 0, h, n_tok, out)
-    }
+    ) -> BResult<()>;
 
     /// `f += f2` (the shared expert's output onto the routed experts'), then
     /// [`Backend::hc_post`] with the sum.
@@ -1099,81 +1006,45 @@ pub trait Backend: Send {
         post: Slice,
         comb: Slice,
         args: HcArgs,
-    ) -> BResult<()> {
-        crate::validate::hc_post_add(x, f, f2, post, comb, &args)?;
-        self.add(f, f2)?;
-        self.hc_post(x, f, post, comb, args)
-    }
+    ) -> BResult<()>;
 
     // ---- decode helpers and instrumentation (defaults made of the ops above) -----------
 
     /// `out[0]` = index of the largest value of `x`, the first one on ties, NaN never
     /// chosen (unless `x[0]` is NaN: then 0) — exactly [`crate::sampler::argmax`]. Greedy
     /// decoding copies back this one integer instead of the whole logits row.
-    fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
-        crate::validate::argmax(x, out)?;
-        let mut v = vec![0f32; x.len];
-        self.download(x, &mut v)?;
-        let i = crate::sampler::argmax(&v);
-        self.upload_i32(out, 0, &[i as i32])
-    }
+    fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()>;
     /// The sampling band of the logits row `x` into `out` ([`crate::sampler::band_words`]
     /// defines the words: a header, then up to `(out.len() - BAND_HEAD) / 2` items of
     /// every value `>= max(x) - span` in index order; index `exclude` counts as -inf).
     /// A min-p sampler then reads back a few hundred bytes instead of the row
     /// ([`crate::Engine::eval_band`]).
-    fn logit_band(&mut self, x: Slice, span: f32, exclude: Option<u32>, out: IBuf) -> BResult<()> {
-        crate::validate::logit_band(x, span, out)?;
-        let mut v = vec![0f32; x.len];
-        self.download(x, &mut v)?;
-        let cap = (out.len() - crate::sampler::BAND_HEAD) / 2;
-        let words = crate::sampler::band_words(&v, span, exclude, cap);
-        self.upload_i32(out, 0, &words)
-    }
+    fn logit_band(&mut self, x: Slice, span: f32, exclude: Option<u32>, out: IBuf) -> BResult<()>;
     /// [`Backend::logit_band`] of several rows of `x` (whole rows of `n` values; nothing
     /// excluded): the bands of a batched decode step's rows
     /// ([`crate::Engine::eval_batch_bands`]), which a device can find side by side instead of
     /// one row after another. Default: one `logit_band` per job.
-    fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
-        crate::validate::logit_bands(x, n, jobs)?;
-        for j in jobs {
-            self.logit_band(x.sub(j.row * n, n), j.span, None, j.out)?;
-        }
-        Ok(())
-    }
+    fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()>;
     /// Names the section of the forward pass the following ops belong to (layer kinds),
     /// for [`Backend::take_profile`]. No effect unless profiling is on.
-    fn annotate(&mut self, _tag: &'static str) {}
+    fn annotate(&mut self, tag: &'static str);
     /// Turns device-time attribution on or off; returns whether the backend supports it.
-    fn set_profiling(&mut self, _on: bool) -> BResult<bool> {
-        Ok(false)
-    }
+    fn set_profiling(&mut self, on: bool) -> BResult<bool>;
     /// The attribution gathered since the last call (waits for the device), and the
     /// device time it covers in milliseconds.
-    fn take_profile(&mut self) -> BResult<Option<(Vec<ProfileRow>, f64)>> {
-        Ok(None)
-    }
+    fn take_profile(&mut self) -> BResult<Option<(Vec<ProfileRow>, f64)>>;
     /// Starts recording the work the following ops queue into a device graph instead of
     /// running it (CUDA graphs; docs/gpu.md §18). `Ok(false)` where the backend has none:
     /// the ops then run as usual. While recording, an op that would wait for the device or
     /// allocate fails.
-    fn begin_capture(&mut self) -> BResult<bool> {
-        Ok(false)
-    }
+    fn begin_capture(&mut self) -> BResult<bool>;
     /// Ends the recording [`Backend::begin_capture`] started, instantiates the graph,
     /// replays it once untimed and `replays` times timed, waits, and destroys it. With
     /// `replays` 0 it only ends the recording (after a failed op). The buffers the recorded
     /// ops named must still be allocated.
-    fn end_capture_replay(&mut self, _replays: usize) -> BResult<GraphTiming> {
-        Err(BackendError::Invalid {
-            op: "end_capture_replay",
-            problem: format!("the {} backend records no graphs", self.name()),
-        })
-    }
+    fn end_capture_replay(&mut self, replays: usize) -> BResult<GraphTiming>;
     /// Launch and synchronisation counts so far.
-    fn counters(&self) -> Counters {
-        Counters::default()
-    }
+    fn counters(&self) -> Counters;
     /// Selects int8 activations (`true`) or f32 activations (`false`, the default) for
     /// one-token matmuls.
     ///
@@ -1185,15 +1056,7 @@ pub trait Backend: Send {
     /// weights (Q8_0, F16, F32) and calls with more than one token are unchanged. Decode is bandwidth-bound and the integer dot products
     /// are what let the GPU read weights at memory speed; the error this adds is measured
     /// in BENCHMARKS.md. Returns an error if the backend cannot do it.
-    fn set_activation_q8(&mut self, on: bool) -> BResult<()> {
-        if on {
-            return Err(BackendError::Invalid {
-                op: "set_activation_q8",
-                problem: "this backend has no int8-activation matmuls".into(),
-            });
-        }
-        Ok(())
-    }
+    fn set_activation_q8(&mut self, on: bool) -> BResult<()>;
     /// The fewest rows a sequence must bring for [`Backend::moe`] over the rows of several
     /// sequences (at one decode row, [`Backend::set_decode_rows`]) to give each of its rows
     /// the bits a call of that sequence's rows alone gives; `None` where no count does.
@@ -1201,29 +1064,13 @@ pub trait Backend: Send {
     /// A joint prefill ([`crate::Engine::eval_joint`]) runs the routed experts of several
     /// prompts in one call only for sequences at least this long (docs/forward.md §14);
     /// the default, `None`, keeps every prompt on its own.
-    fn moe_joint_min_rows(
-        &self,
-        gate: Weight,
-        up: Weight,
-        down: Weight,
-        k: usize,
-    ) -> Option<usize> {
-        let _ = (gate, up, down, k);
-        None
-    }
+    fn moe_joint_min_rows(&self, gate: Weight, up: Weight, down: Weight, k: usize)
+        -> Option<usize>;
     /// How many rows of the next ops are decode rows: one token of each of `n` independent
     /// sequences (a batched decode step), 1 otherwise. It widens the int8-activation rule of
     /// [`Backend::set_activation_q8`] from "one token" to "at most `n` tokens", applied row
     /// by row, so a sequence decoded in a batch gets exactly the results it gets alone.
     /// The default supports only `n = 1` (a backend that cannot keep that promise refuses
     /// batches instead of computing them differently).
-    fn set_decode_rows(&mut self, n: usize) -> BResult<()> {
-        if n > 1 {
-            return Err(BackendError::Invalid {
-                op: "set_decode_rows",
-                problem: format!("this backend has no batched decode ({n} rows)"),
-            });
-        }
-        Ok(())
-    }
+    fn set_decode_rows(&mut self, n: usize) -> BResult<()>;
 }

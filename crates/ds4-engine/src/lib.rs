@@ -16,12 +16,14 @@
 pub mod backend;
 pub mod census;
 pub mod config;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod expert_cache;
 mod expert_host;
 pub mod expert_stream;
 pub mod forward;
+pub mod fused;
 mod mtp;
 pub mod numerics;
 pub mod sampler;

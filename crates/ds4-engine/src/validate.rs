@@ -39,8 +39,9 @@
 use ds4_gguf::GgmlType;
 
 use crate::backend::{
-    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, HcArgs, IBuf, IndexerArgs, MoeArgs,
-    RopeArgs, RouterArgs, Routing, Slice, Weight,
+    AttnArgs, BResult, BackendError, CompSel, CompressorArgs, CompressorCall, HcArgs, HcPost, IBuf,
+    IndexerArgs, IndexerCall, MoeArgs, NormRopeCall, RingStoreCall, RopeArgs, RouterArgs, Routing,
+    Slice, Weight,
 };
 
 /// `expected == found`, else a [`BackendError::Shape`] naming `what`.
@@ -768,6 +769,140 @@ pub fn logit_bands(x: Slice, n: usize, jobs: &[crate::backend::BandJob]) -> BRes
         }
     }
     Ok(())
+}
+
+// ---- fused ops: the checks of the ops each one stands for (crate::fused) -----------------
+
+pub fn compressor_batch(calls: &[CompressorCall]) -> BResult<()> {
+    calls
+        .iter()
+        .try_for_each(|c| compressor(c.acc, c.u, c.z, c.ape, &c.args, c.rows))
+}
+
+pub fn indexer_topk_batch(calls: &[IndexerCall]) -> BResult<()> {
+    calls
+        .iter()
+        .try_for_each(|c| indexer_topk(c.q, c.w, c.rows, &c.args, c.out))
+}
+
+pub fn attention_batch(args: &[AttnArgs]) -> BResult<()> {
+    args.iter().try_for_each(attention)
+}
+
+pub fn ring_store_batch(calls: &[RingStoreCall]) -> BResult<()> {
+    calls
+        .iter()
+        .try_for_each(|c| ring_store(c.ring, c.kv, c.n_tok, c.window))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn hc_mix_pre_norm(
+    fn_: Weight,
+    x: Slice,
+    mix: Slice,
+    base: Weight,
+    scale: Weight,
+    a: &HcArgs,
+    norm: Weight,
+    y: Slice,
+    post: Slice,
+    comb: Slice,
+    out: Slice,
+) -> BResult<()> {
+    matmul(fn_, 0, x, a.n_tok, mix)?;
+    hc_pre_norm(mix, x, base, scale, a, norm, y, post, comb, out)
+}
+
+/// The previous sublayer's HCPost, then [`hc_mix_pre_norm`]: checked apart, since `prev`'s
+/// `post` / `comb` may be the buffers the HCPre writes (the op reads them first).
+#[allow(clippy::too_many_arguments)]
+pub fn hc_post_mix_pre_norm(
+    prev: &HcPost,
+    fn_: Weight,
+    x: Slice,
+    mix: Slice,
+    base: Weight,
+    scale: Weight,
+    a: &HcArgs,
+    norm: Weight,
+    y: Slice,
+    post: Slice,
+    comb: Slice,
+    out: Slice,
+) -> BResult<()> {
+    match prev.f2 {
+        Some(f2) => hc_post_add(x, prev.f, f2, prev.post, prev.comb, a)?,
+        None => hc_post(x, prev.f, prev.post, prev.comb, a)?,
+    }
+    hc_mix_pre_norm(fn_, x, mix, base, scale, a, norm, y, post, comb, out)
+}
+
+pub fn compressor_pair(a: &CompressorCall, b: &CompressorCall) -> BResult<()> {
+    compressor_batch(&[*a, *b])
+}
+
+pub fn norm_rope_pair(a: &NormRopeCall, b: &NormRopeCall) -> BResult<()> {
+    norm_rope(a.x, a.w, &a.rope, a.fp8_dims)?;
+    norm_rope(b.x, b.w, &b.rope, b.fp8_dims)
+}
+
+pub fn router_matmul(
+    w: Weight,
+    x: Slice,
+    logits: Slice,
+    routing: &Routing,
+    a: &RouterArgs,
+    ids: IBuf,
+    weights: Slice,
+) -> BResult<()> {
+    matmul(w, 0, x, a.n_tok, logits)?;
+    router(logits, routing, a, ids, weights)
+}
+
+pub fn rope_qat_hadamard_fp4(x: Slice, r: &RopeArgs, rows: usize, width: usize) -> BResult<()> {
+    rope(x, r)?;
+    qat_hadamard_fp4(x, rows, width)
+}
+
+pub fn norm_rope_pair_store(a: &NormRopeCall, b: &NormRopeCall, s: &RingStoreCall) -> BResult<()> {
+    norm_rope_pair(a, b)?;
+    ring_store(s.ring, s.kv, s.n_tok, s.window)
+}
+
+pub fn rope_matmul_grouped(
+    x: Slice,
+    r: &RopeArgs,
+    w: Weight,
+    groups: usize,
+    n_tok: usize,
+    y: Slice,
+) -> BResult<()> {
+    rope(x, r)?;
+    matmul_grouped(w, groups, x, n_tok, y)
+}
+
+pub fn rms_norm_matmul(
+    x: Slice,
+    norm: Weight,
+    h: Slice,
+    w: Weight,
+    n_tok: usize,
+    out: Slice,
+) -> BResult<()> {
+    rms_norm(x, Some(norm), n_tok, w.info.cols(), h)?;
+    matmul(w, 0, h, n_tok, out)
+}
+
+pub fn swiglu_matmul(
+    gate: Slice,
+    up: Slice,
+    h: Slice,
+    w: Weight,
+    n_tok: usize,
+    out: Slice,
+) -> BResult<()> {
+    swiglu(gate, up, h)?;
+    matmul(w, 0, h, n_tok, out)
 }
 
 #[cfg(test)]

@@ -12,15 +12,12 @@
 //! control changes exactly one thing. Fused ops are run as the ops they fuse, so a per-op
 //! change also reaches the fused sites.
 
-use std::sync::Arc;
-
 use ds4_engine::backend::{
-    AttnArgs, BResult, Backend, Buf, CompressorArgs, HcArgs, IBuf, IndexerArgs, MoeArgs, RopeArgs,
-    RouterArgs, Routing, Slice, Weight, WeightInfo, WeightUse,
+    AttnArgs, BResult, Backend, HcArgs, IBuf, MoeArgs, RopeArgs, Slice, Weight,
 };
+use ds4_engine::device::Forward;
 use ds4_engine::numerics::{e4m3_round, fp4_roundtrip, fp8_roundtrip};
 use ds4_engine::Rng;
-use ds4_gguf::GgufFile;
 
 /// One control: a legitimate rounding change or a planted bug.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -250,63 +247,15 @@ impl Controlled {
     }
 }
 
-impl Backend for Controlled {
+impl Forward for Controlled {
+    fn inner(&self) -> &dyn Backend {
+        &*self.inner
+    }
+    fn inner_mut(&mut self) -> &mut dyn Backend {
+        &mut *self.inner
+    }
     fn name(&self) -> String {
         format!("{}+{}", self.inner.name(), self.control)
-    }
-    fn warms_up(&self) -> bool {
-        self.inner.warms_up()
-    }
-    fn alloc(&mut self, len: usize) -> BResult<Buf> {
-        self.inner.alloc(len)
-    }
-    fn alloc_i32(&mut self, len: usize) -> BResult<IBuf> {
-        self.inner.alloc_i32(len)
-    }
-    fn free(&mut self, buf: Buf) {
-        self.inner.free(buf)
-    }
-    fn free_i32(&mut self, buf: IBuf) {
-        self.inner.free_i32(buf)
-    }
-    fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        self.inner.upload(dst, src)
-    }
-    fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        self.inner.download(src, dst)
-    }
-    fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
-        self.inner.upload_i32(dst, off, src)
-    }
-    fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
-        self.inner.download_i32(src, off, dst)
-    }
-    fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        self.inner.copy(src, dst)
-    }
-    fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
-        self.inner.fill(dst, value)
-    }
-    fn load_weight(
-        &mut self,
-        file: &Arc<GgufFile>,
-        name: &str,
-        usage: WeightUse,
-    ) -> BResult<Weight> {
-        self.inner.load_weight(file, name, usage)
-    }
-    fn load_weights(
-        &mut self,
-        file: &Arc<GgufFile>,
-        list: &[(String, WeightUse)],
-    ) -> BResult<Vec<Weight>> {
-        self.inner.load_weights(file, list)
-    }
-    fn alloc_weight(&mut self, name: &str, info: WeightInfo) -> BResult<Weight> {
-        self.inner.alloc_weight(name, info)
-    }
-    fn write_weight_mat(&mut self, w: Weight, mat: usize, raw: &[u8]) -> BResult<()> {
-        self.inner.write_weight_mat(w, mat, raw)
     }
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
         self.inner.matmul(w, mat, x, n_tok, y)?;
@@ -342,12 +291,6 @@ impl Backend for Controlled {
         self.last_rope = (!args.inverse).then_some((x, args));
         self.inner.rope(x, args)
     }
-    fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
-        self.inner.add(acc, x)
-    }
-    fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
-        self.inner.swiglu(gate, up, clamp, out)
-    }
     fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
         self.fp8(x, rows, width, n_dims, Fp8Site::Comp)
     }
@@ -376,16 +319,6 @@ impl Backend for Controlled {
             },
             _ => self.inner.qat_hadamard_fp4(x, rows, width),
         }
-    }
-    fn embed(
-        &mut self,
-        table: Weight,
-        tokens: IBuf,
-        n_tok: usize,
-        n_streams: usize,
-        out: Slice,
-    ) -> BResult<()> {
-        self.inner.embed(table, tokens, n_tok, n_streams, out)
     }
     fn hc_pre(
         &mut self,
@@ -425,50 +358,9 @@ impl Backend for Controlled {
         self.inner.hc_head(mix, x, base, scale, args, y)?;
         self.reorder(y.sub(0, args.n_tok * args.dim))
     }
-    fn compressor(
-        &mut self,
-        acc: Slice,
-        u: Slice,
-        z: Slice,
-        ape: Weight,
-        args: CompressorArgs,
-        rows: Slice,
-    ) -> BResult<()> {
-        self.inner.compressor(acc, u, z, ape, args, rows)
-    }
-    fn indexer_topk(
-        &mut self,
-        q: Slice,
-        w: Slice,
-        rows: Slice,
-        args: IndexerArgs,
-        out: IBuf,
-    ) -> BResult<()> {
-        self.inner.indexer_topk(q, w, rows, args, out)
-    }
     fn attention(&mut self, args: AttnArgs) -> BResult<()> {
         self.inner.attention(args)?;
         self.reorder(args.out.sub(0, args.n_tok * args.n_head * args.head_dim))
-    }
-    fn ring_store(
-        &mut self,
-        ring: Slice,
-        kv: Slice,
-        pos0: usize,
-        n_tok: usize,
-        window: usize,
-    ) -> BResult<()> {
-        self.inner.ring_store(ring, kv, pos0, n_tok, window)
-    }
-    fn router(
-        &mut self,
-        logits: Slice,
-        routing: Routing,
-        args: RouterArgs,
-        ids: IBuf,
-        weights: Slice,
-    ) -> BResult<()> {
-        self.inner.router(logits, routing, args, ids, weights)
     }
     fn moe(
         &mut self,
@@ -484,35 +376,6 @@ impl Backend for Controlled {
         self.inner.moe(x, ids, weights, gate, up, down, args, out)?;
         self.reorder(out)
     }
-    // Fused ops as the ops they fuse, so every control reaches them.
-    fn matmul_pair(
-        &mut self,
-        wa: Weight,
-        wb: Weight,
-        x: Slice,
-        n_tok: usize,
-        ya: Slice,
-        yb: Slice,
-    ) -> BResult<()> {
-        self.matmul(wa, 0, x, n_tok, ya)?;
-        self.matmul(wb, 0, x, n_tok, yb)
-    }
-    fn hc_pre_norm(
-        &mut self,
-        mix: Slice,
-        x: Slice,
-        base: Weight,
-        scale: Weight,
-        args: HcArgs,
-        norm: Weight,
-        y: Slice,
-        post: Slice,
-        comb: Slice,
-        out: Slice,
-    ) -> BResult<()> {
-        self.hc_pre(mix, x, base, scale, args, y, post, comb)?;
-        self.rms_norm(y, Some(norm), args.n_tok, args.dim, args.rms_eps, out)
-    }
     fn norm_rope(
         &mut self,
         x: Slice,
@@ -522,23 +385,11 @@ impl Backend for Controlled {
         fp8_dims: Option<usize>,
     ) -> BResult<()> {
         let (rows, width) = (rope.n_rows * rope.n_heads, rope.head_dim);
-        self.rms_norm(x, w, rows, width, eps, x)?;
-        self.rope(x, rope)?;
+        Backend::rms_norm(self, x, w, rows, width, eps, x)?;
+        Backend::rope(self, x, rope)?;
         match fp8_dims {
             Some(n) => self.fp8(x, rows, width, n, Fp8Site::Kv),
             None => Ok(()),
         }
-    }
-    fn hc_post_add(
-        &mut self,
-        x: Slice,
-        f: Slice,
-        f2: Slice,
-        post: Slice,
-        comb: Slice,
-        args: HcArgs,
-    ) -> BResult<()> {
-        self.inner.add(f, f2)?;
-        self.hc_post(x, f, post, comb, args)
     }
 }

@@ -1575,9 +1575,9 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 }
 
-/// Every op runs `ds4_engine::validate` first (the checks every backend shares), then the
-/// launch code in `ops/` (one file per kernel family).
-impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
+/// The launch code in `ops/` (one file per kernel family); every call has passed
+/// `ds4_engine::validate` first (the blanket `Backend` impl over `Device` runs it).
+impl<D: GpuApi> ds4_engine::device::Device for GpuBackend<D> {
     fn name(&self) -> String {
         format!("{} ({})", self.dev.runtime(), self.dev.device_name())
     }
@@ -1607,7 +1607,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn upload(&mut self, dst: Slice, src: &[f32]) -> BResult<()> {
-        validate::upload(dst, src.len())?;
         self.fptr(dst, "upload")?;
         // Device buffers hold little-endian f32: on a little-endian host the values' own
         // bytes go (no copy: a KV snapshot restores tens of MB through here).
@@ -1626,7 +1625,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn download(&mut self, src: Slice, dst: &mut [f32]) -> BResult<()> {
-        validate::download(src, dst.len())?;
         self.fptr(src, "download")?;
         if dst.is_empty() {
             // No read, so no wait for the fault word to ride along with.
@@ -1651,7 +1649,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
 
     fn upload_i32(&mut self, dst: IBuf, off: usize, src: &[i32]) -> BResult<()> {
         const OP: &str = "upload_i32";
-        validate::upload_i32(dst, off, src.len())?;
         self.iptr(dst, OP)?;
         let n = 4 * src.len();
         if n > 0 && n <= IO_SLOT_BYTES && self.io.is_some() {
@@ -1694,7 +1691,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn download_i32(&mut self, src: IBuf, off: usize, dst: &mut [i32]) -> BResult<()> {
-        validate::download_i32(src, off, dst.len())?;
         self.iptr(src, "download_i32")?;
         if dst.is_empty() {
             // No read, so no wait for the fault word to ride along with.
@@ -1714,13 +1710,11 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn copy(&mut self, src: Slice, dst: Slice) -> BResult<()> {
-        validate::copy(src, dst)?;
         let (s, d) = (self.fptr(src, "copy")?, self.fptr(dst, "copy")?);
         self.elementwise("ds4_copy", src.len, &[Arg::Ptr(d), Arg::Ptr(s)])
     }
 
     fn fill(&mut self, dst: Slice, value: f32) -> BResult<()> {
-        validate::fill(dst)?;
         let d = self.fptr(dst, "fill")?;
         self.elementwise(
             "ds4_fill",
@@ -1772,17 +1766,14 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn argmax(&mut self, x: Slice, out: IBuf) -> BResult<()> {
-        validate::argmax(x, out)?;
         self.op_argmax(x, out)
     }
 
     fn logit_band(&mut self, x: Slice, span: f32, exclude: Option<u32>, out: IBuf) -> BResult<()> {
-        validate::logit_band(x, span, out)?;
         self.op_logit_band(x, span, exclude, out)
     }
 
     fn logit_bands(&mut self, x: Slice, n: usize, jobs: &[BandJob]) -> BResult<()> {
-        validate::logit_bands(x, n, jobs)?;
         self.op_logit_bands(x, n, jobs)
     }
 
@@ -1849,7 +1840,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn matmul(&mut self, w: Weight, mat: usize, x: Slice, n_tok: usize, y: Slice) -> BResult<()> {
-        validate::matmul(w, mat, x, n_tok, y)?;
         self.op_matmul(w, mat, x, n_tok, y)
     }
 
@@ -1861,7 +1851,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_tok: usize,
         y: Slice,
     ) -> BResult<()> {
-        validate::matmul_grouped(w, groups, x, n_tok, y)?;
         self.op_matmul_grouped(w, groups, x, n_tok, y)
     }
 
@@ -1874,23 +1863,19 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         eps: f32,
         out: Slice,
     ) -> BResult<()> {
-        validate::rms_norm(x, w, rows, width, out)?;
         self.op_rms_norm(x, w, rows, width, eps, out)
     }
 
     fn rope(&mut self, x: Slice, args: ds4_engine::backend::RopeArgs) -> BResult<()> {
-        validate::rope(x, &args)?;
         self.op_rope(x, args)
     }
 
     fn add(&mut self, acc: Slice, x: Slice) -> BResult<()> {
-        validate::add(acc, x)?;
         let (a, b) = (self.fptr(acc, "add")?, self.fptr(x, "add")?);
         self.elementwise("ds4_add", acc.len, &[Arg::Ptr(a), Arg::Ptr(b)])
     }
 
     fn swiglu(&mut self, gate: Slice, up: Slice, clamp: f32, out: Slice) -> BResult<()> {
-        validate::swiglu(gate, up, out)?;
         let (g, u, o) = (
             self.fptr(gate, "swiglu")?,
             self.fptr(up, "swiglu")?,
@@ -1904,12 +1889,10 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn qat_fp8(&mut self, x: Slice, rows: usize, width: usize, n_dims: usize) -> BResult<()> {
-        validate::qat_fp8(x, rows, width, n_dims)?;
         self.op_qat_fp8(x, rows, width, n_dims)
     }
 
     fn qat_hadamard_fp4(&mut self, x: Slice, rows: usize, width: usize) -> BResult<()> {
-        validate::qat_hadamard_fp4(x, rows, width)?;
         self.op_qat_hfp4(x, rows, width)
     }
 
@@ -1920,8 +1903,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         rows: usize,
         width: usize,
     ) -> BResult<()> {
-        validate::rope(x, &rope)?;
-        validate::qat_hadamard_fp4(x, rows, width)?;
         self.op_rope_qat_hfp4(x, rope, rows, width)
     }
 
@@ -1933,7 +1914,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_streams: usize,
         out: Slice,
     ) -> BResult<()> {
-        validate::embed(table, tokens, n_tok, n_streams, out)?;
         self.op_embed(table, tokens, n_tok, n_streams, out)
     }
 
@@ -1948,7 +1928,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         post: Slice,
         comb: Slice,
     ) -> BResult<()> {
-        validate::hc_pre(mix, x, base, scale, &args, y, post, comb)?;
         self.op_hc_pre(mix, x, base, scale, args, y, post, comb, None)
     }
 
@@ -1965,7 +1944,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         out: Slice,
     ) -> BResult<()> {
-        validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
         self.op_hc_pre(mix, x, base, scale, args, y, post, comb, Some((norm, out)))
     }
 
@@ -1983,8 +1961,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         out: Slice,
     ) -> BResult<()> {
-        validate::matmul(fn_, 0, x, args.n_tok, mix)?;
-        validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
         if self.op_hc_mix_pre(
             None,
             fn_,
@@ -2019,12 +1995,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         out: Slice,
     ) -> BResult<()> {
-        match prev.f2 {
-            Some(f2) => validate::hc_post_add(x, prev.f, f2, prev.post, prev.comb, &args)?,
-            None => validate::hc_post(x, prev.f, prev.post, prev.comb, &args)?,
-        }
-        validate::matmul(fn_, 0, x, args.n_tok, mix)?;
-        validate::hc_pre_norm(mix, x, base, scale, &args, norm, y, post, comb, out)?;
         if self.fused {
             let a = (base, scale);
             let no = (norm, out);
@@ -2046,7 +2016,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         rope: ds4_engine::backend::RopeArgs,
         fp8_dims: Option<usize>,
     ) -> BResult<()> {
-        validate::norm_rope(x, w, &rope, fp8_dims)?;
         self.op_norm_rope(x, w, eps, rope, fp8_dims)
     }
 
@@ -2055,9 +2024,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         a: ds4_engine::backend::CompressorCall,
         b: ds4_engine::backend::CompressorCall,
     ) -> BResult<()> {
-        for c in [&a, &b] {
-            validate::compressor(c.acc, c.u, c.z, c.ape, &c.args, c.rows)?;
-        }
         self.op_compressor_pair(a, b)
     }
 
@@ -2070,8 +2036,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_tok: usize,
         y: Slice,
     ) -> BResult<()> {
-        validate::rope(x, &rope)?;
-        validate::matmul_grouped(w, groups, x, n_tok, y)?;
         if self.fused
             && n_tok == 1
             && self.q8_rows(1)
@@ -2094,8 +2058,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         out: Slice,
     ) -> BResult<()> {
         let width = w.info.cols();
-        validate::rms_norm(x, Some(norm), n_tok, width, h)?;
-        validate::matmul(w, 0, h, n_tok, out)?;
         if self.fused
             && n_tok == 1
             && self.q8_rows(1)
@@ -2117,8 +2079,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_tok: usize,
         out: Slice,
     ) -> BResult<()> {
-        validate::swiglu(gate, up, h)?;
-        validate::matmul(w, 0, h, n_tok, out)?;
         if self.fused
             && n_tok == 1
             && self.q8_rows(1)
@@ -2131,8 +2091,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
     }
 
     fn norm_rope_pair(&mut self, a: NormRopeCall, b: NormRopeCall) -> BResult<()> {
-        validate::norm_rope(a.x, a.w, &a.rope, a.fp8_dims)?;
-        validate::norm_rope(b.x, b.w, &b.rope, b.fp8_dims)?;
         self.op_norm_rope_pair(a, b, None)
     }
 
@@ -2142,9 +2100,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         b: NormRopeCall,
         store: ds4_engine::backend::RingStoreCall,
     ) -> BResult<()> {
-        validate::norm_rope(a.x, a.w, &a.rope, a.fp8_dims)?;
-        validate::norm_rope(b.x, b.w, &b.rope, b.fp8_dims)?;
-        validate::ring_store(store.ring, store.kv, store.n_tok, store.window)?;
         // The fused store writes b's rows, so `store` must name exactly those.
         let one_row = store.n_tok == 1
             && b.rope.n_rows * b.rope.n_heads == 1
@@ -2167,7 +2122,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         ya: Slice,
         yb: Slice,
     ) -> BResult<()> {
-        validate::matmul_pair(wa, wb, x, n_tok, ya, yb)?;
         self.op_matmul_pair(wa, wb, x, n_tok, ya, yb)
     }
 
@@ -2178,7 +2132,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         singles: &[(Weight, Slice)],
         pairs: &[ds4_engine::MatmulPair],
     ) -> BResult<()> {
-        validate::matmul_set(x, n_tok, singles, pairs)?;
         self.op_matmul_set(x, n_tok, singles, pairs)
     }
 
@@ -2190,7 +2143,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         args: ds4_engine::backend::HcArgs,
     ) -> BResult<()> {
-        validate::hc_post(x, f, post, comb, &args)?;
         self.op_hc_post(x, f, None, post, comb, args)
     }
 
@@ -2203,7 +2155,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         comb: Slice,
         args: ds4_engine::backend::HcArgs,
     ) -> BResult<()> {
-        validate::hc_post_add(x, f, f2, post, comb, &args)?;
         self.op_hc_post(x, f, Some(f2), post, comb, args)
     }
 
@@ -2216,7 +2167,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::HcArgs,
         y: Slice,
     ) -> BResult<()> {
-        validate::hc_head(mix, x, base, scale, &args, y)?;
         self.op_hc_head(mix, x, base, scale, args, y)
     }
 
@@ -2229,7 +2179,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::CompressorArgs,
         rows: Slice,
     ) -> BResult<()> {
-        validate::compressor(acc, u, z, ape, &args, rows)?;
         self.op_compressor(acc, u, z, ape, args, rows)
     }
 
@@ -2241,40 +2190,26 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::IndexerArgs,
         out: IBuf,
     ) -> BResult<()> {
-        validate::indexer_topk(q, w, rows, &args, out)?;
         self.op_indexer_topk(q, w, rows, args, out)
     }
 
     fn attention(&mut self, args: ds4_engine::backend::AttnArgs) -> BResult<()> {
-        validate::attention(&args)?;
         self.op_attention(args)
     }
 
     fn compressor_batch(&mut self, calls: &[ds4_engine::backend::CompressorCall]) -> BResult<()> {
-        for c in calls {
-            validate::compressor(c.acc, c.u, c.z, c.ape, &c.args, c.rows)?;
-        }
         self.op_compressor_batch(calls)
     }
 
     fn indexer_topk_batch(&mut self, calls: &[ds4_engine::backend::IndexerCall]) -> BResult<()> {
-        for c in calls {
-            validate::indexer_topk(c.q, c.w, c.rows, &c.args, c.out)?;
-        }
         self.op_indexer_topk_batch(calls)
     }
 
     fn ring_store_batch(&mut self, calls: &[ds4_engine::backend::RingStoreCall]) -> BResult<()> {
-        for c in calls {
-            validate::ring_store(c.ring, c.kv, c.n_tok, c.window)?;
-        }
         self.op_ring_store_batch(calls)
     }
 
     fn attention_batch(&mut self, args: &[ds4_engine::backend::AttnArgs]) -> BResult<()> {
-        for a in args {
-            validate::attention(a)?;
-        }
         self.op_attention_batch(args)
     }
 
@@ -2286,7 +2221,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         n_tok: usize,
         window: usize,
     ) -> BResult<()> {
-        validate::ring_store(ring, kv, n_tok, window)?;
         self.op_ring_store(ring, kv, pos0, n_tok, window)
     }
 
@@ -2298,7 +2232,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         ids: IBuf,
         weights: Slice,
     ) -> BResult<()> {
-        validate::router(logits, &routing, &args, ids, weights)?;
         self.op_router(logits, routing, args, ids, weights)
     }
 
@@ -2312,8 +2245,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         ids: IBuf,
         weights: Slice,
     ) -> BResult<()> {
-        validate::matmul(w, 0, x, args.n_tok, logits)?;
-        validate::router(logits, &routing, &args, ids, weights)?;
         self.op_router_matmul(w, x, logits, routing, args, ids, weights)
     }
 
@@ -2328,7 +2259,6 @@ impl<D: GpuApi> ds4_engine::Backend for GpuBackend<D> {
         args: ds4_engine::backend::MoeArgs,
         out: Slice,
     ) -> BResult<()> {
-        validate::moe(x, ids, weights, gate, up, down, &args, out)?;
         self.op_moe(x, ids, weights, gate, up, down, args, out)
     }
 }

@@ -197,3 +197,40 @@ async fn bad_draft_fields_are_400() {
     }
     s.shutdown().await.unwrap();
 }
+
+/// Two slots: while both decode, their steps are batched without drafts; a request alone
+/// drafts. Either way each request's greedy text is what it is on a server that never
+/// drafts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_slots_and_lone_slots_match() {
+    let off = start(ServerConfig::default()).await;
+    let bodies = [
+        completion(30, json!({})),
+        completion(
+            20,
+            json!({"prompt": "ten nine eight seven ten nine eight seven ten"}),
+        ),
+    ];
+    let mut want = Vec::new();
+    for b in &bodies {
+        want.push(complete(off.addr, b).await);
+    }
+    off.shutdown().await.unwrap();
+    let on = start(ServerConfig {
+        parallel: 2,
+        token_delay: Some(std::time::Duration::from_millis(2)),
+        ..lookup_cfg()
+    })
+    .await;
+    let (a, b) = tokio::join!(complete(on.addr, &bodies[0]), complete(on.addr, &bodies[1]));
+    for (got, want) in [a, b].iter().zip(&want) {
+        assert_eq!((&got.0, &got.1, &got.2), (&want.0, &want.1, &want.2));
+    }
+    let alone = complete(on.addr, &bodies[0]).await;
+    assert_eq!(
+        (&alone.0, &alone.1, &alone.2),
+        (&want[0].0, &want[0].1, &want[0].2)
+    );
+    assert!(!alone.3.is_null(), "a lone slot drafts");
+    on.shutdown().await.unwrap();
+}

@@ -112,7 +112,10 @@ async fn greedy_drafting_changes_no_token() {
 /// (the state after drafting holds exactly the tokens fed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_turns_and_streams_match() {
-    async fn turns(a: std::net::SocketAddr) -> Vec<(String, Value)> {
+    async fn turns(
+        a: std::net::SocketAddr,
+        drafted: &std::sync::atomic::AtomicBool,
+    ) -> Vec<(String, Value)> {
         let mut msgs = vec![json!({"role": "user", "content": prompt()})];
         let mut out = Vec::new();
         for next in ["again: one two three", "and once more"] {
@@ -132,6 +135,9 @@ async fn chat_turns_and_streams_match() {
                 }
                 if !v["usage"].is_null() {
                     cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+                    if !v["usage"]["draft"].is_null() {
+                        drafted.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
                 }
             }
             msgs.push(json!({"role": "assistant", "content": text.clone()}));
@@ -140,13 +146,19 @@ async fn chat_turns_and_streams_match() {
         }
         out
     }
+    let (no, yes) = (
+        std::sync::atomic::AtomicBool::new(false),
+        std::sync::atomic::AtomicBool::new(false),
+    );
     let off = start(ServerConfig::default()).await;
-    let want = turns(off.addr).await;
+    let want = turns(off.addr, &no).await;
     off.shutdown().await.unwrap();
     let on = start(lookup_cfg()).await;
-    let got = turns(on.addr).await;
+    let got = turns(on.addr, &yes).await;
     on.shutdown().await.unwrap();
     assert_eq!(got, want);
+    assert!(!no.into_inner());
+    assert!(yes.into_inner(), "the streamed usage reports drafting");
 }
 
 /// Seeded sampling with drafts: a sample of the right length (what the acceptance rule

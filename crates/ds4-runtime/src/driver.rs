@@ -18,6 +18,7 @@ use thiserror::Error;
 
 use crate::checkpoint::{self, CheckpointError, Format};
 use crate::draft::{DraftConfig, DraftMode, DraftStats, Drafter, Governor};
+use crate::drafting::{draft_step, DraftScratch, Verified};
 use crate::step::{band_fits_mask, Left, SessionStep, StepLogits};
 
 /// Why a driver operation failed.
@@ -468,11 +469,9 @@ impl Conversation {
             self.draft.on() && drafter != Drafter::None && !feed_all && self.session.can_verify();
         // `--draft auto`: whether to draft this step, from this run's measured rates.
         let mut governor = (self.draft.mode == DraftMode::Auto).then(Governor::new);
-        // Every row of a verify step, and the context the drafter reads.
-        let mut rows = Vec::new();
-        let mut context = Vec::new();
-        // The MTP drafter's distribution of each draft when sampling (else point masses).
-        let mut draft_q: Vec<Vec<(u32, f64)>> = Vec::new();
+        // Every row of a verify step, the context the drafter reads, the MTP drafter's
+        // distributions.
+        let mut scratch = DraftScratch::default();
         // What the last step left: the row in `logits`, or the argmax / band with the row
         // in the backend's scratch (fetched by the pick only when needed).
         let mut left = Left::Row;
@@ -512,55 +511,31 @@ impl Conversation {
             }
             let emitted = gen.tokens().len();
             if drafting && governor.as_ref().is_none_or(|g| g.drafting(emitted)) {
-                // Drafts that can matter: the last token emitted is never fed, and the
-                // verify is one chunk inside the context.
-                let engine = self.session.engine();
-                let limit = (max_tokens - gen.tokens().len())
-                    .saturating_sub(1)
-                    .min(self.ctx().saturating_sub(self.pos() + 1))
-                    .min(engine.config().prefill_chunk.saturating_sub(1));
-                draft_q.clear();
-                let drafts = if drafter == Drafter::Mtp {
-                    // Greedy: the block's most likely token at each depth (a point mass).
-                    // Sampling: a draw from the block's logits through the sampler, whose
-                    // distribution the acceptance rule then takes as `q`
-                    // (docs/speculative.md §3).
-                    let k = limit.min(self.draft.max);
-                    let greedy = sampler.config().temperature == 0.0;
-                    let qs = &mut draft_q;
-                    let smp = &mut *sampler;
-                    self.session.mtp_draft(tok, k, &mut |l: &[f32]| {
-                        if greedy {
-                            return Some(ds4_engine::argmax(l));
-                        }
-                        let q = smp.distribution(l, &[]).ok()?;
-                        let x = smp.draw(&q)?;
-                        qs.push(q);
-                        Some(x)
-                    })?
-                } else {
-                    context.clear();
-                    context.extend_from_slice(self.session.tokens());
-                    context.push(tok);
-                    self.draft.propose(&context, limit).to_vec()
-                };
-                if !drafts.is_empty() {
-                    let (t0, accepted) = (Instant::now(), gen.draft.accepted);
-                    let verified = self.verify_step(
-                        &mut gen, tok, &drafts, &draft_q, &mut rows, sampler, cancel, steer,
-                    )?;
+                let (t0, accepted) = (Instant::now(), gen.draft.accepted);
+                let drafted = draft_step(
+                    &mut self.session,
+                    &self.draft,
+                    drafter,
+                    &mut gen,
+                    tok,
+                    &mut scratch,
+                    sampler,
+                    cancel,
+                    steer,
+                )?;
+                if let Some(d) = drafted {
                     if let Some(g) = governor.as_mut() {
                         let advanced = 1 + (gen.draft.accepted - accepted) as usize;
                         g.verify_step(t0.elapsed().as_secs_f64(), advanced, gen.tokens().len());
                     }
-                    match verified {
+                    match d.outcome {
                         Verified::Stop(stop) => break stop,
                         Verified::Replaced(picked) => replaced = Some(picked),
                         Verified::AllKept => {
                             // The row after the last draft is the next step's distribution.
                             let v = self.session.engine().hparams().n_vocab;
                             logits.clear();
-                            logits.extend_from_slice(&rows[drafts.len() * v..]);
+                            logits.extend_from_slice(scratch.row(d.kept - 1, v));
                             left = Left::Row;
                         }
                     }
@@ -592,86 +567,6 @@ impl Conversation {
         }
         Ok(gen.finish(stop))
     }
-
-    /// Feeds `tok` with `drafts` after it in one verify pass, then picks from its rows: row
-    /// `i` (the distribution after `tok, d1 … di`) is picked with draft `d(i+1)` in mind
-    /// until a pick replaces its draft or the generation stops. The state keeps `tok` and
-    /// the drafts that were picked and will be fed: under the rule "the last emitted
-    /// token is not fed", a draft emitted as the generation stops is dropped too.
-    #[allow(clippy::too_many_arguments)]
-    fn verify_step(
-        &mut self,
-        gen: &mut GenState,
-        tok: u32,
-        drafts: &[u32],
-        draft_q: &[Vec<(u32, f64)>],
-        rows: &mut Vec<f32>,
-        sampler: &mut Sampler,
-        cancel: &AtomicBool,
-        steer: &mut dyn Steer,
-    ) -> Result<Verified, DriverError> {
-        let mut span = Vec::with_capacity(drafts.len() + 1);
-        span.push(tok);
-        span.extend_from_slice(drafts);
-        let v = self.session.verify(&span, rows)?;
-        gen.draft.steps += 1;
-        gen.draft.drafted += drafts.len() as u64;
-        let n_vocab = self.session.engine().hparams().n_vocab;
-        let mut keep = 1;
-        let mut outcome = Verified::AllKept;
-        for (i, &d) in drafts.iter().enumerate() {
-            // Each row is picked from once, so it is masked (EOS) in place.
-            let mut row = &mut rows[i * n_vocab..(i + 1) * n_vocab];
-            let q = draft_q.get(i).map_or(&[][..], Vec::as_slice);
-            let picked = gen.pick_draft(&mut row, sampler, cancel, steer, Some((d, q)));
-            let (t, flow) = match picked {
-                Ok(Pick::Stop(stop)) => {
-                    outcome = Verified::Stop(stop);
-                    break;
-                }
-                Ok(Pick::Feed { tok, flow }) => (tok, flow),
-                Err(e) => {
-                    // The state keeps what was fed; the logits after it are gone.
-                    self.session.settle(v, keep)?;
-                    return Err(e);
-                }
-            };
-            let stop = if flow == Flow::Stop {
-                Some(GenStop::Halted)
-            } else if gen.tokens().len() >= gen.limits.max_tokens {
-                Some(GenStop::Length)
-            } else if cancel.load(Ordering::Relaxed) {
-                Some(GenStop::Interrupted)
-            } else {
-                None
-            };
-            if t != d {
-                outcome = match stop {
-                    Some(s) => Verified::Stop(s),
-                    None => Verified::Replaced((t, flow)),
-                };
-                break;
-            }
-            gen.draft.accepted += 1;
-            if let Some(s) = stop {
-                outcome = Verified::Stop(s);
-                break;
-            }
-            keep += 1;
-        }
-        self.session.settle(v, keep)?;
-        Ok(outcome)
-    }
-}
-
-/// How a verify step ended ([`Conversation::verify_step`]).
-enum Verified {
-    /// Every draft was picked and fed; the next distribution is the last row.
-    AllKept,
-    /// A pick replaced a draft: that token is fed next.
-    Replaced((u32, Flow)),
-    /// The generation ended.
-    Stop(GenStop),
 }
 
 /// What one step of the generation loop decided ([`GenState::pick`]).
@@ -691,10 +586,10 @@ pub enum Pick {
 /// (`crate::slots`) uses the same decisions, so the two loops cannot drift apart.
 #[derive(Debug)]
 pub struct GenState {
-    limits: GenLimits,
+    pub(crate) limits: GenLimits,
     out: Vec<u32>,
     t0: Instant,
-    draft: DraftStats,
+    pub(crate) draft: DraftStats,
 }
 
 impl GenState {
@@ -710,6 +605,11 @@ impl GenState {
     /// Tokens chosen so far (an EOS included).
     pub fn tokens(&self) -> &[u32] {
         &self.out
+    }
+
+    /// What drafting did so far ([`crate::draft_step`]).
+    pub fn draft_stats(&self) -> DraftStats {
+        self.draft
     }
 
     /// Decides the next step from `dist`, the distribution after the state: the steer's

@@ -17,6 +17,7 @@ pub mod checkpoint;
 pub mod cli_help;
 pub mod config;
 pub mod draft;
+pub mod drafting;
 pub mod driver;
 pub mod error;
 pub mod load;
@@ -25,11 +26,12 @@ pub mod slots;
 pub mod step;
 
 pub use checkpoint::{Checkpoint, CheckpointError, Format};
-pub use draft::{DraftConfig, DraftMode, DraftStats};
+pub use draft::{DraftConfig, DraftMode, DraftStats, Drafter, Governor};
+pub use drafting::{draft_step, DraftScratch, DraftTarget, Drafted, Verified};
 pub use driver::{
     continuation, Conversation, DriverError, Flow, GenLimits, GenOutcome, GenState, GenStop, Pick,
     Steer, SyncStats,
 };
 pub use error::{error_chain, LoadError};
-pub use slots::{HostStep, Slots, SlotsError};
+pub use slots::{HostStep, SlotTarget, Slots, SlotsError};
 pub use step::StepLogits;

@@ -473,6 +473,69 @@ impl Slots {
     }
 }
 
+impl Slots {
+    /// Whether the backend can verify drafts bit for bit ([`Engine::can_verify`]).
+    pub fn can_verify(&mut self) -> bool {
+        self.engine.can_verify()
+    }
+
+    /// Slot `i`'s state on the engine, for a drafting step ([`crate::draft_step`]). Its
+    /// logits are forgotten (the step is about to feed it) and every banded slot's row is
+    /// fetched first (a verify pass overwrites the engine's scratch).
+    pub fn draft_target(&mut self, i: usize) -> Result<SlotTarget<'_>, DriverError> {
+        self.forget(i);
+        self.settle()?;
+        Ok(SlotTarget {
+            engine: &mut self.engine,
+            state: &mut self.slots[i].state,
+        })
+    }
+
+    /// Sets the logits after slot `i`'s state to `row` (after a drafting step: the verify
+    /// row of the state's last token, [`crate::DraftScratch::row`]).
+    pub fn set_logits(&mut self, i: usize, row: &[f32]) {
+        self.forget(i);
+        let s = &mut self.slots[i];
+        let mut buf = s.take_buf();
+        buf.clear();
+        buf.extend_from_slice(row);
+        s.after = After::Row(buf);
+    }
+}
+
+/// One slot's state on the engine ([`Slots::draft_target`]).
+pub struct SlotTarget<'a> {
+    engine: &'a mut Engine,
+    state: &'a mut KvState,
+}
+
+impl crate::DraftTarget for SlotTarget<'_> {
+    fn tokens(&self) -> &[u32] {
+        self.state.tokens()
+    }
+    fn engine(&self) -> &Engine {
+        self.engine
+    }
+    fn mtp_draft(
+        &mut self,
+        next: u32,
+        k: usize,
+        pick: &mut dyn FnMut(&[f32]) -> Option<u32>,
+    ) -> Result<Vec<u32>, EngineError> {
+        self.engine.mtp_draft(self.state, next, k, pick)
+    }
+    fn verify(
+        &mut self,
+        span: &[u32],
+        rows: &mut Vec<f32>,
+    ) -> Result<ds4_engine::Verify, EngineError> {
+        self.engine.eval_verify(self.state, span, rows)
+    }
+    fn settle(&mut self, v: ds4_engine::Verify, keep: usize) -> Result<(), EngineError> {
+        self.engine.settle(self.state, v, keep)
+    }
+}
+
 /// The slots `ids` names, borrowed mutably in that order; naming one twice or one that
 /// does not exist is an error (`what` names the call).
 fn named<'s>(

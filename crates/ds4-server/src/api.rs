@@ -73,4 +73,26 @@ pub struct GenRequest {
     pub namespaces: HashMap<String, (String, String)>,
     /// Responses: continue this response on the live state ([`crate::live`]).
     pub previous_response_id: Option<String>,
+    /// The request's drafting overrides (extension fields `draft`, `draft_max`).
+    pub draft: DraftRequest,
+}
+
+/// A request's speculative-decoding overrides of the server's `--draft` and `--draft-max`
+/// (extension fields `"draft": "off|lookup|mtp|auto"`, `"draft_max": 1..16`; docs/server.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DraftRequest {
+    pub mode: Option<ds4_runtime::DraftMode>,
+    pub max: Option<usize>,
+}
+
+impl DraftRequest {
+    /// The drafting settings of a job: the server's defaults with this request's
+    /// overrides.
+    pub fn apply(&self, defaults: ds4_runtime::DraftConfig) -> ds4_runtime::DraftConfig {
+        ds4_runtime::DraftConfig {
+            mode: self.mode.unwrap_or(defaults.mode),
+            max: self.max.unwrap_or(defaults.max),
+            ngram: defaults.ngram,
+        }
+    }
 }

@@ -158,6 +158,9 @@ pub struct ServerConfig {
     pub keep_alive: Duration,
     /// Serve the chat page at `/` and `/chat` (`webchat.rs`); off with `--no-webchat`.
     pub webchat: bool,
+    /// Speculative decoding's defaults (`--draft`, `--draft-max`, `--draft-ngram`; a request
+    /// overrides the first two): a slot that decodes alone drafts (docs/server.md §9).
+    pub draft: ds4_runtime::DraftConfig,
     /// Test hook: forced model outputs (see [`Script`]). Not a user feature.
     pub script: Option<Arc<Script>>,
     /// Test hook: sleep this long after every decode step (one token of every running
@@ -198,6 +201,7 @@ impl Default for ServerConfig {
             prefill_per_step: 0,
             snapshot_slots: 1,
             snapshot_max_bytes: 1 << 30,
+            draft: ds4_runtime::DraftConfig::default(),
             disk: None,
             exact_dsml_replay: true,
             tool_memory_max_ids: 100_000,

@@ -58,8 +58,24 @@ impl Ctx {
     }
 }
 
+/// `usage.draft` (an extension): verify steps, tokens drafted and accepted, when drafting
+/// ran for the request.
+pub fn draft_usage(o: Obj, u: &Usage) -> Obj {
+    match &u.draft {
+        Some(d) => o.raw(
+            "draft",
+            &Obj::new()
+                .num("drafted", d.drafted)
+                .num("accepted", d.accepted)
+                .num("verify_steps", d.steps)
+                .end(),
+        ),
+        None => o,
+    }
+}
+
 pub fn openai_usage(u: &Usage) -> String {
-    Obj::new()
+    draft_usage(Obj::new(), u)
         .num("prompt_tokens", u.prompt_tokens as u64)
         .num("completion_tokens", u.completion_tokens as u64)
         .num(

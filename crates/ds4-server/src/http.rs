@@ -871,6 +871,7 @@ async fn generation_inner(
         stop: req.stop.clone(),
         max_tokens: req.max_tokens,
         logprobs: req.logprobs,
+        draft: req.draft.apply(st.cfg.draft),
         deltas: req.stream,
         forced,
         response_id: req

@@ -351,6 +351,37 @@ impl Fields {
         })
     }
 
+    /// The extension fields `draft` (`"off"`, `"lookup"`, `"mtp"`, `"auto"`) and
+    /// `draft_max` (1 to [`ds4_runtime::draft::MAX_DRAFT_MAX`]): this request's drafting.
+    pub(crate) fn draft(&self) -> Result<crate::api::DraftRequest, ApiError> {
+        use ds4_runtime::draft::MAX_DRAFT_MAX;
+        let mode = match self.val("draft") {
+            None => None,
+            Some(Value::String(s)) => Some(match s.as_str() {
+                "off" => ds4_runtime::DraftMode::Off,
+                "lookup" => ds4_runtime::DraftMode::Lookup,
+                "mtp" => ds4_runtime::DraftMode::Mtp,
+                "auto" => ds4_runtime::DraftMode::Auto,
+                _ => {
+                    return Err(bad(format!(
+                        "`draft` must be \"off\", \"lookup\", \"mtp\" or \"auto\", got {s:?}"
+                    )))
+                }
+            }),
+            Some(_) => return Err(bad(format!("{INVALID}: `draft` must be a string"))),
+        };
+        let max = match self.uint("draft_max")? {
+            None => None,
+            Some(n) if (1..=MAX_DRAFT_MAX as u64).contains(&n) => Some(n as usize),
+            Some(n) => {
+                return Err(bad(format!(
+                    "`draft_max` must be between 1 and {MAX_DRAFT_MAX}, got {n}"
+                )))
+            }
+        };
+        Ok(crate::api::DraftRequest { mode, max })
+    }
+
     /// `stop` / `stop_sequences`: a string or an array of strings, at most
     /// [`MAX_STOP_SEQUENCES`] of at most [`MAX_STOP_BYTES`] bytes each (the list travels
     /// with the queued job and is matched against every generated piece).

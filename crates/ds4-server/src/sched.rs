@@ -398,6 +398,7 @@ impl Worker {
             prompt_tokens: cached + suffix.len(),
             cached_tokens: cached,
             completion_tokens: 0,
+            draft: None,
         };
         if usage0.prompt_tokens >= self.ctx {
             return Err(ApiError::context_overflow(
@@ -686,7 +687,23 @@ impl Worker {
             })
             .min(self.cfg.max_tokens)
             .min(self.ctx - task.usage0.prompt_tokens);
-        match Gen::new(&task.job, tok, self.eos, limit, t_prefill) {
+        // Drafting (docs/server.md §9): the job's drafter, when the backend verifies bit
+        // for bit; `mtp` asked of a server without the block is refused.
+        let d = task.job.draft;
+        let has_mtp = self.cache.slots.engine().has_mtp();
+        let drafter = if d.on() && self.cache.slots.can_verify() {
+            d.drafter(has_mtp)
+        } else {
+            ds4_runtime::Drafter::None
+        };
+        let made = if d.on() && d.mode == ds4_runtime::DraftMode::Mtp && !has_mtp {
+            Err(crate::error::ApiError::bad(
+                "`draft`: \"mtp\" needs the MTP block, which this server has not loaded (ds4-server --mtp FILE)",
+            ))
+        } else {
+            Gen::new(&task.job, tok, self.eos, limit, t_prefill, drafter)
+        };
+        match made {
             Ok(g) => {
                 // A default min-p draw needs only the logits near the maximum: lone decode
                 // steps leave that band and the row stays on the device (docs/server.md §6).
@@ -783,7 +800,34 @@ impl Worker {
             })
             .map(|(i, _)| i)
             .collect();
-        let picks = self.pick_all(tasks, &ids);
+        // A token a verify step picked in place of a draft is fed without a pick.
+        let mut pending: Vec<(usize, (u32, ds4_runtime::Flow))> = Vec::new();
+        for &i in &ids {
+            if let Some(Task {
+                phase: Phase::Decode(gen),
+                ..
+            }) = tasks[i].as_mut()
+            {
+                if let Some(p) = gen.take_pending() {
+                    pending.push((i, p));
+                }
+            }
+        }
+        let to_pick: Vec<usize> = ids
+            .iter()
+            .copied()
+            .filter(|i| pending.iter().all(|p| p.0 != *i))
+            .collect();
+        let mut picked = self.pick_all(tasks, &to_pick).into_iter();
+        let picks: Vec<Result<Pick, ds4_runtime::DriverError>> = ids
+            .iter()
+            .map(|i| match pending.iter().find(|p| p.0 == *i) {
+                Some(&(_, (tok, flow))) => Ok(Pick::Feed { tok, flow }),
+                None => picked
+                    .next()
+                    .unwrap_or(Err(ds4_runtime::DriverError::NoLogits)),
+            })
+            .collect();
         // Turn snapshots a later one of this step would push out at once are not taken.
         let turns: Vec<(usize, &TurnSnap)> = ids
             .iter()
@@ -829,9 +873,24 @@ impl Worker {
         if feeds.is_empty() {
             return;
         }
+        // A slot that decodes alone drafts (docs/server.md §9); batched steps do not.
+        if let [(i, tok)] = feeds[..] {
+            if self.draft_step(tasks, i, tok, flows[0], t_enter) {
+                return;
+            }
+        }
         let (t_step, w0) = (Instant::now(), self.cache.slots.engine().counters().wait_ns);
         let fed = self.cache.slots.decode(&feeds);
         let step = t_step.elapsed();
+        if let [(i, _)] = feeds[..] {
+            if let Some(Task {
+                phase: Phase::Decode(gen),
+                ..
+            }) = tasks[i].as_mut()
+            {
+                gen.plain_step(step.as_secs_f64());
+            }
+        }
         let waited = self
             .cache
             .slots
@@ -895,6 +954,82 @@ impl Worker {
         }
     }
 
+    /// Slot `i`, the only one decoding this step, feeds `tok` (picked, emitted) with its
+    /// drafter's proposals in one verify pass ([`ds4_runtime::draft_step`]). Returns
+    /// whether it did; `false`: no drafts (drafting off or paused, no proposal, a token
+    /// that ends the generation), and `tok` is still to be fed.
+    fn draft_step(
+        &mut self,
+        tasks: &mut [Option<Task<'_>>],
+        i: usize,
+        tok: u32,
+        flow: ds4_runtime::Flow,
+        t_enter: Instant,
+    ) -> bool {
+        let Some(Task {
+            phase: Phase::Decode(gen),
+            job,
+            ..
+        }) = tasks[i].as_mut()
+        else {
+            return false;
+        };
+        if !gen.wants_drafts(flow) {
+            return false;
+        }
+        let (stats, cfg, shutdown) = (&self.stats, &self.cfg, &self.shutdown);
+        let (t_step, w0) = (Instant::now(), self.cache.slots.engine().counters().wait_ns);
+        let ran = match self.cache.slots.draft_target(i) {
+            Ok(mut target) => gen.draft_step(job, &mut target, tok, stats, cfg, shutdown),
+            Err(e) => Err(e),
+        };
+        let drafted = match ran {
+            Ok(None) => return false,
+            Ok(Some(d)) => d,
+            Err(e) => {
+                self.finish(i, &mut tasks[i], Err(e));
+                return true;
+            }
+        };
+        let n_vocab = self.cache.slots.engine().hparams().n_vocab;
+        self.cache
+            .slots
+            .set_logits(i, gen.verify_row(&drafted, n_vocab));
+        let step = t_step.elapsed();
+        let waited = self
+            .cache
+            .slots
+            .engine()
+            .counters()
+            .wait_ns
+            .saturating_sub(w0);
+        if let Some(t) = tasks[i].as_mut() {
+            t.decode_time += step;
+            t.wait_ns += waited;
+            self.trace(StepEvent::Decode { jobs: vec![t.seq] });
+        }
+        if let ds4_runtime::Verified::Stop(stop) = drafted.outcome {
+            self.finish(i, &mut tasks[i], Ok(stop));
+            return true;
+        }
+        if let Some(Task {
+            phase: Phase::Decode(gen),
+            ..
+        }) = tasks[i].as_ref()
+        {
+            if self.cache.continued_due(i) && !gen.in_tool_call() {
+                self.cache.disk_save(i, "continued");
+            }
+        }
+        if let Some(t) = tasks[i].as_mut() {
+            t.step_time += t_enter.elapsed();
+        }
+        if let Some(d) = self.cfg.token_delay {
+            std::thread::sleep(d);
+        }
+        true
+    }
+
     /// Empties a task's slot (the job ended without an outcome).
     pub(crate) fn end(&mut self, slot: &mut Option<Task<'_>>) {
         if slot.take().is_some() {
@@ -921,6 +1056,7 @@ impl Worker {
         let usage0 = task.usage0;
         outcome.usage = Usage {
             completion_tokens: outcome.usage.completion_tokens,
+            draft: outcome.usage.draft,
             ..usage0
         };
         tracing::info!(

@@ -25,6 +25,10 @@ pub struct Stats {
     /// Prompt tokens reused from the live state, a snapshot or the disk.
     pub cached_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Speculative decoding: verify steps, tokens drafted, drafts accepted.
+    pub draft_steps: AtomicU64,
+    pub drafted_tokens: AtomicU64,
+    pub accepted_tokens: AtomicU64,
     /// Generations stopped because the client went away.
     pub cancelled: AtomicU64,
     pub snapshot_hits: AtomicU64,
@@ -83,6 +87,9 @@ impl Stats {
             .num("joint_pieces", g(&self.joint_pieces))
             .num("cached_tokens", g(&self.cached_tokens))
             .num("generated_tokens", g(&self.generated_tokens))
+            .num("draft_steps", g(&self.draft_steps))
+            .num("drafted_tokens", g(&self.drafted_tokens))
+            .num("accepted_tokens", g(&self.accepted_tokens))
             .num("cancelled", g(&self.cancelled))
             .num("snapshot_hits", g(&self.snapshot_hits))
             .num("turn_snapshots_skipped", g(&self.turn_snapshots_skipped))

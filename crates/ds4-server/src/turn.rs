@@ -11,7 +11,10 @@ use ds4_chat::stream::{EndCause, Halt, OutputStream, StreamOptions};
 use ds4_chat::tokenizer::THINK_CLOSE_TEXT;
 use ds4_chat::Tokenizer;
 use ds4_engine::{argmax, EngineError, Sampler};
-use ds4_runtime::{DriverError, Flow, GenLimits, GenState, GenStop, Pick, Steer, StepLogits};
+use ds4_runtime::{
+    draft_step, DraftConfig, DraftScratch, DraftTarget, Drafted, Drafter, DriverError, Flow,
+    GenLimits, GenState, GenStop, Governor, Pick, Steer, StepLogits,
+};
 
 use crate::config::ServerConfig;
 use crate::error::{engine_err, ApiError};
@@ -44,6 +47,15 @@ pub(crate) struct Gen<'t> {
     t_prefill: Duration,
     /// Token log probabilities, when the job asked for them.
     lp: Option<Logprobs<'t>>,
+    /// Speculative decoding (docs/server.md §9): the job's settings, the drafter that runs
+    /// (none when off, or when the backend cannot verify), `auto`'s governor, buffers.
+    draft: DraftConfig,
+    drafter: Drafter,
+    governor: Option<Governor>,
+    scratch: DraftScratch,
+    /// A token a verify step picked in place of a draft: emitted, fed by the next step
+    /// without a pick.
+    pending: Option<(u32, Flow)>,
 }
 
 /// Collects the log probability of each generated token: the step's row is kept as the
@@ -125,13 +137,15 @@ struct Steering<'a, 't> {
 }
 
 impl<'t> Gen<'t> {
-    /// A generation of at most `limit` tokens for `job`.
+    /// A generation of at most `limit` tokens for `job`, drafting with `drafter` (from the
+    /// job's settings and the engine: [`DraftConfig::drafter`]).
     pub fn new(
         job: &Job,
         tok: &'t Tokenizer,
         eos: u32,
         limit: usize,
         t_prefill: Duration,
+        drafter: Drafter,
     ) -> Result<Gen<'t>, ApiError> {
         let p = &job.prepared;
         let sampler =
@@ -167,7 +181,99 @@ impl<'t> Gen<'t> {
                 lse: 0.0,
                 out: Vec::new(),
             }),
+            draft: job.draft,
+            drafter,
+            governor: (job.draft.mode == ds4_runtime::DraftMode::Auto).then(Governor::new),
+            scratch: DraftScratch::default(),
+            pending: None,
         })
+    }
+
+    /// The token a verify step picked in place of a draft, to be fed now without a pick.
+    pub fn take_pending(&mut self) -> Option<(u32, Flow)> {
+        self.pending.take()
+    }
+
+    /// Whether this step may draft after `flow`'s token (the governor of `auto` may pause).
+    pub fn wants_drafts(&self, flow: Flow) -> bool {
+        flow == Flow::Continue
+            && self.drafter != Drafter::None
+            && self
+                .governor
+                .as_ref()
+                .is_none_or(|g| g.drafting(self.state.tokens().len()))
+    }
+
+    /// A drafting step after `tok` on the slot's state `target` ([`draft_step`]; `None`:
+    /// no drafts, `tok` is to be fed as usual). A replacement pick is kept to be fed next
+    /// ([`Gen::take_pending`]); the logits after the state are the scratch row
+    /// [`Gen::verify_row`] names.
+    pub fn draft_step(
+        &mut self,
+        job: &Job,
+        target: &mut dyn DraftTarget,
+        tok: u32,
+        stats: &Stats,
+        cfg: &ServerConfig,
+        shutdown: &AtomicBool,
+    ) -> Result<Option<Drafted>, DriverError> {
+        let mut steer = Steering {
+            job,
+            eos: self.eos,
+            stream: &mut self.stream,
+            dec: &mut self.dec,
+            forced: &self.forced,
+            ids: &mut self.ids,
+            stream_tokens: &mut self.stream_tokens,
+            halted: &mut self.halted,
+            lp: &mut self.lp,
+            stats,
+            cfg,
+            shutdown,
+        };
+        let t0 = std::time::Instant::now();
+        let before = self.state.draft_stats();
+        let d = draft_step(
+            target,
+            &self.draft,
+            self.drafter,
+            &mut self.state,
+            tok,
+            &mut self.scratch,
+            &mut self.sampler,
+            &job.cancel,
+            &mut steer,
+        )?;
+        if let Some(d) = &d {
+            let now = self.state.draft_stats();
+            Stats::add(&stats.draft_steps, 1);
+            Stats::add(&stats.drafted_tokens, now.drafted - before.drafted);
+            Stats::add(&stats.accepted_tokens, now.accepted - before.accepted);
+            if let Some(g) = self.governor.as_mut() {
+                let advanced = 1 + (now.accepted - before.accepted) as usize;
+                g.verify_step(
+                    t0.elapsed().as_secs_f64(),
+                    advanced,
+                    self.state.tokens().len(),
+                );
+            }
+            if let ds4_runtime::Verified::Replaced(p) = d.outcome {
+                self.pending = Some(p);
+            }
+        }
+        Ok(d)
+    }
+
+    /// The verify row after the state once a drafting step kept `d.kept` tokens.
+    pub fn verify_row(&self, d: &Drafted, n_vocab: usize) -> &[f32] {
+        self.scratch.row(d.kept - 1, n_vocab)
+    }
+
+    /// A plain decode step of this slot alone took `secs` (`auto`'s governor compares).
+    pub fn plain_step(&mut self, secs: f64) {
+        if let Some(g) = self.governor.as_mut() {
+            g.plain_step(secs);
+        }
     }
 
     /// The band width of this generation's lone decode steps ([`ds4_runtime::Slots::set_band`]):
@@ -292,6 +398,7 @@ impl Gen<'_> {
             ..
         } = self;
         let mut cancelled = false;
+        let draft = Some(state.draft_stats()).filter(|d| d.steps > 0);
         let (generated, cause) = match ran {
             Ok(stop) => {
                 let g = state.finish(stop);
@@ -350,6 +457,7 @@ impl Gen<'_> {
             tool_ids: ids,
             usage: Usage {
                 completion_tokens: generated,
+                draft,
                 ..Usage::default()
             },
             reasoning_closed,

@@ -32,6 +32,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// Send per-token deltas (streaming); otherwise only start and end.
     pub deltas: bool,
+    /// Drafting: the server's `--draft` settings with the request's overrides.
+    pub draft: ds4_runtime::DraftConfig,
     /// Forced output (test hook, see [`crate::script`]).
     pub forced: Option<String>,
     /// Responses: the `resp_…` id the client will see (a later `previous_response_id`).
@@ -79,6 +81,8 @@ pub struct Usage {
     /// Reused (not evaluated) prompt tokens.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// What speculative decoding did, when it ran (reported as `usage.draft`).
+    pub draft: Option<ds4_runtime::DraftStats>,
 }
 
 impl Usage {

@@ -20,9 +20,21 @@ struct Args {
     #[arg(short = 'm', long, default_value = "ds4flash.gguf")]
     model: PathBuf,
     /// The file holding the MTP block (`mtp.0.*`, ds4's sidecar; also DS4_MTP), as `ds4
-    /// --mtp`: checked and loaded; the server does not draft yet (docs/speculative.md §6).
+    /// --mtp`: the drafter of `--draft mtp` (and of `auto`).
     #[arg(long, value_name = "FILE")]
     mtp: Option<PathBuf>,
+    /// Speculative decoding, as `ds4 --draft`: mtp, lookup, auto or off (default off; also
+    /// DS4_DRAFT). A slot that decodes alone drafts and verifies the drafts in one forward
+    /// pass; the output is unchanged. A request may override it (`"draft"`).
+    #[arg(long, value_parser = parse_draft)]
+    draft: Option<ds4_runtime::DraftMode>,
+    /// Most drafted tokens per step, 1 to 16 (default 3; also DS4_DRAFT_MAX). A request may
+    /// override it (`"draft_max"`).
+    #[arg(long)]
+    draft_max: Option<usize>,
+    /// The longest n-gram the lookup drafter matches (default 3; also DS4_DRAFT_NGRAM).
+    #[arg(long)]
+    draft_ngram: Option<usize>,
     /// Context size of each slot (allocated at startup).
     #[arg(short = 'c', long, default_value_t = 32768)]
     ctx: usize,
@@ -179,6 +191,10 @@ struct Args {
     /// Test hook: JSON file of forced outputs `[{"when": "...", "output": "..."}]`.
     #[arg(long, hide = true)]
     test_script: Option<PathBuf>,
+}
+
+fn parse_draft(s: &str) -> Result<ds4_runtime::DraftMode, String> {
+    s.parse()
 }
 
 fn host_addr(host: &str, port: u16) -> Result<SocketAddr> {
@@ -351,12 +367,18 @@ fn main() -> Result<()> {
         ds4_runtime::config::ConfigFlags {
             quality: a.quality,
             no_warmup: a.no_warmup,
-            ..Default::default()
+            draft: a.draft,
+            draft_max: a.draft_max,
+            draft_ngram: a.draft_ngram,
         },
         |k| std::env::var(k).ok(),
     )
     .map(|c| c.with_mtp_flag(a.mtp.clone()))
     .context("invalid setting")?;
+    let cfg = ServerConfig {
+        draft: config.draft_config(),
+        ..cfg
+    };
     check_model_path(&a.model)?;
     // The port is taken before the (long) load; until the model is ready every request is
     // answered 503, `/health` with `{"status":"loading"}` (docs/server.md §4).

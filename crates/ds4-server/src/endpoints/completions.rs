@@ -86,6 +86,7 @@ pub fn parse(body: &[u8], _ctx: u64) -> Result<GenRequest, ApiError> {
         include_usage: f.stream_options_usage()?,
         completion_prompt: Some(prompt),
         logprobs: None,
+        draft: f.draft()?,
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,

@@ -193,6 +193,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         include_usage: false,
         completion_prompt: None,
         logprobs: None,
+        draft: f.draft()?,
         reasoning_summary: false,
         namespaces: HashMap::new(),
         previous_response_id: None,
@@ -262,7 +263,7 @@ fn anthropic_block(
 /// Anthropic usage: P − R − W is 0 (every prompt token is either read from or written to
 /// the cache), as ds4 reports it.
 pub fn anthropic_usage(u: &Usage) -> String {
-    Obj::new()
+    crate::emit::draft_usage(Obj::new(), u)
         .num("input_tokens", 0)
         .num("output_tokens", u.completion_tokens as u64)
         .num("cache_read_input_tokens", u.cached_tokens as u64)
@@ -410,6 +411,7 @@ impl AnthropicStream {
     pub fn start(&mut self, u: &Usage) -> Vec<Frame> {
         let start_usage = Usage {
             completion_tokens: 0,
+            draft: None,
             ..*u
         };
         let msg = Obj::new()
@@ -515,7 +517,7 @@ impl AnthropicStream {
                 )
                 .raw(
                     "usage",
-                    &Obj::new()
+                    &crate::emit::draft_usage(Obj::new(), &o.usage)
                         .num("output_tokens", o.usage.completion_tokens as u64)
                         .end(),
                 )

@@ -177,6 +177,7 @@ pub fn parse(body: &[u8], ctx: u64) -> Result<GenRequest, ApiError> {
         include_usage: false,
         completion_prompt: None,
         logprobs: None,
+        draft: f.draft()?,
         reasoning_summary: summary,
         namespaces,
         previous_response_id,
@@ -377,7 +378,7 @@ fn responses_items(
 // ---- response emitting ---------------------------------------------------------------------
 
 pub fn responses_usage(u: &Usage) -> String {
-    Obj::new()
+    crate::emit::draft_usage(Obj::new(), u)
         .num("input_tokens", u.prompt_tokens as u64)
         .raw(
             "input_tokens_details",

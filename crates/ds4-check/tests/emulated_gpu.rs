@@ -1526,3 +1526,75 @@ fn emulated_tensor_core_indexer_matches_the_cpu() {
         );
     }
 }
+
+/// A speculative verify step's rows (`Engine::eval_verify`: one chunk of decode rows) are bit
+/// for bit the logits of decoding the same tokens one at a time, on the GPU backend with int8
+/// activations — the condition for drafting to change no output (docs/speculative.md §1).
+/// The window and the indexer's top-k are raised so that the rows' attention splits its keys
+/// over several blocks (more than 32 keys) and the indexer selects among more compressed rows
+/// than it keeps, as at real dimensions.
+#[test]
+fn emulated_verify_rows_equal_one_token_decodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = ds4_model::HParams {
+        sliding_window: 64,
+        indexer_top_k: 12,
+        ..common::tiny_hparams()
+    };
+    let file = model_file_from(dir.path(), h, TypeRecipe::Q2);
+    let m = machine("strix-halo-stock");
+    let (fake, mut gpu) = emulated_backend(&m, dir.path(), true, PrefillTiles::Off);
+    gpu.set_activation_q8(true).unwrap();
+    let cfg = EngineConfig {
+        mode: Some(NumericMode::Exact),
+        ctx: 256,
+        prefill_chunk: 16,
+    };
+    let mut eng = Engine::load(file, Box::new(gpu), cfg).unwrap();
+    let vocab = eng.hparams().n_vocab;
+    let mut rng = ds4_engine::Rng::new(5);
+    let mut tok = || (rng.next_f64() * vocab as f64) as u32 % vocab as u32;
+    let prompt: Vec<u32> = (0..9).map(|_| tok()).collect();
+    let mut plain = eng.new_state().unwrap();
+    let mut drafted = eng.new_state().unwrap();
+    eng.eval(&mut plain, &prompt, Logits::Last, None).unwrap();
+    eng.eval(&mut drafted, &prompt, Logits::Last, None).unwrap();
+    let mut rows = Vec::new();
+    let mut worst = 0usize;
+    // Ten steps reach position 49: before the fix, step 5's first row (position 29, the
+    // chunk's last row past 32 window keys) differed.
+    for step in 0..10 {
+        let toks: Vec<u32> = (0..4).map(|_| tok()).collect();
+        let v = eng.eval_verify(&mut drafted, &toks, &mut rows).unwrap();
+        eng.settle(&mut drafted, v, toks.len()).unwrap();
+        for (i, &t) in toks.iter().enumerate() {
+            let want = eng.eval(&mut plain, &[t], Logits::Last, None).unwrap();
+            let got = &rows[i * vocab..(i + 1) * vocab];
+            let diff = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            worst = worst.max(diff);
+            assert_eq!(
+                diff,
+                0,
+                "verify step {step} row {i} (position {}): {diff} logits differ from the one-token decode",
+                plain.pos() - 1
+            );
+        }
+    }
+    assert_eq!(worst, 0);
+    assert!(
+        fake.kernel_errors().is_empty(),
+        "{:?}",
+        fake.kernel_errors()
+    );
+    // The rows' attention did split its keys (the case this test is for).
+    assert!(
+        fake.launches()
+            .iter()
+            .any(|l| l.0.starts_with("ds4_attention_split")),
+        "no split-key attention ran"
+    );
+}

@@ -163,9 +163,50 @@ impl<D: GpuApi> GpuBackend<D> {
     }
 
     pub(in crate::backend) fn op_attention(&mut self, a: AttnArgs) -> BResult<()> {
+        if a.n_tok > 1 && a.n_tok <= self.decode_rows {
+            return self.attention_as_decode_rows(a);
+        }
+        self.attention_rows(a, 0)
+    }
+
+    /// The rows of one sequence's chunk under decode rows (a speculative verify step,
+    /// docs/speculative.md §1) each get the attention a one-token decode of that row runs:
+    /// its own key count picks its kernel and its split of the keys, which a chunk's plan
+    /// (made for its last row) does not (measured: a chunk of four rows whose last row has
+    /// more keys than a split holds gave its first row other bits). So row `i` runs as the
+    /// one-token step at `pos0 + i`, after the rows before it are stored in the window ring
+    /// as their own steps would have stored them (the slot of `pos0 + i − 1` held a position
+    /// no later row can see; the forward pass stores every row again after attention, the
+    /// same values).
+    fn attention_as_decode_rows(&mut self, a: AttnArgs) -> BResult<()> {
+        let (nh, hd) = (a.n_head, a.head_dim);
+        for i in 0..a.n_tok {
+            if i > 0 {
+                let prev = a.kv.sub((i - 1) * hd, hd);
+                self.op_ring_store(a.ring, prev, a.pos0 + i - 1, 1, a.window)?;
+            }
+            let row = AttnArgs {
+                q: a.q.sub(i * nh * hd, nh * hd),
+                kv: a.kv.sub(i * hd, hd),
+                pos0: a.pos0 + i,
+                n_tok: 1,
+                out: a.out.sub(i * nh * hd, nh * hd),
+                ..a
+            };
+            self.attention_rows(row, i)?;
+        }
+        Ok(())
+    }
+
+    /// Attention of `a`'s rows; `sel_row`: the row of the indexer's `[T, k]` selection that
+    /// `a`'s first row reads (0 but for a row of a chunk run alone).
+    fn attention_rows(&mut self, a: AttnArgs, sel_row: usize) -> BResult<()> {
         const OP: &str = "attention";
         let (t, nh, hd) = (a.n_tok, a.n_head, a.head_dim);
-        let pl = self.att_plan(&a)?;
+        let mut pl = self.att_plan(&a)?;
+        if pl.idx != 0 {
+            pl.idx += (4 * sel_row * pl.k_sel) as u64;
+        }
         if t * nh == 0 {
             return Ok(());
         }

@@ -81,7 +81,8 @@
 #              dimension file; the rate lines (drafted, accepted, tokens per step); then the
 #              CLI's loop on the sparse full-size file with drafts off, lookup and auto; the
 #              verify cost curve (1..8 rows against a decode step, 2k and 32k) with the
-#              predicted speed-up table
+#              predicted speed-up table; --draft mtp with a synthetic MTP block on the 4-layer
+#              file (greedy identity: every step a 4-row verify)
 #   logits     whole-model logits of a 4-layer real-dimension q2 file (280 prefilled + 21
 #              decoded positions, default and --quality) into $OUT/logits-*.npy; with BIN2 (a
 #              second build) the same from it and a cmp of the two (a refactor must be
@@ -186,6 +187,17 @@ spec() {
         cmp -s "$OUT/spec_off.txt" "$OUT/spec_lookup.txt" && echo "$(basename "$m"): identical" \
             || echo "$(basename "$m"): DIFFERENT"
     done
+    echo "== MTP drafts (synthetic block, 4-layer real dims): greedy with and without"
+    local m4="$work/m4.gguf"
+    [ -f "$m4" ] || ds4-convert synthetic --quiet --layout q2 --layers 4 --vocab-gguf "$R/$V" \
+        --mtp "$work/m4-mtp.gguf" "$m4" > /dev/null
+    for d in off mtp; do
+        timeout 120 ds4 -m "$m4" --mtp "$work/m4-mtp.gguf" -p "$p" --nothink --temp 0 -n 160 -c 4096 \
+            --backend cuda --draft $d > "$OUT/spec_mtp_$d.txt" 2> "$OUT/spec_mtp_$d.log" || tail -2 "$OUT/spec_mtp_$d.log"
+        echo "m4 --draft $d: $(tail -1 "$OUT/spec_mtp_$d.log" | cut -c1-200)"
+    done
+    cmp -s "$OUT/spec_mtp_off.txt" "$OUT/spec_mtp_mtp.txt" && echo "m4 mtp: identical" || echo "m4 mtp: DIFFERENT"
+    rm -f "$m4" "$work/m4-mtp.gguf"
     echo "== verify cost curve (ds4-bench --verify 8) at 2k and 32k"
     timeout 300 ds4-bench --synthetic q2 --layers $L --frontiers 2048,32768 --decode 16 --verify 8 \
         > "$OUT/verify_curve.log" 2>&1 || tail -2 "$OUT/verify_curve.log"

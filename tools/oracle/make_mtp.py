@@ -12,7 +12,7 @@ streams `W_h·RMS(H_i; hnorm) + W_e·RMS(Emb[t_{i+1}]; enorm)` at position `i`. 
 (attention, MoE, HC) are thus the code HF validates; this script also re-checks the main
 model's exact-mode logits against the committed HF logits before writing.
 
-Output (`tests/fixtures/tiny-hca16-mtp/`, ~0.6 MB):
+Output (`tests/fixtures/mtp-hca16/`, ~0.6 MB):
 * `mtp.safetensors`: the block's tensors, F32, named as transformers-style checkpoints name a
   layer (`mtp.0.attn.wq_a.weight`, ...; docs/gguf.md §5.3), random with the fixtures' init.
 * `model.safetensors.index.json`: a weight map over tiny-hca16's `model.safetensors` and
@@ -40,7 +40,7 @@ from official_reference import Reference, load_fixture, rms
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "tests/fixtures/tiny-hca16"
-DEFAULT_OUT = ROOT / "tests/fixtures/tiny-hca16-mtp"
+DEFAULT_OUT = ROOT / "tests/fixtures/mtp-hca16"
 SEED = 5301
 T = 40
 CHAIN = [3, 9, 17, 18, 25, 38]

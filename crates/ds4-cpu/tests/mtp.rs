@@ -207,14 +207,14 @@ fn st_values(bytes: &[u8], name: &str) -> (Vec<usize>, Vec<f64>) {
 }
 
 /// The block's draft logits against the float64 reference written from DeepSeek's reference
-/// code (tools/oracle/make_mtp.py, `tests/fixtures/tiny-hca16-mtp`): tiny-hca16 with a random
+/// code (tools/oracle/make_mtp.py, `tests/fixtures/mtp-hca16`): tiny-hca16 with a random
 /// MTP block, converted by `ds4-convert hf` (main file and sidecar), depth 1 at every position
 /// (window 16, so the block's ring wraps) and chained depth 2 at a few, exact and official
 /// mode, within the main model's bound (docs/forward.md §9.5: 1e-4·max(1, |ref|)).
 #[test]
 fn draft_logits_match_the_reference() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
-    let fix = root.join("tiny-hca16-mtp");
+    let fix = root.join("mtp-hca16");
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("hf");
     std::fs::create_dir_all(&src).unwrap();

@@ -83,6 +83,11 @@
 #              verify cost curve (1..8 rows against a decode step, 2k and 32k) with the
 #              predicted speed-up table; --draft mtp with a synthetic MTP block on the 4-layer
 #              file (greedy identity: every step a 4-row verify)
+#   imatrix    `ds4 imatrix` on the GPU (issue 54): the demo model's q2 file (held-out text,
+#              4 chunks of 256) and the 4-layer real-dimension file (2 chunks of 64) collected
+#              with --backend cuda (--quality, then the default) and --backend cpu, and the
+#              .dat files compared (tools/device/imatrix-compare.py: max difference relative
+#              to each entry's largest value; bound 1e-3 for --quality, 1e-2 for the default)
 #   logits     whole-model logits of a 4-layer real-dimension q2 file (280 prefilled + 21
 #              decoded positions, default and --quality) into $OUT/logits-*.npy; with BIN2 (a
 #              second build) the same from it and a cmp of the two (a refactor must be
@@ -209,6 +214,32 @@ spec() {
     done
 }
 
+imatrix() {
+    s4
+    echo "== ds4 imatrix: CUDA against the CPU"; date +%T
+    local k="$R/tests/fixtures/kjv" m tag a
+    head -c 20000 "$k/heldout.txt" > "$work/im.txt"
+    for m in "$k/ds4-kjv-q2.gguf" "$work/s4.gguf"; do
+        tag=$(basename "$m" .gguf)
+        if [ "$m" = "$work/s4.gguf" ]; then a=(--ctx 64 --chunks 2); else a=(--ctx 256 --chunks 4); fi
+        for b in cpu cuda-quality cuda; do
+            local e=(); [ $b = cuda-quality ] && e=(--quality)
+            timeout 300 ds4 imatrix -m "$m" -f "$work/im.txt" -o "$work/im-$tag-$b.dat" "${a[@]}" \
+                --backend "${b%-quality}" ${e[@]+"${e[@]}"} > "$OUT/imatrix_${tag}_$b.log" 2>&1 \
+                || { echo "$tag $b: FAILED"; tail -3 "$OUT/imatrix_${tag}_$b.log"; }
+            echo "$tag $b: $(tail -1 "$OUT/imatrix_${tag}_$b.log" | cut -c1-160)"
+        done
+        for b in cuda-quality cuda; do
+            local bound=1e-3; [ $b = cuda ] && bound=1e-2
+            [ -f "$work/im-$tag-$b.dat" ] && [ -f "$work/im-$tag-cpu.dat" ] || continue
+            echo "$tag: $b against cpu"
+            python3 "$R/tools/device/imatrix-compare.py" "$work/im-$tag-$b.dat" "$work/im-$tag-cpu.dat" \
+                --bound $bound > "$OUT/imatrix_cmp_${tag}_$b.log" 2>&1
+            tail -1 "$OUT/imatrix_cmp_${tag}_$b.log"
+        done
+    done
+}
+
 # logits_of DIR TAG: ds4 logits of the 4-layer file from the build in DIR.
 logits_of() {
     local b=$1 tag=$2 ids
@@ -296,7 +327,7 @@ server8() {
 }
 
 
-for s in check mxfp4 cache quality spec logits decode profile roofline; do
+for s in check mxfp4 cache quality spec imatrix logits decode profile roofline; do
     skip $s || { step $s; "$s"; }
 done
 if ! skip user8; then

@@ -479,6 +479,22 @@ pub fn planned_backend_and_experts(
 /// backend has first-use costs), and prints the load report (model, mode, backend, context,
 /// warm-up) to `log`.
 pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError> {
+    load_wrapped(opts, log, &mut |be| be)
+}
+
+/// A backend wrapper a command puts around the backend the load chose, before the engine
+/// is built on it (`ds4 imatrix`'s statistics collector): the wrapper then sees every op,
+/// weight load and allocation, on whichever device `--backend` resolved to.
+pub type WrapBackend<'a> = &'a mut dyn FnMut(Box<dyn Backend>) -> Box<dyn Backend>;
+
+/// [`load`] with the backend wrapped by `wrap` (placed by the same plan, the same
+/// settings, the same report and warm-up), so a command that observes the ops runs on
+/// the GPU exactly as `ds4` does instead of building a backend of its own.
+pub fn load_wrapped(
+    opts: &LoadOptions,
+    log: &mut dyn Write,
+    wrap: WrapBackend<'_>,
+) -> Result<Loaded, LoadError> {
     let mut sink = std::io::sink();
     let log: &mut dyn Write = if opts.report == LoadReport::Quiet {
         &mut sink
@@ -498,7 +514,7 @@ pub fn load(opts: &LoadOptions, log: &mut dyn Write) -> Result<Loaded, LoadError
     let file = open_gguf(&opts.model)?;
     let tokenizer = Arc::new(tokenizer_from_gguf(&file)?);
     let model_id = model_id(&file)?;
-    let mut engine = build_engine_logged(&file, opts, opts.ctx, Some(log))?;
+    let mut engine = build_engine_logged(&file, opts, opts.ctx, Some(log), wrap)?;
     if engine.hparams().n_vocab != tokenizer.vocab_size() {
         return Err(LoadError::VocabMismatch {
             path: opts.model.clone(),
@@ -556,18 +572,20 @@ pub fn build_engine(
     opts: &LoadOptions,
     ctx: usize,
 ) -> Result<Engine, LoadError> {
-    build_engine_logged(file, opts, ctx, None)
+    build_engine_logged(file, opts, ctx, None, &mut |be| be)
 }
 
-/// [`build_engine`], printing the placement plan to `log` when given. The plan is made
-/// for the device that will run the model, before anything is allocated, and the GPU
-/// backends place the weights by it: a model that cannot fit is refused here, not by an
-/// allocation failing halfway through the load.
+/// [`build_engine`], printing the placement plan to `log` when given, on the backend
+/// `wrap` makes of the chosen one. The plan is made for the device that will run the
+/// model, before anything is allocated, and the GPU backends place the weights by it: a
+/// model that cannot fit is refused here, not by an allocation failing halfway through
+/// the load.
 fn build_engine_logged(
     file: &Arc<GgufFile>,
     opts: &LoadOptions,
     ctx: usize,
     log: Option<&mut dyn Write>,
+    wrap: WrapBackend<'_>,
 ) -> Result<Engine, LoadError> {
     if ctx == 0 {
         return Err(LoadError::ZeroContext);
@@ -591,6 +609,7 @@ fn build_engine_logged(
         ctx,
         prefill_chunk: opts.prefill_chunk,
     };
+    let backend = wrap(backend);
     let mut engine = Engine::load_with(file.clone(), backend, cfg, experts).map_err(|source| {
         LoadError::Engine {
             path: opts.model.clone(),

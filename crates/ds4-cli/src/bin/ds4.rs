@@ -373,12 +373,12 @@ enum Command {
         #[arg(short, long)]
         quiet: bool,
     },
-    /// Collect an importance matrix of the routed experts from a text with the CPU engine
-    /// (llama.cpp's legacy .dat format, for `ds4-convert --imatrix`).
+    /// Collect an importance matrix of the routed experts from a text with the engine on
+    /// any backend (--backend cpu|cuda|rocm|auto; llama.cpp's legacy .dat format, for
+    /// `ds4-convert --imatrix`).
     Imatrix {
-        /// The model (GGUF) to run.
-        #[arg(short, long)]
-        model: PathBuf,
+        #[command(flatten)]
+        model: ModelArgs,
         /// The text (UTF-8), tokenized as plain text (no special tokens).
         #[arg(short, long)]
         file: PathBuf,
@@ -391,9 +391,9 @@ enum Command {
         /// Evaluate at most K chunks (default: every whole chunk of the text).
         #[arg(long, value_name = "K")]
         chunks: Option<usize>,
-        /// CPU threads (0: all cores).
-        #[arg(long, default_value_t = 0)]
-        threads: usize,
+        /// Print nothing on stderr but errors.
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// Print the token ids of a text (only the GGUF's vocabulary is read).
     Tokenize(ds4_cli::textcmd::TokenizeArgs),
@@ -542,17 +542,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             out,
             ctx,
             chunks,
-            threads,
+            quiet,
         } => {
             let req = ds4_cli::imatrix::Request {
-                model,
                 file,
                 out: out.clone(),
                 ctx,
                 chunks,
-                threads,
             };
-            let (n, entries) = ds4_cli::imatrix::run(&req, &mut std::io::stderr())?;
+            let report = if quiet {
+                LoadReport::Quiet
+            } else if cli.verbose > 0 {
+                LoadReport::Full
+            } else {
+                LoadReport::Summary
+            };
+            let opts = model.load_options(ctx, report)?;
+            let (mut sink, mut stderr) = (std::io::sink(), std::io::stderr());
+            let log: &mut dyn std::io::Write = if quiet { &mut sink } else { &mut stderr };
+            let (n, entries) = ds4_cli::imatrix::run(&req, &opts, log)?;
             println!(
                 "{}: {entries} entries from {n} chunks of {ctx} tokens",
                 out.display()

@@ -56,6 +56,9 @@ pub struct AppState {
     pub shutting_down: Arc<AtomicBool>,
     pub ctx: usize,
     pub model_name: String,
+    /// Whether the engine has the MTP block loaded: a request for `"draft": "mtp"` on a
+    /// server without it is refused before its prompt is rendered or evaluated.
+    pub has_mtp: bool,
     /// Bound to loopback: only loopback `Host` names (and `--allowed-host` ones) are served
     /// on every route, key or not (DNS rebinding would otherwise let any web page drive the
     /// server, or read `/health`).
@@ -82,6 +85,7 @@ impl AppState {
         shutting_down: Arc<AtomicBool>,
         ctx: usize,
         model_name: String,
+        has_mtp: bool,
         loopback_guard: bool,
         prepare_concurrency: usize,
     ) -> AppState {
@@ -102,6 +106,7 @@ impl AppState {
             shutting_down,
             ctx,
             model_name,
+            has_mtp,
             loopback_guard,
             max_token_bytes,
             prepare: Arc::new(tokio::sync::Semaphore::new(prepare_concurrency.max(1))),
@@ -937,6 +942,9 @@ async fn generation_inner(
 /// Parses, checks and renders a generation request. Cheap bounds come first, so a body that
 /// can never fit the context is refused before it is expanded into messages, a prompt and
 /// token ids (issue 24: 2.2 M tiny messages took 2.4 GB only to end in this same error).
+/// The answer to `"draft": "mtp"` on a server without the MTP block.
+pub(crate) const NO_MTP: &str = "`draft`: \"mtp\" needs the MTP block, which this server has not loaded (start ds4-server with --mtp FILE, or a model file that carries mtp.0.*; \"lookup\" drafts without it)";
+
 fn admit_and_prepare(
     st: &AppState,
     ep: Endpoint,
@@ -967,6 +975,12 @@ fn admit_and_prepare(
     let family = endpoints::family(ep);
     let mut req = family.parse(&body, ctx)?;
     drop(body);
+    // Up front, not once the job reaches its slot: by then its prompt would have been
+    // evaluated for nothing (and a streamed answer already begun). Only the request's own
+    // ask: a server started with `--draft mtp` has a block (it is refused at load without).
+    if req.draft.mode == Some(ds4_runtime::DraftMode::Mtp) && !st.has_mtp {
+        return Err(ApiError::bad(NO_MTP));
+    }
     let bound = request::token_lower_bound(&req, st.max_token_bytes);
     if bound >= st.ctx {
         return Err(early(bound));

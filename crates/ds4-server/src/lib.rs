@@ -136,6 +136,7 @@ impl Server {
         // publishes it after each job, handlers read it to plan tool-output continuations.
         let binding = Arc::new(Mutex::new(None));
         let ctx = model.engine.config().ctx;
+        let has_mtp = model.engine.has_mtp();
         let tok = model.tokenizer.clone();
         let w = sched::Worker::new(
             model.engine,
@@ -166,6 +167,7 @@ impl Server {
             shutting_down.clone(),
             ctx,
             model.name,
+            has_mtp,
             addr.ip().is_loopback(),
             prepare,
         ));

@@ -210,6 +210,54 @@ async fn bad_draft_fields_are_400() {
     s.shutdown().await.unwrap();
 }
 
+/// `"draft": "mtp"` on a server without the MTP block is a 400 that names the problem,
+/// answered before the prompt is queued or evaluated — streamed or not, on every endpoint
+/// family — while the same requests with `"lookup"` run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtp_without_a_block_is_refused_before_the_prompt_runs() {
+    let s = start(ServerConfig::default()).await;
+    let msgs = json!([{"role": "user", "content": prompt()}]);
+    let bodies = [
+        ("/v1/completions", completion(5, json!({}))),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "max_tokens": 5}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "ds4", "messages": msgs, "max_tokens": 5}),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": prompt(), "max_output_tokens": 16}),
+        ),
+    ];
+    for (path, body) in &bodies {
+        for stream in [false, true] {
+            let mut b = body.clone();
+            b["draft"] = json!("mtp");
+            b["stream"] = json!(stream);
+            let r = post(s.addr, path, &b).await;
+            assert_eq!(r.status, 400, "{path} stream {stream}: {}", r.body);
+            assert!(
+                r.body.contains("needs the MTP block") && r.body.contains("--mtp FILE"),
+                "{path}: {}",
+                r.body
+            );
+        }
+    }
+    let st = stats(s.addr).await;
+    assert_eq!(st["requests"], 0, "{st}");
+    assert_eq!(st["prefilled_tokens"], 0, "{st}");
+    for (path, body) in &bodies {
+        let mut b = body.clone();
+        b["draft"] = json!("lookup");
+        let r = post(s.addr, path, &b).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+    }
+    s.shutdown().await.unwrap();
+}
+
 /// Two slots: while both decode, their steps are batched without drafts; a request alone
 /// drafts. Either way each request's greedy text is what it is on a server that never
 /// drafts.

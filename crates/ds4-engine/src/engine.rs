@@ -152,12 +152,11 @@ impl Engine {
     /// (the main file itself, or ds4's sidecar), after checking every tensor against the
     /// main model. From then on the main model's final streams of the last window of
     /// positions are kept for it, and [`Engine::mtp_draft`] drafts with it.
+    ///
+    /// With streamed routed experts too: the block's own weights (its routed experts
+    /// included) are loaded resident — the placement plan counts them (docs/placement.md
+    /// §10) — and its one-layer forward pass runs without the expert stream.
     pub fn load_mtp(&mut self, file: Arc<GgufFile>) -> Result<()> {
-        if self.stream.is_some() {
-            return Err(EngineError::Config(
-                "the MTP block is not supported with streamed experts".into(),
-            ));
-        }
         let m = crate::mtp::Mtp::load(
             self.backend.as_mut(),
             &file,

@@ -180,7 +180,7 @@ impl Mtp {
             enorm: g(L::MtpENorm),
             hnorm: g(L::MtpHNorm),
         };
-        let hp = block_hparams(main_hp);
+        let hp = ds4_model::mtp::block_hparams(main_hp);
         let win = hp.sliding_window;
         // Catch-up covers at most a window; chunks of `cap` rows.
         let cap = cap.min(win).max(1);
@@ -432,15 +432,4 @@ impl Mtp {
         be.download(self.scratch.logits.rows(0, 1, v), out)?;
         Ok(())
     }
-}
-
-/// The main model's hparams reduced to the MTP block: one window-only layer with the
-/// plain RoPE base (docs/forward.md §2.3), biased top-k routing, the last layer's clamp.
-fn block_hparams(main: &HParams) -> HParams {
-    let mut hp = main.clone();
-    hp.n_layer = 1;
-    hp.compress_ratios = vec![0];
-    hp.hash_layer_count = 0;
-    hp.swiglu_clamp = vec![main.swiglu_clamp.last().copied().unwrap_or(0.0)];
-    hp
 }

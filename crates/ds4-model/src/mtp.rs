@@ -101,3 +101,36 @@ pub fn has_mtp(header: &Header) -> bool {
         .iter()
         .any(|t| matches!(TensorName::parse(&t.name), Some(TensorName::Mtp(0, _))))
 }
+
+/// The main model's hparams reduced to the MTP block: one window-only layer with the
+/// plain RoPE base (docs/forward.md §2.3), biased top-k routing, the last layer's clamp.
+/// The engine runs the block as a one-layer model of these, and the planner sizes its
+/// state from them ([`state_bytes`]).
+pub fn block_hparams(main: &HParams) -> HParams {
+    let mut hp = main.clone();
+    hp.n_layer = 1;
+    hp.compress_ratios = vec![0];
+    hp.hash_layer_count = 0;
+    hp.swiglu_clamp = vec![main.swiglu_clamp.last().copied().unwrap_or(0.0)];
+    hp
+}
+
+/// The block's session memory in bytes at context `ctx` and prefill chunk
+/// `prefill_chunk`, as the engine allocates it (`ds4_engine`'s `Mtp::load`): its KV state
+/// (one sliding-window ring, [`crate::kv::kv_fixed_bytes`] of [`block_hparams`]), its
+/// scratch for a chunk of at most a window of rows ([`crate::kv::scratch_estimate`]), the
+/// ring of the main model's final streams of the last `window` positions, two row
+/// buffers of a chunk of streams, and the undo rows of its ring. On Flash (window 128,
+/// chunk 2048) 122 MiB, most of it scratch.
+pub fn state_bytes(main: &HParams, ctx: u64, prefill_chunk: u64) -> u64 {
+    let hp = block_hparams(main);
+    let win = hp.sliding_window as u64;
+    let cap = prefill_chunk.min(win).max(1);
+    let xw = (hp.hc_mult * hp.n_embd) as u64;
+    let kv = crate::kv::kv_fixed_bytes(&hp)
+        + crate::kv::kv_bytes_per_token_x(&hp, ctx)
+            .saturating_sub(crate::kv::kv_bytes_per_token_x(&hp, 0));
+    let scratch = crate::kv::scratch_estimate(&hp, ctx, cap);
+    let rows = (win * xw + 2 * cap * xw + win * hp.head_dim as u64) * crate::kv::KV_ELEM_BYTES;
+    kv.saturating_add(scratch).saturating_add(rows)
+}

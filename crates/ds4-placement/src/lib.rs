@@ -103,8 +103,8 @@ pub use host::{parse_meminfo, CgroupFacts, CgroupVersion, HostFacts, HostOs, Mem
 pub use inventory::{TensorClass, TensorInventory, TensorSpec, WeightSet};
 pub use plan::{
     Arena, BudgetFacts, Buffer, BufferPurpose, ClassRow, Decision, ExpertStream, Ledger,
-    LoadStrategy, ManagedAdvice, MemKind, Plan, Pool, PoolLedger, Rule, Span, StreamedTensor,
-    WeightsMode,
+    LoadStrategy, ManagedAdvice, MemKind, MtpPlacement, Plan, Pool, PoolLedger, Rule, Span,
+    StreamedTensor, WeightsMode,
 };
 pub use planner::plan;
 pub use policy::{admit, stream_cache_cap, Policy};

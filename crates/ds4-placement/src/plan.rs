@@ -109,6 +109,8 @@ pub enum BufferPurpose {
     OptionalCache,
     /// Slots for routed experts streamed from the model file (see [`ExpertStream`]).
     ExpertCache,
+    /// The MTP block's session memory ([`crate::Request::mtp_state_bytes`]).
+    MtpState,
 }
 
 /// A non-weight allocation.
@@ -183,6 +185,7 @@ pub enum Rule {
     OptionalDropped,
     /// Nothing resident fits: routed experts are streamed through an expert cache.
     ExpertsStreamed,
+    MtpLeftOut,
 }
 
 impl Rule {
@@ -203,6 +206,7 @@ impl Rule {
             Rule::OptionalAdmitted => "optional cache leaves the workspace reserve free",
             Rule::OptionalDropped => "optional cache would eat into the workspace reserve",
             Rule::ExpertsStreamed => "nothing resident fits: routed experts streamed from the file through an expert cache",
+            Rule::MtpLeftOut => "the MTP block does not fit next to the model under the model's own plan: left out, drafting falls back to prompt lookup",
         }
     }
 }
@@ -411,6 +415,31 @@ pub struct Plan {
     /// With [`WeightsMode::Streamed`]: how routed experts are streamed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<ExpertStream>,
+    /// The MTP block, when the inventory held one: resident, or left out because it does
+    /// not fit next to the model under the plan the model alone gets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp: Option<MtpPlacement>,
+}
+
+/// What the plan did with the MTP block ([`crate::WeightSet::Mtp`] tensors and
+/// [`crate::Request::mtp_state_bytes`]).
+///
+/// The block is optional (a drafter) and never changes how the model itself is placed:
+/// the model is planned alone first, and the block is added only when the plan with it
+/// fits in the same weights mode ([`WeightsMode`]): a model that fits the device is never
+/// made hybrid or streamed for the block's sake. Otherwise the model's plan is used and
+/// the block is left out (`resident: false`, `reason` says why), and drafting falls back
+/// to prompt lookup.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MtpPlacement {
+    /// Bytes of the block's tensors (dense weights and its routed experts).
+    pub weight_bytes: u64,
+    /// Its session memory (KV ring, scratch, stream ring).
+    pub state_bytes: u64,
+    /// Whether the plan holds it (its tensors in the arenas, its state in the buffers).
+    pub resident: bool,
+    /// Why it was left out (empty when resident).
+    pub reason: String,
 }
 
 /// What a streamed plan promises an expert cache built from it.

@@ -11,7 +11,7 @@ use crate::plan::{
     Arena, Attempt, BudgetFacts, Buffer, BufferPurpose, ClassRow, Decision, Ledger, LoadStrategy,
     ManagedAdvice, MemKind, Plan, Pool, PoolLedger, Rule, Span, WeightsMode,
 };
-use crate::plan::{ExpertStream, StreamedTensor};
+use crate::plan::{ExpertStream, MtpPlacement, StreamedTensor};
 use crate::policy::Policy;
 use crate::refusal::{FailedOption, FitRefusal, Refusal, Remedy, Shortfall, Unsupported};
 use crate::request::{ExpertsChoice, MemChoice, Request, Setting, Source};
@@ -26,6 +26,12 @@ macro_rules! debug {
 /// Plans where every tensor and session buffer goes, or refuses with the reason.
 ///
 /// Pure: no I/O, no environment, no global state; identical inputs give identical plans.
+///
+/// An MTP block in the inventory ([`WeightSet::Mtp`] tensors, with
+/// [`Request::mtp_state_bytes`]) is optional: the model is planned without it (a refusal
+/// is the model's own), then with it, and the plan with the block is taken only when it
+/// fits in the same [`crate::WeightsMode`]; otherwise the model's plan is returned with
+/// the block left out ([`Plan::mtp`], a `weights.mtp` decision and a warning say so).
 pub fn plan(
     host: &HostFacts,
     device: &DeviceFacts,
@@ -33,7 +39,81 @@ pub fn plan(
     request: &Request,
     policy: &Policy,
 ) -> Result<Plan, Refusal> {
-    plan_inner(host, device, inventory, request, policy, true)
+    let has_mtp = inventory.tensors.iter().any(|t| t.set == WeightSet::Mtp);
+    if !has_mtp {
+        let mut req = request.clone();
+        req.mtp_state_bytes = 0;
+        return plan_inner(host, device, inventory, &req, policy, true);
+    }
+    let main = TensorInventory::new(
+        inventory
+            .tensors
+            .iter()
+            .filter(|t| t.set != WeightSet::Mtp)
+            .cloned()
+            .collect(),
+    );
+    let mut main_req = request.clone();
+    main_req.mtp_state_bytes = 0;
+    let mut base = plan_inner(host, device, &main, &main_req, policy, true)?;
+    let weight_bytes = inventory.set_bytes(WeightSet::Mtp);
+    let state_bytes = request.mtp_state_bytes;
+    let what = format!(
+        "the MTP block ({} of weights + {} of state)",
+        fmt_gib(weight_bytes),
+        fmt_gib(state_bytes)
+    );
+    let reason = match plan_inner(host, device, inventory, request, policy, false) {
+        Ok(mut p) if p.mode == base.mode => {
+            p.mtp = Some(MtpPlacement {
+                weight_bytes,
+                state_bytes,
+                resident: true,
+                reason: String::new(),
+            });
+            return Ok(p);
+        }
+        Ok(p) => format!(
+            "{what} fits only if the model's weights go {} instead of {}",
+            p.mode.label(),
+            base.mode.label()
+        ),
+        Err(Refusal::DoesNotFit(f)) => {
+            let short: Vec<String> = f
+                .tried
+                .iter()
+                .map(|o| match &o.note {
+                    Some(n) if o.shortfalls.is_empty() => format!("{}: {n}", o.option),
+                    _ => format!("{}: {}", o.option, describe_shortfalls(&o.shortfalls)),
+                })
+                .collect();
+            format!(
+                "{what} does not fit next to the model ({})",
+                short.join("; ")
+            )
+        }
+        Err(other) => return Err(other),
+    };
+    base.warnings.push(format!(
+        "{reason}: the block is left out, and --draft mtp|auto draft by prompt lookup instead"
+    ));
+    base.decisions.push(Decision {
+        subject: "weights.mtp".into(),
+        kind: None,
+        bytes: weight_bytes.saturating_add(state_bytes),
+        rule: Rule::MtpLeftOut,
+        detail: reason.clone(),
+        rejected: Vec::new(),
+        source: Source::Default,
+        change: "a smaller context (-c), --experts stream, or --draft lookup (no block)".into(),
+    });
+    base.mtp = Some(MtpPlacement {
+        weight_bytes,
+        state_bytes,
+        resident: false,
+        reason,
+    });
+    Ok(base)
 }
 
 fn plan_inner(
@@ -329,7 +409,8 @@ fn ledger_for(cx: &Cx, arenas: &[Arena], buffers: &[Buffer]) -> Ledger {
         }
         for t in targets {
             let slot = match b.purpose {
-                BufferPurpose::Kv => &mut t.kv,
+                // The MTP block's ring, stream ring and scratch: its session state.
+                BufferPurpose::Kv | BufferPurpose::MtpState => &mut t.kv,
                 BufferPurpose::Scratch => &mut t.scratch,
                 BufferPurpose::OptionalCache => &mut t.optional,
                 // The cache holds weights (streamed routed experts).
@@ -430,7 +511,13 @@ fn place_context(cx: &Cx, weights_ledger: &Ledger) -> (Vec<Buffer>, Vec<Decision
     let o = &cx.req.overrides;
     let kv_forced = choice_kind(cx.device, o.kv.value);
     let sc_forced = choice_kind(cx.device, o.scratch.value);
-    let auto_kv = if kv_forced.is_none() { cx.kv } else { 0 };
+    // The MTP block's state is placed as the KV cache is (it is one more, small, ring).
+    let mtp_state = cx.req.mtp_state_bytes;
+    let auto_kv = if kv_forced.is_none() {
+        cx.kv.saturating_add(mtp_state)
+    } else {
+        0
+    };
     let auto_sc = if sc_forced.is_none() { cx.scratch } else { 0 };
     let context = auto_kv.saturating_add(auto_sc);
     let p = cx.policy;
@@ -494,7 +581,18 @@ fn place_context(cx: &Cx, weights_ledger: &Ledger) -> (Vec<Buffer>, Vec<Decision
             sc_forced,
             &o.scratch,
         ),
+        (
+            "mtp_state",
+            "MTP state",
+            BufferPurpose::MtpState,
+            mtp_state,
+            kv_forced,
+            &o.kv,
+        ),
     ] {
+        if purpose == BufferPurpose::MtpState && bytes == 0 {
+            continue;
+        }
         let (k, r, d, fb) = match forced {
             Some(k) => (
                 k,
@@ -1039,6 +1137,7 @@ fn finish(cx: &Cx, b: Built, mode: WeightsMode, weights: Vec<Decision>) -> Plan 
         load,
         warnings,
         stream: None,
+        mtp: None,
     }
 }
 

@@ -62,8 +62,25 @@ impl Plan {
                 fmt_gib(st.cache.bytes)
             );
         }
-        let buffers: u64 = self.buffers.iter().map(|b| b.bytes).sum();
+        let buffers: u64 = self
+            .buffers
+            .iter()
+            .filter(|b| b.purpose != crate::plan::BufferPurpose::MtpState)
+            .map(|b| b.bytes)
+            .sum();
         let _ = write!(s, ", KV and scratch {}, ctx {}", fmt_gib(buffers), self.ctx);
+        match &self.mtp {
+            Some(m) if m.resident => {
+                let _ = write!(
+                    s,
+                    ", MTP block {} + state {}",
+                    fmt_gib(m.weight_bytes),
+                    fmt_gib(m.state_bytes)
+                );
+            }
+            Some(_) => s.push_str(", MTP block LEFT OUT (does not fit; drafting by lookup)"),
+            None => {}
+        }
         if !self.warnings.is_empty() {
             let _ = write!(s, " ({} warnings: -v shows the plan)", self.warnings.len());
         }
@@ -274,6 +291,24 @@ impl Plan {
                 None => {
                     let _ = writeln!(s, "  -> every unit is cached: no disk reads per token");
                 }
+            }
+        }
+        if let Some(m) = &self.mtp {
+            if m.resident {
+                let _ = writeln!(
+                    s,
+                    "MTP block: {} of weights (the rows of set mtp) + {} of state (MTP state), resident",
+                    fmt_gib(m.weight_bytes),
+                    fmt_gib(m.state_bytes)
+                );
+            } else {
+                let _ = writeln!(
+                    s,
+                    "MTP block: LEFT OUT ({} of weights + {} of state): {}; --draft mtp|auto draft by prompt lookup",
+                    fmt_gib(m.weight_bytes),
+                    fmt_gib(m.state_bytes),
+                    m.reason
+                );
             }
         }
         if !self.warnings.is_empty() {

@@ -519,6 +519,12 @@ pub struct Request {
     /// streamed plan's speed estimate; `None`: the policy's assumed rate.
     #[serde(default)]
     pub disk_read_bytes_per_s: Option<u64>,
+    /// The MTP block's session memory (its KV ring, its scratch for a window of rows, the
+    /// ring of the main model's final streams it reads; `ds4_model::mtp::state_bytes`),
+    /// placed with the KV cache when the inventory holds the block's tensors
+    /// ([`crate::WeightSet::Mtp`]); 0 without a block.
+    #[serde(default)]
+    pub mtp_state_bytes: u64,
 }
 
 /// The routed-expert shape of the model: every routed-expert tensor of a layer holds
@@ -555,6 +561,7 @@ impl Request {
             overrides: Overrides::default(),
             routed_experts: None,
             disk_read_bytes_per_s: None,
+            mtp_state_bytes: 0,
         }
     }
 

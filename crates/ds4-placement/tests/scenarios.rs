@@ -5,8 +5,8 @@ mod common;
 use common::*;
 use ds4_placement::{
     plan, resolve_overrides, BufferPurpose, CliOverrides, DeviceFacts, HostFacts, MemChoice,
-    MemKind, OptionalCache, Overrides, Plan, Policy, Refusal, Remedy, Request, Rule, TensorClass,
-    TensorInventory, WeightSet, WeightsMode,
+    MemKind, OptionalCache, Overrides, Plan, Policy, Refusal, Remedy, Request, Rule, Setting,
+    Source, TensorClass, TensorInventory, WeightSet, WeightsMode,
 };
 
 fn run(m: &str, inv: &TensorInventory, req: &Request) -> Result<Plan, Refusal> {
@@ -519,10 +519,124 @@ fn mtp_sidecar_is_placed_with_the_main_model() {
         .map(|r| r.bytes)
         .sum();
     assert_eq!(mtp, inv.set_bytes(WeightSet::Mtp));
-    let p = run("discrete-24g-64g", &inv, &request(4096, scratch_for(4096)));
-    // 3.5 GiB more than q2 alone on a machine that barely holds q2 hybrid: refused.
-    let f = fit_err(p);
-    assert!(f.tried.iter().any(|o| o.option.starts_with("hybrid")));
+    assert!(
+        p.mtp.as_ref().is_some_and(|m| m.resident),
+        "{}",
+        p.render_text()
+    );
+    // 3.5 GiB more than q2 alone on a machine that barely holds q2 hybrid: the model's own
+    // plan, the block left out (docs/placement.md §10).
+    let req = request(4096, scratch_for(4096));
+    let p = run("discrete-24g-64g", &inv, &req).unwrap();
+    let alone = run("discrete-24g-64g", &flash(Quant::Q2), &req).unwrap();
+    assert_eq!(p.mode, WeightsMode::Hybrid);
+    assert_eq!((&p.arenas, &p.buffers), (&alone.arenas, &alone.buffers));
+    let m = p
+        .mtp
+        .as_ref()
+        .expect("the plan says what became of the block");
+    assert!(!m.resident);
+    assert_eq!(m.weight_bytes, inv.set_bytes(WeightSet::Mtp));
+    assert!(
+        m.reason.contains("does not fit next to the model"),
+        "{}",
+        m.reason
+    );
+    assert!(m.reason.contains("hybrid"), "{}", m.reason);
+    let d = p
+        .decisions
+        .iter()
+        .find(|d| d.subject == "weights.mtp")
+        .unwrap();
+    assert_eq!((d.kind, d.rule), (None, Rule::MtpLeftOut));
+    assert!(p.warnings.iter().any(|w| w.contains("prompt lookup")));
+    let text = p.render_text();
+    assert!(text.contains("MTP block: LEFT OUT"), "{text}");
+    assert!(text.contains("weights.mtp -> dropped"), "{text}");
+    assert!(p.summary_line().contains("MTP block LEFT OUT"));
+    assert!(!p.classes.iter().any(|r| r.set == WeightSet::Mtp));
+}
+
+/// The block never changes how the model itself is placed: a q2 model that fits the
+/// device alone keeps its device plan, and the block, which would only fit by moving
+/// routed experts to pinned host memory, is left out with that reason.
+#[test]
+fn an_mtp_block_never_makes_a_device_plan_hybrid() {
+    let req0 = request(4096, scratch_for(4096));
+    let alone = run("h200-128g", &flash(Quant::Q2), &req0).unwrap();
+    assert_eq!(alone.mode, WeightsMode::Device);
+    // A device pool with 1 GiB to spare beyond the model alone.
+    let used = alone.ledger.device.used();
+    let mut req = req0.clone();
+    req.overrides.device_mem_limit = Setting::new(
+        Some(used + GIB + GIB / 2),
+        Source::Cli {
+            flag: "--device-mem-limit-gib".into(),
+            value: "test".into(),
+        },
+    );
+    let p = run("h200-128g", &flash(Quant::Q2), &req).unwrap();
+    assert_eq!(p.mode, WeightsMode::Device);
+    let p = run("h200-128g", &flash_with_mtp(Quant::Q2), &req).unwrap();
+    assert_eq!(p.mode, WeightsMode::Device, "{}", p.render_text());
+    let m = p.mtp.as_ref().unwrap();
+    assert!(!m.resident);
+    assert!(
+        m.reason
+            .contains("fits only if the model's weights go hybrid"),
+        "{}",
+        m.reason
+    );
+}
+
+/// The block's session memory is one more buffer, placed and charged as the KV cache is,
+/// only when the inventory holds the block.
+#[test]
+fn the_mtp_state_is_placed_with_the_kv_cache() {
+    let mut req = request(4096, scratch_for(4096));
+    req.mtp_state_bytes = 131 * 1_000_000;
+    let inv = flash_with_mtp(Quant::Q2);
+    let with = run("h200-128g", &inv, &req).unwrap();
+    let mut req0 = req.clone();
+    req0.mtp_state_bytes = 0;
+    let without = run("h200-128g", &flash(Quant::Q2), &req0).unwrap();
+    let st = with
+        .buffers
+        .iter()
+        .find(|b| b.purpose == BufferPurpose::MtpState)
+        .expect("an MTP state buffer");
+    let kv = with
+        .buffers
+        .iter()
+        .find(|b| b.purpose == BufferPurpose::Kv)
+        .unwrap();
+    assert_eq!((st.bytes, st.kind), (req.mtp_state_bytes, kv.kind));
+    assert_eq!(
+        with.ledger.device.kv,
+        without.ledger.device.kv + req.mtp_state_bytes
+    );
+    // Its 32 tensors' bytes, plus at most their 256-byte alignment in the arenas.
+    let grew = with.ledger.device.weights - without.ledger.device.weights;
+    let mtp = inv.set_bytes(WeightSet::Mtp);
+    assert!(grew >= mtp && grew < mtp + 32 * 256, "{grew} vs {mtp}");
+    let m = with.mtp.as_ref().unwrap();
+    assert!(m.resident && m.reason.is_empty());
+    assert_eq!(m.state_bytes, req.mtp_state_bytes);
+    assert!(with
+        .render_text()
+        .contains("MTP block: 3.55 GiB of weights"));
+    assert!(
+        with.summary_line().contains("MTP block 3.55 GiB"),
+        "{}",
+        with.summary_line()
+    );
+    // Without the block's tensors its state is not planned either.
+    let p = run("h200-128g", &flash(Quant::Q2), &req).unwrap();
+    assert!(p.mtp.is_none());
+    assert!(!p
+        .buffers
+        .iter()
+        .any(|b| b.purpose == BufferPurpose::MtpState));
 }
 
 #[test]
@@ -780,7 +894,8 @@ fn machine_matrix() {
         (
             "discrete-24g-64g",
             [
-                [Some(Hybrid), refused, refused],
+                // q2+MTP: the model's hybrid plan, the block left out.
+                [Some(Hybrid), refused, Some(Hybrid)],
                 [refused, refused, refused],
                 [refused, refused, refused],
             ],
@@ -809,6 +924,7 @@ fn machine_matrix() {
                     (Ok(p), Some(mode)) => {
                         assert_eq!(p.mode, mode, "{m} inv{ii} ctx {ctx}");
                         assert!(p.ledger.fits());
+                        assert_eq!(p.mtp.is_some(), ii == 2, "{m} inv{ii} ctx {ctx}");
                         let _ = p.render_text();
                     }
                     (Err(Refusal::DoesNotFit(f)), None) => {

@@ -8,7 +8,7 @@ use common::*;
 use ds4_placement::bytes::GIB;
 use ds4_placement::{
     plan, BufferPurpose, ExpertsChoice, MemKind, Plan, Policy, Refusal, Request, RoutedExperts,
-    Rule, Setting, Source, TensorClass, TensorInventory, WeightsMode,
+    Rule, Setting, Source, TensorClass, TensorInventory, WeightSet, WeightsMode,
 };
 
 fn streaming_request(ctx: u64) -> Request {
@@ -262,5 +262,53 @@ fn the_expert_cache_cap_shrinks_the_cache_and_refuses_below_the_minimum() {
             );
         }
         other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// With streamed experts the MTP block is resident beside the rest — its routed experts
+/// too (the engine runs the block without the stream) — and the expert cache gives up
+/// its room; where the cache's minimum would not survive that, the block is left out and
+/// the model keeps its streamed plan.
+#[test]
+fn a_streamed_plan_keeps_the_mtp_block_resident_or_leaves_it_out() {
+    let inv = flash_with_mtp(Quant::Q2);
+    let req = with_experts(streaming_request(4096), ExpertsChoice::Stream);
+    let alone = run("cpu-64g", &flash(Quant::Q2), &req).unwrap();
+    let p = run("cpu-64g", &inv, &req).unwrap();
+    assert_eq!(p.mode, WeightsMode::Streamed);
+    assert!(
+        p.mtp.as_ref().is_some_and(|m| m.resident),
+        "{}",
+        p.render_text()
+    );
+    let st = p.stream.as_ref().unwrap();
+    assert!(st.tensors.iter().all(|t| !t.name.starts_with("mtp.")));
+    let mut in_arenas: Vec<&str> = p
+        .arenas
+        .iter()
+        .flat_map(|a| a.spans.iter())
+        .filter(|s| inv.tensors[s.tensor].set == WeightSet::Mtp)
+        .map(|s| s.name.as_str())
+        .collect();
+    in_arenas.sort();
+    assert_eq!(in_arenas.len(), 32);
+    assert!(in_arenas.contains(&"mtp.0.ffn_gate_exps.weight"));
+    let room = inv.set_bytes(WeightSet::Mtp);
+    let (a, b) = (alone.stream.as_ref().unwrap(), st);
+    assert!(
+        b.cache.bytes < a.cache.bytes && a.cache.bytes - b.cache.bytes <= room + b.slot_bytes,
+        "cache {} -> {}",
+        a.cache.bytes,
+        b.cache.bytes
+    );
+    // A cache capped at its minimum leaves no room to give: on a machine whose rest and
+    // minimum cache barely fit, the block is left out and the plan is the model's own.
+    let tight = run("discrete-16g-32g", &flash(Quant::Q2), &req).unwrap();
+    let p = run("discrete-16g-32g", &inv, &req).unwrap();
+    assert_eq!(p.mode, WeightsMode::Streamed);
+    let m = p.mtp.as_ref().unwrap();
+    if !m.resident {
+        assert_eq!(p.buffers, tight.buffers);
+        assert!(m.reason.contains("does not fit"), "{}", m.reason);
     }
 }

@@ -88,15 +88,17 @@ impl DraftConfig {
         self.mode != DraftMode::Off && self.max > 0 && self.ngram > 0
     }
 
-    /// Which drafter runs, given whether an MTP block is loaded: `auto` takes it when there
-    /// is one; `mtp` without one drafts nothing (the front ends refuse that combination).
+    /// Which drafter runs, given whether an MTP block is loaded: `mtp` and `auto` take it
+    /// when there is one, prompt lookup otherwise. A model without a block is refused
+    /// `--draft mtp` at load (and a server request's `"draft": "mtp"` with a 400), so `mtp`
+    /// meets no block only where the placement plan left the block out for lack of room
+    /// (docs/placement.md §10), which the load reported: drafting then goes on by lookup.
     pub fn drafter(&self, has_mtp: bool) -> Drafter {
         match self.mode {
             DraftMode::Off => Drafter::None,
             DraftMode::Lookup => Drafter::Lookup,
             DraftMode::Mtp | DraftMode::Auto if has_mtp => Drafter::Mtp,
-            DraftMode::Mtp => Drafter::None,
-            DraftMode::Auto => Drafter::Lookup,
+            DraftMode::Mtp | DraftMode::Auto => Drafter::Lookup,
         }
     }
 
@@ -319,7 +321,7 @@ mod tests {
         };
         assert_eq!(c(DraftMode::Auto).drafter(true), Drafter::Mtp);
         assert_eq!(c(DraftMode::Auto).drafter(false), Drafter::Lookup);
-        assert_eq!(c(DraftMode::Mtp).drafter(false), Drafter::None);
+        assert_eq!(c(DraftMode::Mtp).drafter(false), Drafter::Lookup);
         assert_eq!(c(DraftMode::Lookup).drafter(true), Drafter::Lookup);
         assert_eq!(c(DraftMode::Off).drafter(true), Drafter::None);
         assert_eq!("auto".parse::<DraftMode>(), Ok(DraftMode::Auto));

@@ -38,6 +38,8 @@ pub enum LoadError {
     Identity(#[source] ds4_gguf::GgufError),
     #[error("--draft mtp needs the MTP block: {} has no mtp.0.* tensors; give its file with --mtp FILE (ds4-convert writes it as OUT-mtp.gguf)", .0.display())]
     NoMtp(PathBuf),
+    #[error("{} holds no MTP block (no mtp.* tensors): give the MTP file ds4-convert writes as OUT-mtp.gguf", .0.display())]
+    NotAnMtpFile(PathBuf),
     #[error("the context must be at least 1 token")]
     ZeroContext,
     #[error("starting the CPU backend")]

@@ -389,6 +389,9 @@ pub struct PlacementRequest<'a> {
     pub kv_states: usize,
     pub prefill_chunk: usize,
     pub overrides: ds4_placement::CliOverrides,
+    /// The MTP block the engine will load, to be placed with the model
+    /// ([`crate::plan::PlanArgs::mtp`]).
+    pub mtp: Option<Option<PathBuf>>,
 }
 
 /// Runs the placement planner for this model and request on the device the model will run
@@ -402,7 +405,7 @@ pub fn placement_plan(
 ) -> Result<ds4_placement::Plan, LoadError> {
     let args = crate::plan::PlanArgs {
         source: crate::plan::Source::File(req.model.to_path_buf()),
-        mtp: None,
+        mtp: req.mtp.clone(),
         ctx: req.ctx as u64,
         kv_states: req.kv_states as u64,
         prefill_chunk: req.prefill_chunk as u64,
@@ -453,10 +456,20 @@ pub fn expert_placement(plan: &ds4_placement::Plan, readahead: bool) -> ExpertPl
     }
 }
 
+/// A backend built by a placement plan and what the plan decided for the engine.
+pub struct PlannedBackend {
+    pub backend: Box<dyn Backend>,
+    /// How the engine places the routed experts.
+    pub experts: ExpertPlacement,
+    /// What the plan did with the MTP block, when one was asked for
+    /// ([`PlacementRequest::mtp`]): the engine loads it only when `resident`.
+    pub mtp: Option<ds4_placement::MtpPlacement>,
+}
+
 /// The backend `--backend` asks for, with the model's weights to be placed by a plan made
 /// for that device before anything is allocated (the CLI and `ds4-server` both load this
-/// way), and how the engine must place the routed experts by the plan. The choice and the
-/// plan are reported to `log` as `report` says.
+/// way), how the engine must place the routed experts by the plan, and whether the MTP
+/// block fits. The choice and the plan are reported to `log` as `report` says.
 pub fn planned_backend_and_experts(
     choice: BackendChoice,
     threads: usize,
@@ -464,15 +477,21 @@ pub fn planned_backend_and_experts(
     log: &mut dyn Write,
     report: LoadReport,
     config: &crate::config::Config,
-) -> Result<(Box<dyn Backend>, ExpertPlacement), LoadError> {
+) -> Result<PlannedBackend, LoadError> {
     let resolved = probe_device(choice, report)?;
     let plan = placement_plan(req, &resolved, Some(log), report)?;
     let experts = expert_placement(&plan, config.expert_readahead.value);
+    let mtp = plan.mtp.clone();
     let gpu_plan = (!matches!(resolved, Resolved::Cpu)).then_some(plan);
-    let mut be = make_planned_backend(resolved, choice, threads, gpu_plan, config.knobs())?;
-    be.set_activation_q8(config.precision.value.activation_q8())
+    let mut backend = make_planned_backend(resolved, choice, threads, gpu_plan, config.knobs())?;
+    backend
+        .set_activation_q8(config.precision.value.activation_q8())
         .map_err(LoadError::ActivationPrecision)?;
-    Ok((be, experts))
+    Ok(PlannedBackend {
+        backend,
+        experts,
+        mtp,
+    })
 }
 
 /// Opens the model, builds the tokenizer and the engine, warms it up (when asked and the
@@ -590,20 +609,25 @@ fn build_engine_logged(
     if ctx == 0 {
         return Err(LoadError::ZeroContext);
     }
+    let mtp = mtp_source(file, opts)?;
     let req = PlacementRequest {
         model: &opts.model,
         ctx,
         kv_states: opts.kv_states,
         prefill_chunk: opts.prefill_chunk,
         overrides: opts.placement.clone(),
+        mtp: mtp.as_ref().map(|(p, _)| p.clone()),
     };
     let mut sink = std::io::sink();
     let (log, report): (&mut dyn Write, _) = match log {
         Some(l) => (l, opts.report),
         None => (&mut sink, LoadReport::Quiet),
     };
-    let (backend, experts) =
-        planned_backend_and_experts(opts.backend, opts.threads, &req, log, report, &opts.config)?;
+    let PlannedBackend {
+        backend,
+        experts,
+        mtp: placed,
+    } = planned_backend_and_experts(opts.backend, opts.threads, &req, log, report, &opts.config)?;
     let cfg = EngineConfig {
         mode: opts.mode.map(NumericMode::from),
         ctx,
@@ -616,32 +640,44 @@ fn build_engine_logged(
             source,
         }
     })?;
-    load_mtp(&mut engine, file, opts)?;
+    if let Some((_, (path, mfile))) = mtp {
+        match placed {
+            Some(p) if !p.resident => writeln!(
+                log,
+                "ds4: WARNING: the MTP block is not loaded: {}; --draft mtp|auto draft by prompt lookup",
+                p.reason
+            )?,
+            _ => engine
+                .load_mtp(mfile)
+                .map_err(|source| LoadError::Engine { path, source })?,
+        }
+    }
     Ok(engine)
 }
 
-/// Loads the MTP block when drafting may use it (`--draft mtp|auto`): from `--mtp FILE`,
-/// else from the model file when it carries `mtp.0.*`. `--draft mtp` without a block is
-/// refused, saying where one comes from.
-fn load_mtp(
-    engine: &mut Engine,
+/// The MTP block to load, when drafting may use it (`--draft mtp|auto`, or `--mtp`
+/// given): from `--mtp FILE`, else from the model file when it carries `mtp.0.*`; with the
+/// placement request's form of it ([`PlacementRequest::mtp`]), so the plan counts it
+/// before anything is allocated. `--draft mtp` without a block is refused, saying where
+/// one comes from.
+#[allow(clippy::type_complexity)]
+fn mtp_source(
     file: &Arc<GgufFile>,
     opts: &LoadOptions,
-) -> Result<(), LoadError> {
+) -> Result<Option<(Option<PathBuf>, (PathBuf, Arc<GgufFile>))>, LoadError> {
     use crate::draft::DraftMode;
     let mode = opts.config.draft.value;
     if !matches!(mode, DraftMode::Mtp | DraftMode::Auto) && opts.config.mtp.value.is_none() {
-        return Ok(());
+        return Ok(None);
     }
-    let (path, mfile) = match &opts.config.mtp.value {
-        Some(p) => (p.clone(), open_gguf(p)?),
-        None if ds4_model::mtp::has_mtp(file.header()) => (opts.model.clone(), file.clone()),
+    Ok(Some(match &opts.config.mtp.value {
+        Some(p) => (Some(p.clone()), (p.clone(), open_gguf(p)?)),
+        None if ds4_model::mtp::has_mtp(file.header()) => {
+            (None, (opts.model.clone(), file.clone()))
+        }
         None if mode == DraftMode::Mtp => return Err(LoadError::NoMtp(opts.model.clone())),
-        None => return Ok(()),
-    };
-    engine
-        .load_mtp(mfile)
-        .map_err(|source| LoadError::Engine { path, source })
+        None => return Ok(None),
+    }))
 }
 
 #[cfg(test)]

@@ -23,7 +23,11 @@ pub enum Source {
 #[derive(Clone)]
 pub struct PlanArgs {
     pub source: Source,
-    /// `Some(None)`: the published MTP layout (synthetic); `Some(Some(f))`: an MTP file.
+    /// The MTP block to place with the model (docs/placement.md §10). `None`: none (a
+    /// model file's own `mtp.*` tensors are then left out of the plan: nothing loads
+    /// them); `Some(None)`: the model's own block — the model file's `mtp.*` tensors, or
+    /// the published layout's (`--synthetic`, or a file without a block, to size one);
+    /// `Some(Some(f))`: the block in file `f` (ds4's sidecar).
     pub mtp: Option<Option<PathBuf>>,
     pub ctx: u64,
     /// KV states of `ctx` tokens each to budget (the server's `--parallel`; 1 otherwise).
@@ -35,6 +39,11 @@ pub struct PlanArgs {
     /// `None` plans this machine as CPU-only.
     pub device: Option<(DeviceFacts, String)>,
     pub overrides: CliOverrides,
+}
+
+/// A tensor of an MTP block (`mtp.N.*`, docs/gguf.md §4.7).
+fn is_mtp(name: &str) -> bool {
+    name.starts_with("mtp.")
 }
 
 fn layer_of(name: &str) -> Option<u32> {
@@ -102,20 +111,29 @@ pub fn run(args: &PlanArgs, env: impl Fn(&str) -> Option<String>) -> Result<Plan
             (hp, h, format!("synthetic full-size {name} layout"))
         }
     };
-    let mut inventory = inventory_of(&header.tensors, WeightSet::Main);
-    match &args.mtp {
-        None => {}
-        Some(None) => {
-            for t in inventory_of(&mtp_tensor_table(&hparams), WeightSet::Mtp).tensors {
-                inventory.push(t);
-            }
+    let (own_mtp, main): (Vec<TensorInfo>, Vec<TensorInfo>) = header
+        .tensors
+        .iter()
+        .cloned()
+        .partition(|t| is_mtp(&t.name));
+    let mut inventory = inventory_of(&main, WeightSet::Main);
+    let mtp_tensors = match &args.mtp {
+        None => Vec::new(),
+        Some(None) if !own_mtp.is_empty() => own_mtp,
+        Some(None) => mtp_tensor_table(&hparams),
+        Some(Some(p)) => load_header(p)?
+            .tensors
+            .into_iter()
+            .filter(|t| is_mtp(&t.name))
+            .collect(),
+    };
+    if let Some(Some(p)) = &args.mtp {
+        if mtp_tensors.is_empty() {
+            return Err(LoadError::NotAnMtpFile(p.clone()));
         }
-        Some(Some(p)) => {
-            let h = load_header(p)?;
-            for t in inventory_of(&h.tensors, WeightSet::Mtp).tensors {
-                inventory.push(t);
-            }
-        }
+    }
+    for t in inventory_of(&mtp_tensors, WeightSet::Mtp).tensors {
+        inventory.push(t);
     }
     if args.ctx == 0 {
         return Err(LoadError::ZeroContext);
@@ -214,6 +232,12 @@ pub fn plan_inventory(
     request.kv_fixed_bytes = kv::kv_fixed_bytes(hparams).saturating_mul(states);
     request.prefill_chunk = args.prefill_chunk;
     request.overrides = overrides;
+    // The block's session memory, when its tensors are in the inventory (one block per
+    // engine, whatever the number of KV states).
+    if inventory.tensors.iter().any(|t| t.set == WeightSet::Mtp) {
+        request.mtp_state_bytes =
+            ds4_model::mtp::state_bytes(hparams, args.ctx, args.prefill_chunk);
+    }
     request.routed_experts = u32::try_from(hparams.n_expert)
         .ok()
         .zip(u32::try_from(hparams.n_expert_used).ok())

@@ -389,3 +389,106 @@ fn sampled_mtp_drafting_leaves_the_state_of_its_tokens() {
     }
     assert!(c.snapshot().unwrap().into_bytes() == state, "states differ");
 }
+
+/// The MTP block with streamed routed experts (docs/placement.md §10): the plan counts the
+/// block and keeps it resident beside the expert cache, the engine loads it, and greedy
+/// MTP drafting gives the tokens of plain resident decoding.
+#[test]
+fn mtp_drafting_with_streamed_experts_is_lossless() {
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 97).collect();
+    let n = 30;
+    let greedy = SamplerConfig::default();
+    let (plain, _, _) = mtp_generate(DraftConfig::default(), &greedy, &prompt, n);
+    let (main, side) = tiny_mtp();
+    let draft = DraftConfig {
+        mode: DraftMode::Mtp,
+        max: 3,
+        ngram: 3,
+    };
+    let flags = ConfigFlags {
+        no_warmup: true,
+        draft: Some(draft.mode),
+        ..ConfigFlags::default()
+    };
+    let opts = LoadOptions {
+        model: main.clone(),
+        backend: BackendChoice::Cpu,
+        mode: Some(ModeChoice::Official),
+        ctx: 512,
+        kv_states: 1,
+        prefill_chunk: 32,
+        threads: 2,
+        placement: ds4_placement::CliOverrides {
+            experts: Some("stream".into()),
+            ..Default::default()
+        },
+        report: ds4_runtime::load::LoadReport::Summary,
+        config: Config::from_flags(flags).with_mtp_flag(Some(side.clone())),
+    };
+    let mut log = Vec::new();
+    let loaded = load(&opts, &mut log).unwrap();
+    let log = String::from_utf8_lossy(&log).into_owned();
+    assert!(loaded.engine.expert_stats().is_some(), "{log}");
+    assert!(loaded.engine.has_mtp(), "{log}");
+    assert!(
+        log.contains("MTP block"),
+        "the summary names the block: {log}"
+    );
+    let mut c = Conversation::new(loaded.engine).unwrap();
+    c.set_draft(draft);
+    let cancel = AtomicBool::new(false);
+    let (_, logits) = c.sync(&prompt, &cancel, &mut |_, _| {}).unwrap();
+    let mut sampler = Sampler::new(greedy).unwrap();
+    let limits = GenLimits {
+        max_tokens: n,
+        eos: 1,
+        ignore_eos: true,
+        feed_all: false,
+    };
+    let out = c
+        .generate(logits.unwrap(), &mut sampler, limits, &cancel, &mut |_| {})
+        .unwrap();
+    assert_eq!(out.tokens, plain);
+    assert!(out.draft.drafted > 0, "{:?}", out.draft);
+}
+
+/// The loader's plan holds the block it will load: the sidecar's tensors in the set
+/// `mtp`, its state beside the KV cache; without drafting, no block is planned.
+#[test]
+fn the_load_plan_counts_the_mtp_block() {
+    use ds4_runtime::plan::{run, PlanArgs, Source};
+    let (main, side) = tiny_mtp();
+    let args = |mtp| PlanArgs {
+        source: Source::File(main.clone()),
+        mtp,
+        ctx: 512,
+        kv_states: 1,
+        prefill_chunk: 32,
+        machine: Some(root().join("crates/ds4-placement/machines/h200-128g.json")),
+        device: None,
+        overrides: Default::default(),
+    };
+    let p = run(&args(Some(Some(side.clone()))), |_| None)
+        .unwrap()
+        .result
+        .unwrap();
+    let m = p.mtp.as_ref().expect("the block is planned");
+    let f = ds4_gguf::GgufFile::open(side).unwrap();
+    let bytes: u64 = f
+        .header()
+        .tensors
+        .iter()
+        .map(|t| t.n_bytes().unwrap())
+        .sum();
+    assert!(m.resident);
+    assert_eq!(m.weight_bytes, bytes);
+    assert!(m.state_bytes > 0);
+    assert!(p.render_text().contains("MTP state"));
+    let p = run(&args(None), |_| None).unwrap().result.unwrap();
+    assert!(p.mtp.is_none());
+    // A file without a block given as the block is refused, naming it.
+    let e = run(&args(Some(Some(main.clone()))), |_| None)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("holds no MTP block"), "{e}");
+}

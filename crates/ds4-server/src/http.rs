@@ -977,7 +977,8 @@ fn admit_and_prepare(
     drop(body);
     // Up front, not once the job reaches its slot: by then its prompt would have been
     // evaluated for nothing (and a streamed answer already begun). Only the request's own
-    // ask: a server started with `--draft mtp` has a block (it is refused at load without).
+    // ask: a server started with `--draft mtp` has a block, unless its placement plan left
+    // the block out, and then its default drafts by lookup (docs/placement.md §10).
     if req.draft.mode == Some(ds4_runtime::DraftMode::Mtp) && !st.has_mtp {
         return Err(ApiError::bad(NO_MTP));
     }

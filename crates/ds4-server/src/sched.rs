@@ -688,20 +688,15 @@ impl Worker {
             .min(self.cfg.max_tokens)
             .min(self.ctx - task.usage0.prompt_tokens);
         // Drafting (docs/server.md §9): the job's drafter, when the backend verifies bit
-        // for bit; `mtp` asked of a server without the block was refused before the job
-        // was queued (`http::admit_and_prepare`), and would be here too.
+        // for bit. A request's `"draft": "mtp"` on a server without the block was refused
+        // before the job was queued (`http::admit_and_prepare`).
         let d = task.job.draft;
-        let has_mtp = self.cache.slots.engine().has_mtp();
         let drafter = if d.on() && self.cache.slots.can_verify() {
-            d.drafter(has_mtp)
+            d.drafter(self.cache.slots.engine().has_mtp())
         } else {
             ds4_runtime::Drafter::None
         };
-        let made = if d.on() && d.mode == ds4_runtime::DraftMode::Mtp && !has_mtp {
-            Err(crate::error::ApiError::bad(crate::http::NO_MTP))
-        } else {
-            Gen::new(&task.job, tok, self.eos, limit, t_prefill, drafter)
-        };
+        let made = Gen::new(&task.job, tok, self.eos, limit, t_prefill, drafter);
         match made {
             Ok(g) => {
                 // A default min-p draw needs only the logits near the maximum: lone decode

@@ -294,3 +294,110 @@ async fn batched_slots_and_lone_slots_match() {
     assert!(!alone.3.is_null(), "a lone slot drafts");
     on.shutdown().await.unwrap();
 }
+
+/// `"draft": "mtp"` on a server that loaded the MTP block (the oracle's tiny block,
+/// `tests/fixtures/mtp-hca16`): greedy answers are token for token those of a server on
+/// the same weights without the block (limits, a stop string, log probabilities, several
+/// depths; a chat), and `usage.draft` shows the block drafted. A random block's drafts are
+/// mostly rejected, so the steps exercise the rollback. A request that reuses a cached
+/// prompt starts from a restored state, whose final streams the block never saw: it
+/// drafts only after a window (16 here) of decode steps, so only the 30-token answers
+/// must show drafts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_mtp_drafting_changes_no_token() {
+    let off = start(ServerConfig::default()).await;
+    let on = start_mtp(ServerConfig::default()).await;
+    for (max, extra) in [
+        (30, json!({})),
+        (30, json!({"draft_max": 1})),
+        (30, json!({"draft_max": 7})),
+        (6, json!({})),
+        (30, json!({"stop": ["e"]})),
+        (20, json!({"logprobs": 2})),
+    ] {
+        let body = completion(max, extra.clone());
+        let want = complete(off.addr, &body).await;
+        let mut b = body.clone();
+        b["draft"] = json!("mtp");
+        let got = complete(on.addr, &b).await;
+        assert_eq!(
+            (&got.0, &got.1, &got.2),
+            (&want.0, &want.1, &want.2),
+            "{extra}"
+        );
+        let d = &got.3;
+        if max == 30 && got.2 == json!(30) {
+            assert!(
+                d["drafted"].as_u64().is_some_and(|n| n > 0),
+                "{extra}: the block drafted: {d}"
+            );
+            assert!(d["verify_steps"].as_u64().unwrap() > 0, "{extra}: {d}");
+        }
+        if !d.is_null() {
+            assert!(d["accepted"].as_u64().unwrap() <= d["drafted"].as_u64().unwrap());
+        }
+        // Without the request's field the block is loaded but nothing drafts (the
+        // server's default is off).
+        let plain = complete(on.addr, &body).await;
+        assert_eq!((&plain.0, &plain.1, &plain.2), (&want.0, &want.1, &want.2));
+        assert!(plain.3.is_null(), "{extra}: {}", plain.3);
+    }
+    let chat = json!({"messages": [{"role": "user", "content": prompt()}], "max_tokens": 24,
+        "temperature": 0, "thinking": {"type": "disabled"}});
+    let want = post(off.addr, "/v1/chat/completions", &chat).await.json();
+    let mut b = chat.clone();
+    b["draft"] = json!("mtp");
+    let got = post(on.addr, "/v1/chat/completions", &b).await.json();
+    assert_eq!(got["choices"], want["choices"]);
+    assert!(
+        got["usage"]["draft"]["drafted"].as_u64().unwrap() > 0,
+        "{got}"
+    );
+    let s = stats(on.addr).await;
+    assert!(s["draft_steps"].as_u64().unwrap() > 0, "{s}");
+    off.shutdown().await.unwrap();
+    on.shutdown().await.unwrap();
+}
+
+/// Sampling with MTP drafts (each draft drawn from the block's distribution and accepted
+/// by the speculative-sampling rule): a fixed seed gives the same text on two servers
+/// whose default drafter is the block, another seed another text, and a sampler that can
+/// pick only one token (top-k 1) the undrafted server's text. (Both servers answer from a
+/// cold cache: a request that reuses a cached prompt drafts nothing for its first window
+/// of tokens, which changes which random numbers its draws take — docs/speculative.md §6.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_mtp_drafting_is_reproducible() {
+    let cfg = || ServerConfig {
+        draft: ds4_runtime::DraftConfig {
+            mode: ds4_runtime::DraftMode::Mtp,
+            ..Default::default()
+        },
+        ..ServerConfig::default()
+    };
+    let body = completion(24, json!({"temperature": 0.9, "seed": 11, "draft_max": 3}));
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let on = start_mtp(cfg()).await;
+        runs.push(complete(on.addr, &body).await);
+        on.shutdown().await.unwrap();
+    }
+    let (first, again) = (&runs[0], &runs[1]);
+    assert_eq!((&first.0, &first.2), (&again.0, &again.2));
+    assert_eq!(first.3, again.3, "the same draws draft the same");
+    assert!(first.3["drafted"].as_u64().unwrap() > 0, "{}", first.3);
+    let on = start_mtp(cfg()).await;
+    let mut other = body.clone();
+    other["seed"] = json!(12);
+    let third = complete(on.addr, &other).await;
+    assert_ne!(third.0, first.0, "another seed, another sample");
+    on.shutdown().await.unwrap();
+    let on = start_mtp(cfg()).await;
+    let top1 = completion(24, json!({"temperature": 0.9, "top_k": 1, "seed": 11}));
+    let got = complete(on.addr, &top1).await;
+    assert!(got.3["drafted"].as_u64().unwrap() > 0, "{}", got.3);
+    on.shutdown().await.unwrap();
+    let off = start(ServerConfig::default()).await;
+    let want = complete(off.addr, &top1).await;
+    assert_eq!((&got.0, &got.1, &got.2), (&want.0, &want.1, &want.2));
+    off.shutdown().await.unwrap();
+}

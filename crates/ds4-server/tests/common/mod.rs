@@ -36,6 +36,55 @@ pub fn tiny_gguf() -> &'static Path {
     })
 }
 
+/// The tiny-hca16 fixture with the oracle's MTP block (`tests/fixtures/mtp-hca16`, made by
+/// tools/oracle/make_mtp.py) converted with the f32 recipe: (main file, MTP sidecar). The
+/// main file's weights are tiny-hca16's, so a server on it answers as one on
+/// [`tiny_gguf`] does.
+pub fn tiny_mtp_gguf() -> &'static (PathBuf, PathBuf) {
+    static P: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    P.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let src = dir.join("hf");
+        std::fs::create_dir_all(&src).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture_dir().join(f), src.join(f)).unwrap();
+        }
+        let mtp = fixture_dir().join("../mtp-hca16");
+        for f in ["mtp.safetensors", "model.safetensors.index.json"] {
+            std::fs::copy(mtp.join(f), src.join(f)).unwrap();
+        }
+        let out = dir.join("tiny.gguf");
+        let opts = ds4_convert::HfOptions::new("f32").unwrap();
+        ds4_convert::convert_hf(&src, &out, &opts, &mut ds4_convert::NoProgress).unwrap();
+        (out, dir.join("tiny-mtp.gguf"))
+    })
+}
+
+/// A server on [`tiny_mtp_gguf`] with its MTP block loaded (`--mtp FILE`), as the binary
+/// loads it: through the runtime's loader and placement plan.
+pub async fn start_mtp(cfg: ServerConfig) -> Running {
+    let m = tokio::task::spawn_blocking(|| {
+        let (main, side) = tiny_mtp_gguf();
+        let opts = ModelOptions {
+            ctx: CTX,
+            threads: 1,
+            prefill_chunk: 64,
+            mode: None,
+        };
+        let mut load = opts.load_options(main, ds4_runtime::load::BackendChoice::Cpu);
+        load.config = load.config.with_mtp_flag(Some(side.clone()));
+        let loaded = ds4_runtime::load::load(&load, &mut std::io::sink()).unwrap();
+        assert!(loaded.engine.has_mtp(), "the MTP block is loaded");
+        LoadedModel::from(loaded)
+    })
+    .await
+    .unwrap();
+    let s = Server::bind(SocketAddr::from(([127, 0, 0, 1], 0)), cfg, m)
+        .await
+        .unwrap();
+    s.spawn()
+}
+
 pub fn model(ctx: usize) -> LoadedModel {
     let opts = ModelOptions {
         ctx,

@@ -180,10 +180,21 @@ fn verify_step(
     let mut keep = 1;
     let mut outcome = Verified::AllKept;
     for (i, &d) in drafts.iter().enumerate() {
-        // Each row is picked from once, so it is masked (EOS) in place.
+        // The pick masks EOS in the row in place (`ignore_eos`); its logit is put back
+        // after, since the row of the state's last token becomes the logits after the
+        // state (the caller's, a checkpoint's), which must be the model's own.
         let mut row = &mut scratch.rows[i * n_vocab..(i + 1) * n_vocab];
+        let eos = gen.limits.eos as usize;
+        let eos_logit = gen
+            .limits
+            .ignore_eos
+            .then(|| row.get(eos).copied())
+            .flatten();
         let q = scratch.q.get(i).map_or(&[][..], Vec::as_slice);
         let picked = gen.pick_draft(&mut row, sampler, cancel, steer, Some((d, q)));
+        if let (Some(l), Some(slot)) = (eos_logit, row.get_mut(eos)) {
+            *slot = l;
+        }
         let (t, flow) = match picked {
             Ok(Pick::Stop(stop)) => {
                 outcome = Verified::Stop(stop);

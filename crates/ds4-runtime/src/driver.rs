@@ -431,12 +431,16 @@ impl Conversation {
     /// state holds afterwards. On an engine error while feeding, the state is partial and
     /// the logits are forgotten; a sampler error leaves both as they were.
     ///
-    /// With drafting on ([`Conversation::set_draft`]; not under `feed_all`, whose steer
-    /// sees the state after every token), each token to feed goes with the drafter's
-    /// proposals in one verify pass; the drafts are then picked one by one from that
-    /// pass's rows by the same per-step decisions ([`GenState::pick_draft`]) until one is
-    /// replaced, and the state keeps exactly the tokens that were fed
-    /// ([`ds4_engine::Engine::settle`]).
+    /// With drafting on ([`Conversation::set_draft`]), each token to feed (whose steer
+    /// verdict is [`Flow::Continue`]) goes with the drafter's proposals in one verify pass;
+    /// the drafts are then picked one by one from that pass's rows by the same per-step
+    /// decisions ([`GenState::pick_draft`]) until one is replaced, and the state keeps
+    /// exactly the tokens that were fed ([`ds4_engine::Engine::settle`]). Under `feed_all`
+    /// the verify pass feeds several tokens at once, so [`Steer::fed`] is called once
+    /// after it (when the generation goes on), with the state holding all of them and
+    /// the logits after the last: every state the steer sees is one plain decoding passes
+    /// through, but not every one of them. An error inside a verify step leaves the state
+    /// holding the tokens fed and forgets the logits.
     pub fn generate_with(
         &mut self,
         sampler: &mut Sampler,
@@ -465,8 +469,7 @@ impl Conversation {
         let mask = ignore_eos.then_some(limits.eos);
         // A backend without decode rows cannot verify bit for bit: no drafts there.
         let drafter = self.draft.drafter(self.session.engine().has_mtp());
-        let drafting =
-            self.draft.on() && drafter != Drafter::None && !feed_all && self.session.can_verify();
+        let drafting = self.draft.on() && drafter != Drafter::None && self.session.can_verify();
         // `--draft auto`: whether to draft this step, from this run's measured rates.
         let mut governor = (self.draft.mode == DraftMode::Auto).then(Governor::new);
         // Every row of a verify step, the context the drafter reads, the MTP drafter's
@@ -510,7 +513,12 @@ impl Conversation {
                 }
             }
             let emitted = gen.tokens().len();
-            if drafting && governor.as_ref().is_none_or(|g| g.drafting(emitted)) {
+            // A token whose flow stops the generation is fed alone (under feed_all; without
+            // it the loop has ended): nothing may be emitted after it.
+            if drafting
+                && flow == Flow::Continue
+                && governor.as_ref().is_none_or(|g| g.drafting(emitted))
+            {
                 let (t0, accepted) = (Instant::now(), gen.draft.accepted);
                 let drafted = draft_step(
                     &mut self.session,
@@ -528,16 +536,23 @@ impl Conversation {
                         let advanced = 1 + (gen.draft.accepted - accepted) as usize;
                         g.verify_step(t0.elapsed().as_secs_f64(), advanced, gen.tokens().len());
                     }
+                    // The row of the state's last token is the distribution after it: the
+                    // next step's when every draft stood, the one kept under feed_all.
+                    if feed_all || d.outcome == Verified::AllKept {
+                        let v = self.session.engine().hparams().n_vocab;
+                        logits.clear();
+                        logits.extend_from_slice(scratch.row(d.kept - 1, v));
+                        left = Left::Row;
+                    }
                     match d.outcome {
                         Verified::Stop(stop) => break stop,
                         Verified::Replaced(picked) => replaced = Some(picked),
-                        Verified::AllKept => {
-                            // The row after the last draft is the next step's distribution.
-                            let v = self.session.engine().hparams().n_vocab;
-                            logits.clear();
-                            logits.extend_from_slice(scratch.row(d.kept - 1, v));
-                            left = Left::Row;
-                        }
+                        Verified::AllKept => {}
+                    }
+                    if feed_all {
+                        self.last_logits = Some(logits);
+                        steer.fed(self);
+                        logits = self.last_logits.take().ok_or(DriverError::NoLogits)?;
                     }
                     continue;
                 }

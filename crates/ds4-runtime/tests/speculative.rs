@@ -492,3 +492,129 @@ fn the_load_plan_counts_the_mtp_block() {
         .unwrap();
     assert!(e.to_string().contains("holds no MTP block"), "{e}");
 }
+
+/// What a steer saw of a `feed_all` generation: at every [`ds4_runtime::Steer::fed`], the
+/// live tokens and the logits after them.
+#[derive(Default)]
+struct FedLog {
+    tokens: Vec<u32>,
+    fed: Vec<(Vec<u32>, Vec<f32>)>,
+}
+
+impl ds4_runtime::Steer for FedLog {
+    fn token(&mut self, tok: u32) -> ds4_runtime::Flow {
+        self.tokens.push(tok);
+        ds4_runtime::Flow::Continue
+    }
+    fn fed(&mut self, conv: &mut Conversation) {
+        let logits = conv.logits().expect("logits after the state").to_vec();
+        self.fed.push((conv.live().to_vec(), logits));
+    }
+}
+
+/// `n` tokens under `feed_all` (the server's mode: every emitted token is fed, the logits
+/// after the last are kept): the outcome, the steer's log, the final live tokens, logits
+/// and snapshot.
+fn generate_feed_all(
+    mut c: Conversation,
+    cfg: &SamplerConfig,
+    prompt: &[u32],
+    n: usize,
+) -> (ds4_runtime::GenOutcome, FedLog, Vec<u32>, Vec<f32>, Vec<u8>) {
+    let cancel = AtomicBool::new(false);
+    c.sync(prompt, &cancel, &mut |_, _| {}).unwrap();
+    let mut sampler = Sampler::new(cfg.clone()).unwrap();
+    let limits = GenLimits {
+        max_tokens: n,
+        eos: 1,
+        ignore_eos: true,
+        feed_all: true,
+    };
+    let mut log = FedLog::default();
+    let out = c
+        .generate_with(&mut sampler, limits, &cancel, &mut log)
+        .unwrap();
+    assert_eq!(
+        out.tokens, log.tokens,
+        "every emitted token went to the steer"
+    );
+    let live = c.live().to_vec();
+    let logits = c.logits().expect("feed_all keeps the logits").to_vec();
+    (out, log, live, logits, c.snapshot().unwrap().into_bytes())
+}
+
+/// Drafting under `feed_all` is lossless: greedy tokens, the state (every emitted token
+/// fed, the snapshot's bytes) and the logits after it are those of plain decoding, and
+/// every state the steer's `fed` sees — once per verify step, holding all the tokens it
+/// kept — is one plain decoding passed through, with the same logits (EOS masked for the
+/// picks and put back). Prompt lookup on the demo model (drafts accepted and rejected,
+/// spans within and past the exact rollback) and the MTP block on the synthetic tiny
+/// model.
+#[test]
+fn drafting_under_feed_all_is_lossless() {
+    let greedy = SamplerConfig::default();
+    let kjv = root().join("tests/fixtures/kjv/ds4-kjv.gguf");
+    let seed: Vec<u32> = vec![400, 1200, 77, 980, 35, 2100, 612];
+    let mode = Some(ModeChoice::Official);
+    let prompt = echo_prompt(&kjv, mode, &seed, 40);
+    let n = 40;
+    let check = |plain: &(ds4_runtime::GenOutcome, FedLog, Vec<u32>, Vec<f32>, Vec<u8>),
+                 got: (ds4_runtime::GenOutcome, FedLog, Vec<u32>, Vec<f32>, Vec<u8>),
+                 what: &str|
+     -> DraftStats {
+        assert_eq!(got.0.tokens, plain.0.tokens, "{what}: tokens differ");
+        assert_eq!(got.0.stop, GenStop::Length, "{what}");
+        assert_eq!(got.2, plain.2, "{what}: live tokens differ");
+        assert!(got.3 == plain.3, "{what}: final logits differ");
+        assert!(got.4 == plain.4, "{what}: states differ");
+        let s = got.0.draft;
+        assert!(s.steps > 0, "{what}: nothing drafted: {s:?}");
+        // Fewer `fed` calls when drafts stood; each one a state plain decoding passed.
+        assert!(
+            got.1.fed.len() < plain.1.fed.len() || s.accepted == 0,
+            "{what}"
+        );
+        for (toks, logits) in &got.1.fed {
+            let same = plain.1.fed.iter().find(|(t, _)| t == toks);
+            let (_, want) = same.unwrap_or_else(|| panic!("{what}: fed at {}", toks.len()));
+            assert!(logits == want, "{what}: logits at {} differ", toks.len());
+        }
+        s
+    };
+    let plain = generate_feed_all(
+        conversation(&kjv, mode, DraftConfig::default()),
+        &greedy,
+        &prompt,
+        n,
+    );
+    assert_eq!(
+        plain.2.len(),
+        prompt.len() + n,
+        "every emitted token is fed"
+    );
+    assert_eq!(plain.1.fed.len(), n, "a `fed` after every token");
+    for draft in [lookup(3), lookup(7)] {
+        let got = generate_feed_all(conversation(&kjv, mode, draft), &greedy, &prompt, n);
+        let s = check(&plain, got, &format!("{draft:?}"));
+        assert!(
+            s.accepted > 0 && s.drafted > s.accepted,
+            "{draft:?}: drafts neither accepted nor rejected: {s:?}"
+        );
+    }
+    // The MTP block (its random drafts are rejected: every step rolls back).
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 97).collect();
+    let (_, side) = tiny_mtp();
+    let plain = generate_feed_all(
+        mtp_conversation(DraftConfig::default(), Some(side)),
+        &greedy,
+        &prompt,
+        n,
+    );
+    let draft = DraftConfig {
+        mode: DraftMode::Mtp,
+        max: 3,
+        ngram: 3,
+    };
+    let got = generate_feed_all(mtp_conversation(draft, Some(side)), &greedy, &prompt, n);
+    check(&plain, got, "mtp");
+}

@@ -523,13 +523,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 json,
                 decode,
             };
-            let report = if quiet {
-                LoadReport::Quiet
-            } else if cli.verbose > 0 {
-                LoadReport::Full
-            } else {
-                LoadReport::Summary
-            };
+            let report = load_report(quiet, cli.verbose);
             let opts = model.load_options(0, report)?;
             let (mut sink, mut stderr) = (std::io::sink(), std::io::stderr());
             let log: &mut dyn std::io::Write = if quiet { &mut sink } else { &mut stderr };
@@ -550,13 +544,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ctx,
                 chunks,
             };
-            let report = if quiet {
-                LoadReport::Quiet
-            } else if cli.verbose > 0 {
-                LoadReport::Full
-            } else {
-                LoadReport::Summary
-            };
+            let report = load_report(quiet, cli.verbose);
             let opts = model.load_options(ctx, report)?;
             let (mut sink, mut stderr) = (std::io::sink(), std::io::stderr());
             let log: &mut dyn std::io::Write = if quiet { &mut sink } else { &mut stderr };
@@ -742,6 +730,18 @@ fn history_file() -> Option<PathBuf> {
 }
 
 /// One-shot generation or the interactive chat.
+/// How much of the load a command prints: nothing with `--quiet`, everything at `-v`, the
+/// summary otherwise.
+fn load_report(quiet: bool, verbose: u8) -> LoadReport {
+    if quiet {
+        LoadReport::Quiet
+    } else if verbose > 0 {
+        LoadReport::Full
+    } else {
+        LoadReport::Summary
+    }
+}
+
 fn run_model(mut a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
     a.model.draft = a.draft;
     if a.print_config {
@@ -798,13 +798,7 @@ fn run_model(mut a: RunArgs, verbose: u8) -> anyhow::Result<ExitCode> {
         terminal: std::io::stdout().is_terminal(),
         progress: std::io::stderr().is_terminal(),
     };
-    let report = if a.quiet {
-        LoadReport::Quiet
-    } else if verbose > 0 {
-        LoadReport::Full
-    } else {
-        LoadReport::Summary
-    };
+    let report = load_report(a.quiet, verbose);
     let load_opts = a.model.load_options(a.ctx, report)?;
     let intr = Interrupts::install()?;
     let loaded = ds4_cli::load::load(&load_opts, &mut std::io::stderr())?;
